@@ -1,0 +1,14 @@
+//! The combee domain: prompts, versions, labels, traces and playbooks as plain
+//! types with their validation and pure logic. Nothing here touches a database
+//! or the network, so every rule can be unit-tested on its own.
+
+pub mod diff;
+pub mod names;
+pub mod playbook;
+pub mod prompt;
+pub mod trace;
+
+pub use names::{LabelName, NameError, PromptName};
+pub use playbook::{Bullet, Playbook, Section};
+pub use prompt::{Promotion, Prompt, PromptSettings, Strategy, Version, VersionContent, VersionSource};
+pub use trace::{Feedback, NewTrace, Trace, TraceStatus};

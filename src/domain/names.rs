@@ -1,0 +1,99 @@
+//! Validated names: a prompt or label name is checked once at the edge and
+//! then carried as a type that cannot hold an invalid value.
+
+use std::fmt;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NameError {
+    #[error("{kind} name must match [a-z0-9][a-z0-9._-]{{0,63}}, got {got:?}")]
+    Invalid { kind: &'static str, got: String },
+    #[error("label name {0:?} is reserved: `latest` is derived from the version history, never stored")]
+    Reserved(String),
+}
+
+fn valid_slug(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 64
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b[1..].iter().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'.' | b'_' | b'-'))
+}
+
+fn shown(s: &str) -> String {
+    // Never echo back an unbounded attacker-chosen string.
+    s.chars().take(80).collect()
+}
+
+/// A prompt's name: `[a-z0-9][a-z0-9._-]{0,63}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(transparent)]
+pub struct PromptName(String);
+
+impl PromptName {
+    pub fn parse(s: &str) -> Result<Self, NameError> {
+        if valid_slug(s) { Ok(Self(s.to_owned())) } else { Err(NameError::Invalid { kind: "prompt", got: shown(s) }) }
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PromptName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A label's name: same alphabet as prompt names; `latest` is reserved.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(transparent)]
+pub struct LabelName(String);
+
+impl LabelName {
+    pub const PRODUCTION: &'static str = "production";
+    pub const CANDIDATE: &'static str = "candidate";
+    pub const LATEST: &'static str = "latest";
+
+    pub fn parse(s: &str) -> Result<Self, NameError> {
+        if s == Self::LATEST {
+            return Err(NameError::Reserved(s.to_owned()));
+        }
+        if valid_slug(s) { Ok(Self(s.to_owned())) } else { Err(NameError::Invalid { kind: "label", got: shown(s) }) }
+    }
+    pub fn production() -> Self {
+        Self(Self::PRODUCTION.to_owned())
+    }
+    pub fn candidate() -> Self {
+        Self(Self::CANDIDATE.to_owned())
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for LabelName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_names_follow_the_pattern() {
+        for ok in ["a", "support-agent", "0.v2_x", &"a".repeat(64)] {
+            assert!(PromptName::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "-a", ".a", "A", "a b", "a/b", &"a".repeat(65), "é"] {
+            assert!(PromptName::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn latest_is_not_a_storable_label() {
+        assert_eq!(LabelName::parse("latest"), Err(NameError::Reserved("latest".into())));
+        assert!(LabelName::parse("production").is_ok());
+    }
+}

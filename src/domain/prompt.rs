@@ -1,0 +1,162 @@
+//! Prompts and their immutable versions.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::names::PromptName;
+use super::playbook::{self, Playbook};
+
+/// How a round turns reflections into a new version.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// ACE-style delta operations on a playbook (default).
+    #[default]
+    Playbook,
+    /// GEPA-style whole-instruction proposals.
+    Rewrite,
+}
+
+/// What happens to a learned version.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Promotion {
+    /// Learned versions become `production` at once.
+    #[default]
+    Auto,
+    /// Learned versions are labelled `candidate`; an operator promotes them.
+    Manual,
+}
+
+/// Per-prompt learning knobs. Stored as a document so later learning features
+/// can add fields without a migration; unknown fields are kept out at the edge.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PromptSettings {
+    /// Every reflection is duplicated this many times before the shuffle (p).
+    #[serde(default = "default_duplication")]
+    pub duplication: u32,
+}
+
+fn default_duplication() -> u32 {
+    2
+}
+
+impl Default for PromptSettings {
+    fn default() -> Self {
+        Self { duplication: default_duplication() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Prompt {
+    #[serde(skip)]
+    pub id: Uuid,
+    #[schema(value_type = String)]
+    pub name: PromptName,
+    pub strategy: Strategy,
+    pub promotion: Promotion,
+    pub settings: PromptSettings,
+    pub created_at: DateTime<Utc>,
+    pub created_by: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum VersionSource {
+    Manual,
+    Learned,
+    Rollback,
+}
+
+impl VersionSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Manual => "manual",
+            Self::Learned => "learned",
+            Self::Rollback => "rollback",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "manual" => Self::Manual,
+            "learned" => Self::Learned,
+            "rollback" => Self::Rollback,
+            _ => return None,
+        })
+    }
+}
+
+/// What a version holds: the base text and, in playbook mode, the playbook.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct VersionContent {
+    pub base: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub playbook: Option<Playbook>,
+}
+
+impl VersionContent {
+    /// The rendered text agents receive.
+    pub fn render(&self) -> String {
+        playbook::render(&self.base, self.playbook.as_ref())
+    }
+
+    /// `sha256:<hex>` over a canonical encoding of base and playbook.
+    pub fn hash(&self) -> String {
+        let canonical = serde_json::to_vec(self).unwrap_or_default();
+        format!("sha256:{}", hex::encode(Sha256::digest(&canonical)))
+    }
+}
+
+/// An immutable snapshot of a prompt.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Version {
+    #[schema(value_type = String)]
+    pub prompt: PromptName,
+    pub number: i64,
+    pub parent: Option<i64>,
+    pub source: VersionSource,
+    /// The learning round that produced a learned version.
+    pub round_id: Option<Uuid>,
+    #[serde(flatten)]
+    pub content: VersionContent,
+    pub content_hash: String,
+    pub message: String,
+    pub created_by: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Everything needed to write a new version; the store assigns the number.
+#[derive(Debug, Clone)]
+pub struct NewVersion {
+    pub parent: Option<i64>,
+    pub source: VersionSource,
+    pub round_id: Option<Uuid>,
+    pub content: VersionContent,
+    pub message: String,
+    pub created_by: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_depends_on_content_only() {
+        let a = VersionContent { base: "x".into(), playbook: None };
+        let b = VersionContent { base: "x".into(), playbook: None };
+        let c = VersionContent { base: "y".into(), playbook: None };
+        assert_eq!(a.hash(), b.hash());
+        assert_ne!(a.hash(), c.hash());
+        assert!(a.hash().starts_with("sha256:"));
+    }
+
+    #[test]
+    fn settings_reject_unknown_fields() {
+        assert!(serde_json::from_str::<PromptSettings>(r#"{"duplicaton": 3}"#).is_err());
+        assert_eq!(serde_json::from_str::<PromptSettings>("{}").unwrap().duplication, 2);
+    }
+}

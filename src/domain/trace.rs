@@ -1,0 +1,327 @@
+//! Traces: one agent run each, sent by deployed agents and consumed by rounds.
+//! Everything in a trace is untrusted; [`NewTrace::validate`] is the gate.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::names::PromptName;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TraceStatus {
+    /// Waiting for a round.
+    Pending,
+    /// Learned from by a round that published a version.
+    Consumed,
+    /// Given up on after the configured attempts; `failure_reason` says why.
+    Failed,
+}
+
+impl TraceStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Consumed => "consumed",
+            Self::Failed => "failed",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "pending" => Self::Pending,
+            "consumed" => Self::Consumed,
+            "failed" => Self::Failed,
+            _ => return None,
+        })
+    }
+}
+
+/// How the run went, from whoever could judge it. Every field is optional and
+/// may arrive later than the trace (`POST /v1/traces/{id}/feedback`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Feedback {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub score: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub success: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub ground_truth: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Feedback {
+    /// Late feedback: fields present in `later` replace the earlier ones.
+    pub fn merged(self, later: Feedback) -> Feedback {
+        Feedback {
+            score: later.score.or(self.score),
+            success: later.success.or(self.success),
+            ground_truth: later.ground_truth.or(self.ground_truth),
+            comment: later.comment.or(self.comment),
+            error: later.error.or(self.error),
+        }
+    }
+}
+
+/// A trace as an agent sends it.
+#[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewTrace {
+    /// The prompt the agent ran with.
+    pub prompt: String,
+    /// The version of that prompt the agent ran with, when it knows it.
+    #[serde(default)]
+    pub prompt_version: Option<i64>,
+    /// The task input (any JSON).
+    #[schema(value_type = Object)]
+    pub input: Value,
+    /// Messages, steps, tool calls (any JSON).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub trajectory: Option<Value>,
+    /// The final output (any JSON).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub output: Option<Value>,
+    #[serde(default)]
+    pub feedback: Option<Feedback>,
+    /// The agent's own reflection; a round uses it instead of calling the reflector.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub reflection: Option<Value>,
+    #[serde(default)]
+    pub external_id: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<Value>,
+}
+
+/// Size limits applied to every trace at the edge.
+#[derive(Debug, Clone, Copy)]
+pub struct TraceLimits {
+    /// Largest single string anywhere in a trace, in bytes.
+    pub max_field_bytes: usize,
+    /// Largest trace, as re-encoded JSON, in bytes.
+    pub max_trace_bytes: usize,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum TraceError {
+    #[error("{0}")]
+    BadName(#[from] super::NameError),
+    #[error("`input` must not be null")]
+    NullInput,
+    #[error("`prompt_version` must be at least 1")]
+    BadVersion,
+    #[error("`external_id` must be 1..=200 characters")]
+    BadExternalId,
+    #[error("`metadata` must be a JSON object")]
+    BadMetadata,
+    #[error("`feedback.score` must be a finite number")]
+    BadScore,
+    #[error("a string field at {path} is {len} bytes; the limit is {limit}")]
+    FieldTooLarge { path: String, len: usize, limit: usize },
+    #[error("the trace is {len} bytes; the limit is {limit}")]
+    TraceTooLarge { len: usize, limit: usize },
+}
+
+impl TraceError {
+    /// Size violations are answered with 413; the rest with 422.
+    pub fn is_size(&self) -> bool {
+        matches!(self, Self::FieldTooLarge { .. } | Self::TraceTooLarge { .. })
+    }
+}
+
+fn check_strings(v: &Value, path: &mut String, limit: usize) -> Result<(), TraceError> {
+    match v {
+        Value::String(s) if s.len() > limit => {
+            Err(TraceError::FieldTooLarge { path: path.clone(), len: s.len(), limit })
+        }
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                let len = path.len();
+                path.push_str(&format!("[{i}]"));
+                check_strings(item, path, limit)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        Value::Object(map) => {
+            for (k, item) in map {
+                if k.len() > limit {
+                    return Err(TraceError::FieldTooLarge { path: path.clone(), len: k.len(), limit });
+                }
+                let len = path.len();
+                path.push('.');
+                path.extend(k.chars().take(40));
+                check_strings(item, path, limit)?;
+                path.truncate(len);
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A trace that passed validation, ready to store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidTrace {
+    pub prompt: PromptName,
+    pub prompt_version: Option<i64>,
+    pub input: Value,
+    pub trajectory: Value,
+    pub output: Value,
+    pub feedback: Feedback,
+    pub reflection: Option<Value>,
+    pub external_id: Option<String>,
+    pub metadata: Value,
+}
+
+impl NewTrace {
+    pub fn validate(self, limits: TraceLimits) -> Result<ValidTrace, TraceError> {
+        let prompt = PromptName::parse(&self.prompt)?;
+        if self.input.is_null() {
+            return Err(TraceError::NullInput);
+        }
+        if self.prompt_version.is_some_and(|v| v < 1) {
+            return Err(TraceError::BadVersion);
+        }
+        if let Some(id) = &self.external_id
+            && (id.is_empty() || id.chars().count() > 200)
+        {
+            return Err(TraceError::BadExternalId);
+        }
+        let metadata = self.metadata.unwrap_or_else(|| Value::Object(Default::default()));
+        if !metadata.is_object() {
+            return Err(TraceError::BadMetadata);
+        }
+        let feedback = self.feedback.unwrap_or_default();
+        if feedback.score.is_some_and(|s| !s.is_finite()) {
+            return Err(TraceError::BadScore);
+        }
+        let trace = ValidTrace {
+            prompt,
+            prompt_version: self.prompt_version,
+            input: self.input,
+            trajectory: self.trajectory.unwrap_or(Value::Null),
+            output: self.output.unwrap_or(Value::Null),
+            feedback,
+            reflection: self.reflection.filter(|r| !r.is_null()),
+            external_id: self.external_id,
+            metadata,
+        };
+        trace.check_size(limits)?;
+        Ok(trace)
+    }
+}
+
+impl ValidTrace {
+    fn check_size(&self, limits: TraceLimits) -> Result<(), TraceError> {
+        let feedback = serde_json::to_value(&self.feedback).unwrap_or(Value::Null);
+        let mut total = self.external_id.as_ref().map_or(0, |s| s.len());
+        for (name, v) in [
+            ("input", &self.input),
+            ("trajectory", &self.trajectory),
+            ("output", &self.output),
+            ("feedback", &feedback),
+            ("metadata", &self.metadata),
+        ]
+        .into_iter()
+        .chain(self.reflection.as_ref().map(|r| ("reflection", r)))
+        {
+            let mut path = name.to_owned();
+            check_strings(v, &mut path, limits.max_field_bytes)?;
+            total += serde_json::to_vec(v).map_or(0, |b| b.len());
+        }
+        if total > limits.max_trace_bytes {
+            return Err(TraceError::TraceTooLarge { len: total, limit: limits.max_trace_bytes });
+        }
+        Ok(())
+    }
+}
+
+/// A stored trace.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Trace {
+    pub id: Uuid,
+    #[schema(value_type = String)]
+    pub prompt: PromptName,
+    pub prompt_version: Option<i64>,
+    pub status: TraceStatus,
+    #[schema(value_type = Object)]
+    pub input: Value,
+    #[schema(value_type = Object)]
+    pub trajectory: Value,
+    #[schema(value_type = Object)]
+    pub output: Value,
+    pub feedback: Feedback,
+    #[schema(value_type = Option<Object>)]
+    pub reflection: Option<Value>,
+    pub external_id: Option<String>,
+    #[schema(value_type = Object)]
+    pub metadata: Value,
+    /// How many rounds have tried to learn from this trace and failed.
+    pub attempts: i32,
+    pub failure_reason: Option<String>,
+    pub round_id: Option<Uuid>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const LIMITS: TraceLimits = TraceLimits { max_field_bytes: 16, max_trace_bytes: 200 };
+
+    fn parse(v: Value) -> NewTrace {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_minimal_trace_is_valid() {
+        let t = parse(json!({"prompt": "p", "input": "hi"})).validate(LIMITS).unwrap();
+        assert_eq!(t.prompt.as_str(), "p");
+        assert_eq!(t.metadata, json!({}));
+    }
+
+    #[test]
+    fn field_and_trace_limits_name_the_offender() {
+        let e = parse(json!({"prompt": "p", "input": {"q": ["ok", "x".repeat(17)]}})).validate(LIMITS).unwrap_err();
+        assert_eq!(e, TraceError::FieldTooLarge { path: "input.q[1]".into(), len: 17, limit: 16 });
+        assert!(e.is_size());
+        let many: Vec<_> = (0..30).map(|i| format!("s{i}")).collect();
+        let e = parse(json!({"prompt": "p", "input": many})).validate(LIMITS).unwrap_err();
+        assert!(matches!(e, TraceError::TraceTooLarge { .. }));
+    }
+
+    #[test]
+    fn semantic_errors_are_reported() {
+        assert_eq!(parse(json!({"prompt": "p", "input": null})).validate(LIMITS), Err(TraceError::NullInput));
+        assert!(matches!(parse(json!({"prompt": "P!", "input": 1})).validate(LIMITS), Err(TraceError::BadName(_))));
+        assert_eq!(
+            parse(json!({"prompt": "p", "input": 1, "prompt_version": 0})).validate(LIMITS),
+            Err(TraceError::BadVersion)
+        );
+        assert_eq!(
+            parse(json!({"prompt": "p", "input": 1, "metadata": [1]})).validate(LIMITS),
+            Err(TraceError::BadMetadata)
+        );
+        assert!(serde_json::from_value::<NewTrace>(json!({"prompt": "p", "input": 1, "extra": 1})).is_err());
+    }
+
+    #[test]
+    fn late_feedback_overrides_present_fields_only() {
+        let early = Feedback { score: Some(0.5), comment: Some("meh".into()), ..Default::default() };
+        let later = Feedback { success: Some(true), comment: Some("good".into()), ..Default::default() };
+        let m = early.merged(later);
+        assert_eq!((m.score, m.success, m.comment.as_deref()), (Some(0.5), Some(true), Some("good")));
+    }
+}
