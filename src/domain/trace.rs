@@ -297,7 +297,7 @@ mod tests {
         let e = parse(json!({"prompt": "p", "input": {"q": ["ok", "x".repeat(17)]}})).validate(LIMITS).unwrap_err();
         assert_eq!(e, TraceError::FieldTooLarge { path: "input.q[1]".into(), len: 17, limit: 16 });
         assert!(e.is_size());
-        let many: Vec<_> = (0..30).map(|i| format!("s{i}")).collect();
+        let many: Vec<_> = (0..60).map(|i| format!("s{i}")).collect();
         let e = parse(json!({"prompt": "p", "input": many})).validate(LIMITS).unwrap_err();
         assert!(matches!(e, TraceError::TraceTooLarge { .. }));
     }
