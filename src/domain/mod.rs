@@ -3,11 +3,13 @@
 //! or the network, so every rule can be unit-tested on its own.
 
 pub mod diff;
+pub mod learning;
 pub mod names;
 pub mod playbook;
 pub mod prompt;
 pub mod trace;
 
+pub use learning::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 pub use names::{LabelName, NameError, PromptName};
 pub use playbook::{Bullet, Playbook, Section};
 pub use prompt::{Promotion, Prompt, PromptSettings, Strategy, Version, VersionContent, VersionSource};
