@@ -1,4 +1,6 @@
 //! combee: a long-running service that learns better system prompts for
 //! deployed LLM agents from the traces of their runs (Combee map–shuffle–reduce).
 
+pub mod config;
 pub mod domain;
+pub mod store;

@@ -1,0 +1,228 @@
+//! Layered settings: defaults in code → `config/default.toml` → optional
+//! `config/<COMBEE_ENV>.toml` → `COMBEE__SECTION__KEY` env vars; `DATABASE_URL`
+//! picks the store. Secrets are wrapped so they never print.
+
+use std::{fmt, net::SocketAddr, path::PathBuf};
+
+use figment::{
+    Figment,
+    providers::{Env, Format, Serialized, Toml},
+};
+use serde::{Deserialize, Serialize};
+
+/// A value that must never reach a log line or an error body.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_empty() { "\"\"" } else { "[redacted]" })
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub server: ServerSettings,
+    pub database: DatabaseSettings,
+    pub limits: LimitSettings,
+    pub log: LogSettings,
+    pub cache: CacheSettings,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// HTTP API and background worker in one process.
+    All,
+    /// Only the HTTP API.
+    Api,
+    /// Only the background worker.
+    Worker,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSettings {
+    /// Address the HTTP API listens on (`serve --bind` overrides it).
+    pub bind: SocketAddr,
+    /// Which parts run in this process (`serve --role` overrides it).
+    pub role: Role,
+    /// Longest time a request may take before it is answered with 503.
+    pub request_timeout_secs: u64,
+    /// Longest time in-flight requests get to finish after SIGTERM/SIGINT.
+    pub shutdown_grace_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseSettings {
+    /// `postgres://…` for Postgres; `sqlite://PATH` or empty for the embedded
+    /// SQLite store at `<data_dir>/combee.db`. `DATABASE_URL` sets it too.
+    pub url: Secret,
+    /// Where the embedded store and the first admin key file live.
+    pub data_dir: PathBuf,
+    /// Connection pool size (Postgres; SQLite uses this many readers and one writer).
+    pub max_connections: u32,
+    /// How long a request waits for a free connection before failing with 503.
+    pub acquire_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSettings {
+    /// Largest request body, in bytes (413 above it).
+    pub max_body_bytes: usize,
+    /// Most traces in one `POST /v1/traces` batch (413 above it).
+    pub max_traces_per_batch: usize,
+    /// Largest single trace, as JSON, in bytes (413 above it).
+    pub max_trace_bytes: usize,
+    /// Largest single string inside a trace, in bytes (413 above it).
+    pub max_field_bytes: usize,
+    /// Largest base text of a prompt version, in bytes (413 above it).
+    pub max_prompt_bytes: usize,
+    /// Largest page a list endpoint returns (`page_size` is clamped to it).
+    pub max_page_size: u32,
+    /// How long an `Idempotency-Key` is remembered, in hours.
+    pub idempotency_ttl_hours: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogSettings {
+    /// `text` for people, `json` for log shippers.
+    pub format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `combee=debug,tower_http=info`. `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSettings {
+    /// Upper bound on how long a cached prompt is served without re-reading the
+    /// store, in seconds; changes invalidate it at once (across processes on Postgres).
+    pub max_age_secs: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            server: ServerSettings {
+                bind: SocketAddr::from(([127, 0, 0, 1], 8080)),
+                role: Role::All,
+                request_timeout_secs: 30,
+                shutdown_grace_secs: 30,
+            },
+            database: DatabaseSettings {
+                url: Secret::default(),
+                data_dir: PathBuf::from("data"),
+                max_connections: 16,
+                acquire_timeout_secs: 5,
+            },
+            limits: LimitSettings {
+                max_body_bytes: 8 * 1024 * 1024,
+                max_traces_per_batch: 500,
+                max_trace_bytes: 256 * 1024,
+                max_field_bytes: 64 * 1024,
+                max_prompt_bytes: 256 * 1024,
+                max_page_size: 200,
+                idempotency_ttl_hours: 24,
+            },
+            log: LogSettings { format: LogFormat::Text, level: "info".into() },
+            cache: CacheSettings { max_age_secs: 60 },
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: {0}")]
+pub struct ConfigError(String);
+
+impl Settings {
+    /// Loads the layers from `config_dir` and the process environment.
+    pub fn load(config_dir: &std::path::Path) -> Result<Self, ConfigError> {
+        let mut fig =
+            Figment::from(Serialized::defaults(Settings::default())).merge(Toml::file(config_dir.join("default.toml")));
+        if let Ok(env) = std::env::var("COMBEE_ENV")
+            && !env.is_empty()
+        {
+            fig = fig.merge(Toml::file(config_dir.join(format!("{env}.toml"))));
+        }
+        fig = fig.merge(Env::prefixed("COMBEE__").split("__"));
+        if let Ok(url) = std::env::var("DATABASE_URL")
+            && !url.is_empty()
+        {
+            fig = fig.merge(Serialized::default("database.url", url));
+        }
+        // figment's messages name keys and files, never values, so no secret leaks here.
+        let s: Settings = fig.extract().map_err(|e| ConfigError(e.to_string()))?;
+        s.check()?;
+        Ok(s)
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let l = &self.limits;
+        let positive = [
+            ("limits.max_body_bytes", l.max_body_bytes),
+            ("limits.max_traces_per_batch", l.max_traces_per_batch),
+            ("limits.max_trace_bytes", l.max_trace_bytes),
+            ("limits.max_field_bytes", l.max_field_bytes),
+            ("limits.max_prompt_bytes", l.max_prompt_bytes),
+            ("limits.max_page_size", l.max_page_size as usize),
+            ("database.max_connections", self.database.max_connections as usize),
+        ];
+        if let Some((k, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError(format!("{k} must be greater than 0")));
+        }
+        Ok(())
+    }
+
+    pub fn database_url(&self) -> String {
+        let url = self.database.url.expose();
+        if url.is_empty() {
+            format!("sqlite://{}", self.database.data_dir.join("combee.db").display())
+        } else {
+            url.to_owned()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_do_not_print() {
+        let s = Secret::new("postgres://u:hunter2@h/db");
+        assert_eq!(format!("{s:?}"), "[redacted]");
+        let mut settings = Settings::default();
+        settings.database.url = s;
+        assert!(!format!("{settings:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn empty_url_means_embedded_sqlite_in_data_dir() {
+        let s = Settings::default();
+        assert_eq!(s.database_url(), "sqlite://data/combee.db");
+    }
+}

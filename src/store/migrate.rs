@@ -1,0 +1,36 @@
+//! Embedded schema migrations: the SQL files under `migrations/` are compiled
+//! into the binary, applied in order at start-up and by `combee migrate`, and
+//! recorded with a checksum so an edited, already-applied file is caught.
+
+use sha2::{Digest, Sha256};
+
+pub struct Migration {
+    pub version: i64,
+    pub name: &'static str,
+    pub sql: &'static str,
+}
+
+impl Migration {
+    pub fn checksum(&self) -> String {
+        hex::encode(Sha256::digest(self.sql.as_bytes()))
+    }
+}
+
+pub const POSTGRES: &[Migration] =
+    &[Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/postgres/0001_foundation.sql") }];
+
+pub const SQLITE: &[Migration] =
+    &[Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/sqlite/0001_foundation.sql") }];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_stores_have_the_same_migration_sequence() {
+        let pg: Vec<_> = POSTGRES.iter().map(|m| (m.version, m.name)).collect();
+        let lite: Vec<_> = SQLITE.iter().map(|m| (m.version, m.name)).collect();
+        assert_eq!(pg, lite);
+        assert!(pg.windows(2).all(|w| w[0].0 + 1 == w[1].0));
+    }
+}

@@ -1,0 +1,290 @@
+//! Persistence behind one narrow trait, with a Postgres implementation
+//! (production, many processes) and an embedded SQLite one (the default, no
+//! server needed). Dispatch on the URL happens once, in [`connect`]. Every SQL
+//! statement lives next to the store function that runs it.
+
+mod migrate;
+pub mod postgres;
+pub mod sqlite;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use tokio::sync::broadcast;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::domain::{
+    Feedback, LabelName, Promotion, Prompt, PromptName, PromptSettings, Strategy, Trace, TraceStatus, Version,
+    prompt::NewVersion, trace::ValidTrace,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("not found")]
+    NotFound,
+    /// A unique constraint (e.g. prompt name) was hit.
+    #[error("already exists")]
+    AlreadyExists,
+    /// An optimistic-concurrency check failed; the value holds the current state.
+    #[error("precondition failed")]
+    Conflict,
+    /// Input referenced something that does not exist (e.g. a trace for an unknown prompt).
+    #[error("{0}")]
+    Invalid(String),
+    /// The database could not be reached in time.
+    #[error("store unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    #[error("database error")]
+    Database(#[source] sqlx::Error),
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+    #[error("migration failed: {0}")]
+    Migration(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::RowNotFound => StoreError::NotFound,
+            sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => StoreError::Unavailable(e),
+            sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::AlreadyExists,
+            _ => StoreError::Database(e),
+        }
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    Postgres,
+    Sqlite,
+}
+
+/// Something changed that cached readers must drop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Versions or labels of this prompt changed.
+    Prompt(String),
+    /// An API key was created or revoked.
+    Keys,
+    /// Notifications may have been missed (listener reconnected): drop everything.
+    Resync,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize, ToSchema)]
+pub enum Scope {
+    #[serde(rename = "traces:write")]
+    TracesWrite,
+    #[serde(rename = "prompts:read")]
+    PromptsRead,
+    #[serde(rename = "prompts:write")]
+    PromptsWrite,
+    #[serde(rename = "prompts:promote")]
+    PromptsPromote,
+    #[serde(rename = "rounds:trigger")]
+    RoundsTrigger,
+    #[serde(rename = "admin")]
+    Admin,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 6] = [
+        Scope::TracesWrite,
+        Scope::PromptsRead,
+        Scope::PromptsWrite,
+        Scope::PromptsPromote,
+        Scope::RoundsTrigger,
+        Scope::Admin,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::TracesWrite => "traces:write",
+            Scope::PromptsRead => "prompts:read",
+            Scope::PromptsWrite => "prompts:write",
+            Scope::PromptsPromote => "prompts:promote",
+            Scope::RoundsTrigger => "rounds:trigger",
+            Scope::Admin => "admin",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Scope> {
+        Scope::ALL.into_iter().find(|x| x.as_str() == s)
+    }
+}
+
+pub fn scopes_to_string(scopes: &[Scope]) -> String {
+    scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" ")
+}
+
+pub fn scopes_from_string(s: &str) -> StoreResult<Vec<Scope>> {
+    s.split_whitespace()
+        .map(|x| Scope::parse(x).ok_or_else(|| StoreError::Corrupt(format!("unknown scope {x:?}"))))
+        .collect()
+}
+
+/// An API key as stored: the secret itself is never kept, only its hash.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ApiKey {
+    pub id: Uuid,
+    pub name: String,
+    /// The visible start of the key (`cmb_abcd1234`), for telling keys apart.
+    pub prefix: String,
+    #[serde(skip)]
+    pub hash: String,
+    pub scopes: Vec<Scope>,
+    pub created_at: DateTime<Utc>,
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewPrompt {
+    pub name: PromptName,
+    pub strategy: Strategy,
+    pub promotion: Promotion,
+    pub settings: PromptSettings,
+    pub created_by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Label {
+    #[schema(value_type = String)]
+    pub name: LabelName,
+    pub version: i64,
+    pub updated_at: DateTime<Utc>,
+    pub updated_by: String,
+}
+
+/// Which version of a prompt a reader wants.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Selector {
+    Label(LabelName),
+    Latest,
+    Version(i64),
+}
+
+/// A version with the labels that point at it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolved {
+    pub version: Version,
+    pub labels: Vec<LabelName>,
+}
+
+/// A compare-and-set label move.
+#[derive(Debug, Clone)]
+pub struct LabelMove {
+    pub label: LabelName,
+    pub to_version: i64,
+    /// The version the label must point at now (`None`: it must not exist, or don't care — see `require_current`).
+    pub expected_current: Option<i64>,
+    /// When false the move happens whatever the label points at.
+    pub check_current: bool,
+    pub by: String,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct TraceFilter {
+    pub prompt: Option<PromptName>,
+    pub status: Option<TraceStatus>,
+    pub since: Option<DateTime<Utc>>,
+    pub until: Option<DateTime<Utc>>,
+    /// Return traces with ids below this (newest first pagination).
+    pub before_id: Option<Uuid>,
+}
+
+/// What the store knows of an `Idempotency-Key` when a request starts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IdempotencyBegin {
+    /// First sighting: the caller owns it now and must `finish` or `abort`.
+    Started,
+    /// The same request completed before: replay its answer.
+    Replay { status: u16, body: Vec<u8> },
+    /// The same key was used with another payload.
+    Mismatch,
+    /// The first request with this key is still being processed.
+    InFlight,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PromptSummary {
+    #[serde(flatten)]
+    pub prompt: Prompt,
+    pub production_version: Option<i64>,
+    pub latest_version: i64,
+    pub pending_traces: i64,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    fn kind(&self) -> StoreKind;
+    /// Cheap reachability check for `/readyz`.
+    async fn ping(&self) -> StoreResult<()>;
+    /// Cache invalidations; on Postgres they arrive from every process.
+    fn changes(&self) -> broadcast::Receiver<Change>;
+
+    // API keys
+    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey>;
+    async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>>;
+    async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>>;
+    /// Revokes by id or by visible prefix; false when nothing matched.
+    async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool>;
+    async fn count_active_api_keys(&self) -> StoreResult<i64>;
+
+    // Prompts and versions
+    /// Creates the prompt and its version 1, labelled `production`.
+    async fn create_prompt(&self, prompt: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)>;
+    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>>;
+    /// Prompts ordered by name, starting after `after`.
+    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>>;
+    /// Appends a version (number = previous + 1, never a gap or a duplicate) and
+    /// applies the label moves in the same transaction. A failed CAS rolls all back.
+    async fn create_version(
+        &self,
+        prompt: &PromptName,
+        version: NewVersion,
+        moves: &[LabelMove],
+    ) -> StoreResult<Version>;
+    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>>;
+    /// Versions newest first, with numbers below `before`.
+    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>>;
+    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>>;
+    /// Applies one compare-and-set label move (`Conflict` when the CAS fails).
+    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label>;
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName) -> StoreResult<bool>;
+
+    // Traces
+    /// Stores traces durably, all or none; `Invalid` names the first unknown prompt or version.
+    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>>;
+    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>>;
+    /// Newest first.
+    async fn list_traces(&self, filter: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>>;
+    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
+
+    // Idempotency
+    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin>;
+    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()>;
+    /// Forgets a key whose request failed, so a retry can run it again.
+    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()>;
+    /// Deletes keys older than the retention; returns how many.
+    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
+}
+
+pub type DynStore = Arc<dyn Store>;
+
+/// An in-flight idempotency record older than this is treated as abandoned
+/// (its process died) and may be taken over.
+pub const IDEMPOTENCY_STALE_SECS: i64 = 120;
+
+/// Opens the store the URL names, creating and migrating it as needed.
+pub async fn connect(url: &str, max_connections: u32, acquire_timeout: std::time::Duration) -> StoreResult<DynStore> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(Arc::new(postgres::PgStore::connect(url, max_connections, acquire_timeout).await?))
+    } else if let Some(path) = url.strip_prefix("sqlite://") {
+        Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(path), max_connections, acquire_timeout).await?))
+    } else {
+        Err(StoreError::Invalid("database url must start with postgres://, postgresql:// or sqlite://".into()))
+    }
+}

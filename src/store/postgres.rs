@@ -1,0 +1,797 @@
+//! The production store: Postgres, shared by any number of combee processes.
+//! Version numbers are assigned under the prompt's row lock; label moves are
+//! compare-and-set; every change is announced with `NOTIFY combee_changes` in
+//! the same transaction so other processes drop their caches at commit.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{
+    PgPool, Postgres, Row, Transaction,
+    postgres::{PgListener, PgPoolOptions, PgRow},
+};
+use tokio::{sync::broadcast, task::JoinHandle};
+use uuid::Uuid;
+
+use super::{
+    ApiKey, Change, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, PromptSummary, Resolved,
+    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceFilter, migrate, scopes_from_string,
+    scopes_to_string,
+};
+use crate::domain::{
+    Feedback, LabelName, Prompt, PromptName, Trace, TraceStatus, Version, VersionContent, VersionSource,
+    prompt::NewVersion, trace::ValidTrace,
+};
+
+const CHANNEL: &str = "combee_changes";
+const MIGRATION_LOCK: i64 = 0x636f_6d62_6565; // "combee"
+
+pub struct PgStore {
+    pool: PgPool,
+    changes: broadcast::Sender<Change>,
+    listener: JoinHandle<()>,
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        self.listener.abort();
+    }
+}
+
+impl PgStore {
+    pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration) -> StoreResult<Self> {
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(acquire_timeout)
+            .connect(url)
+            .await
+            .map_err(StoreError::Unavailable)?;
+        migrate_postgres(&pool).await?;
+        let (changes, _) = broadcast::channel(1024);
+        let listener = tokio::spawn(listen(pool.clone(), changes.clone()));
+        Ok(Self { pool, changes, listener })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+async fn migrate_postgres(pool: &PgPool) -> StoreResult<()> {
+    let mut conn = pool.acquire().await?;
+    // Several processes may start at once: one migrates, the others wait.
+    sqlx::query("SELECT pg_advisory_lock($1)").bind(MIGRATION_LOCK).execute(&mut *conn).await?;
+    let result = async {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (
+                version bigint PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,
+                applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .execute(&mut *conn)
+        .await?;
+        for m in migrate::POSTGRES {
+            let applied: Option<String> =
+                sqlx::query_scalar("SELECT checksum FROM schema_migrations WHERE version = $1")
+                    .bind(m.version)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+            match applied {
+                Some(sum) if sum == m.checksum() => continue,
+                Some(_) => {
+                    return Err(StoreError::Migration(format!(
+                        "migration {} ({}) was changed after it was applied",
+                        m.version, m.name
+                    )));
+                }
+                None => {}
+            }
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            sqlx::raw_sql(m.sql)
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| StoreError::Migration(format!("{}: {e}", m.name)))?;
+            sqlx::query("INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)")
+                .bind(m.version)
+                .bind(m.name)
+                .bind(m.checksum())
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+    .await;
+    sqlx::query("SELECT pg_advisory_unlock($1)").bind(MIGRATION_LOCK).execute(&mut *conn).await?;
+    result
+}
+
+/// Forwards NOTIFY payloads to the in-process broadcast; after any gap in the
+/// connection it sends `Resync`, since notifications may have been missed.
+async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut listener = match PgListener::connect_with(&pool).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "change listener cannot connect; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        if let Err(e) = listener.listen(CHANNEL).await {
+            tracing::warn!(error = %e, "LISTEN failed; retrying");
+            tokio::time::sleep(backoff).await;
+            continue;
+        }
+        backoff = Duration::from_millis(100);
+        let _ = tx.send(Change::Resync);
+        loop {
+            match listener.try_recv().await {
+                Ok(Some(n)) => {
+                    let change = match n.payload().split_once(':') {
+                        Some(("prompt", name)) => Change::Prompt(name.to_owned()),
+                        _ if n.payload() == "keys" => Change::Keys,
+                        _ => Change::Resync,
+                    };
+                    let _ = tx.send(change);
+                }
+                Ok(None) => {
+                    let _ = tx.send(Change::Resync);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "change listener lost its connection");
+                    let _ = tx.send(Change::Resync);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+async fn notify(tx: &mut Transaction<'_, Postgres>, payload: &str) -> StoreResult<()> {
+    sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload).execute(&mut **tx).await?;
+    Ok(())
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(what.to_owned())
+}
+
+fn prompt_from_row(row: &PgRow) -> StoreResult<Prompt> {
+    let name: String = row.try_get("name")?;
+    Ok(Prompt {
+        id: row.try_get("id")?,
+        name: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        strategy: serde_json::from_value(Value::String(row.try_get("strategy")?)).map_err(|_| corrupt("strategy"))?,
+        promotion: serde_json::from_value(Value::String(row.try_get("promotion")?))
+            .map_err(|_| corrupt("promotion"))?,
+        settings: serde_json::from_value(row.try_get("settings")?).map_err(|_| corrupt("settings"))?,
+        created_at: row.try_get("created_at")?,
+        created_by: row.try_get("created_by")?,
+    })
+}
+
+const VERSION_COLUMNS: &str = "p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, v.playbook, \
+     v.content_hash, v.message, v.created_by, v.created_at";
+
+fn version_from_row(row: &PgRow) -> StoreResult<Version> {
+    let name: String = row.try_get("prompt_name")?;
+    let source: String = row.try_get("source")?;
+    let playbook: Option<Value> = row.try_get("playbook")?;
+    Ok(Version {
+        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        number: row.try_get("number")?,
+        parent: row.try_get("parent")?,
+        source: VersionSource::parse(&source).ok_or_else(|| corrupt("version source"))?,
+        round_id: row.try_get("round_id")?,
+        content: VersionContent {
+            base: row.try_get("base")?,
+            playbook: playbook.map(serde_json::from_value).transpose().map_err(|_| corrupt("playbook"))?,
+        },
+        content_hash: row.try_get("content_hash")?,
+        message: row.try_get("message")?,
+        created_by: row.try_get("created_by")?,
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+fn label_from_row(row: &PgRow) -> StoreResult<Label> {
+    let name: String = row.try_get("name")?;
+    Ok(Label {
+        name: LabelName::parse(&name).map_err(|_| corrupt("label name"))?,
+        version: row.try_get("version")?,
+        updated_at: row.try_get("updated_at")?,
+        updated_by: row.try_get("updated_by")?,
+    })
+}
+
+fn key_from_row(row: &PgRow) -> StoreResult<ApiKey> {
+    Ok(ApiKey {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+        prefix: row.try_get("prefix")?,
+        hash: row.try_get("hash")?,
+        scopes: scopes_from_string(row.try_get("scopes")?)?,
+        created_at: row.try_get("created_at")?,
+        revoked_at: row.try_get("revoked_at")?,
+    })
+}
+
+const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
+     t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
+     t.updated_at";
+
+fn trace_from_row(row: &PgRow) -> StoreResult<Trace> {
+    let name: String = row.try_get("prompt_name")?;
+    let status: String = row.try_get("status")?;
+    let reflection: Option<Value> = row.try_get("reflection")?;
+    Ok(Trace {
+        id: row.try_get("id")?,
+        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        prompt_version: row.try_get("prompt_version")?,
+        status: TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
+        input: row.try_get("input")?,
+        trajectory: row.try_get("trajectory")?,
+        output: row.try_get("output")?,
+        feedback: serde_json::from_value(row.try_get("feedback")?).map_err(|_| corrupt("feedback"))?,
+        reflection: reflection.filter(|r| !r.is_null()),
+        external_id: row.try_get("external_id")?,
+        metadata: row.try_get("metadata")?,
+        attempts: row.try_get("attempts")?,
+        failure_reason: row.try_get("failure_reason")?,
+        round_id: row.try_get("round_id")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+async fn insert_version(
+    tx: &mut Transaction<'_, Postgres>,
+    prompt_id: Uuid,
+    number: i64,
+    v: &NewVersion,
+) -> StoreResult<DateTime<Utc>> {
+    let playbook =
+        v.content.playbook.as_ref().map(serde_json::to_value).transpose().map_err(|_| corrupt("playbook"))?;
+    let created_at = sqlx::query_scalar(
+        "INSERT INTO versions (prompt_id, number, parent, source, round_id, base, playbook, content_hash, message, created_by)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING created_at",
+    )
+    .bind(prompt_id)
+    .bind(number)
+    .bind(v.parent)
+    .bind(v.source.as_str())
+    .bind(v.round_id)
+    .bind(&v.content.base)
+    .bind(playbook)
+    .bind(v.content.hash())
+    .bind(&v.message)
+    .bind(&v.created_by)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(created_at)
+}
+
+async fn apply_move(tx: &mut Transaction<'_, Postgres>, prompt_id: Uuid, mv: &LabelMove) -> StoreResult<Label> {
+    let current: Option<i64> =
+        sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = $1 AND name = $2 FOR UPDATE")
+            .bind(prompt_id)
+            .bind(mv.label.as_str())
+            .fetch_optional(&mut **tx)
+            .await?;
+    if mv.check_current && current != mv.expected_current {
+        return Err(StoreError::Conflict);
+    }
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM versions WHERE prompt_id = $1 AND number = $2)")
+            .bind(prompt_id)
+            .bind(mv.to_version)
+            .fetch_one(&mut **tx)
+            .await?;
+    if !exists {
+        return Err(StoreError::Invalid(format!("version {} does not exist", mv.to_version)));
+    }
+    let row = sqlx::query(
+        "INSERT INTO labels (prompt_id, name, version, updated_by) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (prompt_id, name) DO UPDATE SET version = EXCLUDED.version, updated_at = now(), updated_by = EXCLUDED.updated_by
+         RETURNING name, version, updated_at, updated_by",
+    )
+    .bind(prompt_id)
+    .bind(mv.label.as_str())
+    .bind(mv.to_version)
+    .bind(&mv.by)
+    .fetch_one(&mut **tx)
+    .await?;
+    label_from_row(&row)
+}
+
+async fn prompt_id(tx: &mut Transaction<'_, Postgres>, name: &PromptName) -> StoreResult<Uuid> {
+    sqlx::query_scalar("SELECT id FROM prompts WHERE name = $1")
+        .bind(name.as_str())
+        .fetch_optional(&mut **tx)
+        .await?
+        .ok_or(StoreError::NotFound)
+}
+
+#[async_trait]
+impl Store for PgStore {
+    fn kind(&self) -> StoreKind {
+        StoreKind::Postgres
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    fn changes(&self) -> broadcast::Receiver<Change> {
+        self.changes.subscribe()
+    }
+
+    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(
+            "INSERT INTO api_keys (id, name, prefix, hash, scopes) VALUES ($1, $2, $3, $4, $5)
+             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
+        )
+        .bind(Uuid::now_v7())
+        .bind(name)
+        .bind(prefix)
+        .bind(hash)
+        .bind(scopes_to_string(scopes))
+        .fetch_one(&mut *tx)
+        .await?;
+        notify(&mut tx, "keys").await?;
+        tx.commit().await?;
+        key_from_row(&row)
+    }
+
+    async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
+        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = $1")
+            .bind(hash)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(key_from_row)
+            .transpose()
+    }
+
+    async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
+        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(key_from_row)
+            .collect()
+    }
+
+    async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
+        let mut tx = self.pool.begin().await?;
+        let id = Uuid::parse_str(id_or_prefix).ok();
+        let n =
+            sqlx::query("UPDATE api_keys SET revoked_at = now() WHERE revoked_at IS NULL AND (id = $1 OR prefix = $2)")
+                .bind(id)
+                .bind(id_or_prefix)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+        notify(&mut tx, "keys").await?;
+        tx.commit().await?;
+        Ok(n > 0)
+    }
+
+    async fn count_active_api_keys(&self) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.pool).await?)
+    }
+
+    async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(
+            "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_by)
+             VALUES ($1, $2, $3, $4, $5, 1, $6)
+             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
+        )
+        .bind(Uuid::now_v7())
+        .bind(p.name.as_str())
+        .bind(serde_json::to_value(p.strategy).ok().and_then(|v| v.as_str().map(str::to_owned)))
+        .bind(serde_json::to_value(p.promotion).ok().and_then(|v| v.as_str().map(str::to_owned)))
+        .bind(serde_json::to_value(&p.settings).map_err(|_| corrupt("settings"))?)
+        .bind(&p.created_by)
+        .fetch_one(&mut *tx)
+        .await?;
+        let prompt = prompt_from_row(&row)?;
+        let created_at = insert_version(&mut tx, prompt.id, 1, &first).await?;
+        sqlx::query("INSERT INTO labels (prompt_id, name, version, updated_by) VALUES ($1, $2, 1, $3)")
+            .bind(prompt.id)
+            .bind(LabelName::PRODUCTION)
+            .bind(&first.created_by)
+            .execute(&mut *tx)
+            .await?;
+        notify(&mut tx, &format!("prompt:{}", prompt.name)).await?;
+        tx.commit().await?;
+        let version = Version {
+            prompt: prompt.name.clone(),
+            number: 1,
+            parent: None,
+            source: first.source,
+            round_id: first.round_id,
+            content_hash: first.content.hash(),
+            content: first.content,
+            message: first.message,
+            created_by: first.created_by,
+            created_at,
+        };
+        Ok((prompt, version))
+    }
+
+    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
+        sqlx::query(
+            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1",
+        )
+        .bind(name.as_str())
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(prompt_from_row)
+        .transpose()
+    }
+
+    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
+        let rows = sqlx::query(
+            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
+                    (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending') AS pending
+             FROM prompts p WHERE ($1::text IS NULL OR p.name > $1) ORDER BY p.name LIMIT $2",
+        )
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(PromptSummary {
+                    prompt: prompt_from_row(r)?,
+                    production_version: r.try_get("production_version")?,
+                    latest_version: r.try_get("version_count")?,
+                    pending_traces: r.try_get("pending")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
+        let mut tx = self.pool.begin().await?;
+        // The row lock taken here serialises concurrent writers of one prompt.
+        let row = sqlx::query(
+            "UPDATE prompts SET version_count = version_count + 1 WHERE name = $1 RETURNING id, version_count",
+        )
+        .bind(prompt.as_str())
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        let (id, number): (Uuid, i64) = (row.try_get("id")?, row.try_get("version_count")?);
+        if v.parent.is_some_and(|p| p < 1 || p >= number) {
+            return Err(StoreError::Invalid("parent version does not exist".into()));
+        }
+        let created_at = insert_version(&mut tx, id, number, &v).await?;
+        for mv in moves {
+            let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
+            apply_move(&mut tx, id, &mv).await?;
+        }
+        notify(&mut tx, &format!("prompt:{prompt}")).await?;
+        tx.commit().await?;
+        Ok(Version {
+            prompt: prompt.clone(),
+            number,
+            parent: v.parent,
+            source: v.source,
+            round_id: v.round_id,
+            content_hash: v.content.hash(),
+            content: v.content,
+            message: v.message,
+            created_by: v.created_by,
+            created_at,
+        })
+    }
+
+    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
+        let labels_col = "(SELECT array_agg(l2.name ORDER BY l2.name) FROM labels l2
+                           WHERE l2.prompt_id = v.prompt_id AND l2.version = v.number) AS labels";
+        let row = match selector {
+            Selector::Label(label) => {
+                sqlx::query(&format!(
+                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM labels l
+                     JOIN prompts p ON p.id = l.prompt_id
+                     JOIN versions v ON v.prompt_id = l.prompt_id AND v.number = l.version
+                     WHERE p.name = $1 AND l.name = $2"
+                ))
+                .bind(prompt.as_str())
+                .bind(label.as_str())
+                .fetch_optional(&self.pool)
+                .await?
+            }
+            Selector::Latest => {
+                sqlx::query(&format!(
+                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
+                     JOIN versions v ON v.prompt_id = p.id AND v.number = p.version_count
+                     WHERE p.name = $1"
+                ))
+                .bind(prompt.as_str())
+                .fetch_optional(&self.pool)
+                .await?
+            }
+            Selector::Version(n) => {
+                sqlx::query(&format!(
+                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
+                     JOIN versions v ON v.prompt_id = p.id AND v.number = $2
+                     WHERE p.name = $1"
+                ))
+                .bind(prompt.as_str())
+                .bind(n)
+                .fetch_optional(&self.pool)
+                .await?
+            }
+        };
+        let Some(row) = row else { return Ok(None) };
+        let labels: Option<Vec<String>> = row.try_get("labels")?;
+        let labels = labels
+            .unwrap_or_default()
+            .iter()
+            .map(|l| LabelName::parse(l).map_err(|_| corrupt("label name")))
+            .collect::<StoreResult<_>>()?;
+        Ok(Some(Resolved { version: version_from_row(&row)?, labels }))
+    }
+
+    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
+        sqlx::query(&format!(
+            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
+             WHERE p.name = $1 AND ($2::bigint IS NULL OR v.number < $2) ORDER BY v.number DESC LIMIT $3"
+        ))
+        .bind(prompt.as_str())
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(version_from_row)
+        .collect()
+    }
+
+    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
+        sqlx::query(
+            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
+             WHERE p.name = $1 ORDER BY l.name",
+        )
+        .bind(prompt.as_str())
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(label_from_row)
+        .collect()
+    }
+
+    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
+        let mut tx = self.pool.begin().await?;
+        let id = prompt_id(&mut tx, prompt).await?;
+        let label = apply_move(&mut tx, id, mv).await?;
+        notify(&mut tx, &format!("prompt:{prompt}")).await?;
+        tx.commit().await?;
+        Ok(label)
+    }
+
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName) -> StoreResult<bool> {
+        let mut tx = self.pool.begin().await?;
+        let id = prompt_id(&mut tx, prompt).await?;
+        let n = sqlx::query("DELETE FROM labels WHERE prompt_id = $1 AND name = $2")
+            .bind(id)
+            .bind(label.as_str())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        notify(&mut tx, &format!("prompt:{prompt}")).await?;
+        tx.commit().await?;
+        Ok(n > 0)
+    }
+
+    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+        let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
+        let rows: Vec<Value> = traces
+            .iter()
+            .zip(&ids)
+            .map(|(t, id)| {
+                serde_json::json!({
+                    "id": id, "prompt": t.prompt.as_str(), "prompt_version": t.prompt_version,
+                    "input": t.input, "trajectory": t.trajectory, "output": t.output,
+                    "feedback": t.feedback, "reflection": t.reflection, "external_id": t.external_id,
+                    "metadata": t.metadata,
+                })
+            })
+            .collect();
+        let mut tx = self.pool.begin().await?;
+        // One statement for the whole batch; rows whose prompt or version is
+        // unknown fall out of the join and are detected by the count.
+        let inserted = sqlx::query(
+            "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
+             SELECT t.id, p.id, t.prompt_version, t.input, t.trajectory, t.output, t.feedback, t.reflection, t.external_id, t.metadata
+             FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
+                  output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
+             JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)",
+        )
+        .bind(Value::Array(rows))
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if inserted as usize != traces.len() {
+            tx.rollback().await?;
+            return Err(self.first_unknown_reference(traces).await?);
+        }
+        tx.commit().await?;
+        Ok(ids)
+    }
+
+    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
+        sqlx::query(&format!(
+            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(trace_from_row)
+        .transpose()
+    }
+
+    async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
+        sqlx::query(&format!(
+            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
+             WHERE ($1::text IS NULL OR p.name = $1) AND ($2::text IS NULL OR t.status = $2)
+               AND ($3::timestamptz IS NULL OR t.created_at >= $3) AND ($4::timestamptz IS NULL OR t.created_at < $4)
+               AND ($5::uuid IS NULL OR t.id < $5)
+             ORDER BY t.id DESC LIMIT $6"
+        ))
+        .bind(f.prompt.as_ref().map(|p| p.as_str()))
+        .bind(f.status.map(|s| s.as_str()))
+        .bind(f.since)
+        .bind(f.until)
+        .bind(f.before_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(trace_from_row)
+        .collect()
+    }
+
+    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
+        let mut tx = self.pool.begin().await?;
+        let Some(current) = sqlx::query_scalar::<_, Value>("SELECT feedback FROM traces WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
+        let merged = serde_json::to_value(current.merged(feedback)).map_err(|_| corrupt("feedback"))?;
+        sqlx::query("UPDATE traces SET feedback = $2, updated_at = now() WHERE id = $1")
+            .bind(id)
+            .bind(merged)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.get_trace(id).await
+    }
+
+    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin> {
+        for _ in 0..3 {
+            let inserted = sqlx::query(
+                "INSERT INTO idempotency_keys (owner, key, request_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            )
+            .bind(owner)
+            .bind(key)
+            .bind(request_hash)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+            if inserted == 1 {
+                return Ok(IdempotencyBegin::Started);
+            }
+            let Some(row) = sqlx::query(
+                "SELECT request_hash, status_code, body, created_at < now() - make_interval(secs => $3) AS stale
+                 FROM idempotency_keys WHERE owner = $1 AND key = $2",
+            )
+            .bind(owner)
+            .bind(key)
+            .bind(IDEMPOTENCY_STALE_SECS as f64)
+            .fetch_optional(&self.pool)
+            .await?
+            else {
+                continue; // aborted meanwhile: try to claim it again
+            };
+            let hash: String = row.try_get("request_hash")?;
+            if hash != request_hash {
+                return Ok(IdempotencyBegin::Mismatch);
+            }
+            let status: Option<i32> = row.try_get("status_code")?;
+            if let Some(status) = status {
+                let body: Option<Vec<u8>> = row.try_get("body")?;
+                return Ok(IdempotencyBegin::Replay { status: status as u16, body: body.unwrap_or_default() });
+            }
+            if row.try_get::<bool, _>("stale")? {
+                // The first owner died mid-request: take the key over.
+                let taken = sqlx::query(
+                    "UPDATE idempotency_keys SET created_at = now()
+                     WHERE owner = $1 AND key = $2 AND status_code IS NULL AND created_at < now() - make_interval(secs => $3)",
+                )
+                .bind(owner)
+                .bind(key)
+                .bind(IDEMPOTENCY_STALE_SECS as f64)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+                if taken == 1 {
+                    return Ok(IdempotencyBegin::Started);
+                }
+            }
+            return Ok(IdempotencyBegin::InFlight);
+        }
+        Ok(IdempotencyBegin::InFlight)
+    }
+
+    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()> {
+        sqlx::query("UPDATE idempotency_keys SET status_code = $3, body = $4 WHERE owner = $1 AND key = $2")
+            .bind(owner)
+            .bind(key)
+            .bind(i32::from(status))
+            .bind(body)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE owner = $1 AND key = $2 AND status_code IS NULL")
+            .bind(owner)
+            .bind(key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+        Ok(sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
+            .bind(older_than)
+            .execute(&self.pool)
+            .await?
+            .rows_affected())
+    }
+}
+
+impl PgStore {
+    /// Explains why a batch did not fully insert: the first trace whose prompt
+    /// or version does not exist.
+    async fn first_unknown_reference(&self, traces: &[ValidTrace]) -> StoreResult<StoreError> {
+        for (i, t) in traces.iter().enumerate() {
+            let count: Option<i64> = sqlx::query_scalar("SELECT version_count FROM prompts WHERE name = $1")
+                .bind(t.prompt.as_str())
+                .fetch_optional(&self.pool)
+                .await?;
+            match (count, t.prompt_version) {
+                (None, _) => {
+                    return Ok(StoreError::Invalid(format!("traces[{i}]: unknown prompt {:?}", t.prompt.as_str())));
+                }
+                (Some(c), Some(v)) if v > c => {
+                    return Ok(StoreError::Invalid(format!(
+                        "traces[{i}]: prompt {:?} has no version {v}",
+                        t.prompt.as_str()
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
+    }
+}

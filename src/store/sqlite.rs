@@ -1,0 +1,752 @@
+//! The embedded store: SQLite in WAL mode, for a single combee process with no
+//! database server. Writes go through one dedicated connection, so concurrent
+//! writers queue in-process instead of failing with `SQLITE_BUSY`; reads use a
+//! separate pool. Changes are announced on an in-process broadcast after commit.
+
+use std::{path::Path, str::FromStr, time::Duration};
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{
+    Row, Sqlite, SqlitePool, Transaction,
+    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous},
+};
+use tokio::sync::broadcast;
+use uuid::Uuid;
+
+use super::{
+    ApiKey, Change, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, PromptSummary, Resolved,
+    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceFilter, migrate, scopes_from_string,
+    scopes_to_string,
+};
+use crate::domain::{
+    Feedback, LabelName, Prompt, PromptName, Trace, TraceStatus, Version, VersionContent, VersionSource,
+    prompt::NewVersion, trace::ValidTrace,
+};
+
+pub struct SqliteStore {
+    writer: SqlitePool,
+    reader: SqlitePool,
+    changes: broadcast::Sender<Change>,
+}
+
+fn now_us() -> i64 {
+    Utc::now().timestamp_micros()
+}
+
+fn time(us: i64) -> StoreResult<DateTime<Utc>> {
+    DateTime::from_timestamp_micros(us).ok_or_else(|| corrupt("timestamp"))
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(what.to_owned())
+}
+
+fn uuid(s: &str) -> StoreResult<Uuid> {
+    Uuid::parse_str(s).map_err(|_| corrupt("uuid"))
+}
+
+fn json(s: &str) -> StoreResult<Value> {
+    serde_json::from_str(s).map_err(|_| corrupt("json"))
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> StoreResult<String> {
+    serde_json::to_string(v).map_err(|_| corrupt("json"))
+}
+
+impl SqliteStore {
+    pub async fn open(path: &Path, readers: u32, acquire_timeout: Duration) -> StoreResult<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| StoreError::Invalid(format!("cannot create data directory {}: {e}", dir.display())))?;
+        }
+        let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
+            .map_err(StoreError::Unavailable)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(10));
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(acquire_timeout.max(Duration::from_secs(30)))
+            .connect_with(options.clone())
+            .await
+            .map_err(StoreError::Unavailable)?;
+        migrate_sqlite(&writer).await?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(readers.max(1))
+            .acquire_timeout(acquire_timeout)
+            .connect_with(options.read_only(true))
+            .await
+            .map_err(StoreError::Unavailable)?;
+        let (changes, _) = broadcast::channel(1024);
+        Ok(Self { writer, reader, changes })
+    }
+
+    fn announce(&self, change: Change) {
+        let _ = self.changes.send(change);
+    }
+}
+
+async fn migrate_sqlite(pool: &SqlitePool) -> StoreResult<()> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS schema_migrations (
+            version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum TEXT NOT NULL, applied_at INTEGER NOT NULL)",
+    )
+    .execute(pool)
+    .await?;
+    for m in migrate::SQLITE {
+        let applied: Option<String> = sqlx::query_scalar("SELECT checksum FROM schema_migrations WHERE version = ?")
+            .bind(m.version)
+            .fetch_optional(pool)
+            .await?;
+        match applied {
+            Some(sum) if sum == m.checksum() => continue,
+            Some(_) => {
+                return Err(StoreError::Migration(format!(
+                    "migration {} ({}) was changed after it was applied",
+                    m.version, m.name
+                )));
+            }
+            None => {}
+        }
+        let mut tx = pool.begin().await?;
+        sqlx::raw_sql(m.sql).execute(&mut *tx).await.map_err(|e| StoreError::Migration(format!("{}: {e}", m.name)))?;
+        sqlx::query("INSERT INTO schema_migrations (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)")
+            .bind(m.version)
+            .bind(m.name)
+            .bind(m.checksum())
+            .bind(now_us())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+fn prompt_from_row(row: &SqliteRow) -> StoreResult<Prompt> {
+    let name: String = row.try_get("name")?;
+    Ok(Prompt {
+        id: uuid(row.try_get("id")?)?,
+        name: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        strategy: serde_json::from_value(Value::String(row.try_get("strategy")?)).map_err(|_| corrupt("strategy"))?,
+        promotion: serde_json::from_value(Value::String(row.try_get("promotion")?))
+            .map_err(|_| corrupt("promotion"))?,
+        settings: serde_json::from_str(row.try_get("settings")?).map_err(|_| corrupt("settings"))?,
+        created_at: time(row.try_get("created_at")?)?,
+        created_by: row.try_get("created_by")?,
+    })
+}
+
+const VERSION_COLUMNS: &str = "p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, v.playbook, \
+     v.content_hash, v.message, v.created_by, v.created_at";
+
+fn version_from_row(row: &SqliteRow) -> StoreResult<Version> {
+    let name: String = row.try_get("prompt_name")?;
+    let source: String = row.try_get("source")?;
+    let playbook: Option<String> = row.try_get("playbook")?;
+    let round_id: Option<String> = row.try_get("round_id")?;
+    Ok(Version {
+        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        number: row.try_get("number")?,
+        parent: row.try_get("parent")?,
+        source: VersionSource::parse(&source).ok_or_else(|| corrupt("version source"))?,
+        round_id: round_id.as_deref().map(uuid).transpose()?,
+        content: VersionContent {
+            base: row.try_get("base")?,
+            playbook: playbook.as_deref().map(serde_json::from_str).transpose().map_err(|_| corrupt("playbook"))?,
+        },
+        content_hash: row.try_get("content_hash")?,
+        message: row.try_get("message")?,
+        created_by: row.try_get("created_by")?,
+        created_at: time(row.try_get("created_at")?)?,
+    })
+}
+
+fn label_from_row(row: &SqliteRow) -> StoreResult<Label> {
+    let name: String = row.try_get("name")?;
+    Ok(Label {
+        name: LabelName::parse(&name).map_err(|_| corrupt("label name"))?,
+        version: row.try_get("version")?,
+        updated_at: time(row.try_get("updated_at")?)?,
+        updated_by: row.try_get("updated_by")?,
+    })
+}
+
+fn key_from_row(row: &SqliteRow) -> StoreResult<ApiKey> {
+    let revoked: Option<i64> = row.try_get("revoked_at")?;
+    Ok(ApiKey {
+        id: uuid(row.try_get("id")?)?,
+        name: row.try_get("name")?,
+        prefix: row.try_get("prefix")?,
+        hash: row.try_get("hash")?,
+        scopes: scopes_from_string(row.try_get("scopes")?)?,
+        created_at: time(row.try_get("created_at")?)?,
+        revoked_at: revoked.map(time).transpose()?,
+    })
+}
+
+const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
+     t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
+     t.updated_at";
+
+fn trace_from_row(row: &SqliteRow) -> StoreResult<Trace> {
+    let name: String = row.try_get("prompt_name")?;
+    let status: String = row.try_get("status")?;
+    let reflection: Option<String> = row.try_get("reflection")?;
+    let round_id: Option<String> = row.try_get("round_id")?;
+    Ok(Trace {
+        id: uuid(row.try_get("id")?)?,
+        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        prompt_version: row.try_get("prompt_version")?,
+        status: TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
+        input: json(row.try_get("input")?)?,
+        trajectory: json(row.try_get("trajectory")?)?,
+        output: json(row.try_get("output")?)?,
+        feedback: serde_json::from_str(row.try_get("feedback")?).map_err(|_| corrupt("feedback"))?,
+        reflection: reflection.as_deref().map(json).transpose()?.filter(|r| !r.is_null()),
+        external_id: row.try_get("external_id")?,
+        metadata: json(row.try_get("metadata")?)?,
+        attempts: row.try_get("attempts")?,
+        failure_reason: row.try_get("failure_reason")?,
+        round_id: round_id.as_deref().map(uuid).transpose()?,
+        created_at: time(row.try_get("created_at")?)?,
+        updated_at: time(row.try_get("updated_at")?)?,
+    })
+}
+
+async fn insert_version(
+    tx: &mut Transaction<'_, Sqlite>,
+    prompt_id: Uuid,
+    number: i64,
+    v: &NewVersion,
+    created_at: i64,
+) -> StoreResult<()> {
+    let playbook = v.content.playbook.as_ref().map(to_json).transpose()?;
+    sqlx::query(
+        "INSERT INTO versions (prompt_id, number, parent, source, round_id, base, playbook, content_hash, message, created_by, created_at)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(prompt_id.to_string())
+    .bind(number)
+    .bind(v.parent)
+    .bind(v.source.as_str())
+    .bind(v.round_id.map(|r| r.to_string()))
+    .bind(&v.content.base)
+    .bind(playbook)
+    .bind(v.content.hash())
+    .bind(&v.message)
+    .bind(&v.created_by)
+    .bind(created_at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+async fn apply_move(tx: &mut Transaction<'_, Sqlite>, prompt_id: Uuid, mv: &LabelMove) -> StoreResult<Label> {
+    let pid = prompt_id.to_string();
+    let current: Option<i64> = sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = ? AND name = ?")
+        .bind(&pid)
+        .bind(mv.label.as_str())
+        .fetch_optional(&mut **tx)
+        .await?;
+    if mv.check_current && current != mv.expected_current {
+        return Err(StoreError::Conflict);
+    }
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM versions WHERE prompt_id = ? AND number = ?)")
+        .bind(&pid)
+        .bind(mv.to_version)
+        .fetch_one(&mut **tx)
+        .await?;
+    if !exists {
+        return Err(StoreError::Invalid(format!("version {} does not exist", mv.to_version)));
+    }
+    let row = sqlx::query(
+        "INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES (?, ?, ?, ?, ?)
+         ON CONFLICT (prompt_id, name) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at,
+             updated_by = excluded.updated_by
+         RETURNING name, version, updated_at, updated_by",
+    )
+    .bind(&pid)
+    .bind(mv.label.as_str())
+    .bind(mv.to_version)
+    .bind(now_us())
+    .bind(&mv.by)
+    .fetch_one(&mut **tx)
+    .await?;
+    label_from_row(&row)
+}
+
+async fn prompt_id(tx: &mut Transaction<'_, Sqlite>, name: &PromptName) -> StoreResult<Uuid> {
+    let id: Option<String> = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
+        .bind(name.as_str())
+        .fetch_optional(&mut **tx)
+        .await?;
+    uuid(&id.ok_or(StoreError::NotFound)?)
+}
+
+fn enum_str<T: serde::Serialize>(v: T) -> String {
+    serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn kind(&self) -> StoreKind {
+        StoreKind::Sqlite
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.reader).await?;
+        Ok(())
+    }
+
+    fn changes(&self) -> broadcast::Receiver<Change> {
+        self.changes.subscribe()
+    }
+
+    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
+        let row = sqlx::query(
+            "INSERT INTO api_keys (id, name, prefix, hash, scopes, created_at) VALUES (?, ?, ?, ?, ?, ?)
+             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
+        )
+        .bind(Uuid::now_v7().to_string())
+        .bind(name)
+        .bind(prefix)
+        .bind(hash)
+        .bind(scopes_to_string(scopes))
+        .bind(now_us())
+        .fetch_one(&self.writer)
+        .await?;
+        self.announce(Change::Keys);
+        key_from_row(&row)
+    }
+
+    async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
+        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = ?")
+            .bind(hash)
+            .fetch_optional(&self.reader)
+            .await?
+            .as_ref()
+            .map(key_from_row)
+            .transpose()
+    }
+
+    async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
+        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
+            .fetch_all(&self.reader)
+            .await?
+            .iter()
+            .map(key_from_row)
+            .collect()
+    }
+
+    async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
+        let n = sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE revoked_at IS NULL AND (id = ? OR prefix = ?)")
+            .bind(now_us())
+            .bind(id_or_prefix)
+            .bind(id_or_prefix)
+            .execute(&self.writer)
+            .await?
+            .rows_affected();
+        self.announce(Change::Keys);
+        Ok(n > 0)
+    }
+
+    async fn count_active_api_keys(&self) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.reader).await?)
+    }
+
+    async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
+        let id = Uuid::now_v7();
+        let now = now_us();
+        let mut tx = self.writer.begin().await?;
+        sqlx::query(
+            "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by)
+             VALUES (?, ?, ?, ?, ?, 1, ?, ?)",
+        )
+        .bind(id.to_string())
+        .bind(p.name.as_str())
+        .bind(enum_str(p.strategy))
+        .bind(enum_str(p.promotion))
+        .bind(to_json(&p.settings)?)
+        .bind(now)
+        .bind(&p.created_by)
+        .execute(&mut *tx)
+        .await?;
+        insert_version(&mut tx, id, 1, &first, now).await?;
+        sqlx::query("INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES (?, ?, 1, ?, ?)")
+            .bind(id.to_string())
+            .bind(LabelName::PRODUCTION)
+            .bind(now)
+            .bind(&first.created_by)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.announce(Change::Prompt(p.name.to_string()));
+        let created_at = time(now)?;
+        let prompt = Prompt {
+            id,
+            name: p.name.clone(),
+            strategy: p.strategy,
+            promotion: p.promotion,
+            settings: p.settings,
+            created_at,
+            created_by: p.created_by,
+        };
+        let version = Version {
+            prompt: p.name,
+            number: 1,
+            parent: None,
+            source: first.source,
+            round_id: first.round_id,
+            content_hash: first.content.hash(),
+            content: first.content,
+            message: first.message,
+            created_by: first.created_by,
+            created_at,
+        };
+        Ok((prompt, version))
+    }
+
+    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
+        sqlx::query(
+            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = ?",
+        )
+        .bind(name.as_str())
+        .fetch_optional(&self.reader)
+        .await?
+        .as_ref()
+        .map(prompt_from_row)
+        .transpose()
+    }
+
+    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
+        let rows = sqlx::query(
+            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
+                    (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending') AS pending
+             FROM prompts p WHERE (?1 IS NULL OR p.name > ?1) ORDER BY p.name LIMIT ?2",
+        )
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(PromptSummary {
+                    prompt: prompt_from_row(r)?,
+                    production_version: r.try_get("production_version")?,
+                    latest_version: r.try_get("version_count")?,
+                    pending_traces: r.try_get("pending")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
+        let now = now_us();
+        let mut tx = self.writer.begin().await?;
+        let row = sqlx::query(
+            "UPDATE prompts SET version_count = version_count + 1 WHERE name = ? RETURNING id, version_count",
+        )
+        .bind(prompt.as_str())
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or(StoreError::NotFound)?;
+        let id = uuid(row.try_get("id")?)?;
+        let number: i64 = row.try_get("version_count")?;
+        if v.parent.is_some_and(|p| p < 1 || p >= number) {
+            return Err(StoreError::Invalid("parent version does not exist".into()));
+        }
+        insert_version(&mut tx, id, number, &v, now).await?;
+        for mv in moves {
+            let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
+            apply_move(&mut tx, id, &mv).await?;
+        }
+        tx.commit().await?;
+        self.announce(Change::Prompt(prompt.to_string()));
+        Ok(Version {
+            prompt: prompt.clone(),
+            number,
+            parent: v.parent,
+            source: v.source,
+            round_id: v.round_id,
+            content_hash: v.content.hash(),
+            content: v.content,
+            message: v.message,
+            created_by: v.created_by,
+            created_at: time(now)?,
+        })
+    }
+
+    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
+        let labels_col = "(SELECT group_concat(l2.name, ',') FROM labels l2
+                           WHERE l2.prompt_id = v.prompt_id AND l2.version = v.number) AS labels";
+        let row = match selector {
+            Selector::Label(label) => {
+                sqlx::query(&format!(
+                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM labels l
+                     JOIN prompts p ON p.id = l.prompt_id
+                     JOIN versions v ON v.prompt_id = l.prompt_id AND v.number = l.version
+                     WHERE p.name = ? AND l.name = ?"
+                ))
+                .bind(prompt.as_str())
+                .bind(label.as_str())
+                .fetch_optional(&self.reader)
+                .await?
+            }
+            Selector::Latest => {
+                sqlx::query(&format!(
+                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
+                     JOIN versions v ON v.prompt_id = p.id AND v.number = p.version_count
+                     WHERE p.name = ?"
+                ))
+                .bind(prompt.as_str())
+                .fetch_optional(&self.reader)
+                .await?
+            }
+            Selector::Version(n) => {
+                sqlx::query(&format!(
+                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
+                     JOIN versions v ON v.prompt_id = p.id AND v.number = ?
+                     WHERE p.name = ?"
+                ))
+                .bind(n)
+                .bind(prompt.as_str())
+                .fetch_optional(&self.reader)
+                .await?
+            }
+        };
+        let Some(row) = row else { return Ok(None) };
+        let labels: Option<String> = row.try_get("labels")?;
+        let mut labels = labels
+            .unwrap_or_default()
+            .split(',')
+            .filter(|l| !l.is_empty())
+            .map(|l| LabelName::parse(l).map_err(|_| corrupt("label name")))
+            .collect::<StoreResult<Vec<_>>>()?;
+        labels.sort();
+        Ok(Some(Resolved { version: version_from_row(&row)?, labels }))
+    }
+
+    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
+        sqlx::query(&format!(
+            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
+             WHERE p.name = ?1 AND (?2 IS NULL OR v.number < ?2) ORDER BY v.number DESC LIMIT ?3"
+        ))
+        .bind(prompt.as_str())
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(version_from_row)
+        .collect()
+    }
+
+    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
+        sqlx::query(
+            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
+             WHERE p.name = ? ORDER BY l.name",
+        )
+        .bind(prompt.as_str())
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(label_from_row)
+        .collect()
+    }
+
+    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
+        let mut tx = self.writer.begin().await?;
+        let id = prompt_id(&mut tx, prompt).await?;
+        let label = apply_move(&mut tx, id, mv).await?;
+        tx.commit().await?;
+        self.announce(Change::Prompt(prompt.to_string()));
+        Ok(label)
+    }
+
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName) -> StoreResult<bool> {
+        let mut tx = self.writer.begin().await?;
+        let id = prompt_id(&mut tx, prompt).await?;
+        let n = sqlx::query("DELETE FROM labels WHERE prompt_id = ? AND name = ?")
+            .bind(id.to_string())
+            .bind(label.as_str())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        self.announce(Change::Prompt(prompt.to_string()));
+        Ok(n > 0)
+    }
+
+    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+        let now = now_us();
+        let mut ids = Vec::with_capacity(traces.len());
+        let mut tx = self.writer.begin().await?;
+        for (i, t) in traces.iter().enumerate() {
+            let id = Uuid::now_v7();
+            let n = sqlx::query(
+                "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
+                                     external_id, metadata, created_at, updated_at)
+                 SELECT ?1, p.id, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11 FROM prompts p
+                 WHERE p.name = ?2 AND (?3 IS NULL OR ?3 <= p.version_count)",
+            )
+            .bind(id.to_string())
+            .bind(t.prompt.as_str())
+            .bind(t.prompt_version)
+            .bind(to_json(&t.input)?)
+            .bind(to_json(&t.trajectory)?)
+            .bind(to_json(&t.output)?)
+            .bind(to_json(&t.feedback)?)
+            .bind(t.reflection.as_ref().map(to_json).transpose()?)
+            .bind(&t.external_id)
+            .bind(to_json(&t.metadata)?)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if n == 0 {
+                let known: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM prompts WHERE name = ?)")
+                    .bind(t.prompt.as_str())
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let what = if known {
+                    format!("prompt {:?} has no version {}", t.prompt.as_str(), t.prompt_version.unwrap_or_default())
+                } else {
+                    format!("unknown prompt {:?}", t.prompt.as_str())
+                };
+                return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
+            }
+            ids.push(id);
+        }
+        tx.commit().await?;
+        Ok(ids)
+    }
+
+    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
+        sqlx::query(&format!(
+            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = ?"
+        ))
+        .bind(id.to_string())
+        .fetch_optional(&self.reader)
+        .await?
+        .as_ref()
+        .map(trace_from_row)
+        .transpose()
+    }
+
+    async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
+        sqlx::query(&format!(
+            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
+             WHERE (?1 IS NULL OR p.name = ?1) AND (?2 IS NULL OR t.status = ?2)
+               AND (?3 IS NULL OR t.created_at >= ?3) AND (?4 IS NULL OR t.created_at < ?4)
+               AND (?5 IS NULL OR t.id < ?5)
+             ORDER BY t.id DESC LIMIT ?6"
+        ))
+        .bind(f.prompt.as_ref().map(|p| p.as_str()))
+        .bind(f.status.map(|s| s.as_str()))
+        .bind(f.since.map(|t| t.timestamp_micros()))
+        .bind(f.until.map(|t| t.timestamp_micros()))
+        .bind(f.before_id.map(|id| id.to_string()))
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(trace_from_row)
+        .collect()
+    }
+
+    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
+        let mut tx = self.writer.begin().await?;
+        let Some(current) = sqlx::query_scalar::<_, String>("SELECT feedback FROM traces WHERE id = ?")
+            .bind(id.to_string())
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let current: Feedback = serde_json::from_str(&current).map_err(|_| corrupt("feedback"))?;
+        sqlx::query("UPDATE traces SET feedback = ?, updated_at = ? WHERE id = ?")
+            .bind(to_json(&current.merged(feedback))?)
+            .bind(now_us())
+            .bind(id.to_string())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        self.get_trace(id).await
+    }
+
+    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin> {
+        // The single writer connection makes this read-then-write atomic.
+        let mut tx = self.writer.begin().await?;
+        let row = sqlx::query(
+            "SELECT request_hash, status_code, body, created_at FROM idempotency_keys WHERE owner = ? AND key = ?",
+        )
+        .bind(owner.to_string())
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let now = now_us();
+        let outcome = match row {
+            None => IdempotencyBegin::Started,
+            Some(row) => {
+                let hash: String = row.try_get("request_hash")?;
+                let status: Option<i64> = row.try_get("status_code")?;
+                let created: i64 = row.try_get("created_at")?;
+                if hash != request_hash {
+                    return Ok(IdempotencyBegin::Mismatch);
+                } else if let Some(status) = status {
+                    let body: Option<Vec<u8>> = row.try_get("body")?;
+                    return Ok(IdempotencyBegin::Replay { status: status as u16, body: body.unwrap_or_default() });
+                } else if now - created > IDEMPOTENCY_STALE_SECS * 1_000_000 {
+                    IdempotencyBegin::Started
+                } else {
+                    return Ok(IdempotencyBegin::InFlight);
+                }
+            }
+        };
+        sqlx::query(
+            "INSERT INTO idempotency_keys (owner, key, request_hash, created_at) VALUES (?, ?, ?, ?)
+             ON CONFLICT (owner, key) DO UPDATE SET created_at = excluded.created_at",
+        )
+        .bind(owner.to_string())
+        .bind(key)
+        .bind(request_hash)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()> {
+        sqlx::query("UPDATE idempotency_keys SET status_code = ?, body = ? WHERE owner = ? AND key = ?")
+            .bind(i64::from(status))
+            .bind(body)
+            .bind(owner.to_string())
+            .bind(key)
+            .execute(&self.writer)
+            .await?;
+        Ok(())
+    }
+
+    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE owner = ? AND key = ? AND status_code IS NULL")
+            .bind(owner.to_string())
+            .bind(key)
+            .execute(&self.writer)
+            .await?;
+        Ok(())
+    }
+
+    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+        Ok(sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?")
+            .bind(older_than.timestamp_micros())
+            .execute(&self.writer)
+            .await?
+            .rows_affected())
+    }
+}
