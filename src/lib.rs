@@ -1,6 +1,12 @@
 //! combee: a long-running service that learns better system prompts for
 //! deployed LLM agents from the traces of their runs (Combee map–shuffle–reduce).
 
+pub mod app;
+pub mod auth;
+pub mod cache;
+pub mod cli;
 pub mod config;
 pub mod domain;
+pub mod http;
 pub mod store;
+pub mod telemetry;

@@ -1,0 +1,178 @@
+//! Building and running the service: open the store, make sure an admin key
+//! exists, bind the listener (port 0 in tests), serve until SIGTERM/SIGINT,
+//! and let in-flight requests finish.
+
+use std::{net::SocketAddr, path::Path, sync::Arc, time::Duration};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    auth::{self, KeyCache},
+    cache::PromptCache,
+    config::Settings,
+    http::{self, AppState},
+    store::{self, Change, DynStore, Scope},
+    telemetry,
+};
+
+pub const ADMIN_KEY_FILE: &str = "admin-key";
+
+pub struct Application {
+    listener: TcpListener,
+    state: AppState,
+    shutdown: CancellationToken,
+}
+
+pub async fn open_store(settings: &Settings) -> anyhow::Result<DynStore> {
+    let url = settings.database_url();
+    store::connect(&url, settings.database.max_connections, Duration::from_secs(settings.database.acquire_timeout_secs))
+        .await
+        .context("cannot open the store (check DATABASE_URL / database.url)")
+}
+
+/// On a fresh install (no active key) creates an admin key, prints it once
+/// to stderr and writes it to `<data_dir>/admin-key` with mode 0600.
+pub async fn ensure_admin_key(store: &DynStore, data_dir: &Path) -> anyhow::Result<Option<String>> {
+    if store.count_active_api_keys().await? > 0 {
+        return Ok(None);
+    }
+    let (key, secret) = auth::create_key(store, "bootstrap admin", &[Scope::Admin]).await?;
+    std::fs::create_dir_all(data_dir).with_context(|| format!("cannot create {}", data_dir.display()))?;
+    let path = data_dir.join(ADMIN_KEY_FILE);
+    write_private(&path, &format!("{secret}\n")).with_context(|| format!("cannot write {}", path.display()))?;
+    eprintln!(
+        "\n  combee: created the first admin API key ({}). It is shown once:\n\n    {secret}\n\n  \
+         A copy is in {} (mode 0600). Create narrower keys with `combee keys create`.\n",
+        key.prefix,
+        path.display()
+    );
+    Ok(Some(secret))
+}
+
+fn write_private(path: &Path, contents: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    options.open(path)?.write_all(contents.as_bytes())
+}
+
+impl Application {
+    pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        let store = open_store(&settings).await?;
+        Self::build_with_store(settings, store).await
+    }
+
+    pub async fn build_with_store(settings: Settings, store: DynStore) -> anyhow::Result<Self> {
+        ensure_admin_key(&store, &settings.database.data_dir).await?;
+        let listener = TcpListener::bind(settings.server.bind)
+            .await
+            .with_context(|| format!("cannot listen on {}", settings.server.bind))?;
+        let state = AppState {
+            cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
+            keys: Arc::new(KeyCache::new(store.clone())),
+            metrics: telemetry::metrics_handle(),
+            settings: Arc::new(settings),
+            store,
+        };
+        Ok(Self { listener, state, shutdown: CancellationToken::new() })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Cancel it to stop the server gracefully (tests); signals do the same.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    pub async fn run_until_stopped(self) -> anyhow::Result<()> {
+        let Application { listener, state, shutdown } = self;
+        let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
+        let housekeeping = tokio::spawn(housekeeping(state.clone(), shutdown.clone()));
+        tracing::info!(addr = %listener.local_addr()?, store = ?state.store.kind(), "combee is serving");
+        let grace = Duration::from_secs(state.settings.server.shutdown_grace_secs);
+        let signal_token = shutdown.clone();
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            signal_token.cancel();
+        });
+        let stopped = shutdown.clone();
+        let server = axum::serve(listener, http::router(state)).with_graceful_shutdown(async move {
+            stopped.cancelled().await;
+            tracing::info!("shutting down: finishing in-flight requests");
+        });
+        let server = tokio::spawn(async move { server.await });
+        shutdown.cancelled().await;
+        match tokio::time::timeout(grace, server).await {
+            Ok(joined) => joined.context("server task failed")?.context("server failed")?,
+            Err(_) => tracing::warn!("in-flight requests did not finish within the grace period"),
+        }
+        invalidator.abort();
+        housekeeping.abort();
+        Ok(())
+    }
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// Drops cached prompts and keys as the store announces changes.
+async fn forward_changes(state: AppState, shutdown: CancellationToken) {
+    let mut rx = state.store.changes();
+    loop {
+        let change = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            c = rx.recv() => c,
+        };
+        match change {
+            Ok(Change::Prompt(name)) => state.cache.invalidate(&name),
+            Ok(Change::Keys) => state.keys.clear(),
+            Ok(Change::Resync) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                state.cache.clear();
+                state.keys.clear();
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// Periodic clean-up: forgets idempotency keys past their retention.
+async fn housekeeping(state: AppState, shutdown: CancellationToken) {
+    let ttl = chrono::Duration::hours(state.settings.limits.idempotency_ttl_hours as i64);
+    let mut tick = tokio::time::interval(Duration::from_secs(600));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match state.store.idempotency_purge(chrono::Utc::now() - ttl).await {
+            Ok(n) if n > 0 => tracing::info!(purged = n, "expired idempotency keys removed"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "idempotency purge failed"),
+        }
+    }
+}

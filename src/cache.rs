@@ -1,0 +1,104 @@
+//! The in-memory cache of rendered prompts that agents fetch. Any change to a
+//! prompt drops its entries at once — in other processes too, via the store's
+//! change feed (`LISTEN/NOTIFY` on Postgres). A generation counter stops a
+//! read that raced with a change from re-inserting the old value.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{body::Bytes, http::HeaderValue};
+
+use crate::store::Selector;
+
+/// A ready-to-send answer for `GET /v1/prompts/{name}`.
+#[derive(Debug)]
+pub struct CachedPrompt {
+    pub etag: HeaderValue,
+    pub body: Bytes,
+    pub version: i64,
+    stored_at: Instant,
+}
+
+impl CachedPrompt {
+    pub fn new(etag: HeaderValue, body: Bytes, version: i64) -> Self {
+        Self { etag, body, version, stored_at: Instant::now() }
+    }
+}
+
+type Key = (String, Selector);
+
+pub struct PromptCache {
+    entries: RwLock<HashMap<Key, Arc<CachedPrompt>>>,
+    generation: AtomicU64,
+    max_age: Duration,
+}
+
+impl PromptCache {
+    pub fn new(max_age: Duration) -> Self {
+        Self { entries: RwLock::new(HashMap::new()), generation: AtomicU64::new(0), max_age }
+    }
+
+    /// Read before loading from the store; pass to [`PromptCache::insert`].
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    pub fn get(&self, prompt: &str, selector: &Selector) -> Option<Arc<CachedPrompt>> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        // Borrowed lookup without allocating a key would need a custom Borrow impl;
+        // prompt names are short, so the clone is cheap.
+        let hit = entries.get(&(prompt.to_owned(), selector.clone()))?;
+        (hit.stored_at.elapsed() < self.max_age).then(|| hit.clone())
+    }
+
+    /// Inserts unless something changed since `generation` was read.
+    pub fn insert(&self, prompt: &str, selector: Selector, generation: u64, value: Arc<CachedPrompt>) {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        if self.generation.load(Ordering::Acquire) == generation {
+            entries.insert((prompt.to_owned(), selector), value);
+        }
+    }
+
+    pub fn invalidate(&self, prompt: &str) {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        entries.retain(|(name, _), _| name != prompt);
+    }
+
+    pub fn clear(&self) {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        entries.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::LabelName;
+
+    fn entry(v: i64) -> Arc<CachedPrompt> {
+        Arc::new(CachedPrompt::new(HeaderValue::from_static("\"x\""), Bytes::from_static(b"{}"), v))
+    }
+
+    #[test]
+    fn a_change_during_a_load_keeps_the_stale_value_out() {
+        let cache = PromptCache::new(Duration::from_secs(60));
+        let sel = Selector::Label(LabelName::production());
+        let g = cache.generation();
+        cache.invalidate("p"); // a write lands while the reader was loading
+        cache.insert("p", sel.clone(), g, entry(1));
+        assert!(cache.get("p", &sel).is_none());
+        let g = cache.generation();
+        cache.insert("p", sel.clone(), g, entry(2));
+        assert_eq!(cache.get("p", &sel).unwrap().version, 2);
+        cache.invalidate("other");
+        assert!(cache.get("p", &sel).is_some(), "another prompt's change leaves p cached");
+    }
+}

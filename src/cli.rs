@@ -1,0 +1,117 @@
+//! The `combee` command line: `serve`, `migrate`, and key administration.
+//! Parsing lives here so `main` stays a few lines.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use crate::{
+    app::{self, Application},
+    auth,
+    config::{Role, Settings},
+    store::Scope,
+    telemetry,
+};
+
+#[derive(Debug, Parser)]
+#[command(name = "combee", version, about = "Learns better system prompts for deployed LLM agents from their traces")]
+pub struct Cli {
+    /// Directory holding default.toml and <COMBEE_ENV>.toml.
+    #[arg(long, env = "COMBEE_CONFIG_DIR", default_value = "config", global = true)]
+    pub config_dir: PathBuf,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the HTTP API (and, from the learning engine on, the worker).
+    Serve(ServeArgs),
+    /// Apply database migrations and exit.
+    Migrate,
+    /// Manage API keys directly in the store.
+    #[command(subcommand)]
+    Keys(KeysCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on [default: server.bind, 127.0.0.1:8080].
+    #[arg(long)]
+    pub bind: Option<SocketAddr>,
+    /// Which parts to run in this process [default: server.role, all].
+    #[arg(long, value_enum)]
+    pub role: Option<Role>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Create a key and print it (once).
+    Create {
+        /// A name to recognise the key by.
+        #[arg(long, default_value = "cli")]
+        name: String,
+        /// Comma-separated scopes: traces:write, prompts:read, prompts:write, prompts:promote, rounds:trigger, admin.
+        #[arg(long, value_delimiter = ',', required = true)]
+        scopes: Vec<String>,
+    },
+    /// List keys (never their secrets).
+    List,
+    /// Revoke a key by id or visible prefix.
+    Revoke { id: String },
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let mut settings = Settings::load(&cli.config_dir)?;
+    match cli.command {
+        Command::Serve(args) => {
+            if let Some(bind) = args.bind {
+                settings.server.bind = bind;
+            }
+            if let Some(role) = args.role {
+                settings.server.role = role;
+            }
+            telemetry::init_logging(&settings.log);
+            Application::build(settings).await?.run_until_stopped().await
+        }
+        Command::Migrate => {
+            telemetry::init_logging(&settings.log);
+            app::open_store(&settings).await?;
+            println!("migrations are up to date");
+            Ok(())
+        }
+        Command::Keys(cmd) => keys(settings, cmd).await,
+    }
+}
+
+async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {
+    let store = app::open_store(&settings).await?;
+    match cmd {
+        KeysCommand::Create { name, scopes } => {
+            let scopes = scopes
+                .iter()
+                .map(|s| Scope::parse(s.trim()).with_context(|| format!("unknown scope {s:?}")))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let (key, secret) = auth::create_key(&store, &name, &scopes).await?;
+            eprintln!("created key {} ({}) with scopes {:?}", key.prefix, key.id, scopes_str(&key.scopes));
+            println!("{secret}");
+        }
+        KeysCommand::List => {
+            println!("{:<38} {:<14} {:<8} {:<20} SCOPES", "ID", "PREFIX", "STATE", "NAME");
+            for k in store.list_api_keys().await? {
+                let state = if k.revoked_at.is_some() { "revoked" } else { "active" };
+                println!("{:<38} {:<14} {:<8} {:<20} {}", k.id, k.prefix, state, k.name, scopes_str(&k.scopes));
+            }
+        }
+        KeysCommand::Revoke { id } => {
+            anyhow::ensure!(store.revoke_api_key(&id).await?, "no active key with id or prefix {id:?}");
+            println!("revoked {id}");
+        }
+    }
+    Ok(())
+}
+
+fn scopes_str(scopes: &[Scope]) -> String {
+    scopes.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
+}

@@ -1,0 +1,137 @@
+//! One error type for the whole API, rendered as RFC 9457
+//! `application/problem+json`. Internal details are logged, never returned.
+
+use axum::{
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::store::{Scope, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("this API key lacks the `{}` scope", .0.as_str())]
+    Forbidden(Scope),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("this route does not accept that method")]
+    MethodNotAllowed,
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    PreconditionFailed(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("{0}")]
+    Unprocessable(String),
+    #[error("the store is unavailable; retry shortly")]
+    Unavailable,
+    #[error("the request took too long")]
+    Timeout,
+    #[error("internal error")]
+    Internal(#[source] anyhow::Error),
+}
+
+/// The RFC 9457 body.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Problem {
+    /// A URI naming the kind of problem.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    pub detail: String,
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn slug(&self) -> &'static str {
+        match self {
+            ApiError::BadRequest(_) => "bad-request",
+            ApiError::Unauthorized(_) => "unauthorized",
+            ApiError::Forbidden(_) => "forbidden",
+            ApiError::NotFound(_) => "not-found",
+            ApiError::MethodNotAllowed => "method-not-allowed",
+            ApiError::Conflict(_) => "conflict",
+            ApiError::PreconditionFailed(_) => "precondition-failed",
+            ApiError::PayloadTooLarge(_) => "payload-too-large",
+            ApiError::UnsupportedMediaType(_) => "unsupported-media-type",
+            ApiError::Unprocessable(_) => "unprocessable",
+            ApiError::Unavailable => "unavailable",
+            ApiError::Timeout => "timeout",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    pub fn problem(&self) -> Problem {
+        let status = self.status();
+        Problem {
+            kind: format!("urn:combee:problem:{}", self.slug()),
+            title: status.canonical_reason().unwrap_or("Error").to_owned(),
+            status: status.as_u16(),
+            detail: self.to_string(),
+        }
+    }
+
+    pub fn not_found(what: impl std::fmt::Display) -> Self {
+        ApiError::NotFound(format!("{what} not found"))
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound => ApiError::NotFound("not found".into()),
+            StoreError::AlreadyExists => ApiError::Conflict("it already exists".into()),
+            StoreError::Conflict => ApiError::PreconditionFailed("the resource changed; fetch it again".into()),
+            StoreError::Invalid(msg) => ApiError::Unprocessable(msg),
+            StoreError::Unavailable(e) => {
+                tracing::error!(error = %e, "store unavailable");
+                ApiError::Unavailable
+            }
+            other => ApiError::Internal(other.into()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let ApiError::Internal(e) = &self {
+            tracing::error!(error = ?e, "request failed");
+        }
+        let problem = self.problem();
+        let mut res = (self.status(), axum::Json(problem)).into_response();
+        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        if matches!(self, ApiError::Unauthorized(_)) {
+            res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        res
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;

@@ -1,0 +1,71 @@
+//! Operational routes: liveness, readiness (the store answers), Prometheus
+//! metrics and the OpenAPI document generated from the handlers.
+
+use axum::{
+    Json,
+    extract::State,
+    http::{HeaderValue, header},
+    response::{IntoResponse, Response},
+};
+use serde_json::json;
+use utoipa::OpenApi;
+
+use super::{AppState, error::ApiError};
+
+#[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "the process is alive")))]
+pub async fn healthz() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+#[utoipa::path(get, path = "/readyz", tag = "ops",
+    responses((status = 200, description = "the store is reachable"), (status = 503, body = super::error::Problem)))]
+pub async fn readyz(State(st): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    match tokio::time::timeout(std::time::Duration::from_secs(2), st.store.ping()).await {
+        Ok(Ok(())) => Ok(Json(json!({"status": "ready", "store": st.store.kind()}))),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "readiness check failed");
+            Err(ApiError::Unavailable)
+        }
+        Err(_) => Err(ApiError::Unavailable),
+    }
+}
+
+#[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
+pub async fn metrics(State(st): State<AppState>) -> Response {
+    let mut res = st.metrics.render().into_response();
+    res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+    res
+}
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("cmb_…").build()),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "combee", description = "Continuous agent self-improvement: versioned system prompts learned from agent traces."),
+    paths(
+        healthz, readyz, metrics,
+        super::prompts::create_prompt, super::prompts::list_prompts, super::prompts::get_prompt,
+        super::prompts::create_version, super::prompts::list_versions, super::prompts::get_version,
+        super::prompts::diff_versions, super::prompts::list_labels, super::prompts::move_label,
+        super::prompts::delete_label, super::prompts::rollback,
+        super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
+        super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
+    ),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+pub async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}

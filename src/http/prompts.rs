@@ -1,0 +1,676 @@
+//! Prompt routes: create and list prompts; the agents' `GET` of the current
+//! text (cached, with a strong ETag); versions, diffs, labels and rollback.
+
+use std::sync::Arc;
+
+use axum::{
+    Json,
+    body::Bytes,
+    extract::State,
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use utoipa::{IntoParams, ToSchema};
+
+use super::{
+    AppState,
+    error::{ApiError, ApiResult},
+    extract::{ApiJson, ApiPath, ApiQuery, Caller},
+    pagination::{PageParams, next_token},
+};
+use crate::{
+    cache::CachedPrompt,
+    domain::{
+        LabelName, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy, Version, VersionContent,
+        VersionSource,
+        diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
+        prompt::NewVersion,
+    },
+    store::{Label, LabelMove, NewPrompt, PromptSummary, Resolved, Scope, Selector, StoreError},
+};
+
+const MAX_MESSAGE_CHARS: usize = 2000;
+
+pub fn parse_name(name: &str) -> ApiResult<PromptName> {
+    PromptName::parse(name).map_err(|e| ApiError::NotFound(format!("no such prompt: {e}")))
+}
+
+async fn existing_prompt(st: &AppState, name: &str) -> ApiResult<Prompt> {
+    let name = parse_name(name)?;
+    st.store.get_prompt(&name).await?.ok_or_else(|| ApiError::not_found(format_args!("prompt {name:?}")))
+}
+
+fn check_message(message: Option<String>, default: &str) -> ApiResult<String> {
+    let m = message.unwrap_or_else(|| default.to_owned());
+    if m.chars().count() > MAX_MESSAGE_CHARS {
+        return Err(ApiError::PayloadTooLarge(format!("`message` is longer than {MAX_MESSAGE_CHARS} characters")));
+    }
+    Ok(m)
+}
+
+fn check_content(
+    st: &AppState,
+    strategy: Strategy,
+    base: &str,
+    playbook: Option<Playbook>,
+) -> ApiResult<VersionContent> {
+    if base.trim().is_empty() {
+        return Err(ApiError::Unprocessable("`base` must not be empty".into()));
+    }
+    if base.len() > st.settings.limits.max_prompt_bytes {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "`base` is {} bytes; the limit is {} (`limits.max_prompt_bytes`)",
+            base.len(),
+            st.settings.limits.max_prompt_bytes
+        )));
+    }
+    let playbook = match (strategy, playbook) {
+        (Strategy::Rewrite, Some(_)) => {
+            return Err(ApiError::Unprocessable("a prompt with strategy `rewrite` has no playbook".into()));
+        }
+        (_, Some(pb)) => Some(pb.normalized().map_err(|e| ApiError::Unprocessable(format!("playbook: {e}")))?),
+        (_, None) => None,
+    };
+    let content = VersionContent { base: base.to_owned(), playbook };
+    let rendered = content.render().len();
+    if rendered > st.settings.limits.max_prompt_bytes * 2 {
+        return Err(ApiError::PayloadTooLarge(format!("the rendered prompt is {rendered} bytes; too large")));
+    }
+    Ok(content)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreatePrompt {
+    /// `[a-z0-9][a-z0-9._-]{0,63}`
+    pub name: String,
+    /// The base text, written by people.
+    pub base: String,
+    #[serde(default)]
+    pub strategy: Option<Strategy>,
+    #[serde(default)]
+    pub promotion: Option<Promotion>,
+    /// An initial playbook (playbook strategy only); bullet ids are assigned when absent.
+    #[serde(default)]
+    pub playbook: Option<Playbook>,
+    #[serde(default)]
+    pub settings: Option<PromptSettings>,
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PromptCreated {
+    #[serde(flatten)]
+    pub prompt: Prompt,
+    pub version: Version,
+    #[schema(value_type = Vec<String>)]
+    pub labels: Vec<LabelName>,
+}
+
+#[utoipa::path(post, path = "/v1/prompts", tag = "prompts", request_body = CreatePrompt,
+    responses((status = 201, body = PromptCreated), (status = 409, body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    security(("bearer" = ["prompts:write"])))]
+pub async fn create_prompt(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiJson(req): ApiJson<CreatePrompt>,
+) -> ApiResult<Response> {
+    caller.require(Scope::PromptsWrite)?;
+    let name = PromptName::parse(&req.name).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    let strategy = req.strategy.unwrap_or_default();
+    let settings = req.settings.unwrap_or_default();
+    if !(1..=8).contains(&settings.duplication) {
+        return Err(ApiError::Unprocessable("`settings.duplication` must be between 1 and 8".into()));
+    }
+    let content = check_content(&st, strategy, &req.base, req.playbook)?;
+    let first = NewVersion {
+        parent: None,
+        source: VersionSource::Manual,
+        round_id: None,
+        content,
+        message: check_message(req.message, "created")?,
+        created_by: caller.actor(),
+    };
+    let new = NewPrompt {
+        name: name.clone(),
+        strategy,
+        promotion: req.promotion.unwrap_or_default(),
+        settings,
+        created_by: caller.actor(),
+    };
+    let (prompt, version) = st.store.create_prompt(new, first).await.map_err(|e| match e {
+        StoreError::AlreadyExists => ApiError::Conflict(format!("a prompt named {name:?} already exists")),
+        other => other.into(),
+    })?;
+    st.cache.invalidate(name.as_str());
+    let location = HeaderValue::from_str(&format!("/v1/prompts/{name}")).ok();
+    let mut res = (StatusCode::CREATED, Json(PromptCreated { prompt, version, labels: vec![LabelName::production()] }))
+        .into_response();
+    if let Some(l) = location {
+        res.headers_mut().insert(header::LOCATION, l);
+    }
+    Ok(res)
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PromptPage {
+    pub prompts: Vec<PromptSummary>,
+    pub next_page_token: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/prompts", tag = "prompts", params(PageParams),
+    responses((status = 200, body = PromptPage)), security(("bearer" = ["prompts:read"])))]
+pub async fn list_prompts(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiQuery(page): ApiQuery<PageParams>,
+) -> ApiResult<Json<PromptPage>> {
+    caller.require(Scope::PromptsRead)?;
+    let size = page.size(st.settings.limits.max_page_size);
+    let prompts = st.store.list_prompts(page.cursor()?.as_deref(), size).await?;
+    let next_page_token = next_token(&prompts, size, |p| p.prompt.name.to_string());
+    Ok(Json(PromptPage { prompts, next_page_token }))
+}
+
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct SelectorQuery {
+    /// A label (default `production`; `latest` is the newest version).
+    pub label: Option<String>,
+    /// A version number (instead of a label).
+    pub version: Option<i64>,
+}
+
+impl SelectorQuery {
+    fn selector(&self) -> ApiResult<Selector> {
+        match (&self.label, self.version) {
+            (Some(_), Some(_)) => Err(ApiError::BadRequest("give `label` or `version`, not both".into())),
+            (None, Some(v)) if v >= 1 => Ok(Selector::Version(v)),
+            (None, Some(_)) => Err(ApiError::BadRequest("`version` must be at least 1".into())),
+            (Some(l), None) if l == LabelName::LATEST => Ok(Selector::Latest),
+            (Some(l), None) => {
+                LabelName::parse(l).map(Selector::Label).map_err(|e| ApiError::BadRequest(e.to_string()))
+            }
+            (None, None) => Ok(Selector::Label(LabelName::production())),
+        }
+    }
+}
+
+/// What an agent receives.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PromptView<'a> {
+    pub name: &'a str,
+    pub version: i64,
+    #[schema(value_type = Vec<String>)]
+    pub labels: &'a [LabelName],
+    /// The rendered text: base, then the playbook.
+    pub text: String,
+    pub content_hash: &'a str,
+    pub source: VersionSource,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// A strong validator over everything the body is made of: the version's
+/// content and the labels that point at it.
+fn etag(resolved: &Resolved) -> String {
+    let v = &resolved.version;
+    let mut h = Sha256::new();
+    h.update(v.content_hash.as_bytes());
+    for l in &resolved.labels {
+        h.update(b"\0");
+        h.update(l.as_str().as_bytes());
+    }
+    let digest = hex::encode(h.finalize());
+    format!("\"v{}-{}\"", v.number, &digest[..20])
+}
+
+async fn fresh_view(st: &AppState, name: &PromptName, selector: &Selector) -> ApiResult<Arc<CachedPrompt>> {
+    let Some(resolved) = st.store.resolve(name, selector).await? else {
+        if st.store.get_prompt(name).await?.is_none() {
+            return Err(ApiError::not_found(format_args!("prompt {name:?}")));
+        }
+        return Err(match selector {
+            Selector::Label(l) => ApiError::not_found(format_args!("label {l:?} of prompt {name:?}")),
+            Selector::Version(n) => ApiError::not_found(format_args!("version {n} of prompt {name:?}")),
+            Selector::Latest => ApiError::not_found(format_args!("prompt {name:?}")),
+        });
+    };
+    let v = &resolved.version;
+    let body = serde_json::to_vec(&PromptView {
+        name: name.as_str(),
+        version: v.number,
+        labels: &resolved.labels,
+        text: v.content.render(),
+        content_hash: &v.content_hash,
+        source: v.source,
+        created_at: v.created_at,
+    })
+    .map_err(|e| ApiError::Internal(e.into()))?;
+    let etag = HeaderValue::from_str(&etag(&resolved)).map_err(|e| ApiError::Internal(e.into()))?;
+    Ok(Arc::new(CachedPrompt::new(etag, Bytes::from(body), v.number)))
+}
+
+async fn cached_view(st: &AppState, name: &PromptName, selector: Selector) -> ApiResult<Arc<CachedPrompt>> {
+    if let Some(hit) = st.cache.get(name.as_str(), &selector) {
+        return Ok(hit);
+    }
+    let generation = st.cache.generation();
+    let view = fresh_view(st, name, &selector).await?;
+    st.cache.insert(name.as_str(), selector, generation, view.clone());
+    Ok(view)
+}
+
+fn etag_matches(header_value: Option<&HeaderValue>, etag: &HeaderValue, weak: bool) -> bool {
+    let Some(v) = header_value.and_then(|v| v.to_str().ok()) else { return false };
+    let ours = etag.to_str().unwrap_or_default();
+    v.split(',')
+        .map(str::trim)
+        .any(|tag| tag == "*" || tag == ours || (weak && tag.strip_prefix("W/").is_some_and(|t| t == ours)))
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}", tag = "prompts", params(("name" = String, Path), SelectorQuery),
+    responses((status = 200, body = PromptView, headers(("ETag" = String))), (status = 304), (status = 404, body = super::error::Problem)),
+    security(("bearer" = ["prompts:read"])))]
+pub async fn get_prompt(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<SelectorQuery>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    caller.require(Scope::PromptsRead)?;
+    let name = parse_name(&name)?;
+    let view = cached_view(&st, &name, q.selector()?).await?;
+    let mut res = if etag_matches(headers.get(header::IF_NONE_MATCH), &view.etag, true) {
+        StatusCode::NOT_MODIFIED.into_response()
+    } else {
+        let mut res = view.body.clone().into_response();
+        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        res
+    };
+    res.headers_mut().insert(header::ETAG, view.etag.clone());
+    res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    Ok(res)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVersion {
+    /// New base text (default: the parent's).
+    #[serde(default)]
+    pub base: Option<String>,
+    /// New playbook (default: the parent's).
+    #[serde(default)]
+    pub playbook: Option<Playbook>,
+    #[serde(default)]
+    pub message: Option<String>,
+    /// The version this edit starts from (default: the latest).
+    #[serde(default)]
+    pub parent: Option<i64>,
+    /// Labels to point at the new version (needs `prompts:promote`).
+    #[serde(default)]
+    pub labels: Vec<String>,
+}
+
+/// A version with its rendered text and labels.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct VersionView {
+    #[serde(flatten)]
+    pub version: Version,
+    pub text: String,
+    #[schema(value_type = Vec<String>)]
+    pub labels: Vec<LabelName>,
+}
+
+impl From<Resolved> for VersionView {
+    fn from(r: Resolved) -> Self {
+        Self { text: r.version.content.render(), version: r.version, labels: r.labels }
+    }
+}
+
+#[utoipa::path(post, path = "/v1/prompts/{name}/versions", tag = "versions", params(("name" = String, Path)),
+    request_body = CreateVersion, responses((status = 201, body = VersionView), (status = 422, body = super::error::Problem)),
+    security(("bearer" = ["prompts:write"])))]
+pub async fn create_version(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<CreateVersion>,
+) -> ApiResult<Response> {
+    caller.require(Scope::PromptsWrite)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let labels = req
+        .labels
+        .iter()
+        .map(|l| LabelName::parse(l).map_err(|e| ApiError::Unprocessable(e.to_string())))
+        .collect::<ApiResult<Vec<_>>>()?;
+    if !labels.is_empty() {
+        caller.require(Scope::PromptsPromote)?;
+    }
+    let parent_sel = req.parent.map_or(Selector::Latest, Selector::Version);
+    let parent = st
+        .store
+        .resolve(&prompt.name, &parent_sel)
+        .await?
+        .ok_or_else(|| ApiError::Unprocessable(format!("parent version {} does not exist", req.parent.unwrap_or(0))))?
+        .version;
+    let base = req.base.unwrap_or_else(|| parent.content.base.clone());
+    let playbook = match req.playbook {
+        Some(mut pb) => {
+            // Ids the parent handed out are never reissued.
+            pb.next_id = pb.next_id.max(parent.content.playbook.as_ref().map_or(0, |p| p.next_id));
+            Some(pb)
+        }
+        None => parent.content.playbook.clone(),
+    };
+    let content = check_content(&st, prompt.strategy, &base, playbook)?;
+    let version = NewVersion {
+        parent: Some(parent.number),
+        source: VersionSource::Manual,
+        round_id: None,
+        content,
+        message: check_message(req.message, "manual edit")?,
+        created_by: caller.actor(),
+    };
+    let moves: Vec<LabelMove> = labels
+        .into_iter()
+        .map(|label| LabelMove {
+            label,
+            to_version: 0,
+            expected_current: None,
+            check_current: false,
+            by: caller.actor(),
+        })
+        .collect();
+    let created = st.store.create_version(&prompt.name, version, &moves).await?;
+    st.cache.invalidate(prompt.name.as_str());
+    let view = st
+        .store
+        .resolve(&prompt.name, &Selector::Version(created.number))
+        .await?
+        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("version vanished after insert")))?;
+    Ok((StatusCode::CREATED, Json(VersionView::from(view))).into_response())
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct VersionPage {
+    pub versions: Vec<Version>,
+    pub next_page_token: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/versions", tag = "versions", params(("name" = String, Path), PageParams),
+    responses((status = 200, body = VersionPage)), security(("bearer" = ["prompts:read"])))]
+pub async fn list_versions(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(page): ApiQuery<PageParams>,
+) -> ApiResult<Json<VersionPage>> {
+    caller.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let before = match page.cursor()? {
+        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        None => None,
+    };
+    let size = page.size(st.settings.limits.max_page_size);
+    let versions = st.store.list_versions(&prompt.name, before, size).await?;
+    let next_page_token = next_token(&versions, size, |v| v.number.to_string());
+    Ok(Json(VersionPage { versions, next_page_token }))
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/versions/{number}", tag = "versions",
+    params(("name" = String, Path), ("number" = i64, Path)),
+    responses((status = 200, body = VersionView), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
+pub async fn get_version(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath((name, number)): ApiPath<(String, i64)>,
+) -> ApiResult<Json<VersionView>> {
+    caller.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let r = st
+        .store
+        .resolve(&prompt.name, &Selector::Version(number))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format_args!("version {number} of prompt {:?}", prompt.name)))?;
+    Ok(Json(r.into()))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DiffQuery {
+    pub from: i64,
+    pub to: i64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct VersionDiff {
+    pub from: i64,
+    pub to: i64,
+    /// A unified diff of the rendered texts.
+    pub unified: String,
+    pub lines: Vec<DiffLine>,
+    /// Bullets added, removed and changed (playbook prompts).
+    pub playbook: Option<PlaybookDiff>,
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/diff", tag = "versions", params(("name" = String, Path), DiffQuery),
+    responses((status = 200, body = VersionDiff), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
+pub async fn diff_versions(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<DiffQuery>,
+) -> ApiResult<Json<VersionDiff>> {
+    caller.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let load = |n: i64| {
+        let st = st.clone();
+        let name = prompt.name.clone();
+        async move {
+            st.store
+                .resolve(&name, &Selector::Version(n))
+                .await?
+                .map(|r| r.version)
+                .ok_or_else(|| ApiError::not_found(format_args!("version {n} of prompt {name:?}")))
+        }
+    };
+    let (a, b) = (load(q.from).await?, load(q.to).await?);
+    let (unified, lines) =
+        text_diff(&a.content.render(), &b.content.render(), &format!("v{}", a.number), &format!("v{}", b.number));
+    let playbook = (prompt.strategy == Strategy::Playbook)
+        .then(|| playbook_diff(a.content.playbook.as_ref(), b.content.playbook.as_ref()));
+    Ok(Json(VersionDiff { from: a.number, to: b.number, unified, lines, playbook }))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LabelList {
+    pub labels: Vec<Label>,
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/labels", tag = "labels", params(("name" = String, Path)),
+    responses((status = 200, body = LabelList)), security(("bearer" = ["prompts:read"])))]
+pub async fn list_labels(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<LabelList>> {
+    caller.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    Ok(Json(LabelList { labels: st.store.list_labels(&prompt.name).await? }))
+}
+
+/// Checks `If-Match` against the label's current ETag (as `GET ?label=` shows
+/// it) and returns the version the label points at now, for the store's CAS.
+async fn check_if_match(
+    st: &AppState,
+    name: &PromptName,
+    label: &LabelName,
+    headers: &HeaderMap,
+) -> ApiResult<(Option<i64>, bool)> {
+    let Some(if_match) = headers.get(header::IF_MATCH) else { return Ok((None, false)) };
+    let current = match fresh_view(st, name, &Selector::Label(label.clone())).await {
+        Ok(v) => v,
+        Err(ApiError::NotFound(_)) => {
+            return Err(ApiError::PreconditionFailed(format!(
+                "label {label:?} does not exist, so If-Match cannot match"
+            )));
+        }
+        Err(e) => return Err(e),
+    };
+    if !etag_matches(Some(if_match), &current.etag, false) {
+        return Err(ApiError::PreconditionFailed(format!(
+            "label {label:?} has moved: its current ETag is {}; fetch it again",
+            current.etag.to_str().unwrap_or_default()
+        )));
+    }
+    Ok((Some(current.version), true))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MoveLabel {
+    pub version: i64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LabelMoved {
+    #[serde(flatten)]
+    pub label: Label,
+    /// The new ETag of `GET /v1/prompts/{name}?label=…`.
+    pub etag: String,
+}
+
+async fn moved(st: &AppState, name: &PromptName, label: Label) -> ApiResult<Response> {
+    st.cache.invalidate(name.as_str());
+    let view = fresh_view(st, name, &Selector::Label(label.name.clone())).await?;
+    let etag = view.etag.to_str().unwrap_or_default().to_owned();
+    let mut res = Json(LabelMoved { label, etag }).into_response();
+    res.headers_mut().insert(header::ETAG, view.etag.clone());
+    Ok(res)
+}
+
+fn store_move_error(e: StoreError, label: &LabelName) -> ApiError {
+    match e {
+        StoreError::Conflict => {
+            ApiError::PreconditionFailed(format!("label {label:?} moved meanwhile; fetch it again"))
+        }
+        other => other.into(),
+    }
+}
+
+#[utoipa::path(put, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
+    params(("name" = String, Path), ("label" = String, Path), ("If-Match" = Option<String>, Header, description = "ETag of `GET ?label=` — the move fails with 412 if the label moved")),
+    request_body = MoveLabel, responses((status = 200, body = LabelMoved), (status = 412, body = super::error::Problem)),
+    security(("bearer" = ["prompts:promote"])))]
+pub async fn move_label(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath((name, label)): ApiPath<(String, String)>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<MoveLabel>,
+) -> ApiResult<Response> {
+    caller.require(Scope::PromptsPromote)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
+    let mv = LabelMove {
+        label: label.clone(),
+        to_version: req.version,
+        expected_current,
+        check_current,
+        by: caller.actor(),
+    };
+    let moved_label = st.store.move_label(&prompt.name, &mv).await.map_err(|e| store_move_error(e, &label))?;
+    moved(&st, &prompt.name, moved_label).await
+}
+
+#[utoipa::path(delete, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
+    params(("name" = String, Path), ("label" = String, Path)),
+    responses((status = 204), (status = 404, body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    security(("bearer" = ["prompts:promote"])))]
+pub async fn delete_label(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath((name, label)): ApiPath<(String, String)>,
+) -> ApiResult<StatusCode> {
+    caller.require(Scope::PromptsPromote)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    if label.as_str() == LabelName::PRODUCTION {
+        return Err(ApiError::Unprocessable("`production` cannot be deleted; move it instead".into()));
+    }
+    if !st.store.delete_label(&prompt.name, &label).await? {
+        return Err(ApiError::not_found(format_args!("label {label:?} of prompt {:?}", prompt.name)));
+    }
+    st.cache.invalidate(prompt.name.as_str());
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Rollback {
+    /// The version whose content comes back.
+    pub to: i64,
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+#[utoipa::path(post, path = "/v1/prompts/{name}/rollback", tag = "labels",
+    params(("name" = String, Path), ("If-Match" = Option<String>, Header, description = "ETag of the production prompt")),
+    request_body = Rollback, responses((status = 201, body = VersionView), (status = 412, body = super::error::Problem)),
+    security(("bearer" = ["prompts:promote"])))]
+/// Brings an older version's content back as a new version (source
+/// `rollback`, parent = the current production version) and makes it production.
+pub async fn rollback(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<Rollback>,
+) -> ApiResult<Response> {
+    caller.require(Scope::PromptsPromote)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let production = LabelName::production();
+    let (expected, checked) = check_if_match(&st, &prompt.name, &production, &headers).await?;
+    let current = match expected {
+        Some(v) => Some(v),
+        None => st.store.resolve(&prompt.name, &Selector::Label(production.clone())).await?.map(|r| r.version.number),
+    };
+    let target = st
+        .store
+        .resolve(&prompt.name, &Selector::Version(req.to))
+        .await?
+        .ok_or_else(|| ApiError::Unprocessable(format!("version {} does not exist", req.to)))?
+        .version;
+    let version = NewVersion {
+        parent: current,
+        source: VersionSource::Rollback,
+        round_id: None,
+        content: target.content,
+        message: check_message(req.message, &format!("rollback to v{}", req.to))?,
+        created_by: caller.actor(),
+    };
+    let mv = LabelMove {
+        label: production.clone(),
+        to_version: 0,
+        expected_current: current,
+        check_current: checked,
+        by: caller.actor(),
+    };
+    let created =
+        st.store.create_version(&prompt.name, version, &[mv]).await.map_err(|e| store_move_error(e, &production))?;
+    st.cache.invalidate(prompt.name.as_str());
+    let view = st
+        .store
+        .resolve(&prompt.name, &Selector::Version(created.number))
+        .await?
+        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("version vanished after insert")))?;
+    let etag = fresh_view(&st, &prompt.name, &Selector::Label(production)).await?.etag.clone();
+    let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();
+    res.headers_mut().insert(header::ETAG, etag);
+    Ok(res)
+}

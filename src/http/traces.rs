@@ -1,0 +1,243 @@
+//! Trace routes: ingestion (one trace or a batch, durable before the answer,
+//! `Idempotency-Key` honoured), a filtered listing, and late feedback.
+
+use axum::{
+    Json,
+    extract::{Request, State},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
+
+use super::{
+    AppState,
+    error::{ApiError, ApiResult},
+    extract::{ApiJson, ApiPath, ApiQuery, Caller, body_bytes},
+    pagination::{PageParams, next_token},
+    prompts::parse_name,
+};
+use crate::{
+    domain::{
+        Feedback, NewTrace, PromptName, Trace, TraceStatus,
+        trace::{TraceLimits, ValidTrace},
+    },
+    store::{IdempotencyBegin, Scope, TraceFilter},
+};
+
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TracesAccepted {
+    /// The ids of the stored traces, in request order.
+    pub ids: Vec<Uuid>,
+    pub count: usize,
+}
+
+/// `{"traces": [...]}` or a single trace object.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct TraceBatch {
+    pub traces: Vec<NewTrace>,
+}
+
+fn limits(st: &AppState) -> TraceLimits {
+    TraceLimits {
+        max_field_bytes: st.settings.limits.max_field_bytes,
+        max_trace_bytes: st.settings.limits.max_trace_bytes,
+    }
+}
+
+/// Parses and validates the body; errors name the offending trace by index.
+fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        if e.is_syntax() || e.is_eof() {
+            ApiError::BadRequest(format!("the body is not valid JSON: {e}"))
+        } else {
+            ApiError::Unprocessable(e.to_string())
+        }
+    })?;
+    let (items, batch) = match value {
+        Value::Object(mut map) if map.contains_key("traces") => match map.remove("traces") {
+            Some(Value::Array(items)) if map.is_empty() => (items, true),
+            Some(Value::Array(_)) => {
+                return Err(ApiError::Unprocessable("a batch is `{\"traces\": [...]}` with no other fields".into()));
+            }
+            _ => return Err(ApiError::Unprocessable("`traces` must be an array".into())),
+        },
+        v @ Value::Object(_) => (vec![v], false),
+        _ => return Err(ApiError::Unprocessable("send one trace object or `{\"traces\": [...]}`".into())),
+    };
+    let max = st.settings.limits.max_traces_per_batch;
+    if items.len() > max {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "the batch holds {} traces; the limit is {max} (`limits.max_traces_per_batch`)",
+            items.len()
+        )));
+    }
+    if items.is_empty() {
+        return Err(ApiError::Unprocessable("the batch holds no traces".into()));
+    }
+    let limits = limits(st);
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let at = |msg: String| if batch { format!("traces[{i}]: {msg}") } else { msg };
+            let t: NewTrace = serde_json::from_value(item).map_err(|e| ApiError::Unprocessable(at(e.to_string())))?;
+            t.validate(limits).map_err(|e| {
+                if e.is_size() {
+                    ApiError::PayloadTooLarge(at(e.to_string()))
+                } else {
+                    ApiError::Unprocessable(at(e.to_string()))
+                }
+            })
+        })
+        .collect()
+}
+
+fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
+    let mut res = (status, body).into_response();
+    res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    res
+}
+
+#[utoipa::path(post, path = "/v1/traces", tag = "traces",
+    request_body(content = TraceBatch, description = "one trace object, or `{\"traces\": [...]}` with at most `limits.max_traces_per_batch` traces"),
+    params(("Idempotency-Key" = Option<String>, Header, description = "a repeat replays the first answer; the same key with another payload is 422; while the first is in flight, 409")),
+    responses((status = 201, body = TracesAccepted), (status = 409, body = super::error::Problem), (status = 413, body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    security(("bearer" = ["traces:write"])))]
+pub async fn post_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
+    caller.require(Scope::TracesWrite)?;
+    let idem_key = idempotency_key(req.headers())?;
+    let body = body_bytes(req).await?;
+    let Some(key) = idem_key else {
+        return ingest(&st, &body).await.map(|b| json_response(StatusCode::CREATED, b));
+    };
+    let request_hash = hex::encode(Sha256::digest(&body));
+    let owner = caller.0.id;
+    match st.store.idempotency_begin(owner, &key, &request_hash).await? {
+        IdempotencyBegin::Replay { status, body } => {
+            let mut res = json_response(StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED), body);
+            res.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
+            Ok(res)
+        }
+        IdempotencyBegin::Mismatch => {
+            Err(ApiError::Unprocessable("this Idempotency-Key was already used with a different request body".into()))
+        }
+        IdempotencyBegin::InFlight => {
+            Err(ApiError::Conflict("a request with this Idempotency-Key is still being processed; retry later".into()))
+        }
+        IdempotencyBegin::Started => match ingest(&st, &body).await {
+            Ok(answer) => {
+                st.store.idempotency_finish(owner, &key, StatusCode::CREATED.as_u16(), &answer).await?;
+                Ok(json_response(StatusCode::CREATED, answer))
+            }
+            Err(e) => {
+                // Failed requests are not remembered: the client may fix and retry.
+                if let Err(abort) = st.store.idempotency_abort(owner, &key).await {
+                    tracing::warn!(error = %abort, "could not release an idempotency key");
+                }
+                Err(e)
+            }
+        },
+    }
+}
+
+fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
+    let Some(v) = headers.get(IDEMPOTENCY_KEY) else { return Ok(None) };
+    let v = v.to_str().map_err(|_| ApiError::BadRequest("`Idempotency-Key` must be visible ASCII".into()))?;
+    if v.is_empty() || v.len() > 255 {
+        return Err(ApiError::BadRequest("`Idempotency-Key` must be 1..=255 characters".into()));
+    }
+    Ok(Some(v.to_owned()))
+}
+
+async fn ingest(st: &AppState, body: &[u8]) -> ApiResult<Vec<u8>> {
+    let traces = parse_traces(st, body)?;
+    let ids = st.store.insert_traces(&traces).await?;
+    metrics::counter!("combee_traces_ingested_total").increment(ids.len() as u64);
+    serde_json::to_vec(&TracesAccepted { count: ids.len(), ids }).map_err(|e| ApiError::Internal(e.into()))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TraceQuery {
+    pub prompt: Option<String>,
+    pub status: Option<TraceStatus>,
+    /// RFC 3339; traces received at or after it.
+    pub since: Option<DateTime<Utc>>,
+    /// RFC 3339; traces received before it.
+    pub until: Option<DateTime<Utc>>,
+    pub page_size: Option<u32>,
+    pub page_token: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TracePage {
+    pub traces: Vec<Trace>,
+    pub next_page_token: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/traces", tag = "traces", params(TraceQuery),
+    responses((status = 200, body = TracePage)), security(("bearer" = ["prompts:read"])))]
+pub async fn list_traces(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiQuery(q): ApiQuery<TraceQuery>,
+) -> ApiResult<Json<TracePage>> {
+    caller.require(Scope::PromptsRead)?;
+    let page = PageParams { page_size: q.page_size, page_token: q.page_token };
+    let before_id = match page.cursor()? {
+        Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        None => None,
+    };
+    let prompt: Option<PromptName> = q.prompt.as_deref().map(parse_name).transpose()?;
+    let filter = TraceFilter { prompt, status: q.status, since: q.since, until: q.until, before_id };
+    let size = page.size(st.settings.limits.max_page_size);
+    let traces = st.store.list_traces(&filter, size).await?;
+    let next_page_token = next_token(&traces, size, |t| t.id.to_string());
+    Ok(Json(TracePage { traces, next_page_token }))
+}
+
+fn trace_id(id: &str) -> ApiResult<Uuid> {
+    Uuid::parse_str(id).map_err(|_| ApiError::NotFound("no such trace: ids are UUIDs".into()))
+}
+
+#[utoipa::path(get, path = "/v1/traces/{id}", tag = "traces", params(("id" = Uuid, Path)),
+    responses((status = 200, body = Trace), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
+pub async fn get_trace(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<Trace>> {
+    caller.require(Scope::PromptsRead)?;
+    let id = trace_id(&id)?;
+    st.store.get_trace(id).await?.map(Json).ok_or_else(|| ApiError::not_found(format_args!("trace {id}")))
+}
+
+#[utoipa::path(post, path = "/v1/traces/{id}/feedback", tag = "traces", params(("id" = Uuid, Path)), request_body = Feedback,
+    responses((status = 200, body = Trace), (status = 404, body = super::error::Problem)), security(("bearer" = ["traces:write"])))]
+/// Attaches late feedback: the fields given replace the earlier ones.
+pub async fn add_feedback(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(feedback): ApiJson<Feedback>,
+) -> ApiResult<Json<Trace>> {
+    caller.require(Scope::TracesWrite)?;
+    let id = trace_id(&id)?;
+    let limit = st.settings.limits.max_field_bytes;
+    let too_long = |s: &Option<String>| s.as_ref().is_some_and(|s| s.len() > limit);
+    let gt_len = feedback.ground_truth.as_ref().map_or(0, |v| v.to_string().len());
+    if too_long(&feedback.comment) || too_long(&feedback.error) || gt_len > st.settings.limits.max_trace_bytes {
+        return Err(ApiError::PayloadTooLarge(format!("a feedback field exceeds {limit} bytes")));
+    }
+    if feedback.score.is_some_and(|s| !s.is_finite()) {
+        return Err(ApiError::Unprocessable("`score` must be a finite number".into()));
+    }
+    st.store.add_feedback(id, feedback).await?.map(Json).ok_or_else(|| ApiError::not_found(format_args!("trace {id}")))
+}
