@@ -1,0 +1,1 @@
+//! Dynamic batch-size controller math (placeholder).
