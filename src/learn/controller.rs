@@ -293,10 +293,10 @@ pub fn choose(samples: &[Sample], backlog: u64, cfg: &ControllerConfig) -> Choic
     let fallback = |why| finish(cfg.default_batch.clamp(min, max), Reason::Fallback { why }, None, None);
 
     if profile.len() < MIN_DISTINCT_SIZES {
-        let next = cfg
-            .ladder
-            .iter()
-            .copied()
+        let mut ladder = cfg.ladder.clone();
+        ladder.sort_unstable();
+        let next = ladder
+            .into_iter()
             .filter(|&s| (min..=max).contains(&s) && u64::from(s) <= backlog)
             .find(|s| profile.iter().all(|(bs, _)| bs != s));
         return match next {

@@ -457,6 +457,9 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
     let mut skipped = Vec::new();
     // Bullets added by this round: id -> (number of backing groups, order added).
     let mut added: HashMap<String, (usize, usize)> = HashMap::new();
+    // Fingerprints of the current bullets, kept in step with `pb`, for the duplicate check.
+    let mut fingerprints: Vec<(String, Fingerprint)> =
+        pb.bullets().map(|(_, b)| (b.id.clone(), Fingerprint::of(&b.content))).collect();
 
     for m in ops {
         let skip = |reason| Skipped { op: m.op.clone(), groups: m.groups.clone(), reason };
@@ -469,8 +472,8 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
                     continue;
                 }
                 let fp = Fingerprint::of(&content);
-                if let Some((_, dup)) = pb.bullets().find(|(_, b)| Fingerprint::of(&b.content).same_insight(&fp)) {
-                    skipped.push(skip(SkipReason::DuplicateOfExisting { id: dup.id.clone() }));
+                if let Some((dup, _)) = fingerprints.iter().find(|(_, f)| f.same_insight(&fp)) {
+                    skipped.push(skip(SkipReason::DuplicateOfExisting { id: dup.clone() }));
                     continue;
                 }
                 let display = section_display(section);
@@ -485,6 +488,7 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
                 let id = format_bullet_id(next_id);
                 next_id += 1;
                 pb.sections[idx].bullets.push(Bullet { id: id.clone(), content, helpful: 0, harmful: 0 });
+                fingerprints.push((id.clone(), fp));
                 added.insert(id.clone(), (m.groups.len(), added.len()));
                 applied.push(applied_to(&id));
             }
@@ -497,6 +501,9 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
                     if bullet.content == content {
                         skipped.push(skip(SkipReason::Unchanged));
                     } else {
+                        if let Some(entry) = fingerprints.iter_mut().find(|(fid, _)| fid == id) {
+                            entry.1 = Fingerprint::of(&content);
+                        }
                         bullet.content = content;
                         applied.push(applied_to(id));
                     }
@@ -508,6 +515,7 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
                 let id = id.trim();
                 if let Some((s, b)) = find_bullet(&pb, id) {
                     pb.sections[s].bullets.remove(b);
+                    fingerprints.retain(|(fid, _)| fid != id);
                     applied.push(applied_to(id));
                 } else {
                     skipped.push(skip(SkipReason::UnknownId));
@@ -771,6 +779,10 @@ mod tests {
         assert_eq!(out.playbook.next_id, 9);
         let out = apply_ops(&out.playbook, &[MergedOp::single(0, add("x", "New bullet"))], &Budget::default());
         assert_eq!(out.applied[0].bullet_id, "b-0009");
+        // Re-adding the text of a bullet removed in the same round is not a duplicate, and gets a new id.
+        let ops = [MergedOp::single(0, remove("b-0004")), MergedOp::single(1, add("x", "Prefer ISO formats"))];
+        let out = apply_ops(&pb, &ops, &Budget::default());
+        assert_eq!(out.applied[1].bullet_id, "b-0009");
         // A playbook whose next_id lags behind its ids still gets fresh ones.
         let stale = Playbook { next_id: 0, ..sample_playbook() };
         let out = apply_ops(&stale, &[MergedOp::single(0, add("x", "New bullet"))], &Budget::default());
