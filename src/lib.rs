@@ -8,5 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod domain;
 pub mod http;
+pub mod learn;
+pub mod llm;
 pub mod store;
 pub mod telemetry;

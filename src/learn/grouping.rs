@@ -1,0 +1,176 @@
+//! Which reflections go to which aggregator call. Combee cuts the augmented,
+//! shuffled list into k = ⌊√n⌋ contiguous groups that run in parallel; the
+//! `naive` and `sequential` baselines use the same code path with a different
+//! grouping, so a benchmark compares methods and nothing else.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use super::shuffle::augmented_indices;
+
+/// Size of a sequential (GEPA-default) minibatch.
+pub const SEQUENTIAL_BATCH: usize = 3;
+
+/// How a round groups its reflections for the reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// Augmented shuffle, then k = ⌊√n⌋ parallel groups against the same frozen version.
+    #[default]
+    Combee,
+    /// One aggregator call on all n reflections, no shuffle (the context-overload baseline).
+    Naive,
+    /// Batches of three in order, each applied before the next is aggregated.
+    Sequential,
+}
+
+/// Whether the groups of a plan are aggregated against the same frozen version
+/// and merged once, or applied one after another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Execution {
+    Parallel,
+    Sequential,
+}
+
+/// The grouping of one round: `groups[g]` lists indices into the round's reflections.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    pub method: Method,
+    pub execution: Execution,
+    pub groups: Vec<Vec<usize>>,
+}
+
+/// k = max(1, ⌊√n⌋) where n is the number of traces (not the augmented length).
+pub fn combee_group_count(n: usize) -> usize {
+    n.isqrt().max(1)
+}
+
+/// Cuts `0..len` into `k` contiguous ranges whose sizes differ by at most one;
+/// the larger ranges come first. With `len < k` only `len` ranges (of one item)
+/// are returned so none is empty; `k = 0` is treated as 1; `len = 0` gives none.
+pub fn split_contiguous(len: usize, k: usize) -> Vec<Range<usize>> {
+    if len == 0 {
+        return Vec::new();
+    }
+    let k = k.clamp(1, len);
+    let (base, extra) = (len / k, len % k);
+    let mut start = 0;
+    (0..k)
+        .map(|g| {
+            let size = base + usize::from(g < extra);
+            let r = start..start + size;
+            start += size;
+            r
+        })
+        .collect()
+}
+
+/// Consecutive batches of `size` (the last may be shorter), in order.
+pub fn sequential_batches(len: usize, size: usize) -> Vec<Range<usize>> {
+    let size = size.max(1);
+    (0..len).step_by(size).map(|s| s..(s + size).min(len)).collect()
+}
+
+/// The groups for `n` reflections under `method`. `p` (duplication, at least 1)
+/// and `seed` only matter for Combee; the same inputs always give the same plan.
+pub fn plan(method: Method, n: usize, p: u32, seed: u64) -> Plan {
+    match method {
+        Method::Combee => {
+            let augmented = augmented_indices(n, p.max(1), seed);
+            let groups = split_contiguous(augmented.len(), combee_group_count(n))
+                .into_iter()
+                .map(|r| augmented[r].to_vec())
+                .collect();
+            Plan { method, execution: Execution::Parallel, groups }
+        }
+        Method::Naive => {
+            let groups = if n == 0 { Vec::new() } else { vec![(0..n).collect()] };
+            Plan { method, execution: Execution::Parallel, groups }
+        }
+        Method::Sequential => Plan {
+            method,
+            execution: Execution::Sequential,
+            groups: sequential_batches(n, SEQUENTIAL_BATCH).into_iter().map(|r| r.collect()).collect(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_count_is_floor_sqrt_at_least_one() {
+        for (n, k) in [(0, 1), (1, 1), (3, 1), (4, 2), (15, 3), (16, 4), (100, 10), (99, 9)] {
+            assert_eq!(combee_group_count(n), k, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn contiguous_split_is_near_equal_and_covers_everything() {
+        for len in 0..40 {
+            for k in 0..12 {
+                let parts = split_contiguous(len, k);
+                let covered: Vec<usize> = parts.iter().cloned().flatten().collect();
+                assert_eq!(covered, (0..len).collect::<Vec<_>>());
+                assert!(parts.iter().all(|r| !r.is_empty()));
+                if len >= k.max(1) {
+                    assert_eq!(parts.len(), k.max(1));
+                }
+                let sizes: Vec<usize> = parts.iter().map(|r| r.len()).collect();
+                if let (Some(max), Some(min)) = (sizes.iter().max(), sizes.iter().min()) {
+                    assert!(max - min <= 1, "len {len} k {k}: {sizes:?}");
+                }
+            }
+        }
+        assert_eq!(split_contiguous(10, 3), vec![0..4, 4..7, 7..10]);
+    }
+
+    #[test]
+    fn sequential_batches_are_threes_in_order() {
+        assert_eq!(sequential_batches(7, 3), vec![0..3, 3..6, 6..7]);
+        assert!(sequential_batches(0, 3).is_empty());
+    }
+
+    #[test]
+    fn combee_groups_cover_every_reflection_exactly_p_times() {
+        for n in [1, 3, 4, 15, 16, 100] {
+            for p in [1, 2, 3] {
+                let plan = plan(Method::Combee, n, p, 99);
+                assert_eq!(plan.groups.len(), combee_group_count(n).min(n * p as usize));
+                assert_eq!(plan.execution, Execution::Parallel);
+                let mut counts = vec![0u32; n];
+                for g in &plan.groups {
+                    for &i in g {
+                        counts[i] += 1;
+                    }
+                }
+                assert!(counts.iter().all(|&c| c == p), "n {n} p {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn combee_plan_is_reproducible_from_its_seed() {
+        assert_eq!(plan(Method::Combee, 30, 2, 5), plan(Method::Combee, 30, 2, 5));
+        assert_ne!(plan(Method::Combee, 30, 2, 5), plan(Method::Combee, 30, 2, 6));
+    }
+
+    #[test]
+    fn baselines_group_without_shuffle() {
+        let naive = plan(Method::Naive, 5, 2, 1);
+        assert_eq!(naive.groups, vec![vec![0, 1, 2, 3, 4]]);
+        let seq = plan(Method::Sequential, 7, 2, 1);
+        assert_eq!(seq.execution, Execution::Sequential);
+        assert_eq!(seq.groups, vec![vec![0, 1, 2], vec![3, 4, 5], vec![6]]);
+        assert!(plan(Method::Naive, 0, 2, 1).groups.is_empty());
+    }
+
+    #[test]
+    fn method_serializes_lowercase() {
+        assert_eq!(serde_json::to_string(&Method::Sequential).unwrap(), "\"sequential\"");
+        assert_eq!(serde_json::from_str::<Method>("\"combee\"").unwrap(), Method::Combee);
+    }
+}
