@@ -2,3 +2,4 @@
 //! deployed LLM agents from the traces of their runs (Combee map–shuffle–reduce).
 
 pub mod domain;
+pub mod llm;
