@@ -63,18 +63,7 @@ impl OpenAiClient {
 
     /// A request for `role` with the configured model, temperature and token limit.
     pub fn request(&self, role: LlmRole, messages: Vec<ChatMessage>, json: bool) -> ChatRequest {
-        let cfg = &self.inner.cfg;
-        let model = match role {
-            LlmRole::Reflector => &cfg.reflector_model,
-            LlmRole::Aggregator => &cfg.aggregator_model,
-        };
-        ChatRequest {
-            model: model.clone(),
-            messages,
-            temperature: Some(cfg.temperature),
-            max_tokens: Some(cfg.max_tokens),
-            json,
-        }
+        self.inner.cfg.request(role, messages, json)
     }
 
     fn timeout(&self) -> Duration {

@@ -172,6 +172,21 @@ impl LlmConfig {
         Ok(())
     }
 
+    /// A request for `role` with the configured model, temperature and token limit.
+    pub fn request(&self, role: super::LlmRole, messages: Vec<super::ChatMessage>, json: bool) -> super::ChatRequest {
+        let model = match role {
+            super::LlmRole::Reflector => &self.reflector_model,
+            super::LlmRole::Aggregator => &self.aggregator_model,
+        };
+        super::ChatRequest {
+            model: model.clone(),
+            messages,
+            temperature: Some(self.temperature),
+            max_tokens: Some(self.max_tokens),
+            json,
+        }
+    }
+
     /// Cost in USD of one call with these prices.
     pub fn cost_usd(&self, usage: super::Usage) -> f64 {
         (usage.prompt_tokens as f64 * self.price_prompt_per_million

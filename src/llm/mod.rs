@@ -7,6 +7,7 @@
 
 pub mod client;
 pub mod config;
+pub mod protocol;
 
 use std::time::Duration;
 
