@@ -3,11 +3,12 @@
 //! per-call record (usage, cost, latency, retries) a round stores.
 //!
 //! Implementations: [`client::OpenAiClient`] for any OpenAI-compatible server,
-//! and `sim`, a *simulated* OpenAI-compatible server used by tests and benchmarks.
+//! and [`sim`], a *simulated* OpenAI-compatible server used by tests and benchmarks.
 
 pub mod client;
 pub mod config;
 pub mod protocol;
+pub mod sim;
 
 use std::time::Duration;
 

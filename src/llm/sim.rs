@@ -1,0 +1,507 @@
+//! A SIMULATED OpenAI-compatible LLM server, so tests and benchmarks can run
+//! combee's learning rounds without a paid model. It is not a language model: it
+//! recognises combee's own prompts by their `combee-task:` line and answers them
+//! by rule, deterministically by seed. What it models:
+//!
+//! - **Insights.** Every `INSIGHT-<token>: <text>` marker (token `[A-Za-z0-9_-]+`;
+//!   text runs to the end of the line, or to a `"` or `\` so markers inside JSON
+//!   strings work) is one distinct insight, identified by its token. Answers carry
+//!   markers verbatim, so a test can count exactly which insights survive.
+//! - **Capacity** (context overload). An aggregator call keeps at most
+//!   K = `capacity_k` distinct new insights; when its input holds n items
+//!   (reflections, proposals or operation lists, from the fence's `count`) and
+//!   n > D = `digest_reflections`, it keeps only `max(1, floor(K·D / n))`.
+//!   Which ones: candidates are ranked by the first 8 bytes of
+//!   `sha256(seed ‖ sha256(first user message) ‖ token)`, lowest first — spread
+//!   across insights and calls, yet the same request and seed always keep the same.
+//! - **Latency**: `fixed_ms + per_input_token_ms·prompt_tokens +
+//!   per_output_token_ms·completion_tokens`, slept before answering, where
+//!   tokens = ceil(characters / 4) (all messages for the prompt, the answer for the
+//!   completion) — the same numbers reported as `usage`.
+//! - **Faults**, drawn per request from `sha256(seed ‖ request counter)` against the
+//!   configured rates in this order: 429 with `Retry-After`, 500/503, an answer held
+//!   back `hang_ms` longer, a malformed (non-JSON) answer.
+//!
+//! `GET /v1/sim/stats` reports calls per task and faults injected.
+
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::client::estimate_tokens;
+use super::protocol::{InstructionAnswer, OperationsAnswer, Task};
+use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
+
+/// How the simulated model behaves. Every field is also a `combee sim-llm` flag.
+#[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SimConfig {
+    /// Seed of every deterministic choice (insight selection, faults). [simulation]
+    #[arg(long = "seed", default_value_t = 0)]
+    pub seed: u64,
+    /// K: most distinct new insights one aggregator call keeps. [simulation]
+    #[arg(long, default_value_t = 12)]
+    pub capacity_k: usize,
+    /// D: input items (reflections, proposals, op lists) a call digests fully; above it a
+    /// call keeps max(1, floor(K·D/n)). [simulation]
+    #[arg(long, default_value_t = 12)]
+    pub digest_reflections: usize,
+    /// Fixed latency of every answer, in ms. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub fixed_ms: f64,
+    /// Latency per prompt token, in ms. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub per_input_token_ms: f64,
+    /// Latency per completion token, in ms. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub per_output_token_ms: f64,
+    /// Share of requests answered 429 with `Retry-After` (0..=1). [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_429: f64,
+    /// The delay a 429 asks for, in ms (sent as `retry-after-ms` and rounded up to whole
+    /// seconds in `Retry-After`). [simulation]
+    #[arg(long, default_value_t = 1000)]
+    pub retry_after_ms: u64,
+    /// Share of requests answered 500 or 503. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_5xx: f64,
+    /// Share of requests whose answer is held back `hang_ms` longer (a timeout for most clients). [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_hang: f64,
+    /// How long a hanging answer is held back, in ms. [simulation]
+    #[arg(long, default_value_t = 30_000)]
+    pub hang_ms: u64,
+    /// Share of requests answered with malformed JSON content. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_malformed: f64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            capacity_k: 12,
+            digest_reflections: 12,
+            fixed_ms: 0.0,
+            per_input_token_ms: 0.0,
+            per_output_token_ms: 0.0,
+            rate_429: 0.0,
+            retry_after_ms: 1000,
+            rate_5xx: 0.0,
+            rate_hang: 0.0,
+            hang_ms: 30_000,
+            rate_malformed: 0.0,
+        }
+    }
+}
+
+/// `combee sim-llm`: run the simulated LLM server.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimArgs {
+    /// Address the simulator listens on.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    pub bind: String,
+    #[command(flatten)]
+    pub sim: SimConfig,
+}
+
+/// Counters served at `GET /v1/sim/stats`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SimStats {
+    pub requests: u64,
+    /// Requests per recognised task (`reflect`, `aggregate-playbook`, …, `other`).
+    pub calls: BTreeMap<String, u64>,
+    /// Faults injected per kind: `rate_limited`, `server_error`, `hang`, `malformed`.
+    pub faults: BTreeMap<String, u64>,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+struct Sim {
+    cfg: SimConfig,
+    counter: AtomicU64,
+    stats: Mutex<SimStats>,
+}
+
+impl Sim {
+    fn record(&self, f: impl FnOnce(&mut SimStats)) {
+        if let Ok(mut s) = self.stats.lock() {
+            f(&mut s);
+        }
+    }
+}
+
+/// The simulator's routes, for embedding in a test server.
+pub fn router(cfg: SimConfig) -> Router {
+    let sim = Arc::new(Sim { cfg, counter: AtomicU64::new(0), stats: Mutex::new(SimStats::default()) });
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/v1/sim/stats", get(stats))
+        .with_state(sim)
+}
+
+/// Serves the simulator on `listener` until `shutdown` completes.
+pub async fn serve_simulator(
+    listener: tokio::net::TcpListener,
+    cfg: SimConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, "LLM SIMULATOR listening (simulated answers, not a language model)");
+    }
+    axum::serve(listener, router(cfg)).with_graceful_shutdown(shutdown).await
+}
+
+async fn models() -> Response {
+    Json(json!({"object": "list", "data": [{"id": "combee-sim", "object": "model", "owned_by": "combee-simulation"}]}))
+        .into_response()
+}
+
+async fn stats(State(sim): State<Arc<Sim>>) -> Response {
+    let s = sim.stats.lock().map(|s| s.clone()).unwrap_or_default();
+    Json(s).into_response()
+}
+
+fn api_error(status: StatusCode, kind: &str, message: &str) -> Response {
+    (status, Json(json!({"error": {"message": message, "type": kind, "code": status.as_u16()}}))).into_response()
+}
+
+#[derive(Deserialize)]
+struct SimRequest {
+    #[serde(default)]
+    model: String,
+    messages: Vec<SimMessage>,
+    #[serde(default)]
+    seed: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct SimMessage {
+    role: String,
+    content: String,
+}
+
+fn hash(parts: &[&[u8]]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    h.finalize().into()
+}
+
+fn hash_u64(parts: &[&[u8]]) -> u64 {
+    let h = hash(parts);
+    u64::from_be_bytes([h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]])
+}
+
+/// A uniform draw in [0, 1).
+fn unit(parts: &[&[u8]]) -> f64 {
+    (hash_u64(parts) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    RateLimited,
+    ServerError(u16),
+    Hang,
+    Malformed,
+}
+
+fn draw_fault(cfg: &SimConfig, n: u64) -> Option<Fault> {
+    let u = unit(&[b"fault", &cfg.seed.to_le_bytes(), &n.to_le_bytes()]);
+    let mut edge = 0.0;
+    for (rate, fault) in [
+        (cfg.rate_429, Fault::RateLimited),
+        (
+            cfg.rate_5xx,
+            Fault::ServerError(if hash_u64(&[b"5xx", &cfg.seed.to_le_bytes(), &n.to_le_bytes()]).is_multiple_of(2) {
+                500
+            } else {
+                503
+            }),
+        ),
+        (cfg.rate_hang, Fault::Hang),
+        (cfg.rate_malformed, Fault::Malformed),
+    ] {
+        edge += rate.clamp(0.0, 1.0);
+        if u < edge {
+            return Some(fault);
+        }
+    }
+    None
+}
+
+async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
+    let req: SimRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return api_error(StatusCode::BAD_REQUEST, "invalid_request_error", &format!("bad request: {e}")),
+    };
+    let n = sim.counter.fetch_add(1, Ordering::SeqCst);
+    let cfg = &sim.cfg;
+    let (task, answer) = answer(cfg, &req);
+    let fault = draw_fault(cfg, n);
+    sim.record(|s| {
+        s.requests += 1;
+        *s.calls.entry(task.map_or("other", Task::as_str).to_owned()).or_default() += 1;
+        if let Some(f) = fault {
+            let kind = match f {
+                Fault::RateLimited => "rate_limited",
+                Fault::ServerError(_) => "server_error",
+                Fault::Hang => "hang",
+                Fault::Malformed => "malformed",
+            };
+            *s.faults.entry(kind.to_owned()).or_default() += 1;
+        }
+    });
+    match fault {
+        Some(Fault::RateLimited) => {
+            let mut resp = api_error(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "simulated rate limit");
+            let secs = cfg.retry_after_ms.div_ceil(1000).max(1);
+            if let (Ok(s), Ok(ms)) = (secs.to_string().parse(), cfg.retry_after_ms.to_string().parse()) {
+                resp.headers_mut().insert("retry-after", s);
+                resp.headers_mut().insert("retry-after-ms", ms);
+            }
+            return resp;
+        }
+        Some(Fault::ServerError(code)) => {
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return api_error(status, "server_error", "simulated server error");
+        }
+        _ => {}
+    }
+    let content = if fault == Some(Fault::Malformed) {
+        // Cut the answer off mid-way: what a model that ran out of tokens sends.
+        let cut: String = answer.chars().take(answer.chars().count() / 2).collect();
+        format!("{cut} …(simulated malformed answer")
+    } else {
+        answer
+    };
+    let prompt_tokens = estimate_tokens(req.messages.iter().map(|m| m.content.chars().count()).sum());
+    let completion_tokens = estimate_tokens(content.chars().count());
+    sim.record(|s| {
+        s.prompt_tokens += prompt_tokens;
+        s.completion_tokens += completion_tokens;
+    });
+    let mut ms = cfg.fixed_ms
+        + cfg.per_input_token_ms * prompt_tokens as f64
+        + cfg.per_output_token_ms * completion_tokens as f64;
+    if fault == Some(Fault::Hang) {
+        ms += cfg.hang_ms as f64;
+    }
+    if ms.is_finite() && ms > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+    }
+    let model = if req.model.is_empty() { "combee-sim".to_owned() } else { req.model };
+    Json(json!({
+        "id": format!("chatcmpl-sim-{n}"),
+        "object": "chat.completion",
+        "created": chrono::Utc::now().timestamp(),
+        "model": model,
+        "system_fingerprint": "combee-simulation",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}
+    }))
+    .into_response()
+}
+
+/// One insight marker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Insight {
+    token: String,
+    text: String,
+}
+
+impl Insight {
+    fn marker(&self) -> String {
+        format!("INSIGHT-{}: {}", self.token, self.text)
+    }
+}
+
+fn is_token_byte(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'_' || c == b'-'
+}
+
+/// Distinct insight markers in order of first appearance.
+fn insights(text: &str) -> Vec<Insight> {
+    let mut out: Vec<Insight> = Vec::new();
+    let b = text.as_bytes();
+    for (i, _) in text.match_indices("INSIGHT-") {
+        if i > 0 && is_token_byte(b[i - 1]) {
+            continue;
+        }
+        let start = i + "INSIGHT-".len();
+        let len = b[start..].iter().take_while(|c| is_token_byte(**c)).count();
+        if len == 0 || b.get(start + len) != Some(&b':') {
+            continue;
+        }
+        let token = &text[start..start + len];
+        let rest = &text[start + len + 1..];
+        let end = rest.find(['\n', '\r', '"', '\\']).unwrap_or(rest.len());
+        let body = rest[..end].trim();
+        if body.is_empty() || out.iter().any(|x| x.token == token) {
+            continue;
+        }
+        out.push(Insight { token: token.to_owned(), text: body.to_owned() });
+    }
+    out
+}
+
+/// The attributes and body of the first `<tag …>…</tag>` fence.
+fn fenced<'a>(text: &'a str, tag: &str) -> Option<(&'a str, &'a str)> {
+    let open = format!("<{tag}");
+    let mut from = 0;
+    loop {
+        let start = from + text[from..].find(&open)?;
+        let after = &text[start + open.len()..];
+        if after.starts_with(['>', ' ']) {
+            let gt = after.find('>')?;
+            let body = &after[gt + 1..];
+            let end = body.find(&format!("</{tag}>")).unwrap_or(body.len());
+            return Some((&after[..gt], &body[..end]));
+        }
+        from = start + open.len();
+    }
+}
+
+fn count_attr(attrs: &str) -> Option<usize> {
+    let rest = attrs.split_once("count=\"")?.1;
+    rest.split_once('"')?.0.parse().ok()
+}
+
+/// The labelled part of a rendered trace between `--- name ---` and the next label.
+fn trace_part<'a>(trace: &'a str, name: &str) -> &'a str {
+    let label = format!("--- {name} ---\n");
+    let Some((_, rest)) = trace.split_once(&label) else { return "" };
+    match rest.find("\n--- ") {
+        Some(end) => &rest[..end],
+        None => rest,
+    }
+}
+
+/// How many new insights a call with `items` inputs keeps: K, or max(1, floor(K·D/n)) when n > D.
+pub fn capacity(cfg: &SimConfig, items: usize) -> usize {
+    if items <= cfg.digest_reflections {
+        cfg.capacity_k
+    } else {
+        (cfg.capacity_k.saturating_mul(cfg.digest_reflections) / items).max(1).min(cfg.capacity_k.max(1))
+    }
+}
+
+/// Keeps the `capacity` best-ranked candidates (seeded hash rank), in their original order.
+fn keep(seed: u64, digest: &[u8; 32], candidates: Vec<Insight>, capacity: usize) -> Vec<Insight> {
+    let mut ranked: Vec<(u64, usize)> = candidates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (hash_u64(&[b"keep", &seed.to_le_bytes(), digest, c.token.as_bytes()]), i))
+        .collect();
+    ranked.sort();
+    let chosen: HashSet<usize> = ranked.into_iter().take(capacity).map(|(_, i)| i).collect();
+    candidates.into_iter().enumerate().filter(|(i, _)| chosen.contains(i)).map(|(_, c)| c).collect()
+}
+
+fn task_of(req: &SimRequest) -> Option<Task> {
+    req.messages
+        .iter()
+        .filter(|m| m.role == "system")
+        .flat_map(|m| m.content.lines())
+        .find_map(|l| l.strip_prefix("combee-task:"))
+        .and_then(|t| Task::parse(t.trim()))
+}
+
+/// The recognised task and the answer text (before any fault).
+fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
+    let user = req.messages.iter().find(|m| m.role == "user").map_or("", |m| m.content.as_str());
+    let seed = cfg.seed ^ req.seed.unwrap_or(0).rotate_left(17);
+    let digest = hash(&[user.as_bytes()]);
+    let current = fenced(user, "current-prompt").map_or("", |(_, body)| body.trim());
+    let present: HashSet<String> = insights(current).into_iter().map(|i| i.token).collect();
+    // New insights of an input fence, capped by the capacity model.
+    let kept = |tag: &str| -> Vec<Insight> {
+        let Some((attrs, body)) = fenced(user, tag) else { return vec![] };
+        let items = count_attr(attrs).unwrap_or(1);
+        let candidates = insights(body).into_iter().filter(|i| !present.contains(&i.token)).collect();
+        keep(seed, &digest, candidates, capacity(cfg, items))
+    };
+    let with_bullets = |kept: Vec<Insight>| -> String {
+        let mut text = if current.is_empty() { "You are a helpful agent.".to_owned() } else { current.to_owned() };
+        if !kept.is_empty() {
+            text.push_str("\n\nLessons learned:\n");
+            text.push_str(&kept.iter().map(|i| format!("- {}", i.marker())).collect::<Vec<_>>().join("\n"));
+        }
+        text
+    };
+    let adds = |kept: Vec<Insight>| -> Vec<DeltaOp> {
+        kept.into_iter()
+            .map(|i| DeltaOp::Add {
+                section: "insights".into(),
+                content: i.marker(),
+                reason: "simulated: kept by the capacity model".into(),
+            })
+            .collect()
+    };
+    let task = task_of(req);
+    let text = match task {
+        Some(Task::Reflect) => serde_json::to_string(&reflect(user, current)),
+        Some(Task::AggregatePlaybook) => {
+            serde_json::to_string(&OperationsAnswer { operations: adds(kept("untrusted-reflections")) })
+        }
+        Some(Task::ConsolidatePlaybook) => {
+            serde_json::to_string(&OperationsAnswer { operations: adds(kept("untrusted-operations")) })
+        }
+        Some(Task::AggregateRewrite) => {
+            serde_json::to_string(&InstructionAnswer { instruction: with_bullets(kept("untrusted-reflections")) })
+        }
+        Some(Task::MergeRewrite) => {
+            serde_json::to_string(&InstructionAnswer { instruction: with_bullets(kept("untrusted-proposals")) })
+        }
+        None => Ok(r#"{"simulated": true, "note": "not a combee prompt"}"#.to_owned()),
+    };
+    (task, text.unwrap_or_default())
+}
+
+fn reflect(user: &str, current: &str) -> Reflection {
+    let trace = fenced(user, "untrusted-trace-data").map_or("", |(_, body)| body);
+    let success = trace_part(trace, "feedback").contains("\"success\": true");
+    let found = insights(trace);
+    let key_insight = if found.is_empty() {
+        "Simulated generic insight: re-read the task requirements before answering.".to_owned()
+    } else {
+        found.iter().map(Insight::marker).collect::<Vec<_>>().join("\n")
+    };
+    // Tag the playbook bullets the trajectory mentions as `[b-NNNN]`.
+    let trajectory = trace_part(trace, "trajectory");
+    let mut bullet_tags: Vec<BulletTag> = Vec::new();
+    for (i, _) in trajectory.match_indices("[b-") {
+        let digits: String = trajectory[i + 3..].chars().take_while(char::is_ascii_digit).collect();
+        let id = format!("b-{digits}");
+        if digits.is_empty() || !current.contains(&format!("[{id}]")) || bullet_tags.iter().any(|t| t.id == id) {
+            continue;
+        }
+        let tag = if success { BulletTagKind::Helpful } else { BulletTagKind::Harmful };
+        bullet_tags.push(BulletTag { id, tag });
+    }
+    let sim = "(simulated reflection)";
+    Reflection {
+        error: if success { String::new() } else { format!("The run did not succeed {sim}.") },
+        root_cause: if success { String::new() } else { format!("The agent missed a lesson from its playbook {sim}.") },
+        correct_approach: format!("Apply the key insight {sim}."),
+        key_insight,
+        bullet_tags,
+    }
+}
