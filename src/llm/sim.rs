@@ -342,7 +342,9 @@ fn insights(text: &str) -> Vec<Insight> {
     let mut out: Vec<Insight> = Vec::new();
     let b = text.as_bytes();
     for (i, _) in text.match_indices("INSIGHT-") {
-        if i > 0 && is_token_byte(b[i - 1]) {
+        // A marker starts a word; `\n`-style escapes count as a break (markers inside JSON strings).
+        let escaped = i >= 2 && b[i - 2] == b'\\' && matches!(b[i - 1], b'n' | b'r' | b't');
+        if i > 0 && is_token_byte(b[i - 1]) && !escaped {
             continue;
         }
         let start = i + "INSIGHT-".len();
@@ -503,5 +505,300 @@ fn reflect(user: &str, current: &str) -> Reflection {
         correct_approach: format!("Apply the key insight {sim}."),
         key_insight,
         bullet_tags,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::VersionContent;
+    use crate::domain::playbook::{Bullet, Playbook, Section};
+    use crate::domain::{Strategy, Trace};
+    use crate::llm::protocol::{self, tests::trace};
+    use crate::llm::{ChatMessage, LlmBackend, LlmConfig, LlmRole, OpenAiClient};
+
+    struct Running {
+        client: OpenAiClient,
+        cfg: LlmConfig,
+        base: String,
+        _stop: tokio::sync::oneshot::Sender<()>,
+    }
+
+    impl Running {
+        async fn stats(&self) -> SimStats {
+            reqwest::get(format!("{}/sim/stats", self.base)).await.unwrap().json().await.unwrap()
+        }
+    }
+
+    async fn start(sim: SimConfig, tweak: impl FnOnce(&mut LlmConfig)) -> Running {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/v1", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve_simulator(listener, sim, async move {
+            let _ = stopped.await;
+        }));
+        let mut cfg = LlmConfig {
+            base_url: base.clone(),
+            backoff_base_ms: 1,
+            backoff_max_ms: 20,
+            max_retries: 8,
+            ..Default::default()
+        };
+        tweak(&mut cfg);
+        Running { client: OpenAiClient::new(cfg.clone()).unwrap(), cfg, base, _stop: stop }
+    }
+
+    fn reflection(insight: &str) -> Reflection {
+        Reflection {
+            error: String::new(),
+            root_cause: String::new(),
+            correct_approach: String::new(),
+            key_insight: insight.into(),
+            bullet_tags: vec![],
+        }
+    }
+
+    fn numbered(range: std::ops::Range<usize>) -> Vec<Reflection> {
+        range.map(|i| reflection(&format!("INSIGHT-i{i}: lesson number {i}"))).collect()
+    }
+
+    fn playbook(contents: &[&str]) -> VersionContent {
+        VersionContent {
+            base: "You solve {task}.".into(),
+            playbook: Some(Playbook {
+                sections: vec![Section {
+                    name: "strategies".into(),
+                    bullets: contents
+                        .iter()
+                        .enumerate()
+                        .map(|(i, c)| Bullet {
+                            id: format!("b-{:04}", i + 1),
+                            content: (*c).into(),
+                            helpful: 0,
+                            harmful: 0,
+                        })
+                        .collect(),
+                }],
+                next_id: contents.len() as u64 + 1,
+            }),
+        }
+    }
+
+    fn tokens(ops: &[DeltaOp]) -> Vec<String> {
+        ops.iter()
+            .flat_map(|op| match op {
+                DeltaOp::Add { content, .. } | DeltaOp::Update { content, .. } => insights(content),
+                DeltaOp::Remove { .. } => vec![],
+            })
+            .map(|i| i.token)
+            .collect()
+    }
+
+    fn with_trajectory(text: &str, success: bool) -> Trace {
+        trace(Value::String(text.into()), success)
+    }
+
+    use serde_json::Value;
+
+    #[test]
+    fn markers_are_found_in_text_and_in_json_strings() {
+        let text = "x INSIGHT-a1: first one\n\"INSIGHT-b_2: inside json\\nINSIGHT-c: third\" INSIGHT-a1: dup XINSIGHT-d: no INSIGHT-: no INSIGHT-e:   ";
+        let found: Vec<String> = insights(text).iter().map(Insight::marker).collect();
+        assert_eq!(found, ["INSIGHT-a1: first one", "INSIGHT-b_2: inside json", "INSIGHT-c: third"]);
+    }
+
+    #[test]
+    fn capacity_formula() {
+        let cfg = SimConfig { capacity_k: 12, digest_reflections: 12, ..Default::default() };
+        assert_eq!(capacity(&cfg, 3), 12);
+        assert_eq!(capacity(&cfg, 12), 12);
+        assert_eq!(capacity(&cfg, 20), 7);
+        assert_eq!(capacity(&cfg, 100), 1);
+        let cfg = SimConfig { capacity_k: 12, digest_reflections: 40, ..Default::default() };
+        assert_eq!(capacity(&cfg, 100), 4);
+    }
+
+    #[tokio::test]
+    async fn reflect_carries_the_traces_insights_and_tags_used_bullets() {
+        let sim = start(SimConfig::default(), |_| {}).await;
+        let current = playbook(&["Check units", "INSIGHT-old: already known"]);
+        let t = with_trajectory("Used [b-0001] and [b-0042].\nINSIGHT-units: convert to SI first", true);
+        let mut calls = vec![];
+        let r = protocol::reflect(&sim.client, &sim.cfg, &t, &current, Strategy::Playbook, &mut calls).await.unwrap();
+        assert_eq!(
+            r.key_insight, "INSIGHT-units: convert to SI first",
+            "only the trace's insights, not the playbook's"
+        );
+        assert_eq!(r.bullet_tags, vec![BulletTag { id: "b-0001".into(), tag: BulletTagKind::Helpful }]);
+        assert_eq!(calls.len(), 1);
+        assert!(calls[0].prompt_tokens > 0 && calls[0].completion_tokens > 0);
+
+        let t = with_trajectory("Used [b-0002].", false);
+        let r = protocol::reflect(&sim.client, &sim.cfg, &t, &current, Strategy::Playbook, &mut calls).await.unwrap();
+        assert!(r.key_insight.contains("generic") && !r.error.is_empty());
+        assert_eq!(r.bullet_tags, vec![BulletTag { id: "b-0002".into(), tag: BulletTagKind::Harmful }]);
+        assert_eq!(sim.stats().await.calls.get("reflect"), Some(&2));
+    }
+
+    #[tokio::test]
+    async fn one_naive_call_on_100_insights_keeps_at_most_k() {
+        let sim = start(SimConfig { capacity_k: 12, digest_reflections: 12, ..Default::default() }, |_| {}).await;
+        let current = playbook(&["Check units"]);
+        let mut calls = vec![];
+        let ops =
+            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..100), &mut calls).await.unwrap();
+        assert!(ops.len() <= 12);
+        assert_eq!(ops.len(), 1, "max(1, 12*12/100)");
+        // A small group is digested fully; a group of 20 keeps floor(144/20) = 7.
+        let ops =
+            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..5), &mut calls).await.unwrap();
+        assert_eq!(tokens(&ops), ["i0", "i1", "i2", "i3", "i4"]);
+        assert!(matches!(&ops[0], DeltaOp::Add { content, .. } if content == "INSIGHT-i0: lesson number 0"));
+        let ops =
+            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..20), &mut calls).await.unwrap();
+        assert_eq!(ops.len(), 7);
+    }
+
+    #[tokio::test]
+    async fn insights_already_in_the_playbook_are_not_added_again() {
+        let sim = start(SimConfig::default(), |_| {}).await;
+        let current = playbook(&["INSIGHT-i1: lesson number 1"]);
+        let mut calls = vec![];
+        let ops =
+            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..3), &mut calls).await.unwrap();
+        assert_eq!(tokens(&ops), ["i0", "i2"]);
+    }
+
+    #[tokio::test]
+    async fn answers_are_deterministic_by_seed_and_spread() {
+        let current = playbook(&[]);
+        let mut kept = vec![];
+        for seed in [7, 7, 8] {
+            let sim = start(SimConfig { seed, ..Default::default() }, |_| {}).await;
+            let ops = protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..30), &mut vec![])
+                .await
+                .unwrap();
+            assert_eq!(ops.len(), 4, "floor(12*12/30)");
+            kept.push(tokens(&ops));
+        }
+        assert_eq!(kept[0], kept[1], "same request + seed = same answer");
+        assert_ne!(kept[0], kept[2], "another seed keeps other insights");
+        assert_ne!(kept[0], ["i0", "i1", "i2", "i3"], "not simply the first ones");
+    }
+
+    #[tokio::test]
+    async fn rewrite_merge_and_consolidate() {
+        let sim = start(SimConfig { capacity_k: 12, ..Default::default() }, |_| {}).await;
+        let current = VersionContent { base: "You solve {task}.".into(), playbook: None };
+        let mut calls = vec![];
+        let proposal =
+            protocol::aggregate_rewrite(&sim.client, &sim.cfg, &current, &numbered(0..3), &mut calls).await.unwrap();
+        assert!(proposal.starts_with("You solve {task}."));
+        assert_eq!(insights(&proposal).len(), 3);
+
+        let proposals: Vec<String> =
+            [0..10, 5..20].into_iter().map(|r| format!("You solve {{task}}.\n{}", marker_lines(r))).collect();
+        let merged = protocol::merge_rewrite(&sim.client, &sim.cfg, &current, &proposals, &mut calls).await.unwrap();
+        assert!(merged.starts_with("You solve {task}."));
+        assert_eq!(insights(&merged).len(), 12, "20 distinct insights, capped at K");
+
+        let add = |i: usize| DeltaOp::Add {
+            section: "s".into(),
+            content: format!("INSIGHT-i{i}: lesson number {i}"),
+            reason: String::new(),
+        };
+        let lists = vec![vec![add(0), add(1)], vec![add(1), add(2)], vec![add(2)]];
+        let ops =
+            protocol::consolidate_playbook(&sim.client, &sim.cfg, &playbook(&[]), &lists, &mut calls).await.unwrap();
+        assert_eq!(tokens(&ops), ["i0", "i1", "i2"]);
+        let stats = sim.stats().await;
+        for task in ["aggregate-rewrite", "merge-rewrite", "consolidate-playbook"] {
+            assert_eq!(stats.calls.get(task), Some(&1), "{task}");
+        }
+    }
+
+    fn marker_lines(r: std::ops::Range<usize>) -> String {
+        r.map(|i| format!("- INSIGHT-i{i}: lesson number {i}\n")).collect()
+    }
+
+    #[tokio::test]
+    async fn latency_model_is_roughly_honoured() {
+        let sim_cfg =
+            SimConfig { fixed_ms: 150.0, per_input_token_ms: 0.05, per_output_token_ms: 0.5, ..Default::default() };
+        let sim = start(sim_cfg, |_| {}).await;
+        let req = sim.client.request(
+            LlmRole::Aggregator,
+            protocol::aggregate_playbook_messages(&playbook(&[]), &numbered(0..10)),
+            true,
+        );
+        let started = std::time::Instant::now();
+        let resp = sim.client.chat(req).await.unwrap();
+        let elapsed = started.elapsed().as_secs_f64() * 1000.0;
+        let expected = 150.0 + 0.05 * resp.usage.prompt_tokens as f64 + 0.5 * resp.usage.completion_tokens as f64;
+        assert!(expected > 200.0, "the per-token terms matter: {expected}");
+        assert!(elapsed >= expected - 5.0 && elapsed < expected + 1000.0, "elapsed {elapsed} ms, model {expected} ms");
+        // Usage follows the documented ceil(chars/4).
+        let chars: usize = resp.content.chars().count();
+        assert_eq!(resp.usage.completion_tokens, chars.div_ceil(4) as u64);
+    }
+
+    #[tokio::test]
+    async fn faults_are_injected_and_recovered_from() {
+        let faulty = SimConfig {
+            seed: 3,
+            rate_429: 0.15,
+            rate_5xx: 0.15,
+            rate_hang: 0.15,
+            hang_ms: 1_000,
+            rate_malformed: 0.15,
+            retry_after_ms: 10,
+            ..Default::default()
+        };
+        let sim = start(faulty, |c| c.request_timeout_secs = 0.3).await;
+        let clean = start(SimConfig { seed: 3, ..Default::default() }, |_| {}).await;
+        let current = playbook(&[]);
+        for i in 0..16 {
+            let group = numbered(i..i + 3);
+            let got = protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await;
+            let want = protocol::aggregate_playbook(&clean.client, &clean.cfg, &current, &group, &mut vec![]).await;
+            assert_eq!(got.unwrap(), want.unwrap(), "call {i} recovered to the same answer");
+        }
+        let stats = sim.stats().await;
+        for kind in ["rate_limited", "server_error", "hang", "malformed"] {
+            assert!(stats.faults.get(kind).copied().unwrap_or(0) >= 1, "{kind} never injected: {stats:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn fault_responses_look_like_a_real_provider() {
+        let sim = start(SimConfig { rate_429: 1.0, retry_after_ms: 1500, ..Default::default() }, |_| {}).await;
+        let http = reqwest::Client::new();
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        let resp = http.post(format!("{}/chat/completions", sim.base)).json(&body).send().await.unwrap();
+        assert_eq!(resp.status(), 429);
+        assert_eq!(resp.headers()["retry-after"], "2");
+        assert_eq!(resp.headers()["retry-after-ms"], "1500");
+
+        let sim = start(SimConfig { rate_5xx: 1.0, ..Default::default() }, |c| c.max_retries = 1).await;
+        let err = sim.client.chat(sim.client.request(LlmRole::Reflector, vec![ChatMessage::user("hi")], false)).await;
+        assert!(matches!(err, Err(ref e) if e.is_retryable() && e.retries() == 1), "{err:?}");
+        let resp = http.post(format!("{}/chat/completions", sim.base)).json(&body).send().await.unwrap();
+        assert!(resp.status() == 500 || resp.status() == 503);
+    }
+
+    #[tokio::test]
+    async fn models_and_foreign_prompts() {
+        let sim = start(SimConfig::default(), |_| {}).await;
+        let models: Value = reqwest::get(format!("{}/models", sim.base)).await.unwrap().json().await.unwrap();
+        assert_eq!(models["data"][0]["id"], "combee-sim");
+        let resp = sim
+            .client
+            .chat(sim.client.request(LlmRole::Reflector, vec![ChatMessage::user("hello")], true))
+            .await
+            .unwrap();
+        assert!(resp.content.contains("simulated"));
+        assert_eq!(sim.stats().await.calls.get("other"), Some(&1));
+        let bad = reqwest::Client::new().post(format!("{}/chat/completions", sim.base)).body("{").send().await.unwrap();
+        assert_eq!(bad.status(), 400);
     }
 }
