@@ -117,7 +117,7 @@ impl OpenAiClient {
         let err = if e.is_timeout() {
             LlmError::Timeout(timeout)
         } else {
-            // `without_url` keeps query strings out; the key travels in a header, never the URL.
+            // The cause without reqwest's URL prefix; the key is only ever in a header, and scrubbed anyway.
             let mut msg = std::error::Error::source(e).map(|s| s.to_string()).unwrap_or_default();
             if msg.is_empty() {
                 msg = e.to_string();

@@ -22,6 +22,16 @@
 //!   configured rates in this order: 429 with `Retry-After`, 500/503, an answer held
 //!   back `hang_ms` longer, a malformed (non-JSON) answer.
 //!
+//! - **Answers.** reflect: a `Reflection` whose `key_insight` holds every marker of
+//!   the trace (not of the current prompt), or a generic insight when there is none;
+//!   its `bullet_tags` tag each `[b-NNNN]` named in the trace's trajectory that is a
+//!   bullet of the current playbook, helpful when the feedback says
+//!   `"success": true`, harmful otherwise. aggregate-playbook and
+//!   consolidate-playbook: one `ADD` to section `insights` per kept new insight
+//!   (content = the marker); insights already in the current prompt are not new.
+//!   aggregate-rewrite and merge-rewrite: the current prompt text followed by a
+//!   bullet list of the kept new insights. Any other request gets a fixed JSON note.
+//!
 //! `GET /v1/sim/stats` reports calls per task and faults injected.
 
 use std::collections::{BTreeMap, HashSet};
@@ -605,6 +615,65 @@ mod tests {
         let text = "x INSIGHT-a1: first one\n\"INSIGHT-b_2: inside json\\nINSIGHT-c: third\" INSIGHT-a1: dup XINSIGHT-d: no INSIGHT-: no INSIGHT-e:   ";
         let found: Vec<String> = insights(text).iter().map(Insight::marker).collect();
         assert_eq!(found, ["INSIGHT-a1: first one", "INSIGHT-b_2: inside json", "INSIGHT-c: third"]);
+    }
+
+    #[test]
+    fn sim_args_have_a_flag_for_every_setting() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: SimArgs,
+        }
+        let cli = Cli::try_parse_from(["sim-llm"]).unwrap();
+        assert_eq!((cli.args.bind.as_str(), &cli.args.sim), ("127.0.0.1:8090", &SimConfig::default()));
+        let cli = Cli::try_parse_from([
+            "sim-llm",
+            "--bind",
+            "0.0.0.0:9",
+            "--seed",
+            "5",
+            "--capacity-k",
+            "3",
+            "--digest-reflections",
+            "4",
+            "--fixed-ms",
+            "1.5",
+            "--per-input-token-ms",
+            "0.1",
+            "--per-output-token-ms",
+            "2",
+            "--rate-429",
+            "0.1",
+            "--retry-after-ms",
+            "10",
+            "--rate-5xx",
+            "0.2",
+            "--rate-hang",
+            "0.3",
+            "--hang-ms",
+            "7",
+            "--rate-malformed",
+            "0.4",
+        ])
+        .unwrap();
+        let want = SimConfig {
+            seed: 5,
+            capacity_k: 3,
+            digest_reflections: 4,
+            fixed_ms: 1.5,
+            per_input_token_ms: 0.1,
+            per_output_token_ms: 2.0,
+            rate_429: 0.1,
+            retry_after_ms: 10,
+            rate_5xx: 0.2,
+            rate_hang: 0.3,
+            hang_ms: 7,
+            rate_malformed: 0.4,
+        };
+        assert_eq!(cli.args.sim, want);
+        assert_eq!(serde_json::from_str::<SimConfig>("{}").unwrap(), SimConfig::default());
+        assert!(serde_json::from_str::<SimConfig>(r#"{"capacity": 3}"#).is_err());
     }
 
     #[test]
