@@ -1,0 +1,252 @@
+//! Settings of the LLM backend: where to send requests, which models play which
+//! role, and the limits that keep a round polite to the provider. The API key is
+//! held in a [`Secret`] so it can never be printed by accident.
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer};
+
+/// A string that must never appear in logs or error messages.
+/// `Debug` and `Display` print `[redacted]`; [`Secret::expose`] is the only way in.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(Secret)
+    }
+}
+
+/// The `[llm]` settings. Every field has a default, unknown fields are rejected.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LlmConfig {
+    /// Base URL of an OpenAI-compatible API; requests go to `{base_url}/chat/completions`.
+    /// When unset or empty: `OPENAI_BASE_URL`, else `https://api.openai.com/v1`.
+    pub base_url: String,
+    /// API key sent as `Authorization: Bearer …`. When empty, `OPENAI_API_KEY` is used;
+    /// when both are empty no `Authorization` header is sent (local servers, the simulator).
+    pub api_key: Secret,
+    /// Model for reflector calls (one per trace). Default `gpt-4o-mini`.
+    pub reflector_model: String,
+    /// Model for aggregator calls (group updates, merges). Default `gpt-4o-mini`.
+    pub aggregator_model: String,
+    /// Sampling temperature sent with every call. Default 0.2.
+    pub temperature: f32,
+    /// Maximum completion tokens per call. Default 4096.
+    pub max_tokens: u32,
+    /// Timeout of one HTTP attempt in seconds (fractions allowed). Default 120.
+    pub request_timeout_secs: f64,
+    /// Retries after the first attempt on 429, 5xx, timeouts and connection errors. Default 5.
+    pub max_retries: u32,
+    /// Backoff before retry i is a uniform random delay in [0, min(backoff_max_ms, backoff_base_ms·2^i)]
+    /// ("full jitter"). Default 500.
+    pub backoff_base_ms: u64,
+    /// Upper bound of any backoff, including a server's `Retry-After`. Default 30000.
+    pub backoff_max_ms: u64,
+    /// Client-side limit of requests per minute across all calls of this process; 0 = unlimited. Default 0.
+    pub requests_per_minute: u32,
+    /// Client-side limit of tokens per minute (estimated as characters/4 before a call, settled
+    /// with the real usage after it); 0 = unlimited. Default 0.
+    pub tokens_per_minute: u64,
+    /// Most LLM requests in flight at once across the whole process. Default 64.
+    pub max_concurrency: usize,
+    /// Price in USD per million prompt tokens, for cost accounting. Default 0 (unknown).
+    pub price_prompt_per_million: f64,
+    /// Price in USD per million completion tokens, for cost accounting. Default 0 (unknown).
+    pub price_completion_per_million: f64,
+}
+
+pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
+
+impl Default for LlmConfig {
+    fn default() -> Self {
+        Self {
+            base_url: String::new(),
+            api_key: Secret::default(),
+            reflector_model: "gpt-4o-mini".to_owned(),
+            aggregator_model: "gpt-4o-mini".to_owned(),
+            temperature: 0.2,
+            max_tokens: 4096,
+            request_timeout_secs: 120.0,
+            max_retries: 5,
+            backoff_base_ms: 500,
+            backoff_max_ms: 30_000,
+            requests_per_minute: 0,
+            tokens_per_minute: 0,
+            max_concurrency: 64,
+            price_prompt_per_million: 0.0,
+            price_completion_per_million: 0.0,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid [llm] setting `{field}`: {reason}")]
+pub struct LlmConfigError {
+    pub field: &'static str,
+    pub reason: &'static str,
+}
+
+impl LlmConfig {
+    /// Fills an empty `api_key` from `OPENAI_API_KEY` and an empty `base_url` from
+    /// `OPENAI_BASE_URL` (falling back to the OpenAI URL).
+    pub fn with_env_fallbacks(self) -> Self {
+        self.with_fallbacks(|name| std::env::var(name).ok())
+    }
+
+    /// [`LlmConfig::with_env_fallbacks`] with the environment passed in, for tests.
+    pub fn with_fallbacks(mut self, env: impl Fn(&str) -> Option<String>) -> Self {
+        if self.api_key.is_empty()
+            && let Some(key) = env("OPENAI_API_KEY").filter(|k| !k.trim().is_empty())
+        {
+            self.api_key = Secret::new(key.trim());
+        }
+        if self.base_url.trim().is_empty() {
+            self.base_url =
+                env("OPENAI_BASE_URL").filter(|u| !u.trim().is_empty()).unwrap_or_else(|| DEFAULT_BASE_URL.to_owned());
+        }
+        self.base_url = self.base_url.trim().trim_end_matches('/').to_owned();
+        self
+    }
+
+    /// Rejects settings that would make every call fail or hang.
+    pub fn validate(&self) -> Result<(), LlmConfigError> {
+        let err = |field, reason| Err(LlmConfigError { field, reason });
+        if !(self.base_url.starts_with("http://") || self.base_url.starts_with("https://")) {
+            return err("base_url", "must start with http:// or https://");
+        }
+        if self.reflector_model.trim().is_empty() {
+            return err("reflector_model", "must not be empty");
+        }
+        if self.aggregator_model.trim().is_empty() {
+            return err("aggregator_model", "must not be empty");
+        }
+        if !(self.request_timeout_secs.is_finite() && self.request_timeout_secs > 0.0) {
+            return err("request_timeout_secs", "must be a positive number");
+        }
+        if !(self.temperature.is_finite() && (0.0..=2.0).contains(&self.temperature)) {
+            return err("temperature", "must be between 0 and 2");
+        }
+        if self.max_concurrency == 0 {
+            return err("max_concurrency", "must be at least 1");
+        }
+        if self.max_tokens == 0 {
+            return err("max_tokens", "must be at least 1");
+        }
+        if self.backoff_max_ms < self.backoff_base_ms {
+            return err("backoff_max_ms", "must be at least backoff_base_ms");
+        }
+        for (field, price) in [
+            ("price_prompt_per_million", self.price_prompt_per_million),
+            ("price_completion_per_million", self.price_completion_per_million),
+        ] {
+            if !(price.is_finite() && price >= 0.0) {
+                return err(field, "must be a non-negative number");
+            }
+        }
+        Ok(())
+    }
+
+    /// A request for `role` with the configured model, temperature and token limit.
+    pub fn request(&self, role: super::LlmRole, messages: Vec<super::ChatMessage>, json: bool) -> super::ChatRequest {
+        let model = match role {
+            super::LlmRole::Reflector => &self.reflector_model,
+            super::LlmRole::Aggregator => &self.aggregator_model,
+        };
+        super::ChatRequest {
+            model: model.clone(),
+            messages,
+            temperature: Some(self.temperature),
+            max_tokens: Some(self.max_tokens),
+            json,
+        }
+    }
+
+    /// Cost in USD of one call with these prices.
+    pub fn cost_usd(&self, usage: super::Usage) -> f64 {
+        (usage.prompt_tokens as f64 * self.price_prompt_per_million
+            + usage.completion_tokens as f64 * self.price_completion_per_million)
+            / 1_000_000.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_unknown_fields() {
+        let c: LlmConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(c, LlmConfig::default());
+        assert_eq!(c.max_concurrency, 64);
+        let c = c.with_fallbacks(|_| None);
+        assert_eq!(c.base_url, DEFAULT_BASE_URL);
+        assert!(c.validate().is_ok());
+        assert!(serde_json::from_str::<LlmConfig>(r#"{"max_retry": 3}"#).is_err());
+        let c: LlmConfig = serde_json::from_str(r#"{"request_timeout_secs": 2}"#).unwrap();
+        assert_eq!(c.request_timeout_secs, 2.0);
+    }
+
+    #[test]
+    fn secret_never_prints() {
+        let c: LlmConfig = serde_json::from_str(r#"{"api_key": "sk-very-secret"}"#).unwrap();
+        assert_eq!(c.api_key.expose(), "sk-very-secret");
+        let shown = format!("{c:?} {}", c.api_key);
+        assert!(!shown.contains("sk-very-secret"));
+        assert!(shown.contains("[redacted]"));
+    }
+
+    #[test]
+    fn env_fallbacks_fill_only_empty_fields() {
+        let env = |k: &str| match k {
+            "OPENAI_API_KEY" => Some("sk-env".to_owned()),
+            "OPENAI_BASE_URL" => Some("http://localhost:8090/v1/".to_owned()),
+            _ => None,
+        };
+        let c = LlmConfig::default().with_fallbacks(env);
+        assert_eq!(c.api_key.expose(), "sk-env");
+        assert_eq!(c.base_url, "http://localhost:8090/v1");
+        let c =
+            LlmConfig { api_key: Secret::new("sk-file"), base_url: "https://x.test/v1".into(), ..Default::default() }
+                .with_fallbacks(env);
+        assert_eq!(c.api_key.expose(), "sk-file");
+        assert_eq!(c.base_url, "https://x.test/v1");
+        let c = LlmConfig { base_url: String::new(), ..Default::default() }.with_fallbacks(|_| None);
+        assert_eq!(c.base_url, DEFAULT_BASE_URL);
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let ok = LlmConfig::default().with_fallbacks(|_| None);
+        assert_eq!(LlmConfig::default().validate().unwrap_err().field, "base_url");
+        let c = LlmConfig { max_concurrency: 0, ..ok.clone() };
+        assert_eq!(c.validate().unwrap_err().field, "max_concurrency");
+        let c = LlmConfig { request_timeout_secs: f64::NAN, ..ok };
+        assert_eq!(c.validate().unwrap_err().field, "request_timeout_secs");
+    }
+}
