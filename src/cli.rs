@@ -33,6 +33,8 @@ pub enum Command {
     /// Manage API keys directly in the store.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Run the OpenAI-compatible LLM simulator used by tests and benchmarks (a simulation, not a model).
+    SimLlm(crate::llm::sim::SimArgs),
 }
 
 #[derive(Debug, Args)]
@@ -82,6 +84,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Keys(cmd) => keys(settings, cmd).await,
+        Command::SimLlm(args) => {
+            telemetry::init_logging(&settings.log);
+            let listener = tokio::net::TcpListener::bind(&args.bind)
+                .await
+                .with_context(|| format!("cannot listen on {}", args.bind))?;
+            eprintln!("combee sim-llm (simulated LLM) listening on {}", listener.local_addr()?);
+            let shutdown = async {
+                let _ = tokio::signal::ctrl_c().await;
+            };
+            crate::llm::sim::serve_simulator(listener, args.sim, shutdown).await?;
+            Ok(())
+        }
     }
 }
 

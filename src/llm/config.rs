@@ -2,44 +2,10 @@
 //! role, and the limits that keep a round polite to the provider. The API key is
 //! held in a [`Secret`] so it can never be printed by accident.
 
-use std::fmt;
-
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 
 /// A string that must never appear in logs or error messages.
-/// `Debug` and `Display` print `[redacted]`; [`Secret::expose`] is the only way in.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
-
-impl<'de> Deserialize<'de> for Secret {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d).map(Secret)
-    }
-}
+pub use crate::config::Secret;
 
 /// The `[llm]` settings. Every field has a default, unknown fields are rejected.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
