@@ -615,7 +615,8 @@ impl Store for PgStore {
         // unknown fall out of the join and are detected by the count.
         let inserted = sqlx::query(
             "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
-             SELECT t.id, p.id, t.prompt_version, t.input, t.trajectory, t.output, t.feedback, t.reflection, t.external_id, t.metadata
+             SELECT t.id, p.id, t.prompt_version, t.input, COALESCE(t.trajectory, 'null'::jsonb), COALESCE(t.output, 'null'::jsonb),
+                    t.feedback, t.reflection, t.external_id, t.metadata
              FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
                   output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
              JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)",

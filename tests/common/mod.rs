@@ -1,0 +1,175 @@
+//! Test harness: real stores (a fresh Postgres database per test, a fresh
+//! SQLite file per test) and the real server on port 0.
+#![allow(dead_code)]
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use combee::{
+    app::Application,
+    config::{Secret, Settings},
+    store::{self, DynStore},
+};
+use serde_json::{Value, json};
+use sqlx::Connection;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+/// The Postgres server the test command started (`scripts/test`).
+pub fn pg_admin_url() -> String {
+    std::env::var("COMBEE_TEST_DATABASE_URL")
+        .or_else(|_| std::env::var("DATABASE_URL"))
+        .expect("Postgres tests need a server: run `scripts/test` (it starts one), or set COMBEE_TEST_DATABASE_URL")
+}
+
+/// A new, empty database on the test server; returns its URL.
+pub async fn fresh_pg_database() -> String {
+    let admin = pg_admin_url();
+    let name = format!("combee_test_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(&admin).await.expect("connect to the test Postgres");
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.expect("create test database");
+    let (base, _) = admin.rsplit_once('/').expect("database URL has a path");
+    format!("{base}/{name}")
+}
+
+pub struct TestStore {
+    pub store: DynStore,
+    pub url: String,
+    pub dir: tempfile::TempDir,
+}
+
+pub async fn test_store(backend: Backend) -> TestStore {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = match backend {
+        Backend::Postgres => fresh_pg_database().await,
+        Backend::Sqlite => format!("sqlite://{}", dir.path().join("combee.db").display()),
+    };
+    let store = store::connect(&url, 16, Duration::from_secs(10)).await.expect("open store");
+    TestStore { store, url, dir }
+}
+
+pub struct TestApp {
+    pub addr: SocketAddr,
+    pub base: String,
+    pub http: reqwest::Client,
+    pub admin_key: String,
+    pub store: DynStore,
+    pub url: String,
+    pub data_dir: PathBuf,
+    pub shutdown: CancellationToken,
+    pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
+    _dir: tempfile::TempDir,
+}
+
+pub fn settings_for(url: &str, data_dir: &std::path::Path) -> Settings {
+    let mut s = Settings::default();
+    s.server.bind = SocketAddr::from(([127, 0, 0, 1], 0));
+    s.database.url = Secret::new(url);
+    s.database.data_dir = data_dir.to_path_buf();
+    s.limits.max_body_bytes = 256 * 1024;
+    s.limits.max_traces_per_batch = 50;
+    s.limits.max_trace_bytes = 32 * 1024;
+    s.limits.max_field_bytes = 8 * 1024;
+    s.limits.max_prompt_bytes = 16 * 1024;
+    s
+}
+
+pub async fn spawn_app(backend: Backend) -> TestApp {
+    spawn_app_with(backend, |_| {}).await
+}
+
+pub async fn spawn_app_with(backend: Backend, tweak: impl FnOnce(&mut Settings)) -> TestApp {
+    let TestStore { store, url, dir } = test_store(backend).await;
+    let data_dir = dir.path().join("data");
+    let mut settings = settings_for(&url, &data_dir);
+    tweak(&mut settings);
+    let app = Application::build_with_store(settings, store.clone()).await.expect("build app");
+    let addr = app.local_addr();
+    let shutdown = app.shutdown_token();
+    let server = tokio::spawn(app.run_until_stopped());
+    let admin_key = std::fs::read_to_string(data_dir.join("admin-key")).expect("admin key file").trim().to_owned();
+    TestApp {
+        addr,
+        base: format!("http://{addr}"),
+        http: reqwest::Client::new(),
+        admin_key,
+        store,
+        url,
+        data_dir,
+        shutdown,
+        server,
+        _dir: dir,
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.http.get(self.url(path)).bearer_auth(&self.admin_key)
+    }
+
+    pub fn post(&self, path: &str, body: Value) -> reqwest::RequestBuilder {
+        self.http.post(self.url(path)).bearer_auth(&self.admin_key).json(&body)
+    }
+
+    pub fn put(&self, path: &str, body: Value) -> reqwest::RequestBuilder {
+        self.http.put(self.url(path)).bearer_auth(&self.admin_key).json(&body)
+    }
+
+    pub async fn create_prompt(&self, name: &str) -> Value {
+        let res =
+            self.post("/v1/prompts", json!({"name": name, "base": "You are a helpful agent."})).send().await.unwrap();
+        assert_eq!(res.status(), 201, "create prompt {name}");
+        res.json().await.unwrap()
+    }
+
+    /// A key with exactly these scopes.
+    pub async fn key_with(&self, scopes: &[&str]) -> String {
+        let res = self.post("/v1/keys", json!({"name": "test", "scopes": scopes})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        res.json::<Value>().await.unwrap()["secret"].as_str().unwrap().to_owned()
+    }
+}
+
+/// Asserts an RFC 9457 problem with this status and returns its body.
+pub async fn expect_problem(res: reqwest::Response, status: u16) -> Value {
+    assert_eq!(res.status().as_u16(), status, "status");
+    assert_eq!(
+        res.headers().get("content-type").and_then(|v| v.to_str().ok()),
+        Some("application/problem+json"),
+        "content type"
+    );
+    let body: Value = res.json().await.expect("problem body is JSON");
+    assert_eq!(body["status"], status);
+    assert!(body["type"].as_str().unwrap().starts_with("urn:combee:problem:"));
+    assert!(!body["detail"].as_str().unwrap().is_empty(), "a useful detail");
+    body
+}
+
+/// Generates one test per backend from an async fn taking a `Backend`.
+#[macro_export]
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name($crate::common::Backend::Postgres).await })*
+        }
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name($crate::common::Backend::Sqlite).await })*
+        }
+    };
+}
