@@ -87,7 +87,11 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
         .enumerate()
         .map(|(i, item)| {
             let at = |msg: String| if batch { format!("traces[{i}]: {msg}") } else { msg };
-            let t: NewTrace = serde_json::from_value(item).map_err(|e| ApiError::Unprocessable(at(e.to_string())))?;
+            let t: NewTrace = serde_path_to_error::deserialize(item).map_err(|e| {
+                let path = e.path().to_string();
+                let msg = if path == "." { e.inner().to_string() } else { format!("{path}: {}", e.inner()) };
+                ApiError::Unprocessable(at(msg))
+            })?;
             t.validate(limits).map_err(|e| {
                 if e.is_size() {
                     ApiError::PayloadTooLarge(at(e.to_string()))
