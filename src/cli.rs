@@ -30,6 +30,13 @@ pub enum Command {
     Serve(ServeArgs),
     /// Apply database migrations and exit.
     Migrate,
+    /// Print the effective configuration after all layers (secrets redacted).
+    Config,
+    /// Exit 0 when the server at URL answers /readyz (for container health checks).
+    Health {
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+    },
     /// Manage API keys directly in the store.
     #[command(subcommand)]
     Keys(KeysCommand),
@@ -84,6 +91,26 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Keys(cmd) => keys(settings, cmd).await,
+        Command::Health { url } => {
+            let res = reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(3))
+                .build()?
+                .get(format!("{}/readyz", url.trim_end_matches('/')))
+                .send()
+                .await
+                .context("server unreachable")?;
+            anyhow::ensure!(res.status().is_success(), "not ready: HTTP {}", res.status());
+            println!("ready");
+            Ok(())
+        }
+        Command::Config => {
+            println!("{settings:#?}");
+            println!(
+                "store: {}",
+                if settings.database.url.is_empty() { "sqlite (embedded)" } else { "from database.url" }
+            );
+            Ok(())
+        }
         Command::SimLlm(args) => {
             telemetry::init_logging(&settings.log);
             let listener = tokio::net::TcpListener::bind(&args.bind)

@@ -70,7 +70,10 @@ async fn prompt_lifecycle(b: Backend) {
     let res = app.post("/v1/prompts/support-agent/rollback", json!({"to": 1})).send().await.unwrap();
     assert_eq!(res.status(), 201);
     let v3: Value = res.json().await.unwrap();
-    assert_eq!((v3["number"].as_i64(), v3["source"].as_str(), v3["parent"].as_i64()), (Some(3), Some("rollback"), Some(2)));
+    assert_eq!(
+        (v3["number"].as_i64(), v3["source"].as_str(), v3["parent"].as_i64()),
+        (Some(3), Some("rollback"), Some(2))
+    );
     let now: Value = app.get("/v1/prompts/support-agent").send().await.unwrap().json().await.unwrap();
     assert_eq!((now["version"].as_i64(), now["text"].as_str()), (Some(3), Some("You are a helpful agent.")));
     // Rollback with a stale If-Match is refused.
@@ -83,7 +86,8 @@ async fn prompt_lifecycle(b: Backend) {
     expect_problem(res, 412).await;
 
     // History newest first, with a cursor.
-    let page: Value = app.get("/v1/prompts/support-agent/versions?page_size=2").send().await.unwrap().json().await.unwrap();
+    let page: Value =
+        app.get("/v1/prompts/support-agent/versions?page_size=2").send().await.unwrap().json().await.unwrap();
     let numbers: Vec<_> = page["versions"].as_array().unwrap().iter().map(|v| v["number"].as_i64().unwrap()).collect();
     assert_eq!(numbers, vec![3, 2]);
     let token = page["next_page_token"].as_str().unwrap();
@@ -123,11 +127,8 @@ async fn playbook_diff_and_candidate_label(b: Backend) {
     assert_eq!(bullets[0]["id"], "b-0001");
     let edited = json!({"sections": [{"name": "tips", "bullets": [
         {"id": "b-0001", "content": "keep"}, {"id": "b-0002", "content": "changed"}, {"content": "brand new"}]}]});
-    let res = app
-        .post("/v1/prompts/pb/versions", json!({"playbook": edited, "labels": ["candidate"]}))
-        .send()
-        .await
-        .unwrap();
+    let res =
+        app.post("/v1/prompts/pb/versions", json!({"playbook": edited, "labels": ["candidate"]})).send().await.unwrap();
     assert_eq!(res.status(), 201);
     let v2: Value = res.json().await.unwrap();
     assert_eq!(v2["labels"], json!(["candidate"]));
@@ -148,9 +149,11 @@ async fn playbook_diff_and_candidate_label(b: Backend) {
     expect_problem(app.get("/v1/prompts/pb/diff?from=x&to=2").send().await.unwrap(), 400).await;
 
     // Labels: production cannot be deleted; others can.
-    let res = app.http.delete(app.url("/v1/prompts/pb/labels/production")).bearer_auth(&app.admin_key).send().await.unwrap();
+    let res =
+        app.http.delete(app.url("/v1/prompts/pb/labels/production")).bearer_auth(&app.admin_key).send().await.unwrap();
     expect_problem(res, 422).await;
-    let res = app.http.delete(app.url("/v1/prompts/pb/labels/candidate")).bearer_auth(&app.admin_key).send().await.unwrap();
+    let res =
+        app.http.delete(app.url("/v1/prompts/pb/labels/candidate")).bearer_auth(&app.admin_key).send().await.unwrap();
     assert_eq!(res.status(), 204);
     expect_problem(app.get("/v1/prompts/pb?label=candidate").send().await.unwrap(), 404).await;
 }
@@ -166,7 +169,10 @@ async fn prompt_input_is_validated(b: Backend) {
         (json!({"name": "q", "base": 5}), 422),
         (json!({"name": "q", "base": "x", "strategy": "magic"}), 422),
         (json!({"name": "q", "base": "x", "strategy": "rewrite", "playbook": {"sections": []}}), 422),
-        (json!({"name": "q", "base": "x", "playbook": {"sections": [{"name": "a", "bullets": [{"id": "zz", "content": "c"}]}]}}), 422),
+        (
+            json!({"name": "q", "base": "x", "playbook": {"sections": [{"name": "a", "bullets": [{"id": "zz", "content": "c"}]}]}}),
+            422,
+        ),
         (json!({"name": "q", "base": "x".repeat(17 * 1024)}), 413),
         (json!({"name": "q", "base": "x", "settings": {"duplication": 0}}), 422),
     ];
@@ -214,7 +220,8 @@ async fn prompts_list_paginates(b: Backend) {
     assert_eq!(names, vec!["a", "b"]);
     assert_eq!(page["prompts"][0]["production_version"], 1);
     let token = page["next_page_token"].as_str().unwrap();
-    let rest: Value = app.get(&format!("/v1/prompts?page_size=2&page_token={token}")).send().await.unwrap().json().await.unwrap();
+    let rest: Value =
+        app.get(&format!("/v1/prompts?page_size=2&page_token={token}")).send().await.unwrap().json().await.unwrap();
     assert_eq!(rest["prompts"][0]["name"], "c");
     assert!(rest["next_page_token"].is_null());
 }
@@ -245,11 +252,18 @@ async fn traces_ingest_list_and_feedback(b: Backend) {
     assert_eq!((t["status"].as_str(), t["prompt_version"].as_i64()), (Some("pending"), Some(1)));
     assert_eq!(t["metadata"]["agent"], "a1");
 
-    let page: Value = app.get("/v1/traces?prompt=p&status=pending&page_size=4").send().await.unwrap().json().await.unwrap();
+    let page: Value =
+        app.get("/v1/traces?prompt=p&status=pending&page_size=4").send().await.unwrap().json().await.unwrap();
     assert_eq!(page["traces"].as_array().unwrap().len(), 4);
     let token = page["next_page_token"].as_str().unwrap();
-    let rest: Value =
-        app.get(&format!("/v1/traces?prompt=p&page_size=4&page_token={token}")).send().await.unwrap().json().await.unwrap();
+    let rest: Value = app
+        .get(&format!("/v1/traces?prompt=p&page_size=4&page_token={token}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(rest["traces"].as_array().unwrap().len(), 2);
     let none: Value = app.get("/v1/traces?status=consumed").send().await.unwrap().json().await.unwrap();
     assert!(none["traces"].as_array().unwrap().is_empty());
@@ -260,11 +274,16 @@ async fn traces_ingest_list_and_feedback(b: Backend) {
     expect_problem(app.get("/v1/traces?since=yesterday").send().await.unwrap(), 400).await;
 
     // Late feedback.
-    let res = app.post(&format!("/v1/traces/{id}/feedback"), json!({"comment": "actually wrong", "success": false})).send().await.unwrap();
+    let res = app
+        .post(&format!("/v1/traces/{id}/feedback"), json!({"comment": "actually wrong", "success": false}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(res.status(), 200);
     let t: Value = res.json().await.unwrap();
     assert_eq!((t["feedback"]["success"].as_bool(), t["feedback"]["score"].as_f64()), (Some(false), Some(1.0)));
-    expect_problem(app.post(&format!("/v1/traces/{id}/feedback"), json!({"stars": 5})).send().await.unwrap(), 422).await;
+    expect_problem(app.post(&format!("/v1/traces/{id}/feedback"), json!({"stars": 5})).send().await.unwrap(), 422)
+        .await;
     let ghost = uuid::Uuid::now_v7();
     expect_problem(app.post(&format!("/v1/traces/{ghost}/feedback"), json!({})).send().await.unwrap(), 404).await;
     expect_problem(app.get("/v1/traces/not-a-uuid").send().await.unwrap(), 404).await;

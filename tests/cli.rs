@@ -1,0 +1,84 @@
+//! The `combee` binary itself: configuration layering, secrets kept out of
+//! output, and key administration against a real store.
+
+use std::process::Command;
+
+fn combee(config_dir: &std::path::Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_combee"));
+    cmd.env("COMBEE_CONFIG_DIR", config_dir).env_remove("DATABASE_URL").env_remove("COMBEE_ENV");
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("COMBEE__")) {
+        cmd.env_remove(k);
+    }
+    cmd
+}
+
+fn stdout(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("run combee");
+    assert!(out.status.success(), "combee failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn config_layers_defaults_file_env_file_and_env_vars() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("default.toml"), "[server]\nbind = \"127.0.0.1:7001\"\nrequest_timeout_secs = 11\n")
+        .unwrap();
+    std::fs::write(dir.path().join("staging.toml"), "[server]\nbind = \"127.0.0.1:7002\"\n").unwrap();
+
+    let out = stdout(combee(dir.path()).arg("config"));
+    assert!(out.contains("127.0.0.1:7001") && out.contains("request_timeout_secs: 11"), "{out}");
+    assert!(out.contains("max_traces_per_batch: 500"), "code defaults fill the rest");
+
+    let mut cmd = combee(dir.path());
+    cmd.arg("config").env("COMBEE_ENV", "staging");
+    assert!(stdout(&mut cmd).contains("127.0.0.1:7002"));
+
+    let mut cmd = combee(dir.path());
+    cmd.arg("config")
+        .env("COMBEE_ENV", "staging")
+        .env("COMBEE__SERVER__BIND", "127.0.0.1:7003")
+        .env("DATABASE_URL", "postgres://user:hunter2@db.internal/combee");
+    let out = stdout(&mut cmd);
+    assert!(out.contains("127.0.0.1:7003"), "env vars win");
+    assert!(!out.contains("hunter2") && out.contains("[redacted]"), "secrets never printed: {out}");
+}
+
+#[test]
+fn bad_configuration_is_reported_without_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("default.toml"), "[server]\nbind = \"not an address\"\n").unwrap();
+    let out = combee(dir.path()).arg("config").env("DATABASE_URL", "postgres://u:hunter2@h/d").output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bind") && !err.contains("hunter2"), "{err}");
+    let mut cmd = combee(dir.path());
+    cmd.arg("config").env("COMBEE__LIMITS__MAX_PAGE_SIZE", "0");
+    std::fs::write(dir.path().join("default.toml"), "").unwrap();
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_page_size must be greater than 0"));
+}
+
+#[test]
+fn keys_create_list_revoke_on_the_embedded_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let run = |args: &[&str]| {
+        let mut cmd = combee(dir.path());
+        cmd.args(args).env("COMBEE__DATABASE__DATA_DIR", &data);
+        cmd.output().unwrap()
+    };
+    let out = run(&["keys", "create", "--name", "agent-1", "--scopes", "traces:write,prompts:read"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let secret = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    assert!(secret.starts_with("cmb_") && secret.len() == 44);
+    let list = String::from_utf8(run(&["keys", "list"]).stdout).unwrap();
+    assert!(list.contains("agent-1") && list.contains("traces:write,prompts:read") && list.contains("active"));
+    assert!(!list.contains(&secret[12..]), "secrets are never listed");
+    assert!(run(&["keys", "revoke", &secret[..12]]).status.success());
+    assert!(String::from_utf8(run(&["keys", "list"]).stdout).unwrap().contains("revoked"));
+    let bad = run(&["keys", "create", "--scopes", "root"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown scope"));
+    assert!(run(&["migrate"]).status.success());
+}
