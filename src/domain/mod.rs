@@ -7,6 +7,7 @@ pub mod learning;
 pub mod names;
 pub mod playbook;
 pub mod prompt;
+pub mod round;
 pub mod trace;
 
 pub use learning::{BulletTag, BulletTagKind, DeltaOp, Reflection};

@@ -16,11 +16,15 @@ impl Migration {
     }
 }
 
-pub const POSTGRES: &[Migration] =
-    &[Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/postgres/0001_foundation.sql") }];
+pub const POSTGRES: &[Migration] = &[
+    Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/postgres/0001_foundation.sql") },
+    Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/postgres/0002_rounds.sql") },
+];
 
-pub const SQLITE: &[Migration] =
-    &[Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/sqlite/0001_foundation.sql") }];
+pub const SQLITE: &[Migration] = &[
+    Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/sqlite/0001_foundation.sql") },
+    Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/sqlite/0002_rounds.sql") },
+];
 
 #[cfg(test)]
 mod tests {

@@ -16,9 +16,16 @@ use tokio::sync::broadcast;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use crate::domain::{
-    Feedback, LabelName, Promotion, Prompt, PromptName, PromptSettings, Strategy, Trace, TraceStatus, Version,
-    prompt::NewVersion, trace::ValidTrace,
+use crate::{
+    domain::{
+        Feedback, LabelName, Promotion, Prompt, PromptName, PromptSettings, Reflection, Strategy, Trace, TraceStatus,
+        Version,
+        prompt::NewVersion,
+        round::{Round, RoundTrigger},
+        trace::ValidTrace,
+    },
+    learn::grouping::Method,
+    llm::LlmCall,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +79,8 @@ pub enum Change {
     Prompt(String),
     /// An API key was created or revoked.
     Keys,
+    /// A round was queued or re-queued: workers may wake up.
+    RoundQueued,
     /// Notifications may have been missed (listener reconnected): drop everything.
     Resync,
 }
@@ -217,6 +226,59 @@ pub struct PromptSummary {
     pub pending_traces: i64,
 }
 
+/// A request to open a round over a prompt's oldest pending traces.
+#[derive(Debug, Clone)]
+pub struct OpenRound {
+    pub prompt: PromptName,
+    pub trigger: RoundTrigger,
+    pub method: Method,
+    /// Take at most this many traces.
+    pub batch: u32,
+    /// Open nothing when fewer traces are pending.
+    pub min_traces: u32,
+    pub seed: i64,
+}
+
+/// A prompt's learning backlog, for the scheduler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Backlog {
+    pub prompt: Prompt,
+    /// Pending traces not reserved by a round.
+    pub pending: i64,
+    pub oldest: Option<DateTime<Utc>>,
+    /// A round is queued or running.
+    pub active_round: bool,
+}
+
+/// A round a worker now holds the lease of, with everything needed to run it.
+#[derive(Debug, Clone)]
+pub struct ClaimedRound {
+    pub round: Round,
+    pub prompt: Prompt,
+    pub base: Version,
+    pub traces: Vec<Trace>,
+}
+
+/// One stored LLM call of a round.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RoundCall {
+    pub attempt: i32,
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub call: LlmCall,
+    pub created_at: DateTime<Utc>,
+}
+
+/// How a round ends when it cannot publish.
+#[derive(Debug, Clone)]
+pub enum RoundFailure {
+    /// Try again later (same traces, same seed) — after `after`.
+    Retry { after: std::time::Duration },
+    /// Give up: the traces return to pending with one more attempt counted;
+    /// those at `max_trace_attempts` are marked failed with the reason.
+    GiveUp { max_trace_attempts: i32 },
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     fn kind(&self) -> StoreKind;
@@ -270,6 +332,63 @@ pub trait Store: Send + Sync + 'static {
     async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()>;
     /// Deletes keys older than the retention; returns how many.
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
+
+    // Rounds
+    /// Reserves up to `batch` of the prompt's oldest pending traces for a new
+    /// queued round. `None` when fewer than `min_traces` are pending;
+    /// `AlreadyExists` when the prompt has a round in flight.
+    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>>;
+    /// Per prompt: unreserved pending traces, the oldest one's age, whether a round is in flight.
+    async fn backlogs(&self) -> StoreResult<Vec<Backlog>>;
+    /// Takes the lease of the oldest claimable round (queued and due, or
+    /// running with an expired lease) and bumps its attempt number.
+    async fn claim_round(&self, owner: &str, lease: std::time::Duration) -> StoreResult<Option<ClaimedRound>>;
+    /// Extends the lease; false when this attempt no longer holds it.
+    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: std::time::Duration) -> StoreResult<bool>;
+    /// Stores a reflection once (a repeat for the same trace is ignored).
+    async fn save_reflection(
+        &self,
+        round: Uuid,
+        trace: Uuid,
+        reflection: &Reflection,
+        from_trace: bool,
+    ) -> StoreResult<()>;
+    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>>;
+    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()>;
+    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>>;
+    /// Saves progress (k, phase timings, group outputs); false when the lease was lost.
+    async fn update_round(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        k: Option<i32>,
+        detail: &serde_json::Value,
+    ) -> StoreResult<bool>;
+    /// In one transaction, fenced by the attempt: writes the version, moves
+    /// `label` to it, marks the round's traces consumed and the round succeeded.
+    /// `Conflict` when the lease was lost.
+    async fn publish_round(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        version: NewVersion,
+        label: LabelName,
+        detail: &serde_json::Value,
+    ) -> StoreResult<Version>;
+    /// Ends an attempt that could not publish (fenced by the attempt).
+    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()>;
+    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>>;
+    /// Newest first, optionally for one prompt, before a round id (cursor).
+    async fn list_rounds(
+        &self,
+        prompt: Option<&PromptName>,
+        before: Option<Uuid>,
+        limit: u32,
+    ) -> StoreResult<Vec<Round>>;
+    /// The trace ids a round reserved, in batch order.
+    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
+    /// True the first time an inbound webhook id is seen.
+    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool>;
 }
 
 pub type DynStore = Arc<dyn Store>;

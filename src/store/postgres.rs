@@ -16,13 +16,19 @@ use tokio::{sync::broadcast, task::JoinHandle};
 use uuid::Uuid;
 
 use super::{
-    ApiKey, Change, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, PromptSummary, Resolved,
-    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceFilter, migrate, scopes_from_string,
-    scopes_to_string,
+    ApiKey, Backlog, Change, ClaimedRound, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt,
+    OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind,
+    StoreResult, TraceFilter, migrate, scopes_from_string, scopes_to_string,
 };
-use crate::domain::{
-    Feedback, LabelName, Prompt, PromptName, Trace, TraceStatus, Version, VersionContent, VersionSource,
-    prompt::NewVersion, trace::ValidTrace,
+use crate::{
+    domain::{
+        Feedback, LabelName, Prompt, PromptName, Reflection, Trace, TraceStatus, Version, VersionContent,
+        VersionSource,
+        prompt::NewVersion,
+        round::{self, Round, RoundStatus, RoundTrigger},
+        trace::ValidTrace,
+    },
+    llm::LlmCall,
 };
 
 const CHANNEL: &str = "combee_changes";
@@ -134,6 +140,7 @@ async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
                     let change = match n.payload().split_once(':') {
                         Some(("prompt", name)) => Change::Prompt(name.to_owned()),
                         _ if n.payload() == "keys" => Change::Keys,
+                        _ if n.payload() == "round" => Change::RoundQueued,
                         _ => Change::Resync,
                     };
                     let _ = tx.send(change);
@@ -769,9 +776,451 @@ impl Store for PgStore {
             .await?
             .rows_affected())
     }
+
+    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
+        let mut tx = self.pool.begin().await?;
+        // The prompt row lock serialises round creation per prompt.
+        let row = sqlx::query("SELECT id, strategy, settings FROM prompts WHERE name = $1 FOR UPDATE")
+            .bind(req.prompt.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let prompt_id: Uuid = row.try_get("id")?;
+        let strategy: String = row.try_get("strategy")?;
+        let settings: crate::domain::PromptSettings =
+            serde_json::from_value(row.try_get("settings")?).map_err(|_| corrupt("settings"))?;
+        let active: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM rounds WHERE prompt_id = $1 AND status IN ('queued', 'running'))",
+        )
+        .bind(prompt_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if active {
+            return Err(StoreError::AlreadyExists);
+        }
+        let ids: Vec<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL
+             ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(prompt_id)
+        .bind(i64::from(req.batch))
+        .fetch_all(&mut *tx)
+        .await?;
+        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
+            return Ok(None);
+        }
+        let base: i64 = sqlx::query_scalar(
+            "SELECT COALESCE((SELECT version FROM labels WHERE prompt_id = $1 AND name = 'production'),
+                             (SELECT version_count FROM prompts WHERE id = $1))",
+        )
+        .bind(prompt_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        let id = Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(id)
+        .bind(prompt_id)
+        .bind(req.trigger.as_str())
+        .bind(round::method_str(req.method))
+        .bind(&strategy)
+        .bind(req.seed)
+        .bind(settings.duplication as i32)
+        .bind(ids.len() as i32)
+        .bind(base)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO round_traces (round_id, trace_id, position)
+             SELECT $1, t.id, t.ord FROM unnest($2::uuid[]) WITH ORDINALITY AS t(id, ord)",
+        )
+        .bind(id)
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE traces SET round_id = $1, updated_at = now() WHERE id = ANY($2)")
+            .bind(id)
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        notify(&mut tx, "round").await?;
+        tx.commit().await?;
+        self.load_round(id).await
+    }
+
+    async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
+        let rows = sqlx::query(
+            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS pending,
+                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS oldest,
+                    EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
+             FROM prompts p ORDER BY p.name",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(Backlog {
+                    prompt: prompt_from_row(r)?,
+                    pending: r.try_get("pending")?,
+                    oldest: r.try_get("oldest")?,
+                    active_round: r.try_get("active")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
+        let id: Option<Uuid> = sqlx::query_scalar(
+            "WITH c AS (
+                 SELECT id FROM rounds
+                 WHERE (status = 'queued' AND not_before <= now()) OR (status = 'running' AND lease_expires_at < now())
+                 ORDER BY created_at FOR UPDATE SKIP LOCKED LIMIT 1)
+             UPDATE rounds r SET status = 'running', attempt = r.attempt + 1, lease_owner = $1,
+                    lease_expires_at = now() + make_interval(secs => $2), started_at = COALESCE(r.started_at, now()),
+                    updated_at = now()
+             FROM c WHERE r.id = c.id RETURNING r.id",
+        )
+        .bind(owner)
+        .bind(lease.as_secs_f64())
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(id) = id else { return Ok(None) };
+        let round = self.load_round(id).await?.ok_or(StoreError::NotFound)?;
+        let prompt = self.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
+        let base = self
+            .resolve(&round.prompt, &Selector::Version(round.base_version))
+            .await?
+            .ok_or_else(|| corrupt("round base version"))?
+            .version;
+        let traces = sqlx::query(&format!(
+            "SELECT {TRACE_COLUMNS} FROM round_traces rt JOIN traces t ON t.id = rt.trace_id
+             JOIN prompts p ON p.id = t.prompt_id WHERE rt.round_id = $1 ORDER BY rt.position"
+        ))
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(trace_from_row)
+        .collect::<StoreResult<Vec<_>>>()?;
+        Ok(Some(ClaimedRound { round, prompt, base, traces }))
+    }
+
+    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
+        let n = sqlx::query(
+            "UPDATE rounds SET lease_expires_at = now() + make_interval(secs => $3), updated_at = now()
+             WHERE id = $1 AND attempt = $2 AND status = 'running'",
+        )
+        .bind(round)
+        .bind(attempt)
+        .bind(lease.as_secs_f64())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace) VALUES ($1, $2, $3, $4)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(round)
+        .bind(trace)
+        .bind(serde_json::to_value(r).map_err(|_| corrupt("reflection"))?)
+        .bind(from_trace)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
+        sqlx::query("SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = $1 ORDER BY created_at, trace_id")
+            .bind(round)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|row| {
+                let r: Value = row.try_get("reflection")?;
+                Ok((
+                    row.try_get("trace_id")?,
+                    serde_json::from_value(r).map_err(|_| corrupt("reflection"))?,
+                    row.try_get("from_trace")?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        )
+        .bind(round)
+        .bind(attempt)
+        .bind(serde_json::to_value(call.role).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default())
+        .bind(&call.model)
+        .bind(call.prompt_tokens as i64)
+        .bind(call.completion_tokens as i64)
+        .bind(call.cost_usd)
+        .bind(call.latency_ms as i64)
+        .bind(call.retries as i32)
+        .bind(&call.error)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
+        sqlx::query(
+            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
+             FROM llm_calls WHERE round_id = $1 ORDER BY id",
+        )
+        .bind(round)
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|row| {
+            let role: String = row.try_get("role")?;
+            Ok(RoundCall {
+                attempt: row.try_get("attempt")?,
+                call: LlmCall {
+                    role: serde_json::from_value(Value::String(role)).map_err(|_| corrupt("llm role"))?,
+                    model: row.try_get("model")?,
+                    prompt_tokens: row.try_get::<i64, _>("prompt_tokens")? as u64,
+                    completion_tokens: row.try_get::<i64, _>("completion_tokens")? as u64,
+                    cost_usd: row.try_get("cost_usd")?,
+                    latency_ms: row.try_get::<i64, _>("latency_ms")? as u64,
+                    retries: row.try_get::<i32, _>("retries")? as u32,
+                    error: row.try_get("error")?,
+                },
+                created_at: row.try_get("created_at")?,
+            })
+        })
+        .collect()
+    }
+
+    async fn update_round(&self, round: Uuid, attempt: i32, k: Option<i32>, detail: &Value) -> StoreResult<bool> {
+        let n = sqlx::query(
+            "UPDATE rounds SET k = COALESCE($3, k), detail = $4, updated_at = now()
+             WHERE id = $1 AND attempt = $2 AND status = 'running'",
+        )
+        .bind(round)
+        .bind(attempt)
+        .bind(k)
+        .bind(detail)
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    async fn publish_round(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        v: NewVersion,
+        label: LabelName,
+        detail: &Value,
+    ) -> StoreResult<Version> {
+        let mut tx = self.pool.begin().await?;
+        let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
+        let number: i64 = sqlx::query_scalar(
+            "UPDATE prompts SET version_count = version_count + 1 WHERE id = $1 RETURNING version_count",
+        )
+        .bind(prompt_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        let created_at = insert_version(&mut tx, prompt_id, number, &v).await?;
+        let mv = LabelMove {
+            label,
+            to_version: number,
+            expected_current: None,
+            check_current: false,
+            by: v.created_by.clone(),
+        };
+        apply_move(&mut tx, prompt_id, &mv).await?;
+        sqlx::query(
+            "UPDATE traces SET status = 'consumed', updated_at = now() WHERE round_id = $1 AND status = 'pending'",
+        )
+        .bind(round)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE rounds SET status = 'succeeded', result_version = $2, detail = $3, error = NULL, finished_at = now(),
+                    lease_owner = NULL, lease_expires_at = NULL, updated_at = now() WHERE id = $1",
+        )
+        .bind(round)
+        .bind(number)
+        .bind(detail)
+        .execute(&mut *tx)
+        .await?;
+        notify(&mut tx, &format!("prompt:{name}")).await?;
+        tx.commit().await?;
+        Ok(Version {
+            prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+            number,
+            parent: v.parent,
+            source: v.source,
+            round_id: v.round_id,
+            content_hash: v.content.hash(),
+            content: v.content,
+            message: v.message,
+            created_by: v.created_by,
+            created_at,
+        })
+    }
+
+    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await?;
+        fence(&mut tx, round, attempt).await?;
+        match how {
+            RoundFailure::Retry { after } => {
+                sqlx::query(
+                    "UPDATE rounds SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, error = $2,
+                            not_before = now() + make_interval(secs => $3), updated_at = now() WHERE id = $1",
+                )
+                .bind(round)
+                .bind(error)
+                .bind(after.as_secs_f64())
+                .execute(&mut *tx)
+                .await?;
+                notify(&mut tx, "round").await?;
+            }
+            RoundFailure::GiveUp { max_trace_attempts } => {
+                sqlx::query(
+                    "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = now(),
+                            status = CASE WHEN attempts + 1 >= $2 THEN 'failed' ELSE 'pending' END,
+                            failure_reason = CASE WHEN attempts + 1 >= $2 THEN $3 ELSE failure_reason END
+                     WHERE round_id = $1 AND status = 'pending'",
+                )
+                .bind(round)
+                .bind(max_trace_attempts)
+                .bind(error)
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query(
+                    "UPDATE rounds SET status = 'failed', error = $2, finished_at = now(), lease_owner = NULL,
+                            lease_expires_at = NULL, updated_at = now() WHERE id = $1",
+                )
+                .bind(round)
+                .bind(error)
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
+        self.load_round(id).await
+    }
+
+    async fn list_rounds(
+        &self,
+        prompt: Option<&PromptName>,
+        before: Option<Uuid>,
+        limit: u32,
+    ) -> StoreResult<Vec<Round>> {
+        sqlx::query(&format!(
+            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
+             WHERE ($1::text IS NULL OR p.name = $1) AND ($2::uuid IS NULL OR r.id < $2)
+             ORDER BY r.id DESC LIMIT $3"
+        ))
+        .bind(prompt.map(|p| p.as_str()))
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(round_from_row)
+        .collect()
+    }
+
+    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
+        Ok(sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = $1 ORDER BY position")
+            .bind(round)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool> {
+        let n = sqlx::query("INSERT INTO inbound_webhooks (id) VALUES ($1) ON CONFLICT DO NOTHING")
+            .bind(id)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(n == 1)
+    }
+}
+
+const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \
+     r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
+     r.started_at, r.finished_at, r.updated_at";
+
+fn round_from_row(row: &PgRow) -> StoreResult<Round> {
+    let name: String = row.try_get("prompt_name")?;
+    let status: String = row.try_get("status")?;
+    let trigger: String = row.try_get("trigger")?;
+    let method: String = row.try_get("method")?;
+    let strategy: String = row.try_get("strategy")?;
+    Ok(Round {
+        id: row.try_get("id")?,
+        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
+        trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
+        method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
+        strategy: round::parse_strategy(&strategy).ok_or_else(|| corrupt("round strategy"))?,
+        seed: row.try_get("seed")?,
+        duplication: row.try_get("duplication")?,
+        n: row.try_get("n")?,
+        k: row.try_get("k")?,
+        base_version: row.try_get("base_version")?,
+        result_version: row.try_get("result_version")?,
+        attempt: row.try_get("attempt")?,
+        error: row.try_get("error")?,
+        detail: row.try_get("detail")?,
+        created_at: row.try_get("created_at")?,
+        started_at: row.try_get("started_at")?,
+        finished_at: row.try_get("finished_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+/// Locks the round row and checks that `attempt` still holds its lease.
+async fn fence(tx: &mut Transaction<'_, Postgres>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
+    let row = sqlx::query(
+        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id
+         WHERE r.id = $1 FOR UPDATE OF r",
+    )
+    .bind(round)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or(StoreError::NotFound)?;
+    let status: String = row.try_get("status")?;
+    let current: i32 = row.try_get("attempt")?;
+    if status != "running" || current != attempt {
+        return Err(StoreError::Conflict);
+    }
+    Ok((row.try_get("prompt_id")?, row.try_get("name")?))
 }
 
 impl PgStore {
+    async fn load_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
+        sqlx::query(&format!(
+            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?
+        .as_ref()
+        .map(round_from_row)
+        .transpose()
+    }
+
     /// Explains why a batch did not fully insert: the first trace whose prompt
     /// or version does not exist.
     async fn first_unknown_reference(&self, traces: &[ValidTrace]) -> StoreResult<StoreError> {

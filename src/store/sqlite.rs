@@ -16,13 +16,19 @@ use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use super::{
-    ApiKey, Change, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, PromptSummary, Resolved,
-    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceFilter, migrate, scopes_from_string,
-    scopes_to_string,
+    ApiKey, Backlog, Change, ClaimedRound, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt,
+    OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind,
+    StoreResult, TraceFilter, migrate, scopes_from_string, scopes_to_string,
 };
-use crate::domain::{
-    Feedback, LabelName, Prompt, PromptName, Trace, TraceStatus, Version, VersionContent, VersionSource,
-    prompt::NewVersion, trace::ValidTrace,
+use crate::{
+    domain::{
+        Feedback, LabelName, Prompt, PromptName, Reflection, Trace, TraceStatus, Version, VersionContent,
+        VersionSource,
+        prompt::NewVersion,
+        round::{self, Round, RoundStatus, RoundTrigger},
+        trace::ValidTrace,
+    },
+    llm::LlmCall,
 };
 
 pub struct SqliteStore {
@@ -285,6 +291,77 @@ async fn prompt_id(tx: &mut Transaction<'_, Sqlite>, name: &PromptName) -> Store
         .fetch_optional(&mut **tx)
         .await?;
     uuid(&id.ok_or(StoreError::NotFound)?)
+}
+
+const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \
+     r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
+     r.started_at, r.finished_at, r.updated_at";
+
+fn round_from_row(row: &SqliteRow) -> StoreResult<Round> {
+    let name: String = row.try_get("prompt_name")?;
+    let status: String = row.try_get("status")?;
+    let trigger: String = row.try_get("trigger")?;
+    let method: String = row.try_get("method")?;
+    let strategy: String = row.try_get("strategy")?;
+    let started: Option<i64> = row.try_get("started_at")?;
+    let finished: Option<i64> = row.try_get("finished_at")?;
+    Ok(Round {
+        id: uuid(row.try_get("id")?)?,
+        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+        status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
+        trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
+        method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
+        strategy: round::parse_strategy(&strategy).ok_or_else(|| corrupt("round strategy"))?,
+        seed: row.try_get("seed")?,
+        duplication: row.try_get("duplication")?,
+        n: row.try_get("n")?,
+        k: row.try_get("k")?,
+        base_version: row.try_get("base_version")?,
+        result_version: row.try_get("result_version")?,
+        attempt: row.try_get("attempt")?,
+        error: row.try_get("error")?,
+        detail: json(row.try_get("detail")?)?,
+        created_at: time(row.try_get("created_at")?)?,
+        started_at: started.map(time).transpose()?,
+        finished_at: finished.map(time).transpose()?,
+        updated_at: time(row.try_get("updated_at")?)?,
+    })
+}
+
+/// Checks that `attempt` still holds the round's lease (the single writer
+/// connection makes check-then-write atomic).
+async fn fence(tx: &mut Transaction<'_, Sqlite>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
+    let row = sqlx::query(
+        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = ?",
+    )
+    .bind(round.to_string())
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or(StoreError::NotFound)?;
+    let status: String = row.try_get("status")?;
+    let current: i32 = row.try_get("attempt")?;
+    if status != "running" || current != attempt {
+        return Err(StoreError::Conflict);
+    }
+    Ok((uuid(row.try_get("prompt_id")?)?, row.try_get("name")?))
+}
+
+fn micros(d: Duration) -> i64 {
+    d.as_micros().min(i64::MAX as u128) as i64
+}
+
+impl SqliteStore {
+    async fn load_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
+        sqlx::query(&format!(
+            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = ?"
+        ))
+        .bind(id.to_string())
+        .fetch_optional(&self.reader)
+        .await?
+        .as_ref()
+        .map(round_from_row)
+        .transpose()
+    }
 }
 
 fn enum_str<T: serde::Serialize>(v: T) -> String {
@@ -748,5 +825,407 @@ impl Store for SqliteStore {
             .execute(&self.writer)
             .await?
             .rows_affected())
+    }
+
+    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
+        let now = now_us();
+        let mut tx = self.writer.begin().await?;
+        let row = sqlx::query("SELECT id, strategy, settings, version_count FROM prompts WHERE name = ?")
+            .bind(req.prompt.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let prompt_id: String = row.try_get("id")?;
+        let strategy: String = row.try_get("strategy")?;
+        let settings: crate::domain::PromptSettings =
+            serde_json::from_str(row.try_get("settings")?).map_err(|_| corrupt("settings"))?;
+        let latest: i64 = row.try_get("version_count")?;
+        let active: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM rounds WHERE prompt_id = ? AND status IN ('queued', 'running'))",
+        )
+        .bind(&prompt_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        if active {
+            return Err(StoreError::AlreadyExists);
+        }
+        let ids: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM traces WHERE prompt_id = ? AND status = 'pending' AND round_id IS NULL ORDER BY id LIMIT ?",
+        )
+        .bind(&prompt_id)
+        .bind(i64::from(req.batch))
+        .fetch_all(&mut *tx)
+        .await?;
+        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
+            return Ok(None);
+        }
+        let production: Option<i64> =
+            sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = ? AND name = 'production'")
+                .bind(&prompt_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let id = Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version,
+                                 not_before, created_at, updated_at)
+             VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(id.to_string())
+        .bind(&prompt_id)
+        .bind(req.trigger.as_str())
+        .bind(round::method_str(req.method))
+        .bind(&strategy)
+        .bind(req.seed)
+        .bind(settings.duplication as i32)
+        .bind(ids.len() as i32)
+        .bind(production.unwrap_or(latest))
+        .bind(now)
+        .bind(now)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        for (position, trace) in ids.iter().enumerate() {
+            sqlx::query("INSERT INTO round_traces (round_id, trace_id, position) VALUES (?, ?, ?)")
+                .bind(id.to_string())
+                .bind(trace)
+                .bind(position as i64 + 1)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query("UPDATE traces SET round_id = ?, updated_at = ? WHERE id = ?")
+                .bind(id.to_string())
+                .bind(now)
+                .bind(trace)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        self.announce(Change::RoundQueued);
+        self.load_round(id).await
+    }
+
+    async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
+        let rows = sqlx::query(
+            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS pending,
+                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS oldest,
+                    EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
+             FROM prompts p ORDER BY p.name",
+        )
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let oldest: Option<i64> = r.try_get("oldest")?;
+                Ok(Backlog {
+                    prompt: prompt_from_row(r)?,
+                    pending: r.try_get("pending")?,
+                    oldest: oldest.map(time).transpose()?,
+                    active_round: r.try_get("active")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
+        let now = now_us();
+        let id: Option<String> = sqlx::query_scalar(
+            "UPDATE rounds SET status = 'running', attempt = attempt + 1, lease_owner = ?1, lease_expires_at = ?2 + ?3,
+                    started_at = COALESCE(started_at, ?2), updated_at = ?2
+             WHERE id = (SELECT id FROM rounds
+                         WHERE (status = 'queued' AND not_before <= ?2) OR (status = 'running' AND lease_expires_at < ?2)
+                         ORDER BY created_at LIMIT 1)
+             RETURNING id",
+        )
+        .bind(owner)
+        .bind(now)
+        .bind(micros(lease))
+        .fetch_optional(&self.writer)
+        .await?;
+        let Some(id) = id else { return Ok(None) };
+        let id = uuid(&id)?;
+        let round = self.load_round(id).await?.ok_or(StoreError::NotFound)?;
+        let prompt = self.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
+        let base = self
+            .resolve(&round.prompt, &Selector::Version(round.base_version))
+            .await?
+            .ok_or_else(|| corrupt("round base version"))?
+            .version;
+        let traces = sqlx::query(&format!(
+            "SELECT {TRACE_COLUMNS} FROM round_traces rt JOIN traces t ON t.id = rt.trace_id
+             JOIN prompts p ON p.id = t.prompt_id WHERE rt.round_id = ? ORDER BY rt.position"
+        ))
+        .bind(id.to_string())
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(trace_from_row)
+        .collect::<StoreResult<Vec<_>>>()?;
+        Ok(Some(ClaimedRound { round, prompt, base, traces }))
+    }
+
+    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
+        let now = now_us();
+        let n = sqlx::query(
+            "UPDATE rounds SET lease_expires_at = ?, updated_at = ? WHERE id = ? AND attempt = ? AND status = 'running'",
+        )
+        .bind(now + micros(lease))
+        .bind(now)
+        .bind(round.to_string())
+        .bind(attempt)
+        .execute(&self.writer)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at) VALUES (?, ?, ?, ?, ?)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(round.to_string())
+        .bind(trace.to_string())
+        .bind(to_json(r)?)
+        .bind(from_trace)
+        .bind(now_us())
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
+        sqlx::query(
+            "SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = ? ORDER BY created_at, trace_id",
+        )
+        .bind(round.to_string())
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(|row| {
+            let r: String = row.try_get("reflection")?;
+            Ok((
+                uuid(row.try_get("trace_id")?)?,
+                serde_json::from_str(&r).map_err(|_| corrupt("reflection"))?,
+                row.try_get("from_trace")?,
+            ))
+        })
+        .collect()
+    }
+
+    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms,
+                                    retries, error, created_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(round.to_string())
+        .bind(attempt)
+        .bind(enum_str(call.role))
+        .bind(&call.model)
+        .bind(call.prompt_tokens as i64)
+        .bind(call.completion_tokens as i64)
+        .bind(call.cost_usd)
+        .bind(call.latency_ms as i64)
+        .bind(call.retries as i64)
+        .bind(&call.error)
+        .bind(now_us())
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
+        sqlx::query(
+            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
+             FROM llm_calls WHERE round_id = ? ORDER BY id",
+        )
+        .bind(round.to_string())
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(|row| {
+            let role: String = row.try_get("role")?;
+            Ok(RoundCall {
+                attempt: row.try_get("attempt")?,
+                call: LlmCall {
+                    role: serde_json::from_value(Value::String(role)).map_err(|_| corrupt("llm role"))?,
+                    model: row.try_get("model")?,
+                    prompt_tokens: row.try_get::<i64, _>("prompt_tokens")? as u64,
+                    completion_tokens: row.try_get::<i64, _>("completion_tokens")? as u64,
+                    cost_usd: row.try_get("cost_usd")?,
+                    latency_ms: row.try_get::<i64, _>("latency_ms")? as u64,
+                    retries: row.try_get::<i64, _>("retries")? as u32,
+                    error: row.try_get("error")?,
+                },
+                created_at: time(row.try_get("created_at")?)?,
+            })
+        })
+        .collect()
+    }
+
+    async fn update_round(&self, round: Uuid, attempt: i32, k: Option<i32>, detail: &Value) -> StoreResult<bool> {
+        let n = sqlx::query(
+            "UPDATE rounds SET k = COALESCE(?, k), detail = ?, updated_at = ? WHERE id = ? AND attempt = ? AND status = 'running'",
+        )
+        .bind(k)
+        .bind(to_json(detail)?)
+        .bind(now_us())
+        .bind(round.to_string())
+        .bind(attempt)
+        .execute(&self.writer)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    async fn publish_round(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        v: NewVersion,
+        label: LabelName,
+        detail: &Value,
+    ) -> StoreResult<Version> {
+        let now = now_us();
+        let mut tx = self.writer.begin().await?;
+        let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
+        let number: i64 = sqlx::query_scalar(
+            "UPDATE prompts SET version_count = version_count + 1 WHERE id = ? RETURNING version_count",
+        )
+        .bind(prompt_id.to_string())
+        .fetch_one(&mut *tx)
+        .await?;
+        insert_version(&mut tx, prompt_id, number, &v, now).await?;
+        let mv = LabelMove {
+            label,
+            to_version: number,
+            expected_current: None,
+            check_current: false,
+            by: v.created_by.clone(),
+        };
+        apply_move(&mut tx, prompt_id, &mv).await?;
+        sqlx::query("UPDATE traces SET status = 'consumed', updated_at = ? WHERE round_id = ? AND status = 'pending'")
+            .bind(now)
+            .bind(round.to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "UPDATE rounds SET status = 'succeeded', result_version = ?, detail = ?, error = NULL, finished_at = ?,
+                    lease_owner = NULL, lease_expires_at = NULL, updated_at = ? WHERE id = ?",
+        )
+        .bind(number)
+        .bind(to_json(detail)?)
+        .bind(now)
+        .bind(now)
+        .bind(round.to_string())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.announce(Change::Prompt(name.clone()));
+        Ok(Version {
+            prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
+            number,
+            parent: v.parent,
+            source: v.source,
+            round_id: v.round_id,
+            content_hash: v.content.hash(),
+            content: v.content,
+            message: v.message,
+            created_by: v.created_by,
+            created_at: time(now)?,
+        })
+    }
+
+    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
+        let now = now_us();
+        let mut tx = self.writer.begin().await?;
+        fence(&mut tx, round, attempt).await?;
+        let requeued = matches!(how, RoundFailure::Retry { .. });
+        match how {
+            RoundFailure::Retry { after } => {
+                sqlx::query(
+                    "UPDATE rounds SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, error = ?,
+                            not_before = ?, updated_at = ? WHERE id = ?",
+                )
+                .bind(error)
+                .bind(now + micros(after))
+                .bind(now)
+                .bind(round.to_string())
+                .execute(&mut *tx)
+                .await?;
+            }
+            RoundFailure::GiveUp { max_trace_attempts } => {
+                sqlx::query(
+                    "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = ?1,
+                            status = CASE WHEN attempts + 1 >= ?2 THEN 'failed' ELSE 'pending' END,
+                            failure_reason = CASE WHEN attempts + 1 >= ?2 THEN ?3 ELSE failure_reason END
+                     WHERE round_id = ?4 AND status = 'pending'",
+                )
+                .bind(now)
+                .bind(max_trace_attempts)
+                .bind(error)
+                .bind(round.to_string())
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query(
+                    "UPDATE rounds SET status = 'failed', error = ?, finished_at = ?, lease_owner = NULL,
+                            lease_expires_at = NULL, updated_at = ? WHERE id = ?",
+                )
+                .bind(error)
+                .bind(now)
+                .bind(now)
+                .bind(round.to_string())
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        if requeued {
+            self.announce(Change::RoundQueued);
+        }
+        Ok(())
+    }
+
+    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
+        self.load_round(id).await
+    }
+
+    async fn list_rounds(
+        &self,
+        prompt: Option<&PromptName>,
+        before: Option<Uuid>,
+        limit: u32,
+    ) -> StoreResult<Vec<Round>> {
+        sqlx::query(&format!(
+            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
+             WHERE (?1 IS NULL OR p.name = ?1) AND (?2 IS NULL OR r.id < ?2) ORDER BY r.id DESC LIMIT ?3"
+        ))
+        .bind(prompt.map(|p| p.as_str()))
+        .bind(before.map(|b| b.to_string()))
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(round_from_row)
+        .collect()
+    }
+
+    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
+        let ids: Vec<String> =
+            sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = ? ORDER BY position")
+                .bind(round.to_string())
+                .fetch_all(&self.reader)
+                .await?;
+        ids.iter().map(|s| uuid(s)).collect()
+    }
+
+    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool> {
+        let n = sqlx::query("INSERT INTO inbound_webhooks (id, received_at) VALUES (?, ?) ON CONFLICT DO NOTHING")
+            .bind(id)
+            .bind(now_us())
+            .execute(&self.writer)
+            .await?
+            .rows_affected();
+        Ok(n == 1)
     }
 }
