@@ -282,7 +282,10 @@ async fn map_phase(
     // After a transient failure no new call is started: the round will be retried anyway.
     let abort = AtomicBool::new(false);
     let abort = &abort;
-    let mut results = stream::iter(todo)
+    // Futures collected first: a `map` closure in the stream's type trips the
+    // compiler's higher-ranked `Send` check, and the worker must be able to spawn a round.
+    let calls_to_make: Vec<_> = todo
+        .into_iter()
         .map(|i| async move {
             if abort.load(Ordering::Relaxed) {
                 return (i, None, Vec::new());
@@ -294,7 +297,8 @@ async fn map_phase(
             }
             (i, Some(r), calls)
         })
-        .buffer_unordered(llm.max_concurrency.max(1));
+        .collect();
+    let mut results = stream::iter(calls_to_make).buffer_unordered(llm.max_concurrency.max(1));
 
     let mut transient: Option<LlmError> = None;
     let mut unreflected = Vec::new();
@@ -402,13 +406,16 @@ impl Reduce<'_> {
         calls: &mut Vec<LlmCall>,
     ) -> Result<Reduced, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
-        let mut answers = stream::iter(groups.iter().enumerate())
+        let group_calls: Vec<_> = groups
+            .iter()
+            .enumerate()
             .map(|(g, group)| async move {
                 let mut made = Vec::new();
                 let r = self.aggregate(frozen, group, &mut made).await;
                 (g, r, made)
             })
-            .buffered(self.concurrency);
+            .collect();
+        let mut answers = stream::iter(group_calls).buffered(self.concurrency);
         let mut proposals = Vec::with_capacity(groups.len());
         let mut group_outputs = Vec::with_capacity(groups.len());
         let mut failure: Option<LlmError> = None;
@@ -627,3 +634,7 @@ fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec
     }
     Ok(())
 }
+
+#[cfg(test)]
+#[path = "round_tests.rs"]
+mod tests;
