@@ -318,3 +318,52 @@ async fn combee_keeps_the_insights_a_naive_round_loses() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_backend_that_always_fails_is_retryable_and_trace_reflections_are_kept() {
+    let sim = Sim::start(SimConfig { rate_5xx: 1.0, ..Default::default() }, |c| c.max_retries = 1).await;
+    let mut ts = traces(6);
+    for i in [1, 4] {
+        ts[i].reflection = Some(json!({"key_insight": format!("INSIGHT-own{i}: sent by the agent")}));
+    }
+    let journal = MemoryJournal::new();
+    let spec = spec(Method::Combee, Strategy::Playbook, 2, 1);
+    let err = run_round(&sim.client, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &journal).await.unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    let record = journal.snapshot();
+    assert_eq!(record.reflections.len(), 2);
+    assert!(!record.calls.is_empty() && record.calls.iter().all(|c| c.error.is_some() && c.retries == 1));
+}
+
+/// Answers every reflector call about trace `t003` with text that is not JSON.
+struct GarbageFor {
+    inner: OpenAiClient,
+}
+
+#[async_trait]
+impl LlmBackend for GarbageFor {
+    async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+        let reflect = req.messages.iter().any(|m| m.content.contains("combee-task: reflect"));
+        if reflect && req.messages.iter().any(|m| m.content.contains("INSIGHT-t003")) {
+            let mut resp = self.inner.chat(req).await?;
+            resp.content = "I think the agent did fine.".into();
+            return Ok(resp);
+        }
+        self.inner.chat(req).await
+    }
+}
+
+#[tokio::test]
+async fn a_trace_the_reflector_cannot_answer_is_left_out_not_fatal() {
+    let sim = Sim::start(SimConfig::default(), |_| {}).await;
+    let backend = GarbageFor { inner: sim.client.clone() };
+    let ts = traces(8);
+    let spec = spec(Method::Combee, Strategy::Playbook, 2, 1);
+    let out =
+        run_round(&backend, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new()).await.unwrap();
+    assert_eq!(out.n, 7);
+    assert_eq!(out.unreflected.len(), 1);
+    assert_eq!(out.unreflected[0].trace_id, ts[3].id);
+    assert!(out.unreflected[0].error.contains("invalid"), "{}", out.unreflected[0].error);
+    assert_eq!(kept(&out), 7);
+}
