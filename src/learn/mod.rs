@@ -1,9 +1,11 @@
-//! The learning engine's pure core: augmented shuffle, grouping for the
-//! Combee/naive/sequential reduce, the level-2 merge of playbook delta
-//! operations, and the dynamic batch-size controller's math. Nothing here does
-//! I/O, so the worker can call it from any phase and every rule is unit-tested.
+//! The learning engine: augmented shuffle, grouping for the Combee/naive/sequential
+//! reduce, the level-2 merge of playbook delta operations and the dynamic
+//! batch-size controller's math are pure functions; `round` runs one learning
+//! round over an LLM backend, recording what it must not lose in a journal.
 
 pub mod controller;
 pub mod delta;
 pub mod grouping;
+pub mod journal;
+pub mod round;
 pub mod shuffle;

@@ -7,10 +7,20 @@
 //!   text runs to the end of the line, or to a `"` or `\` so markers inside JSON
 //!   strings work) is one distinct insight, identified by its token. Answers carry
 //!   markers verbatim, so a test can count exactly which insights survive.
-//! - **Capacity** (context overload). An aggregator call keeps at most
-//!   K = `capacity_k` distinct new insights; when its input holds n items
-//!   (reflections, proposals or operation lists, from the fence's `count`) and
-//!   n > D = `digest_reflections`, it keeps only `max(1, floor(K·D / n))`.
+//! - **Capacity** (context overload). A *distilling* call (aggregate-playbook,
+//!   aggregate-rewrite: its n items are raw reflections, n from the fence's
+//!   `count`) keeps at most K = `capacity_k` distinct new insights, and only
+//!   `max(1, floor(K·D / n))` when n > D = `digest_reflections`.
+//!   A *combining* call (merge-rewrite, consolidate-playbook: its n items are
+//!   level-1 updates, each already the output of one call) keeps at most K per
+//!   item it digests: K·n when n ≤ D, `max(1, floor(K·D·D / n))` beyond (the same
+//!   overload factor D/n, continuous at n = D). Why not K per call there too: the
+//!   paper's premise is that each level of the tree handles ~√n items "well within
+//!   the aggregator's effective capacity" and that the final merge keeps the
+//!   specific insights of all groups; a hard K per combining call would cap every
+//!   two-level round at K insights, i.e. make Combee no better than one call,
+//!   which is the opposite of the overload effect being modelled (specific
+//!   content lost when one call must *distil* too much raw material).
 //!   Which ones: candidates are ranked by the first 8 bytes of
 //!   `sha256(seed ‖ sha256(first user message) ‖ token)`, lowest first — spread
 //!   across insights and calls, yet the same request and seed always keep the same.
@@ -62,11 +72,12 @@ pub struct SimConfig {
     /// Seed of every deterministic choice (insight selection, faults). [simulation]
     #[arg(long = "seed", default_value_t = 0)]
     pub seed: u64,
-    /// K: most distinct new insights one aggregator call keeps. [simulation]
+    /// K: most distinct new insights one distilling aggregator call keeps (a merge or
+    /// consolidation keeps K per level-1 update it combines). [simulation]
     #[arg(long, default_value_t = 12)]
     pub capacity_k: usize,
     /// D: input items (reflections, proposals, op lists) a call digests fully; above it a
-    /// call keeps max(1, floor(K·D/n)). [simulation]
+    /// call's capacity shrinks by D/n. [simulation]
     #[arg(long, default_value_t = 12)]
     pub digest_reflections: usize,
     /// Fixed latency of every answer, in ms. [simulation]
@@ -415,6 +426,13 @@ pub fn capacity(cfg: &SimConfig, items: usize) -> usize {
     }
 }
 
+/// How many new insights a combining call (merge, consolidate) over `items` level-1
+/// updates keeps: K per item up to D items, max(1, floor(K·D·D/n)) when n > D.
+pub fn combine_capacity(cfg: &SimConfig, items: usize) -> usize {
+    let (k, d) = (cfg.capacity_k, cfg.digest_reflections);
+    if items <= d { k.saturating_mul(items.max(1)) } else { (k.saturating_mul(d).saturating_mul(d) / items).max(1) }
+}
+
 /// Keeps the `capacity` best-ranked candidates (seeded hash rank), in their original order.
 fn keep(seed: u64, digest: &[u8; 32], candidates: Vec<Insight>, capacity: usize) -> Vec<Insight> {
     let mut ranked: Vec<(u64, usize)> = candidates
@@ -448,7 +466,8 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
         let Some((attrs, body)) = fenced(user, tag) else { return vec![] };
         let items = count_attr(attrs).unwrap_or(1);
         let candidates = insights(body).into_iter().filter(|i| !present.contains(&i.token)).collect();
-        keep(seed, &digest, candidates, capacity(cfg, items))
+        let cap = if tag == "untrusted-reflections" { capacity(cfg, items) } else { combine_capacity(cfg, items) };
+        keep(seed, &digest, candidates, cap)
     };
     let with_bullets = |kept: Vec<Insight>| -> String {
         let mut text = if current.is_empty() { "You are a helpful agent.".to_owned() } else { current.to_owned() };
@@ -685,6 +704,13 @@ mod tests {
         assert_eq!(capacity(&cfg, 100), 1);
         let cfg = SimConfig { capacity_k: 12, digest_reflections: 40, ..Default::default() };
         assert_eq!(capacity(&cfg, 100), 4);
+        let cfg = SimConfig { capacity_k: 12, digest_reflections: 12, ..Default::default() };
+        assert_eq!(combine_capacity(&cfg, 1), 12);
+        assert_eq!(combine_capacity(&cfg, 10), 120);
+        assert_eq!(combine_capacity(&cfg, 12), 144);
+        assert_eq!(combine_capacity(&cfg, 13), 132);
+        assert_eq!(combine_capacity(&cfg, 100), 17);
+        assert_eq!(combine_capacity(&cfg, 5000), 1);
     }
 
     #[tokio::test]
@@ -769,7 +795,11 @@ mod tests {
             [0..10, 5..20].into_iter().map(|r| format!("You solve {{task}}.\n{}", marker_lines(r))).collect();
         let merged = protocol::merge_rewrite(&sim.client, &sim.cfg, &current, &proposals, &mut calls).await.unwrap();
         assert!(merged.starts_with("You solve {task}."));
-        assert_eq!(insights(&merged).len(), 12, "20 distinct insights, capped at K");
+        assert_eq!(insights(&merged).len(), 20, "20 distinct insights in 2 proposals, K per proposal");
+        let proposals: Vec<String> =
+            (0..20).map(|p| format!("You solve {{task}}.\n{}", marker_lines(p * 10..p * 10 + 10))).collect();
+        let merged = protocol::merge_rewrite(&sim.client, &sim.cfg, &current, &proposals, &mut calls).await.unwrap();
+        assert_eq!(insights(&merged).len(), 86, "20 proposals > D = 12: floor(12·12·12/20)");
 
         let add = |i: usize| DeltaOp::Add {
             section: "s".into(),
@@ -781,8 +811,8 @@ mod tests {
             protocol::consolidate_playbook(&sim.client, &sim.cfg, &playbook(&[]), &lists, &mut calls).await.unwrap();
         assert_eq!(tokens(&ops), ["i0", "i1", "i2"]);
         let stats = sim.stats().await;
-        for task in ["aggregate-rewrite", "merge-rewrite", "consolidate-playbook"] {
-            assert_eq!(stats.calls.get(task), Some(&1), "{task}");
+        for (task, n) in [("aggregate-rewrite", 1), ("merge-rewrite", 2), ("consolidate-playbook", 1)] {
+            assert_eq!(stats.calls.get(task), Some(&n), "{task}");
         }
     }
 

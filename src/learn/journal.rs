@@ -1,0 +1,137 @@
+//! What a round writes down while it runs, so a crashed round resumes without
+//! paying for its reflections twice and an operator can see every phase, call and
+//! group output. The store implements [`RoundJournal`] for one round row; the
+//! round executor never sees a database. [`MemoryJournal`] serves tests and benches.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::domain::Reflection;
+use crate::llm::LlmCall;
+
+/// The phases of a round, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    Map,
+    Shuffle,
+    Reduce1,
+    Reduce2,
+    Validate,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum PhaseEvent {
+    Started,
+    Finished { elapsed_ms: u64 },
+}
+
+/// Where a stored reflection came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReflectionSource {
+    /// The agent sent it with the trace; no reflector call was made.
+    Trace,
+    /// A reflector call produced it.
+    Reflector,
+}
+
+/// The journal could not be read or written. Always worth retrying the round:
+/// nothing the round decided depends on it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("round journal: {0}")]
+pub struct JournalError(pub String);
+
+/// The narrow record-keeping interface of one round.
+#[async_trait]
+pub trait RoundJournal: Send + Sync {
+    /// Reflections saved by earlier attempts of this round, by trace id.
+    async fn stored_reflections(&self) -> Result<HashMap<Uuid, Reflection>, JournalError>;
+    /// Saves one reflection as soon as it exists; saving the same trace again replaces it.
+    async fn save_reflection(
+        &self,
+        trace_id: Uuid,
+        reflection: &Reflection,
+        source: ReflectionSource,
+    ) -> Result<(), JournalError>;
+    /// Records LLM calls (usage, latency, failures) in the order they finished.
+    async fn record_calls(&self, calls: &[LlmCall]) -> Result<(), JournalError>;
+    /// Records the level-1 output of group `group` (its traces and its ops or instruction).
+    async fn save_group_output(&self, group: usize, output: &Value) -> Result<(), JournalError>;
+    async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError>;
+}
+
+/// Everything a [`MemoryJournal`] holds.
+#[derive(Debug, Clone, Default)]
+pub struct JournalRecord {
+    pub reflections: HashMap<Uuid, (Reflection, ReflectionSource)>,
+    pub calls: Vec<LlmCall>,
+    pub group_outputs: Vec<(usize, Value)>,
+    pub phases: Vec<(Phase, PhaseEvent)>,
+}
+
+/// A journal in process memory, for tests, benchmarks and one-shot CLI rounds.
+#[derive(Debug, Default)]
+pub struct MemoryJournal {
+    record: Mutex<JournalRecord>,
+}
+
+impl MemoryJournal {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A journal that already holds reflector reflections, as after a crash.
+    pub fn with_reflections(reflections: impl IntoIterator<Item = (Uuid, Reflection)>) -> Self {
+        let record = JournalRecord {
+            reflections: reflections.into_iter().map(|(id, r)| (id, (r, ReflectionSource::Reflector))).collect(),
+            ..Default::default()
+        };
+        Self { record: Mutex::new(record) }
+    }
+
+    /// A copy of what has been recorded so far.
+    pub fn snapshot(&self) -> JournalRecord {
+        self.record.lock().map(|r| r.clone()).unwrap_or_default()
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut JournalRecord) -> T) -> Result<T, JournalError> {
+        self.record.lock().map(|mut r| f(&mut r)).map_err(|_| JournalError("memory journal poisoned".into()))
+    }
+}
+
+#[async_trait]
+impl RoundJournal for MemoryJournal {
+    async fn stored_reflections(&self) -> Result<HashMap<Uuid, Reflection>, JournalError> {
+        self.with(|r| r.reflections.iter().map(|(id, (refl, _))| (*id, refl.clone())).collect())
+    }
+
+    async fn save_reflection(
+        &self,
+        trace_id: Uuid,
+        reflection: &Reflection,
+        source: ReflectionSource,
+    ) -> Result<(), JournalError> {
+        self.with(|r| {
+            r.reflections.insert(trace_id, (reflection.clone(), source));
+        })
+    }
+
+    async fn record_calls(&self, calls: &[LlmCall]) -> Result<(), JournalError> {
+        self.with(|r| r.calls.extend_from_slice(calls))
+    }
+
+    async fn save_group_output(&self, group: usize, output: &Value) -> Result<(), JournalError> {
+        self.with(|r| r.group_outputs.push((group, output.clone())))
+    }
+
+    async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError> {
+        self.with(|r| r.phases.push((phase, event)))
+    }
+}

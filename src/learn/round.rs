@@ -1,0 +1,640 @@
+//! The round executor: one learning step for one prompt over a batch of traces —
+//! map (one reflector call per trace), augmented shuffle, level-1 reduce (one
+//! aggregator call per group against the same frozen version), level-2 reduce,
+//! validation — exactly as design §3 describes. It knows no store: everything it
+//! must not lose goes through a [`RoundJournal`], so a crashed round resumes from
+//! its saved reflections and only the missing ones are paid for again.
+//!
+//! Two choices the design leaves open:
+//! - A reflection that lands twice in the *same* group is sent to that group's
+//!   aggregator once. The augmented shuffle's point is a second chance in another
+//!   group; a repeat inside one call buys nothing but tokens.
+//! - A trace whose reflector call fails for good (an invalid answer after the
+//!   corrective retry) is left out of the round and listed in
+//!   [`RoundOutcome::unreflected`]; one bad trace must not block a prompt forever.
+//!   A transient failure (backend down, timeouts, 429) fails the whole round as
+//!   retryable, after the reflections already obtained have been saved.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use futures_util::stream;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::delta::{self, Applied, Budget, Evicted, MergedOp, Skipped};
+use super::grouping::{self, Execution, Method};
+use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
+use crate::domain::{DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
+use crate::llm::protocol::{self, placeholders, validate_reflection};
+use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
+
+/// How level 2 of a playbook round combines the groups' operations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceMode {
+    /// Union, normalise, de-duplicate and apply once — no LLM call.
+    #[default]
+    Union,
+    /// One more aggregator call consolidates the k operation lists first (paper-literal).
+    Llm,
+}
+
+/// What a round is asked to do; fixed when the round is created, so a resumed
+/// round regroups identically.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundSpec {
+    pub round_id: Uuid,
+    pub seed: u64,
+    pub method: Method,
+    pub strategy: Strategy,
+    /// p: how many times each reflection enters the augmented shuffle (Combee only).
+    pub duplication: u32,
+    pub reduce: ReduceMode,
+    pub budget: Budget,
+}
+
+/// Wall time of each phase, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseTimings {
+    pub map_ms: u64,
+    pub shuffle_ms: u64,
+    pub reduce1_ms: u64,
+    pub reduce2_ms: u64,
+}
+
+/// One level-1 aggregator call: which traces it saw and what it proposed
+/// (`{"operations": [...]}` or `{"instruction": "..."}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupOutput {
+    pub group: usize,
+    pub traces: Vec<Uuid>,
+    pub output: Value,
+}
+
+/// A trace left out of the round because its reflection could not be obtained.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unreflected {
+    pub trace_id: Uuid,
+    pub error: String,
+}
+
+/// How the round's reflections were obtained.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapCounts {
+    /// Reflector calls that succeeded in this attempt.
+    pub reflected: usize,
+    /// Taken from the journal (an earlier attempt of the round).
+    pub resumed: usize,
+    /// The agent's own reflection, sent with the trace.
+    pub from_traces: usize,
+}
+
+/// The result of a successful round: the validated new content and its provenance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundOutcome {
+    pub content: VersionContent,
+    pub method: Method,
+    pub strategy: Strategy,
+    /// Reflections the reduce used (traces minus [`RoundOutcome::unreflected`]).
+    pub n: usize,
+    /// Level-1 groups (aggregator calls before level 2).
+    pub k: usize,
+    pub p: u32,
+    pub map: MapCounts,
+    pub unreflected: Vec<Unreflected>,
+    /// Playbook mode: ops applied, with the groups that proposed them.
+    pub applied: Vec<Applied>,
+    pub skipped: Vec<Skipped>,
+    pub evicted: Vec<Evicted>,
+    pub group_outputs: Vec<GroupOutput>,
+    /// Every LLM call of this attempt, failed ones included.
+    pub calls: Vec<LlmCall>,
+    pub timings: PhaseTimings,
+}
+
+/// Why a round failed. [`RoundError::is_retryable`] tells the worker whether to try again later.
+#[derive(Debug, thiserror::Error)]
+pub enum RoundError {
+    #[error("LLM call failed: {0}")]
+    Llm(#[from] LlmError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    /// The round produced content that must not become a version.
+    #[error("round result rejected: {0}")]
+    Invalid(String),
+    #[error("no trace could be reflected ({0} tried)")]
+    NothingToLearn(usize),
+}
+
+impl RoundError {
+    /// Transient LLM failures and journal (store) failures are retryable; an
+    /// invalid result, an invalid answer or a misconfiguration is not.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Llm(e) => e.is_retryable(),
+            Self::Journal(_) => true,
+            Self::Invalid(_) | Self::NothingToLearn(_) => false,
+        }
+    }
+}
+
+fn ms_since(t: Instant) -> u64 {
+    u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Times a phase and journals its start and end.
+struct PhaseClock<'a> {
+    journal: &'a dyn RoundJournal,
+    phase: Phase,
+    started: Instant,
+}
+
+impl<'a> PhaseClock<'a> {
+    async fn start(journal: &'a dyn RoundJournal, phase: Phase) -> Result<Self, JournalError> {
+        journal.phase(phase, PhaseEvent::Started).await?;
+        Ok(Self { journal, phase, started: Instant::now() })
+    }
+
+    async fn finish(self) -> Result<u64, JournalError> {
+        let elapsed_ms = ms_since(self.started);
+        self.journal.phase(self.phase, PhaseEvent::Finished { elapsed_ms }).await?;
+        Ok(elapsed_ms)
+    }
+}
+
+/// Runs one round (design §3) over `traces` against the frozen `base` version.
+pub async fn run_round(
+    backend: &dyn LlmBackend,
+    llm: &LlmConfig,
+    spec: &RoundSpec,
+    base: &VersionContent,
+    traces: &[Trace],
+    journal: &dyn RoundJournal,
+) -> Result<RoundOutcome, RoundError> {
+    let mut calls = Vec::new();
+    let concurrency = llm.max_concurrency.max(1);
+
+    // 1. Map.
+    let clock = PhaseClock::start(journal, Phase::Map).await?;
+    let mapped = map_phase(backend, llm, spec, base, traces, journal, &mut calls).await?;
+    let map_ms = clock.finish().await?;
+    let (trace_ids, reflections): (Vec<Uuid>, Vec<Reflection>) = mapped.reflections.into_iter().unzip();
+    let n = reflections.len();
+    if n == 0 {
+        return Err(RoundError::NothingToLearn(traces.len()));
+    }
+    // Tags update the counters once; the result is the frozen version every group sees.
+    let frozen = match spec.strategy {
+        Strategy::Playbook => VersionContent {
+            base: base.base.clone(),
+            playbook: Some(delta::apply_bullet_tags(&base.playbook.clone().unwrap_or_default(), &reflections)),
+        },
+        Strategy::Rewrite => base.clone(),
+    };
+
+    // 2. Shuffle and group.
+    let clock = PhaseClock::start(journal, Phase::Shuffle).await?;
+    let plan = grouping::plan(spec.method, n, spec.duplication, spec.seed);
+    let groups: Vec<Vec<usize>> = plan.groups.iter().map(|g| distinct_in_order(g)).collect();
+    let shuffle_ms = clock.finish().await?;
+    let k = groups.len();
+
+    let ctx = Reduce { backend, llm, journal, spec, trace_ids: &trace_ids, reflections: &reflections, concurrency };
+    let mut result = match plan.execution {
+        Execution::Parallel => ctx.parallel(&frozen, &groups, &mut calls).await?,
+        Execution::Sequential => ctx.sequential(&frozen, &groups, &mut calls).await?,
+    };
+
+    // 5. Validate.
+    let clock = PhaseClock::start(journal, Phase::Validate).await?;
+    validate_result(base, &result.content, spec).map_err(RoundError::Invalid)?;
+    clock.finish().await?;
+
+    result.timings.map_ms = map_ms;
+    result.timings.shuffle_ms = shuffle_ms;
+    Ok(RoundOutcome {
+        content: result.content,
+        method: spec.method,
+        strategy: spec.strategy,
+        n,
+        k,
+        p: if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 },
+        map: mapped.counts,
+        unreflected: mapped.unreflected,
+        applied: result.applied,
+        skipped: result.skipped,
+        evicted: result.evicted,
+        group_outputs: result.group_outputs,
+        calls,
+        timings: result.timings,
+    })
+}
+
+/// The indices of a group without repeats, first occurrence first.
+fn distinct_in_order(group: &[usize]) -> Vec<usize> {
+    let mut seen = HashSet::new();
+    group.iter().copied().filter(|i| seen.insert(*i)).collect()
+}
+
+/// The agent's own reflection, when it parses strictly and validates against `base`.
+fn own_reflection(trace: &Trace, base: &VersionContent) -> Option<Reflection> {
+    let r: Reflection = serde_json::from_value(trace.reflection.clone()?).ok()?;
+    validate_reflection(&r, base).ok().map(|()| r)
+}
+
+struct Mapped {
+    /// `(trace id, reflection)` in the order of the round's traces.
+    reflections: Vec<(Uuid, Reflection)>,
+    counts: MapCounts,
+    unreflected: Vec<Unreflected>,
+}
+
+async fn map_phase(
+    backend: &dyn LlmBackend,
+    llm: &LlmConfig,
+    spec: &RoundSpec,
+    base: &VersionContent,
+    traces: &[Trace],
+    journal: &dyn RoundJournal,
+    calls: &mut Vec<LlmCall>,
+) -> Result<Mapped, RoundError> {
+    let stored = journal.stored_reflections().await?;
+    let mut slots: Vec<Option<Reflection>> = vec![None; traces.len()];
+    let mut counts = MapCounts::default();
+    let mut todo = Vec::new();
+    for (i, trace) in traces.iter().enumerate() {
+        if let Some(r) = stored.get(&trace.id) {
+            slots[i] = Some(r.clone());
+            counts.resumed += 1;
+        } else if let Some(r) = own_reflection(trace, base) {
+            journal.save_reflection(trace.id, &r, ReflectionSource::Trace).await?;
+            slots[i] = Some(r);
+            counts.from_traces += 1;
+        } else {
+            todo.push(i);
+        }
+    }
+
+    // After a transient failure no new call is started: the round will be retried anyway.
+    let abort = AtomicBool::new(false);
+    let abort = &abort;
+    // Futures collected first: a `map` closure in the stream's type trips the
+    // compiler's higher-ranked `Send` check, and the worker must be able to spawn a round.
+    let calls_to_make: Vec<_> = todo
+        .into_iter()
+        .map(|i| async move {
+            if abort.load(Ordering::Relaxed) {
+                return (i, None, Vec::new());
+            }
+            let mut calls = Vec::new();
+            let r = protocol::reflect(backend, llm, &traces[i], base, spec.strategy, &mut calls).await;
+            if r.as_ref().is_err_and(LlmError::is_retryable) {
+                abort.store(true, Ordering::Relaxed);
+            }
+            (i, Some(r), calls)
+        })
+        .collect();
+    let mut results = stream::iter(calls_to_make).buffer_unordered(llm.max_concurrency.max(1));
+
+    let mut transient: Option<LlmError> = None;
+    let mut unreflected = Vec::new();
+    while let Some((i, r, made)) = results.next().await {
+        journal.record_calls(&made).await?;
+        calls.extend(made);
+        match r {
+            None => {}
+            Some(Ok(r)) => {
+                journal.save_reflection(traces[i].id, &r, ReflectionSource::Reflector).await?;
+                slots[i] = Some(r);
+                counts.reflected += 1;
+            }
+            Some(Err(e)) if e.is_retryable() => {
+                transient.get_or_insert(e);
+            }
+            Some(Err(e)) => unreflected.push(Unreflected { trace_id: traces[i].id, error: e.to_string() }),
+        }
+    }
+    if let Some(e) = transient {
+        return Err(RoundError::Llm(e));
+    }
+    let reflections = traces.iter().zip(slots).filter_map(|(t, r)| r.map(|r| (t.id, r))).collect();
+    Ok(Mapped { reflections, counts, unreflected })
+}
+
+/// What the reduce phases produce.
+struct Reduced {
+    content: VersionContent,
+    applied: Vec<Applied>,
+    skipped: Vec<Skipped>,
+    evicted: Vec<Evicted>,
+    group_outputs: Vec<GroupOutput>,
+    timings: PhaseTimings,
+}
+
+/// One level-1 answer.
+enum Proposal {
+    Ops(Vec<DeltaOp>),
+    Instruction(String),
+}
+
+impl Proposal {
+    fn to_json(&self) -> Value {
+        match self {
+            Self::Ops(ops) => json!({ "operations": ops }),
+            Self::Instruction(text) => json!({ "instruction": text }),
+        }
+    }
+}
+
+struct Reduce<'a> {
+    backend: &'a dyn LlmBackend,
+    llm: &'a LlmConfig,
+    journal: &'a dyn RoundJournal,
+    spec: &'a RoundSpec,
+    trace_ids: &'a [Uuid],
+    reflections: &'a [Reflection],
+    concurrency: usize,
+}
+
+impl Reduce<'_> {
+    /// One aggregator call for `group` against `current`.
+    async fn aggregate(
+        &self,
+        current: &VersionContent,
+        group: &[usize],
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<Proposal, LlmError> {
+        let rs: Vec<Reflection> = group.iter().map(|&i| self.reflections[i].clone()).collect();
+        match self.spec.strategy {
+            Strategy::Playbook => {
+                protocol::aggregate_playbook(self.backend, self.llm, current, &rs, calls).await.map(Proposal::Ops)
+            }
+            Strategy::Rewrite => protocol::aggregate_rewrite(self.backend, self.llm, current, &rs, calls)
+                .await
+                .map(Proposal::Instruction),
+        }
+    }
+
+    async fn record(
+        &self,
+        g: usize,
+        group: &[usize],
+        proposal: &Proposal,
+        made: Vec<LlmCall>,
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<GroupOutput, JournalError> {
+        self.journal.record_calls(&made).await?;
+        calls.extend(made);
+        let out = GroupOutput {
+            group: g,
+            traces: group.iter().map(|&i| self.trace_ids[i]).collect(),
+            output: proposal.to_json(),
+        };
+        self.journal.save_group_output(g, &serde_json::to_value(&out).unwrap_or(Value::Null)).await?;
+        Ok(out)
+    }
+
+    /// Combee and naive: level 1 in parallel against the same frozen version, then level 2 once.
+    async fn parallel(
+        &self,
+        frozen: &VersionContent,
+        groups: &[Vec<usize>],
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<Reduced, RoundError> {
+        let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
+        let group_calls: Vec<_> = groups
+            .iter()
+            .enumerate()
+            .map(|(g, group)| async move {
+                let mut made = Vec::new();
+                let r = self.aggregate(frozen, group, &mut made).await;
+                (g, r, made)
+            })
+            .collect();
+        let mut answers = stream::iter(group_calls).buffered(self.concurrency);
+        let mut proposals = Vec::with_capacity(groups.len());
+        let mut group_outputs = Vec::with_capacity(groups.len());
+        let mut failure: Option<LlmError> = None;
+        while let Some((g, r, made)) = answers.next().await {
+            match r {
+                Ok(p) => {
+                    group_outputs.push(self.record(g, &groups[g], &p, made, calls).await?);
+                    proposals.push(p);
+                }
+                Err(e) => {
+                    self.journal.record_calls(&made).await?;
+                    calls.extend(made);
+                    // Prefer reporting a fatal failure: retrying would not help.
+                    if failure.as_ref().is_none_or(LlmError::is_retryable) {
+                        failure = Some(e);
+                    }
+                }
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        let reduce1_ms = clock.finish().await?;
+
+        let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
+        let mut reduced = match self.spec.strategy {
+            Strategy::Playbook => self.level2_playbook(frozen, proposals, calls).await?,
+            Strategy::Rewrite => self.level2_rewrite(frozen, proposals, calls).await?,
+        };
+        reduced.timings.reduce1_ms = reduce1_ms;
+        reduced.timings.reduce2_ms = clock.finish().await?;
+        reduced.group_outputs = group_outputs;
+        Ok(reduced)
+    }
+
+    async fn level2_playbook(
+        &self,
+        frozen: &VersionContent,
+        proposals: Vec<Proposal>,
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<Reduced, RoundError> {
+        let lists: Vec<Vec<DeltaOp>> = proposals
+            .into_iter()
+            .map(|p| match p {
+                Proposal::Ops(ops) => ops,
+                Proposal::Instruction(_) => Vec::new(),
+            })
+            .collect();
+        let merged = if self.spec.reduce == ReduceMode::Llm && lists.len() > 1 {
+            let before = calls.len();
+            let consolidated = protocol::consolidate_playbook(self.backend, self.llm, frozen, &lists, calls).await;
+            self.journal.record_calls(&calls[before..]).await?;
+            with_provenance(delta::normalize_ops(consolidated?.into_iter().map(|op| (0, op)).collect()), &lists)
+        } else {
+            let union = lists.into_iter().enumerate().flat_map(|(g, ops)| ops.into_iter().map(move |op| (g, op)));
+            delta::normalize_ops(union.collect())
+        };
+        let playbook = frozen.playbook.clone().unwrap_or_default();
+        let outcome = delta::apply_ops(&playbook, &merged, &self.spec.budget);
+        Ok(Reduced {
+            content: VersionContent { base: frozen.base.clone(), playbook: Some(outcome.playbook) },
+            applied: outcome.applied,
+            skipped: outcome.skipped,
+            evicted: outcome.evicted,
+            group_outputs: Vec::new(),
+            timings: PhaseTimings::default(),
+        })
+    }
+
+    async fn level2_rewrite(
+        &self,
+        frozen: &VersionContent,
+        proposals: Vec<Proposal>,
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<Reduced, RoundError> {
+        let mut texts: Vec<String> = proposals
+            .into_iter()
+            .filter_map(|p| match p {
+                Proposal::Instruction(t) => Some(t),
+                Proposal::Ops(_) => None,
+            })
+            .collect();
+        let instruction = if texts.len() == 1 {
+            texts.pop().unwrap_or_default()
+        } else {
+            let before = calls.len();
+            let merged = protocol::merge_rewrite(self.backend, self.llm, frozen, &texts, calls).await;
+            self.journal.record_calls(&calls[before..]).await?;
+            merged?
+        };
+        Ok(Reduced {
+            content: VersionContent { base: instruction, playbook: frozen.playbook.clone() },
+            applied: Vec::new(),
+            skipped: Vec::new(),
+            evicted: Vec::new(),
+            group_outputs: Vec::new(),
+            timings: PhaseTimings::default(),
+        })
+    }
+
+    /// The sequential baseline: each batch is aggregated against the result of
+    /// the previous one and applied before the next; there is no level 2.
+    async fn sequential(
+        &self,
+        frozen: &VersionContent,
+        groups: &[Vec<usize>],
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<Reduced, RoundError> {
+        let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
+        let mut current = frozen.clone();
+        let mut reduced = Reduced {
+            content: frozen.clone(),
+            applied: Vec::new(),
+            skipped: Vec::new(),
+            evicted: Vec::new(),
+            group_outputs: Vec::new(),
+            timings: PhaseTimings::default(),
+        };
+        for (g, group) in groups.iter().enumerate() {
+            let mut made = Vec::new();
+            let answer = self.aggregate(&current, group, &mut made).await;
+            let proposal = match answer {
+                Ok(p) => p,
+                Err(e) => {
+                    self.journal.record_calls(&made).await?;
+                    calls.extend(made);
+                    return Err(e.into());
+                }
+            };
+            reduced.group_outputs.push(self.record(g, group, &proposal, made, calls).await?);
+            match proposal {
+                Proposal::Ops(ops) => {
+                    let merged = delta::normalize_ops(ops.into_iter().map(|op| (g, op)).collect());
+                    let playbook = current.playbook.clone().unwrap_or_default();
+                    let outcome = delta::apply_ops(&playbook, &merged, &self.spec.budget);
+                    current.playbook = Some(outcome.playbook);
+                    reduced.applied.extend(outcome.applied);
+                    reduced.skipped.extend(outcome.skipped);
+                    reduced.evicted.extend(outcome.evicted);
+                }
+                Proposal::Instruction(text) => current.base = text,
+            }
+        }
+        reduced.timings.reduce1_ms = clock.finish().await?;
+        let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
+        reduced.timings.reduce2_ms = clock.finish().await?;
+        reduced.content = current;
+        Ok(reduced)
+    }
+}
+
+/// Source groups for ops an LLM consolidated: the groups whose own lists held the same insight.
+fn with_provenance(mut merged: Vec<MergedOp>, lists: &[Vec<DeltaOp>]) -> Vec<MergedOp> {
+    fn key(op: &DeltaOp) -> (Option<&str>, Option<&str>) {
+        match op {
+            DeltaOp::Add { content, .. } => (None, Some(content)),
+            DeltaOp::Update { id, content, .. } => (Some(id), Some(content)),
+            DeltaOp::Remove { id, .. } => (Some(id), None),
+        }
+    }
+    for m in &mut merged {
+        let (id, text) = key(&m.op);
+        m.groups = lists
+            .iter()
+            .enumerate()
+            .filter(|(_, ops)| {
+                ops.iter().any(|op| {
+                    let (oid, otext) = key(op);
+                    oid == id
+                        && match (text, otext) {
+                            (Some(a), Some(b)) => delta::same_insight(a, b),
+                            (None, None) => true,
+                            _ => false,
+                        }
+                })
+            })
+            .map(|(g, _)| g)
+            .collect();
+    }
+    merged
+}
+
+/// Design §3.5: not empty, within the budget, every `{placeholder}` of the base kept.
+fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec) -> Result<(), String> {
+    if new.render().trim().is_empty() {
+        return Err("the new prompt is empty".into());
+    }
+    let budget = &spec.budget;
+    match spec.strategy {
+        Strategy::Playbook => {
+            let pb = new.playbook.as_ref().map_or_else(Playbook::default, Clone::clone);
+            if let Some(max) = budget.max_bullets
+                && pb.bullet_count() > max
+            {
+                return Err(format!("{} bullets; the budget is {max}", pb.bullet_count()));
+            }
+            if let Some(max) = budget.max_chars
+                && delta::rendered_chars(&pb) > max
+            {
+                return Err(format!("playbook is {} characters; the budget is {max}", delta::rendered_chars(&pb)));
+            }
+        }
+        Strategy::Rewrite => {
+            let chars = new.base.chars().count();
+            if let Some(max) = budget.max_chars
+                && chars > max
+            {
+                return Err(format!("instruction is {chars} characters; the budget is {max}"));
+            }
+        }
+    }
+    let kept = placeholders(&new.base);
+    let lost: Vec<String> = placeholders(&base.base).difference(&kept).map(|p| format!("{{{p}}}")).collect();
+    if !lost.is_empty() {
+        return Err(format!("the new prompt drops placeholders {}", lost.join(", ")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "round_tests.rs"]
+mod tests;
