@@ -11,10 +11,12 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     auth::{self, KeyCache},
     cache::PromptCache,
-    config::Settings,
+    config::{Role, Settings},
     http::{self, AppState},
+    llm::{LlmBackend, client::OpenAiClient},
     store::{self, Change, DynStore, Scope},
     telemetry,
+    worker::Worker,
 };
 
 pub const ADMIN_KEY_FILE: &str = "admin-key";
@@ -22,6 +24,7 @@ pub const ADMIN_KEY_FILE: &str = "admin-key";
 pub struct Application {
     listener: TcpListener,
     state: AppState,
+    worker: Option<Worker>,
     shutdown: CancellationToken,
 }
 
@@ -71,6 +74,15 @@ impl Application {
         let listener = TcpListener::bind(settings.server.bind)
             .await
             .with_context(|| format!("cannot listen on {}", settings.server.bind))?;
+        let worker = match settings.server.role {
+            Role::Api => None,
+            Role::All | Role::Worker => {
+                let llm = settings.llm.clone().with_env_fallbacks();
+                let backend: Arc<dyn LlmBackend> =
+                    Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?);
+                Some(Worker::new(store.clone(), backend, llm, settings.worker.clone()))
+            }
+        };
         let state = AppState {
             cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
             keys: Arc::new(KeyCache::new(store.clone())),
@@ -78,7 +90,7 @@ impl Application {
             settings: Arc::new(settings),
             store,
         };
-        Ok(Self { listener, state, shutdown: CancellationToken::new() })
+        Ok(Self { listener, state, worker, shutdown: CancellationToken::new() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -95,10 +107,12 @@ impl Application {
     }
 
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Application { listener, state, shutdown } = self;
+        let Application { listener, state, worker, shutdown } = self;
         let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
+        let worker = worker.map(|w| tokio::spawn(w.run(shutdown.clone())));
         let housekeeping = tokio::spawn(housekeeping(state.clone(), shutdown.clone()));
-        tracing::info!(addr = %listener.local_addr()?, store = ?state.store.kind(), "combee is serving");
+        let role = state.settings.server.role;
+        tracing::info!(addr = %listener.local_addr()?, store = ?state.store.kind(), ?role, "combee is serving");
         let grace = Duration::from_secs(state.settings.server.shutdown_grace_secs);
         let signal_token = shutdown.clone();
         tokio::spawn(async move {
@@ -106,7 +120,8 @@ impl Application {
             signal_token.cancel();
         });
         let stopped = shutdown.clone();
-        let server = axum::serve(listener, http::router(state)).with_graceful_shutdown(async move {
+        let router = if role == Role::Worker { http::ops_router(state) } else { http::router(state) };
+        let server = axum::serve(listener, router).with_graceful_shutdown(async move {
             stopped.cancelled().await;
             tracing::info!("shutting down: finishing in-flight requests");
         });
@@ -118,6 +133,9 @@ impl Application {
         }
         invalidator.abort();
         housekeeping.abort();
+        if let Some(w) = worker {
+            let _ = tokio::time::timeout(Duration::from_secs(5), w).await;
+        }
         Ok(())
     }
 }

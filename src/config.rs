@@ -47,6 +47,46 @@ pub struct Settings {
     pub limits: LimitSettings,
     pub log: LogSettings,
     pub cache: CacheSettings,
+    pub worker: WorkerSettings,
+    pub webhooks: WebhookSettings,
+    /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
+    #[serde(default, skip_serializing)]
+    pub llm: crate::llm::config::LlmConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSettings {
+    /// How often an idle worker looks for due prompts and claimable rounds (ms).
+    pub poll_interval_ms: u64,
+    /// A claimed round's lease; another process takes the round over when it expires.
+    pub lease_secs: u64,
+    /// How often a running round renews its lease.
+    pub heartbeat_secs: u64,
+    /// Rounds one process runs at once (for different prompts).
+    pub max_parallel_rounds: usize,
+    /// Traces per round for prompts without their own `settings.batch_size`.
+    pub default_batch_size: u32,
+    /// Smallest round a `max_wait` trigger starts.
+    pub min_batch: u32,
+    /// Start a smaller round when the oldest pending trace waited this long (seconds).
+    pub max_wait_secs: u64,
+    /// Claims of one round (crashes and retryable failures) before it gives up.
+    pub max_round_attempts: i32,
+    /// Failed rounds a trace may be part of before it is marked `failed`.
+    pub max_trace_attempts: i32,
+    /// Delay before a round that failed retryably is tried again (seconds).
+    pub retry_delay_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookSettings {
+    /// `whsec_…` secrets accepted for inbound round triggers (several allow rotation).
+    /// Empty: `POST /v1/hooks/rounds/{name}` answers 404.
+    pub inbound_secrets: Vec<Secret>,
+    /// Largest accepted distance between `webhook-timestamp` and now (seconds).
+    pub tolerance_secs: i64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -156,6 +196,20 @@ impl Default for Settings {
             },
             log: LogSettings { format: LogFormat::Text, level: "info".into() },
             cache: CacheSettings { max_age_secs: 60 },
+            worker: WorkerSettings {
+                poll_interval_ms: 1000,
+                lease_secs: 30,
+                heartbeat_secs: 10,
+                max_parallel_rounds: 4,
+                default_batch_size: 32,
+                min_batch: 1,
+                max_wait_secs: 600,
+                max_round_attempts: 3,
+                max_trace_attempts: 3,
+                retry_delay_secs: 5,
+            },
+            webhooks: WebhookSettings { inbound_secrets: Vec::new(), tolerance_secs: 300 },
+            llm: Default::default(),
         }
     }
 }
@@ -181,7 +235,8 @@ impl Settings {
             fig = fig.merge(Serialized::default("database.url", url));
         }
         // figment's messages name keys and files, never values, so no secret leaks here.
-        let s: Settings = fig.extract().map_err(|e| ConfigError(e.to_string()))?;
+        let mut s: Settings = fig.extract().map_err(|e| ConfigError(e.to_string()))?;
+        s.llm = s.llm.with_env_fallbacks();
         s.check()?;
         Ok(s)
     }
@@ -200,6 +255,22 @@ impl Settings {
         if let Some((k, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError(format!("{k} must be greater than 0")));
         }
+        let w = &self.worker;
+        if w.lease_secs == 0 || w.heartbeat_secs == 0 || w.heartbeat_secs * 2 > w.lease_secs {
+            return Err(ConfigError("worker.heartbeat_secs must be > 0 and at most half of worker.lease_secs".into()));
+        }
+        if w.default_batch_size == 0 || w.min_batch == 0 || w.max_parallel_rounds == 0 {
+            return Err(ConfigError("worker batch sizes and max_parallel_rounds must be greater than 0".into()));
+        }
+        if w.max_round_attempts < 1 || w.max_trace_attempts < 1 {
+            return Err(ConfigError("worker.max_round_attempts and max_trace_attempts must be at least 1".into()));
+        }
+        for s in &self.webhooks.inbound_secrets {
+            if crate::webhooks::decode_secret(s).is_none() {
+                return Err(ConfigError("webhooks.inbound_secrets must be `whsec_<base64>` values".into()));
+            }
+        }
+        self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
         Ok(())
     }
 

@@ -12,3 +12,5 @@ pub mod learn;
 pub mod llm;
 pub mod store;
 pub mod telemetry;
+pub mod webhooks;
+pub mod worker;

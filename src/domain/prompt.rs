@@ -39,6 +39,23 @@ pub struct PromptSettings {
     /// Every reflection is duplicated this many times before the shuffle (p).
     #[serde(default = "default_duplication")]
     pub duplication: u32,
+    /// Traces per round; unset means the worker's `default_batch_size`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<u32>,
+    /// Start a smaller round once the oldest pending trace has waited this long
+    /// (seconds); unset means the worker's `max_wait_secs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_secs: Option<u64>,
+    /// Playbook level-2 reduce: `union` (default, no LLM call) or `llm` (one consolidating call).
+    #[serde(default)]
+    #[schema(value_type = String)]
+    pub reduce: crate::learn::round::ReduceMode,
+    /// Playbook size budget: most bullets (oldest, least helpful dropped first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bullets: Option<usize>,
+    /// Playbook size budget: most characters of the rendered playbook.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_chars: Option<usize>,
 }
 
 fn default_duplication() -> u32 {
@@ -47,7 +64,14 @@ fn default_duplication() -> u32 {
 
 impl Default for PromptSettings {
     fn default() -> Self {
-        Self { duplication: default_duplication() }
+        Self {
+            duplication: default_duplication(),
+            batch_size: None,
+            max_wait_secs: None,
+            reduce: Default::default(),
+            max_bullets: None,
+            max_chars: None,
+        }
     }
 }
 

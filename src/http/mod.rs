@@ -8,6 +8,7 @@ pub mod keys;
 pub mod ops;
 pub mod pagination;
 pub mod prompts;
+pub mod rounds;
 pub mod traces;
 
 use std::{sync::Arc, time::Duration};
@@ -52,6 +53,9 @@ pub fn router(state: AppState) -> Router {
         .route("/prompts/{name}/labels", get(prompts::list_labels))
         .route("/prompts/{name}/labels/{label}", put(prompts::move_label).delete(prompts::delete_label))
         .route("/prompts/{name}/rollback", post(prompts::rollback))
+        .route("/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
+        .route("/rounds/{id}", get(rounds::get_round))
+        .route("/hooks/rounds/{name}", post(rounds::webhook_round))
         .route("/traces", post(traces::post_traces).get(traces::list_traces))
         .route("/traces/{id}", get(traces::get_trace))
         .route("/traces/{id}/feedback", post(traces::add_feedback))
@@ -82,6 +86,16 @@ pub fn router(state: AppState) -> Router {
                     ApiError::Internal(anyhow::anyhow!("a handler panicked")).into_response()
                 })),
         )
+        .with_state(state)
+}
+
+/// A worker-only process serves just liveness, readiness and metrics.
+pub fn ops_router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(ops::healthz))
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
+        .fallback(not_found)
         .with_state(state)
 }
 

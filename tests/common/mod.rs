@@ -75,7 +75,53 @@ pub fn settings_for(url: &str, data_dir: &std::path::Path) -> Settings {
     s.limits.max_trace_bytes = 32 * 1024;
     s.limits.max_field_bytes = 8 * 1024;
     s.limits.max_prompt_bytes = 16 * 1024;
+    // API tests run no worker; learning tests turn it on with a simulator.
+    s.server.role = combee::config::Role::Api;
     s
+}
+
+/// The OpenAI-compatible simulator (a simulation, not a model) on port 0.
+pub struct Sim {
+    pub url: String,
+    pub shutdown: CancellationToken,
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+pub async fn spawn_sim(cfg: combee::llm::sim::SimConfig) -> Sim {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    tokio::spawn(combee::llm::sim::serve_simulator(listener, cfg, async move { stop.cancelled().await }));
+    Sim { url, shutdown }
+}
+
+impl Sim {
+    pub async fn stats(&self) -> Value {
+        reqwest::get(format!("{}/sim/stats", self.url)).await.unwrap().json().await.unwrap()
+    }
+
+    pub async fn calls(&self, task: &str) -> u64 {
+        self.stats().await["calls"][task].as_u64().unwrap_or(0)
+    }
+}
+
+/// Runs the worker against `llm_url` with quick polling and retries.
+pub fn learning(settings: &mut Settings, llm_url: &str) {
+    settings.server.role = combee::config::Role::All;
+    settings.llm.base_url = llm_url.to_owned();
+    settings.llm.max_retries = 6;
+    settings.llm.backoff_base_ms = 5;
+    settings.llm.backoff_max_ms = 50;
+    settings.llm.request_timeout_secs = 10.0;
+    settings.worker.poll_interval_ms = 50;
+    settings.worker.retry_delay_secs = 0;
+    settings.worker.default_batch_size = 1000;
 }
 
 pub async fn spawn_app(backend: Backend) -> TestApp {

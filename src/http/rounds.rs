@@ -1,0 +1,245 @@
+//! Round routes: trigger a round by API key or by a Standard Webhooks–signed
+//! inbound webhook, and inspect rounds (phases, reflections, every LLM call,
+//! group outputs, operations, the resulting version or the error).
+
+use axum::{
+    Json,
+    extract::{Request, State},
+    http::{HeaderMap, StatusCode},
+    response::{IntoResponse, Response},
+};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
+
+use super::{
+    AppState,
+    error::{ApiError, ApiResult},
+    extract::{ApiPath, ApiQuery, Caller, body_bytes},
+    pagination::{PageParams, next_token},
+    prompts::parse_name,
+};
+use crate::{
+    domain::{
+        PromptName, Reflection,
+        round::{Round, RoundTrigger},
+    },
+    learn::grouping::Method,
+    store::{OpenRound, RoundCall, Scope, StoreError},
+    webhooks,
+    worker::random_seed,
+};
+
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TriggerRound {
+    /// Most traces to take (default: the prompt's batch size, else `worker.default_batch_size`).
+    #[serde(default)]
+    pub batch_size: Option<u32>,
+    /// `combee` (default), or the `naive` / `sequential` baselines.
+    #[serde(default)]
+    #[schema(value_type = Option<String>)]
+    pub method: Option<Method>,
+}
+
+const MAX_BATCH: u32 = 10_000;
+
+/// An empty body means all defaults.
+fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(TriggerRound::default());
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        if e.is_syntax() || e.is_eof() {
+            ApiError::BadRequest(format!("the body is not valid JSON: {e}"))
+        } else {
+            ApiError::Unprocessable(e.to_string())
+        }
+    })
+}
+
+async fn open(st: &AppState, name: &PromptName, req: TriggerRound, trigger: RoundTrigger) -> ApiResult<Round> {
+    let prompt =
+        st.store.get_prompt(name).await?.ok_or_else(|| ApiError::not_found(format_args!("prompt {name:?}")))?;
+    let batch = req.batch_size.or(prompt.settings.batch_size).unwrap_or(st.settings.worker.default_batch_size);
+    if !(1..=MAX_BATCH).contains(&batch) {
+        return Err(ApiError::Unprocessable(format!("`batch_size` must be between 1 and {MAX_BATCH}")));
+    }
+    let open = OpenRound {
+        prompt: name.clone(),
+        trigger,
+        method: req.method.unwrap_or_default(),
+        batch,
+        min_traces: 1,
+        seed: random_seed(),
+    };
+    match st.store.open_round(&open).await {
+        Ok(Some(round)) => Ok(round),
+        Ok(None) => Err(ApiError::Conflict(format!("prompt {name:?} has no pending traces to learn from"))),
+        Err(StoreError::AlreadyExists) => Err(ApiError::Conflict(format!(
+            "prompt {name:?} already has a round in flight; at most one runs at a time"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/prompts/{name}/rounds", tag = "rounds", params(("name" = String, Path)),
+    request_body = TriggerRound, responses((status = 202, body = Round), (status = 409, body = super::error::Problem)),
+    security(("bearer" = ["rounds:trigger"])))]
+pub async fn trigger_round(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    req: Request,
+) -> ApiResult<Response> {
+    caller.require(Scope::RoundsTrigger)?;
+    let name = parse_name(&name)?;
+    let body = parse_trigger(&body_bytes(req).await?)?;
+    let round = open(&st, &name, body, RoundTrigger::Api).await?;
+    Ok((StatusCode::ACCEPTED, Json(round)).into_response())
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WebhookAccepted {
+    /// `queued`, or `duplicate` when this `webhook-id` was seen before (nothing started).
+    pub status: &'static str,
+    pub round: Option<Round>,
+}
+
+#[utoipa::path(post, path = "/v1/hooks/rounds/{name}", tag = "rounds", params(("name" = String, Path)),
+    request_body(content = TriggerRound, description = "optional; signed with Standard Webhooks (`webhook-id`, `webhook-timestamp`, `webhook-signature`)"),
+    responses((status = 202, body = WebhookAccepted), (status = 200, body = WebhookAccepted), (status = 401, body = super::error::Problem)))]
+/// Inbound trigger, authenticated by its Standard Webhooks signature instead of an API key.
+pub async fn webhook_round(
+    State(st): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    req: Request,
+) -> ApiResult<Response> {
+    let keys: Vec<Vec<u8>> = st.settings.webhooks.inbound_secrets.iter().filter_map(webhooks::decode_secret).collect();
+    if keys.is_empty() {
+        return Err(ApiError::NotFound("inbound webhooks are not configured (`webhooks.inbound_secrets`)".into()));
+    }
+    let headers: HeaderMap = req.headers().clone();
+    let body = body_bytes(req).await?;
+    let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+    let msg = webhooks::Incoming {
+        id: header("webhook-id"),
+        timestamp: header("webhook-timestamp"),
+        signature: header("webhook-signature"),
+        body: &body,
+    };
+    webhooks::verify(&keys, &msg, chrono::Utc::now().timestamp(), st.settings.webhooks.tolerance_secs)
+        .map_err(|e| ApiError::Unauthorized(webhook_reason(&e)))?;
+    let name = parse_name(&name)?;
+    let trigger = parse_trigger(&body)?;
+    let id = msg.id.unwrap_or_default();
+    if id.len() > 255 {
+        return Err(ApiError::BadRequest("`webhook-id` is longer than 255 characters".into()));
+    }
+    if !st.store.remember_inbound_webhook(id).await? {
+        return Ok((StatusCode::OK, Json(WebhookAccepted { status: "duplicate", round: None })).into_response());
+    }
+    let round = open(&st, &name, trigger, RoundTrigger::Webhook).await?;
+    Ok((StatusCode::ACCEPTED, Json(WebhookAccepted { status: "queued", round: Some(round) })).into_response())
+}
+
+fn webhook_reason(e: &webhooks::VerifyError) -> &'static str {
+    match e {
+        webhooks::VerifyError::Missing(_) => {
+            "missing Standard Webhooks headers (webhook-id, webhook-timestamp, webhook-signature)"
+        }
+        webhooks::VerifyError::BadTimestamp => "webhook-timestamp is not a Unix timestamp",
+        webhooks::VerifyError::Stale(_) => "webhook-timestamp is outside the accepted window",
+        webhooks::VerifyError::BadSignature => "the webhook signature does not verify",
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundReflection {
+    pub trace_id: Uuid,
+    /// True when the agent sent its own reflection with the trace.
+    pub from_trace: bool,
+    pub reflection: Reflection,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageTotals {
+    pub calls: usize,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub cost_usd: f64,
+    pub retries: u64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundView {
+    #[serde(flatten)]
+    pub round: Round,
+    pub trace_ids: Vec<Uuid>,
+    pub reflections: Vec<RoundReflection>,
+    pub llm_calls: Vec<RoundCall>,
+    pub usage: UsageTotals,
+}
+
+#[utoipa::path(get, path = "/v1/rounds/{id}", tag = "rounds", params(("id" = Uuid, Path)),
+    responses((status = 200, body = RoundView), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
+pub async fn get_round(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<RoundView>> {
+    caller.require(Scope::PromptsRead)?;
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound("no such round: ids are UUIDs".into()))?;
+    let round = st.store.get_round(id).await?.ok_or_else(|| ApiError::not_found(format_args!("round {id}")))?;
+    let (trace_ids, reflections, llm_calls) =
+        tokio::try_join!(st.store.round_trace_ids(id), st.store.round_reflections(id), st.store.round_calls(id))?;
+    let usage = UsageTotals {
+        calls: llm_calls.len(),
+        prompt_tokens: llm_calls.iter().map(|c| c.call.prompt_tokens).sum(),
+        completion_tokens: llm_calls.iter().map(|c| c.call.completion_tokens).sum(),
+        cost_usd: llm_calls.iter().map(|c| c.call.cost_usd).sum(),
+        retries: llm_calls.iter().map(|c| u64::from(c.call.retries)).sum(),
+    };
+    let reflections = reflections
+        .into_iter()
+        .map(|(trace_id, reflection, from_trace)| RoundReflection { trace_id, from_trace, reflection })
+        .collect();
+    Ok(Json(RoundView { round, trace_ids, reflections, llm_calls, usage }))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct RoundQuery {
+    pub page_size: Option<u32>,
+    pub page_token: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundPage {
+    pub rounds: Vec<Round>,
+    pub next_page_token: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/rounds", tag = "rounds", params(("name" = String, Path), RoundQuery),
+    responses((status = 200, body = RoundPage)), security(("bearer" = ["prompts:read"])))]
+pub async fn list_rounds(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<RoundQuery>,
+) -> ApiResult<Json<RoundPage>> {
+    caller.require(Scope::PromptsRead)?;
+    let name = parse_name(&name)?;
+    if st.store.get_prompt(&name).await?.is_none() {
+        return Err(ApiError::not_found(format_args!("prompt {name:?}")));
+    }
+    let page = PageParams { page_size: q.page_size, page_token: q.page_token };
+    let before = match page.cursor()? {
+        Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        None => None,
+    };
+    let size = page.size(st.settings.limits.max_page_size);
+    let rounds = st.store.list_rounds(Some(&name), before, size).await?;
+    let next_page_token = next_token(&rounds, size, |r| r.id.to_string());
+    Ok(Json(RoundPage { rounds, next_page_token }))
+}

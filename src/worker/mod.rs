@@ -1,0 +1,317 @@
+//! The background worker: decides when a prompt's backlog deserves a round,
+//! claims rounds under a lease (`FOR UPDATE SKIP LOCKED` on Postgres), keeps
+//! the lease alive with a heartbeat fenced by the attempt number, runs the
+//! round without holding any transaction across LLM calls, and publishes or
+//! fails it. A crashed process's rounds are resumed by whoever claims them
+//! after the lease expires, from the reflections already stored.
+
+mod journal;
+
+use std::{sync::Arc, time::Duration};
+
+use rand::Rng;
+use serde_json::json;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+pub use journal::StoreJournal;
+
+use crate::{
+    config::WorkerSettings,
+    domain::{LabelName, Promotion, VersionSource, prompt::NewVersion, round::RoundTrigger},
+    learn::{
+        delta::Budget,
+        grouping::Method,
+        round::{RoundSpec, run_round},
+    },
+    llm::{LlmBackend, config::LlmConfig},
+    store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError},
+};
+
+#[derive(Clone)]
+pub struct Worker {
+    store: DynStore,
+    backend: Arc<dyn LlmBackend>,
+    llm: Arc<LlmConfig>,
+    settings: Arc<WorkerSettings>,
+    /// Names this process in leases (`host:pid:random`).
+    owner: String,
+}
+
+/// What the scheduler would do for one backlog, as plain data (unit-tested).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub trigger: RoundTrigger,
+    pub batch: u32,
+    pub min_traces: u32,
+}
+
+/// A round starts when the backlog reaches the batch size, or when the oldest
+/// pending trace has waited `max_wait` and at least `min_batch` are pending.
+pub fn decide(b: &Backlog, s: &WorkerSettings, now: chrono::DateTime<chrono::Utc>) -> Option<Decision> {
+    if b.active_round || b.pending == 0 {
+        return None;
+    }
+    let batch = b.prompt.settings.batch_size.unwrap_or(s.default_batch_size).max(1);
+    if b.pending >= i64::from(batch) {
+        return Some(Decision { trigger: RoundTrigger::Backlog, batch, min_traces: batch });
+    }
+    let max_wait = b.prompt.settings.max_wait_secs.unwrap_or(s.max_wait_secs);
+    let waited = b.oldest.map(|t| (now - t).num_seconds().max(0) as u64).unwrap_or(0);
+    (waited >= max_wait && b.pending >= i64::from(s.min_batch)).then_some(Decision {
+        trigger: RoundTrigger::MaxWait,
+        batch,
+        min_traces: s.min_batch,
+    })
+}
+
+pub fn random_seed() -> i64 {
+    rand::thread_rng().r#gen::<i64>() & i64::MAX
+}
+
+impl Worker {
+    pub fn new(store: DynStore, backend: Arc<dyn LlmBackend>, llm: LlmConfig, settings: WorkerSettings) -> Self {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "combee".into());
+        let tag: u32 = rand::thread_rng().r#gen();
+        let owner = format!("{host}:{}:{tag:08x}", std::process::id());
+        Self { store, backend, llm: Arc::new(llm), settings: Arc::new(settings), owner }
+    }
+
+    /// Runs until `shutdown`; rounds in progress are abandoned to their lease
+    /// (another process, or this one after a restart, resumes them).
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut changes = self.store.changes();
+        let mut running: JoinSet<()> = JoinSet::new();
+        let poll = Duration::from_millis(self.settings.poll_interval_ms);
+        tracing::info!(owner = %self.owner, "learning worker started");
+        loop {
+            if let Err(e) = self.schedule().await {
+                tracing::warn!(error = %e, "scheduling rounds failed");
+            }
+            while running.len() < self.settings.max_parallel_rounds {
+                match self.store.claim_round(&self.owner, Duration::from_secs(self.settings.lease_secs)).await {
+                    Ok(Some(claimed)) => {
+                        let worker = self.clone();
+                        let stop = shutdown.child_token();
+                        running.spawn(async move { worker.execute(claimed, stop).await });
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "claiming a round failed");
+                        break;
+                    }
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(poll) => {}
+                Some(_) = running.join_next(), if !running.is_empty() => {}
+                c = changes.recv() => {
+                    if matches!(c, Err(tokio::sync::broadcast::error::RecvError::Closed)) {
+                        changes = self.store.changes();
+                    }
+                }
+            }
+        }
+        running.abort_all();
+        tracing::info!("learning worker stopped");
+    }
+
+    /// Opens rounds for prompts whose backlog is due.
+    pub async fn schedule(&self) -> Result<(), StoreError> {
+        let now = chrono::Utc::now();
+        for backlog in self.store.backlogs().await? {
+            let Some(d) = decide(&backlog, &self.settings, now) else { continue };
+            let req = OpenRound {
+                prompt: backlog.prompt.name.clone(),
+                trigger: d.trigger,
+                method: Method::Combee,
+                batch: d.batch,
+                min_traces: d.min_traces,
+                seed: random_seed(),
+            };
+            match self.store.open_round(&req).await {
+                Ok(Some(r)) => {
+                    tracing::info!(round = %r.id, prompt = %r.prompt, n = r.n, trigger = ?d.trigger, "round queued")
+                }
+                Ok(None) | Err(StoreError::AlreadyExists) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one claimed round to publication or failure.
+    pub async fn execute(&self, claimed: ClaimedRound, stop: CancellationToken) {
+        let ClaimedRound { round, prompt, base, traces } = claimed;
+        let (id, attempt) = (round.id, round.attempt);
+        let span = tracing::info_span!("round", round = %id, prompt = %prompt.name, attempt);
+        let _enter = span.enter();
+        if attempt > self.settings.max_round_attempts {
+            let reason = round.error.clone().unwrap_or_else(|| "the round's worker stopped (lease expired)".into());
+            let msg = format!("gave up after {} attempts: {reason}", attempt - 1);
+            self.give_up(id, attempt, &msg).await;
+            return;
+        }
+        // Keep the lease alive; losing it cancels the round.
+        let lost = stop.child_token();
+        let heartbeat = {
+            let (store, lost) = (self.store.clone(), lost.clone());
+            let every = Duration::from_secs(self.settings.heartbeat_secs);
+            let lease = Duration::from_secs(self.settings.lease_secs);
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! { _ = lost.cancelled() => return, _ = tokio::time::sleep(every) => {} }
+                    match store.heartbeat_round(id, attempt, lease).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::warn!(round = %id, "lease lost; abandoning this attempt");
+                            lost.cancel();
+                            return;
+                        }
+                        Err(e) => tracing::warn!(round = %id, error = %e, "heartbeat failed"),
+                    }
+                }
+            })
+        };
+        let journal = StoreJournal::new(self.store.clone(), id, attempt, round.detail.clone());
+        let spec = RoundSpec {
+            round_id: id,
+            seed: round.seed as u64,
+            method: round.method,
+            strategy: round.strategy,
+            duplication: round.duplication.max(1) as u32,
+            reduce: prompt.settings.reduce,
+            budget: Budget { max_bullets: prompt.settings.max_bullets, max_chars: prompt.settings.max_chars },
+        };
+        let started = std::time::Instant::now();
+        let result = tokio::select! {
+            r = run_round(self.backend.as_ref(), &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
+            _ = lost.cancelled() => None,
+        };
+        lost.cancel();
+        heartbeat.abort();
+        let Some(result) = result else { return };
+        metrics::histogram!("combee_round_duration_seconds").record(started.elapsed().as_secs_f64());
+        match result {
+            Ok(outcome) => {
+                let mut detail = journal.detail();
+                detail["outcome"] = json!({
+                    "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map,
+                    "unreflected": outcome.unreflected, "applied": outcome.applied, "skipped": outcome.skipped,
+                    "evicted": outcome.evicted, "timings": outcome.timings,
+                });
+                detail["group_outputs"] = json!(outcome.group_outputs);
+                let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
+                let label = match prompt.promotion {
+                    Promotion::Auto => LabelName::production(),
+                    Promotion::Manual => LabelName::candidate(),
+                };
+                let version = NewVersion {
+                    parent: Some(base.number),
+                    source: VersionSource::Learned,
+                    round_id: Some(id),
+                    content: outcome.content,
+                    message: format!(
+                        "learned from {} traces ({} round, k = {}, p = {})",
+                        outcome.n,
+                        crate::domain::round::method_str(outcome.method),
+                        outcome.k,
+                        outcome.p
+                    ),
+                    created_by: format!("worker:{}", self.owner),
+                };
+                match self.store.publish_round(id, attempt, version, label.clone(), &detail).await {
+                    Ok(v) => {
+                        metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
+                        tracing::info!(version = v.number, label = %label, "round published");
+                    }
+                    Err(StoreError::Conflict) => {
+                        tracing::warn!("lease lost before publishing; another worker owns the round")
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "publishing failed");
+                        self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true).await;
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retryable = e.is_retryable(), "round attempt failed");
+                self.retry_or_give_up(id, attempt, &e.to_string(), e.is_retryable()).await;
+            }
+        }
+    }
+
+    async fn retry_or_give_up(&self, id: uuid::Uuid, attempt: i32, error: &str, retryable: bool) {
+        if retryable && attempt < self.settings.max_round_attempts {
+            let after = Duration::from_secs(self.settings.retry_delay_secs * attempt as u64);
+            if let Err(e) = self.store.fail_round(id, attempt, error, RoundFailure::Retry { after }).await {
+                tracing::warn!(error = %e, "could not re-queue the round");
+            }
+        } else {
+            self.give_up(id, attempt, error).await;
+        }
+    }
+
+    async fn give_up(&self, id: uuid::Uuid, attempt: i32, error: &str) {
+        let how = RoundFailure::GiveUp { max_trace_attempts: self.settings.max_trace_attempts };
+        match self.store.fail_round(id, attempt, error, how).await {
+            Ok(()) => {
+                metrics::counter!("combee_rounds_total", "outcome" => "failed").increment(1);
+                tracing::warn!(error, "round failed; its traces are pending again")
+            }
+            Err(e) => tracing::warn!(error = %e, "could not fail the round"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Prompt, PromptName, PromptSettings, Strategy};
+    use chrono::Utc;
+
+    fn backlog(pending: i64, waited_secs: i64, batch: Option<u32>) -> Backlog {
+        Backlog {
+            prompt: Prompt {
+                id: uuid::Uuid::nil(),
+                name: PromptName::parse("p").unwrap(),
+                strategy: Strategy::Playbook,
+                promotion: Promotion::Auto,
+                settings: PromptSettings { batch_size: batch, ..Default::default() },
+                created_at: Utc::now(),
+                created_by: "t".into(),
+            },
+            pending,
+            oldest: Some(Utc::now() - chrono::Duration::seconds(waited_secs)),
+            active_round: false,
+        }
+    }
+
+    fn settings() -> WorkerSettings {
+        crate::config::Settings::default().worker
+    }
+
+    #[test]
+    fn a_full_batch_starts_a_round() {
+        let d = decide(&backlog(40, 0, None), &settings(), Utc::now()).unwrap();
+        assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 32, min_traces: 32 });
+        let d = decide(&backlog(8, 0, Some(8)), &settings(), Utc::now()).unwrap();
+        assert_eq!(d.batch, 8);
+    }
+
+    #[test]
+    fn a_long_wait_starts_a_smaller_round() {
+        assert_eq!(decide(&backlog(3, 10, None), &settings(), Utc::now()), None);
+        let d = decide(&backlog(3, 601, None), &settings(), Utc::now()).unwrap();
+        assert_eq!(d, Decision { trigger: RoundTrigger::MaxWait, batch: 32, min_traces: 1 });
+    }
+
+    #[test]
+    fn nothing_starts_while_a_round_is_in_flight_or_nothing_is_pending() {
+        let mut b = backlog(100, 1000, None);
+        b.active_round = true;
+        assert_eq!(decide(&b, &settings(), Utc::now()), None);
+        assert_eq!(decide(&backlog(0, 1000, None), &settings(), Utc::now()), None);
+    }
+}

@@ -1,0 +1,254 @@
+//! Learning end to end: the real server on port 0 with its worker, a real
+//! store, and the OpenAI-compatible simulator (a simulation, not a model) as
+//! the LLM. Every trace carries one distinct `INSIGHT-<token>` line; the
+//! simulator carries markers through, so a test counts exactly which insights
+//! reached the published prompt.
+
+mod common;
+
+use std::{
+    collections::BTreeSet,
+    time::{Duration, Instant},
+};
+
+use combee::llm::sim::SimConfig;
+use common::{Backend, TestApp, expect_problem, learning, spawn_app_with, spawn_sim};
+use serde_json::{Value, json};
+
+fn insight_trace(prompt: &str, i: usize) -> Value {
+    json!({
+        "prompt": prompt,
+        "input": {"task": format!("task {i}")},
+        "trajectory": [{"role": "assistant", "content": format!("worked on task {i}")}],
+        "output": format!("answer {i}"),
+        "feedback": {"success": i % 3 != 0, "comment": format!("INSIGHT-i{i:03}: check field {i} before answering")}
+    })
+}
+
+fn insights(text: &str) -> BTreeSet<String> {
+    text.split("INSIGHT-")
+        .skip(1)
+        .filter_map(|rest| rest.split(':').next())
+        .filter(|t| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn create(app: &TestApp, name: &str, strategy: &str, settings: Value) {
+    let res = app
+        .post("/v1/prompts", json!({"name": name, "base": "You answer support questions. Use {customer_name}.", "strategy": strategy, "settings": settings}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+}
+
+async fn send_traces(app: &TestApp, name: &str, n: usize) {
+    let traces: Vec<Value> = (0..n).map(|i| insight_trace(name, i)).collect();
+    for chunk in traces.chunks(50) {
+        let res = app.post("/v1/traces", json!({"traces": chunk})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+    }
+}
+
+async fn trigger(app: &TestApp, name: &str, body: Value) -> Value {
+    let res = app.post(&format!("/v1/prompts/{name}/rounds"), body).send().await.unwrap();
+    assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
+    res.json().await.unwrap()
+}
+
+/// Polls the round until it ends (the worker runs it in the background).
+async fn finished(app: &TestApp, id: &str, within: Duration) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        if r["status"] == "succeeded" || r["status"] == "failed" {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "round still {} after {within:?}: {r}", r["status"]);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn learn(app: &TestApp, name: &str, strategy: &str, method: &str, p: u32) -> (Value, BTreeSet<String>) {
+    create(app, name, strategy, json!({"duplication": p})).await;
+    send_traces(app, name, 100).await;
+    let round = trigger(app, name, json!({"method": method, "batch_size": 100})).await;
+    let done = finished(app, round["id"].as_str().unwrap(), Duration::from_secs(60)).await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let prompt: Value = app.get(&format!("/v1/prompts/{name}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(prompt["version"], done["result_version"]);
+    (done, insights(prompt["text"].as_str().unwrap()))
+}
+
+fn sim() -> SimConfig {
+    SimConfig { seed: 7, capacity_k: 12, digest_reflections: 12, ..SimConfig::default() }
+}
+
+async fn combee_keeps_what_naive_loses(b: Backend, strategy: &str) {
+    let sim = spawn_sim(sim()).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    // p = 1: with a hard capacity of K = 12 per call, groups of n/k = 10 fit; see the README's note on p.
+    let (combee, kept) = learn(&app, "combee-run", strategy, "combee", 1).await;
+    assert_eq!((combee["n"].as_i64(), combee["k"].as_i64()), (Some(100), Some(10)));
+    let (_, naive) = learn(&app, "naive-run", strategy, "naive", 1).await;
+    eprintln!(
+        "simulated LLM, K = 12, n = 100, {strategy}: combee (k = 10, p = 1) kept {} / 100, naive kept {} / 100",
+        kept.len(),
+        naive.len()
+    );
+    assert!(kept.len() >= 95, "combee kept only {}", kept.len());
+    assert!(naive.len() <= 12, "naive kept {}", naive.len());
+
+    // The round records its work: every trace consumed, every call with usage, a learned version.
+    let round: Value =
+        app.get(&format!("/v1/rounds/{}", combee["id"].as_str().unwrap())).send().await.unwrap().json().await.unwrap();
+    assert_eq!(round["trace_ids"].as_array().unwrap().len(), 100);
+    assert_eq!(round["reflections"].as_array().unwrap().len(), 100);
+    assert!(round["usage"]["calls"].as_u64().unwrap() >= 110, "100 reflections + 10 groups");
+    assert!(round["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    assert!(round["detail"]["phases"]["map"]["elapsed_ms"].is_number());
+    let pending: Value =
+        app.get("/v1/traces?prompt=combee-run&status=pending").send().await.unwrap().json().await.unwrap();
+    assert!(pending["traces"].as_array().unwrap().is_empty());
+    let version: Value = app.get("/v1/prompts/combee-run/versions/2").send().await.unwrap().json().await.unwrap();
+    assert_eq!((version["source"].as_str(), version["round_id"].as_str()), (Some("learned"), combee["id"].as_str()));
+    assert!(version["text"].as_str().unwrap().contains("{customer_name}"), "placeholders survive");
+}
+
+async fn playbook_combee_keeps_what_naive_loses(b: Backend) {
+    combee_keeps_what_naive_loses(b, "playbook").await;
+}
+
+async fn rewrite_combee_keeps_what_naive_loses(b: Backend) {
+    combee_keeps_what_naive_loses(b, "rewrite").await;
+}
+
+async fn a_full_backlog_starts_a_round_by_itself(b: Backend) {
+    let sim = spawn_sim(sim()).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    create(&app, "auto", "playbook", json!({"batch_size": 8})).await;
+    send_traces(&app, "auto", 8).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let p: Value = app.get("/v1/prompts/auto").send().await.unwrap().json().await.unwrap();
+        if p["version"] == 2 {
+            assert_eq!(insights(p["text"].as_str().unwrap()).len(), 8);
+            break;
+        }
+        assert!(Instant::now() < deadline, "no round published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let rounds: Value = app.get("/v1/prompts/auto/rounds").send().await.unwrap().json().await.unwrap();
+    assert_eq!(rounds["rounds"][0]["trigger"], "backlog");
+    // Manual promotion policy: learned versions wait as `candidate`.
+    let res = app
+        .post(
+            "/v1/prompts",
+            json!({"name": "careful", "base": "Base.", "promotion": "manual", "settings": {"batch_size": 4}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    send_traces(&app, "careful", 4).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let res = app.get("/v1/prompts/careful?label=candidate").send().await.unwrap();
+        if res.status() == 200 {
+            let c: Value = res.json().await.unwrap();
+            assert_eq!(c["version"], 2);
+            break;
+        }
+        assert!(Instant::now() < deadline, "no candidate published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let prod: Value = app.get("/v1/prompts/careful").send().await.unwrap().json().await.unwrap();
+    assert_eq!(prod["version"], 1, "production stays until an operator promotes");
+}
+
+async fn rounds_survive_injected_faults(b: Backend) {
+    let sim = spawn_sim(SimConfig { rate_5xx: 0.2, rate_429: 0.1, retry_after_ms: 20, ..sim() }).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    create(&app, "flaky", "playbook", json!({"duplication": 1})).await;
+    send_traces(&app, "flaky", 30).await;
+    let round = trigger(&app, "flaky", json!({})).await;
+    let done = finished(&app, round["id"].as_str().unwrap(), Duration::from_secs(60)).await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let stats = sim.stats().await;
+    let faults: u64 = stats["faults"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).sum();
+    assert!(faults > 0, "faults were injected: {stats}");
+    let prompt: Value = app.get("/v1/prompts/flaky").send().await.unwrap().json().await.unwrap();
+    assert_eq!(insights(prompt["text"].as_str().unwrap()).len(), 30);
+    let retries = done["usage"]["retries"].as_u64().unwrap();
+    eprintln!("simulated LLM with 20% 5xx + 10% 429: {faults} faults injected, {retries} retries, round succeeded");
+}
+
+async fn a_dead_backend_fails_cleanly_and_loses_nothing(b: Backend) {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/v1", closed.local_addr().unwrap());
+    drop(closed);
+    let app = spawn_app_with(b, |s| {
+        learning(s, &url);
+        s.llm.max_retries = 1;
+        s.worker.max_round_attempts = 2;
+        s.worker.max_trace_attempts = 2;
+    })
+    .await;
+    create(&app, "down", "playbook", json!({})).await;
+    send_traces(&app, "down", 5).await;
+    for attempt in 1..=2 {
+        let round = trigger(&app, "down", json!({})).await;
+        let done = finished(&app, round["id"].as_str().unwrap(), Duration::from_secs(30)).await;
+        assert_eq!(done["status"], "failed");
+        assert_eq!(done["attempt"], 2, "retried once before giving up");
+        assert!(done["error"].as_str().unwrap().contains("LLM"), "{done}");
+        let status = if attempt == 1 { "pending" } else { "failed" };
+        let traces: Value =
+            app.get(&format!("/v1/traces?prompt=down&status={status}")).send().await.unwrap().json().await.unwrap();
+        let traces = traces["traces"].as_array().unwrap();
+        assert_eq!(traces.len(), 5, "all traces {status} after failed round {attempt}");
+        assert!(traces.iter().all(|t| t["attempts"] == attempt));
+        if attempt == 2 {
+            assert!(traces.iter().all(|t| t["failure_reason"].as_str().is_some_and(|r| r.contains("LLM"))));
+        }
+    }
+    let p: Value = app.get("/v1/prompts/down").send().await.unwrap().json().await.unwrap();
+    assert_eq!(p["version"], 1, "no version from a failed round");
+}
+
+async fn round_triggers_are_validated(b: Backend) {
+    let sim = spawn_sim(SimConfig { fixed_ms: 200.0, ..sim() }).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    create(&app, "t", "playbook", json!({})).await;
+    let p = expect_problem(app.post("/v1/prompts/t/rounds", json!({})).send().await.unwrap(), 409).await;
+    assert!(p["detail"].as_str().unwrap().contains("no pending traces"));
+    send_traces(&app, "t", 3).await;
+    let round = trigger(&app, "t", json!({"method": "sequential"})).await;
+    assert_eq!(
+        (round["method"].as_str(), round["trigger"].as_str(), round["n"].as_i64()),
+        (Some("sequential"), Some("api"), Some(3))
+    );
+    let p = expect_problem(app.post("/v1/prompts/t/rounds", json!({})).send().await.unwrap(), 409).await;
+    assert!(p["detail"].as_str().unwrap().contains("in flight"));
+    expect_problem(app.post("/v1/prompts/t/rounds", json!({"method": "magic"})).send().await.unwrap(), 422).await;
+    expect_problem(app.post("/v1/prompts/t/rounds", json!({"batch_size": 0})).send().await.unwrap(), 422).await;
+    expect_problem(app.post("/v1/prompts/ghost/rounds", json!({})).send().await.unwrap(), 404).await;
+    expect_problem(app.get("/v1/rounds/not-a-uuid").send().await.unwrap(), 404).await;
+    expect_problem(app.get(&format!("/v1/rounds/{}", uuid::Uuid::now_v7())).send().await.unwrap(), 404).await;
+    let reader = app.key_with(&["prompts:read"]).await;
+    let res =
+        app.http.post(app.url("/v1/prompts/t/rounds")).bearer_auth(&reader).json(&json!({})).send().await.unwrap();
+    expect_problem(res, 403).await;
+    let done = finished(&app, round["id"].as_str().unwrap(), Duration::from_secs(30)).await;
+    assert_eq!(done["status"], "succeeded");
+}
+
+on_both_stores!(
+    playbook_combee_keeps_what_naive_loses,
+    rewrite_combee_keeps_what_naive_loses,
+    a_full_backlog_starts_a_round_by_itself,
+    rounds_survive_injected_faults,
+    a_dead_backend_fails_cleanly_and_loses_nothing,
+    round_triggers_are_validated,
+);
