@@ -252,3 +252,69 @@ on_both_stores!(
     a_dead_backend_fails_cleanly_and_loses_nothing,
     round_triggers_are_validated,
 );
+
+mod webhooks {
+    use super::*;
+    use base64::{Engine, engine::general_purpose::STANDARD};
+    use hmac::{Hmac, Mac};
+
+    const KEY: &[u8] = b"a test secret of thirty-two bytes";
+
+    /// Signs as the Standard Webhooks spec says, without combee's own code.
+    fn signed(app: &TestApp, id: &str, ts: i64, body: &str, key: &[u8]) -> reqwest::RequestBuilder {
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
+        mac.update(format!("{id}.{ts}.{body}").as_bytes());
+        let sig = STANDARD.encode(mac.finalize().into_bytes());
+        app.http
+            .post(app.url("/v1/hooks/rounds/hooked"))
+            .header("webhook-id", id)
+            .header("webhook-timestamp", ts.to_string())
+            .header("webhook-signature", format!("v1,{sig}"))
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+    }
+
+    async fn inbound_webhooks_are_verified_and_deduplicated(b: Backend) {
+        let sim = spawn_sim(sim()).await;
+        let app = spawn_app_with(b, |s| {
+            learning(s, &sim.url);
+            s.webhooks.inbound_secrets = vec![combee::config::Secret::new(format!("whsec_{}", STANDARD.encode(KEY)))];
+        })
+        .await;
+        create(&app, "hooked", "playbook", json!({})).await;
+        send_traces(&app, "hooked", 4).await;
+        let now = chrono::Utc::now().timestamp();
+        let rounds = || async {
+            let r: Value = app.get("/v1/prompts/hooked/rounds").send().await.unwrap().json().await.unwrap();
+            r["rounds"].as_array().unwrap().len()
+        };
+
+        expect_problem(signed(&app, "msg_1", now, "{}", b"wrong key").send().await.unwrap(), 401).await;
+        expect_problem(signed(&app, "msg_1", now - 600, "{}", KEY).send().await.unwrap(), 401).await;
+        let unsigned = app.http.post(app.url("/v1/hooks/rounds/hooked")).body("{}").send().await.unwrap();
+        expect_problem(unsigned, 401).await;
+        assert_eq!(rounds().await, 0, "nothing started");
+
+        let res = signed(&app, "msg_1", now, r#"{"method": "combee"}"#, KEY).send().await.unwrap();
+        assert_eq!(res.status(), 202);
+        let body: Value = res.json().await.unwrap();
+        assert_eq!((body["status"].as_str(), body["round"]["trigger"].as_str()), (Some("queued"), Some("webhook")));
+        finished(&app, body["round"]["id"].as_str().unwrap(), Duration::from_secs(30)).await;
+
+        send_traces(&app, "hooked", 2).await;
+        let res = signed(&app, "msg_1", now + 1, r#"{"method": "combee"}"#, KEY).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.json::<Value>().await.unwrap()["status"], "duplicate");
+        assert_eq!(rounds().await, 1, "a replayed webhook-id starts nothing");
+        expect_problem(signed(&app, "msg_2", now, "{not json", KEY).send().await.unwrap(), 400).await;
+    }
+
+    async fn inbound_webhooks_are_off_without_secrets(b: Backend) {
+        let app = common::spawn_app(b).await;
+        create(&app, "hooked", "playbook", json!({})).await;
+        let now = chrono::Utc::now().timestamp();
+        expect_problem(signed(&app, "m", now, "{}", KEY).send().await.unwrap(), 404).await;
+    }
+
+    on_both_stores!(inbound_webhooks_are_verified_and_deduplicated, inbound_webhooks_are_off_without_secrets);
+}

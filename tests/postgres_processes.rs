@@ -102,3 +102,92 @@ async fn a_label_move_reaches_a_second_process_within_a_second() {
     eprintln!("label move seen by the second process after {seen_after:?}");
     assert!(seen_after < Duration::from_millis(1500));
 }
+
+fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
+    let child = Command::new(env!("CARGO_BIN_EXE_combee"))
+        .args(["serve", "--role", "worker", "--bind", &format!("127.0.0.1:{}", free_port())])
+        .env("DATABASE_URL", db)
+        .env("COMBEE_CONFIG_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/config"))
+        .env("COMBEE__DATABASE__DATA_DIR", data)
+        .env("COMBEE__LOG__LEVEL", "warn")
+        .env("COMBEE__LLM__BASE_URL", llm)
+        .env("COMBEE__LLM__MAX_CONCURRENCY", "2")
+        .env("COMBEE__WORKER__LEASE_SECS", "2")
+        .env("COMBEE__WORKER__HEARTBEAT_SECS", "1")
+        .env("COMBEE__WORKER__POLL_INTERVAL_MS", "50")
+        .env("COMBEE__WORKER__DEFAULT_BATCH_SIZE", "1000")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start a worker process");
+    ChildServer(child)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_killed_mid_map_is_finished_by_another_process_without_paying_twice() {
+    let sim = common::spawn_sim(combee::llm::sim::SimConfig { seed: 3, fixed_ms: 120.0, ..Default::default() }).await;
+    let app = spawn_app(Backend::Postgres).await; // API only: the rounds run in the child processes
+    app.create_prompt("crashy").await;
+    let n = 30;
+    let traces: Vec<Value> = (0..n)
+        .map(|i| json!({"prompt": "crashy", "input": i, "feedback": {"comment": format!("INSIGHT-c{i:02}: lesson {i}")}}))
+        .collect();
+    assert_eq!(app.post("/v1/traces", json!({"traces": traces})).send().await.unwrap().status(), 201);
+    let round: Value = app.post("/v1/prompts/crashy/rounds", json!({})).send().await.unwrap().json().await.unwrap();
+    let id = round["id"].as_str().unwrap().to_owned();
+    let data = tempfile::tempdir().unwrap();
+
+    let round_view =
+        || async { app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json::<Value>().await.unwrap() };
+    let mut first = worker_process(&app.url, &sim.url, data.path());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = round_view().await;
+        let stored = r["reflections"].as_array().unwrap().len();
+        if stored >= 6 {
+            assert_eq!(r["status"], "running");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the first worker made no progress: {r}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.0.kill().expect("kill -9 the worker running the round");
+    first.0.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stored_before = round_view().await["reflections"].as_array().unwrap().len();
+    let asked_before = sim.calls("reflect").await;
+    assert!(stored_before < n, "the crash happened during the map phase");
+
+    let _second = worker_process(&app.url, &sim.url, data.path());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let done = loop {
+        let r = round_view().await;
+        if r["status"] == "succeeded" || r["status"] == "failed" {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "the second worker did not finish the round: {r}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["attempt"], 2, "claimed once by each process");
+    let asked_after = sim.calls("reflect").await;
+    assert_eq!(
+        asked_after - asked_before,
+        (n - stored_before) as u64,
+        "the second process asked only for the reflections that were not stored"
+    );
+    assert_eq!(done["reflections"].as_array().unwrap().len(), n);
+    // Every trace consumed exactly once, by this round.
+    let consumed: Value =
+        app.get("/v1/traces?prompt=crashy&status=consumed&page_size=100").send().await.unwrap().json().await.unwrap();
+    let consumed = consumed["traces"].as_array().unwrap();
+    assert_eq!(consumed.len(), n);
+    assert!(consumed.iter().all(|t| t["round_id"] == id.as_str()));
+    let pending: Value = app.get("/v1/traces?prompt=crashy&status=pending").send().await.unwrap().json().await.unwrap();
+    assert!(pending["traces"].as_array().unwrap().is_empty());
+    let versions: Value = app.get("/v1/prompts/crashy/versions").send().await.unwrap().json().await.unwrap();
+    assert_eq!(versions["versions"].as_array().unwrap().len(), 2, "one learned version, published once");
+    eprintln!(
+        "kill -9 after {stored_before} of {n} reflections: the second process asked for {} more (simulated LLM)",
+        asked_after - asked_before
+    );
+}
