@@ -80,7 +80,7 @@ impl Application {
                 let llm = settings.llm.clone().with_env_fallbacks();
                 let backend: Arc<dyn LlmBackend> =
                     Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?);
-                Some(Worker::new(store.clone(), backend, llm, settings.worker.clone()))
+                Some(Worker::new(store.clone(), backend, llm, settings.worker.clone(), settings.controller.clone()))
             }
         };
         let state = AppState {

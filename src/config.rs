@@ -48,6 +48,8 @@ pub struct Settings {
     pub log: LogSettings,
     pub cache: CacheSettings,
     pub worker: WorkerSettings,
+    /// The dynamic batch-size controller for prompts with `batch_size = "auto"`.
+    pub controller: crate::learn::controller::ControllerConfig,
     pub webhooks: WebhookSettings,
     /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
     #[serde(default, skip_serializing)]
@@ -65,8 +67,6 @@ pub struct WorkerSettings {
     pub heartbeat_secs: u64,
     /// Rounds one process runs at once (for different prompts).
     pub max_parallel_rounds: usize,
-    /// Traces per round for prompts without their own `settings.batch_size`.
-    pub default_batch_size: u32,
     /// Smallest round a `max_wait` trigger starts.
     pub min_batch: u32,
     /// Start a smaller round when the oldest pending trace waited this long (seconds).
@@ -201,13 +201,13 @@ impl Default for Settings {
                 lease_secs: 30,
                 heartbeat_secs: 10,
                 max_parallel_rounds: 4,
-                default_batch_size: 32,
                 min_batch: 1,
                 max_wait_secs: 600,
                 max_round_attempts: 3,
                 max_trace_attempts: 3,
                 retry_delay_secs: 5,
             },
+            controller: Default::default(),
             webhooks: WebhookSettings { inbound_secrets: Vec::new(), tolerance_secs: 300 },
             llm: Default::default(),
         }
@@ -259,8 +259,8 @@ impl Settings {
         if w.lease_secs == 0 || w.heartbeat_secs == 0 || w.heartbeat_secs * 2 > w.lease_secs {
             return Err(ConfigError("worker.heartbeat_secs must be > 0 and at most half of worker.lease_secs".into()));
         }
-        if w.default_batch_size == 0 || w.min_batch == 0 || w.max_parallel_rounds == 0 {
-            return Err(ConfigError("worker batch sizes and max_parallel_rounds must be greater than 0".into()));
+        if w.min_batch == 0 || w.max_parallel_rounds == 0 {
+            return Err(ConfigError("worker.min_batch and worker.max_parallel_rounds must be greater than 0".into()));
         }
         if w.max_round_attempts < 1 || w.max_trace_attempts < 1 {
             return Err(ConfigError("worker.max_round_attempts and max_trace_attempts must be at least 1".into()));
@@ -271,6 +271,7 @@ impl Settings {
             }
         }
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
+        self.controller.validate().map_err(|e| ConfigError(format!("controller: {e}")))?;
         Ok(())
     }
 

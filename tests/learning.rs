@@ -34,7 +34,12 @@ fn insights(text: &str) -> BTreeSet<String> {
         .collect()
 }
 
-async fn create(app: &TestApp, name: &str, strategy: &str, settings: Value) {
+/// Creates a prompt; unless the test sets one, a fixed batch size so the
+/// worker's controller does not start warm-up rounds on its own.
+async fn create(app: &TestApp, name: &str, strategy: &str, mut settings: Value) {
+    if settings.get("batch_size").is_none() {
+        settings["batch_size"] = json!(1000);
+    }
     let res = app
         .post("/v1/prompts", json!({"name": name, "base": "You answer support questions. Use {customer_name}.", "strategy": strategy, "settings": settings}))
         .send()
@@ -317,4 +322,121 @@ mod webhooks {
     }
 
     on_both_stores!(inbound_webhooks_are_verified_and_deduplicated, inbound_webhooks_are_off_without_secrets);
+}
+
+mod controller {
+    use super::*;
+    use combee::learn::controller::{ControllerConfig, fit_power_law, plateau, tau};
+
+    const FIXED_MS: f64 = 150.0;
+    const PER_INPUT_TOKEN_MS: f64 = 0.25;
+
+    /// The simulator's latency formula (its own model, not a measurement).
+    fn modelled_ms(call: &Value) -> f64 {
+        FIXED_MS + PER_INPUT_TOKEN_MS * call["prompt_tokens"].as_f64().unwrap()
+    }
+
+    /// R(bs) from the model: the slowest reflector call, then the slowest group call
+    /// (playbook rounds with `reduce = union` have no level-2 call).
+    fn modelled_round_secs(round: &Value) -> f64 {
+        let calls = round["llm_calls"].as_array().unwrap();
+        let slowest = |role: &str| {
+            calls.iter().filter(|c| c["role"] == role && c["error"].is_null()).map(modelled_ms).fold(0.0, f64::max)
+        };
+        (slowest("reflector") + slowest("aggregator")) / 1000.0
+    }
+
+    async fn the_controller_settles_near_the_modelled_plateau(b: Backend) {
+        let sim = spawn_sim(SimConfig { fixed_ms: FIXED_MS, per_input_token_ms: PER_INPUT_TOKEN_MS, ..sim() }).await;
+        let cfg = ControllerConfig {
+            min_batch: 4,
+            max_batch: 128,
+            window: 3,
+            ladder: ControllerConfig::doubling_ladder(4, 128),
+            ..ControllerConfig::default()
+        };
+        let app = spawn_app_with(b, |s| {
+            learning(s, &sim.url);
+            s.controller = cfg.clone();
+        })
+        .await;
+        create(&app, "auto", "playbook", json!({"batch_size": "auto", "duplication": 1})).await;
+        send_traces(&app, "auto", 200).await;
+
+        // Warm-up walks the ladder (4, 8, 16), then the fit gives the plateau.
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let view = loop {
+            let v: Value = app.get("/v1/prompts/auto/controller").send().await.unwrap().json().await.unwrap();
+            if v["samples"].as_array().unwrap().len() >= 3 && v["choice"]["plateau"].is_number() {
+                break v;
+            }
+            assert!(Instant::now() < deadline, "the controller never fitted: {v}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let sizes: Vec<u64> =
+            view["samples"].as_array().unwrap().iter().map(|s| s["batch_size"].as_u64().unwrap()).collect();
+        assert_eq!(&sizes[..3], &[4, 8, 16], "warm-up walks the ladder");
+        assert_eq!(view["mode"], "auto");
+
+        // The same computation on the simulator's modelled round times.
+        let rounds: Value =
+            app.get("/v1/prompts/auto/rounds?page_size=100").send().await.unwrap().json().await.unwrap();
+        let mut modelled = Vec::new();
+        for r in rounds["rounds"].as_array().unwrap().iter().filter(|r| r["status"] == "succeeded") {
+            let full: Value = app
+                .get(&format!("/v1/rounds/{}", r["id"].as_str().unwrap()))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            modelled.push((full["n"].as_f64().unwrap(), modelled_round_secs(&full)));
+        }
+        modelled.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let n = 200.0;
+        let points: Vec<(f64, f64)> = modelled.iter().take(3).map(|&(bs, r)| (bs, n / bs * r)).collect();
+        let fit = fit_power_law(&points).expect("a fit of the modelled points");
+        let model_bs = plateau(&fit, tau(&fit, cfg.tau_rel, 4.0));
+        let chosen = view["choice"]["plateau"].as_f64().unwrap();
+        eprintln!(
+            "controller (simulated LLM): measured alpha {:.3} -> bs* {chosen:.1}; modelled alpha {:.3} -> bs* {model_bs:.1}",
+            view["choice"]["fit"]["alpha"].as_f64().unwrap(),
+            fit.alpha
+        );
+        assert!((chosen - model_bs).abs() <= 0.2 * model_bs, "chosen {chosen:.1} vs modelled {model_bs:.1}");
+        let target = view["choice"]["target"].as_u64().unwrap();
+        assert!((16..=128).contains(&target), "{view}");
+
+        // The worker records its choice, and exports it.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let v: Value = app.get("/v1/prompts/auto/controller").send().await.unwrap().json().await.unwrap();
+            if v["last_choice"]["reason"]["rule"] != "warm_up" && v["last_choice"].is_object() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no post-warm-up choice recorded: {v}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let metrics = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("combee_controller_batch_size{prompt=\"auto\"}"), "{metrics}");
+    }
+
+    async fn controller_view_for_a_fixed_prompt(b: Backend) {
+        let app = common::spawn_app(b).await;
+        create(&app, "fixed", "playbook", json!({"batch_size": 50})).await;
+        let v: Value = app.get("/v1/prompts/fixed/controller").send().await.unwrap().json().await.unwrap();
+        assert_eq!((v["mode"].as_str(), v["fixed_batch_size"].as_u64()), (Some("fixed"), Some(50)));
+        assert!(v["samples"].as_array().unwrap().is_empty());
+        assert!(v["curve"].as_array().unwrap().is_empty() && v["choice"]["fit"].is_null(), "{v}");
+        expect_problem(app.get("/v1/prompts/ghost/controller").send().await.unwrap(), 404).await;
+        let bad = app
+            .post("/v1/prompts", json!({"name": "x", "base": "b", "settings": {"batch_size": "huge"}}))
+            .send()
+            .await
+            .unwrap();
+        expect_problem(bad, 422).await;
+    }
+
+    on_both_stores!(the_controller_settles_near_the_modelled_plateau, controller_view_for_a_fixed_prompt);
 }

@@ -115,7 +115,6 @@ fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
         .env("COMBEE__WORKER__LEASE_SECS", "2")
         .env("COMBEE__WORKER__HEARTBEAT_SECS", "1")
         .env("COMBEE__WORKER__POLL_INTERVAL_MS", "50")
-        .env("COMBEE__WORKER__DEFAULT_BATCH_SIZE", "1000")
         .stdout(Stdio::null())
         .spawn()
         .expect("start a worker process");
@@ -126,7 +125,12 @@ fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
 async fn a_round_killed_mid_map_is_finished_by_another_process_without_paying_twice() {
     let sim = common::spawn_sim(combee::llm::sim::SimConfig { seed: 3, fixed_ms: 120.0, ..Default::default() }).await;
     let app = spawn_app(Backend::Postgres).await; // API only: the rounds run in the child processes
-    app.create_prompt("crashy").await;
+    let res = app
+        .post("/v1/prompts", json!({"name": "crashy", "base": "Base.", "settings": {"batch_size": 1000}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
     let n = 30;
     let traces: Vec<Value> = (0..n)
         .map(|i| json!({"prompt": "crashy", "input": i, "feedback": {"comment": format!("INSIGHT-c{i:02}: lesson {i}")}}))

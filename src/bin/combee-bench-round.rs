@@ -48,7 +48,11 @@ fn traces(n: usize) -> Vec<Trace> {
             input: json!({"task": i}),
             trajectory: json!([{"role": "assistant", "content": format!("step for task {i}")}]),
             output: json!(format!("answer {i}")),
-            feedback: Feedback { success: Some(true), comment: Some(format!("INSIGHT-b{i:04}: lesson {i}")), ..Default::default() },
+            feedback: Feedback {
+                success: Some(true),
+                comment: Some(format!("INSIGHT-b{i:04}: lesson {i}")),
+                ..Default::default()
+            },
             reflection: None,
             external_id: None,
             metadata: json!({}),
@@ -152,16 +156,21 @@ async fn main() -> anyhow::Result<()> {
                         .await?
                         .ok_or_else(|| anyhow::anyhow!("no round claimed"))?;
                     anyhow::ensure!(claimed.traces.len() == ids.len());
-                    let journal = combee::worker::StoreJournal::new(store.clone(), round.id, claimed.round.attempt, json!({}));
+                    let journal =
+                        combee::worker::StoreJournal::new(store.clone(), round.id, claimed.round.attempt, json!({}));
                     let spec = RoundSpec { round_id: round.id, ..spec };
                     let t = Instant::now();
-                    let o = run_round(backend.as_ref(), &llm, &spec, &base, &claimed.traces, &journal as &dyn RoundJournal)
-                        .await?;
+                    let o =
+                        run_round(backend.as_ref(), &llm, &spec, &base, &claimed.traces, &journal as &dyn RoundJournal)
+                            .await?;
                     let elapsed = t.elapsed();
                     store
-                        .fail_round(round.id, claimed.round.attempt, "benchmark done", combee::store::RoundFailure::GiveUp {
-                            max_trace_attempts: 1,
-                        })
+                        .fail_round(
+                            round.id,
+                            claimed.round.attempt,
+                            "benchmark done",
+                            combee::store::RoundFailure::GiveUp { max_trace_attempts: 1 },
+                        )
                         .await?;
                     (elapsed, o)
                 };

@@ -39,9 +39,11 @@ pub struct PromptSettings {
     /// Every reflection is duplicated this many times before the shuffle (p).
     #[serde(default = "default_duplication")]
     pub duplication: u32,
-    /// Traces per round; unset means the worker's `default_batch_size`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub batch_size: Option<u32>,
+    /// Traces per round: `"auto"` (default: the batch-size controller picks it
+    /// from measured round times) or a fixed number.
+    #[serde(default)]
+    #[schema(value_type = Object, example = "auto")]
+    pub batch_size: BatchSize,
     /// Start a smaller round once the oldest pending trace has waited this long
     /// (seconds); unset means the worker's `max_wait_secs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -66,11 +68,50 @@ impl Default for PromptSettings {
     fn default() -> Self {
         Self {
             duplication: default_duplication(),
-            batch_size: None,
+            batch_size: BatchSize::Auto,
             max_wait_secs: None,
             reduce: Default::default(),
             max_bullets: None,
             max_chars: None,
+        }
+    }
+}
+
+/// A prompt's batch size: chosen by the controller, or fixed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BatchSize {
+    #[default]
+    Auto,
+    Fixed(u32),
+}
+
+impl BatchSize {
+    pub fn fixed(self) -> Option<u32> {
+        match self {
+            Self::Auto => None,
+            Self::Fixed(n) => Some(n),
+        }
+    }
+}
+
+impl Serialize for BatchSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => s.serialize_str("auto"),
+            Self::Fixed(n) => s.serialize_u32(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BatchSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(s) if s == "auto" => Ok(Self::Auto),
+            serde_json::Value::Number(n) => match n.as_u64() {
+                Some(v @ 1..=10_000) => Ok(Self::Fixed(v as u32)),
+                _ => Err(serde::de::Error::custom("batch_size must be \"auto\" or an integer from 1 to 10000")),
+            },
+            _ => Err(serde::de::Error::custom("batch_size must be \"auto\" or an integer from 1 to 10000")),
         }
     }
 }
@@ -176,6 +217,17 @@ mod tests {
         assert_eq!(a.hash(), b.hash());
         assert_ne!(a.hash(), c.hash());
         assert!(a.hash().starts_with("sha256:"));
+    }
+
+    #[test]
+    fn batch_size_is_auto_or_a_number() {
+        let parse = |v: &str| serde_json::from_str::<PromptSettings>(&format!(r#"{{"batch_size": {v}}}"#));
+        assert_eq!(parse(r#""auto""#).unwrap().batch_size, BatchSize::Auto);
+        assert_eq!(parse("64").unwrap().batch_size, BatchSize::Fixed(64));
+        for bad in ["0", "-1", "1.5", r#""big""#, "null", "10001"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
+        assert_eq!(serde_json::to_value(PromptSettings::default()).unwrap()["batch_size"], "auto");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! through (request id, tracing span, metrics, timeout, body limit, panics as
 //! problems). One file per resource beside this one.
 
+pub mod controller;
 pub mod error;
 pub mod extract;
 pub mod keys;
@@ -55,6 +56,7 @@ pub fn router(state: AppState) -> Router {
         .route("/prompts/{name}/rollback", post(prompts::rollback))
         .route("/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
         .route("/rounds/{id}", get(rounds::get_round))
+        .route("/prompts/{name}/controller", get(controller::get_controller))
         .route("/hooks/rounds/{name}", post(rounds::webhook_round))
         .route("/traces", post(traces::post_traces).get(traces::list_traces))
         .route("/traces/{id}", get(traces::get_trace))

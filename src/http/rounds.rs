@@ -61,7 +61,10 @@ fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
 async fn open(st: &AppState, name: &PromptName, req: TriggerRound, trigger: RoundTrigger) -> ApiResult<Round> {
     let prompt =
         st.store.get_prompt(name).await?.ok_or_else(|| ApiError::not_found(format_args!("prompt {name:?}")))?;
-    let batch = req.batch_size.or(prompt.settings.batch_size).unwrap_or(st.settings.worker.default_batch_size);
+    let batch = match req.batch_size {
+        Some(n) => n,
+        None => crate::worker::controller::default_batch(&st.store, &prompt, &st.settings.controller).await?,
+    };
     if !(1..=MAX_BATCH).contains(&batch) {
         return Err(ApiError::Unprocessable(format!("`batch_size` must be between 1 and {MAX_BATCH}")));
     }

@@ -269,6 +269,15 @@ pub struct RoundCall {
     pub created_at: DateTime<Utc>,
 }
 
+/// One delay sample of the batch-size controller, as stored.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ControllerSample {
+    pub batch_size: u32,
+    pub round_secs: f64,
+    pub round_id: Uuid,
+    pub created_at: DateTime<Utc>,
+}
+
 /// How a round ends when it cannot publish.
 #[derive(Debug, Clone)]
 pub enum RoundFailure {
@@ -365,7 +374,9 @@ pub trait Store: Send + Sync + 'static {
         detail: &serde_json::Value,
     ) -> StoreResult<bool>;
     /// In one transaction, fenced by the attempt: writes the version, moves
-    /// `label` to it, marks the round's traces consumed and the round succeeded.
+    /// `label` to it, marks the round's traces consumed and the round succeeded,
+    /// and (given `sample_secs`) records the batch-size controller's delay sample
+    /// — atomically, so the scheduler never sees the round done but unsampled.
     /// `Conflict` when the lease was lost.
     async fn publish_round(
         &self,
@@ -374,6 +385,7 @@ pub trait Store: Send + Sync + 'static {
         version: NewVersion,
         label: LabelName,
         detail: &serde_json::Value,
+        sample_secs: Option<f64>,
     ) -> StoreResult<Version>;
     /// Ends an attempt that could not publish (fenced by the attempt).
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()>;
@@ -389,6 +401,12 @@ pub trait Store: Send + Sync + 'static {
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
     /// True the first time an inbound webhook id is seen.
     async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool>;
+
+    // Batch-size controller
+    /// The prompt's most recent samples, oldest first.
+    async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<ControllerSample>>;
+    async fn save_controller_choice(&self, prompt: &PromptName, choice: &serde_json::Value) -> StoreResult<()>;
+    async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(serde_json::Value, DateTime<Utc>)>>;
 }
 
 pub type DynStore = Arc<dyn Store>;

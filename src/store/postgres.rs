@@ -1024,9 +1024,20 @@ impl Store for PgStore {
         v: NewVersion,
         label: LabelName,
         detail: &Value,
+        sample_secs: Option<f64>,
     ) -> StoreResult<Version> {
         let mut tx = self.pool.begin().await?;
         let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
+        if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
+            sqlx::query(
+                "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs)
+                 SELECT prompt_id, id, n, $2 FROM rounds WHERE id = $1",
+            )
+            .bind(round)
+            .bind(secs)
+            .execute(&mut *tx)
+            .await?;
+        }
         let number: i64 = sqlx::query_scalar(
             "UPDATE prompts SET version_count = version_count + 1 WHERE id = $1 RETURNING version_count",
         )
@@ -1154,6 +1165,51 @@ impl Store for PgStore {
             .await?
             .rows_affected();
         Ok(n == 1)
+    }
+
+    async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
+        let mut rows = sqlx::query(
+            "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
+             JOIN prompts p ON p.id = s.prompt_id WHERE p.name = $1 ORDER BY s.id DESC LIMIT $2",
+        )
+        .bind(prompt.as_str())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(super::ControllerSample {
+                batch_size: r.try_get::<i32, _>("batch_size")? as u32,
+                round_secs: r.try_get("round_secs")?,
+                round_id: r.try_get("round_id")?,
+                created_at: r.try_get("created_at")?,
+            })
+        })
+        .collect::<StoreResult<Vec<_>>>()?;
+        rows.reverse();
+        Ok(rows)
+    }
+
+    async fn save_controller_choice(&self, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO controller_choices (prompt_id, choice) SELECT id, $2 FROM prompts WHERE name = $1
+             ON CONFLICT (prompt_id) DO UPDATE SET choice = EXCLUDED.choice, updated_at = now()",
+        )
+        .bind(prompt.as_str())
+        .bind(choice)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
+        let row = sqlx::query(
+            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = $1",
+        )
+        .bind(prompt.as_str())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|r| Ok((r.try_get("choice")?, r.try_get("updated_at")?))).transpose()
     }
 }
 

@@ -1085,10 +1085,22 @@ impl Store for SqliteStore {
         v: NewVersion,
         label: LabelName,
         detail: &Value,
+        sample_secs: Option<f64>,
     ) -> StoreResult<Version> {
         let now = now_us();
         let mut tx = self.writer.begin().await?;
         let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
+        if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
+            sqlx::query(
+                "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
+                 SELECT prompt_id, id, n, ?, ? FROM rounds WHERE id = ?",
+            )
+            .bind(secs)
+            .bind(now)
+            .bind(round.to_string())
+            .execute(&mut *tx)
+            .await?;
+        }
         let number: i64 = sqlx::query_scalar(
             "UPDATE prompts SET version_count = version_count + 1 WHERE id = ? RETURNING version_count",
         )
@@ -1227,5 +1239,52 @@ impl Store for SqliteStore {
             .await?
             .rows_affected();
         Ok(n == 1)
+    }
+
+    async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
+        let mut rows = sqlx::query(
+            "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
+             JOIN prompts p ON p.id = s.prompt_id WHERE p.name = ? ORDER BY s.id DESC LIMIT ?",
+        )
+        .bind(prompt.as_str())
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(super::ControllerSample {
+                batch_size: r.try_get::<i64, _>("batch_size")? as u32,
+                round_secs: r.try_get("round_secs")?,
+                round_id: uuid(r.try_get("round_id")?)?,
+                created_at: time(r.try_get("created_at")?)?,
+            })
+        })
+        .collect::<StoreResult<Vec<_>>>()?;
+        rows.reverse();
+        Ok(rows)
+    }
+
+    async fn save_controller_choice(&self, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
+        let now = now_us();
+        sqlx::query(
+            "INSERT INTO controller_choices (prompt_id, choice, updated_at) SELECT id, ?, ? FROM prompts WHERE name = ?
+             ON CONFLICT (prompt_id) DO UPDATE SET choice = excluded.choice, updated_at = excluded.updated_at",
+        )
+        .bind(to_json(choice)?)
+        .bind(now)
+        .bind(prompt.as_str())
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
+        let row = sqlx::query(
+            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = ?",
+        )
+        .bind(prompt.as_str())
+        .fetch_optional(&self.reader)
+        .await?;
+        row.map(|r| Ok((json(r.try_get("choice")?)?, time(r.try_get("updated_at")?)?))).transpose()
     }
 }

@@ -5,6 +5,7 @@
 //! fails it. A crashed process's rounds are resumed by whoever claims them
 //! after the lease expires, from the reflections already stored.
 
+pub mod controller;
 mod journal;
 
 use std::{sync::Arc, time::Duration};
@@ -18,8 +19,9 @@ pub use journal::StoreJournal;
 
 use crate::{
     config::WorkerSettings,
-    domain::{LabelName, Promotion, VersionSource, prompt::NewVersion, round::RoundTrigger},
+    domain::{BatchSize, LabelName, Promotion, VersionSource, prompt::NewVersion, round::RoundTrigger},
     learn::{
+        controller::ControllerConfig,
         delta::Budget,
         grouping::Method,
         round::{RoundSpec, run_round},
@@ -34,6 +36,8 @@ pub struct Worker {
     backend: Arc<dyn LlmBackend>,
     llm: Arc<LlmConfig>,
     settings: Arc<WorkerSettings>,
+    controller: Arc<ControllerConfig>,
+    choices: Arc<controller::ChoiceLog>,
     /// Names this process in leases (`host:pid:random`).
     owner: String,
 }
@@ -46,13 +50,14 @@ pub struct Decision {
     pub min_traces: u32,
 }
 
-/// A round starts when the backlog reaches the batch size, or when the oldest
-/// pending trace has waited `max_wait` and at least `min_batch` are pending.
-pub fn decide(b: &Backlog, s: &WorkerSettings, now: chrono::DateTime<chrono::Utc>) -> Option<Decision> {
+/// A round starts when the backlog reaches the batch size (`target`: fixed, or
+/// the controller's), or when the oldest pending trace has waited `max_wait`
+/// and at least `min_batch` are pending.
+pub fn decide(b: &Backlog, target: u32, s: &WorkerSettings, now: chrono::DateTime<chrono::Utc>) -> Option<Decision> {
     if b.active_round || b.pending == 0 {
         return None;
     }
-    let batch = b.prompt.settings.batch_size.unwrap_or(s.default_batch_size).max(1);
+    let batch = target.max(1);
     if b.pending >= i64::from(batch) {
         return Some(Decision { trigger: RoundTrigger::Backlog, batch, min_traces: batch });
     }
@@ -70,11 +75,25 @@ pub fn random_seed() -> i64 {
 }
 
 impl Worker {
-    pub fn new(store: DynStore, backend: Arc<dyn LlmBackend>, llm: LlmConfig, settings: WorkerSettings) -> Self {
+    pub fn new(
+        store: DynStore,
+        backend: Arc<dyn LlmBackend>,
+        llm: LlmConfig,
+        settings: WorkerSettings,
+        controller: ControllerConfig,
+    ) -> Self {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "combee".into());
         let tag: u32 = rand::thread_rng().r#gen();
         let owner = format!("{host}:{}:{tag:08x}", std::process::id());
-        Self { store, backend, llm: Arc::new(llm), settings: Arc::new(settings), owner }
+        Self {
+            store,
+            backend,
+            llm: Arc::new(llm),
+            settings: Arc::new(settings),
+            controller: Arc::new(controller),
+            choices: Arc::default(),
+            owner,
+        }
     }
 
     /// Runs until `shutdown`; rounds in progress are abandoned to their lease
@@ -121,7 +140,20 @@ impl Worker {
     pub async fn schedule(&self) -> Result<(), StoreError> {
         let now = chrono::Utc::now();
         for backlog in self.store.backlogs().await? {
-            let Some(d) = decide(&backlog, &self.settings, now) else { continue };
+            if backlog.active_round || backlog.pending == 0 {
+                continue;
+            }
+            let name = &backlog.prompt.name;
+            let target = match backlog.prompt.settings.batch_size {
+                BatchSize::Fixed(n) => n,
+                BatchSize::Auto => {
+                    let choice =
+                        controller::current(&self.store, name, backlog.pending as u64, &self.controller).await?;
+                    self.choices.record(&self.store, name, &choice).await?;
+                    choice.target
+                }
+            };
+            let Some(d) = decide(&backlog, target, &self.settings, now) else { continue };
             let req = OpenRound {
                 prompt: backlog.prompt.name.clone(),
                 trigger: d.trigger,
@@ -185,6 +217,7 @@ impl Worker {
             budget: Budget { max_bullets: prompt.settings.max_bullets, max_chars: prompt.settings.max_chars },
         };
         let started = std::time::Instant::now();
+        let batch_size = traces.len() as u32;
         let result = tokio::select! {
             r = run_round(self.backend.as_ref(), &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
             _ = lost.cancelled() => None,
@@ -221,7 +254,10 @@ impl Worker {
                     ),
                     created_by: format!("worker:{}", self.owner),
                 };
-                match self.store.publish_round(id, attempt, version, label.clone(), &detail).await {
+                // Only Combee rounds describe the delay the controller models.
+                let sample =
+                    (round.method == Method::Combee && batch_size > 0).then(|| started.elapsed().as_secs_f64());
+                match self.store.publish_round(id, attempt, version, label.clone(), &detail, sample).await {
                     Ok(v) => {
                         metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
                         tracing::info!(version = v.number, label = %label, "round published");
@@ -271,14 +307,14 @@ mod tests {
     use crate::domain::{Prompt, PromptName, PromptSettings, Strategy};
     use chrono::Utc;
 
-    fn backlog(pending: i64, waited_secs: i64, batch: Option<u32>) -> Backlog {
+    fn backlog(pending: i64, waited_secs: i64) -> Backlog {
         Backlog {
             prompt: Prompt {
                 id: uuid::Uuid::nil(),
                 name: PromptName::parse("p").unwrap(),
                 strategy: Strategy::Playbook,
                 promotion: Promotion::Auto,
-                settings: PromptSettings { batch_size: batch, ..Default::default() },
+                settings: PromptSettings::default(),
                 created_at: Utc::now(),
                 created_by: "t".into(),
             },
@@ -294,24 +330,24 @@ mod tests {
 
     #[test]
     fn a_full_batch_starts_a_round() {
-        let d = decide(&backlog(40, 0, None), &settings(), Utc::now()).unwrap();
+        let d = decide(&backlog(40, 0), 32, &settings(), Utc::now()).unwrap();
         assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 32, min_traces: 32 });
-        let d = decide(&backlog(8, 0, Some(8)), &settings(), Utc::now()).unwrap();
+        let d = decide(&backlog(8, 0), 8, &settings(), Utc::now()).unwrap();
         assert_eq!(d.batch, 8);
     }
 
     #[test]
     fn a_long_wait_starts_a_smaller_round() {
-        assert_eq!(decide(&backlog(3, 10, None), &settings(), Utc::now()), None);
-        let d = decide(&backlog(3, 601, None), &settings(), Utc::now()).unwrap();
+        assert_eq!(decide(&backlog(3, 10), 32, &settings(), Utc::now()), None);
+        let d = decide(&backlog(3, 601), 32, &settings(), Utc::now()).unwrap();
         assert_eq!(d, Decision { trigger: RoundTrigger::MaxWait, batch: 32, min_traces: 1 });
     }
 
     #[test]
     fn nothing_starts_while_a_round_is_in_flight_or_nothing_is_pending() {
-        let mut b = backlog(100, 1000, None);
+        let mut b = backlog(100, 1000);
         b.active_round = true;
-        assert_eq!(decide(&b, &settings(), Utc::now()), None);
-        assert_eq!(decide(&backlog(0, 1000, None), &settings(), Utc::now()), None);
+        assert_eq!(decide(&b, 32, &settings(), Utc::now()), None);
+        assert_eq!(decide(&backlog(0, 1000), 32, &settings(), Utc::now()), None);
     }
 }

@@ -121,7 +121,6 @@ pub fn learning(settings: &mut Settings, llm_url: &str) {
     settings.llm.request_timeout_secs = 10.0;
     settings.worker.poll_interval_ms = 50;
     settings.worker.retry_delay_secs = 0;
-    settings.worker.default_batch_size = 1000;
 }
 
 pub async fn spawn_app(backend: Backend) -> TestApp {
