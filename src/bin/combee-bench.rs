@@ -851,6 +851,14 @@ fn render(f: &Facts, phases: &[Phase], bare: Option<&Phase>) -> String {
         cpu_model(),
         f.loadavg
     );
+    let load1: f64 = f.loadavg.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    if load1 > nproc() as f64 * 0.5 {
+        let _ = writeln!(
+            o,
+            "- **warning: the machine was already busy before the run** (1-minute load average {load1:.1} on {} CPUs); the figures below are pessimistic — compare runs made on a quiet machine",
+            nproc()
+        );
+    }
     let store = match f.database {
         Some(db) => format!(
             "postgres (fresh database, `synchronous_commit = {}`, `fsync = {}`)",
