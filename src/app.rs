@@ -12,7 +12,7 @@ use crate::{
     auth::{self, KeyCache},
     cache::PromptCache,
     config::{Role, Settings},
-    http::{self, AppState},
+    http::{self, AppState, Shared},
     llm::{LlmBackend, client::OpenAiClient},
     store::{self, Change, DynStore, Scope},
     telemetry,
@@ -83,13 +83,13 @@ impl Application {
                 Some(Worker::new(store.clone(), backend, llm, settings.worker.clone(), settings.controller.clone()))
             }
         };
-        let state = AppState {
+        let state = AppState::new(Shared {
             cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
             keys: Arc::new(KeyCache::new(store.clone())),
             metrics: telemetry::metrics_handle(),
             settings: Arc::new(settings),
             store,
-        };
+        });
         Ok(Self { listener, state, worker, shutdown: CancellationToken::new() })
     }
 

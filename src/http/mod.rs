@@ -26,15 +26,19 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tower::ServiceBuilder;
 use tower_http::{
     catch_panic::CatchPanicLayer,
-    request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer},
+    request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer},
     trace::TraceLayer,
 };
 
 use crate::{auth::KeyCache, cache::PromptCache, config::Settings, store::DynStore};
 use error::ApiError;
 
+/// Shared by every request; one `Arc`, so the per-request clone axum makes
+/// is a single reference-count bump.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+pub struct Shared {
     pub store: DynStore,
     pub settings: Arc<Settings>,
     pub cache: Arc<PromptCache>,
@@ -42,35 +46,46 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
 }
 
+impl AppState {
+    pub fn new(shared: Shared) -> Self {
+        Self(Arc::new(shared))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 pub fn router(state: AppState) -> Router {
-    let api = Router::new()
-        .route("/prompts", post(prompts::create_prompt).get(prompts::list_prompts))
-        .route("/prompts/{name}", get(prompts::get_prompt))
-        .route("/prompts/{name}/versions", post(prompts::create_version).get(prompts::list_versions))
-        .route("/prompts/{name}/versions/{number}", get(prompts::get_version))
-        .route("/prompts/{name}/diff", get(prompts::diff_versions))
-        .route("/prompts/{name}/labels", get(prompts::list_labels))
-        .route("/prompts/{name}/labels/{label}", put(prompts::move_label).delete(prompts::delete_label))
-        .route("/prompts/{name}/rollback", post(prompts::rollback))
-        .route("/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
-        .route("/rounds/{id}", get(rounds::get_round))
-        .route("/prompts/{name}/controller", get(controller::get_controller))
-        .route("/hooks/rounds/{name}", post(rounds::webhook_round))
-        .route("/traces", post(traces::post_traces).get(traces::list_traces))
-        .route("/traces/{id}", get(traces::get_trace))
-        .route("/traces/{id}/feedback", post(traces::add_feedback))
-        .route("/keys", post(keys::create_key).get(keys::list_keys))
-        .route("/keys/{id}", axum::routing::delete(keys::revoke_key))
-        .route("/openapi.json", get(ops::openapi));
-
     let timeout = Duration::from_secs(state.settings.server.request_timeout_secs);
+    // Flat paths rather than `.nest("/v1")`: nesting costs a second routing step per request.
     Router::new()
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
-        .nest("/v1", api)
+        .route("/v1/prompts", post(prompts::create_prompt).get(prompts::list_prompts))
+        .route("/v1/prompts/{name}", get(prompts::get_prompt))
+        .route("/v1/prompts/{name}/versions", post(prompts::create_version).get(prompts::list_versions))
+        .route("/v1/prompts/{name}/versions/{number}", get(prompts::get_version))
+        .route("/v1/prompts/{name}/diff", get(prompts::diff_versions))
+        .route("/v1/prompts/{name}/labels", get(prompts::list_labels))
+        .route("/v1/prompts/{name}/labels/{label}", put(prompts::move_label).delete(prompts::delete_label))
+        .route("/v1/prompts/{name}/rollback", post(prompts::rollback))
+        .route("/v1/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
+        .route("/v1/rounds/{id}", get(rounds::get_round))
+        .route("/v1/prompts/{name}/controller", get(controller::get_controller))
+        .route("/v1/hooks/rounds/{name}", post(rounds::webhook_round))
+        .route("/v1/traces", post(traces::post_traces).get(traces::list_traces))
+        .route("/v1/traces/{id}", get(traces::get_trace))
+        .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
+        .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
+        .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))
+        .route("/v1/openapi.json", get(ops::openapi))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.limits.max_body_bytes))
@@ -78,7 +93,7 @@ pub fn router(state: AppState) -> Router {
         .layer(middleware::from_fn(record_metrics))
         .layer(
             ServiceBuilder::new()
-                .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+                .layer(SetRequestIdLayer::new(REQUEST_ID, SequentialRequestId::default()))
                 .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
                     let id = req.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
                     tracing::info_span!("request", method = %req.method(), path = %req.uri().path(), request_id = %id)
@@ -116,14 +131,59 @@ async fn time_limit(State(limit): State<Duration>, req: Request, next: Next) -> 
     }
 }
 
+/// Request ids without a system call per request: a random process prefix
+/// (drawn once) and a counter, e.g. `3f9c2a71-000000000042`.
+#[derive(Clone)]
+struct SequentialRequestId {
+    prefix: u32,
+    next: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Default for SequentialRequestId {
+    fn default() -> Self {
+        Self { prefix: rand::random(), next: Arc::default() }
+    }
+}
+
+impl MakeRequestId for SequentialRequestId {
+    fn make_request_id<B>(&mut self, _: &axum::http::Request<B>) -> Option<RequestId> {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        axum::http::HeaderValue::from_str(&format!("{:08x}-{n:012}", self.prefix)).ok().map(RequestId::new)
+    }
+}
+
+type MetricKey = (axum::http::Method, Arc<str>, u16);
+
+/// Counter and histogram handles per (method, route, status), registered once,
+/// so the hot path does a hash lookup instead of building label strings.
+fn request_metrics(key: MetricKey) -> (metrics::Counter, metrics::Histogram) {
+    use std::{collections::HashMap, sync::RwLock};
+    static HANDLES: std::sync::OnceLock<RwLock<HashMap<MetricKey, (metrics::Counter, metrics::Histogram)>>> =
+        std::sync::OnceLock::new();
+    let handles = HANDLES.get_or_init(Default::default);
+    if let Some(h) = handles.read().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return h.clone();
+    }
+    let labels = [("method", key.0.to_string()), ("route", key.1.to_string()), ("status", key.2.to_string())];
+    let h = (
+        metrics::counter!("combee_http_requests_total", &labels),
+        metrics::histogram!("combee_http_request_duration_seconds", &labels),
+    );
+    handles.write().unwrap_or_else(|e| e.into_inner()).insert(key, h.clone());
+    h
+}
+
 async fn record_metrics(req: Request, next: Next) -> Response {
+    static UNMATCHED: std::sync::OnceLock<Arc<str>> = std::sync::OnceLock::new();
     let start = std::time::Instant::now();
-    let route = req.extensions().get::<MatchedPath>().map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
-    let method = req.method().to_string();
+    let route = match req.extensions().get::<MatchedPath>() {
+        Some(p) => Arc::from(p.as_str()),
+        None => UNMATCHED.get_or_init(|| Arc::from("unmatched")).clone(),
+    };
+    let method = req.method().clone();
     let res = next.run(req).await;
-    let status = res.status().as_u16().to_string();
-    let labels = [("method", method), ("route", route), ("status", status)];
-    metrics::counter!("combee_http_requests_total", &labels).increment(1);
-    metrics::histogram!("combee_http_request_duration_seconds", &labels).record(start.elapsed().as_secs_f64());
+    let (counter, histogram) = request_metrics((method, route, res.status().as_u16()));
+    counter.increment(1);
+    histogram.record(start.elapsed().as_secs_f64());
     res
 }

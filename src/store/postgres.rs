@@ -51,6 +51,9 @@ impl PgStore {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(acquire_timeout)
+            // No ping before every checkout (it was 12% of server CPU on trace ingest);
+            // a dead connection fails its statement instead, and the pool replaces it.
+            .test_before_acquire(false)
             .connect(url)
             .await
             .map_err(StoreError::Unavailable)?;
@@ -617,26 +620,28 @@ impl Store for PgStore {
                 })
             })
             .collect();
-        let mut tx = self.pool.begin().await?;
-        // One statement for the whole batch; rows whose prompt or version is
-        // unknown fall out of the join and are detected by the count.
+        // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT
+        // round trips): rows whose prompt or version is unknown fall out of the
+        // join, and then nothing is inserted at all.
         let inserted = sqlx::query(
-            "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
-             SELECT t.id, p.id, t.prompt_version, t.input, COALESCE(t.trajectory, 'null'::jsonb), COALESCE(t.output, 'null'::jsonb),
-                    t.feedback, t.reflection, t.external_id, t.metadata
-             FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
-                  output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
-             JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)",
+            "WITH matched AS (
+                 SELECT t.id, p.id AS prompt_id, t.prompt_version, t.input, COALESCE(t.trajectory, 'null'::jsonb) AS trajectory,
+                        COALESCE(t.output, 'null'::jsonb) AS output, t.feedback, t.reflection, t.external_id, t.metadata
+                 FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
+                      output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
+                 JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count))
+             INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
+             SELECT id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata
+             FROM matched WHERE (SELECT count(*) FROM matched) = $2",
         )
         .bind(Value::Array(rows))
-        .execute(&mut *tx)
+        .bind(traces.len() as i64)
+        .execute(&self.pool)
         .await?
         .rows_affected();
         if inserted as usize != traces.len() {
-            tx.rollback().await?;
             return Err(self.first_unknown_reference(traces).await?);
         }
-        tx.commit().await?;
         Ok(ids)
     }
 
