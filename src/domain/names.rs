@@ -25,7 +25,7 @@ fn shown(s: &str) -> String {
 }
 
 /// A prompt's name: `[a-z0-9][a-z0-9._-]{0,63}`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(transparent)]
 pub struct PromptName(String);
 
@@ -38,6 +38,14 @@ impl PromptName {
     }
 }
 
+/// Debug-formats as a quoted string (`"support-agent"`), so messages built
+/// with `{:?}` read naturally.
+impl fmt::Debug for PromptName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
 impl fmt::Display for PromptName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
@@ -45,7 +53,7 @@ impl fmt::Display for PromptName {
 }
 
 /// A label's name: same alphabet as prompt names; `latest` is reserved.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(transparent)]
 pub struct LabelName(String);
 
@@ -71,6 +79,12 @@ impl LabelName {
     }
 }
 
+impl fmt::Debug for LabelName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
 impl fmt::Display for LabelName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
@@ -89,6 +103,12 @@ mod tests {
         for bad in ["", "-a", ".a", "A", "a b", "a/b", &"a".repeat(65), "é"] {
             assert!(PromptName::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn names_debug_format_as_quoted_strings() {
+        assert_eq!(format!("{:?}", PromptName::parse("demo").unwrap()), "\"demo\"");
+        assert_eq!(format!("{:?}", LabelName::production()), "\"production\"");
     }
 
     #[test]
