@@ -204,10 +204,7 @@ async fn current_etag(api: &ApiClient, name: &str, label: &str) -> CliResult<Opt
 /// Turns a 412 into a message that says what to do about it.
 fn explain_412(e: CliError, what: &str) -> CliError {
     if e.status.is_some_and(|s| s.as_u16() == 412) {
-        CliError {
-            message: format!("{what} moved since it was read, so nothing changed: {}; check and retry", e.message),
-            ..e
-        }
+        CliError { message: format!("{what} moved since it was read; nothing changed: {}", e.message), ..e }
     } else {
         e
     }

@@ -144,21 +144,22 @@ pub struct Report {
 struct Progress {
     total_bytes: u64,
     tty: bool,
-    last: Option<Instant>,
+    /// Last drawn; starts at creation so a quick import prints only its summary.
+    last: Instant,
     drawn: bool,
 }
 
 impl Progress {
     fn new(total_bytes: u64) -> Self {
-        Self { total_bytes, tty: std::io::stderr().is_terminal(), last: None, drawn: false }
+        Self { total_bytes, tty: std::io::stderr().is_terminal(), last: Instant::now(), drawn: false }
     }
 
     fn update(&mut self, bytes: u64, r: &Report) {
         let every = if self.tty { Duration::from_millis(100) } else { Duration::from_secs(2) };
-        if self.last.is_some_and(|t| t.elapsed() < every) {
+        if self.last.elapsed() < every {
             return;
         }
-        self.last = Some(Instant::now());
+        self.last = Instant::now();
         let pct = (bytes.min(self.total_bytes) * 100).checked_div(self.total_bytes).unwrap_or(100) as usize;
         let counts = format!(
             "{} lines: {} imported, {} already there, {} failed",
