@@ -1,5 +1,12 @@
-//! The `combee` command line: `serve`, `migrate`, and key administration.
-//! Parsing lives here so `main` stays a few lines.
+//! The `combee` command line: `serve`, `migrate`, and key administration on
+//! the store; and the operator client (`prompts`, `traces`, `rounds`) that
+//! talks to a running server over its API. Parsing lives here so `main`
+//! stays a few lines.
+
+pub mod client;
+pub mod prompts;
+pub mod rounds;
+pub mod traces;
 
 use std::{net::SocketAddr, path::PathBuf};
 
@@ -14,8 +21,22 @@ use crate::{
     telemetry,
 };
 
+/// The exit codes of the client commands, shown in `--help`.
+pub const EXIT_CODES: &str = "\
+Exit codes (prompts, traces, rounds):
+  0  ok
+  1  usage or local error (bad arguments, unreadable file)
+  2  not found (HTTP 404)
+  3  authentication: no key, or HTTP 401/403
+  4  conflict or precondition failed (HTTP 409/412)
+  5  invalid input (other HTTP 4xx), or import lines that failed
+  6  server or network error (HTTP 5xx, unreachable)
+
+Client commands take the server from --url or $COMBEE_URL and the API key from
+$COMBEE_API_KEY or --api-key-file PATH (never from a flag value; never printed).";
+
 #[derive(Debug, Parser)]
-#[command(name = "combee", version, about = "Learns better system prompts for deployed LLM agents from their traces")]
+#[command(name = "combee", version, about = "Learns better system prompts for deployed LLM agents from their traces", after_help = EXIT_CODES)]
 pub struct Cli {
     /// Directory holding default.toml and <COMBEE_ENV>.toml.
     #[arg(long, env = "COMBEE_CONFIG_DIR", default_value = "config", global = true)]
@@ -42,6 +63,30 @@ pub enum Command {
     Keys(KeysCommand),
     /// Run the OpenAI-compatible LLM simulator used by tests and benchmarks (a simulation, not a model).
     SimLlm(crate::llm::sim::SimArgs),
+    /// Prompts on a running server: list, show, history, diff, promote, rollback.
+    #[command(after_help = EXIT_CODES)]
+    Prompts {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: prompts::PromptsCommand,
+    },
+    /// Traces on a running server: import a JSON Lines file.
+    #[command(after_help = EXIT_CODES)]
+    Traces {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: traces::TracesCommand,
+    },
+    /// Learning rounds on a running server: trigger, list, show.
+    #[command(after_help = EXIT_CODES)]
+    Rounds {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: rounds::RoundsCommand,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -72,8 +117,24 @@ pub enum KeysCommand {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    // The client commands need no server configuration, only a URL and a key.
+    let command = match cli.command {
+        Command::Prompts { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(prompts::run(&api, client.json, command).await?);
+        }
+        Command::Traces { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(traces::run(&api, client.json, command).await?);
+        }
+        Command::Rounds { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(rounds::run(&api, client.json, command).await?);
+        }
+        other => other,
+    };
     let mut settings = Settings::load(&cli.config_dir)?;
-    match cli.command {
+    match command {
         Command::Serve(args) => {
             if let Some(bind) = args.bind {
                 settings.server.bind = bind;
@@ -122,6 +183,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             };
             crate::llm::sim::serve_simulator(listener, args.sim, shutdown).await?;
             Ok(())
+        }
+        Command::Prompts { .. } | Command::Traces { .. } | Command::Rounds { .. } => {
+            unreachable!("client commands return above")
         }
     }
 }

@@ -1,0 +1,270 @@
+//! `combee prompts …`: list, show, history, diff, and the two label moves
+//! operators make by hand — promote and rollback — each guarded by `If-Match`
+//! so a move made meanwhile by someone else is refused (412), not overwritten.
+
+use clap::Subcommand;
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use super::client::{Answer, ApiClient, CliError, CliResult, cell, encode, print_json, print_table, when};
+
+#[derive(Debug, Subcommand)]
+pub enum PromptsCommand {
+    /// List prompts with their production and latest versions and pending traces.
+    List,
+    /// Show a prompt's rendered text (production unless --label or --version) and its ETag.
+    Show {
+        name: String,
+        /// A label (`latest` is the newest version).
+        #[arg(long, conflicts_with = "version")]
+        label: Option<String>,
+        /// A version number.
+        #[arg(long)]
+        version: Option<i64>,
+    },
+    /// List a prompt's versions, newest first, with the labels pointing at them.
+    History { name: String },
+    /// Diff two versions: the rendered texts, and bullets added / removed / changed.
+    Diff { name: String, from: i64, to: i64 },
+    /// Point a label (default `production`) at VERSION, if it has not moved since it was read.
+    Promote {
+        name: String,
+        version: i64,
+        #[arg(long, default_value = "production")]
+        label: String,
+        /// The ETag you saw (`prompts show`); default: the label's current ETag, fetched just before.
+        #[arg(long, value_name = "ETAG")]
+        if_match: Option<String>,
+    },
+    /// Make a new version with VERSION's content and point production at it.
+    Rollback {
+        name: String,
+        version: i64,
+        #[arg(long)]
+        message: Option<String>,
+        /// The ETag of production you saw; default: its current ETag, fetched just before.
+        #[arg(long, value_name = "ETAG")]
+        if_match: Option<String>,
+    },
+}
+
+pub async fn run(api: &ApiClient, json_out: bool, cmd: PromptsCommand) -> CliResult<()> {
+    match cmd {
+        PromptsCommand::List => list(api, json_out).await,
+        PromptsCommand::Show { name, label, version } => show(api, json_out, &name, label, version).await,
+        PromptsCommand::History { name } => history(api, json_out, &name).await,
+        PromptsCommand::Diff { name, from, to } => diff(api, json_out, &name, from, to).await,
+        PromptsCommand::Promote { name, version, label, if_match } => {
+            promote(api, json_out, &name, version, &label, if_match).await
+        }
+        PromptsCommand::Rollback { name, version, message, if_match } => {
+            rollback(api, json_out, &name, version, message, if_match).await
+        }
+    }
+}
+
+fn path(name: &str) -> String {
+    format!("/v1/prompts/{}", encode(name))
+}
+
+async fn list(api: &ApiClient, json_out: bool) -> CliResult<()> {
+    let prompts = api.get_all("/v1/prompts", "prompts").await?;
+    if json_out {
+        print_json(&json!({ "prompts": prompts }));
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = prompts
+        .iter()
+        .map(|p| {
+            vec![
+                cell(&p["name"]),
+                cell(&p["strategy"]),
+                cell(&p["promotion"]),
+                cell(&p["production_version"]),
+                cell(&p["latest_version"]),
+                cell(&p["pending_traces"]),
+                when(&p["created_at"]),
+            ]
+        })
+        .collect();
+    print_table(&["NAME", "STRATEGY", "PROMOTION", "PRODUCTION", "LATEST", "PENDING", "CREATED"], &rows);
+    Ok(())
+}
+
+async fn show(
+    api: &ApiClient,
+    json_out: bool,
+    name: &str,
+    label: Option<String>,
+    version: Option<i64>,
+) -> CliResult<()> {
+    let query = match (label, version) {
+        (_, Some(v)) => format!("?version={v}"),
+        (Some(l), None) => format!("?label={}", encode(&l)),
+        (None, None) => String::new(),
+    };
+    let answer = api.get(&format!("{}{query}", path(name))).await?;
+    if json_out {
+        print_json(&answer.body);
+        return Ok(());
+    }
+    let b = &answer.body;
+    println!("prompt:  {}", cell(&b["name"]));
+    println!("version: {}", cell(&b["version"]));
+    println!("labels:  {}", labels(&b["labels"]));
+    println!("source:  {}", cell(&b["source"]));
+    println!("created: {}", when(&b["created_at"]));
+    println!("etag:    {}", answer.header("etag").unwrap_or("-"));
+    println!();
+    println!("{}", b["text"].as_str().unwrap_or_default());
+    Ok(())
+}
+
+fn labels(v: &Value) -> String {
+    let names: Vec<&str> = v.as_array().map(|a| a.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+    if names.is_empty() { "-".to_owned() } else { names.join(",") }
+}
+
+async fn history(api: &ApiClient, json_out: bool, name: &str) -> CliResult<()> {
+    let versions = api.get_all(&format!("{}/versions", path(name)), "versions").await?;
+    if json_out {
+        print_json(&json!({ "versions": versions }));
+        return Ok(());
+    }
+    let label_list = api.get(&format!("{}/labels", path(name))).await?.body;
+    let labels_of = |n: &Value| -> String {
+        let names: Vec<&str> = label_list["labels"]
+            .as_array()
+            .map(|a| a.iter().filter(|l| &l["version"] == n).filter_map(|l| l["name"].as_str()).collect())
+            .unwrap_or_default();
+        if names.is_empty() { "-".to_owned() } else { names.join(",") }
+    };
+    let rows: Vec<Vec<String>> = versions
+        .iter()
+        .map(|v| {
+            vec![
+                cell(&v["number"]),
+                cell(&v["parent"]),
+                cell(&v["source"]),
+                labels_of(&v["number"]),
+                when(&v["created_at"]),
+                cell(&v["created_by"]),
+                cell(&v["message"]).lines().next().unwrap_or_default().to_owned(),
+            ]
+        })
+        .collect();
+    print_table(&["VERSION", "PARENT", "SOURCE", "LABELS", "CREATED", "BY", "MESSAGE"], &rows);
+    Ok(())
+}
+
+async fn diff(api: &ApiClient, json_out: bool, name: &str, from: i64, to: i64) -> CliResult<()> {
+    let b = api.get(&format!("{}/diff?from={from}&to={to}", path(name))).await?.body;
+    if json_out {
+        print_json(&b);
+        return Ok(());
+    }
+    let unified = b["unified"].as_str().unwrap_or_default();
+    if unified.is_empty() {
+        println!("v{from} and v{to} render the same text");
+    } else {
+        print!("{unified}");
+        if !unified.ends_with('\n') {
+            println!();
+        }
+    }
+    if let Some(pb) = b["playbook"].as_object() {
+        let count = |k: &str| pb.get(k).and_then(Value::as_array).map_or(0, Vec::len);
+        println!("playbook: {} added, {} removed, {} changed", count("added"), count("removed"), count("changed"));
+        for (sign, key) in [("+", "added"), ("-", "removed")] {
+            for bullet in pb.get(key).and_then(Value::as_array).into_iter().flatten() {
+                println!(
+                    "  {sign} [{}] {}: {}",
+                    cell(&bullet["id"]),
+                    cell(&bullet["section"]),
+                    cell(&bullet["content"])
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The ETag of `GET /v1/prompts/{name}?label=…`, or `None` when the label does not exist yet.
+async fn current_etag(api: &ApiClient, name: &str, label: &str) -> CliResult<Option<String>> {
+    // The label list tells a missing prompt (404) from a missing label (absent).
+    let list = api.get(&format!("{}/labels", path(name))).await?.body;
+    let exists = list["labels"].as_array().is_some_and(|a| a.iter().any(|l| l["name"] == label));
+    if !exists {
+        return Ok(None);
+    }
+    let answer = api.get(&format!("{}?label={}", path(name), encode(label))).await?;
+    Ok(answer.header("etag").map(str::to_owned))
+}
+
+/// Turns a 412 into a message that says what to do about it.
+fn explain_412(e: CliError, what: &str) -> CliError {
+    if e.status.is_some_and(|s| s.as_u16() == 412) {
+        CliError { message: format!("{what} moved since it was read; nothing changed: {}", e.message), ..e }
+    } else {
+        e
+    }
+}
+
+async fn promote(
+    api: &ApiClient,
+    json_out: bool,
+    name: &str,
+    version: i64,
+    label: &str,
+    if_match: Option<String>,
+) -> CliResult<()> {
+    let etag = match if_match {
+        Some(t) => Some(t),
+        None => current_etag(api, name, label).await?,
+    };
+    let mut req = api.request(Method::PUT, &format!("{}/labels/{}", path(name), encode(label)));
+    if let Some(t) = &etag {
+        req = req.header("if-match", t);
+    }
+    let answer: Answer = api
+        .send(req.json(&json!({ "version": version })))
+        .await
+        .map_err(|e| explain_412(e, &format!("label {label:?}")))?;
+    if json_out {
+        print_json(&answer.body);
+    } else {
+        println!("{name}: {label} -> v{}", cell(&answer.body["version"]));
+        println!("etag: {}", cell(&answer.body["etag"]));
+    }
+    Ok(())
+}
+
+async fn rollback(
+    api: &ApiClient,
+    json_out: bool,
+    name: &str,
+    version: i64,
+    message: Option<String>,
+    if_match: Option<String>,
+) -> CliResult<()> {
+    let etag = match if_match {
+        Some(t) => Some(t),
+        None => current_etag(api, name, "production").await?,
+    };
+    let mut body = json!({ "to": version });
+    if let Some(m) = message {
+        body["message"] = Value::String(m);
+    }
+    let mut req = api.request(Method::POST, &format!("{}/rollback", path(name)));
+    if let Some(t) = &etag {
+        req = req.header("if-match", t);
+    }
+    let answer = api.send(req.json(&body)).await.map_err(|e| explain_412(e, "label \"production\""))?;
+    if json_out {
+        print_json(&answer.body);
+    } else {
+        println!("{name}: v{} has v{version}'s content and is production now", cell(&answer.body["number"]));
+        println!("etag: {}", answer.header("etag").unwrap_or("-"));
+    }
+    Ok(())
+}
