@@ -167,7 +167,9 @@ struct RunResult {
     total_secs: f64,
     kept: usize,
     calls: usize,
-    /// Combee-auto: the unclamped plateau bs* of the last fitted choice, and its target.
+    /// Combee-auto: the unclamped plateau bs* of the first and of the last fitted choice,
+    /// and the last target.
+    first_plateau: Option<f64>,
     plateau: Option<f64>,
     target: Option<u32>,
 }
@@ -248,7 +250,7 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
     let mut content = env.base.clone();
     let mut samples: Vec<Sample> = Vec::new();
     let mut rounds = Vec::new();
-    let (mut calls, mut plateau, mut target) = (0, None, None);
+    let (mut calls, mut first_plateau, mut plateau, mut target) = (0, None, None, None);
     let mut pos = 0;
     let started = Instant::now();
     while pos < env.traces.len() {
@@ -258,6 +260,7 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
             Sizing::Auto(cfg) => {
                 let choice = controller::choose(&samples, backlog as u64, cfg);
                 if choice.plateau.is_some() {
+                    first_plateau = first_plateau.or(choice.plateau);
                     plateau = choice.plateau;
                     target = Some(choice.target);
                 }
@@ -293,7 +296,7 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
         Mode::Modelled => rounds.iter().map(|r| r.secs).sum(),
     };
     let kept = insight_tokens(&content.render()).intersection(&env.tokens).count();
-    Ok(RunResult { rounds, total_secs, kept, calls, plateau, target })
+    Ok(RunResult { rounds, total_secs, kept, calls, first_plateau, plateau, target })
 }
 
 /// One Combee round of each ladder size from the base version: R(bs).
@@ -537,6 +540,17 @@ fn pass(ok: bool) -> &'static str {
     if ok { "PASS" } else { "FAIL" }
 }
 
+/// "bs* = 139.5 at the first fit, 149.8 at the last refit".
+fn plateaus(r: &RunResult) -> String {
+    match (r.first_plateau, r.plateau) {
+        (Some(a), Some(b)) if (a - b).abs() >= 0.05 => {
+            format!("bs* = {a:.1} at the first fit, {b:.1} at the last refit")
+        }
+        (_, Some(b)) => format!("bs* = {b:.1}"),
+        _ => "no fit".to_owned(),
+    }
+}
+
 fn sizes_text(r: &RunResult) -> String {
     let sizes: Vec<usize> = r.rounds.iter().map(|x| x.bs).collect();
     match sizes.as_slice() {
@@ -661,13 +675,7 @@ impl Report<'_> {
         for family in [Family::CombeeAuto, Family::CombeeAutoDefault] {
             let Some(row) = self.row(family) else { continue };
             let r = row.result();
-            let _ = writeln!(
-                out,
-                "**{}** picked {} (bs* = {}); per round:\n",
-                family.name(),
-                sizes_text(r),
-                r.plateau.map_or("—".to_owned(), |p| format!("{p:.1}"))
-            );
+            let _ = writeln!(out, "**{}** picked {} ({}); per round:\n", family.name(), sizes_text(r), plateaus(r));
             for (i, round) in r.rounds.iter().enumerate() {
                 let _ = writeln!(
                     out,
@@ -682,9 +690,9 @@ impl Report<'_> {
                 let m = &row.modelled;
                 let _ = writeln!(
                     out,
-                    "\n   (on modelled round times the controller picked {}, bs* = {})",
+                    "\nOn modelled round times the same controller picked {} ({}).",
                     sizes_text(m),
-                    m.plateau.map_or("—".to_owned(), |p| format!("{p:.1}"))
+                    plateaus(m)
                 );
             }
             out.push('\n');
@@ -1239,13 +1247,17 @@ impl Report<'_> {
                 (row, x.at(r.total_secs), y.at(100.0 * self.retention(r)))
             })
             .collect();
-        for &(row, px, py) in &points {
+        // Named configurations are drawn last, on top of any fixed-size marker they share a spot with.
+        let mut order: Vec<&(&Row, f64, f64)> = points.iter().collect();
+        order.sort_by_key(|(row, _, _)| {
+            !matches!(row.setup.sizing, Sizing::Fixed(_)) || row.setup.family == Family::Sequential
+        });
+        for &&(row, px, py) in &order {
             let (shape, color, filled) = style(row.setup.family);
             svg.marker(shape, px, py, color, filled);
             taken.push(Rect { x0: px - 8.0, y0: py - 8.0, x1: px + 8.0, y1: py + 8.0 });
         }
-        // Named configurations are labelled first, so they get the best spots.
-        let mut order: Vec<&(&Row, f64, f64)> = points.iter().collect();
+        // ... and labelled first, so they get the best spots.
         order.sort_by_key(|(row, _, _)| {
             matches!(row.setup.sizing, Sizing::Fixed(_)) && row.setup.family != Family::Sequential
         });
