@@ -318,9 +318,7 @@ async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         s.prompt_tokens += prompt_tokens;
         s.completion_tokens += completion_tokens;
     });
-    let mut ms = cfg.fixed_ms
-        + cfg.per_input_token_ms * prompt_tokens as f64
-        + cfg.per_output_token_ms * completion_tokens as f64;
+    let mut ms = latency_ms(cfg, prompt_tokens, completion_tokens);
     if fault == Some(Fault::Hang) {
         ms += cfg.hang_ms as f64;
     }
@@ -452,6 +450,31 @@ fn task_of(req: &SimRequest) -> Option<Task> {
         .flat_map(|m| m.content.lines())
         .find_map(|l| l.strip_prefix("combee-task:"))
         .and_then(|t| Task::parse(t.trim()))
+}
+
+/// The latency model: `fixed_ms + per_input_token_ms·prompt_tokens + per_output_token_ms·completion_tokens`
+/// (faults aside). Public so a benchmark can predict a round's time from token counts alone.
+pub fn latency_ms(cfg: &SimConfig, prompt_tokens: u64, completion_tokens: u64) -> f64 {
+    cfg.fixed_ms + cfg.per_input_token_ms * prompt_tokens as f64 + cfg.per_output_token_ms * completion_tokens as f64
+}
+
+/// What the simulator answers to `messages` (no latency, no faults, no request seed):
+/// the recognised task and the answer text. Public so a benchmark can replay the
+/// simulator in process and model its latency without waiting for it.
+pub fn simulated_answer(cfg: &SimConfig, messages: &[crate::llm::ChatMessage]) -> (Option<Task>, String) {
+    let messages = messages
+        .iter()
+        .map(|m| SimMessage {
+            role: match m.role {
+                crate::llm::ChatRole::System => "system",
+                crate::llm::ChatRole::User => "user",
+                crate::llm::ChatRole::Assistant => "assistant",
+            }
+            .to_owned(),
+            content: m.content.clone(),
+        })
+        .collect();
+    answer(cfg, &SimRequest { model: String::new(), messages, seed: None })
 }
 
 /// The recognised task and the answer text (before any fault).
