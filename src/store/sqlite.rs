@@ -16,9 +16,9 @@ use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use super::{
-    ApiKey, Backlog, Change, ClaimedRound, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, UiSession,
-    OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind,
-    StoreResult, TraceFilter, migrate, scopes_from_string, scopes_to_string,
+    ApiKey, Backlog, Change, ClaimedRound, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt,
+    NewUiSession, OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError,
+    StoreKind, StoreResult, TraceFilter, UiSession, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
     domain::{
