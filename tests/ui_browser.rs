@@ -76,7 +76,8 @@ impl Browser {
             .json()
             .await
             .unwrap();
-        let session = res["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no WebDriver session: {res}")).to_owned();
+        let session =
+            res["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no WebDriver session: {res}")).to_owned();
         let target = std::env::var("CARGO_TARGET_DIR")
             .map(PathBuf::from)
             .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
@@ -120,7 +121,11 @@ impl Browser {
 
     async fn count(&self, css: &str) -> usize {
         // No implicit wait for "none": ask for all, the answer may be empty.
-        self.cmd("POST", "/elements", Some(json!({"using": "css selector", "value": css}))).await.as_array().unwrap().len()
+        self.cmd("POST", "/elements", Some(json!({"using": "css selector", "value": css})))
+            .await
+            .as_array()
+            .unwrap()
+            .len()
     }
 
     async fn click(&self, css: &str) {
@@ -254,8 +259,11 @@ async fn operator_story(b: Backend) {
     let sim = spawn_sim(SimConfig { seed: 11, ..SimConfig::default() }).await;
     let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
     let res = app
-        .post("/v1/prompts", json!({"name": "support", "base": "You answer support questions. Use {customer_name}.",
-            "strategy": "playbook", "settings": {"batch_size": 1000, "duplication": 1}}))
+        .post(
+            "/v1/prompts",
+            json!({"name": "support", "base": "You answer support questions. Use {customer_name}.",
+            "strategy": "playbook", "settings": {"batch_size": 1000, "duplication": 1}}),
+        )
         .send()
         .await
         .unwrap();
@@ -329,9 +337,10 @@ async fn operator_story(b: Backend) {
     assert!(br.text("#phases").await.contains("map"));
     assert!(br.text("#usage").await.contains("LLM calls"));
     assert!(br.count("#operations tr").await > 1, "operations listed");
+    br.screenshot("06-round").await;
     br.click("#llm-calls-box summary").await;
     assert!(br.count("#llm-calls tbody tr").await >= 17, "16 reflections + groups");
-    br.screenshot("06-round").await;
+    br.screenshot("06b-round-calls").await;
 
     // The controller: an SVG with a point per profiled size, the fitted curve, bs*.
     br.goto(&app.url("/ui/prompts/support/controller")).await;
@@ -353,7 +362,10 @@ async fn operator_story(b: Backend) {
     br.click("#traces tbody a[href^='/ui/traces/']").await;
     br.wait_url("/ui/traces/").await;
     assert!(br.source().await.contains("&lt;img src=x onerror="));
-    assert_eq!(br.cmd("POST", "/execute/sync", Some(json!({"script": "return window.pwned === undefined", "args": []}))).await, true);
+    assert_eq!(
+        br.cmd("POST", "/execute/sync", Some(json!({"script": "return window.pwned === undefined", "args": []}))).await,
+        true
+    );
     br.screenshot("09-trace").await;
 
     // CSRF: the session cookie alone cannot change anything.
@@ -382,7 +394,10 @@ async fn operator_story(b: Backend) {
     let mut good = base.clone();
     good.push(("csrf", csrf));
     let ok = post(good).await.unwrap();
-    assert_eq!((ok.status().as_u16(), ok.headers()["location"].to_str().unwrap()), (303, "/ui/prompts/support?notice=rolled_back&v=6"));
+    assert_eq!(
+        (ok.status().as_u16(), ok.headers()["location"].to_str().unwrap()),
+        (303, "/ui/prompts/support?notice=rolled_back&v=6")
+    );
     assert_eq!(api_prompt(&app, "support").await["version"], 6);
 
     // Sign out: the session is gone for the browser and for the stolen cookie.
@@ -391,8 +406,12 @@ async fn operator_story(b: Backend) {
     br.wait_url("/ui/login").await;
     br.goto(&app.url("/ui/prompts")).await;
     br.wait_url("/ui/login").await;
-    let after = http.get(app.url("/ui/prompts")).header("cookie", format!("combee_session={session}")).send().await.unwrap();
-    assert_eq!((after.status().as_u16(), after.headers()["location"].to_str().unwrap()), (303, "/ui/login?error=expired"));
+    let after =
+        http.get(app.url("/ui/prompts")).header("cookie", format!("combee_session={session}")).send().await.unwrap();
+    assert_eq!(
+        (after.status().as_u16(), after.headers()["location"].to_str().unwrap()),
+        (303, "/ui/login?error=expired")
+    );
     br.screenshot("10-signed-out").await;
 }
 
@@ -407,7 +426,12 @@ async fn sessions_follow_their_key(b: Backend) {
     assert!(set_cookie(&res, "combee_session").is_none());
 
     // A sign-in form not from this site (no double-submit cookie) is refused.
-    let res = http.post(app.url("/ui/login")).form(&[("key", app.admin_key.as_str()), ("login_token", "x")]).send().await.unwrap();
+    let res = http
+        .post(app.url("/ui/login"))
+        .form(&[("key", app.admin_key.as_str()), ("login_token", "x")])
+        .send()
+        .await
+        .unwrap();
     assert_eq!(res.status(), 403);
 
     // A read-only key reads, sees no promote buttons, and is refused a promote even with the right token.
@@ -416,7 +440,14 @@ async fn sessions_follow_their_key(b: Backend) {
     assert_eq!((res.status().as_u16(), res.headers()["location"].to_str().unwrap()), (303, "/ui/prompts"));
     let cookie = set_cookie(&res, "combee_session").unwrap();
     let set = res.headers().get_all("set-cookie").iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
-    assert!(set.iter().any(|c| c.starts_with("combee_session=") && c.contains("HttpOnly") && c.contains("SameSite=Strict") && c.contains("Path=/ui") && !c.contains("Secure")), "{set:?}");
+    assert!(
+        set.iter().any(|c| c.starts_with("combee_session=")
+            && c.contains("HttpOnly")
+            && c.contains("SameSite=Strict")
+            && c.contains("Path=/ui")
+            && !c.contains("Secure")),
+        "{set:?}"
+    );
     let get = |path: &str| http.get(app.url(path)).header("cookie", format!("combee_session={cookie}")).send();
     let page = get("/ui/prompts/p").await.unwrap();
     assert_eq!(page.status(), 200);
@@ -443,7 +474,10 @@ async fn sessions_follow_their_key(b: Backend) {
     assert_eq!(forged.status(), 303);
     let keys: Value = app.get("/v1/keys").send().await.unwrap().json().await.unwrap();
     let prefix = &reader[..12];
-    let id = keys["keys"].as_array().unwrap().iter().find(|k| k["prefix"] == prefix).unwrap()["id"].as_str().unwrap().to_owned();
+    let id = keys["keys"].as_array().unwrap().iter().find(|k| k["prefix"] == prefix).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let res = app.http.delete(app.url(&format!("/v1/keys/{id}"))).bearer_auth(&app.admin_key).send().await.unwrap();
     assert!(res.status().is_success());
     let res = get("/ui/prompts").await.unwrap();
@@ -452,10 +486,20 @@ async fn sessions_follow_their_key(b: Backend) {
 
     // Unknown pages and prompts are HTML 404s; GET never changes state.
     let admin = set_cookie(&sign_in(&app, &app.admin_key).await, "combee_session").unwrap();
-    let res = http.get(app.url("/ui/prompts/ghost")).header("cookie", format!("combee_session={admin}")).send().await.unwrap();
+    let res = http
+        .get(app.url("/ui/prompts/ghost"))
+        .header("cookie", format!("combee_session={admin}"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(res.status(), 404);
     assert!(res.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
-    let res = http.get(app.url("/ui/prompts/p/rollback?version=1")).header("cookie", format!("combee_session={admin}")).send().await.unwrap();
+    let res = http
+        .get(app.url("/ui/prompts/p/rollback?version=1"))
+        .header("cookie", format!("combee_session={admin}"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(res.status(), 405);
 }
 

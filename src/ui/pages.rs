@@ -52,11 +52,14 @@ fn prompt_link(name: &str) -> String {
 }
 
 fn round_link(id: Uuid, text: &str) -> String {
-    format!(r#"<a href="/ui/rounds/{id}">{}</a>"#, escape(text))
+    format!(r#"<a href="/ui/rounds/{id}" title="{id}">{}</a>"#, escape(text))
 }
 
+/// The last 8 hex digits: ids are UUIDv7, whose first digits are a timestamp
+/// shared by everything made in the same millisecond.
 fn short_id(id: Uuid) -> String {
-    id.simple().to_string()[..8].to_owned()
+    let hex = id.simple().to_string();
+    hex[hex.len() - 8..].to_owned()
 }
 
 fn pretty(v: &Value) -> String {
@@ -181,7 +184,7 @@ pub async fn prompt(
     for l in &labels {
         let _ = write!(
             label_list,
-            r#"<li>{} → <strong>v{}</strong> <span class="muted">by {} at {}</span></li>"#,
+            r#"<li>{} → <strong>v{}</strong><span class="meta">by {} · {}</span></li>"#,
             badge(l.name.as_str()),
             l.version,
             escape(&l.updated_by),
@@ -884,7 +887,8 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
         };
         let _ = write!(
             rows,
-            r#"<tr><td class="nowrap"><a href="/ui/traces/{}">{}</a></td><td>{}</td><td class="num">{}</td><td>{}</td><td>{}</td><td class="preview">{}</td><td class="preview">{}</td><td class="nowrap">{}</td></tr>"#,
+            r#"<tr><td class="nowrap"><a href="/ui/traces/{}" title="{}">{}</a></td><td>{}</td><td class="num">{}</td><td>{}</td><td>{}</td><td class="preview">{}</td><td class="preview">{}</td><td class="nowrap">{}</td></tr>"#,
+            t.id,
             t.id,
             short_id(t.id),
             prompt_link(t.prompt.as_str()),

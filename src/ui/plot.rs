@@ -150,12 +150,13 @@ pub fn delay_plot(p: &DelayPlot<'_>) -> Option<String> {
     }
     if let Some(c) = p.chosen.filter(|c| x.contains(*c)) {
         let px = x.at(c);
+        // The label goes on whichever side of the line has room.
+        let (lx, anchor) = if px > (LEFT + W - RIGHT) / 2.0 { (px - 6.0, "end") } else { (px + 6.0, "start") };
         let _ = write!(
             s,
-            r#"<line class="choice" x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}"/><text class="choice-label" x="{:.1}" y="{:.1}">bs* = {}</text>"#,
+            r#"<line class="choice" x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}"/><text class="choice-label" x="{lx:.1}" y="{:.1}" text-anchor="{anchor}">bs* = {}</text>"#,
             H - BOTTOM,
-            px + 5.0,
-            TOP + 14.0,
+            TOP + 16.0,
             escape(&num(c))
         );
     }
@@ -186,11 +187,12 @@ pub fn timeline(bars: &[PhaseBar<'_>]) -> Option<String> {
     if bars.is_empty() || end <= 0.0 {
         return None;
     }
+    const TW: f64 = 1150.0;
     const LABEL: f64 = 110.0;
-    const ROW: f64 = 26.0;
-    let width = W - LABEL - RIGHT;
+    const ROW: f64 = 24.0;
+    let width = TW - LABEL - RIGHT;
     let height = ROW * bars.len() as f64 + 24.0;
-    let mut s = format!(r#"<svg class="timeline" viewBox="0 0 {W} {height}" role="img" aria-label="Phase timeline">"#);
+    let mut s = format!(r#"<svg class="timeline" viewBox="0 0 {TW} {height}" role="img" aria-label="Phase timeline">"#);
     for (i, b) in bars.iter().enumerate() {
         let y = ROW * i as f64 + 4.0;
         let x0 = LABEL + b.start_ms / end * width;
@@ -210,7 +212,7 @@ pub fn timeline(bars: &[PhaseBar<'_>]) -> Option<String> {
         s,
         r#"<text class="tick" x="{LABEL}" y="{:.1}">0</text><text class="tick" x="{:.1}" y="{:.1}" text-anchor="end">{}</text></svg>"#,
         height - 4.0,
-        W - RIGHT,
+        TW - RIGHT,
         height - 4.0,
         escape(&super::html::duration_ms(end))
     );
