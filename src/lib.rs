@@ -12,5 +12,6 @@ pub mod learn;
 pub mod llm;
 pub mod store;
 pub mod telemetry;
+pub mod ui;
 pub mod webhooks;
 pub mod worker;

@@ -11,7 +11,10 @@ use combee::{
         prompt::NewVersion,
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
-    store::{Change, DynStore, IdempotencyBegin, LabelMove, NewPrompt, Scope, Selector, StoreError, TraceFilter},
+    store::{
+        Change, DynStore, IdempotencyBegin, LabelMove, NewPrompt, NewUiSession, Scope, Selector, StoreError,
+        TraceFilter,
+    },
 };
 use common::{Backend, test_store};
 use serde_json::json;
@@ -239,6 +242,35 @@ async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
     assert_eq!(s.count_active_api_keys().await.unwrap(), 0);
 }
 
+async fn ui_sessions_expire_and_show_their_key(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let key = s.create_api_key("ops", "cmb_opsopsop", "keyhash", &[Scope::PromptsRead]).await.unwrap();
+    let now = chrono::Utc::now();
+    let open = |token_hash: &str, expires_at| NewUiSession {
+        token_hash: token_hash.into(),
+        key_id: key.id,
+        csrf_token: format!("csrf-{token_hash}"),
+        expires_at,
+    };
+    s.create_ui_session(&open("live", now + chrono::Duration::hours(1))).await.unwrap();
+    s.create_ui_session(&open("stale", now - chrono::Duration::seconds(1))).await.unwrap();
+    let (session, k) = s.ui_session("live").await.unwrap().unwrap();
+    assert_eq!((session.key_id, session.csrf_token.as_str(), k.id), (key.id, "csrf-live", key.id));
+    assert!(session.expires_at > now);
+    assert!(s.ui_session("stale").await.unwrap().is_none(), "an expired session is no session");
+    assert!(s.ui_session("unknown").await.unwrap().is_none());
+    // The key's revocation is visible through the session, for the caller to end it.
+    s.revoke_api_key("cmb_opsopsop").await.unwrap();
+    assert!(s.ui_session("live").await.unwrap().unwrap().1.revoked_at.is_some());
+    assert!(s.delete_ui_session("live").await.unwrap());
+    assert!(!s.delete_ui_session("live").await.unwrap());
+    assert!(s.ui_session("live").await.unwrap().is_none());
+    // Opening a session sweeps the expired ones.
+    s.create_ui_session(&open("next", now + chrono::Duration::hours(1))).await.unwrap();
+    assert!(!s.delete_ui_session("stale").await.unwrap(), "swept");
+}
+
 async fn writes_announce_changes(b: Backend) {
     let ts = test_store(b).await;
     let s: Arc<_> = ts.store.clone();
@@ -277,6 +309,7 @@ on_both_stores!(
     idempotency_state_machine,
     concurrent_idempotency_claims_have_one_winner,
     api_keys_are_stored_hashed_and_revocable,
+    ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,
 );

@@ -15,7 +15,7 @@ use super::{
     prompts::parse_name,
 };
 use crate::{
-    domain::BatchSize,
+    domain::{BatchSize, PromptName},
     learn::controller::{self, Sample},
     store::{ControllerSample, Scope},
     worker,
@@ -64,7 +64,12 @@ pub async fn get_controller(
     ApiPath(name): ApiPath<String>,
 ) -> ApiResult<Json<ControllerView>> {
     caller.require(Scope::PromptsRead)?;
-    let name = parse_name(&name)?;
+    Ok(Json(controller_view(&st, &parse_name(&name)?).await?))
+}
+
+/// The controller as the route and the web UI show it.
+pub async fn controller_view(st: &AppState, name: &PromptName) -> ApiResult<ControllerView> {
+    let name = name.clone();
     let backlog = st
         .store
         .backlogs()
@@ -92,7 +97,7 @@ pub async fn get_controller(
         BatchSize::Auto => ("auto", None),
         BatchSize::Fixed(n) => ("fixed", Some(n)),
     };
-    Ok(Json(ControllerView {
+    Ok(ControllerView {
         prompt: name.to_string(),
         mode,
         fixed_batch_size,
@@ -104,5 +109,5 @@ pub async fn get_controller(
         last_choice_at: last.as_ref().map(|(_, t)| *t),
         last_choice: last.map(|(v, _)| v),
         config: serde_json::to_value(cfg).unwrap_or_default(),
-    }))
+    })
 }

@@ -86,6 +86,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))
         .route("/v1/openapi.json", get(ops::openapi))
+        .nest("/ui", crate::ui::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.limits.max_body_bytes))

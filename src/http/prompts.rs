@@ -37,7 +37,7 @@ pub fn parse_name(name: &str) -> ApiResult<PromptName> {
     PromptName::parse(name).map_err(|e| ApiError::NotFound(format!("no such prompt: {e}")))
 }
 
-async fn existing_prompt(st: &AppState, name: &str) -> ApiResult<Prompt> {
+pub async fn existing_prompt(st: &AppState, name: &str) -> ApiResult<Prompt> {
     let name = parse_name(name)?;
     st.store.get_prompt(&name).await?.ok_or_else(|| ApiError::not_found(format_args!("prompt {name:?}")))
 }
@@ -467,6 +467,11 @@ pub async fn diff_versions(
 ) -> ApiResult<Json<VersionDiff>> {
     caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
+    Ok(Json(version_diff(&st, &prompt, q.from, q.to).await?))
+}
+
+/// The diff of two versions, as the route and the web UI show it.
+pub async fn version_diff(st: &AppState, prompt: &Prompt, from: i64, to: i64) -> ApiResult<VersionDiff> {
     let load = |n: i64| {
         let st = st.clone();
         let name = prompt.name.clone();
@@ -478,12 +483,12 @@ pub async fn diff_versions(
                 .ok_or_else(|| ApiError::not_found(format_args!("version {n} of prompt {name:?}")))
         }
     };
-    let (a, b) = (load(q.from).await?, load(q.to).await?);
+    let (a, b) = (load(from).await?, load(to).await?);
     let (unified, lines) =
         text_diff(&a.content.render(), &b.content.render(), &format!("v{}", a.number), &format!("v{}", b.number));
     let playbook = (prompt.strategy == Strategy::Playbook)
         .then(|| playbook_diff(a.content.playbook.as_ref(), b.content.playbook.as_ref()));
-    Ok(Json(VersionDiff { from: a.number, to: b.number, unified, lines, playbook }))
+    Ok(VersionDiff { from: a.number, to: b.number, unified, lines, playbook })
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -584,8 +589,15 @@ pub async fn move_label(
         check_current,
         by: caller.actor(),
     };
-    let moved_label = st.store.move_label(&prompt.name, &mv).await.map_err(|e| store_move_error(e, &label))?;
+    let moved_label = move_label_to(&st, &prompt.name, &mv).await?;
     moved(&st, &prompt.name, moved_label).await
+}
+
+/// Applies a label move and drops the cached views; shared with the web UI.
+pub async fn move_label_to(st: &AppState, name: &PromptName, mv: &LabelMove) -> ApiResult<Label> {
+    let label = st.store.move_label(name, mv).await.map_err(|e| store_move_error(e, &mv.label))?;
+    st.cache.invalidate(name.as_str());
+    Ok(label)
 }
 
 #[utoipa::path(delete, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
@@ -636,34 +648,7 @@ pub async fn rollback(
     let prompt = existing_prompt(&st, &name).await?;
     let production = LabelName::production();
     let (expected, checked) = check_if_match(&st, &prompt.name, &production, &headers).await?;
-    let current = match expected {
-        Some(v) => Some(v),
-        None => st.store.resolve(&prompt.name, &Selector::Label(production.clone())).await?.map(|r| r.version.number),
-    };
-    let target = st
-        .store
-        .resolve(&prompt.name, &Selector::Version(req.to))
-        .await?
-        .ok_or_else(|| ApiError::Unprocessable(format!("version {} does not exist", req.to)))?
-        .version;
-    let version = NewVersion {
-        parent: current,
-        source: VersionSource::Rollback,
-        round_id: None,
-        content: target.content,
-        message: check_message(req.message, &format!("rollback to v{}", req.to))?,
-        created_by: caller.actor(),
-    };
-    let mv = LabelMove {
-        label: production.clone(),
-        to_version: 0,
-        expected_current: current,
-        check_current: checked,
-        by: caller.actor(),
-    };
-    let created =
-        st.store.create_version(&prompt.name, version, &[mv]).await.map_err(|e| store_move_error(e, &production))?;
-    st.cache.invalidate(prompt.name.as_str());
+    let created = roll_back(&st, &prompt, req.to, req.message, expected.filter(|_| checked), &caller.actor()).await?;
     let view = st
         .store
         .resolve(&prompt.name, &Selector::Version(created.number))
@@ -673,4 +658,47 @@ pub async fn rollback(
     let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();
     res.headers_mut().insert(header::ETAG, etag);
     Ok(res)
+}
+
+/// Brings version `to`'s content back as a new version made production.
+/// Given `expected_production`, fails with 412 unless production still points
+/// there (the API's `If-Match`, the web UI's version on the page).
+pub async fn roll_back(
+    st: &AppState,
+    prompt: &Prompt,
+    to: i64,
+    message: Option<String>,
+    expected_production: Option<i64>,
+    actor: &str,
+) -> ApiResult<Version> {
+    let production = LabelName::production();
+    let current = match expected_production {
+        Some(v) => Some(v),
+        None => st.store.resolve(&prompt.name, &Selector::Label(production.clone())).await?.map(|r| r.version.number),
+    };
+    let target = st
+        .store
+        .resolve(&prompt.name, &Selector::Version(to))
+        .await?
+        .ok_or_else(|| ApiError::Unprocessable(format!("version {to} does not exist")))?
+        .version;
+    let version = NewVersion {
+        parent: current,
+        source: VersionSource::Rollback,
+        round_id: None,
+        content: target.content,
+        message: check_message(message, &format!("rollback to v{to}"))?,
+        created_by: actor.to_owned(),
+    };
+    let mv = LabelMove {
+        label: production.clone(),
+        to_version: 0,
+        expected_current: current,
+        check_current: expected_production.is_some(),
+        by: actor.to_owned(),
+    };
+    let created =
+        st.store.create_version(&prompt.name, version, &[mv]).await.map_err(|e| store_move_error(e, &production))?;
+    st.cache.invalidate(prompt.name.as_str());
+    Ok(created)
 }

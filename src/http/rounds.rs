@@ -193,6 +193,11 @@ pub async fn get_round(
 ) -> ApiResult<Json<RoundView>> {
     caller.require(Scope::PromptsRead)?;
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound("no such round: ids are UUIDs".into()))?;
+    Ok(Json(round_view(&st, id).await?))
+}
+
+/// One round with its traces, reflections, calls and usage, as the route and the web UI show it.
+pub async fn round_view(st: &AppState, id: Uuid) -> ApiResult<RoundView> {
     let round = st.store.get_round(id).await?.ok_or_else(|| ApiError::not_found(format_args!("round {id}")))?;
     let (trace_ids, reflections, llm_calls) =
         tokio::try_join!(st.store.round_trace_ids(id), st.store.round_reflections(id), st.store.round_calls(id))?;
@@ -207,7 +212,7 @@ pub async fn get_round(
         .into_iter()
         .map(|(trace_id, reflection, from_trace)| RoundReflection { trace_id, from_trace, reflection })
         .collect();
-    Ok(Json(RoundView { round, trace_ids, reflections, llm_calls, usage }))
+    Ok(RoundView { round, trace_ids, reflections, llm_calls, usage })
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

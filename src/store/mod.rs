@@ -149,6 +149,25 @@ pub struct ApiKey {
     pub revoked_at: Option<DateTime<Utc>>,
 }
 
+/// An operator's web UI session, opened by signing in with an API key.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UiSession {
+    pub key_id: Uuid,
+    /// Rendered into every state-changing form and checked on POST.
+    pub csrf_token: String,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewUiSession {
+    /// SHA-256 of the cookie's token; the token itself is never stored.
+    pub token_hash: String,
+    pub key_id: Uuid,
+    pub csrf_token: String,
+    pub expires_at: DateTime<Utc>,
+}
+
 #[derive(Debug, Clone)]
 pub struct NewPrompt {
     pub name: PromptName,
@@ -303,6 +322,15 @@ pub trait Store: Send + Sync + 'static {
     /// Revokes by id or by visible prefix; false when nothing matched.
     async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool>;
     async fn count_active_api_keys(&self) -> StoreResult<i64>;
+
+    // Operator web UI sessions
+    /// Opens a session, and deletes expired ones on the way.
+    async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()>;
+    /// The unexpired session with this token hash and the key it was opened
+    /// with — revoked or not: the caller decides what a revoked key means.
+    async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>>;
+    /// False when there was no such session.
+    async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool>;
 
     // Prompts and versions
     /// Creates the prompt and its version 1, labelled `production`.

@@ -17,8 +17,8 @@ use uuid::Uuid;
 
 use super::{
     ApiKey, Backlog, Change, ClaimedRound, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt,
-    OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind,
-    StoreResult, TraceFilter, migrate, scopes_from_string, scopes_to_string,
+    NewUiSession, OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError,
+    StoreKind, StoreResult, TraceFilter, UiSession, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
     domain::{
@@ -395,6 +395,49 @@ impl Store for PgStore {
 
     async fn count_active_api_keys(&self) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.pool).await?)
+    }
+
+    async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= now()").execute(&mut *tx).await?;
+        sqlx::query("INSERT INTO ui_sessions (token_hash, key_id, csrf_token, expires_at) VALUES ($1, $2, $3, $4)")
+            .bind(&session.token_hash)
+            .bind(session.key_id)
+            .bind(&session.csrf_token)
+            .bind(session.expires_at)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
+        let row = sqlx::query(
+            "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
+                    k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
+             FROM ui_sessions s JOIN api_keys k ON k.id = s.key_id
+             WHERE s.token_hash = $1 AND s.expires_at > now()",
+        )
+        .bind(token_hash)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let session = UiSession {
+            key_id: row.try_get("key_id")?,
+            csrf_token: row.try_get("csrf_token")?,
+            created_at: row.try_get("session_created_at")?,
+            expires_at: row.try_get("expires_at")?,
+        };
+        Ok(Some((session, key_from_row(&row)?)))
+    }
+
+    async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
+        let n = sqlx::query("DELETE FROM ui_sessions WHERE token_hash = $1")
+            .bind(token_hash)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(n > 0)
     }
 
     async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {

@@ -1,0 +1,134 @@
+//! The operator web UI at `/ui`: server-rendered HTML over the same store and
+//! route logic as the JSON API, behind a cookie session opened with an API
+//! key. No script; one local stylesheet; charts are inline SVG. Every page
+//! sends a strict Content-Security-Policy and is never cached.
+
+mod actions;
+mod html;
+mod pages;
+mod plot;
+mod session;
+
+pub use html::escape;
+
+use axum::{
+    Router,
+    extract::Request,
+    http::{HeaderValue, StatusCode, header},
+    middleware::{self, Next},
+    response::{IntoResponse, Redirect, Response},
+    routing::{get, post},
+};
+
+use crate::{http::AppState, http::error::ApiError, store::StoreError};
+use html::{Section, page};
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/ui/prompts") }))
+        .route("/login", get(session::login_form).post(session::login))
+        .route("/logout", post(session::logout))
+        .route("/prompts", get(pages::prompts))
+        .route("/prompts/{name}", get(pages::prompt))
+        .route("/prompts/{name}/diff", get(pages::diff))
+        .route("/prompts/{name}/rounds", get(pages::rounds))
+        .route("/prompts/{name}/controller", get(pages::controller))
+        .route("/prompts/{name}/promote", post(actions::promote))
+        .route("/prompts/{name}/rollback", post(actions::rollback))
+        .route("/rounds/{id}", get(pages::round))
+        .route("/traces", get(pages::traces))
+        .route("/traces/{id}", get(pages::trace))
+        .route("/static/style.css", get(stylesheet))
+        .fallback(|| async { UiError::NotFound("No such page.".into()) })
+        .layer(middleware::from_fn(security_headers))
+}
+
+/// How a UI request fails: to the sign-in page, or an HTML error page.
+#[derive(Debug)]
+pub enum UiError {
+    /// No valid session (none, expired, or its key was revoked).
+    SignIn,
+    Forbidden(String),
+    NotFound(String),
+    Api(ApiError),
+}
+
+impl UiError {
+    pub fn from_store(e: StoreError) -> Self {
+        UiError::Api(e.into())
+    }
+}
+
+impl From<ApiError> for UiError {
+    fn from(e: ApiError) -> Self {
+        match e {
+            ApiError::NotFound(m) => UiError::NotFound(m),
+            other => UiError::Api(other),
+        }
+    }
+}
+
+impl From<StoreError> for UiError {
+    fn from(e: StoreError) -> Self {
+        UiError::from_store(e)
+    }
+}
+
+impl IntoResponse for UiError {
+    fn into_response(self) -> Response {
+        let (status, message) = match self {
+            UiError::SignIn => {
+                let mut res = Redirect::to("/ui/login?error=expired").into_response();
+                res.headers_mut().insert(
+                    header::SET_COOKIE,
+                    HeaderValue::from_static("combee_session=; Path=/ui; HttpOnly; SameSite=Strict; Max-Age=0"),
+                );
+                return res;
+            }
+            UiError::Forbidden(m) => (StatusCode::FORBIDDEN, m),
+            UiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
+            UiError::Api(e) => {
+                if let ApiError::Internal(inner) = &e {
+                    tracing::error!(error = ?inner, "web UI request failed");
+                }
+                // The API's messages are written for callers; internal details are not in them.
+                (e.status(), e.to_string())
+            }
+        };
+        let title = status.canonical_reason().unwrap_or("Error");
+        let body = format!(
+            r#"<section class="card error-page"><h1>{} {}</h1><p id="error-message">{}</p><p><a href="/ui/prompts">Back to the prompts</a></p></section>"#,
+            status.as_u16(),
+            html::escape(title),
+            html::escape(&message)
+        );
+        (status, page(title, None, Section::None, &body)).into_response()
+    }
+}
+
+const CSP: &str = "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; \
+                   frame-ancestors 'none'; base-uri 'none'";
+
+async fn security_headers(req: Request, next: Next) -> Response {
+    let mut res = next.run(req).await;
+    let h = res.headers_mut();
+    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
+    if !h.contains_key(header::CACHE_CONTROL) {
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    }
+    res
+}
+
+async fn stylesheet() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("text/css; charset=utf-8")),
+            (header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=300")),
+        ],
+        include_str!("style.css"),
+    )
+        .into_response()
+}

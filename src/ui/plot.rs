@@ -1,0 +1,254 @@
+//! Inline SVG charts, rendered on the server from plain numbers: the
+//! batch-size controller's delay curve (measured T(bs), the fitted
+//! A·bs^(−α), the chosen bs*) and a round's phase timeline. No script, no
+//! inline styles: classes only, so the page's CSP can forbid both.
+
+use std::fmt::Write;
+
+use super::html::escape;
+
+const W: f64 = 680.0;
+const H: f64 = 360.0;
+const LEFT: f64 = 70.0;
+const RIGHT: f64 = 20.0;
+const TOP: f64 = 20.0;
+const BOTTOM: f64 = 50.0;
+
+/// What the delay plot shows.
+pub struct DelayPlot<'a> {
+    /// (batch size, measured delay T in seconds), one per profiled size.
+    pub points: &'a [(f64, f64)],
+    /// (A, α) of the fit T(bs) = A·bs^(−α).
+    pub fit: Option<(f64, f64)>,
+    /// The batch size the controller chose.
+    pub chosen: Option<f64>,
+}
+
+/// Log–log axes: the power law is a straight line there.
+struct LogAxis {
+    lo: f64,
+    hi: f64,
+    from: f64,
+    to: f64,
+}
+
+impl LogAxis {
+    fn new(lo: f64, hi: f64, from: f64, to: f64) -> Self {
+        let (lo, hi) = if hi / lo < 1.5 { (lo / 1.5, hi * 1.5) } else { (lo, hi) };
+        Self { lo: lo.ln(), hi: hi.ln(), from, to }
+    }
+    fn at(&self, v: f64) -> f64 {
+        self.from + (v.ln() - self.lo) / (self.hi - self.lo) * (self.to - self.from)
+    }
+    fn contains(&self, v: f64) -> bool {
+        v > 0.0 && v.ln() >= self.lo - 1e-9 && v.ln() <= self.hi + 1e-9
+    }
+}
+
+/// 1, 2, 5 × 10^k ticks inside the range.
+fn decade_ticks(axis: &LogAxis) -> Vec<f64> {
+    let (lo, hi) = (axis.lo.exp(), axis.hi.exp());
+    let mut ticks = Vec::new();
+    let mut base = 10f64.powf(lo.log10().floor());
+    while base <= hi {
+        for m in [1.0, 2.0, 5.0] {
+            let t = base * m;
+            if t >= lo && t <= hi {
+                ticks.push(t);
+            }
+        }
+        base *= 10.0;
+    }
+    ticks
+}
+
+fn num(v: f64) -> String {
+    if v >= 100.0 || v == v.round() {
+        format!("{v:.0}")
+    } else if v >= 1.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// The plot as an `<svg>` element, or `None` without any point.
+pub fn delay_plot(p: &DelayPlot<'_>) -> Option<String> {
+    let pts: Vec<(f64, f64)> =
+        p.points.iter().copied().filter(|(x, y)| x.is_finite() && y.is_finite() && *x > 0.0 && *y > 0.0).collect();
+    if pts.is_empty() {
+        return None;
+    }
+    let mut xs: Vec<f64> = pts.iter().map(|p| p.0).collect();
+    xs.extend(p.chosen.filter(|c| c.is_finite() && *c > 0.0));
+    let (xmin, xmax) = xs.iter().fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+    let (xmin, xmax) = (xmin / 1.25, xmax * 1.25);
+    let curve: Vec<(f64, f64)> = match p.fit {
+        Some((a, alpha)) if a.is_finite() && alpha.is_finite() && a > 0.0 => (0..=60)
+            .map(|i| {
+                let x = xmin * (xmax / xmin).powf(f64::from(i) / 60.0);
+                (x, a * x.powf(-alpha))
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let ys = pts.iter().chain(curve.iter()).map(|p| p.1).filter(|y| y.is_finite() && *y > 0.0);
+    let (ymin, ymax) = ys.fold((f64::MAX, f64::MIN), |(a, b), y| (a.min(y), b.max(y)));
+    let x = LogAxis::new(xmin, xmax, LEFT, W - RIGHT);
+    let y = LogAxis::new(ymin / 1.2, ymax * 1.2, H - BOTTOM, TOP);
+
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        r#"<svg class="plot" id="controller-plot" viewBox="0 0 {W} {H}" role="img" aria-label="Delay of learning the backlog against batch size">"#
+    );
+    let _ = write!(
+        s,
+        r#"<rect class="frame" x="{LEFT}" y="{TOP}" width="{}" height="{}"/>"#,
+        W - LEFT - RIGHT,
+        H - TOP - BOTTOM
+    );
+    // Grid and ticks: x at the powers of two in range, y at 1-2-5 decades.
+    let mut bs = 2f64.powf(xmin.log2().ceil());
+    while bs <= xmax {
+        let px = x.at(bs);
+        let _ = write!(
+            s,
+            r#"<line class="grid" x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}"/><text class="tick" x="{px:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            H - BOTTOM,
+            H - BOTTOM + 18.0,
+            escape(&num(bs))
+        );
+        bs *= 2.0;
+    }
+    for t in decade_ticks(&y) {
+        let py = y.at(t);
+        let _ = write!(
+            s,
+            r#"<line class="grid" x1="{LEFT}" y1="{py:.1}" x2="{:.1}" y2="{py:.1}"/><text class="tick" x="{:.1}" y="{:.1}" text-anchor="end">{} s</text>"#,
+            W - RIGHT,
+            LEFT - 6.0,
+            py + 4.0,
+            escape(&num(t))
+        );
+    }
+    let _ = write!(
+        s,
+        r#"<text class="axis" x="{:.1}" y="{:.1}" text-anchor="middle">batch size (log scale)</text><text class="axis" transform="translate(16 {:.1}) rotate(-90)" text-anchor="middle">delay T(bs) for the backlog (log scale)</text>"#,
+        (LEFT + W - RIGHT) / 2.0,
+        H - 8.0,
+        (TOP + H - BOTTOM) / 2.0
+    );
+    if !curve.is_empty() {
+        let d: Vec<String> = curve
+            .iter()
+            .filter(|(cx, cy)| x.contains(*cx) && y.contains(*cy))
+            .enumerate()
+            .map(|(i, (cx, cy))| format!("{}{:.1} {:.1}", if i == 0 { "M" } else { "L" }, x.at(*cx), y.at(*cy)))
+            .collect();
+        let _ = write!(s, r#"<path class="fit" d="{}"/>"#, d.join(" "));
+    }
+    if let Some(c) = p.chosen.filter(|c| x.contains(*c)) {
+        let px = x.at(c);
+        // The label goes on whichever side of the line has room.
+        let (lx, anchor) = if px > (LEFT + W - RIGHT) / 2.0 { (px - 6.0, "end") } else { (px + 6.0, "start") };
+        let _ = write!(
+            s,
+            r#"<line class="choice" x1="{px:.1}" y1="{TOP}" x2="{px:.1}" y2="{:.1}"/><text class="choice-label" x="{lx:.1}" y="{:.1}" text-anchor="{anchor}">bs* = {}</text>"#,
+            H - BOTTOM,
+            TOP + 16.0,
+            escape(&num(c))
+        );
+    }
+    for (bx, by) in &pts {
+        let _ = write!(
+            s,
+            r#"<circle class="point" cx="{:.1}" cy="{:.1}" r="5"><title>bs {}: T = {} s</title></circle>"#,
+            x.at(*bx),
+            y.at(*by),
+            escape(&num(*bx)),
+            escape(&num(*by))
+        );
+    }
+    s.push_str("</svg>");
+    Some(s)
+}
+
+/// One bar of the phase timeline: offsets from the round's start, in ms.
+pub struct PhaseBar<'a> {
+    pub name: &'a str,
+    pub start_ms: f64,
+    pub elapsed_ms: f64,
+}
+
+/// A Gantt-like strip of the round's phases.
+pub fn timeline(bars: &[PhaseBar<'_>]) -> Option<String> {
+    let end = bars.iter().map(|b| b.start_ms + b.elapsed_ms).fold(0.0, f64::max);
+    if bars.is_empty() || end <= 0.0 {
+        return None;
+    }
+    const TW: f64 = 1150.0;
+    const LABEL: f64 = 110.0;
+    const ROW: f64 = 24.0;
+    let width = TW - LABEL - RIGHT;
+    let height = ROW * bars.len() as f64 + 24.0;
+    let mut s = format!(r#"<svg class="timeline" viewBox="0 0 {TW} {height}" role="img" aria-label="Phase timeline">"#);
+    for (i, b) in bars.iter().enumerate() {
+        let y = ROW * i as f64 + 4.0;
+        let x0 = LABEL + b.start_ms / end * width;
+        let w = (b.elapsed_ms / end * width).max(2.0);
+        let _ = write!(
+            s,
+            r#"<text class="tick" x="{:.1}" y="{:.1}" text-anchor="end">{}</text><rect class="bar" x="{x0:.1}" y="{y:.1}" width="{w:.1}" height="{:.1}"><title>{}: {}</title></rect>"#,
+            LABEL - 8.0,
+            y + 14.0,
+            escape(b.name),
+            ROW - 8.0,
+            escape(b.name),
+            escape(&super::html::duration_ms(b.elapsed_ms))
+        );
+    }
+    let _ = write!(
+        s,
+        r#"<text class="tick" x="{LABEL}" y="{:.1}">0</text><text class="tick" x="{:.1}" y="{:.1}" text-anchor="end">{}</text></svg>"#,
+        height - 4.0,
+        TW - RIGHT,
+        height - 4.0,
+        escape(&super::html::duration_ms(end))
+    );
+    Some(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_delay_plot_has_a_point_per_size_the_fit_and_the_choice() {
+        let points = [(4.0, 100.0), (8.0, 55.0), (16.0, 31.0)];
+        let svg = delay_plot(&DelayPlot { points: &points, fit: Some((380.0, 0.95)), chosen: Some(12.0) }).unwrap();
+        assert_eq!(svg.matches("<circle class=\"point\"").count(), 3);
+        assert!(svg.contains("<path class=\"fit\" d=\"M"));
+        assert!(svg.contains("bs* = 12"));
+        assert!(!svg.contains("NaN") && !svg.contains("inf"));
+    }
+
+    #[test]
+    fn no_points_no_plot_and_bad_numbers_are_dropped() {
+        assert!(delay_plot(&DelayPlot { points: &[], fit: None, chosen: None }).is_none());
+        let svg = delay_plot(&DelayPlot { points: &[(4.0, f64::NAN), (8.0, 3.0)], fit: None, chosen: None }).unwrap();
+        assert_eq!(svg.matches("<circle").count(), 1);
+        assert!(!svg.contains("NaN"));
+    }
+
+    #[test]
+    fn the_timeline_scales_bars_to_the_round() {
+        let bars = [
+            PhaseBar { name: "map", start_ms: 0.0, elapsed_ms: 300.0 },
+            PhaseBar { name: "<reduce>", start_ms: 300.0, elapsed_ms: 100.0 },
+        ];
+        let svg = timeline(&bars).unwrap();
+        assert_eq!(svg.matches("<rect class=\"bar\"").count(), 2);
+        assert!(svg.contains("&lt;reduce&gt;") && !svg.contains("<reduce>"));
+    }
+}

@@ -1,0 +1,506 @@
+//! The operator web UI, driven in real headless Chromium through chromedriver
+//! (the W3C WebDriver protocol spoken with reqwest), against the real server
+//! on port 0 with a real store and the LLM simulator. Screenshots of every
+//! page land in `target/ui-screenshots/` as artefacts. Without a browser,
+//! session and CSRF rules are checked with plain HTTP.
+
+mod common;
+
+use std::{
+    io::{Read, Write},
+    path::PathBuf,
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use base64::Engine;
+use combee::llm::sim::SimConfig;
+use common::{Backend, TestApp, learning, spawn_app, spawn_app_with, spawn_sim};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
+
+/// One chromedriver process with one browser session.
+struct Browser {
+    http: reqwest::Client,
+    base: String,
+    session: String,
+    _driver: tokio::process::Child,
+    _profile: tempfile::TempDir,
+    shots: PathBuf,
+    prefix: String,
+}
+
+impl Browser {
+    async fn start(prefix: &str) -> Browser {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut driver = tokio::process::Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("chromedriver is not installed: run `scripts/test` (it installs chromium and chromium-driver)");
+        // chromedriver says when it listens; wait for that line rather than a timer.
+        let mut lines = BufReader::new(driver.stdout.take().unwrap()).lines();
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if line.contains("started successfully") {
+                    return;
+                }
+            }
+            panic!("chromedriver exited before it started");
+        })
+        .await
+        .expect("chromedriver did not start within 20 s");
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+
+        let profile = tempfile::tempdir().unwrap();
+        let mut chrome = json!({"args": [
+            "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--window-size=1280,900", "--disable-dev-shm-usage",
+            format!("--user-data-dir={}", profile.path().display()),
+        ]});
+        if std::path::Path::new("/usr/bin/chromium").exists() {
+            chrome["binary"] = json!("/usr/bin/chromium");
+        }
+        let http = reqwest::Client::new();
+        let base = format!("http://127.0.0.1:{port}");
+        let res: Value = http
+            .post(format!("{base}/session"))
+            .json(&json!({"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": chrome}}}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let session =
+            res["value"]["sessionId"].as_str().unwrap_or_else(|| panic!("no WebDriver session: {res}")).to_owned();
+        let target = std::env::var("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+        let shots = target.join("ui-screenshots");
+        std::fs::create_dir_all(&shots).unwrap();
+        let b = Browser { http, base, session, _driver: driver, _profile: profile, shots, prefix: prefix.to_owned() };
+        // Element look-ups wait (inside the browser) up to 5 s for the element to appear.
+        b.cmd("POST", "/timeouts", Some(json!({"implicit": 5000, "pageLoad": 30000}))).await;
+        b
+    }
+
+    async fn try_cmd(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, Value> {
+        let url = format!("{}/session/{}{path}", self.base, self.session);
+        let req = match method {
+            "GET" => self.http.get(url),
+            "DELETE" => self.http.delete(url),
+            _ => self.http.post(url).json(&body.unwrap_or(json!({}))),
+        };
+        let res = req.send().await.unwrap();
+        let ok = res.status().is_success();
+        let v: Value = res.json().await.unwrap();
+        if ok { Ok(v["value"].clone()) } else { Err(v["value"].clone()) }
+    }
+
+    async fn cmd(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        self.try_cmd(method, path, body).await.unwrap_or_else(|e| panic!("WebDriver {method} {path}: {e}"))
+    }
+
+    async fn goto(&self, url: &str) {
+        self.cmd("POST", "/url", Some(json!({"url": url}))).await;
+    }
+
+    async fn url(&self) -> String {
+        self.cmd("GET", "/url", None).await.as_str().unwrap().to_owned()
+    }
+
+    async fn find(&self, css: &str) -> String {
+        let v = self.cmd("POST", "/element", Some(json!({"using": "css selector", "value": css}))).await;
+        v[ELEMENT].as_str().unwrap().to_owned()
+    }
+
+    async fn count(&self, css: &str) -> usize {
+        // No implicit wait for "none": ask for all, the answer may be empty.
+        self.cmd("POST", "/elements", Some(json!({"using": "css selector", "value": css})))
+            .await
+            .as_array()
+            .unwrap()
+            .len()
+    }
+
+    async fn click(&self, css: &str) {
+        let id = self.find(css).await;
+        self.cmd("POST", &format!("/element/{id}/click"), None).await;
+    }
+
+    async fn type_into(&self, css: &str, text: &str) {
+        let id = self.find(css).await;
+        self.cmd("POST", &format!("/element/{id}/clear"), None).await;
+        self.cmd("POST", &format!("/element/{id}/value"), Some(json!({"text": text}))).await;
+    }
+
+    async fn text(&self, css: &str) -> String {
+        let id = self.find(css).await;
+        self.cmd("GET", &format!("/element/{id}/text"), None).await.as_str().unwrap().to_owned()
+    }
+
+    async fn value(&self, css: &str) -> String {
+        let id = self.find(css).await;
+        self.cmd("GET", &format!("/element/{id}/property/value"), None).await.as_str().unwrap().to_owned()
+    }
+
+    async fn source(&self) -> String {
+        self.cmd("GET", "/source", None).await.as_str().unwrap().to_owned()
+    }
+
+    async fn cookie(&self, name: &str) -> Value {
+        self.cmd("GET", &format!("/cookie/{name}"), None).await
+    }
+
+    /// Waits (in the browser) until the page at a URL containing `part` is loaded.
+    async fn wait_url(&self, part: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let url = self.url().await;
+            if url.contains(part) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "still at {url}, expected {part}");
+            // The next look-up blocks on the loading page itself.
+            let _ = self.try_cmd("POST", "/element", Some(json!({"using": "css selector", "value": "main"}))).await;
+        }
+    }
+
+    async fn screenshot(&self, name: &str) -> PathBuf {
+        let b64 = self.cmd("GET", "/screenshot", None).await;
+        let png = base64::engine::general_purpose::STANDARD.decode(b64.as_str().unwrap()).unwrap();
+        let path = self.shots.join(format!("{}-{name}.png", self.prefix));
+        std::fs::write(&path, png).unwrap();
+        path
+    }
+}
+
+impl Drop for Browser {
+    /// Ends the browser session (closing Chromium) even when the test failed;
+    /// a blocking, dependency-free DELETE since Drop cannot await.
+    fn drop(&mut self) {
+        let addr = self.base.trim_start_matches("http://").to_owned();
+        if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+            let _ = write!(s, "DELETE /session/{} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n", self.session);
+            let _ = s.read_to_end(&mut Vec::new());
+        }
+    }
+}
+
+fn insight_trace(prompt: &str, i: usize) -> Value {
+    json!({
+        "prompt": prompt,
+        "input": {"task": format!("task {i}")},
+        "trajectory": [{"role": "assistant", "content": format!("worked on task {i}")}],
+        "output": format!("answer {i}"),
+        "feedback": {"success": !i.is_multiple_of(3), "comment": format!("INSIGHT-u{i:03}: check field {i} before answering")}
+    })
+}
+
+async fn run_round(app: &TestApp, name: &str, batch: u32) -> String {
+    let res = app.post(&format!("/v1/prompts/{name}/rounds"), json!({"batch_size": batch})).send().await.unwrap();
+    assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
+    let id = res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        if r["status"] == "succeeded" {
+            return id;
+        }
+        assert!(r["status"] != "failed" && Instant::now() < deadline, "round did not succeed: {r}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn api_prompt(app: &TestApp, name: &str) -> Value {
+    app.get(&format!("/v1/prompts/{name}")).send().await.unwrap().json().await.unwrap()
+}
+
+/// A client that keeps cookies to itself and never follows redirects.
+fn plain_client() -> reqwest::Client {
+    reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
+}
+
+fn set_cookie(res: &reqwest::Response, name: &str) -> Option<String> {
+    res.headers()
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .find_map(|c| c.strip_prefix(&format!("{name}=")).map(|rest| rest.split(';').next().unwrap_or("").to_owned()))
+}
+
+fn hidden(html: &str, name: &str) -> String {
+    let marker = format!(r#"name="{name}" value=""#);
+    let start = html.find(&marker).unwrap_or_else(|| panic!("no hidden {name} in page")) + marker.len();
+    html[start..].split('"').next().unwrap().to_owned()
+}
+
+/// Signs in over plain HTTP; returns the session cookie's value.
+async fn sign_in(app: &TestApp, key: &str) -> reqwest::Response {
+    let http = plain_client();
+    let form = http.get(app.url("/ui/login")).send().await.unwrap();
+    let login_cookie = set_cookie(&form, "combee_login").unwrap();
+    let token = hidden(&form.text().await.unwrap(), "login_token");
+    http.post(app.url("/ui/login"))
+        .header("cookie", format!("combee_login={login_cookie}"))
+        .form(&[("key", key), ("login_token", token.as_str())])
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn operator_story(b: Backend) {
+    let sim = spawn_sim(SimConfig { seed: 11, ..SimConfig::default() }).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    let res = app
+        .post(
+            "/v1/prompts",
+            json!({"name": "support", "base": "You answer support questions. Use {customer_name}.",
+            "strategy": "playbook", "settings": {"batch_size": 1000, "duplication": 1}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let traces: Vec<Value> = (0..28).map(|i| insight_trace("support", i)).collect();
+    assert_eq!(app.post("/v1/traces", json!({"traces": traces})).send().await.unwrap().status(), 201);
+    // Three Combee rounds of 4, 8 and 16 traces: versions 2–4, and three controller sizes to fit.
+    let mut rounds = Vec::new();
+    for bs in [4, 8, 16] {
+        rounds.push(run_round(&app, "support", bs).await);
+    }
+    assert_eq!(api_prompt(&app, "support").await["version"], 4);
+    // Untrusted trace content that must stay text.
+    let evil = json!({"prompt": "support", "input": {"q": "<script>window.pwned=1</script>"},
+        "output": "<img src=x onerror=\"window.pwned=2\"><b>bold?</b>", "feedback": {"success": false}});
+    assert_eq!(app.post("/v1/traces", evil).send().await.unwrap().status(), 201);
+
+    let br = Browser::start(&format!("{b:?}").to_lowercase()).await;
+
+    // Signed out: any page leads to the sign-in form; a wrong key is refused there.
+    br.goto(&app.url("/ui/prompts")).await;
+    br.wait_url("/ui/login").await;
+    br.type_into("#key", "cmb_not-a-real-key").await;
+    br.click("#sign-in").await;
+    assert!(br.text("#login-error").await.contains("Unknown or revoked"), "wrong key refused");
+    br.screenshot("01-login-refused").await;
+    br.type_into("#key", &app.admin_key).await;
+    br.click("#sign-in").await;
+    br.wait_url("/ui/prompts").await;
+    let cookie = br.cookie("combee_session").await;
+    assert_eq!((cookie["httpOnly"].as_bool(), cookie["sameSite"].as_str()), (Some(true), Some("Strict")), "{cookie}");
+    assert_eq!(cookie["path"], "/ui");
+    let list = br.text("#prompts").await;
+    assert!(list.contains("support") && list.contains("v4"), "{list}");
+    br.screenshot("02-prompts").await;
+
+    // A prompt: production text, labels, history with round links.
+    br.click("#prompts a[href='/ui/prompts/support']").await;
+    br.wait_url("/ui/prompts/support").await;
+    let v4 = api_prompt(&app, "support").await;
+    assert_eq!(br.text("#production-text").await.trim(), v4["text"].as_str().unwrap().trim());
+    assert!(br.text("#versions").await.contains("learned"));
+    assert_eq!(br.count("#versions a[href^='/ui/rounds/']").await, 3);
+    br.screenshot("03-prompt").await;
+
+    // A diff chosen with the form: v1 → v4 added bullets.
+    br.click("#diff-from option[value='1']").await;
+    br.click("#diff-to option[value='4']").await;
+    br.click("#diff-submit").await;
+    br.wait_url("from=1").await;
+    assert!(br.count("#bullets-added li").await >= 4, "bullets added by three rounds");
+    assert!(br.count("#diff tr.ins").await >= 4);
+    assert!(br.text("#diff-stats").await.starts_with('+'));
+    br.screenshot("04-diff").await;
+
+    // Roll back to v1 with the button; the API now serves v1's content as v5.
+    br.goto(&app.url("/ui/prompts/support")).await;
+    br.click("#rollback-1").await;
+    br.wait_url("notice=rolled_back").await;
+    assert!(br.text("#notice").await.contains("version 5"));
+    let v1: Value = app.get("/v1/prompts/support/versions/1").send().await.unwrap().json().await.unwrap();
+    let now = api_prompt(&app, "support").await;
+    assert_eq!((now["version"].as_i64(), now["text"].as_str()), (Some(5), v1["text"].as_str()), "{now}");
+    assert!(br.text("#version-5").await.contains("rollback"));
+    br.screenshot("05-rolled-back").await;
+
+    // One round: facts, phase timeline, calls with usage, operations.
+    br.goto(&app.url(&format!("/ui/rounds/{}", rounds[2]))).await;
+    let facts = br.text("#round-facts").await;
+    assert!(facts.contains("succeeded") && facts.contains("16") && facts.contains("combee"), "{facts}");
+    assert!(br.text("#phases").await.contains("map"));
+    assert!(br.text("#usage").await.contains("LLM calls"));
+    assert!(br.count("#operations tr").await > 1, "operations listed");
+    br.screenshot("06-round").await;
+    br.click("#llm-calls-box summary").await;
+    assert!(br.count("#llm-calls tbody tr").await >= 17, "16 reflections + groups");
+    br.screenshot("06b-round-calls").await;
+
+    // The controller: an SVG with a point per profiled size, the fitted curve, bs*.
+    br.goto(&app.url("/ui/prompts/support/controller")).await;
+    assert_eq!(br.count("svg#controller-plot circle.point").await, 3);
+    assert_eq!(br.count("svg#controller-plot path.fit").await, 1);
+    assert!(br.text("#controller-facts").await.contains("α ="));
+    br.screenshot("07-controller").await;
+
+    // Traces: filtered, and hostile content is shown as text, never run.
+    br.goto(&app.url("/ui/traces")).await;
+    br.click("#filter-prompt option[value='support']").await;
+    br.click("#filter-status option[value='pending']").await;
+    br.click("#filter-submit").await;
+    br.wait_url("status=pending").await;
+    assert_eq!(br.count("#traces tbody tr").await, 1);
+    assert!(br.text("#traces").await.contains("<script>window.pwned=1</script>"));
+    assert_eq!((br.count("main script").await, br.count("main img").await), (0, 0));
+    br.screenshot("08-traces").await;
+    br.click("#traces tbody a[href^='/ui/traces/']").await;
+    br.wait_url("/ui/traces/").await;
+    assert!(br.source().await.contains("&lt;img src=x onerror="));
+    assert_eq!(
+        br.cmd("POST", "/execute/sync", Some(json!({"script": "return window.pwned === undefined", "args": []}))).await,
+        true
+    );
+    br.screenshot("09-trace").await;
+
+    // CSRF: the session cookie alone cannot change anything.
+    br.goto(&app.url("/ui/prompts/support")).await;
+    let csrf = br.value("input[name=csrf]").await;
+    let session = br.cookie("combee_session").await["value"].as_str().unwrap().to_owned();
+    let http = plain_client();
+    let post = |fields: Vec<(&'static str, String)>| {
+        http.post(app.url("/ui/prompts/support/rollback"))
+            .header("cookie", format!("combee_session={session}"))
+            .form(&fields)
+            .send()
+    };
+    let base = vec![("version", "2".to_owned()), ("expected", "5".to_owned())];
+    let missing = post(base.clone()).await.unwrap();
+    assert_eq!(missing.status(), 403);
+    assert!(missing.text().await.unwrap().contains("security token"));
+    let mut wrong = base.clone();
+    wrong.push(("csrf", format!("{}x", &csrf[..csrf.len() - 1])));
+    assert_eq!(post(wrong).await.unwrap().status(), 403);
+    let mut empty = base.clone();
+    empty.push(("csrf", String::new()));
+    assert_eq!(post(empty).await.unwrap().status(), 403);
+    assert_eq!(api_prompt(&app, "support").await["version"], 5, "nothing changed");
+    // The same request with the token goes through, so the token was the only thing missing.
+    let mut good = base.clone();
+    good.push(("csrf", csrf));
+    let ok = post(good).await.unwrap();
+    assert_eq!(
+        (ok.status().as_u16(), ok.headers()["location"].to_str().unwrap()),
+        (303, "/ui/prompts/support?notice=rolled_back&v=6")
+    );
+    assert_eq!(api_prompt(&app, "support").await["version"], 6);
+
+    // Sign out: the session is gone for the browser and for the stolen cookie.
+    br.goto(&app.url("/ui/prompts")).await;
+    br.click("#sign-out").await;
+    br.wait_url("/ui/login").await;
+    br.goto(&app.url("/ui/prompts")).await;
+    br.wait_url("/ui/login").await;
+    let after =
+        http.get(app.url("/ui/prompts")).header("cookie", format!("combee_session={session}")).send().await.unwrap();
+    assert_eq!(
+        (after.status().as_u16(), after.headers()["location"].to_str().unwrap()),
+        (303, "/ui/login?error=expired")
+    );
+    br.screenshot("10-signed-out").await;
+}
+
+async fn sessions_follow_their_key(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("p").await;
+    let http = plain_client();
+
+    // A key that cannot read prompts cannot open a session.
+    let res = sign_in(&app, &app.key_with(&["traces:write"]).await).await;
+    assert_eq!(res.status(), 403);
+    assert!(set_cookie(&res, "combee_session").is_none());
+
+    // A sign-in form not from this site (no double-submit cookie) is refused.
+    let res = http
+        .post(app.url("/ui/login"))
+        .form(&[("key", app.admin_key.as_str()), ("login_token", "x")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 403);
+
+    // A read-only key reads, sees no promote buttons, and is refused a promote even with the right token.
+    let reader = app.key_with(&["prompts:read"]).await;
+    let res = sign_in(&app, &reader).await;
+    assert_eq!((res.status().as_u16(), res.headers()["location"].to_str().unwrap()), (303, "/ui/prompts"));
+    let cookie = set_cookie(&res, "combee_session").unwrap();
+    let set = res.headers().get_all("set-cookie").iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
+    assert!(
+        set.iter().any(|c| c.starts_with("combee_session=")
+            && c.contains("HttpOnly")
+            && c.contains("SameSite=Strict")
+            && c.contains("Path=/ui")
+            && !c.contains("Secure")),
+        "{set:?}"
+    );
+    let get = |path: &str| http.get(app.url(path)).header("cookie", format!("combee_session={cookie}")).send();
+    let page = get("/ui/prompts/p").await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.headers()["content-security-policy"].to_str().unwrap().contains("default-src 'none'"));
+    let html = page.text().await.unwrap();
+    assert!(!html.contains("rollback-") && html.contains("need the <code>prompts:promote</code> scope"));
+    let csrf = hidden(&html, "csrf");
+    let res = http
+        .post(app.url("/ui/prompts/p/promote"))
+        .header("cookie", format!("combee_session={cookie}"))
+        .form(&[("csrf", csrf.as_str()), ("version", "1"), ("expected", "1")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 403);
+    assert!(res.text().await.unwrap().contains("prompts:promote"));
+
+    // Over https (as a proxy reports it) the cookie is Secure.
+    let form = http.get(app.url("/ui/login")).header("x-forwarded-proto", "https").send().await.unwrap();
+    assert!(form.headers()["set-cookie"].to_str().unwrap().contains("; Secure"));
+
+    // A forged cookie is no session; revoking the key ends the real one.
+    let forged = http.get(app.url("/ui/prompts")).header("cookie", "combee_session=forged").send().await.unwrap();
+    assert_eq!(forged.status(), 303);
+    let keys: Value = app.get("/v1/keys").send().await.unwrap().json().await.unwrap();
+    let prefix = &reader[..12];
+    let id = keys["keys"].as_array().unwrap().iter().find(|k| k["prefix"] == prefix).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let res = app.http.delete(app.url(&format!("/v1/keys/{id}"))).bearer_auth(&app.admin_key).send().await.unwrap();
+    assert!(res.status().is_success());
+    let res = get("/ui/prompts").await.unwrap();
+    assert_eq!((res.status().as_u16(), res.headers()["location"].to_str().unwrap()), (303, "/ui/login?error=expired"));
+    assert_eq!(get("/ui/prompts").await.unwrap().status(), 303, "and stays signed out");
+
+    // Unknown pages and prompts are HTML 404s; GET never changes state.
+    let admin = set_cookie(&sign_in(&app, &app.admin_key).await, "combee_session").unwrap();
+    let res = http
+        .get(app.url("/ui/prompts/ghost"))
+        .header("cookie", format!("combee_session={admin}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 404);
+    assert!(res.headers()["content-type"].to_str().unwrap().starts_with("text/html"));
+    let res = http
+        .get(app.url("/ui/prompts/p/rollback?version=1"))
+        .header("cookie", format!("combee_session={admin}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 405);
+}
+
+on_both_stores!(operator_story, sessions_follow_their_key);
