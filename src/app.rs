@@ -169,7 +169,7 @@ async fn forward_changes(state: AppState, shutdown: CancellationToken) {
         match change {
             Ok(Change::Prompt(name)) => state.cache.invalidate(&name),
             Ok(Change::Keys) => state.keys.clear(),
-            Ok(Change::RoundQueued) => {}
+            Ok(Change::RoundQueued | Change::OutboxEvent) => {}
             Ok(Change::Resync) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
                 state.cache.clear();
                 state.keys.clear();

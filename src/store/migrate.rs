@@ -20,12 +20,14 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/postgres/0001_foundation.sql") },
     Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/postgres/0002_rounds.sql") },
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/postgres/0003_controller.sql") },
+    Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/postgres/0004_webhooks.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
     Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/sqlite/0001_foundation.sql") },
     Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/sqlite/0002_rounds.sql") },
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/sqlite/0003_controller.sql") },
+    Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/sqlite/0004_webhooks.sql") },
 ];
 
 #[cfg(test)]
