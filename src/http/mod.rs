@@ -11,6 +11,7 @@ pub mod pagination;
 pub mod prompts;
 pub mod rounds;
 pub mod traces;
+pub mod webhooks;
 
 use std::{sync::Arc, time::Duration};
 
@@ -63,6 +64,9 @@ pub fn router(state: AppState) -> Router {
         .route("/traces/{id}/feedback", post(traces::add_feedback))
         .route("/keys", post(keys::create_key).get(keys::list_keys))
         .route("/keys/{id}", axum::routing::delete(keys::revoke_key))
+        .route("/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))
+        .route("/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
+        .route("/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
         .route("/openapi.json", get(ops::openapi));
 
     let timeout = Duration::from_secs(state.settings.server.request_timeout_secs);
