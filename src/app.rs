@@ -12,6 +12,7 @@ use crate::{
     auth::{self, KeyCache},
     cache::PromptCache,
     config::{Role, Settings},
+    delivery::Deliverer,
     http::{self, AppState, Shared},
     llm::{LlmBackend, client::OpenAiClient},
     store::{self, Change, DynStore, Scope},
@@ -25,6 +26,7 @@ pub struct Application {
     listener: TcpListener,
     state: AppState,
     worker: Option<Worker>,
+    deliverer: Option<Deliverer>,
     shutdown: CancellationToken,
 }
 
@@ -83,6 +85,14 @@ impl Application {
                 Some(Worker::new(store.clone(), backend, llm, settings.worker.clone(), settings.controller.clone()))
             }
         };
+        // Webhook deliveries go out from wherever the learning worker runs.
+        let deliverer = match settings.server.role {
+            Role::Api => None,
+            Role::All | Role::Worker => Some(
+                Deliverer::new(store.clone(), settings.webhooks.clone())
+                    .context("cannot build the webhook delivery client")?,
+            ),
+        };
         let state = AppState::new(Shared {
             cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
             keys: Arc::new(KeyCache::new(store.clone())),
@@ -90,7 +100,7 @@ impl Application {
             settings: Arc::new(settings),
             store,
         });
-        Ok(Self { listener, state, worker, shutdown: CancellationToken::new() })
+        Ok(Self { listener, state, worker, deliverer, shutdown: CancellationToken::new() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -107,9 +117,10 @@ impl Application {
     }
 
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Application { listener, state, worker, shutdown } = self;
+        let Application { listener, state, worker, deliverer, shutdown } = self;
         let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
         let worker = worker.map(|w| tokio::spawn(w.run(shutdown.clone())));
+        let deliverer = deliverer.map(|d| tokio::spawn(d.run(shutdown.clone())));
         let housekeeping = tokio::spawn(housekeeping(state.clone(), shutdown.clone()));
         let role = state.settings.server.role;
         tracing::info!(addr = %listener.local_addr()?, store = ?state.store.kind(), ?role, "combee is serving");
@@ -135,6 +146,9 @@ impl Application {
         housekeeping.abort();
         if let Some(w) = worker {
             let _ = tokio::time::timeout(Duration::from_secs(5), w).await;
+        }
+        if let Some(d) = deliverer {
+            let _ = tokio::time::timeout(Duration::from_secs(5), d).await;
         }
         Ok(())
     }
@@ -169,7 +183,7 @@ async fn forward_changes(state: AppState, shutdown: CancellationToken) {
         match change {
             Ok(Change::Prompt(name)) => state.cache.invalidate(&name),
             Ok(Change::Keys) => state.keys.clear(),
-            Ok(Change::RoundQueued) => {}
+            Ok(Change::RoundQueued | Change::OutboxEvent) => {}
             Ok(Change::Resync) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
                 state.cache.clear();
                 state.keys.clear();

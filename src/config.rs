@@ -87,6 +87,21 @@ pub struct WebhookSettings {
     pub inbound_secrets: Vec<Secret>,
     /// Largest accepted distance between `webhook-timestamp` and now (seconds).
     pub tolerance_secs: i64,
+    /// Allow outbound subscriptions and deliveries to loopback, private,
+    /// link-local and other non-public addresses (off: such targets are refused).
+    pub allow_private_targets: bool,
+    /// Delays between delivery attempts (seconds); the last one repeats. Each
+    /// gets ±10 % jitter; a `Retry-After` answer overrides it.
+    pub retry_schedule_secs: Vec<u64>,
+    /// Attempts of one delivery (the first included) before it is marked failed.
+    pub max_attempts: u32,
+    /// Time limit of one delivery attempt (connect, send, answer).
+    pub request_timeout_secs: u64,
+    /// How often an idle delivery worker looks for due deliveries (ms); new
+    /// events wake it at once.
+    pub poll_interval_ms: u64,
+    /// Deliveries one process sends at once.
+    pub max_concurrency: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -208,7 +223,16 @@ impl Default for Settings {
                 retry_delay_secs: 5,
             },
             controller: Default::default(),
-            webhooks: WebhookSettings { inbound_secrets: Vec::new(), tolerance_secs: 300 },
+            webhooks: WebhookSettings {
+                inbound_secrets: Vec::new(),
+                tolerance_secs: 300,
+                allow_private_targets: false,
+                retry_schedule_secs: vec![5, 300, 1800, 7200, 18000, 36000],
+                max_attempts: 8,
+                request_timeout_secs: 15,
+                poll_interval_ms: 1000,
+                max_concurrency: 16,
+            },
             llm: Default::default(),
         }
     }
@@ -269,6 +293,17 @@ impl Settings {
             if crate::webhooks::decode_secret(s).is_none() {
                 return Err(ConfigError("webhooks.inbound_secrets must be `whsec_<base64>` values".into()));
             }
+        }
+        let h = &self.webhooks;
+        if h.retry_schedule_secs.is_empty() || h.max_attempts == 0 {
+            return Err(ConfigError(
+                "webhooks.retry_schedule_secs must not be empty and max_attempts must be > 0".into(),
+            ));
+        }
+        if h.request_timeout_secs == 0 || h.poll_interval_ms == 0 || h.max_concurrency == 0 {
+            return Err(ConfigError(
+                "webhooks.request_timeout_secs, poll_interval_ms and max_concurrency must be greater than 0".into(),
+            ));
         }
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
         self.controller.validate().map_err(|e| ConfigError(format!("controller: {e}")))?;

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod delivery;
 pub mod domain;
 pub mod http;
 pub mod learn;

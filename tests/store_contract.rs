@@ -299,7 +299,73 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
     assert_eq!(rest.len(), 1);
 }
 
+/// The outbox commits with its change (a failed CAS writes no event), fans out
+/// only to matching subscriptions, and deliveries are leased and fenced.
+async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Backend) {
+    use combee::{
+        config::Secret,
+        domain::event::EventType,
+        store::{AttemptRecord, DeliveryOutcome, NewWebhook},
+    };
+    use std::time::Duration;
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let mut rx = s.changes();
+    let hook = NewWebhook {
+        url: "https://example.com/hook".into(),
+        events: vec![EventType::LabelMoved],
+        description: None,
+        secret: Secret::new("whsec_c2VjcmV0"),
+    };
+    let sub = s.create_webhook(&hook).await.unwrap();
+    assert_eq!(s.get_webhook(sub.id).await.unwrap().unwrap().secret.expose(), "whsec_c2VjcmV0");
+    make_prompt(&s, "p").await; // version.created (not subscribed) + label.moved
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tokio::time::timeout_at(deadline, rx.recv()).await.expect("an outbox wake-up").unwrap() != Change::OutboxEvent
+    {
+    }
+    s.create_version(&name("p"), version("v2"), &[]).await.unwrap(); // version.created only
+    let stale = LabelMove {
+        label: LabelName::production(),
+        to_version: 2,
+        expected_current: Some(5),
+        check_current: true,
+        by: "t".into(),
+    };
+    assert!(matches!(s.move_label(&name("p"), &stale).await, Err(StoreError::Conflict)));
+    s.move_label(&name("p"), &LabelMove { expected_current: Some(1), ..stale }).await.unwrap();
+
+    let claimed = s.claim_deliveries("a", Duration::ZERO, 10).await.unwrap();
+    assert_eq!(claimed.len(), 2, "one delivery per committed label move, none for the rolled-back one");
+    assert!(claimed.iter().all(|d| d.event_type == "label.moved" && d.attempt == 1));
+    let bodies: Vec<serde_json::Value> = claimed.iter().map(|d| serde_json::from_str(&d.body).unwrap()).collect();
+    let mut moves: Vec<_> =
+        bodies.iter().map(|b| (b["data"]["previous_version"].as_i64(), b["data"]["version"].as_i64())).collect();
+    moves.sort();
+    assert_eq!(moves, vec![(None, Some(1)), (Some(1), Some(2))]);
+
+    // A zero lease expires at once: another worker takes the delivery, and the first one's result is refused.
+    let retaken = s.claim_deliveries("b", Duration::from_secs(60), 1).await.unwrap();
+    assert_eq!(retaken[0].attempt, 2);
+    let stale_owner = claimed.iter().find(|d| d.id == retaken[0].id).unwrap();
+    let ok = AttemptRecord { status_code: Some(200), error: None, latency_ms: 3, outcome: DeliveryOutcome::Succeeded };
+    assert!(!s.finish_delivery(stale_owner, &ok).await.unwrap());
+    assert!(
+        s.claim_deliveries("c", Duration::from_secs(60), 10).await.unwrap().iter().all(|d| d.id != retaken[0].id),
+        "leased"
+    );
+    assert!(s.finish_delivery(&retaken[0], &ok).await.unwrap());
+    let log = s.webhook_attempts(sub.id, None, 10).await.unwrap();
+    assert_eq!(
+        (log.len(), log[0].attempt, log[0].status_code, log[0].delivery_status.as_str()),
+        (1, 2, Some(200), "succeeded")
+    );
+    assert!(s.delete_webhook(sub.id).await.unwrap());
+    assert!(s.list_webhooks().await.unwrap().is_empty());
+}
+
 on_both_stores!(
+    outbox_events_commit_with_their_change_and_deliveries_are_leased,
     prompts_start_at_version_one_labelled_production,
     concurrent_writers_get_gapless_numbers,
     label_moves_are_compare_and_set,

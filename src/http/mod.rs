@@ -11,6 +11,7 @@ pub mod pagination;
 pub mod prompts;
 pub mod rounds;
 pub mod traces;
+pub mod webhooks;
 
 use std::{sync::Arc, time::Duration};
 
@@ -85,6 +86,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
         .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))
+        .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))
+        .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
+        .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
         .route("/v1/openapi.json", get(ops::openapi))
         .nest("/ui", crate::ui::router())
         .fallback(not_found)

@@ -20,7 +20,7 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/postgres/0001_foundation.sql") },
     Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/postgres/0002_rounds.sql") },
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/postgres/0003_controller.sql") },
-    // 0004 is added on another branch; the runner applies each missing version, so the order of merging does not matter.
+    Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/postgres/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/postgres/0005_ui_sessions.sql") },
 ];
 
@@ -28,6 +28,7 @@ pub const SQLITE: &[Migration] = &[
     Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/sqlite/0001_foundation.sql") },
     Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/sqlite/0002_rounds.sql") },
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/sqlite/0003_controller.sql") },
+    Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/sqlite/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/sqlite/0005_ui_sessions.sql") },
 ];
 

@@ -7,7 +7,7 @@ mod migrate;
 pub mod postgres;
 pub mod sqlite;
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -17,9 +17,11 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::{
+    config::Secret,
     domain::{
         Feedback, LabelName, Promotion, Prompt, PromptName, PromptSettings, Reflection, Strategy, Trace, TraceStatus,
         Version,
+        event::EventType,
         prompt::NewVersion,
         round::{Round, RoundTrigger},
         trace::ValidTrace,
@@ -81,6 +83,8 @@ pub enum Change {
     Keys,
     /// A round was queued or re-queued: workers may wake up.
     RoundQueued,
+    /// Webhook deliveries were queued: the delivery worker may wake up.
+    OutboxEvent,
     /// Notifications may have been missed (listener reconnected): drop everything.
     Resync,
 }
@@ -297,6 +301,89 @@ pub struct ControllerSample {
     pub created_at: DateTime<Utc>,
 }
 
+/// An outbound webhook subscription. The secret signs deliveries; it is
+/// shown once when the subscription is created and never serialised.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct Webhook {
+    pub id: Uuid,
+    pub url: String,
+    pub events: Vec<EventType>,
+    pub description: Option<String>,
+    /// False once the receiver answered 410 Gone.
+    pub enabled: bool,
+    pub disabled_reason: Option<String>,
+    pub created_at: DateTime<Utc>,
+    #[serde(skip)]
+    #[schema(ignore)]
+    pub secret: Secret,
+}
+
+#[derive(Debug, Clone)]
+pub struct NewWebhook {
+    pub url: String,
+    pub events: Vec<EventType>,
+    pub description: Option<String>,
+    pub secret: Secret,
+}
+
+/// A delivery a worker holds the lease of: everything needed to send it.
+#[derive(Debug, Clone)]
+pub struct ClaimedDelivery {
+    pub id: Uuid,
+    pub subscription_id: Uuid,
+    pub event_id: String,
+    pub event_type: String,
+    pub body: String,
+    pub url: String,
+    pub secret: Secret,
+    /// This attempt's number (1 for the first), fencing its result.
+    pub attempt: i32,
+}
+
+/// What became of one delivery attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeliveryOutcome {
+    Succeeded,
+    /// Try again at `at`.
+    Retry {
+        at: DateTime<Utc>,
+    },
+    /// No more attempts.
+    GiveUp,
+    /// The receiver answered 410 Gone: give up and disable the subscription.
+    Gone,
+}
+
+/// One attempt as recorded in the delivery log.
+#[derive(Debug, Clone)]
+pub struct AttemptRecord {
+    pub status_code: Option<u16>,
+    pub error: Option<String>,
+    pub latency_ms: u64,
+    pub outcome: DeliveryOutcome,
+}
+
+/// One line of a subscription's delivery log.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct DeliveryAttempt {
+    /// Cursor position in the log.
+    #[serde(skip)]
+    pub seq: i64,
+    pub delivery_id: Uuid,
+    /// The event's id, sent as `webhook-id` on every attempt.
+    pub event_id: String,
+    pub event_type: String,
+    pub attempt: i32,
+    pub status_code: Option<u16>,
+    pub error: Option<String>,
+    pub latency_ms: u64,
+    pub attempted_at: DateTime<Utc>,
+    /// When the next attempt is due; absent when this one succeeded or was the last.
+    pub next_attempt_at: Option<DateTime<Utc>>,
+    /// The delivery's state now: `pending`, `succeeded` or `failed`.
+    pub delivery_status: String,
+}
+
 /// How a round ends when it cannot publish.
 #[derive(Debug, Clone)]
 pub enum RoundFailure {
@@ -429,6 +516,21 @@ pub trait Store: Send + Sync + 'static {
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
     /// True the first time an inbound webhook id is seen.
     async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool>;
+
+    // Outbound webhooks
+    async fn create_webhook(&self, hook: &NewWebhook) -> StoreResult<Webhook>;
+    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>>;
+    async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>>;
+    /// Deletes the subscription with its pending deliveries and log; false when unknown.
+    async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool>;
+    /// The subscription's delivery log, newest first, below the `before` cursor.
+    async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>>;
+    /// Takes the lease of up to `limit` due deliveries (pending with
+    /// `next_attempt_at` passed — an expired lease counts as due) of enabled
+    /// subscriptions, bumping each one's attempt number.
+    async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>>;
+    /// Records an attempt and its outcome; false when the attempt no longer holds the lease.
+    async fn finish_delivery(&self, d: &ClaimedDelivery, record: &AttemptRecord) -> StoreResult<bool>;
 
     // Batch-size controller
     /// The prompt's most recent samples, oldest first.

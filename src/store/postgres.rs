@@ -16,14 +16,17 @@ use tokio::{sync::broadcast, task::JoinHandle};
 use uuid::Uuid;
 
 use super::{
-    ApiKey, Backlog, Change, ClaimedRound, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt,
-    NewUiSession, OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError,
-    StoreKind, StoreResult, TraceFilter, UiSession, migrate, scopes_from_string, scopes_to_string,
+    ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
+    IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
+    PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
+    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
+    config::Secret,
     domain::{
         Feedback, LabelName, Prompt, PromptName, Reflection, Trace, TraceStatus, Version, VersionContent,
         VersionSource,
+        event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
         trace::ValidTrace,
@@ -144,6 +147,7 @@ async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
                         Some(("prompt", name)) => Change::Prompt(name.to_owned()),
                         _ if n.payload() == "keys" => Change::Keys,
                         _ if n.payload() == "round" => Change::RoundQueued,
+                        _ if n.payload() == "outbox" => Change::OutboxEvent,
                         _ => Change::Resync,
                     };
                     let _ = tx.send(change);
@@ -163,6 +167,46 @@ async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
 
 async fn notify(tx: &mut Transaction<'_, Postgres>, payload: &str) -> StoreResult<()> {
     sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload).execute(&mut **tx).await?;
+    Ok(())
+}
+
+/// Writes an event into the outbox and fans it out to every enabled
+/// subscription that asked for its type — inside the caller's transaction, so
+/// the event exists exactly when the change it announces does.
+async fn record_event(tx: &mut Transaction<'_, Postgres>, e: &OutboxEvent) -> StoreResult<()> {
+    sqlx::query("INSERT INTO webhook_events (id, type, body, created_at) VALUES ($1, $2, $3, $4)")
+        .bind(&e.id)
+        .bind(e.kind.as_str())
+        .bind(&e.body)
+        .bind(e.created_at)
+        .execute(&mut **tx)
+        .await?;
+    let queued = sqlx::query(
+        "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status)
+         SELECT gen_random_uuid(), $1, id, 'pending' FROM webhook_subscriptions WHERE enabled AND events LIKE $2",
+    )
+    .bind(&e.id)
+    .bind(events_pattern(e.kind))
+    .execute(&mut **tx)
+    .await?
+    .rows_affected();
+    if queued > 0 {
+        notify(tx, "outbox").await?;
+    }
+    Ok(())
+}
+
+/// The outbox events of one label move (none when it did not change anything).
+async fn record_move(
+    tx: &mut Transaction<'_, Postgres>,
+    prompt: &PromptName,
+    label: &Label,
+    previous: Option<i64>,
+) -> StoreResult<()> {
+    if previous != Some(label.version) {
+        record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by))
+            .await?;
+    }
     Ok(())
 }
 
@@ -285,7 +329,12 @@ async fn insert_version(
     Ok(created_at)
 }
 
-async fn apply_move(tx: &mut Transaction<'_, Postgres>, prompt_id: Uuid, mv: &LabelMove) -> StoreResult<Label> {
+/// Moves a label; returns it with the version it pointed at before.
+async fn apply_move(
+    tx: &mut Transaction<'_, Postgres>,
+    prompt_id: Uuid,
+    mv: &LabelMove,
+) -> StoreResult<(Label, Option<i64>)> {
     let current: Option<i64> =
         sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = $1 AND name = $2 FOR UPDATE")
             .bind(prompt_id)
@@ -315,7 +364,7 @@ async fn apply_move(tx: &mut Transaction<'_, Postgres>, prompt_id: Uuid, mv: &La
     .bind(&mv.by)
     .fetch_one(&mut **tx)
     .await?;
-    label_from_row(&row)
+    Ok((label_from_row(&row)?, current))
 }
 
 async fn prompt_id(tx: &mut Transaction<'_, Postgres>, name: &PromptName) -> StoreResult<Uuid> {
@@ -463,8 +512,6 @@ impl Store for PgStore {
             .bind(&first.created_by)
             .execute(&mut *tx)
             .await?;
-        notify(&mut tx, &format!("prompt:{}", prompt.name)).await?;
-        tx.commit().await?;
         let version = Version {
             prompt: prompt.name.clone(),
             number: 1,
@@ -477,6 +524,12 @@ impl Store for PgStore {
             created_by: first.created_by,
             created_at,
         };
+        let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
+        record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
+        record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
+            .await?;
+        notify(&mut tx, &format!("prompt:{}", prompt.name)).await?;
+        tx.commit().await?;
         Ok((prompt, version))
     }
 
@@ -530,13 +583,12 @@ impl Store for PgStore {
             return Err(StoreError::Invalid("parent version does not exist".into()));
         }
         let created_at = insert_version(&mut tx, id, number, &v).await?;
+        let mut moved = Vec::with_capacity(moves.len());
         for mv in moves {
             let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
-            apply_move(&mut tx, id, &mv).await?;
+            moved.push(apply_move(&mut tx, id, &mv).await?);
         }
-        notify(&mut tx, &format!("prompt:{prompt}")).await?;
-        tx.commit().await?;
-        Ok(Version {
+        let version = Version {
             prompt: prompt.clone(),
             number,
             parent: v.parent,
@@ -547,7 +599,16 @@ impl Store for PgStore {
             message: v.message,
             created_by: v.created_by,
             created_at,
-        })
+        };
+        let on_new: Vec<&str> =
+            moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
+        record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
+        for (label, previous) in &moved {
+            record_move(&mut tx, prompt, label, *previous).await?;
+        }
+        notify(&mut tx, &format!("prompt:{prompt}")).await?;
+        tx.commit().await?;
+        Ok(version)
     }
 
     async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
@@ -629,7 +690,8 @@ impl Store for PgStore {
     async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
         let mut tx = self.pool.begin().await?;
         let id = prompt_id(&mut tx, prompt).await?;
-        let label = apply_move(&mut tx, id, mv).await?;
+        let (label, previous) = apply_move(&mut tx, id, mv).await?;
+        record_move(&mut tx, prompt, &label, previous).await?;
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
         Ok(label)
@@ -1094,13 +1156,13 @@ impl Store for PgStore {
         .await?;
         let created_at = insert_version(&mut tx, prompt_id, number, &v).await?;
         let mv = LabelMove {
-            label,
+            label: label.clone(),
             to_version: number,
             expected_current: None,
             check_current: false,
             by: v.created_by.clone(),
         };
-        apply_move(&mut tx, prompt_id, &mv).await?;
+        let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
         sqlx::query(
             "UPDATE traces SET status = 'consumed', updated_at = now() WHERE round_id = $1 AND status = 'pending'",
         )
@@ -1116,9 +1178,7 @@ impl Store for PgStore {
         .bind(detail)
         .execute(&mut *tx)
         .await?;
-        notify(&mut tx, &format!("prompt:{name}")).await?;
-        tx.commit().await?;
-        Ok(Version {
+        let version = Version {
             prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
             number,
             parent: v.parent,
@@ -1129,12 +1189,18 @@ impl Store for PgStore {
             message: v.message,
             created_by: v.created_by,
             created_at,
-        })
+        };
+        record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
+        record_move(&mut tx, &version.prompt, &moved, previous).await?;
+        record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
+        notify(&mut tx, &format!("prompt:{name}")).await?;
+        tx.commit().await?;
+        Ok(version)
     }
 
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
         let mut tx = self.pool.begin().await?;
-        fence(&mut tx, round, attempt).await?;
+        let (_, name) = fence(&mut tx, round, attempt).await?;
         match how {
             RoundFailure::Retry { after } => {
                 sqlx::query(
@@ -1168,6 +1234,7 @@ impl Store for PgStore {
                 .bind(error)
                 .execute(&mut *tx)
                 .await?;
+                record_event(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
             }
         }
         tx.commit().await?;
@@ -1215,6 +1282,172 @@ impl Store for PgStore {
         Ok(n == 1)
     }
 
+    async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
+        let row = sqlx::query(&format!(
+            "INSERT INTO webhook_subscriptions (id, url, events, description, secret) VALUES ($1, $2, $3, $4, $5)
+             RETURNING {WEBHOOK_COLUMNS}"
+        ))
+        .bind(Uuid::now_v7())
+        .bind(&h.url)
+        .bind(events_to_column(&h.events))
+        .bind(&h.description)
+        .bind(h.secret.expose())
+        .fetch_one(&self.pool)
+        .await?;
+        webhook_from_row(&row)
+    }
+
+    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
+        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(webhook_from_row)
+            .collect()
+    }
+
+    async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
+        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?
+            .as_ref()
+            .map(webhook_from_row)
+            .transpose()
+    }
+
+    async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool> {
+        let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?
+            .rows_affected();
+        Ok(n > 0)
+    }
+
+    async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>> {
+        sqlx::query(
+            "SELECT a.id, a.delivery_id, d.event_id, e.type, a.attempt, a.status_code, a.error, a.latency_ms,
+                    a.created_at, a.next_attempt_at, d.status
+             FROM webhook_attempts a JOIN webhook_deliveries d ON d.id = a.delivery_id
+             JOIN webhook_events e ON e.id = d.event_id
+             WHERE a.subscription_id = $1 AND ($2::bigint IS NULL OR a.id < $2) ORDER BY a.id DESC LIMIT $3",
+        )
+        .bind(id)
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(DeliveryAttempt {
+                seq: r.try_get("id")?,
+                delivery_id: r.try_get("delivery_id")?,
+                event_id: r.try_get("event_id")?,
+                event_type: r.try_get("type")?,
+                attempt: r.try_get("attempt")?,
+                status_code: r.try_get::<Option<i32>, _>("status_code")?.map(|c| c as u16),
+                error: r.try_get("error")?,
+                latency_ms: r.try_get::<i64, _>("latency_ms")?.max(0) as u64,
+                attempted_at: r.try_get("created_at")?,
+                next_attempt_at: r.try_get("next_attempt_at")?,
+                delivery_status: r.try_get("status")?,
+            })
+        })
+        .collect()
+    }
+
+    async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>> {
+        // The lease is the due time itself: a crashed attempt becomes due again when it expires.
+        sqlx::query(
+            "WITH c AS (
+                 SELECT d.id FROM webhook_deliveries d
+                 JOIN webhook_subscriptions s ON s.id = d.subscription_id AND s.enabled
+                 WHERE d.status = 'pending' AND d.next_attempt_at <= now()
+                 ORDER BY d.next_attempt_at FOR UPDATE OF d SKIP LOCKED LIMIT $3)
+             UPDATE webhook_deliveries d SET attempts = d.attempts + 1, lease_owner = $1,
+                    next_attempt_at = now() + make_interval(secs => $2), updated_at = now()
+             FROM c, webhook_events e, webhook_subscriptions s
+             WHERE d.id = c.id AND e.id = d.event_id AND s.id = d.subscription_id
+             RETURNING d.id, d.subscription_id, d.event_id, e.type, e.body, s.url, s.secret, d.attempts",
+        )
+        .bind(owner)
+        .bind(lease.as_secs_f64())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(ClaimedDelivery {
+                id: r.try_get("id")?,
+                subscription_id: r.try_get("subscription_id")?,
+                event_id: r.try_get("event_id")?,
+                event_type: r.try_get("type")?,
+                body: r.try_get("body")?,
+                url: r.try_get("url")?,
+                secret: Secret::new(r.try_get::<String, _>("secret")?),
+                attempt: r.try_get("attempts")?,
+            })
+        })
+        .collect()
+    }
+
+    async fn finish_delivery(&self, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
+        let mut tx = self.pool.begin().await?;
+        let (status, next_at) = match &rec.outcome {
+            DeliveryOutcome::Succeeded => ("succeeded", None),
+            DeliveryOutcome::Retry { at } => ("pending", Some(*at)),
+            DeliveryOutcome::GiveUp | DeliveryOutcome::Gone => ("failed", None),
+        };
+        let n = sqlx::query(
+            "UPDATE webhook_deliveries SET status = $3, next_attempt_at = COALESCE($4, next_attempt_at),
+                    last_error = $5, lease_owner = NULL, updated_at = now()
+             WHERE id = $1 AND attempts = $2 AND status = 'pending'",
+        )
+        .bind(d.id)
+        .bind(d.attempt)
+        .bind(status)
+        .bind(next_at)
+        .bind(&rec.error)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n == 0 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO webhook_attempts (delivery_id, subscription_id, attempt, status_code, error, latency_ms, next_attempt_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(d.id)
+        .bind(d.subscription_id)
+        .bind(d.attempt)
+        .bind(rec.status_code.map(i32::from))
+        .bind(&rec.error)
+        .bind(rec.latency_ms.min(i64::MAX as u64) as i64)
+        .bind(next_at)
+        .execute(&mut *tx)
+        .await?;
+        if rec.outcome == DeliveryOutcome::Gone {
+            sqlx::query(
+                "UPDATE webhook_subscriptions SET enabled = false, updated_at = now(),
+                        disabled_reason = 'the receiver answered 410 Gone' WHERE id = $1",
+            )
+            .bind(d.subscription_id)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "UPDATE webhook_deliveries SET status = 'failed', last_error = 'subscription disabled', updated_at = now()
+                 WHERE subscription_id = $1 AND status = 'pending'",
+            )
+            .bind(d.subscription_id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
+    }
+
     async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
         let mut rows = sqlx::query(
             "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
@@ -1259,6 +1492,21 @@ impl Store for PgStore {
         .await?;
         row.map(|r| Ok((r.try_get("choice")?, r.try_get("updated_at")?))).transpose()
     }
+}
+
+const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
+
+fn webhook_from_row(row: &PgRow) -> StoreResult<Webhook> {
+    Ok(Webhook {
+        id: row.try_get("id")?,
+        url: row.try_get("url")?,
+        events: events_from_column(row.try_get("events")?).ok_or_else(|| corrupt("webhook events"))?,
+        description: row.try_get("description")?,
+        enabled: row.try_get("enabled")?,
+        disabled_reason: row.try_get("disabled_reason")?,
+        created_at: row.try_get("created_at")?,
+        secret: Secret::new(row.try_get::<String, _>("secret")?),
+    })
 }
 
 const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \

@@ -16,14 +16,17 @@ use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use super::{
-    ApiKey, Backlog, Change, ClaimedRound, IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt,
-    NewUiSession, OpenRound, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError,
-    StoreKind, StoreResult, TraceFilter, UiSession, migrate, scopes_from_string, scopes_to_string,
+    ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
+    IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
+    PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
+    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
+    config::Secret,
     domain::{
         Feedback, LabelName, Prompt, PromptName, Reflection, Trace, TraceStatus, Version, VersionContent,
         VersionSource,
+        event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
         trace::ValidTrace,
@@ -43,6 +46,54 @@ fn now_us() -> i64 {
 
 fn time(us: i64) -> StoreResult<DateTime<Utc>> {
     DateTime::from_timestamp_micros(us).ok_or_else(|| corrupt("timestamp"))
+}
+
+/// Writes an event into the outbox and fans it out to every enabled
+/// subscription that asked for its type — inside the caller's transaction, so
+/// the event exists exactly when the change it announces does. True when a
+/// delivery was queued (announce `Change::OutboxEvent` after the commit).
+async fn record_event(tx: &mut Transaction<'_, Sqlite>, e: &OutboxEvent) -> StoreResult<bool> {
+    let now = now_us();
+    sqlx::query("INSERT INTO webhook_events (id, type, body, created_at) VALUES (?, ?, ?, ?)")
+        .bind(&e.id)
+        .bind(e.kind.as_str())
+        .bind(&e.body)
+        .bind(e.created_at.timestamp_micros())
+        .execute(&mut **tx)
+        .await?;
+    let subscribers: Vec<String> =
+        sqlx::query_scalar("SELECT id FROM webhook_subscriptions WHERE enabled = 1 AND events LIKE ?")
+            .bind(events_pattern(e.kind))
+            .fetch_all(&mut **tx)
+            .await?;
+    for sub in &subscribers {
+        sqlx::query(
+            "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status, next_attempt_at, created_at, updated_at)
+             VALUES (?, ?, ?, 'pending', ?, ?, ?)",
+        )
+        .bind(Uuid::now_v7().to_string())
+        .bind(&e.id)
+        .bind(sub)
+        .bind(now)
+        .bind(now)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(!subscribers.is_empty())
+}
+
+/// The outbox event of one label move (none when it did not change anything).
+async fn record_move(
+    tx: &mut Transaction<'_, Sqlite>,
+    prompt: &PromptName,
+    label: &Label,
+    previous: Option<i64>,
+) -> StoreResult<bool> {
+    if previous == Some(label.version) {
+        return Ok(false);
+    }
+    record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by)).await
 }
 
 fn corrupt(what: &str) -> StoreError {
@@ -93,6 +144,12 @@ impl SqliteStore {
 
     fn announce(&self, change: Change) {
         let _ = self.changes.send(change);
+    }
+
+    fn announce_outbox(&self, queued: bool) {
+        if queued {
+            self.announce(Change::OutboxEvent);
+        }
     }
 }
 
@@ -251,7 +308,12 @@ async fn insert_version(
     Ok(())
 }
 
-async fn apply_move(tx: &mut Transaction<'_, Sqlite>, prompt_id: Uuid, mv: &LabelMove) -> StoreResult<Label> {
+/// Moves a label; returns it with the version it pointed at before.
+async fn apply_move(
+    tx: &mut Transaction<'_, Sqlite>,
+    prompt_id: Uuid,
+    mv: &LabelMove,
+) -> StoreResult<(Label, Option<i64>)> {
     let pid = prompt_id.to_string();
     let current: Option<i64> = sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = ? AND name = ?")
         .bind(&pid)
@@ -282,7 +344,7 @@ async fn apply_move(tx: &mut Transaction<'_, Sqlite>, prompt_id: Uuid, mv: &Labe
     .bind(&mv.by)
     .fetch_one(&mut **tx)
     .await?;
-    label_from_row(&row)
+    Ok((label_from_row(&row)?, current))
 }
 
 async fn prompt_id(tx: &mut Transaction<'_, Sqlite>, name: &PromptName) -> StoreResult<Uuid> {
@@ -291,6 +353,21 @@ async fn prompt_id(tx: &mut Transaction<'_, Sqlite>, name: &PromptName) -> Store
         .fetch_optional(&mut **tx)
         .await?;
     uuid(&id.ok_or(StoreError::NotFound)?)
+}
+
+const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
+
+fn webhook_from_row(row: &SqliteRow) -> StoreResult<Webhook> {
+    Ok(Webhook {
+        id: uuid(row.try_get("id")?)?,
+        url: row.try_get("url")?,
+        events: events_from_column(row.try_get("events")?).ok_or_else(|| corrupt("webhook events"))?,
+        description: row.try_get("description")?,
+        enabled: row.try_get("enabled")?,
+        disabled_reason: row.try_get("disabled_reason")?,
+        created_at: time(row.try_get("created_at")?)?,
+        secret: Secret::new(row.try_get::<String, _>("secret")?),
+    })
 }
 
 const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \
@@ -507,8 +584,6 @@ impl Store for SqliteStore {
             .bind(&first.created_by)
             .execute(&mut *tx)
             .await?;
-        tx.commit().await?;
-        self.announce(Change::Prompt(p.name.to_string()));
         let created_at = time(now)?;
         let prompt = Prompt {
             id,
@@ -531,6 +606,15 @@ impl Store for SqliteStore {
             created_by: first.created_by,
             created_at,
         };
+        let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
+        let mut queued =
+            record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
+        queued |=
+            record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
+                .await?;
+        tx.commit().await?;
+        self.announce(Change::Prompt(prompt.name.to_string()));
+        self.announce_outbox(queued);
         Ok((prompt, version))
     }
 
@@ -585,13 +669,12 @@ impl Store for SqliteStore {
             return Err(StoreError::Invalid("parent version does not exist".into()));
         }
         insert_version(&mut tx, id, number, &v, now).await?;
+        let mut moved = Vec::with_capacity(moves.len());
         for mv in moves {
             let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
-            apply_move(&mut tx, id, &mv).await?;
+            moved.push(apply_move(&mut tx, id, &mv).await?);
         }
-        tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
-        Ok(Version {
+        let version = Version {
             prompt: prompt.clone(),
             number,
             parent: v.parent,
@@ -602,7 +685,17 @@ impl Store for SqliteStore {
             message: v.message,
             created_by: v.created_by,
             created_at: time(now)?,
-        })
+        };
+        let on_new: Vec<&str> =
+            moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
+        let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
+        for (label, previous) in &moved {
+            queued |= record_move(&mut tx, prompt, label, *previous).await?;
+        }
+        tx.commit().await?;
+        self.announce(Change::Prompt(prompt.to_string()));
+        self.announce_outbox(queued);
+        Ok(version)
     }
 
     async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
@@ -686,9 +779,11 @@ impl Store for SqliteStore {
     async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
         let mut tx = self.writer.begin().await?;
         let id = prompt_id(&mut tx, prompt).await?;
-        let label = apply_move(&mut tx, id, mv).await?;
+        let (label, previous) = apply_move(&mut tx, id, mv).await?;
+        let queued = record_move(&mut tx, prompt, &label, previous).await?;
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.to_string()));
+        self.announce_outbox(queued);
         Ok(label)
     }
 
@@ -1156,13 +1251,13 @@ impl Store for SqliteStore {
         .await?;
         insert_version(&mut tx, prompt_id, number, &v, now).await?;
         let mv = LabelMove {
-            label,
+            label: label.clone(),
             to_version: number,
             expected_current: None,
             check_current: false,
             by: v.created_by.clone(),
         };
-        apply_move(&mut tx, prompt_id, &mv).await?;
+        let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
         sqlx::query("UPDATE traces SET status = 'consumed', updated_at = ? WHERE round_id = ? AND status = 'pending'")
             .bind(now)
             .bind(round.to_string())
@@ -1179,9 +1274,7 @@ impl Store for SqliteStore {
         .bind(round.to_string())
         .execute(&mut *tx)
         .await?;
-        tx.commit().await?;
-        self.announce(Change::Prompt(name.clone()));
-        Ok(Version {
+        let version = Version {
             prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
             number,
             parent: v.parent,
@@ -1192,14 +1285,22 @@ impl Store for SqliteStore {
             message: v.message,
             created_by: v.created_by,
             created_at: time(now)?,
-        })
+        };
+        let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
+        queued |= record_move(&mut tx, &version.prompt, &moved, previous).await?;
+        queued |= record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
+        tx.commit().await?;
+        self.announce(Change::Prompt(name));
+        self.announce_outbox(queued);
+        Ok(version)
     }
 
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
         let now = now_us();
         let mut tx = self.writer.begin().await?;
-        fence(&mut tx, round, attempt).await?;
+        let (_, name) = fence(&mut tx, round, attempt).await?;
         let requeued = matches!(how, RoundFailure::Retry { .. });
+        let mut queued = false;
         match how {
             RoundFailure::Retry { after } => {
                 sqlx::query(
@@ -1236,12 +1337,14 @@ impl Store for SqliteStore {
                 .bind(round.to_string())
                 .execute(&mut *tx)
                 .await?;
+                queued = record_event(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
             }
         }
         tx.commit().await?;
         if requeued {
             self.announce(Change::RoundQueued);
         }
+        self.announce_outbox(queued);
         Ok(())
     }
 
@@ -1286,6 +1389,195 @@ impl Store for SqliteStore {
             .await?
             .rows_affected();
         Ok(n == 1)
+    }
+
+    async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
+        let now = now_us();
+        let row = sqlx::query(&format!(
+            "INSERT INTO webhook_subscriptions (id, url, events, description, secret, created_at, updated_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING {WEBHOOK_COLUMNS}"
+        ))
+        .bind(Uuid::now_v7().to_string())
+        .bind(&h.url)
+        .bind(events_to_column(&h.events))
+        .bind(&h.description)
+        .bind(h.secret.expose())
+        .bind(now)
+        .bind(now)
+        .fetch_one(&self.writer)
+        .await?;
+        webhook_from_row(&row)
+    }
+
+    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
+        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
+            .fetch_all(&self.reader)
+            .await?
+            .iter()
+            .map(webhook_from_row)
+            .collect()
+    }
+
+    async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
+        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = ?"))
+            .bind(id.to_string())
+            .fetch_optional(&self.reader)
+            .await?
+            .as_ref()
+            .map(webhook_from_row)
+            .transpose()
+    }
+
+    async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool> {
+        let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = ?")
+            .bind(id.to_string())
+            .execute(&self.writer)
+            .await?
+            .rows_affected();
+        Ok(n > 0)
+    }
+
+    async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>> {
+        sqlx::query(
+            "SELECT a.id, a.delivery_id, d.event_id, e.type, a.attempt, a.status_code, a.error, a.latency_ms,
+                    a.created_at, a.next_attempt_at, d.status
+             FROM webhook_attempts a JOIN webhook_deliveries d ON d.id = a.delivery_id
+             JOIN webhook_events e ON e.id = d.event_id
+             WHERE a.subscription_id = ?1 AND (?2 IS NULL OR a.id < ?2) ORDER BY a.id DESC LIMIT ?3",
+        )
+        .bind(id.to_string())
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(|r| {
+            let next: Option<i64> = r.try_get("next_attempt_at")?;
+            Ok(DeliveryAttempt {
+                seq: r.try_get("id")?,
+                delivery_id: uuid(r.try_get("delivery_id")?)?,
+                event_id: r.try_get("event_id")?,
+                event_type: r.try_get("type")?,
+                attempt: r.try_get("attempt")?,
+                status_code: r.try_get::<Option<i64>, _>("status_code")?.map(|c| c as u16),
+                error: r.try_get("error")?,
+                latency_ms: r.try_get::<i64, _>("latency_ms")?.max(0) as u64,
+                attempted_at: time(r.try_get("created_at")?)?,
+                next_attempt_at: next.map(time).transpose()?,
+                delivery_status: r.try_get("status")?,
+            })
+        })
+        .collect()
+    }
+
+    async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>> {
+        // One writer connection: the claim cannot race another claim in this
+        // process, and SQLite serves a single process. The lease is the due
+        // time itself, so a crashed attempt becomes due again when it expires.
+        let now = now_us();
+        let mut tx = self.writer.begin().await?;
+        let rows = sqlx::query(
+            "UPDATE webhook_deliveries SET attempts = attempts + 1, lease_owner = ?1, next_attempt_at = ?2 + ?3,
+                    updated_at = ?2
+             WHERE id IN (SELECT d.id FROM webhook_deliveries d
+                          JOIN webhook_subscriptions s ON s.id = d.subscription_id AND s.enabled = 1
+                          WHERE d.status = 'pending' AND d.next_attempt_at <= ?2
+                          ORDER BY d.next_attempt_at LIMIT ?4)
+             RETURNING id, subscription_id, event_id, attempts",
+        )
+        .bind(owner)
+        .bind(now)
+        .bind(micros(lease))
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut claimed = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let event_id: String = r.try_get("event_id")?;
+            let sub: String = r.try_get("subscription_id")?;
+            let e = sqlx::query("SELECT type, body FROM webhook_events WHERE id = ?")
+                .bind(&event_id)
+                .fetch_one(&mut *tx)
+                .await?;
+            let h = sqlx::query("SELECT url, secret FROM webhook_subscriptions WHERE id = ?")
+                .bind(&sub)
+                .fetch_one(&mut *tx)
+                .await?;
+            claimed.push(ClaimedDelivery {
+                id: uuid(r.try_get("id")?)?,
+                subscription_id: uuid(&sub)?,
+                event_id,
+                event_type: e.try_get("type")?,
+                body: e.try_get("body")?,
+                url: h.try_get("url")?,
+                secret: Secret::new(h.try_get::<String, _>("secret")?),
+                attempt: r.try_get("attempts")?,
+            });
+        }
+        tx.commit().await?;
+        Ok(claimed)
+    }
+
+    async fn finish_delivery(&self, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
+        let now = now_us();
+        let (status, next_at) = match &rec.outcome {
+            DeliveryOutcome::Succeeded => ("succeeded", None),
+            DeliveryOutcome::Retry { at } => ("pending", Some(at.timestamp_micros())),
+            DeliveryOutcome::GiveUp | DeliveryOutcome::Gone => ("failed", None),
+        };
+        let mut tx = self.writer.begin().await?;
+        let n = sqlx::query(
+            "UPDATE webhook_deliveries SET status = ?3, next_attempt_at = COALESCE(?4, next_attempt_at),
+                    last_error = ?5, lease_owner = NULL, updated_at = ?6
+             WHERE id = ?1 AND attempts = ?2 AND status = 'pending'",
+        )
+        .bind(d.id.to_string())
+        .bind(d.attempt)
+        .bind(status)
+        .bind(next_at)
+        .bind(&rec.error)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n == 0 {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO webhook_attempts (delivery_id, subscription_id, attempt, status_code, error, latency_ms,
+                                           next_attempt_at, created_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(d.id.to_string())
+        .bind(d.subscription_id.to_string())
+        .bind(d.attempt)
+        .bind(rec.status_code.map(i64::from))
+        .bind(&rec.error)
+        .bind(rec.latency_ms.min(i64::MAX as u64) as i64)
+        .bind(next_at)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        if rec.outcome == DeliveryOutcome::Gone {
+            sqlx::query(
+                "UPDATE webhook_subscriptions SET enabled = 0, updated_at = ?,
+                        disabled_reason = 'the receiver answered 410 Gone' WHERE id = ?",
+            )
+            .bind(now)
+            .bind(d.subscription_id.to_string())
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "UPDATE webhook_deliveries SET status = 'failed', last_error = 'subscription disabled', updated_at = ?
+                 WHERE subscription_id = ? AND status = 'pending'",
+            )
+            .bind(now)
+            .bind(d.subscription_id.to_string())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(true)
     }
 
     async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {

@@ -218,3 +218,27 @@ macro_rules! on_both_stores {
         }
     };
 }
+
+/// A second server on `prev`'s store (a fresh connection to the same
+/// database), as after a restart; `prev` should be stopped first.
+pub async fn restart_app_with(prev: &TestApp, tweak: impl FnOnce(&mut Settings)) -> TestApp {
+    let store = store::connect(&prev.url, 16, Duration::from_secs(10)).await.expect("reopen store");
+    let mut settings = settings_for(&prev.url, &prev.data_dir);
+    tweak(&mut settings);
+    let app = Application::build_with_store(settings, store.clone()).await.expect("build app");
+    let addr = app.local_addr();
+    let shutdown = app.shutdown_token();
+    let server = tokio::spawn(app.run_until_stopped());
+    TestApp {
+        addr,
+        base: format!("http://{addr}"),
+        http: reqwest::Client::new(),
+        admin_key: prev.admin_key.clone(),
+        store,
+        url: prev.url.clone(),
+        data_dir: prev.data_dir.clone(),
+        shutdown,
+        server,
+        _dir: tempfile::tempdir().expect("temp dir"),
+    }
+}

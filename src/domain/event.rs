@@ -1,0 +1,150 @@
+//! Outbound webhook events: the four kinds a subscription can ask for and the
+//! JSON body each one carries (`{"type", "timestamp", "data"}`). The store
+//! writes these bodies into its outbox in the same transaction as the change
+//! they announce; the delivery worker sends the stored bytes unchanged.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::{LabelName, PromptName, Version};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
+pub enum EventType {
+    #[serde(rename = "version.created")]
+    VersionCreated,
+    #[serde(rename = "label.moved")]
+    LabelMoved,
+    #[serde(rename = "round.completed")]
+    RoundCompleted,
+    #[serde(rename = "round.failed")]
+    RoundFailed,
+}
+
+impl EventType {
+    pub const ALL: [EventType; 4] =
+        [EventType::VersionCreated, EventType::LabelMoved, EventType::RoundCompleted, EventType::RoundFailed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::VersionCreated => "version.created",
+            EventType::LabelMoved => "label.moved",
+            EventType::RoundCompleted => "round.completed",
+            EventType::RoundFailed => "round.failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<EventType> {
+        EventType::ALL.into_iter().find(|e| e.as_str() == s)
+    }
+}
+
+/// Subscribed event types as stored: space-separated, with a leading and a
+/// trailing space so `LIKE '% label.moved %'` matches whole names only.
+pub fn events_to_column(events: &[EventType]) -> String {
+    let mut names: Vec<&str> = events.iter().map(|e| e.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    format!(" {} ", names.join(" "))
+}
+
+pub fn events_from_column(s: &str) -> Option<Vec<EventType>> {
+    s.split_whitespace().map(EventType::parse).collect()
+}
+
+/// The `LIKE` pattern that finds subscriptions to `event` in that column.
+pub fn events_pattern(event: EventType) -> String {
+    format!("% {} %", event.as_str())
+}
+
+/// One event ready for the outbox: its id (the `webhook-id` of every attempt
+/// to every subscriber) and the exact body that will be signed and sent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxEvent {
+    pub id: String,
+    pub kind: EventType,
+    pub body: String,
+    pub created_at: DateTime<Utc>,
+}
+
+impl OutboxEvent {
+    fn new(kind: EventType, data: Value) -> Self {
+        let created_at = Utc::now();
+        let body = json!({
+            "type": kind.as_str(),
+            "timestamp": created_at.to_rfc3339_opts(SecondsFormat::Millis, true),
+            "data": data,
+        });
+        Self { id: format!("msg_{}", Uuid::now_v7().simple()), kind, body: body.to_string(), created_at }
+    }
+
+    pub fn version_created(v: &Version, labels: &[&str]) -> Self {
+        Self::new(
+            EventType::VersionCreated,
+            json!({
+                "prompt": v.prompt.as_str(),
+                "version": v.number,
+                "parent": v.parent,
+                "source": v.source.as_str(),
+                "round_id": v.round_id,
+                "content_hash": v.content_hash,
+                "message": v.message,
+                "created_by": v.created_by,
+                "labels": labels,
+            }),
+        )
+    }
+
+    pub fn label_moved(prompt: &PromptName, label: &LabelName, to: i64, from: Option<i64>, by: &str) -> Self {
+        Self::new(
+            EventType::LabelMoved,
+            json!({
+                "prompt": prompt.as_str(), "label": label.as_str(), "version": to,
+                "previous_version": from, "moved_by": by,
+            }),
+        )
+    }
+
+    pub fn round_completed(prompt: &PromptName, round: Uuid, version: i64, label: &LabelName) -> Self {
+        Self::new(
+            EventType::RoundCompleted,
+            json!({"prompt": prompt.as_str(), "round_id": round, "version": version, "label": label.as_str()}),
+        )
+    }
+
+    pub fn round_failed(prompt: &str, round: Uuid, attempt: i32, error: &str) -> Self {
+        Self::new(
+            EventType::RoundFailed,
+            json!({"prompt": prompt, "round_id": round, "attempt": attempt, "error": error}),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_names_round_trip_and_match_whole_words() {
+        for e in EventType::ALL {
+            assert_eq!(EventType::parse(e.as_str()), Some(e));
+        }
+        let col = events_to_column(&[EventType::RoundFailed, EventType::LabelMoved, EventType::LabelMoved]);
+        assert_eq!(col, " label.moved round.failed ");
+        assert_eq!(events_from_column(&col), Some(vec![EventType::LabelMoved, EventType::RoundFailed]));
+        assert_eq!(events_pattern(EventType::LabelMoved), "% label.moved %");
+        assert!(EventType::parse("label.*").is_none());
+    }
+
+    #[test]
+    fn bodies_carry_type_timestamp_and_data() {
+        let e = OutboxEvent::round_failed("support", Uuid::nil(), 3, "the LLM kept timing out");
+        let body: Value = serde_json::from_str(&e.body).unwrap();
+        assert_eq!(body["type"], "round.failed");
+        assert!(DateTime::parse_from_rfc3339(body["timestamp"].as_str().unwrap()).is_ok());
+        assert_eq!(body["data"]["error"], "the LLM kept timing out");
+        assert!(e.id.starts_with("msg_"));
+    }
+}
