@@ -205,6 +205,24 @@ pub struct NewVersion {
     pub created_by: String,
 }
 
+impl NewVersion {
+    /// The stored version, once the store has given it a number and a time.
+    pub fn into_version(self, prompt: PromptName, number: i64, created_at: DateTime<Utc>) -> Version {
+        Version {
+            prompt,
+            number,
+            parent: self.parent,
+            source: self.source,
+            round_id: self.round_id,
+            content_hash: self.content.hash(),
+            content: self.content,
+            message: self.message,
+            created_by: self.created_by,
+            created_at,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -512,18 +512,7 @@ impl Store for PgStore {
             .bind(&first.created_by)
             .execute(&mut *tx)
             .await?;
-        let version = Version {
-            prompt: prompt.name.clone(),
-            number: 1,
-            parent: None,
-            source: first.source,
-            round_id: first.round_id,
-            content_hash: first.content.hash(),
-            content: first.content,
-            message: first.message,
-            created_by: first.created_by,
-            created_at,
-        };
+        let version = first.into_version(prompt.name.clone(), 1, created_at);
         let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
         record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
         record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
@@ -588,18 +577,7 @@ impl Store for PgStore {
             let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
             moved.push(apply_move(&mut tx, id, &mv).await?);
         }
-        let version = Version {
-            prompt: prompt.clone(),
-            number,
-            parent: v.parent,
-            source: v.source,
-            round_id: v.round_id,
-            content_hash: v.content.hash(),
-            content: v.content,
-            message: v.message,
-            created_by: v.created_by,
-            created_at,
-        };
+        let version = v.into_version(prompt.clone(), number, created_at);
         let on_new: Vec<&str> =
             moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
         record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
@@ -1178,18 +1156,7 @@ impl Store for PgStore {
         .bind(detail)
         .execute(&mut *tx)
         .await?;
-        let version = Version {
-            prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-            number,
-            parent: v.parent,
-            source: v.source,
-            round_id: v.round_id,
-            content_hash: v.content.hash(),
-            content: v.content,
-            message: v.message,
-            created_by: v.created_by,
-            created_at,
-        };
+        let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, created_at);
         record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
         record_move(&mut tx, &version.prompt, &moved, previous).await?;
         record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;

@@ -594,18 +594,7 @@ impl Store for SqliteStore {
             created_at,
             created_by: p.created_by,
         };
-        let version = Version {
-            prompt: p.name,
-            number: 1,
-            parent: None,
-            source: first.source,
-            round_id: first.round_id,
-            content_hash: first.content.hash(),
-            content: first.content,
-            message: first.message,
-            created_by: first.created_by,
-            created_at,
-        };
+        let version = first.into_version(p.name, 1, created_at);
         let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
         let mut queued =
             record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
@@ -674,18 +663,7 @@ impl Store for SqliteStore {
             let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
             moved.push(apply_move(&mut tx, id, &mv).await?);
         }
-        let version = Version {
-            prompt: prompt.clone(),
-            number,
-            parent: v.parent,
-            source: v.source,
-            round_id: v.round_id,
-            content_hash: v.content.hash(),
-            content: v.content,
-            message: v.message,
-            created_by: v.created_by,
-            created_at: time(now)?,
-        };
+        let version = v.into_version(prompt.clone(), number, time(now)?);
         let on_new: Vec<&str> =
             moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
         let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
@@ -1274,18 +1252,7 @@ impl Store for SqliteStore {
         .bind(round.to_string())
         .execute(&mut *tx)
         .await?;
-        let version = Version {
-            prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-            number,
-            parent: v.parent,
-            source: v.source,
-            round_id: v.round_id,
-            content_hash: v.content.hash(),
-            content: v.content,
-            message: v.message,
-            created_by: v.created_by,
-            created_at: time(now)?,
-        };
+        let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, time(now)?);
         let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
         queued |= record_move(&mut tx, &version.prompt, &moved, previous).await?;
         queued |= record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
