@@ -4,7 +4,7 @@
 
 use std::{
     collections::HashMap,
-    sync::RwLock,
+    sync::{Arc, RwLock},
     time::{Duration, Instant},
 };
 
@@ -42,11 +42,14 @@ pub async fn create_key(store: &DynStore, name: &str, scopes: &[Scope]) -> Resul
     Ok((key, minted.secret))
 }
 
-/// Verified keys by hash, dropped on any key change (see `Change::Keys`) and after a TTL.
+/// Verified keys by the SHA-256 of their secret (raw bytes: no hex on the hot
+/// path), dropped on any key change (see `Change::Keys`) and after a TTL.
 pub struct KeyCache {
     store: DynStore,
-    entries: RwLock<HashMap<String, (ApiKey, Instant)>>,
+    entries: RwLock<HashMap<KeyDigest, (Arc<ApiKey>, Instant)>>,
 }
+
+type KeyDigest = [u8; 32];
 
 impl KeyCache {
     pub fn new(store: DynStore) -> Self {
@@ -54,24 +57,26 @@ impl KeyCache {
     }
 
     /// The active key for this secret, or `None` when it is unknown or revoked.
-    pub async fn authenticate(&self, secret: &str) -> Result<Option<ApiKey>, StoreError> {
+    pub async fn authenticate(&self, secret: &str) -> Result<Option<Arc<ApiKey>>, StoreError> {
         if !secret.starts_with(KEY_PREFIX) || secret.len() > 128 {
             return Ok(None);
         }
-        let hash = hash_key(secret);
-        if let Some((key, at)) = self.entries.read().unwrap_or_else(|e| e.into_inner()).get(&hash)
+        let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+        if let Some((key, at)) = self.entries.read().unwrap_or_else(|e| e.into_inner()).get(&digest)
             && at.elapsed() < CACHE_TTL
         {
             return Ok(Some(key.clone()));
         }
-        let Some(key) = self.store.api_key_by_hash(&hash).await?.filter(|k| k.revoked_at.is_none()) else {
+        let Some(key) = self.store.api_key_by_hash(&hex::encode(digest)).await?.filter(|k| k.revoked_at.is_none())
+        else {
             return Ok(None);
         };
+        let key = Arc::new(key);
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
         if entries.len() >= CACHE_MAX {
             entries.clear();
         }
-        entries.insert(hash, (key.clone(), Instant::now()));
+        entries.insert(digest, (key.clone(), Instant::now()));
         Ok(Some(key))
     }
 

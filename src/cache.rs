@@ -31,10 +31,11 @@ impl CachedPrompt {
     }
 }
 
-type Key = (String, Selector);
+/// Prompt name → selector → answer; nested so a lookup borrows the name.
+type Entries = HashMap<String, HashMap<Selector, Arc<CachedPrompt>>>;
 
 pub struct PromptCache {
-    entries: RwLock<HashMap<Key, Arc<CachedPrompt>>>,
+    entries: RwLock<Entries>,
     generation: AtomicU64,
     max_age: Duration,
 }
@@ -51,9 +52,7 @@ impl PromptCache {
 
     pub fn get(&self, prompt: &str, selector: &Selector) -> Option<Arc<CachedPrompt>> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        // Borrowed lookup without allocating a key would need a custom Borrow impl;
-        // prompt names are short, so the clone is cheap.
-        let hit = entries.get(&(prompt.to_owned(), selector.clone()))?;
+        let hit = entries.get(prompt)?.get(selector)?;
         (hit.stored_at.elapsed() < self.max_age).then(|| hit.clone())
     }
 
@@ -61,14 +60,14 @@ impl PromptCache {
     pub fn insert(&self, prompt: &str, selector: Selector, generation: u64, value: Arc<CachedPrompt>) {
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
         if self.generation.load(Ordering::Acquire) == generation {
-            entries.insert((prompt.to_owned(), selector), value);
+            entries.entry(prompt.to_owned()).or_default().insert(selector, value);
         }
     }
 
     pub fn invalidate(&self, prompt: &str) {
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::AcqRel);
-        entries.retain(|(name, _), _| name != prompt);
+        entries.remove(prompt);
     }
 
     pub fn clear(&self) {

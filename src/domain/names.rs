@@ -24,6 +24,11 @@ fn shown(s: &str) -> String {
     s.chars().take(80).collect()
 }
 
+/// True when `s` is a valid prompt or label name (no allocation).
+pub fn is_valid_name(s: &str) -> bool {
+    valid_slug(s)
+}
+
 /// A prompt's name: `[a-z0-9][a-z0-9._-]{0,63}`.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(transparent)]
@@ -55,7 +60,7 @@ impl fmt::Display for PromptName {
 /// A label's name: same alphabet as prompt names; `latest` is reserved.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(transparent)]
-pub struct LabelName(String);
+pub struct LabelName(std::borrow::Cow<'static, str>);
 
 impl LabelName {
     pub const PRODUCTION: &'static str = "production";
@@ -66,13 +71,18 @@ impl LabelName {
         if s == Self::LATEST {
             return Err(NameError::Reserved(s.to_owned()));
         }
-        if valid_slug(s) { Ok(Self(s.to_owned())) } else { Err(NameError::Invalid { kind: "label", got: shown(s) }) }
+        if valid_slug(s) {
+            Ok(Self(std::borrow::Cow::Owned(s.to_owned())))
+        } else {
+            Err(NameError::Invalid { kind: "label", got: shown(s) })
+        }
     }
+    /// No allocation: the agents' hot path builds this on every request.
     pub fn production() -> Self {
-        Self(Self::PRODUCTION.to_owned())
+        Self(std::borrow::Cow::Borrowed(Self::PRODUCTION))
     }
     pub fn candidate() -> Self {
-        Self(Self::CANDIDATE.to_owned())
+        Self(std::borrow::Cow::Borrowed(Self::CANDIDATE))
     }
     pub fn as_str(&self) -> &str {
         &self.0

@@ -92,7 +92,7 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath
 /// The caller, authenticated by `Authorization: Bearer cmb_…`. A missing or bad
 /// key is rejected with 401 — never treated as anonymous.
 #[derive(Debug, Clone)]
-pub struct Caller(pub ApiKey);
+pub struct Caller(pub std::sync::Arc<ApiKey>);
 
 impl Caller {
     /// 403 unless the key has the scope (or `admin`).

@@ -157,37 +157,41 @@ impl MakeRequestId for SequentialRequestId {
     }
 }
 
-type MetricKey = (axum::http::Method, Arc<str>, u16);
+type Handles = (metrics::Counter, metrics::Histogram);
 
-/// Counter and histogram handles per (method, route, status), registered once,
-/// so the hot path does a hash lookup instead of building label strings.
-fn request_metrics(key: MetricKey) -> (metrics::Counter, metrics::Histogram) {
+/// Counter and histogram handles per route, then (method, status), registered
+/// once; the hot path borrows the route and builds no label strings.
+fn request_metrics(route: &str, method: &axum::http::Method, status: u16) -> Handles {
     use std::{collections::HashMap, sync::RwLock};
-    static HANDLES: std::sync::OnceLock<RwLock<HashMap<MetricKey, (metrics::Counter, metrics::Histogram)>>> =
-        std::sync::OnceLock::new();
-    let handles = HANDLES.get_or_init(Default::default);
-    if let Some(h) = handles.read().unwrap_or_else(|e| e.into_inner()).get(&key) {
+    type Table = HashMap<String, HashMap<(axum::http::Method, u16), Handles>>;
+    static HANDLES: std::sync::OnceLock<RwLock<Table>> = std::sync::OnceLock::new();
+    let table = HANDLES.get_or_init(Default::default);
+    if let Some(h) =
+        table.read().unwrap_or_else(|e| e.into_inner()).get(route).and_then(|m| m.get(&(method.clone(), status)))
+    {
         return h.clone();
     }
-    let labels = [("method", key.0.to_string()), ("route", key.1.to_string()), ("status", key.2.to_string())];
+    let labels = [("method", method.to_string()), ("route", route.to_owned()), ("status", status.to_string())];
     let h = (
         metrics::counter!("combee_http_requests_total", &labels),
         metrics::histogram!("combee_http_request_duration_seconds", &labels),
     );
-    handles.write().unwrap_or_else(|e| e.into_inner()).insert(key, h.clone());
+    table
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(route.to_owned())
+        .or_default()
+        .insert((method.clone(), status), h.clone());
     h
 }
 
 async fn record_metrics(req: Request, next: Next) -> Response {
-    static UNMATCHED: std::sync::OnceLock<Arc<str>> = std::sync::OnceLock::new();
     let start = std::time::Instant::now();
-    let route = match req.extensions().get::<MatchedPath>() {
-        Some(p) => Arc::from(p.as_str()),
-        None => UNMATCHED.get_or_init(|| Arc::from("unmatched")).clone(),
-    };
+    let route = req.extensions().get::<MatchedPath>().cloned();
     let method = req.method().clone();
     let res = next.run(req).await;
-    let (counter, histogram) = request_metrics((method, route, res.status().as_u16()));
+    let route = route.as_ref().map_or("unmatched", |p| p.as_str());
+    let (counter, histogram) = request_metrics(route, &method, res.status().as_u16());
     counter.increment(1);
     histogram.record(start.elapsed().as_secs_f64());
     res

@@ -253,12 +253,15 @@ async fn fresh_view(st: &AppState, name: &PromptName, selector: &Selector) -> Ap
     Ok(Arc::new(CachedPrompt::new(etag, Bytes::from(body), v.number)))
 }
 
-async fn cached_view(st: &AppState, name: &PromptName, selector: Selector) -> ApiResult<Arc<CachedPrompt>> {
-    if let Some(hit) = st.cache.get(name.as_str(), &selector) {
+async fn cached_view(st: &AppState, name: &str, selector: Selector) -> ApiResult<Arc<CachedPrompt>> {
+    if crate::domain::names::is_valid_name(name)
+        && let Some(hit) = st.cache.get(name, &selector)
+    {
         return Ok(hit);
     }
     let generation = st.cache.generation();
-    let view = fresh_view(st, name, &selector).await?;
+    let name = parse_name(name)?;
+    let view = fresh_view(st, &name, &selector).await?;
     st.cache.insert(name.as_str(), selector, generation, view.clone());
     Ok(view)
 }
@@ -282,7 +285,6 @@ pub async fn get_prompt(
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     caller.require(Scope::PromptsRead)?;
-    let name = parse_name(&name)?;
     let view = cached_view(&st, &name, q.selector()?).await?;
     let mut res = if etag_matches(headers.get(header::IF_NONE_MATCH), &view.etag, true) {
         StatusCode::NOT_MODIFIED.into_response()
