@@ -62,13 +62,17 @@ fn decade_ticks(axis: &LogAxis) -> Vec<f64> {
     ticks
 }
 
+/// A tick or point value with two significant digits below 1 (`0.005`,
+/// `0.012`), so small delays do not all print as `0.00`.
 fn num(v: f64) -> String {
     if v >= 100.0 || v == v.round() {
         format!("{v:.0}")
     } else if v >= 1.0 {
         format!("{v:.1}")
     } else {
-        format!("{v:.2}")
+        let decimals = ((-v.log10()).floor() as usize + 2).min(9);
+        let s = format!("{v:.decimals$}");
+        s.trim_end_matches('0').trim_end_matches('.').to_owned()
     }
 }
 
@@ -217,6 +221,18 @@ pub fn timeline(bars: &[PhaseBar<'_>]) -> Option<String> {
         escape(&super::html::duration_ms(end))
     );
     Some(s)
+}
+
+#[cfg(test)]
+mod num_tests {
+    #[test]
+    fn small_values_keep_significant_digits() {
+        assert_eq!(super::num(0.005), "0.005");
+        assert_eq!(super::num(0.0123), "0.012");
+        assert_eq!(super::num(0.5), "0.5");
+        assert_eq!(super::num(2.5), "2.5");
+        assert_eq!(super::num(16.0), "16");
+    }
 }
 
 #[cfg(test)]
