@@ -22,6 +22,13 @@ use crate::{
 
 pub const ADMIN_KEY_FILE: &str = "admin-key";
 
+/// Without a key, OpenAI's own endpoint can only answer 401: running rounds
+/// against it would just wear down the traces' attempts. Any other base URL
+/// (a local server, a proxy, the simulator) counts as configured.
+fn llm_configured(llm: &crate::llm::config::LlmConfig) -> bool {
+    !(llm.api_key.is_empty() && llm.base_url.trim_end_matches('/') == crate::llm::config::DEFAULT_BASE_URL)
+}
+
 pub struct Application {
     listener: TcpListener,
     state: AppState,
@@ -78,6 +85,13 @@ impl Application {
             .with_context(|| format!("cannot listen on {}", settings.server.bind))?;
         let worker = match settings.server.role {
             Role::Api => None,
+            Role::All | Role::Worker if !llm_configured(&settings.llm.clone().with_env_fallbacks()) => {
+                tracing::warn!(
+                    "no LLM is configured (llm.base_url is OpenAI's and no API key is set): learning rounds will \
+                     wait until one is; set COMBEE__LLM__API_KEY / OPENAI_API_KEY or COMBEE__LLM__BASE_URL"
+                );
+                None
+            }
             Role::All | Role::Worker => {
                 let llm = settings.llm.clone().with_env_fallbacks();
                 let backend: Arc<dyn LlmBackend> =
@@ -207,5 +221,19 @@ async fn housekeeping(state: AppState, shutdown: CancellationToken) {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "idempotency purge failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::llm_configured;
+    use crate::{config::Secret, llm::config::LlmConfig};
+
+    #[test]
+    fn an_llm_counts_as_configured_with_a_key_or_another_endpoint() {
+        let openai = LlmConfig { base_url: "https://api.openai.com/v1/".into(), ..LlmConfig::default() };
+        assert!(!llm_configured(&openai), "OpenAI without a key can only answer 401");
+        assert!(llm_configured(&LlmConfig { api_key: Secret::new("sk-x"), ..openai.clone() }));
+        assert!(llm_configured(&LlmConfig { base_url: "http://127.0.0.1:8090/v1".into(), ..openai }));
     }
 }

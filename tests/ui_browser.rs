@@ -128,25 +128,38 @@ impl Browser {
             .len()
     }
 
+    /// Finds the element and runs one command on it. A page that is still
+    /// navigating (after a form submit) can make the element stale between the
+    /// two steps; then the element is looked up again on the new page.
+    async fn on_element(&self, css: &str, method: &str, suffix: &str, body: Option<Value>) -> Value {
+        for _ in 0..20 {
+            let id = self.find(css).await;
+            match self.try_cmd(method, &format!("/element/{id}{suffix}"), body.clone()).await {
+                Ok(v) => return v,
+                Err(e) if e["error"] == "stale element reference" => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("WebDriver {method} {suffix} on {css}: {e}"),
+            }
+        }
+        panic!("{css} stayed stale");
+    }
+
     async fn click(&self, css: &str) {
-        let id = self.find(css).await;
-        self.cmd("POST", &format!("/element/{id}/click"), None).await;
+        self.on_element(css, "POST", "/click", None).await;
     }
 
     async fn type_into(&self, css: &str, text: &str) {
-        let id = self.find(css).await;
-        self.cmd("POST", &format!("/element/{id}/clear"), None).await;
-        self.cmd("POST", &format!("/element/{id}/value"), Some(json!({"text": text}))).await;
+        self.on_element(css, "POST", "/clear", None).await;
+        self.on_element(css, "POST", "/value", Some(json!({"text": text}))).await;
     }
 
     async fn text(&self, css: &str) -> String {
-        let id = self.find(css).await;
-        self.cmd("GET", &format!("/element/{id}/text"), None).await.as_str().unwrap().to_owned()
+        self.on_element(css, "GET", "/text", None).await.as_str().unwrap().to_owned()
     }
 
     async fn value(&self, css: &str) -> String {
-        let id = self.find(css).await;
-        self.cmd("GET", &format!("/element/{id}/property/value"), None).await.as_str().unwrap().to_owned()
+        self.on_element(css, "GET", "/property/value", None).await.as_str().unwrap().to_owned()
     }
 
     async fn source(&self) -> String {
