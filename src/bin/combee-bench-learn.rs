@@ -412,10 +412,12 @@ async fn main() -> anyhow::Result<()> {
         per_output_token_ms: args.per_output_token_ms,
         ..SimConfig::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let sim_url = format!("http://{}/v1", listener.local_addr()?);
-    tokio::spawn(sim::serve_simulator(listener, sim_cfg.clone(), std::future::pending::<()>()));
-    let llm = LlmConfig { base_url: sim_url, max_concurrency: args.concurrency.max(args.n), ..LlmConfig::default() };
+    let local_sim = sim::LocalSim::start(sim_cfg.clone()).await?;
+    let llm = LlmConfig {
+        base_url: local_sim.base_url.clone(),
+        max_concurrency: args.concurrency.max(args.n),
+        ..LlmConfig::default()
+    };
     let (traces, tokens) = traces(args.n)?;
     let env = Env {
         http: Arc::new(OpenAiClient::new(llm.clone())?),

@@ -78,11 +78,8 @@ struct Row {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let sim_url = format!("http://{}/v1", listener.local_addr()?);
-    let sim = SimConfig { fixed_ms: args.latency_ms, ..Default::default() };
-    tokio::spawn(combee::llm::sim::serve_simulator(listener, sim, std::future::pending::<()>()));
-    let llm = LlmConfig { base_url: sim_url, max_concurrency: args.concurrency, ..LlmConfig::default() };
+    let sim = combee::llm::sim::LocalSim::start(SimConfig { fixed_ms: args.latency_ms, ..Default::default() }).await?;
+    let llm = LlmConfig { base_url: sim.base_url.clone(), max_concurrency: args.concurrency, ..LlmConfig::default() };
     let backend: Arc<dyn LlmBackend> = Arc::new(OpenAiClient::new(llm.clone())?);
     let base = VersionContent { base: "You are a benchmark agent.".into(), playbook: None };
     let ideal_ms = 3.0 * args.latency_ms;

@@ -9,24 +9,20 @@ use serde_json::{Value, json};
 use super::*;
 use crate::learn::journal::{MemoryJournal, ReflectionSource};
 use crate::llm::protocol::tests::trace;
-use crate::llm::sim::{SimConfig, SimStats, serve_simulator};
+use crate::llm::sim::{LocalSim, SimConfig, SimStats};
 use crate::llm::{ChatRequest, ChatResponse, OpenAiClient};
 
 struct Sim {
     client: OpenAiClient,
     cfg: LlmConfig,
     base: String,
-    _stop: tokio::sync::oneshot::Sender<()>,
+    _sim: LocalSim,
 }
 
 impl Sim {
     async fn start(sim: SimConfig, tweak: impl FnOnce(&mut LlmConfig)) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}/v1", listener.local_addr().unwrap());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve_simulator(listener, sim, async move {
-            let _ = stopped.await;
-        }));
+        let local = LocalSim::start(sim).await.unwrap();
+        let base = local.base_url.clone();
         let mut cfg = LlmConfig {
             base_url: base.clone(),
             backoff_base_ms: 1,
@@ -36,7 +32,7 @@ impl Sim {
             ..Default::default()
         };
         tweak(&mut cfg);
-        Self { client: OpenAiClient::new(cfg.clone()).unwrap(), cfg, base, _stop: stop }
+        Self { client: OpenAiClient::new(cfg.clone()).unwrap(), cfg, base, _sim: local }
     }
 
     async fn stats(&self) -> SimStats {

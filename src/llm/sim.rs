@@ -175,6 +175,32 @@ pub fn router(cfg: SimConfig) -> Router {
         .with_state(sim)
 }
 
+/// A simulator serving on a free loopback port in this process (tests and
+/// benchmarks); it stops when this handle is dropped.
+pub struct LocalSim {
+    /// The OpenAI-compatible base URL, e.g. `http://127.0.0.1:PORT/v1`.
+    pub base_url: String,
+    shutdown: tokio_util::sync::CancellationToken,
+}
+
+impl LocalSim {
+    /// Binds 127.0.0.1:0 and starts serving `cfg` in the background.
+    pub async fn start(cfg: SimConfig) -> std::io::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let base_url = format!("http://{}/v1", listener.local_addr()?);
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let stop = shutdown.clone();
+        tokio::spawn(serve_simulator(listener, cfg, async move { stop.cancelled().await }));
+        Ok(Self { base_url, shutdown })
+    }
+}
+
+impl Drop for LocalSim {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
 /// Serves the simulator on `listener` until `shutdown` completes.
 pub async fn serve_simulator(
     listener: tokio::net::TcpListener,
@@ -573,7 +599,7 @@ mod tests {
         client: OpenAiClient,
         cfg: LlmConfig,
         base: String,
-        _stop: tokio::sync::oneshot::Sender<()>,
+        _sim: LocalSim,
     }
 
     impl Running {
@@ -583,12 +609,8 @@ mod tests {
     }
 
     async fn start(sim: SimConfig, tweak: impl FnOnce(&mut LlmConfig)) -> Running {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let base = format!("http://{}/v1", listener.local_addr().unwrap());
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve_simulator(listener, sim, async move {
-            let _ = stopped.await;
-        }));
+        let local = LocalSim::start(sim).await.unwrap();
+        let base = local.base_url.clone();
         let mut cfg = LlmConfig {
             base_url: base.clone(),
             backoff_base_ms: 1,
@@ -597,7 +619,7 @@ mod tests {
             ..Default::default()
         };
         tweak(&mut cfg);
-        Running { client: OpenAiClient::new(cfg.clone()).unwrap(), cfg, base, _stop: stop }
+        Running { client: OpenAiClient::new(cfg.clone()).unwrap(), cfg, base, _sim: local }
     }
 
     fn reflection(insight: &str) -> Reflection {

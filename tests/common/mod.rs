@@ -83,22 +83,12 @@ pub fn settings_for(url: &str, data_dir: &std::path::Path) -> Settings {
 /// The OpenAI-compatible simulator (a simulation, not a model) on port 0.
 pub struct Sim {
     pub url: String,
-    pub shutdown: CancellationToken,
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
+    _local: combee::llm::sim::LocalSim,
 }
 
 pub async fn spawn_sim(cfg: combee::llm::sim::SimConfig) -> Sim {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/v1", listener.local_addr().unwrap());
-    let shutdown = CancellationToken::new();
-    let stop = shutdown.clone();
-    tokio::spawn(combee::llm::sim::serve_simulator(listener, cfg, async move { stop.cancelled().await }));
-    Sim { url, shutdown }
+    let local = combee::llm::sim::LocalSim::start(cfg).await.expect("start the simulator");
+    Sim { url: local.base_url.clone(), _local: local }
 }
 
 impl Sim {
