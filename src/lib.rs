@@ -11,6 +11,7 @@ pub mod domain;
 pub mod http;
 pub mod learn;
 pub mod llm;
+pub mod otlp;
 pub mod store;
 pub mod telemetry;
 pub mod ui;

@@ -1,0 +1,199 @@
+//! OTLP/HTTP trace ingest: agents that already export OpenTelemetry GenAI spans
+//! send them to combee unchanged. This module decodes an export request
+//! (protobuf or the OTLP JSON mapping, optionally gzip-compressed) and encodes
+//! the `ExportTraceServiceResponse`; [`mapping`] turns spans into traces.
+//! Nothing here touches the network or the store.
+
+pub mod mapping;
+
+use std::io::Read;
+
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTracePartialSuccess, ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use prost::Message;
+
+/// How the request body (and so the answer) is encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// `application/x-protobuf`
+    Protobuf,
+    /// `application/json`, the OTLP JSON mapping (hex ids, lowerCamelCase).
+    Json,
+}
+
+impl Encoding {
+    /// From a `Content-Type` header value; parameters such as `charset` are ignored.
+    pub fn from_content_type(value: Option<&str>) -> Result<Self, DecodeError> {
+        let Some(value) = value else { return Err(DecodeError::ContentType(None)) };
+        let mime = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        match mime.as_str() {
+            "application/x-protobuf" | "application/protobuf" => Ok(Self::Protobuf),
+            "application/json" => Ok(Self::Json),
+            _ => Err(DecodeError::ContentType(Some(clip(value, 80)))),
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::Protobuf => "application/x-protobuf",
+            Self::Json => "application/json",
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Protobuf => "protobuf",
+            Self::Json => "json",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum DecodeError {
+    #[error(
+        "send OTLP traces as `Content-Type: application/x-protobuf` or `application/json`{}",
+        .0.as_ref().map(|c| format!(" (got `{c}`)")).unwrap_or_default()
+    )]
+    ContentType(Option<String>),
+    #[error("unsupported `Content-Encoding: {0}`; send the body uncompressed or as `gzip`")]
+    ContentEncoding(String),
+    #[error("the decompressed body exceeds {limit} bytes (`limits.max_body_bytes`)")]
+    TooLarge { limit: usize },
+    #[error("the body is not valid gzip: {0}")]
+    Gzip(String),
+    #[error("the body is not an OTLP ExportTraceServiceRequest in protobuf: {0}")]
+    Protobuf(String),
+    #[error("the body is not an OTLP ExportTraceServiceRequest in the OTLP JSON encoding: {0}")]
+    Json(String),
+}
+
+impl DecodeError {
+    /// Size violations are answered with 413, unknown media types with 415, the rest with 400.
+    pub fn is_size(&self) -> bool {
+        matches!(self, Self::TooLarge { .. })
+    }
+    pub fn is_media_type(&self) -> bool {
+        matches!(self, Self::ContentType(_) | Self::ContentEncoding(_))
+    }
+}
+
+/// Shortens an attacker-influenced string before it goes into an answer.
+fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// Undoes `Content-Encoding` (absent, `identity` or `gzip`), refusing to
+/// inflate past `limit` bytes (a small gzip body can expand enormously).
+pub fn decompress(encoding: Option<&str>, body: &[u8], limit: usize) -> Result<Vec<u8>, DecodeError> {
+    let encoding = encoding.map(|e| e.trim().to_ascii_lowercase());
+    match encoding.as_deref() {
+        None | Some("") | Some("identity") => {
+            if body.len() > limit {
+                return Err(DecodeError::TooLarge { limit });
+            }
+            Ok(body.to_vec())
+        }
+        Some("gzip") | Some("x-gzip") => {
+            let mut out = Vec::with_capacity(body.len().saturating_mul(4).min(limit));
+            flate2::read::GzDecoder::new(body)
+                .take(limit as u64 + 1)
+                .read_to_end(&mut out)
+                .map_err(|e| DecodeError::Gzip(clip(&e.to_string(), 200)))?;
+            if out.len() > limit {
+                return Err(DecodeError::TooLarge { limit });
+            }
+            Ok(out)
+        }
+        Some(other) => Err(DecodeError::ContentEncoding(clip(other, 40))),
+    }
+}
+
+/// Decodes an (already decompressed) export request.
+pub fn decode_request(encoding: Encoding, body: &[u8]) -> Result<ExportTraceServiceRequest, DecodeError> {
+    match encoding {
+        Encoding::Protobuf => {
+            ExportTraceServiceRequest::decode(body).map_err(|e| DecodeError::Protobuf(clip(&e.to_string(), 200)))
+        }
+        Encoding::Json => serde_json::from_slice(body).map_err(|e| DecodeError::Json(clip(&e.to_string(), 200))),
+    }
+}
+
+/// The OTLP answer: `partial_success` is set only when some spans were rejected.
+pub fn encode_response(encoding: Encoding, rejected_spans: usize, error_message: &str) -> Vec<u8> {
+    match encoding {
+        Encoding::Protobuf => {
+            let partial_success = (rejected_spans > 0).then(|| ExportTracePartialSuccess {
+                rejected_spans: rejected_spans as i64,
+                error_message: error_message.to_owned(),
+            });
+            ExportTraceServiceResponse { partial_success }.encode_to_vec()
+        }
+        // Written by hand: the OTLP JSON mapping carries int64 as a string,
+        // which the crate's serde support does not do for `rejectedSpans`.
+        Encoding::Json => {
+            let body = if rejected_spans > 0 {
+                serde_json::json!({"partialSuccess": {
+                    "rejectedSpans": rejected_spans.to_string(),
+                    "errorMessage": error_message,
+                }})
+            } else {
+                serde_json::json!({})
+            };
+            body.to_string().into_bytes()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn content_types_are_recognised_with_parameters() {
+        assert_eq!(Encoding::from_content_type(Some("application/x-protobuf")), Ok(Encoding::Protobuf));
+        assert_eq!(Encoding::from_content_type(Some("Application/JSON; charset=utf-8")), Ok(Encoding::Json));
+        assert!(Encoding::from_content_type(Some("text/plain")).unwrap_err().is_media_type());
+        assert!(Encoding::from_content_type(None).unwrap_err().is_media_type());
+    }
+
+    #[test]
+    fn gzip_is_inflated_within_the_limit_only() {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(&vec![b'a'; 10_000]).unwrap();
+        let small = gz.finish().unwrap();
+        assert!(small.len() < 200, "a bomb-like body compresses well");
+        assert_eq!(decompress(Some("gzip"), &small, 10_000).unwrap().len(), 10_000);
+        assert_eq!(decompress(Some("GZIP"), &small, 9_999), Err(DecodeError::TooLarge { limit: 9_999 }));
+        assert!(matches!(decompress(Some("gzip"), b"not gzip", 100), Err(DecodeError::Gzip(_))));
+        assert!(decompress(Some("br"), b"x", 100).unwrap_err().is_media_type());
+        assert_eq!(decompress(None, b"xyz", 3).unwrap(), b"xyz");
+        assert!(decompress(Some("identity"), b"xyz", 2).unwrap_err().is_size());
+    }
+
+    #[test]
+    fn garbage_is_a_decode_error_not_a_panic() {
+        assert!(matches!(decode_request(Encoding::Protobuf, &[0xff, 0xff, 0xff]), Err(DecodeError::Protobuf(_))));
+        assert!(matches!(decode_request(Encoding::Json, b"{\"resourceSpans\": 3}"), Err(DecodeError::Json(_))));
+        assert_eq!(decode_request(Encoding::Json, b"{}").unwrap(), ExportTraceServiceRequest::default());
+    }
+
+    #[test]
+    fn responses_carry_partial_success_only_when_spans_were_rejected() {
+        let full = encode_response(Encoding::Protobuf, 0, "");
+        assert_eq!(ExportTraceServiceResponse::decode(full.as_slice()).unwrap().partial_success, None);
+        let partial = encode_response(Encoding::Protobuf, 3, "why");
+        let ps = ExportTraceServiceResponse::decode(partial.as_slice()).unwrap().partial_success.unwrap();
+        assert_eq!((ps.rejected_spans, ps.error_message.as_str()), (3, "why"));
+        let json: serde_json::Value = serde_json::from_slice(&encode_response(Encoding::Json, 2, "why")).unwrap();
+        assert_eq!(json, serde_json::json!({"partialSuccess": {"rejectedSpans": "2", "errorMessage": "why"}}));
+    }
+}
