@@ -44,7 +44,7 @@ pub struct TraceBatch {
     pub traces: Vec<NewTrace>,
 }
 
-fn limits(st: &AppState) -> TraceLimits {
+pub(super) fn limits(st: &AppState) -> TraceLimits {
     TraceLimits {
         max_field_bytes: st.settings.limits.max_field_bytes,
         max_trace_bytes: st.settings.limits.max_trace_bytes,

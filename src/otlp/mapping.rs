@@ -322,11 +322,11 @@ fn span_facts(span: &Span, trace_start: u64) -> Result<SpanFacts, String> {
     let input = input
         .or_else(|| get(a, attr::LEGACY_PROMPT).map(structured))
         .or_else(|| indexed_messages(a, attr::LEGACY_PROMPT))
-        .or_else(|| (!event_inputs.is_empty()).then(|| Value::Array(event_inputs)));
+        .or_else(|| (!event_inputs.is_empty()).then_some(Value::Array(event_inputs)));
     let output = output
         .or_else(|| get(a, attr::LEGACY_COMPLETION).map(structured))
         .or_else(|| indexed_messages(a, attr::LEGACY_COMPLETION))
-        .or_else(|| (!event_outputs.is_empty()).then(|| Value::Array(event_outputs)));
+        .or_else(|| (!event_outputs.is_empty()).then_some(Value::Array(event_outputs)));
 
     f.explicit_input = get(a, attr::COMBEE_INPUT).map(structured);
     f.explicit_output = get(a, attr::COMBEE_OUTPUT).map(structured);

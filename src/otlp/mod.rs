@@ -187,6 +187,44 @@ mod tests {
     }
 
     #[test]
+    fn the_otlp_json_mapping_decodes_hex_ids_and_string_int64s() {
+        // Shaped like the example in the OTLP specification.
+        let body = br#"{"resourceSpans": [{
+            "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "agent"}}]},
+            "scopeSpans": [{"scope": {"name": "s"}, "spans": [{
+                "traceId": "5B8EFFF798038103D269B633813FC60C",
+                "spanId": "eee19b7ec3c1b174",
+                "parentSpanId": "",
+                "name": "chat",
+                "kind": 3,
+                "startTimeUnixNano": "1544712660000000000",
+                "endTimeUnixNano": 1544712661000000000,
+                "attributes": [
+                    {"key": "gen_ai.prompt.version", "value": {"intValue": "4"}},
+                    {"key": "score", "value": {"doubleValue": 0.5}}
+                ],
+                "events": [{"timeUnixNano": "1544712660500000000", "name": "gen_ai.user.message",
+                            "attributes": [{"key": "content", "value": {"stringValue": "hi"}}]}],
+                "status": {"code": 2, "message": "boom"},
+                "someFutureField": true
+            }]}]
+        }]}"#;
+        let req = decode_request(Encoding::Json, body).unwrap();
+        let span = &req.resource_spans[0].scope_spans[0].spans[0];
+        assert_eq!(hex::encode(&span.trace_id), "5b8efff798038103d269b633813fc60c");
+        assert_eq!(span.span_id.len(), 8);
+        assert!(span.parent_span_id.is_empty());
+        assert_eq!((span.start_time_unix_nano, span.end_time_unix_nano), (1544712660000000000, 1544712661000000000));
+        use opentelemetry_proto::tonic::common::v1::any_value::Value;
+        assert_eq!(span.attributes[0].value.as_ref().unwrap().value, Some(Value::IntValue(4)));
+        assert_eq!(span.events[0].name, "gen_ai.user.message");
+        assert_eq!(span.status.as_ref().map(|s| s.code), Some(2));
+        // The same request in protobuf round-trips.
+        let proto = req.encode_to_vec();
+        assert_eq!(decode_request(Encoding::Protobuf, &proto).unwrap(), req);
+    }
+
+    #[test]
     fn responses_carry_partial_success_only_when_spans_were_rejected() {
         let full = encode_response(Encoding::Protobuf, 0, "");
         assert_eq!(ExportTraceServiceResponse::decode(full.as_slice()).unwrap().partial_success, None);

@@ -1,0 +1,425 @@
+//! OTLP/HTTP trace ingest against the real server on port 0, on both stores:
+//! protobuf, the OTLP JSON encoding, gzip, partial success for spans that map
+//! to no known prompt, auth, bad bodies, exporter retries; and the acceptance
+//! test with the real OpenTelemetry Python SDK and its OTLP/HTTP exporter.
+
+mod common;
+
+use std::{
+    io::Write,
+    time::{Duration, Instant},
+};
+
+use common::{Backend, TestApp, expect_problem, learning, spawn_app, spawn_app_with, spawn_sim};
+use opentelemetry_proto::tonic::{
+    collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse},
+    common::v1::{AnyValue, KeyValue, any_value::Value as Any},
+    resource::v1::Resource,
+    trace::v1::{ResourceSpans, ScopeSpans, Span},
+};
+use prost::Message;
+use serde_json::{Value, json};
+
+const PATH: &str = "/v1/otlp/v1/traces";
+
+fn s(key: &str, v: &str) -> KeyValue {
+    KeyValue {
+        key: key.into(),
+        value: Some(AnyValue { value: Some(Any::StringValue(v.into())) }),
+        ..Default::default()
+    }
+}
+
+fn i(key: &str, v: i64) -> KeyValue {
+    KeyValue { key: key.into(), value: Some(AnyValue { value: Some(Any::IntValue(v)) }), ..Default::default() }
+}
+
+fn span(trace: u8, id: u8, parent: Option<u8>, start_ms: u64, attrs: Vec<KeyValue>) -> Span {
+    let start = 1_700_000_000_000_000_000 + start_ms * 1_000_000;
+    Span {
+        trace_id: vec![trace; 16],
+        span_id: vec![id; 8],
+        parent_span_id: parent.map(|p| vec![p; 8]).unwrap_or_default(),
+        name: format!("span-{id}"),
+        start_time_unix_nano: start,
+        end_time_unix_nano: start + 5_000_000,
+        attributes: attrs,
+        ..Default::default()
+    }
+}
+
+fn export(spans: Vec<Span>) -> ExportTraceServiceRequest {
+    ExportTraceServiceRequest {
+        resource_spans: vec![ResourceSpans {
+            resource: Some(Resource { attributes: vec![s("service.name", "test-agent")], ..Default::default() }),
+            scope_spans: vec![ScopeSpans { spans, ..Default::default() }],
+            ..Default::default()
+        }],
+    }
+}
+
+/// One agent run: a root span with the prompt, a chat span with messages.
+fn agent_run(trace: u8, prompt: &str, version: i64) -> Vec<Span> {
+    vec![
+        span(trace, 1, None, 0, vec![s("gen_ai.prompt.name", prompt), i("gen_ai.prompt.version", version)]),
+        span(
+            trace,
+            2,
+            Some(1),
+            1,
+            vec![
+                s(
+                    "gen_ai.input.messages",
+                    &json!([{"role": "user", "content": format!("question {trace}")}]).to_string(),
+                ),
+                s(
+                    "gen_ai.output.messages",
+                    &json!([{"role": "assistant", "content": format!("answer {trace}")}]).to_string(),
+                ),
+            ],
+        ),
+    ]
+}
+
+fn hex_id(trace: u8) -> String {
+    format!("{trace:02x}").repeat(16)
+}
+
+fn gzip(body: &[u8]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(body).unwrap();
+    gz.finish().unwrap()
+}
+
+fn post_raw(app: &TestApp, content_type: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+    app.http.post(app.url(PATH)).bearer_auth(&app.admin_key).header("content-type", content_type).body(body)
+}
+
+async fn proto_answer(res: reqwest::Response) -> ExportTraceServiceResponse {
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["content-type"], "application/x-protobuf");
+    ExportTraceServiceResponse::decode(res.bytes().await.unwrap()).expect("an ExportTraceServiceResponse")
+}
+
+async fn traces(app: &TestApp, prompt: &str) -> Vec<Value> {
+    let page: Value = app.get(&format!("/v1/traces?prompt={prompt}")).send().await.unwrap().json().await.unwrap();
+    page["traces"].as_array().unwrap().clone()
+}
+
+async fn protobuf_spans_become_traces(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("support-agent").await;
+    let mut spans = agent_run(1, "support-agent", 1);
+    spans.extend(agent_run(2, "support-agent", 1));
+    let body = export(spans).encode_to_vec();
+    let answer = proto_answer(post_raw(&app, "application/x-protobuf", body.clone()).send().await.unwrap()).await;
+    assert_eq!(answer.partial_success, None, "everything accepted");
+
+    let stored = traces(&app, "support-agent").await;
+    assert_eq!(stored.len(), 2);
+    let mut ids: Vec<&str> = stored.iter().map(|t| t["external_id"].as_str().unwrap()).collect();
+    ids.sort();
+    assert_eq!(ids, [hex_id(1), hex_id(2)]);
+    let t = stored.iter().find(|t| t["external_id"] == hex_id(1)).unwrap();
+    assert_eq!((t["status"].as_str(), t["prompt_version"].as_i64()), (Some("pending"), Some(1)));
+    assert_eq!(t["input"], json!([{"role": "user", "content": "question 1"}]));
+    assert_eq!(t["output"], json!([{"role": "assistant", "content": "answer 1"}]));
+    assert_eq!(t["trajectory"].as_array().unwrap().len(), 2);
+    assert_eq!(t["metadata"]["otel"]["service_name"], "test-agent");
+
+    // An exporter retry of the same request stores nothing twice.
+    let res = post_raw(&app, "application/x-protobuf", body).send().await.unwrap();
+    assert_eq!(res.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
+    assert_eq!(proto_answer(res).await.partial_success, None);
+    assert_eq!(traces(&app, "support-agent").await.len(), 2);
+}
+
+async fn json_and_gzip_are_accepted(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("json-agent").await;
+    // Written by hand in the OTLP JSON encoding: hex ids, lowerCamelCase, int64 as strings.
+    let body = json!({"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "json-agent"}}]},
+        "scopeSpans": [{"spans": [{
+            "traceId": "0af7651916cd43dd8448eb211c80319c",
+            "spanId": "b7ad6b7169203331",
+            "name": "chat",
+            "kind": 3,
+            "startTimeUnixNano": "1700000000000000000",
+            "endTimeUnixNano": "1700000000250000000",
+            "attributes": [
+                {"key": "gen_ai.prompt.name", "value": {"stringValue": "json-agent"}},
+                {"key": "gen_ai.prompt.version", "value": {"intValue": "1"}},
+                {"key": "gen_ai.prompt", "value": {"stringValue": "what is 2+2?"}},
+                {"key": "gen_ai.completion", "value": {"stringValue": "4"}},
+                {"key": "combee.feedback.success", "value": {"boolValue": true}},
+                {"key": "gen_ai.usage.input_tokens", "value": {"intValue": "12"}}
+            ]
+        }]}]
+    }]});
+    let res = app
+        .http
+        .post(app.url(PATH))
+        .bearer_auth(&app.admin_key)
+        .header("content-type", "application/json")
+        .header("content-encoding", "gzip")
+        .body(gzip(body.to_string().as_bytes()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["content-type"], "application/json");
+    assert_eq!(res.json::<Value>().await.unwrap(), json!({}), "full success leaves partialSuccess out");
+    let stored = traces(&app, "json-agent").await;
+    assert_eq!(stored.len(), 1);
+    let t = &stored[0];
+    assert_eq!(t["external_id"], "0af7651916cd43dd8448eb211c80319c");
+    assert_eq!((t["input"].as_str(), t["output"].as_str()), (Some("what is 2+2?"), Some("4")));
+    assert_eq!(t["feedback"]["success"], true);
+    assert_eq!(t["metadata"]["otel"]["input_tokens"], 12);
+    assert_eq!(t["metadata"]["otel"]["duration_ms"], 250.0);
+
+    // Gzip protobuf works the same way.
+    let proto = gzip(&export(agent_run(9, "json-agent", 1)).encode_to_vec());
+    let res = post_raw(&app, "application/x-protobuf", proto).header("content-encoding", "gzip").send().await.unwrap();
+    assert_eq!(proto_answer(res).await.partial_success, None);
+    assert_eq!(traces(&app, "json-agent").await.len(), 2);
+}
+
+async fn unmappable_spans_are_a_partial_success(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("known").await;
+    let mut spans = agent_run(1, "known", 1); // 2 spans, accepted
+    spans.extend(agent_run(2, "nobody-made-this", 1)); // 2 spans: unknown prompt
+    spans.extend(agent_run(3, "known", 7)); // 2 spans: no version 7
+    spans.push(span(4, 1, None, 0, vec![s("http.method", "GET")])); // 1 span: no prompt
+    spans.push(span(5, 1, None, 0, vec![s("gen_ai.prompt.name", "known"), s("gen_ai.prompt.version", "v2")]));
+    let req = export(spans);
+
+    let answer =
+        proto_answer(post_raw(&app, "application/x-protobuf", req.encode_to_vec()).send().await.unwrap()).await;
+    let partial = answer.partial_success.expect("partial success");
+    assert_eq!(partial.rejected_spans, 6);
+    let msg = &partial.error_message;
+    for needle in [
+        "unknown prompt \"nobody-made-this\"",
+        "has no version 7 (the latest is 1)",
+        "belongs to no prompt",
+        "positive integer",
+        &hex_id(2),
+    ] {
+        assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
+    }
+    let stored = traces(&app, "known").await;
+    assert_eq!(stored.len(), 1, "only the mappable trace is stored");
+    assert_eq!(stored[0]["external_id"], hex_id(1));
+
+    // The same in JSON: rejectedSpans is an int64, so a string.
+    let json_body = serde_json::to_vec(&export(agent_run(6, "nobody-made-this", 1))).unwrap();
+    let res = post_raw(&app, "application/json", json_body).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let body: Value = res.json().await.unwrap();
+    assert_eq!(body["partialSuccess"]["rejectedSpans"], "2");
+    assert!(body["partialSuccess"]["errorMessage"].as_str().unwrap().contains("unknown prompt"));
+    assert_eq!(traces(&app, "known").await.len(), 1);
+}
+
+async fn auth_is_required(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("guarded").await;
+    let body = export(agent_run(1, "guarded", 1)).encode_to_vec();
+    let res = app
+        .http
+        .post(app.url(PATH))
+        .header("content-type", "application/x-protobuf")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    expect_problem(res, 401).await;
+    let res = app
+        .http
+        .post(app.url(PATH))
+        .bearer_auth("cmb_not_a_real_key")
+        .header("content-type", "application/x-protobuf")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    expect_problem(res, 401).await;
+    let reader = app.key_with(&["prompts:read"]).await;
+    let res = app
+        .http
+        .post(app.url(PATH))
+        .bearer_auth(&reader)
+        .header("content-type", "application/x-protobuf")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    let p = expect_problem(res, 403).await;
+    assert!(p["detail"].as_str().unwrap().contains("traces:write"));
+    assert!(traces(&app, "guarded").await.is_empty());
+
+    let writer = app.key_with(&["traces:write"]).await;
+    let res = app
+        .http
+        .post(app.url(PATH))
+        .bearer_auth(&writer)
+        .header("content-type", "application/x-protobuf")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(proto_answer(res).await.partial_success, None);
+    assert_eq!(traces(&app, "guarded").await.len(), 1);
+}
+
+async fn bad_bodies_are_problems(b: Backend) {
+    let app = spawn_app(b).await; // limits.max_body_bytes = 256 KiB in tests
+    app.create_prompt("p").await;
+    let res = post_raw(&app, "application/x-protobuf", vec![0xff, 0xff, 0xff, 0xff]).send().await.unwrap();
+    let p = expect_problem(res, 400).await;
+    assert!(p["detail"].as_str().unwrap().contains("protobuf"));
+    let res = post_raw(&app, "application/json", b"{\"resourceSpans\": 7}".to_vec()).send().await.unwrap();
+    expect_problem(res, 400).await;
+    let res = post_raw(&app, "text/plain", b"hello".to_vec()).send().await.unwrap();
+    expect_problem(res, 415).await;
+    let res = post_raw(&app, "application/x-protobuf", vec![]).header("content-encoding", "br").send().await.unwrap();
+    expect_problem(res, 415).await;
+    let res = post_raw(&app, "application/x-protobuf", b"not gzip".to_vec())
+        .header("content-encoding", "gzip")
+        .send()
+        .await
+        .unwrap();
+    let p = expect_problem(res, 400).await;
+    assert!(p["detail"].as_str().unwrap().contains("gzip"));
+    // Too big as sent, and too big once inflated (a small gzip bomb).
+    let res = post_raw(&app, "application/x-protobuf", vec![0; 300 * 1024]).send().await.unwrap();
+    expect_problem(res, 413).await;
+    let bomb = gzip(&vec![0; 4 * 1024 * 1024]);
+    assert!(bomb.len() < 256 * 1024);
+    let res = post_raw(&app, "application/x-protobuf", bomb).header("content-encoding", "gzip").send().await.unwrap();
+    let p = expect_problem(res, 413).await;
+    assert!(p["detail"].as_str().unwrap().contains("max_body_bytes"));
+    // More trace ids than `limits.max_traces_per_batch` (50 in tests).
+    let many: Vec<Span> = (1..=51u8).flat_map(|t| agent_run(t, "p", 1)).collect();
+    let res = post_raw(&app, "application/x-protobuf", export(many).encode_to_vec()).send().await.unwrap();
+    let p = expect_problem(res, 413).await;
+    assert!(p["detail"].as_str().unwrap().contains("max_traces_per_batch"));
+    assert!(traces(&app, "p").await.is_empty(), "nothing stored from a refused export");
+    // An oversized field rejects that trace only, with the reason.
+    let mut big = agent_run(60, "p", 1);
+    big[1].attributes.push(s("gen_ai.prompt", &"x".repeat(9 * 1024)));
+    big[1].attributes.retain(|kv| kv.key != "gen_ai.input.messages");
+    let mut spans = big;
+    spans.extend(agent_run(61, "p", 1));
+    let answer =
+        proto_answer(post_raw(&app, "application/x-protobuf", export(spans).encode_to_vec()).send().await.unwrap())
+            .await;
+    let partial = answer.partial_success.unwrap();
+    assert_eq!(partial.rejected_spans, 2);
+    assert!(partial.error_message.contains("the limit is 8192"), "{}", partial.error_message);
+    assert_eq!(traces(&app, "p").await.len(), 1);
+}
+
+async fn poll<T>(what: &str, within: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "{what} did not happen within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The acceptance test of issue 11: the real OpenTelemetry Python SDK and its
+/// OTLP/HTTP exporter send spans; the traces are found with the right
+/// version, pending, and a round learns from them.
+async fn the_python_sdk_exporter_feeds_a_round(b: Backend) {
+    let sim = spawn_sim(combee::llm::sim::SimConfig { seed: 11, ..Default::default() }).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    let res = app
+        .post(
+            "/v1/prompts",
+            json!({"name": "otel-agent", "base": "You answer support questions.", "settings": {"batch_size": 1000}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let res = app
+        .post("/v1/prompts/otel-agent/versions", json!({"base": "You answer support questions briefly."}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let key = app.key_with(&["traces:write"]).await;
+
+    let n = 6;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/otlp_export.py");
+    let base = app.base.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .args([script, &base, &key, "otel-agent", "2", &n.to_string()])
+            .output()
+            .expect("python3 runs")
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(
+        out.status.code(),
+        Some(3),
+        "the OpenTelemetry Python SDK is not installed; `scripts/test` installs it: {stderr}"
+    );
+    assert!(out.status.success(), "the Python exporter failed: {stderr}");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("the script prints a JSON report");
+    let mut sent: Vec<String> =
+        report["trace_ids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
+    sent.sort();
+    assert_eq!(sent.len(), n);
+
+    let pending: Value =
+        app.get("/v1/traces?prompt=otel-agent&status=pending").send().await.unwrap().json().await.unwrap();
+    let pending = pending["traces"].as_array().unwrap();
+    let mut found: Vec<String> = pending.iter().map(|t| t["external_id"].as_str().unwrap().to_owned()).collect();
+    found.sort();
+    assert_eq!(found, sent, "one trace per OpenTelemetry trace id; the span without a prompt was rejected");
+    for t in pending {
+        assert_eq!(t["prompt_version"], 2, "{t}");
+        let steps: Vec<&str> =
+            t["trajectory"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+        assert_eq!(steps, ["invoke_agent otel-agent", "chat sim-model", "execute_tool lookup_order"]);
+        assert!(t["input"][0]["parts"][0]["content"].as_str().unwrap().starts_with("where is order"));
+        assert!(t["feedback"]["comment"].as_str().unwrap().starts_with("INSIGHT-otel"));
+        assert_eq!(t["metadata"]["otel"]["service_name"], "otel-acceptance");
+        assert_eq!(t["metadata"]["otel"]["output_tokens"], 7);
+    }
+
+    // Ready for a round: the worker learns from exactly these traces.
+    let res = app.post("/v1/prompts/otel-agent/rounds", json!({"batch_size": n})).send().await.unwrap();
+    assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
+    let round: Value = res.json().await.unwrap();
+    let id = round["id"].as_str().unwrap().to_owned();
+    let done = poll("the round", Duration::from_secs(60), async || {
+        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        (r["status"] == "succeeded" || r["status"] == "failed").then_some(r)
+    })
+    .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["trace_ids"].as_array().unwrap().len(), n);
+    let left: Value =
+        app.get("/v1/traces?prompt=otel-agent&status=pending").send().await.unwrap().json().await.unwrap();
+    assert!(left["traces"].as_array().unwrap().is_empty());
+}
+
+on_both_stores!(
+    protobuf_spans_become_traces,
+    json_and_gzip_are_accepted,
+    unmappable_spans_are_a_partial_success,
+    auth_is_required,
+    bad_bodies_are_problems,
+    the_python_sdk_exporter_feeds_a_round,
+);
