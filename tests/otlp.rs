@@ -132,6 +132,14 @@ async fn protobuf_spans_become_traces(b: Backend) {
     assert_eq!(res.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
     assert_eq!(proto_answer(res).await.partial_success, None);
     assert_eq!(traces(&app, "support-agent").await.len(), 2);
+
+    // The route is in the OpenAPI document with its error answers.
+    let doc: Value = app.get("/v1/openapi.json").send().await.unwrap().json().await.unwrap();
+    let op = &doc["paths"][PATH]["post"];
+    for code in ["200", "400", "401", "403", "409", "413", "415"] {
+        assert!(op["responses"][code].is_object(), "{code} missing: {op}");
+    }
+    assert!(op["requestBody"]["content"]["application/x-protobuf"].is_object(), "{op}");
 }
 
 async fn json_and_gzip_are_accepted(b: Backend) {
@@ -362,7 +370,11 @@ async fn the_python_sdk_exporter_feeds_a_round(b: Backend) {
     let base = app.base.clone();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("python3")
-            .args([script, &base, &key, "otel-agent", "2", &n.to_string()])
+            .args([script, "otel-agent", "2", &n.to_string()])
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("{base}/v1/otlp"))
+            .env("OTEL_EXPORTER_OTLP_HEADERS", format!("Authorization=Bearer%20{key}"))
+            .env("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+            .env("OTEL_EXPORTER_OTLP_TIMEOUT", "10")
             .output()
             .expect("python3 runs")
     })

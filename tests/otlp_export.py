@@ -1,7 +1,12 @@
 """Sends GenAI spans to a running combee with the real OpenTelemetry Python SDK
 and its OTLP/HTTP (protobuf) exporter, exactly as an instrumented agent would.
 
-Usage: otlp_export.py BASE_URL API_KEY PROMPT VERSION N
+Usage: otlp_export.py PROMPT VERSION N
+
+The exporter is configured only through the standard environment variables,
+as the README shows: OTEL_EXPORTER_OTLP_ENDPOINT (combee's base URL + /v1/otlp),
+OTEL_EXPORTER_OTLP_HEADERS (Authorization=Bearer%20cmb_...) and
+OTEL_EXPORTER_OTLP_COMPRESSION=gzip.
 
 Each of the N agent runs is one trace: an `invoke_agent` root span carrying the
 prompt name, version and feedback, a `chat` span with the GenAI message
@@ -15,7 +20,6 @@ import json
 import sys
 
 try:
-    from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -42,13 +46,8 @@ class RecordingExporter(OTLPSpanExporter):
 
 
 def main():
-    base, key, prompt, version, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-    exporter = RecordingExporter(
-        endpoint=f"{base}/v1/otlp/v1/traces",
-        headers={"Authorization": f"Bearer {key}"},
-        compression=Compression.Gzip,
-        timeout=10,
-    )
+    prompt, version, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    exporter = RecordingExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "otel-acceptance"}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     tracer = provider.get_tracer("combee-acceptance")

@@ -46,14 +46,14 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
 /// OTLP/HTTP export of spans (`ExportTraceServiceRequest`).
 ///
 /// Send the body as `application/x-protobuf` or `application/json` (the OTLP
-/// JSON encoding), optionally with `Content-Encoding: gzip`. The answer is an
+/// JSON encoding), optionally with `Content-Encoding: gzip` (or `deflate`). The answer is an
 /// `ExportTraceServiceResponse` in the request's encoding; `partial_success`
 /// says how many spans were rejected and why. An exporter's retry of the same
 /// request is answered from the first attempt and stores nothing twice.
 #[utoipa::path(post, path = "/v1/otlp/v1/traces", tag = "traces",
     request_body(content = Vec<u8>, description = "an OTLP `ExportTraceServiceRequest`",
         content(("application/x-protobuf"), ("application/json"))),
-    params(("Content-Encoding" = Option<String>, Header, description = "`gzip` or absent; the inflated body is held to `limits.max_body_bytes` too")),
+    params(("Content-Encoding" = Option<String>, Header, description = "`gzip`, `deflate` or absent; the inflated body is held to `limits.max_body_bytes` too")),
     responses(
         (status = 200, description = "an OTLP `ExportTraceServiceResponse` in the request's encoding, with `partial_success` when spans were rejected"),
         (status = 400, body = super::error::Problem, description = "the body is not a valid export request (bad protobuf, JSON or gzip)"),
@@ -72,7 +72,9 @@ pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Requ
         None => None,
         Some(v) => Some(
             v.to_str()
-                .map_err(|_| ApiError::UnsupportedMediaType("`Content-Encoding` must be `gzip` or absent".into()))?
+                .map_err(|_| {
+                    ApiError::UnsupportedMediaType("`Content-Encoding` must be `gzip`, `deflate` or absent".into())
+                })?
                 .to_owned(),
         ),
     };

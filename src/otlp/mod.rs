@@ -56,12 +56,12 @@ pub enum DecodeError {
         .0.as_ref().map(|c| format!(" (got `{c}`)")).unwrap_or_default()
     )]
     ContentType(Option<String>),
-    #[error("unsupported `Content-Encoding: {0}`; send the body uncompressed or as `gzip`")]
+    #[error("unsupported `Content-Encoding: {0}`; send the body uncompressed, `gzip` or `deflate`")]
     ContentEncoding(String),
     #[error("the decompressed body exceeds {limit} bytes (`limits.max_body_bytes`)")]
     TooLarge { limit: usize },
-    #[error("the body is not valid gzip: {0}")]
-    Gzip(String),
+    #[error("the body is not valid {format}: {reason}")]
+    Compressed { format: &'static str, reason: String },
     #[error("the body is not an OTLP ExportTraceServiceRequest in protobuf: {0}")]
     Protobuf(String),
     #[error("the body is not an OTLP ExportTraceServiceRequest in the OTLP JSON encoding: {0}")]
@@ -90,8 +90,8 @@ fn clip(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
-/// Undoes `Content-Encoding` (absent, `identity` or `gzip`), refusing to
-/// inflate past `limit` bytes (a small gzip body can expand enormously).
+/// Undoes `Content-Encoding` (absent, `identity`, `gzip` or `deflate`), refusing
+/// to inflate past `limit` bytes (a small compressed body can expand enormously).
 pub fn decompress(encoding: Option<&str>, body: &[u8], limit: usize) -> Result<Vec<u8>, DecodeError> {
     let encoding = encoding.map(|e| e.trim().to_ascii_lowercase());
     match encoding.as_deref() {
@@ -101,19 +101,23 @@ pub fn decompress(encoding: Option<&str>, body: &[u8], limit: usize) -> Result<V
             }
             Ok(body.to_vec())
         }
-        Some("gzip") | Some("x-gzip") => {
-            let mut out = Vec::with_capacity(body.len().saturating_mul(4).min(limit));
-            flate2::read::GzDecoder::new(body)
-                .take(limit as u64 + 1)
-                .read_to_end(&mut out)
-                .map_err(|e| DecodeError::Gzip(clip(&e.to_string(), 200)))?;
-            if out.len() > limit {
-                return Err(DecodeError::TooLarge { limit });
-            }
-            Ok(out)
-        }
+        Some("gzip") | Some("x-gzip") => inflate(flate2::read::GzDecoder::new(body), "gzip", limit),
+        // HTTP's `deflate` is the zlib format (RFC 9110), which exporters send.
+        Some("deflate") => inflate(flate2::read::ZlibDecoder::new(body), "deflate", limit),
         Some(other) => Err(DecodeError::ContentEncoding(clip(other, 40))),
     }
+}
+
+fn inflate(decoder: impl Read, format: &'static str, limit: usize) -> Result<Vec<u8>, DecodeError> {
+    let mut out = Vec::new();
+    decoder
+        .take(limit as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| DecodeError::Compressed { format, reason: clip(&e.to_string(), 200) })?;
+    if out.len() > limit {
+        return Err(DecodeError::TooLarge { limit });
+    }
+    Ok(out)
 }
 
 /// Decodes an (already decompressed) export request.
@@ -173,7 +177,13 @@ mod tests {
         assert!(small.len() < 200, "a bomb-like body compresses well");
         assert_eq!(decompress(Some("gzip"), &small, 10_000).unwrap().len(), 10_000);
         assert_eq!(decompress(Some("GZIP"), &small, 9_999), Err(DecodeError::TooLarge { limit: 9_999 }));
-        assert!(matches!(decompress(Some("gzip"), b"not gzip", 100), Err(DecodeError::Gzip(_))));
+        assert!(matches!(
+            decompress(Some("gzip"), b"not gzip", 100),
+            Err(DecodeError::Compressed { format: "gzip", .. })
+        ));
+        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        z.write_all(b"hello").unwrap();
+        assert_eq!(decompress(Some("deflate"), &z.finish().unwrap(), 5).unwrap(), b"hello");
         assert!(decompress(Some("br"), b"x", 100).unwrap_err().is_media_type());
         assert_eq!(decompress(None, b"xyz", 3).unwrap(), b"xyz");
         assert!(decompress(Some("identity"), b"xyz", 2).unwrap_err().is_size());
