@@ -126,6 +126,7 @@ async fn protobuf_spans_become_traces(b: Backend) {
     assert_eq!(t["output"], json!([{"role": "assistant", "content": "answer 1"}]));
     assert_eq!(t["trajectory"].as_array().unwrap().len(), 2);
     assert_eq!(t["metadata"]["otel"]["service_name"], "test-agent");
+    assert_eq!(t["metadata"]["otel"]["start_time"], "2023-11-14T22:13:20.000000Z");
 
     // An exporter retry of the same request stores nothing twice.
     let res = post_raw(&app, "application/x-protobuf", body).send().await.unwrap();

@@ -51,6 +51,8 @@ pub mod attr {
     pub const LEGACY_INPUT_TOKENS: &str = "gen_ai.usage.prompt_tokens";
     pub const LEGACY_OUTPUT_TOKENS: &str = "gen_ai.usage.completion_tokens";
     pub const SERVICE_NAME: &str = "service.name";
+    pub const CONVERSATION_ID: &str = "gen_ai.conversation.id";
+    pub const AGENT_NAME: &str = "gen_ai.agent.name";
 }
 
 /// Span events that carry one message each (the event-based GenAI conventions).
@@ -525,6 +527,13 @@ fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -
     if let Some(service) = service {
         otel.insert("service_name".into(), Value::String(service));
     }
+    let start = chrono::DateTime::from_timestamp_nanos(i64::try_from(trace_start).unwrap_or(i64::MAX));
+    otel.insert("start_time".into(), Value::String(start.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)));
+    for (name, key) in [("conversation_id", attr::CONVERSATION_ID), ("agent_name", attr::AGENT_NAME)] {
+        if let Some(v) = spans.iter().find_map(|s| get(&s.span.attributes, key)) {
+            otel.insert(name.into(), any_to_json(v, 0));
+        }
+    }
     if let Some(t) = input_tokens {
         otel.insert("input_tokens".into(), json!(t));
     }
@@ -640,6 +649,7 @@ mod tests {
                 kv(attr::FEEDBACK_SCORE, Any::DoubleValue(0.25)),
                 kv(attr::FEEDBACK_SUCCESS, Any::BoolValue(false)),
                 s(attr::FEEDBACK_COMMENT, "too slow"),
+                s(attr::CONVERSATION_ID, "conv-9"),
             ],
         );
         let t = one(map_request(&request(vec![s("service.name", "shop")], vec![tool, chat, root]), LIMITS));
@@ -671,6 +681,8 @@ mod tests {
         assert_eq!(otel["duration_ms"], 5.0);
         assert_eq!(otel["spans"], 3);
         assert_eq!(otel["models"], json!(["gpt-x"]));
+        assert_eq!(otel["start_time"], "1970-01-01T00:00:00.000000Z");
+        assert_eq!(otel["conversation_id"], "conv-9");
     }
 
     #[test]
