@@ -134,10 +134,33 @@ async fn protobuf_spans_become_traces(b: Backend) {
     assert_eq!(proto_answer(res).await.partial_success, None);
     assert_eq!(traces(&app, "support-agent").await.len(), 2);
 
+    // While an identical export is in flight, a retry is told to come back
+    // (503 + Retry-After, which exporters retry), then processed once it is free.
+    let third = export(agent_run(3, "support-agent", 1)).encode_to_vec();
+    let keys: Value = app.get("/v1/keys").send().await.unwrap().json().await.unwrap();
+    let admin = keys["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| app.admin_key.starts_with(k["prefix"].as_str().unwrap()))
+        .expect("the admin key is listed");
+    let owner: uuid::Uuid = admin["id"].as_str().unwrap().parse().unwrap();
+    let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&third));
+    let key = format!("otlp:protobuf:{hash}");
+    let begun = app.store.idempotency_begin(owner, &key, &hash).await.unwrap();
+    assert!(matches!(begun, combee::store::IdempotencyBegin::Started));
+    let res = post_raw(&app, "application/x-protobuf", third.clone()).send().await.unwrap();
+    assert_eq!(res.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+    expect_problem(res, 503).await;
+    app.store.idempotency_abort(owner, &key).await.unwrap();
+    let res = post_raw(&app, "application/x-protobuf", third).send().await.unwrap();
+    assert_eq!(proto_answer(res).await.partial_success, None);
+    assert_eq!(traces(&app, "support-agent").await.len(), 3);
+
     // The route is in the OpenAPI document with its error answers.
     let doc: Value = app.get("/v1/openapi.json").send().await.unwrap().json().await.unwrap();
     let op = &doc["paths"][PATH]["post"];
-    for code in ["200", "400", "401", "403", "409", "413", "415"] {
+    for code in ["200", "400", "401", "403", "413", "415", "503"] {
         assert!(op["responses"][code].is_object(), "{code} missing: {op}");
     }
     assert!(op["requestBody"]["content"]["application/x-protobuf"].is_object(), "{op}");

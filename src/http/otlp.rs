@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use super::{
     AppState,
-    error::{ApiError, ApiResult},
+    error::{ApiError, ApiResult, Problem},
     extract::{Caller, body_bytes},
     traces::limits,
 };
@@ -58,9 +58,9 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
         (status = 200, description = "an OTLP `ExportTraceServiceResponse` in the request's encoding, with `partial_success` when spans were rejected"),
         (status = 400, body = super::error::Problem, description = "the body is not a valid export request (bad protobuf, JSON or gzip)"),
         (status = 401, body = super::error::Problem), (status = 403, body = super::error::Problem),
-        (status = 409, body = super::error::Problem, description = "the same export is still being processed"),
         (status = 413, body = super::error::Problem, description = "the body (or inflated body) exceeds `limits.max_body_bytes`, or more than `limits.max_traces_per_batch` trace ids"),
         (status = 415, body = super::error::Problem, description = "neither protobuf nor JSON, or an unsupported `Content-Encoding`"),
+        (status = 503, body = super::error::Problem, description = "the same export is still being processed (`Retry-After: 1`), or the store is unavailable"),
     ),
     security(("bearer" = ["traces:write"])))]
 pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
@@ -94,9 +94,7 @@ pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Requ
             res.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(res)
         }
-        IdempotencyBegin::InFlight | IdempotencyBegin::Mismatch => {
-            Err(ApiError::Conflict("the same export is still being processed; retry later".into()))
-        }
+        IdempotencyBegin::InFlight | IdempotencyBegin::Mismatch => Ok(still_in_flight()),
         IdempotencyBegin::Started => match ingest(&st, encoding, &request).await {
             Ok(answer) => {
                 st.store.idempotency_finish(owner, &key, StatusCode::OK.as_u16(), &answer).await?;
@@ -110,6 +108,23 @@ pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Requ
             }
         },
     }
+}
+
+/// 503 with `Retry-After`: OTLP exporters retry 503 (not 409), and the retry
+/// then gets the first attempt's answer — or, if that attempt failed, is
+/// processed afresh — so no spans are dropped.
+fn still_in_flight() -> Response {
+    let problem = Problem {
+        kind: "urn:combee:problem:in-flight".into(),
+        title: "Service Unavailable".into(),
+        status: StatusCode::SERVICE_UNAVAILABLE.as_u16(),
+        detail: "the same export is still being processed; retry shortly".into(),
+    };
+    let mut res = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(problem)).into_response();
+    let h = res.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    res
 }
 
 /// Maps, checks the prompts against the store, stores what is left in one
@@ -150,12 +165,12 @@ async fn ingest(
             None => accepted.push(t),
         }
     }
-    let traces: Vec<_> = accepted.iter().map(|t| t.trace.clone()).collect();
+    let accepted_spans: usize = accepted.iter().map(|t| t.spans).sum();
+    let traces: Vec<_> = accepted.into_iter().map(|t| t.trace).collect();
     if !traces.is_empty() {
         st.store.insert_traces(&traces).await?;
     }
     let rejected_spans = mapping.rejected_spans();
-    let accepted_spans: usize = accepted.iter().map(|t| t.spans).sum();
     metrics::counter!("combee_traces_ingested_total").increment(traces.len() as u64);
     metrics::counter!("combee_otlp_spans_total", "outcome" => "accepted").increment(accepted_spans as u64);
     metrics::counter!("combee_otlp_spans_total", "outcome" => "rejected").increment(rejected_spans as u64);
