@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple, Union
 from urllib.parse import quote
 
@@ -117,6 +117,7 @@ class PromptCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
+                entry.prompt = replace(entry.prompt, source="server")
                 entry.fresh_until = now + self.ttl
                 entry.revalidating = False
 
@@ -126,6 +127,7 @@ class PromptCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
+                entry.prompt = replace(entry.prompt, source="stale")
                 entry.fresh_until = now + min(self.ttl, 1.0)
                 entry.revalidating = False
 

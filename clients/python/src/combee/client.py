@@ -7,6 +7,7 @@ import atexit
 import threading
 import time
 import weakref
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Optional, Union
 
@@ -46,7 +47,7 @@ def serve_from_cache_or_fallback(key: CacheKey, cache: PromptCache, fallback: Op
     if entry is not None:
         log.warning("combee unavailable (%s): serving the last known version %s of %r", why, entry.prompt.version, name)
         p = entry.prompt
-        return Prompt(p.name, p.text, p.version, p.label, p.labels, p.arm, "cache", p.content_hash, p.subject, p.raw)
+        return replace(p, source="stale")
     if fallback is not None:
         log.warning("combee unavailable (%s): serving the fallback text for %r", why, name)
         return Prompt(name, fallback, None, label, (), None, "fallback", None, subject)
@@ -185,7 +186,7 @@ class Combee(TraceRecorder):
         (name, label, subject). Within ``cache_ttl`` no request is made; after
         it the cached prompt is returned and revalidated in the background.
         When the server is unreachable or answers 5xx/429: the last known text
-        (``source == "cache"``), else ``fallback`` (``source == "fallback"``,
+        (``source == "stale"``), else ``fallback`` (``source == "fallback"``,
         ``version is None``), else :class:`CombeeUnavailable`. A 4xx on a first
         fetch (unknown prompt, bad key) raises :class:`CombeeAPIError`.
         """

@@ -38,9 +38,10 @@ class Prompt:
     """A prompt as served to an agent.
 
     ``version`` is ``None`` only for a ``fallback`` (``source == "fallback"``);
-    ``source`` is ``"server"`` for a fresh or revalidated answer, ``"cache"``
-    when the server could not be reached and the last known text was served,
-    and ``"fallback"`` when the caller's fallback text was used.
+    ``source`` is ``"server"`` while the server's answer is fresh or was
+    confirmed by the last revalidation, ``"stale"`` when the last attempt to
+    reach the server failed and the last known text is served, and
+    ``"fallback"`` when the caller's fallback text was used.
     """
 
     name: str
