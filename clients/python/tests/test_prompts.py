@@ -66,14 +66,19 @@ def test_server_down_serves_the_last_known_text(server: CombeeServer) -> None:
         assert client.get_prompt("support-agent").source == "server"
 
 
-def test_no_server_and_no_cache_gives_the_fallback_else_a_clear_error() -> None:
+def test_no_server_and_no_cache_gives_the_fallback_else_a_clear_error(requests_log: RequestLog) -> None:
     nobody = f"http://127.0.0.1:{free_port()}"
-    with Combee(nobody, "cmb_unused", timeout=1) as client:
+    with Combee(nobody, "cmb_unused", timeout=1, http_client=requests_log.client()) as client:
         p = client.get_prompt("support-agent", fallback="You are a helpful agent for {product}.")
         assert (p.text, p.version, p.source, p.arm) == ("You are a helpful agent for {product}.", None, "fallback", None)
         assert p.compile(product="Acme") == "You are a helpful agent for Acme."
+        # Right after a failure the fallback comes back without waiting on the server again.
+        assert client.get_prompt("support-agent", fallback="again").text == "again"
+        assert len(requests_log.matching("GET", "/v1/prompts/")) == 1
         with pytest.raises(CombeeUnavailable, match="support-agent"):
             client.get_prompt("support-agent")
+    with Combee(nobody, "cmb_unused", timeout=1) as client, pytest.raises(CombeeUnavailable, match="no cached text and no fallback"):
+        client.get_prompt("support-agent", label="candidate")
 
 
 def test_subjects_are_sent_and_cached_apart(server: CombeeServer, requests_log: RequestLog) -> None:

@@ -28,6 +28,11 @@ USER_AGENT = "combee-python/0.1.0"
 
 CacheKey = Tuple[str, Optional[str], Optional[str]]
 
+# After a failed request for a prompt, how long calls are answered from the
+# cache or the fallback without asking the server again (so an agent whose
+# server is down does not pay a timeout on every call).
+UNAVAILABLE_RETRY_SECS = 1.0
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -94,6 +99,7 @@ class PromptCache:
         self.ttl = ttl
         self._lock = threading.Lock()
         self._entries: Dict[CacheKey, CacheEntry] = {}
+        self._unavailable_until: Dict[CacheKey, float] = {}
 
     def lookup(self, key: CacheKey, now: float) -> Tuple[Optional[CacheEntry], bool]:
         """The entry, and whether the caller must start a revalidation (at most
@@ -112,6 +118,16 @@ class PromptCache:
     def store(self, key: CacheKey, prompt: Prompt, etag: Optional[str], now: float) -> None:
         with self._lock:
             self._entries[key] = CacheEntry(prompt, etag, now + self.ttl)
+            self._unavailable_until.pop(key, None)
+
+    def fetch_failed(self, key: CacheKey, now: float) -> None:
+        """A first fetch failed: do not ask again for a moment."""
+        with self._lock:
+            self._unavailable_until[key] = now + UNAVAILABLE_RETRY_SECS
+
+    def recently_unavailable(self, key: CacheKey, now: float) -> bool:
+        with self._lock:
+            return now < self._unavailable_until.get(key, 0.0)
 
     def not_modified(self, key: CacheKey, now: float) -> None:
         with self._lock:
@@ -128,7 +144,7 @@ class PromptCache:
             entry = self._entries.get(key)
             if entry is not None:
                 entry.prompt = replace(entry.prompt, source="stale")
-                entry.fresh_until = now + min(self.ttl, 1.0)
+                entry.fresh_until = now + UNAVAILABLE_RETRY_SECS
                 entry.revalidating = False
 
     def latest_for(self, name: str) -> Optional[Prompt]:

@@ -87,6 +87,8 @@ class AsyncCombee(TraceRecorder):
             if revalidate:
                 self._spawn(self._revalidate(key, entry.etag))
             return entry.prompt
+        if self._cache.recently_unavailable(key, time.monotonic()):
+            return serve_from_cache_or_fallback(key, self._cache, fallback, "it failed moments ago")
         return await self._fetch(key, fallback)
 
     def _spawn(self, coro: Any) -> None:
@@ -100,16 +102,16 @@ class AsyncCombee(TraceRecorder):
         try:
             res = await self._http.get(path, params=params, headers=headers)
         except httpx.TransportError as e:
-            return serve_from_cache_or_fallback(key, self._cache, fallback, type(e).__name__)
+            return serve_from_cache_or_fallback(key, self._cache, fallback, type(e).__name__, time.monotonic())
         if res.status_code == 200:
             try:
                 prompt = parse_prompt(res.content, label, subject)
             except ValueError as e:
-                return serve_from_cache_or_fallback(key, self._cache, fallback, f"unreadable answer: {e}")
+                return serve_from_cache_or_fallback(key, self._cache, fallback, f"unreadable answer: {e}", time.monotonic())
             self._cache.store(key, prompt, res.headers.get("etag"), time.monotonic())
             return prompt
         if is_unavailable(res.status_code):
-            return serve_from_cache_or_fallback(key, self._cache, fallback, f"HTTP {res.status_code}")
+            return serve_from_cache_or_fallback(key, self._cache, fallback, f"HTTP {res.status_code}", time.monotonic())
         raise api_error(res.status_code, res.content)
 
     async def _revalidate(self, key: CacheKey, etag: Optional[str]) -> None:
@@ -137,11 +139,15 @@ class AsyncCombee(TraceRecorder):
         if loop is None or ev is None or loop.is_closed():
             return
         try:
-            if threading.get_ident() == getattr(loop, "_thread_id", None):
+            running: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            if running is loop:
                 ev.set()
             else:
                 loop.call_soon_threadsafe(ev.set)
-        except RuntimeError:
+        except RuntimeError:  # the loop closed meanwhile
             pass
 
     def _ensure_sender(self) -> None:

@@ -39,10 +39,14 @@ from .prompt import Prompt
 _TRANSPORT_ERRORS = (httpx.TransportError,)
 
 
-def serve_from_cache_or_fallback(key: CacheKey, cache: PromptCache, fallback: Optional[str], why: str) -> Prompt:
+def serve_from_cache_or_fallback(key: CacheKey, cache: PromptCache, fallback: Optional[str], why: str, now: Optional[float] = None) -> Prompt:
     """What ``get_prompt`` answers when the server cannot: the last known text,
-    else the caller's fallback, else :class:`CombeeUnavailable`."""
+    else the caller's fallback, else :class:`CombeeUnavailable`. With ``now``,
+    the failure is remembered so the next calls for a moment do not wait for
+    the server again."""
     name, label, subject = key
+    if now is not None:
+        cache.fetch_failed(key, now)
     entry = cache.get(key)
     if entry is not None:
         log.warning("combee unavailable (%s): serving the last known version %s of %r", why, entry.prompt.version, name)
@@ -199,6 +203,8 @@ class Combee(TraceRecorder):
                 except RuntimeError:  # closed
                     self._cache.revalidation_failed(key, time.monotonic())
             return entry.prompt
+        if self._cache.recently_unavailable(key, time.monotonic()):
+            return serve_from_cache_or_fallback(key, self._cache, fallback, "it failed moments ago")
         return self._fetch(key, fallback)
 
     def _fetch(self, key: CacheKey, fallback: Optional[str]) -> Prompt:
@@ -207,16 +213,16 @@ class Combee(TraceRecorder):
         try:
             res = self._http.get(path, params=params, headers=headers)
         except _TRANSPORT_ERRORS as e:
-            return serve_from_cache_or_fallback(key, self._cache, fallback, type(e).__name__)
+            return serve_from_cache_or_fallback(key, self._cache, fallback, type(e).__name__, time.monotonic())
         if res.status_code == 200:
             try:
                 prompt = parse_prompt(res.content, label, subject)
             except ValueError as e:
-                return serve_from_cache_or_fallback(key, self._cache, fallback, f"unreadable answer: {e}")
+                return serve_from_cache_or_fallback(key, self._cache, fallback, f"unreadable answer: {e}", time.monotonic())
             self._cache.store(key, prompt, res.headers.get("etag"), time.monotonic())
             return prompt
         if is_unavailable(res.status_code):
-            return serve_from_cache_or_fallback(key, self._cache, fallback, f"HTTP {res.status_code}")
+            return serve_from_cache_or_fallback(key, self._cache, fallback, f"HTTP {res.status_code}", time.monotonic())
         raise api_error(res.status_code, res.content)
 
     def _revalidate(self, key: CacheKey, etag: Optional[str]) -> None:
