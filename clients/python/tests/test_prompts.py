@@ -4,6 +4,7 @@ the server is down — against the real server."""
 from __future__ import annotations
 
 import json
+from typing import Any, Dict, List
 
 import pytest
 
@@ -36,7 +37,10 @@ def test_stale_prompt_is_revalidated_with_its_etag_and_304_keeps_it(server: Comb
         assert client.get_prompt("support-agent").version == 1
         # Stale at once (TTL 0): the cached text comes back and a revalidation starts.
         assert client.get_prompt("support-agent").version == 1
-        gets = lambda: requests_log.matching("GET", "/v1/prompts/")  # noqa: E731
+
+        def gets() -> List[Dict[str, Any]]:
+            return requests_log.matching("GET", "/v1/prompts/")
+
         revalidation = wait_until(lambda: [e for e in gets()[1:] if e["status"] is not None], what="the revalidation")[0]
         assert revalidation["headers"]["if-none-match"] == etag
         assert revalidation["status"] == 304

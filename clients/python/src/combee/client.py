@@ -304,7 +304,7 @@ class Combee(TraceRecorder):
         the sender and closes the connections. Idempotent."""
         if self._closed:
             return
-        ok = self.flush(self.settings.close_timeout if timeout is None else timeout)
+        self.flush(self.settings.close_timeout if timeout is None else timeout)
         self._closed = True
         with self._outbox.cond:
             self._outbox.closing = True
@@ -313,7 +313,7 @@ class Combee(TraceRecorder):
         if self._sender is not None:
             self._sender.join(timeout=self.settings.timeout + 1)
         lost = self._outbox.abandon()
-        if not ok or lost:
+        if lost:
             log.warning("combee closed before everything was sent: %d queued traces lost", lost)
         self._revalidator.shutdown(wait=False)
         self._http.close()
