@@ -220,3 +220,18 @@ def test_bad_calls_fail_at_the_call_site(server: CombeeServer) -> None:
         Combee("localhost:8080")
 
 
+
+
+def test_values_json_cannot_carry_do_not_sink_a_batch(server: CombeeServer) -> None:
+    server.create_prompt("support-agent", "You are a support agent.")
+    client = Combee(server.url, server.admin_key, flush_interval=60)
+    odd = client.log_trace("support-agent", {"x": float("nan"), "when": time}, [float("inf"), 1.5])
+    plain = client.log_trace("support-agent", {"x": 1})
+    assert client.flush(timeout=10)
+    assert (odd.status, plain.status) == ("stored", "stored")
+    t = server.api("GET", f"/v1/traces/{odd.id}").json()
+    assert t["input"]["x"] == "nan" and t["input"]["when"].startswith("<module 'time'")
+    assert t["output"] == ["inf", 1.5]
+    client.close()
+    late = client.log_trace("support-agent", {"x": 2})
+    assert late.status == "dropped"

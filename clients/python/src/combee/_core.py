@@ -264,8 +264,23 @@ class TraceHandle:
 
 def json_safe(value: Any) -> Any:
     """A deep, JSON-encodable copy taken now (later mutation by the agent does
-    not change what is sent); unknown objects become their ``str``."""
-    return json.loads(json.dumps(value, default=str))
+    not change what is sent); unknown objects become their ``str``, and NaN
+    and infinities (not JSON: the server would refuse the whole batch) their
+    ``str`` too."""
+    try:
+        return json.loads(json.dumps(value, default=str, allow_nan=False))
+    except ValueError:
+        return _finite(json.loads(json.dumps(value, default=str)))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
 
 
 FEEDBACK_FIELDS = ("score", "success", "ground_truth", "comment", "error")
@@ -458,6 +473,10 @@ class Outbox:
 
     def put_trace(self, t: PendingTrace) -> bool:
         with self.cond:
+            if self.closing:
+                log.warning("combee client is closed: dropping trace %s", t.handle.external_id)
+                t.handle._dropped()
+                return False
             if len(self.traces) >= self.max_queue:
                 self.stats.dropped_queue_full += 1
                 if not self._warned_full:
@@ -476,6 +495,9 @@ class Outbox:
 
     def put_feedback(self, f: PendingFeedback) -> bool:
         with self.cond:
+            if self.closing:
+                log.warning("combee client is closed: dropping feedback")
+                return False
             if len(self.feedback) >= self.max_queue:
                 self.stats.feedback_dropped += 1
                 log.warning("combee feedback queue is full: dropping feedback")
