@@ -45,15 +45,16 @@ def serve_from_cache_or_fallback(key: CacheKey, cache: PromptCache, fallback: Op
     the failure is remembered so the next calls for a moment do not wait for
     the server again."""
     name, label, subject = key
+    # Log the failed request itself, not every call answered in its shadow.
+    warn = log.warning if now is not None else log.debug
     if now is not None:
         cache.fetch_failed(key, now)
     entry = cache.get(key)
     if entry is not None:
-        log.warning("combee unavailable (%s): serving the last known version %s of %r", why, entry.prompt.version, name)
-        p = entry.prompt
-        return replace(p, source="stale")
+        warn("combee unavailable (%s): serving the last known version %s of %r", why, entry.prompt.version, name)
+        return replace(entry.prompt, source="stale")
     if fallback is not None:
-        log.warning("combee unavailable (%s): serving the fallback text for %r", why, name)
+        warn("combee unavailable (%s): serving the fallback text for %r", why, name)
         return Prompt(name, fallback, None, label, (), None, "fallback", None, subject)
     raise CombeeUnavailable(f"cannot get prompt {name!r} ({why}); no cached text and no fallback")
 
