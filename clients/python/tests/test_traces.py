@@ -235,3 +235,25 @@ def test_values_json_cannot_carry_do_not_sink_a_batch(server: CombeeServer) -> N
     client.close()
     late = client.log_trace("support-agent", {"x": 2})
     assert late.status == "dropped"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_worker_sends_its_own_traces_and_not_its_parents(server: CombeeServer) -> None:
+    server.create_prompt("support-agent", "You are a support agent.")
+    client = Combee(server.url, server.admin_key, flush_interval=60)
+    assert client.get_prompt("support-agent").version == 1
+    client.log_trace("support-agent", {"who": "parent"}, external_id="parent-1")  # queued at fork time
+    pid = os.fork()
+    if pid == 0:  # the child: like a gunicorn worker forked after the client was made
+        code = 1
+        try:
+            assert client.get_prompt("support-agent").version == 1
+            h = client.log_trace("support-agent", {"who": "child"}, external_id="child-1")
+            code = 0 if client.flush(timeout=10) and h.status == "stored" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client.flush(timeout=10)
+    client.close()
+    assert stored_external_ids(server, "support-agent") == Counter({"parent-1": 1, "child-1": 1})

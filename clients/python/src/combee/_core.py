@@ -101,6 +101,13 @@ class PromptCache:
         self._entries: Dict[CacheKey, CacheEntry] = {}
         self._unavailable_until: Dict[CacheKey, float] = {}
 
+    def after_fork(self) -> None:
+        """In a forked child: the lock may have been held by a thread that does
+        not exist here, and so may revalidations marked as running."""
+        self._lock = threading.Lock()
+        for entry in self._entries.values():
+            entry.revalidating = False
+
     def lookup(self, key: CacheKey, now: float) -> Tuple[Optional[CacheEntry], bool]:
         """The entry, and whether the caller must start a revalidation (at most
         one runs per key)."""

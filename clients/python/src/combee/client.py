@@ -4,6 +4,8 @@ revalidated in the background; traces leave through a background thread."""
 from __future__ import annotations
 
 import atexit
+import functools
+import os
 import threading
 import time
 import weakref
@@ -168,18 +170,37 @@ class Combee(TraceRecorder):
         http_client: Optional[httpx.Client] = None,
     ) -> None:
         self.settings = Settings.resolve(base_url, api_key, cache_ttl, timeout, batch_size, flush_interval, max_queue, max_backoff, close_timeout)
-        self._http = http_client or httpx.Client()
-        self._http.base_url = httpx.URL(self.settings.base_url)
-        self._http.headers.update(self.settings.headers())
-        self._http.timeout = httpx.Timeout(self.settings.timeout)
+        self._own_http = http_client is None
+        self._http = self._configure(http_client or httpx.Client())
         self._cache = PromptCache(self.settings.cache_ttl)
+        self._closed = False
+        self._start_fresh()
+        atexit.register(_close_at_exit, weakref.ref(self))
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=functools.partial(_reset_in_child, weakref.ref(self)))
+
+    def _configure(self, http: httpx.Client) -> httpx.Client:
+        http.base_url = httpx.URL(self.settings.base_url)
+        http.headers.update(self.settings.headers())
+        http.timeout = httpx.Timeout(self.settings.timeout)
+        return http
+
+    def _start_fresh(self) -> None:
+        """The per-process parts: queue, sender, revalidation threads."""
         self._revalidator = ThreadPoolExecutor(max_workers=2, thread_name_prefix="combee-revalidate")
         self._outbox = Outbox(self.settings.batch_size, self.settings.flush_interval, self.settings.max_queue)
         self._sender: Optional[threading.Thread] = None
         self._sender_lock = threading.Lock()
         self._give_up = threading.Event()
-        self._closed = False
-        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _after_fork_in_child(self) -> None:
+        # A forked worker (gunicorn, multiprocessing) inherits the parent's
+        # queue, whose traces the parent sends, but not its threads; and
+        # must not share the parent's sockets.
+        self._start_fresh()
+        self._cache.after_fork()
+        if self._own_http:
+            self._http = self._configure(httpx.Client())
 
     # ------------------------------------------------------------ prompts
 
@@ -324,6 +345,12 @@ class Combee(TraceRecorder):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _reset_in_child(ref: "weakref.ReferenceType[Combee]") -> None:
+    client = ref()
+    if client is not None and not client._closed:
+        client._after_fork_in_child()
 
 
 def _close_at_exit(ref: "weakref.ReferenceType[Combee]") -> None:
