@@ -11,7 +11,9 @@
 //!   group; a repeat inside one call buys nothing but tokens.
 //! - A trace whose reflector call fails for good (an invalid answer after the
 //!   corrective retry) is left out of the round and listed in
-//!   [`RoundOutcome::unreflected`]; one bad trace must not block a prompt forever.
+//!   [`RoundOutcome::unreflected`] (and in the journal); one bad trace must not
+//!   block a prompt forever. It is not consumed: the worker returns it to pending
+//!   with one attempt charged — its own failure — so its lesson is not lost.
 //!   A transient failure (backend down, timeouts, 429) fails the whole round as
 //!   retryable, after the reflections already obtained have been saved.
 
@@ -315,7 +317,10 @@ async fn map_phase(
             Some(Err(e)) if e.is_retryable() => {
                 transient.get_or_insert(e);
             }
-            Some(Err(e)) => unreflected.push(Unreflected { trace_id: traces[i].id, error: e.to_string() }),
+            Some(Err(e)) => {
+                journal.record_unreflected(traces[i].id, &e.to_string()).await?;
+                unreflected.push(Unreflected { trace_id: traces[i].id, error: e.to_string() });
+            }
         }
     }
     if let Some(e) = transient {

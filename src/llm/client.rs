@@ -633,7 +633,9 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let mut fillers = Vec::new();
         for _ in 0..4 {
-            if let Ok(Ok(s)) = tokio::time::timeout(Duration::from_millis(200), tokio::net::TcpStream::connect(addr)).await {
+            if let Ok(Ok(s)) =
+                tokio::time::timeout(Duration::from_millis(200), tokio::net::TcpStream::connect(addr)).await
+            {
                 fillers.push(s);
             }
         }
