@@ -1251,6 +1251,8 @@ impl Store for SqliteStore {
         Ok(n == 1)
     }
 
+    // One fenced transaction needs all of these; a wrapper struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
     async fn publish_round(
         &self,
         round: Uuid,
