@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use combee::llm::sim::SimConfig;
+use combee::llm::sim::{CapacityModel, SimConfig};
 use common::{Backend, TestApp, expect_problem, learning, spawn_app_with, spawn_sim};
 use serde_json::{Value, json};
 
@@ -87,7 +87,14 @@ async fn learn(app: &TestApp, name: &str, strategy: &str, method: &str, p: u32) 
 }
 
 fn sim() -> SimConfig {
-    SimConfig { seed: 7, capacity_k: 12, digest_reflections: 12, ..SimConfig::default() }
+    // The hard capacity model: these tests count exactly which insights survive.
+    SimConfig {
+        seed: 7,
+        capacity_model: CapacityModel::Hard,
+        capacity_k: 12,
+        digest_reflections: 12,
+        ..SimConfig::default()
+    }
 }
 
 async fn combee_keeps_what_naive_loses(b: Backend, strategy: &str) {
