@@ -47,9 +47,12 @@
 //!   the trace (not of the current prompt), or a generic insight when there is none;
 //!   its `bullet_tags` tag each `[b-NNNN]` named in the trace's trajectory that is a
 //!   bullet of the current playbook, helpful when the feedback says
-//!   `"success": true`, harmful otherwise. aggregate-playbook and
-//!   consolidate-playbook: one `ADD` to section `insights` per kept new insight
-//!   (content = the marker); insights already in the current prompt are not new.
+//!   `"success": true`, harmful otherwise. aggregate-playbook: one `ADD` to
+//!   section `insights` per kept new insight (content = the marker); insights
+//!   already in the current prompt are not new. consolidate-playbook (decisions
+//!   by op id): `drop` for ops whose insights are all in the current prompt,
+//!   `merge` for ADDs sharing an insight (the merged text holds the kept markers),
+//!   nothing for every other op, which therefore passes through.
 //!   aggregate-rewrite and merge-rewrite: the current prompt text followed by a
 //!   bullet list of the kept new insights. Any other request gets a fixed JSON note.
 //!
@@ -75,6 +78,7 @@ use sha2::{Digest, Sha256};
 use super::client::estimate_tokens;
 use super::protocol::{InstructionAnswer, OperationsAnswer, Task};
 use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
+use crate::learn::level2::{Action, Decision, DecisionsAnswer};
 
 /// Which capacity model the simulated aggregator follows (see the module doc). [simulation]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -602,7 +606,8 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
             serde_json::to_string(&OperationsAnswer { operations: adds(kept("untrusted-reflections")) })
         }
         Some(Task::ConsolidatePlaybook) => {
-            serde_json::to_string(&OperationsAnswer { operations: adds(kept("untrusted-operations")) })
+            let body = fenced(user, "untrusted-operations").map_or("", |(_, body)| body);
+            serde_json::to_string(&consolidation_decisions(cfg, seed, &digest, body, &present))
         }
         Some(Task::AggregateRewrite) => {
             serde_json::to_string(&InstructionAnswer { instruction: with_bullets(kept("untrusted-reflections")) })
@@ -613,6 +618,92 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
         None => Ok(r#"{"simulated": true, "note": "not a combee prompt"}"#.to_owned()),
     };
     (task, text.unwrap_or_default())
+}
+
+/// The consolidation answer: decisions only, by op id. Ops whose insights are all
+/// in the current prompt already are dropped; ops that share an insight are
+/// merged, and the merged text — the only new text the call writes — goes
+/// through the capacity model (m = the distinct new insights of all merge texts).
+/// Every other op is not mentioned, so it passes through unchanged.
+fn consolidation_decisions(
+    cfg: &SimConfig,
+    seed: u64,
+    digest: &[u8; 32],
+    body: &str,
+    present: &HashSet<String>,
+) -> DecisionsAnswer {
+    // `o3 | ADD | section | content` lines.
+    let ops: Vec<(String, String, Vec<Insight>)> = body
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.splitn(3, " | ");
+            let (label, kind) = (parts.next()?.trim(), parts.next()?.trim());
+            label.starts_with('o').then(|| (label.to_owned(), kind.to_owned(), insights(l)))
+        })
+        .collect();
+    let mut decisions = Vec::new();
+    let mut clusters: Vec<Vec<usize>> = Vec::new();
+    let mut cluster_of: BTreeMap<String, usize> = BTreeMap::new();
+    for (i, (label, kind, found)) in ops.iter().enumerate() {
+        if !found.is_empty() && found.iter().all(|x| present.contains(&x.token)) {
+            decisions.push(Decision {
+                action: Action::Drop,
+                ops: vec![label.clone()],
+                content: None,
+                reason: "simulated: already in the playbook".into(),
+            });
+            continue;
+        }
+        if kind != "ADD" {
+            continue;
+        }
+        let c = found.iter().find_map(|x| cluster_of.get(&x.token).copied()).unwrap_or_else(|| {
+            clusters.push(Vec::new());
+            clusters.len() - 1
+        });
+        clusters[c].push(i);
+        for x in found {
+            cluster_of.entry(x.token.clone()).or_insert(c);
+        }
+    }
+    let merges: Vec<&Vec<usize>> = clusters.iter().filter(|c| c.len() >= 2).collect();
+    let mut to_write: Vec<Insight> = Vec::new();
+    for &i in merges.iter().flat_map(|c| c.iter()) {
+        for x in &ops[i].2 {
+            if !present.contains(&x.token) && !to_write.iter().any(|w| w.token == x.token) {
+                to_write.push(x.clone());
+            }
+        }
+    }
+    let kept: HashSet<String> = match cfg.capacity_model {
+        CapacityModel::Soft => keep_soft(seed, digest, to_write, cfg.capacity_k),
+        CapacityModel::Hard => keep(seed, digest, to_write, cfg.capacity_k),
+    }
+    .into_iter()
+    .map(|x| x.token)
+    .collect();
+    for c in merges {
+        let mut markers: Vec<String> = Vec::new();
+        for &i in c {
+            for x in ops[i].2.iter().filter(|x| kept.contains(&x.token)) {
+                if !markers.contains(&x.marker()) {
+                    markers.push(x.marker());
+                }
+            }
+        }
+        let content = if markers.is_empty() {
+            "Simulated merged lesson (its specific insights were lost).".to_owned()
+        } else {
+            markers.join("; ")
+        };
+        decisions.push(Decision {
+            action: Action::Merge,
+            ops: c.iter().map(|&i| ops[i].0.clone()).collect(),
+            content: Some(content),
+            reason: "simulated: the same insight".into(),
+        });
+    }
+    DecisionsAnswer { decisions }
 }
 
 fn reflect(user: &str, current: &str) -> Reflection {
@@ -652,6 +743,7 @@ mod tests {
     use crate::domain::VersionContent;
     use crate::domain::playbook::{Bullet, Playbook, Section};
     use crate::domain::{Strategy, Trace};
+    use crate::learn::delta::MergedOp;
     use crate::llm::protocol::{self, tests::trace};
     use crate::llm::{ChatMessage, LlmBackend, LlmConfig, LlmRole, OpenAiClient};
 
@@ -962,10 +1054,27 @@ mod tests {
             content: format!("INSIGHT-i{i}: lesson number {i}"),
             reason: String::new(),
         };
-        let lists = vec![vec![add(0), add(1)], vec![add(1), add(2)], vec![add(2)]];
-        let ops =
-            protocol::consolidate_playbook(&sim.client, &sim.cfg, &playbook(&[]), &lists, &mut calls).await.unwrap();
+        // Consolidation answers with decisions only: the two ops of i1 are merged, the
+        // op whose insight the playbook holds is dropped, the rest is not mentioned.
+        let again = DeltaOp::Add {
+            section: "s".into(),
+            content: "INSIGHT-i1: lesson number 1, seen by another group".into(),
+            reason: String::new(),
+        };
+        let pooled: Vec<MergedOp> = [add(0), add(1), again, add(2), add(7)]
+            .into_iter()
+            .enumerate()
+            .map(|(g, op)| MergedOp::single(g, op))
+            .collect();
+        let current = playbook(&["INSIGHT-i7: lesson number 7"]);
+        let decisions =
+            protocol::consolidate_playbook(&sim.client, &sim.cfg, &current, &pooled, &mut calls).await.unwrap();
+        assert_eq!(decisions.len(), 2, "{decisions:?}");
+        let out = crate::learn::level2::apply_decisions(&pooled, &decisions).unwrap();
+        let ops: Vec<DeltaOp> = out.ops.iter().map(|m| m.op.clone()).collect();
         assert_eq!(tokens(&ops), ["i0", "i1", "i2"]);
+        assert_eq!(out.ops[1].groups, vec![1, 2]);
+        assert_eq!(out.dropped.len(), 1);
         let stats = sim.stats().await;
         for (task, n) in [("aggregate-rewrite", 1), ("merge-rewrite", 2), ("consolidate-playbook", 1)] {
             assert_eq!(stats.calls.get(task), Some(&n), "{task}");
