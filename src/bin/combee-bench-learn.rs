@@ -749,8 +749,7 @@ impl Report<'_> {
         format!(
             "**Simulated LLM** (combee's OpenAI-compatible simulator, not a language model), over HTTP in the same process:\n\
              latency per call = {} ms + {} ms × prompt tokens + {} ms × completion tokens (tokens = characters / 4); \
-             capacity K = {} distinct new insights per aggregating call, max(1, ⌊K·D/n⌋) when a call gets n > D = {} \
-             reflections; no faults. Client concurrency limit {} (every map is one wave). \
+             {}; no faults. Client concurrency limit {} (every map is one wave). \
              Strategy playbook, level-2 reduce = union (no LLM call), p = {}. \
              N = {} traces, each with one distinct `INSIGHT-<token>` marker; retention = share of the N markers in \
              the final rendered prompt. Controller (combee-auto): ladder {:?}, min_batch {}, max_batch {} (the largest \
@@ -759,8 +758,18 @@ impl Report<'_> {
             s.fixed_ms,
             s.per_input_token_ms,
             s.per_output_token_ms,
-            s.capacity_k,
-            s.digest_reflections,
+            match s.capacity_model {
+                CapacityModel::Hard => format!(
+                    "capacity model hard: K = {} distinct new insights per aggregating call, max(1, ⌊K·D/n⌋) when a \
+                     call gets n > D = {} reflections",
+                    s.capacity_k, s.digest_reflections
+                ),
+                CapacityModel::Soft => format!(
+                    "capacity model soft: each of the m new insights a call must write kept with probability E(m)/m, \
+                     E(m) = {k}·(1 − e^(−m/{k}))",
+                    k = s.capacity_k
+                ),
+            },
             self.args.concurrency.max(self.n()),
             self.args.duplication.max(1),
             self.n(),
