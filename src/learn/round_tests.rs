@@ -400,3 +400,41 @@ async fn under_the_soft_model_level_2_keeps_what_the_groups_learned() {
     assert!(llm * 10 >= union * 9, "reduce = llm kept {llm} of union's {union}");
     assert!(rewrite * 10 >= union * 9, "rewrite kept {rewrite} of union's {union}");
 }
+
+/// Rewrite level 2 against the simulator: changes no other group touched are
+/// applied without a call, and only the passage several groups changed
+/// differently is merged by the model — in a tree of fan-in 4 (5 versions: two
+/// calls, then one).
+#[tokio::test]
+async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let base = VersionContent { base: "You solve {task}.\nRule A.\nEnd.".into(), playbook: None };
+    let mut proposals: Vec<Proposal> = (1..=5)
+        .map(|i| {
+            Proposal::Instruction(format!("You solve {{task}}.\nRule A, per group {i}: INSIGHT-r{i}: case {i}.\nEnd."))
+        })
+        .collect();
+    proposals.push(Proposal::Instruction("You solve {task}.\nRule A.\nEnd.\n- INSIGHT-tail: appended".into()));
+    let journal = MemoryJournal::new();
+    let s = spec(Method::Combee, Strategy::Rewrite, 1, 1);
+    let reduce = Reduce {
+        backend: &sim.client,
+        llm: &sim.cfg,
+        journal: &journal,
+        spec: &s,
+        trace_ids: &[],
+        reflections: &[],
+        concurrency: 4,
+    };
+    let mut calls = Vec::new();
+    let out = reduce.level2_rewrite(&base, proposals, &mut calls).await.unwrap();
+    assert_eq!((out.level2.conflict_regions, out.level2.consolidation_calls), (1, 3), "{:?}", out.level2);
+    assert_eq!(sim.stats().await.calls.get("merge-rewrite"), Some(&3));
+    let text = out.content.base;
+    let tokens = insight_tokens(&text);
+    for t in ["r1", "r2", "r3", "r4", "r5", "tail"] {
+        assert!(tokens.contains(t), "{t} lost: {text}");
+    }
+    assert!(text.starts_with("You solve {task}.\n") && text.ends_with("- INSIGHT-tail: appended"), "{text}");
+    assert_eq!(journal.snapshot().calls.len(), 3, "level-2 calls are journaled");
+}
