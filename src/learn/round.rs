@@ -5,6 +5,11 @@
 //! must not lose goes through a [`RoundJournal`], so a crashed round resumes from
 //! its saved reflections and only the missing ones are paid for again.
 //!
+//! Level 2 departs from a single merge call on purpose: no call is ever asked to
+//! restate the union of what the groups learned (playbook `reduce = "llm"`
+//! consolidates by decisions on numbered ops; rewrite merges the group
+//! instructions structurally against the base) — see [`super::level2`].
+//!
 //! Two choices the design leaves open:
 //! - A reflection that lands twice in the *same* group is sent to that group's
 //!   aggregator once. The augmented shuffle's point is a second chance in another
