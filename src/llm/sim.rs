@@ -52,7 +52,9 @@
 //!   already in the current prompt are not new. consolidate-playbook (decisions
 //!   by op id): `drop` for ops whose insights are all in the current prompt,
 //!   `merge` for ADDs sharing an insight (the merged text holds the kept markers),
-//!   nothing for every other op, which therefore passes through.
+//!   nothing for every other op, which therefore passes through. The merged
+//!   texts are what the call writes: m counts their new insights (soft model);
+//!   the hard model keeps at most K of them.
 //!   aggregate-rewrite and merge-rewrite: the current prompt text followed by a
 //!   bullet list of the kept new insights. Any other request gets a fixed JSON note.
 //!
