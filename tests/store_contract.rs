@@ -12,8 +12,8 @@ use combee::{
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
     store::{
-        Change, DynStore, IdempotencyBegin, LabelMove, NewPrompt, NewUiSession, Scope, Selector, StoreError,
-        TraceFilter,
+        Change, DynStore, IdempotencyBegin, LabelMove, NewPrompt, NewUiSession, OpenRound, RoundFailure, Scope,
+        Selector, StoreError, TraceCharges, TraceFault, TraceFilter,
     },
 };
 use common::{Backend, test_store};
@@ -364,7 +364,101 @@ async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Bac
     assert!(s.list_webhooks().await.unwrap().is_empty());
 }
 
+fn reflection(insight: &str) -> combee::domain::Reflection {
+    serde_json::from_value(json!({"error": "", "root_cause": "", "correct_approach": "", "key_insight": insight,
+                                  "bullet_tags": []}))
+    .unwrap()
+}
+
+async fn open_and_claim(s: &DynStore, prompt: &str) -> combee::store::ClaimedRound {
+    let req = OpenRound {
+        prompt: name(prompt),
+        trigger: combee::domain::round::RoundTrigger::Api,
+        method: combee::learn::grouping::Method::Combee,
+        batch: 100,
+        min_traces: 1,
+        seed: 1,
+    };
+    s.open_round(&req).await.unwrap().expect("a round opens");
+    s.claim_round("w", std::time::Duration::from_secs(60)).await.unwrap().expect("a round to claim")
+}
+
+/// Only a trace's own failure costs it an attempt; a trace without a reflection is
+/// never consumed; a re-run over the same base version adopts earlier reflections.
+async fn rounds_charge_traces_only_for_their_own_failures(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "acct").await;
+    let ids = s.insert_traces(&[trace("acct", None), trace("acct", None), trace("acct", None)]).await.unwrap();
+    let (t1, t2, t3) = (ids[0], ids[1], ids[2]);
+
+    // Round A: t1 and t2 reflected, t3's reflection rejected; the round fails elsewhere.
+    let a = open_and_claim(&s, "acct").await;
+    for t in [t1, t2] {
+        s.save_reflection(a.round.id, t, &reflection(&format!("lesson {t}")), false).await.unwrap();
+    }
+    let charges = TraceCharges {
+        faults: vec![TraceFault { trace_id: t3, reason: "reflection failed: too long".into() }],
+        max_trace_attempts: 2,
+    };
+    s.fail_round(a.round.id, a.round.attempt, "group 2 failed", RoundFailure::GiveUp { charges }).await.unwrap();
+    for (t, attempts) in [(t1, 0), (t2, 0), (t3, 1)] {
+        let got = s.get_trace(t).await.unwrap().unwrap();
+        assert_eq!((got.status, got.attempts, got.round_id), (TraceStatus::Pending, attempts, None), "{t}");
+    }
+    assert_eq!(s.get_trace(t3).await.unwrap().unwrap().failure_reason.as_deref(), Some("reflection failed: too long"));
+
+    // Round B, same base: t1 and t2 are adopted; t3 must be reflected again.
+    let b_round = open_and_claim(&s, "acct").await;
+    assert_eq!(b_round.round.base_version, a.round.base_version);
+    assert_eq!(s.adopt_reflections(b_round.round.id).await.unwrap(), 2);
+    assert_eq!(s.adopt_reflections(b_round.round.id).await.unwrap(), 0, "adopting twice copies nothing");
+    let mut adopted: Vec<_> = s.round_reflections(b_round.round.id).await.unwrap().into_iter().map(|r| r.0).collect();
+    adopted.sort();
+    let mut want = vec![t1, t2];
+    want.sort();
+    assert_eq!(adopted, want);
+
+    // B publishes with t3 failing its reflection again: t1, t2 consumed; t3 spent its budget.
+    let charges = TraceCharges {
+        faults: vec![TraceFault { trace_id: t3, reason: "reflection failed: again".into() }],
+        max_trace_attempts: 2,
+    };
+    let mut v = version("learned");
+    v.source = VersionSource::Learned;
+    v.parent = Some(1);
+    s.publish_round(b_round.round.id, b_round.round.attempt, v, LabelName::production(), &json!({}), None, &charges)
+        .await
+        .unwrap();
+    for (t, status, attempts) in
+        [(t1, TraceStatus::Consumed, 0), (t2, TraceStatus::Consumed, 0), (t3, TraceStatus::Failed, 2)]
+    {
+        let got = s.get_trace(t).await.unwrap().unwrap();
+        assert_eq!((got.status, got.attempts), (status, attempts), "{t}");
+    }
+
+    // A trace with no reflection and no fault is not consumed either: it returns to the backlog.
+    let t4 = s.insert_traces(&[trace("acct", None)]).await.unwrap()[0];
+    let c = open_and_claim(&s, "acct").await;
+    assert_ne!(c.round.base_version, a.round.base_version, "production moved to the learned version");
+    assert_eq!(s.adopt_reflections(c.round.id).await.unwrap(), 0);
+    s.publish_round(
+        c.round.id,
+        c.round.attempt,
+        version("again"),
+        LabelName::production(),
+        &json!({}),
+        None,
+        &TraceCharges::default(),
+    )
+    .await
+    .unwrap();
+    let got = s.get_trace(t4).await.unwrap().unwrap();
+    assert_eq!((got.status, got.attempts, got.round_id), (TraceStatus::Pending, 0, None));
+}
+
 on_both_stores!(
+    rounds_charge_traces_only_for_their_own_failures,
     outbox_events_commit_with_their_change_and_deliveries_are_leased,
     prompts_start_at_version_one_labelled_production,
     concurrent_writers_get_gapless_numbers,

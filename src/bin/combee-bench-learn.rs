@@ -40,7 +40,7 @@ use combee::{
         ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, Usage,
         client::{OpenAiClient, estimate_tokens},
         config::LlmConfig,
-        sim::{self, SimConfig},
+        sim::{self, CapacityModel, SimConfig},
     },
 };
 use serde_json::json;
@@ -66,9 +66,23 @@ struct Args {
     /// Simulator capacity K: distinct new insights one aggregating call keeps.
     #[arg(long, default_value_t = 12)]
     capacity_k: usize,
-    /// Simulator digest D: reflections a call digests fully.
+    /// Simulator digest D: reflections a call digests fully (hard capacity model only).
     #[arg(long, default_value_t = 12)]
     digest: usize,
+    /// Simulator capacity model of the main sweep: `hard` (at most K per call, fewer beyond D)
+    /// or `soft` (each of the m new insights a call writes kept with probability E(m)/m).
+    /// The level-2 section always uses `soft`.
+    #[arg(long, value_enum, default_value_t = CapacityModel::Hard)]
+    capacity_model: CapacityModel,
+    /// Level-2 section: traces in its one round (n) — union, `reduce = "llm"` and rewrite at p = 2.
+    #[arg(long, default_value_t = 100)]
+    level2_n: usize,
+    /// Level-2 section: round seeds to average over.
+    #[arg(long, default_value_t = 5)]
+    level2_seeds: u64,
+    /// Only run the level-2 section (a few seconds).
+    #[arg(long)]
+    level2_only: bool,
     /// p: duplication of Combee's augmented shuffle.
     #[arg(long, default_value_t = 1)]
     duplication: u32,
@@ -400,11 +414,142 @@ fn fit_curve(points: &[(usize, f64)], n: usize, min_batch: u32, tau_rel: f64) ->
     (fit, plateau)
 }
 
+// ---------------------------------------------------------------------------
+// Level 2 under the soft capacity model
+
+/// One level-2 configuration of the section.
+struct Level2Row {
+    label: &'static str,
+    strategy: Strategy,
+    reduce: ReduceMode,
+    /// Per seed: insights kept, LLM calls, level-2 calls, wall seconds.
+    runs: Vec<(usize, usize, usize, f64)>,
+}
+
+/// One Combee round of `n` traces at p = 2 per configuration and seed, against a
+/// simulator with the soft capacity model: how much level 2 keeps of what the
+/// groups learned. Union is the reference (no level-2 call); `reduce = "llm"`
+/// consolidates by decisions; rewrite merges the groups' instructions against
+/// the base. Returns the Markdown section and whether the target holds.
+async fn level2_section(args: &Args) -> anyhow::Result<(String, bool)> {
+    let sim_cfg = SimConfig {
+        capacity_model: CapacityModel::Soft,
+        capacity_k: args.capacity_k,
+        digest_reflections: args.digest,
+        fixed_ms: args.fixed_ms,
+        per_input_token_ms: args.per_input_token_ms,
+        per_output_token_ms: args.per_output_token_ms,
+        ..SimConfig::default()
+    };
+    let local = sim::LocalSim::start(sim_cfg.clone()).await?;
+    let llm = LlmConfig {
+        base_url: local.base_url.clone(),
+        max_concurrency: args.concurrency.max(args.level2_n),
+        ..LlmConfig::default()
+    };
+    let backend: Arc<dyn LlmBackend> = if args.model_only {
+        Arc::new(Replay { sim: sim_cfg.clone() })
+    } else {
+        Arc::new(OpenAiClient::new(llm.clone())?)
+    };
+    let (traces, tokens) = traces(args.level2_n)?;
+    let base = VersionContent { base: "You are a benchmark agent. Answer the task.".into(), playbook: None };
+    let mut rows = vec![
+        Level2Row {
+            label: "playbook, reduce = union",
+            strategy: Strategy::Playbook,
+            reduce: ReduceMode::Union,
+            runs: vec![],
+        },
+        Level2Row {
+            label: "playbook, reduce = llm (decisions)",
+            strategy: Strategy::Playbook,
+            reduce: ReduceMode::Llm,
+            runs: vec![],
+        },
+        Level2Row {
+            label: "rewrite (structural merge)",
+            strategy: Strategy::Rewrite,
+            reduce: ReduceMode::Union,
+            runs: vec![],
+        },
+    ];
+    for row in &mut rows {
+        for seed in 1..=args.level2_seeds.max(1) {
+            let spec = RoundSpec {
+                round_id: Uuid::now_v7(),
+                seed,
+                method: Method::Combee,
+                strategy: row.strategy,
+                duplication: 2,
+                reduce: row.reduce,
+                budget: Budget::default(),
+            };
+            let t = Instant::now();
+            let outcome = run_round(backend.as_ref(), &llm, &spec, &base, &traces, &MemoryJournal::new())
+                .await
+                .with_context(|| format!("level-2 section: {} seed {seed}", row.label))?;
+            let kept = insight_tokens(&outcome.content.render()).intersection(&tokens).count();
+            row.runs.push((kept, outcome.calls.len(), outcome.level2.consolidation_calls, t.elapsed().as_secs_f64()));
+        }
+    }
+    let mean = |r: &Level2Row| r.runs.iter().map(|x| x.0 as f64).sum::<f64>() / r.runs.len() as f64;
+    let union = mean(&rows[0]);
+    let n = args.level2_n;
+    let mut out = format!(
+        "### Level 2 under the soft capacity model (simulated LLM)\n\nOne Combee round of n = {n} traces, p = 2, \
+         k = {} groups, simulator capacity model `soft` (each of the m new insights a call must write kept with \
+         probability E(m)/m, E(m) = {}·(1 − e^(−m/{}))), round seeds 1–{}; {}. Retention = insights of the {n} \
+         traces in the published prompt.\n\n\
+         | configuration | LLM calls per round | level-2 calls per round | wall per round (s) | retention, mean (min–max) | of union's |\n\
+         |---|---|---|---|---|---|\n",
+        grouping::combee_group_count(n),
+        args.capacity_k,
+        args.capacity_k,
+        args.level2_seeds.max(1),
+        if args.model_only { "in-process replay of the simulator" } else { "simulator over HTTP" },
+    );
+    let mut ok = true;
+    for (i, r) in rows.iter().enumerate() {
+        let runs = r.runs.len() as f64;
+        let m = mean(r);
+        let (lo, hi) = r.runs.iter().fold((usize::MAX, 0), |(lo, hi), x| (lo.min(x.0), hi.max(x.0)));
+        let share = if union > 0.0 { m / union } else { 0.0 };
+        if i > 0 {
+            ok &= share >= 0.9;
+        }
+        let _ = writeln!(
+            out,
+            "| {} | {:.1} | {:.1} | {:.2} | {:.1}% ({lo}–{hi} of {n}) | {:.1}% |",
+            r.label,
+            r.runs.iter().map(|x| x.1 as f64).sum::<f64>() / runs,
+            r.runs.iter().map(|x| x.2 as f64).sum::<f64>() / runs,
+            r.runs.iter().map(|x| x.3).sum::<f64>() / runs,
+            100.0 * m / n as f64,
+            100.0 * share,
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n- `reduce = \"llm\"` and rewrite keep ≥ 90% of what union keeps (n = {n}, p = 2, soft): {}\n",
+        pass(ok)
+    );
+    Ok((out, ok))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.n >= 3, "--n must be at least 3");
+    anyhow::ensure!(args.level2_n >= 4, "--level2-n must be at least 4");
+    eprintln!("  level 2 under the soft capacity model …");
+    let (level2, _) = level2_section(&args).await?;
+    if args.level2_only {
+        print!("{level2}");
+        return Ok(());
+    }
     let sim_cfg = SimConfig {
+        capacity_model: args.capacity_model,
         capacity_k: args.capacity_k,
         digest_reflections: args.digest,
         fixed_ms: args.fixed_ms,
@@ -513,7 +658,9 @@ async fn main() -> anyhow::Result<()> {
     let bench_secs = total.elapsed().as_secs_f64();
 
     let report = Report { args: &args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, curve: &curve, bench_secs };
-    let md = report.markdown();
+    let mut md = report.markdown();
+    md.push('\n');
+    md.push_str(&level2);
     print!("{md}");
     if !args.model_only {
         std::fs::create_dir_all(&args.out_dir)?;
@@ -602,8 +749,7 @@ impl Report<'_> {
         format!(
             "**Simulated LLM** (combee's OpenAI-compatible simulator, not a language model), over HTTP in the same process:\n\
              latency per call = {} ms + {} ms × prompt tokens + {} ms × completion tokens (tokens = characters / 4); \
-             capacity K = {} distinct new insights per aggregating call, max(1, ⌊K·D/n⌋) when a call gets n > D = {} \
-             reflections; no faults. Client concurrency limit {} (every map is one wave). \
+             {}; no faults. Client concurrency limit {} (every map is one wave). \
              Strategy playbook, level-2 reduce = union (no LLM call), p = {}. \
              N = {} traces, each with one distinct `INSIGHT-<token>` marker; retention = share of the N markers in \
              the final rendered prompt. Controller (combee-auto): ladder {:?}, min_batch {}, max_batch {} (the largest \
@@ -612,8 +758,18 @@ impl Report<'_> {
             s.fixed_ms,
             s.per_input_token_ms,
             s.per_output_token_ms,
-            s.capacity_k,
-            s.digest_reflections,
+            match s.capacity_model {
+                CapacityModel::Hard => format!(
+                    "capacity model hard: K = {} distinct new insights per aggregating call, max(1, ⌊K·D/n⌋) when a \
+                     call gets n > D = {} reflections",
+                    s.capacity_k, s.digest_reflections
+                ),
+                CapacityModel::Soft => format!(
+                    "capacity model soft: each of the m new insights a call must write kept with probability E(m)/m, \
+                     E(m) = {k}·(1 − e^(−m/{k}))",
+                    k = s.capacity_k
+                ),
+            },
             self.args.concurrency.max(self.n()),
             self.args.duplication.max(1),
             self.n(),

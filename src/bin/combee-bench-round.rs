@@ -166,7 +166,19 @@ async fn main() -> anyhow::Result<()> {
                             round.id,
                             claimed.round.attempt,
                             "benchmark done",
-                            combee::store::RoundFailure::GiveUp { max_trace_attempts: 1 },
+                            // Retire the benchmark's traces so the next round takes fresh ones.
+                            combee::store::RoundFailure::GiveUp {
+                                charges: combee::store::TraceCharges {
+                                    faults: ids
+                                        .iter()
+                                        .map(|&trace_id| combee::store::TraceFault {
+                                            trace_id,
+                                            reason: "benchmark done".into(),
+                                        })
+                                        .collect(),
+                                    max_trace_attempts: 1,
+                                },
+                            },
                         )
                         .await?;
                     (elapsed, o)

@@ -60,6 +60,10 @@ pub trait RoundJournal: Send + Sync {
         reflection: &Reflection,
         source: ReflectionSource,
     ) -> Result<(), JournalError>;
+    /// Records that the trace's reflection could not be obtained (its own failure:
+    /// the trace pays an attempt for it when the round ends). A later
+    /// [`RoundJournal::save_reflection`] for the same trace clears it.
+    async fn record_unreflected(&self, trace_id: Uuid, error: &str) -> Result<(), JournalError>;
     /// Records LLM calls (usage, latency, failures) in the order they finished.
     async fn record_calls(&self, calls: &[LlmCall]) -> Result<(), JournalError>;
     /// Records the level-1 output of group `group` (its traces and its ops or instruction).
@@ -71,6 +75,8 @@ pub trait RoundJournal: Send + Sync {
 #[derive(Debug, Clone, Default)]
 pub struct JournalRecord {
     pub reflections: HashMap<Uuid, (Reflection, ReflectionSource)>,
+    /// Traces whose reflection failed, with the reason.
+    pub unreflected: HashMap<Uuid, String>,
     pub calls: Vec<LlmCall>,
     pub group_outputs: Vec<(usize, Value)>,
     pub phases: Vec<(Phase, PhaseEvent)>,
@@ -119,7 +125,14 @@ impl RoundJournal for MemoryJournal {
         source: ReflectionSource,
     ) -> Result<(), JournalError> {
         self.with(|r| {
+            r.unreflected.remove(&trace_id);
             r.reflections.insert(trace_id, (reflection.clone(), source));
+        })
+    }
+
+    async fn record_unreflected(&self, trace_id: Uuid, error: &str) -> Result<(), JournalError> {
+        self.with(|r| {
+            r.unreflected.insert(trace_id, error.to_owned());
         })
     }
 

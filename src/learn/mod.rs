@@ -1,11 +1,13 @@
 //! The learning engine: augmented shuffle, grouping for the Combee/naive/sequential
 //! reduce, the level-2 merge of playbook delta operations and the dynamic
-//! batch-size controller's math are pure functions; `round` runs one learning
+//! batch-size controller's math are pure functions (and so is the level-2 plan:
+//! consolidation by decisions, the structural rewrite merge); `round` runs one learning
 //! round over an LLM backend, recording what it must not lose in a journal.
 
 pub mod controller;
 pub mod delta;
 pub mod grouping;
 pub mod journal;
+pub mod level2;
 pub mod round;
 pub mod shuffle;

@@ -5,13 +5,20 @@
 //! must not lose goes through a [`RoundJournal`], so a crashed round resumes from
 //! its saved reflections and only the missing ones are paid for again.
 //!
+//! Level 2 departs from a single merge call on purpose: no call is ever asked to
+//! restate the union of what the groups learned (playbook `reduce = "llm"`
+//! consolidates by decisions on numbered ops; rewrite merges the group
+//! instructions structurally against the base) — see [`super::level2`].
+//!
 //! Two choices the design leaves open:
 //! - A reflection that lands twice in the *same* group is sent to that group's
 //!   aggregator once. The augmented shuffle's point is a second chance in another
 //!   group; a repeat inside one call buys nothing but tokens.
 //! - A trace whose reflector call fails for good (an invalid answer after the
 //!   corrective retry) is left out of the round and listed in
-//!   [`RoundOutcome::unreflected`]; one bad trace must not block a prompt forever.
+//!   [`RoundOutcome::unreflected`] (and in the journal); one bad trace must not
+//!   block a prompt forever. It is not consumed: the worker returns it to pending
+//!   with one attempt charged — its own failure — so its lesson is not lost.
 //!   A transient failure (backend down, timeouts, 429) fails the whole round as
 //!   retryable, after the reflections already obtained have been saved.
 
@@ -28,6 +35,7 @@ use uuid::Uuid;
 use super::delta::{self, Applied, Budget, Evicted, MergedOp, Skipped};
 use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
+use super::level2;
 use crate::domain::{DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
 use crate::llm::protocol::{self, placeholders, validate_reflection};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
@@ -111,6 +119,8 @@ pub struct RoundOutcome {
     pub skipped: Vec<Skipped>,
     pub evicted: Vec<Evicted>,
     pub group_outputs: Vec<GroupOutput>,
+    /// What level 2 did (consolidation decisions, rewrite conflict regions).
+    pub level2: Level2Summary,
     /// Every LLM call of this attempt, failed ones included.
     pub calls: Vec<LlmCall>,
     pub timings: PhaseTimings,
@@ -229,6 +239,7 @@ pub async fn run_round(
         skipped: result.skipped,
         evicted: result.evicted,
         group_outputs: result.group_outputs,
+        level2: result.level2,
         calls,
         timings: result.timings,
     })
@@ -315,7 +326,10 @@ async fn map_phase(
             Some(Err(e)) if e.is_retryable() => {
                 transient.get_or_insert(e);
             }
-            Some(Err(e)) => unreflected.push(Unreflected { trace_id: traces[i].id, error: e.to_string() }),
+            Some(Err(e)) => {
+                journal.record_unreflected(traces[i].id, &e.to_string()).await?;
+                unreflected.push(Unreflected { trace_id: traces[i].id, error: e.to_string() });
+            }
         }
     }
     if let Some(e) = transient {
@@ -325,6 +339,19 @@ async fn map_phase(
     Ok(Mapped { reflections, counts, unreflected })
 }
 
+/// What level 2 did beyond the deterministic union (see [`level2`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Level2Summary {
+    /// LLM calls level 2 made (consolidation chunks, or conflict-region merges).
+    pub consolidation_calls: usize,
+    /// Playbook: ops folded into merges.
+    pub merged_inputs: usize,
+    /// Playbook: ops a consolidation decision dropped, with the reason.
+    pub dropped: Vec<level2::DroppedOp>,
+    /// Rewrite: passages the groups changed differently (each merged by the model).
+    pub conflict_regions: usize,
+}
+
 /// What the reduce phases produce.
 struct Reduced {
     content: VersionContent,
@@ -332,6 +359,7 @@ struct Reduced {
     skipped: Vec<Skipped>,
     evicted: Vec<Evicted>,
     group_outputs: Vec<GroupOutput>,
+    level2: Level2Summary,
     timings: PhaseTimings,
 }
 
@@ -457,22 +485,19 @@ impl Reduce<'_> {
         proposals: Vec<Proposal>,
         calls: &mut Vec<LlmCall>,
     ) -> Result<Reduced, RoundError> {
-        let lists: Vec<Vec<DeltaOp>> = proposals
-            .into_iter()
-            .map(|p| match p {
-                Proposal::Ops(ops) => ops,
-                Proposal::Instruction(_) => Vec::new(),
-            })
-            .collect();
-        let merged = if self.spec.reduce == ReduceMode::Llm && lists.len() > 1 {
-            let before = calls.len();
-            let consolidated = protocol::consolidate_playbook(self.backend, self.llm, frozen, &lists, calls).await;
-            self.journal.record_calls(&calls[before..]).await?;
-            with_provenance(delta::normalize_ops(consolidated?.into_iter().map(|op| (0, op)).collect()), &lists)
-        } else {
-            let union = lists.into_iter().enumerate().flat_map(|(g, ops)| ops.into_iter().map(move |op| (g, op)));
-            delta::normalize_ops(union.collect())
-        };
+        let union = proposals.into_iter().enumerate().flat_map(|(g, p)| match p {
+            Proposal::Ops(ops) => ops.into_iter().map(move |op| (g, op)).collect::<Vec<_>>(),
+            Proposal::Instruction(_) => Vec::new(),
+        });
+        let mut merged = delta::normalize_ops(union.collect());
+        let mut summary = Level2Summary::default();
+        if self.spec.reduce == ReduceMode::Llm && merged.len() > 1 {
+            let consolidated = self.consolidate(frozen, &merged, calls).await?;
+            summary.consolidation_calls = consolidated.1;
+            summary.merged_inputs = consolidated.0.merged_inputs;
+            summary.dropped = consolidated.0.dropped;
+            merged = consolidated.0.ops;
+        }
         let playbook = frozen.playbook.clone().unwrap_or_default();
         let outcome = delta::apply_ops(&playbook, &merged, &self.spec.budget);
         Ok(Reduced {
@@ -481,8 +506,46 @@ impl Reduce<'_> {
             skipped: outcome.skipped,
             evicted: outcome.evicted,
             group_outputs: Vec::new(),
+            level2: summary,
             timings: PhaseTimings::default(),
         })
+    }
+
+    /// Consolidation by decisions (see [`level2`]): chunks of related ops, one call
+    /// each, in parallel; ops no decision names pass through. Returns the result
+    /// and the number of calls.
+    async fn consolidate(
+        &self,
+        frozen: &VersionContent,
+        ops: &[MergedOp],
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<(level2::Consolidated, usize), RoundError> {
+        let chunks = level2::consolidation_chunks(ops, level2::CONSOLIDATE_MAX_OPS);
+        let chunk_calls: Vec<_> = chunks
+            .iter()
+            .map(|idx| async move {
+                let part: Vec<MergedOp> = idx.iter().map(|&i| ops[i].clone()).collect();
+                let mut made = Vec::new();
+                let r = protocol::consolidate_playbook(self.backend, self.llm, frozen, &part, &mut made).await;
+                (idx, part, r, made)
+            })
+            .collect();
+        let mut answers = stream::iter(chunk_calls).buffered(self.concurrency);
+        let mut out = level2::Consolidated::default();
+        let n = chunks.len();
+        let mut placed: Vec<(usize, MergedOp)> = Vec::new();
+        while let Some((idx, part, r, made)) = answers.next().await {
+            self.journal.record_calls(&made).await?;
+            calls.extend(made);
+            let decided = level2::apply_decisions(&part, &r?).map_err(RoundError::Invalid)?;
+            placed.extend(decided.positions.iter().map(|&p| idx[p]).zip(decided.ops));
+            out.dropped.extend(decided.dropped);
+            out.merged_inputs += decided.merged_inputs;
+        }
+        // Chunks regroup ops by section; restore the order of first proposal.
+        placed.sort_by_key(|(at, _)| *at);
+        (out.positions, out.ops) = placed.into_iter().unzip();
+        Ok((out, n))
     }
 
     async fn level2_rewrite(
@@ -498,13 +561,42 @@ impl Reduce<'_> {
                 Proposal::Ops(_) => None,
             })
             .collect();
+        let mut summary = Level2Summary::default();
         let instruction = if texts.len() == 1 {
             texts.pop().unwrap_or_default()
         } else {
-            let before = calls.len();
-            let merged = protocol::merge_rewrite(self.backend, self.llm, frozen, &texts, calls).await;
-            self.journal.record_calls(&calls[before..]).await?;
-            merged?
+            // The structural k-way merge against the base (see [`level2`]): only
+            // regions the groups changed differently go to the model.
+            let plan = level2::plan_rewrite_merge(&frozen.base, &texts);
+            let regions = level2::conflicts(&plan);
+            summary.conflict_regions = regions.len();
+            let region_calls: Vec<_> = regions
+                .into_iter()
+                .map(|(base, variants)| async move {
+                    let mut made = Vec::new();
+                    let r = self.merge_region(base, variants, &mut made).await;
+                    (r, made)
+                })
+                .collect();
+            let mut answers = stream::iter(region_calls).buffered(self.concurrency);
+            let mut resolved = Vec::new();
+            let mut failure = None;
+            while let Some((r, made)) = answers.next().await {
+                self.journal.record_calls(&made).await?;
+                summary.consolidation_calls += made.len();
+                calls.extend(made);
+                match r {
+                    Ok(text) => resolved.push(text),
+                    Err(e) => {
+                        failure.get_or_insert(e);
+                    }
+                }
+            }
+            if let Some(e) = failure {
+                return Err(e.into());
+            }
+            level2::assemble(&plan, &resolved)
+                .ok_or_else(|| RoundError::Invalid("the rewrite merge lost a conflict region".into()))?
         };
         Ok(Reduced {
             content: VersionContent { base: instruction, playbook: frozen.playbook.clone() },
@@ -512,8 +604,34 @@ impl Reduce<'_> {
             skipped: Vec::new(),
             evicted: Vec::new(),
             group_outputs: Vec::new(),
+            level2: summary,
             timings: PhaseTimings::default(),
         })
+    }
+
+    /// Merges the groups' versions of one conflicting passage in a tree of
+    /// bounded fan-in; each call sees only the passage and at most
+    /// [`level2::REGION_FAN_IN`] versions of it.
+    async fn merge_region(
+        &self,
+        base: String,
+        mut variants: Vec<String>,
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<String, LlmError> {
+        let passage = VersionContent { base, playbook: None };
+        while variants.len() > 1 {
+            let mut next = Vec::new();
+            for r in level2::tree_level(variants.len(), level2::REGION_FAN_IN) {
+                let chunk = &variants[r];
+                if chunk.len() == 1 {
+                    next.push(chunk[0].clone());
+                } else {
+                    next.push(protocol::merge_rewrite(self.backend, self.llm, &passage, chunk, calls).await?);
+                }
+            }
+            variants = next;
+        }
+        Ok(variants.pop().unwrap_or(passage.base))
     }
 
     /// The sequential baseline: each batch is aggregated against the result of
@@ -532,6 +650,7 @@ impl Reduce<'_> {
             skipped: Vec::new(),
             evicted: Vec::new(),
             group_outputs: Vec::new(),
+            level2: Level2Summary::default(),
             timings: PhaseTimings::default(),
         };
         for (g, group) in groups.iter().enumerate() {
@@ -565,37 +684,6 @@ impl Reduce<'_> {
         reduced.content = current;
         Ok(reduced)
     }
-}
-
-/// Source groups for ops an LLM consolidated: the groups whose own lists held the same insight.
-fn with_provenance(mut merged: Vec<MergedOp>, lists: &[Vec<DeltaOp>]) -> Vec<MergedOp> {
-    fn key(op: &DeltaOp) -> (Option<&str>, Option<&str>) {
-        match op {
-            DeltaOp::Add { content, .. } => (None, Some(content)),
-            DeltaOp::Update { id, content, .. } => (Some(id), Some(content)),
-            DeltaOp::Remove { id, .. } => (Some(id), None),
-        }
-    }
-    for m in &mut merged {
-        let (id, text) = key(&m.op);
-        m.groups = lists
-            .iter()
-            .enumerate()
-            .filter(|(_, ops)| {
-                ops.iter().any(|op| {
-                    let (oid, otext) = key(op);
-                    oid == id
-                        && match (text, otext) {
-                            (Some(a), Some(b)) => delta::same_insight(a, b),
-                            (None, None) => true,
-                            _ => false,
-                        }
-                })
-            })
-            .map(|(g, _)| g)
-            .collect();
-    }
-    merged
 }
 
 /// Design §3.5: not empty, within the budget, every `{placeholder}` of the base kept.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use super::config::LlmConfig;
-use super::{ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, Usage};
+use super::{ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, TimeoutKind, Usage};
 
 /// The client-side token estimate: one token per four characters, rounded up.
 pub fn estimate_tokens(chars: usize) -> u64 {
@@ -48,7 +48,7 @@ impl OpenAiClient {
     pub fn new(cfg: LlmConfig) -> Result<Self, LlmError> {
         cfg.validate().map_err(|e| LlmError::Config(e.to_string()))?;
         let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
+            .connect_timeout(Duration::try_from_secs_f64(cfg.connect_timeout_secs).unwrap_or(Duration::from_secs(10)))
             .build()
             .map_err(|e| LlmError::Config(format!("cannot build HTTP client: {e}")))?;
         let url = format!("{}/chat/completions", cfg.base_url.trim_end_matches('/'));
@@ -93,7 +93,8 @@ impl OpenAiClient {
             let code = status.as_u16();
             let err = match code {
                 429 => LlmError::RateLimited { retry_after },
-                408 => LlmError::Timeout(timeout),
+                // The server's own timeout, not ours: reported as what it is, and retried.
+                408 => LlmError::Server { status: code, message },
                 500..=599 => LlmError::Server { status: code, message },
                 _ => LlmError::Rejected { status: code, message },
             };
@@ -115,7 +116,13 @@ impl OpenAiClient {
 
     fn transport_failure(&self, e: &reqwest::Error, timeout: Duration) -> Failure {
         let err = if e.is_timeout() {
-            LlmError::Timeout(timeout)
+            // reqwest flags a connect timeout as both a connect error and a timeout.
+            if e.is_connect() {
+                let after = Duration::try_from_secs_f64(self.inner.cfg.connect_timeout_secs).unwrap_or_default();
+                LlmError::Timeout { which: TimeoutKind::Connect, after }
+            } else {
+                LlmError::Timeout { which: TimeoutKind::Request, after: timeout }
+            }
         } else {
             // The cause without reqwest's URL prefix; the key is only ever in a header, and scrubbed anyway.
             let mut msg = std::error::Error::source(e).map(|s| s.to_string()).unwrap_or_default();
@@ -611,7 +618,40 @@ mod tests {
             c.request_timeout_secs = 0.1;
             c.max_retries = 0;
         });
-        assert!(matches!(c.chat(req(&c)).await, Err(LlmError::Timeout(_))));
+        let err = c.chat(req(&c)).await.unwrap_err();
+        assert_eq!(err, LlmError::Timeout { which: TimeoutKind::Request, after: Duration::from_millis(100) });
+        assert_eq!(err.to_string(), "LLM request (llm.request_timeout_secs) timeout fired after 0.1s");
+    }
+
+    #[tokio::test]
+    async fn a_connect_timeout_is_named_with_its_own_value() {
+        // A listener whose accept queue is full: the kernel drops further SYNs, so a
+        // connect hangs until the client's connect timeout fires.
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut fillers = Vec::new();
+        for _ in 0..4 {
+            if let Ok(Ok(s)) =
+                tokio::time::timeout(Duration::from_millis(200), tokio::net::TcpStream::connect(addr)).await
+            {
+                fillers.push(s);
+            }
+        }
+        let c = client(&format!("http://{addr}/v1"), |c| {
+            c.connect_timeout_secs = 0.3;
+            c.request_timeout_secs = 30.0;
+            c.max_retries = 0;
+        });
+        let started = Instant::now();
+        let err = c.chat(req(&c)).await.unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(10), "the request timeout did not fire first");
+        assert_eq!(err, LlmError::Timeout { which: TimeoutKind::Connect, after: Duration::from_millis(300) });
+        let text = err.to_string();
+        assert!(text.contains("connect") && text.contains("0.3s") && !text.contains("30s"), "{text}");
+        assert!(err.is_retryable());
+        drop((listener, fillers));
     }
 
     #[tokio::test]

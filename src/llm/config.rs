@@ -25,8 +25,10 @@ pub struct LlmConfig {
     pub temperature: f32,
     /// Maximum completion tokens per call. Default 4096.
     pub max_tokens: u32,
-    /// Timeout of one HTTP attempt in seconds (fractions allowed). Default 120.
+    /// Timeout of one HTTP attempt in seconds (fractions allowed), connection included. Default 120.
     pub request_timeout_secs: f64,
+    /// Timeout of establishing the TCP/TLS connection of one attempt, in seconds. Default 10.
+    pub connect_timeout_secs: f64,
     /// Retries after the first attempt on 429, 5xx, timeouts and connection errors. Default 5.
     pub max_retries: u32,
     /// Backoff before retry i is a uniform random delay in [0, min(backoff_max_ms, backoff_base_ms·2^i)]
@@ -59,6 +61,7 @@ impl Default for LlmConfig {
             temperature: 0.2,
             max_tokens: 4096,
             request_timeout_secs: 120.0,
+            connect_timeout_secs: 10.0,
             max_retries: 5,
             backoff_base_ms: 500,
             backoff_max_ms: 30_000,
@@ -114,6 +117,9 @@ impl LlmConfig {
         }
         if !(self.request_timeout_secs.is_finite() && self.request_timeout_secs > 0.0) {
             return err("request_timeout_secs", "must be a positive number");
+        }
+        if !(self.connect_timeout_secs.is_finite() && self.connect_timeout_secs > 0.0) {
+            return err("connect_timeout_secs", "must be a positive number");
         }
         if !(self.temperature.is_finite() && (0.0..=2.0).contains(&self.temperature)) {
             return err("temperature", "must be between 0 and 2");

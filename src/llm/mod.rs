@@ -143,8 +143,9 @@ impl LlmCall {
 /// the round again later can help. Messages never contain the API key.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LlmError {
-    #[error("LLM request timed out after {0:?}")]
-    Timeout(Duration),
+    /// One of the client's own timeouts fired; the message names which one and its value.
+    #[error("LLM {which} timeout fired after {}", show_secs(*after))]
+    Timeout { which: TimeoutKind, after: Duration },
     #[error("LLM server rate-limited the request (429)")]
     RateLimited { retry_after: Option<Duration> },
     #[error("LLM server error {status}: {message}")]
@@ -170,7 +171,7 @@ impl LlmError {
     /// request, an invalid answer or a configuration error is not.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Timeout(_)
+            Self::Timeout { .. }
             | Self::RateLimited { .. }
             | Self::Server { .. }
             | Self::Connection(_)
@@ -187,6 +188,29 @@ impl LlmError {
             _ => 0,
         }
     }
+}
+
+/// Which of the client's timeouts fired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeoutKind {
+    /// Establishing the connection (`llm.connect_timeout_secs`).
+    Connect,
+    /// The whole HTTP attempt (`llm.request_timeout_secs`).
+    Request,
+}
+
+impl std::fmt::Display for TimeoutKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Connect => "connect (llm.connect_timeout_secs)",
+            Self::Request => "request (llm.request_timeout_secs)",
+        })
+    }
+}
+
+/// `10s`, `0.25s`: a duration as an operator wrote it in the config.
+fn show_secs(d: Duration) -> String {
+    format!("{}s", d.as_secs_f64())
 }
 
 /// A chat-completions backend. The learning engine only ever sees this trait.

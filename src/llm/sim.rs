@@ -7,23 +7,34 @@
 //!   text runs to the end of the line, or to a `"` or `\` so markers inside JSON
 //!   strings work) is one distinct insight, identified by its token. Answers carry
 //!   markers verbatim, so a test can count exactly which insights survive.
-//! - **Capacity** (context overload). A *distilling* call (aggregate-playbook,
-//!   aggregate-rewrite: its n items are raw reflections, n from the fence's
-//!   `count`) keeps at most K = `capacity_k` distinct new insights, and only
-//!   `max(1, floor(K·D / n))` when n > D = `digest_reflections`.
-//!   A *combining* call (merge-rewrite, consolidate-playbook: its n items are
-//!   level-1 updates, each already the output of one call) keeps at most K per
-//!   item it digests: K·n when n ≤ D, `max(1, floor(K·D·D / n))` beyond (the same
-//!   overload factor D/n, continuous at n = D). Why not K per call there too: the
-//!   paper's premise is that each level of the tree handles ~√n items "well within
-//!   the aggregator's effective capacity" and that the final merge keeps the
-//!   specific insights of all groups; a hard K per combining call would cap every
-//!   two-level round at K insights, i.e. make Combee no better than one call,
-//!   which is the opposite of the overload effect being modelled (specific
-//!   content lost when one call must *distil* too much raw material).
-//!   Which ones: candidates are ranked by the first 8 bytes of
-//!   `sha256(seed ‖ sha256(first user message) ‖ token)`, lowest first — spread
-//!   across insights and calls, yet the same request and seed always keep the same.
+//! - **Capacity** (context overload), one of two models (`capacity_model`):
+//!   - `soft` (the default): let m be the number of *new insights the call must
+//!     write in its answer* — the distinct insights of its input fence that are not
+//!     already in the current prompt it was given (for a consolidation that answers
+//!     with decisions, only the insights inside the texts it must write; operations
+//!     it passes through unchanged are not written, see `consolidate-decisions`
+//!     below). Each of the m is kept independently with probability E(m)/m, where
+//!     E(m) = K·(1 − e^(−m/K)) is the expected number kept (K = `capacity_k`): a
+//!     call writing few new lessons keeps nearly all, one writing many keeps about K.
+//!     The draw for an insight is `sha256(seed ‖ sha256(first user message) ‖ token)`
+//!     against E(m)/m: deterministic per seed and request.
+//!   - `hard`: a *distilling* call (aggregate-playbook,
+//!     aggregate-rewrite: its n items are raw reflections, n from the fence's
+//!     `count`) keeps at most K = `capacity_k` distinct new insights, and only
+//!     `max(1, floor(K·D / n))` when n > D = `digest_reflections`.
+//!     A *combining* call (merge-rewrite, consolidate-playbook: its n items are
+//!     level-1 updates, each already the output of one call) keeps at most K per
+//!     item it digests: K·n when n ≤ D, `max(1, floor(K·D·D / n))` beyond (the same
+//!     overload factor D/n, continuous at n = D). Why not K per call there too: the
+//!     paper's premise is that each level of the tree handles ~√n items "well within
+//!     the aggregator's effective capacity" and that the final merge keeps the
+//!     specific insights of all groups; a hard K per combining call would cap every
+//!     two-level round at K insights, i.e. make Combee no better than one call,
+//!     which is the opposite of the overload effect being modelled (specific
+//!     content lost when one call must *distil* too much raw material).
+//!     Which ones: candidates are ranked by the first 8 bytes of
+//!     `sha256(seed ‖ sha256(first user message) ‖ token)`, lowest first — spread
+//!     across insights and calls, yet the same request and seed always keep the same.
 //! - **Latency**: `fixed_ms + per_input_token_ms·prompt_tokens +
 //!   per_output_token_ms·completion_tokens`, slept before answering, where
 //!   tokens = ceil(characters / 4) (all messages for the prompt, the answer for the
@@ -36,9 +47,14 @@
 //!   the trace (not of the current prompt), or a generic insight when there is none;
 //!   its `bullet_tags` tag each `[b-NNNN]` named in the trace's trajectory that is a
 //!   bullet of the current playbook, helpful when the feedback says
-//!   `"success": true`, harmful otherwise. aggregate-playbook and
-//!   consolidate-playbook: one `ADD` to section `insights` per kept new insight
-//!   (content = the marker); insights already in the current prompt are not new.
+//!   `"success": true`, harmful otherwise. aggregate-playbook: one `ADD` to
+//!   section `insights` per kept new insight (content = the marker); insights
+//!   already in the current prompt are not new. consolidate-playbook (decisions
+//!   by op id): `drop` for ops whose insights are all in the current prompt,
+//!   `merge` for ADDs sharing an insight (the merged text holds the kept markers),
+//!   nothing for every other op, which therefore passes through. The merged
+//!   texts are what the call writes: m counts their new insights (soft model);
+//!   the hard model keeps at most K of them.
 //!   aggregate-rewrite and merge-rewrite: the current prompt text followed by a
 //!   bullet list of the kept new insights. Any other request gets a fixed JSON note.
 //!
@@ -64,6 +80,29 @@ use sha2::{Digest, Sha256};
 use super::client::estimate_tokens;
 use super::protocol::{InstructionAnswer, OperationsAnswer, Task};
 use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
+use crate::learn::level2::{Action, Decision, DecisionsAnswer};
+
+/// Which capacity model the simulated aggregator follows (see the module doc). [simulation]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum CapacityModel {
+    /// Each of the m new insights a call must write is kept with probability E(m)/m,
+    /// E(m) = K·(1 − e^(−m/K)).
+    #[default]
+    Soft,
+    /// At most K new insights per distilling call, fewer beyond D items.
+    Hard,
+}
+
+/// E(m) = K·(1 − e^(−m/K)): the expected number of new insights a call that must
+/// write m of them keeps under the soft capacity model. [simulation]
+pub fn expected_kept(k: usize, m: usize) -> f64 {
+    if k == 0 {
+        return 0.0;
+    }
+    let k = k as f64;
+    k * (1.0 - (-(m as f64) / k).exp())
+}
 
 /// How the simulated model behaves. Every field is also a `combee sim-llm` flag.
 #[derive(Debug, Clone, PartialEq, clap::Args, Serialize, Deserialize)]
@@ -72,12 +111,18 @@ pub struct SimConfig {
     /// Seed of every deterministic choice (insight selection, faults). [simulation]
     #[arg(long = "seed", default_value_t = 0)]
     pub seed: u64,
-    /// K: most distinct new insights one distilling aggregator call keeps (a merge or
+    /// Capacity model: `soft` (each of the m new insights a call must write is kept with
+    /// probability E(m)/m, E(m) = K·(1 − e^(−m/K))) or `hard` (at most K per distilling
+    /// call, see `digest_reflections`). [simulation]
+    #[arg(long, value_enum, default_value_t = CapacityModel::Soft)]
+    pub capacity_model: CapacityModel,
+    /// K: soft model — the scale of E(m), about the most new insights one call keeps; hard
+    /// model — most distinct new insights one distilling aggregator call keeps (a merge or
     /// consolidation keeps K per level-1 update it combines). [simulation]
     #[arg(long, default_value_t = 12)]
     pub capacity_k: usize,
-    /// D: input items (reflections, proposals, op lists) a call digests fully; above it a
-    /// call's capacity shrinks by D/n. [simulation]
+    /// D (hard model only): input items (reflections, proposals, op lists) a call digests
+    /// fully; above it a call's capacity shrinks by D/n. [simulation]
     #[arg(long, default_value_t = 12)]
     pub digest_reflections: usize,
     /// Fixed latency of every answer, in ms. [simulation]
@@ -114,6 +159,7 @@ impl Default for SimConfig {
     fn default() -> Self {
         Self {
             seed: 0,
+            capacity_model: CapacityModel::Soft,
             capacity_k: 12,
             digest_reflections: 12,
             fixed_ms: 0.0,
@@ -469,6 +515,20 @@ fn keep(seed: u64, digest: &[u8; 32], candidates: Vec<Insight>, capacity: usize)
     candidates.into_iter().enumerate().filter(|(i, _)| chosen.contains(i)).map(|(_, c)| c).collect()
 }
 
+/// The soft model: each of the m candidates (the new insights the call must write)
+/// is kept independently with probability E(m)/m, drawn from a seeded hash.
+fn keep_soft(seed: u64, digest: &[u8; 32], candidates: Vec<Insight>, k: usize) -> Vec<Insight> {
+    let m = candidates.len();
+    if m == 0 {
+        return candidates;
+    }
+    let p = expected_kept(k, m) / m as f64;
+    candidates
+        .into_iter()
+        .filter(|c| unit(&[b"keep-soft", &seed.to_le_bytes(), digest, c.token.as_bytes()]) < p)
+        .collect()
+}
+
 fn task_of(req: &SimRequest) -> Option<Task> {
     req.messages
         .iter()
@@ -514,9 +574,15 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
     let kept = |tag: &str| -> Vec<Insight> {
         let Some((attrs, body)) = fenced(user, tag) else { return vec![] };
         let items = count_attr(attrs).unwrap_or(1);
-        let candidates = insights(body).into_iter().filter(|i| !present.contains(&i.token)).collect();
-        let cap = if tag == "untrusted-reflections" { capacity(cfg, items) } else { combine_capacity(cfg, items) };
-        keep(seed, &digest, candidates, cap)
+        let candidates: Vec<Insight> = insights(body).into_iter().filter(|i| !present.contains(&i.token)).collect();
+        match cfg.capacity_model {
+            CapacityModel::Soft => keep_soft(seed, &digest, candidates, cfg.capacity_k),
+            CapacityModel::Hard => {
+                let cap =
+                    if tag == "untrusted-reflections" { capacity(cfg, items) } else { combine_capacity(cfg, items) };
+                keep(seed, &digest, candidates, cap)
+            }
+        }
     };
     let with_bullets = |kept: Vec<Insight>| -> String {
         let mut text = if current.is_empty() { "You are a helpful agent.".to_owned() } else { current.to_owned() };
@@ -542,7 +608,8 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
             serde_json::to_string(&OperationsAnswer { operations: adds(kept("untrusted-reflections")) })
         }
         Some(Task::ConsolidatePlaybook) => {
-            serde_json::to_string(&OperationsAnswer { operations: adds(kept("untrusted-operations")) })
+            let body = fenced(user, "untrusted-operations").map_or("", |(_, body)| body);
+            serde_json::to_string(&consolidation_decisions(cfg, seed, &digest, body, &present))
         }
         Some(Task::AggregateRewrite) => {
             serde_json::to_string(&InstructionAnswer { instruction: with_bullets(kept("untrusted-reflections")) })
@@ -553,6 +620,92 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
         None => Ok(r#"{"simulated": true, "note": "not a combee prompt"}"#.to_owned()),
     };
     (task, text.unwrap_or_default())
+}
+
+/// The consolidation answer: decisions only, by op id. Ops whose insights are all
+/// in the current prompt already are dropped; ops that share an insight are
+/// merged, and the merged text — the only new text the call writes — goes
+/// through the capacity model (m = the distinct new insights of all merge texts).
+/// Every other op is not mentioned, so it passes through unchanged.
+fn consolidation_decisions(
+    cfg: &SimConfig,
+    seed: u64,
+    digest: &[u8; 32],
+    body: &str,
+    present: &HashSet<String>,
+) -> DecisionsAnswer {
+    // `o3 | ADD | section | content` lines.
+    let ops: Vec<(String, String, Vec<Insight>)> = body
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.splitn(3, " | ");
+            let (label, kind) = (parts.next()?.trim(), parts.next()?.trim());
+            label.starts_with('o').then(|| (label.to_owned(), kind.to_owned(), insights(l)))
+        })
+        .collect();
+    let mut decisions = Vec::new();
+    let mut clusters: Vec<Vec<usize>> = Vec::new();
+    let mut cluster_of: BTreeMap<String, usize> = BTreeMap::new();
+    for (i, (label, kind, found)) in ops.iter().enumerate() {
+        if !found.is_empty() && found.iter().all(|x| present.contains(&x.token)) {
+            decisions.push(Decision {
+                action: Action::Drop,
+                ops: vec![label.clone()],
+                content: None,
+                reason: "simulated: already in the playbook".into(),
+            });
+            continue;
+        }
+        if kind != "ADD" {
+            continue;
+        }
+        let c = found.iter().find_map(|x| cluster_of.get(&x.token).copied()).unwrap_or_else(|| {
+            clusters.push(Vec::new());
+            clusters.len() - 1
+        });
+        clusters[c].push(i);
+        for x in found {
+            cluster_of.entry(x.token.clone()).or_insert(c);
+        }
+    }
+    let merges: Vec<&Vec<usize>> = clusters.iter().filter(|c| c.len() >= 2).collect();
+    let mut to_write: Vec<Insight> = Vec::new();
+    for &i in merges.iter().flat_map(|c| c.iter()) {
+        for x in &ops[i].2 {
+            if !present.contains(&x.token) && !to_write.iter().any(|w| w.token == x.token) {
+                to_write.push(x.clone());
+            }
+        }
+    }
+    let kept: HashSet<String> = match cfg.capacity_model {
+        CapacityModel::Soft => keep_soft(seed, digest, to_write, cfg.capacity_k),
+        CapacityModel::Hard => keep(seed, digest, to_write, cfg.capacity_k),
+    }
+    .into_iter()
+    .map(|x| x.token)
+    .collect();
+    for c in merges {
+        let mut markers: Vec<String> = Vec::new();
+        for &i in c {
+            for x in ops[i].2.iter().filter(|x| kept.contains(&x.token)) {
+                if !markers.contains(&x.marker()) {
+                    markers.push(x.marker());
+                }
+            }
+        }
+        let content = if markers.is_empty() {
+            "Simulated merged lesson (its specific insights were lost).".to_owned()
+        } else {
+            markers.join("; ")
+        };
+        decisions.push(Decision {
+            action: Action::Merge,
+            ops: c.iter().map(|&i| ops[i].0.clone()).collect(),
+            content: Some(content),
+            reason: "simulated: the same insight".into(),
+        });
+    }
+    DecisionsAnswer { decisions }
 }
 
 fn reflect(user: &str, current: &str) -> Reflection {
@@ -592,8 +745,14 @@ mod tests {
     use crate::domain::VersionContent;
     use crate::domain::playbook::{Bullet, Playbook, Section};
     use crate::domain::{Strategy, Trace};
+    use crate::learn::delta::MergedOp;
     use crate::llm::protocol::{self, tests::trace};
     use crate::llm::{ChatMessage, LlmBackend, LlmConfig, LlmRole, OpenAiClient};
+
+    /// The hard capacity model, for tests that count exactly what survives.
+    fn hard() -> SimConfig {
+        SimConfig { capacity_model: CapacityModel::Hard, ..SimConfig::default() }
+    }
 
     struct Running {
         client: OpenAiClient,
@@ -697,6 +856,8 @@ mod tests {
             "0.0.0.0:9",
             "--seed",
             "5",
+            "--capacity-model",
+            "hard",
             "--capacity-k",
             "3",
             "--digest-reflections",
@@ -723,6 +884,7 @@ mod tests {
         .unwrap();
         let want = SimConfig {
             seed: 5,
+            capacity_model: CapacityModel::Hard,
             capacity_k: 3,
             digest_reflections: 4,
             fixed_ms: 1.5,
@@ -758,6 +920,49 @@ mod tests {
         assert_eq!(combine_capacity(&cfg, 5000), 1);
     }
 
+    #[test]
+    fn soft_capacity_keeps_about_e_of_m_deterministically() {
+        assert!((expected_kept(12, 100) - 12.0 * (1.0 - (-100.0f64 / 12.0).exp())).abs() < 1e-12);
+        assert!(expected_kept(12, 1) > 0.95 && expected_kept(12, 1) < 1.0);
+        assert_eq!(expected_kept(0, 5), 0.0);
+        let cands = |m: usize| -> Vec<Insight> {
+            (0..m).map(|i| Insight { token: format!("t{i}"), text: "x".into() }).collect()
+        };
+        // Over many calls the mean kept approaches E(m); the same call keeps the same.
+        for m in [3usize, 20, 100] {
+            let trials = 400;
+            let total: usize =
+                (0..trials).map(|c: u32| keep_soft(1, &hash(&[&c.to_le_bytes()]), cands(m), 12).len()).sum();
+            let mean = total as f64 / f64::from(trials);
+            let want = expected_kept(12, m);
+            assert!((mean - want).abs() < 0.06 * want + 0.2, "m = {m}: mean {mean:.2}, E(m) = {want:.2}");
+        }
+        let d = hash(&[b"one call"]);
+        assert_eq!(keep_soft(9, &d, cands(50), 12), keep_soft(9, &d, cands(50), 12));
+        assert_ne!(keep_soft(9, &d, cands(50), 12), keep_soft(10, &d, cands(50), 12));
+        assert!(keep_soft(9, &d, Vec::new(), 12).is_empty());
+    }
+
+    #[tokio::test]
+    async fn soft_model_loses_little_in_small_calls_and_most_in_large_ones() {
+        let sim = start(SimConfig::default(), |_| {}).await;
+        assert_eq!(SimConfig::default().capacity_model, CapacityModel::Soft);
+        let current = playbook(&[]);
+        let mut calls = vec![];
+        let big =
+            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..100), &mut calls).await.unwrap();
+        assert!((6..=18).contains(&big.len()), "E(100) ≈ 12, kept {}", big.len());
+        let mut small_kept = 0;
+        for g in 0..10 {
+            let ops =
+                protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(g * 3..g * 3 + 3), &mut calls)
+                    .await
+                    .unwrap();
+            small_kept += ops.len();
+        }
+        assert!(small_kept >= 23, "E(3)/3 ≈ 0.885 of 30, kept {small_kept}");
+    }
+
     #[tokio::test]
     async fn reflect_carries_the_traces_insights_and_tags_used_bullets() {
         let sim = start(SimConfig::default(), |_| {}).await;
@@ -782,7 +987,7 @@ mod tests {
 
     #[tokio::test]
     async fn one_naive_call_on_100_insights_keeps_at_most_k() {
-        let sim = start(SimConfig { capacity_k: 12, digest_reflections: 12, ..Default::default() }, |_| {}).await;
+        let sim = start(SimConfig { capacity_k: 12, digest_reflections: 12, ..hard() }, |_| {}).await;
         let current = playbook(&["Check units"]);
         let mut calls = vec![];
         let ops =
@@ -801,7 +1006,7 @@ mod tests {
 
     #[tokio::test]
     async fn insights_already_in_the_playbook_are_not_added_again() {
-        let sim = start(SimConfig::default(), |_| {}).await;
+        let sim = start(hard(), |_| {}).await;
         let current = playbook(&["INSIGHT-i1: lesson number 1"]);
         let mut calls = vec![];
         let ops =
@@ -814,7 +1019,7 @@ mod tests {
         let current = playbook(&[]);
         let mut kept = vec![];
         for seed in [7, 7, 8] {
-            let sim = start(SimConfig { seed, ..Default::default() }, |_| {}).await;
+            let sim = start(SimConfig { seed, ..hard() }, |_| {}).await;
             let ops = protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..30), &mut vec![])
                 .await
                 .unwrap();
@@ -828,7 +1033,7 @@ mod tests {
 
     #[tokio::test]
     async fn rewrite_merge_and_consolidate() {
-        let sim = start(SimConfig { capacity_k: 12, ..Default::default() }, |_| {}).await;
+        let sim = start(SimConfig { capacity_k: 12, ..hard() }, |_| {}).await;
         let current = VersionContent { base: "You solve {task}.".into(), playbook: None };
         let mut calls = vec![];
         let proposal =
@@ -851,10 +1056,27 @@ mod tests {
             content: format!("INSIGHT-i{i}: lesson number {i}"),
             reason: String::new(),
         };
-        let lists = vec![vec![add(0), add(1)], vec![add(1), add(2)], vec![add(2)]];
-        let ops =
-            protocol::consolidate_playbook(&sim.client, &sim.cfg, &playbook(&[]), &lists, &mut calls).await.unwrap();
+        // Consolidation answers with decisions only: the two ops of i1 are merged, the
+        // op whose insight the playbook holds is dropped, the rest is not mentioned.
+        let again = DeltaOp::Add {
+            section: "s".into(),
+            content: "INSIGHT-i1: lesson number 1, seen by another group".into(),
+            reason: String::new(),
+        };
+        let pooled: Vec<MergedOp> = [add(0), add(1), again, add(2), add(7)]
+            .into_iter()
+            .enumerate()
+            .map(|(g, op)| MergedOp::single(g, op))
+            .collect();
+        let current = playbook(&["INSIGHT-i7: lesson number 7"]);
+        let decisions =
+            protocol::consolidate_playbook(&sim.client, &sim.cfg, &current, &pooled, &mut calls).await.unwrap();
+        assert_eq!(decisions.len(), 2, "{decisions:?}");
+        let out = crate::learn::level2::apply_decisions(&pooled, &decisions).unwrap();
+        let ops: Vec<DeltaOp> = out.ops.iter().map(|m| m.op.clone()).collect();
         assert_eq!(tokens(&ops), ["i0", "i1", "i2"]);
+        assert_eq!(out.ops[1].groups, vec![1, 2]);
+        assert_eq!(out.dropped.len(), 1);
         let stats = sim.stats().await;
         for (task, n) in [("aggregate-rewrite", 1), ("merge-rewrite", 2), ("consolidate-playbook", 1)] {
             assert_eq!(stats.calls.get(task), Some(&n), "{task}");

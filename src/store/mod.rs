@@ -384,14 +384,31 @@ pub struct DeliveryAttempt {
     pub delivery_status: String,
 }
 
+/// A trace that failed on its own account in a round: its reflection could not be obtained.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceFault {
+    pub trace_id: Uuid,
+    pub reason: String,
+}
+
+/// What the end of a round charges to its traces. Only a trace's own failure
+/// costs it an attempt: each faulted trace returns to pending with one more
+/// attempt and the reason in `failure_reason`, or is marked `failed` once its
+/// attempts reach `max_trace_attempts`. Every other trace of the round pays nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TraceCharges {
+    pub faults: Vec<TraceFault>,
+    pub max_trace_attempts: i32,
+}
+
 /// How a round ends when it cannot publish.
 #[derive(Debug, Clone)]
 pub enum RoundFailure {
     /// Try again later (same traces, same seed) — after `after`.
     Retry { after: std::time::Duration },
-    /// Give up: the traces return to pending with one more attempt counted;
-    /// those at `max_trace_attempts` are marked failed with the reason.
-    GiveUp { max_trace_attempts: i32 },
+    /// Give up: the traces return to pending; only those in `charges` (their own
+    /// reflection failed) pay an attempt — a failure elsewhere in the round is not theirs.
+    GiveUp { charges: TraceCharges },
 }
 
 #[async_trait]
@@ -469,6 +486,11 @@ pub trait Store: Send + Sync + 'static {
     async fn claim_round(&self, owner: &str, lease: std::time::Duration) -> StoreResult<Option<ClaimedRound>>;
     /// Extends the lease; false when this attempt no longer holds it.
     async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: std::time::Duration) -> StoreResult<bool>;
+    /// Copies into `round` the reflections that earlier rounds of the same prompt
+    /// stored for the round's traces against the same base version and strategy,
+    /// so a re-run over the same base pays no reflector call twice. Returns how many
+    /// were copied; reflections the round already has are kept.
+    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64>;
     /// Stores a reflection once (a repeat for the same trace is ignored).
     async fn save_reflection(
         &self,
@@ -489,10 +511,14 @@ pub trait Store: Send + Sync + 'static {
         detail: &serde_json::Value,
     ) -> StoreResult<bool>;
     /// In one transaction, fenced by the attempt: writes the version, moves
-    /// `label` to it, marks the round's traces consumed and the round succeeded,
+    /// `label` to it, charges the traces in `charges` (see [`TraceCharges`]),
+    /// marks consumed the round's traces that have a stored reflection (the others
+    /// return to pending uncharged: nothing was learned from them), marks the round succeeded,
     /// and (given `sample_secs`) records the batch-size controller's delay sample
     /// — atomically, so the scheduler never sees the round done but unsampled.
     /// `Conflict` when the lease was lost.
+    // One fenced transaction needs all of these; a wrapper struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
     async fn publish_round(
         &self,
         round: Uuid,
@@ -501,6 +527,7 @@ pub trait Store: Send + Sync + 'static {
         label: LabelName,
         detail: &serde_json::Value,
         sample_secs: Option<f64>,
+        charges: &TraceCharges,
     ) -> StoreResult<Version>;
     /// Ends an attempt that could not publish (fenced by the attempt).
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()>;

@@ -19,7 +19,7 @@ use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
     PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    TraceCharges, TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -1010,6 +1010,25 @@ impl Store for PgStore {
         Ok(n == 1)
     }
 
+    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
+        Ok(sqlx::query(
+            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace)
+             SELECT DISTINCT ON (r.trace_id) cur.id, r.trace_id, r.reflection, r.from_trace
+             FROM rounds cur
+             JOIN round_traces rt ON rt.round_id = cur.id
+             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
+             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
+                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
+             WHERE cur.id = $1
+             ORDER BY r.trace_id, r.created_at DESC
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(round)
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
     async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO reflections (round_id, trace_id, reflection, from_trace) VALUES ($1, $2, $3, $4)
@@ -1105,6 +1124,8 @@ impl Store for PgStore {
         Ok(n == 1)
     }
 
+    // One fenced transaction needs all of these; a wrapper struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
     async fn publish_round(
         &self,
         round: Uuid,
@@ -1113,6 +1134,7 @@ impl Store for PgStore {
         label: LabelName,
         detail: &Value,
         sample_secs: Option<f64>,
+        charges: &TraceCharges,
     ) -> StoreResult<Version> {
         let mut tx = self.pool.begin().await?;
         let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
@@ -1141,12 +1163,15 @@ impl Store for PgStore {
             by: v.created_by.clone(),
         };
         let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
+        charge_traces(&mut tx, round, charges).await?;
         sqlx::query(
-            "UPDATE traces SET status = 'consumed', updated_at = now() WHERE round_id = $1 AND status = 'pending'",
+            "UPDATE traces SET status = 'consumed', updated_at = now() WHERE round_id = $1 AND status = 'pending'
+               AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = $1 AND r.trace_id = traces.id)",
         )
         .bind(round)
         .execute(&mut *tx)
         .await?;
+        release_traces(&mut tx, round).await?;
         sqlx::query(
             "UPDATE rounds SET status = 'succeeded', result_version = $2, detail = $3, error = NULL, finished_at = now(),
                     lease_owner = NULL, lease_expires_at = NULL, updated_at = now() WHERE id = $1",
@@ -1181,18 +1206,9 @@ impl Store for PgStore {
                 .await?;
                 notify(&mut tx, "round").await?;
             }
-            RoundFailure::GiveUp { max_trace_attempts } => {
-                sqlx::query(
-                    "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = now(),
-                            status = CASE WHEN attempts + 1 >= $2 THEN 'failed' ELSE 'pending' END,
-                            failure_reason = CASE WHEN attempts + 1 >= $2 THEN $3 ELSE failure_reason END
-                     WHERE round_id = $1 AND status = 'pending'",
-                )
-                .bind(round)
-                .bind(max_trace_attempts)
-                .bind(error)
-                .execute(&mut *tx)
-                .await?;
+            RoundFailure::GiveUp { charges } => {
+                charge_traces(&mut tx, round, &charges).await?;
+                release_traces(&mut tx, round).await?;
                 sqlx::query(
                     "UPDATE rounds SET status = 'failed', error = $2, finished_at = now(), lease_owner = NULL,
                             lease_expires_at = NULL, updated_at = now() WHERE id = $1",
@@ -1510,6 +1526,33 @@ fn round_from_row(row: &PgRow) -> StoreResult<Round> {
 }
 
 /// Locks the round row and checks that `attempt` still holds its lease.
+/// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).
+async fn charge_traces(tx: &mut Transaction<'_, Postgres>, round: Uuid, charges: &TraceCharges) -> StoreResult<()> {
+    for fault in &charges.faults {
+        sqlx::query(
+            "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = now(), failure_reason = $3,
+                    status = CASE WHEN attempts + 1 >= $4 THEN 'failed' ELSE 'pending' END
+             WHERE id = $1 AND round_id = $2 AND status = 'pending'",
+        )
+        .bind(fault.trace_id)
+        .bind(round)
+        .bind(&fault.reason)
+        .bind(charges.max_trace_attempts)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Returns the round's still-reserved pending traces to the backlog, uncharged.
+async fn release_traces(tx: &mut Transaction<'_, Postgres>, round: Uuid) -> StoreResult<()> {
+    sqlx::query("UPDATE traces SET round_id = NULL, updated_at = now() WHERE round_id = $1 AND status = 'pending'")
+        .bind(round)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 async fn fence(tx: &mut Transaction<'_, Postgres>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
     let row = sqlx::query(
         "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id

@@ -19,7 +19,7 @@ use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
     PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    TraceCharges, TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -407,6 +407,40 @@ fn round_from_row(row: &SqliteRow) -> StoreResult<Round> {
 
 /// Checks that `attempt` still holds the round's lease (the single writer
 /// connection makes check-then-write atomic).
+/// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).
+async fn charge_traces(
+    tx: &mut Transaction<'_, Sqlite>,
+    round: Uuid,
+    charges: &TraceCharges,
+    now: i64,
+) -> StoreResult<()> {
+    for fault in &charges.faults {
+        sqlx::query(
+            "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = ?1, failure_reason = ?2,
+                    status = CASE WHEN attempts + 1 >= ?3 THEN 'failed' ELSE 'pending' END
+             WHERE id = ?4 AND round_id = ?5 AND status = 'pending'",
+        )
+        .bind(now)
+        .bind(&fault.reason)
+        .bind(charges.max_trace_attempts)
+        .bind(fault.trace_id.to_string())
+        .bind(round.to_string())
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Returns the round's still-reserved pending traces to the backlog, uncharged.
+async fn release_traces(tx: &mut Transaction<'_, Sqlite>, round: Uuid, now: i64) -> StoreResult<()> {
+    sqlx::query("UPDATE traces SET round_id = NULL, updated_at = ? WHERE round_id = ? AND status = 'pending'")
+        .bind(now)
+        .bind(round.to_string())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 async fn fence(tx: &mut Transaction<'_, Sqlite>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
     let row = sqlx::query(
         "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = ?",
@@ -1098,6 +1132,25 @@ impl Store for SqliteStore {
         Ok(n == 1)
     }
 
+    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
+        Ok(sqlx::query(
+            "INSERT OR IGNORE INTO reflections (round_id, trace_id, reflection, from_trace, created_at)
+             SELECT cur.id, r.trace_id, r.reflection, r.from_trace, ?2
+             FROM rounds cur
+             JOIN round_traces rt ON rt.round_id = cur.id
+             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
+             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
+                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
+             WHERE cur.id = ?1
+             ORDER BY r.trace_id, r.created_at DESC",
+        )
+        .bind(round.to_string())
+        .bind(now_us())
+        .execute(&self.writer)
+        .await?
+        .rows_affected())
+    }
+
     async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at) VALUES (?, ?, ?, ?, ?)
@@ -1198,6 +1251,8 @@ impl Store for SqliteStore {
         Ok(n == 1)
     }
 
+    // One fenced transaction needs all of these; a wrapper struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
     async fn publish_round(
         &self,
         round: Uuid,
@@ -1206,6 +1261,7 @@ impl Store for SqliteStore {
         label: LabelName,
         detail: &Value,
         sample_secs: Option<f64>,
+        charges: &TraceCharges,
     ) -> StoreResult<Version> {
         let now = now_us();
         let mut tx = self.writer.begin().await?;
@@ -1236,11 +1292,16 @@ impl Store for SqliteStore {
             by: v.created_by.clone(),
         };
         let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
-        sqlx::query("UPDATE traces SET status = 'consumed', updated_at = ? WHERE round_id = ? AND status = 'pending'")
-            .bind(now)
-            .bind(round.to_string())
-            .execute(&mut *tx)
-            .await?;
+        charge_traces(&mut tx, round, charges, now).await?;
+        sqlx::query(
+            "UPDATE traces SET status = 'consumed', updated_at = ?1 WHERE round_id = ?2 AND status = 'pending'
+               AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = ?2 AND r.trace_id = traces.id)",
+        )
+        .bind(now)
+        .bind(round.to_string())
+        .execute(&mut *tx)
+        .await?;
+        release_traces(&mut tx, round, now).await?;
         sqlx::query(
             "UPDATE rounds SET status = 'succeeded', result_version = ?, detail = ?, error = NULL, finished_at = ?,
                     lease_owner = NULL, lease_expires_at = NULL, updated_at = ? WHERE id = ?",
@@ -1281,19 +1342,9 @@ impl Store for SqliteStore {
                 .execute(&mut *tx)
                 .await?;
             }
-            RoundFailure::GiveUp { max_trace_attempts } => {
-                sqlx::query(
-                    "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = ?1,
-                            status = CASE WHEN attempts + 1 >= ?2 THEN 'failed' ELSE 'pending' END,
-                            failure_reason = CASE WHEN attempts + 1 >= ?2 THEN ?3 ELSE failure_reason END
-                     WHERE round_id = ?4 AND status = 'pending'",
-                )
-                .bind(now)
-                .bind(max_trace_attempts)
-                .bind(error)
-                .bind(round.to_string())
-                .execute(&mut *tx)
-                .await?;
+            RoundFailure::GiveUp { charges } => {
+                charge_traces(&mut tx, round, &charges, now).await?;
+                release_traces(&mut tx, round, now).await?;
                 sqlx::query(
                     "UPDATE rounds SET status = 'failed', error = ?, finished_at = ?, lease_owner = NULL,
                             lease_expires_at = NULL, updated_at = ? WHERE id = ?",

@@ -12,7 +12,7 @@ use crate::{
     domain::Reflection,
     learn::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal},
     llm::LlmCall,
-    store::DynStore,
+    store::{DynStore, TraceFault},
 };
 
 pub struct StoreJournal {
@@ -24,6 +24,19 @@ pub struct StoreJournal {
 
 fn err(e: impl std::fmt::Display) -> JournalError {
     JournalError(e.to_string())
+}
+
+/// The traces a round's detail records as unreflected (`detail.unreflected`:
+/// trace id → reason), as the faults they are charged for.
+pub fn unreflected_faults(detail: &Value) -> Vec<TraceFault> {
+    let Some(Value::Object(u)) = detail.get("unreflected") else { return Vec::new() };
+    u.iter()
+        .filter_map(|(id, reason)| {
+            let trace_id = id.parse().ok()?;
+            let reason = reason.as_str().unwrap_or("the reflection could not be obtained").to_owned();
+            Some(TraceFault { trace_id, reason: format!("reflection failed: {reason}") })
+        })
+        .collect()
 }
 
 impl StoreJournal {
@@ -49,12 +62,30 @@ impl StoreJournal {
 #[async_trait]
 impl RoundJournal for StoreJournal {
     async fn stored_reflections(&self) -> Result<HashMap<Uuid, Reflection>, JournalError> {
+        // A re-run over the same base version reuses what earlier rounds reflected.
+        self.store.adopt_reflections(self.round).await.map_err(err)?;
         let rows = self.store.round_reflections(self.round).await.map_err(err)?;
         Ok(rows.into_iter().map(|(id, r, _)| (id, r)).collect())
     }
 
     async fn save_reflection(&self, trace: Uuid, r: &Reflection, source: ReflectionSource) -> Result<(), JournalError> {
-        self.store.save_reflection(self.round, trace, r, source == ReflectionSource::Trace).await.map_err(err)
+        self.store.save_reflection(self.round, trace, r, source == ReflectionSource::Trace).await.map_err(err)?;
+        let mut d = self.detail.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(Value::Object(u)) = d.get_mut("unreflected") {
+            u.remove(&trace.to_string());
+        }
+        Ok(())
+    }
+
+    async fn record_unreflected(&self, trace: Uuid, error: &str) -> Result<(), JournalError> {
+        {
+            let mut d = self.detail.lock().unwrap_or_else(|e| e.into_inner());
+            let map = d.as_object_mut().map(|o| o.entry("unreflected").or_insert_with(|| json!({})));
+            if let Some(Value::Object(u)) = map {
+                u.insert(trace.to_string(), json!(error));
+            }
+        }
+        self.flush().await
     }
 
     async fn record_calls(&self, calls: &[LlmCall]) -> Result<(), JournalError> {

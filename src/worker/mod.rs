@@ -15,7 +15,7 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-pub use journal::StoreJournal;
+pub use journal::{StoreJournal, unreflected_faults};
 
 use crate::{
     config::WorkerSettings,
@@ -27,7 +27,7 @@ use crate::{
         round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, config::LlmConfig},
-    store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError},
+    store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError, TraceCharges, TraceFault},
 };
 
 #[derive(Clone)]
@@ -182,7 +182,7 @@ impl Worker {
         if attempt > self.settings.max_round_attempts {
             let reason = round.error.clone().unwrap_or_else(|| "the round's worker stopped (lease expired)".into());
             let msg = format!("gave up after {} attempts: {reason}", attempt - 1);
-            self.give_up(id, attempt, &msg).await;
+            self.give_up(id, attempt, &msg, unreflected_faults(&round.detail)).await;
             return;
         }
         // Keep the lease alive; losing it cancels the round.
@@ -232,7 +232,7 @@ impl Worker {
                 detail["outcome"] = json!({
                     "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map,
                     "unreflected": outcome.unreflected, "applied": outcome.applied, "skipped": outcome.skipped,
-                    "evicted": outcome.evicted, "timings": outcome.timings,
+                    "evicted": outcome.evicted, "timings": outcome.timings, "level2": outcome.level2,
                 });
                 detail["group_outputs"] = json!(outcome.group_outputs);
                 let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
@@ -257,7 +257,13 @@ impl Worker {
                 // Only Combee rounds describe the delay the controller models.
                 let sample =
                     (round.method == Method::Combee && batch_size > 0).then(|| started.elapsed().as_secs_f64());
-                match self.store.publish_round(id, attempt, version, label.clone(), &detail, sample).await {
+                let faults = outcome
+                    .unreflected
+                    .iter()
+                    .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })
+                    .collect();
+                let charges = self.charges(faults);
+                match self.store.publish_round(id, attempt, version, label.clone(), &detail, sample, &charges).await {
                     Ok(v) => {
                         metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
                         tracing::info!(version = v.number, label = %label, "round published");
@@ -267,34 +273,51 @@ impl Worker {
                     }
                     Err(e) => {
                         tracing::error!(error = %e, "publishing failed");
-                        self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true).await;
+                        let faults = unreflected_faults(&journal.detail());
+                        self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
                     }
                 }
             }
             Err(e) => {
                 tracing::warn!(error = %e, retryable = e.is_retryable(), "round attempt failed");
-                self.retry_or_give_up(id, attempt, &e.to_string(), e.is_retryable()).await;
+                let faults = unreflected_faults(&journal.detail());
+                self.retry_or_give_up(id, attempt, &e.to_string(), e.is_retryable(), faults).await;
             }
         }
     }
 
-    async fn retry_or_give_up(&self, id: uuid::Uuid, attempt: i32, error: &str, retryable: bool) {
+    /// Only a trace's own failure costs it an attempt (see [`TraceCharges`]).
+    fn charges(&self, faults: Vec<TraceFault>) -> TraceCharges {
+        TraceCharges { faults, max_trace_attempts: self.settings.max_trace_attempts }
+    }
+
+    async fn retry_or_give_up(
+        &self,
+        id: uuid::Uuid,
+        attempt: i32,
+        error: &str,
+        retryable: bool,
+        faults: Vec<TraceFault>,
+    ) {
         if retryable && attempt < self.settings.max_round_attempts {
             let after = Duration::from_secs(self.settings.retry_delay_secs * attempt as u64);
             if let Err(e) = self.store.fail_round(id, attempt, error, RoundFailure::Retry { after }).await {
                 tracing::warn!(error = %e, "could not re-queue the round");
             }
         } else {
-            self.give_up(id, attempt, error).await;
+            self.give_up(id, attempt, error, faults).await;
         }
     }
 
-    async fn give_up(&self, id: uuid::Uuid, attempt: i32, error: &str) {
-        let how = RoundFailure::GiveUp { max_trace_attempts: self.settings.max_trace_attempts };
+    async fn give_up(&self, id: uuid::Uuid, attempt: i32, error: &str, faults: Vec<TraceFault>) {
+        let how = RoundFailure::GiveUp { charges: self.charges(faults) };
         match self.store.fail_round(id, attempt, error, how).await {
             Ok(()) => {
                 metrics::counter!("combee_rounds_total", "outcome" => "failed").increment(1);
-                tracing::warn!(error, "round failed; its traces are pending again")
+                tracing::warn!(
+                    error,
+                    "round failed; its traces are pending again (only failed reflections were charged)"
+                )
             }
             Err(e) => tracing::warn!(error = %e, "could not fail the round"),
         }
