@@ -60,9 +60,21 @@ impl From<sqlx::Error> for StoreError {
             sqlx::Error::RowNotFound => StoreError::NotFound,
             sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => StoreError::Unavailable(e),
             sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::AlreadyExists,
+            sqlx::Error::Database(db) if db.code().is_some_and(|c| is_outage_sqlstate(&c)) => {
+                StoreError::Unavailable(e)
+            }
             _ => StoreError::Database(e),
         }
     }
+}
+
+/// True for the SQLSTATE classes that mean the server is going away or the
+/// connection broke, not that the statement was wrong: `08` (connection
+/// exception) and `57` (operator intervention: `57P01` admin shutdown during
+/// `pg_ctl restart -m fast`, `57P03` cannot connect now, `57014` canceled).
+/// A SQLSTATE is five characters; SQLite's numeric codes never match.
+fn is_outage_sqlstate(code: &str) -> bool {
+    code.len() == 5 && (code.starts_with("08") || code.starts_with("57"))
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -553,5 +565,61 @@ pub async fn connect(url: &str, max_connections: u32, acquire_timeout: std::time
         Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(path), max_connections, acquire_timeout).await?))
     } else {
         Err(StoreError::Invalid("database url must start with postgres://, postgresql:// or sqlite://".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+
+    /// A database error carrying just a SQLSTATE, as a driver would report it.
+    #[derive(Debug)]
+    struct Coded(&'static str);
+
+    impl std::fmt::Display for Coded {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "error {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Coded {}
+
+    impl sqlx::error::DatabaseError for Coded {
+        fn message(&self) -> &str {
+            "simulated"
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.0))
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            if self.0 == "23505" { sqlx::error::ErrorKind::UniqueViolation } else { sqlx::error::ErrorKind::Other }
+        }
+    }
+
+    fn mapped(code: &'static str) -> StoreError {
+        StoreError::from(sqlx::Error::Database(Box::new(Coded(code))))
+    }
+
+    #[test]
+    fn server_shutdown_and_broken_connections_are_outages_not_bugs() {
+        // 57P01 admin_shutdown is what `pg_ctl restart -m fast` sends to open sessions.
+        for code in ["57P01", "57P02", "57P03", "57014", "08000", "08003", "08006", "08P01"] {
+            assert!(matches!(mapped(code), StoreError::Unavailable(_)), "{code} is an outage");
+        }
+        assert!(matches!(mapped("23505"), StoreError::AlreadyExists));
+        for code in ["42P01", "22P02", "40001", "5", "517"] {
+            assert!(matches!(mapped(code), StoreError::Database(_)), "{code} is not an outage");
+        }
     }
 }
