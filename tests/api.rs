@@ -366,25 +366,19 @@ async fn idempotency_key_replays_and_rejects(b: Backend) {
     let p = expect_problem(post(&app, "k-1", &json!({"traces": [one_trace("p")]})).await, 422).await;
     assert!(p["detail"].as_str().unwrap().contains("different request body"));
 
-    // A request with the key still in flight (claimed, not finished) → 409.
-    let key = app.store.list_api_keys().await.unwrap().remove(0);
-    let raw = serde_json::to_vec(&body).unwrap();
-    let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&raw));
-    assert_eq!(
-        app.store.idempotency_begin(key.id, "k-2", &hash).await.unwrap(),
-        combee::store::IdempotencyBegin::Started
-    );
-    let res = app
-        .http
-        .post(app.url("/v1/traces"))
-        .bearer_auth(&app.admin_key)
-        .header("content-type", "application/json")
-        .header("idempotency-key", "k-2")
-        .body(raw)
-        .send()
-        .await
-        .unwrap();
-    expect_problem(res, 409).await;
+    // Concurrent requests with one key: one stores, the others wait for it and replay.
+    let twins = json!({"traces": [one_trace("p")]});
+    let sends: Vec<_> =
+        (0..6).map(|_| app.post("/v1/traces", twins.clone()).header("idempotency-key", "k-2").send()).collect();
+    let mut answers = Vec::new();
+    for res in futures_util::future::join_all(sends).await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), 201);
+        answers.push(res.json::<Value>().await.unwrap());
+    }
+    assert!(answers.iter().all(|a| *a == answers[0]), "one answer for all: {answers:?}");
+    let stored: Value = app.get("/v1/traces").send().await.unwrap().json().await.unwrap();
+    assert_eq!(stored["traces"].as_array().unwrap().len(), 3, "the twins stored once");
 
     // A failed request is not remembered: fixing it and retrying with the same key works.
     expect_problem(post(&app, "k-3", &json!({"traces": [one_trace("ghost")]})).await, 422).await;

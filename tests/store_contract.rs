@@ -12,8 +12,8 @@ use combee::{
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
     store::{
-        Change, DynStore, IdempotencyBegin, LabelMove, NewPrompt, NewUiSession, Scope, Selector, StoreError,
-        TraceFilter,
+        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, Scope, Selector,
+        StoreError, TraceFilter,
     },
 };
 use common::{Backend, test_store};
@@ -186,47 +186,88 @@ async fn late_feedback_merges(b: Backend) {
     assert!(s.add_feedback(uuid::Uuid::now_v7(), Feedback::default()).await.unwrap().is_none());
 }
 
-async fn idempotency_state_machine(b: Backend) {
+fn answer(ids: &[uuid::Uuid]) -> Vec<u8> {
+    serde_json::to_vec(&json!({ "ids": ids })).unwrap()
+}
+
+fn idem<'a>(owner: uuid::Uuid, key: &'a str, hash: &'a str) -> IdempotencyKey<'a> {
+    IdempotencyKey { owner, key, request_hash: hash }
+}
+
+async fn pending_count(s: &DynStore) -> usize {
+    s.list_traces(&TraceFilter::default(), 1000).await.unwrap().len()
+}
+
+async fn idempotent_ingest_commits_traces_and_key_together(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
+    make_prompt(&s, "p").await;
     let owner = uuid::Uuid::now_v7();
-    assert_eq!(s.idempotency_begin(owner, "k", "h1").await.unwrap(), IdempotencyBegin::Started);
-    assert_eq!(s.idempotency_begin(owner, "k", "h1").await.unwrap(), IdempotencyBegin::InFlight);
-    assert_eq!(s.idempotency_begin(owner, "k", "h2").await.unwrap(), IdempotencyBegin::Mismatch);
-    // Keys are per owner.
-    assert_eq!(s.idempotency_begin(uuid::Uuid::now_v7(), "k", "h2").await.unwrap(), IdempotencyBegin::Started);
-    s.idempotency_finish(owner, "k", 201, b"{\"ok\":1}").await.unwrap();
+    let batch = [trace("p", None), trace("p", Some(1))];
+    let IdempotentIngest::Stored { ids, status, body } =
+        s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch, 201, &answer).await.unwrap()
+    else {
+        panic!("first sighting stores")
+    };
+    assert_eq!((ids.len(), status), (2, 201));
+    assert_eq!(body, answer(&ids), "the answer is rendered from the stored ids");
+    // The same request again: the first answer, nothing stored.
     assert_eq!(
-        s.idempotency_begin(owner, "k", "h1").await.unwrap(),
-        IdempotencyBegin::Replay { status: 201, body: b"{\"ok\":1}".to_vec() }
+        s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch, 201, &answer).await.unwrap(),
+        IdempotentIngest::Replay { status: 201, body: body.clone() }
     );
-    // An aborted request is forgotten, so a retry runs again.
-    assert_eq!(s.idempotency_begin(owner, "j", "h").await.unwrap(), IdempotencyBegin::Started);
-    s.idempotency_abort(owner, "j").await.unwrap();
-    assert_eq!(s.idempotency_begin(owner, "j", "h").await.unwrap(), IdempotencyBegin::Started);
+    assert_eq!(
+        s.insert_traces_idempotent(idem(owner, "k", "h2"), &batch, 201, &answer).await.unwrap(),
+        IdempotentIngest::Mismatch
+    );
+    assert_eq!(pending_count(&s).await, 2);
+    // Keys are per owner.
+    let other = s.insert_traces_idempotent(idem(uuid::Uuid::now_v7(), "k", "h2"), &batch, 201, &answer).await.unwrap();
+    assert!(matches!(other, IdempotentIngest::Stored { .. }));
+    assert_eq!(pending_count(&s).await, 4);
+
+    // A failure inside the transaction (the second trace names an unknown
+    // prompt) stores no trace and does not remember the key: a retry runs anew.
+    let bad = [trace("p", None), trace("ghost", None)];
+    let err = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad, 201, &answer).await.unwrap_err();
+    assert!(matches!(err, StoreError::Invalid(ref m) if m.contains("traces[1]")), "{err:?}");
+    assert_eq!(pending_count(&s).await, 4, "nothing of the failed batch is stored");
+    make_prompt(&s, "ghost").await;
+    let retried = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad, 201, &answer).await.unwrap();
+    assert!(matches!(retried, IdempotentIngest::Stored { ref ids, .. } if ids.len() == 2), "{retried:?}");
+    assert_eq!(pending_count(&s).await, 6);
+
     let purged = s.idempotency_purge(chrono::Utc::now() + chrono::Duration::seconds(5)).await.unwrap();
     assert_eq!(purged, 3);
 }
 
-async fn concurrent_idempotency_claims_have_one_winner(b: Backend) {
+async fn concurrent_idempotent_ingests_store_once(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
+    make_prompt(&s, "p").await;
     let owner = uuid::Uuid::now_v7();
     let tasks: Vec<_> = (0..10)
         .map(|_| {
             let s = s.clone();
-            tokio::spawn(async move { s.idempotency_begin(owner, "same", "h").await.unwrap() })
+            tokio::spawn(async move {
+                let batch = [trace("p", None), trace("p", None), trace("p", None)];
+                s.insert_traces_idempotent(idem(owner, "same", "h"), &batch, 201, &answer).await.unwrap()
+            })
         })
         .collect();
-    let mut started = 0;
+    let (mut stored, mut replays) = (None, Vec::new());
     for t in tasks {
         match t.await.unwrap() {
-            IdempotencyBegin::Started => started += 1,
-            IdempotencyBegin::InFlight => {}
+            IdempotentIngest::Stored { body, .. } => {
+                assert!(stored.replace(body).is_none(), "stored twice");
+            }
+            IdempotentIngest::Replay { body, .. } => replays.push(body),
             other => panic!("unexpected {other:?}"),
         }
     }
-    assert_eq!(started, 1);
+    let stored = stored.expect("one request stored the batch");
+    assert!(replays.iter().all(|r| *r == stored), "every other request replays the first answer");
+    assert_eq!(pending_count(&s).await, 3);
 }
 
 async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
@@ -372,8 +413,8 @@ on_both_stores!(
     traces_are_all_or_nothing,
     trace_filters_and_cursor,
     late_feedback_merges,
-    idempotency_state_machine,
-    concurrent_idempotency_claims_have_one_winner,
+    idempotent_ingest_commits_traces_and_key_together,
+    concurrent_idempotent_ingests_store_once,
     api_keys_are_stored_hashed_and_revocable,
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,

@@ -239,17 +239,24 @@ pub struct TraceFilter {
     pub before_id: Option<Uuid>,
 }
 
-/// What the store knows of an `Idempotency-Key` when a request starts.
+/// An `Idempotency-Key` as the store keeps it: per caller, bound to the hash
+/// of the request it first came with.
+#[derive(Debug, Clone, Copy)]
+pub struct IdempotencyKey<'a> {
+    pub owner: Uuid,
+    pub key: &'a str,
+    pub request_hash: &'a str,
+}
+
+/// How an ingest under an `Idempotency-Key` ended.
 #[derive(Debug, Clone, PartialEq)]
-pub enum IdempotencyBegin {
-    /// First sighting: the caller owns it now and must `finish` or `abort`.
-    Started,
-    /// The same request completed before: replay its answer.
+pub enum IdempotentIngest {
+    /// First sighting: the traces and the answer were committed together.
+    Stored { ids: Vec<Uuid>, status: u16, body: Vec<u8> },
+    /// The same request was stored before: replay its answer (nothing stored now).
     Replay { status: u16, body: Vec<u8> },
-    /// The same key was used with another payload.
+    /// The same key was used with another payload (nothing stored).
     Mismatch,
-    /// The first request with this key is still being processed.
-    InFlight,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -462,10 +469,19 @@ pub trait Store: Send + Sync + 'static {
     async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
 
     // Idempotency
-    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin>;
-    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()>;
-    /// Forgets a key whose request failed, so a retry can run it again.
-    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()>;
+    /// Stores traces and remembers the key with its answer (`status`, and the
+    /// body `answer` renders from the new ids) in ONE transaction: an outage
+    /// at any point leaves either both or neither, so a retry either replays
+    /// or stores — never twice, and never a key stuck "in flight". A
+    /// concurrent request with the same key waits for the first to end.
+    /// `Invalid` (nothing stored, key not remembered) as for `insert_traces`.
+    async fn insert_traces_idempotent(
+        &self,
+        key: IdempotencyKey<'_>,
+        traces: &[ValidTrace],
+        status: u16,
+        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
+    ) -> StoreResult<IdempotentIngest>;
     /// Deletes keys older than the retention; returns how many.
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
 
@@ -552,10 +568,6 @@ pub trait Store: Send + Sync + 'static {
 }
 
 pub type DynStore = Arc<dyn Store>;
-
-/// An in-flight idempotency record older than this is treated as abandoned
-/// (its process died) and may be taken over.
-pub const IDEMPOTENCY_STALE_SECS: i64 = 120;
 
 /// Opens the store the URL names, creating and migrating it as needed.
 pub async fn connect(url: &str, max_connections: u32, acquire_timeout: std::time::Duration) -> StoreResult<DynStore> {

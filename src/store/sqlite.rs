@@ -17,9 +17,9 @@ use uuid::Uuid;
 
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
-    PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, PromptSummary,
+    Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceFilter,
+    UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -110,6 +110,50 @@ fn json(s: &str) -> StoreResult<Value> {
 
 fn to_json<T: serde::Serialize>(v: &T) -> StoreResult<String> {
     serde_json::to_string(v).map_err(|_| corrupt("json"))
+}
+
+/// Inserts a batch of traces inside the caller's transaction; `Invalid` names
+/// the first trace whose prompt or version is unknown (roll back then).
+async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+    let now = now_us();
+    let mut ids = Vec::with_capacity(traces.len());
+    for (i, t) in traces.iter().enumerate() {
+        let id = Uuid::now_v7();
+        let n = sqlx::query(
+            "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
+                                 external_id, metadata, created_at, updated_at)
+             SELECT ?1, p.id, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11 FROM prompts p
+             WHERE p.name = ?2 AND (?3 IS NULL OR ?3 <= p.version_count)",
+        )
+        .bind(id.to_string())
+        .bind(t.prompt.as_str())
+        .bind(t.prompt_version)
+        .bind(to_json(&t.input)?)
+        .bind(to_json(&t.trajectory)?)
+        .bind(to_json(&t.output)?)
+        .bind(to_json(&t.feedback)?)
+        .bind(t.reflection.as_ref().map(to_json).transpose()?)
+        .bind(&t.external_id)
+        .bind(to_json(&t.metadata)?)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if n == 0 {
+            let known: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM prompts WHERE name = ?)")
+                .bind(t.prompt.as_str())
+                .fetch_one(&mut **tx)
+                .await?;
+            let what = if known {
+                format!("prompt {:?} has no version {}", t.prompt.as_str(), t.prompt_version.unwrap_or_default())
+            } else {
+                format!("unknown prompt {:?}", t.prompt.as_str())
+            };
+            return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
+        }
+        ids.push(id);
+    }
+    Ok(ids)
 }
 
 impl SqliteStore {
@@ -780,45 +824,8 @@ impl Store for SqliteStore {
     }
 
     async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        let now = now_us();
-        let mut ids = Vec::with_capacity(traces.len());
         let mut tx = self.writer.begin().await?;
-        for (i, t) in traces.iter().enumerate() {
-            let id = Uuid::now_v7();
-            let n = sqlx::query(
-                "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
-                                     external_id, metadata, created_at, updated_at)
-                 SELECT ?1, p.id, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11 FROM prompts p
-                 WHERE p.name = ?2 AND (?3 IS NULL OR ?3 <= p.version_count)",
-            )
-            .bind(id.to_string())
-            .bind(t.prompt.as_str())
-            .bind(t.prompt_version)
-            .bind(to_json(&t.input)?)
-            .bind(to_json(&t.trajectory)?)
-            .bind(to_json(&t.output)?)
-            .bind(to_json(&t.feedback)?)
-            .bind(t.reflection.as_ref().map(to_json).transpose()?)
-            .bind(&t.external_id)
-            .bind(to_json(&t.metadata)?)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if n == 0 {
-                let known: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM prompts WHERE name = ?)")
-                    .bind(t.prompt.as_str())
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let what = if known {
-                    format!("prompt {:?} has no version {}", t.prompt.as_str(), t.prompt_version.unwrap_or_default())
-                } else {
-                    format!("unknown prompt {:?}", t.prompt.as_str())
-                };
-                return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
-            }
-            ids.push(id);
-        }
+        let ids = insert_trace_rows(&mut tx, traces).await?;
         tx.commit().await?;
         Ok(ids)
     }
@@ -876,67 +883,51 @@ impl Store for SqliteStore {
         self.get_trace(id).await
     }
 
-    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin> {
-        // The single writer connection makes this read-then-write atomic.
+    async fn insert_traces_idempotent(
+        &self,
+        key: IdempotencyKey<'_>,
+        traces: &[ValidTrace],
+        status: u16,
+        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
+    ) -> StoreResult<IdempotentIngest> {
+        // The single writer connection serialises requests with the same key.
         let mut tx = self.writer.begin().await?;
-        let row = sqlx::query(
-            "SELECT request_hash, status_code, body, created_at FROM idempotency_keys WHERE owner = ? AND key = ?",
-        )
-        .bind(owner.to_string())
-        .bind(key)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let now = now_us();
-        let outcome = match row {
-            None => IdempotencyBegin::Started,
-            Some(row) => {
-                let hash: String = row.try_get("request_hash")?;
-                let status: Option<i64> = row.try_get("status_code")?;
-                let created: i64 = row.try_get("created_at")?;
-                if hash != request_hash {
-                    return Ok(IdempotencyBegin::Mismatch);
-                } else if let Some(status) = status {
-                    let body: Option<Vec<u8>> = row.try_get("body")?;
-                    return Ok(IdempotencyBegin::Replay { status: status as u16, body: body.unwrap_or_default() });
-                } else if now - created > IDEMPOTENCY_STALE_SECS * 1_000_000 {
-                    IdempotencyBegin::Started
-                } else {
-                    return Ok(IdempotencyBegin::InFlight);
+        let row =
+            sqlx::query("SELECT request_hash, status_code, body FROM idempotency_keys WHERE owner = ? AND key = ?")
+                .bind(key.owner.to_string())
+                .bind(key.key)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(row) = row {
+            let stored_status: Option<i64> = row.try_get("status_code")?;
+            // A row without an answer can only be left by an older combee that
+            // remembered keys before storing: it is taken over below.
+            if let Some(stored_status) = stored_status {
+                if row.try_get::<String, _>("request_hash")? != key.request_hash {
+                    return Ok(IdempotentIngest::Mismatch);
                 }
+                let body: Option<Vec<u8>> = row.try_get("body")?;
+                let status = u16::try_from(stored_status).map_err(|_| corrupt("idempotency status"))?;
+                return Ok(IdempotentIngest::Replay { status, body: body.unwrap_or_default() });
             }
-        };
+        }
+        let ids = insert_trace_rows(&mut tx, traces).await?;
+        let body = answer(&ids);
         sqlx::query(
-            "INSERT INTO idempotency_keys (owner, key, request_hash, created_at) VALUES (?, ?, ?, ?)
-             ON CONFLICT (owner, key) DO UPDATE SET created_at = excluded.created_at",
+            "INSERT INTO idempotency_keys (owner, key, request_hash, status_code, body, created_at) VALUES (?, ?, ?, ?, ?, ?)
+             ON CONFLICT (owner, key) DO UPDATE SET request_hash = excluded.request_hash,
+                 status_code = excluded.status_code, body = excluded.body, created_at = excluded.created_at",
         )
-        .bind(owner.to_string())
-        .bind(key)
-        .bind(request_hash)
-        .bind(now)
+        .bind(key.owner.to_string())
+        .bind(key.key)
+        .bind(key.request_hash)
+        .bind(i64::from(status))
+        .bind(&body)
+        .bind(now_us())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(outcome)
-    }
-
-    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()> {
-        sqlx::query("UPDATE idempotency_keys SET status_code = ?, body = ? WHERE owner = ? AND key = ?")
-            .bind(i64::from(status))
-            .bind(body)
-            .bind(owner.to_string())
-            .bind(key)
-            .execute(&self.writer)
-            .await?;
-        Ok(())
-    }
-
-    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()> {
-        sqlx::query("DELETE FROM idempotency_keys WHERE owner = ? AND key = ? AND status_code IS NULL")
-            .bind(owner.to_string())
-            .bind(key)
-            .execute(&self.writer)
-            .await?;
-        Ok(())
+        Ok(IdempotentIngest::Stored { ids, status, body })
     }
 
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
