@@ -110,6 +110,7 @@ impl From<StoreError> for ApiError {
             StoreError::AlreadyExists => ApiError::Conflict("it already exists".into()),
             StoreError::Conflict => ApiError::PreconditionFailed("the resource changed; fetch it again".into()),
             StoreError::Invalid(msg) => ApiError::Unprocessable(msg),
+            StoreError::Duplicate => ApiError::Conflict("it was already processed".into()),
             StoreError::Unavailable(e) => {
                 tracing::error!(error = %e, "store unavailable");
                 ApiError::Unavailable

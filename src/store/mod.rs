@@ -52,6 +52,9 @@ pub enum StoreError {
     Corrupt(String),
     #[error("migration failed: {0}")]
     Migration(String),
+    /// This inbound webhook id already opened a round.
+    #[error("already processed")]
+    Duplicate,
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -279,6 +282,9 @@ pub struct OpenRound {
     /// Open nothing when fewer traces are pending.
     pub min_traces: u32,
     pub seed: i64,
+    /// The `webhook-id` of the inbound trigger asking for this round: it is
+    /// remembered in the round's transaction, so only with a round opened.
+    pub inbound_webhook_id: Option<String>,
 }
 
 /// A prompt's learning backlog, for the scheduler.
@@ -488,7 +494,9 @@ pub trait Store: Send + Sync + 'static {
     // Rounds
     /// Reserves up to `batch` of the prompt's oldest pending traces for a new
     /// queued round. `None` when fewer than `min_traces` are pending;
-    /// `AlreadyExists` when the prompt has a round in flight.
+    /// `AlreadyExists` when the prompt has a round in flight; `Duplicate` when
+    /// `inbound_webhook_id` opened a round before. The id is remembered only
+    /// when this call opens the round: a refused trigger can be retried.
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>>;
     /// Per prompt: unreserved pending traces, the oldest one's age, whether a round is in flight.
     async fn backlogs(&self) -> StoreResult<Vec<Backlog>>;
@@ -542,8 +550,6 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<Vec<Round>>;
     /// The trace ids a round reserved, in batch order.
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
-    /// True the first time an inbound webhook id is seen.
-    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool>;
 
     // Outbound webhooks
     async fn create_webhook(&self, hook: &NewWebhook) -> StoreResult<Webhook>;

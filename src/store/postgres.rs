@@ -860,6 +860,19 @@ impl Store for PgStore {
 
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
         let mut tx = self.pool.begin().await?;
+        // First, so a duplicate delivery is told so (not "a round is in flight":
+        // its own round). A concurrent duplicate waits here on the primary key;
+        // every refusal below rolls back, forgetting the id.
+        if let Some(hook) = &req.inbound_webhook_id {
+            let n = sqlx::query("INSERT INTO inbound_webhooks (id) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(hook)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if n == 0 {
+                return Err(StoreError::Duplicate);
+            }
+        }
         // The prompt row lock serialises round creation per prompt.
         let row = sqlx::query("SELECT id, strategy, settings FROM prompts WHERE name = $1 FOR UPDATE")
             .bind(req.prompt.as_str())
@@ -1231,15 +1244,6 @@ impl Store for PgStore {
             .bind(round)
             .fetch_all(&self.pool)
             .await?)
-    }
-
-    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool> {
-        let n = sqlx::query("INSERT INTO inbound_webhooks (id) VALUES ($1) ON CONFLICT DO NOTHING")
-            .bind(id)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-        Ok(n == 1)
     }
 
     async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {

@@ -941,6 +941,19 @@ impl Store for SqliteStore {
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
         let now = now_us();
         let mut tx = self.writer.begin().await?;
+        // First, so a duplicate delivery is told so (not "a round is in flight":
+        // its own round); every refusal below rolls back, forgetting the id.
+        if let Some(hook) = &req.inbound_webhook_id {
+            let n = sqlx::query("INSERT INTO inbound_webhooks (id, received_at) VALUES (?, ?) ON CONFLICT DO NOTHING")
+                .bind(hook)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if n == 0 {
+                return Err(StoreError::Duplicate);
+            }
+        }
         let row = sqlx::query("SELECT id, strategy, settings, version_count FROM prompts WHERE name = ?")
             .bind(req.prompt.as_str())
             .fetch_optional(&mut *tx)
@@ -1337,16 +1350,6 @@ impl Store for SqliteStore {
                 .fetch_all(&self.reader)
                 .await?;
         ids.iter().map(|s| uuid(s)).collect()
-    }
-
-    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool> {
-        let n = sqlx::query("INSERT INTO inbound_webhooks (id, received_at) VALUES (?, ?) ON CONFLICT DO NOTHING")
-            .bind(id)
-            .bind(now_us())
-            .execute(&self.writer)
-            .await?
-            .rows_affected();
-        Ok(n == 1)
     }
 
     async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
