@@ -270,6 +270,20 @@ async fn concurrent_idempotent_ingests_store_once(b: Backend) {
     assert_eq!(pending_count(&s).await, 3);
 }
 
+async fn key_generation_grows_with_every_revocation(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let start = s.api_key_generation().await.unwrap();
+    let key = s.create_api_key("k", "cmb_gen00001", "hash-gen", &[Scope::PromptsRead]).await.unwrap();
+    assert_eq!(s.api_key_generation().await.unwrap(), start, "a new key invalidates nothing");
+    assert!(s.revoke_api_key(&key.prefix).await.unwrap());
+    let after = s.api_key_generation().await.unwrap();
+    assert!(after > start, "a revocation bumps the generation ({start} → {after})");
+    // Read on a second connection to the same database, as another process would.
+    let other = combee::store::connect(&ts.url, 2, std::time::Duration::from_secs(5)).await.unwrap();
+    assert_eq!(other.api_key_generation().await.unwrap(), after);
+}
+
 async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
@@ -416,6 +430,7 @@ on_both_stores!(
     idempotent_ingest_commits_traces_and_key_together,
     concurrent_idempotent_ingests_store_once,
     api_keys_are_stored_hashed_and_revocable,
+    key_generation_grows_with_every_revocation,
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,

@@ -434,6 +434,9 @@ pub trait Store: Send + Sync + 'static {
     /// Revokes by id or by visible prefix; false when nothing matched.
     async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool>;
     async fn count_active_api_keys(&self) -> StoreResult<i64>;
+    /// A counter that grows with every revocation (or deletion) of a key, by
+    /// any process: one cheap read tells whether cached keys are still current.
+    async fn api_key_generation(&self) -> StoreResult<i64>;
 
     // Operator web UI sessions
     /// Opens a session, and deletes expired ones on the way.

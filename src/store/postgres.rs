@@ -480,6 +480,10 @@ impl Store for PgStore {
         Ok(n > 0)
     }
 
+    async fn api_key_generation(&self) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.pool).await?)
+    }
+
     async fn count_active_api_keys(&self) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.pool).await?)
     }
