@@ -12,8 +12,8 @@ use combee::{
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
     store::{
-        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, Scope, Selector,
-        StoreError, TraceFilter,
+        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, RequeueFailed, Scope,
+        Selector, StoreError, TraceFilter,
     },
 };
 use common::{Backend, test_store};
@@ -284,6 +284,42 @@ async fn key_generation_grows_with_every_revocation(b: Backend) {
     assert_eq!(other.api_key_generation().await.unwrap(), after);
 }
 
+async fn failed_traces_can_be_requeued(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    make_prompt(&s, "q").await;
+    s.insert_traces(&[trace("p", None), trace("p", None), trace("p", None)]).await.unwrap();
+    s.insert_traces(&[trace("q", None)]).await.unwrap();
+    let failed = common::fail_pending_traces(&s, "p").await;
+    let q_failed = common::fail_pending_traces(&s, "q").await;
+    let t = s.get_trace(failed[0]).await.unwrap().unwrap();
+    assert_eq!((t.status, t.attempts, t.failure_reason.is_some()), (TraceStatus::Failed, 1, true));
+    let later = s.insert_traces(&[trace("p", None)]).await.unwrap(); // pending: never touched
+
+    let only = |ids: Vec<uuid::Uuid>| RequeueFailed { prompt: name("p"), ids: Some(ids), since: None };
+    // One by id; an id of a pending trace or of another prompt's trace is skipped.
+    let one = s.requeue_failed_traces(&only(vec![failed[1], later[0], q_failed[0]])).await.unwrap();
+    assert_eq!(one, vec![failed[1]]);
+    let t = s.get_trace(failed[1]).await.unwrap().unwrap();
+    assert_eq!((t.status, t.attempts, t.failure_reason, t.round_id), (TraceStatus::Pending, 0, None, None));
+    assert_eq!(s.get_trace(q_failed[0]).await.unwrap().unwrap().status, TraceStatus::Failed);
+    // `since` in the future matches nothing; then all the rest.
+    let future = Some(chrono::Utc::now() + chrono::Duration::hours(1));
+    let none = RequeueFailed { prompt: name("p"), ids: None, since: future };
+    assert!(s.requeue_failed_traces(&none).await.unwrap().is_empty());
+    let all = RequeueFailed { prompt: name("p"), ids: None, since: None };
+    let mut rest = vec![failed[0], failed[2]];
+    rest.sort();
+    assert_eq!(s.requeue_failed_traces(&all).await.unwrap(), rest);
+    assert!(s.requeue_failed_traces(&all).await.unwrap().is_empty(), "nothing failed is left");
+    // Requeued traces are learnable again: a new round takes them.
+    let backlog = s.backlogs().await.unwrap().into_iter().find(|b| b.prompt.name.as_str() == "p").unwrap();
+    assert_eq!(backlog.pending, 4);
+    let ghost = RequeueFailed { prompt: name("ghost"), ids: None, since: None };
+    assert!(matches!(s.requeue_failed_traces(&ghost).await, Err(StoreError::NotFound)));
+}
+
 async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
@@ -431,6 +467,7 @@ on_both_stores!(
     concurrent_idempotent_ingests_store_once,
     api_keys_are_stored_hashed_and_revocable,
     key_generation_grows_with_every_revocation,
+    failed_traces_can_be_requeued,
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,

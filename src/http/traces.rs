@@ -26,7 +26,7 @@ use crate::{
         Feedback, NewTrace, PromptName, Trace, TraceStatus,
         trace::{TraceLimits, ValidTrace},
     },
-    store::{IdempotencyKey, IdempotentIngest, Scope, TraceFilter},
+    store::{IdempotencyKey, IdempotentIngest, RequeueFailed, Scope, StoreError, TraceFilter},
 };
 
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -240,4 +240,74 @@ pub async fn add_feedback(
         return Err(ApiError::Unprocessable("`score` must be a finite number".into()));
     }
     st.store.add_feedback(id, feedback).await?.map(Json).ok_or_else(|| ApiError::not_found(format_args!("trace {id}")))
+}
+
+/// Which failed traces to put back to pending: `ids`, or `all: true`; either
+/// optionally narrowed by `since`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RequeueRequest {
+    /// These traces of the prompt (at most 1000); ids of traces that are not `failed` are skipped.
+    #[serde(default)]
+    pub ids: Option<Vec<Uuid>>,
+    /// Every failed trace of the prompt (instead of `ids`).
+    #[serde(default)]
+    pub all: bool,
+    /// RFC 3339; only traces received at or after it.
+    #[serde(default)]
+    pub since: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Requeued {
+    /// The traces now pending again, oldest first.
+    pub ids: Vec<Uuid>,
+    pub count: usize,
+}
+
+const MAX_REQUEUE_IDS: usize = 1000;
+
+#[utoipa::path(post, path = "/v1/prompts/{name}/traces/requeue", tag = "traces", params(("name" = String, Path)),
+    request_body = RequeueRequest,
+    responses((status = 200, body = Requeued),
+        (status = 400, description = "the body is not JSON", body = super::error::Problem),
+        (status = 403, description = "the key lacks `traces:write`", body = super::error::Problem),
+        (status = 404, description = "no such prompt", body = super::error::Problem),
+        (status = 422, description = "neither `ids` nor `all: true`, both, or too many ids", body = super::error::Problem)),
+    security(("bearer" = ["traces:write"])))]
+/// Puts `failed` traces back to `pending`, attempts reset, so the next round
+/// learns from them again (e.g. after an LLM outage or a malformed answer
+/// failed their rounds).
+pub async fn requeue_failed(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<RequeueRequest>,
+) -> ApiResult<Json<Requeued>> {
+    caller.require(Scope::TracesWrite)?;
+    let prompt = parse_name(&name)?;
+    let ids = match (req.ids, req.all) {
+        (Some(_), true) => return Err(ApiError::Unprocessable("give `ids` or `all: true`, not both".into())),
+        (None, false) => {
+            return Err(ApiError::Unprocessable(
+                "say which traces: `ids` (a list of trace ids) or `all: true` (every failed trace)".into(),
+            ));
+        }
+        (Some(ids), false) if ids.is_empty() => return Err(ApiError::Unprocessable("`ids` is empty".into())),
+        (Some(ids), false) if ids.len() > MAX_REQUEUE_IDS => {
+            return Err(ApiError::Unprocessable(format!("at most {MAX_REQUEUE_IDS} `ids` per request")));
+        }
+        (ids, _) => ids,
+    };
+    let filter = RequeueFailed { prompt, ids, since: req.since };
+    let ids = match st.store.requeue_failed_traces(&filter).await {
+        Err(StoreError::NotFound) => return Err(ApiError::not_found(format_args!("prompt {name:?}"))),
+        other => other?,
+    };
+    metrics::counter!("combee_traces_requeued_total").increment(ids.len() as u64);
+    tracing::info!(
+        prompt = %filter.prompt, count = ids.len(), by = %caller.actor(),
+        asked_ids = filter.ids.as_ref().map(Vec::len), since = ?filter.since, "failed traces requeued"
+    );
+    Ok(Json(Requeued { count: ids.len(), ids }))
 }

@@ -242,6 +242,16 @@ pub struct TraceFilter {
     pub before_id: Option<Uuid>,
 }
 
+/// Which failed traces of a prompt to put back to pending.
+#[derive(Debug, Clone)]
+pub struct RequeueFailed {
+    pub prompt: PromptName,
+    /// Only these traces (ids of traces that are not failed are skipped); `None`: every failed one.
+    pub ids: Option<Vec<Uuid>>,
+    /// Only traces received at or after this.
+    pub since: Option<DateTime<Utc>>,
+}
+
 /// An `Idempotency-Key` as the store keeps it: per caller, bound to the hash
 /// of the request it first came with.
 #[derive(Debug, Clone, Copy)]
@@ -476,6 +486,10 @@ pub trait Store: Send + Sync + 'static {
     /// Newest first.
     async fn list_traces(&self, filter: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>>;
     async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
+    /// Puts the prompt's matching `failed` traces back to `pending` with their
+    /// attempts reset and failure reason cleared; returns their ids, oldest
+    /// first. `NotFound` when the prompt does not exist.
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>>;
 
     // Idempotency
     /// Stores traces and remembers the key with its answer (`status`, and the

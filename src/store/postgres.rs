@@ -18,8 +18,8 @@ use uuid::Uuid;
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, PromptSummary,
-    Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceFilter,
-    UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
+    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -791,6 +791,28 @@ impl Store for PgStore {
             .await?;
         tx.commit().await?;
         self.get_trace(id).await
+    }
+
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
+        let mut tx = self.pool.begin().await?;
+        let prompt = prompt_id(&mut tx, &req.prompt).await?;
+        let mut ids: Vec<Uuid> = sqlx::query_scalar(
+            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = now()
+             WHERE prompt_id = $1 AND status = 'failed'
+               AND ($2::uuid[] IS NULL OR id = ANY($2)) AND ($3::timestamptz IS NULL OR created_at >= $3)
+             RETURNING id",
+        )
+        .bind(prompt)
+        .bind(req.ids.as_deref())
+        .bind(req.since)
+        .fetch_all(&mut *tx)
+        .await?;
+        if !ids.is_empty() {
+            notify(&mut tx, "round").await?;
+        }
+        tx.commit().await?;
+        ids.sort();
+        Ok(ids)
     }
 
     async fn insert_traces_idempotent(

@@ -18,8 +18,8 @@ use uuid::Uuid;
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, PromptSummary,
-    Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceFilter,
-    UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
+    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -885,6 +885,36 @@ impl Store for SqliteStore {
             .await?;
         tx.commit().await?;
         self.get_trace(id).await
+    }
+
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
+        let ids =
+            req.ids.as_ref().map(|ids| to_json(&ids.iter().map(Uuid::to_string).collect::<Vec<_>>())).transpose()?;
+        let mut tx = self.writer.begin().await?;
+        let prompt: String = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
+            .bind(req.prompt.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let requeued: Vec<String> = sqlx::query_scalar(
+            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = ?1
+             WHERE prompt_id = ?2 AND status = 'failed'
+               AND (?3 IS NULL OR id IN (SELECT value FROM json_each(?3))) AND (?4 IS NULL OR created_at >= ?4)
+             RETURNING id",
+        )
+        .bind(now_us())
+        .bind(&prompt)
+        .bind(ids)
+        .bind(req.since.map(|t| t.timestamp_micros()))
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let mut ids = requeued.iter().map(|id| uuid(id)).collect::<StoreResult<Vec<_>>>()?;
+        ids.sort();
+        if !ids.is_empty() {
+            self.announce(Change::RoundQueued);
+        }
+        Ok(ids)
     }
 
     async fn insert_traces_idempotent(
