@@ -291,7 +291,7 @@ impl Importer<'_> {
 }
 
 /// POSTs a batch, retrying what may pass on a second try: an unreachable or
-/// failing server, 429, and 409 (the same key still in flight). The key makes
+/// failing server, 429, and 409 (older servers: the same key still in flight). The key makes
 /// retries safe.
 async fn post(api: &ApiClient, body: String, key: &str) -> CliResult<Answer> {
     let mut delay = Duration::from_millis(500);
