@@ -282,6 +282,14 @@ async fn key_generation_grows_with_every_revocation(b: Backend) {
     // Read on a second connection to the same database, as another process would.
     let other = combee::store::connect(&ts.url, 2, std::time::Duration::from_secs(5)).await.unwrap();
     assert_eq!(other.api_key_generation().await.unwrap(), after);
+    // A revocation by that other store is seen here at the next read, however
+    // often the unchanged generation was read before.
+    let second = s.create_api_key("k2", "cmb_gen00002", "hash-gen-2", &[Scope::PromptsRead]).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(s.api_key_generation().await.unwrap(), after);
+    }
+    assert!(other.revoke_api_key(&second.prefix).await.unwrap());
+    assert!(s.api_key_generation().await.unwrap() > after, "another connection's revocation is seen at once");
 }
 
 async fn failed_traces_can_be_requeued(b: Backend) {

@@ -38,6 +38,48 @@ pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
     changes: broadcast::Sender<Change>,
+    key_generation: KeyGenerationCache,
+}
+
+/// Makes the per-request "did any process revoke a key?" check cheap. Every
+/// commit, by any process, rewrites the WAL index header at the start of the
+/// `-shm` file (its change counter, frame count and salts; see
+/// <https://sqlite.org/walformat.html>). While those bytes are unchanged no
+/// transaction has committed, so the key generation read under them still
+/// holds and no query is needed; when they changed, or cannot be read, the
+/// generation is read from the table again.
+struct KeyGenerationCache {
+    shm: Option<std::fs::File>,
+    seen: std::sync::Mutex<Option<(WalIndexHeader, i64)>>,
+}
+
+/// The first copy of the WAL index header.
+type WalIndexHeader = [u8; 48];
+
+impl KeyGenerationCache {
+    fn open(db: &Path) -> Self {
+        let mut shm = db.as_os_str().to_owned();
+        shm.push("-shm");
+        Self { shm: std::fs::File::open(shm).ok(), seen: std::sync::Mutex::new(None) }
+    }
+
+    fn header(&self) -> Option<WalIndexHeader> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = [0u8; 48];
+        self.shm.as_ref()?.read_exact_at(&mut buf, 0).ok()?;
+        Some(buf)
+    }
+
+    fn lookup(&self, header: &WalIndexHeader) -> Option<i64> {
+        match *self.seen.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((seen, generation)) if seen == *header => Some(generation),
+            _ => None,
+        }
+    }
+
+    fn remember(&self, header: WalIndexHeader, generation: i64) {
+        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some((header, generation));
+    }
 }
 
 fn now_us() -> i64 {
@@ -183,7 +225,7 @@ impl SqliteStore {
             .await
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
-        Ok(Self { writer, reader, changes })
+        Ok(Self { writer, reader, changes, key_generation: KeyGenerationCache::open(path) })
     }
 
     fn announce(&self, change: Change) {
@@ -553,7 +595,18 @@ impl Store for SqliteStore {
     }
 
     async fn api_key_generation(&self) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.reader).await?)
+        // The header is read before the query: a commit landing in between
+        // changes it, so the next call queries again.
+        let header = self.key_generation.header();
+        if let Some(generation) = header.as_ref().and_then(|h| self.key_generation.lookup(h)) {
+            return Ok(generation);
+        }
+        let generation: i64 =
+            sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.reader).await?;
+        if let Some(header) = header {
+            self.key_generation.remember(header, generation);
+        }
+        Ok(generation)
     }
 
     async fn count_active_api_keys(&self) -> StoreResult<i64> {
