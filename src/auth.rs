@@ -11,7 +11,7 @@ use std::{
 use rand::{Rng, distributions::Alphanumeric};
 use sha2::{Digest, Sha256};
 
-use crate::store::{ApiKey, DynStore, Scope, StoreError};
+use crate::store::{ApiKey, DynStore, Scope, StoreError, StoreKind};
 
 pub const KEY_PREFIX: &str = "cmb_";
 const VISIBLE_PREFIX_LEN: usize = 12;
@@ -43,17 +43,31 @@ pub async fn create_key(store: &DynStore, name: &str, scopes: &[Scope]) -> Resul
 }
 
 /// Verified keys by the SHA-256 of their secret (raw bytes: no hex on the hot
-/// path), dropped on any key change (see `Change::Keys`) and after a TTL.
+/// path), dropped on any key change this process hears of (see `Change::Keys`)
+/// and after a TTL. On SQLite nothing tells the server that another process
+/// (`combee keys revoke`) revoked a key, so there every request also reads the
+/// store's key generation and an entry counts only for the generation it was
+/// read at: a revocation takes effect at once. On Postgres the revoking
+/// process's `NOTIFY` clears the cache instead, with no query per request.
 pub struct KeyCache {
     store: DynStore,
-    entries: RwLock<HashMap<KeyDigest, (Arc<ApiKey>, Instant)>>,
+    entries: RwLock<HashMap<KeyDigest, CachedKey>>,
+    check_generation: bool,
 }
 
 type KeyDigest = [u8; 32];
 
+struct CachedKey {
+    key: Arc<ApiKey>,
+    stored_at: Instant,
+    /// The store's key generation when the key was read (`None`: not checked).
+    generation: Option<i64>,
+}
+
 impl KeyCache {
     pub fn new(store: DynStore) -> Self {
-        Self { store, entries: RwLock::new(HashMap::new()) }
+        let check_generation = store.kind() == StoreKind::Sqlite;
+        Self { store, entries: RwLock::new(HashMap::new()), check_generation }
     }
 
     /// The active key for this secret, or `None` when it is unknown or revoked.
@@ -62,10 +76,14 @@ impl KeyCache {
             return Ok(None);
         }
         let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
-        if let Some((key, at)) = self.entries.read().unwrap_or_else(|e| e.into_inner()).get(&digest)
-            && at.elapsed() < CACHE_TTL
+        // Read before the key itself: a revocation landing in between then
+        // shows in the key row, and one landing after bumps the generation.
+        let generation = if self.check_generation { Some(self.store.api_key_generation().await?) } else { None };
+        if let Some(hit) = self.entries.read().unwrap_or_else(|e| e.into_inner()).get(&digest)
+            && hit.stored_at.elapsed() < CACHE_TTL
+            && hit.generation == generation
         {
-            return Ok(Some(key.clone()));
+            return Ok(Some(hit.key.clone()));
         }
         let Some(key) = self.store.api_key_by_hash(&hex::encode(digest)).await?.filter(|k| k.revoked_at.is_none())
         else {
@@ -76,7 +94,7 @@ impl KeyCache {
         if entries.len() >= CACHE_MAX {
             entries.clear();
         }
-        entries.insert(digest, (key.clone(), Instant::now()));
+        entries.insert(digest, CachedKey { key: key.clone(), stored_at: Instant::now(), generation });
         Ok(Some(key))
     }
 

@@ -366,30 +366,88 @@ async fn idempotency_key_replays_and_rejects(b: Backend) {
     let p = expect_problem(post(&app, "k-1", &json!({"traces": [one_trace("p")]})).await, 422).await;
     assert!(p["detail"].as_str().unwrap().contains("different request body"));
 
-    // A request with the key still in flight (claimed, not finished) → 409.
-    let key = app.store.list_api_keys().await.unwrap().remove(0);
-    let raw = serde_json::to_vec(&body).unwrap();
-    let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&raw));
-    assert_eq!(
-        app.store.idempotency_begin(key.id, "k-2", &hash).await.unwrap(),
-        combee::store::IdempotencyBegin::Started
-    );
-    let res = app
-        .http
-        .post(app.url("/v1/traces"))
-        .bearer_auth(&app.admin_key)
-        .header("content-type", "application/json")
-        .header("idempotency-key", "k-2")
-        .body(raw)
-        .send()
-        .await
-        .unwrap();
-    expect_problem(res, 409).await;
+    // Concurrent requests with one key: one stores, the others wait for it and replay.
+    let twins = json!({"traces": [one_trace("p")]});
+    let sends: Vec<_> =
+        (0..6).map(|_| app.post("/v1/traces", twins.clone()).header("idempotency-key", "k-2").send()).collect();
+    let mut answers = Vec::new();
+    for res in futures_util::future::join_all(sends).await {
+        let res = res.unwrap();
+        assert_eq!(res.status(), 201);
+        answers.push(res.json::<Value>().await.unwrap());
+    }
+    assert!(answers.iter().all(|a| *a == answers[0]), "one answer for all: {answers:?}");
+    let stored: Value = app.get("/v1/traces").send().await.unwrap().json().await.unwrap();
+    assert_eq!(stored["traces"].as_array().unwrap().len(), 3, "the twins stored once");
 
     // A failed request is not remembered: fixing it and retrying with the same key works.
     expect_problem(post(&app, "k-3", &json!({"traces": [one_trace("ghost")]})).await, 422).await;
     assert_eq!(post(&app, "k-3", &json!({"traces": [one_trace("p")]})).await.status(), 201);
     expect_problem(post(&app, &"k".repeat(300), &body).await, 400).await;
+}
+
+async fn failed_traces_are_requeued_through_the_api(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("p").await;
+    let res = app
+        .post("/v1/traces", json!({"traces": [one_trace("p"), one_trace("p"), one_trace("p")]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let failed = common::fail_pending_traces(&app.store, "p").await;
+    let status = |id: uuid::Uuid| {
+        let req = app.get(&format!("/v1/traces/{id}"));
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    assert_eq!(status(failed[0]).await["status"], "failed");
+    let requeue = |body: Value| app.post("/v1/prompts/p/traces/requeue", body).send();
+
+    // Bad requests say what is wrong; nothing changes.
+    let p = expect_problem(requeue(json!({})).await.unwrap(), 422).await;
+    assert!(p["detail"].as_str().unwrap().contains("`ids`"), "{p}");
+    expect_problem(requeue(json!({"ids": [failed[0]], "all": true})).await.unwrap(), 422).await;
+    expect_problem(requeue(json!({"ids": []})).await.unwrap(), 422).await;
+    expect_problem(requeue(json!({"ids": ["not-a-uuid"]})).await.unwrap(), 422).await;
+    expect_problem(requeue(json!({"all": true, "since": "yesterday"})).await.unwrap(), 422).await;
+    expect_problem(requeue(json!({"all": true, "extra": 1})).await.unwrap(), 422).await;
+    let ghost = app.post("/v1/prompts/ghost/traces/requeue", json!({"all": true})).send().await.unwrap();
+    expect_problem(ghost, 404).await;
+    // Scope-checked like other trace writes.
+    let reader = app.key_with(&["prompts:read"]).await;
+    let res = app
+        .http
+        .post(app.url("/v1/prompts/p/traces/requeue"))
+        .bearer_auth(&reader)
+        .json(&json!({"all": true}))
+        .send()
+        .await
+        .unwrap();
+    expect_problem(res, 403).await;
+    assert_eq!(status(failed[0]).await["status"], "failed");
+
+    let writer = app.key_with(&["traces:write"]).await;
+    let res = app
+        .http
+        .post(app.url("/v1/prompts/p/traces/requeue"))
+        .bearer_auth(&writer)
+        .json(&json!({"ids": [failed[0]]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.json::<Value>().await.unwrap(), json!({"ids": [failed[0]], "count": 1}));
+    let t = status(failed[0]).await;
+    assert_eq!((t["status"].as_str(), t["attempts"].as_i64()), (Some("pending"), Some(0)), "{t}");
+    assert!(t["failure_reason"].is_null(), "{t}");
+    assert_eq!(status(failed[1]).await["status"], "failed", "only the named trace");
+
+    let all: Value = requeue(json!({"all": true})).await.unwrap().json().await.unwrap();
+    assert_eq!(all["count"], 2);
+    let again: Value = requeue(json!({"all": true})).await.unwrap().json().await.unwrap();
+    assert_eq!(again["count"], 0, "nothing failed is left");
+    let pending: Value = app.get("/v1/traces?prompt=p&status=pending").send().await.unwrap().json().await.unwrap();
+    assert_eq!(pending["traces"].as_array().unwrap().len(), 3);
 }
 
 async fn keys_and_scopes(b: Backend) {
@@ -494,6 +552,7 @@ async fn graceful_shutdown_stops_the_server(b: Backend) {
 }
 
 on_both_stores!(
+    failed_traces_are_requeued_through_the_api,
     prompt_lifecycle,
     playbook_diff_and_candidate_label,
     prompt_input_is_validated,

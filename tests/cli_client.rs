@@ -275,7 +275,39 @@ async fn rounds_trigger_list_show(b: Backend) {
     assert!(seq.stdout.contains("queued for other: 2 traces, method sequential"), "{}", seq.stdout);
 }
 
+async fn traces_requeue_puts_failed_traces_back(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("learner").await;
+    let traces: Vec<Value> = (0..3).map(|i| serde_json::from_str(&trace(Some("learner"), i)).unwrap()).collect();
+    assert_eq!(app.post("/v1/traces", json!({ "traces": traces })).send().await.unwrap().status(), 201);
+    let failed = common::fail_pending_traces(&app.store, "learner").await;
+    let id = failed[0].to_string();
+
+    // Which traces must be said: ids or --all (a usage error otherwise).
+    fails(&app, &["traces", "requeue", "learner"], 1).await;
+    let one = ok(&app, &["traces", "requeue", "learner", "--ids", &id]).await;
+    assert!(one.stdout.contains("requeued 1 failed trace of learner") && one.stdout.contains(&id), "{}", one.stdout);
+    let rest = ok(&app, &["traces", "requeue", "learner", "--all", "--json"]).await.json();
+    assert_eq!(rest["count"], 2);
+    let mut expected: Vec<String> = failed[1..].iter().map(|u| u.to_string()).collect();
+    expected.sort();
+    assert_eq!(rest["ids"], json!(expected));
+    let none = ok(&app, &["traces", "requeue", "learner", "--all"]).await;
+    assert!(none.stdout.contains("requeued 0 failed traces"), "{}", none.stdout);
+    assert_eq!(trace_count(&app, "learner").await, 3);
+    let pending: Value =
+        app.get("/v1/traces?prompt=learner&status=pending").send().await.unwrap().json().await.unwrap();
+    assert_eq!(pending["traces"].as_array().unwrap().len(), 3, "all three are pending again");
+    fails(&app, &["traces", "requeue", "nope", "--all"], 2).await;
+    // A key without traces:write is refused.
+    let reader = app.key_with(&["prompts:read"]).await;
+    let denied = combee(&app, &reader, &["traces", "requeue", "learner", "--all"]).await;
+    assert_eq!(denied.code, 3, "{}", denied.stderr);
+    assert!(denied.stderr.contains("traces:write"), "{}", denied.stderr);
+}
+
 on_both_stores!(
+    traces_requeue_puts_failed_traces_back,
     import_reports_bad_lines_by_number_and_never_imports_twice,
     prompts_round_trip_with_exit_codes,
     rounds_trigger_list_show,

@@ -353,11 +353,15 @@ mod webhooks {
 
     /// Signs as the Standard Webhooks spec says, without combee's own code.
     fn signed(app: &TestApp, id: &str, ts: i64, body: &str, key: &[u8]) -> reqwest::RequestBuilder {
+        signed_to(app, "hooked", id, ts, body, key)
+    }
+
+    fn signed_to(app: &TestApp, prompt: &str, id: &str, ts: i64, body: &str, key: &[u8]) -> reqwest::RequestBuilder {
         let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).unwrap();
         mac.update(format!("{id}.{ts}.{body}").as_bytes());
         let sig = STANDARD.encode(mac.finalize().into_bytes());
         app.http
-            .post(app.url("/v1/hooks/rounds/hooked"))
+            .post(app.url(&format!("/v1/hooks/rounds/{prompt}")))
             .header("webhook-id", id)
             .header("webhook-timestamp", ts.to_string())
             .header("webhook-signature", format!("v1,{sig}"))
@@ -407,7 +411,53 @@ mod webhooks {
         expect_problem(signed(&app, "m", now, "{}", KEY).send().await.unwrap(), 404).await;
     }
 
-    on_both_stores!(inbound_webhooks_are_verified_and_deduplicated, inbound_webhooks_are_off_without_secrets);
+    /// Standard Webhooks senders retry what was not answered 2xx: a refused
+    /// trigger must not be remembered as seen.
+    async fn a_refused_trigger_is_processed_again_when_retried(b: Backend) {
+        // No worker: a queued round stays in flight.
+        let app = spawn_app_with(b, |s| {
+            s.webhooks.inbound_secrets = vec![combee::config::Secret::new(format!("whsec_{}", STANDARD.encode(KEY)))];
+        })
+        .await;
+        let now = chrono::Utc::now().timestamp();
+        let send = |prompt: &'static str, id: &'static str| signed_to(&app, prompt, id, now, "{}", KEY).send();
+
+        // 404: no such prompt. Once the prompt exists, the retry opens a round.
+        expect_problem(send("later", "msg_404").await.unwrap(), 404).await;
+        expect_problem(send("later", "msg_404").await.unwrap(), 404).await;
+        create(&app, "later", "playbook", json!({})).await;
+        send_traces(&app, "later", 2).await;
+        let res = send("later", "msg_404").await.unwrap();
+        assert_eq!(res.status(), 202, "the retry of a 404 is processed");
+        assert_eq!(res.json::<Value>().await.unwrap()["status"], "queued");
+        let res = send("later", "msg_404").await.unwrap();
+        assert_eq!(
+            (res.status().as_u16(), res.json::<Value>().await.unwrap()["status"].clone()),
+            (200, json!("duplicate"))
+        );
+
+        // 409: nothing pending yet, then a round in flight; each retry is judged anew.
+        create(&app, "hooked", "playbook", json!({})).await;
+        expect_problem(send("hooked", "msg_409").await.unwrap(), 409).await;
+        send_traces(&app, "hooked", 2).await;
+        let first: Value = send("hooked", "msg_409").await.unwrap().json().await.unwrap();
+        assert_eq!(first["status"], "queued", "the retry of a 409 opens the round: {first}");
+        send_traces(&app, "hooked", 2).await;
+        let busy = expect_problem(send("hooked", "msg_busy").await.unwrap(), 409).await;
+        assert!(busy["detail"].as_str().unwrap().contains("in flight"), "{busy}");
+        let dup = send("hooked", "msg_409").await.unwrap();
+        assert_eq!(dup.status(), 200, "a repeat of the id that opened the round is a duplicate, not a 409");
+        let rounds: Value = app.get("/v1/prompts/hooked/rounds").send().await.unwrap().json().await.unwrap();
+        assert_eq!(rounds["rounds"].as_array().unwrap().len(), 1);
+        // msg_busy was refused, so it is not remembered: its retry is judged anew, never "duplicate".
+        expect_problem(send("hooked", "msg_busy").await.unwrap(), 409).await;
+    }
+
+    on_both_stores!(
+        inbound_webhooks_are_verified_and_deduplicated,
+        inbound_webhooks_are_off_without_secrets,
+        a_refused_trigger_is_processed_again_when_retried
+    );
 }
 
 mod controller {

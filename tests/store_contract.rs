@@ -12,8 +12,8 @@ use combee::{
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
     store::{
-        Change, DynStore, IdempotencyBegin, LabelMove, NewPrompt, NewUiSession, OpenRound, RoundFailure, Scope,
-        Selector, StoreError, TraceCharges, TraceFault, TraceFilter,
+        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, RequeueFailed, Scope,
+        Selector, StoreError, TraceFilter, OpenRound, RoundFailure, TraceCharges, TraceFault,
     },
 };
 use common::{Backend, test_store};
@@ -186,47 +186,146 @@ async fn late_feedback_merges(b: Backend) {
     assert!(s.add_feedback(uuid::Uuid::now_v7(), Feedback::default()).await.unwrap().is_none());
 }
 
-async fn idempotency_state_machine(b: Backend) {
+fn answer(ids: &[uuid::Uuid]) -> Vec<u8> {
+    serde_json::to_vec(&json!({ "ids": ids })).unwrap()
+}
+
+fn idem<'a>(owner: uuid::Uuid, key: &'a str, hash: &'a str) -> IdempotencyKey<'a> {
+    IdempotencyKey { owner, key, request_hash: hash }
+}
+
+async fn pending_count(s: &DynStore) -> usize {
+    s.list_traces(&TraceFilter::default(), 1000).await.unwrap().len()
+}
+
+async fn idempotent_ingest_commits_traces_and_key_together(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
+    make_prompt(&s, "p").await;
     let owner = uuid::Uuid::now_v7();
-    assert_eq!(s.idempotency_begin(owner, "k", "h1").await.unwrap(), IdempotencyBegin::Started);
-    assert_eq!(s.idempotency_begin(owner, "k", "h1").await.unwrap(), IdempotencyBegin::InFlight);
-    assert_eq!(s.idempotency_begin(owner, "k", "h2").await.unwrap(), IdempotencyBegin::Mismatch);
-    // Keys are per owner.
-    assert_eq!(s.idempotency_begin(uuid::Uuid::now_v7(), "k", "h2").await.unwrap(), IdempotencyBegin::Started);
-    s.idempotency_finish(owner, "k", 201, b"{\"ok\":1}").await.unwrap();
+    let batch = [trace("p", None), trace("p", Some(1))];
+    let IdempotentIngest::Stored { ids, status, body } =
+        s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch, 201, &answer).await.unwrap()
+    else {
+        panic!("first sighting stores")
+    };
+    assert_eq!((ids.len(), status), (2, 201));
+    assert_eq!(body, answer(&ids), "the answer is rendered from the stored ids");
+    // The same request again: the first answer, nothing stored.
     assert_eq!(
-        s.idempotency_begin(owner, "k", "h1").await.unwrap(),
-        IdempotencyBegin::Replay { status: 201, body: b"{\"ok\":1}".to_vec() }
+        s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch, 201, &answer).await.unwrap(),
+        IdempotentIngest::Replay { status: 201, body: body.clone() }
     );
-    // An aborted request is forgotten, so a retry runs again.
-    assert_eq!(s.idempotency_begin(owner, "j", "h").await.unwrap(), IdempotencyBegin::Started);
-    s.idempotency_abort(owner, "j").await.unwrap();
-    assert_eq!(s.idempotency_begin(owner, "j", "h").await.unwrap(), IdempotencyBegin::Started);
+    assert_eq!(
+        s.insert_traces_idempotent(idem(owner, "k", "h2"), &batch, 201, &answer).await.unwrap(),
+        IdempotentIngest::Mismatch
+    );
+    assert_eq!(pending_count(&s).await, 2);
+    // Keys are per owner.
+    let other = s.insert_traces_idempotent(idem(uuid::Uuid::now_v7(), "k", "h2"), &batch, 201, &answer).await.unwrap();
+    assert!(matches!(other, IdempotentIngest::Stored { .. }));
+    assert_eq!(pending_count(&s).await, 4);
+
+    // A failure inside the transaction (the second trace names an unknown
+    // prompt) stores no trace and does not remember the key: a retry runs anew.
+    let bad = [trace("p", None), trace("ghost", None)];
+    let err = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad, 201, &answer).await.unwrap_err();
+    assert!(matches!(err, StoreError::Invalid(ref m) if m.contains("traces[1]")), "{err:?}");
+    assert_eq!(pending_count(&s).await, 4, "nothing of the failed batch is stored");
+    make_prompt(&s, "ghost").await;
+    let retried = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad, 201, &answer).await.unwrap();
+    assert!(matches!(retried, IdempotentIngest::Stored { ref ids, .. } if ids.len() == 2), "{retried:?}");
+    assert_eq!(pending_count(&s).await, 6);
+
     let purged = s.idempotency_purge(chrono::Utc::now() + chrono::Duration::seconds(5)).await.unwrap();
     assert_eq!(purged, 3);
 }
 
-async fn concurrent_idempotency_claims_have_one_winner(b: Backend) {
+async fn concurrent_idempotent_ingests_store_once(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
+    make_prompt(&s, "p").await;
     let owner = uuid::Uuid::now_v7();
     let tasks: Vec<_> = (0..10)
         .map(|_| {
             let s = s.clone();
-            tokio::spawn(async move { s.idempotency_begin(owner, "same", "h").await.unwrap() })
+            tokio::spawn(async move {
+                let batch = [trace("p", None), trace("p", None), trace("p", None)];
+                s.insert_traces_idempotent(idem(owner, "same", "h"), &batch, 201, &answer).await.unwrap()
+            })
         })
         .collect();
-    let mut started = 0;
+    let (mut stored, mut replays) = (None, Vec::new());
     for t in tasks {
         match t.await.unwrap() {
-            IdempotencyBegin::Started => started += 1,
-            IdempotencyBegin::InFlight => {}
+            IdempotentIngest::Stored { body, .. } => {
+                assert!(stored.replace(body).is_none(), "stored twice");
+            }
+            IdempotentIngest::Replay { body, .. } => replays.push(body),
             other => panic!("unexpected {other:?}"),
         }
     }
-    assert_eq!(started, 1);
+    let stored = stored.expect("one request stored the batch");
+    assert!(replays.iter().all(|r| *r == stored), "every other request replays the first answer");
+    assert_eq!(pending_count(&s).await, 3);
+}
+
+async fn key_generation_grows_with_every_revocation(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let start = s.api_key_generation().await.unwrap();
+    let key = s.create_api_key("k", "cmb_gen00001", "hash-gen", &[Scope::PromptsRead]).await.unwrap();
+    assert_eq!(s.api_key_generation().await.unwrap(), start, "a new key invalidates nothing");
+    assert!(s.revoke_api_key(&key.prefix).await.unwrap());
+    let after = s.api_key_generation().await.unwrap();
+    assert!(after > start, "a revocation bumps the generation ({start} → {after})");
+    // Read on a second connection to the same database, as another process would.
+    let other = combee::store::connect(&ts.url, 2, std::time::Duration::from_secs(5)).await.unwrap();
+    assert_eq!(other.api_key_generation().await.unwrap(), after);
+    // A revocation by that other store is seen here at the next read, however
+    // often the unchanged generation was read before.
+    let second = s.create_api_key("k2", "cmb_gen00002", "hash-gen-2", &[Scope::PromptsRead]).await.unwrap();
+    for _ in 0..3 {
+        assert_eq!(s.api_key_generation().await.unwrap(), after);
+    }
+    assert!(other.revoke_api_key(&second.prefix).await.unwrap());
+    assert!(s.api_key_generation().await.unwrap() > after, "another connection's revocation is seen at once");
+}
+
+async fn failed_traces_can_be_requeued(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    make_prompt(&s, "q").await;
+    s.insert_traces(&[trace("p", None), trace("p", None), trace("p", None)]).await.unwrap();
+    s.insert_traces(&[trace("q", None)]).await.unwrap();
+    let failed = common::fail_pending_traces(&s, "p").await;
+    let q_failed = common::fail_pending_traces(&s, "q").await;
+    let t = s.get_trace(failed[0]).await.unwrap().unwrap();
+    assert_eq!((t.status, t.attempts, t.failure_reason.is_some()), (TraceStatus::Failed, 1, true));
+    let later = s.insert_traces(&[trace("p", None)]).await.unwrap(); // pending: never touched
+
+    let only = |ids: Vec<uuid::Uuid>| RequeueFailed { prompt: name("p"), ids: Some(ids), since: None };
+    // One by id; an id of a pending trace or of another prompt's trace is skipped.
+    let one = s.requeue_failed_traces(&only(vec![failed[1], later[0], q_failed[0]])).await.unwrap();
+    assert_eq!(one, vec![failed[1]]);
+    let t = s.get_trace(failed[1]).await.unwrap().unwrap();
+    assert_eq!((t.status, t.attempts, t.failure_reason, t.round_id), (TraceStatus::Pending, 0, None, None));
+    assert_eq!(s.get_trace(q_failed[0]).await.unwrap().unwrap().status, TraceStatus::Failed);
+    // `since` in the future matches nothing; then all the rest.
+    let future = Some(chrono::Utc::now() + chrono::Duration::hours(1));
+    let none = RequeueFailed { prompt: name("p"), ids: None, since: future };
+    assert!(s.requeue_failed_traces(&none).await.unwrap().is_empty());
+    let all = RequeueFailed { prompt: name("p"), ids: None, since: None };
+    let mut rest = vec![failed[0], failed[2]];
+    rest.sort();
+    assert_eq!(s.requeue_failed_traces(&all).await.unwrap(), rest);
+    assert!(s.requeue_failed_traces(&all).await.unwrap().is_empty(), "nothing failed is left");
+    // Requeued traces are learnable again: a new round takes them.
+    let backlog = s.backlogs().await.unwrap().into_iter().find(|b| b.prompt.name.as_str() == "p").unwrap();
+    assert_eq!(backlog.pending, 4);
+    let ghost = RequeueFailed { prompt: name("ghost"), ids: None, since: None };
+    assert!(matches!(s.requeue_failed_traces(&ghost).await, Err(StoreError::NotFound)));
 }
 
 async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
@@ -466,9 +565,11 @@ on_both_stores!(
     traces_are_all_or_nothing,
     trace_filters_and_cursor,
     late_feedback_merges,
-    idempotency_state_machine,
-    concurrent_idempotency_claims_have_one_winner,
+    idempotent_ingest_commits_traces_and_key_together,
+    concurrent_idempotent_ingests_store_once,
     api_keys_are_stored_hashed_and_revocable,
+    key_generation_grows_with_every_revocation,
+    failed_traces_can_be_requeued,
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,

@@ -145,6 +145,7 @@ async fn main() -> anyhow::Result<()> {
                             batch: n as u32,
                             min_traces: 1,
                             seed: 42,
+                            inbound_webhook_id: None,
                         })
                         .await?
                         .ok_or_else(|| anyhow::anyhow!("no round opened"))?;

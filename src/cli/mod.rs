@@ -71,7 +71,7 @@ pub enum Command {
         #[command(subcommand)]
         command: prompts::PromptsCommand,
     },
-    /// Traces on a running server: import a JSON Lines file.
+    /// Traces on a running server: import a JSON Lines file, requeue failed traces.
     #[command(after_help = EXIT_CODES)]
     Traces {
         #[command(flatten)]

@@ -3,7 +3,8 @@
 //! `Idempotency-Key` derived from its content and position), and so that one
 //! bad line costs only itself: local parse errors are caught before sending,
 //! a server rejection naming `traces[i]` is mapped back to the file's line,
-//! and the batch is sent again without it.
+//! and the batch is sent again without it. `combee traces requeue` puts
+//! failed traces back to pending.
 
 use std::{
     collections::VecDeque,
@@ -37,6 +38,24 @@ pub enum TracesCommand {
         #[arg(long, value_name = "NAME")]
         prompt: Option<String>,
     },
+    /// Put a prompt's failed traces back to pending (attempts reset), so the next round learns from them.
+    ///
+    /// Give the trace ids, or --all for every failed trace of the prompt; --since narrows either
+    /// to traces received at or after a time. Traces that are not failed are left alone.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["ids", "all"])))]
+    Requeue {
+        /// The prompt whose traces to requeue.
+        prompt: String,
+        /// Trace ids (comma-separated, or the flag repeated).
+        #[arg(long, value_delimiter = ',', num_args = 1.., value_name = "ID")]
+        ids: Vec<String>,
+        /// Every failed trace of the prompt.
+        #[arg(long)]
+        all: bool,
+        /// Only traces received at or after this RFC 3339 time.
+        #[arg(long, value_name = "TIME")]
+        since: Option<String>,
+    },
 }
 
 pub async fn run(api: &ApiClient, json_out: bool, cmd: TracesCommand) -> CliResult<()> {
@@ -44,7 +63,34 @@ pub async fn run(api: &ApiClient, json_out: bool, cmd: TracesCommand) -> CliResu
         TracesCommand::Import { file, batch_size, prompt } => {
             import(api, json_out, &file, batch_size as usize, prompt.as_deref()).await
         }
+        TracesCommand::Requeue { prompt, ids, all, since } => requeue(api, json_out, &prompt, ids, all, since).await,
     }
+}
+
+async fn requeue(
+    api: &ApiClient,
+    json_out: bool,
+    prompt: &str,
+    ids: Vec<String>,
+    all: bool,
+    since: Option<String>,
+) -> CliResult<()> {
+    let mut body = if all { json!({"all": true}) } else { json!({ "ids": ids }) };
+    if let Some(since) = since {
+        body["since"] = json!(since);
+    }
+    let path = format!("/v1/prompts/{}/traces/requeue", super::client::encode(prompt));
+    let answer = api.send_json(Method::POST, &path, &body).await?.body;
+    if json_out {
+        print_json(&answer);
+    } else {
+        let count = answer["count"].as_u64().unwrap_or(0);
+        println!("requeued {count} failed trace{} of {prompt}", if count == 1 { "" } else { "s" });
+        for id in answer["ids"].as_array().into_iter().flatten() {
+            println!("{}", id.as_str().unwrap_or_default());
+        }
+    }
+    Ok(())
 }
 
 /// One line of the file, ready to send.
@@ -245,7 +291,7 @@ impl Importer<'_> {
 }
 
 /// POSTs a batch, retrying what may pass on a second try: an unreachable or
-/// failing server, 429, and 409 (the same key still in flight). The key makes
+/// failing server, 429, and 409 (older servers: the same key still in flight). The key makes
 /// retries safe.
 async fn post(api: &ApiClient, body: String, key: &str) -> CliResult<Answer> {
     let mut delay = Duration::from_millis(500);

@@ -110,6 +110,7 @@ impl From<StoreError> for ApiError {
             StoreError::AlreadyExists => ApiError::Conflict("it already exists".into()),
             StoreError::Conflict => ApiError::PreconditionFailed("the resource changed; fetch it again".into()),
             StoreError::Invalid(msg) => ApiError::Unprocessable(msg),
+            StoreError::Duplicate => ApiError::Conflict("it was already processed".into()),
             StoreError::Unavailable(e) => {
                 tracing::error!(error = %e, "store unavailable");
                 ApiError::Unavailable
@@ -130,8 +131,31 @@ impl IntoResponse for ApiError {
         if matches!(self, ApiError::Unauthorized(_)) {
             res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        if matches!(self, ApiError::Unavailable | ApiError::Timeout) {
+            // Outages here are store restarts and failovers: seconds, not minutes.
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
+        }
         res
     }
 }
 
+/// What a 503 asks the client to wait before retrying.
+const RETRY_AFTER_SECS: &str = "1";
+
 pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_outage_is_503_with_retry_after() {
+        let outage = StoreError::Unavailable(sqlx::Error::PoolTimedOut);
+        let res = ApiError::from(outage).into_response();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(res.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(res.headers()[header::CONTENT_TYPE], "application/problem+json");
+        let bad_request = ApiError::BadRequest("no".into()).into_response();
+        assert!(bad_request.headers().get(header::RETRY_AFTER).is_none());
+    }
+}

@@ -86,6 +86,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/traces/{id}", get(traces::get_trace))
         .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
         .route("/v1/otlp/v1/traces", post(otlp::export_traces))
+        .route("/v1/prompts/{name}/traces/requeue", post(traces::requeue_failed))
         .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))
         .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))

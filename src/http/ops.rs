@@ -61,6 +61,7 @@ impl utoipa::Modify for BearerAuth {
         super::prompts::delete_label, super::prompts::rollback,
         super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
         super::otlp::export_traces,
+        super::traces::requeue_failed,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
         super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
         super::controller::get_controller,

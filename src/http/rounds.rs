@@ -58,7 +58,14 @@ fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
     })
 }
 
-async fn open(st: &AppState, name: &PromptName, req: TriggerRound, trigger: RoundTrigger) -> ApiResult<Round> {
+/// Opens a round; `Ok(None)` only for a webhook id that already opened one.
+async fn open(
+    st: &AppState,
+    name: &PromptName,
+    req: TriggerRound,
+    trigger: RoundTrigger,
+    inbound_webhook_id: Option<String>,
+) -> ApiResult<Option<Round>> {
     let prompt =
         st.store.get_prompt(name).await?.ok_or_else(|| ApiError::not_found(format_args!("prompt {name:?}")))?;
     let batch = match req.batch_size {
@@ -75,9 +82,11 @@ async fn open(st: &AppState, name: &PromptName, req: TriggerRound, trigger: Roun
         batch,
         min_traces: 1,
         seed: random_seed(),
+        inbound_webhook_id,
     };
     match st.store.open_round(&open).await {
-        Ok(Some(round)) => Ok(round),
+        Ok(Some(round)) => Ok(Some(round)),
+        Err(StoreError::Duplicate) => Ok(None),
         Ok(None) => Err(ApiError::Conflict(format!("prompt {name:?} has no pending traces to learn from"))),
         Err(StoreError::AlreadyExists) => Err(ApiError::Conflict(format!(
             "prompt {name:?} already has a round in flight; at most one runs at a time"
@@ -98,20 +107,25 @@ pub async fn trigger_round(
     caller.require(Scope::RoundsTrigger)?;
     let name = parse_name(&name)?;
     let body = parse_trigger(&body_bytes(req).await?)?;
-    let round = open(&st, &name, body, RoundTrigger::Api).await?;
+    let round = open(&st, &name, body, RoundTrigger::Api, None)
+        .await?
+        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("a round without a webhook id was taken for a duplicate")))?;
     Ok((StatusCode::ACCEPTED, Json(round)).into_response())
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct WebhookAccepted {
-    /// `queued`, or `duplicate` when this `webhook-id` was seen before (nothing started).
+    /// `queued`, or `duplicate` when this `webhook-id` already opened a round (nothing started).
+    /// A trigger refused with 404 or 409 is not remembered: its retry is processed again.
     pub status: &'static str,
     pub round: Option<Round>,
 }
 
 #[utoipa::path(post, path = "/v1/hooks/rounds/{name}", tag = "rounds", params(("name" = String, Path)),
     request_body(content = TriggerRound, description = "optional; signed with Standard Webhooks (`webhook-id`, `webhook-timestamp`, `webhook-signature`)"),
-    responses((status = 202, body = WebhookAccepted), (status = 200, body = WebhookAccepted), (status = 401, body = super::error::Problem)))]
+    responses((status = 202, body = WebhookAccepted), (status = 200, body = WebhookAccepted), (status = 401, body = super::error::Problem),
+        (status = 404, description = "no such prompt (not remembered: a retry is processed again)", body = super::error::Problem),
+        (status = 409, description = "nothing pending, or a round in flight (not remembered: a retry is processed again)", body = super::error::Problem)))]
 /// Inbound trigger, authenticated by its Standard Webhooks signature instead of an API key.
 pub async fn webhook_round(
     State(st): State<AppState>,
@@ -139,11 +153,14 @@ pub async fn webhook_round(
     if id.len() > 255 {
         return Err(ApiError::BadRequest("`webhook-id` is longer than 255 characters".into()));
     }
-    if !st.store.remember_inbound_webhook(id).await? {
-        return Ok((StatusCode::OK, Json(WebhookAccepted { status: "duplicate", round: None })).into_response());
+    // The id is remembered only together with the round it opens: a trigger
+    // refused here (404, 409) is processed again when the sender retries it.
+    match open(&st, &name, trigger, RoundTrigger::Webhook, Some(id.to_owned())).await? {
+        Some(round) => {
+            Ok((StatusCode::ACCEPTED, Json(WebhookAccepted { status: "queued", round: Some(round) })).into_response())
+        }
+        None => Ok((StatusCode::OK, Json(WebhookAccepted { status: "duplicate", round: None })).into_response()),
     }
-    let round = open(&st, &name, trigger, RoundTrigger::Webhook).await?;
-    Ok((StatusCode::ACCEPTED, Json(WebhookAccepted { status: "queued", round: Some(round) })).into_response())
 }
 
 fn webhook_reason(e: &webhooks::VerifyError) -> &'static str {

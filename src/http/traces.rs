@@ -26,7 +26,7 @@ use crate::{
         Feedback, NewTrace, PromptName, Trace, TraceStatus,
         trace::{TraceLimits, ValidTrace},
     },
-    store::{IdempotencyBegin, Scope, TraceFilter},
+    store::{IdempotencyKey, IdempotentIngest, RequeueFailed, Scope, StoreError, TraceFilter},
 };
 
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -111,8 +111,9 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
 
 #[utoipa::path(post, path = "/v1/traces", tag = "traces",
     request_body(content = TraceBatch, description = "one trace object, or `{\"traces\": [...]}` with at most `limits.max_traces_per_batch` traces"),
-    params(("Idempotency-Key" = Option<String>, Header, description = "a repeat replays the first answer; the same key with another payload is 422; while the first is in flight, 409")),
-    responses((status = 201, body = TracesAccepted), (status = 409, body = super::error::Problem), (status = 413, body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    params(("Idempotency-Key" = Option<String>, Header, description = "a repeat replays the first answer (header `Idempotent-Replayed: true`) and stores nothing; the same key with another payload is 422. The traces and the key commit together, so a retry after a failure (503) either replays or stores, never twice")),
+    responses((status = 201, body = TracesAccepted), (status = 413, body = super::error::Problem), (status = 422, body = super::error::Problem),
+        (status = 503, description = "the store is unavailable; retry after `Retry-After` seconds", body = super::error::Problem)),
     security(("bearer" = ["traces:write"])))]
 pub async fn post_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
     caller.require(Scope::TracesWrite)?;
@@ -121,34 +122,29 @@ pub async fn post_traces(State(st): State<AppState>, caller: Caller, req: Reques
     let Some(key) = idem_key else {
         return ingest(&st, &body).await.map(|b| json_response(StatusCode::CREATED, b));
     };
+    let traces = parse_traces(&st, &body)?;
     let request_hash = hex::encode(Sha256::digest(&body));
-    let owner = caller.0.id;
-    match st.store.idempotency_begin(owner, &key, &request_hash).await? {
-        IdempotencyBegin::Replay { status, body } => {
+    let key = IdempotencyKey { owner: caller.0.id, key: &key, request_hash: &request_hash };
+    let answer = |ids: &[Uuid]| accepted_body(ids);
+    match st.store.insert_traces_idempotent(key, &traces, StatusCode::CREATED.as_u16(), &answer).await? {
+        IdempotentIngest::Stored { ids, status, body } => {
+            metrics::counter!("combee_traces_ingested_total").increment(ids.len() as u64);
+            Ok(json_response(StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED), body))
+        }
+        IdempotentIngest::Replay { status, body } => {
             let mut res = json_response(StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED), body);
             res.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
             Ok(res)
         }
-        IdempotencyBegin::Mismatch => {
+        IdempotentIngest::Mismatch => {
             Err(ApiError::Unprocessable("this Idempotency-Key was already used with a different request body".into()))
         }
-        IdempotencyBegin::InFlight => {
-            Err(ApiError::Conflict("a request with this Idempotency-Key is still being processed; retry later".into()))
-        }
-        IdempotencyBegin::Started => match ingest(&st, &body).await {
-            Ok(answer) => {
-                st.store.idempotency_finish(owner, &key, StatusCode::CREATED.as_u16(), &answer).await?;
-                Ok(json_response(StatusCode::CREATED, answer))
-            }
-            Err(e) => {
-                // Failed requests are not remembered: the client may fix and retry.
-                if let Err(abort) = st.store.idempotency_abort(owner, &key).await {
-                    tracing::warn!(error = %abort, "could not release an idempotency key");
-                }
-                Err(e)
-            }
-        },
     }
+}
+
+/// The answer to an accepted batch: `{"ids": [...], "count": n}`.
+fn accepted_body(ids: &[Uuid]) -> Vec<u8> {
+    serde_json::json!({"ids": ids, "count": ids.len()}).to_string().into_bytes()
 }
 
 fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
@@ -164,7 +160,7 @@ async fn ingest(st: &AppState, body: &[u8]) -> ApiResult<Vec<u8>> {
     let traces = parse_traces(st, body)?;
     let ids = st.store.insert_traces(&traces).await?;
     metrics::counter!("combee_traces_ingested_total").increment(ids.len() as u64);
-    serde_json::to_vec(&TracesAccepted { count: ids.len(), ids }).map_err(|e| ApiError::Internal(e.into()))
+    Ok(accepted_body(&ids))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -244,4 +240,74 @@ pub async fn add_feedback(
         return Err(ApiError::Unprocessable("`score` must be a finite number".into()));
     }
     st.store.add_feedback(id, feedback).await?.map(Json).ok_or_else(|| ApiError::not_found(format_args!("trace {id}")))
+}
+
+/// Which failed traces to put back to pending: `ids`, or `all: true`; either
+/// optionally narrowed by `since`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RequeueRequest {
+    /// These traces of the prompt (at most 1000); ids of traces that are not `failed` are skipped.
+    #[serde(default)]
+    pub ids: Option<Vec<Uuid>>,
+    /// Every failed trace of the prompt (instead of `ids`).
+    #[serde(default)]
+    pub all: bool,
+    /// RFC 3339; only traces received at or after it.
+    #[serde(default)]
+    pub since: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Requeued {
+    /// The traces now pending again, oldest first.
+    pub ids: Vec<Uuid>,
+    pub count: usize,
+}
+
+const MAX_REQUEUE_IDS: usize = 1000;
+
+#[utoipa::path(post, path = "/v1/prompts/{name}/traces/requeue", tag = "traces", params(("name" = String, Path)),
+    request_body = RequeueRequest,
+    responses((status = 200, body = Requeued),
+        (status = 400, description = "the body is not JSON", body = super::error::Problem),
+        (status = 403, description = "the key lacks `traces:write`", body = super::error::Problem),
+        (status = 404, description = "no such prompt", body = super::error::Problem),
+        (status = 422, description = "neither `ids` nor `all: true`, both, or too many ids", body = super::error::Problem)),
+    security(("bearer" = ["traces:write"])))]
+/// Puts `failed` traces back to `pending`, attempts reset, so the next round
+/// learns from them again (e.g. after an LLM outage or a malformed answer
+/// failed their rounds).
+pub async fn requeue_failed(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(req): ApiJson<RequeueRequest>,
+) -> ApiResult<Json<Requeued>> {
+    caller.require(Scope::TracesWrite)?;
+    let prompt = parse_name(&name)?;
+    let ids = match (req.ids, req.all) {
+        (Some(_), true) => return Err(ApiError::Unprocessable("give `ids` or `all: true`, not both".into())),
+        (None, false) => {
+            return Err(ApiError::Unprocessable(
+                "say which traces: `ids` (a list of trace ids) or `all: true` (every failed trace)".into(),
+            ));
+        }
+        (Some(ids), false) if ids.is_empty() => return Err(ApiError::Unprocessable("`ids` is empty".into())),
+        (Some(ids), false) if ids.len() > MAX_REQUEUE_IDS => {
+            return Err(ApiError::Unprocessable(format!("at most {MAX_REQUEUE_IDS} `ids` per request")));
+        }
+        (ids, _) => ids,
+    };
+    let filter = RequeueFailed { prompt, ids, since: req.since };
+    let ids = match st.store.requeue_failed_traces(&filter).await {
+        Err(StoreError::NotFound) => return Err(ApiError::not_found(format_args!("prompt {name:?}"))),
+        other => other?,
+    };
+    metrics::counter!("combee_traces_requeued_total").increment(ids.len() as u64);
+    tracing::info!(
+        prompt = %filter.prompt, count = ids.len(), by = %caller.actor(),
+        asked_ids = filter.ids.as_ref().map(Vec::len), since = ?filter.since, "failed traces requeued"
+    );
+    Ok(Json(Requeued { count: ids.len(), ids }))
 }

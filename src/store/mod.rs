@@ -52,6 +52,9 @@ pub enum StoreError {
     Corrupt(String),
     #[error("migration failed: {0}")]
     Migration(String),
+    /// This inbound webhook id already opened a round.
+    #[error("already processed")]
+    Duplicate,
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -60,9 +63,21 @@ impl From<sqlx::Error> for StoreError {
             sqlx::Error::RowNotFound => StoreError::NotFound,
             sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => StoreError::Unavailable(e),
             sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::AlreadyExists,
+            sqlx::Error::Database(db) if db.code().is_some_and(|c| is_outage_sqlstate(&c)) => {
+                StoreError::Unavailable(e)
+            }
             _ => StoreError::Database(e),
         }
     }
+}
+
+/// True for the SQLSTATE classes that mean the server is going away or the
+/// connection broke, not that the statement was wrong: `08` (connection
+/// exception) and `57` (operator intervention: `57P01` admin shutdown during
+/// `pg_ctl restart -m fast`, `57P03` cannot connect now, `57014` canceled).
+/// A SQLSTATE is five characters; SQLite's numeric codes never match.
+fn is_outage_sqlstate(code: &str) -> bool {
+    code.len() == 5 && (code.starts_with("08") || code.starts_with("57"))
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -227,17 +242,34 @@ pub struct TraceFilter {
     pub before_id: Option<Uuid>,
 }
 
-/// What the store knows of an `Idempotency-Key` when a request starts.
+/// Which failed traces of a prompt to put back to pending.
+#[derive(Debug, Clone)]
+pub struct RequeueFailed {
+    pub prompt: PromptName,
+    /// Only these traces (ids of traces that are not failed are skipped); `None`: every failed one.
+    pub ids: Option<Vec<Uuid>>,
+    /// Only traces received at or after this.
+    pub since: Option<DateTime<Utc>>,
+}
+
+/// An `Idempotency-Key` as the store keeps it: per caller, bound to the hash
+/// of the request it first came with.
+#[derive(Debug, Clone, Copy)]
+pub struct IdempotencyKey<'a> {
+    pub owner: Uuid,
+    pub key: &'a str,
+    pub request_hash: &'a str,
+}
+
+/// How an ingest under an `Idempotency-Key` ended.
 #[derive(Debug, Clone, PartialEq)]
-pub enum IdempotencyBegin {
-    /// First sighting: the caller owns it now and must `finish` or `abort`.
-    Started,
-    /// The same request completed before: replay its answer.
+pub enum IdempotentIngest {
+    /// First sighting: the traces and the answer were committed together.
+    Stored { ids: Vec<Uuid>, status: u16, body: Vec<u8> },
+    /// The same request was stored before: replay its answer (nothing stored now).
     Replay { status: u16, body: Vec<u8> },
-    /// The same key was used with another payload.
+    /// The same key was used with another payload (nothing stored).
     Mismatch,
-    /// The first request with this key is still being processed.
-    InFlight,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -260,6 +292,9 @@ pub struct OpenRound {
     /// Open nothing when fewer traces are pending.
     pub min_traces: u32,
     pub seed: i64,
+    /// The `webhook-id` of the inbound trigger asking for this round: it is
+    /// remembered in the round's transaction, so only with a round opened.
+    pub inbound_webhook_id: Option<String>,
 }
 
 /// A prompt's learning backlog, for the scheduler.
@@ -426,6 +461,9 @@ pub trait Store: Send + Sync + 'static {
     /// Revokes by id or by visible prefix; false when nothing matched.
     async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool>;
     async fn count_active_api_keys(&self) -> StoreResult<i64>;
+    /// A counter that grows with every revocation (or deletion) of a key, by
+    /// any process: one cheap read tells whether cached keys are still current.
+    async fn api_key_generation(&self) -> StoreResult<i64>;
 
     // Operator web UI sessions
     /// Opens a session, and deletes expired ones on the way.
@@ -465,19 +503,34 @@ pub trait Store: Send + Sync + 'static {
     /// Newest first.
     async fn list_traces(&self, filter: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>>;
     async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
+    /// Puts the prompt's matching `failed` traces back to `pending` with their
+    /// attempts reset and failure reason cleared; returns their ids, oldest
+    /// first. `NotFound` when the prompt does not exist.
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>>;
 
     // Idempotency
-    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin>;
-    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()>;
-    /// Forgets a key whose request failed, so a retry can run it again.
-    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()>;
+    /// Stores traces and remembers the key with its answer (`status`, and the
+    /// body `answer` renders from the new ids) in ONE transaction: an outage
+    /// at any point leaves either both or neither, so a retry either replays
+    /// or stores — never twice, and never a key stuck "in flight". A
+    /// concurrent request with the same key waits for the first to end.
+    /// `Invalid` (nothing stored, key not remembered) as for `insert_traces`.
+    async fn insert_traces_idempotent(
+        &self,
+        key: IdempotencyKey<'_>,
+        traces: &[ValidTrace],
+        status: u16,
+        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
+    ) -> StoreResult<IdempotentIngest>;
     /// Deletes keys older than the retention; returns how many.
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
 
     // Rounds
     /// Reserves up to `batch` of the prompt's oldest pending traces for a new
     /// queued round. `None` when fewer than `min_traces` are pending;
-    /// `AlreadyExists` when the prompt has a round in flight.
+    /// `AlreadyExists` when the prompt has a round in flight; `Duplicate` when
+    /// `inbound_webhook_id` opened a round before. The id is remembered only
+    /// when this call opens the round: a refused trigger can be retried.
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>>;
     /// Per prompt: unreserved pending traces, the oldest one's age, whether a round is in flight.
     async fn backlogs(&self) -> StoreResult<Vec<Backlog>>;
@@ -541,8 +594,6 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<Vec<Round>>;
     /// The trace ids a round reserved, in batch order.
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
-    /// True the first time an inbound webhook id is seen.
-    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool>;
 
     // Outbound webhooks
     async fn create_webhook(&self, hook: &NewWebhook) -> StoreResult<Webhook>;
@@ -568,10 +619,6 @@ pub trait Store: Send + Sync + 'static {
 
 pub type DynStore = Arc<dyn Store>;
 
-/// An in-flight idempotency record older than this is treated as abandoned
-/// (its process died) and may be taken over.
-pub const IDEMPOTENCY_STALE_SECS: i64 = 120;
-
 /// Opens the store the URL names, creating and migrating it as needed.
 pub async fn connect(url: &str, max_connections: u32, acquire_timeout: std::time::Duration) -> StoreResult<DynStore> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -580,5 +627,61 @@ pub async fn connect(url: &str, max_connections: u32, acquire_timeout: std::time
         Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(path), max_connections, acquire_timeout).await?))
     } else {
         Err(StoreError::Invalid("database url must start with postgres://, postgresql:// or sqlite://".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::*;
+
+    /// A database error carrying just a SQLSTATE, as a driver would report it.
+    #[derive(Debug)]
+    struct Coded(&'static str);
+
+    impl std::fmt::Display for Coded {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "error {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Coded {}
+
+    impl sqlx::error::DatabaseError for Coded {
+        fn message(&self) -> &str {
+            "simulated"
+        }
+        fn code(&self) -> Option<Cow<'_, str>> {
+            Some(Cow::Borrowed(self.0))
+        }
+        fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+            self
+        }
+        fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+            self
+        }
+        fn kind(&self) -> sqlx::error::ErrorKind {
+            if self.0 == "23505" { sqlx::error::ErrorKind::UniqueViolation } else { sqlx::error::ErrorKind::Other }
+        }
+    }
+
+    fn mapped(code: &'static str) -> StoreError {
+        StoreError::from(sqlx::Error::Database(Box::new(Coded(code))))
+    }
+
+    #[test]
+    fn server_shutdown_and_broken_connections_are_outages_not_bugs() {
+        // 57P01 admin_shutdown is what `pg_ctl restart -m fast` sends to open sessions.
+        for code in ["57P01", "57P02", "57P03", "57014", "08000", "08003", "08006", "08P01"] {
+            assert!(matches!(mapped(code), StoreError::Unavailable(_)), "{code} is an outage");
+        }
+        assert!(matches!(mapped("23505"), StoreError::AlreadyExists));
+        for code in ["42P01", "22P02", "40001", "5", "517"] {
+            assert!(matches!(mapped(code), StoreError::Database(_)), "{code} is not an outage");
+        }
     }
 }

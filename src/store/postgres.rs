@@ -17,9 +17,9 @@ use uuid::Uuid;
 
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
-    PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceCharges, TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, PromptSummary,
+    RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
+    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string, TraceCharges,
 };
 use crate::{
     config::Secret,
@@ -69,6 +69,44 @@ impl PgStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+}
+
+/// Inserts a batch of traces with the given ids in one statement: rows whose
+/// prompt or version is unknown fall out of the join, and then nothing is
+/// inserted at all. Returns how many rows were inserted (all or zero).
+async fn insert_trace_rows<'e>(
+    exec: impl sqlx::PgExecutor<'e>,
+    traces: &[ValidTrace],
+    ids: &[Uuid],
+) -> StoreResult<u64> {
+    let rows: Vec<Value> = traces
+        .iter()
+        .zip(ids)
+        .map(|(t, id)| {
+            serde_json::json!({
+                "id": id, "prompt": t.prompt.as_str(), "prompt_version": t.prompt_version,
+                "input": t.input, "trajectory": t.trajectory, "output": t.output,
+                "feedback": t.feedback, "reflection": t.reflection, "external_id": t.external_id,
+                "metadata": t.metadata,
+            })
+        })
+        .collect();
+    Ok(sqlx::query(
+        "WITH matched AS (
+             SELECT t.id, p.id AS prompt_id, t.prompt_version, t.input, COALESCE(t.trajectory, 'null'::jsonb) AS trajectory,
+                    COALESCE(t.output, 'null'::jsonb) AS output, t.feedback, t.reflection, t.external_id, t.metadata
+             FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
+                  output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
+             JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count))
+         INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
+         SELECT id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata
+         FROM matched WHERE (SELECT count(*) FROM matched) = $2",
+    )
+    .bind(Value::Array(rows))
+    .bind(traces.len() as i64)
+    .execute(exec)
+    .await?
+    .rows_affected())
 }
 
 async fn migrate_postgres(pool: &PgPool) -> StoreResult<()> {
@@ -442,6 +480,10 @@ impl Store for PgStore {
         Ok(n > 0)
     }
 
+    async fn api_key_generation(&self) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.pool).await?)
+    }
+
     async fn count_active_api_keys(&self) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.pool).await?)
     }
@@ -691,38 +733,8 @@ impl Store for PgStore {
 
     async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
-        let rows: Vec<Value> = traces
-            .iter()
-            .zip(&ids)
-            .map(|(t, id)| {
-                serde_json::json!({
-                    "id": id, "prompt": t.prompt.as_str(), "prompt_version": t.prompt_version,
-                    "input": t.input, "trajectory": t.trajectory, "output": t.output,
-                    "feedback": t.feedback, "reflection": t.reflection, "external_id": t.external_id,
-                    "metadata": t.metadata,
-                })
-            })
-            .collect();
-        // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT
-        // round trips): rows whose prompt or version is unknown fall out of the
-        // join, and then nothing is inserted at all.
-        let inserted = sqlx::query(
-            "WITH matched AS (
-                 SELECT t.id, p.id AS prompt_id, t.prompt_version, t.input, COALESCE(t.trajectory, 'null'::jsonb) AS trajectory,
-                        COALESCE(t.output, 'null'::jsonb) AS output, t.feedback, t.reflection, t.external_id, t.metadata
-                 FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
-                      output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
-                 JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count))
-             INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
-             SELECT id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata
-             FROM matched WHERE (SELECT count(*) FROM matched) = $2",
-        )
-        .bind(Value::Array(rows))
-        .bind(traces.len() as i64)
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
-        if inserted as usize != traces.len() {
+        // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT round trips).
+        if insert_trace_rows(&self.pool, traces, &ids).await? != traces.len() as u64 {
             return Err(self.first_unknown_reference(traces).await?);
         }
         Ok(ids)
@@ -781,80 +793,87 @@ impl Store for PgStore {
         self.get_trace(id).await
     }
 
-    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin> {
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
+        let mut tx = self.pool.begin().await?;
+        let prompt = prompt_id(&mut tx, &req.prompt).await?;
+        let mut ids: Vec<Uuid> = sqlx::query_scalar(
+            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = now()
+             WHERE prompt_id = $1 AND status = 'failed'
+               AND ($2::uuid[] IS NULL OR id = ANY($2)) AND ($3::timestamptz IS NULL OR created_at >= $3)
+             RETURNING id",
+        )
+        .bind(prompt)
+        .bind(req.ids.as_deref())
+        .bind(req.since)
+        .fetch_all(&mut *tx)
+        .await?;
+        if !ids.is_empty() {
+            notify(&mut tx, "round").await?;
+        }
+        tx.commit().await?;
+        ids.sort();
+        Ok(ids)
+    }
+
+    async fn insert_traces_idempotent(
+        &self,
+        key: IdempotencyKey<'_>,
+        traces: &[ValidTrace],
+        status: u16,
+        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
+    ) -> StoreResult<IdempotentIngest> {
+        let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
+        let body = answer(&ids);
         for _ in 0..3 {
-            let inserted = sqlx::query(
-                "INSERT INTO idempotency_keys (owner, key, request_hash) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            let mut tx = self.pool.begin().await?;
+            // Claims the key with its final answer. A concurrent request with the
+            // same key blocks here on the primary key until the first commits
+            // (then nothing is inserted: replay) or rolls back (then this one runs).
+            // A row without an answer can only be left by an older combee that
+            // remembered keys before storing: it is taken over.
+            let claimed = sqlx::query(
+                "INSERT INTO idempotency_keys (owner, key, request_hash, status_code, body) VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (owner, key) DO UPDATE
+                   SET request_hash = EXCLUDED.request_hash, status_code = EXCLUDED.status_code,
+                       body = EXCLUDED.body, created_at = now()
+                   WHERE idempotency_keys.status_code IS NULL",
             )
-            .bind(owner)
-            .bind(key)
-            .bind(request_hash)
-            .execute(&self.pool)
+            .bind(key.owner)
+            .bind(key.key)
+            .bind(key.request_hash)
+            .bind(i32::from(status))
+            .bind(&body)
+            .execute(&mut *tx)
             .await?
             .rows_affected();
-            if inserted == 1 {
-                return Ok(IdempotencyBegin::Started);
+            if claimed == 1 {
+                if insert_trace_rows(&mut *tx, traces, &ids).await? != traces.len() as u64 {
+                    tx.rollback().await?;
+                    return Err(self.first_unknown_reference(traces).await?);
+                }
+                tx.commit().await?;
+                return Ok(IdempotentIngest::Stored { ids, status, body });
             }
-            let Some(row) = sqlx::query(
-                "SELECT request_hash, status_code, body, created_at < now() - make_interval(secs => $3) AS stale
-                 FROM idempotency_keys WHERE owner = $1 AND key = $2",
+            let row = sqlx::query(
+                "SELECT request_hash, status_code, body FROM idempotency_keys WHERE owner = $1 AND key = $2",
             )
-            .bind(owner)
-            .bind(key)
-            .bind(IDEMPOTENCY_STALE_SECS as f64)
-            .fetch_optional(&self.pool)
-            .await?
-            else {
-                continue; // aborted meanwhile: try to claim it again
+            .bind(key.owner)
+            .bind(key.key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            tx.rollback().await?;
+            let Some(row) = row else {
+                continue; // purged meanwhile: claim it again
             };
-            let hash: String = row.try_get("request_hash")?;
-            if hash != request_hash {
-                return Ok(IdempotencyBegin::Mismatch);
+            if row.try_get::<String, _>("request_hash")? != key.request_hash {
+                return Ok(IdempotentIngest::Mismatch);
             }
             let status: Option<i32> = row.try_get("status_code")?;
-            if let Some(status) = status {
-                let body: Option<Vec<u8>> = row.try_get("body")?;
-                return Ok(IdempotencyBegin::Replay { status: status as u16, body: body.unwrap_or_default() });
-            }
-            if row.try_get::<bool, _>("stale")? {
-                // The first owner died mid-request: take the key over.
-                let taken = sqlx::query(
-                    "UPDATE idempotency_keys SET created_at = now()
-                     WHERE owner = $1 AND key = $2 AND status_code IS NULL AND created_at < now() - make_interval(secs => $3)",
-                )
-                .bind(owner)
-                .bind(key)
-                .bind(IDEMPOTENCY_STALE_SECS as f64)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
-                if taken == 1 {
-                    return Ok(IdempotencyBegin::Started);
-                }
-            }
-            return Ok(IdempotencyBegin::InFlight);
+            let body: Option<Vec<u8>> = row.try_get("body")?;
+            let status = status.and_then(|s| u16::try_from(s).ok()).ok_or_else(|| corrupt("idempotency status"))?;
+            return Ok(IdempotentIngest::Replay { status, body: body.unwrap_or_default() });
         }
-        Ok(IdempotencyBegin::InFlight)
-    }
-
-    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()> {
-        sqlx::query("UPDATE idempotency_keys SET status_code = $3, body = $4 WHERE owner = $1 AND key = $2")
-            .bind(owner)
-            .bind(key)
-            .bind(i32::from(status))
-            .bind(body)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
-    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()> {
-        sqlx::query("DELETE FROM idempotency_keys WHERE owner = $1 AND key = $2 AND status_code IS NULL")
-            .bind(owner)
-            .bind(key)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        Err(StoreError::Conflict)
     }
 
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
@@ -867,6 +886,19 @@ impl Store for PgStore {
 
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
         let mut tx = self.pool.begin().await?;
+        // First, so a duplicate delivery is told so (not "a round is in flight":
+        // its own round). A concurrent duplicate waits here on the primary key;
+        // every refusal below rolls back, forgetting the id.
+        if let Some(hook) = &req.inbound_webhook_id {
+            let n = sqlx::query("INSERT INTO inbound_webhooks (id) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(hook)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if n == 0 {
+                return Err(StoreError::Duplicate);
+            }
+        }
         // The prompt row lock serialises round creation per prompt.
         let row = sqlx::query("SELECT id, strategy, settings FROM prompts WHERE name = $1 FOR UPDATE")
             .bind(req.prompt.as_str())
@@ -1254,15 +1286,6 @@ impl Store for PgStore {
             .bind(round)
             .fetch_all(&self.pool)
             .await?)
-    }
-
-    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool> {
-        let n = sqlx::query("INSERT INTO inbound_webhooks (id) VALUES ($1) ON CONFLICT DO NOTHING")
-            .bind(id)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-        Ok(n == 1)
     }
 
     async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {

@@ -17,9 +17,9 @@ use uuid::Uuid;
 
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
-    PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceCharges, TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, PromptSummary,
+    RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
+    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string, TraceCharges,
 };
 use crate::{
     config::Secret,
@@ -38,6 +38,48 @@ pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
     changes: broadcast::Sender<Change>,
+    key_generation: KeyGenerationCache,
+}
+
+/// Makes the per-request "did any process revoke a key?" check cheap. Every
+/// commit, by any process, rewrites the WAL index header at the start of the
+/// `-shm` file (its change counter, frame count and salts; see
+/// <https://sqlite.org/walformat.html>). While those bytes are unchanged no
+/// transaction has committed, so the key generation read under them still
+/// holds and no query is needed; when they changed, or cannot be read, the
+/// generation is read from the table again.
+struct KeyGenerationCache {
+    shm: Option<std::fs::File>,
+    seen: std::sync::Mutex<Option<(WalIndexHeader, i64)>>,
+}
+
+/// The first copy of the WAL index header.
+type WalIndexHeader = [u8; 48];
+
+impl KeyGenerationCache {
+    fn open(db: &Path) -> Self {
+        let mut shm = db.as_os_str().to_owned();
+        shm.push("-shm");
+        Self { shm: std::fs::File::open(shm).ok(), seen: std::sync::Mutex::new(None) }
+    }
+
+    fn header(&self) -> Option<WalIndexHeader> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = [0u8; 48];
+        self.shm.as_ref()?.read_exact_at(&mut buf, 0).ok()?;
+        Some(buf)
+    }
+
+    fn lookup(&self, header: &WalIndexHeader) -> Option<i64> {
+        match *self.seen.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((seen, generation)) if seen == *header => Some(generation),
+            _ => None,
+        }
+    }
+
+    fn remember(&self, header: WalIndexHeader, generation: i64) {
+        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some((header, generation));
+    }
 }
 
 fn now_us() -> i64 {
@@ -112,6 +154,50 @@ fn to_json<T: serde::Serialize>(v: &T) -> StoreResult<String> {
     serde_json::to_string(v).map_err(|_| corrupt("json"))
 }
 
+/// Inserts a batch of traces inside the caller's transaction; `Invalid` names
+/// the first trace whose prompt or version is unknown (roll back then).
+async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+    let now = now_us();
+    let mut ids = Vec::with_capacity(traces.len());
+    for (i, t) in traces.iter().enumerate() {
+        let id = Uuid::now_v7();
+        let n = sqlx::query(
+            "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
+                                 external_id, metadata, created_at, updated_at)
+             SELECT ?1, p.id, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11 FROM prompts p
+             WHERE p.name = ?2 AND (?3 IS NULL OR ?3 <= p.version_count)",
+        )
+        .bind(id.to_string())
+        .bind(t.prompt.as_str())
+        .bind(t.prompt_version)
+        .bind(to_json(&t.input)?)
+        .bind(to_json(&t.trajectory)?)
+        .bind(to_json(&t.output)?)
+        .bind(to_json(&t.feedback)?)
+        .bind(t.reflection.as_ref().map(to_json).transpose()?)
+        .bind(&t.external_id)
+        .bind(to_json(&t.metadata)?)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+        if n == 0 {
+            let known: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM prompts WHERE name = ?)")
+                .bind(t.prompt.as_str())
+                .fetch_one(&mut **tx)
+                .await?;
+            let what = if known {
+                format!("prompt {:?} has no version {}", t.prompt.as_str(), t.prompt_version.unwrap_or_default())
+            } else {
+                format!("unknown prompt {:?}", t.prompt.as_str())
+            };
+            return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
+        }
+        ids.push(id);
+    }
+    Ok(ids)
+}
+
 impl SqliteStore {
     pub async fn open(path: &Path, readers: u32, acquire_timeout: Duration) -> StoreResult<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -139,7 +225,7 @@ impl SqliteStore {
             .await
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
-        Ok(Self { writer, reader, changes })
+        Ok(Self { writer, reader, changes, key_generation: KeyGenerationCache::open(path) })
     }
 
     fn announce(&self, change: Change) {
@@ -542,6 +628,21 @@ impl Store for SqliteStore {
         Ok(n > 0)
     }
 
+    async fn api_key_generation(&self) -> StoreResult<i64> {
+        // The header is read before the query: a commit landing in between
+        // changes it, so the next call queries again.
+        let header = self.key_generation.header();
+        if let Some(generation) = header.as_ref().and_then(|h| self.key_generation.lookup(h)) {
+            return Ok(generation);
+        }
+        let generation: i64 =
+            sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.reader).await?;
+        if let Some(header) = header {
+            self.key_generation.remember(header, generation);
+        }
+        Ok(generation)
+    }
+
     async fn count_active_api_keys(&self) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.reader).await?)
     }
@@ -814,45 +915,8 @@ impl Store for SqliteStore {
     }
 
     async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        let now = now_us();
-        let mut ids = Vec::with_capacity(traces.len());
         let mut tx = self.writer.begin().await?;
-        for (i, t) in traces.iter().enumerate() {
-            let id = Uuid::now_v7();
-            let n = sqlx::query(
-                "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
-                                     external_id, metadata, created_at, updated_at)
-                 SELECT ?1, p.id, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11 FROM prompts p
-                 WHERE p.name = ?2 AND (?3 IS NULL OR ?3 <= p.version_count)",
-            )
-            .bind(id.to_string())
-            .bind(t.prompt.as_str())
-            .bind(t.prompt_version)
-            .bind(to_json(&t.input)?)
-            .bind(to_json(&t.trajectory)?)
-            .bind(to_json(&t.output)?)
-            .bind(to_json(&t.feedback)?)
-            .bind(t.reflection.as_ref().map(to_json).transpose()?)
-            .bind(&t.external_id)
-            .bind(to_json(&t.metadata)?)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if n == 0 {
-                let known: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM prompts WHERE name = ?)")
-                    .bind(t.prompt.as_str())
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let what = if known {
-                    format!("prompt {:?} has no version {}", t.prompt.as_str(), t.prompt_version.unwrap_or_default())
-                } else {
-                    format!("unknown prompt {:?}", t.prompt.as_str())
-                };
-                return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
-            }
-            ids.push(id);
-        }
+        let ids = insert_trace_rows(&mut tx, traces).await?;
         tx.commit().await?;
         Ok(ids)
     }
@@ -910,67 +974,81 @@ impl Store for SqliteStore {
         self.get_trace(id).await
     }
 
-    async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin> {
-        // The single writer connection makes this read-then-write atomic.
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
+        let ids =
+            req.ids.as_ref().map(|ids| to_json(&ids.iter().map(Uuid::to_string).collect::<Vec<_>>())).transpose()?;
         let mut tx = self.writer.begin().await?;
-        let row = sqlx::query(
-            "SELECT request_hash, status_code, body, created_at FROM idempotency_keys WHERE owner = ? AND key = ?",
+        let prompt: String = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
+            .bind(req.prompt.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or(StoreError::NotFound)?;
+        let requeued: Vec<String> = sqlx::query_scalar(
+            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = ?1
+             WHERE prompt_id = ?2 AND status = 'failed'
+               AND (?3 IS NULL OR id IN (SELECT value FROM json_each(?3))) AND (?4 IS NULL OR created_at >= ?4)
+             RETURNING id",
         )
-        .bind(owner.to_string())
-        .bind(key)
-        .fetch_optional(&mut *tx)
+        .bind(now_us())
+        .bind(&prompt)
+        .bind(ids)
+        .bind(req.since.map(|t| t.timestamp_micros()))
+        .fetch_all(&mut *tx)
         .await?;
-        let now = now_us();
-        let outcome = match row {
-            None => IdempotencyBegin::Started,
-            Some(row) => {
-                let hash: String = row.try_get("request_hash")?;
-                let status: Option<i64> = row.try_get("status_code")?;
-                let created: i64 = row.try_get("created_at")?;
-                if hash != request_hash {
-                    return Ok(IdempotencyBegin::Mismatch);
-                } else if let Some(status) = status {
-                    let body: Option<Vec<u8>> = row.try_get("body")?;
-                    return Ok(IdempotencyBegin::Replay { status: status as u16, body: body.unwrap_or_default() });
-                } else if now - created > IDEMPOTENCY_STALE_SECS * 1_000_000 {
-                    IdempotencyBegin::Started
-                } else {
-                    return Ok(IdempotencyBegin::InFlight);
+        tx.commit().await?;
+        let mut ids = requeued.iter().map(|id| uuid(id)).collect::<StoreResult<Vec<_>>>()?;
+        ids.sort();
+        if !ids.is_empty() {
+            self.announce(Change::RoundQueued);
+        }
+        Ok(ids)
+    }
+
+    async fn insert_traces_idempotent(
+        &self,
+        key: IdempotencyKey<'_>,
+        traces: &[ValidTrace],
+        status: u16,
+        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
+    ) -> StoreResult<IdempotentIngest> {
+        // The single writer connection serialises requests with the same key.
+        let mut tx = self.writer.begin().await?;
+        let row =
+            sqlx::query("SELECT request_hash, status_code, body FROM idempotency_keys WHERE owner = ? AND key = ?")
+                .bind(key.owner.to_string())
+                .bind(key.key)
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(row) = row {
+            let stored_status: Option<i64> = row.try_get("status_code")?;
+            // A row without an answer can only be left by an older combee that
+            // remembered keys before storing: it is taken over below.
+            if let Some(stored_status) = stored_status {
+                if row.try_get::<String, _>("request_hash")? != key.request_hash {
+                    return Ok(IdempotentIngest::Mismatch);
                 }
+                let body: Option<Vec<u8>> = row.try_get("body")?;
+                let status = u16::try_from(stored_status).map_err(|_| corrupt("idempotency status"))?;
+                return Ok(IdempotentIngest::Replay { status, body: body.unwrap_or_default() });
             }
-        };
+        }
+        let ids = insert_trace_rows(&mut tx, traces).await?;
+        let body = answer(&ids);
         sqlx::query(
-            "INSERT INTO idempotency_keys (owner, key, request_hash, created_at) VALUES (?, ?, ?, ?)
-             ON CONFLICT (owner, key) DO UPDATE SET created_at = excluded.created_at",
+            "INSERT INTO idempotency_keys (owner, key, request_hash, status_code, body, created_at) VALUES (?, ?, ?, ?, ?, ?)
+             ON CONFLICT (owner, key) DO UPDATE SET request_hash = excluded.request_hash,
+                 status_code = excluded.status_code, body = excluded.body, created_at = excluded.created_at",
         )
-        .bind(owner.to_string())
-        .bind(key)
-        .bind(request_hash)
-        .bind(now)
+        .bind(key.owner.to_string())
+        .bind(key.key)
+        .bind(key.request_hash)
+        .bind(i64::from(status))
+        .bind(&body)
+        .bind(now_us())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(outcome)
-    }
-
-    async fn idempotency_finish(&self, owner: Uuid, key: &str, status: u16, body: &[u8]) -> StoreResult<()> {
-        sqlx::query("UPDATE idempotency_keys SET status_code = ?, body = ? WHERE owner = ? AND key = ?")
-            .bind(i64::from(status))
-            .bind(body)
-            .bind(owner.to_string())
-            .bind(key)
-            .execute(&self.writer)
-            .await?;
-        Ok(())
-    }
-
-    async fn idempotency_abort(&self, owner: Uuid, key: &str) -> StoreResult<()> {
-        sqlx::query("DELETE FROM idempotency_keys WHERE owner = ? AND key = ? AND status_code IS NULL")
-            .bind(owner.to_string())
-            .bind(key)
-            .execute(&self.writer)
-            .await?;
-        Ok(())
+        Ok(IdempotentIngest::Stored { ids, status, body })
     }
 
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
@@ -984,6 +1062,19 @@ impl Store for SqliteStore {
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
         let now = now_us();
         let mut tx = self.writer.begin().await?;
+        // First, so a duplicate delivery is told so (not "a round is in flight":
+        // its own round); every refusal below rolls back, forgetting the id.
+        if let Some(hook) = &req.inbound_webhook_id {
+            let n = sqlx::query("INSERT INTO inbound_webhooks (id, received_at) VALUES (?, ?) ON CONFLICT DO NOTHING")
+                .bind(hook)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if n == 0 {
+                return Err(StoreError::Duplicate);
+            }
+        }
         let row = sqlx::query("SELECT id, strategy, settings, version_count FROM prompts WHERE name = ?")
             .bind(req.prompt.as_str())
             .fetch_optional(&mut *tx)
@@ -1397,16 +1488,6 @@ impl Store for SqliteStore {
                 .fetch_all(&self.reader)
                 .await?;
         ids.iter().map(|s| uuid(s)).collect()
-    }
-
-    async fn remember_inbound_webhook(&self, id: &str) -> StoreResult<bool> {
-        let n = sqlx::query("INSERT INTO inbound_webhooks (id, received_at) VALUES (?, ?) ON CONFLICT DO NOTHING")
-            .bind(id)
-            .bind(now_us())
-            .execute(&self.writer)
-            .await?
-            .rows_affected();
-        Ok(n == 1)
     }
 
     async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {

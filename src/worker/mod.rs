@@ -161,6 +161,7 @@ impl Worker {
                 batch: d.batch,
                 min_traces: d.min_traces,
                 seed: random_seed(),
+                inbound_webhook_id: None,
             };
             match self.store.open_round(&req).await {
                 Ok(Some(r)) => {

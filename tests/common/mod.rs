@@ -232,3 +232,37 @@ pub async fn restart_app_with(prev: &TestApp, tweak: impl FnOnce(&mut Settings))
         _dir: tempfile::tempdir().expect("temp dir"),
     }
 }
+
+/// Makes the prompt's pending traces `failed`, as a round that gave up on
+/// them would: opens a round over them, claims it and fails it with one
+/// attempt allowed per trace. Returns the failed traces' ids.
+pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uuid> {
+    use combee::{
+        domain::{PromptName, round::RoundTrigger},
+        learn::grouping::Method,
+        store::{OpenRound, RoundFailure},
+    };
+    let open = OpenRound {
+        prompt: PromptName::parse(prompt).unwrap(),
+        trigger: RoundTrigger::Api,
+        method: Method::Combee,
+        batch: 10_000,
+        min_traces: 1,
+        seed: 1,
+        inbound_webhook_id: None,
+    };
+    let round = store.open_round(&open).await.unwrap().expect("pending traces to fail");
+    let claimed = store.claim_round("test", Duration::from_secs(60)).await.unwrap().expect("the round is claimable");
+    assert_eq!(claimed.round.id, round.id);
+    let ids: Vec<uuid::Uuid> = claimed.traces.iter().map(|t| t.id).collect();
+    store
+        .fail_round(
+            round.id,
+            claimed.round.attempt,
+            "the aggregator answered malformed JSON",
+            RoundFailure::GiveUp { max_trace_attempts: 1 },
+        )
+        .await
+        .unwrap();
+    ids
+}
