@@ -22,6 +22,7 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/postgres/0003_controller.sql") },
     Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/postgres/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/postgres/0005_ui_sessions.sql") },
+    Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/postgres/0010_otlp_spans.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -30,6 +31,7 @@ pub const SQLITE: &[Migration] = &[
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/sqlite/0003_controller.sql") },
     Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/sqlite/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/sqlite/0005_ui_sessions.sql") },
+    Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/sqlite/0010_otlp_spans.sql") },
 ];
 
 #[cfg(test)]
