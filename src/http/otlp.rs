@@ -3,8 +3,6 @@
 //! stored exactly as `POST /v1/traces` stores them. Same key scope, same body
 //! limit; spans that cannot be mapped are counted in `partial_success`.
 
-use std::collections::HashMap;
-
 use axum::{
     extract::{Request, State},
     http::{HeaderValue, StatusCode, header},
@@ -19,12 +17,11 @@ use super::{
     traces::limits,
 };
 use crate::{
-    domain::PromptName,
     otlp::{
         self, DecodeError, Encoding,
-        mapping::{self, Rejection},
+        mapping::{self, Mapping, Rejection},
     },
-    store::{IdempotencyBegin, Scope, Selector},
+    store::{IdempotencyBegin, OtlpMerge, Scope},
 };
 
 fn decode_error(e: DecodeError) -> ApiError {
@@ -127,55 +124,68 @@ fn still_in_flight() -> Response {
     res
 }
 
-/// Maps, checks the prompts against the store, stores what is left in one
-/// transaction, and encodes the answer.
+/// Splits the export by trace id and merges each trace id's spans into its
+/// pending trace (one store transaction per trace id; see
+/// [`crate::store::Store::merge_otlp_spans`]), then encodes the answer.
+/// A failure part-way is safe to retry: spans stored already are ignored.
 async fn ingest(
     st: &AppState,
     encoding: Encoding,
     request: &opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
 ) -> ApiResult<Vec<u8>> {
-    let mut mapping = mapping::map_request(request, limits(st));
+    let (groups, rejected) = mapping::split_request(request);
     let max = st.settings.limits.max_traces_per_batch;
-    if mapping.traces.len() > max {
+    if groups.len() > max {
         return Err(ApiError::PayloadTooLarge(format!(
             "the export holds {} traces (trace ids); the limit is {max} (`limits.max_traces_per_batch`)",
-            mapping.traces.len()
+            groups.len()
         )));
     }
-    // Only the store knows which prompts and versions exist.
-    let mut latest: HashMap<PromptName, Option<i64>> = HashMap::new();
-    for t in &mapping.traces {
-        if !latest.contains_key(&t.trace.prompt) {
-            let resolved = st.store.resolve(&t.trace.prompt, &Selector::Latest).await?;
-            latest.insert(t.trace.prompt.clone(), resolved.map(|r| r.version.number));
-        }
-    }
-    let mut accepted = Vec::with_capacity(mapping.traces.len());
-    for t in std::mem::take(&mut mapping.traces) {
-        let prompt = t.trace.prompt.as_str();
-        let reason = match (latest.get(&t.trace.prompt).copied().flatten(), t.trace.prompt_version) {
-            (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),
-            (Some(last), Some(v)) if v > last => {
-                Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})"))
+    let limits = limits(st);
+    let mut answer = Mapping { traces: Vec::new(), rejected };
+    let mut held = Mapping::default();
+    let (mut created, mut accepted_spans, mut duplicate_spans) = (0_u64, 0, 0);
+    for group in groups {
+        let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
+        let trace_id = Some(group.trace_id.clone());
+        match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
+            OtlpMerge::Created { added, .. } => {
+                created += 1;
+                accepted_spans += added;
             }
-            _ => None,
-        };
-        match reason {
-            Some(reason) => mapping.rejected.push(Rejection { trace_id: Some(t.trace_id), spans: t.spans, reason }),
-            None => accepted.push(t),
+            OtlpMerge::Extended { added, .. } => accepted_spans += added,
+            OtlpMerge::Held { added, reason } => held.rejected.push(Rejection { trace_id, spans: added, reason }),
+            OtlpMerge::Duplicate => duplicate_spans += group.spans.len(),
+            OtlpMerge::Closed { trace, spans } => answer.rejected.push(Rejection {
+                trace_id,
+                spans,
+                reason: format!(
+                    "its trace {trace} was already taken by a learning round; spans that arrive after that are not added"
+                ),
+            }),
+            OtlpMerge::Rejected { spans, reason } => answer.rejected.push(Rejection { trace_id, spans, reason }),
         }
     }
-    let accepted_spans: usize = accepted.iter().map(|t| t.spans).sum();
-    let traces: Vec<_> = accepted.into_iter().map(|t| t.trace).collect();
-    if !traces.is_empty() {
-        st.store.insert_traces(&traces).await?;
+    let rejected_spans = answer.rejected_spans();
+    let held_spans = held.rejected_spans();
+    metrics::counter!("combee_traces_ingested_total").increment(created);
+    for (outcome, n) in
+        [("accepted", accepted_spans), ("rejected", rejected_spans), ("held", held_spans), ("duplicate", duplicate_spans)]
+    {
+        metrics::counter!("combee_otlp_spans_total", "outcome" => outcome).increment(n as u64);
     }
-    let rejected_spans = mapping.rejected_spans();
-    metrics::counter!("combee_traces_ingested_total").increment(traces.len() as u64);
-    metrics::counter!("combee_otlp_spans_total", "outcome" => "accepted").increment(accepted_spans as u64);
-    metrics::counter!("combee_otlp_spans_total", "outcome" => "rejected").increment(rejected_spans as u64);
     if rejected_spans > 0 {
-        tracing::info!(traces = traces.len(), rejected_spans, "OTLP export partly rejected");
+        tracing::info!(created, rejected_spans, "OTLP export partly rejected");
     }
-    Ok(otlp::encode_response(encoding, rejected_spans, &mapping.error_message()))
+    // Held spans are not rejected: the answer only warns (OTLP's partial
+    // success with 0 rejected spans and a message).
+    let mut message = answer.error_message();
+    if held_spans > 0 {
+        let warning = format!(
+            "{}. Held spans become a trace once the rest of their trace arrives (within `limits.idempotency_ttl_hours`)",
+            held.summary("held")
+        );
+        message = if message.is_empty() { warning } else { format!("{message}. {warning}") };
+    }
+    Ok(otlp::encode_response(encoding, rejected_spans, &message))
 }
