@@ -261,7 +261,9 @@ async fn otlp_spans_merge_into_one_pending_trace(b: Backend) {
 
     // Unknown prompts and versions are rejected with the reason the API gives.
     let ghost = s.merge_otlp_spans("t2", &[otlp_span("root")], &|b: &[&[u8]]| fake_remap("ghost", "t2", b)).await;
-    assert!(matches!(ghost.unwrap(), OtlpMerge::Rejected { spans: 1, reason } if reason.contains("unknown prompt \"ghost\"")));
+    assert!(
+        matches!(ghost.unwrap(), OtlpMerge::Rejected { spans: 1, reason } if reason.contains("unknown prompt \"ghost\""))
+    );
 
     // Once a round took the trace, new spans are not added; known ones are still duplicates.
     let round = OpenRound {
@@ -299,12 +301,16 @@ async fn concurrent_otlp_parts_make_one_trace(b: Backend) {
             let (o1, o2) = (otel.clone(), otel.clone());
             tokio::join!(
                 tokio::spawn(async move {
-                    s1.merge_otlp_spans(&o1, &[otlp_span("root"), otlp_span("a")], &|b: &[&[u8]]| fake_remap("p", &o1, b))
-                        .await
+                    s1.merge_otlp_spans(&o1, &[otlp_span("root"), otlp_span("a")], &|b: &[&[u8]]| {
+                        fake_remap("p", &o1, b)
+                    })
+                    .await
                 }),
                 tokio::spawn(async move {
-                    s2.merge_otlp_spans(&o2, &[otlp_span("root"), otlp_span("b")], &|b: &[&[u8]]| fake_remap("p", &o2, b))
-                        .await
+                    s2.merge_otlp_spans(&o2, &[otlp_span("root"), otlp_span("b")], &|b: &[&[u8]]| {
+                        fake_remap("p", &o2, b)
+                    })
+                    .await
                 }),
             )
         };

@@ -169,9 +169,12 @@ async fn ingest(
     let rejected_spans = answer.rejected_spans();
     let held_spans = held.rejected_spans();
     metrics::counter!("combee_traces_ingested_total").increment(created);
-    for (outcome, n) in
-        [("accepted", accepted_spans), ("rejected", rejected_spans), ("held", held_spans), ("duplicate", duplicate_spans)]
-    {
+    for (outcome, n) in [
+        ("accepted", accepted_spans),
+        ("rejected", rejected_spans),
+        ("held", held_spans),
+        ("duplicate", duplicate_spans),
+    ] {
         metrics::counter!("combee_otlp_spans_total", "outcome" => outcome).increment(n as u64);
     }
     if rejected_spans > 0 {

@@ -185,9 +185,11 @@ pub fn map_request(req: &ExportTraceServiceRequest, limits: TraceLimits) -> Mapp
         let count = spans.len();
         match map_trace(&trace_id, spans, limits) {
             Ok(trace) => mapping.traces.push(MappedTrace { trace_id, spans: count, trace }),
-            Err(unmapped) => {
-                mapping.rejected.push(Rejection { trace_id: Some(trace_id), spans: count, reason: unmapped.into_reason() })
-            }
+            Err(unmapped) => mapping.rejected.push(Rejection {
+                trace_id: Some(trace_id),
+                spans: count,
+                reason: unmapped.into_reason(),
+            }),
         }
     }
     mapping
@@ -560,7 +562,8 @@ impl From<String> for Unmapped {
 /// Whether any span speaks the GenAI (or combee) conventions: only such
 /// traces are worth holding while they are incomplete.
 fn looks_generative(spans: &[SpanRef<'_>]) -> bool {
-    let ours = |attrs: &[KeyValue]| attrs.iter().any(|kv| kv.key.starts_with("gen_ai.") || kv.key.starts_with("combee."));
+    let ours =
+        |attrs: &[KeyValue]| attrs.iter().any(|kv| kv.key.starts_with("gen_ai.") || kv.key.starts_with("combee."));
     spans.iter().any(|s| {
         ours(&s.span.attributes)
             || ours(s.resource)
@@ -592,7 +595,11 @@ fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -
                 attr::PROMPT_NAME,
                 attr::COMBEE_PROMPT
             );
-            return Err(if looks_generative(&spans) { Unmapped::Incomplete(reason) } else { Unmapped::Invalid(reason) });
+            return Err(if looks_generative(&spans) {
+                Unmapped::Incomplete(reason)
+            } else {
+                Unmapped::Invalid(reason)
+            });
         }
         1 => names.pop_first().unwrap_or_default(),
         _ => {

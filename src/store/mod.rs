@@ -287,7 +287,9 @@ pub(crate) fn otlp_prompt_problem(trace: &ValidTrace, version_count: Option<i64>
     let prompt = trace.prompt.as_str();
     match (version_count, trace.prompt_version) {
         (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),
-        (Some(last), Some(v)) if v > last => Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})")),
+        (Some(last), Some(v)) if v > last => {
+            Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})"))
+        }
         _ => None,
     }
 }

@@ -18,9 +18,9 @@ use uuid::Uuid;
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
-    OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan, otlp_prompt_problem,
-    PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector,
+    Store, StoreError, StoreKind, StoreResult, TraceFilter, UiSession, Webhook, migrate, otlp_prompt_problem,
+    scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -795,10 +795,12 @@ impl Store for PgStore {
             .bind(otel_trace_id)
             .execute(&mut *tx)
             .await?;
-        let stored = sqlx::query("SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = $1 ORDER BY received_at, span_id")
-            .bind(otel_trace_id)
-            .fetch_all(&mut *tx)
-            .await?;
+        let stored = sqlx::query(
+            "SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = $1 ORDER BY received_at, span_id",
+        )
+        .bind(otel_trace_id)
+        .fetch_all(&mut *tx)
+        .await?;
         let mut seen = std::collections::HashSet::new();
         let mut linked = None;
         let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(stored.len() + spans.len());
@@ -855,7 +857,8 @@ impl Store for PgStore {
                     .await?;
                 let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
                 // Feedback given through the API stays unless a span says otherwise.
-                let feedback = serde_json::to_value(current.merged(mapped.feedback.clone())).map_err(|_| corrupt("feedback"))?;
+                let feedback =
+                    serde_json::to_value(current.merged(mapped.feedback.clone())).map_err(|_| corrupt("feedback"))?;
                 sqlx::query(
                     "UPDATE traces SET prompt_id = $2, prompt_version = $3, input = $4, trajectory = $5, output = $6,
                             feedback = $7, metadata = $8, updated_at = now() WHERE id = $1",

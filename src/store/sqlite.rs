@@ -18,9 +18,9 @@ use uuid::Uuid;
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IDEMPOTENCY_STALE_SECS, IdempotencyBegin, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound,
-    OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan, otlp_prompt_problem,
-    PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string,
+    OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, Resolved, RoundCall, RoundFailure, Scope, Selector,
+    Store, StoreError, StoreKind, StoreResult, TraceFilter, UiSession, Webhook, migrate, otlp_prompt_problem,
+    scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -1742,14 +1742,16 @@ async fn insert_otlp_spans(
 ) -> StoreResult<()> {
     let now = now_us();
     for span in spans {
-        sqlx::query("INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body, received_at) VALUES (?, ?, ?, ?, ?)")
-            .bind(otel_trace_id)
-            .bind(&span.span_id)
-            .bind(trace.map(|t| t.to_string()))
-            .bind(&span.body)
-            .bind(now)
-            .execute(&mut **tx)
-            .await?;
+        sqlx::query(
+            "INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body, received_at) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(otel_trace_id)
+        .bind(&span.span_id)
+        .bind(trace.map(|t| t.to_string()))
+        .bind(&span.body)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
     }
     Ok(())
 }
