@@ -566,13 +566,18 @@ async fn the_python_sdk_exporter_feeds_a_round(b: Backend) {
         report["trace_ids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
     sent.sort();
     assert_eq!(sent.len(), n);
+    let exports = report["exports"].as_u64().unwrap();
+    assert!(exports > 2 * n as u64, "each trace was split across exports (got {exports} exports)");
 
     let pending: Value =
         app.get("/v1/traces?prompt=otel-agent&status=pending").send().await.unwrap().json().await.unwrap();
     let pending = pending["traces"].as_array().unwrap();
     let mut found: Vec<String> = pending.iter().map(|t| t["external_id"].as_str().unwrap().to_owned()).collect();
     found.sort();
-    assert_eq!(found, sent, "one trace per OpenTelemetry trace id; the span without a prompt was rejected");
+    assert_eq!(
+        found, sent,
+        "one trace per OpenTelemetry trace id, from three exports each; the span without a prompt was rejected"
+    );
     for t in pending {
         assert_eq!(t["prompt_version"], 2, "{t}");
         let steps: Vec<&str> =
