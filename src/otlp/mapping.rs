@@ -1,9 +1,12 @@
 //! From OpenTelemetry spans to combee traces, following the GenAI semantic
 //! conventions. All spans of one trace id become one combee trace whose
-//! trajectory is the spans in start order; a trace that cannot be mapped is
-//! rejected as a whole with a reason (the OTLP answer counts its spans).
-//! Pure: no store, no network. Which prompt names exist is checked later, by
-//! the route, because only the store knows.
+//! trajectory is the spans in start order — also when they arrive in several
+//! exports: [`split_request`] cuts an export into per-span records the store
+//! keeps, and [`remap`] maps the union of a trace id's records again; spans
+//! that cannot map yet (no prompt or no input so far) are held, spans that
+//! never can are rejected with a reason (the OTLP answer counts them).
+//! Pure: no store access, no network. Which prompt names exist is checked by
+//! the store, inside the merge transaction.
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -977,6 +980,46 @@ mod tests {
         let msg = m.error_message();
         assert!(msg.starts_with("rejected 3 span(s): "), "{msg}");
         assert!(msg.contains(&"08".repeat(16)) && msg.contains("no valid trace id"), "{msg}");
+    }
+
+    #[test]
+    fn exports_split_by_trace_id_and_parts_remap_from_their_union() {
+        let root = span(9, 1, None, 0, vec![s(attr::PROMPT_NAME, "p")]);
+        let chat = span(9, 2, Some(1), 5, vec![s(attr::LEGACY_PROMPT, "q"), s(attr::LEGACY_COMPLETION, "a")]);
+        let other = span(10, 1, None, 0, vec![s(attr::PROMPT_NAME, "p"), s(attr::LEGACY_PROMPT, "q")]);
+        let mut no_span_id = span(9, 3, None, 0, vec![]);
+        no_span_id.span_id = vec![0; 8];
+        let (groups, rejected) =
+            split_request(&request(vec![s("service.name", "shop")], vec![chat, other, no_span_id, root]));
+        assert_eq!(groups.iter().map(|g| g.trace_id.as_str()).collect::<Vec<_>>(), ["09".repeat(16), "0a".repeat(16)]);
+        assert_eq!(
+            groups[0].spans.iter().map(|s| s.span_id.as_str()).collect::<Vec<_>>(),
+            ["02".repeat(8), "01".repeat(8)]
+        );
+        assert_eq!(rejected.len(), 1);
+        assert!(rejected[0].reason.contains("no valid span id"), "{rejected:?}");
+
+        let id = "09".repeat(16);
+        let bodies: Vec<&[u8]> = groups[0].spans.iter().map(|s| s.body.as_slice()).collect();
+        // Each part alone does not map yet; together they do, in start order, with the resource.
+        assert!(
+            matches!(remap(&id, &bodies[..1], LIMITS), OtlpRemap::Incomplete(r) if r.contains("belongs to no prompt"))
+        );
+        assert!(matches!(remap(&id, &bodies[1..], LIMITS), OtlpRemap::Incomplete(r) if r.starts_with("no input")));
+        let OtlpRemap::Mapped(t) = remap(&id, &[bodies[1], bodies[0]], LIMITS) else { panic!("maps") };
+        let names: Vec<_> = t.trajectory.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["span-1", "span-2"]);
+        assert_eq!((t.input.clone(), t.metadata["otel"]["service_name"].clone()), (json!("q"), json!("shop")));
+
+        // Spans that speak no GenAI convention are not worth holding; broken ones never map.
+        let (http, _) = split_request(&request(vec![], vec![span(11, 1, None, 0, vec![s("http.route", "/")])]));
+        let http_body = [http[0].spans[0].body.as_slice()];
+        assert!(
+            matches!(remap(&"0b".repeat(16), &http_body, LIMITS), OtlpRemap::Invalid(r) if r.contains("belongs to no prompt"))
+        );
+        assert!(matches!(remap(&id, &[b"not protobuf"], LIMITS), OtlpRemap::Invalid(_)));
+        let too_many = vec![bodies[0]; MAX_SPANS_PER_TRACE + 1];
+        assert!(matches!(remap(&id, &too_many, LIMITS), OtlpRemap::Invalid(r) if r.contains("more than")));
     }
 
     #[test]
