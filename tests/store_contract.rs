@@ -208,7 +208,7 @@ fn fake_remap(prompt: &str, otel_id: &str, bodies: &[&[u8]]) -> OtlpRemap {
         "feedback": {"score": 0.25}, "metadata": {"spans": bodies.len()},
     }))
     .unwrap();
-    OtlpRemap::Mapped(t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap())
+    OtlpRemap::Mapped(Box::new(t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()))
 }
 
 async fn otlp_spans_merge_into_one_pending_trace(b: Backend) {

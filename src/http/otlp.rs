@@ -1,7 +1,8 @@
 //! The OTLP/HTTP trace receiver (`POST /v1/otlp/v1/traces`): agents point an
-//! OpenTelemetry exporter at `/v1/otlp` and their GenAI spans become traces,
-//! stored exactly as `POST /v1/traces` stores them. Same key scope, same body
-//! limit; spans that cannot be mapped are counted in `partial_success`.
+//! OpenTelemetry exporter at `/v1/otlp` and their GenAI spans become traces
+//! like those of `POST /v1/traces`, one per trace id even when its spans come
+//! in several exports. Same key scope, same body limit; spans that cannot be
+//! mapped are counted in `partial_success`.
 
 use axum::{
     extract::{Request, State},
@@ -45,14 +46,17 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
 /// Send the body as `application/x-protobuf` or `application/json` (the OTLP
 /// JSON encoding), optionally with `Content-Encoding: gzip` (or `deflate`). The answer is an
 /// `ExportTraceServiceResponse` in the request's encoding; `partial_success`
-/// says how many spans were rejected and why. An exporter's retry of the same
-/// request is answered from the first attempt and stores nothing twice.
+/// says how many spans were rejected and why (or, with 0 rejected, warns that
+/// spans are held until the rest of their trace arrives). The spans of one
+/// trace id become one pending trace across exports; a span already stored is
+/// ignored, so retries in any batching store nothing twice; spans arriving
+/// after a round took their trace are rejected.
 #[utoipa::path(post, path = "/v1/otlp/v1/traces", tag = "traces",
     request_body(content = Vec<u8>, description = "an OTLP `ExportTraceServiceRequest`",
         content(("application/x-protobuf"), ("application/json"))),
     params(("Content-Encoding" = Option<String>, Header, description = "`gzip`, `deflate` or absent; the inflated body is held to `limits.max_body_bytes` too")),
     responses(
-        (status = 200, description = "an OTLP `ExportTraceServiceResponse` in the request's encoding, with `partial_success` when spans were rejected"),
+        (status = 200, description = "an OTLP `ExportTraceServiceResponse` in the request's encoding, with `partial_success` when spans were rejected or are held"),
         (status = 400, body = super::error::Problem, description = "the body is not a valid export request (bad protobuf, JSON or gzip)"),
         (status = 401, body = super::error::Problem), (status = 403, body = super::error::Problem),
         (status = 413, body = super::error::Problem, description = "the body (or inflated body) exceeds `limits.max_body_bytes`, or more than `limits.max_traces_per_batch` trace ids"),

@@ -285,7 +285,7 @@ pub fn remap(trace_id: &str, bodies: &[&[u8]], limits: TraceLimits) -> OtlpRemap
         }
     }
     match map_trace(trace_id, spans, limits) {
-        Ok(trace) => OtlpRemap::Mapped(trace),
+        Ok(trace) => OtlpRemap::Mapped(Box::new(trace)),
         Err(Unmapped::Incomplete(reason)) => OtlpRemap::Incomplete(reason),
         Err(Unmapped::Invalid(reason)) => OtlpRemap::Invalid(reason),
     }

@@ -254,7 +254,7 @@ pub struct OtlpSpan {
 #[derive(Debug, Clone, PartialEq)]
 pub enum OtlpRemap {
     /// The spans map to this trace.
-    Mapped(ValidTrace),
+    Mapped(Box<ValidTrace>),
     /// Not yet (no prompt or no input so far): hold the spans for the rest of the trace.
     Incomplete(String),
     /// They cannot map: the new spans are rejected for this reason.

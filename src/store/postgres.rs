@@ -838,7 +838,7 @@ impl Store for PgStore {
                 tx.commit().await?;
                 return Ok(OtlpMerge::Held { added: new.len(), reason });
             }
-            OtlpRemap::Mapped(t) => t,
+            OtlpRemap::Mapped(t) => *t,
         };
         let prompt = sqlx::query("SELECT id, version_count FROM prompts WHERE name = $1")
             .bind(mapped.prompt.as_str())

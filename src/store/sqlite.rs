@@ -929,7 +929,7 @@ impl Store for SqliteStore {
                 tx.commit().await?;
                 return Ok(OtlpMerge::Held { added: new.len(), reason });
             }
-            OtlpRemap::Mapped(t) => t,
+            OtlpRemap::Mapped(t) => *t,
         };
         let prompt = sqlx::query("SELECT id, version_count FROM prompts WHERE name = ?")
             .bind(mapped.prompt.as_str())
