@@ -617,3 +617,68 @@ on_both_stores!(
     spans_resent_in_another_grouping_are_stored_once,
     spans_after_a_round_took_the_trace_are_rejected,
 );
+
+/// A run of `long_run` shape under a 32-bit trace number (for more than 255 traces).
+fn numbered_run(n: u32, prompt: &str) -> [Span; 3] {
+    let mut id = vec![0xc0; 16];
+    id[12..].copy_from_slice(&n.to_be_bytes());
+    long_run(1, prompt).map(|mut s| {
+        s.trace_id = id.clone();
+        s
+    })
+}
+
+/// Ingest cost, whole traces vs. traces in three exports each vs. re-sent
+/// spans; prints the figures. Run: `cargo nextest run --test otlp measure --run-ignored only --no-capture`.
+async fn measure_split_ingest(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("bench-agent").await;
+    let (traces_n, per_export) = (500_u32, 25_u32);
+    let timed = async |exports: Vec<Vec<Span>>| {
+        let spans: usize = exports.iter().map(Vec::len).sum();
+        let start = Instant::now();
+        for e in exports {
+            let answer = send(&app, e).await;
+            assert_eq!(answer.partial_success.map(|p| p.rejected_spans).unwrap_or(0), 0);
+        }
+        (spans, start.elapsed())
+    };
+    let whole: Vec<Vec<Span>> = (0..traces_n / per_export)
+        .map(|k| (0..per_export).flat_map(|i| numbered_run(k * per_export + i, "bench-agent")).collect())
+        .collect();
+    let split: Vec<Vec<Span>> = (0..traces_n / per_export)
+        .flat_map(|k| {
+            let runs: Vec<[Span; 3]> =
+                (0..per_export).map(|i| numbered_run(traces_n + k * per_export + i, "bench-agent")).collect();
+            // Children first (as a batch processor exports them), the roots last.
+            [2, 1, 0].map(|part| runs.iter().map(|r| r[part].clone()).collect::<Vec<_>>())
+        })
+        .collect();
+    // The split traces again, whole and in reverse order: other bodies, all duplicates.
+    let resent: Vec<Vec<Span>> = split.chunks(3).rev().map(|c| c.iter().flatten().cloned().collect()).collect();
+    for (what, exports) in [("whole traces", whole), ("3 exports per trace", split), ("re-sent (duplicates)", resent)] {
+        let n = exports.len();
+        let (spans, took) = timed(exports).await;
+        eprintln!(
+            "{b:?} {what}: {n} exports, {spans} spans in {:.0} ms = {:.0} spans/s",
+            took.as_secs_f64() * 1e3,
+            spans as f64 / took.as_secs_f64()
+        );
+    }
+    let all = app.store.list_traces(&Default::default(), 5000).await.unwrap();
+    assert_eq!(all.len(), 2 * traces_n as usize);
+    assert!(all.iter().all(|t| t.trajectory.as_array().unwrap().len() == 3));
+}
+
+mod measure {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement that prints figures"]
+    async fn postgres() {
+        super::measure_split_ingest(super::Backend::Postgres).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement that prints figures"]
+    async fn sqlite() {
+        super::measure_split_ingest(super::Backend::Sqlite).await
+    }
+}
