@@ -790,7 +790,7 @@ impl Store for PgStore {
     ) -> StoreResult<OtlpMerge> {
         let mut tx = self.pool.begin().await?;
         // Serialises exports of the same trace id, including the first one,
-        // when there is no row to lock yet. Dropping `tx` rolls back (and unlocks).
+        // when there is no row to lock yet; the lock ends with the transaction.
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
             .bind(otel_trace_id)
             .execute(&mut *tx)
@@ -811,6 +811,9 @@ impl Store for PgStore {
         }
         let new: Vec<&OtlpSpan> = spans.iter().filter(|s| seen.insert(s.span_id.clone())).collect();
         if new.is_empty() {
+            // Ended explicitly: a dropped transaction would keep its locks
+            // until its pooled connection is used again.
+            tx.rollback().await?;
             return Ok(OtlpMerge::Duplicate);
         }
         if let Some(trace) = linked {
@@ -823,14 +826,19 @@ impl Store for PgStore {
             .fetch_optional(&mut *tx)
             .await?;
             if open != Some(true) {
+                tx.rollback().await?;
                 return Ok(OtlpMerge::Closed { trace, spans: new.len() });
             }
         }
         bodies.extend(new.iter().map(|s| s.body.clone()));
         let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
         let mapped = match remap(&refs) {
-            OtlpRemap::Invalid(reason) => return Ok(OtlpMerge::Rejected { spans: new.len(), reason }),
+            OtlpRemap::Invalid(reason) => {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+            }
             OtlpRemap::Incomplete(reason) if linked.is_some() => {
+                tx.rollback().await?;
                 return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
             }
             OtlpRemap::Incomplete(reason) => {
@@ -846,6 +854,7 @@ impl Store for PgStore {
             .await?;
         let count = prompt.as_ref().map(|r| r.try_get::<i64, _>("version_count")).transpose()?;
         if let Some(reason) = otlp_prompt_problem(&mapped, count) {
+            tx.rollback().await?;
             return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
         }
         let prompt_id: Uuid = prompt.as_ref().map(|r| r.try_get("id")).transpose()?.ok_or_else(|| corrupt("prompt"))?;

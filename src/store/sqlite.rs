@@ -885,7 +885,6 @@ impl Store for SqliteStore {
     ) -> StoreResult<OtlpMerge> {
         // The single writer connection serialises this read-map-write against
         // every other write, exports of the same trace id and rounds included.
-        // Dropping `tx` rolls back.
         let mut tx = self.writer.begin().await?;
         let stored = sqlx::query(
             "SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = ? ORDER BY received_at, span_id",
@@ -905,6 +904,9 @@ impl Store for SqliteStore {
         }
         let new: Vec<&OtlpSpan> = spans.iter().filter(|s| seen.insert(s.span_id.clone())).collect();
         if new.is_empty() {
+            // Ended explicitly: a dropped transaction would keep its locks
+            // until its pooled connection is used again.
+            tx.rollback().await?;
             return Ok(OtlpMerge::Duplicate);
         }
         if let Some(trace) = linked {
@@ -914,14 +916,19 @@ impl Store for SqliteStore {
                     .fetch_optional(&mut *tx)
                     .await?;
             if open != Some(true) {
+                tx.rollback().await?;
                 return Ok(OtlpMerge::Closed { trace, spans: new.len() });
             }
         }
         bodies.extend(new.iter().map(|s| s.body.clone()));
         let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
         let mapped = match remap(&refs) {
-            OtlpRemap::Invalid(reason) => return Ok(OtlpMerge::Rejected { spans: new.len(), reason }),
+            OtlpRemap::Invalid(reason) => {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+            }
             OtlpRemap::Incomplete(reason) if linked.is_some() => {
+                tx.rollback().await?;
                 return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
             }
             OtlpRemap::Incomplete(reason) => {
@@ -937,6 +944,7 @@ impl Store for SqliteStore {
             .await?;
         let count = prompt.as_ref().map(|r| r.try_get::<i64, _>("version_count")).transpose()?;
         if let Some(reason) = otlp_prompt_problem(&mapped, count) {
+            tx.rollback().await?;
             return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
         }
         let prompt_id: String =
