@@ -344,6 +344,7 @@ async fn spans_resent_in_another_grouping_are_stored_once(b: Backend) {
     assert_eq!(first.len(), 1);
 
     // The same spans in other batches (other bodies, so no replay): nothing new.
+    let duplicates_before = duplicate_spans_metric(&app).await;
     assert_eq!(send(&app, vec![tool.clone(), root.clone()]).await.partial_success, None);
     assert_eq!(
         send(&app, vec![chat.clone(), span(41, 9, None, 0, vec![s("http.route", "/x")])])
@@ -366,6 +367,16 @@ async fn spans_resent_in_another_grouping_are_stored_once(b: Backend) {
     assert_eq!(step_names(t), ["span-1", "span-2", "span-3", "span-4"]);
     assert_eq!((t["feedback"]["score"].as_f64(), t["feedback"]["comment"].as_str()), (Some(1.0), Some("resolved")));
     assert_eq!(t["metadata"]["otel"]["spans"], 4);
+    let counted = duplicate_spans_metric(&app).await - duplicates_before;
+    assert!(counted >= 6.0, "6 re-sent spans counted as duplicates, got {counted}");
+}
+
+async fn duplicate_spans_metric(app: &TestApp) -> f64 {
+    let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find(|l| l.starts_with("combee_otlp_spans_total{outcome=\"duplicate\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0.0, |v| v.parse().unwrap())
 }
 
 async fn spans_after_a_round_took_the_trace_are_rejected(b: Backend) {

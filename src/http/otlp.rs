@@ -152,23 +152,38 @@ async fn ingest(
     for group in groups {
         let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
         let trace_id = Some(group.trace_id.clone());
-        match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
+        // How many of the group's spans were new; the rest were stored before.
+        let new = match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
             OtlpMerge::Created { added, .. } => {
                 created += 1;
                 accepted_spans += added;
+                added
             }
-            OtlpMerge::Extended { added, .. } => accepted_spans += added,
-            OtlpMerge::Held { added, reason } => held.rejected.push(Rejection { trace_id, spans: added, reason }),
-            OtlpMerge::Duplicate => duplicate_spans += group.spans.len(),
-            OtlpMerge::Closed { trace, spans } => answer.rejected.push(Rejection {
-                trace_id,
-                spans,
-                reason: format!(
-                    "its trace {trace} was already taken by a learning round; spans that arrive after that are not added"
-                ),
-            }),
-            OtlpMerge::Rejected { spans, reason } => answer.rejected.push(Rejection { trace_id, spans, reason }),
-        }
+            OtlpMerge::Extended { added, .. } => {
+                accepted_spans += added;
+                added
+            }
+            OtlpMerge::Held { added, reason } => {
+                held.rejected.push(Rejection { trace_id, spans: added, reason });
+                added
+            }
+            OtlpMerge::Duplicate => 0,
+            OtlpMerge::Closed { trace, spans } => {
+                answer.rejected.push(Rejection {
+                    trace_id,
+                    spans,
+                    reason: format!(
+                        "its trace {trace} was already taken by a learning round; spans that arrive after that are not added"
+                    ),
+                });
+                spans
+            }
+            OtlpMerge::Rejected { spans, reason } => {
+                answer.rejected.push(Rejection { trace_id, spans, reason });
+                spans
+            }
+        };
+        duplicate_spans += group.spans.len().saturating_sub(new);
     }
     let rejected_spans = answer.rejected_spans();
     let held_spans = held.rejected_spans();
