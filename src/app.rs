@@ -207,7 +207,8 @@ async fn forward_changes(state: AppState, shutdown: CancellationToken) {
     }
 }
 
-/// Periodic clean-up: forgets idempotency keys past their retention.
+/// Periodic clean-up: forgets idempotency keys past their retention, and
+/// OTLP spans held that long without becoming a trace.
 async fn housekeeping(state: AppState, shutdown: CancellationToken) {
     let ttl = chrono::Duration::hours(state.settings.limits.idempotency_ttl_hours as i64);
     let mut tick = tokio::time::interval(Duration::from_secs(600));
@@ -220,6 +221,11 @@ async fn housekeeping(state: AppState, shutdown: CancellationToken) {
             Ok(n) if n > 0 => tracing::info!(purged = n, "expired idempotency keys removed"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "idempotency purge failed"),
+        }
+        match state.store.purge_held_otlp_spans(chrono::Utc::now() - ttl).await {
+            Ok(n) if n > 0 => tracing::info!(purged = n, "held OTLP spans that never became a trace removed"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "held OTLP span purge failed"),
         }
     }
 }

@@ -157,7 +157,8 @@ pub struct LimitSettings {
     pub max_prompt_bytes: usize,
     /// Largest page a list endpoint returns (`page_size` is clamped to it).
     pub max_page_size: u32,
-    /// How long an `Idempotency-Key` is remembered, in hours.
+    /// How long an `Idempotency-Key` is remembered, and how long OTLP spans
+    /// that do not map yet are held for the rest of their trace, in hours.
     pub idempotency_ttl_hours: u64,
 }
 

@@ -1,7 +1,8 @@
 //! OTLP/HTTP trace ingest against the real server on port 0, on both stores:
 //! protobuf, the OTLP JSON encoding, gzip, partial success for spans that map
-//! to no known prompt, auth, bad bodies, exporter retries; and the acceptance
-//! test with the real OpenTelemetry Python SDK and its OTLP/HTTP exporter.
+//! to no known prompt, auth, bad bodies, exporter retries, a trace split
+//! across exports, re-sent spans, spans that arrive after a round; and the
+//! acceptance test with the real OpenTelemetry Python SDK and its OTLP/HTTP exporter.
 
 mod common;
 
@@ -128,33 +129,21 @@ async fn protobuf_spans_become_traces(b: Backend) {
     assert_eq!(t["metadata"]["otel"]["service_name"], "test-agent");
     assert_eq!(t["metadata"]["otel"]["start_time"], "2023-11-14T22:13:20.000000Z");
 
-    // An exporter retry of the same request stores nothing twice.
+    // An exporter retry of the same request stores nothing twice: every
+    // span is known already.
     let res = post_raw(&app, "application/x-protobuf", body).send().await.unwrap();
-    assert_eq!(res.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
     assert_eq!(proto_answer(res).await.partial_success, None);
     assert_eq!(traces(&app, "support-agent").await.len(), 2);
 
-    // While an identical export is in flight, a retry is told to come back
-    // (503 + Retry-After, which exporters retry), then processed once it is free.
+    // Two identical exports at once (a retry racing its original) still make
+    // one trace.
     let third = export(agent_run(3, "support-agent", 1)).encode_to_vec();
-    let keys: Value = app.get("/v1/keys").send().await.unwrap().json().await.unwrap();
-    let admin = keys["keys"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|k| app.admin_key.starts_with(k["prefix"].as_str().unwrap()))
-        .expect("the admin key is listed");
-    let owner: uuid::Uuid = admin["id"].as_str().unwrap().parse().unwrap();
-    let hash = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&third));
-    let key = format!("otlp:protobuf:{hash}");
-    let begun = app.store.idempotency_begin(owner, &key, &hash).await.unwrap();
-    assert!(matches!(begun, combee::store::IdempotencyBegin::Started));
-    let res = post_raw(&app, "application/x-protobuf", third.clone()).send().await.unwrap();
-    assert_eq!(res.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
-    expect_problem(res, 503).await;
-    app.store.idempotency_abort(owner, &key).await.unwrap();
-    let res = post_raw(&app, "application/x-protobuf", third).send().await.unwrap();
-    assert_eq!(proto_answer(res).await.partial_success, None);
+    let (a, b) = tokio::join!(
+        post_raw(&app, "application/x-protobuf", third.clone()).send(),
+        post_raw(&app, "application/x-protobuf", third).send(),
+    );
+    assert_eq!(proto_answer(a.unwrap()).await.partial_success, None);
+    assert_eq!(proto_answer(b.unwrap()).await.partial_success, None);
     assert_eq!(traces(&app, "support-agent").await.len(), 3);
 
     // The route is in the OpenAPI document with its error answers.
@@ -254,6 +243,165 @@ async fn unmappable_spans_are_a_partial_success(b: Backend) {
     assert_eq!(body["partialSuccess"]["rejectedSpans"], "2");
     assert!(body["partialSuccess"]["errorMessage"].as_str().unwrap().contains("unknown prompt"));
     assert_eq!(traces(&app, "known").await.len(), 1);
+}
+
+/// A longer agent run in start order: the root span (prompt and version), a
+/// chat span (the messages, no prompt), a tool span (no prompt).
+fn long_run(trace: u8, prompt: &str) -> [Span; 3] {
+    [
+        span(trace, 1, None, 0, vec![s("gen_ai.prompt.name", prompt), i("gen_ai.prompt.version", 1)]),
+        span(
+            trace,
+            2,
+            Some(1),
+            10,
+            vec![
+                s("gen_ai.input.messages", &json!([{"role": "user", "content": "where is order 7?"}]).to_string()),
+                s("gen_ai.output.messages", &json!([{"role": "assistant", "content": "shipped"}]).to_string()),
+            ],
+        ),
+        span(
+            trace,
+            3,
+            Some(1),
+            20,
+            vec![s("gen_ai.tool.name", "lookup_order"), s("gen_ai.tool.call.result", "shipped")],
+        ),
+    ]
+}
+
+/// A span that arrives late with the user's verdict (and no prompt).
+fn feedback_span(trace: u8) -> Span {
+    span(trace, 4, Some(1), 30, vec![i("combee.feedback.score", 1), s("combee.feedback.comment", "resolved")])
+}
+
+async fn send(app: &TestApp, spans: Vec<Span>) -> ExportTraceServiceResponse {
+    let res = post_raw(app, "application/x-protobuf", export(spans).encode_to_vec()).send().await.unwrap();
+    proto_answer(res).await
+}
+
+fn step_names(t: &Value) -> Vec<&str> {
+    t["trajectory"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect()
+}
+
+async fn a_trace_split_across_exports_becomes_one_trace(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("split-agent").await;
+    let [root, chat, tool] = long_run(30, "split-agent");
+
+    // Shuffled: the tool span first (no prompt): held, not rejected; the answer warns.
+    let answer = send(&app, vec![tool]).await;
+    let warning = answer.partial_success.expect("a warning");
+    assert_eq!(warning.rejected_spans, 0);
+    for needle in ["held 1 span(s)", &hex_id(30), "belongs to no prompt"] {
+        assert!(warning.error_message.contains(needle), "{needle:?} missing from {warning:?}");
+    }
+    assert!(traces(&app, "split-agent").await.is_empty());
+
+    // Then the root (prompt, no input yet), next to a complete trace of another id.
+    let mut spans = vec![root];
+    spans.extend(agent_run(31, "split-agent", 1));
+    let warning = send(&app, spans).await.partial_success.expect("a warning");
+    assert_eq!(warning.rejected_spans, 0);
+    assert!(warning.error_message.contains("no input"), "{warning:?}");
+    let stored = traces(&app, "split-agent").await;
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0]["external_id"], hex_id(31));
+
+    // The chat span completes it: one trace, the whole trajectory in start order.
+    assert_eq!(send(&app, vec![chat]).await.partial_success, None);
+    let stored = traces(&app, "split-agent").await;
+    assert_eq!(stored.len(), 2);
+    let t = stored.iter().find(|t| t["external_id"] == hex_id(30)).unwrap();
+    assert_eq!(step_names(t), ["span-1", "span-2", "span-3"]);
+    assert_eq!((t["status"].as_str(), t["prompt_version"].as_i64()), (Some("pending"), Some(1)));
+    assert_eq!(t["input"], json!([{"role": "user", "content": "where is order 7?"}]));
+    assert_eq!(t["output"], json!([{"role": "assistant", "content": "shipped"}]));
+    assert_eq!(t["trajectory"][2]["tool_call"]["result"], "shipped");
+    assert_eq!(t["metadata"]["otel"]["spans"], 3);
+    assert_eq!(t["metadata"]["otel"]["duration_ms"], 25.0);
+}
+
+async fn spans_resent_in_another_grouping_are_stored_once(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("resend-agent").await;
+    let [root, chat, tool] = long_run(40, "resend-agent");
+    assert_eq!(send(&app, vec![root.clone(), chat.clone(), tool.clone()]).await.partial_success, None);
+    let first = traces(&app, "resend-agent").await;
+    assert_eq!(first.len(), 1);
+
+    // The same spans in other batches (other bodies, so no replay): nothing new.
+    let duplicates_before = duplicate_spans_metric(&app).await;
+    assert_eq!(send(&app, vec![tool.clone(), root.clone()]).await.partial_success, None);
+    assert_eq!(
+        send(&app, vec![chat.clone(), span(41, 9, None, 0, vec![s("http.route", "/x")])])
+            .await
+            .partial_success
+            .map(|p| p.rejected_spans),
+        Some(1)
+    );
+    let again = traces(&app, "resend-agent").await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0], first[0], "the trace did not change");
+
+    // A late span (no prompt) with a re-sent one: added once to the same pending trace.
+    assert_eq!(send(&app, vec![chat, feedback_span(40)]).await.partial_success, None);
+    assert_eq!(send(&app, vec![feedback_span(40), root]).await.partial_success, None);
+    let last = traces(&app, "resend-agent").await;
+    assert_eq!(last.len(), 1);
+    let t = &last[0];
+    assert_eq!(t["id"], first[0]["id"]);
+    assert_eq!(step_names(t), ["span-1", "span-2", "span-3", "span-4"]);
+    assert_eq!((t["feedback"]["score"].as_f64(), t["feedback"]["comment"].as_str()), (Some(1.0), Some("resolved")));
+    assert_eq!(t["metadata"]["otel"]["spans"], 4);
+    let counted = duplicate_spans_metric(&app).await - duplicates_before;
+    assert!(counted >= 6.0, "6 re-sent spans counted as duplicates, got {counted}");
+}
+
+async fn duplicate_spans_metric(app: &TestApp) -> f64 {
+    let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find(|l| l.starts_with("combee_otlp_spans_total{outcome=\"duplicate\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+async fn spans_after_a_round_took_the_trace_are_rejected(b: Backend) {
+    let sim = spawn_sim(combee::llm::sim::SimConfig { seed: 12, ..Default::default() }).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    let res = app
+        .post(
+            "/v1/prompts",
+            json!({"name": "late-agent", "base": "You track orders.", "settings": {"batch_size": 1000}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let [root, chat, tool] = long_run(50, "late-agent");
+    assert_eq!(send(&app, vec![root, chat.clone(), tool]).await.partial_success, None);
+    let res = app.post("/v1/prompts/late-agent/rounds", json!({"batch_size": 1})).send().await.unwrap();
+    assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
+    let id = res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
+    let done = poll("the round", Duration::from_secs(60), async || {
+        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        (r["status"] == "succeeded" || r["status"] == "failed").then_some(r)
+    })
+    .await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+
+    // A new span of the consumed trace is rejected with the reason; a re-sent one is not.
+    let rejected = send(&app, vec![feedback_span(50)]).await.partial_success.expect("rejected");
+    assert_eq!(rejected.rejected_spans, 1);
+    for needle in [hex_id(50).as_str(), "already taken by a learning round"] {
+        assert!(rejected.error_message.contains(needle), "{needle:?} missing from {rejected:?}");
+    }
+    assert_eq!(send(&app, vec![chat]).await.partial_success, None);
+    let stored = traces(&app, "late-agent").await;
+    assert_eq!(stored.len(), 1, "no follow-up trace");
+    assert_eq!(stored[0]["status"], "consumed");
+    assert_eq!(step_names(&stored[0]), ["span-1", "span-2", "span-3"]);
+    assert!(stored[0]["feedback"]["score"].is_null());
 }
 
 async fn auth_is_required(b: Backend) {
@@ -416,13 +564,18 @@ async fn the_python_sdk_exporter_feeds_a_round(b: Backend) {
         report["trace_ids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
     sent.sort();
     assert_eq!(sent.len(), n);
+    let exports = report["exports"].as_u64().unwrap();
+    assert!(exports > 2 * n as u64, "each trace was split across exports (got {exports} exports)");
 
     let pending: Value =
         app.get("/v1/traces?prompt=otel-agent&status=pending").send().await.unwrap().json().await.unwrap();
     let pending = pending["traces"].as_array().unwrap();
     let mut found: Vec<String> = pending.iter().map(|t| t["external_id"].as_str().unwrap().to_owned()).collect();
     found.sort();
-    assert_eq!(found, sent, "one trace per OpenTelemetry trace id; the span without a prompt was rejected");
+    assert_eq!(
+        found, sent,
+        "one trace per OpenTelemetry trace id, from three exports each; the span without a prompt was rejected"
+    );
     for t in pending {
         assert_eq!(t["prompt_version"], 2, "{t}");
         let steps: Vec<&str> =
@@ -458,4 +611,72 @@ on_both_stores!(
     auth_is_required,
     bad_bodies_are_problems,
     the_python_sdk_exporter_feeds_a_round,
+    a_trace_split_across_exports_becomes_one_trace,
+    spans_resent_in_another_grouping_are_stored_once,
+    spans_after_a_round_took_the_trace_are_rejected,
 );
+
+/// A run of `long_run` shape under a 32-bit trace number (for more than 255 traces).
+fn numbered_run(n: u32, prompt: &str) -> [Span; 3] {
+    let mut id = vec![0xc0; 16];
+    id[12..].copy_from_slice(&n.to_be_bytes());
+    long_run(1, prompt).map(|mut s| {
+        s.trace_id = id.clone();
+        s
+    })
+}
+
+/// Ingest cost, whole traces vs. traces in three exports each vs. re-sent
+/// spans; prints the figures. Run: `cargo nextest run --test otlp measure --run-ignored only --no-capture`.
+async fn measure_split_ingest(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("bench-agent").await;
+    let (traces_n, per_export) = (500_u32, 25_u32);
+    let timed = async |exports: Vec<Vec<Span>>| {
+        let spans: usize = exports.iter().map(Vec::len).sum();
+        let start = Instant::now();
+        for e in exports {
+            let answer = send(&app, e).await;
+            assert_eq!(answer.partial_success.map(|p| p.rejected_spans).unwrap_or(0), 0);
+        }
+        (spans, start.elapsed())
+    };
+    let whole: Vec<Vec<Span>> = (0..traces_n / per_export)
+        .map(|k| (0..per_export).flat_map(|i| numbered_run(k * per_export + i, "bench-agent")).collect())
+        .collect();
+    let split: Vec<Vec<Span>> = (0..traces_n / per_export)
+        .flat_map(|k| {
+            let runs: Vec<[Span; 3]> =
+                (0..per_export).map(|i| numbered_run(traces_n + k * per_export + i, "bench-agent")).collect();
+            // Children first (as a batch processor exports them), the roots last.
+            [2, 1, 0].map(|part| runs.iter().map(|r| r[part].clone()).collect::<Vec<_>>())
+        })
+        .collect();
+    // The split traces again, whole and in reverse order: other bodies, all duplicates.
+    let resent: Vec<Vec<Span>> = split.chunks(3).rev().map(|c| c.iter().flatten().cloned().collect()).collect();
+    for (what, exports) in [("whole traces", whole), ("3 exports per trace", split), ("re-sent (duplicates)", resent)] {
+        let n = exports.len();
+        let (spans, took) = timed(exports).await;
+        eprintln!(
+            "{b:?} {what}: {n} exports, {spans} spans in {:.0} ms = {:.0} spans/s",
+            took.as_secs_f64() * 1e3,
+            spans as f64 / took.as_secs_f64()
+        );
+    }
+    let all = app.store.list_traces(&Default::default(), 5000).await.unwrap();
+    assert_eq!(all.len(), 2 * traces_n as usize);
+    assert!(all.iter().all(|t| t.trajectory.as_array().unwrap().len() == 3));
+}
+
+mod measure {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement that prints figures"]
+    async fn postgres() {
+        super::measure_split_ingest(super::Backend::Postgres).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement that prints figures"]
+    async fn sqlite() {
+        super::measure_split_ingest(super::Backend::Sqlite).await
+    }
+}

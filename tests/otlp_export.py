@@ -10,9 +10,12 @@ OTEL_EXPORTER_OTLP_COMPRESSION=gzip.
 
 Each of the N agent runs is one trace: an `invoke_agent` root span carrying the
 prompt name, version and feedback, a `chat` span with the GenAI message
-attributes and token usage, and an `execute_tool` span. One extra span names no
-prompt, so combee must reject it in `partial_success` (the exporter still
-reports success). Prints {"trace_ids": [...], "exports": k, "ok": bool} and
+attributes and token usage, and an `execute_tool` span. As in a long agent run
+whose spans the BatchSpanProcessor flushes while it is still going, each trace
+arrives in three exports: the chat span alone, the tool span alone (neither
+names the prompt), then the root span; combee merges them into one trace. One
+extra span is no GenAI span and names no prompt, so combee must reject it in
+`partial_success` (the exporter still reports success). Prints {"trace_ids": [...], "exports": k, "ok": bool} and
 exits 0 only when every export succeeded.
 """
 
@@ -81,11 +84,13 @@ def main():
                 )
                 chat.set_attribute("gen_ai.usage.input_tokens", 40 + i)
                 chat.set_attribute("gen_ai.usage.output_tokens", 7)
+            provider.force_flush()  # the chat span goes out alone
             with tracer.start_as_current_span("execute_tool lookup_order") as tool:
                 tool.set_attribute("gen_ai.operation.name", "execute_tool")
                 tool.set_attribute("gen_ai.tool.name", "lookup_order")
                 tool.set_attribute("gen_ai.tool.call.arguments", json.dumps({"order": i}))
                 tool.set_attribute("gen_ai.tool.call.result", "shipped")
+            provider.force_flush()  # then the tool span; the root span comes later
             trace_ids.append(format(root.get_span_context().trace_id, "032x"))
     with tracer.start_as_current_span("GET /health"):
         pass

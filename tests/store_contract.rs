@@ -9,11 +9,14 @@ use combee::{
         Feedback, LabelName, Promotion, PromptName, PromptSettings, Strategy, TraceStatus, VersionContent,
         VersionSource,
         prompt::NewVersion,
+        round::RoundTrigger,
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
+    learn::grouping::Method,
     store::{
-        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, RequeueFailed, Scope,
-        Selector, StoreError, TraceFilter, OpenRound, RoundFailure, TraceCharges, TraceFault,
+        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, OpenRound, OtlpMerge,
+        OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceCharges, TraceFault,
+        TraceFilter,
     },
 };
 use common::{Backend, test_store};
@@ -184,6 +187,143 @@ async fn late_feedback_merges(b: Backend) {
     let t = s.add_feedback(id, Feedback { success: Some(true), ..Default::default() }).await.unwrap().unwrap();
     assert_eq!((t.feedback.score, t.feedback.success), (Some(0.5), Some(true)));
     assert!(s.add_feedback(uuid::Uuid::now_v7(), Feedback::default()).await.unwrap().is_none());
+}
+
+fn otlp_span(id: &str) -> OtlpSpan {
+    OtlpSpan { span_id: id.into(), body: id.as_bytes().to_vec() }
+}
+
+/// A stand-in for the OTLP mapping (the store never looks inside span bodies):
+/// no `root` span yet is incomplete, a `bad` one is invalid, else a trace of
+/// `prompt` whose input lists the bodies in the order the store gave them.
+fn fake_remap(prompt: &str, otel_id: &str, bodies: &[&[u8]]) -> OtlpRemap {
+    let names: Vec<String> = bodies.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
+    if names.iter().any(|n| n == "bad") {
+        return OtlpRemap::Invalid("a bad span".into());
+    }
+    if !names.iter().any(|n| n == "root") {
+        return OtlpRemap::Incomplete("no root yet".into());
+    }
+    let t: NewTrace = serde_json::from_value(json!({
+        "prompt": prompt, "input": {"spans": names}, "external_id": otel_id,
+        "feedback": {"score": 0.25}, "metadata": {"spans": bodies.len()},
+    }))
+    .unwrap();
+    OtlpRemap::Mapped(Box::new(t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()))
+}
+
+async fn otlp_spans_merge_into_one_pending_trace(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    let calls = std::sync::atomic::AtomicUsize::new(0);
+    let remap = |bodies: &[&[u8]]| {
+        calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        fake_remap("p", "t1", bodies)
+    };
+    let calls_so_far = || calls.load(std::sync::atomic::Ordering::SeqCst);
+
+    // A part that does not map yet is held, not a trace.
+    let held = s.merge_otlp_spans("t1", &[otlp_span("tool")], &remap).await.unwrap();
+    assert_eq!(held, OtlpMerge::Held { added: 1, reason: "no root yet".into() });
+    assert!(s.list_traces(&TraceFilter::default(), 10).await.unwrap().is_empty());
+
+    // The next part completes it; the held span is in the union, stored first, and a
+    // span repeated within the call counts once.
+    let created =
+        s.merge_otlp_spans("t1", &[otlp_span("tool"), otlp_span("root"), otlp_span("root")], &remap).await.unwrap();
+    let OtlpMerge::Created { trace: id, added: 1 } = created else { panic!("{created:?}") };
+    let t = s.get_trace(id).await.unwrap().unwrap();
+    assert_eq!(t.input, json!({"spans": ["tool", "root"]}));
+    assert_eq!((t.external_id.as_deref(), t.status), (Some("t1"), TraceStatus::Pending));
+
+    // Everything again, in another grouping: nothing to do, the mapping is not even asked.
+    let before = calls_so_far();
+    let again = s.merge_otlp_spans("t1", &[otlp_span("root"), otlp_span("tool")], &remap).await.unwrap();
+    assert_eq!(again, OtlpMerge::Duplicate);
+    assert_eq!(calls_so_far(), before);
+
+    // A later part re-maps the union into the same trace; feedback given
+    // through the API in between survives where the spans say nothing.
+    s.add_feedback(id, Feedback { comment: Some("from a human".into()), ..Default::default() }).await.unwrap();
+    let extended = s.merge_otlp_spans("t1", &[otlp_span("chat"), otlp_span("root")], &remap).await.unwrap();
+    assert_eq!(extended, OtlpMerge::Extended { trace: id, added: 1 });
+    let t = s.get_trace(id).await.unwrap().unwrap();
+    assert_eq!(t.input, json!({"spans": ["tool", "root", "chat"]}));
+    assert_eq!((t.feedback.score, t.feedback.comment.as_deref()), (Some(0.25), Some("from a human")));
+    assert_eq!(t.metadata, json!({"spans": 3}));
+
+    // A part that makes the trace invalid is rejected and leaves nothing behind.
+    let rejected = s.merge_otlp_spans("t1", &[otlp_span("bad")], &remap).await.unwrap();
+    assert_eq!(rejected, OtlpMerge::Rejected { spans: 1, reason: "a bad span".into() });
+    let before = calls_so_far();
+    assert!(matches!(s.merge_otlp_spans("t1", &[otlp_span("bad")], &remap).await.unwrap(), OtlpMerge::Rejected { .. }));
+    assert_eq!(calls_so_far(), before + 1, "the rejected span was not stored, so it is new again");
+
+    // Unknown prompts and versions are rejected with the reason the API gives.
+    let ghost = s.merge_otlp_spans("t2", &[otlp_span("root")], &|b: &[&[u8]]| fake_remap("ghost", "t2", b)).await;
+    assert!(
+        matches!(ghost.unwrap(), OtlpMerge::Rejected { spans: 1, reason } if reason.contains("unknown prompt \"ghost\""))
+    );
+
+    // Once a round took the trace, new spans are not added; known ones are still duplicates.
+    let round = OpenRound {
+        prompt: name("p"),
+        trigger: RoundTrigger::Api,
+        method: Method::Combee,
+        batch: 10,
+        min_traces: 1,
+        seed: 1,
+        inbound_webhook_id: None,
+    };
+    let round = s.open_round(&round).await.unwrap().expect("a round opens");
+    assert_eq!(s.round_trace_ids(round.id).await.unwrap(), vec![id]);
+    let closed = s.merge_otlp_spans("t1", &[otlp_span("late"), otlp_span("chat")], &remap).await.unwrap();
+    assert_eq!(closed, OtlpMerge::Closed { trace: id, spans: 1 });
+    assert_eq!(s.merge_otlp_spans("t1", &[otlp_span("chat")], &remap).await.unwrap(), OtlpMerge::Duplicate);
+    assert_eq!(s.get_trace(id).await.unwrap().unwrap().input, json!({"spans": ["tool", "root", "chat"]}));
+
+    // Held spans are forgotten after the retention; spans of a trace are not.
+    s.merge_otlp_spans("t3", &[otlp_span("tool"), otlp_span("chat")], &remap).await.unwrap();
+    assert_eq!(s.purge_held_otlp_spans(chrono::Utc::now() - chrono::Duration::hours(1)).await.unwrap(), 0);
+    assert_eq!(s.purge_held_otlp_spans(chrono::Utc::now() + chrono::Duration::seconds(1)).await.unwrap(), 2);
+    assert_eq!(s.merge_otlp_spans("t1", &[otlp_span("root")], &remap).await.unwrap(), OtlpMerge::Duplicate);
+}
+
+async fn concurrent_otlp_parts_make_one_trace(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    // Two exports of the same new trace id at once, each mappable on its own:
+    // one creates the trace, the other extends it (never two traces).
+    for round in 0..5 {
+        let otel = format!("c{round}");
+        let (a, b) = {
+            let (s1, s2) = (s.clone(), s.clone());
+            let (o1, o2) = (otel.clone(), otel.clone());
+            tokio::join!(
+                tokio::spawn(async move {
+                    s1.merge_otlp_spans(&o1, &[otlp_span("root"), otlp_span("a")], &|b: &[&[u8]]| {
+                        fake_remap("p", &o1, b)
+                    })
+                    .await
+                }),
+                tokio::spawn(async move {
+                    s2.merge_otlp_spans(&o2, &[otlp_span("root"), otlp_span("b")], &|b: &[&[u8]]| {
+                        fake_remap("p", &o2, b)
+                    })
+                    .await
+                }),
+            )
+        };
+        let mut outcomes = [a.unwrap().unwrap(), b.unwrap().unwrap()];
+        outcomes.sort_by_key(|o| matches!(o, OtlpMerge::Extended { .. }));
+        let OtlpMerge::Created { trace, added: 2 } = outcomes[0] else { panic!("{outcomes:?}") };
+        assert_eq!(outcomes[1], OtlpMerge::Extended { trace, added: 1 });
+        let t = s.get_trace(trace).await.unwrap().unwrap();
+        assert_eq!(t.input["spans"].as_array().unwrap().len(), 3, "{}", t.input);
+    }
+    assert_eq!(s.list_traces(&TraceFilter::default(), 100).await.unwrap().len(), 5);
 }
 
 fn answer(ids: &[uuid::Uuid]) -> Vec<u8> {
@@ -374,13 +514,20 @@ async fn writes_announce_changes(b: Backend) {
     let ts = test_store(b).await;
     let s: Arc<_> = ts.store.clone();
     let mut rx = s.changes();
-    make_prompt(&s, "p").await;
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        match tokio::time::timeout_at(deadline, rx.recv()).await.expect("a change within 5 s").unwrap() {
-            Change::Prompt(n) if n == "p" => break,
-            _ => continue,
+    // On Postgres the listener may still be connecting when the test starts
+    // (a write before LISTEN is covered by the resync it then sends, not
+    // announced), so write until one write is announced, within 10 s.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    for i in 0.. {
+        let name = format!("p{i}");
+        make_prompt(&s, &name).await;
+        let wait = (tokio::time::Instant::now() + std::time::Duration::from_millis(500)).min(deadline);
+        while let Ok(change) = tokio::time::timeout_at(wait, rx.recv()).await {
+            if matches!(change.unwrap(), Change::Prompt(n) if n == name) {
+                return;
+            }
         }
+        assert!(tokio::time::Instant::now() < deadline, "no write announced within 10 s");
     }
 }
 
@@ -477,6 +624,7 @@ async fn open_and_claim(s: &DynStore, prompt: &str) -> combee::store::ClaimedRou
         batch: 100,
         min_traces: 1,
         seed: 1,
+        inbound_webhook_id: None,
     };
     s.open_round(&req).await.unwrap().expect("a round opens");
     s.claim_round("w", std::time::Duration::from_secs(60)).await.unwrap().expect("a round to claim")
@@ -573,4 +721,6 @@ on_both_stores!(
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,
+    otlp_spans_merge_into_one_pending_trace,
+    concurrent_otlp_parts_make_one_trace,
 );

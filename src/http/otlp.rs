@@ -1,30 +1,26 @@
 //! The OTLP/HTTP trace receiver (`POST /v1/otlp/v1/traces`): agents point an
-//! OpenTelemetry exporter at `/v1/otlp` and their GenAI spans become traces,
-//! stored exactly as `POST /v1/traces` stores them. Same key scope, same body
-//! limit; spans that cannot be mapped are counted in `partial_success`.
-
-use std::collections::HashMap;
-
-use axum::{
-    extract::{Request, State},
-    http::{HeaderValue, StatusCode, header},
-    response::{IntoResponse, Response},
-};
-use sha2::{Digest, Sha256};
+//! OpenTelemetry exporter at `/v1/otlp` and their GenAI spans become traces
+//! like those of `POST /v1/traces`, one per trace id even when its spans come
+//! in several exports. Same key scope, same body limit; spans that cannot be
+//! mapped are counted in `partial_success`.
 
 use super::{
     AppState,
-    error::{ApiError, ApiResult, Problem},
+    error::{ApiError, ApiResult},
     extract::{Caller, body_bytes},
     traces::limits,
 };
 use crate::{
-    domain::PromptName,
     otlp::{
         self, DecodeError, Encoding,
-        mapping::{self, Rejection},
+        mapping::{self, Mapping, Rejection},
     },
-    store::{IdempotencyBegin, Scope, Selector},
+    store::{OtlpMerge, Scope},
+};
+use axum::{
+    extract::{Request, State},
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
 };
 
 fn decode_error(e: DecodeError) -> ApiError {
@@ -48,19 +44,22 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
 /// Send the body as `application/x-protobuf` or `application/json` (the OTLP
 /// JSON encoding), optionally with `Content-Encoding: gzip` (or `deflate`). The answer is an
 /// `ExportTraceServiceResponse` in the request's encoding; `partial_success`
-/// says how many spans were rejected and why. An exporter's retry of the same
-/// request is answered from the first attempt and stores nothing twice.
+/// says how many spans were rejected and why (or, with 0 rejected, warns that
+/// spans are held until the rest of their trace arrives). The spans of one
+/// trace id become one pending trace across exports; a span already stored is
+/// ignored, so retries in any batching store nothing twice; spans arriving
+/// after a round took their trace are rejected.
 #[utoipa::path(post, path = "/v1/otlp/v1/traces", tag = "traces",
     request_body(content = Vec<u8>, description = "an OTLP `ExportTraceServiceRequest`",
         content(("application/x-protobuf"), ("application/json"))),
     params(("Content-Encoding" = Option<String>, Header, description = "`gzip`, `deflate` or absent; the inflated body is held to `limits.max_body_bytes` too")),
     responses(
-        (status = 200, description = "an OTLP `ExportTraceServiceResponse` in the request's encoding, with `partial_success` when spans were rejected"),
+        (status = 200, description = "an OTLP `ExportTraceServiceResponse` in the request's encoding, with `partial_success` when spans were rejected or are held"),
         (status = 400, body = super::error::Problem, description = "the body is not a valid export request (bad protobuf, JSON or gzip)"),
         (status = 401, body = super::error::Problem), (status = 403, body = super::error::Problem),
         (status = 413, body = super::error::Problem, description = "the body (or inflated body) exceeds `limits.max_body_bytes`, or more than `limits.max_traces_per_batch` trace ids"),
         (status = 415, body = super::error::Problem, description = "neither protobuf nor JSON, or an unsupported `Content-Encoding`"),
-        (status = 503, body = super::error::Problem, description = "the same export is still being processed (`Retry-After: 1`), or the store is unavailable"),
+        (status = 503, body = super::error::Problem, description = "the store is unavailable (`Retry-After`); retrying the same export is safe"),
     ),
     security(("bearer" = ["traces:write"])))]
 pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
@@ -83,99 +82,93 @@ pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Requ
     let body = otlp::decompress(content_encoding.as_deref(), &body, limit).map_err(decode_error)?;
     let request = otlp::decode_request(encoding, &body).map_err(decode_error)?;
 
-    // Exporters retry a failed export with the same bytes: the request's hash
-    // is its idempotency key, so a retry replays the first answer.
-    let hash = hex::encode(Sha256::digest(&body));
-    let key = format!("otlp:{}:{hash}", encoding.as_str());
-    let owner = caller.0.id;
-    match st.store.idempotency_begin(owner, &key, &hash).await? {
-        IdempotencyBegin::Replay { status, body } => {
-            let mut res = otlp_response(encoding, StatusCode::from_u16(status).unwrap_or(StatusCode::OK), body);
-            res.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
-            Ok(res)
-        }
-        IdempotencyBegin::InFlight | IdempotencyBegin::Mismatch => Ok(still_in_flight()),
-        IdempotencyBegin::Started => match ingest(&st, encoding, &request).await {
-            Ok(answer) => {
-                st.store.idempotency_finish(owner, &key, StatusCode::OK.as_u16(), &answer).await?;
-                Ok(otlp_response(encoding, StatusCode::OK, answer))
-            }
-            Err(e) => {
-                if let Err(abort) = st.store.idempotency_abort(owner, &key).await {
-                    tracing::warn!(error = %abort, "could not release an idempotency key");
-                }
-                Err(e)
-            }
-        },
-    }
+    // Exporters retry a failed export with the same bytes, and may re-batch
+    // spans: every span is stored once per (trace id, span id), so a retry
+    // after any failure stores nothing twice and needs no idempotency key.
+    let answer = ingest(&st, encoding, &request).await?;
+    Ok(otlp_response(encoding, StatusCode::OK, answer))
 }
 
-/// 503 with `Retry-After`: OTLP exporters retry 503 (not 409), and the retry
-/// then gets the first attempt's answer — or, if that attempt failed, is
-/// processed afresh — so no spans are dropped.
-fn still_in_flight() -> Response {
-    let problem = Problem {
-        kind: "urn:combee:problem:in-flight".into(),
-        title: "Service Unavailable".into(),
-        status: StatusCode::SERVICE_UNAVAILABLE.as_u16(),
-        detail: "the same export is still being processed; retry shortly".into(),
-    };
-    let mut res = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(problem)).into_response();
-    let h = res.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-    h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    res
-}
-
-/// Maps, checks the prompts against the store, stores what is left in one
-/// transaction, and encodes the answer.
+/// Splits the export by trace id and merges each trace id's spans into its
+/// pending trace (one store transaction per trace id; see
+/// [`crate::store::Store::merge_otlp_spans`]), then encodes the answer.
+/// A failure part-way is safe to retry: spans stored already are ignored.
 async fn ingest(
     st: &AppState,
     encoding: Encoding,
     request: &opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
 ) -> ApiResult<Vec<u8>> {
-    let mut mapping = mapping::map_request(request, limits(st));
+    let (groups, rejected) = mapping::split_request(request);
     let max = st.settings.limits.max_traces_per_batch;
-    if mapping.traces.len() > max {
+    if groups.len() > max {
         return Err(ApiError::PayloadTooLarge(format!(
             "the export holds {} traces (trace ids); the limit is {max} (`limits.max_traces_per_batch`)",
-            mapping.traces.len()
+            groups.len()
         )));
     }
-    // Only the store knows which prompts and versions exist.
-    let mut latest: HashMap<PromptName, Option<i64>> = HashMap::new();
-    for t in &mapping.traces {
-        if !latest.contains_key(&t.trace.prompt) {
-            let resolved = st.store.resolve(&t.trace.prompt, &Selector::Latest).await?;
-            latest.insert(t.trace.prompt.clone(), resolved.map(|r| r.version.number));
-        }
-    }
-    let mut accepted = Vec::with_capacity(mapping.traces.len());
-    for t in std::mem::take(&mut mapping.traces) {
-        let prompt = t.trace.prompt.as_str();
-        let reason = match (latest.get(&t.trace.prompt).copied().flatten(), t.trace.prompt_version) {
-            (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),
-            (Some(last), Some(v)) if v > last => {
-                Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})"))
+    let limits = limits(st);
+    let mut answer = Mapping { traces: Vec::new(), rejected };
+    let mut held = Mapping::default();
+    let (mut created, mut accepted_spans, mut duplicate_spans) = (0_u64, 0, 0);
+    for group in groups {
+        let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
+        let trace_id = Some(group.trace_id.clone());
+        // How many of the group's spans were new; the rest were stored before.
+        let new = match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
+            OtlpMerge::Created { added, .. } => {
+                created += 1;
+                accepted_spans += added;
+                added
             }
-            _ => None,
+            OtlpMerge::Extended { added, .. } => {
+                accepted_spans += added;
+                added
+            }
+            OtlpMerge::Held { added, reason } => {
+                held.rejected.push(Rejection { trace_id, spans: added, reason });
+                added
+            }
+            OtlpMerge::Duplicate => 0,
+            OtlpMerge::Closed { trace, spans } => {
+                answer.rejected.push(Rejection {
+                    trace_id,
+                    spans,
+                    reason: format!(
+                        "its trace {trace} was already taken by a learning round; spans that arrive after that are not added"
+                    ),
+                });
+                spans
+            }
+            OtlpMerge::Rejected { spans, reason } => {
+                answer.rejected.push(Rejection { trace_id, spans, reason });
+                spans
+            }
         };
-        match reason {
-            Some(reason) => mapping.rejected.push(Rejection { trace_id: Some(t.trace_id), spans: t.spans, reason }),
-            None => accepted.push(t),
-        }
+        duplicate_spans += group.spans.len().saturating_sub(new);
     }
-    let accepted_spans: usize = accepted.iter().map(|t| t.spans).sum();
-    let traces: Vec<_> = accepted.into_iter().map(|t| t.trace).collect();
-    if !traces.is_empty() {
-        st.store.insert_traces(&traces).await?;
+    let rejected_spans = answer.rejected_spans();
+    let held_spans = held.rejected_spans();
+    metrics::counter!("combee_traces_ingested_total").increment(created);
+    for (outcome, n) in [
+        ("accepted", accepted_spans),
+        ("rejected", rejected_spans),
+        ("held", held_spans),
+        ("duplicate", duplicate_spans),
+    ] {
+        metrics::counter!("combee_otlp_spans_total", "outcome" => outcome).increment(n as u64);
     }
-    let rejected_spans = mapping.rejected_spans();
-    metrics::counter!("combee_traces_ingested_total").increment(traces.len() as u64);
-    metrics::counter!("combee_otlp_spans_total", "outcome" => "accepted").increment(accepted_spans as u64);
-    metrics::counter!("combee_otlp_spans_total", "outcome" => "rejected").increment(rejected_spans as u64);
     if rejected_spans > 0 {
-        tracing::info!(traces = traces.len(), rejected_spans, "OTLP export partly rejected");
+        tracing::info!(created, rejected_spans, "OTLP export partly rejected");
     }
-    Ok(otlp::encode_response(encoding, rejected_spans, &mapping.error_message()))
+    // Held spans are not rejected: the answer only warns (OTLP's partial
+    // success with 0 rejected spans and a message).
+    let mut message = answer.error_message();
+    if held_spans > 0 {
+        let warning = format!(
+            "{}. Held spans become a trace once the rest of their trace arrives (within `limits.idempotency_ttl_hours`)",
+            held.summary("held")
+        );
+        message = if message.is_empty() { warning } else { format!("{message}. {warning}") };
+    }
+    Ok(otlp::encode_response(encoding, rejected_spans, &message))
 }

@@ -1,22 +1,29 @@
 //! From OpenTelemetry spans to combee traces, following the GenAI semantic
 //! conventions. All spans of one trace id become one combee trace whose
-//! trajectory is the spans in start order; a trace that cannot be mapped is
-//! rejected as a whole with a reason (the OTLP answer counts its spans).
-//! Pure: no store, no network. Which prompt names exist is checked later, by
-//! the route, because only the store knows.
+//! trajectory is the spans in start order — also when they arrive in several
+//! exports: [`split_request`] cuts an export into per-span records the store
+//! keeps, and [`remap`] maps the union of a trace id's records again; spans
+//! that cannot map yet (no prompt or no input so far) are held, spans that
+//! never can are rejected with a reason (the OTLP answer counts them).
+//! Pure: no store access, no network. Which prompt names exist is checked by
+//! the store, inside the merge transaction.
 
 use std::collections::{BTreeSet, HashMap};
 
 use opentelemetry_proto::tonic::{
     collector::trace::v1::ExportTraceServiceRequest,
     common::v1::{AnyValue, KeyValue, any_value::Value as Any},
-    trace::v1::{Span, status::StatusCode},
+    trace::v1::{ResourceSpans, ScopeSpans, Span, status::StatusCode},
 };
+use prost::Message;
 use serde_json::{Map, Value, json};
 
-use crate::domain::{
-    Feedback, NewTrace,
-    trace::{TraceLimits, ValidTrace},
+use crate::{
+    domain::{
+        Feedback, NewTrace,
+        trace::{TraceLimits, ValidTrace},
+    },
+    store::{OtlpRemap, OtlpSpan},
 };
 
 /// The attribute names this mapping reads (documented in the README).
@@ -97,12 +104,17 @@ impl Mapping {
 
     /// A short English summary for `partial_success.error_message`.
     pub fn error_message(&self) -> String {
+        self.summary("rejected")
+    }
+
+    /// `"{what} {n} span(s): trace …: reason; …"`, or empty when no spans are listed.
+    pub fn summary(&self, what: &str) -> String {
         let total = self.rejected_spans();
         if total == 0 {
             return String::new();
         }
         const SHOWN: usize = 5;
-        let mut msg = format!("rejected {total} span(s): ");
+        let mut msg = format!("{what} {total} span(s): ");
         let parts: Vec<String> = self
             .rejected
             .iter()
@@ -176,10 +188,107 @@ pub fn map_request(req: &ExportTraceServiceRequest, limits: TraceLimits) -> Mapp
         let count = spans.len();
         match map_trace(&trace_id, spans, limits) {
             Ok(trace) => mapping.traces.push(MappedTrace { trace_id, spans: count, trace }),
-            Err(reason) => mapping.rejected.push(Rejection { trace_id: Some(trace_id), spans: count, reason }),
+            Err(unmapped) => mapping.rejected.push(Rejection {
+                trace_id: Some(trace_id),
+                spans: count,
+                reason: unmapped.into_reason(),
+            }),
         }
     }
     mapping
+}
+
+/// The most spans one trace id may gather across exports.
+pub const MAX_SPANS_PER_TRACE: usize = 4096;
+
+/// The spans of one trace id in an export, each encoded for the store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpanGroup {
+    /// 32 lowercase hex digits.
+    pub trace_id: String,
+    pub spans: Vec<OtlpSpan>,
+}
+
+/// Splits an export into its trace ids' spans, in the order each trace id
+/// first appears. Each span is kept as a `ResourceSpans` holding just it, its
+/// resource and its scope, so a trace can be re-mapped later from spans that
+/// came in different exports. Spans without a valid trace or span id are rejected.
+pub fn split_request(req: &ExportTraceServiceRequest) -> (Vec<SpanGroup>, Vec<Rejection>) {
+    let mut groups: Vec<SpanGroup> = Vec::new();
+    let mut index: HashMap<&[u8], usize> = HashMap::new();
+    let (mut bad_trace_ids, mut bad_span_ids) = (0, 0);
+    for rs in &req.resource_spans {
+        for ss in &rs.scope_spans {
+            for span in &ss.spans {
+                let id = span.trace_id.as_slice();
+                if id.len() != 16 || id.iter().all(|b| *b == 0) {
+                    bad_trace_ids += 1;
+                    continue;
+                }
+                if span.span_id.len() != 8 || span.span_id.iter().all(|b| *b == 0) {
+                    bad_span_ids += 1;
+                    continue;
+                }
+                let one = ResourceSpans {
+                    resource: rs.resource.clone(),
+                    schema_url: rs.schema_url.clone(),
+                    scope_spans: vec![ScopeSpans {
+                        scope: ss.scope.clone(),
+                        schema_url: ss.schema_url.clone(),
+                        spans: vec![span.clone()],
+                    }],
+                };
+                let at = *index.entry(id).or_insert_with(|| {
+                    groups.push(SpanGroup { trace_id: hex::encode(id), spans: Vec::new() });
+                    groups.len() - 1
+                });
+                groups[at].spans.push(OtlpSpan { span_id: hex::encode(&span.span_id), body: one.encode_to_vec() });
+            }
+        }
+    }
+    let mut rejected = Vec::new();
+    if bad_trace_ids > 0 {
+        rejected.push(Rejection {
+            trace_id: None,
+            spans: bad_trace_ids,
+            reason: "no valid trace id (16 bytes, not all zero)".into(),
+        });
+    }
+    if bad_span_ids > 0 {
+        rejected.push(Rejection {
+            trace_id: None,
+            spans: bad_span_ids,
+            reason: "no valid span id (8 bytes, not all zero)".into(),
+        });
+    }
+    (groups, rejected)
+}
+
+/// Maps every span a trace id has so far (bodies made by [`split_request`],
+/// the stored ones first): a trace, not yet (hold them), or never.
+pub fn remap(trace_id: &str, bodies: &[&[u8]], limits: TraceLimits) -> OtlpRemap {
+    if bodies.len() > MAX_SPANS_PER_TRACE {
+        return OtlpRemap::Invalid(format!("the trace would have more than {MAX_SPANS_PER_TRACE} spans"));
+    }
+    let mut decoded = Vec::with_capacity(bodies.len());
+    for body in bodies {
+        match ResourceSpans::decode(*body) {
+            Ok(rs) => decoded.push(rs),
+            Err(_) => return OtlpRemap::Invalid("a stored span of this trace cannot be read".into()),
+        }
+    }
+    let mut spans = Vec::with_capacity(decoded.len());
+    for rs in &decoded {
+        let resource = rs.resource.as_ref().map_or(&[][..], |r| r.attributes.as_slice());
+        for span in rs.scope_spans.iter().flat_map(|ss| &ss.spans) {
+            spans.push(SpanRef { span, resource, order: spans.len() });
+        }
+    }
+    match map_trace(trace_id, spans, limits) {
+        Ok(trace) => OtlpRemap::Mapped(Box::new(trace)),
+        Err(Unmapped::Incomplete(reason)) => OtlpRemap::Incomplete(reason),
+        Err(Unmapped::Invalid(reason)) => OtlpRemap::Invalid(reason),
+    }
 }
 
 fn get<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a Any> {
@@ -429,7 +538,43 @@ fn task_messages(messages: &Value) -> Value {
     messages.clone()
 }
 
-fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -> Result<ValidTrace, String> {
+/// Why spans do not map (yet).
+#[derive(Debug, Clone, PartialEq)]
+enum Unmapped {
+    /// They look like part of a GenAI trace but lack the prompt or the input so
+    /// far: more spans of the same trace id may still arrive.
+    Incomplete(String),
+    /// More spans cannot help (or the spans are not GenAI spans at all).
+    Invalid(String),
+}
+
+impl Unmapped {
+    fn into_reason(self) -> String {
+        match self {
+            Self::Incomplete(r) | Self::Invalid(r) => r,
+        }
+    }
+}
+
+impl From<String> for Unmapped {
+    fn from(reason: String) -> Self {
+        Self::Invalid(reason)
+    }
+}
+
+/// Whether any span speaks the GenAI (or combee) conventions: only such
+/// traces are worth holding while they are incomplete.
+fn looks_generative(spans: &[SpanRef<'_>]) -> bool {
+    let ours =
+        |attrs: &[KeyValue]| attrs.iter().any(|kv| kv.key.starts_with("gen_ai.") || kv.key.starts_with("combee."));
+    spans.iter().any(|s| {
+        ours(&s.span.attributes)
+            || ours(s.resource)
+            || s.span.events.iter().any(|e| e.name.starts_with("gen_ai.") || ours(&e.attributes))
+    })
+}
+
+fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -> Result<ValidTrace, Unmapped> {
     spans.sort_by_key(|s| (s.span.start_time_unix_nano, s.order));
     let n = spans.len();
 
@@ -439,7 +584,7 @@ fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -
         if let Some((key, v)) = prompt_attr(s, [attr::PROMPT_NAME, attr::COMBEE_PROMPT]) {
             match v {
                 Any::StringValue(name) => names.insert(name.clone()),
-                _ => return Err(format!("`{key}` must be a string")),
+                _ => return Err(format!("`{key}` must be a string").into()),
             };
         }
         if let Some((key, v)) = prompt_attr(s, [attr::PROMPT_VERSION, attr::COMBEE_PROMPT_VERSION]) {
@@ -448,21 +593,28 @@ fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -
     }
     let prompt = match names.len() {
         0 => {
-            return Err(format!(
+            let reason = format!(
                 "none of its {n} span(s) carries `{}` or `{}`, so it belongs to no prompt",
                 attr::PROMPT_NAME,
                 attr::COMBEE_PROMPT
-            ));
+            );
+            return Err(if looks_generative(&spans) {
+                Unmapped::Incomplete(reason)
+            } else {
+                Unmapped::Invalid(reason)
+            });
         }
         1 => names.pop_first().unwrap_or_default(),
         _ => {
             let shown: Vec<String> = names.iter().take(5).map(|s| format!("{:?}", clip(s.clone(), 60))).collect();
-            return Err(format!("its spans name several prompts ({}); one trace maps to one prompt", shown.join(", ")));
+            return Err(
+                format!("its spans name several prompts ({}); one trace maps to one prompt", shown.join(", ")).into()
+            );
         }
     };
     if versions.len() > 1 {
         let shown: Vec<String> = versions.iter().take(5).map(i64::to_string).collect();
-        return Err(format!("its spans name several versions ({}) of prompt {prompt:?}", shown.join(", ")));
+        return Err(format!("its spans name several versions ({}) of prompt {prompt:?}", shown.join(", ")).into());
     }
     let prompt_version = versions.pop_first();
 
@@ -510,12 +662,12 @@ fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -
         feedback.error = first_error;
     }
     let Some(input) = explicit_input.or(input) else {
-        return Err(format!(
+        return Err(Unmapped::Incomplete(format!(
             "no input: none of its spans carries `{}`, `{}`, `{}` or a `gen_ai.*.message` event",
             attr::COMBEE_INPUT,
             attr::INPUT_MESSAGES,
             attr::LEGACY_PROMPT
-        ));
+        )));
     };
     let output = explicit_output.or(last_output.map(|(_, v)| v));
 
@@ -555,7 +707,7 @@ fn map_trace(trace_id: &str, mut spans: Vec<SpanRef<'_>>, limits: TraceLimits) -
         external_id: Some(trace_id.to_owned()),
         metadata: Some(json!({ "otel": otel })),
     };
-    trace.validate(limits).map_err(|e| e.to_string())
+    trace.validate(limits).map_err(|e| Unmapped::Invalid(e.to_string()))
 }
 
 #[cfg(test)]
@@ -828,6 +980,46 @@ mod tests {
         let msg = m.error_message();
         assert!(msg.starts_with("rejected 3 span(s): "), "{msg}");
         assert!(msg.contains(&"08".repeat(16)) && msg.contains("no valid trace id"), "{msg}");
+    }
+
+    #[test]
+    fn exports_split_by_trace_id_and_parts_remap_from_their_union() {
+        let root = span(9, 1, None, 0, vec![s(attr::PROMPT_NAME, "p")]);
+        let chat = span(9, 2, Some(1), 5, vec![s(attr::LEGACY_PROMPT, "q"), s(attr::LEGACY_COMPLETION, "a")]);
+        let other = span(10, 1, None, 0, vec![s(attr::PROMPT_NAME, "p"), s(attr::LEGACY_PROMPT, "q")]);
+        let mut no_span_id = span(9, 3, None, 0, vec![]);
+        no_span_id.span_id = vec![0; 8];
+        let (groups, rejected) =
+            split_request(&request(vec![s("service.name", "shop")], vec![chat, other, no_span_id, root]));
+        assert_eq!(groups.iter().map(|g| g.trace_id.as_str()).collect::<Vec<_>>(), ["09".repeat(16), "0a".repeat(16)]);
+        assert_eq!(
+            groups[0].spans.iter().map(|s| s.span_id.as_str()).collect::<Vec<_>>(),
+            ["02".repeat(8), "01".repeat(8)]
+        );
+        assert_eq!(rejected.len(), 1);
+        assert!(rejected[0].reason.contains("no valid span id"), "{rejected:?}");
+
+        let id = "09".repeat(16);
+        let bodies: Vec<&[u8]> = groups[0].spans.iter().map(|s| s.body.as_slice()).collect();
+        // Each part alone does not map yet; together they do, in start order, with the resource.
+        assert!(
+            matches!(remap(&id, &bodies[..1], LIMITS), OtlpRemap::Incomplete(r) if r.contains("belongs to no prompt"))
+        );
+        assert!(matches!(remap(&id, &bodies[1..], LIMITS), OtlpRemap::Incomplete(r) if r.starts_with("no input")));
+        let OtlpRemap::Mapped(t) = remap(&id, &[bodies[1], bodies[0]], LIMITS) else { panic!("maps") };
+        let names: Vec<_> = t.trajectory.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["span-1", "span-2"]);
+        assert_eq!((t.input.clone(), t.metadata["otel"]["service_name"].clone()), (json!("q"), json!("shop")));
+
+        // Spans that speak no GenAI convention are not worth holding; broken ones never map.
+        let (http, _) = split_request(&request(vec![], vec![span(11, 1, None, 0, vec![s("http.route", "/")])]));
+        let http_body = [http[0].spans[0].body.as_slice()];
+        assert!(
+            matches!(remap(&"0b".repeat(16), &http_body, LIMITS), OtlpRemap::Invalid(r) if r.contains("belongs to no prompt"))
+        );
+        assert!(matches!(remap(&id, &[b"not protobuf"], LIMITS), OtlpRemap::Invalid(_)));
+        let too_many = vec![bodies[0]; MAX_SPANS_PER_TRACE + 1];
+        assert!(matches!(remap(&id, &too_many, LIMITS), OtlpRemap::Invalid(r) if r.contains("more than")));
     }
 
     #[test]

@@ -130,11 +130,13 @@ pub fn decode_request(encoding: Encoding, body: &[u8]) -> Result<ExportTraceServ
     }
 }
 
-/// The OTLP answer: `partial_success` is set only when some spans were rejected.
+/// The OTLP answer: `partial_success` is set only when some spans were
+/// rejected, or with 0 rejected spans to carry a warning (as OTLP allows).
 pub fn encode_response(encoding: Encoding, rejected_spans: usize, error_message: &str) -> Vec<u8> {
+    let partial = rejected_spans > 0 || !error_message.is_empty();
     match encoding {
         Encoding::Protobuf => {
-            let partial_success = (rejected_spans > 0).then(|| ExportTracePartialSuccess {
+            let partial_success = partial.then(|| ExportTracePartialSuccess {
                 rejected_spans: rejected_spans as i64,
                 error_message: error_message.to_owned(),
             });
@@ -143,7 +145,7 @@ pub fn encode_response(encoding: Encoding, rejected_spans: usize, error_message:
         // Written by hand: the OTLP JSON mapping carries int64 as a string,
         // which the crate's serde support does not do for `rejectedSpans`.
         Encoding::Json => {
-            let body = if rejected_spans > 0 {
+            let body = if partial {
                 serde_json::json!({"partialSuccess": {
                     "rejectedSpans": rejected_spans.to_string(),
                     "errorMessage": error_message,
@@ -238,6 +240,9 @@ mod tests {
     fn responses_carry_partial_success_only_when_spans_were_rejected() {
         let full = encode_response(Encoding::Protobuf, 0, "");
         assert_eq!(ExportTraceServiceResponse::decode(full.as_slice()).unwrap().partial_success, None);
+        let warning = encode_response(Encoding::Protobuf, 0, "held");
+        let ps = ExportTraceServiceResponse::decode(warning.as_slice()).unwrap().partial_success.unwrap();
+        assert_eq!((ps.rejected_spans, ps.error_message.as_str()), (0, "held"));
         let partial = encode_response(Encoding::Protobuf, 3, "why");
         let ps = ExportTraceServiceResponse::decode(partial.as_slice()).unwrap().partial_success.unwrap();
         assert_eq!((ps.rejected_spans, ps.error_message.as_str()), (3, "why"));

@@ -22,8 +22,17 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/postgres/0003_controller.sql") },
     Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/postgres/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/postgres/0005_ui_sessions.sql") },
-    Migration { version: 6, name: "key_generation", sql: include_str!("../../migrations/postgres/0006_key_generation.sql") },
-    Migration { version: 8, name: "reflections_by_trace", sql: include_str!("../../migrations/postgres/0008_reflections_by_trace.sql") },
+    Migration {
+        version: 6,
+        name: "key_generation",
+        sql: include_str!("../../migrations/postgres/0006_key_generation.sql"),
+    },
+    Migration {
+        version: 8,
+        name: "reflections_by_trace",
+        sql: include_str!("../../migrations/postgres/0008_reflections_by_trace.sql"),
+    },
+    Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/postgres/0010_otlp_spans.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -32,8 +41,17 @@ pub const SQLITE: &[Migration] = &[
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/sqlite/0003_controller.sql") },
     Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/sqlite/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/sqlite/0005_ui_sessions.sql") },
-    Migration { version: 6, name: "key_generation", sql: include_str!("../../migrations/sqlite/0006_key_generation.sql") },
-    Migration { version: 8, name: "reflections_by_trace", sql: include_str!("../../migrations/sqlite/0008_reflections_by_trace.sql") },
+    Migration {
+        version: 6,
+        name: "key_generation",
+        sql: include_str!("../../migrations/sqlite/0006_key_generation.sql"),
+    },
+    Migration {
+        version: 8,
+        name: "reflections_by_trace",
+        sql: include_str!("../../migrations/sqlite/0008_reflections_by_trace.sql"),
+    },
+    Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/sqlite/0010_otlp_spans.sql") },
 ];
 
 #[cfg(test)]

@@ -272,6 +272,60 @@ pub enum IdempotentIngest {
     Mismatch,
 }
 
+/// One OTLP span as the store keeps it (see [`Store::merge_otlp_spans`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct OtlpSpan {
+    /// 16 lowercase hex digits, unique within its OpenTelemetry trace.
+    pub span_id: String,
+    /// Opaque to the store: the OTLP module's encoding of the span with its resource.
+    pub body: Vec<u8>,
+}
+
+/// What the OTLP mapping makes of every span a trace id has so far; the store
+/// asks it inside the merge transaction, with the stored spans first.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OtlpRemap {
+    /// The spans map to this trace.
+    Mapped(Box<ValidTrace>),
+    /// Not yet (no prompt or no input so far): hold the spans for the rest of the trace.
+    Incomplete(String),
+    /// They cannot map: the new spans are rejected for this reason.
+    Invalid(String),
+}
+
+/// The outcome of [`Store::merge_otlp_spans`]. `added` counts spans stored by this call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OtlpMerge {
+    /// A new pending trace was made (with any spans held before).
+    Created { trace: Uuid, added: usize },
+    /// The pending trace of this trace id was re-mapped with the new spans.
+    Extended { trace: Uuid, added: usize },
+    /// Stored, but not a trace yet.
+    Held { added: usize, reason: String },
+    /// Every span was stored before: nothing changed.
+    Duplicate,
+    /// The trace was already taken by a round; the `spans` new ones were not stored.
+    Closed { trace: Uuid, spans: usize },
+    /// The `spans` new ones were not stored, for this reason.
+    Rejected { spans: usize, reason: String },
+}
+
+/// The mapping callback of [`Store::merge_otlp_spans`]: stored bodies first, then the new ones.
+pub type OtlpRemapFn<'a> = dyn Fn(&[&[u8]]) -> OtlpRemap + Send + Sync + 'a;
+
+/// Why a re-mapped OTLP trace cannot be stored, or `None`: `version_count` is
+/// the prompt's, `None` when it does not exist. Shared by both backends.
+pub(crate) fn otlp_prompt_problem(trace: &ValidTrace, version_count: Option<i64>) -> Option<String> {
+    let prompt = trace.prompt.as_str();
+    match (version_count, trace.prompt_version) {
+        (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),
+        (Some(last), Some(v)) if v > last => {
+            Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})"))
+        }
+        _ => None,
+    }
+}
+
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct PromptSummary {
     #[serde(flatten)]
@@ -507,6 +561,21 @@ pub trait Store: Send + Sync + 'static {
     /// attempts reset and failure reason cleared; returns their ids, oldest
     /// first. `NotFound` when the prompt does not exist.
     async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>>;
+    /// Adds the spans of one OpenTelemetry trace id, in one transaction
+    /// serialised per trace id (a row lock on Postgres, the single writer on
+    /// SQLite): spans whose id is stored already are ignored; if any are new,
+    /// `remap` maps the union and the trace id's pending trace is made or
+    /// re-mapped, or the spans are held. A trace already taken by a round is
+    /// not changed (`Closed`).
+    async fn merge_otlp_spans(
+        &self,
+        otel_trace_id: &str,
+        spans: &[OtlpSpan],
+        remap: &OtlpRemapFn<'_>,
+    ) -> StoreResult<OtlpMerge>;
+    /// Forgets held spans (that never became a trace) of trace ids that got
+    /// nothing since `older_than`; returns how many spans.
+    async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
 
     // Idempotency
     /// Stores traces and remembers the key with its answer (`status`, and the

@@ -17,9 +17,10 @@ use uuid::Uuid;
 
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, PromptSummary,
-    RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string, TraceCharges,
+    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
+    OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector,
+    Store, StoreError, StoreKind, StoreResult, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
+    otlp_prompt_problem, scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -791,6 +792,153 @@ impl Store for PgStore {
             .await?;
         tx.commit().await?;
         self.get_trace(id).await
+    }
+
+    async fn merge_otlp_spans(
+        &self,
+        otel_trace_id: &str,
+        spans: &[OtlpSpan],
+        remap: &OtlpRemapFn<'_>,
+    ) -> StoreResult<OtlpMerge> {
+        let mut tx = self.pool.begin().await?;
+        // Serialises exports of the same trace id, including the first one,
+        // when there is no row to lock yet; the lock ends with the transaction.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
+            .bind(otel_trace_id)
+            .execute(&mut *tx)
+            .await?;
+        let stored = sqlx::query(
+            "SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = $1 ORDER BY received_at, span_id",
+        )
+        .bind(otel_trace_id)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut seen = std::collections::HashSet::new();
+        let mut linked = None;
+        let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(stored.len() + spans.len());
+        for row in &stored {
+            seen.insert(row.try_get::<String, _>("span_id")?);
+            linked = linked.or(row.try_get::<Option<Uuid>, _>("trace_id")?);
+            bodies.push(row.try_get("body")?);
+        }
+        let new: Vec<&OtlpSpan> = spans.iter().filter(|s| seen.insert(s.span_id.clone())).collect();
+        if new.is_empty() {
+            // Ended explicitly: a dropped transaction would keep its locks
+            // until its pooled connection is used again.
+            tx.rollback().await?;
+            return Ok(OtlpMerge::Duplicate);
+        }
+        if let Some(trace) = linked {
+            // The row lock keeps a round from taking the trace while it changes
+            // (rounds skip locked traces); a round that took it first wins.
+            let open: Option<bool> = sqlx::query_scalar(
+                "SELECT status = 'pending' AND round_id IS NULL FROM traces WHERE id = $1 FOR UPDATE",
+            )
+            .bind(trace)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if open != Some(true) {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Closed { trace, spans: new.len() });
+            }
+        }
+        bodies.extend(new.iter().map(|s| s.body.clone()));
+        let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
+        let mapped = match remap(&refs) {
+            OtlpRemap::Invalid(reason) => {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+            }
+            OtlpRemap::Incomplete(reason) if linked.is_some() => {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+            }
+            OtlpRemap::Incomplete(reason) => {
+                insert_otlp_spans(&mut tx, otel_trace_id, None, &new).await?;
+                tx.commit().await?;
+                return Ok(OtlpMerge::Held { added: new.len(), reason });
+            }
+            OtlpRemap::Mapped(t) => *t,
+        };
+        let prompt = sqlx::query("SELECT id, version_count FROM prompts WHERE name = $1")
+            .bind(mapped.prompt.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let count = prompt.as_ref().map(|r| r.try_get::<i64, _>("version_count")).transpose()?;
+        if let Some(reason) = otlp_prompt_problem(&mapped, count) {
+            tx.rollback().await?;
+            return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+        }
+        let prompt_id: Uuid = prompt.as_ref().map(|r| r.try_get("id")).transpose()?.ok_or_else(|| corrupt("prompt"))?;
+        let (trace, created) = match linked {
+            Some(trace) => {
+                let current: Value = sqlx::query_scalar("SELECT feedback FROM traces WHERE id = $1")
+                    .bind(trace)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
+                // Feedback given through the API stays unless a span says otherwise.
+                let feedback =
+                    serde_json::to_value(current.merged(mapped.feedback.clone())).map_err(|_| corrupt("feedback"))?;
+                sqlx::query(
+                    "UPDATE traces SET prompt_id = $2, prompt_version = $3, input = $4, trajectory = $5, output = $6,
+                            feedback = $7, metadata = $8, updated_at = now() WHERE id = $1",
+                )
+                .bind(trace)
+                .bind(prompt_id)
+                .bind(mapped.prompt_version)
+                .bind(&mapped.input)
+                .bind(&mapped.trajectory)
+                .bind(&mapped.output)
+                .bind(feedback)
+                .bind(&mapped.metadata)
+                .execute(&mut *tx)
+                .await?;
+                (trace, false)
+            }
+            None => {
+                let trace = Uuid::now_v7();
+                sqlx::query(
+                    "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
+                                         external_id, metadata)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                )
+                .bind(trace)
+                .bind(prompt_id)
+                .bind(mapped.prompt_version)
+                .bind(&mapped.input)
+                .bind(&mapped.trajectory)
+                .bind(&mapped.output)
+                .bind(serde_json::to_value(&mapped.feedback).map_err(|_| corrupt("feedback"))?)
+                .bind(mapped.reflection.as_ref().map(serde_json::to_value).transpose().map_err(|_| corrupt("reflection"))?)
+                .bind(&mapped.external_id)
+                .bind(&mapped.metadata)
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query("UPDATE otlp_spans SET trace_id = $2 WHERE otel_trace_id = $1 AND trace_id IS NULL")
+                    .bind(otel_trace_id)
+                    .bind(trace)
+                    .execute(&mut *tx)
+                    .await?;
+                (trace, true)
+            }
+        };
+        insert_otlp_spans(&mut tx, otel_trace_id, Some(trace), &new).await?;
+        tx.commit().await?;
+        let added = new.len();
+        Ok(if created { OtlpMerge::Created { trace, added } } else { OtlpMerge::Extended { trace, added } })
+    }
+
+    async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+        Ok(sqlx::query(
+            "DELETE FROM otlp_spans WHERE trace_id IS NULL AND otel_trace_id IN (
+                 SELECT otel_trace_id FROM otlp_spans WHERE trace_id IS NULL
+                 GROUP BY otel_trace_id HAVING max(received_at) < $1)",
+        )
+        .bind(older_than)
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
     }
 
     async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
@@ -1629,4 +1777,26 @@ impl PgStore {
         }
         Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
     }
+}
+
+/// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).
+async fn insert_otlp_spans(
+    tx: &mut Transaction<'_, Postgres>,
+    otel_trace_id: &str,
+    trace: Option<Uuid>,
+    spans: &[&OtlpSpan],
+) -> StoreResult<()> {
+    let ids: Vec<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
+    let bodies: Vec<&[u8]> = spans.iter().map(|s| s.body.as_slice()).collect();
+    sqlx::query(
+        "INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body)
+         SELECT $1, u.span_id, $2, u.body FROM unnest($3::text[], $4::bytea[]) AS u(span_id, body)",
+    )
+    .bind(otel_trace_id)
+    .bind(trace)
+    .bind(&ids)
+    .bind(&bodies)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }

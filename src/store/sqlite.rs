@@ -17,9 +17,10 @@ use uuid::Uuid;
 
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, PromptSummary,
-    RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector, Store, StoreError, StoreKind, StoreResult,
-    TraceFilter, UiSession, Webhook, migrate, scopes_from_string, scopes_to_string, TraceCharges,
+    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
+    OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector,
+    Store, StoreError, StoreKind, StoreResult, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
+    otlp_prompt_problem, scopes_from_string, scopes_to_string,
 };
 use crate::{
     config::Secret,
@@ -974,6 +975,151 @@ impl Store for SqliteStore {
         self.get_trace(id).await
     }
 
+    async fn merge_otlp_spans(
+        &self,
+        otel_trace_id: &str,
+        spans: &[OtlpSpan],
+        remap: &OtlpRemapFn<'_>,
+    ) -> StoreResult<OtlpMerge> {
+        // The single writer connection serialises this read-map-write against
+        // every other write, exports of the same trace id and rounds included.
+        let mut tx = self.writer.begin().await?;
+        let stored = sqlx::query(
+            "SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = ? ORDER BY received_at, span_id",
+        )
+        .bind(otel_trace_id)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut seen = std::collections::HashSet::new();
+        let mut linked = None;
+        let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(stored.len() + spans.len());
+        for row in &stored {
+            seen.insert(row.try_get::<String, _>("span_id")?);
+            if linked.is_none() {
+                linked = row.try_get::<Option<String>, _>("trace_id")?.as_deref().map(uuid).transpose()?;
+            }
+            bodies.push(row.try_get("body")?);
+        }
+        let new: Vec<&OtlpSpan> = spans.iter().filter(|s| seen.insert(s.span_id.clone())).collect();
+        if new.is_empty() {
+            // Ended explicitly: a dropped transaction would keep its locks
+            // until its pooled connection is used again.
+            tx.rollback().await?;
+            return Ok(OtlpMerge::Duplicate);
+        }
+        if let Some(trace) = linked {
+            let open: Option<bool> =
+                sqlx::query_scalar("SELECT status = 'pending' AND round_id IS NULL FROM traces WHERE id = ?")
+                    .bind(trace.to_string())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if open != Some(true) {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Closed { trace, spans: new.len() });
+            }
+        }
+        bodies.extend(new.iter().map(|s| s.body.clone()));
+        let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
+        let mapped = match remap(&refs) {
+            OtlpRemap::Invalid(reason) => {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+            }
+            OtlpRemap::Incomplete(reason) if linked.is_some() => {
+                tx.rollback().await?;
+                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+            }
+            OtlpRemap::Incomplete(reason) => {
+                insert_otlp_spans(&mut tx, otel_trace_id, None, &new).await?;
+                tx.commit().await?;
+                return Ok(OtlpMerge::Held { added: new.len(), reason });
+            }
+            OtlpRemap::Mapped(t) => *t,
+        };
+        let prompt = sqlx::query("SELECT id, version_count FROM prompts WHERE name = ?")
+            .bind(mapped.prompt.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let count = prompt.as_ref().map(|r| r.try_get::<i64, _>("version_count")).transpose()?;
+        if let Some(reason) = otlp_prompt_problem(&mapped, count) {
+            tx.rollback().await?;
+            return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
+        }
+        let prompt_id: String =
+            prompt.as_ref().map(|r| r.try_get("id")).transpose()?.ok_or_else(|| corrupt("prompt"))?;
+        let now = now_us();
+        let (trace, created) = match linked {
+            Some(trace) => {
+                let current: String = sqlx::query_scalar("SELECT feedback FROM traces WHERE id = ?")
+                    .bind(trace.to_string())
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let current: Feedback = serde_json::from_str(&current).map_err(|_| corrupt("feedback"))?;
+                // Feedback given through the API stays unless a span says otherwise.
+                let feedback = current.merged(mapped.feedback.clone());
+                sqlx::query(
+                    "UPDATE traces SET prompt_id = ?2, prompt_version = ?3, input = ?4, trajectory = ?5, output = ?6,
+                            feedback = ?7, metadata = ?8, updated_at = ?9 WHERE id = ?1",
+                )
+                .bind(trace.to_string())
+                .bind(&prompt_id)
+                .bind(mapped.prompt_version)
+                .bind(to_json(&mapped.input)?)
+                .bind(to_json(&mapped.trajectory)?)
+                .bind(to_json(&mapped.output)?)
+                .bind(to_json(&feedback)?)
+                .bind(to_json(&mapped.metadata)?)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                (trace, false)
+            }
+            None => {
+                let trace = Uuid::now_v7();
+                sqlx::query(
+                    "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
+                                         external_id, metadata, created_at, updated_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11)",
+                )
+                .bind(trace.to_string())
+                .bind(&prompt_id)
+                .bind(mapped.prompt_version)
+                .bind(to_json(&mapped.input)?)
+                .bind(to_json(&mapped.trajectory)?)
+                .bind(to_json(&mapped.output)?)
+                .bind(to_json(&mapped.feedback)?)
+                .bind(mapped.reflection.as_ref().map(to_json).transpose()?)
+                .bind(&mapped.external_id)
+                .bind(to_json(&mapped.metadata)?)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query("UPDATE otlp_spans SET trace_id = ?2 WHERE otel_trace_id = ?1 AND trace_id IS NULL")
+                    .bind(otel_trace_id)
+                    .bind(trace.to_string())
+                    .execute(&mut *tx)
+                    .await?;
+                (trace, true)
+            }
+        };
+        insert_otlp_spans(&mut tx, otel_trace_id, Some(trace), &new).await?;
+        tx.commit().await?;
+        let added = new.len();
+        Ok(if created { OtlpMerge::Created { trace, added } } else { OtlpMerge::Extended { trace, added } })
+    }
+
+    async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+        Ok(sqlx::query(
+            "DELETE FROM otlp_spans WHERE trace_id IS NULL AND otel_trace_id IN (
+                 SELECT otel_trace_id FROM otlp_spans WHERE trace_id IS NULL
+                 GROUP BY otel_trace_id HAVING max(received_at) < ?)",
+        )
+        .bind(older_than.timestamp_micros())
+        .execute(&self.writer)
+        .await?
+        .rows_affected())
+    }
+
     async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
         let ids =
             req.ids.as_ref().map(|ids| to_json(&ids.iter().map(Uuid::to_string).collect::<Vec<_>>())).transpose()?;
@@ -1725,4 +1871,27 @@ impl Store for SqliteStore {
         .await?;
         row.map(|r| Ok((json(r.try_get("choice")?)?, time(r.try_get("updated_at")?)?))).transpose()
     }
+}
+
+/// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).
+async fn insert_otlp_spans(
+    tx: &mut Transaction<'_, Sqlite>,
+    otel_trace_id: &str,
+    trace: Option<Uuid>,
+    spans: &[&OtlpSpan],
+) -> StoreResult<()> {
+    let now = now_us();
+    for span in spans {
+        sqlx::query(
+            "INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body, received_at) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(otel_trace_id)
+        .bind(&span.span_id)
+        .bind(trace.map(|t| t.to_string()))
+        .bind(&span.body)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
 }

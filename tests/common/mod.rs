@@ -235,12 +235,12 @@ pub async fn restart_app_with(prev: &TestApp, tweak: impl FnOnce(&mut Settings))
 
 /// Makes the prompt's pending traces `failed`, as a round that gave up on
 /// them would: opens a round over them, claims it and fails it with one
-/// attempt allowed per trace. Returns the failed traces' ids.
+/// attempt allowed per trace, each charged for a failure of its own. Returns the failed traces' ids.
 pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uuid> {
     use combee::{
         domain::{PromptName, round::RoundTrigger},
         learn::grouping::Method,
-        store::{OpenRound, RoundFailure},
+        store::{OpenRound, RoundFailure, TraceCharges, TraceFault},
     };
     let open = OpenRound {
         prompt: PromptName::parse(prompt).unwrap(),
@@ -259,8 +259,19 @@ pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uu
         .fail_round(
             round.id,
             claimed.round.attempt,
-            "the aggregator answered malformed JSON",
-            RoundFailure::GiveUp { max_trace_attempts: 1 },
+            "the reflector answered malformed JSON",
+            RoundFailure::GiveUp {
+                charges: TraceCharges {
+                    faults: ids
+                        .iter()
+                        .map(|&trace_id| TraceFault {
+                            trace_id,
+                            reason: "the reflector answered malformed JSON".into(),
+                        })
+                        .collect(),
+                    max_trace_attempts: 1,
+                },
+            },
         )
         .await
         .unwrap();
