@@ -275,6 +275,7 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
             duplication: setup.p,
             reduce: ReduceMode::Union,
             budget: Budget::default(),
+            agent_reflections: combee::domain::AgentReflections::Use,
         };
         let journal = MemoryJournal::new();
         let t = Instant::now();
@@ -348,6 +349,8 @@ fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
             attempts: 0,
             failure_reason: None,
             round_id: None,
+            quarantined_at: None,
+            quarantine_reason: None,
             created_at: now,
             updated_at: now,
         })

@@ -28,7 +28,7 @@ use uuid::Uuid;
 use super::delta::{self, Applied, Budget, Evicted, MergedOp, Skipped};
 use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
-use crate::domain::{DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
+use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
 use crate::llm::protocol::{self, placeholders, validate_reflection};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
@@ -55,6 +55,9 @@ pub struct RoundSpec {
     pub duplication: u32,
     pub reduce: ReduceMode,
     pub budget: Budget,
+    /// Whether a valid reflection an agent sent with its trace replaces the reflector call.
+    #[serde(default)]
+    pub agent_reflections: AgentReflections,
 }
 
 /// Wall time of each phase, in milliseconds.
@@ -91,6 +94,10 @@ pub struct MapCounts {
     pub resumed: usize,
     /// The agent's own reflection, sent with the trace.
     pub from_traces: usize,
+    /// Traces that carried a reflection the prompt's settings say to ignore
+    /// (`agent_reflections = "ignore"`): the reflector diagnosed them instead.
+    #[serde(default)]
+    pub ignored_from_traces: usize,
 }
 
 /// The result of a successful round: the validated new content and its provenance.
@@ -270,11 +277,16 @@ async fn map_phase(
         if let Some(r) = stored.get(&trace.id) {
             slots[i] = Some(r.clone());
             counts.resumed += 1;
-        } else if let Some(r) = own_reflection(trace, base) {
+        } else if spec.agent_reflections == AgentReflections::Use
+            && let Some(r) = own_reflection(trace, base)
+        {
             journal.save_reflection(trace.id, &r, ReflectionSource::Trace).await?;
             slots[i] = Some(r);
             counts.from_traces += 1;
         } else {
+            if spec.agent_reflections == AgentReflections::Ignore && trace.reflection.is_some() {
+                counts.ignored_from_traces += 1;
+            }
             todo.push(i);
         }
     }
@@ -291,7 +303,14 @@ async fn map_phase(
                 return (i, None, Vec::new());
             }
             let mut calls = Vec::new();
-            let r = protocol::reflect(backend, llm, &traces[i], base, spec.strategy, &mut calls).await;
+            // An ignored agent reflection is not shown to the reflector either.
+            let shown = match spec.agent_reflections {
+                AgentReflections::Ignore if traces[i].reflection.is_some() => {
+                    std::borrow::Cow::Owned(Trace { reflection: None, ..traces[i].clone() })
+                }
+                _ => std::borrow::Cow::Borrowed(&traces[i]),
+            };
+            let r = protocol::reflect(backend, llm, &shown, base, spec.strategy, &mut calls).await;
             if r.as_ref().is_err_and(LlmError::is_retryable) {
                 abort.store(true, Ordering::Relaxed);
             }

@@ -462,6 +462,8 @@ pub(crate) mod tests {
             attempts: 0,
             failure_reason: None,
             round_id: None,
+            quarantined_at: None,
+            quarantine_reason: None,
             created_at: chrono::Utc::now(),
             updated_at: chrono::Utc::now(),
         }

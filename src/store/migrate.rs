@@ -22,6 +22,11 @@ pub const POSTGRES: &[Migration] = &[
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/postgres/0003_controller.sql") },
     Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/postgres/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/postgres/0005_ui_sessions.sql") },
+    Migration {
+        version: 7,
+        name: "poisoning_controls",
+        sql: include_str!("../../migrations/postgres/0007_poisoning_controls.sql"),
+    },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -30,6 +35,11 @@ pub const SQLITE: &[Migration] = &[
     Migration { version: 3, name: "controller", sql: include_str!("../../migrations/sqlite/0003_controller.sql") },
     Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/sqlite/0004_webhooks.sql") },
     Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/sqlite/0005_ui_sessions.sql") },
+    Migration {
+        version: 7,
+        name: "poisoning_controls",
+        sql: include_str!("../../migrations/sqlite/0007_poisoning_controls.sql"),
+    },
 ];
 
 #[cfg(test)]

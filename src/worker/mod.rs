@@ -215,6 +215,7 @@ impl Worker {
             duplication: round.duplication.max(1) as u32,
             reduce: prompt.settings.reduce,
             budget: Budget { max_bullets: prompt.settings.max_bullets, max_chars: prompt.settings.max_chars },
+            agent_reflections: prompt.settings.agent_reflections,
         };
         let started = std::time::Instant::now();
         let batch_size = traces.len() as u32;
