@@ -230,8 +230,9 @@ pub async fn update_settings(
         let prompt = existing_prompt(&st, &name).await?;
         let mut doc = serde_json::to_value(&prompt.settings).map_err(|e| ApiError::Internal(e.into()))?;
         merge_patch(&mut doc, &patch);
-        let new: PromptSettings = serde_json::from_value(doc).map_err(|e| {
-            ApiError::Unprocessable(format!("settings: {}", super::extract::plain_serde_error(&e.to_string())))
+        let new: PromptSettings = serde_path_to_error::deserialize(doc).map_err(|e| {
+            let inner = super::extract::plain_serde_error(&e.inner().to_string());
+            ApiError::Unprocessable(format!("`settings.{}`: {inner}", e.path()))
         })?;
         let new = new.validated().map_err(ApiError::Unprocessable)?;
         match st.store.update_prompt_settings(&prompt.name, &prompt.settings, &new).await {
