@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::delta::{self, Applied, Budget, Evicted, MergedOp, Skipped};
+use super::delta::{self, Applied, Budget, Evicted, Guard, MergedOp, Skipped};
 use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
 use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
@@ -210,7 +210,10 @@ pub async fn run_round(
     let shuffle_ms = clock.finish().await?;
     let k = groups.len();
 
-    let ctx = Reduce { backend, llm, journal, spec, trace_ids: &trace_ids, reflections: &reflections, concurrency };
+    // What this round may not take away is judged on the counters before its own tags.
+    let guard = Guard::for_round(&base.playbook.clone().unwrap_or_default(), &spec.budget);
+    let ctx =
+        Reduce { backend, llm, journal, spec, trace_ids: &trace_ids, reflections: &reflections, concurrency, guard };
     let mut result = match plan.execution {
         Execution::Parallel => ctx.parallel(&frozen, &groups, &mut calls).await?,
         Execution::Sequential => ctx.sequential(&frozen, &groups, &mut calls).await?,
@@ -377,6 +380,7 @@ struct Reduce<'a> {
     trace_ids: &'a [Uuid],
     reflections: &'a [Reflection],
     concurrency: usize,
+    guard: Guard,
 }
 
 impl Reduce<'_> {
@@ -493,7 +497,7 @@ impl Reduce<'_> {
             delta::normalize_ops(union.collect())
         };
         let playbook = frozen.playbook.clone().unwrap_or_default();
-        let outcome = delta::apply_ops(&playbook, &merged, &self.spec.budget);
+        let outcome = delta::apply_ops_guarded(&playbook, &merged, &self.spec.budget, &mut self.guard.clone());
         Ok(Reduced {
             content: VersionContent { base: frozen.base.clone(), playbook: Some(outcome.playbook) },
             applied: outcome.applied,
@@ -545,6 +549,7 @@ impl Reduce<'_> {
     ) -> Result<Reduced, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
         let mut current = frozen.clone();
+        let mut guard = self.guard.clone();
         let mut reduced = Reduced {
             content: frozen.clone(),
             applied: Vec::new(),
@@ -569,7 +574,7 @@ impl Reduce<'_> {
                 Proposal::Ops(ops) => {
                     let merged = delta::normalize_ops(ops.into_iter().map(|op| (g, op)).collect());
                     let playbook = current.playbook.clone().unwrap_or_default();
-                    let outcome = delta::apply_ops(&playbook, &merged, &self.spec.budget);
+                    let outcome = delta::apply_ops_guarded(&playbook, &merged, &self.spec.budget, &mut guard);
                     current.playbook = Some(outcome.playbook);
                     reduced.applied.extend(outcome.applied);
                     reduced.skipped.extend(outcome.skipped);
