@@ -276,6 +276,7 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
             reduce: ReduceMode::Union,
             budget: Budget::default(),
             agent_reflections: combee::domain::AgentReflections::Use,
+            denylist: Default::default(),
         };
         let journal = MemoryJournal::new();
         let t = Instant::now();

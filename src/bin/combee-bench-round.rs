@@ -132,6 +132,7 @@ async fn main() -> anyhow::Result<()> {
                     reduce,
                     budget: Budget::default(),
                     agent_reflections: combee::domain::AgentReflections::Use,
+                    denylist: Default::default(),
                 };
                 let (wall, outcome) = if journal_kind == "memory" {
                     let journal = MemoryJournal::new();

@@ -5,6 +5,7 @@
 
 pub mod controller;
 pub mod delta;
+pub mod denylist;
 pub mod grouping;
 pub mod journal;
 pub mod round;

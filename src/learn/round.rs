@@ -58,6 +58,9 @@ pub struct RoundSpec {
     /// Whether a valid reflection an agent sent with its trace replaces the reflector call.
     #[serde(default)]
     pub agent_reflections: AgentReflections,
+    /// Lines learned content must not add (from the configuration, not stored with the round).
+    #[serde(skip)]
+    pub denylist: std::sync::Arc<super::denylist::ContentDenylist>,
 }
 
 /// Wall time of each phase, in milliseconds.
@@ -651,6 +654,7 @@ fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec
             }
         }
     }
+    spec.denylist.check(base, new)?;
     let kept = placeholders(&new.base);
     let lost: Vec<String> = placeholders(&base.base).difference(&kept).map(|p| format!("{{{p}}}")).collect();
     if !lost.is_empty() {
