@@ -89,6 +89,11 @@ pub enum AgentReflections {
     Use,
 }
 
+/// Upper bounds of the numeric settings.
+pub const MAX_WAIT_SECS: u64 = 31_536_000;
+pub const MAX_BULLETS: usize = 100_000;
+pub const MAX_CHARS: usize = 10_000_000;
+
 /// Most pinned bullets per prompt.
 pub const MAX_PINNED_BULLETS: usize = 1000;
 
@@ -103,6 +108,15 @@ impl PromptSettings {
         if !(1..=8).contains(&self.duplication) {
             return Err("`settings.duplication` must be between 1 and 8".into());
         }
+        if self.max_wait_secs.is_some_and(|w| w > MAX_WAIT_SECS) {
+            return Err(format!("`settings.max_wait_secs` must be at most {MAX_WAIT_SECS} (a year)"));
+        }
+        if self.max_bullets.is_some_and(|b| b > MAX_BULLETS) {
+            return Err(format!("`settings.max_bullets` must be at most {MAX_BULLETS}"));
+        }
+        if self.max_chars.is_some_and(|c| c > MAX_CHARS) {
+            return Err(format!("`settings.max_chars` must be at most {MAX_CHARS}"));
+        }
         if !(0.0..=1.0).contains(&self.max_removal_share) {
             return Err("`settings.max_removal_share` must be a number from 0 to 1".into());
         }
@@ -110,16 +124,18 @@ impl PromptSettings {
             return Err(format!("`settings.pinned_bullets` holds more than {MAX_PINNED_BULLETS} ids"));
         }
         let mut seen = std::collections::HashSet::new();
-        for id in &mut self.pinned_bullets {
+        let mut canonical = Vec::with_capacity(self.pinned_bullets.len());
+        for id in &self.pinned_bullets {
             let Some(n) = playbook::parse_bullet_id(id.trim()) else {
                 let shown: String = id.chars().take(40).collect();
                 return Err(format!("`settings.pinned_bullets`: {shown:?} is not a bullet id such as \"b-0001\""));
             };
-            *id = playbook::format_bullet_id(n);
-            if !seen.insert(n) {
-                return Err(format!("`settings.pinned_bullets` names {id} twice"));
+            // Pinning an id twice is pinning it once.
+            if seen.insert(n) {
+                canonical.push(playbook::format_bullet_id(n));
             }
         }
+        self.pinned_bullets = canonical;
         Ok(self)
     }
 }

@@ -88,10 +88,44 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(e) => Err(json_rejection(e)),
+        let mut value = match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) => v,
+            Err(e) => return Err(json_rejection(e)),
+        };
+        body_value(&mut value)?;
+        serde_path_to_error::deserialize(value).map(ApiJson).map_err(|e| {
+            let inner = plain_serde_error(&e.inner().to_string());
+            let path = e.path().to_string();
+            ApiError::Unprocessable(clip(if path == "." { inner } else { format!("`{path}`: {inner}") }))
+        })
+    }
+}
+
+/// Every request body of this API is a JSON object. serde would also read a
+/// struct from an array (`[1, 2]`), which no client means; refuse it. Numbers
+/// written as integral floats (`3.0`) are integers, as JSON Schema says.
+pub fn body_value(value: &mut serde_json::Value) -> Result<(), ApiError> {
+    if !value.is_object() {
+        return Err(ApiError::Unprocessable("the body must be a JSON object".into()));
+    }
+    integral_floats_to_integers(value);
+    Ok(())
+}
+
+fn integral_floats_to_integers(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            if let Some(f) = n.as_f64()
+                && f.fract() == 0.0
+                && f.abs() < 9.0e15
+            {
+                *v = Value::from(f as i64);
+            }
         }
+        Value::Array(a) => a.iter_mut().for_each(integral_floats_to_integers),
+        Value::Object(o) => o.values_mut().for_each(integral_floats_to_integers),
+        _ => {}
     }
 }
 

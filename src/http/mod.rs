@@ -6,6 +6,7 @@ pub mod controller;
 pub mod error;
 pub mod extract;
 pub mod keys;
+pub mod openapi;
 pub mod ops;
 pub mod pagination;
 pub mod prompts;

@@ -58,7 +58,7 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
         if e.is_syntax() || e.is_eof() {
             ApiError::BadRequest(format!("the body is not valid JSON: {e}"))
         } else {
-            ApiError::Unprocessable(e.to_string())
+            ApiError::Unprocessable(super::extract::plain_serde_error(&e.to_string()))
         }
     })?;
     let (items, batch) = match value {
@@ -88,9 +88,16 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
         .enumerate()
         .map(|(i, item)| {
             let at = |msg: String| if batch { format!("traces[{i}]: {msg}") } else { msg };
+            let mut item = item;
+            super::extract::body_value(&mut item)
+                .map_err(|_| ApiError::Unprocessable(at("a trace must be a JSON object".into())))?;
+            if item.get("feedback").is_some_and(|f| !(f.is_object() || f.is_null())) {
+                return Err(ApiError::Unprocessable(at("`feedback` must be a JSON object".into())));
+            }
             let t: NewTrace = serde_path_to_error::deserialize(item).map_err(|e| {
                 let path = e.path().to_string();
-                let msg = if path == "." { e.inner().to_string() } else { format!("{path}: {}", e.inner()) };
+                let inner = super::extract::plain_serde_error(&e.inner().to_string());
+                let msg = if path == "." { inner } else { format!("{path}: {inner}") };
                 ApiError::Unprocessable(at(msg))
             })?;
             t.validate(limits).map_err(|e| {
@@ -204,7 +211,7 @@ pub async fn list_traces(
     let filter = TraceFilter { prompt, status: q.status, since: q.since, until: q.until, before_id };
     let size = page.size(st.settings.limits.max_page_size);
     let traces = st.store.list_traces(&filter, size).await?;
-    let next_page_token = next_token(&traces, size, |t| t.id.to_string());
+    let next_page_token = next_token(&traces, size, |t| t.id.simple().to_string());
     Ok(Json(TracePage { traces, next_page_token }))
 }
 
@@ -263,7 +270,7 @@ pub struct QuarantineRequest {
 fn quarantine_reason(reason: Option<String>, caller: &Caller) -> ApiResult<String> {
     let reason = reason.map(|r| r.trim().to_owned()).filter(|r| !r.is_empty());
     if reason.as_ref().is_some_and(|r| r.chars().count() > MAX_REASON_CHARS) {
-        return Err(ApiError::PayloadTooLarge(format!("`reason` is longer than {MAX_REASON_CHARS} characters")));
+        return Err(ApiError::Unprocessable(format!("`reason` is longer than {MAX_REASON_CHARS} characters")));
     }
     Ok(reason.unwrap_or_else(|| format!("quarantined by {}", caller.actor())))
 }
@@ -295,10 +302,12 @@ pub async fn quarantine_trace(
     let q: QuarantineRequest = if body.iter().all(u8::is_ascii_whitespace) {
         QuarantineRequest::default()
     } else {
-        serde_json::from_slice(&body).map_err(|e| {
-            let msg = super::extract::plain_serde_error(&e.to_string());
-            if e.is_data() { ApiError::Unprocessable(msg) } else { ApiError::BadRequest(msg) }
-        })?
+        serde_json::from_slice::<Option<QuarantineRequest>>(&body)
+            .map_err(|e| {
+                let msg = super::extract::plain_serde_error(&e.to_string());
+                if e.is_data() { ApiError::Unprocessable(msg) } else { ApiError::BadRequest(msg) }
+            })?
+            .unwrap_or_default()
     };
     let reason = quarantine_reason(q.reason, &caller)?;
     Ok(Json(trace_action(id, st.store.quarantine_trace(id, &reason).await?)?))
