@@ -303,3 +303,72 @@ fn bound_integers(v: &mut Value) {
         _ => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_answer_is_a_documented_problem() {
+        let doc = document();
+        let mut operations = 0;
+        for (path, item) in doc["paths"].as_object().unwrap() {
+            if !path.starts_with("/v1/") {
+                continue;
+            }
+            for (method, op) in item.as_object().unwrap() {
+                operations += 1;
+                let responses = op["responses"].as_object().unwrap();
+                let errors: Vec<&String> =
+                    responses.keys().filter(|c| c.starts_with('4') || c.starts_with('5')).collect();
+                assert!(errors.iter().any(|c| *c == "503"), "{method} {path}");
+                if op.get("security").is_some() {
+                    assert!(responses.contains_key("401") && responses.contains_key("403"), "{method} {path}");
+                }
+                if op.get("requestBody").is_some() {
+                    for code in ["400", "413", "415", "422"] {
+                        assert!(responses.contains_key(code), "{method} {path} {code}");
+                    }
+                }
+                for code in errors {
+                    let content = &responses[code]["content"];
+                    assert_eq!(
+                        content["application/problem+json"]["schema"]["$ref"], PROBLEM_REF,
+                        "{method} {path} {code}"
+                    );
+                    assert!(content.get("application/json").is_none(), "{method} {path} {code}");
+                }
+            }
+        }
+        assert!(operations > 30, "{operations}");
+    }
+
+    #[test]
+    fn the_real_input_rules_are_stated() {
+        let doc = document();
+        let schemas = &doc["components"]["schemas"];
+        assert_eq!(schemas["TraceBatch"]["properties"]["traces"]["minItems"], 1);
+        assert_eq!(schemas["CreatePrompt"]["properties"]["name"]["pattern"], NAME_PATTERN);
+        let batch = &schemas["PromptSettings"]["properties"]["batch_size"]["oneOf"];
+        assert_eq!(batch[0]["enum"], json!(["auto"]));
+        assert_eq!((batch[1]["type"].as_str(), batch[1]["maximum"].as_i64()), (Some("integer"), Some(10_000)));
+        // Free-form JSON is any JSON, not an object.
+        assert_eq!(schemas["Trace"]["properties"]["output"].get("type"), None);
+        assert_eq!(schemas["NewTrace"]["properties"]["input"]["not"], json!({"type": "null"}));
+        // Page parameters are query parameters with the list's token grammar.
+        let params = doc["paths"]["/v1/traces"]["get"]["parameters"].as_array().unwrap();
+        let token = params.iter().find(|p| p["name"] == "page_token").unwrap();
+        assert_eq!(
+            (token["in"].as_str(), token["schema"]["pattern"].as_str()),
+            (Some("query"), Some("^[0-9a-f]{32}$"))
+        );
+        let size = params.iter().find(|p| p["name"] == "page_size").unwrap();
+        assert_eq!(
+            (size["in"].as_str(), size["schema"]["maximum"].as_u64()),
+            (Some("query"), Some(u64::from(u32::MAX)))
+        );
+        // The merge patch of settings is typed member by member.
+        let patch = &doc["paths"]["/v1/prompts/{name}/settings"]["patch"]["requestBody"]["content"];
+        assert!(patch["application/merge-patch+json"]["schema"].is_object());
+    }
+}
