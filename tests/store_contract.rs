@@ -435,7 +435,55 @@ async fn prompt_settings_change_by_compare_and_set(b: Backend) {
     assert!(s.update_prompt_settings(&name("nope"), &before, &after).await.unwrap().is_none());
 }
 
+/// Migration 0007: prompts that existed before it keep using agents' reflections
+/// (today's behaviour); prompts created after it ignore them by default.
+async fn migration_0007_keeps_existing_prompts_on_agent_reflections(b: Backend) {
+    use sqlx::Connection;
+    let ts = test_store(b).await;
+    make_prompt(&ts.store, "old").await;
+    // Back to the state before 0007: its schema changes undone, the prompt's settings as 0005 stored them.
+    let undo = |json_remove: &'static str| {
+        [
+            "DROP INDEX traces_quarantined",
+            "ALTER TABLE traces DROP COLUMN quarantined_at",
+            "ALTER TABLE traces DROP COLUMN quarantine_reason",
+            "DELETE FROM schema_migrations WHERE version = 7",
+            json_remove,
+        ]
+    };
+    match b {
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+            for sql in undo(
+                "UPDATE prompts SET settings = settings - 'agent_reflections' - 'pinned_bullets' - 'max_removal_share'",
+            ) {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+            for sql in undo(
+                "UPDATE prompts SET settings = json_remove(settings, '$.agent_reflections', '$.pinned_bullets', '$.max_removal_share')",
+            ) {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+    }
+    let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("migrate again");
+    let old = again.get_prompt(&name("old")).await.unwrap().unwrap();
+    assert_eq!(old.settings.agent_reflections, AgentReflections::Use);
+    make_prompt(&again, "new").await;
+    assert_eq!(
+        again.get_prompt(&name("new")).await.unwrap().unwrap().settings.agent_reflections,
+        AgentReflections::Ignore
+    );
+    // And the columns are back: quarantine works.
+    let id = again.insert_traces(&[trace("old", Some(1))]).await.unwrap()[0];
+    assert!(matches!(again.quarantine_trace(id, "x").await.unwrap(), TraceAction::Done(_)));
+}
+
 on_both_stores!(
+    migration_0007_keeps_existing_prompts_on_agent_reflections,
     quarantined_traces_are_never_reserved_and_delete_keeps_provenance,
     prompt_settings_change_by_compare_and_set,
     outbox_events_commit_with_their_change_and_deliveries_are_leased,
