@@ -77,6 +77,13 @@ pub struct WorkerSettings {
     pub max_trace_attempts: i32,
     /// Delay before a round that failed retryably is tried again (seconds).
     pub retry_delay_secs: u64,
+    /// Learned content adding a line that contains one of these (case-insensitive)
+    /// is not published; the round fails and says which entry matched.
+    #[serde(default)]
+    pub denylist_substrings: Vec<String>,
+    /// The same with regular expressions (Rust `regex` syntax, case-insensitive).
+    #[serde(default)]
+    pub denylist_patterns: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -222,6 +229,8 @@ impl Default for Settings {
                 max_round_attempts: 3,
                 max_trace_attempts: 3,
                 retry_delay_secs: 5,
+                denylist_substrings: Vec::new(),
+                denylist_patterns: Vec::new(),
             },
             controller: Default::default(),
             webhooks: WebhookSettings {
@@ -290,6 +299,8 @@ impl Settings {
         if w.max_round_attempts < 1 || w.max_trace_attempts < 1 {
             return Err(ConfigError("worker.max_round_attempts and max_trace_attempts must be at least 1".into()));
         }
+        crate::learn::denylist::ContentDenylist::new(&w.denylist_substrings, &w.denylist_patterns)
+            .map_err(|e| ConfigError(e.to_string()))?;
         for s in &self.webhooks.inbound_secrets {
             if crate::webhooks::decode_secret(s).is_none() {
                 return Err(ConfigError("webhooks.inbound_secrets must be `whsec_<base64>` values".into()));

@@ -151,7 +151,7 @@ async fn playbook_diff_and_candidate_label(b: Backend) {
     // Labels: production cannot be deleted; others can.
     let res =
         app.http.delete(app.url("/v1/prompts/pb/labels/production")).bearer_auth(&app.admin_key).send().await.unwrap();
-    expect_problem(res, 422).await;
+    expect_problem(res, 409).await;
     let res =
         app.http.delete(app.url("/v1/prompts/pb/labels/candidate")).bearer_auth(&app.admin_key).send().await.unwrap();
     assert_eq!(res.status(), 204);
@@ -199,13 +199,23 @@ async fn prompt_input_is_validated(b: Backend) {
     expect_problem(app.get("/v1/prompts/ghost").send().await.unwrap(), 404).await;
     expect_problem(app.get("/v1/prompts/NOT%20VALID").send().await.unwrap(), 404).await;
     expect_problem(app.get("/v1/prompts/p?label=nope").send().await.unwrap(), 404).await;
-    expect_problem(app.get("/v1/prompts/p?label=production&version=1").send().await.unwrap(), 400).await;
+    // Both a label and a version: that version, only while the label points at it.
+    assert_eq!(app.get("/v1/prompts/p?label=production&version=1").send().await.unwrap().status(), 200);
+    expect_problem(app.get("/v1/prompts/p?label=production&version=2").send().await.unwrap(), 404).await;
     expect_problem(app.get("/v1/prompts/p?version=0").send().await.unwrap(), 400).await;
     expect_problem(app.get("/v1/prompts/p?version=abc").send().await.unwrap(), 400).await;
     expect_problem(app.put("/v1/prompts/p/labels/latest", json!({"version": 1})).send().await.unwrap(), 422).await;
-    expect_problem(app.put("/v1/prompts/p/labels/production", json!({"version": 9})).send().await.unwrap(), 422).await;
-    expect_problem(app.post("/v1/prompts/p/versions", json!({"parent": 7})).send().await.unwrap(), 422).await;
-    expect_problem(app.post("/v1/prompts/p/rollback", json!({"to": 7})).send().await.unwrap(), 422).await;
+    // A version that does not exist (yet) conflicts with the prompt's state.
+    expect_problem(app.put("/v1/prompts/p/labels/production", json!({"version": 9})).send().await.unwrap(), 409).await;
+    expect_problem(app.post("/v1/prompts/p/versions", json!({"parent": 7})).send().await.unwrap(), 409).await;
+    expect_problem(app.post("/v1/prompts/p/rollback", json!({"to": 7})).send().await.unwrap(), 409).await;
+    expect_problem(app.post("/v1/prompts/p/rollback", json!({"to": 0})).send().await.unwrap(), 422).await;
+    // A body must be an object; integral floats are integers; details name no Rust types.
+    expect_problem(app.post("/v1/prompts/p/versions", json!([null, null])).send().await.unwrap(), 422).await;
+    assert_eq!(app.post("/v1/prompts/p/rollback", json!({"to": 1.0})).send().await.unwrap().status(), 201);
+    let p = expect_problem(app.post("/v1/prompts/p/rollback", json!({"to": "one"})).send().await.unwrap(), 422).await;
+    let detail = p["detail"].as_str().unwrap();
+    assert!(detail.contains("expected a whole number") && !detail.contains("i64"), "{detail}");
     expect_problem(app.post("/v1/prompts/ghost/versions", json!({})).send().await.unwrap(), 404).await;
     expect_problem(app.get("/v1/prompts?page_token=%%%").send().await.unwrap(), 400).await;
 }

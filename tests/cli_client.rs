@@ -211,7 +211,7 @@ async fn prompts_round_trip_with_exit_codes(b: Backend) {
     let now: Value = app.get("/v1/prompts/support-agent").send().await.unwrap().json().await.unwrap();
     assert_eq!((now["version"].as_i64(), now["source"].as_str()), (Some(3), Some("rollback")));
     fails(&app, &["prompts", "rollback", "support-agent", "2", "--if-match", &etag_v1], 4).await;
-    fails(&app, &["prompts", "rollback", "support-agent", "42"], 5).await;
+    fails(&app, &["prompts", "rollback", "support-agent", "42"], 4).await;
 
     // Keys: a bad one is 3, a missing scope is 3, a key file works, no key at all is 3.
     let bad = combee(&app, "cmb_not_a_real_key_at_all_000000000000000", &["prompts", "list"]).await;

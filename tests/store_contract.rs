@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use combee::{
     domain::{
-        Feedback, LabelName, Promotion, PromptName, PromptSettings, Strategy, TraceStatus, VersionContent,
-        VersionSource,
+        AgentReflections, Feedback, LabelName, Promotion, PromptName, PromptSettings, Strategy, TraceStatus,
+        VersionContent, VersionSource,
         prompt::NewVersion,
         round::RoundTrigger,
         trace::{NewTrace, TraceLimits, ValidTrace},
@@ -15,8 +15,8 @@ use combee::{
     learn::grouping::Method,
     store::{
         Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, OpenRound, OtlpMerge,
-        OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceCharges, TraceFault,
-        TraceFilter,
+        OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceAction, TraceCharges,
+        TraceFault, TraceFilter,
     },
 };
 use common::{Backend, test_store};
@@ -704,8 +704,128 @@ async fn rounds_charge_traces_only_for_their_own_failures(b: Backend) {
     assert_eq!((got.status, got.attempts, got.round_id), (TraceStatus::Pending, 0, None));
 }
 
+async fn quarantined_traces_are_never_reserved_and_delete_keeps_provenance(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    let mut ids = Vec::new();
+    for _ in 0..4 {
+        // One at a time, so each has its own arrival time for the bulk window below.
+        ids.push(s.insert_traces(&[trace("p", Some(1))]).await.unwrap()[0]);
+    }
+    // One quarantined by id (twice: idempotent), the oldest two in bulk by time window.
+    let TraceAction::Done(t) = s.quarantine_trace(ids[3], "looks hostile").await.unwrap() else { panic!() };
+    assert_eq!((t.status, t.quarantine_reason.as_deref()), (TraceStatus::Quarantined, Some("looks hostile")));
+    let first_at = t.quarantined_at.unwrap();
+    let TraceAction::Done(t) = s.quarantine_trace(ids[3], "again").await.unwrap() else { panic!() };
+    assert_eq!((t.quarantined_at, t.quarantine_reason.as_deref()), (Some(first_at), Some("looks hostile")));
+    let t2 = s.get_trace(ids[2]).await.unwrap().unwrap();
+    let window = TraceFilter { prompt: Some(name("p")), until: Some(t2.created_at), ..Default::default() };
+    let n = s.quarantine_traces(&window, "bulk").await.unwrap();
+    assert_eq!(n, 2, "the traces received before the third one");
+    let quarantined = TraceFilter { status: Some(TraceStatus::Quarantined), ..Default::default() };
+    let listed = s.list_traces(&quarantined, 10).await.unwrap();
+    assert_eq!(listed.len() as u64, n + 1);
+    assert!(listed.iter().all(|t| t.status == TraceStatus::Quarantined));
+    let pending = TraceFilter { status: Some(TraceStatus::Pending), ..Default::default() };
+    assert_eq!(s.list_traces(&pending, 10).await.unwrap().len() as u64, 3 - n);
+    // Quarantine everything left, then add one more: a round reserves only the new one.
+    s.quarantine_traces(&TraceFilter { prompt: Some(name("p")), ..Default::default() }, "all").await.unwrap();
+    let backlog = s.backlogs().await.unwrap();
+    assert_eq!(backlog.iter().find(|b| b.prompt.name.as_str() == "p").map(|b| b.pending), Some(0));
+    let fresh = s.insert_traces(&[trace("p", Some(1))]).await.unwrap()[0];
+    let open = OpenRound {
+        prompt: name("p"),
+        trigger: RoundTrigger::Api,
+        method: Method::Combee,
+        batch: 100,
+        min_traces: 1,
+        seed: 1,
+        inbound_webhook_id: None,
+    };
+    let round = s.open_round(&open).await.unwrap().expect("a round over the fresh trace");
+    assert_eq!(s.round_trace_ids(round.id).await.unwrap(), vec![fresh]);
+    // The reserved trace can be neither quarantined nor deleted while the round is in flight.
+    assert!(
+        matches!(s.quarantine_trace(fresh, "x").await.unwrap(), TraceAction::Refused(why) if why.contains("in flight"))
+    );
+    assert!(matches!(s.delete_trace(fresh).await.unwrap(), TraceAction::Refused(_)));
+    // A quarantined trace is deleted for good; a missing one is NotFound.
+    assert!(matches!(s.delete_trace(ids[3]).await.unwrap(), TraceAction::Done(t) if t.id == ids[3]));
+    assert!(s.get_trace(ids[3]).await.unwrap().is_none());
+    assert_eq!(s.delete_trace(ids[3]).await.unwrap(), TraceAction::NotFound);
+    assert_eq!(s.quarantine_trace(uuid::Uuid::now_v7(), "x").await.unwrap(), TraceAction::NotFound);
+}
+
+async fn prompt_settings_change_by_compare_and_set(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    let before = s.get_prompt(&name("p")).await.unwrap().unwrap().settings;
+    assert_eq!(before.agent_reflections, AgentReflections::Ignore, "new prompts ignore agent reflections");
+    let mut after = before.clone();
+    after.agent_reflections = AgentReflections::Use;
+    after.pinned_bullets = vec!["b-0001".into()];
+    let p = s.update_prompt_settings(&name("p"), &before, &after).await.unwrap().unwrap();
+    assert_eq!(p.settings, after);
+    assert_eq!(s.get_prompt(&name("p")).await.unwrap().unwrap().settings, after);
+    // A writer that read the old settings loses.
+    assert!(matches!(s.update_prompt_settings(&name("p"), &before, &before).await, Err(StoreError::Conflict)));
+    assert!(s.update_prompt_settings(&name("nope"), &before, &after).await.unwrap().is_none());
+}
+
+/// Migration 0007: prompts that existed before it keep using agents' reflections
+/// (today's behaviour); prompts created after it ignore them by default.
+async fn migration_0007_keeps_existing_prompts_on_agent_reflections(b: Backend) {
+    use sqlx::Connection;
+    let ts = test_store(b).await;
+    make_prompt(&ts.store, "old").await;
+    // Back to the state before 0007: its schema changes undone, the prompt's settings as 0005 stored them.
+    let undo = |json_remove: &'static str| {
+        [
+            "DROP INDEX traces_quarantined",
+            "ALTER TABLE traces DROP COLUMN quarantined_at",
+            "ALTER TABLE traces DROP COLUMN quarantine_reason",
+            "DELETE FROM schema_migrations WHERE version = 7",
+            json_remove,
+        ]
+    };
+    match b {
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+            for sql in undo(
+                "UPDATE prompts SET settings = settings - 'agent_reflections' - 'pinned_bullets' - 'max_removal_share'",
+            ) {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+            for sql in undo(
+                "UPDATE prompts SET settings = json_remove(settings, '$.agent_reflections', '$.pinned_bullets', '$.max_removal_share')",
+            ) {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+    }
+    let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("migrate again");
+    let old = again.get_prompt(&name("old")).await.unwrap().unwrap();
+    assert_eq!(old.settings.agent_reflections, AgentReflections::Use);
+    make_prompt(&again, "new").await;
+    assert_eq!(
+        again.get_prompt(&name("new")).await.unwrap().unwrap().settings.agent_reflections,
+        AgentReflections::Ignore
+    );
+    // And the columns are back: quarantine works.
+    let id = again.insert_traces(&[trace("old", Some(1))]).await.unwrap()[0];
+    assert!(matches!(again.quarantine_trace(id, "x").await.unwrap(), TraceAction::Done(_)));
+}
+
 on_both_stores!(
     rounds_charge_traces_only_for_their_own_failures,
+    migration_0007_keeps_existing_prompts_on_agent_reflections,
+    quarantined_traces_are_never_reserved_and_delete_keeps_provenance,
+    prompt_settings_change_by_compare_and_set,
     outbox_events_commit_with_their_change_and_deliveries_are_leased,
     prompts_start_at_version_one_labelled_production,
     concurrent_writers_get_gapless_numbers,

@@ -381,6 +381,22 @@ async fn operator_story(b: Backend) {
     );
     br.screenshot("09-trace").await;
 
+    // Quarantine the hostile trace from its page: it stays visible, marked, and out of the backlog.
+    let trace_url = br.url().await;
+    br.type_into("#quarantine-reason", "script injection attempt").await;
+    br.click("#quarantine").await;
+    br.wait_url("notice=quarantined").await;
+    assert!(br.text("#trace-facts").await.contains("quarantined"));
+    assert!(br.text("#quarantine-info").await.contains("script injection attempt"));
+    assert_eq!(br.count("#quarantine").await, 0, "no second quarantine button");
+    let id = trace_url.rsplit('/').next().unwrap().split('?').next().unwrap().to_owned();
+    let t: Value = app.get(&format!("/v1/traces/{id}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        (t["status"].as_str(), t["quarantine_reason"].as_str()),
+        (Some("quarantined"), Some("script injection attempt"))
+    );
+    br.screenshot("09b-trace-quarantined").await;
+
     // CSRF: the session cookie alone cannot change anything.
     br.goto(&app.url("/ui/prompts/support")).await;
     let csrf = br.value("input[name=csrf]").await;

@@ -289,6 +289,8 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
             duplication: setup.p,
             reduce: ReduceMode::Union,
             budget: Budget::default(),
+            agent_reflections: combee::domain::AgentReflections::Use,
+            denylist: Default::default(),
         };
         let journal = MemoryJournal::new();
         let t = Instant::now();
@@ -362,6 +364,8 @@ fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
             attempts: 0,
             failure_reason: None,
             round_id: None,
+            quarantined_at: None,
+            quarantine_reason: None,
             created_at: now,
             updated_at: now,
         })
@@ -484,6 +488,8 @@ async fn level2_section(args: &Args) -> anyhow::Result<(String, bool)> {
                 duplication: 2,
                 reduce: row.reduce,
                 budget: Budget::default(),
+                agent_reflections: combee::domain::AgentReflections::Use,
+                denylist: Default::default(),
             };
             let t = Instant::now();
             let outcome = run_round(backend.as_ref(), &llm, &spec, &base, &traces, &MemoryJournal::new())

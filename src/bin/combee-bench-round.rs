@@ -59,6 +59,8 @@ fn traces(n: usize) -> Vec<Trace> {
             attempts: 0,
             failure_reason: None,
             round_id: None,
+            quarantined_at: None,
+            quarantine_reason: None,
             created_at: now,
             updated_at: now,
         })
@@ -129,6 +131,8 @@ async fn main() -> anyhow::Result<()> {
                     duplication: 2,
                     reduce,
                     budget: Budget::default(),
+                    agent_reflections: combee::domain::AgentReflections::Use,
+                    denylist: Default::default(),
                 };
                 let (wall, outcome) = if journal_kind == "memory" {
                     let journal = MemoryJournal::new();

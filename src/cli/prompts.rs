@@ -1,6 +1,7 @@
 //! `combee prompts …`: list, show, history, diff, and the two label moves
 //! operators make by hand — promote and rollback — each guarded by `If-Match`
-//! so a move made meanwhile by someone else is refused (412), not overwritten.
+//! so a move made meanwhile by someone else is refused (412), not overwritten;
+//! and the learning settings: show or patch them, pin and unpin bullets.
 
 use clap::Subcommand;
 use reqwest::Method;
@@ -36,6 +37,28 @@ pub enum PromptsCommand {
         #[arg(long, value_name = "ETAG")]
         if_match: Option<String>,
     },
+    /// Show a prompt's learning settings, or change them with a JSON merge patch.
+    Settings {
+        name: String,
+        /// `use` or `ignore` the reflections agents send with their traces.
+        #[arg(long, value_parser = ["use", "ignore"])]
+        agent_reflections: Option<String>,
+        /// A JSON merge patch of the settings, e.g. '{"max_bullets": 40, "max_wait_secs": null}'.
+        #[arg(long, value_name = "JSON")]
+        patch: Option<String>,
+    },
+    /// Protect playbook bullets: learning never updates, removes or evicts a pinned bullet.
+    Pin {
+        name: String,
+        #[arg(required = true, value_name = "BULLET_ID")]
+        bullets: Vec<String>,
+    },
+    /// Let learning change these bullets again.
+    Unpin {
+        name: String,
+        #[arg(required = true, value_name = "BULLET_ID")]
+        bullets: Vec<String>,
+    },
     /// Make a new version with VERSION's content and point production at it.
     Rollback {
         name: String,
@@ -60,7 +83,66 @@ pub async fn run(api: &ApiClient, json_out: bool, cmd: PromptsCommand) -> CliRes
         PromptsCommand::Rollback { name, version, message, if_match } => {
             rollback(api, json_out, &name, version, message, if_match).await
         }
+        PromptsCommand::Settings { name, agent_reflections, patch } => {
+            let mut body = match patch {
+                Some(p) => serde_json::from_str::<Value>(&p)
+                    .ok()
+                    .filter(Value::is_object)
+                    .ok_or_else(|| CliError::local("--patch must be a JSON object"))?,
+                None => json!({}),
+            };
+            if let Some(a) = agent_reflections {
+                body["agent_reflections"] = json!(a);
+            }
+            let answer = patch_settings(api, &name, &body).await?;
+            print_settings(json_out, &answer.body);
+            Ok(())
+        }
+        PromptsCommand::Pin { name, bullets } => pins(api, json_out, &name, &bullets, true).await,
+        PromptsCommand::Unpin { name, bullets } => pins(api, json_out, &name, &bullets, false).await,
     }
+}
+
+async fn patch_settings(api: &ApiClient, name: &str, patch: &Value) -> CliResult<Answer> {
+    let req = api
+        .request(Method::PATCH, &format!("{}/settings", path(name)))
+        .header("content-type", "application/merge-patch+json")
+        .body(patch.to_string());
+    api.send(req).await
+}
+
+fn print_settings(json_out: bool, prompt: &Value) {
+    if json_out {
+        print_json(&prompt["settings"]);
+    } else if let Some(settings) = prompt["settings"].as_object() {
+        for (k, v) in settings {
+            println!("{k}: {}", if v.is_array() { v.to_string() } else { cell(v) });
+        }
+    }
+}
+
+/// Adds or removes pinned bullet ids (read, change, write back).
+async fn pins(api: &ApiClient, json_out: bool, name: &str, bullets: &[String], pin: bool) -> CliResult<()> {
+    let current = patch_settings(api, name, &json!({})).await?;
+    let mut pinned: Vec<String> = current.body["settings"]["pinned_bullets"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    for b in bullets {
+        let b = b.trim().to_owned();
+        if pin && !pinned.contains(&b) {
+            pinned.push(b);
+        } else if !pin {
+            pinned.retain(|p| p != &b);
+        }
+    }
+    let answer = patch_settings(api, name, &json!({ "pinned_bullets": pinned })).await?;
+    if json_out {
+        print_json(&answer.body["settings"]);
+    } else {
+        println!("pinned: {}", answer.body["settings"]["pinned_bullets"]);
+    }
+    Ok(())
 }
 
 fn path(name: &str) -> String {

@@ -1,3 +1,6 @@
+//! `combee traces quarantine|delete`: an operator's containment of a poisoned
+//! trace stream (quarantined traces are kept but never learned from).
+//!
 //! `combee traces import FILE.jsonl`: sends a JSON Lines file of traces in
 //! batches so that a re-run imports nothing twice (each batch carries an
 //! `Idempotency-Key` derived from its content and position), and so that one
@@ -56,6 +59,31 @@ pub enum TracesCommand {
         #[arg(long, value_name = "TIME")]
         since: Option<String>,
     },
+    /// Hold traces back from learning: by id, or every pending trace of --prompt (optionally
+    /// received in [--since, --until)). Quarantined traces stay visible and are never learned from.
+    Quarantine {
+        /// Trace ids (UUIDs).
+        #[arg(required_unless_present = "prompt", conflicts_with = "prompt")]
+        ids: Vec<String>,
+        /// Quarantine every unreserved pending trace of this prompt.
+        #[arg(long, value_name = "NAME")]
+        prompt: Option<String>,
+        /// RFC 3339; with --prompt: only traces received at or after it.
+        #[arg(long, requires = "prompt")]
+        since: Option<String>,
+        /// RFC 3339; with --prompt: only traces received before it.
+        #[arg(long, requires = "prompt")]
+        until: Option<String>,
+        /// Why (shown with the trace).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Delete traces no version was learned from (pending, quarantined or failed).
+    Delete {
+        /// Trace ids (UUIDs).
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
 }
 
 pub async fn run(api: &ApiClient, json_out: bool, cmd: TracesCommand) -> CliResult<()> {
@@ -64,6 +92,33 @@ pub async fn run(api: &ApiClient, json_out: bool, cmd: TracesCommand) -> CliResu
             import(api, json_out, &file, batch_size as usize, prompt.as_deref()).await
         }
         TracesCommand::Requeue { prompt, ids, all, since } => requeue(api, json_out, &prompt, ids, all, since).await,
+        TracesCommand::Quarantine { ids, prompt, since, until, reason } => match prompt {
+            Some(prompt) => {
+                let body = json!({"prompt": prompt, "since": since, "until": until, "reason": reason});
+                let answer = api.send_json(Method::POST, "/v1/traces/quarantine", &body).await?;
+                if json_out {
+                    print_json(&answer.body);
+                } else {
+                    println!("quarantined {} traces of {prompt}", answer.body["quarantined"]);
+                }
+                Ok(())
+            }
+            None => {
+                let body = json!({ "reason": reason });
+                each_trace(json_out, &ids, "quarantined", |id| {
+                    let req =
+                        api.request(Method::POST, &format!("/v1/traces/{}/quarantine", super::client::encode(id)));
+                    api.send(req.json(&body))
+                })
+                .await
+            }
+        },
+        TracesCommand::Delete { ids } => {
+            each_trace(json_out, &ids, "deleted", |id| {
+                api.send(api.request(Method::DELETE, &format!("/v1/traces/{}", super::client::encode(id))))
+            })
+            .await
+        }
     }
 }
 
@@ -91,6 +146,40 @@ async fn requeue(
         }
     }
     Ok(())
+}
+
+/// Runs `action` on every id, reporting each; the first failure is the exit status
+/// after all ids were tried (one refused trace must not stop the containment of the rest).
+async fn each_trace<F, Fut>(json_out: bool, ids: &[String], done: &str, action: F) -> CliResult<()>
+where
+    F: Fn(&str) -> Fut,
+    Fut: std::future::Future<Output = CliResult<Answer>>,
+{
+    let mut first_error = None;
+    let mut results = Vec::new();
+    for id in ids {
+        match action(id).await {
+            Ok(answer) => {
+                if json_out {
+                    results.push(json!({"id": id, "ok": true, "trace": answer.body}));
+                } else {
+                    println!("{id}: {done}");
+                }
+            }
+            Err(e) => {
+                if json_out {
+                    results.push(json!({"id": id, "ok": false, "error": e.message}));
+                } else {
+                    eprintln!("{id}: {}", e.message);
+                }
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if json_out {
+        print_json(&json!({ "results": results }));
+    }
+    first_error.map_or(Ok(()), Err)
 }
 
 /// One line of the file, ready to send.

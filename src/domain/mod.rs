@@ -14,5 +14,7 @@ pub mod trace;
 pub use learning::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 pub use names::{LabelName, NameError, PromptName};
 pub use playbook::{Bullet, Playbook, Section};
-pub use prompt::{BatchSize, Promotion, Prompt, PromptSettings, Strategy, Version, VersionContent, VersionSource};
+pub use prompt::{
+    AgentReflections, BatchSize, Promotion, Prompt, PromptSettings, Strategy, Version, VersionContent, VersionSource,
+};
 pub use trace::{Feedback, NewTrace, Trace, TraceStatus};

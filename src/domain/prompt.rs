@@ -58,6 +58,86 @@ pub struct PromptSettings {
     /// Playbook size budget: most characters of the rendered playbook.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_chars: Option<usize>,
+    /// Whether a `reflection` sent by an agent with its trace is used (`use`) or
+    /// ignored so the reflector diagnoses the trace itself (`ignore`, the default
+    /// for new prompts: an agent's own reflection is untrusted text that would
+    /// otherwise go straight into learning).
+    #[serde(default)]
+    pub agent_reflections: AgentReflections,
+    /// Playbook bullet ids an operator protected: learning never updates,
+    /// removes or evicts them.
+    #[serde(default)]
+    #[schema(value_type = Vec<String>, max_items = 1000, example = json!(["b-0001"]))]
+    pub pinned_bullets: Vec<String>,
+    /// The largest share (0–1) of *established* bullets — in the playbook before
+    /// the round, with helpful > harmful — that one round may remove or evict.
+    /// Counters come from untrusted traces; this bounds what a burst of hostile
+    /// traces can destroy in one round.
+    #[serde(default = "default_max_removal_share")]
+    #[schema(minimum = 0.0, maximum = 1.0, example = 0.25)]
+    pub max_removal_share: f64,
+}
+
+/// What a round does with the reflection an agent sent with its trace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AgentReflections {
+    /// The reflector runs on every trace; agent-supplied reflections are kept but not used.
+    #[default]
+    Ignore,
+    /// A valid agent-supplied reflection replaces the reflector call.
+    Use,
+}
+
+/// Upper bounds of the numeric settings.
+pub const MAX_WAIT_SECS: u64 = 31_536_000;
+pub const MAX_BULLETS: usize = 100_000;
+pub const MAX_CHARS: usize = 10_000_000;
+
+/// Most pinned bullets per prompt.
+pub const MAX_PINNED_BULLETS: usize = 1000;
+
+fn default_max_removal_share() -> f64 {
+    0.25
+}
+
+impl PromptSettings {
+    /// The rules a settings document must follow, in words an operator can act
+    /// on; pinned ids come back in their canonical form (`b-1` → `b-0001`).
+    pub fn validated(mut self) -> Result<Self, String> {
+        if !(1..=8).contains(&self.duplication) {
+            return Err("`settings.duplication` must be between 1 and 8".into());
+        }
+        if self.max_wait_secs.is_some_and(|w| w > MAX_WAIT_SECS) {
+            return Err(format!("`settings.max_wait_secs` must be at most {MAX_WAIT_SECS} (a year)"));
+        }
+        if self.max_bullets.is_some_and(|b| b > MAX_BULLETS) {
+            return Err(format!("`settings.max_bullets` must be at most {MAX_BULLETS}"));
+        }
+        if self.max_chars.is_some_and(|c| c > MAX_CHARS) {
+            return Err(format!("`settings.max_chars` must be at most {MAX_CHARS}"));
+        }
+        if !(0.0..=1.0).contains(&self.max_removal_share) {
+            return Err("`settings.max_removal_share` must be a number from 0 to 1".into());
+        }
+        if self.pinned_bullets.len() > MAX_PINNED_BULLETS {
+            return Err(format!("`settings.pinned_bullets` holds more than {MAX_PINNED_BULLETS} ids"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut canonical = Vec::with_capacity(self.pinned_bullets.len());
+        for id in &self.pinned_bullets {
+            let Some(n) = playbook::parse_bullet_id(id.trim()) else {
+                let shown: String = id.chars().take(40).collect();
+                return Err(format!("`settings.pinned_bullets`: {shown:?} is not a bullet id such as \"b-0001\""));
+            };
+            // Pinning an id twice is pinning it once.
+            if seen.insert(n) {
+                canonical.push(playbook::format_bullet_id(n));
+            }
+        }
+        self.pinned_bullets = canonical;
+        Ok(self)
+    }
 }
 
 fn default_duplication() -> u32 {
@@ -73,6 +153,9 @@ impl Default for PromptSettings {
             reduce: Default::default(),
             max_bullets: None,
             max_chars: None,
+            agent_reflections: AgentReflections::default(),
+            pinned_bullets: Vec::new(),
+            max_removal_share: default_max_removal_share(),
         }
     }
 }

@@ -18,6 +18,9 @@ pub enum TraceStatus {
     Consumed,
     /// Given up on after the configured attempts; `failure_reason` says why.
     Failed,
+    /// Held back by an operator (a suspected poisoned trace): kept and visible,
+    /// never reserved by a round.
+    Quarantined,
 }
 
 impl TraceStatus {
@@ -26,6 +29,7 @@ impl TraceStatus {
             Self::Pending => "pending",
             Self::Consumed => "consumed",
             Self::Failed => "failed",
+            Self::Quarantined => "quarantined",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -33,6 +37,7 @@ impl TraceStatus {
             "pending" => Self::Pending,
             "consumed" => Self::Consumed,
             "failed" => Self::Failed,
+            "quarantined" => Self::Quarantined,
             _ => return None,
         })
     }
@@ -270,6 +275,12 @@ pub struct Trace {
     pub attempts: i32,
     pub failure_reason: Option<String>,
     pub round_id: Option<Uuid>,
+    /// When an operator quarantined the trace (status `quarantined`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantined_at: Option<DateTime<Utc>>,
+    /// The operator's reason for the quarantine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantine_reason: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }

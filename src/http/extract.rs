@@ -22,6 +22,65 @@ fn clip(s: String) -> String {
     format!("{}…", &s[..end])
 }
 
+/// A serde error message in words for an API user: Rust type names
+/// (`u32`, `i64`, `usize`, `f64`, `struct X`, `enum Y`…) become plain ones.
+pub fn plain_serde_error(msg: &str) -> String {
+    const WORDS: &[(&str, &str)] = &[
+        ("u8", "a whole number from 0 to 255"),
+        ("u16", "a whole number from 0 to 65535"),
+        ("u32", "a whole number from 0 to 4294967295"),
+        ("u64", "a non-negative whole number"),
+        ("usize", "a non-negative whole number"),
+        ("i8", "a whole number"),
+        ("i16", "a whole number"),
+        ("i32", "a whole number"),
+        ("i64", "a whole number"),
+        ("isize", "a whole number"),
+        ("f32", "a number"),
+        ("f64", "a number"),
+        ("bool", "true or false"),
+        ("a boolean", "true or false"),
+        ("char", "a single character"),
+    ];
+    let mut out = msg.to_owned();
+    // `expected u32`, `expected struct Foo`, `expected enum Bar`, `expected a sequence`…
+    for (rust, plain) in WORDS {
+        for lead in ["expected ", "expected an ", "expected a "] {
+            let from = format!("{lead}{rust}");
+            let mut rebuilt = String::with_capacity(out.len());
+            let mut rest = out.as_str();
+            while let Some(at) = rest.find(&from) {
+                let after = &rest[at + from.len()..];
+                let boundary = after.chars().next().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+                rebuilt.push_str(&rest[..at]);
+                rebuilt.push_str(if boundary { "expected " } else { &from });
+                if boundary {
+                    rebuilt.push_str(plain);
+                }
+                rest = after;
+            }
+            rebuilt.push_str(rest);
+            out = rebuilt;
+        }
+    }
+    for (kind, plain) in
+        [("struct ", "a JSON object"), ("enum ", "one of the documented values"), ("tuple struct ", "a value")]
+    {
+        while let Some(at) = out.find(&format!("expected {kind}")) {
+            let start = at + "expected ".len();
+            let name_end = out[start + kind.len()..]
+                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                .map_or(out.len(), |e| start + kind.len() + e);
+            out.replace_range(start..name_end, plain);
+        }
+    }
+    out = out.replace("a sequence", "a JSON array").replace("a map", "a JSON object");
+    out = out
+        .replace("invalid type: integer", "invalid type: number")
+        .replace("invalid type: floating point", "invalid type: number");
+    out
+}
+
 /// `axum::Json`, with rejections as 400/413/415/422 problems.
 pub struct ApiJson<T>(pub T);
 
@@ -29,17 +88,51 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(ApiJson(v)),
-            Err(e) => Err(json_rejection(e)),
+        let mut value = match axum::Json::<serde_json::Value>::from_request(req, state).await {
+            Ok(axum::Json(v)) => v,
+            Err(e) => return Err(json_rejection(e)),
+        };
+        body_value(&mut value)?;
+        serde_path_to_error::deserialize(value).map(ApiJson).map_err(|e| {
+            let inner = plain_serde_error(&e.inner().to_string());
+            let path = e.path().to_string();
+            ApiError::Unprocessable(clip(if path == "." { inner } else { format!("`{path}`: {inner}") }))
+        })
+    }
+}
+
+/// Every request body of this API is a JSON object. serde would also read a
+/// struct from an array (`[1, 2]`), which no client means; refuse it. Numbers
+/// written as integral floats (`3.0`) are integers, as JSON Schema says.
+pub fn body_value(value: &mut serde_json::Value) -> Result<(), ApiError> {
+    if !value.is_object() {
+        return Err(ApiError::Unprocessable("the body must be a JSON object".into()));
+    }
+    integral_floats_to_integers(value);
+    Ok(())
+}
+
+fn integral_floats_to_integers(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            if let Some(f) = n.as_f64()
+                && f.fract() == 0.0
+                && f.abs() < 9.0e15
+            {
+                *v = Value::from(f as i64);
+            }
         }
+        Value::Array(a) => a.iter_mut().for_each(integral_floats_to_integers),
+        Value::Object(o) => o.values_mut().for_each(integral_floats_to_integers),
+        _ => {}
     }
 }
 
 pub fn json_rejection(e: JsonRejection) -> ApiError {
     match e {
-        JsonRejection::JsonDataError(e) => ApiError::Unprocessable(clip(e.body_text())),
-        JsonRejection::JsonSyntaxError(e) => ApiError::BadRequest(clip(e.body_text())),
+        JsonRejection::JsonDataError(e) => ApiError::Unprocessable(clip(plain_serde_error(&e.body_text()))),
+        JsonRejection::JsonSyntaxError(e) => ApiError::BadRequest(clip(plain_serde_error(&e.body_text()))),
         JsonRejection::MissingJsonContentType(_) => {
             ApiError::UnsupportedMediaType("send the body as JSON with `Content-Type: application/json`".into())
         }
@@ -71,7 +164,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
         Query::<T>::from_request_parts(parts, state)
             .await
             .map(|Query(v)| ApiQuery(v))
-            .map_err(|e| ApiError::BadRequest(clip(e.body_text())))
+            .map_err(|e| ApiError::BadRequest(clip(plain_serde_error(&e.body_text()))))
     }
 }
 
@@ -85,7 +178,38 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath
         Path::<T>::from_request_parts(parts, state)
             .await
             .map(|Path(v)| ApiPath(v))
-            .map_err(|e| ApiError::BadRequest(clip(e.body_text())))
+            .map_err(|e| ApiError::BadRequest(clip(plain_serde_error(&e.body_text()))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::plain_serde_error;
+
+    #[test]
+    fn serde_errors_lose_their_rust_type_names() {
+        let cases = [
+            (
+                "invalid type: string \"x\", expected u32 at line 1 column 5",
+                "expected a whole number from 0 to 4294967295",
+            ),
+            ("invalid value: integer `-1`, expected usize", "expected a non-negative whole number"),
+            ("invalid type: map, expected f64", "expected a number"),
+            ("invalid type: string \"a\", expected i64", "expected a whole number"),
+            ("invalid type: integer `3`, expected struct PromptSettings", "expected a JSON object"),
+            ("invalid type: null, expected a sequence", "expected a JSON array"),
+            ("expected a boolean", "expected true or false"),
+        ];
+        for (raw, want) in cases {
+            let got = plain_serde_error(raw);
+            assert!(got.contains(want), "{raw:?} became {got:?}");
+            for rust in ["u32", "usize", "f64", "i64", "struct ", "PromptSettings", "sequence"] {
+                assert!(!got.contains(rust), "{raw:?} became {got:?}");
+            }
+        }
+        // Words that merely start like a type name are left alone.
+        assert_eq!(plain_serde_error("expected u32x"), "expected u32x");
+        assert_eq!(plain_serde_error("unknown field `x`"), "unknown field `x`");
     }
 }
 

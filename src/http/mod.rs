@@ -6,6 +6,7 @@ pub mod controller;
 pub mod error;
 pub mod extract;
 pub mod keys;
+pub mod openapi;
 pub mod ops;
 pub mod otlp;
 pub mod pagination;
@@ -72,6 +73,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(ops::metrics))
         .route("/v1/prompts", post(prompts::create_prompt).get(prompts::list_prompts))
         .route("/v1/prompts/{name}", get(prompts::get_prompt))
+        .route("/v1/prompts/{name}/settings", axum::routing::patch(prompts::update_settings))
         .route("/v1/prompts/{name}/versions", post(prompts::create_version).get(prompts::list_versions))
         .route("/v1/prompts/{name}/versions/{number}", get(prompts::get_version))
         .route("/v1/prompts/{name}/diff", get(prompts::diff_versions))
@@ -83,7 +85,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/prompts/{name}/controller", get(controller::get_controller))
         .route("/v1/hooks/rounds/{name}", post(rounds::webhook_round))
         .route("/v1/traces", post(traces::post_traces).get(traces::list_traces))
-        .route("/v1/traces/{id}", get(traces::get_trace))
+        .route("/v1/traces/quarantine", post(traces::quarantine_traces))
+        .route("/v1/traces/{id}", get(traces::get_trace).delete(traces::delete_trace))
+        .route("/v1/traces/{id}/quarantine", post(traces::quarantine_trace))
         .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
         .route("/v1/otlp/v1/traces", post(otlp::export_traces))
         .route("/v1/prompts/{name}/traces/requeue", post(traces::requeue_failed))

@@ -1,7 +1,9 @@
 //! Cursor pagination shared by list routes: `page_size` (clamped to
 //! `limits.max_page_size`), an opaque `page_token`, and `next_page_token`.
+//! A token is the cursor itself in a plain grammar per list (a prompt name, a
+//! decimal number, a UUID in 32 hex digits), so every string of the grammar the
+//! OpenAPI document states is one the server accepts (see `openapi.rs`).
 
-use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
 use serde::Deserialize;
 use utoipa::IntoParams;
 
@@ -10,6 +12,7 @@ use super::error::ApiError;
 pub const DEFAULT_PAGE_SIZE: u32 = 50;
 
 #[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PageParams {
     /// How many items to return (default 50, at most `limits.max_page_size`).
     pub page_size: Option<u32>,
@@ -22,20 +25,19 @@ impl PageParams {
         self.page_size.unwrap_or(DEFAULT_PAGE_SIZE).clamp(1, max)
     }
 
-    /// The decoded cursor, if any.
+    /// The cursor, if any (each list parses it in its own grammar).
     pub fn cursor(&self) -> Result<Option<String>, ApiError> {
-        let Some(token) = &self.page_token else { return Ok(None) };
-        URL_SAFE_NO_PAD
-            .decode(token)
-            .ok()
-            .and_then(|b| String::from_utf8(b).ok())
-            .map(Some)
-            .ok_or_else(|| ApiError::BadRequest("`page_token` is not a token this API issued".into()))
+        match &self.page_token {
+            Some(t) if t.is_empty() || t.len() > 64 => {
+                Err(ApiError::BadRequest("`page_token` is not a token this API issued".into()))
+            }
+            other => Ok(other.clone()),
+        }
     }
 }
 
 pub fn token(cursor: &str) -> String {
-    URL_SAFE_NO_PAD.encode(cursor.as_bytes())
+    cursor.to_owned()
 }
 
 /// The next token when the page was full.

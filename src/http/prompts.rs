@@ -121,10 +121,7 @@ pub async fn create_prompt(
     caller.require(Scope::PromptsWrite)?;
     let name = PromptName::parse(&req.name).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
     let strategy = req.strategy.unwrap_or_default();
-    let settings = req.settings.unwrap_or_default();
-    if !(1..=8).contains(&settings.duplication) {
-        return Err(ApiError::Unprocessable("`settings.duplication` must be between 1 and 8".into()));
-    }
+    let settings = req.settings.unwrap_or_default().validated().map_err(ApiError::Unprocessable)?;
     let content = check_content(&st, strategy, &req.base, req.playbook)?;
     let first = NewVersion {
         parent: None,
@@ -155,6 +152,99 @@ pub async fn create_prompt(
     Ok(res)
 }
 
+/// RFC 7396 JSON merge patch: members of `patch` replace those of `target`,
+/// objects merge recursively, `null` removes a member (its default applies).
+fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
+    let serde_json::Value::Object(patch) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = serde_json::Value::Object(Default::default());
+    }
+    if let serde_json::Value::Object(t) = target {
+        for (k, v) in patch {
+            if v.is_null() {
+                t.remove(k);
+            } else {
+                merge_patch(t.entry(k.clone()).or_insert(serde_json::Value::Null), v);
+            }
+        }
+    }
+}
+
+/// A JSON merge patch (RFC 7396) of a prompt's settings: the members sent
+/// replace the current ones, `null` resets a member to its default.
+#[derive(Debug, Deserialize)]
+pub struct SettingsPatch(pub serde_json::Map<String, serde_json::Value>);
+
+impl utoipa::PartialSchema for SettingsPatch {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        let nullable_int = |min: u64, max: Option<u64>| {
+            let mut s = serde_json::json!({"type": ["integer", "null"], "minimum": min});
+            if let Some(max) = max {
+                s["maximum"] = max.into();
+            }
+            s
+        };
+        let schema = serde_json::json!({
+            "type": "object",
+            "description": "A JSON merge patch (RFC 7396) of the prompt's settings: members sent replace the current ones, `null` resets one to its default.",
+            "additionalProperties": false,
+            "properties": {
+                "duplication": nullable_int(1, Some(8)),
+                "batch_size": {"oneOf": [{"type": "string", "enum": ["auto"]}, {"type": "integer", "minimum": 1, "maximum": 10000}, {"type": "null"}]},
+                "max_wait_secs": nullable_int(0, Some(crate::domain::prompt::MAX_WAIT_SECS)),
+                "reduce": {"type": ["string", "null"], "enum": ["union", "llm", null]},
+                "max_bullets": nullable_int(0, Some(crate::domain::prompt::MAX_BULLETS as u64)),
+                "max_chars": nullable_int(0, Some(crate::domain::prompt::MAX_CHARS as u64)),
+                "agent_reflections": {"type": ["string", "null"], "enum": ["ignore", "use", null]},
+                "pinned_bullets": {"type": ["array", "null"], "maxItems": 1000, "items": {"type": "string", "pattern": "^b-[0-9]{1,12}$"}},
+                "max_removal_share": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+            },
+            "example": {"agent_reflections": "ignore", "pinned_bullets": ["b-0001"], "max_removal_share": 0.25},
+        });
+        serde_json::from_value(schema).unwrap_or_default()
+    }
+}
+
+impl ToSchema for SettingsPatch {}
+
+/// Changes a prompt's learning settings (agent reflections, pinned bullets,
+/// budgets, …). The next round uses them; versions are not touched.
+#[utoipa::path(patch, path = "/v1/prompts/{name}/settings", tag = "prompts", params(("name" = String, Path)),
+    request_body(content = SettingsPatch, content_type = "application/merge-patch+json"),
+    responses((status = 200, body = Prompt), (status = 404, body = super::error::Problem),
+        (status = 409, body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    security(("bearer" = ["prompts:write"])))]
+pub async fn update_settings(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiJson(patch): ApiJson<SettingsPatch>,
+) -> ApiResult<Json<Prompt>> {
+    caller.require(Scope::PromptsWrite)?;
+    let patch = serde_json::Value::Object(patch.0);
+    // Optimistic: re-read and re-apply when another change landed in between.
+    for _ in 0..5 {
+        let prompt = existing_prompt(&st, &name).await?;
+        let mut doc = serde_json::to_value(&prompt.settings).map_err(|e| ApiError::Internal(e.into()))?;
+        merge_patch(&mut doc, &patch);
+        let new: PromptSettings = serde_path_to_error::deserialize(doc).map_err(|e| {
+            let inner = super::extract::plain_serde_error(&e.inner().to_string());
+            ApiError::Unprocessable(format!("`settings.{}`: {inner}", e.path()))
+        })?;
+        let new = new.validated().map_err(ApiError::Unprocessable)?;
+        match st.store.update_prompt_settings(&prompt.name, &prompt.settings, &new).await {
+            Ok(Some(updated)) => return Ok(Json(updated)),
+            Ok(None) => return Err(ApiError::not_found(format_args!("prompt {:?}", prompt.name.as_str()))),
+            Err(StoreError::Conflict) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ApiError::Conflict("the settings kept changing while this patch was applied; send it again".into()))
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct PromptPage {
     pub prompts: Vec<PromptSummary>,
@@ -170,7 +260,11 @@ pub async fn list_prompts(
 ) -> ApiResult<Json<PromptPage>> {
     caller.require(Scope::PromptsRead)?;
     let size = page.size(st.settings.limits.max_page_size);
-    let prompts = st.store.list_prompts(page.cursor()?.as_deref(), size).await?;
+    let after = page.cursor()?;
+    if after.as_deref().is_some_and(|a| !crate::domain::names::is_valid_name(a)) {
+        return Err(ApiError::BadRequest("`page_token` is not a token this API issued".into()));
+    }
+    let prompts = st.store.list_prompts(after.as_deref(), size).await?;
     let next_page_token = next_token(&prompts, size, |p| p.prompt.name.to_string());
     Ok(Json(PromptPage { prompts, next_page_token }))
 }
@@ -187,9 +281,9 @@ pub struct SelectorQuery {
 impl SelectorQuery {
     fn selector(&self) -> ApiResult<Selector> {
         match (&self.label, self.version) {
-            (Some(_), Some(_)) => Err(ApiError::BadRequest("give `label` or `version`, not both".into())),
-            (None, Some(v)) if v >= 1 => Ok(Selector::Version(v)),
-            (None, Some(_)) => Err(ApiError::BadRequest("`version` must be at least 1".into())),
+            // Both: the version, and only while the label points at it (checked by the caller).
+            (_, Some(v)) if v >= 1 => Ok(Selector::Version(v)),
+            (_, Some(_)) => Err(ApiError::BadRequest("`version` must be at least 1".into())),
             (Some(l), None) if l == LabelName::LATEST => Ok(Selector::Latest),
             (Some(l), None) => {
                 LabelName::parse(l).map(Selector::Label).map_err(|e| ApiError::BadRequest(e.to_string()))
@@ -285,6 +379,17 @@ pub async fn get_prompt(
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     caller.require(Scope::PromptsRead)?;
+    if let (Some(l), Some(v)) = (&q.label, q.version) {
+        let sel = if l == LabelName::LATEST {
+            Selector::Latest
+        } else {
+            Selector::Label(LabelName::parse(l).map_err(|e| ApiError::BadRequest(e.to_string()))?)
+        };
+        let at = st.store.resolve(&parse_name(&name)?, &sel).await?.map(|r| r.version.number);
+        if at != Some(v) {
+            return Err(ApiError::NotFound(format!("label {l:?} does not point at version {v}")));
+        }
+    }
     let view = cached_view(&st, &name, q.selector()?).await?;
     let mut res = if etag_matches(headers.get(header::IF_NONE_MATCH), &view.etag, true) {
         StatusCode::NOT_MODIFIED.into_response()
@@ -357,8 +462,9 @@ pub async fn create_version(
         .store
         .resolve(&prompt.name, &parent_sel)
         .await?
-        .ok_or_else(|| ApiError::Unprocessable(format!("parent version {} does not exist", req.parent.unwrap_or(0))))?
+        .ok_or_else(|| ApiError::Conflict(format!("parent version {} does not exist", req.parent.unwrap_or(0))))?
         .version;
+    let req_has_playbook = req.playbook.is_some();
     let base = req.base.unwrap_or_else(|| parent.content.base.clone());
     let playbook = match req.playbook {
         Some(mut pb) => {
@@ -368,6 +474,9 @@ pub async fn create_version(
         }
         None => parent.content.playbook.clone(),
     };
+    if prompt.strategy == Strategy::Rewrite && req_has_playbook {
+        return Err(ApiError::Conflict("this prompt's strategy is `rewrite`: its versions have no playbook".into()));
+    }
     let content = check_content(&st, prompt.strategy, &base, playbook)?;
     let version = NewVersion {
         parent: Some(parent.number),
@@ -565,6 +674,8 @@ fn store_move_error(e: StoreError, label: &LabelName) -> ApiError {
         StoreError::Conflict => {
             ApiError::PreconditionFailed(format!("label {label:?} moved meanwhile; fetch it again"))
         }
+        // The version named does not exist (yet): a conflict with the prompt's state.
+        StoreError::Invalid(msg) => ApiError::Conflict(msg),
         other => other.into(),
     }
 }
@@ -583,6 +694,9 @@ pub async fn move_label(
     caller.require(Scope::PromptsPromote)?;
     let prompt = existing_prompt(&st, &name).await?;
     let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    if req.version < 1 {
+        return Err(ApiError::Unprocessable("`version` must be at least 1".into()));
+    }
     let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
     let mv = LabelMove {
         label: label.clone(),
@@ -604,7 +718,7 @@ pub async fn move_label_to(st: &AppState, name: &PromptName, mv: &LabelMove) -> 
 
 #[utoipa::path(delete, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
     params(("name" = String, Path), ("label" = String, Path)),
-    responses((status = 204), (status = 404, body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    responses((status = 204), (status = 404, body = super::error::Problem), (status = 409, description = "`production` cannot be deleted", body = super::error::Problem), (status = 422, body = super::error::Problem)),
     security(("bearer" = ["prompts:promote"])))]
 pub async fn delete_label(
     State(st): State<AppState>,
@@ -615,7 +729,7 @@ pub async fn delete_label(
     let prompt = existing_prompt(&st, &name).await?;
     let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
     if label.as_str() == LabelName::PRODUCTION {
-        return Err(ApiError::Unprocessable("`production` cannot be deleted; move it instead".into()));
+        return Err(ApiError::Conflict("`production` cannot be deleted; move it instead".into()));
     }
     if !st.store.delete_label(&prompt.name, &label).await? {
         return Err(ApiError::not_found(format_args!("label {label:?} of prompt {:?}", prompt.name)));
@@ -649,6 +763,9 @@ pub async fn rollback(
     caller.require(Scope::PromptsPromote)?;
     let prompt = existing_prompt(&st, &name).await?;
     let production = LabelName::production();
+    if req.to < 1 {
+        return Err(ApiError::Unprocessable("`to` must be at least 1".into()));
+    }
     let (expected, checked) = check_if_match(&st, &prompt.name, &production, &headers).await?;
     let created = roll_back(&st, &prompt, req.to, req.message, expected.filter(|_| checked), &caller.actor()).await?;
     let view = st
@@ -682,7 +799,7 @@ pub async fn roll_back(
         .store
         .resolve(&prompt.name, &Selector::Version(to))
         .await?
-        .ok_or_else(|| ApiError::Unprocessable(format!("version {to} does not exist")))?
+        .ok_or_else(|| ApiError::Conflict(format!("version {to} does not exist")))?
         .version;
     let version = NewVersion {
         parent: current,

@@ -49,13 +49,11 @@ fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(TriggerRound::default());
     }
-    serde_json::from_slice(body).map_err(|e| {
-        if e.is_syntax() || e.is_eof() {
-            ApiError::BadRequest(format!("the body is not valid JSON: {e}"))
-        } else {
-            ApiError::Unprocessable(e.to_string())
-        }
-    })
+    let mut value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("the body is not valid JSON: {e}")))?;
+    super::extract::body_value(&mut value)?;
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::Unprocessable(super::extract::plain_serde_error(&e.to_string())))
 }
 
 /// Opens a round; `Ok(None)` only for a webhook id that already opened one.
@@ -265,6 +263,6 @@ pub async fn list_rounds(
     };
     let size = page.size(st.settings.limits.max_page_size);
     let rounds = st.store.list_rounds(Some(&name), before, size).await?;
-    let next_page_token = next_token(&rounds, size, |r| r.id.to_string());
+    let next_page_token = next_token(&rounds, size, |r| r.id.simple().to_string());
     Ok(Json(RoundPage { rounds, next_page_token }))
 }

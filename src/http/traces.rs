@@ -1,5 +1,6 @@
 //! Trace routes: ingestion (one trace or a batch, durable before the answer,
-//! `Idempotency-Key` honoured), a filtered listing, and late feedback.
+//! `Idempotency-Key` honoured), a filtered listing, late feedback, and the
+//! operator's containment of a poisoned stream: quarantine and delete.
 
 use axum::{
     Json,
@@ -26,7 +27,7 @@ use crate::{
         Feedback, NewTrace, PromptName, Trace, TraceStatus,
         trace::{TraceLimits, ValidTrace},
     },
-    store::{IdempotencyKey, IdempotentIngest, RequeueFailed, Scope, StoreError, TraceFilter},
+    store::{IdempotencyKey, IdempotentIngest, RequeueFailed, Scope, StoreError, TraceAction, TraceFilter},
 };
 
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -57,7 +58,7 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
         if e.is_syntax() || e.is_eof() {
             ApiError::BadRequest(format!("the body is not valid JSON: {e}"))
         } else {
-            ApiError::Unprocessable(e.to_string())
+            ApiError::Unprocessable(super::extract::plain_serde_error(&e.to_string()))
         }
     })?;
     let (items, batch) = match value {
@@ -87,9 +88,16 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
         .enumerate()
         .map(|(i, item)| {
             let at = |msg: String| if batch { format!("traces[{i}]: {msg}") } else { msg };
+            let mut item = item;
+            super::extract::body_value(&mut item)
+                .map_err(|_| ApiError::Unprocessable(at("a trace must be a JSON object".into())))?;
+            if item.get("feedback").is_some_and(|f| !(f.is_object() || f.is_null())) {
+                return Err(ApiError::Unprocessable(at("`feedback` must be a JSON object".into())));
+            }
             let t: NewTrace = serde_path_to_error::deserialize(item).map_err(|e| {
                 let path = e.path().to_string();
-                let msg = if path == "." { e.inner().to_string() } else { format!("{path}: {}", e.inner()) };
+                let inner = super::extract::plain_serde_error(&e.inner().to_string());
+                let msg = if path == "." { inner } else { format!("{path}: {inner}") };
                 ApiError::Unprocessable(at(msg))
             })?;
             t.validate(limits).map_err(|e| {
@@ -199,7 +207,7 @@ pub async fn list_traces(
     let filter = TraceFilter { prompt, status: q.status, since: q.since, until: q.until, before_id };
     let size = page.size(st.settings.limits.max_page_size);
     let traces = st.store.list_traces(&filter, size).await?;
-    let next_page_token = next_token(&traces, size, |t| t.id.to_string());
+    let next_page_token = next_token(&traces, size, |t| t.id.simple().to_string());
     Ok(Json(TracePage { traces, next_page_token }))
 }
 
@@ -310,4 +318,122 @@ pub async fn requeue_failed(
         asked_ids = filter.ids.as_ref().map(Vec::len), since = ?filter.since, "failed traces requeued"
     );
     Ok(Json(Requeued { count: ids.len(), ids }))
+}
+
+/// Longest quarantine reason, in characters.
+const MAX_REASON_CHARS: usize = 500;
+
+/// Why an operator holds traces back.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct QuarantineRequest {
+    /// Shown with the trace; at most 500 characters.
+    #[serde(default)]
+    #[schema(max_length = 500)]
+    pub reason: Option<String>,
+}
+
+fn quarantine_reason(reason: Option<String>, caller: &Caller) -> ApiResult<String> {
+    let reason = reason.map(|r| r.trim().to_owned()).filter(|r| !r.is_empty());
+    if reason.as_ref().is_some_and(|r| r.chars().count() > MAX_REASON_CHARS) {
+        return Err(ApiError::Unprocessable(format!("`reason` is longer than {MAX_REASON_CHARS} characters")));
+    }
+    Ok(reason.unwrap_or_else(|| format!("quarantined by {}", caller.actor())))
+}
+
+fn trace_action(id: Uuid, action: TraceAction) -> ApiResult<Trace> {
+    match action {
+        TraceAction::Done(t) => Ok(*t),
+        TraceAction::NotFound => Err(ApiError::not_found(format_args!("trace {id}"))),
+        TraceAction::Refused(why) => Err(ApiError::Conflict(why)),
+    }
+}
+
+/// Holds a pending (or failed) trace back from learning: no round will reserve
+/// it; it stays visible with status `quarantined`. Repeating it changes nothing.
+#[utoipa::path(post, path = "/v1/traces/{id}/quarantine", tag = "traces", params(("id" = Uuid, Path)),
+    request_body(content = Option<QuarantineRequest>, description = "optional; an empty body is allowed"),
+    responses((status = 200, body = Trace), (status = 404, body = super::error::Problem),
+        (status = 409, description = "reserved by a round in flight, or already consumed", body = super::error::Problem)),
+    security(("bearer" = ["prompts:write"])))]
+pub async fn quarantine_trace(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+    req: Request,
+) -> ApiResult<Json<Trace>> {
+    caller.require(Scope::PromptsWrite)?;
+    let id = trace_id(&id)?;
+    let body = body_bytes(req).await?;
+    let q: QuarantineRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        QuarantineRequest::default()
+    } else {
+        serde_json::from_slice::<Option<QuarantineRequest>>(&body)
+            .map_err(|e| {
+                let msg = super::extract::plain_serde_error(&e.to_string());
+                if e.is_data() { ApiError::Unprocessable(msg) } else { ApiError::BadRequest(msg) }
+            })?
+            .unwrap_or_default()
+    };
+    let reason = quarantine_reason(q.reason, &caller)?;
+    Ok(Json(trace_action(id, st.store.quarantine_trace(id, &reason).await?)?))
+}
+
+/// Deletes a trace no version was learned from (pending, quarantined or failed).
+#[utoipa::path(delete, path = "/v1/traces/{id}", tag = "traces", params(("id" = Uuid, Path)),
+    responses((status = 204, description = "deleted"), (status = 404, body = super::error::Problem),
+        (status = 409, description = "reserved by a round in flight, or already consumed", body = super::error::Problem)),
+    security(("bearer" = ["prompts:write"])))]
+pub async fn delete_trace(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<StatusCode> {
+    caller.require(Scope::PromptsWrite)?;
+    let id = trace_id(&id)?;
+    trace_action(id, st.store.delete_trace(id).await?)?;
+    tracing::info!(trace = %id, by = %caller.actor(), "trace deleted");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Which traces a bulk quarantine holds back: the unreserved pending traces of
+/// one prompt, optionally only those received in `[since, until)`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BulkQuarantine {
+    #[schema(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$")]
+    pub prompt: String,
+    /// RFC 3339; traces received at or after it.
+    #[serde(default)]
+    pub since: Option<DateTime<Utc>>,
+    /// RFC 3339; traces received before it.
+    #[serde(default)]
+    pub until: Option<DateTime<Utc>>,
+    #[serde(default)]
+    #[schema(max_length = 500)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Quarantined {
+    /// How many traces were quarantined by this request.
+    pub quarantined: u64,
+}
+
+/// Quarantines every unreserved pending trace of a prompt (in a time window).
+#[utoipa::path(post, path = "/v1/traces/quarantine", tag = "traces", request_body = BulkQuarantine,
+    responses((status = 200, body = Quarantined), (status = 404, body = super::error::Problem)),
+    security(("bearer" = ["prompts:write"])))]
+pub async fn quarantine_traces(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiJson(q): ApiJson<BulkQuarantine>,
+) -> ApiResult<Json<Quarantined>> {
+    caller.require(Scope::PromptsWrite)?;
+    let prompt = super::prompts::existing_prompt(&st, &q.prompt).await?;
+    let reason = quarantine_reason(q.reason, &caller)?;
+    let filter = TraceFilter { prompt: Some(prompt.name), since: q.since, until: q.until, ..Default::default() };
+    let quarantined = st.store.quarantine_traces(&filter, &reason).await?;
+    tracing::info!(prompt = %q.prompt, quarantined, by = %caller.actor(), "traces quarantined");
+    Ok(Json(Quarantined { quarantined }))
 }

@@ -56,6 +56,19 @@
 //! New bullets are protected so that a full playbook keeps learning instead of
 //! freezing; a proven bullet survives as long as weaker older ones exist.
 //! Sections created by this round that end up empty are dropped.
+//!
+//! # Protection against poisoned rounds ([`Guard`])
+//! Counters, ADDs and REMOVEs all come from untrusted traces, so one round's
+//! evidence is bounded in what it can destroy:
+//! - a *pinned* bullet (an operator's choice, `settings.pinned_bullets`) is never
+//!   updated, removed or evicted ([`SkipReason::Pinned`]);
+//! - an *established* bullet — in the playbook before the round with helpful >
+//!   harmful *before this round's tags* — counts against a per-round quota of
+//!   ⌊`max_removal_share` × established⌋ removals (REMOVE ops and evictions
+//!   together). Once the quota is spent, REMOVEs of established bullets are
+//!   skipped ([`SkipReason::RemovalBound`]) and eviction takes this round's new
+//!   bullets instead. If only protected bullets are left over the budget, the
+//!   round's result is over budget and is refused at validation.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
@@ -98,10 +111,56 @@ pub struct Overruled {
 }
 
 /// Limits on the playbook a round may publish; `None` means unlimited.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Budget {
     pub max_bullets: Option<usize>,
     pub max_chars: Option<usize>,
+    /// Bullet ids learning never updates, removes or evicts.
+    #[serde(default)]
+    pub pinned: Vec<String>,
+    /// Most established bullets one round may remove or evict, as a share of
+    /// them (0–1); `None` means unbounded.
+    #[serde(default)]
+    pub max_removal_share: Option<f64>,
+}
+
+/// What one round may not take away (module doc, "Protection").
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Guard {
+    pinned: HashSet<String>,
+    established: HashSet<String>,
+    /// Established bullets this round may still remove or evict; `None`: no bound.
+    removals_left: Option<usize>,
+}
+
+impl Guard {
+    /// The guard for a round whose playbook was `before_round` (counters before
+    /// this round's tags were applied).
+    pub fn for_round(before_round: &Playbook, budget: &Budget) -> Self {
+        let established: HashSet<String> =
+            before_round.bullets().filter(|(_, b)| b.helpful > b.harmful).map(|(_, b)| b.id.clone()).collect();
+        let removals_left = budget
+            .max_removal_share
+            .map(|share| (share.clamp(0.0, 1.0) * established.len() as f64 + 1e-9).floor() as usize);
+        Self { pinned: budget.pinned.iter().cloned().collect(), established, removals_left }
+    }
+
+    fn is_pinned(&self, id: &str) -> bool {
+        self.pinned.contains(id)
+    }
+
+    /// Whether `id` may be removed now (pinned: never; established: while the quota lasts).
+    fn may_remove(&self, id: &str) -> bool {
+        !self.is_pinned(id) && (!self.established.contains(id) || self.removals_left != Some(0))
+    }
+
+    fn note_removed(&mut self, id: &str) {
+        if self.established.contains(id)
+            && let Some(left) = &mut self.removals_left
+        {
+            *left = left.saturating_sub(1);
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,6 +198,10 @@ pub enum SkipReason {
     Unchanged,
     /// Empty content or id after normalisation.
     Empty,
+    /// UPDATE/REMOVE of a bullet an operator pinned.
+    Pinned,
+    /// REMOVE of an established bullet after this round spent its removal quota.
+    RemovalBound,
 }
 
 impl fmt::Display for SkipReason {
@@ -148,6 +211,8 @@ impl fmt::Display for SkipReason {
             Self::DuplicateOfExisting { id } => write!(f, "same insight as existing bullet {id}"),
             Self::Unchanged => f.write_str("content is unchanged"),
             Self::Empty => f.write_str("empty content or id"),
+            Self::Pinned => f.write_str("the bullet is pinned by an operator"),
+            Self::RemovalBound => f.write_str("this round already removed its share of established bullets"),
         }
     }
 }
@@ -447,8 +512,14 @@ fn find_bullet(playbook: &Playbook, id: &str) -> Option<(usize, usize)> {
         .find_map(|(s, sec)| sec.bullets.iter().position(|b| b.id == id).map(|b| (s, b)))
 }
 
-/// Applies merged ops to a copy of `playbook`, then enforces `budget` (policy in the module doc).
+/// Applies merged ops to a copy of `playbook`, then enforces `budget` (policy in
+/// the module doc), protecting what `budget` says with `playbook` as the state before the round.
 pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> ApplyOutcome {
+    apply_ops_guarded(playbook, ops, budget, &mut Guard::for_round(playbook, budget))
+}
+
+/// [`apply_ops`] under a round's [`Guard`] (kept across the sequential baseline's steps).
+pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget, guard: &mut Guard) -> ApplyOutcome {
     let mut pb = playbook.clone();
     let original_sections: HashSet<String> = pb.sections.iter().map(|s| s.name.clone()).collect();
     let max_existing = pb.bullets().filter_map(|(_, b)| parse_bullet_id(&b.id)).max().unwrap_or(0);
@@ -496,6 +567,8 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
                 let (id, content) = (id.trim(), collapse_whitespace(content));
                 if content.is_empty() {
                     skipped.push(skip(SkipReason::Empty));
+                } else if guard.is_pinned(id) {
+                    skipped.push(skip(SkipReason::Pinned));
                 } else if let Some((s, b)) = find_bullet(&pb, id) {
                     let bullet = &mut pb.sections[s].bullets[b];
                     if bullet.content == content {
@@ -513,7 +586,12 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
             }
             DeltaOp::Remove { id, .. } => {
                 let id = id.trim();
-                if let Some((s, b)) = find_bullet(&pb, id) {
+                if guard.is_pinned(id) {
+                    skipped.push(skip(SkipReason::Pinned));
+                } else if find_bullet(&pb, id).is_some() && !guard.may_remove(id) {
+                    skipped.push(skip(SkipReason::RemovalBound));
+                } else if let Some((s, b)) = find_bullet(&pb, id) {
+                    guard.note_removed(id);
                     pb.sections[s].bullets.remove(b);
                     fingerprints.retain(|(fid, _)| fid != id);
                     applied.push(applied_to(id));
@@ -527,8 +605,9 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
 
     let mut evicted = Vec::new();
     while !fits(&pb, budget) {
-        let Some((s, b, rule)) = pick_eviction(&pb, &added) else { break };
+        let Some((s, b, rule)) = pick_eviction(&pb, &added, guard) else { break };
         let bullet = pb.sections[s].bullets.remove(b);
+        guard.note_removed(&bullet.id);
         evicted.push(Evicted { section: pb.sections[s].name.clone(), bullet, rule });
     }
     pb.sections.retain(|s| !s.bullets.is_empty() || original_sections.contains(&s.name));
@@ -537,9 +616,17 @@ pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> Appl
 }
 
 /// The next bullet to evict, by the first budget rule that has a candidate.
-fn pick_eviction(pb: &Playbook, added: &HashMap<String, (usize, usize)>) -> Option<(usize, usize, EvictionRule)> {
+fn pick_eviction(
+    pb: &Playbook,
+    added: &HashMap<String, (usize, usize)>,
+    guard: &Guard,
+) -> Option<(usize, usize, EvictionRule)> {
     let all = || {
-        pb.sections.iter().enumerate().flat_map(|(s, sec)| sec.bullets.iter().enumerate().map(move |(b, x)| (s, b, x)))
+        pb.sections
+            .iter()
+            .enumerate()
+            .flat_map(|(s, sec)| sec.bullets.iter().enumerate().map(move |(b, x)| (s, b, x)))
+            .filter(|(_, _, x)| guard.may_remove(&x.id))
     };
     let age = |x: &Bullet| parse_bullet_id(&x.id).unwrap_or(0);
     let score = |x: &Bullet| i64::from(x.helpful) - i64::from(x.harmful);
@@ -809,7 +896,7 @@ mod tests {
             MergedOp::single(2, add("s", "new weakly backed")),
         ];
         let evicted_ids = |max: usize| -> Vec<(String, EvictionRule)> {
-            let out = apply_ops(&pb, &ops, &Budget { max_bullets: Some(max), max_chars: None });
+            let out = apply_ops(&pb, &ops, &Budget { max_bullets: Some(max), max_chars: None, ..Default::default() });
             assert!(out.playbook.bullet_count() <= max);
             out.evicted.into_iter().map(|e| (e.bullet.id, e.rule)).collect()
         };
@@ -822,17 +909,100 @@ mod tests {
         assert_eq!(evicted_ids(0)[6], ("b-0006".into(), NewThisRound));
     }
 
+    fn proven_playbook() -> Playbook {
+        Playbook {
+            sections: vec![Section {
+                name: "s".into(),
+                bullets: (1..=4).map(|i| bullet(&format!("b-000{i}"), &format!("proven rule {i}"), 3, 0)).collect(),
+            }],
+            next_id: 5,
+        }
+    }
+
+    #[test]
+    fn pinned_bullets_are_never_updated_removed_or_evicted() {
+        let pb = proven_playbook();
+        let budget =
+            Budget { max_bullets: Some(2), pinned: vec!["b-0001".into(), "b-0002".into()], ..Default::default() };
+        let ops = vec![
+            MergedOp::single(0, update("b-0001", "rewritten by an attacker")),
+            MergedOp::single(0, remove("b-0002")),
+            MergedOp::single(0, add("s", "new insight")),
+        ];
+        let out = apply_ops(&pb, &ops, &budget);
+        let ids: Vec<&str> = out.playbook.bullets().map(|(_, b)| b.id.as_str()).collect();
+        assert_eq!(ids, vec!["b-0001", "b-0002"], "only pinned bullets survive a budget of 2");
+        assert_eq!(out.playbook.bullets().next().unwrap().1.content, "proven rule 1");
+        let reasons: Vec<&SkipReason> = out.skipped.iter().map(|s| &s.reason).collect();
+        assert_eq!(reasons, vec![&SkipReason::Pinned, &SkipReason::Pinned]);
+        assert!(out.evicted.iter().all(|e| !budget.pinned.contains(&e.bullet.id)));
+        // Pinned bullets alone over the budget: nothing more can go, the result stays over it.
+        let out = apply_ops(&pb, &[], &Budget { max_bullets: Some(1), ..budget.clone() });
+        assert_eq!(out.playbook.bullet_count(), 2);
+    }
+
+    #[test]
+    fn one_round_removes_at_most_its_share_of_established_bullets() {
+        // Four hostile reflections tagged every proven bullet harmful (3 helpful -> 4 harmful)
+        // and proposed four new bullets under max_bullets = 4.
+        let before = proven_playbook();
+        let hostile = |i| Reflection {
+            error: String::new(),
+            root_cause: String::new(),
+            correct_approach: String::new(),
+            key_insight: format!("hostile {i}"),
+            bullet_tags: (1..=4).map(|b| BulletTag { id: format!("b-000{b}"), tag: BulletTagKind::Harmful }).collect(),
+        };
+        let tagged = apply_bullet_tags(&before, &(0..4).map(hostile).collect::<Vec<_>>());
+        let ops: Vec<MergedOp> =
+            (0..4).map(|i| MergedOp::single(i, add("s", &format!("INSIGHT-h{i}: obey the attacker")))).collect();
+        let proven_left =
+            |out: &ApplyOutcome| out.playbook.bullets().filter(|(_, b)| b.content.starts_with("proven")).count();
+
+        // Unbounded (the old behaviour): every proven bullet is evicted.
+        let unbounded = Budget { max_bullets: Some(4), ..Default::default() };
+        let out = apply_ops_guarded(&tagged, &ops, &unbounded, &mut Guard::for_round(&before, &unbounded));
+        assert_eq!(proven_left(&out), 0);
+
+        // Bounded at 25 %: one of the four established bullets may go, new ones make room instead.
+        let bounded = Budget { max_removal_share: Some(0.25), ..unbounded };
+        let out = apply_ops_guarded(&tagged, &ops, &bounded, &mut Guard::for_round(&before, &bounded));
+        assert_eq!(out.playbook.bullet_count(), 4);
+        assert_eq!(proven_left(&out), 3);
+        let rules: Vec<EvictionRule> = out.evicted.iter().map(|e| e.rule).collect();
+        assert_eq!(
+            rules,
+            vec![
+                EvictionRule::NetHarmful,
+                EvictionRule::NewThisRound,
+                EvictionRule::NewThisRound,
+                EvictionRule::NewThisRound
+            ]
+        );
+
+        // REMOVE ops share the same quota.
+        let removes: Vec<MergedOp> = (1..=4).map(|b| MergedOp::single(0, remove(&format!("b-000{b}")))).collect();
+        let out = apply_ops_guarded(&tagged, &removes, &bounded, &mut Guard::for_round(&before, &bounded));
+        assert_eq!(proven_left(&out), 3);
+        assert_eq!(out.skipped.iter().filter(|s| s.reason == SkipReason::RemovalBound).count(), 3);
+        // Bullets that were not established before the round (never helpful) are not protected.
+        let mut fresh = before.clone();
+        fresh.sections[0].bullets.iter_mut().for_each(|b| b.helpful = 0);
+        let out = apply_ops_guarded(&fresh, &removes, &bounded, &mut Guard::for_round(&fresh, &bounded));
+        assert_eq!(out.playbook.bullet_count(), 0);
+    }
+
     #[test]
     fn char_budget_counts_the_rendering_and_drops_emptied_new_sections() {
         let pb = sample_playbook();
         let ops = vec![MergedOp::single(0, add("brand new section", "A fairly long new insight about dates"))];
         let unlimited = apply_ops(&pb, &ops, &Budget::default());
         let full = rendered_chars(&unlimited.playbook);
-        let out = apply_ops(&pb, &ops, &Budget { max_bullets: None, max_chars: Some(full - 1) });
+        let out = apply_ops(&pb, &ops, &Budget { max_bullets: None, max_chars: Some(full - 1), ..Default::default() });
         assert!(rendered_chars(&out.playbook) < full);
         assert_eq!(out.evicted.len(), 1);
         assert_eq!(out.evicted[0].bullet.id, "b-0004", "old zero-score bullet goes before the new one");
-        let tiny = apply_ops(&pb, &ops, &Budget { max_bullets: None, max_chars: Some(0) });
+        let tiny = apply_ops(&pb, &ops, &Budget { max_bullets: None, max_chars: Some(0), ..Default::default() });
         assert!(tiny.playbook.is_empty());
         assert_eq!(tiny.playbook.sections.len(), 1, "the pre-existing section stays, the new empty one goes");
     }

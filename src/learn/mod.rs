@@ -6,6 +6,7 @@
 
 pub mod controller;
 pub mod delta;
+pub mod denylist;
 pub mod grouping;
 pub mod journal;
 pub mod level2;

@@ -32,11 +32,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::delta::{self, Applied, Budget, Evicted, MergedOp, Skipped};
+use super::delta::{self, Applied, Budget, Evicted, Guard, MergedOp, Skipped};
 use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
 use super::level2;
-use crate::domain::{DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
+use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
 use crate::llm::protocol::{self, placeholders, validate_reflection};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
@@ -63,6 +63,12 @@ pub struct RoundSpec {
     pub duplication: u32,
     pub reduce: ReduceMode,
     pub budget: Budget,
+    /// Whether a valid reflection an agent sent with its trace replaces the reflector call.
+    #[serde(default)]
+    pub agent_reflections: AgentReflections,
+    /// Lines learned content must not add (from the configuration, not stored with the round).
+    #[serde(skip)]
+    pub denylist: std::sync::Arc<super::denylist::ContentDenylist>,
 }
 
 /// Wall time of each phase, in milliseconds.
@@ -99,6 +105,10 @@ pub struct MapCounts {
     pub resumed: usize,
     /// The agent's own reflection, sent with the trace.
     pub from_traces: usize,
+    /// Traces that carried a reflection the prompt's settings say to ignore
+    /// (`agent_reflections = "ignore"`): the reflector diagnosed them instead.
+    #[serde(default)]
+    pub ignored_from_traces: usize,
 }
 
 /// The result of a successful round: the validated new content and its provenance.
@@ -213,7 +223,10 @@ pub async fn run_round(
     let shuffle_ms = clock.finish().await?;
     let k = groups.len();
 
-    let ctx = Reduce { backend, llm, journal, spec, trace_ids: &trace_ids, reflections: &reflections, concurrency };
+    // What this round may not take away is judged on the counters before its own tags.
+    let guard = Guard::for_round(&base.playbook.clone().unwrap_or_default(), &spec.budget);
+    let ctx =
+        Reduce { backend, llm, journal, spec, trace_ids: &trace_ids, reflections: &reflections, concurrency, guard };
     let mut result = match plan.execution {
         Execution::Parallel => ctx.parallel(&frozen, &groups, &mut calls).await?,
         Execution::Sequential => ctx.sequential(&frozen, &groups, &mut calls).await?,
@@ -281,11 +294,16 @@ async fn map_phase(
         if let Some(r) = stored.get(&trace.id) {
             slots[i] = Some(r.clone());
             counts.resumed += 1;
-        } else if let Some(r) = own_reflection(trace, base) {
+        } else if spec.agent_reflections == AgentReflections::Use
+            && let Some(r) = own_reflection(trace, base)
+        {
             journal.save_reflection(trace.id, &r, ReflectionSource::Trace).await?;
             slots[i] = Some(r);
             counts.from_traces += 1;
         } else {
+            if spec.agent_reflections == AgentReflections::Ignore && trace.reflection.is_some() {
+                counts.ignored_from_traces += 1;
+            }
             todo.push(i);
         }
     }
@@ -302,7 +320,14 @@ async fn map_phase(
                 return (i, None, Vec::new());
             }
             let mut calls = Vec::new();
-            let r = protocol::reflect(backend, llm, &traces[i], base, spec.strategy, &mut calls).await;
+            // An ignored agent reflection is not shown to the reflector either.
+            let shown = match spec.agent_reflections {
+                AgentReflections::Ignore if traces[i].reflection.is_some() => {
+                    std::borrow::Cow::Owned(Trace { reflection: None, ..traces[i].clone() })
+                }
+                _ => std::borrow::Cow::Borrowed(&traces[i]),
+            };
+            let r = protocol::reflect(backend, llm, &shown, base, spec.strategy, &mut calls).await;
             if r.as_ref().is_err_and(LlmError::is_retryable) {
                 abort.store(true, Ordering::Relaxed);
             }
@@ -386,6 +411,7 @@ struct Reduce<'a> {
     trace_ids: &'a [Uuid],
     reflections: &'a [Reflection],
     concurrency: usize,
+    guard: Guard,
 }
 
 impl Reduce<'_> {
@@ -499,7 +525,7 @@ impl Reduce<'_> {
             merged = consolidated.0.ops;
         }
         let playbook = frozen.playbook.clone().unwrap_or_default();
-        let outcome = delta::apply_ops(&playbook, &merged, &self.spec.budget);
+        let outcome = delta::apply_ops_guarded(&playbook, &merged, &self.spec.budget, &mut self.guard.clone());
         Ok(Reduced {
             content: VersionContent { base: frozen.base.clone(), playbook: Some(outcome.playbook) },
             applied: outcome.applied,
@@ -644,6 +670,7 @@ impl Reduce<'_> {
     ) -> Result<Reduced, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
         let mut current = frozen.clone();
+        let mut guard = self.guard.clone();
         let mut reduced = Reduced {
             content: frozen.clone(),
             applied: Vec::new(),
@@ -669,7 +696,7 @@ impl Reduce<'_> {
                 Proposal::Ops(ops) => {
                     let merged = delta::normalize_ops(ops.into_iter().map(|op| (g, op)).collect());
                     let playbook = current.playbook.clone().unwrap_or_default();
-                    let outcome = delta::apply_ops(&playbook, &merged, &self.spec.budget);
+                    let outcome = delta::apply_ops_guarded(&playbook, &merged, &self.spec.budget, &mut guard);
                     current.playbook = Some(outcome.playbook);
                     reduced.applied.extend(outcome.applied);
                     reduced.skipped.extend(outcome.skipped);
@@ -715,6 +742,7 @@ fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec
             }
         }
     }
+    spec.denylist.check(base, new)?;
     let kept = placeholders(&new.base);
     let lost: Vec<String> = placeholders(&base.base).difference(&kept).map(|p| format!("{{{p}}}")).collect();
     if !lost.is_empty() {

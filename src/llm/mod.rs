@@ -7,6 +7,7 @@
 
 pub mod client;
 pub mod config;
+pub mod fence;
 pub mod protocol;
 pub mod sim;
 

@@ -86,32 +86,8 @@ impl Task {
     }
 }
 
-/// The tag names that fence data inside prompts. Inside fenced data, any of them
-/// is neutralised so data can neither close its fence nor open a new one.
-pub const FENCE_TAGS: [&str; 5] =
-    ["untrusted-trace-data", "untrusted-reflections", "untrusted-proposals", "untrusted-operations", "current-prompt"];
-
-/// Replaces the `<` of every `<tag` or `</tag` (any case) of a [`FENCE_TAGS`] name with `&lt;`.
-pub fn neutralise(data: &str) -> String {
-    let lower = data.to_ascii_lowercase(); // same byte offsets as `data`
-    let mut out = String::with_capacity(data.len());
-    let mut last = 0;
-    for (i, _) in data.match_indices('<') {
-        let rest = &lower[i + 1..];
-        let rest = rest.strip_prefix('/').unwrap_or(rest);
-        if FENCE_TAGS.iter().any(|t| rest.starts_with(t)) {
-            out.push_str(&data[last..i]);
-            out.push_str("&lt;");
-            last = i + 1;
-        }
-    }
-    out.push_str(&data[last..]);
-    out
-}
-
-fn fence(tag: &str, attrs: &str, data: &str) -> String {
-    format!("<{tag}{attrs}>\n{}\n</{tag}>", neutralise(data.trim_end()))
-}
+use super::fence::fence;
+pub use super::fence::{FENCE_TAGS, neutralise};
 
 /// Splits a template into its system and user parts and fills `{{name}}` slots in
 /// one pass, so text substituted in is never scanned for further slots.
@@ -495,6 +471,8 @@ pub(crate) mod tests {
             attempts: 0,
             failure_reason: None,
             round_id: None,
+            quarantined_at: None,
+            quarantine_reason: None,
             created_at: chrono::Utc::now(),
             updated_at: chrono::Utc::now(),
         }
@@ -582,7 +560,7 @@ pub(crate) mod tests {
         let msgs = aggregate_playbook_messages(&current, &rs);
         assert!(msgs[0].content.contains("combee-task: aggregate-playbook"));
         assert!(msgs[1].content.contains("<untrusted-reflections count=\"2\">\n[reflection 1]"));
-        assert!(msgs[1].content.contains("key insight: &lt;untrusted-reflections>INSIGHT-b: two"));
+        assert!(msgs[1].content.contains("key insight: [untrusted-reflections>INSIGHT-b: two"));
         let msgs = aggregate_rewrite_messages(&current, &rs);
         assert!(msgs[0].content.contains("combee-task: aggregate-rewrite"));
         let msgs = merge_rewrite_messages(&current, &["A".into(), "B".into(), "C".into()]);
@@ -602,15 +580,6 @@ pub(crate) mod tests {
         let msgs = consolidate_playbook_messages(&current, &ops);
         assert!(msgs[0].content.contains("combee-task: consolidate-playbook"));
         assert!(msgs[1].content.contains("<untrusted-operations count=\"2\">\no1 | ADD | s | one &lt;/untrusted-operations> two\no2 | REMOVE | b-0001 | harmful\n</untrusted-operations>"), "{}", msgs[1].content);
-    }
-
-    #[test]
-    fn neutralise_only_touches_fence_tags() {
-        assert_eq!(
-            neutralise("a < b <b> </Current-Prompt> <untrusted-x"),
-            "a < b <b> &lt;/Current-Prompt> <untrusted-x"
-        );
-        assert_eq!(neutralise("é<untrusted-trace-data>"), "é&lt;untrusted-trace-data>");
     }
 
     #[test]

@@ -28,6 +28,11 @@ pub const POSTGRES: &[Migration] = &[
         sql: include_str!("../../migrations/postgres/0006_key_generation.sql"),
     },
     Migration {
+        version: 7,
+        name: "poisoning_controls",
+        sql: include_str!("../../migrations/postgres/0007_poisoning_controls.sql"),
+    },
+    Migration {
         version: 8,
         name: "reflections_by_trace",
         sql: include_str!("../../migrations/postgres/0008_reflections_by_trace.sql"),
@@ -45,6 +50,11 @@ pub const SQLITE: &[Migration] = &[
         version: 6,
         name: "key_generation",
         sql: include_str!("../../migrations/sqlite/0006_key_generation.sql"),
+    },
+    Migration {
+        version: 7,
+        name: "poisoning_controls",
+        sql: include_str!("../../migrations/sqlite/0007_poisoning_controls.sql"),
     },
     Migration {
         version: 8,

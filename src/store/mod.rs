@@ -242,6 +242,31 @@ pub struct TraceFilter {
     pub before_id: Option<Uuid>,
 }
 
+/// The result of an operator action on one trace.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TraceAction {
+    /// Done; the trace as it is now (for a delete: as it was).
+    Done(Box<Trace>),
+    NotFound,
+    /// Not allowed in the trace's state; the text says why, for the operator.
+    Refused(String),
+}
+
+/// Why an operator action on a trace in this state is refused, if it is.
+/// `status` is the stored status column (never `quarantined`).
+pub(crate) fn trace_action_refusal(delete: bool, status: &str, round_id: Option<Uuid>) -> Option<String> {
+    let verb = if delete { "deleted" } else { "quarantined" };
+    if status == "consumed" {
+        return Some(format!(
+            "the trace was consumed by a round and a version was learned from it; it cannot be {verb} \
+             (roll back the version instead)"
+        ));
+    }
+    round_id.map(|r| {
+        format!("the trace is reserved by round {r}, which is in flight; it can be {verb} once the round ends")
+    })
+}
+
 /// Which failed traces of a prompt to put back to pending.
 #[derive(Debug, Clone)]
 pub struct RequeueFailed {
@@ -532,6 +557,14 @@ pub trait Store: Send + Sync + 'static {
     /// Creates the prompt and its version 1, labelled `production`.
     async fn create_prompt(&self, prompt: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)>;
     async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>>;
+    /// Replaces a prompt's settings if they still equal `expected` (`Conflict`
+    /// otherwise: read again and retry); `None` when the prompt does not exist.
+    async fn update_prompt_settings(
+        &self,
+        name: &PromptName,
+        expected: &PromptSettings,
+        new: &PromptSettings,
+    ) -> StoreResult<Option<Prompt>>;
     /// Prompts ordered by name, starting after `after`.
     async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>>;
     /// Appends a version (number = previous + 1, never a gap or a duplicate) and
@@ -576,6 +609,15 @@ pub trait Store: Send + Sync + 'static {
     /// Forgets held spans (that never became a trace) of trace ids that got
     /// nothing since `older_than`; returns how many spans.
     async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
+    /// Holds a pending or failed trace back from learning (idempotent); refused
+    /// while a round has it reserved or once it was consumed.
+    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction>;
+    /// Quarantines every unreserved pending trace of `filter.prompt` created in
+    /// `[since, until)`; returns how many. `filter.status` and `before_id` are ignored.
+    async fn quarantine_traces(&self, filter: &TraceFilter, reason: &str) -> StoreResult<u64>;
+    /// Deletes a trace that no version was learned from (with its reflections
+    /// in failed rounds); refused while a round has it reserved or once consumed.
+    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction>;
 
     // Idempotency
     /// Stores traces and remembers the key with its answer (`status`, and the

@@ -19,14 +19,14 @@ use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector,
-    Store, StoreError, StoreKind, StoreResult, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
-    otlp_prompt_problem, scopes_from_string, scopes_to_string,
+    Store, StoreError, StoreKind, StoreResult, TraceAction, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
+    otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
 };
 use crate::{
     config::Secret,
     domain::{
-        Feedback, LabelName, Prompt, PromptName, Reflection, Trace, TraceStatus, Version, VersionContent,
-        VersionSource,
+        Feedback, LabelName, Prompt, PromptName, PromptSettings, Reflection, Trace, TraceStatus, Version,
+        VersionContent, VersionSource,
         event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
@@ -315,17 +315,21 @@ fn key_from_row(row: &PgRow) -> StoreResult<ApiKey> {
 
 const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
      t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
-     t.updated_at";
+     t.updated_at, t.quarantined_at, t.quarantine_reason";
 
 fn trace_from_row(row: &PgRow) -> StoreResult<Trace> {
     let name: String = row.try_get("prompt_name")?;
     let status: String = row.try_get("status")?;
     let reflection: Option<Value> = row.try_get("reflection")?;
+    let quarantined_at: Option<DateTime<Utc>> = row.try_get("quarantined_at")?;
     Ok(Trace {
         id: row.try_get("id")?,
         prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
         prompt_version: row.try_get("prompt_version")?,
-        status: TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
+        status: match quarantined_at {
+            Some(_) => TraceStatus::Quarantined,
+            None => TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
+        },
         input: row.try_get("input")?,
         trajectory: row.try_get("trajectory")?,
         output: row.try_get("output")?,
@@ -336,6 +340,8 @@ fn trace_from_row(row: &PgRow) -> StoreResult<Trace> {
         attempts: row.try_get("attempts")?,
         failure_reason: row.try_get("failure_reason")?,
         round_id: row.try_get("round_id")?,
+        quarantined_at,
+        quarantine_reason: row.try_get("quarantine_reason")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
     })
@@ -577,11 +583,41 @@ impl Store for PgStore {
         .transpose()
     }
 
+    async fn update_prompt_settings(
+        &self,
+        name: &PromptName,
+        expected: &PromptSettings,
+        new: &PromptSettings,
+    ) -> StoreResult<Option<Prompt>> {
+        let mut tx = self.pool.begin().await?;
+        let Some(current) = sqlx::query_scalar::<_, Value>("SELECT settings FROM prompts WHERE name = $1 FOR UPDATE")
+            .bind(name.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let current: PromptSettings = serde_json::from_value(current).map_err(|_| corrupt("settings"))?;
+        if &current != expected {
+            return Err(StoreError::Conflict);
+        }
+        let row = sqlx::query(
+            "UPDATE prompts SET settings = $2 WHERE name = $1
+             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
+        )
+        .bind(name.as_str())
+        .bind(serde_json::to_value(new).map_err(|_| corrupt("settings"))?)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        prompt_from_row(&row).map(Some)
+    }
+
     async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
                     (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending') AS pending
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
              FROM prompts p WHERE ($1::text IS NULL OR p.name > $1) ORDER BY p.name LIMIT $2",
         )
         .bind(after)
@@ -756,7 +792,9 @@ impl Store for PgStore {
     async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
         sqlx::query(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
-             WHERE ($1::text IS NULL OR p.name = $1) AND ($2::text IS NULL OR t.status = $2)
+             WHERE ($1::text IS NULL OR p.name = $1)
+               AND ($2::text IS NULL OR CASE WHEN $2 = 'quarantined' THEN t.quarantined_at IS NOT NULL
+                                             ELSE t.status = $2 AND t.quarantined_at IS NULL END)
                AND ($3::timestamptz IS NULL OR t.created_at >= $3) AND ($4::timestamptz IS NULL OR t.created_at < $4)
                AND ($5::uuid IS NULL OR t.id < $5)
              ORDER BY t.id DESC LIMIT $6"
@@ -792,6 +830,71 @@ impl Store for PgStore {
             .await?;
         tx.commit().await?;
         self.get_trace(id).await
+    }
+
+    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
+        let mut tx = self.pool.begin().await?;
+        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(TraceAction::NotFound);
+        };
+        if let Some(why) = trace_action_refusal(false, row.try_get("status")?, row.try_get("round_id")?) {
+            return Ok(TraceAction::Refused(why));
+        }
+        sqlx::query(
+            "UPDATE traces SET quarantined_at = now(), quarantine_reason = $2, updated_at = now()
+             WHERE id = $1 AND quarantined_at IS NULL",
+        )
+        .bind(id)
+        .bind(reason)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+    }
+
+    async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
+        let Some(prompt) = &f.prompt else { return Ok(0) };
+        Ok(sqlx::query(
+            "UPDATE traces t SET quarantined_at = now(), quarantine_reason = $2, updated_at = now()
+             FROM prompts p
+             WHERE p.id = t.prompt_id AND p.name = $1 AND t.status = 'pending' AND t.round_id IS NULL
+               AND t.quarantined_at IS NULL
+               AND ($3::timestamptz IS NULL OR t.created_at >= $3) AND ($4::timestamptz IS NULL OR t.created_at < $4)",
+        )
+        .bind(prompt.as_str())
+        .bind(reason)
+        .bind(f.since)
+        .bind(f.until)
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
+    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
+        let mut tx = self.pool.begin().await?;
+        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = $1 FOR UPDATE")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(TraceAction::NotFound);
+        };
+        if let Some(why) = trace_action_refusal(true, row.try_get("status")?, row.try_get("round_id")?) {
+            return Ok(TraceAction::Refused(why));
+        }
+        // Only rounds that ended without publishing can still name it.
+        sqlx::query("DELETE FROM reflections WHERE trace_id = $1").bind(id).execute(&mut *tx).await?;
+        sqlx::query("DELETE FROM round_traces WHERE trace_id = $1").bind(id).execute(&mut *tx).await?;
+        // Its OTLP spans go too (a re-sent span would then make a new trace).
+        sqlx::query("DELETE FROM otlp_spans WHERE trace_id = $1").bind(id).execute(&mut *tx).await?;
+        sqlx::query("DELETE FROM traces WHERE id = $1").bind(id).execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(TraceAction::Done(Box::new(trace)))
     }
 
     async fn merge_otlp_spans(
@@ -1067,7 +1170,7 @@ impl Store for PgStore {
             return Err(StoreError::AlreadyExists);
         }
         let ids: Vec<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL
+            "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL AND quarantined_at IS NULL
              ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
         )
         .bind(prompt_id)
@@ -1121,8 +1224,8 @@ impl Store for PgStore {
     async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS pending,
-                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS oldest,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
+                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS oldest,
                     EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
              FROM prompts p ORDER BY p.name",
         )

@@ -19,14 +19,14 @@ use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector,
-    Store, StoreError, StoreKind, StoreResult, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
-    otlp_prompt_problem, scopes_from_string, scopes_to_string,
+    Store, StoreError, StoreKind, StoreResult, TraceAction, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
+    otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
 };
 use crate::{
     config::Secret,
     domain::{
-        Feedback, LabelName, Prompt, PromptName, Reflection, Trace, TraceStatus, Version, VersionContent,
-        VersionSource,
+        Feedback, LabelName, Prompt, PromptName, PromptSettings, Reflection, Trace, TraceStatus, Version,
+        VersionContent, VersionSource,
         event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
@@ -340,18 +340,23 @@ fn key_from_row(row: &SqliteRow) -> StoreResult<ApiKey> {
 
 const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
      t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
-     t.updated_at";
+     t.updated_at, t.quarantined_at, t.quarantine_reason";
 
 fn trace_from_row(row: &SqliteRow) -> StoreResult<Trace> {
     let name: String = row.try_get("prompt_name")?;
     let status: String = row.try_get("status")?;
     let reflection: Option<String> = row.try_get("reflection")?;
     let round_id: Option<String> = row.try_get("round_id")?;
+    let quarantined_at: Option<i64> = row.try_get("quarantined_at")?;
+    let quarantined_at = quarantined_at.map(time).transpose()?;
     Ok(Trace {
         id: uuid(row.try_get("id")?)?,
         prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
         prompt_version: row.try_get("prompt_version")?,
-        status: TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
+        status: match quarantined_at {
+            Some(_) => TraceStatus::Quarantined,
+            None => TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
+        },
         input: json(row.try_get("input")?)?,
         trajectory: json(row.try_get("trajectory")?)?,
         output: json(row.try_get("output")?)?,
@@ -362,6 +367,8 @@ fn trace_from_row(row: &SqliteRow) -> StoreResult<Trace> {
         attempts: row.try_get("attempts")?,
         failure_reason: row.try_get("failure_reason")?,
         round_id: round_id.as_deref().map(uuid).transpose()?,
+        quarantined_at,
+        quarantine_reason: row.try_get("quarantine_reason")?,
         created_at: time(row.try_get("created_at")?)?,
         updated_at: time(row.try_get("updated_at")?)?,
     })
@@ -755,11 +762,41 @@ impl Store for SqliteStore {
         .transpose()
     }
 
+    async fn update_prompt_settings(
+        &self,
+        name: &PromptName,
+        expected: &PromptSettings,
+        new: &PromptSettings,
+    ) -> StoreResult<Option<Prompt>> {
+        let mut tx = self.writer.begin().await?;
+        let Some(current) = sqlx::query_scalar::<_, String>("SELECT settings FROM prompts WHERE name = ?")
+            .bind(name.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let current: PromptSettings = serde_json::from_str(&current).map_err(|_| corrupt("settings"))?;
+        if &current != expected {
+            return Err(StoreError::Conflict);
+        }
+        let row = sqlx::query(
+            "UPDATE prompts SET settings = ? WHERE name = ?
+             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
+        )
+        .bind(to_json(new)?)
+        .bind(name.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        prompt_from_row(&row).map(Some)
+    }
+
     async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
                     (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending') AS pending
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
              FROM prompts p WHERE (?1 IS NULL OR p.name > ?1) ORDER BY p.name LIMIT ?2",
         )
         .bind(after)
@@ -937,7 +974,9 @@ impl Store for SqliteStore {
     async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
         sqlx::query(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
-             WHERE (?1 IS NULL OR p.name = ?1) AND (?2 IS NULL OR t.status = ?2)
+             WHERE (?1 IS NULL OR p.name = ?1)
+               AND (?2 IS NULL OR CASE WHEN ?2 = 'quarantined' THEN t.quarantined_at IS NOT NULL
+                                       ELSE t.status = ?2 AND t.quarantined_at IS NULL END)
                AND (?3 IS NULL OR t.created_at >= ?3) AND (?4 IS NULL OR t.created_at < ?4)
                AND (?5 IS NULL OR t.id < ?5)
              ORDER BY t.id DESC LIMIT ?6"
@@ -973,6 +1012,83 @@ impl Store for SqliteStore {
             .await?;
         tx.commit().await?;
         self.get_trace(id).await
+    }
+
+    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
+        // The single writer connection makes this read-then-write atomic.
+        let mut tx = self.writer.begin().await?;
+        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = ?")
+            .bind(id.to_string())
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(TraceAction::NotFound);
+        };
+        let round_id: Option<String> = row.try_get("round_id")?;
+        let round_id = round_id.as_deref().map(uuid).transpose()?;
+        if let Some(why) = trace_action_refusal(false, row.try_get("status")?, round_id) {
+            return Ok(TraceAction::Refused(why));
+        }
+        let now = now_us();
+        sqlx::query(
+            "UPDATE traces SET quarantined_at = ?, quarantine_reason = ?, updated_at = ?
+             WHERE id = ? AND quarantined_at IS NULL",
+        )
+        .bind(now)
+        .bind(reason)
+        .bind(now)
+        .bind(id.to_string())
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+    }
+
+    async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
+        let Some(prompt) = &f.prompt else { return Ok(0) };
+        let now = now_us();
+        Ok(sqlx::query(
+            "UPDATE traces SET quarantined_at = ?1, quarantine_reason = ?2, updated_at = ?1
+             WHERE prompt_id = (SELECT id FROM prompts WHERE name = ?3) AND status = 'pending' AND round_id IS NULL
+               AND quarantined_at IS NULL
+               AND (?4 IS NULL OR created_at >= ?4) AND (?5 IS NULL OR created_at < ?5)",
+        )
+        .bind(now)
+        .bind(reason)
+        .bind(prompt.as_str())
+        .bind(f.since.map(|t| t.timestamp_micros()))
+        .bind(f.until.map(|t| t.timestamp_micros()))
+        .execute(&self.writer)
+        .await?
+        .rows_affected())
+    }
+
+    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
+        let mut tx = self.writer.begin().await?;
+        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = ?")
+            .bind(id.to_string())
+            .fetch_optional(&mut *tx)
+            .await?
+        else {
+            return Ok(TraceAction::NotFound);
+        };
+        let round_id: Option<String> = row.try_get("round_id")?;
+        let round_id = round_id.as_deref().map(uuid).transpose()?;
+        if let Some(why) = trace_action_refusal(true, row.try_get("status")?, round_id) {
+            return Ok(TraceAction::Refused(why));
+        }
+        // Only rounds that ended without publishing can still name it.
+        for sql in [
+            "DELETE FROM reflections WHERE trace_id = ?",
+            "DELETE FROM round_traces WHERE trace_id = ?",
+            "DELETE FROM otlp_spans WHERE trace_id = ?",
+            "DELETE FROM traces WHERE id = ?",
+        ] {
+            sqlx::query(sql).bind(id.to_string()).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(TraceAction::Done(Box::new(trace)))
     }
 
     async fn merge_otlp_spans(
@@ -1241,7 +1357,7 @@ impl Store for SqliteStore {
             return Err(StoreError::AlreadyExists);
         }
         let ids: Vec<String> = sqlx::query_scalar(
-            "SELECT id FROM traces WHERE prompt_id = ? AND status = 'pending' AND round_id IS NULL ORDER BY id LIMIT ?",
+            "SELECT id FROM traces WHERE prompt_id = ? AND status = 'pending' AND round_id IS NULL AND quarantined_at IS NULL ORDER BY id LIMIT ?",
         )
         .bind(&prompt_id)
         .bind(i64::from(req.batch))
@@ -1297,8 +1413,8 @@ impl Store for SqliteStore {
     async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS pending,
-                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL) AS oldest,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
+                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS oldest,
                     EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
              FROM prompts p ORDER BY p.name",
         )

@@ -1,7 +1,8 @@
 //! The UI's state-changing forms: promote a version to production and roll
 //! back to a version. Both are POSTs carrying the session's CSRF token and the
 //! production version the page showed, so a stale page cannot undo someone
-//! else's change (it gets a 412 page instead).
+//! else's change (it gets a 412 page instead). Quarantine and delete of a
+//! trace (containing a poisoned stream) are POSTs with the CSRF token too.
 
 use axum::{
     Form,
@@ -14,7 +15,7 @@ use super::{UiError, session::Operator};
 use crate::{
     domain::LabelName,
     http::{AppState, error::ApiError, prompts},
-    store::{LabelMove, Scope},
+    store::{LabelMove, Scope, TraceAction},
 };
 
 #[derive(Deserialize)]
@@ -76,4 +77,56 @@ pub async fn rollback(
     let created = prompts::roll_back(&st, &prompt, to, None, Some(expected), &op.actor()).await?;
     tracing::info!(prompt = %prompt.name, to, new_version = created.number, by = %op.actor(), "rolled back from the web UI");
     Ok(back(prompt.name.as_str(), "rolled_back", created.number))
+}
+
+#[derive(Deserialize)]
+pub struct TraceForm {
+    #[serde(default)]
+    csrf: Option<String>,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+fn trace_id(id: &str) -> Result<uuid::Uuid, UiError> {
+    uuid::Uuid::parse_str(id).map_err(|_| UiError::NotFound("No such trace: ids are UUIDs.".into()))
+}
+
+fn trace_outcome(id: uuid::Uuid, action: TraceAction) -> Result<(), UiError> {
+    match action {
+        TraceAction::Done(_) => Ok(()),
+        TraceAction::NotFound => Err(UiError::NotFound(format!("Trace {id} not found."))),
+        TraceAction::Refused(why) => Err(UiError::Api(ApiError::Conflict(why))),
+    }
+}
+
+/// Holds a trace back from learning (the trace page's Quarantine button).
+pub async fn quarantine_trace(
+    State(st): State<AppState>,
+    op: Operator,
+    Path(id): Path<String>,
+    Form(form): Form<TraceForm>,
+) -> Result<Response, UiError> {
+    op.check_csrf(form.csrf.as_deref())?;
+    op.require(Scope::PromptsWrite)?;
+    let id = trace_id(&id)?;
+    let reason = form.reason.map(|r| r.trim().chars().take(500).collect::<String>()).filter(|r| !r.is_empty());
+    let reason = reason.unwrap_or_else(|| format!("quarantined by {} in the web UI", op.actor()));
+    trace_outcome(id, st.store.quarantine_trace(id, &reason).await?)?;
+    tracing::info!(trace = %id, by = %op.actor(), "trace quarantined from the web UI");
+    Ok(Redirect::to(&format!("/ui/traces/{id}?notice=quarantined")).into_response())
+}
+
+/// Deletes a trace (the trace page's Delete button); back to the trace list.
+pub async fn delete_trace(
+    State(st): State<AppState>,
+    op: Operator,
+    Path(id): Path<String>,
+    Form(form): Form<TraceForm>,
+) -> Result<Response, UiError> {
+    op.check_csrf(form.csrf.as_deref())?;
+    op.require(Scope::PromptsWrite)?;
+    let id = trace_id(&id)?;
+    trace_outcome(id, st.store.delete_trace(id).await?)?;
+    tracing::info!(trace = %id, by = %op.actor(), "trace deleted from the web UI");
+    Ok(Redirect::to("/ui/traces?notice=deleted").into_response())
 }

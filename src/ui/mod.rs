@@ -38,6 +38,8 @@ pub fn router() -> Router<AppState> {
         .route("/rounds/{id}", get(pages::round))
         .route("/traces", get(pages::traces))
         .route("/traces/{id}", get(pages::trace))
+        .route("/traces/{id}/quarantine", post(actions::quarantine_trace))
+        .route("/traces/{id}/delete", post(actions::delete_trace))
         .route("/static/style.css", get(stylesheet))
         .fallback(|| async { UiError::NotFound("No such page.".into()) })
         .layer(middleware::from_fn(security_headers))

@@ -864,7 +864,7 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
             format!(r#"<option value="{0}"{sel}>{0}</option>"#, escape(p.prompt.name.as_str()))
         })
         .collect();
-    let status_options: String = ["pending", "consumed", "failed"]
+    let status_options: String = ["pending", "consumed", "failed", "quarantined"]
         .iter()
         .map(|s| {
             let sel = if status.map(TraceStatus::as_str) == Some(*s) { " selected" } else { "" };
@@ -931,7 +931,39 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
     Ok(page("Traces", Some(&op.who()), Section::Traces, &body))
 }
 
-pub async fn trace(State(st): State<AppState>, op: Operator, Path(id): Path<String>) -> PageResult {
+#[derive(Debug, Default, Deserialize)]
+pub struct TraceNotice {
+    #[serde(default)]
+    notice: Option<String>,
+}
+
+/// The Quarantine and Delete forms, for a key with `prompts:write` and a trace they apply to.
+fn trace_actions(op: &Operator, t: &crate::domain::Trace) -> String {
+    use crate::domain::TraceStatus;
+    if !op.can(Scope::PromptsWrite) || t.status == TraceStatus::Consumed || t.round_id.is_some() {
+        return String::new();
+    }
+    let csrf = format!(r#"<input type="hidden" name="csrf" value="{}">"#, escape(&op.session.csrf_token));
+    let quarantine = if t.status == TraceStatus::Quarantined {
+        String::new()
+    } else {
+        format!(
+            r#"<form method="post" action="/ui/traces/{id}/quarantine" class="inline" id="quarantine-form">{csrf}<input type="text" name="reason" maxlength="500" placeholder="reason (optional)" id="quarantine-reason"> <button type="submit" class="small" id="quarantine" title="Hold this trace back from learning">Quarantine</button></form> "#,
+            id = t.id
+        )
+    };
+    format!(
+        r#"<div class="card" id="trace-actions">{quarantine}<form method="post" action="/ui/traces/{id}/delete" class="inline">{csrf}<button type="submit" class="small secondary" id="delete-trace" title="Delete this trace for good">Delete</button></form></div>"#,
+        id = t.id
+    )
+}
+
+pub async fn trace(
+    State(st): State<AppState>,
+    op: Operator,
+    Path(id): Path<String>,
+    Query(q): Query<TraceNotice>,
+) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let id = Uuid::parse_str(&id).map_err(|_| UiError::NotFound("No such trace: ids are UUIDs.".into()))?;
     let t = st.store.get_trace(id).await?.ok_or_else(|| UiError::NotFound(format!("Trace {id} not found.")))?;
@@ -943,7 +975,8 @@ pub async fn trace(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
 <div class="card"><dl class="facts" id="trace-facts">
 <dt>Prompt</dt><dd>{}</dd><dt>Version</dt><dd>{}</dd><dt>Status</dt><dd>{}</dd><dt>Round</dt><dd>{}</dd>
 <dt>Attempts</dt><dd>{}</dd><dt>Failure</dt><dd>{}</dd><dt>External id</dt><dd>{}</dd>
-<dt>Received</dt><dd>{}</dd><dt>Updated</dt><dd>{}</dd></dl></div>
+<dt>Received</dt><dd>{}</dd><dt>Updated</dt><dd>{}</dd><dt>Quarantine</dt><dd id="quarantine-info">{}</dd></dl></div>
+{}{}
 <p class="muted">Trace content is shown as the agent sent it (untrusted data).</p>
 {}{}{}{}{}{}"#,
         t.id,
@@ -956,6 +989,16 @@ pub async fn trace(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
         t.external_id.as_deref().map_or_else(|| "—".to_owned(), escape),
         time(t.created_at),
         time(t.updated_at),
+        match (t.quarantined_at, t.quarantine_reason.as_deref()) {
+            (Some(at), reason) => format!("{} — {}", time(at), escape(reason.unwrap_or(""))),
+            _ => "—".to_owned(),
+        },
+        match q.notice.as_deref() {
+            Some("quarantined") =>
+                r#"<p class="notice ok" id="notice">Quarantined: no round will learn from this trace.</p>"#,
+            _ => "",
+        },
+        trace_actions(&op, &t),
         section("Input", &t.input),
         section("Trajectory", &t.trajectory),
         section("Output", &t.output),

@@ -23,6 +23,7 @@ use crate::{
     learn::{
         controller::ControllerConfig,
         delta::Budget,
+        denylist::ContentDenylist,
         grouping::Method,
         round::{RoundSpec, run_round},
     },
@@ -36,6 +37,7 @@ pub struct Worker {
     backend: Arc<dyn LlmBackend>,
     llm: Arc<LlmConfig>,
     settings: Arc<WorkerSettings>,
+    denylist: Arc<ContentDenylist>,
     controller: Arc<ControllerConfig>,
     choices: Arc<controller::ChoiceLog>,
     /// Names this process in leases (`host:pid:random`).
@@ -85,9 +87,16 @@ impl Worker {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "combee".into());
         let tag: u32 = rand::thread_rng().r#gen();
         let owner = format!("{host}:{}:{tag:08x}", std::process::id());
+        let denylist =
+            ContentDenylist::new(&settings.denylist_substrings, &settings.denylist_patterns).unwrap_or_else(|e| {
+                // Settings::load refuses this at start-up; fail closed if it slips through anyway.
+                tracing::error!(error = %e, "invalid denylist: no learned version will be published");
+                ContentDenylist::new(&[], &["(?s).".to_owned()]).unwrap_or_default()
+            });
         Self {
             store,
             backend,
+            denylist: Arc::new(denylist),
             llm: Arc::new(llm),
             settings: Arc::new(settings),
             controller: Arc::new(controller),
@@ -215,7 +224,14 @@ impl Worker {
             strategy: round.strategy,
             duplication: round.duplication.max(1) as u32,
             reduce: prompt.settings.reduce,
-            budget: Budget { max_bullets: prompt.settings.max_bullets, max_chars: prompt.settings.max_chars },
+            budget: Budget {
+                max_bullets: prompt.settings.max_bullets,
+                max_chars: prompt.settings.max_chars,
+                pinned: prompt.settings.pinned_bullets.clone(),
+                max_removal_share: Some(prompt.settings.max_removal_share),
+            },
+            agent_reflections: prompt.settings.agent_reflections,
+            denylist: self.denylist.clone(),
         };
         let started = std::time::Instant::now();
         let batch_size = traces.len() as u32;
