@@ -4,5 +4,6 @@
 //! Everything here is pure (plain functions over plain data); the store and
 //! HTTP layers feed it numbers.
 
+pub mod assign;
 pub mod stats;
 pub mod trueskill;
