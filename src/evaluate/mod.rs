@@ -5,5 +5,6 @@
 //! HTTP layers feed it numbers.
 
 pub mod assign;
+pub mod population;
 pub mod stats;
 pub mod trueskill;
