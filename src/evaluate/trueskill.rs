@@ -66,7 +66,7 @@ impl Rating {
     /// parents, σ = √(1/Σσᵢ⁻² + 1). `None` without parents or with a
     /// non-positive σ.
     pub fn crossover_child(parents: &[Rating]) -> Option<Rating> {
-        if parents.is_empty() || parents.iter().any(|p| !(p.sigma > 0.0)) {
+        if parents.is_empty() || parents.iter().any(|p| p.sigma.is_nan() || p.sigma <= 0.0) {
             return None;
         }
         let precision: f64 = parents.iter().map(|p| 1.0 / (p.sigma * p.sigma)).sum();
