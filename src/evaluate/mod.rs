@@ -5,6 +5,7 @@
 //! HTTP layers feed it numbers.
 
 pub mod assign;
+pub mod outcomes;
 pub mod population;
 pub mod stats;
 pub mod trueskill;
