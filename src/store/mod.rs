@@ -448,6 +448,16 @@ pub trait Store: Send + Sync + 'static {
     /// Newest first.
     async fn list_traces(&self, filter: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>>;
     async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
+    /// Per (version, time bucket) outcome aggregates of the prompt's traces
+    /// created in `[from, until)`; buckets are `bucket_secs` wide, aligned to
+    /// the Unix epoch. Read from the trace rows, so late feedback counts at once.
+    async fn version_outcomes(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_secs: i64,
+    ) -> StoreResult<Vec<crate::evaluate::outcomes::OutcomeBucket>>;
 
     // Idempotency
     async fn idempotency_begin(&self, owner: Uuid, key: &str, request_hash: &str) -> StoreResult<IdempotencyBegin>;
