@@ -7,6 +7,7 @@ pub mod error;
 pub mod extract;
 pub mod keys;
 pub mod ops;
+pub mod outcomes;
 pub mod pagination;
 pub mod prompts;
 pub mod rounds;
@@ -80,6 +81,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
         .route("/v1/rounds/{id}", get(rounds::get_round))
         .route("/v1/prompts/{name}/controller", get(controller::get_controller))
+        .route("/v1/prompts/{name}/metrics", get(outcomes::prompt_metrics))
         .route("/v1/hooks/rounds/{name}", post(rounds::webhook_round))
         .route("/v1/traces", post(traces::post_traces).get(traces::list_traces))
         .route("/v1/traces/{id}", get(traces::get_trace))

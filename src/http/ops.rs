@@ -62,7 +62,7 @@ impl utoipa::Modify for BearerAuth {
         super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
         super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
-        super::controller::get_controller,
+        super::controller::get_controller, super::outcomes::prompt_metrics,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
     ),
