@@ -546,6 +546,22 @@ async fn per_version_metrics_reflect_rewards_usage_and_late_feedback(b: Backend)
     assert_eq!((v2["with_feedback"].as_u64(), v2["success"]["successes"].as_u64()), (Some(5), Some(2)));
     assert_eq!(v2["score"]["mean"].as_f64(), Some(0.4));
 
+    // Prometheus: gauges for labelled versions only.
+    let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+    assert!(
+        text.contains("combee_version_success_rate{prompt=\"p\",version=\"1\",labels=\"production\"} 0.75"),
+        "{text}"
+    );
+    assert!(text.contains("combee_version_mean_score{prompt=\"p\",version=\"1\",labels=\"production\"} 0.75"));
+    assert!(!text.contains("version=\"2\""), "unlabelled versions have no series");
+    let res = app.put("/v1/prompts/p/labels/candidate", json!({"version": 2})).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+    assert!(
+        text.contains("combee_version_success_rate{prompt=\"p\",version=\"2\",labels=\"candidate\"} 0.4"),
+        "{text}"
+    );
+
     // A window before the traces is empty; bad parameters are explained.
     let since = (chrono::Utc::now() - chrono::Duration::days(2)).to_rfc3339().replace('+', "%2B");
     let old: Value =

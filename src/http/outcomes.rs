@@ -135,6 +135,82 @@ pub async fn prompt_metrics(
     Ok(Json(PromptMetrics { prompt: prompt.name.to_string(), from, until, bucket_seconds, versions }))
 }
 
+/// Gauges are computed over this trailing window.
+const GAUGE_WINDOW_SECS: i64 = 86_400;
+/// At most this many prompts (by name) get gauges, so a scrape stays cheap.
+const GAUGE_MAX_PROMPTS: u32 = 100;
+/// A scrape never waits longer than this for the gauges; it answers without them.
+const GAUGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Prometheus text for per-version outcome gauges of *labelled* versions only
+/// (so the series count is bounded by the labels, not by history), over the
+/// last 24 hours: `combee_version_success_rate`, `combee_version_mean_score`
+/// and `combee_version_rewarded_traces`, labelled `prompt`, `version`, `labels`.
+/// Rendered at scrape time from the store, so a moved label shows at once and
+/// a version that lost its labels disappears.
+pub async fn outcome_gauges(st: &AppState) -> String {
+    match tokio::time::timeout(GAUGE_TIMEOUT, render_gauges(st)).await {
+        Ok(Ok(text)) => text,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "per-version gauges left out of this scrape");
+            String::new()
+        }
+        Err(_) => {
+            tracing::warn!("per-version gauges took too long; left out of this scrape");
+            String::new()
+        }
+    }
+}
+
+async fn render_gauges(st: &AppState) -> Result<String, crate::store::StoreError> {
+    use std::fmt::Write;
+    let until = Utc::now();
+    let from = until - Duration::seconds(GAUGE_WINDOW_SECS);
+    let (mut rate, mut score, mut rewarded) = (String::new(), String::new(), String::new());
+    for summary in st.store.list_prompts(None, GAUGE_MAX_PROMPTS).await? {
+        let name = &summary.prompt.name;
+        let labels = st.store.list_labels(name).await?;
+        if labels.is_empty() {
+            continue;
+        }
+        let buckets = st.store.version_outcomes(name, from, until, GAUGE_WINDOW_SECS).await?;
+        let labels_of = |v: i64| -> Vec<String> {
+            let mut l: Vec<String> =
+                labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect();
+            l.sort();
+            l
+        };
+        for v in summarize(&buckets, labels_of) {
+            let Some(version) = v.version.filter(|_| !v.labels.is_empty()) else { continue };
+            let series = format!(
+                "{{prompt=\"{}\",version=\"{version}\",labels=\"{}\"}}",
+                escape(name.as_str()),
+                escape(&v.labels.join(","))
+            );
+            let _ = writeln!(rewarded, "combee_version_rewarded_traces{series} {}", v.with_feedback);
+            if let Some(r) = v.success {
+                let _ = writeln!(rate, "combee_version_success_rate{series} {}", r.rate);
+            }
+            if let Some(m) = v.score {
+                let _ = writeln!(score, "combee_version_mean_score{series} {}", m.mean);
+            }
+        }
+    }
+    Ok(format!(
+        "# HELP combee_version_success_rate Share of successful traces of a labelled version over the last 24h.\n\
+         # TYPE combee_version_success_rate gauge\n{rate}\
+         # HELP combee_version_mean_score Mean feedback score of a labelled version over the last 24h.\n\
+         # TYPE combee_version_mean_score gauge\n{score}\
+         # HELP combee_version_rewarded_traces Traces with a reward of a labelled version over the last 24h.\n\
+         # TYPE combee_version_rewarded_traces gauge\n{rewarded}"
+    ))
+}
+
+/// Prometheus label-value escaping.
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
