@@ -286,10 +286,9 @@ pub async fn prompt(
         .collect();
     let series: Vec<plot::RewardSeries<'_>> =
         shown.iter().map(|(name, points)| plot::RewardSeries { name, points }).collect();
-    let reward_chart = plot::reward_plot(&series).map_or_else(
-        || r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned(),
-        |svg| svg,
-    );
+    let reward_chart = plot::reward_plot(&series).unwrap_or_else(|| {
+        r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned()
+    });
     let promote_note = if can_promote {
         ""
     } else {
