@@ -11,6 +11,9 @@ environment (mu=25, sigma=25/3, beta=sigma/2, tau=sigma/100, draw_probability=0.
 Each line is a Rust tuple literal pasted into the tests of trueskill.rs:
 (mu_a, sigma_a, mu_b, sigma_b, drawn, mu_a', sigma_a', mu_b', sigma_b').
 Player a is the winner unless drawn.
+
+Then the multi-player rankings (one free-for-all per line, lower rank is
+better, equal ranks draw): (&[(mu, sigma), ...], &[rank, ...], &[(mu', sigma'), ...]).
 """
 import trueskill
 
@@ -37,3 +40,18 @@ for mu_a, s_a, mu_b, s_b, drawn in CASES:
         f"({mu_a!r}, {s_a!r}, {mu_b!r}, {s_b!r}, {str(drawn).lower()}, "
         f"{a2.mu!r}, {a2.sigma!r}, {b2.mu!r}, {b2.sigma!r}),"
     )
+
+print()
+RANKINGS = [
+    ([(25.0, 25 / 3)] * 3, [0, 1, 2]),
+    ([(25.0, 25 / 3)] * 4, [0, 1, 2, 3]),
+    ([(25.0, 25 / 3)] * 4, [1, 0, 1, 2]),  # a tie in the middle, given out of order
+    ([(30.0, 2.0), (25.0, 25 / 3), (26.0, 1.0), (22.0, 4.0)], [3, 0, 1, 2]),
+    ([(27.0, 3.0), (29.0, 5.24), (25.0, 8.0), (25.0, 8.0), (25.0, 8.0)], [0, 0, 1, 2, 2]),
+]
+for ratings, ranks in RANKINGS:
+    groups = [(env.create_rating(mu, s),) for mu, s in ratings]
+    out = env.rate(groups, ranks=ranks)
+    rs = ", ".join(f"({mu!r}, {s!r})" for mu, s in ratings)
+    os_ = ", ".join(f"({g[0].mu!r}, {g[0].sigma!r})" for g in out)
+    print(f"(&[{rs}], &{ranks}, &[{os_}]),")
