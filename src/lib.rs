@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod delivery;
 pub mod domain;
+pub mod evaluate;
 pub mod http;
 pub mod learn;
 pub mod llm;

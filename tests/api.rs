@@ -561,6 +561,89 @@ async fn graceful_shutdown_stops_the_server(b: Backend) {
     assert!(app.http.get(app.url("/healthz")).send().await.is_err(), "no longer listening");
 }
 
+async fn per_version_metrics_reflect_rewards_usage_and_late_feedback(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("p").await;
+    let res = app.post("/v1/prompts/p/versions", json!({"base": "You are a careful agent."})).send().await.unwrap();
+    assert_eq!(res.status(), 201);
+    let trace = |v: i64, success: bool, score: f64, tokens: i64| {
+        json!({"prompt": "p", "prompt_version": v, "input": {"q": "x"},
+               "feedback": {"success": success, "score": score}, "metadata": {"tokens": tokens, "latency_ms": 40}})
+    };
+    let batch: Vec<Value> = (0..8)
+        .map(|i| trace(1, i < 6, if i < 6 { 1.0 } else { 0.0 }, 100))
+        .chain((0..4).map(|i| trace(2, i < 1, 0.25, 300)))
+        .chain([json!({"prompt": "p", "prompt_version": 2, "input": {"q": "no feedback yet"}})])
+        .collect();
+    let posted: Value = app.post("/v1/traces", json!({"traces": batch})).send().await.unwrap().json().await.unwrap();
+    let late_id = posted["ids"][12].as_str().unwrap().to_owned();
+
+    let res = app.get("/v1/prompts/p/metrics?window=24h").send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let m: Value = res.json().await.unwrap();
+    assert_eq!((m["prompt"].as_str(), m["bucket_seconds"].as_i64()), (Some("p"), Some(900)));
+    let versions = m["versions"].as_array().unwrap();
+    assert_eq!(versions.iter().map(|v| v["version"].as_i64()).collect::<Vec<_>>(), vec![Some(2), Some(1)]);
+    let (v2, v1) = (&versions[0], &versions[1]);
+    assert_eq!(v1["labels"], json!(["production"]));
+    assert_eq!((v1["traces"].as_u64(), v1["with_feedback"].as_u64()), (Some(8), Some(8)));
+    assert_eq!(v1["success"]["rate"].as_f64(), Some(0.75));
+    // Wilson 95% for 6/8.
+    let (lo, hi) =
+        (v1["success"]["interval"]["low"].as_f64().unwrap(), v1["success"]["interval"]["high"].as_f64().unwrap());
+    assert!((lo - 0.4093).abs() < 1e-3 && (hi - 0.9285).abs() < 1e-3, "{lo} {hi}");
+    assert_eq!(v1["score"]["mean"].as_f64(), Some(0.75));
+    assert!(v1["score"]["interval"]["low"].as_f64().unwrap() < 0.75);
+    assert_eq!((v1["tokens"]["mean"].as_f64(), v1["latency_ms"]["mean"].as_f64()), (Some(100.0), Some(40.0)));
+    assert!(v1["cost_usd"].is_null());
+    assert_eq!(v1["series"].as_array().unwrap().len(), 1);
+    assert_eq!(v1["series"][0]["success_rate"].as_f64(), Some(0.75));
+    assert_eq!((v2["traces"].as_u64(), v2["with_feedback"].as_u64()), (Some(5), Some(4)));
+    assert_eq!(v2["success"]["rate"].as_f64(), Some(0.25));
+    assert_eq!(v2["labels"], json!([]));
+
+    // Late feedback counts on the next read.
+    let res = app
+        .post(&format!("/v1/traces/{late_id}/feedback"), json!({"success": true, "score": 1.0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let m: Value = app.get("/v1/prompts/p/metrics").send().await.unwrap().json().await.unwrap();
+    let v2 = &m["versions"][0];
+    assert_eq!((v2["with_feedback"].as_u64(), v2["success"]["successes"].as_u64()), (Some(5), Some(2)));
+    assert_eq!(v2["score"]["mean"].as_f64(), Some(0.4));
+
+    // Prometheus: gauges for labelled versions only.
+    let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+    assert!(
+        text.contains("combee_version_success_rate{prompt=\"p\",version=\"1\",labels=\"production\"} 0.75"),
+        "{text}"
+    );
+    assert!(text.contains("combee_version_mean_score{prompt=\"p\",version=\"1\",labels=\"production\"} 0.75"));
+    assert!(!text.contains("version=\"2\""), "unlabelled versions have no series");
+    let res = app.put("/v1/prompts/p/labels/candidate", json!({"version": 2})).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+    assert!(
+        text.contains("combee_version_success_rate{prompt=\"p\",version=\"2\",labels=\"candidate\"} 0.4"),
+        "{text}"
+    );
+
+    // A window before the traces is empty; bad parameters are explained.
+    let since = (chrono::Utc::now() - chrono::Duration::days(2)).to_rfc3339().replace('+', "%2B");
+    let old: Value =
+        app.get(&format!("/v1/prompts/p/metrics?since={since}&window=1d")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(old["versions"], json!([]));
+    for bad in ["window=7", "window=1w", "window=0h", "bucket=1m&window=30d", "since=yesterday", "window=999d"] {
+        let body = expect_problem(app.get(&format!("/v1/prompts/p/metrics?{bad}")).send().await.unwrap(), 400).await;
+        assert!(!body["detail"].as_str().unwrap().contains("internal"), "{bad}: {body}");
+    }
+    expect_problem(app.get("/v1/prompts/nope/metrics").send().await.unwrap(), 404).await;
+    let doc: Value = app.get("/v1/openapi.json").send().await.unwrap().json().await.unwrap();
+    assert!(doc["paths"]["/v1/prompts/{name}/metrics"]["get"]["responses"]["400"].is_object());
+}
+
 on_both_stores!(
     failed_traces_are_requeued_through_the_api,
     prompt_lifecycle,
@@ -574,4 +657,5 @@ on_both_stores!(
     first_start_writes_a_private_admin_key,
     operational_routes,
     graceful_shutdown_stops_the_server,
+    per_version_metrics_reflect_rewards_usage_and_late_feedback,
 );

@@ -821,6 +821,73 @@ async fn migration_0007_keeps_existing_prompts_on_agent_reflections(b: Backend) 
     assert!(matches!(again.quarantine_trace(id, "x").await.unwrap(), TraceAction::Done(_)));
 }
 
+fn rewarded_trace(
+    prompt: &str,
+    v: Option<i64>,
+    feedback: serde_json::Value,
+    metadata: serde_json::Value,
+) -> ValidTrace {
+    let t: NewTrace = serde_json::from_value(
+        json!({"prompt": prompt, "prompt_version": v, "input": {"q": "x"}, "feedback": feedback, "metadata": metadata}),
+    )
+    .unwrap();
+    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+}
+
+async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    make_prompt(&s, "other").await;
+    s.create_version(&name("p"), version("v2"), &[]).await.unwrap();
+    let ids = s
+        .insert_traces(&[
+            rewarded_trace(
+                "p",
+                Some(1),
+                json!({"success": true, "score": 1.0}),
+                json!({"tokens": 100, "latency_ms": 20.5}),
+            ),
+            rewarded_trace(
+                "p",
+                Some(1),
+                json!({"success": false, "score": 0.0}),
+                json!({"tokens": 300, "cost_usd": 0.01}),
+            ),
+            // Not numbers, or absurd: left out of the usage and score aggregates.
+            rewarded_trace("p", Some(1), json!({"score": 1e300}), json!({"tokens": "many", "cost_usd": null})),
+            rewarded_trace("p", Some(2), json!({}), json!({})),
+            rewarded_trace("p", None, json!({"success": true}), json!({})),
+            rewarded_trace("other", Some(1), json!({"success": true}), json!({})),
+        ])
+        .await
+        .unwrap();
+    let from = chrono::Utc::now() - chrono::Duration::hours(1);
+    let until = chrono::Utc::now() + chrono::Duration::minutes(1);
+    let mut got = s.version_outcomes(&name("p"), from, until, 3600).await.unwrap();
+    got.sort_by_key(|b| b.version);
+    assert_eq!(got.iter().map(|b| b.version).collect::<Vec<_>>(), vec![None, Some(1), Some(2)], "{got:?}");
+    let v1 = got[1];
+    assert_eq!(v1.start % 3600, 0);
+    assert!(v1.start <= until.timestamp() && v1.start + 3600 > from.timestamp());
+    assert_eq!((v1.traces, v1.with_feedback, v1.success_trials, v1.successes), (3, 3, 2, 1));
+    assert_eq!((v1.score.count, v1.score.sum, v1.score.sum_sq), (2, 1.0, 1.0));
+    assert_eq!((v1.tokens.count, v1.tokens.sum, v1.tokens.sum_sq), (2, 400.0, 100_000.0));
+    assert_eq!((v1.cost_usd.count, v1.latency_ms.count, v1.latency_ms.sum), (1, 1, 20.5));
+    assert_eq!((got[2].traces, got[2].with_feedback, got[2].success_trials), (1, 0, 0));
+    assert_eq!((got[0].traces, got[0].successes), (1, 1));
+
+    // Late feedback on the version-2 trace shows up in the next read.
+    s.add_feedback(ids[3], Feedback { success: Some(true), score: Some(0.5), ..Default::default() }).await.unwrap();
+    let got = s.version_outcomes(&name("p"), from, until, 3600).await.unwrap();
+    let v2 = got.iter().find(|b| b.version == Some(2)).unwrap();
+    assert_eq!((v2.with_feedback, v2.successes, v2.score.count, v2.score.sum), (1, 1, 1, 0.5));
+
+    // The window is half-open and per prompt.
+    assert!(s.version_outcomes(&name("p"), until, until + chrono::Duration::hours(1), 60).await.unwrap().is_empty());
+    assert!(s.version_outcomes(&name("nope"), from, until, 60).await.unwrap().is_empty());
+}
+
 on_both_stores!(
     rounds_charge_traces_only_for_their_own_failures,
     migration_0007_keeps_existing_prompts_on_agent_reflections,
@@ -843,4 +910,5 @@ on_both_stores!(
     list_prompts_pages_by_name_with_summaries,
     otlp_spans_merge_into_one_pending_trace,
     concurrent_otlp_parts_make_one_trace,
+    version_outcomes_aggregate_rewards_usage_and_late_feedback,
 );

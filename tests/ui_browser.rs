@@ -320,6 +320,9 @@ async fn operator_story(b: Backend) {
     assert_eq!(br.text("#production-text").await.trim(), v4["text"].as_str().unwrap().trim());
     assert!(br.text("#versions").await.contains("learned"));
     assert_eq!(br.count("#versions a[href^='/ui/rounds/']").await, 3);
+    // Reward over time: the traces named no version, so one line, labelled so.
+    assert_eq!(br.count("svg#reward-plot path.series").await, 1);
+    assert!(br.text("#reward-legend").await.contains("no version"));
     br.screenshot("03-prompt").await;
 
     // A diff chosen with the form: v1 → v4 added bullets.

@@ -9,6 +9,7 @@ pub mod keys;
 pub mod openapi;
 pub mod ops;
 pub mod otlp;
+pub mod outcomes;
 pub mod pagination;
 pub mod prompts;
 pub mod rounds;
@@ -83,6 +84,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
         .route("/v1/rounds/{id}", get(rounds::get_round))
         .route("/v1/prompts/{name}/controller", get(controller::get_controller))
+        .route("/v1/prompts/{name}/metrics", get(outcomes::prompt_metrics))
         .route("/v1/hooks/rounds/{name}", post(rounds::webhook_round))
         .route("/v1/traces", post(traces::post_traces).get(traces::list_traces))
         .route("/v1/traces/quarantine", post(traces::quarantine_traces))

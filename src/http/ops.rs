@@ -32,7 +32,12 @@ pub async fn readyz(State(st): State<AppState>) -> Result<Json<serde_json::Value
 
 #[utoipa::path(get, path = "/metrics", tag = "ops", responses((status = 200, description = "Prometheus text format")))]
 pub async fn metrics(State(st): State<AppState>) -> Response {
-    let mut res = st.metrics.render().into_response();
+    let mut text = st.metrics.render();
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(&super::outcomes::outcome_gauges(&st).await);
+    let mut res = text.into_response();
     res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     res
 }
@@ -66,7 +71,7 @@ impl utoipa::Modify for BearerAuth {
         super::traces::quarantine_trace, super::traces::delete_trace, super::traces::quarantine_traces,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
         super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
-        super::controller::get_controller,
+        super::controller::get_controller, super::outcomes::prompt_metrics,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
     ),

@@ -618,6 +618,16 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes a trace that no version was learned from (with its reflections
     /// in failed rounds); refused while a round has it reserved or once consumed.
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction>;
+    /// Per (version, time bucket) outcome aggregates of the prompt's traces
+    /// created in `[from, until)`; buckets are `bucket_secs` wide, aligned to
+    /// the Unix epoch. Read from the trace rows, so late feedback counts at once.
+    async fn version_outcomes(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_secs: i64,
+    ) -> StoreResult<Vec<crate::evaluate::outcomes::OutcomeBucket>>;
 
     // Idempotency
     /// Stores traces and remembers the key with its answer (`status`, and the

@@ -15,6 +15,11 @@ use sqlx::{
 use tokio::{sync::broadcast, task::JoinHandle};
 use uuid::Uuid;
 
+use crate::evaluate::{
+    outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY},
+    stats::Moments,
+};
+
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
@@ -830,6 +835,61 @@ impl Store for PgStore {
             .await?;
         tx.commit().await?;
         self.get_trace(id).await
+    }
+
+    async fn version_outcomes(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_secs: i64,
+    ) -> StoreResult<Vec<OutcomeBucket>> {
+        // jsonb numbers are `numeric`: range-check before the float8 cast so an
+        // absurd value is skipped instead of failing the query. Nested CASEs
+        // because Postgres does not promise to short-circuit AND.
+        let num = |col: &str, key: &str| {
+            format!(
+                "CASE WHEN jsonb_typeof({col}->'{key}') = 'number' THEN \
+                   CASE WHEN abs(({col}->'{key}')::numeric) <= {MAX_ABS_VALUE} \
+                     THEN ({col}->'{key}')::numeric::float8 END END"
+            )
+        };
+        let sql = format!(
+            "WITH v AS (
+               SELECT t.prompt_version AS version,
+                      floor(extract(epoch FROM t.created_at) / $4)::bigint * $4 AS start,
+                      CASE WHEN jsonb_typeof(t.feedback->'success') = 'boolean'
+                           THEN (t.feedback->>'success')::boolean END AS success,
+                      (jsonb_typeof(t.feedback->'success') = 'boolean'
+                       OR jsonb_typeof(t.feedback->'score') = 'number') AS rewarded,
+                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
+               FROM traces t JOIN prompts p ON p.id = t.prompt_id
+               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3)
+             SELECT version, start, count(*) AS traces,
+                    count(*) FILTER (WHERE rewarded) AS with_feedback,
+                    count(success) AS success_trials, count(*) FILTER (WHERE success) AS successes,
+                    {aggs}
+             FROM v GROUP BY version, start",
+            score = num("t.feedback", "score"),
+            tokens = num("t.metadata", TOKENS_KEY),
+            cost = num("t.metadata", COST_KEY),
+            latency = num("t.metadata", LATENCY_KEY),
+            aggs = ["score", "tokens", "cost", "latency"]
+                .map(|c| format!(
+                    "count({c}) AS {c}_n, coalesce(sum({c}), 0)::float8 AS {c}_sum, coalesce(sum({c} * {c}), 0)::float8 AS {c}_sq"
+                ))
+                .join(", "),
+        );
+        sqlx::query(&sql)
+            .bind(prompt.as_str())
+            .bind(from)
+            .bind(until)
+            .bind(bucket_secs)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(outcome_bucket_from_row)
+            .collect()
     }
 
     async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
@@ -1902,4 +1962,28 @@ async fn insert_otlp_spans(
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// One row of the outcome aggregate query.
+fn outcome_bucket_from_row(row: &PgRow) -> StoreResult<OutcomeBucket> {
+    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(row.try_get::<i64, _>(c)?).unwrap_or(0)) };
+    let moments = |p: &str| -> StoreResult<Moments> {
+        Ok(Moments {
+            count: count(&format!("{p}_n"))?,
+            sum: row.try_get(format!("{p}_sum").as_str())?,
+            sum_sq: row.try_get(format!("{p}_sq").as_str())?,
+        })
+    };
+    Ok(OutcomeBucket {
+        version: row.try_get("version")?,
+        start: row.try_get("start")?,
+        traces: count("traces")?,
+        with_feedback: count("with_feedback")?,
+        success_trials: count("success_trials")?,
+        successes: count("successes")?,
+        score: moments("score")?,
+        tokens: moments("tokens")?,
+        cost_usd: moments("cost")?,
+        latency_ms: moments("latency")?,
+    })
 }

@@ -15,6 +15,11 @@ use sqlx::{
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
+use crate::evaluate::{
+    outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY},
+    stats::Moments,
+};
+
 use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
@@ -1014,6 +1019,58 @@ impl Store for SqliteStore {
         self.get_trace(id).await
     }
 
+    async fn version_outcomes(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_secs: i64,
+    ) -> StoreResult<Vec<OutcomeBucket>> {
+        let num = |col: &str, key: &str| {
+            format!(
+                "CASE WHEN json_type({col}, '$.{key}') IN ('integer', 'real') \
+                       AND abs(json_extract({col}, '$.{key}')) <= {MAX_ABS_VALUE} \
+                  THEN CAST(json_extract({col}, '$.{key}') AS REAL) END"
+            )
+        };
+        let sql = format!(
+            "WITH v AS (
+               SELECT t.prompt_version AS version,
+                      (t.created_at / (?4 * 1000000)) * ?4 AS start,
+                      CASE json_type(t.feedback, '$.success') WHEN 'true' THEN 1 WHEN 'false' THEN 0 END AS success,
+                      (json_type(t.feedback, '$.success') IN ('true', 'false')
+                       OR json_type(t.feedback, '$.score') IN ('integer', 'real')) AS rewarded,
+                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
+               FROM traces t JOIN prompts p ON p.id = t.prompt_id
+               WHERE p.name = ?1 AND t.created_at >= ?2 AND t.created_at < ?3)
+             SELECT version, start, count(*) AS traces,
+                    coalesce(sum(rewarded), 0) AS with_feedback,
+                    count(success) AS success_trials, coalesce(sum(success), 0) AS successes,
+                    {aggs}
+             FROM v GROUP BY version, start",
+            score = num("t.feedback", "score"),
+            tokens = num("t.metadata", TOKENS_KEY),
+            cost = num("t.metadata", COST_KEY),
+            latency = num("t.metadata", LATENCY_KEY),
+            aggs = ["score", "tokens", "cost", "latency"]
+                .map(|c| format!(
+                    "count({c}) AS {c}_n, CAST(coalesce(sum({c}), 0) AS REAL) AS {c}_sum, \
+                     CAST(coalesce(sum({c} * {c}), 0) AS REAL) AS {c}_sq"
+                ))
+                .join(", "),
+        );
+        sqlx::query(&sql)
+            .bind(prompt.as_str())
+            .bind(from.timestamp_micros())
+            .bind(until.timestamp_micros())
+            .bind(bucket_secs)
+            .fetch_all(&self.reader)
+            .await?
+            .iter()
+            .map(outcome_bucket_from_row)
+            .collect()
+    }
+
     async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
         // The single writer connection makes this read-then-write atomic.
         let mut tx = self.writer.begin().await?;
@@ -2010,4 +2067,28 @@ async fn insert_otlp_spans(
         .await?;
     }
     Ok(())
+}
+
+/// One row of the outcome aggregate query.
+fn outcome_bucket_from_row(row: &SqliteRow) -> StoreResult<OutcomeBucket> {
+    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(row.try_get::<i64, _>(c)?).unwrap_or(0)) };
+    let moments = |p: &str| -> StoreResult<Moments> {
+        Ok(Moments {
+            count: count(&format!("{p}_n"))?,
+            sum: row.try_get(format!("{p}_sum").as_str())?,
+            sum_sq: row.try_get(format!("{p}_sq").as_str())?,
+        })
+    };
+    Ok(OutcomeBucket {
+        version: row.try_get("version")?,
+        start: row.try_get("start")?,
+        traces: count("traces")?,
+        with_feedback: count("with_feedback")?,
+        success_trials: count("success_trials")?,
+        successes: count("successes")?,
+        score: moments("score")?,
+        tokens: moments("tokens")?,
+        cost_usd: moments("cost")?,
+        latency_ms: moments("latency")?,
+    })
 }

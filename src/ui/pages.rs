@@ -264,6 +264,31 @@ pub async fn prompt(
         }
         _ => String::new(),
     };
+    // Reward over the last 7 days per version (at most the 6 newest with traces).
+    let until = chrono::Utc::now();
+    let buckets = st.store.version_outcomes(&prompt.name, until - chrono::Duration::days(7), until, 3_600).await?;
+    let outcomes = crate::evaluate::outcomes::summarize(&buckets, |v| {
+        labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect()
+    });
+    let shown: Vec<(String, Vec<(i64, f64)>)> = outcomes
+        .iter()
+        .take(6)
+        .map(|o| {
+            let name = match (o.version, o.labels.is_empty()) {
+                (Some(v), true) => format!("v{v}"),
+                (Some(v), false) => format!("v{v} ({})", o.labels.join(", ")),
+                (None, _) => "no version".to_owned(),
+            };
+            let points =
+                o.series.iter().filter_map(|p| Some((p.start.timestamp(), p.success_rate.or(p.mean_score)?))).collect();
+            (name, points)
+        })
+        .collect();
+    let series: Vec<plot::RewardSeries<'_>> =
+        shown.iter().map(|(name, points)| plot::RewardSeries { name, points }).collect();
+    let reward_chart = plot::reward_plot(&series).unwrap_or_else(|| {
+        r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned()
+    });
     let promote_note = if can_promote {
         ""
     } else {
@@ -276,7 +301,8 @@ pub async fn prompt(
 <aside class="card"><h2>Labels</h2><ul class="labels" id="labels">{label_list}</ul></aside></div>
 {diff_form}
 <h2>Version history</h2>{promote_note}
-<table id="versions"><thead><tr><th class="num">Version</th><th>Labels</th><th>Source</th><th>Round</th><th>Message</th><th>By</th><th>Time</th><th></th></tr></thead><tbody>{rows}</tbody></table>{older}"#,
+<table id="versions"><thead><tr><th class="num">Version</th><th>Labels</th><th>Source</th><th>Round</th><th>Message</th><th>By</th><th>Time</th><th></th></tr></thead><tbody>{rows}</tbody></table>{older}
+<h2>Reward by version <span class="muted small">last 7 days, hourly</span></h2>{reward_chart}"#,
         name = escape(prompt.name.as_str()),
         strategy = escape(strategy_str(prompt.strategy)),
         promotion = escape(&word(&prompt.promotion)),

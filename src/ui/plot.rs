@@ -268,3 +268,120 @@ mod tests {
         assert!(svg.contains("&lt;reduce&gt;") && !svg.contains("<reduce>"));
     }
 }
+
+/// One version's reward over time, for [`reward_plot`].
+pub struct RewardSeries<'a> {
+    /// `v3`, `v3 (production)`, `no version`.
+    pub name: &'a str,
+    /// (bucket start in Unix seconds, reward), oldest first.
+    pub points: &'a [(i64, f64)],
+}
+
+/// Reward (success rate, or mean score where no success is reported) per
+/// version over time: one line per version, colour-coded by class
+/// `series-0` … `series-5`, with a legend. `None` without any point.
+pub fn reward_plot(series: &[RewardSeries<'_>]) -> Option<String> {
+    let all: Vec<(i64, f64)> =
+        series.iter().flat_map(|s| s.points.iter().copied()).filter(|(_, y)| y.is_finite()).collect();
+    if all.is_empty() {
+        return None;
+    }
+    let (tmin, tmax) = all.iter().fold((i64::MAX, i64::MIN), |(a, b), (t, _)| (a.min(*t), b.max(*t)));
+    let (tmin, tmax) =
+        if tmax > tmin { (tmin as f64, tmax as f64) } else { (tmin as f64 - 3600.0, tmax as f64 + 3600.0) };
+    let (ymin, ymax) = all.iter().fold((0.0f64, 1.0f64), |(a, b), (_, y)| (a.min(*y), b.max(*y)));
+    let px = |t: i64| LEFT + (t as f64 - tmin) / (tmax - tmin) * (W - LEFT - RIGHT);
+    let py = |y: f64| H - BOTTOM - (y - ymin) / (ymax - ymin) * (H - TOP - BOTTOM);
+
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        r#"<svg class="plot" id="reward-plot" viewBox="0 0 {W} {H}" role="img" aria-label="Reward over time per version"><rect class="frame" x="{LEFT}" y="{TOP}" width="{}" height="{}"/>"#,
+        W - LEFT - RIGHT,
+        H - TOP - BOTTOM
+    );
+    for i in 0..=4 {
+        let v = ymin + (ymax - ymin) * f64::from(i) / 4.0;
+        let y = py(v);
+        let _ = write!(
+            s,
+            r#"<line class="grid" x1="{LEFT}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}"/><text class="tick" x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
+            W - RIGHT,
+            LEFT - 6.0,
+            y + 4.0,
+            escape(&format!("{v:.2}"))
+        );
+    }
+    for (t, anchor) in [(tmin, "start"), (tmax, "end")] {
+        let label = chrono::DateTime::from_timestamp(t as i64, 0)
+            .map_or_else(String::new, |d| d.format("%Y-%m-%d %H:%M").to_string());
+        let _ = write!(
+            s,
+            r#"<text class="tick" x="{:.1}" y="{:.1}" text-anchor="{anchor}">{} UTC</text>"#,
+            px(t as i64),
+            H - BOTTOM + 18.0,
+            escape(&label)
+        );
+    }
+    let _ = write!(
+        s,
+        r#"<text class="axis" x="{:.1}" y="{:.1}" text-anchor="middle">time</text><text class="axis" transform="translate(16 {:.1}) rotate(-90)" text-anchor="middle">reward (success rate, else mean score)</text>"#,
+        (LEFT + W - RIGHT) / 2.0,
+        H - 8.0,
+        (TOP + H - BOTTOM) / 2.0
+    );
+    for (i, line) in series.iter().enumerate() {
+        let pts: Vec<&(i64, f64)> = line.points.iter().filter(|(_, y)| y.is_finite()).collect();
+        if pts.is_empty() {
+            continue;
+        }
+        let class = format!("series-{}", i % 6);
+        let d: Vec<String> = pts
+            .iter()
+            .enumerate()
+            .map(|(j, (t, y))| format!("{}{:.1} {:.1}", if j == 0 { "M" } else { "L" }, px(*t), py(*y)))
+            .collect();
+        let _ = write!(
+            s,
+            r#"<path class="series {class}" d="{}"><title>{}</title></path>"#,
+            d.join(" "),
+            escape(line.name)
+        );
+        for (t, y) in pts {
+            let _ = write!(
+                s,
+                r#"<circle class="series-point {class}" cx="{:.1}" cy="{:.1}" r="3"><title>{}: {}</title></circle>"#,
+                px(*t),
+                py(*y),
+                escape(line.name),
+                escape(&format!("{y:.3}"))
+            );
+        }
+    }
+    s.push_str("</svg><p class=\"legend\" id=\"reward-legend\">");
+    for (i, line) in series.iter().enumerate() {
+        let _ = write!(s, r#"<span class="key series-{}"></span>{}"#, i % 6, escape(line.name));
+    }
+    s.push_str("</p>");
+    Some(s)
+}
+
+#[cfg(test)]
+mod reward_tests {
+    use super::*;
+
+    #[test]
+    fn one_line_per_version_with_escaped_names() {
+        let a = [(0, 0.5), (3600, 0.75)];
+        let b = [(3600, 0.25)];
+        let svg = reward_plot(&[
+            RewardSeries { name: "v2 (production)", points: &a },
+            RewardSeries { name: "<v1>", points: &b },
+        ])
+        .unwrap();
+        assert_eq!(svg.matches("<path class=\"series").count(), 2);
+        assert_eq!(svg.matches("<circle class=\"series-point").count(), 3);
+        assert!(svg.contains("&lt;v1&gt;") && !svg.contains("<v1>"));
+        assert!(reward_plot(&[RewardSeries { name: "v1", points: &[] }]).is_none());
+    }
+}

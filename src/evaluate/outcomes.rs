@@ -1,0 +1,186 @@
+//! Per-version outcomes of a prompt from its traces: what the store
+//! aggregates per (version, time bucket) in one query, and how those buckets
+//! add up to the per-version summaries `GET /v1/prompts/{name}/metrics` shows
+//! (success rate with a Wilson interval, mean score with a t interval, usage
+//! means, and a bucketed series for charts). Computed from trace rows at query
+//! time, so late feedback is reflected on the next read.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::stats::{Mean, Moments, Rate, mean_interval, wilson};
+
+/// Metadata keys an agent may put in a trace's `metadata` to have usage
+/// reported per version (numbers; anything else is ignored).
+pub const TOKENS_KEY: &str = "tokens";
+pub const COST_KEY: &str = "cost_usd";
+pub const LATENCY_KEY: &str = "latency_ms";
+
+/// Values beyond this magnitude are left out of the aggregates, so a single
+/// absurd number cannot overflow a sum of squares (and Postgres float8 errors on overflow).
+pub const MAX_ABS_VALUE: f64 = 1e12;
+
+/// One (version, bucket) cell as the store aggregates it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OutcomeBucket {
+    /// `None` for traces that did not say which version they ran with.
+    pub version: Option<i64>,
+    /// Start of the bucket (aligned to multiples of the bucket width since the Unix epoch).
+    pub start: i64,
+    pub traces: u64,
+    /// Traces with a reward: `feedback.success` or `feedback.score` set.
+    pub with_feedback: u64,
+    /// Traces with `feedback.success` set, and how many of them are `true`.
+    pub success_trials: u64,
+    pub successes: u64,
+    pub score: Moments,
+    pub tokens: Moments,
+    pub cost_usd: Moments,
+    pub latency_ms: Moments,
+}
+
+impl Moments {
+    /// Sum of two aggregates over disjoint sets.
+    pub fn combined(&self, other: &Moments) -> Moments {
+        Moments { count: self.count + other.count, sum: self.sum + other.sum, sum_sq: self.sum_sq + other.sum_sq }
+    }
+}
+
+/// One point of a version's time series.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct SeriesPoint {
+    pub start: DateTime<Utc>,
+    pub traces: u64,
+    /// Absent when no trace in the bucket carries `feedback.success`.
+    pub success_rate: Option<f64>,
+    /// Absent when no trace in the bucket carries `feedback.score`.
+    pub mean_score: Option<f64>,
+}
+
+/// Everything measured about one version in the window.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct VersionOutcomes {
+    /// `null` groups traces that did not name the version they ran with.
+    pub version: Option<i64>,
+    /// Labels pointing at this version now.
+    pub labels: Vec<String>,
+    pub traces: u64,
+    pub with_feedback: u64,
+    /// Share of `feedback.success == true` with a 95% Wilson interval.
+    pub success: Option<Rate>,
+    /// Mean `feedback.score` with a 95% Student-t interval.
+    pub score: Option<Mean>,
+    /// Means of `metadata.tokens`, `metadata.cost_usd`, `metadata.latency_ms` where present.
+    pub tokens: Option<Mean>,
+    pub cost_usd: Option<Mean>,
+    pub latency_ms: Option<Mean>,
+    /// Oldest bucket first; buckets without traces are omitted.
+    pub series: Vec<SeriesPoint>,
+}
+
+/// Groups buckets by version (newest version first, unknown version last)
+/// and sums them into summaries. `labels_of` names the labels on a version.
+pub fn summarize(buckets: &[OutcomeBucket], labels_of: impl Fn(i64) -> Vec<String>) -> Vec<VersionOutcomes> {
+    let mut versions: Vec<Option<i64>> = buckets.iter().map(|b| b.version).collect();
+    versions.sort_by(|a, b| b.cmp(a));
+    versions.dedup();
+    versions
+        .into_iter()
+        .map(|version| {
+            let mut mine: Vec<&OutcomeBucket> = buckets.iter().filter(|b| b.version == version).collect();
+            mine.sort_by_key(|b| b.start);
+            let total = mine.iter().fold(OutcomeBucket { version, ..Default::default() }, |acc, b| OutcomeBucket {
+                version,
+                start: 0,
+                traces: acc.traces + b.traces,
+                with_feedback: acc.with_feedback + b.with_feedback,
+                success_trials: acc.success_trials + b.success_trials,
+                successes: acc.successes + b.successes,
+                score: acc.score.combined(&b.score),
+                tokens: acc.tokens.combined(&b.tokens),
+                cost_usd: acc.cost_usd.combined(&b.cost_usd),
+                latency_ms: acc.latency_ms.combined(&b.latency_ms),
+            });
+            VersionOutcomes {
+                version,
+                labels: version.map(&labels_of).unwrap_or_default(),
+                traces: total.traces,
+                with_feedback: total.with_feedback,
+                success: wilson(total.successes, total.success_trials),
+                score: mean_interval(&total.score),
+                tokens: mean_interval(&total.tokens),
+                cost_usd: mean_interval(&total.cost_usd),
+                latency_ms: mean_interval(&total.latency_ms),
+                series: mine
+                    .iter()
+                    .filter_map(|b| {
+                        Some(SeriesPoint {
+                            start: DateTime::from_timestamp(b.start, 0)?,
+                            traces: b.traces,
+                            success_rate: (b.success_trials > 0).then(|| b.successes as f64 / b.success_trials as f64),
+                            mean_score: b.score.mean(),
+                        })
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket(version: Option<i64>, start: i64, successes: u64, trials: u64, scores: &[f64]) -> OutcomeBucket {
+        OutcomeBucket {
+            version,
+            start,
+            traces: trials.max(scores.len() as u64) + 1,
+            with_feedback: trials.max(scores.len() as u64),
+            success_trials: trials,
+            successes,
+            score: Moments::from_values(scores),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn buckets_add_up_to_the_same_summary_as_one_bucket() {
+        let split = [bucket(Some(2), 3600, 3, 4, &[0.5, 1.0]), bucket(Some(2), 0, 5, 6, &[0.0, 0.25, 0.75])];
+        let whole = [OutcomeBucket {
+            version: Some(2),
+            start: 0,
+            traces: 12,
+            with_feedback: 10,
+            success_trials: 10,
+            successes: 8,
+            score: Moments::from_values(&[0.5, 1.0, 0.0, 0.25, 0.75]),
+            ..Default::default()
+        }];
+        let a = &summarize(&split, |_| vec![])[0];
+        let b = &summarize(&whole, |_| vec![])[0];
+        assert_eq!((a.traces, a.with_feedback, a.success, a.score), (b.traces, b.with_feedback, b.success, b.score));
+        assert_eq!(a.series.iter().map(|p| p.start.timestamp()).collect::<Vec<_>>(), vec![0, 3600]);
+        assert_eq!(a.series[0].success_rate, Some(5.0 / 6.0));
+        assert!((a.score.unwrap().mean - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn versions_are_newest_first_with_unknown_last_and_labelled() {
+        let out = summarize(
+            &[bucket(None, 0, 1, 1, &[]), bucket(Some(1), 0, 0, 1, &[]), bucket(Some(3), 0, 1, 1, &[])],
+            |v| if v == 3 { vec!["production".into()] } else { vec![] },
+        );
+        assert_eq!(out.iter().map(|v| v.version).collect::<Vec<_>>(), vec![Some(3), Some(1), None]);
+        assert_eq!(out[0].labels, vec!["production".to_string()]);
+        assert!(out[2].labels.is_empty());
+    }
+
+    #[test]
+    fn a_version_without_rewards_has_no_rates() {
+        let out = summarize(&[OutcomeBucket { version: Some(1), traces: 3, ..Default::default() }], |_| vec![]);
+        assert_eq!((out[0].traces, out[0].success, out[0].score), (3, None, None));
+        assert_eq!(out[0].series[0].success_rate, None);
+    }
+}

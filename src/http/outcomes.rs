@@ -1,0 +1,244 @@
+//! `GET /v1/prompts/{name}/metrics`: how each version of a prompt is doing on
+//! live traffic (trace counts, success rate and mean score with intervals,
+//! usage), over a time window, with a bucketed series for charts. The numbers
+//! are what the `evaluated` policy will judge versions by.
+
+use axum::{Json, extract::State};
+use chrono::{DateTime, Duration, Utc};
+use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use super::{
+    AppState,
+    error::{ApiError, ApiResult},
+    extract::{ApiPath, ApiQuery, Caller},
+    prompts::existing_prompt,
+};
+use crate::{
+    evaluate::outcomes::{VersionOutcomes, summarize},
+    store::Scope,
+};
+
+/// Longest window one request may cover.
+const MAX_RANGE_SECS: i64 = 366 * 86_400;
+/// Most buckets one request may ask for.
+const MAX_BUCKETS: i64 = 2_000;
+/// Bucket widths chosen automatically: the smallest giving at most ~200 points.
+const AUTO_BUCKETS: [i64; 7] = [60, 300, 900, 3_600, 21_600, 86_400, 604_800];
+const AUTO_TARGET: i64 = 200;
+
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct MetricsQuery {
+    /// Length of the window: a number and a unit `m`, `h` or `d` (`1h`, `24h`, `7d`).
+    /// Without `since`, the window ends now; with it, the window starts at `since`.
+    /// Default `7d` when neither is given.
+    pub window: Option<String>,
+    /// Start of the window (RFC 3339). Without `window`, the window runs until now.
+    pub since: Option<DateTime<Utc>>,
+    /// Width of a series bucket, same grammar as `window` (default: chosen for ~200 points at most).
+    pub bucket: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PromptMetrics {
+    pub prompt: String,
+    /// The window is `[from, until)`.
+    pub from: DateTime<Utc>,
+    pub until: DateTime<Utc>,
+    pub bucket_seconds: i64,
+    /// Newest version first; traces that named no version last (`version: null`).
+    /// Versions without traces in the window are absent.
+    pub versions: Vec<VersionOutcomes>,
+}
+
+/// `30m`, `24h`, `7d` → seconds.
+fn parse_span(what: &str, s: &str) -> ApiResult<i64> {
+    let bad = || {
+        ApiError::BadRequest(format!("`{what}` must be a number and a unit m, h or d (e.g. 1h, 24h, 7d); got {s:?}"))
+    };
+    let (digits, unit) = s.split_at(s.len().saturating_sub(1));
+    let n: i64 = if digits.is_empty() || digits.len() > 6 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    } else {
+        digits.parse().map_err(|_| bad())?
+    };
+    let secs = match unit {
+        "m" => n * 60,
+        "h" => n * 3_600,
+        "d" => n * 86_400,
+        _ => return Err(bad()),
+    };
+    if secs == 0 {
+        return Err(ApiError::BadRequest(format!("`{what}` must be longer than zero")));
+    }
+    Ok(secs)
+}
+
+/// Resolves the query into `[from, until)` and a bucket width.
+fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, DateTime<Utc>, i64)> {
+    let span = q.window.as_deref().map(|w| parse_span("window", w)).transpose()?;
+    let (from, until) = match (q.since, span) {
+        (Some(since), Some(secs)) => (since, since + Duration::seconds(secs)),
+        (Some(since), None) => (since, now),
+        (None, secs) => (now - Duration::seconds(secs.unwrap_or(7 * 86_400)), now),
+    };
+    let range = (until - from).num_seconds();
+    if range <= 0 {
+        return Err(ApiError::BadRequest("`since` must be in the past".into()));
+    }
+    if range > MAX_RANGE_SECS {
+        return Err(ApiError::BadRequest(format!(
+            "the window covers {} days; at most 366 days per request",
+            range / 86_400
+        )));
+    }
+    let bucket = match q.bucket.as_deref() {
+        Some(b) => {
+            let secs = parse_span("bucket", b)?;
+            if range / secs > MAX_BUCKETS {
+                return Err(ApiError::BadRequest(format!(
+                    "`bucket` {b} makes {} buckets over this window; at most {MAX_BUCKETS}",
+                    range / secs
+                )));
+            }
+            secs
+        }
+        None => AUTO_BUCKETS.into_iter().find(|b| range / b <= AUTO_TARGET).unwrap_or(604_800),
+    };
+    Ok((from, until, bucket))
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/metrics", tag = "prompts",
+    params(("name" = String, Path), MetricsQuery),
+    responses(
+        (status = 200, body = PromptMetrics),
+        (status = 400, description = "Bad window, since or bucket", body = super::error::Problem),
+        (status = 401, body = super::error::Problem),
+        (status = 403, body = super::error::Problem),
+        (status = 404, description = "No such prompt", body = super::error::Problem),
+    ),
+    security(("bearer" = ["prompts:read"])))]
+pub async fn prompt_metrics(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<MetricsQuery>,
+) -> ApiResult<Json<PromptMetrics>> {
+    caller.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let (from, until, bucket_seconds) = window(&q, Utc::now())?;
+    let buckets = st.store.version_outcomes(&prompt.name, from, until, bucket_seconds).await?;
+    let labels = st.store.list_labels(&prompt.name).await?;
+    let versions =
+        summarize(&buckets, |v| labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect());
+    Ok(Json(PromptMetrics { prompt: prompt.name.to_string(), from, until, bucket_seconds, versions }))
+}
+
+/// Gauges are computed over this trailing window.
+const GAUGE_WINDOW_SECS: i64 = 86_400;
+/// At most this many prompts (by name) get gauges, so a scrape stays cheap.
+const GAUGE_MAX_PROMPTS: u32 = 100;
+/// A scrape never waits longer than this for the gauges; it answers without them.
+const GAUGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Prometheus text for per-version outcome gauges of *labelled* versions only
+/// (so the series count is bounded by the labels, not by history), over the
+/// last 24 hours: `combee_version_success_rate`, `combee_version_mean_score`
+/// and `combee_version_rewarded_traces`, labelled `prompt`, `version`, `labels`.
+/// Rendered at scrape time from the store, so a moved label shows at once and
+/// a version that lost its labels disappears.
+pub async fn outcome_gauges(st: &AppState) -> String {
+    match tokio::time::timeout(GAUGE_TIMEOUT, render_gauges(st)).await {
+        Ok(Ok(text)) => text,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "per-version gauges left out of this scrape");
+            String::new()
+        }
+        Err(_) => {
+            tracing::warn!("per-version gauges took too long; left out of this scrape");
+            String::new()
+        }
+    }
+}
+
+async fn render_gauges(st: &AppState) -> Result<String, crate::store::StoreError> {
+    use std::fmt::Write;
+    let until = Utc::now();
+    let from = until - Duration::seconds(GAUGE_WINDOW_SECS);
+    let (mut rate, mut score, mut rewarded) = (String::new(), String::new(), String::new());
+    for summary in st.store.list_prompts(None, GAUGE_MAX_PROMPTS).await? {
+        let name = &summary.prompt.name;
+        let labels = st.store.list_labels(name).await?;
+        if labels.is_empty() {
+            continue;
+        }
+        let buckets = st.store.version_outcomes(name, from, until, GAUGE_WINDOW_SECS).await?;
+        let labels_of = |v: i64| -> Vec<String> {
+            let mut l: Vec<String> =
+                labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect();
+            l.sort();
+            l
+        };
+        for v in summarize(&buckets, labels_of) {
+            let Some(version) = v.version.filter(|_| !v.labels.is_empty()) else { continue };
+            let series = format!(
+                "{{prompt=\"{}\",version=\"{version}\",labels=\"{}\"}}",
+                escape(name.as_str()),
+                escape(&v.labels.join(","))
+            );
+            let _ = writeln!(rewarded, "combee_version_rewarded_traces{series} {}", v.with_feedback);
+            if let Some(r) = v.success {
+                let _ = writeln!(rate, "combee_version_success_rate{series} {}", r.rate);
+            }
+            if let Some(m) = v.score {
+                let _ = writeln!(score, "combee_version_mean_score{series} {}", m.mean);
+            }
+        }
+    }
+    Ok(format!(
+        "# HELP combee_version_success_rate Share of successful traces of a labelled version over the last 24h.\n\
+         # TYPE combee_version_success_rate gauge\n{rate}\
+         # HELP combee_version_mean_score Mean feedback score of a labelled version over the last 24h.\n\
+         # TYPE combee_version_mean_score gauge\n{score}\
+         # HELP combee_version_rewarded_traces Traces with a reward of a labelled version over the last 24h.\n\
+         # TYPE combee_version_rewarded_traces gauge\n{rewarded}"
+    ))
+}
+
+/// Prometheus label-value escaping.
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(window: Option<&str>, since: Option<DateTime<Utc>>, bucket: Option<&str>) -> MetricsQuery {
+        MetricsQuery { window: window.map(Into::into), since, bucket: bucket.map(Into::into) }
+    }
+
+    #[test]
+    fn windows_resolve_to_half_open_ranges_with_sensible_buckets() {
+        let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let (from, until, b) = window(&q(Some("24h"), None, None), now).unwrap();
+        assert_eq!(((until - from).num_hours(), until, b), (24, now, 900));
+        let (_, _, b) = window(&q(None, None, None), now).unwrap();
+        assert_eq!(b, 3_600);
+        let since = now - Duration::days(3);
+        let (from, until, _) = window(&q(Some("1d"), Some(since), Some("1h")), now).unwrap();
+        assert_eq!((from, until), (since, since + Duration::days(1)));
+    }
+
+    #[test]
+    fn bad_windows_are_explained() {
+        let now = Utc::now();
+        for bad in ["", "h", "10", "1w", "-1h", "0h", "1.5h", "9999999d"] {
+            assert!(matches!(window(&q(Some(bad), None, None), now), Err(ApiError::BadRequest(_))), "{bad:?}");
+        }
+        assert!(window(&q(Some("400d"), None, None), now).is_err());
+        assert!(window(&q(Some("7d"), None, Some("1m")), now).is_err());
+        assert!(window(&q(None, Some(now + Duration::hours(1)), None), now).is_err());
+    }
+}
