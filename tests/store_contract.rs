@@ -750,6 +750,14 @@ async fn quarantined_traces_are_never_reserved_and_delete_keeps_provenance(b: Ba
         matches!(s.quarantine_trace(fresh, "x").await.unwrap(), TraceAction::Refused(why) if why.contains("in flight"))
     );
     assert!(matches!(s.delete_trace(fresh).await.unwrap(), TraceAction::Refused(_)));
+    // A released trace is pending again and counts in the backlog; releasing
+    // twice (or a trace never quarantined) changes nothing.
+    let TraceAction::Done(t) = s.release_trace(ids[0]).await.unwrap() else { panic!() };
+    assert_eq!((t.status, t.quarantined_at, t.quarantine_reason), (TraceStatus::Pending, None, None));
+    assert!(matches!(s.release_trace(ids[0]).await.unwrap(), TraceAction::Done(t) if t.status == TraceStatus::Pending));
+    let backlog = s.backlogs().await.unwrap();
+    assert_eq!(backlog.iter().find(|b| b.prompt.name.as_str() == "p").map(|b| b.pending), Some(1));
+    assert_eq!(s.release_trace(uuid::Uuid::now_v7()).await.unwrap(), TraceAction::NotFound);
     // A quarantined trace is deleted for good; a missing one is NotFound.
     assert!(matches!(s.delete_trace(ids[3]).await.unwrap(), TraceAction::Done(t) if t.id == ids[3]));
     assert!(s.get_trace(ids[3]).await.unwrap().is_none());

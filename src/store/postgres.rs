@@ -934,6 +934,23 @@ impl Store for PgStore {
         .rows_affected())
     }
 
+    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        let mut tx = self.pool.begin().await?;
+        let released = sqlx::query(
+            "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = now()
+             WHERE id = $1 AND quarantined_at IS NOT NULL",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if released > 0 {
+            notify(&mut tx, "round").await?;
+        }
+        tx.commit().await?;
+        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+    }
+
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
         let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
         let mut tx = self.pool.begin().await?;

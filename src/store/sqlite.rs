@@ -1120,6 +1120,18 @@ impl Store for SqliteStore {
         .rows_affected())
     }
 
+    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        sqlx::query(
+            "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = ?
+             WHERE id = ? AND quarantined_at IS NOT NULL",
+        )
+        .bind(now_us())
+        .bind(id.to_string())
+        .execute(&self.writer)
+        .await?;
+        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+    }
+
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
         let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
         let mut tx = self.writer.begin().await?;
