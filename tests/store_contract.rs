@@ -549,8 +549,8 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
 /// only to matching subscriptions, and deliveries are leased and fenced.
 async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Backend) {
     use combee::{
-        config::Secret,
         domain::event::EventType,
+        secret::Secret,
         store::{AttemptRecord, DeliveryOutcome, NewWebhook},
     };
     use std::time::Duration;

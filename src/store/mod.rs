@@ -17,7 +17,6 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::{
-    config::Secret,
     domain::{
         Feedback, LabelName, Promotion, Prompt, PromptName, PromptSettings, Reflection, Strategy, Trace, TraceStatus,
         Version,
@@ -28,6 +27,7 @@ use crate::{
     },
     learn::grouping::Method,
     llm::LlmCall,
+    secret::Secret,
 };
 
 #[derive(Debug, thiserror::Error)]
