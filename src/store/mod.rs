@@ -22,10 +22,9 @@ use crate::{
         Version,
         event::EventType,
         prompt::NewVersion,
-        round::{Round, RoundTrigger},
+        round::{Method, Round, RoundTrigger},
         trace::ValidTrace,
     },
-    learn::grouping::Method,
     llm::LlmCall,
     secret::Secret,
 };
