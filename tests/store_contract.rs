@@ -557,6 +557,21 @@ async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Bac
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let mut rx = s.changes();
+    // A wake-up is only announced once the Postgres listener is LISTENing (a
+    // write before is covered by its resync, not announced): wait for that,
+    // with writes that make no delivery (no subscription exists yet).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    'listening: for i in 0.. {
+        let probe = format!("probe{i}");
+        make_prompt(&s, &probe).await;
+        let wait = (tokio::time::Instant::now() + Duration::from_millis(500)).min(deadline);
+        while let Ok(change) = tokio::time::timeout_at(wait, rx.recv()).await {
+            if matches!(change.unwrap(), Change::Prompt(n) if n == probe) {
+                break 'listening;
+            }
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no write announced within 10 s");
+    }
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
         events: vec![EventType::LabelMoved],
