@@ -1007,6 +1007,30 @@ async fn concurrent_claimers_take_each_round_once(b: Backend) {
     opened.sort();
     assert_eq!(claimed, opened, "each of the three rounds went to exactly one of the eight claimers");
     assert!(s.claim_round("late", MINUTE).await.unwrap().is_none());
+
+    // One lease lapses: of eight workers reclaiming at once, exactly one gets it, with attempt 2.
+    let lapsed = opened[1];
+    assert!(s.heartbeat_round(lapsed, 1, std::time::Duration::ZERO).await.unwrap());
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    let reclaimed = loop {
+        let claimers: Vec<_> = (0..8)
+            .map(|i| {
+                let s = s.clone();
+                tokio::spawn(async move { s.claim_round(&format!("r{i}"), MINUTE).await.unwrap() })
+            })
+            .collect();
+        let mut got = Vec::new();
+        for c in claimers {
+            got.extend(c.await.unwrap().map(|c| (c.round.id, c.round.attempt)));
+        }
+        assert!(got.len() <= 1, "a lapsed lease was reclaimed twice: {got:?}");
+        if let Some(one) = got.pop() {
+            break one;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the lapsed lease was not reclaimed within 5 s");
+    };
+    assert_eq!(reclaimed, (lapsed, 2));
+    assert!(s.claim_round("late", MINUTE).await.unwrap().is_none());
 }
 
 /// A heartbeat extends the lease; once it lapses another worker claims the
