@@ -373,7 +373,7 @@ mod webhooks {
         let sim = spawn_sim(sim()).await;
         let app = spawn_app_with(b, |s| {
             learning(s, &sim.url);
-            s.webhooks.inbound_secrets = vec![combee::config::Secret::new(format!("whsec_{}", STANDARD.encode(KEY)))];
+            s.webhooks.inbound_secrets = vec![combee::secret::Secret::new(format!("whsec_{}", STANDARD.encode(KEY)))];
         })
         .await;
         create(&app, "hooked", "playbook", json!({})).await;
@@ -416,7 +416,7 @@ mod webhooks {
     async fn a_refused_trigger_is_processed_again_when_retried(b: Backend) {
         // No worker: a queued round stays in flight.
         let app = spawn_app_with(b, |s| {
-            s.webhooks.inbound_secrets = vec![combee::config::Secret::new(format!("whsec_{}", STANDARD.encode(KEY)))];
+            s.webhooks.inbound_secrets = vec![combee::secret::Secret::new(format!("whsec_{}", STANDARD.encode(KEY)))];
         })
         .await;
         let now = chrono::Utc::now().timestamp();

@@ -17,17 +17,16 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::{
-    config::Secret,
     domain::{
         Feedback, LabelName, Promotion, Prompt, PromptName, PromptSettings, Reflection, Strategy, Trace, TraceStatus,
         Version,
         event::EventType,
         prompt::NewVersion,
-        round::{Round, RoundTrigger},
+        round::{Method, Round, RoundTrigger},
         trace::ValidTrace,
     },
-    learn::grouping::Method,
     llm::LlmCall,
+    secret::Secret,
 };
 
 #[derive(Debug, thiserror::Error)]

@@ -28,7 +28,6 @@ use super::{
     otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
 };
 use crate::{
-    config::Secret,
     domain::{
         Feedback, LabelName, Prompt, PromptName, PromptSettings, Reflection, Trace, TraceStatus, Version,
         VersionContent, VersionSource,
@@ -38,6 +37,7 @@ use crate::{
         trace::ValidTrace,
     },
     llm::LlmCall,
+    secret::Secret,
 };
 
 pub struct SqliteStore {
