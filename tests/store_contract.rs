@@ -906,6 +906,13 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
     let v2 = got.iter().find(|b| b.version == Some(2)).unwrap();
     assert_eq!((v2.with_feedback, v2.successes, v2.score.count, v2.score.sum), (1, 1, 1, 0.5));
 
+    // A quarantined trace's reward is not trusted: it leaves the aggregates (until released).
+    s.quarantine_trace(ids[4], "suspect").await.unwrap();
+    let got = s.version_outcomes(&name("p"), from, until, 3600).await.unwrap();
+    assert!(got.iter().all(|b| b.version.is_some()), "{got:?}");
+    s.release_trace(ids[4]).await.unwrap();
+    assert_eq!(s.version_outcomes(&name("p"), from, until, 3600).await.unwrap().len(), 3);
+
     // The window is half-open and per prompt.
     assert!(s.version_outcomes(&name("p"), until, until + chrono::Duration::hours(1), 60).await.unwrap().is_empty());
     assert!(s.version_outcomes(&name("nope"), from, until, 60).await.unwrap().is_empty());

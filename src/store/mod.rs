@@ -623,6 +623,7 @@ pub trait Store: Send + Sync + 'static {
     /// Per (version, time bucket) outcome aggregates of the prompt's traces
     /// created in `[from, until)`; buckets are `bucket_secs` wide, aligned to
     /// the Unix epoch. Read from the trace rows, so late feedback counts at once.
+    /// Quarantined traces are left out: their rewards are not trusted.
     async fn version_outcomes(
         &self,
         prompt: &PromptName,

@@ -864,7 +864,7 @@ impl Store for PgStore {
                        OR jsonb_typeof(t.feedback->'score') = 'number') AS rewarded,
                       {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
                FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3)
+               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL)
              SELECT version, start, count(*) AS traces,
                     count(*) FILTER (WHERE rewarded) AS with_feedback,
                     count(success) AS success_trials, count(*) FILTER (WHERE success) AS successes,

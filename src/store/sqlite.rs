@@ -1042,7 +1042,7 @@ impl Store for SqliteStore {
                        OR json_type(t.feedback, '$.score') IN ('integer', 'real')) AS rewarded,
                       {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
                FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = ?1 AND t.created_at >= ?2 AND t.created_at < ?3)
+               WHERE p.name = ?1 AND t.created_at >= ?2 AND t.created_at < ?3 AND t.quarantined_at IS NULL)
              SELECT version, start, count(*) AS traces,
                     coalesce(sum(rewarded), 0) AS with_feedback,
                     count(success) AS success_trials, coalesce(sum(success), 0) AS successes,
