@@ -3,7 +3,7 @@
 //! signatures are checked by an independent Standard Webhooks implementation
 //! (the `standardwebhooks` Python package, which `scripts/test` installs).
 
-mod common;
+use crate::common;
 
 use std::{
     io::Write,

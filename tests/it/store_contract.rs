@@ -1,6 +1,6 @@
 //! The store contract: one suite, run unchanged against Postgres and SQLite.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

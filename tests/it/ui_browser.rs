@@ -4,7 +4,7 @@
 //! page land in `target/ui-screenshots/` as artefacts. Without a browser,
 //! session and CSRF rules are checked with plain HTTP.
 
-mod common;
+use crate::common;
 
 use std::{
     io::{Read, Write},

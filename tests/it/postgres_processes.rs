@@ -2,7 +2,7 @@
 //! gapless version numbers under 100 concurrent API writers, and a label move
 //! made through one server process seen by another within about a second.
 
-mod common;
+use crate::common;
 
 use std::{
     process::{Child, Command, Stdio},

@@ -3,7 +3,7 @@
 //! restarted with `pg_ctl restart -m fast`. Runs its own throw-away Postgres
 //! (the shared test server must not be restarted under the other tests).
 
-mod common;
+use crate::common;
 
 use std::{
     collections::{HashMap, HashSet},

@@ -4,7 +4,7 @@
 //! across exports, re-sent spans, spans that arrive after a round; and the
 //! acceptance test with the real OpenTelemetry Python SDK and its OTLP/HTTP exporter.
 
-mod common;
+use crate::common;
 
 use std::{
     io::Write,

@@ -3,7 +3,7 @@
 //! (the next request), on Postgres as soon as the revoking process's NOTIFY
 //! arrives.
 
-mod common;
+use crate::common;
 
 use std::{
     process::Command,

@@ -1,7 +1,7 @@
 //! The HTTP API against the real server on port 0, on both stores: every
 //! route, each kind of bad input, auth, idempotency, ETags and label moves.
 
-mod common;
+use crate::common;
 
 use common::{Backend, TestApp, expect_problem, spawn_app};
 use serde_json::{Value, json};

@@ -2,7 +2,7 @@
 //! the real binary against the real server on port 0, on both stores, judged
 //! by its output and its exit codes.
 
-mod common;
+use crate::common;
 
 use std::{path::Path, process::Output};
 

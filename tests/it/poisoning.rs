@@ -2,7 +2,7 @@
 //! server and the real CLI on both stores: the agent-reflection switch, prompt
 //! settings patches, pinned bullets, quarantine and delete of traces.
 
-mod common;
+use crate::common;
 
 use common::{Backend, TestApp, expect_problem, spawn_app};
 use serde_json::{Value, json};

@@ -4,7 +4,7 @@
 //! simulator carries markers through, so a test counts exactly which insights
 //! reached the published prompt.
 
-mod common;
+use crate::common;
 
 use std::{
     collections::BTreeSet,

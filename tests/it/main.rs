@@ -1,0 +1,20 @@
+//! combee's integration tests, as ONE test binary: each binary links the whole
+//! crate and its dependencies, so one binary instead of one per file saves
+//! most of a test build's link time. Each file is a module; nextest still runs
+//! every test in its own process. Shared fixtures are in `common`.
+
+#[macro_use]
+mod common;
+
+mod api;
+mod cli;
+mod cli_client;
+mod key_revocation;
+mod learning;
+mod otlp;
+mod poisoning;
+mod postgres_outage;
+mod postgres_processes;
+mod store_contract;
+mod ui_browser;
+mod webhooks;
