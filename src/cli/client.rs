@@ -138,13 +138,19 @@ fn read_key(args: &ClientArgs) -> CliResult<Secret> {
     Ok(Secret::new(key))
 }
 
+/// The server's base URL (checked) and the API key, as every client command reads them.
+pub fn url_and_key(args: &ClientArgs) -> CliResult<(String, Secret)> {
+    let key = read_key(args)?;
+    let base = args.url.trim_end_matches('/').to_owned();
+    if !(base.starts_with("http://") || base.starts_with("https://")) {
+        return Err(CliError::local(format!("--url must start with http:// or https://, not {base:?}")));
+    }
+    Ok((base, key))
+}
+
 impl ApiClient {
     pub fn new(args: &ClientArgs) -> CliResult<Self> {
-        let key = read_key(args)?;
-        let base = args.url.trim_end_matches('/').to_owned();
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
-            return Err(CliError::local(format!("--url must start with http:// or https://, not {base:?}")));
-        }
+        let (base, key) = url_and_key(args)?;
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(120))

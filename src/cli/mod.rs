@@ -63,6 +63,16 @@ pub enum Command {
     Keys(KeysCommand),
     /// Run the OpenAI-compatible LLM simulator used by tests and benchmarks (a simulation, not a model).
     SimLlm(crate::llm::sim::SimArgs),
+    /// Run the simulated agent world against a running server (a simulation, not agents): agents fetch
+    /// the prompt, succeed more often when it holds their task's lesson, and post traces with rewards;
+    /// prints the success rate per window.
+    #[command(after_help = EXIT_CODES)]
+    SimWorld {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(flatten)]
+        world: crate::simulation::world::WorldConfig,
+    },
     /// Prompts on a running server: list, show, history, diff, promote, rollback.
     #[command(after_help = EXIT_CODES)]
     Prompts {
@@ -131,6 +141,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let api = client::ApiClient::new(&client)?;
             return Ok(rounds::run(&api, client.json, command).await?);
         }
+        Command::SimWorld { client, world } => return sim_world(&client, world).await,
         other => other,
     };
     let mut settings = Settings::load(&cli.config_dir)?;
@@ -184,10 +195,37 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             crate::llm::sim::serve_simulator(listener, args.sim, shutdown).await?;
             Ok(())
         }
-        Command::Prompts { .. } | Command::Traces { .. } | Command::Rounds { .. } => {
+        Command::Prompts { .. } | Command::Traces { .. } | Command::Rounds { .. } | Command::SimWorld { .. } => {
             unreachable!("client commands return above")
         }
     }
+}
+
+async fn sim_world(client: &client::ClientArgs, cfg: crate::simulation::world::WorldConfig) -> anyhow::Result<()> {
+    use crate::simulation::world::{World, markdown};
+    let (base, key) = client::url_and_key(client)?;
+    let world = World::new(&base, key.expose(), cfg)?;
+    let json = client.json;
+    let report = world
+        .run(|w| {
+            if !json {
+                eprintln!(
+                    "window {}: {} runs, success rate {:.3}, lessons in production {}{}",
+                    w.window,
+                    w.runs,
+                    w.success_rate,
+                    w.lessons_in_prompt,
+                    if w.harmful_in_prompt { ", harmful instruction in production" } else { "" }
+                );
+            }
+        })
+        .await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", markdown(&report));
+    }
+    Ok(())
 }
 
 async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {

@@ -18,3 +18,4 @@ mod postgres_processes;
 mod store_contract;
 mod ui_browser;
 mod webhooks;
+mod world;
