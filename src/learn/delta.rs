@@ -95,12 +95,16 @@ pub struct MergedOp {
     /// Conflicting ops on the same bullet id that lost to this one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overruled: Vec<Overruled>,
+    /// Provenance: the round's reflections (indices into the round's list) that
+    /// the folded proposals cited as their sources, ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<usize>,
 }
 
 impl MergedOp {
     /// An op proposed by a single group, as is (for callers that skip the merge).
     pub fn single(group: usize, op: DeltaOp) -> Self {
-        Self { op, groups: vec![group], proposals: 1, overruled: Vec::new() }
+        Self { op, groups: vec![group], proposals: 1, overruled: Vec::new(), sources: Vec::new() }
     }
 }
 
@@ -178,6 +182,9 @@ pub struct Applied {
     pub groups: Vec<usize>,
     /// The bullet the op touched (the fresh id for an ADD).
     pub bullet_id: String,
+    /// The reflections (indices into the round's list) the op's proposals cited.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -312,6 +319,7 @@ struct Proposal {
     group: usize,
     op: DeltaOp,
     fp: Fingerprint,
+    sources: Vec<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -352,7 +360,14 @@ impl Cluster {
     }
 
     fn merged(&self) -> MergedOp {
-        MergedOp { op: self.representative(), groups: self.groups(), proposals: self.members.len(), overruled: vec![] }
+        let sources: BTreeSet<usize> = self.members.iter().flat_map(|m| m.sources.iter().copied()).collect();
+        MergedOp {
+            op: self.representative(),
+            groups: self.groups(),
+            proposals: self.members.len(),
+            overruled: vec![],
+            sources: sources.into_iter().collect(),
+        }
     }
 }
 
@@ -409,8 +424,15 @@ fn normalize_one(op: DeltaOp, sections: &mut HashMap<String, String>) -> Option<
 /// The level-2 merge: `(group index, op)` pairs from every group in, one
 /// de-duplicated, conflict-free list out, ordered by first proposal.
 pub fn normalize_ops(ops: Vec<(usize, DeltaOp)>) -> Vec<MergedOp> {
+    normalize_sourced_ops(ops.into_iter().map(|(g, op)| (g, op, Vec::new())).collect())
+}
+
+/// [`normalize_ops`] for ops that cite their source reflections (indices into the
+/// round's list): a merged op carries the union of the sources of the proposals
+/// folded into it; an overruled op's sources are not carried.
+pub fn normalize_sourced_ops(ops: Vec<(usize, DeltaOp, Vec<usize>)>) -> Vec<MergedOp> {
     let mut ops = ops;
-    ops.sort_by_key(|(g, _)| *g); // stable: keeps each group's own order
+    ops.sort_by_key(|(g, _, _)| *g); // stable: keeps each group's own order
 
     let mut sections = HashMap::new();
     let mut adds: Vec<Cluster> = Vec::new();
@@ -419,7 +441,7 @@ pub fn normalize_ops(ops: Vec<(usize, DeltaOp)>) -> Vec<MergedOp> {
     let mut updates: HashMap<String, Vec<Cluster>> = HashMap::new();
     let mut removes: HashMap<String, Cluster> = HashMap::new();
 
-    for (seq, (group, op)) in ops.into_iter().enumerate() {
+    for (seq, (group, op, sources)) in ops.into_iter().enumerate() {
         let Some(op) = normalize_one(op, &mut sections) else { continue };
         let fp = Fingerprint::of(text_of(&op));
         let id = match &op {
@@ -427,7 +449,7 @@ pub fn normalize_ops(ops: Vec<(usize, DeltaOp)>) -> Vec<MergedOp> {
             DeltaOp::Update { id, .. } | DeltaOp::Remove { id, .. } => Some(id.clone()),
         };
         let is_remove = matches!(op, DeltaOp::Remove { .. });
-        let p = Proposal { seq, group, op, fp };
+        let p = Proposal { seq, group, op, fp, sources };
         match id {
             None => push_clustered(&mut adds, p),
             Some(id) => {
@@ -534,7 +556,12 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
 
     for m in ops {
         let skip = |reason| Skipped { op: m.op.clone(), groups: m.groups.clone(), reason };
-        let applied_to = |id: &str| Applied { op: m.op.clone(), groups: m.groups.clone(), bullet_id: id.to_owned() };
+        let applied_to = |id: &str| Applied {
+            op: m.op.clone(),
+            groups: m.groups.clone(),
+            bullet_id: id.to_owned(),
+            sources: m.sources.clone(),
+        };
         match &m.op {
             DeltaOp::Add { section, content, .. } => {
                 let content = collapse_whitespace(content);

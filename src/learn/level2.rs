@@ -211,6 +211,12 @@ pub fn apply_decisions(ops: &[MergedOp], decisions: &[Decision]) -> Result<Conso
                     groups: groups.into_iter().collect(),
                     proposals: idx.iter().map(|&j| ops[j].proposals).sum(),
                     overruled: idx.iter().flat_map(|&j| ops[j].overruled.iter().cloned()).collect(),
+                    sources: idx
+                        .iter()
+                        .flat_map(|&j| ops[j].sources.iter().copied())
+                        .collect::<BTreeSet<usize>>()
+                        .into_iter()
+                        .collect(),
                 });
                 out.positions.push(i);
                 out.merged_inputs += idx.len();

@@ -538,3 +538,64 @@ async fn a_denylisted_result_is_not_published_and_says_why() {
         run_round(&sim.client, &sim.cfg, &s, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new()).await.is_ok()
     );
 }
+
+/// Answers every aggregator call whose reflections hold `marker` with prose, both attempts.
+struct RefuseGroupsWith {
+    inner: OpenAiClient,
+    marker: &'static str,
+}
+
+#[async_trait]
+impl LlmBackend for RefuseGroupsWith {
+    async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+        let aggregate = req.messages.iter().any(|m| m.content.contains("combee-task: aggregate-playbook"));
+        if aggregate && req.messages.iter().any(|m| m.content.contains(self.marker)) {
+            let mut resp = self.inner.chat(req).await?;
+            resp.content = "These reflections are too varied for me to summarise.".into();
+            return Ok(resp);
+        }
+        self.inner.chat(req).await
+    }
+}
+
+#[tokio::test]
+async fn a_group_whose_answer_stays_invalid_is_left_out_and_the_round_publishes() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let backend = RefuseGroupsWith { inner: sim.client.clone(), marker: "INSIGHT-t005:" };
+    let ts = traces(36);
+    let spec = spec(Method::Combee, Strategy::Playbook, 2, 3);
+    let out =
+        run_round(&backend, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new()).await.unwrap();
+    // t005 sits in p = 2 groups; both are left out, with their error, and the round goes on.
+    assert_eq!(out.k, 6);
+    assert_eq!(out.answers.groups_left_out.len(), 2, "{:?}", out.answers);
+    for g in &out.answers.groups_left_out {
+        assert!(g.traces.contains(&ts[5].id));
+        assert!(g.error.contains("invalid after 2 attempts"), "{}", g.error);
+    }
+    assert_eq!(out.group_outputs.len(), 4);
+    // Only reflections whose every copy was in a left-out group are lost; t005 is one.
+    assert!(out.answers.reflections_lost.contains(&ts[5].id), "{:?}", out.answers.reflections_lost);
+    assert!(!insight_tokens(&out.content.render()).contains("t005"));
+    assert_eq!(kept(&out), 36 - out.answers.reflections_lost.len(), "the hard model keeps all of a small group");
+    let failed_calls = out.calls.iter().filter(|c| c.error.as_deref().is_some_and(|e| e.contains("invalid"))).count();
+    assert_eq!(failed_calls, 4, "two attempts per left-out group are on record");
+
+    // Every group failing (here: more than a third) fails the round, as before.
+    let backend = RefuseGroupsWith { inner: sim.client.clone(), marker: "INSIGHT-t00" };
+    let ts = traces(12);
+    let err = run_round(&backend, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new())
+        .await
+        .unwrap_err();
+    assert!(!err.is_retryable() && err.to_string().contains("invalid"), "{err}");
+}
+
+#[test]
+fn at_most_a_third_of_the_groups_may_be_left_out() {
+    assert!(!too_many_left_out(0, 1));
+    assert!(too_many_left_out(1, 1));
+    assert!(too_many_left_out(1, 2));
+    assert!(!too_many_left_out(1, 3));
+    assert!(!too_many_left_out(2, 6));
+    assert!(too_many_left_out(3, 6));
+}

@@ -356,13 +356,16 @@ pub struct Noted<T> {
     pub notes: AnswerNotes,
 }
 
-/// One playbook operation as an aggregator proposed it, with the reflections it cites.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One playbook operation as an aggregator proposed it, with the reflections it
+/// cites. Serialised as the operation with a `sources` key (the group's 0-based
+/// positions), the form group outputs are recorded in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SourcedOp {
+    #[serde(flatten)]
     pub op: DeltaOp,
     /// The reflections of the group the op came from, as 0-based positions in the
     /// group (the prompt numbers them from 1), ascending, without repeats.
-    #[serde(default)]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub sources: Vec<usize>,
 }
 
