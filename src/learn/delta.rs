@@ -16,10 +16,9 @@
 //! Two texts carry the same insight when their *key tokens* are identical and
 //! either their lower-cased texts are equal or the Jaccard similarity of their
 //! word sets is at least [`NEAR_DUPLICATE_JACCARD`] (0.85). Words are lower-cased
-//! runs of letters, digits, `-` and `_`. Key tokens are `INSIGHT-<token>` markers
-//! (compared case-sensitively) and every word containing a digit: a differing
-//! marker, number, id or version always means a different insight, however
-//! similar the surrounding words. The threshold is deliberately strict: a missed
+//! runs of letters, digits, `-` and `_`. Key tokens are the words containing a
+//! digit: a differing number, id, code or version always means a different
+//! insight, however similar the surrounding words. No marker format is special. The threshold is deliberately strict: a missed
 //! duplicate costs one redundant bullet, a false merge loses a specific insight.
 //! ADDs are clustered single-linkage (a new ADD joins the first cluster holding
 //! any member it matches), across sections. A cluster keeps its most specific
@@ -274,9 +273,7 @@ impl Fingerprint {
             .filter(|w| !w.is_empty());
         for raw in raw_words {
             let lower = raw.to_lowercase();
-            if lower.starts_with("insight-") && lower.len() > "insight-".len() {
-                keys.insert(raw.to_owned());
-            } else if raw.chars().any(|c| c.is_ascii_digit()) {
+            if raw.chars().any(|c| c.is_ascii_digit()) {
                 keys.insert(lower.clone());
             }
             words.insert(lower);
@@ -771,13 +768,13 @@ mod tests {
     }
 
     #[test]
-    fn distinct_insight_markers_and_numbers_never_merge() {
-        let a = format!("{LONG} (INSIGHT-a17)");
-        let b = format!("{LONG} (INSIGHT-b42)");
+    fn distinct_ids_and_numbers_never_merge() {
+        // Ids are ordinary words with a digit: nothing about their format is special.
+        let a = format!("{LONG} (ticket TK-a17)");
+        let b = format!("{LONG} (ticket TK-b42)");
         assert!(!same_insight(&a, &b));
         assert!(!same_insight(&a, LONG));
-        assert!(!same_insight(&a, &format!("{LONG} (INSIGHT-A17)")));
-        assert!(same_insight(&a, &format!("{LONG} (INSIGHT-a17).")));
+        assert!(same_insight(&a, &format!("{LONG} (ticket tk-A17).")));
         assert!(!same_insight(&format!("{LONG} within 3 retries"), &format!("{LONG} within 5 retries")));
         let merged = normalize_ops(vec![(0, add("tips", &a)), (1, add("tips", &b)), (2, add("tips", &a))]);
         assert_eq!(merged.len(), 2);
