@@ -219,6 +219,9 @@ pub struct SimStats {
     /// Answer shapes applied per kind: `fence`, `preamble`, `extra_keys`, `think`, `unknown_ids`.
     #[serde(default)]
     pub shapes: BTreeMap<String, u64>,
+    /// Answers that got at least one shape.
+    #[serde(default)]
+    pub shaped_answers: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
 }
@@ -384,6 +387,7 @@ async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
         for shape in &shapes {
             *s.shapes.entry((*shape).to_owned()).or_default() += 1;
         }
+        s.shaped_answers += u64::from(!shapes.is_empty());
         if let Some(f) = fault {
             let kind = match f {
                 Fault::RateLimited => "rate_limited",
