@@ -790,6 +790,23 @@ mod tests {
     }
 
     #[test]
+    fn sources_follow_ops_through_the_merge_and_onto_the_playbook() {
+        let longer = format!("{LONG} carefully");
+        let merged = normalize_sourced_ops(vec![
+            (0, add("tips", LONG), vec![3]),
+            (1, add("tips", &longer), vec![0, 3]),
+            (1, update("b-0001", "loser"), vec![5]),
+            (2, remove("b-0001"), vec![6]),
+            (3, remove("b-0001"), vec![8]),
+        ]);
+        assert_eq!(merged[0].sources, vec![0, 3], "a cluster cites the union of its members' sources");
+        assert_eq!(merged[1].sources, vec![6, 8], "an overruled op's sources are not carried");
+        let out = apply_ops(&Playbook::default(), &merged, &Budget::default());
+        let add_applied = out.applied.iter().find(|a| matches!(a.op, DeltaOp::Add { .. })).unwrap();
+        assert_eq!(add_applied.sources, vec![0, 3], "{out:?}");
+    }
+
+    #[test]
     fn remove_wins_only_with_at_least_as_many_groups() {
         let merged =
             normalize_ops(vec![(0, update("b-0001", "new text")), (1, remove("b-0001")), (2, remove("b-0001"))]);

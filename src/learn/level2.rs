@@ -619,4 +619,18 @@ mod tests {
         assert_eq!(tree_level(1, 4), vec![0..1]);
         assert!(tree_level(0, 4).is_empty());
     }
+
+    #[test]
+    fn a_merge_cites_the_sources_of_every_op_it_folds() {
+        let mut a = add("s", "Check the date format", 0);
+        a.sources = vec![4, 1];
+        let mut b = add("s", "Check date formats", 1);
+        b.sources = vec![1, 7];
+        let mut c = add("s", "Unrelated", 2);
+        c.sources = vec![9];
+        let out =
+            apply_decisions(&[a, b, c], &[dec(Action::Merge, &["o1", "o2"], Some("Check the date format"))]).unwrap();
+        assert_eq!(out.ops[0].sources, vec![1, 4, 7]);
+        assert_eq!(out.ops[1].sources, vec![9], "an op no decision names keeps its sources");
+    }
 }

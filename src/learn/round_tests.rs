@@ -599,3 +599,31 @@ fn at_most_a_third_of_the_groups_may_be_left_out() {
     assert!(!too_many_left_out(2, 6));
     assert!(too_many_left_out(3, 6));
 }
+
+#[tokio::test]
+async fn coverage_says_which_reflections_an_applied_operation_cites() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let ts = traces(36);
+    let base = base_for(Strategy::Playbook);
+    // Combee, p = 1, groups of 6 within the capacity: every reflection is cited.
+    let out = sim.run(&spec(Method::Combee, Strategy::Playbook, 1, 5), &base, &ts).await;
+    let cov = out.coverage.as_ref().unwrap();
+    assert_eq!((cov.covered, cov.n, cov.share), (36, 36, 1.0));
+    // Naive: one call on 36 reflections keeps max(1, 12*12/36) = 4; coverage is the
+    // marker count, found without looking at markers.
+    let out = sim.run(&spec(Method::Naive, Strategy::Playbook, 1, 5), &base, &ts).await;
+    let cov = out.coverage.as_ref().unwrap();
+    assert_eq!(cov.covered, kept(&out));
+    assert_eq!(cov.covered, 4);
+    let covered: BTreeSet<Uuid> = cov.reflections.iter().filter(|r| r.covered).map(|r| r.trace_id).collect();
+    let by_marker: BTreeSet<Uuid> = ts
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| insight_tokens(&out.content.render()).contains(&format!("t{i:03}")))
+        .map(|(_, t)| t.id)
+        .collect();
+    assert_eq!(covered, by_marker, "the reflections cited are exactly those whose insight was kept");
+    // Rewrite rounds have no operations to cite.
+    let out = sim.run(&spec(Method::Combee, Strategy::Rewrite, 1, 5), &base_for(Strategy::Rewrite), &ts).await;
+    assert!(out.coverage.is_none());
+}
