@@ -63,9 +63,14 @@ impl AnswerNotes {
 
 /// The JSON object of an answer: the whole text if it is one; else the first
 /// ```` ``` ```` / ```` ```json ```` fenced block that is one; else the first
-/// balanced `{…}` in the text that parses as one. `<think>…</think>` blocks are
-/// removed first. `notes.wrapping` says what was around the object.
+/// balanced `{…}` in the text that parses as one. Unless the whole text is an
+/// object, `<think>…</think>` blocks are removed first. `notes.wrapping` says
+/// what was around the object.
 pub fn extract_object(text: &str, notes: &mut AnswerNotes) -> Result<Map<String, Value>, String> {
+    // An exact answer is taken as it is, even if a string in it mentions `<think>`.
+    if let Ok(Value::Object(m)) = serde_json::from_str::<Value>(text.trim()) {
+        return Ok(m);
+    }
     let without_think = strip_think(text);
     if without_think.len() != text.len() {
         notes.wrapping.push("think block".into());
@@ -221,6 +226,13 @@ mod tests {
         assert_eq!(notes.wrapping, ["think block"]);
         let mut n = AnswerNotes::default();
         assert!(extract_object("<think>{\"a\": 1} and never closed", &mut n).is_err());
+    }
+
+    #[test]
+    fn a_think_tag_inside_a_json_string_is_just_text() {
+        let (v, notes) = obj(r#"{"key_insight": "the agent wrote <think> and never closed it"}"#);
+        assert_eq!(v["key_insight"], "the agent wrote <think> and never closed it");
+        assert!(notes.is_empty());
     }
 
     #[test]
