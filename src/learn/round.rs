@@ -56,16 +56,8 @@ use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 /// fails, the round fails.
 pub const MAX_LEFT_OUT_SHARE: f64 = 1.0 / 3.0;
 
-/// How level 2 of a playbook round combines the groups' operations.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ReduceMode {
-    /// Union, normalise, de-duplicate and apply once — no LLM call.
-    #[default]
-    Union,
-    /// One more aggregator call consolidates the k operation lists first (paper-literal).
-    Llm,
-}
+/// A prompt setting; defined in `domain` so the domain need not import the learning engine.
+pub use crate::domain::prompt::ReduceMode;
 
 /// What a round is asked to do; fixed when the round is created, so a resumed
 /// round regroups identically.
