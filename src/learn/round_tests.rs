@@ -627,3 +627,19 @@ async fn coverage_says_which_reflections_an_applied_operation_cites() {
     let out = sim.run(&spec(Method::Combee, Strategy::Rewrite, 1, 5), &base_for(Strategy::Rewrite), &ts).await;
     assert!(out.coverage.is_none());
 }
+
+#[tokio::test]
+async fn a_sequential_batch_whose_answer_stays_invalid_is_left_out_too() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let backend = RefuseGroupsWith { inner: sim.client.clone(), marker: "INSIGHT-t005:" };
+    let ts = traces(12);
+    let spec = spec(Method::Sequential, Strategy::Playbook, 1, 3);
+    let out =
+        run_round(&backend, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new()).await.unwrap();
+    // Batches of 3: the one holding t005 is left out, the other three are applied in turn.
+    assert_eq!(out.answers.groups_left_out.len(), 1);
+    assert_eq!(out.answers.reflections_lost.len(), 3);
+    assert!(out.answers.reflections_lost.contains(&ts[5].id));
+    assert_eq!(kept(&out), 9);
+    assert_eq!(out.coverage.as_ref().map(|c| c.covered), Some(9));
+}
