@@ -56,6 +56,10 @@ use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 /// fails, the round fails.
 pub const MAX_LEFT_OUT_SHARE: f64 = 1.0 / 3.0;
 
+/// Most answers whose notes a round record lists one by one (it stays small on a
+/// round of thousands of traces).
+pub const MAX_CALL_NOTES: usize = 1_000;
+
 /// A prompt setting; defined in `domain` so the domain need not import the learning engine.
 pub use crate::domain::prompt::ReduceMode;
 
@@ -157,8 +161,12 @@ pub struct AnswerReport {
     pub unknown_keys: usize,
     /// Items (operations, bullet tags, sources) dropped, over all answers.
     pub dropped_items: usize,
-    /// Per used answer with something to report: the call and its notes.
+    /// Per used answer with something to report: the call and its notes (at
+    /// most [`MAX_CALL_NOTES`]; the counts above stay exact).
     pub calls: Vec<CallNotes>,
+    /// Answers with notes past [`MAX_CALL_NOTES`], counted but not listed.
+    #[serde(default)]
+    pub calls_not_listed: usize,
     /// Level-1 groups left out because their answer stayed invalid after the corrective retry.
     pub groups_left_out: Vec<GroupLeftOut>,
     /// Reflections that reached no level-1 answer that was used (every group
@@ -174,7 +182,11 @@ impl AnswerReport {
         self.tolerated_answers += 1;
         self.unknown_keys += notes.unknown_keys.len();
         self.dropped_items += notes.dropped_count;
-        self.calls.push(CallNotes { task, trace_id, group, notes });
+        if self.calls.len() < MAX_CALL_NOTES {
+            self.calls.push(CallNotes { task, trace_id, group, notes });
+        } else {
+            self.calls_not_listed += 1;
+        }
     }
 }
 
