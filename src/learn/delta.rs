@@ -16,10 +16,9 @@
 //! Two texts carry the same insight when their *key tokens* are identical and
 //! either their lower-cased texts are equal or the Jaccard similarity of their
 //! word sets is at least [`NEAR_DUPLICATE_JACCARD`] (0.85). Words are lower-cased
-//! runs of letters, digits, `-` and `_`. Key tokens are `INSIGHT-<token>` markers
-//! (compared case-sensitively) and every word containing a digit: a differing
-//! marker, number, id or version always means a different insight, however
-//! similar the surrounding words. The threshold is deliberately strict: a missed
+//! runs of letters, digits, `-` and `_`. Key tokens are the words containing a
+//! digit: a differing number, id, code or version always means a different
+//! insight, however similar the surrounding words. No marker format is special. The threshold is deliberately strict: a missed
 //! duplicate costs one redundant bullet, a false merge loses a specific insight.
 //! ADDs are clustered single-linkage (a new ADD joins the first cluster holding
 //! any member it matches), across sections. A cluster keeps its most specific
@@ -95,12 +94,16 @@ pub struct MergedOp {
     /// Conflicting ops on the same bullet id that lost to this one.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overruled: Vec<Overruled>,
+    /// Provenance: the round's reflections (indices into the round's list) that
+    /// the folded proposals cited as their sources, ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<usize>,
 }
 
 impl MergedOp {
     /// An op proposed by a single group, as is (for callers that skip the merge).
     pub fn single(group: usize, op: DeltaOp) -> Self {
-        Self { op, groups: vec![group], proposals: 1, overruled: Vec::new() }
+        Self { op, groups: vec![group], proposals: 1, overruled: Vec::new(), sources: Vec::new() }
     }
 }
 
@@ -178,6 +181,9 @@ pub struct Applied {
     pub groups: Vec<usize>,
     /// The bullet the op touched (the fresh id for an ADD).
     pub bullet_id: String,
+    /// The reflections (indices into the round's list) the op's proposals cited.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -267,9 +273,7 @@ impl Fingerprint {
             .filter(|w| !w.is_empty());
         for raw in raw_words {
             let lower = raw.to_lowercase();
-            if lower.starts_with("insight-") && lower.len() > "insight-".len() {
-                keys.insert(raw.to_owned());
-            } else if raw.chars().any(|c| c.is_ascii_digit()) {
+            if raw.chars().any(|c| c.is_ascii_digit()) {
                 keys.insert(lower.clone());
             }
             words.insert(lower);
@@ -312,6 +316,7 @@ struct Proposal {
     group: usize,
     op: DeltaOp,
     fp: Fingerprint,
+    sources: Vec<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -352,7 +357,14 @@ impl Cluster {
     }
 
     fn merged(&self) -> MergedOp {
-        MergedOp { op: self.representative(), groups: self.groups(), proposals: self.members.len(), overruled: vec![] }
+        let sources: BTreeSet<usize> = self.members.iter().flat_map(|m| m.sources.iter().copied()).collect();
+        MergedOp {
+            op: self.representative(),
+            groups: self.groups(),
+            proposals: self.members.len(),
+            overruled: vec![],
+            sources: sources.into_iter().collect(),
+        }
     }
 }
 
@@ -409,8 +421,15 @@ fn normalize_one(op: DeltaOp, sections: &mut HashMap<String, String>) -> Option<
 /// The level-2 merge: `(group index, op)` pairs from every group in, one
 /// de-duplicated, conflict-free list out, ordered by first proposal.
 pub fn normalize_ops(ops: Vec<(usize, DeltaOp)>) -> Vec<MergedOp> {
+    normalize_sourced_ops(ops.into_iter().map(|(g, op)| (g, op, Vec::new())).collect())
+}
+
+/// [`normalize_ops`] for ops that cite their source reflections (indices into the
+/// round's list): a merged op carries the union of the sources of the proposals
+/// folded into it; an overruled op's sources are not carried.
+pub fn normalize_sourced_ops(ops: Vec<(usize, DeltaOp, Vec<usize>)>) -> Vec<MergedOp> {
     let mut ops = ops;
-    ops.sort_by_key(|(g, _)| *g); // stable: keeps each group's own order
+    ops.sort_by_key(|(g, _, _)| *g); // stable: keeps each group's own order
 
     let mut sections = HashMap::new();
     let mut adds: Vec<Cluster> = Vec::new();
@@ -419,7 +438,7 @@ pub fn normalize_ops(ops: Vec<(usize, DeltaOp)>) -> Vec<MergedOp> {
     let mut updates: HashMap<String, Vec<Cluster>> = HashMap::new();
     let mut removes: HashMap<String, Cluster> = HashMap::new();
 
-    for (seq, (group, op)) in ops.into_iter().enumerate() {
+    for (seq, (group, op, sources)) in ops.into_iter().enumerate() {
         let Some(op) = normalize_one(op, &mut sections) else { continue };
         let fp = Fingerprint::of(text_of(&op));
         let id = match &op {
@@ -427,7 +446,7 @@ pub fn normalize_ops(ops: Vec<(usize, DeltaOp)>) -> Vec<MergedOp> {
             DeltaOp::Update { id, .. } | DeltaOp::Remove { id, .. } => Some(id.clone()),
         };
         let is_remove = matches!(op, DeltaOp::Remove { .. });
-        let p = Proposal { seq, group, op, fp };
+        let p = Proposal { seq, group, op, fp, sources };
         match id {
             None => push_clustered(&mut adds, p),
             Some(id) => {
@@ -534,7 +553,12 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
 
     for m in ops {
         let skip = |reason| Skipped { op: m.op.clone(), groups: m.groups.clone(), reason };
-        let applied_to = |id: &str| Applied { op: m.op.clone(), groups: m.groups.clone(), bullet_id: id.to_owned() };
+        let applied_to = |id: &str| Applied {
+            op: m.op.clone(),
+            groups: m.groups.clone(),
+            bullet_id: id.to_owned(),
+            sources: m.sources.clone(),
+        };
         match &m.op {
             DeltaOp::Add { section, content, .. } => {
                 let content = collapse_whitespace(content);
@@ -744,13 +768,13 @@ mod tests {
     }
 
     #[test]
-    fn distinct_insight_markers_and_numbers_never_merge() {
-        let a = format!("{LONG} (INSIGHT-a17)");
-        let b = format!("{LONG} (INSIGHT-b42)");
+    fn distinct_ids_and_numbers_never_merge() {
+        // Ids are ordinary words with a digit: nothing about their format is special.
+        let a = format!("{LONG} (ticket TK-a17)");
+        let b = format!("{LONG} (ticket TK-b42)");
         assert!(!same_insight(&a, &b));
         assert!(!same_insight(&a, LONG));
-        assert!(!same_insight(&a, &format!("{LONG} (INSIGHT-A17)")));
-        assert!(same_insight(&a, &format!("{LONG} (INSIGHT-a17).")));
+        assert!(same_insight(&a, &format!("{LONG} (ticket tk-A17).")));
         assert!(!same_insight(&format!("{LONG} within 3 retries"), &format!("{LONG} within 5 retries")));
         let merged = normalize_ops(vec![(0, add("tips", &a)), (1, add("tips", &b)), (2, add("tips", &a))]);
         assert_eq!(merged.len(), 2);
@@ -763,6 +787,23 @@ mod tests {
             .map(|i| (i % 7, add("facts", &format!("The answer to task family {LONG} is INSIGHT-q{i}x"))))
             .collect();
         assert_eq!(normalize_ops(ops).len(), 50);
+    }
+
+    #[test]
+    fn sources_follow_ops_through_the_merge_and_onto_the_playbook() {
+        let longer = format!("{LONG} carefully");
+        let merged = normalize_sourced_ops(vec![
+            (0, add("tips", LONG), vec![3]),
+            (1, add("tips", &longer), vec![0, 3]),
+            (1, update("b-0001", "loser"), vec![5]),
+            (2, remove("b-0001"), vec![6]),
+            (3, remove("b-0001"), vec![8]),
+        ]);
+        assert_eq!(merged[0].sources, vec![0, 3], "a cluster cites the union of its members' sources");
+        assert_eq!(merged[1].sources, vec![6, 8], "an overruled op's sources are not carried");
+        let out = apply_ops(&Playbook::default(), &merged, &Budget::default());
+        let add_applied = out.applied.iter().find(|a| matches!(a.op, DeltaOp::Add { .. })).unwrap();
+        assert_eq!(add_applied.sources, vec![0, 3], "{out:?}");
     }
 
     #[test]

@@ -211,6 +211,12 @@ pub fn apply_decisions(ops: &[MergedOp], decisions: &[Decision]) -> Result<Conso
                     groups: groups.into_iter().collect(),
                     proposals: idx.iter().map(|&j| ops[j].proposals).sum(),
                     overruled: idx.iter().flat_map(|&j| ops[j].overruled.iter().cloned()).collect(),
+                    sources: idx
+                        .iter()
+                        .flat_map(|&j| ops[j].sources.iter().copied())
+                        .collect::<BTreeSet<usize>>()
+                        .into_iter()
+                        .collect(),
                 });
                 out.positions.push(i);
                 out.merged_inputs += idx.len();
@@ -612,5 +618,19 @@ mod tests {
         assert_eq!(tree_level(3, 4), vec![0..3]);
         assert_eq!(tree_level(1, 4), vec![0..1]);
         assert!(tree_level(0, 4).is_empty());
+    }
+
+    #[test]
+    fn a_merge_cites_the_sources_of_every_op_it_folds() {
+        let mut a = add("s", "Check the date format", 0);
+        a.sources = vec![4, 1];
+        let mut b = add("s", "Check date formats", 1);
+        b.sources = vec![1, 7];
+        let mut c = add("s", "Unrelated", 2);
+        c.sources = vec![9];
+        let out =
+            apply_decisions(&[a, b, c], &[dec(Action::Merge, &["o1", "o2"], Some("Check the date format"))]).unwrap();
+        assert_eq!(out.ops[0].sources, vec![1, 4, 7]);
+        assert_eq!(out.ops[1].sources, vec![9], "an op no decision names keeps its sources");
     }
 }

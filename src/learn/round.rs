@@ -21,6 +21,16 @@
 //!   with one attempt charged — its own failure — so its lesson is not lost.
 //!   A transient failure (backend down, timeouts, 429) fails the whole round as
 //!   retryable, after the reflections already obtained have been saved.
+//! - A level-1 group whose aggregator answer is still invalid after the
+//!   corrective retry is *left out* ([`AnswerReport::groups_left_out`]) rather
+//!   than failing the round, unless more than [`MAX_LEFT_OUT_SHARE`] of the
+//!   groups (or all of them) are: then the round fails as before. With p ≥ 2
+//!   its reflections usually still reach the reduce through their other group.
+//! - Answers are read tolerantly ([`crate::llm::answer`]); everything ignored or
+//!   dropped is counted per call in [`RoundOutcome::answers`].
+//! - Provenance: aggregator operations cite the reflections of their group they
+//!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an
+//!   applied operation cites it — the retention figure a real model gives.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,8 +47,18 @@ use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
 use super::level2;
 use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
-use crate::llm::protocol::{self, placeholders, validate_reflection};
+use crate::llm::answer::AnswerNotes;
+use crate::llm::protocol::{self, SourcedOp, Task, placeholders, validate_reflection};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
+
+/// Most level-1 groups a round may leave out (invalid answers after the
+/// corrective retry), as a share of its groups; above it, or when every group
+/// fails, the round fails.
+pub const MAX_LEFT_OUT_SHARE: f64 = 1.0 / 3.0;
+
+/// Most answers whose notes a round record lists one by one (it stays small on a
+/// round of thousands of traces).
+pub const MAX_CALL_NOTES: usize = 1_000;
 
 /// A prompt setting; defined in `domain` so the domain need not import the learning engine.
 pub use crate::domain::prompt::ReduceMode;
@@ -126,6 +146,101 @@ pub struct RoundOutcome {
     /// Every LLM call of this attempt, failed ones included.
     pub calls: Vec<LlmCall>,
     pub timings: PhaseTimings,
+    /// What tolerant reading of the answers ignored or dropped, and groups left out.
+    pub answers: AnswerReport,
+    /// Playbook rounds: which reflections an applied operation cites.
+    pub coverage: Option<Coverage>,
+}
+
+/// What reading the models' answers ignored or dropped in one round attempt.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AnswerReport {
+    /// Answers that were not exactly the requested JSON but were used.
+    pub tolerated_answers: usize,
+    /// Unknown keys ignored, over all answers.
+    pub unknown_keys: usize,
+    /// Items (operations, bullet tags, sources) dropped, over all answers.
+    pub dropped_items: usize,
+    /// Per used answer with something to report: the call and its notes (at
+    /// most [`MAX_CALL_NOTES`]; the counts above stay exact).
+    pub calls: Vec<CallNotes>,
+    /// Answers with notes past [`MAX_CALL_NOTES`], counted but not listed.
+    #[serde(default)]
+    pub calls_not_listed: usize,
+    /// Level-1 groups left out because their answer stayed invalid after the corrective retry.
+    pub groups_left_out: Vec<GroupLeftOut>,
+    /// Reflections that reached no level-1 answer that was used (every group
+    /// holding them was left out).
+    pub reflections_lost: Vec<Uuid>,
+}
+
+impl AnswerReport {
+    fn note(&mut self, task: Task, trace_id: Option<Uuid>, group: Option<usize>, notes: AnswerNotes) {
+        if notes.is_empty() {
+            return;
+        }
+        self.tolerated_answers += 1;
+        self.unknown_keys += notes.unknown_keys.len();
+        self.dropped_items += notes.dropped_count;
+        if self.calls.len() < MAX_CALL_NOTES {
+            self.calls.push(CallNotes { task, trace_id, group, notes });
+        } else {
+            self.calls_not_listed += 1;
+        }
+    }
+}
+
+/// The notes of one used answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CallNotes {
+    pub task: Task,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<Uuid>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<usize>,
+    #[serde(flatten)]
+    pub notes: AnswerNotes,
+}
+
+/// A level-1 group left out of the round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupLeftOut {
+    pub group: usize,
+    pub traces: Vec<Uuid>,
+    pub error: String,
+}
+
+/// Provenance of a playbook round: per reflection, whether an applied operation
+/// cites it as a source.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Coverage {
+    /// Reflections cited by at least one applied operation.
+    pub covered: usize,
+    /// Reflections the reduce used.
+    pub n: usize,
+    /// covered / n (0 when n = 0).
+    pub share: f64,
+    pub reflections: Vec<ReflectionCoverage>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReflectionCoverage {
+    pub trace_id: Uuid,
+    pub covered: bool,
+}
+
+impl Coverage {
+    fn of(trace_ids: &[Uuid], applied: &[Applied]) -> Self {
+        let cited: HashSet<usize> = applied.iter().flat_map(|a| a.sources.iter().copied()).collect();
+        let reflections: Vec<ReflectionCoverage> = trace_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &trace_id)| ReflectionCoverage { trace_id, covered: cited.contains(&i) })
+            .collect();
+        let covered = reflections.iter().filter(|r| r.covered).count();
+        let n = reflections.len();
+        Self { covered, n, share: if n == 0 { 0.0 } else { covered as f64 / n as f64 }, reflections }
+    }
 }
 
 /// Why a round failed. [`RoundError::is_retryable`] tells the worker whether to try again later.
@@ -195,6 +310,7 @@ pub async fn run_round(
     let mapped = map_phase(backend, llm, spec, base, traces, journal, &mut calls).await?;
     let map_ms = clock.finish().await?;
     let (trace_ids, reflections): (Vec<Uuid>, Vec<Reflection>) = mapped.reflections.into_iter().unzip();
+    let mut answers = mapped.answers;
     let n = reflections.len();
     if n == 0 {
         return Err(RoundError::NothingToLearn(traces.len()));
@@ -220,9 +336,14 @@ pub async fn run_round(
     let ctx =
         Reduce { backend, llm, journal, spec, trace_ids: &trace_ids, reflections: &reflections, concurrency, guard };
     let mut result = match plan.execution {
-        Execution::Parallel => ctx.parallel(&frozen, &groups, &mut calls).await?,
-        Execution::Sequential => ctx.sequential(&frozen, &groups, &mut calls).await?,
+        Execution::Parallel => ctx.parallel(&frozen, &groups, &mut calls, &mut answers).await?,
+        Execution::Sequential => ctx.sequential(&frozen, &groups, &mut calls, &mut answers).await?,
     };
+    let left_out: HashSet<usize> = answers.groups_left_out.iter().map(|g| g.group).collect();
+    let reached: HashSet<usize> =
+        groups.iter().enumerate().filter(|(g, _)| !left_out.contains(g)).flat_map(|(_, m)| m.iter().copied()).collect();
+    answers.reflections_lost = (0..n).filter(|i| !reached.contains(i)).map(|i| trace_ids[i]).collect();
+    let coverage = (spec.strategy == Strategy::Playbook).then(|| Coverage::of(&trace_ids, &result.applied));
 
     // 5. Validate.
     let clock = PhaseClock::start(journal, Phase::Validate).await?;
@@ -247,6 +368,8 @@ pub async fn run_round(
         level2: result.level2,
         calls,
         timings: result.timings,
+        answers,
+        coverage,
     })
 }
 
@@ -267,6 +390,7 @@ struct Mapped {
     reflections: Vec<(Uuid, Reflection)>,
     counts: MapCounts,
     unreflected: Vec<Unreflected>,
+    answers: AnswerReport,
 }
 
 async fn map_phase(
@@ -319,7 +443,7 @@ async fn map_phase(
                 }
                 _ => std::borrow::Cow::Borrowed(&traces[i]),
             };
-            let r = protocol::reflect(backend, llm, &shown, base, spec.strategy, &mut calls).await;
+            let r = protocol::reflect_noted(backend, llm, &shown, base, spec.strategy, &mut calls).await;
             if r.as_ref().is_err_and(LlmError::is_retryable) {
                 abort.store(true, Ordering::Relaxed);
             }
@@ -330,12 +454,15 @@ async fn map_phase(
 
     let mut transient: Option<LlmError> = None;
     let mut unreflected = Vec::new();
+    let mut answers = AnswerReport::default();
     while let Some((i, r, made)) = results.next().await {
         journal.record_calls(&made).await?;
         calls.extend(made);
         match r {
             None => {}
-            Some(Ok(r)) => {
+            Some(Ok(noted)) => {
+                let r = noted.value;
+                answers.note(Task::Reflect, Some(traces[i].id), None, noted.notes);
                 journal.save_reflection(traces[i].id, &r, ReflectionSource::Reflector).await?;
                 slots[i] = Some(r);
                 counts.reflected += 1;
@@ -353,7 +480,7 @@ async fn map_phase(
         return Err(RoundError::Llm(e));
     }
     let reflections = traces.iter().zip(slots).filter_map(|(t, r)| r.map(|r| (t.id, r))).collect();
-    Ok(Mapped { reflections, counts, unreflected })
+    Ok(Mapped { reflections, counts, unreflected, answers })
 }
 
 /// What level 2 did beyond the deterministic union (see [`level2`]).
@@ -382,7 +509,8 @@ struct Reduced {
 
 /// One level-1 answer.
 enum Proposal {
-    Ops(Vec<DeltaOp>),
+    /// Operations with their sources as positions in the group.
+    Ops(Vec<SourcedOp>),
     Instruction(String),
 }
 
@@ -391,6 +519,17 @@ impl Proposal {
         match self {
             Self::Ops(ops) => json!({ "operations": ops }),
             Self::Instruction(text) => json!({ "instruction": text }),
+        }
+    }
+
+    /// Playbook ops of group `g` with their sources as indices into the round's reflections.
+    fn round_ops(self, g: usize, group: &[usize]) -> Vec<(usize, DeltaOp, Vec<usize>)> {
+        match self {
+            Self::Ops(ops) => ops
+                .into_iter()
+                .map(|s| (g, s.op, s.sources.iter().filter_map(|&p| group.get(p).copied()).collect()))
+                .collect(),
+            Self::Instruction(_) => Vec::new(),
         }
     }
 }
@@ -413,16 +552,38 @@ impl Reduce<'_> {
         current: &VersionContent,
         group: &[usize],
         calls: &mut Vec<LlmCall>,
-    ) -> Result<Proposal, LlmError> {
+    ) -> Result<(Proposal, AnswerNotes), LlmError> {
         let rs: Vec<Reflection> = group.iter().map(|&i| self.reflections[i].clone()).collect();
         match self.spec.strategy {
-            Strategy::Playbook => {
-                protocol::aggregate_playbook(self.backend, self.llm, current, &rs, calls).await.map(Proposal::Ops)
-            }
-            Strategy::Rewrite => protocol::aggregate_rewrite(self.backend, self.llm, current, &rs, calls)
+            Strategy::Playbook => protocol::aggregate_playbook_noted(self.backend, self.llm, current, &rs, calls)
                 .await
-                .map(Proposal::Instruction),
+                .map(|a| (Proposal::Ops(a.value), a.notes)),
+            Strategy::Rewrite => protocol::aggregate_rewrite_noted(self.backend, self.llm, current, &rs, calls)
+                .await
+                .map(|a| (Proposal::Instruction(a.value), a.notes)),
         }
+    }
+
+    fn task(&self) -> Task {
+        match self.spec.strategy {
+            Strategy::Playbook => Task::AggregatePlaybook,
+            Strategy::Rewrite => Task::AggregateRewrite,
+        }
+    }
+
+    /// Records a group whose answer failed: a non-retryable failure (an answer
+    /// still invalid after the corrective retry) leaves the group out while few
+    /// enough groups are; anything else fails the round.
+    fn leave_out(&self, g: usize, group: &[usize], e: LlmError, answers: &mut AnswerReport) -> Result<(), LlmError> {
+        if e.is_retryable() || !matches!(e, LlmError::InvalidAnswer { .. }) {
+            return Err(e);
+        }
+        answers.groups_left_out.push(GroupLeftOut {
+            group: g,
+            traces: group.iter().map(|&i| self.trace_ids[i]).collect(),
+            error: e.to_string(),
+        });
+        Ok(())
     }
 
     async fn record(
@@ -450,6 +611,7 @@ impl Reduce<'_> {
         frozen: &VersionContent,
         groups: &[Vec<usize>],
         calls: &mut Vec<LlmCall>,
+        report: &mut AnswerReport,
     ) -> Result<Reduced, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
         let group_calls: Vec<_> = groups
@@ -465,18 +627,24 @@ impl Reduce<'_> {
         let mut proposals = Vec::with_capacity(groups.len());
         let mut group_outputs = Vec::with_capacity(groups.len());
         let mut failure: Option<LlmError> = None;
+        let mut first_left_out: Option<LlmError> = None;
         while let Some((g, r, made)) = answers.next().await {
             match r {
-                Ok(p) => {
+                Ok((p, notes)) => {
+                    report.note(self.task(), None, Some(g), notes);
                     group_outputs.push(self.record(g, &groups[g], &p, made, calls).await?);
-                    proposals.push(p);
+                    proposals.push((g, p));
                 }
                 Err(e) => {
                     self.journal.record_calls(&made).await?;
                     calls.extend(made);
-                    // Prefer reporting a fatal failure: retrying would not help.
-                    if failure.as_ref().is_none_or(LlmError::is_retryable) {
-                        failure = Some(e);
+                    if let Err(e) = self.leave_out(g, &groups[g], e.clone(), report) {
+                        // Prefer reporting a fatal failure: retrying would not help.
+                        if failure.as_ref().is_none_or(LlmError::is_retryable) {
+                            failure = Some(e);
+                        }
+                    } else {
+                        first_left_out.get_or_insert(e);
                     }
                 }
             }
@@ -484,12 +652,19 @@ impl Reduce<'_> {
         if let Some(e) = failure {
             return Err(e.into());
         }
+        if let Some(e) = first_left_out
+            && too_many_left_out(report.groups_left_out.len(), groups.len())
+        {
+            return Err(e.into());
+        }
         let reduce1_ms = clock.finish().await?;
 
         let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
         let mut reduced = match self.spec.strategy {
-            Strategy::Playbook => self.level2_playbook(frozen, proposals, calls).await?,
-            Strategy::Rewrite => self.level2_rewrite(frozen, proposals, calls).await?,
+            Strategy::Playbook => self.level2_playbook(frozen, groups, proposals, calls).await?,
+            Strategy::Rewrite => {
+                self.level2_rewrite(frozen, proposals.into_iter().map(|(_, p)| p).collect(), calls).await?
+            }
         };
         reduced.timings.reduce1_ms = reduce1_ms;
         reduced.timings.reduce2_ms = clock.finish().await?;
@@ -500,14 +675,12 @@ impl Reduce<'_> {
     async fn level2_playbook(
         &self,
         frozen: &VersionContent,
-        proposals: Vec<Proposal>,
+        groups: &[Vec<usize>],
+        proposals: Vec<(usize, Proposal)>,
         calls: &mut Vec<LlmCall>,
     ) -> Result<Reduced, RoundError> {
-        let union = proposals.into_iter().enumerate().flat_map(|(g, p)| match p {
-            Proposal::Ops(ops) => ops.into_iter().map(move |op| (g, op)).collect::<Vec<_>>(),
-            Proposal::Instruction(_) => Vec::new(),
-        });
-        let mut merged = delta::normalize_ops(union.collect());
+        let union = proposals.into_iter().flat_map(|(g, p)| p.round_ops(g, &groups[g]));
+        let mut merged = delta::normalize_sourced_ops(union.collect());
         let mut summary = Level2Summary::default();
         if self.spec.reduce == ReduceMode::Llm && merged.len() > 1 {
             let consolidated = self.consolidate(frozen, &merged, calls).await?;
@@ -659,6 +832,7 @@ impl Reduce<'_> {
         frozen: &VersionContent,
         groups: &[Vec<usize>],
         calls: &mut Vec<LlmCall>,
+        report: &mut AnswerReport,
     ) -> Result<Reduced, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
         let mut current = frozen.clone();
@@ -676,17 +850,24 @@ impl Reduce<'_> {
             let mut made = Vec::new();
             let answer = self.aggregate(&current, group, &mut made).await;
             let proposal = match answer {
-                Ok(p) => p,
+                Ok((p, notes)) => {
+                    report.note(self.task(), None, Some(g), notes);
+                    p
+                }
                 Err(e) => {
                     self.journal.record_calls(&made).await?;
                     calls.extend(made);
-                    return Err(e.into());
+                    self.leave_out(g, group, e.clone(), report)?;
+                    if too_many_left_out(report.groups_left_out.len(), groups.len()) {
+                        return Err(e.into());
+                    }
+                    continue;
                 }
             };
             reduced.group_outputs.push(self.record(g, group, &proposal, made, calls).await?);
             match proposal {
-                Proposal::Ops(ops) => {
-                    let merged = delta::normalize_ops(ops.into_iter().map(|op| (g, op)).collect());
+                p @ Proposal::Ops(_) => {
+                    let merged = delta::normalize_sourced_ops(p.round_ops(g, group));
                     let playbook = current.playbook.clone().unwrap_or_default();
                     let outcome = delta::apply_ops_guarded(&playbook, &merged, &self.spec.budget, &mut guard);
                     current.playbook = Some(outcome.playbook);
@@ -703,6 +884,12 @@ impl Reduce<'_> {
         reduced.content = current;
         Ok(reduced)
     }
+}
+
+/// Whether `left_out` of `k` groups is more than a round may lose (all of them,
+/// or more than [`MAX_LEFT_OUT_SHARE`]).
+fn too_many_left_out(left_out: usize, k: usize) -> bool {
+    left_out > 0 && (left_out >= k || left_out as f64 > MAX_LEFT_OUT_SHARE * k as f64)
 }
 
 /// Design §3.5: not empty, within the budget, every `{placeholder}` of the base kept.

@@ -538,3 +538,108 @@ async fn a_denylisted_result_is_not_published_and_says_why() {
         run_round(&sim.client, &sim.cfg, &s, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new()).await.is_ok()
     );
 }
+
+/// Answers every aggregator call whose reflections hold `marker` with prose, both attempts.
+struct RefuseGroupsWith {
+    inner: OpenAiClient,
+    marker: &'static str,
+}
+
+#[async_trait]
+impl LlmBackend for RefuseGroupsWith {
+    async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+        let aggregate = req.messages.iter().any(|m| m.content.contains("combee-task: aggregate-playbook"));
+        if aggregate && req.messages.iter().any(|m| m.content.contains(self.marker)) {
+            let mut resp = self.inner.chat(req).await?;
+            resp.content = "These reflections are too varied for me to summarise.".into();
+            return Ok(resp);
+        }
+        self.inner.chat(req).await
+    }
+}
+
+#[tokio::test]
+async fn a_group_whose_answer_stays_invalid_is_left_out_and_the_round_publishes() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let backend = RefuseGroupsWith { inner: sim.client.clone(), marker: "INSIGHT-t005:" };
+    let ts = traces(36);
+    let spec = spec(Method::Combee, Strategy::Playbook, 2, 3);
+    let out =
+        run_round(&backend, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new()).await.unwrap();
+    // t005 sits in p = 2 groups; both are left out, with their error, and the round goes on.
+    assert_eq!(out.k, 6);
+    assert_eq!(out.answers.groups_left_out.len(), 2, "{:?}", out.answers);
+    for g in &out.answers.groups_left_out {
+        assert!(g.traces.contains(&ts[5].id));
+        assert!(g.error.contains("invalid after 2 attempts"), "{}", g.error);
+    }
+    assert_eq!(out.group_outputs.len(), 4);
+    // Only reflections whose every copy was in a left-out group are lost; t005 is one.
+    assert!(out.answers.reflections_lost.contains(&ts[5].id), "{:?}", out.answers.reflections_lost);
+    assert!(!insight_tokens(&out.content.render()).contains("t005"));
+    assert_eq!(kept(&out), 36 - out.answers.reflections_lost.len(), "the hard model keeps all of a small group");
+    let failed_calls = out.calls.iter().filter(|c| c.error.as_deref().is_some_and(|e| e.contains("invalid"))).count();
+    assert_eq!(failed_calls, 4, "two attempts per left-out group are on record");
+
+    // Every group failing (here: more than a third) fails the round, as before.
+    let backend = RefuseGroupsWith { inner: sim.client.clone(), marker: "INSIGHT-t00" };
+    let ts = traces(12);
+    let err = run_round(&backend, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new())
+        .await
+        .unwrap_err();
+    assert!(!err.is_retryable() && err.to_string().contains("invalid"), "{err}");
+}
+
+#[test]
+fn at_most_a_third_of_the_groups_may_be_left_out() {
+    assert!(!too_many_left_out(0, 1));
+    assert!(too_many_left_out(1, 1));
+    assert!(too_many_left_out(1, 2));
+    assert!(!too_many_left_out(1, 3));
+    assert!(!too_many_left_out(2, 6));
+    assert!(too_many_left_out(3, 6));
+}
+
+#[tokio::test]
+async fn coverage_says_which_reflections_an_applied_operation_cites() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let ts = traces(36);
+    let base = base_for(Strategy::Playbook);
+    // Combee, p = 1, groups of 6 within the capacity: every reflection is cited.
+    let out = sim.run(&spec(Method::Combee, Strategy::Playbook, 1, 5), &base, &ts).await;
+    let cov = out.coverage.as_ref().unwrap();
+    assert_eq!((cov.covered, cov.n, cov.share), (36, 36, 1.0));
+    // Naive: one call on 36 reflections keeps max(1, 12*12/36) = 4; coverage is the
+    // marker count, found without looking at markers.
+    let out = sim.run(&spec(Method::Naive, Strategy::Playbook, 1, 5), &base, &ts).await;
+    let cov = out.coverage.as_ref().unwrap();
+    assert_eq!(cov.covered, kept(&out));
+    assert_eq!(cov.covered, 4);
+    let covered: BTreeSet<Uuid> = cov.reflections.iter().filter(|r| r.covered).map(|r| r.trace_id).collect();
+    let by_marker: BTreeSet<Uuid> = ts
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| insight_tokens(&out.content.render()).contains(&format!("t{i:03}")))
+        .map(|(_, t)| t.id)
+        .collect();
+    assert_eq!(covered, by_marker, "the reflections cited are exactly those whose insight was kept");
+    // Rewrite rounds have no operations to cite.
+    let out = sim.run(&spec(Method::Combee, Strategy::Rewrite, 1, 5), &base_for(Strategy::Rewrite), &ts).await;
+    assert!(out.coverage.is_none());
+}
+
+#[tokio::test]
+async fn a_sequential_batch_whose_answer_stays_invalid_is_left_out_too() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let backend = RefuseGroupsWith { inner: sim.client.clone(), marker: "INSIGHT-t005:" };
+    let ts = traces(12);
+    let spec = spec(Method::Sequential, Strategy::Playbook, 1, 3);
+    let out =
+        run_round(&backend, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &MemoryJournal::new()).await.unwrap();
+    // Batches of 3: the one holding t005 is left out, the other three are applied in turn.
+    assert_eq!(out.answers.groups_left_out.len(), 1);
+    assert_eq!(out.answers.reflections_lost.len(), 3);
+    assert!(out.answers.reflections_lost.contains(&ts[5].id));
+    assert_eq!(kept(&out), 9);
+    assert_eq!(out.coverage.as_ref().map(|c| c.covered), Some(9));
+}

@@ -395,13 +395,37 @@ where
 pub async fn chat_json_checked<T, F>(
     backend: &dyn LlmBackend,
     role: LlmRole,
-    mut req: ChatRequest,
+    req: ChatRequest,
     calls: &mut Vec<LlmCall>,
     check: F,
 ) -> Result<T, LlmError>
 where
     T: DeserializeOwned + Send,
     F: Fn(&T) -> Result<(), String> + Send + Sync,
+{
+    let decode = |content: &str| {
+        serde_json::from_str::<T>(content.trim())
+            .map_err(|e| format!("not valid JSON of the requested shape: {e}"))
+            .and_then(|v| check(&v).map(|()| v))
+    };
+    chat_decoded(backend, role, req, calls, decode).await
+}
+
+/// Sends `req` and reads the answer with `decode` (which parses and validates,
+/// see [`super::answer`] for the tolerant readers). When it fails, asks ONCE
+/// more with the bad answer and the reason appended to the conversation; a
+/// second failure is [`LlmError::InvalidAnswer`]. Every call made, failed or
+/// not, is pushed onto `calls`.
+pub async fn chat_decoded<T, F>(
+    backend: &dyn LlmBackend,
+    role: LlmRole,
+    mut req: ChatRequest,
+    calls: &mut Vec<LlmCall>,
+    decode: F,
+) -> Result<T, LlmError>
+where
+    T: Send,
+    F: Fn(&str) -> Result<T, String> + Send + Sync,
 {
     const ATTEMPTS: u32 = 2;
     let mut detail = String::new();
@@ -414,9 +438,7 @@ where
                 return Err(e);
             }
         };
-        let parsed = serde_json::from_str::<T>(resp.content.trim())
-            .map_err(|e| format!("not valid JSON of the requested shape: {e}"))
-            .and_then(|v| check(&v).map(|()| v));
+        let parsed = decode(&resp.content);
         let mut call = LlmCall::succeeded(role, &resp);
         match parsed {
             Ok(v) => {

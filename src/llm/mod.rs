@@ -5,6 +5,7 @@
 //! Implementations: [`client::OpenAiClient`] for any OpenAI-compatible server,
 //! and [`sim`], a *simulated* OpenAI-compatible server used by tests and benchmarks.
 
+pub mod answer;
 pub mod client;
 pub mod config;
 pub mod fence;
@@ -16,7 +17,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-pub use client::{OpenAiClient, chat_json, chat_json_checked};
+pub use client::{OpenAiClient, chat_decoded, chat_json, chat_json_checked};
 pub use config::LlmConfig;
 
 /// Who wrote a chat message.

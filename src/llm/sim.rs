@@ -78,7 +78,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use super::client::estimate_tokens;
-use super::protocol::{InstructionAnswer, OperationsAnswer, Task};
+use super::protocol::{InstructionAnswer, Task};
 use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 use crate::learn::level2::{Action, Decision, DecisionsAnswer};
 
@@ -153,6 +153,24 @@ pub struct SimConfig {
     /// Share of requests answered with malformed JSON content. [simulation]
     #[arg(long, default_value_t = 0.0)]
     pub rate_malformed: f64,
+    /// Answer shapes real models produce, each drawn independently per request
+    /// (0..=1; several can apply to one answer). Share of answers wrapped in a
+    /// ```` ```json ```` code fence. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_fence: f64,
+    /// Share of answers with prose before and after the JSON. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_preamble: f64,
+    /// Share of answers carrying keys the format does not have (top level and per item). [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_extra_keys: f64,
+    /// Share of answers preceded by a `<think>…</think>` block (which itself holds a JSON draft). [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_think: f64,
+    /// Share of answers citing ids that do not exist: a bullet tag or an UPDATE of
+    /// bullet `b-9999`, and a source number past the group. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_unknown_ids: f64,
 }
 
 impl Default for SimConfig {
@@ -171,6 +189,11 @@ impl Default for SimConfig {
             rate_hang: 0.0,
             hang_ms: 30_000,
             rate_malformed: 0.0,
+            rate_fence: 0.0,
+            rate_preamble: 0.0,
+            rate_extra_keys: 0.0,
+            rate_think: 0.0,
+            rate_unknown_ids: 0.0,
         }
     }
 }
@@ -193,6 +216,12 @@ pub struct SimStats {
     pub calls: BTreeMap<String, u64>,
     /// Faults injected per kind: `rate_limited`, `server_error`, `hang`, `malformed`.
     pub faults: BTreeMap<String, u64>,
+    /// Answer shapes applied per kind: `fence`, `preamble`, `extra_keys`, `think`, `unknown_ids`.
+    #[serde(default)]
+    pub shapes: BTreeMap<String, u64>,
+    /// Answers that got at least one shape.
+    #[serde(default)]
+    pub shaped_answers: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
 }
@@ -347,10 +376,18 @@ async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     let n = sim.counter.fetch_add(1, Ordering::SeqCst);
     let cfg = &sim.cfg;
     let (task, answer) = answer(cfg, &req);
+    let (answer, shapes) = match task {
+        Some(task) => shape_answer(cfg, n, task, answer),
+        None => (answer, Vec::new()),
+    };
     let fault = draw_fault(cfg, n);
     sim.record(|s| {
         s.requests += 1;
         *s.calls.entry(task.map_or("other", Task::as_str).to_owned()).or_default() += 1;
+        for shape in &shapes {
+            *s.shapes.entry((*shape).to_owned()).or_default() += 1;
+        }
+        s.shaped_answers += u64::from(!shapes.is_empty());
         if let Some(f) = fault {
             let kind = match f {
                 Fault::RateLimited => "rate_limited",
@@ -563,6 +600,94 @@ pub fn simulated_answer(cfg: &SimConfig, messages: &[crate::llm::ChatMessage]) -
     answer(cfg, &SimRequest { model: String::new(), messages, seed: None })
 }
 
+/// Reshapes a well-formed answer the way real models do, each shape drawn
+/// independently per request against its rate; returns the text and the shapes applied.
+fn shape_answer(cfg: &SimConfig, n: u64, task: Task, answer: String) -> (String, Vec<&'static str>) {
+    let drawn = |name: &'static str, rate: f64| {
+        (rate > 0.0 && unit(&[b"shape", name.as_bytes(), &cfg.seed.to_le_bytes(), &n.to_le_bytes()]) < rate)
+            .then_some(name)
+    };
+    let shapes: Vec<&'static str> = [
+        drawn("unknown_ids", cfg.rate_unknown_ids),
+        drawn("extra_keys", cfg.rate_extra_keys),
+        drawn("think", cfg.rate_think),
+        drawn("fence", cfg.rate_fence),
+        drawn("preamble", cfg.rate_preamble),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if shapes.is_empty() {
+        return (answer, shapes);
+    }
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_str::<serde_json::Value>(&answer) else {
+        return (answer, Vec::new());
+    };
+    if shapes.contains(&"unknown_ids") {
+        match task {
+            Task::Reflect => {
+                if let Some(serde_json::Value::Array(tags)) = obj.get_mut("bullet_tags") {
+                    tags.push(json!({"id": "b-9999", "tag": "helpful"}));
+                }
+            }
+            Task::AggregatePlaybook => {
+                if let Some(serde_json::Value::Array(ops)) = obj.get_mut("operations") {
+                    if let Some(serde_json::Value::Object(first)) = ops.first_mut()
+                        && let Some(serde_json::Value::Array(sources)) = first.get_mut("sources")
+                    {
+                        sources.push(json!(999));
+                    }
+                    ops.push(json!({"op": "UPDATE", "id": "b-9999", "content": "Simulated edit of a bullet that does not exist",
+                                    "reason": "simulated unknown id", "sources": [1]}));
+                }
+            }
+            _ => {}
+        }
+    }
+    if shapes.contains(&"extra_keys") {
+        obj.insert("confidence".into(), json!(0.87));
+        obj.insert("notes".into(), json!("simulated extra key"));
+        for list in ["operations", "decisions", "bullet_tags"] {
+            if let Some(serde_json::Value::Array(items)) = obj.get_mut(list) {
+                for item in items.iter_mut().filter_map(serde_json::Value::as_object_mut) {
+                    item.insert("priority".into(), json!("high"));
+                }
+            }
+        }
+    }
+    let mut text = serde_json::to_string(&obj).unwrap_or_default();
+    if shapes.contains(&"fence") {
+        text = format!("```json\n{}\n```", serde_json::to_string_pretty(&obj).unwrap_or_default());
+    }
+    if shapes.contains(&"preamble") {
+        text = format!("Here is my answer, based on the data above:\n\n{text}\n\nLet me know if anything is unclear.");
+    }
+    if shapes.contains(&"think") {
+        text = format!(
+            "<think>\nThe user wants JSON. A first draft: {{\"draft\": true}}. Let me check it again.\n</think>\n{text}"
+        );
+    }
+    (text, shapes)
+}
+
+/// `[reflection N]` sections of a reflections fence: (N, section text).
+fn reflection_sections(body: &str) -> Vec<(usize, &str)> {
+    let starts: Vec<(usize, usize)> = body
+        .match_indices("[reflection ")
+        .filter(|(i, _)| *i == 0 || body.as_bytes()[i - 1] == b'\n')
+        .filter_map(|(i, m)| {
+            let rest = &body[i + m.len()..];
+            let close = rest.find(']')?;
+            Some((i, rest[..close].parse().ok()?))
+        })
+        .collect();
+    starts
+        .iter()
+        .enumerate()
+        .map(|(j, &(at, n))| (n, &body[at..starts.get(j + 1).map_or(body.len(), |next| next.0)]))
+        .collect()
+}
+
 /// The recognised task and the answer text (before any fault).
 fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
     let user = req.messages.iter().find(|m| m.role == "user").map_or("", |m| m.content.as_str());
@@ -605,7 +730,27 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
     let text = match task {
         Some(Task::Reflect) => serde_json::to_string(&reflect(user, current)),
         Some(Task::AggregatePlaybook) => {
-            serde_json::to_string(&OperationsAnswer { operations: adds(kept("untrusted-reflections")) })
+            // Each op cites the reflections its insight came from, numbered as in the prompt.
+            let sections = fenced(user, "untrusted-reflections").map_or_else(Vec::new, |(_, b)| reflection_sections(b));
+            let ops: Vec<serde_json::Value> = adds(kept("untrusted-reflections"))
+                .into_iter()
+                .map(|op| {
+                    let mut v = serde_json::to_value(&op).unwrap_or_default();
+                    let token = match &op {
+                        DeltaOp::Add { content, .. } => insights(content).first().map(|i| i.token.clone()),
+                        _ => None,
+                    };
+                    let sources: Vec<usize> = token.map_or_else(Vec::new, |t| {
+                        let needle = format!("INSIGHT-{t}:");
+                        sections.iter().filter(|(_, text)| text.contains(&needle)).map(|(n, _)| *n).collect()
+                    });
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("sources".into(), json!(sources));
+                    }
+                    v
+                })
+                .collect();
+            serde_json::to_string(&json!({ "operations": ops }))
         }
         Some(Task::ConsolidatePlaybook) => {
             let body = fenced(user, "untrusted-operations").map_or("", |(_, body)| body);
@@ -880,6 +1025,16 @@ mod tests {
             "7",
             "--rate-malformed",
             "0.4",
+            "--rate-fence",
+            "0.05",
+            "--rate-preamble",
+            "0.06",
+            "--rate-extra-keys",
+            "0.07",
+            "--rate-think",
+            "0.08",
+            "--rate-unknown-ids",
+            "0.09",
         ])
         .unwrap();
         let want = SimConfig {
@@ -896,6 +1051,11 @@ mod tests {
             rate_hang: 0.3,
             hang_ms: 7,
             rate_malformed: 0.4,
+            rate_fence: 0.05,
+            rate_preamble: 0.06,
+            rate_extra_keys: 0.07,
+            rate_think: 0.08,
+            rate_unknown_ids: 0.09,
         };
         assert_eq!(cli.args.sim, want);
         assert_eq!(serde_json::from_str::<SimConfig>("{}").unwrap(), SimConfig::default());
@@ -1166,5 +1326,58 @@ mod tests {
         assert_eq!(sim.stats().await.calls.get("other"), Some(&1));
         let bad = reqwest::Client::new().post(format!("{}/chat/completions", sim.base)).body("{").send().await.unwrap();
         assert_eq!(bad.status(), 400);
+    }
+
+    #[tokio::test]
+    async fn aggregator_operations_cite_their_reflections() {
+        let sim = start(hard(), |_| {}).await;
+        let current = playbook(&["INSIGHT-i1: lesson number 1"]);
+        let mut group = numbered(0..4);
+        // Reflection 4 repeats the lesson of reflection 1: one op, both cited.
+        group[3].key_insight = "INSIGHT-i0: lesson number 0, seen again".into();
+        let got =
+            protocol::aggregate_playbook_noted(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await.unwrap();
+        let cited: Vec<(String, Vec<usize>)> =
+            got.value.iter().map(|s| (tokens(std::slice::from_ref(&s.op)).join(""), s.sources.clone())).collect();
+        assert_eq!(cited, [("i0".to_owned(), vec![0, 3]), ("i2".to_owned(), vec![2])]);
+        assert!(got.notes.is_empty(), "{:?}", got.notes);
+    }
+
+    #[tokio::test]
+    async fn every_answer_shape_at_once_still_reads_the_same() {
+        let shaped = SimConfig {
+            rate_fence: 1.0,
+            rate_preamble: 1.0,
+            rate_extra_keys: 1.0,
+            rate_think: 1.0,
+            rate_unknown_ids: 1.0,
+            ..hard()
+        };
+        let (sim, clean) = (start(shaped, |_| {}).await, start(hard(), |_| {}).await);
+        let current = playbook(&["Check units"]);
+        let group = numbered(0..3);
+        let got =
+            protocol::aggregate_playbook_noted(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await.unwrap();
+        let want =
+            protocol::aggregate_playbook_noted(&clean.client, &clean.cfg, &current, &group, &mut vec![]).await.unwrap();
+        assert_eq!(got.value, want.value, "the same operations and sources once the shapes are read through");
+        assert_eq!(got.notes.wrapping, ["think block", "code fence"]);
+        assert!(got.notes.unknown_keys.contains(&"confidence".to_owned()), "{:?}", got.notes);
+        assert!(got.notes.unknown_keys.contains(&"operations[0].priority".to_owned()), "{:?}", got.notes);
+        // The UPDATE of b-9999 and source 999 are dropped with reasons.
+        let reasons: Vec<&str> = got.notes.dropped.iter().map(|d| d.reason.as_str()).collect();
+        assert_eq!(got.notes.dropped_count, 2, "{reasons:?}");
+        assert!(reasons.iter().any(|r| r.contains("\"b-9999\" is not a bullet")), "{reasons:?}");
+        assert!(reasons.iter().any(|r| r.contains("999 is not a reflection of this group")), "{reasons:?}");
+        let t = with_trajectory("Used [b-0001].\nINSIGHT-units: convert to SI first", true);
+        let r = protocol::reflect_noted(&sim.client, &sim.cfg, &t, &current, Strategy::Playbook, &mut vec![])
+            .await
+            .unwrap();
+        assert_eq!(r.value.key_insight, "INSIGHT-units: convert to SI first");
+        assert_eq!(r.value.bullet_tags.len(), 1);
+        assert_eq!(r.notes.dropped_count, 1);
+        let stats = sim.stats().await;
+        assert_eq!(stats.shapes.get("think"), Some(&2));
+        assert_eq!(stats.shapes.len(), 5);
     }
 }

@@ -721,12 +721,28 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
         format!(r#"<h2>Group outputs</h2><div class="card groups" id="group-outputs">{group_outputs}</div>"#)
     };
 
-    // Reflections.
+    let answers = answers_section(outcome);
+
+    // Reflections, with provenance: whether an applied operation cites each.
+    let covered: std::collections::HashMap<String, bool> = outcome
+        .and_then(|o| o.pointer("/coverage/reflections"))
+        .and_then(Value::as_array)
+        .map(|rs| {
+            rs.iter()
+                .filter_map(|r| Some((r.get("trace_id")?.as_str()?.to_owned(), r.get("covered")?.as_bool()?)))
+                .collect()
+        })
+        .unwrap_or_default();
     let mut refl = String::new();
     for x in &view.reflections {
+        let cover = match covered.get(&x.trace_id.to_string()) {
+            Some(true) => r#"<span class="badge ok">covered</span>"#,
+            Some(false) => r#"<span class="badge plain">not covered</span>"#,
+            None => "—",
+        };
         let _ = write!(
             refl,
-            r#"<tr><td><a href="/ui/traces/{}">{}</a>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"#,
+            r#"<tr><td><a href="/ui/traces/{}">{}</a>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{cover}</td></tr>"#,
             x.trace_id,
             short_id(x.trace_id),
             if x.from_trace { r#" <span class="badge plain">agent's own</span>"# } else { "" },
@@ -736,7 +752,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
         );
     }
     let reflections = format!(
-        r#"<details class="card" id="reflections-box"><summary>Reflections ({})</summary><table class="compact" id="reflections"><thead><tr><th>Trace</th><th>Key insight</th><th>Error</th><th>Root cause</th></tr></thead><tbody>{refl}</tbody></table></details>"#,
+        r#"<details class="card" id="reflections-box"><summary>Reflections ({})</summary><table class="compact" id="reflections"><thead><tr><th>Trace</th><th>Key insight</th><th>Error</th><th>Root cause</th><th>Provenance</th></tr></thead><tbody>{refl}</tbody></table></details>"#,
         view.reflections.len()
     );
 
@@ -745,12 +761,75 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
 <div class="card">{summary}</div>
 {timeline}
 <h2>Usage</h2>{usage}{calls}
-{ops}{group_outputs}
+{answers}{ops}{group_outputs}
 <h2>Reflections</h2>{reflections}"#,
         short_id(r.id),
         prompt_tabs(r.prompt.as_str(), "rounds"),
     );
     Ok(page(&format!("Round {}", short_id(r.id)), Some(&op.who()), Section::Prompts, &body))
+}
+
+/// The round's answer report (`outcome.answers`, `outcome.coverage`): what
+/// tolerant reading ignored or dropped, groups left out, and the covered share.
+fn answers_section(outcome: Option<&Value>) -> String {
+    let Some(o) = outcome else { return String::new() };
+    let (Some(a), coverage) = (o.get("answers"), o.get("coverage").filter(|c| !c.is_null())) else {
+        return String::new();
+    };
+    let num = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let list = |v: &Value, k: &str| v.get(k).and_then(Value::as_array).cloned().unwrap_or_default();
+    let coverage_fact = coverage.map_or_else(String::new, |c| {
+        format!(
+            r#"<dt>Covered reflections</dt><dd id="covered-share">{} of {} ({:.1}%)</dd>"#,
+            num(c, "covered"),
+            num(c, "n"),
+            100.0 * c.get("share").and_then(Value::as_f64).unwrap_or(0.0)
+        )
+    });
+    let mut rows = String::new();
+    for g in list(a, "groups_left_out") {
+        let _ = write!(
+            rows,
+            r#"<tr><td>group {}</td><td>left out ({} reflections)</td><td class="bad-text">{}</td></tr>"#,
+            num(&g, "group"),
+            g.get("traces").and_then(Value::as_array).map_or(0, Vec::len),
+            clip(g.get("error").and_then(Value::as_str).unwrap_or(""), 300)
+        );
+    }
+    for c in list(a, "calls") {
+        let who = match (c.get("group").and_then(Value::as_u64), c.get("trace_id").and_then(Value::as_str)) {
+            (Some(g), _) => format!("group {g}"),
+            (None, Some(t)) => format!("trace {}", escape(&t.chars().take(8).collect::<String>())),
+            _ => String::new(),
+        };
+        let task = c.get("task").and_then(Value::as_str).unwrap_or("");
+        let mut what: Vec<String> = Vec::new();
+        let wrapping: Vec<String> = list(&c, "wrapping").iter().filter_map(Value::as_str).map(str::to_owned).collect();
+        if !wrapping.is_empty() {
+            what.push(format!("unwrapped from {}", escape(&wrapping.join(", "))));
+        }
+        let keys: Vec<String> = list(&c, "unknown_keys").iter().filter_map(Value::as_str).map(str::to_owned).collect();
+        if !keys.is_empty() {
+            what.push(format!("ignored keys <code>{}</code>", escape(&keys.join(", "))));
+        }
+        for d in list(&c, "dropped") {
+            what.push(format!(
+                "dropped <code>{}</code>: {}",
+                escape(d.get("item").and_then(Value::as_str).unwrap_or("")),
+                clip(d.get("reason").and_then(Value::as_str).unwrap_or(""), 200)
+            ));
+        }
+        let _ = write!(rows, r#"<tr><td>{who}</td><td>{}</td><td>{}</td></tr>"#, escape(task), what.join("<br>"));
+    }
+    format!(
+        r#"<h2>Answers</h2><details class="card" id="answers-box"{}><summary>{} tolerated answers · {} unknown keys ignored · {} items dropped · {} groups left out · {} reflections lost</summary><dl class="facts">{coverage_fact}</dl><table class="compact" id="answer-notes"><thead><tr><th>Call</th><th>Task</th><th>What was ignored or dropped, and why</th></tr></thead><tbody>{rows}</tbody></table></details>"#,
+        if rows.is_empty() { "" } else { " open" },
+        num(a, "tolerated_answers"),
+        num(a, "unknown_keys"),
+        num(a, "dropped_items"),
+        list(a, "groups_left_out").len(),
+        list(a, "reflections_lost").len(),
+    )
 }
 
 // ---------------------------------------------------------------- controller

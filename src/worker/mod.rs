@@ -250,6 +250,7 @@ impl Worker {
                     "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map,
                     "unreflected": outcome.unreflected, "applied": outcome.applied, "skipped": outcome.skipped,
                     "evicted": outcome.evicted, "timings": outcome.timings, "level2": outcome.level2,
+                    "answers": outcome.answers, "coverage": outcome.coverage,
                 });
                 detail["group_outputs"] = json!(outcome.group_outputs);
                 let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;

@@ -273,16 +273,44 @@ async fn an_unreflected_trace_is_not_consumed(b: Backend) {
     assert!(traces_with(&app, "u", "pending").await.is_empty());
 }
 
+/// An OpenAI-compatible endpoint in front of the simulator that answers every
+/// playbook aggregator call with prose (no JSON), as a confused model would; every
+/// other call goes to the simulator. Returns its base URL.
+async fn aggregator_answers_prose(sim_url: String) -> String {
+    async fn relay(
+        axum::extract::State(sim_url): axum::extract::State<String>,
+        body: axum::body::Bytes,
+    ) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        let aggregate = String::from_utf8_lossy(&body).contains("combee-task: aggregate-playbook");
+        let res = reqwest::Client::new()
+            .post(format!("{sim_url}/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.to_vec())
+            .send()
+            .await
+            .unwrap();
+        let mut answer: Value = res.json().await.unwrap();
+        if aggregate {
+            answer["choices"][0]["message"]["content"] = json!("I would rather not change the playbook today.");
+        }
+        axum::Json(answer).into_response()
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let router = axum::Router::new().route("/v1/chat/completions", axum::routing::post(relay)).with_state(sim_url);
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    url
+}
+
 async fn a_group_failure_costs_no_trace_an_attempt_and_a_rerun_reuses_reflections(b: Backend) {
     let sim = spawn_sim(sim()).await;
-    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    // Every group's answer stays invalid after the corrective retry: more groups
+    // than a round may leave out, so the round fails.
+    let llm = aggregator_answers_prose(sim.url.clone()).await;
+    let app = spawn_app_with(b, |s| learning(s, &llm)).await;
     create(&app, "g", "playbook", json!({"duplication": 1})).await;
-    send_traces(&app, "g", 8).await;
-    // One lesson longer than a playbook bullet may be (2000 characters): the group
-    // that holds it gets an invalid answer twice and fails the round.
-    let long = format!("INSIGHT-long: {}", "very detailed advice ".repeat(110));
-    let poison = json!({"prompt": "g", "input": {"task": "t"}, "output": "o", "feedback": {"comment": long}});
-    assert_eq!(app.post("/v1/traces", poison).send().await.unwrap().status(), 201);
+    send_traces(&app, "g", 9).await;
 
     let round = trigger(&app, "g", json!({})).await;
     let done = finished(&app, round["id"].as_str().unwrap(), Duration::from_secs(60)).await;
@@ -333,7 +361,81 @@ async fn round_triggers_are_validated(b: Backend) {
     assert_eq!(done["status"], "succeeded");
 }
 
+/// Issue 9's acceptance line for tolerant answers: with 10% of every realistic
+/// answer shape at once (simulated), 20 rounds on the product defaults (Combee,
+/// p = 2) fail none, lose at most 1% of reflections, and the round records
+/// account for every shaped answer.
+async fn realistic_answer_shapes_fail_no_round(b: Backend) {
+    let shaped = SimConfig {
+        rate_fence: 0.1,
+        rate_preamble: 0.1,
+        rate_extra_keys: 0.1,
+        rate_think: 0.1,
+        rate_unknown_ids: 0.1,
+        ..sim()
+    };
+    let sim = spawn_sim(shaped).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    create(&app, "shaped", "playbook", json!({"duplication": 2})).await;
+    let (rounds, per_round) = (20, 30);
+    let (mut failed, mut lost, mut tolerated, mut unknown_keys, mut dropped) = (0, 0, 0, 0, 0);
+    let (mut covered, mut reduced) = (0, 0);
+    for r in 0..rounds {
+        let traces: Vec<Value> = (0..per_round)
+            .map(|i| {
+                let mut t = insight_trace("shaped", i);
+                t["feedback"]["comment"] = json!(format!("INSIGHT-r{r}i{i}: check field {i} of form {r}"));
+                t
+            })
+            .collect();
+        let res = app.post("/v1/traces", json!({"traces": traces})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        let round = trigger(&app, "shaped", json!({"batch_size": per_round})).await;
+        let done = finished(&app, round["id"].as_str().unwrap(), Duration::from_secs(60)).await;
+        if done["status"] != "succeeded" {
+            failed += 1;
+            eprintln!("round {r} failed: {}", done["error"]);
+            continue;
+        }
+        let outcome = &done["detail"]["outcome"];
+        let answers = &outcome["answers"];
+        lost +=
+            answers["reflections_lost"].as_array().unwrap().len() + outcome["unreflected"].as_array().unwrap().len();
+        tolerated += answers["tolerated_answers"].as_u64().unwrap();
+        unknown_keys += answers["unknown_keys"].as_u64().unwrap();
+        dropped += answers["dropped_items"].as_u64().unwrap();
+        // Every dropped item is listed with its reason in the record.
+        let listed: usize =
+            answers["calls"].as_array().unwrap().iter().map(|c| c["dropped"].as_array().map_or(0, Vec::len)).sum();
+        assert_eq!(listed as u64, answers["dropped_items"].as_u64().unwrap(), "{answers}");
+        covered += outcome["coverage"]["covered"].as_u64().unwrap();
+        reduced += outcome["coverage"]["n"].as_u64().unwrap();
+    }
+    let stats = sim.stats().await;
+    let shaped_answers = stats["shaped_answers"].as_u64().unwrap();
+    let total = rounds * per_round;
+    let prompt: Value = app.get("/v1/prompts/shaped").send().await.unwrap().json().await.unwrap();
+    let kept = insights(prompt["text"].as_str().unwrap()).len();
+    eprintln!(
+        "simulated LLM, 10% of each answer shape (fence, preamble, extra keys, think, unknown ids), {rounds} rounds x \
+         {per_round} traces, combee p = 2: failed rounds {failed}; reflections lost {lost} / {total} ({:.2}%); \
+         shaped answers {shaped_answers} (shapes {}), tolerated answers recorded {tolerated}, unknown keys ignored \
+         {unknown_keys}, items dropped {dropped}; provenance covered {covered} / {reduced} ({:.1}%); insights in the \
+         prompt {kept} / {total}",
+        100.0 * lost as f64 / total as f64,
+        stats["shapes"],
+        100.0 * covered as f64 / reduced.max(1) as f64,
+    );
+    assert_eq!(failed, 0);
+    assert!(lost * 100 <= total, "lost {lost} of {total} reflections");
+    assert!(shaped_answers > 0 && dropped > 0 && unknown_keys > 0);
+    assert_eq!(tolerated, shaped_answers, "every shaped answer is accounted for in a round record");
+    let unknown_ids = stats["shapes"]["unknown_ids"].as_u64().unwrap();
+    assert!(dropped >= unknown_ids, "each unknown id shape drops at least one item: {dropped} < {unknown_ids}");
+}
+
 on_both_stores!(
+    realistic_answer_shapes_fail_no_round,
     playbook_combee_keeps_what_naive_loses,
     rewrite_combee_keeps_what_naive_loses,
     a_full_backlog_starts_a_round_by_itself,

@@ -269,7 +269,9 @@ async fn sign_in(app: &TestApp, key: &str) -> reqwest::Response {
 }
 
 async fn operator_story(b: Backend) {
-    let sim = spawn_sim(SimConfig { seed: 11, ..SimConfig::default() }).await;
+    // Some realistic answer shapes (simulated), so the round page has tolerated answers to show.
+    let sim =
+        spawn_sim(SimConfig { seed: 11, rate_extra_keys: 0.5, rate_unknown_ids: 0.5, ..SimConfig::default() }).await;
     let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
     let res = app
         .post(
@@ -353,6 +355,12 @@ async fn operator_story(b: Backend) {
     assert!(br.text("#phases").await.contains("map"));
     assert!(br.text("#usage").await.contains("LLM calls"));
     assert!(br.count("#operations tr").await > 1, "operations listed");
+    // What tolerant reading ignored or dropped, and provenance per reflection.
+    let answers = br.text("#answers-box summary").await;
+    assert!(answers.contains("tolerated answers") && answers.contains("items dropped"), "{answers}");
+    assert!(br.count("#answer-notes tbody tr").await >= 1, "shaped answers are listed");
+    assert!(br.text("#answer-notes").await.contains("b-9999"), "the unknown id is named with its reason");
+    assert!(br.text("#covered-share").await.contains("of 16"));
     br.screenshot("06-round").await;
     br.click("#llm-calls-box summary").await;
     assert!(br.count("#llm-calls tbody tr").await >= 17, "16 reflections + groups");
