@@ -139,7 +139,9 @@ fn finish_operation(path: &str, op: &mut Map<String, Value>) {
 fn page_token_pattern(path: &str) -> &'static str {
     match path {
         "/v1/prompts" => NAME_PATTERN,
-        "/v1/prompts/{name}/versions" | "/v1/webhooks/{id}/deliveries" => "^[0-9]{1,18}$",
+        "/v1/prompts/{name}/versions" | "/v1/webhooks/{id}/deliveries" | "/v1/prompts/{name}/labels/history" => {
+            "^[0-9]{1,18}$"
+        }
         _ => "^[0-9a-f]{32}$",
     }
 }
@@ -162,7 +164,7 @@ fn finish_parameter(path: &str, p: &mut Value) {
             p["description"] = json!("opaque: the `next_page_token` of the previous page, unchanged");
         }
         ("query", "prompt") | ("path", "name") | ("query", "label") => schema["pattern"] = json!(NAME_PATTERN),
-        ("path", "label") => schema["pattern"] = json!("^(?!latest$)[a-z0-9][a-z0-9._-]{0,63}$"),
+        ("path", "label") => schema["pattern"] = json!("^(?!(latest|history)$)[a-z0-9][a-z0-9._-]{0,63}$"),
         ("query", "version") | ("path", "number") | ("query", "from") | ("query", "to") => schema["minimum"] = json!(1),
         ("header", "Idempotency-Key") => schema["pattern"] = json!("^[!-~]{1,255}$"),
         _ => {}
@@ -233,7 +235,7 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
         "CreateWebhook",
         "events",
         &merge(
-            json!({"minItems": 1, "items": {"type": "string", "enum": ["version.created", "label.moved", "round.completed", "round.failed"]}}),
+            json!({"minItems": 1, "items": {"type": "string", "enum": crate::domain::event::EventType::ALL.map(|e| e.as_str())}}),
         ),
     );
     set("CreateWebhook", "url", &merge(json!({"format": "uri", "pattern": "^https?://", "maxLength": 2048})));
@@ -243,6 +245,7 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
     set("CreateVersion", "parent", &merge(json!({"minimum": 1})));
     set("CreateVersion", "base", &merge(json!({"minLength": 1, "pattern": "\\S"})));
     set("MoveLabel", "version", &merge(json!({"minimum": 1})));
+    set("MoveLabel", "reason", &merge(json!({"maxLength": 2000})));
     set("Rollback", "to", &merge(json!({"minimum": 1})));
     set(
         "PromptSettings",

@@ -23,8 +23,8 @@ use super::{
 use crate::{
     cache::CachedPrompt,
     domain::{
-        LabelName, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy, Version, VersionContent,
-        VersionSource,
+        LabelMoveKind, LabelName, MoveCause, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy,
+        Version, VersionContent, VersionSource,
         diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
         prompt::NewVersion,
     },
@@ -43,11 +43,15 @@ pub async fn existing_prompt(st: &AppState, name: &str) -> ApiResult<Prompt> {
 }
 
 fn check_message(message: Option<String>, default: &str) -> ApiResult<String> {
-    let m = message.unwrap_or_else(|| default.to_owned());
-    if m.chars().count() > MAX_MESSAGE_CHARS {
-        return Err(ApiError::PayloadTooLarge(format!("`message` is longer than {MAX_MESSAGE_CHARS} characters")));
+    check_text(message.unwrap_or_else(|| default.to_owned()), "message")
+}
+
+/// A free-text field for people (a version's message, a move's reason).
+fn check_text(text: String, field: &str) -> ApiResult<String> {
+    if text.chars().count() > MAX_MESSAGE_CHARS {
+        return Err(ApiError::PayloadTooLarge(format!("`{field}` is longer than {MAX_MESSAGE_CHARS} characters")));
     }
-    Ok(m)
+    Ok(text)
 }
 
 fn check_content(
@@ -650,6 +654,9 @@ async fn check_if_match(
 #[serde(deny_unknown_fields)]
 pub struct MoveLabel {
     pub version: i64,
+    /// Why, for the label history (at most 2000 characters).
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -698,6 +705,7 @@ pub async fn move_label(
         return Err(ApiError::Unprocessable("`version` must be at least 1".into()));
     }
     let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
+    let reason = req.reason.map(|r| check_text(r, "reason")).transpose()?.unwrap_or_default();
     let mv = LabelMove {
         label: label.clone(),
         to_version: req.version,
@@ -705,13 +713,14 @@ pub async fn move_label(
         check_current,
         by: caller.actor(),
     };
-    let moved_label = move_label_to(&st, &prompt.name, &mv).await?;
+    let moved_label = move_label_to(&st, &prompt.name, &mv, &MoveCause::new(LabelMoveKind::Promote, reason)).await?;
     moved(&st, &prompt.name, moved_label).await
 }
 
-/// Applies a label move and drops the cached views; shared with the web UI.
-pub async fn move_label_to(st: &AppState, name: &PromptName, mv: &LabelMove) -> ApiResult<Label> {
-    let label = st.store.move_label(name, mv).await.map_err(|e| store_move_error(e, &mv.label))?;
+/// Applies a label move, recording `cause` in the label history, and drops
+/// the cached views; shared with the web UI.
+pub async fn move_label_to(st: &AppState, name: &PromptName, mv: &LabelMove, cause: &MoveCause) -> ApiResult<Label> {
+    let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
     st.cache.invalidate(name.as_str());
     Ok(label)
 }
@@ -731,7 +740,7 @@ pub async fn delete_label(
     if label.as_str() == LabelName::PRODUCTION {
         return Err(ApiError::Conflict("`production` cannot be deleted; move it instead".into()));
     }
-    if !st.store.delete_label(&prompt.name, &label).await? {
+    if !st.store.delete_label(&prompt.name, &label, &caller.actor()).await? {
         return Err(ApiError::not_found(format_args!("label {label:?} of prompt {:?}", prompt.name)));
     }
     st.cache.invalidate(prompt.name.as_str());
