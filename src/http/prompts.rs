@@ -205,6 +205,7 @@ impl utoipa::PartialSchema for SettingsPatch {
                 "agent_reflections": {"type": ["string", "null"], "enum": ["ignore", "use", null]},
                 "pinned_bullets": {"type": ["array", "null"], "maxItems": 1000, "items": {"type": "string", "pattern": "^b-[0-9]{1,12}$"}},
                 "max_removal_share": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                "regression_guard": {"type": ["boolean", "null"]},
             },
             "example": {"agent_reflections": "ignore", "pinned_bullets": ["b-0001"], "max_removal_share": 0.25},
         });
