@@ -350,7 +350,7 @@ impl Settings {
         if g.tick_secs == 0 || g.window_secs == 0 || g.min_traces == 0 {
             return Err(ConfigError("guard.tick_secs, window_secs and min_traces must be greater than 0".into()));
         }
-        if !(g.alpha > 0.0 && g.alpha < 0.5) || !(0.0..=1.0e12).contains(&g.min_drop) {
+        if !(g.alpha > 0.0 && g.alpha < 0.5 && (0.0..=1.0e12).contains(&g.min_drop)) {
             return Err(ConfigError("guard.alpha must be in (0, 0.5) and guard.min_drop at least 0".into()));
         }
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
