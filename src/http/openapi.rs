@@ -18,6 +18,8 @@ use crate::domain::prompt::{MAX_BULLETS, MAX_CHARS, MAX_WAIT_SECS};
 
 /// A prompt or label name.
 pub const NAME_PATTERN: &str = "^[a-z0-9][a-z0-9._-]{0,63}$";
+/// A label name that can be stored (`latest` and `history` are reserved).
+const STORED_LABEL_PATTERN: &str = "^(?!(latest|history)$)[a-z0-9][a-z0-9._-]{0,63}$";
 const PROBLEM_REF: &str = "#/components/schemas/Problem";
 
 /// The finished document, built once.
@@ -163,8 +165,11 @@ fn finish_parameter(path: &str, p: &mut Value) {
             schema["pattern"] = json!(page_token_pattern(path));
             p["description"] = json!("opaque: the `next_page_token` of the previous page, unchanged");
         }
+        // The label history's filter names a stored label: never `latest` or `history`.
+        ("path", "label") | ("query", "label") if place == "path" || path.ends_with("/labels/history") => {
+            schema["pattern"] = json!(STORED_LABEL_PATTERN)
+        }
         ("query", "prompt") | ("path", "name") | ("query", "label") => schema["pattern"] = json!(NAME_PATTERN),
-        ("path", "label") => schema["pattern"] = json!("^(?!(latest|history)$)[a-z0-9][a-z0-9._-]{0,63}$"),
         ("query", "version") | ("path", "number") | ("query", "from") | ("query", "to") => schema["minimum"] = json!(1),
         ("header", "Idempotency-Key") => schema["pattern"] = json!("^[!-~]{1,255}$"),
         _ => {}
