@@ -996,6 +996,24 @@ async fn label_history_records_every_move_in_order(b: Backend) {
         .collect();
     rolled.sort();
     assert_eq!(rolled, vec![("guard-rollback".to_owned(), 2), ("rollback".to_owned(), 3)]);
+
+    // Append-only: the database itself refuses to change or remove an entry.
+    use sqlx::Connection;
+    for sql in ["UPDATE label_moves SET actor = 'someone else'", "DELETE FROM label_moves"] {
+        let refused = match b {
+            Backend::Postgres => {
+                let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+                sqlx::raw_sql(sql).execute(&mut c).await.map(|_| ())
+            }
+            Backend::Sqlite => {
+                let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+                sqlx::raw_sql(sql).execute(&mut c).await.map(|_| ())
+            }
+        };
+        let err = refused.expect_err(sql).to_string();
+        assert!(err.contains("append-only"), "{sql}: {err}");
+    }
+    assert_eq!(s.label_history(&name("p"), None, None, 100).await.unwrap(), all);
 }
 
 on_both_stores!(

@@ -705,8 +705,8 @@ pub async fn move_label(
     if req.version < 1 {
         return Err(ApiError::Unprocessable("`version` must be at least 1".into()));
     }
-    let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
     let reason = req.reason.map(|r| check_text(r, "reason")).transpose()?.unwrap_or_default();
+    let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
     let mv = LabelMove {
         label: label.clone(),
         to_version: req.version,
