@@ -730,7 +730,7 @@ async fn label_history_over_the_api(b: Backend) {
     let long = "x".repeat(2001);
     let res =
         app.put("/v1/prompts/hist/labels/production", json!({"version": 1, "reason": long})).send().await.unwrap();
-    expect_problem(res, 413).await;
+    expect_problem(res, 422).await;
 }
 
 on_both_stores!(

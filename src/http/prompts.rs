@@ -43,15 +43,11 @@ pub async fn existing_prompt(st: &AppState, name: &str) -> ApiResult<Prompt> {
 }
 
 fn check_message(message: Option<String>, default: &str) -> ApiResult<String> {
-    check_text(message.unwrap_or_else(|| default.to_owned()), "message")
-}
-
-/// A free-text field for people (a version's message, a move's reason).
-fn check_text(text: String, field: &str) -> ApiResult<String> {
-    if text.chars().count() > MAX_MESSAGE_CHARS {
-        return Err(ApiError::PayloadTooLarge(format!("`{field}` is longer than {MAX_MESSAGE_CHARS} characters")));
+    let m = message.unwrap_or_else(|| default.to_owned());
+    if m.chars().count() > MAX_MESSAGE_CHARS {
+        return Err(ApiError::PayloadTooLarge(format!("`message` is longer than {MAX_MESSAGE_CHARS} characters")));
     }
-    Ok(text)
+    Ok(m)
 }
 
 fn check_content(
@@ -655,7 +651,7 @@ async fn check_if_match(
 #[serde(deny_unknown_fields)]
 pub struct MoveLabel {
     pub version: i64,
-    /// Why, for the label history (at most 2000 characters).
+    /// Why, for the label history (at most 2000 characters; longer: 422).
     #[serde(default)]
     pub reason: Option<String>,
 }
@@ -705,7 +701,11 @@ pub async fn move_label(
     if req.version < 1 {
         return Err(ApiError::Unprocessable("`version` must be at least 1".into()));
     }
-    let reason = req.reason.map(|r| check_text(r, "reason")).transpose()?.unwrap_or_default();
+    let reason = req.reason.unwrap_or_default();
+    // The schema states the bound (`maxLength`), so breaking it is invalid input (422), not a large body.
+    if reason.chars().count() > MAX_MESSAGE_CHARS {
+        return Err(ApiError::Unprocessable(format!("`reason` is longer than {MAX_MESSAGE_CHARS} characters")));
+    }
     let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
     let mv = LabelMove {
         label: label.clone(),
