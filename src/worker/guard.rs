@@ -12,7 +12,8 @@
 //! - once it has acted on a prompt, a later manual move of `production` by an
 //!   operator (`promote`, `rollback`) is respected: the guard does not roll
 //!   back a version an operator put there after the guard's last action;
-//! - it does not judge a version it rolled back to itself (no flip-flop);
+//! - it does not judge a version it rolled back to itself (no flip-flop), nor
+//!   undo an operator's rollback;
 //! - it goes back one step only (to the version production came from), with a
 //!   compare-and-set, so two guards or an operator racing it cannot stack moves.
 
@@ -63,6 +64,9 @@ fn applicable(history: &[LabelHistoryEntry]) -> Result<(&LabelHistoryEntry, i64,
     };
     if current.kind == LabelMoveKind::GuardRollback {
         return Err("production is where the guard put it");
+    }
+    if current.kind == LabelMoveKind::Rollback {
+        return Err("an operator rolled back: going back to what they rolled back from would undo their judgement");
     }
     if history
         .iter()
@@ -248,8 +252,9 @@ mod tests {
             entry(2, AutoPublish, Some(1), Some(2)),
         ];
         assert!(applicable(&again).is_err());
-        // Where the guard put production, it stays.
+        // Where the guard put production, it stays; an operator's rollback is never undone.
         assert!(applicable(&again[1..]).is_err());
+        assert!(applicable(&[entry(2, Rollback, Some(2), Some(3)), entry(1, Create, None, Some(1))]).is_err());
         // An operator's move after the guard's last action is respected...
         let overridden = [entry(4, Promote, Some(1), Some(3)), entry(3, GuardRollback, Some(2), Some(1))];
         assert!(applicable(&overridden).is_err());
