@@ -4,9 +4,12 @@
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
 # Dependencies first, so source edits don't rebuild them.
+# The benchmarks (bench/) are a workspace member: only their manifest and stub
+# sources are needed for cargo to load the workspace; they are not built.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src/bin && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
-    && for b in $(sed -n 's/^path = "\(src\/bin\/.*\)"/\1/p' Cargo.toml); do echo 'fn main() {}' > "$b"; done \
+COPY bench/Cargo.toml ./bench/
+RUN mkdir -p src bench/src/bin && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
+    && for b in $(sed -n 's/^path = "\(src\/bin\/.*\)"/\1/p' bench/Cargo.toml); do echo 'fn main() {}' > "bench/$b"; done \
     && cargo build --release --locked --bin combee \
     && rm -rf src
 COPY src ./src

@@ -245,7 +245,7 @@ async fn housekeeping(state: AppState, shutdown: CancellationToken) {
 #[cfg(test)]
 mod tests {
     use super::llm_configured;
-    use crate::{config::Secret, llm::config::LlmConfig};
+    use crate::{llm::config::LlmConfig, secret::Secret};
 
     #[test]
     fn an_llm_counts_as_configured_with_a_key_or_another_endpoint() {

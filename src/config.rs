@@ -2,7 +2,7 @@
 //! `config/<COMBEE_ENV>.toml` → `COMBEE__SECTION__KEY` env vars; `DATABASE_URL`
 //! picks the store. Secrets are wrapped so they never print.
 
-use std::{fmt, net::SocketAddr, path::PathBuf};
+use std::{net::SocketAddr, path::PathBuf};
 
 use figment::{
     Figment,
@@ -10,34 +10,7 @@ use figment::{
 };
 use serde::{Deserialize, Serialize};
 
-/// A value that must never reach a log line or an error body.
-#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
+use crate::secret::Secret;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -13,6 +13,7 @@ pub mod http;
 pub mod learn;
 pub mod llm;
 pub mod otlp;
+pub mod secret;
 pub mod store;
 pub mod telemetry;
 pub mod ui;

@@ -7,7 +7,7 @@ use base64::{Engine, engine::general_purpose::STANDARD};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::config::Secret;
+use crate::secret::Secret;
 
 pub const SECRET_PREFIX: &str = "whsec_";
 

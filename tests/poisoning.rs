@@ -152,6 +152,19 @@ async fn traces_can_be_quarantined_and_deleted(b: Backend) {
     expect_problem(app.post("/v1/traces/quarantine", json!({"prompt": "nope"})).send().await.unwrap(), 404).await;
     expect_problem(app.post("/v1/traces/quarantine", json!({})).send().await.unwrap(), 422).await;
 
+    // Release one: pending again and back in the backlog; releasing it again changes nothing.
+    let release =
+        |id: &str| app.http.delete(app.url(&format!("/v1/traces/{id}/quarantine"))).bearer_auth(&app.admin_key);
+    for _ in 0..2 {
+        let res = release(&ids[4]).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        let t: Value = res.json().await.unwrap();
+        assert_eq!((t["status"].as_str(), t["quarantined_at"].as_str()), (Some("pending"), None));
+    }
+    let prompts: Value = app.get("/v1/prompts").send().await.unwrap().json().await.unwrap();
+    assert_eq!(prompts["prompts"][0]["pending_traces"], 1);
+    expect_problem(release(&uuid::Uuid::now_v7().to_string()).send().await.unwrap(), 404).await;
+
     // Delete: gone for good; a second delete is 404.
     let res =
         app.http.delete(app.url(&format!("/v1/traces/{}", ids[2]))).bearer_auth(&app.admin_key).send().await.unwrap();
@@ -167,6 +180,14 @@ async fn traces_can_be_quarantined_and_deleted(b: Backend) {
     expect_problem(res, 403).await;
     let res =
         app.http.post(app.url(&format!("/v1/traces/{}/quarantine", ids[3]))).bearer_auth(&agent).send().await.unwrap();
+    expect_problem(res, 403).await;
+    let res = app
+        .http
+        .delete(app.url(&format!("/v1/traces/{}/quarantine", ids[3])))
+        .bearer_auth(&agent)
+        .send()
+        .await
+        .unwrap();
     expect_problem(res, 403).await;
     let long = "x".repeat(501);
     let res = app.post(&format!("/v1/traces/{}/quarantine", ids[3]), json!({"reason": long})).send().await.unwrap();
@@ -210,6 +231,14 @@ async fn cli_quarantines_deletes_and_pins(b: Backend) {
     let (code, out, err) = run(args(&["traces", "quarantine", "--prompt", "p"])).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("quarantined 2 traces of p"), "{out}");
+
+    let (code, out, err) = run(args(&["traces", "release", &ids[0]])).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("{}: released", ids[0])), "{out}");
+    let t: Value = app.get(&format!("/v1/traces/{}", ids[0])).send().await.unwrap().json().await.unwrap();
+    assert_eq!(t["status"].as_str(), Some("pending"));
+    let (code, _, _) = run(args(&["traces", "quarantine", &ids[0]])).await;
+    assert_eq!(code, 0);
 
     // One unknown id among good ones: the good ones are deleted, the exit code says 404.
     let ghost = uuid::Uuid::now_v7().to_string();

@@ -549,14 +549,29 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
 /// only to matching subscriptions, and deliveries are leased and fenced.
 async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Backend) {
     use combee::{
-        config::Secret,
         domain::event::EventType,
+        secret::Secret,
         store::{AttemptRecord, DeliveryOutcome, NewWebhook},
     };
     use std::time::Duration;
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let mut rx = s.changes();
+    // A wake-up is only announced once the Postgres listener is LISTENing (a
+    // write before is covered by its resync, not announced): wait for that,
+    // with writes that make no delivery (no subscription exists yet).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    'listening: for i in 0.. {
+        let probe = format!("probe{i}");
+        make_prompt(&s, &probe).await;
+        let wait = (tokio::time::Instant::now() + Duration::from_millis(500)).min(deadline);
+        while let Ok(change) = tokio::time::timeout_at(wait, rx.recv()).await {
+            if matches!(change.unwrap(), Change::Prompt(n) if n == probe) {
+                break 'listening;
+            }
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no write announced within 10 s");
+    }
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
         events: vec![EventType::LabelMoved],
@@ -750,6 +765,14 @@ async fn quarantined_traces_are_never_reserved_and_delete_keeps_provenance(b: Ba
         matches!(s.quarantine_trace(fresh, "x").await.unwrap(), TraceAction::Refused(why) if why.contains("in flight"))
     );
     assert!(matches!(s.delete_trace(fresh).await.unwrap(), TraceAction::Refused(_)));
+    // A released trace is pending again and counts in the backlog; releasing
+    // twice (or a trace never quarantined) changes nothing.
+    let TraceAction::Done(t) = s.release_trace(ids[0]).await.unwrap() else { panic!() };
+    assert_eq!((t.status, t.quarantined_at, t.quarantine_reason), (TraceStatus::Pending, None, None));
+    assert!(matches!(s.release_trace(ids[0]).await.unwrap(), TraceAction::Done(t) if t.status == TraceStatus::Pending));
+    let backlog = s.backlogs().await.unwrap();
+    assert_eq!(backlog.iter().find(|b| b.prompt.name.as_str() == "p").map(|b| b.pending), Some(1));
+    assert_eq!(s.release_trace(uuid::Uuid::now_v7()).await.unwrap(), TraceAction::NotFound);
     // A quarantined trace is deleted for good; a missing one is NotFound.
     assert!(matches!(s.delete_trace(ids[3]).await.unwrap(), TraceAction::Done(t) if t.id == ids[3]));
     assert!(s.get_trace(ids[3]).await.unwrap().is_none());
@@ -892,8 +915,8 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
 /// transaction, newest first, with its actor; a refused or empty move records nothing.
 async fn label_history_records_every_move_in_order(b: Backend) {
     use combee::{
-        config::Secret,
         domain::{LabelMoveKind, MoveCause, event::EventType},
+        secret::Secret,
         store::NewWebhook,
     };
     let ts = test_store(b).await;
@@ -1016,8 +1039,345 @@ async fn label_history_records_every_move_in_order(b: Backend) {
     assert_eq!(s.label_history(&name("p"), None, None, 100).await.unwrap(), all);
 }
 
+// ---- Round leases: claim, heartbeat, lease loss and fencing, failure ----
+
+const MINUTE: std::time::Duration = std::time::Duration::from_secs(60);
+
+fn open_req(prompt: &str) -> OpenRound {
+    OpenRound {
+        prompt: name(prompt),
+        trigger: RoundTrigger::Api,
+        method: Method::Combee,
+        batch: 100,
+        min_traces: 1,
+        seed: 42,
+        inbound_webhook_id: None,
+    }
+}
+
+/// Claims until a round comes back, for up to 5 s: a lease that ended "now"
+/// is claimable once the store's clock has moved past it.
+async fn claim_within_deadline(s: &DynStore, owner: &str) -> combee::store::ClaimedRound {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        if let Some(c) = s.claim_round(owner, MINUTE).await.unwrap() {
+            return c;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no round became claimable within 5 s");
+        tokio::task::yield_now().await;
+    }
+}
+
+fn llm_call(model: &str) -> combee::llm::LlmCall {
+    combee::llm::LlmCall {
+        role: combee::llm::LlmRole::Reflector,
+        model: model.into(),
+        prompt_tokens: 10,
+        completion_tokens: 5,
+        cost_usd: 0.001,
+        latency_ms: 7,
+        retries: 0,
+        error: None,
+    }
+}
+
+/// What a reserved, uncharged trace looks like: pending, no attempts spent, held by `round`.
+async fn assert_reserved(s: &DynStore, trace: uuid::Uuid, round: uuid::Uuid) {
+    let t = s.get_trace(trace).await.unwrap().unwrap();
+    assert_eq!(
+        (t.status, t.attempts, t.round_id, t.failure_reason),
+        (TraceStatus::Pending, 0, Some(round), None),
+        "trace {trace} is still reserved by round {round}, uncharged"
+    );
+}
+
+async fn a_live_lease_makes_a_round_claimable_exactly_once(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    assert!(s.claim_round("a", MINUTE).await.unwrap().is_none(), "nothing queued, nothing to claim");
+    make_prompt(&s, "p").await;
+    let ids = s.insert_traces(&[trace("p", None), trace("p", Some(1))]).await.unwrap();
+    let opened = s.open_round(&open_req("p")).await.unwrap().expect("a round opens");
+    assert_eq!((opened.status, opened.attempt), (combee::domain::round::RoundStatus::Queued, 0));
+
+    let c = s.claim_round("a", MINUTE).await.unwrap().expect("the queued round is claimable");
+    assert_eq!(
+        (c.round.id, c.round.attempt, c.round.status),
+        (opened.id, 1, combee::domain::round::RoundStatus::Running)
+    );
+    assert_eq!(c.traces.iter().map(|t| t.id).collect::<Vec<_>>(), ids, "the reserved traces, in batch order");
+    assert_eq!((c.prompt.name.as_str(), c.base.number, c.round.seed), ("p", 1, 42));
+    assert!(c.round.started_at.is_some());
+
+    // While the lease lives nobody else gets it, however often they ask.
+    for owner in ["b", "c", "a"] {
+        assert!(s.claim_round(owner, MINUTE).await.unwrap().is_none(), "{owner} must not get a leased round");
+    }
+    let now = s.get_round(opened.id).await.unwrap().unwrap();
+    assert_eq!((now.status, now.attempt), (combee::domain::round::RoundStatus::Running, 1));
+}
+
+async fn concurrent_claimers_take_each_round_once(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let mut opened = Vec::new();
+    for p in ["p0", "p1", "p2"] {
+        make_prompt(&s, p).await;
+        s.insert_traces(&[trace(p, None)]).await.unwrap();
+        opened.push(s.open_round(&open_req(p)).await.unwrap().expect("a round opens").id);
+    }
+    let claimers: Vec<_> = (0..8)
+        .map(|i| {
+            let s = s.clone();
+            tokio::spawn(async move { s.claim_round(&format!("w{i}"), MINUTE).await.unwrap() })
+        })
+        .collect();
+    let mut claimed = Vec::new();
+    for c in claimers {
+        if let Some(c) = c.await.unwrap() {
+            assert_eq!(c.round.attempt, 1, "a first claim is attempt 1");
+            claimed.push(c.round.id);
+        }
+    }
+    claimed.sort();
+    opened.sort();
+    assert_eq!(claimed, opened, "each of the three rounds went to exactly one of the eight claimers");
+    assert!(s.claim_round("late", MINUTE).await.unwrap().is_none());
+
+    // One lease lapses: of eight workers reclaiming at once, exactly one gets it, with attempt 2.
+    let lapsed = opened[1];
+    assert!(s.heartbeat_round(lapsed, 1, std::time::Duration::ZERO).await.unwrap());
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    let reclaimed = loop {
+        let claimers: Vec<_> = (0..8)
+            .map(|i| {
+                let s = s.clone();
+                tokio::spawn(async move { s.claim_round(&format!("r{i}"), MINUTE).await.unwrap() })
+            })
+            .collect();
+        let mut got = Vec::new();
+        for c in claimers {
+            got.extend(c.await.unwrap().map(|c| (c.round.id, c.round.attempt)));
+        }
+        assert!(got.len() <= 1, "a lapsed lease was reclaimed twice: {got:?}");
+        if let Some(one) = got.pop() {
+            break one;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the lapsed lease was not reclaimed within 5 s");
+    };
+    assert_eq!(reclaimed, (lapsed, 2));
+    assert!(s.claim_round("late", MINUTE).await.unwrap().is_none());
+}
+
+/// A heartbeat extends the lease; once it lapses another worker claims the
+/// round with a higher attempt, and every write of the old attempt is refused
+/// and changes nothing.
+async fn a_lost_lease_fences_the_old_attempt(b: Backend) {
+    use combee::domain::round::RoundStatus;
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    let ids = s.insert_traces(&[trace("p", None), trace("p", None)]).await.unwrap();
+    let (t0, t1) = (ids[0], ids[1]);
+    let round = s.open_round(&open_req("p")).await.unwrap().unwrap().id;
+
+    // Worker A's zero lease ends at once, but its heartbeat extends it: B gets nothing.
+    let a = s.claim_round("a", std::time::Duration::ZERO).await.unwrap().unwrap();
+    assert!(s.heartbeat_round(round, a.round.attempt, MINUTE).await.unwrap());
+    assert!(s.claim_round("b", MINUTE).await.unwrap().is_none(), "the heartbeat extended A's lease");
+    assert!(s.update_round(round, a.round.attempt, Some(1), &json!({"by": "a"})).await.unwrap());
+
+    // A's lease lapses (a heartbeat with a zero lease ends it now): B claims with attempt 2.
+    assert!(s.heartbeat_round(round, a.round.attempt, std::time::Duration::ZERO).await.unwrap());
+    let bc = claim_within_deadline(&s, "b").await;
+    assert_eq!((bc.round.id, bc.round.attempt), (round, 2));
+    assert_eq!(bc.traces.iter().map(|t| t.id).collect::<Vec<_>>(), ids, "the same traces");
+    assert_eq!((bc.round.seed, bc.round.base_version), (a.round.seed, a.round.base_version), "the same seed and base");
+    assert_eq!((bc.round.k, &bc.round.detail), (Some(1), &json!({"by": "a"})), "A's saved progress is B's to resume");
+
+    // A is fenced: its heartbeat, progress, publish and failure are all refused...
+    assert!(!s.heartbeat_round(round, 1, MINUTE).await.unwrap(), "A no longer holds the lease");
+    assert!(!s.update_round(round, 1, Some(9), &json!({"by": "stale a"})).await.unwrap());
+    let mut learned = version("learned by a");
+    learned.source = VersionSource::Learned;
+    learned.parent = Some(1);
+    let stale_publish = s
+        .publish_round(
+            round,
+            1,
+            learned.clone(),
+            LabelName::production(),
+            &json!({}),
+            Some(1.0),
+            &TraceCharges::default(),
+        )
+        .await;
+    assert!(matches!(stale_publish, Err(StoreError::Conflict)), "{stale_publish:?}");
+    let charge_t0 =
+        TraceCharges { faults: vec![TraceFault { trace_id: t0, reason: "stale".into() }], max_trace_attempts: 1 };
+    let stale_give_up = s.fail_round(round, 1, "a gave up", RoundFailure::GiveUp { charges: charge_t0.clone() }).await;
+    assert!(matches!(stale_give_up, Err(StoreError::Conflict)), "{stale_give_up:?}");
+    let stale_retry =
+        s.fail_round(round, 1, "a retries", RoundFailure::Retry { after: std::time::Duration::ZERO }).await;
+    assert!(matches!(stale_retry, Err(StoreError::Conflict)), "{stale_retry:?}");
+
+    // ...and changed nothing: no version, label unmoved, traces reserved and
+    // uncharged, the round B's and still leased to B, no controller sample.
+    let latest = s.resolve(&name("p"), &Selector::Latest).await.unwrap().unwrap();
+    assert_eq!((latest.version.number, latest.labels.clone()), (1, vec![LabelName::production()]));
+    for t in [t0, t1] {
+        assert_reserved(&s, t, round).await;
+    }
+    let r = s.get_round(round).await.unwrap().unwrap();
+    assert_eq!((r.status, r.attempt, r.k, r.error.as_deref()), (RoundStatus::Running, 2, Some(1), None));
+    assert_eq!(r.detail, json!({"by": "a"}));
+    assert!(s.claim_round("c", MINUTE).await.unwrap().is_none(), "A's refused writes did not free B's lease");
+    assert!(s.controller_samples(&name("p"), 10).await.unwrap().is_empty());
+
+    // A's LLM calls are kept under A's attempt (they were paid for), apart from B's.
+    s.record_llm_call(round, 1, &llm_call("model-a")).await.unwrap();
+    s.record_llm_call(round, 2, &llm_call("model-b")).await.unwrap();
+    let calls: Vec<_> = s.round_calls(round).await.unwrap().into_iter().map(|c| (c.attempt, c.call.model)).collect();
+    assert_eq!(calls, vec![(1, "model-a".to_string()), (2, "model-b".to_string())]);
+
+    // B's writes go through; a reflection is stored once, so A's late one for
+    // the same trace does not replace B's.
+    assert!(s.heartbeat_round(round, 2, MINUTE).await.unwrap());
+    assert!(s.update_round(round, 2, Some(2), &json!({"by": "b"})).await.unwrap());
+    s.save_reflection(round, t0, &reflection("b's lesson"), false).await.unwrap();
+    s.save_reflection(round, t0, &reflection("a's late lesson"), true).await.unwrap();
+    let stored = s.round_reflections(round).await.unwrap();
+    assert_eq!(stored.len(), 1);
+    assert_eq!((stored[0].0, stored[0].1.key_insight.as_str(), stored[0].2), (t0, "b's lesson", false));
+    let v = s
+        .publish_round(
+            round,
+            2,
+            learned,
+            LabelName::production(),
+            &json!({"by": "b"}),
+            Some(2.5),
+            &TraceCharges::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(v.number, 2);
+    let r = s.get_round(round).await.unwrap().unwrap();
+    assert_eq!((r.status, r.result_version, r.attempt), (RoundStatus::Succeeded, Some(2), 2));
+    let samples = s.controller_samples(&name("p"), 10).await.unwrap();
+    assert_eq!(samples.iter().map(|c| (c.round_id, c.round_secs)).collect::<Vec<_>>(), vec![(round, 2.5)]);
+    let got = s.get_trace(t0).await.unwrap().unwrap();
+    assert_eq!((got.status, got.round_id), (TraceStatus::Consumed, Some(round)));
+    let got = s.get_trace(t1).await.unwrap().unwrap();
+    assert_eq!((got.status, got.attempts, got.round_id), (TraceStatus::Pending, 0, None), "unreflected: back, free");
+
+    // A finished round fences every attempt, B's too, and is never claimed again.
+    assert!(!s.heartbeat_round(round, 2, MINUTE).await.unwrap());
+    assert!(!s.update_round(round, 2, None, &json!({})).await.unwrap());
+    assert!(matches!(
+        s.fail_round(round, 2, "late", RoundFailure::GiveUp { charges: charge_t0 }).await,
+        Err(StoreError::Conflict)
+    ));
+    assert!(s.claim_round("c", MINUTE).await.unwrap().is_none());
+    let unknown = s.fail_round(uuid::Uuid::now_v7(), 1, "x", RoundFailure::Retry { after: MINUTE }).await;
+    assert!(matches!(unknown, Err(StoreError::NotFound)), "{unknown:?}");
+    assert!(!s.heartbeat_round(uuid::Uuid::now_v7(), 1, MINUTE).await.unwrap());
+}
+
+/// `Retry` re-queues the round with its traces after a delay; `GiveUp` ends
+/// it and returns its traces to pending, charging only those in `charges`.
+async fn failed_rounds_retry_later_or_give_their_traces_back(b: Backend) {
+    use combee::domain::round::RoundStatus;
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+
+    // Retry after an hour: queued again, traces kept and uncharged, not claimable yet.
+    make_prompt(&s, "later").await;
+    let held = s.insert_traces(&[trace("later", None)]).await.unwrap()[0];
+    let later = s.open_round(&open_req("later")).await.unwrap().unwrap().id;
+    let c = s.claim_round("a", MINUTE).await.unwrap().unwrap();
+    let hour = std::time::Duration::from_secs(3600);
+    s.fail_round(later, c.round.attempt, "llm down", RoundFailure::Retry { after: hour }).await.unwrap();
+    let r = s.get_round(later).await.unwrap().unwrap();
+    assert_eq!(
+        (r.status, r.attempt, r.error.as_deref(), r.finished_at),
+        (RoundStatus::Queued, 1, Some("llm down"), None)
+    );
+    assert_reserved(&s, held, later).await;
+    assert!(s.claim_round("b", MINUTE).await.unwrap().is_none(), "not due for an hour");
+    assert!(matches!(s.open_round(&open_req("later")).await, Err(StoreError::AlreadyExists)), "still in flight");
+    let backlog = s.backlogs().await.unwrap().into_iter().find(|b| b.prompt.name.as_str() == "later").unwrap();
+    assert_eq!((backlog.pending, backlog.active_round), (0, true));
+    assert!(
+        matches!(s.fail_round(later, 1, "again", RoundFailure::Retry { after: hour }).await, Err(StoreError::Conflict)),
+        "a queued round has no attempt running to fail"
+    );
+
+    // Retry at once: claimed again with the next attempt, the same traces and seed.
+    make_prompt(&s, "p").await;
+    let ids = s.insert_traces(&[trace("p", None), trace("p", None), trace("p", None)]).await.unwrap();
+    let (ta, tb, tc) = (ids[0], ids[1], ids[2]);
+    let round = s.open_round(&open_req("p")).await.unwrap().unwrap().id;
+    let first = s.claim_round("a", MINUTE).await.unwrap().unwrap();
+    assert_eq!(first.round.id, round);
+    s.fail_round(round, 1, "timeout", RoundFailure::Retry { after: std::time::Duration::ZERO }).await.unwrap();
+    let second = claim_within_deadline(&s, "b").await;
+    assert_eq!((second.round.id, second.round.attempt, second.round.seed), (round, 2, 42));
+    assert_eq!(second.traces.iter().map(|t| t.id).collect::<Vec<_>>(), ids);
+    for t in ids.iter().copied() {
+        assert_reserved(&s, t, round).await;
+    }
+    assert!(matches!(
+        s.fail_round(round, 1, "stale", RoundFailure::Retry { after: std::time::Duration::ZERO }).await,
+        Err(StoreError::Conflict)
+    ));
+
+    // Give up, charging ta, and naming a trace of another round (ignored: not this round's to charge).
+    let charges = TraceCharges {
+        faults: vec![
+            TraceFault { trace_id: ta, reason: "reflection failed: too long".into() },
+            TraceFault { trace_id: held, reason: "not mine".into() },
+        ],
+        max_trace_attempts: 2,
+    };
+    s.fail_round(round, 2, "group 1 failed", RoundFailure::GiveUp { charges: charges.clone() }).await.unwrap();
+    let r = s.get_round(round).await.unwrap().unwrap();
+    assert_eq!((r.status, r.error.as_deref()), (RoundStatus::Failed, Some("group 1 failed")));
+    assert!(r.finished_at.is_some());
+    let got = s.get_trace(ta).await.unwrap().unwrap();
+    assert_eq!(
+        (got.status, got.attempts, got.round_id, got.failure_reason.as_deref()),
+        (TraceStatus::Pending, 1, None, Some("reflection failed: too long"))
+    );
+    for t in [tb, tc] {
+        let got = s.get_trace(t).await.unwrap().unwrap();
+        assert_eq!((got.status, got.attempts, got.round_id, got.failure_reason), (TraceStatus::Pending, 0, None, None));
+    }
+    assert_reserved(&s, held, later).await;
+    assert!(s.claim_round("c", MINUTE).await.unwrap().is_none(), "a failed round is not claimed again");
+    assert!(matches!(
+        s.fail_round(round, 2, "twice", RoundFailure::GiveUp { charges: charges.clone() }).await,
+        Err(StoreError::Conflict)
+    ));
+
+    // The traces are learnable again; a second charge spends ta's budget: failed, out of the backlog.
+    let again = s.open_round(&open_req("p")).await.unwrap().expect("the returned traces open a new round");
+    assert_eq!(s.round_trace_ids(again.id).await.unwrap(), ids);
+    let c = s.claim_round("d", MINUTE).await.unwrap().unwrap();
+    assert_eq!((c.round.id, c.round.attempt), (again.id, 1));
+    s.fail_round(again.id, 1, "again", RoundFailure::GiveUp { charges }).await.unwrap();
+    let got = s.get_trace(ta).await.unwrap().unwrap();
+    assert_eq!((got.status, got.attempts, got.round_id), (TraceStatus::Failed, 2, None));
+    let backlog = s.backlogs().await.unwrap().into_iter().find(|b| b.prompt.name.as_str() == "p").unwrap();
+    assert_eq!((backlog.pending, backlog.active_round), (2, false));
+}
+
 on_both_stores!(
     label_history_records_every_move_in_order,
+    a_live_lease_makes_a_round_claimable_exactly_once,
+    concurrent_claimers_take_each_round_once,
+    a_lost_lease_fences_the_old_attempt,
+    failed_rounds_retry_later_or_give_their_traces_back,
     rounds_charge_traces_only_for_their_own_failures,
     migration_0007_keeps_existing_prompts_on_agent_reflections,
     quarantined_traces_are_never_reserved_and_delete_keeps_provenance,

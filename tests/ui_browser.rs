@@ -404,6 +404,15 @@ async fn operator_story(b: Backend) {
         (Some("quarantined"), Some("script injection attempt"))
     );
     br.screenshot("09b-trace-quarantined").await;
+    // Release it (a quarantine by mistake), then quarantine it again for the rest of the tour.
+    br.click("#release").await;
+    br.wait_url("notice=released").await;
+    let t: Value = app.get(&format!("/v1/traces/{id}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(t["status"].as_str(), Some("pending"));
+    assert_eq!(br.count("#release").await, 0, "no release button on a trace not quarantined");
+    br.type_into("#quarantine-reason", "script injection attempt").await;
+    br.click("#quarantine").await;
+    br.wait_url("notice=quarantined").await;
 
     // CSRF: the session cookie alone cannot change anything.
     br.goto(&app.url("/ui/prompts/support")).await;

@@ -9,7 +9,7 @@ use reqwest::{Method, RequestBuilder, StatusCode, header::HeaderMap};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::config::Secret;
+use crate::secret::Secret;
 
 /// The environment variable holding the API key.
 pub const API_KEY_ENV: &str = "COMBEE_API_KEY";

@@ -1,5 +1,6 @@
-//! `combee traces quarantine|delete`: an operator's containment of a poisoned
-//! trace stream (quarantined traces are kept but never learned from).
+//! `combee traces quarantine|release|delete`: an operator's containment of a
+//! poisoned trace stream (quarantined traces are kept but never learned from,
+//! until released).
 //!
 //! `combee traces import FILE.jsonl`: sends a JSON Lines file of traces in
 //! batches so that a re-run imports nothing twice (each batch carries an
@@ -78,6 +79,12 @@ pub enum TracesCommand {
         #[arg(long)]
         reason: Option<String>,
     },
+    /// Lift the quarantine of traces held back by mistake: they are learned from again.
+    Release {
+        /// Trace ids (UUIDs).
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
     /// Delete traces no version was learned from (pending, quarantined or failed).
     Delete {
         /// Trace ids (UUIDs).
@@ -113,6 +120,12 @@ pub async fn run(api: &ApiClient, json_out: bool, cmd: TracesCommand) -> CliResu
                 .await
             }
         },
+        TracesCommand::Release { ids } => {
+            each_trace(json_out, &ids, "released", |id| {
+                api.send(api.request(Method::DELETE, &format!("/v1/traces/{}/quarantine", super::client::encode(id))))
+            })
+            .await
+        }
         TracesCommand::Delete { ids } => {
             each_trace(json_out, &ids, "deleted", |id| {
                 api.send(api.request(Method::DELETE, &format!("/v1/traces/{}", super::client::encode(id))))

@@ -17,6 +17,8 @@ pub use learning::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 pub use names::{LabelName, NameError, PromptName};
 pub use playbook::{Bullet, Playbook, Section};
 pub use prompt::{
-    AgentReflections, BatchSize, Promotion, Prompt, PromptSettings, Strategy, Version, VersionContent, VersionSource,
+    AgentReflections, BatchSize, Promotion, Prompt, PromptSettings, ReduceMode, Strategy, Version, VersionContent,
+    VersionSource,
 };
+pub use round::Method;
 pub use trace::{Feedback, NewTrace, Trace, TraceStatus};

@@ -51,7 +51,7 @@ pub struct PromptSettings {
     /// Playbook level-2 reduce: `union` (default, no LLM call) or `llm` (one consolidating call).
     #[serde(default)]
     #[schema(value_type = String)]
-    pub reduce: crate::learn::round::ReduceMode,
+    pub reduce: ReduceMode,
     /// Playbook size budget: most bullets (oldest, least helpful dropped first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_bullets: Option<usize>,
@@ -84,6 +84,17 @@ pub struct PromptSettings {
 
 fn default_regression_guard() -> bool {
     true
+}
+
+/// How level 2 of a playbook round combines the groups' operations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceMode {
+    /// Union, normalise, de-duplicate and apply once — no LLM call.
+    #[default]
+    Union,
+    /// One more aggregator call consolidates the k operation lists first (paper-literal).
+    Llm,
 }
 
 /// What a round does with the reflection an agent sent with its trace.

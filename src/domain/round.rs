@@ -9,7 +9,6 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::{PromptName, Strategy};
-use crate::learn::grouping::Method;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
@@ -38,6 +37,19 @@ impl RoundStatus {
             _ => return None,
         })
     }
+}
+
+/// How a round groups its reflections for the reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Method {
+    /// Augmented shuffle, then k = ⌊√n⌋ parallel groups against the same frozen version.
+    #[default]
+    Combee,
+    /// One aggregator call on all n reflections, no shuffle (the context-overload baseline).
+    Naive,
+    /// Batches of three in order, each applied before the next is aggregated.
+    Sequential,
 }
 
 /// Why a round started.

@@ -91,7 +91,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/traces", post(traces::post_traces).get(traces::list_traces))
         .route("/v1/traces/quarantine", post(traces::quarantine_traces))
         .route("/v1/traces/{id}", get(traces::get_trace).delete(traces::delete_trace))
-        .route("/v1/traces/{id}/quarantine", post(traces::quarantine_trace))
+        .route("/v1/traces/{id}/quarantine", post(traces::quarantine_trace).delete(traces::release_trace))
         .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
         .route("/v1/otlp/v1/traces", post(otlp::export_traces))
         .route("/v1/prompts/{name}/traces/requeue", post(traces::requeue_failed))

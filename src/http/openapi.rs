@@ -75,6 +75,15 @@ pub fn finish(doc: &mut Value) {
         *schema =
             json!({"oneOf": [{"$ref": "#/components/schemas/TraceBatch"}, {"$ref": "#/components/schemas/NewTrace"}]});
     }
+    // The OTLP JSON encoding of an export: an object (unknown members are ignored).
+    if let Some(content) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody/content") {
+        content["application/json"] = json!({"schema": {"type": "object",
+            "properties": {"resourceSpans": {"type": "array", "items": {"type": "object"}}}}});
+        content["application/x-protobuf"] = json!({"schema": {"type": "string", "format": "binary"}});
+    }
+    if let Some(body) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody") {
+        body["required"] = json!(true);
+    }
 }
 
 fn finish_operation(path: &str, op: &mut Map<String, Value>) {
@@ -272,6 +281,18 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
     set("Bullet", "content", &merge(json!({"pattern": "\\S"})));
     set("PromptSettings", "reduce", &merge(json!({"enum": ["union", "llm"]})));
     set("PromptSettings", "pinned_bullets", &merge(json!({"items": {"type": "string", "pattern": "^b-[0-9]{1,12}$"}})));
+    // Requeue: `ids` (1-1000) or `all: true`, either narrowed by `since`.
+    if let Some(requeue) = schemas.get_mut("RequeueRequest") {
+        let since = requeue.pointer("/properties/since").cloned().unwrap_or_else(|| json!({}));
+        let ids =
+            json!({"type": "array", "minItems": 1, "maxItems": 1000, "items": {"type": "string", "format": "uuid"}});
+        *requeue = json!({"oneOf": [
+            {"type": "object", "required": ["ids"], "additionalProperties": false,
+             "properties": {"ids": ids, "all": {"const": false}, "since": since}},
+            {"type": "object", "required": ["all"], "additionalProperties": false,
+             "properties": {"all": {"const": true}, "since": since}},
+        ]});
+    }
     // A rewrite prompt has no playbook.
     if let Some(create) = schemas.get_mut("CreatePrompt").and_then(Value::as_object_mut) {
         create.insert(

@@ -68,7 +68,7 @@ impl utoipa::Modify for BearerAuth {
         super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
         super::otlp::export_traces,
         super::traces::requeue_failed,
-        super::traces::quarantine_trace, super::traces::delete_trace, super::traces::quarantine_traces,
+        super::traces::quarantine_trace, super::traces::release_trace, super::traces::delete_trace, super::traces::quarantine_traces,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
         super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
         super::controller::get_controller, super::outcomes::prompt_metrics,

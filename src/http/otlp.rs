@@ -50,9 +50,8 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
 /// ignored, so retries in any batching store nothing twice; spans arriving
 /// after a round took their trace are rejected.
 #[utoipa::path(post, path = "/v1/otlp/v1/traces", tag = "traces",
-    request_body(content = Vec<u8>, description = "an OTLP `ExportTraceServiceRequest`",
+    request_body(content = Vec<u8>, description = "an OTLP `ExportTraceServiceRequest`; with `Content-Encoding: gzip` or `deflate` it may be compressed (the inflated body is held to `limits.max_body_bytes` too)",
         content(("application/x-protobuf"), ("application/json"))),
-    params(("Content-Encoding" = Option<String>, Header, description = "`gzip`, `deflate` or absent; the inflated body is held to `limits.max_body_bytes` too")),
     responses(
         (status = 200, description = "an OTLP `ExportTraceServiceResponse` in the request's encoding, with `partial_success` when spans were rejected or are held"),
         (status = 400, body = super::error::Problem, description = "the body is not a valid export request (bad protobuf, JSON or gzip)"),

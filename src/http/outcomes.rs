@@ -32,11 +32,16 @@ const AUTO_TARGET: i64 = 200;
 pub struct MetricsQuery {
     /// Length of the window: a number and a unit `m`, `h` or `d` (`1h`, `24h`, `7d`).
     /// Without `since`, the window ends now; with it, the window starts at `since`.
-    /// Default `7d` when neither is given.
+    /// Default `7d` when neither is given. A window longer than 366 days is cut to
+    /// its most recent 366 days; one that starts in the future is empty (the
+    /// answer's `from` and `until` say what was read).
+    #[param(pattern = "^[1-9][0-9]{0,5}[mhd]$")]
     pub window: Option<String>,
     /// Start of the window (RFC 3339). Without `window`, the window runs until now.
     pub since: Option<DateTime<Utc>>,
     /// Width of a series bucket, same grammar as `window` (default: chosen for ~200 points at most).
+    /// Widened when it would make more than 2000 buckets (the answer's `bucket_seconds`).
+    #[param(pattern = "^[1-9][0-9]{0,5}[mhd]$")]
     pub bucket: Option<String>,
 }
 
@@ -79,31 +84,18 @@ fn parse_span(what: &str, s: &str) -> ApiResult<i64> {
 fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, DateTime<Utc>, i64)> {
     let span = q.window.as_deref().map(|w| parse_span("window", w)).transpose()?;
     let (from, until) = match (q.since, span) {
-        (Some(since), Some(secs)) => (since, since + Duration::seconds(secs)),
+        (Some(since), Some(secs)) => (since, since.checked_add_signed(Duration::seconds(secs)).unwrap_or(since)),
         (Some(since), None) => (since, now),
         (None, secs) => (now - Duration::seconds(secs.unwrap_or(7 * 86_400)), now),
     };
+    // A window that starts in the future is empty; a longer one than a request
+    // may cover keeps its most recent part. The answer's `from`, `until` and
+    // `bucket_seconds` say what was read.
+    let from = from.min(until).max(until - Duration::seconds(MAX_RANGE_SECS));
     let range = (until - from).num_seconds();
-    if range <= 0 {
-        return Err(ApiError::BadRequest("`since` must be in the past".into()));
-    }
-    if range > MAX_RANGE_SECS {
-        return Err(ApiError::BadRequest(format!(
-            "the window covers {} days; at most 366 days per request",
-            range / 86_400
-        )));
-    }
     let bucket = match q.bucket.as_deref() {
-        Some(b) => {
-            let secs = parse_span("bucket", b)?;
-            if range / secs > MAX_BUCKETS {
-                return Err(ApiError::BadRequest(format!(
-                    "`bucket` {b} makes {} buckets over this window; at most {MAX_BUCKETS}",
-                    range / secs
-                )));
-            }
-            secs
-        }
+        // Widened when it would make too many buckets.
+        Some(b) => parse_span("bucket", b)?.max((range + MAX_BUCKETS - 1) / MAX_BUCKETS),
         None => AUTO_BUCKETS.into_iter().find(|b| range / b <= AUTO_TARGET).unwrap_or(604_800),
     };
     Ok((from, until, bucket))
@@ -113,7 +105,7 @@ fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, Dat
     params(("name" = String, Path), MetricsQuery),
     responses(
         (status = 200, body = PromptMetrics),
-        (status = 400, description = "Bad window, since or bucket", body = super::error::Problem),
+        (status = 400, description = "`window` or `bucket` is not a number and a unit m, h or d", body = super::error::Problem),
         (status = 401, body = super::error::Problem),
         (status = 403, body = super::error::Problem),
         (status = 404, description = "No such prompt", body = super::error::Problem),
@@ -237,8 +229,20 @@ mod tests {
         for bad in ["", "h", "10", "1w", "-1h", "0h", "1.5h", "9999999d"] {
             assert!(matches!(window(&q(Some(bad), None, None), now), Err(ApiError::BadRequest(_))), "{bad:?}");
         }
-        assert!(window(&q(Some("400d"), None, None), now).is_err());
-        assert!(window(&q(Some("7d"), None, Some("1m")), now).is_err());
-        assert!(window(&q(None, Some(now + Duration::hours(1)), None), now).is_err());
+    }
+
+    #[test]
+    fn windows_beyond_the_limits_are_cut_and_said_so() {
+        let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        // Longer than 366 days: its most recent 366 days.
+        let (from, until, _) = window(&q(Some("400d"), None, None), now).unwrap();
+        assert_eq!((until, (until - from).num_days()), (now, 366));
+        // A bucket that would make more than 2000 buckets is widened.
+        let (from, until, b) = window(&q(Some("7d"), None, Some("1m")), now).unwrap();
+        assert!((until - from).num_seconds() / b <= MAX_BUCKETS && b > 60, "{b}");
+        // A window starting in the future is empty.
+        let since = now + Duration::hours(1);
+        let (from, until, _) = window(&q(None, Some(since), None), now).unwrap();
+        assert_eq!((from, until), (now, now));
     }
 }

@@ -379,6 +379,24 @@ pub async fn quarantine_trace(
     Ok(Json(trace_action(id, st.store.quarantine_trace(id, &reason).await?)?))
 }
 
+/// Lifts a trace's quarantine: it is learned from again (a pending trace
+/// rejoins the backlog; a failed one stays failed until requeued). Repeating
+/// it, or releasing a trace that is not quarantined, changes nothing.
+#[utoipa::path(delete, path = "/v1/traces/{id}/quarantine", tag = "traces", params(("id" = Uuid, Path)),
+    responses((status = 200, body = Trace), (status = 404, body = super::error::Problem)),
+    security(("bearer" = ["prompts:write"])))]
+pub async fn release_trace(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult<Json<Trace>> {
+    caller.require(Scope::PromptsWrite)?;
+    let id = trace_id(&id)?;
+    let trace = trace_action(id, st.store.release_trace(id).await?)?;
+    tracing::info!(trace = %id, by = %caller.actor(), "trace released from quarantine");
+    Ok(Json(trace))
+}
+
 /// Deletes a trace no version was learned from (pending, quarantined or failed).
 #[utoipa::path(delete, path = "/v1/traces/{id}", tag = "traces", params(("id" = Uuid, Path)),
     responses((status = 204, description = "deleted"), (status = 404, body = super::error::Problem),

@@ -16,9 +16,9 @@ use super::{
     pagination::{PageParams, next_token},
 };
 use crate::{
-    config::Secret,
     delivery::target::{self, TargetError},
     domain::event::EventType,
+    secret::Secret,
     store::{DeliveryAttempt, NewWebhook, Scope, Webhook},
     webhooks::SECRET_PREFIX,
 };

@@ -12,18 +12,9 @@ use super::shuffle::augmented_indices;
 /// Size of a sequential (GEPA-default) minibatch.
 pub const SEQUENTIAL_BATCH: usize = 3;
 
-/// How a round groups its reflections for the reduce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Method {
-    /// Augmented shuffle, then k = ⌊√n⌋ parallel groups against the same frozen version.
-    #[default]
-    Combee,
-    /// One aggregator call on all n reflections, no shuffle (the context-overload baseline).
-    Naive,
-    /// Batches of three in order, each applied before the next is aggregated.
-    Sequential,
-}
+/// Vocabulary of the round record; defined in `domain` so the domain and the
+/// store need not import the learning engine.
+pub use crate::domain::round::Method;
 
 /// Whether the groups of a plan are aggregated against the same frozen version
 /// and merged once, or applied one after another.

@@ -40,16 +40,8 @@ use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, T
 use crate::llm::protocol::{self, placeholders, validate_reflection};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
-/// How level 2 of a playbook round combines the groups' operations.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ReduceMode {
-    /// Union, normalise, de-duplicate and apply once — no LLM call.
-    #[default]
-    Union,
-    /// One more aggregator call consolidates the k operation lists first (paper-literal).
-    Llm,
-}
+/// A prompt setting; defined in `domain` so the domain need not import the learning engine.
+pub use crate::domain::prompt::ReduceMode;
 
 /// What a round is asked to do; fixed when the round is created, so a resumed
 /// round regroups identically.

@@ -519,7 +519,7 @@ mod tests {
     fn client(base_url: &str, tweak: impl FnOnce(&mut LlmConfig)) -> OpenAiClient {
         let mut cfg = LlmConfig {
             base_url: base_url.to_owned(),
-            api_key: crate::llm::Secret::new("sk-test-SECRET-123"),
+            api_key: crate::secret::Secret::new("sk-test-SECRET-123"),
             backoff_base_ms: 1,
             backoff_max_ms: 20,
             request_timeout_secs: 5.0,

@@ -4,8 +4,7 @@
 
 use serde::Deserialize;
 
-/// A string that must never appear in logs or error messages.
-pub use crate::config::Secret;
+use crate::secret::Secret;
 
 /// The `[llm]` settings. Every field has a default, unknown fields are rejected.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 pub use client::{OpenAiClient, chat_json, chat_json_checked};
-pub use config::{LlmConfig, Secret};
+pub use config::LlmConfig;
 
 /// Who wrote a chat message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

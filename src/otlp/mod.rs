@@ -126,7 +126,22 @@ pub fn decode_request(encoding: Encoding, body: &[u8]) -> Result<ExportTraceServ
         Encoding::Protobuf => {
             ExportTraceServiceRequest::decode(body).map_err(|e| DecodeError::Protobuf(clip(&e.to_string(), 200)))
         }
-        Encoding::Json => serde_json::from_slice(body).map_err(|e| DecodeError::Json(clip(&e.to_string(), 200))),
+        Encoding::Json => {
+            let json = |e: serde_json::Error| DecodeError::Json(clip(&e.to_string(), 200));
+            let value: serde_json::Value = serde_json::from_slice(body).map_err(json)?;
+            // serde would also read a message written as an array; OTLP JSON writes
+            // messages as objects only, so the request and its resource spans must be.
+            let shape = match &value {
+                serde_json::Value::Object(o) => match o.get("resourceSpans") {
+                    None | Some(serde_json::Value::Null) => Ok(()),
+                    Some(serde_json::Value::Array(items)) if items.iter().all(serde_json::Value::is_object) => Ok(()),
+                    Some(_) => Err("`resourceSpans` must be an array of objects"),
+                },
+                _ => Err("the body must be a JSON object"),
+            };
+            shape.map_err(|m| DecodeError::Json(m.into()))?;
+            serde_json::from_value(value).map_err(json)
+        }
     }
 }
 
@@ -196,6 +211,11 @@ mod tests {
         assert!(matches!(decode_request(Encoding::Protobuf, &[0xff, 0xff, 0xff]), Err(DecodeError::Protobuf(_))));
         assert!(matches!(decode_request(Encoding::Json, b"{\"resourceSpans\": 3}"), Err(DecodeError::Json(_))));
         assert_eq!(decode_request(Encoding::Json, b"{}").unwrap(), ExportTraceServiceRequest::default());
+        // Messages are objects in OTLP JSON, never arrays (which serde alone would take).
+        for bad in [&b"null"[..], b"[]", b"{\"resourceSpans\": [[]]}", b"{\"resourceSpans\": [1]}"] {
+            assert!(matches!(decode_request(Encoding::Json, bad), Err(DecodeError::Json(_))), "{bad:?}");
+        }
+        assert!(decode_request(Encoding::Json, b"{\"resourceSpans\": [{}], \"other\": 1}").is_ok());
     }
 
     #[test]

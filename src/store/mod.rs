@@ -17,17 +17,16 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::{
-    config::Secret,
     domain::{
         Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Promotion, Prompt, PromptName,
         PromptSettings, Reflection, Strategy, Trace, TraceStatus, Version,
         event::EventType,
         prompt::NewVersion,
-        round::{Round, RoundTrigger},
+        round::{Method, Round, RoundTrigger},
         trace::ValidTrace,
     },
-    learn::grouping::Method,
     llm::LlmCall,
+    secret::Secret,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -645,6 +644,9 @@ pub trait Store: Send + Sync + 'static {
     /// Quarantines every unreserved pending trace of `filter.prompt` created in
     /// `[since, until)`; returns how many. `filter.status` and `before_id` are ignored.
     async fn quarantine_traces(&self, filter: &TraceFilter, reason: &str) -> StoreResult<u64>;
+    /// Lifts a trace's quarantine: it is learned from again (a pending trace
+    /// rejoins the backlog). Idempotent: a trace not quarantined is unchanged.
+    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction>;
     /// Deletes a trace that no version was learned from (with its reflections
     /// in failed rounds); refused while a round has it reserved or once consumed.
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction>;

@@ -28,7 +28,6 @@ use super::{
     otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal, version_move_kind,
 };
 use crate::{
-    config::Secret,
     domain::{
         Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
         Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
@@ -38,6 +37,7 @@ use crate::{
         trace::ValidTrace,
     },
     llm::LlmCall,
+    secret::Secret,
 };
 
 const CHANNEL: &str = "combee_changes";
@@ -1016,6 +1016,23 @@ impl Store for PgStore {
         .execute(&self.pool)
         .await?
         .rows_affected())
+    }
+
+    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        let mut tx = self.pool.begin().await?;
+        let released = sqlx::query(
+            "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = now()
+             WHERE id = $1 AND quarantined_at IS NOT NULL",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if released > 0 {
+            notify(&mut tx, "round").await?;
+        }
+        tx.commit().await?;
+        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
     }
 
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {

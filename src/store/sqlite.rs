@@ -28,7 +28,6 @@ use super::{
     otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal, version_move_kind,
 };
 use crate::{
-    config::Secret,
     domain::{
         Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
         Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
@@ -38,6 +37,7 @@ use crate::{
         trace::ValidTrace,
     },
     llm::LlmCall,
+    secret::Secret,
 };
 
 pub struct SqliteStore {
@@ -1207,6 +1207,18 @@ impl Store for SqliteStore {
         .execute(&self.writer)
         .await?
         .rows_affected())
+    }
+
+    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        sqlx::query(
+            "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = ?
+             WHERE id = ? AND quarantined_at IS NOT NULL",
+        )
+        .bind(now_us())
+        .bind(id.to_string())
+        .execute(&self.writer)
+        .await?;
+        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
     }
 
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {

@@ -117,6 +117,21 @@ pub async fn quarantine_trace(
     Ok(Redirect::to(&format!("/ui/traces/{id}?notice=quarantined")).into_response())
 }
 
+/// Lifts a trace's quarantine (the trace page's Release button).
+pub async fn release_trace(
+    State(st): State<AppState>,
+    op: Operator,
+    Path(id): Path<String>,
+    Form(form): Form<TraceForm>,
+) -> Result<Response, UiError> {
+    op.check_csrf(form.csrf.as_deref())?;
+    op.require(Scope::PromptsWrite)?;
+    let id = trace_id(&id)?;
+    trace_outcome(id, st.store.release_trace(id).await?)?;
+    tracing::info!(trace = %id, by = %op.actor(), "trace released from quarantine in the web UI");
+    Ok(Redirect::to(&format!("/ui/traces/{id}?notice=released")).into_response())
+}
+
 /// Deletes a trace (the trace page's Delete button); back to the trace list.
 pub async fn delete_trace(
     State(st): State<AppState>,

@@ -39,6 +39,7 @@ pub fn router() -> Router<AppState> {
         .route("/traces", get(pages::traces))
         .route("/traces/{id}", get(pages::trace))
         .route("/traces/{id}/quarantine", post(actions::quarantine_trace))
+        .route("/traces/{id}/release", post(actions::release_trace))
         .route("/traces/{id}/delete", post(actions::delete_trace))
         .route("/static/style.css", get(stylesheet))
         .fallback(|| async { UiError::NotFound("No such page.".into()) })

@@ -997,7 +997,7 @@ pub struct TraceNotice {
     notice: Option<String>,
 }
 
-/// The Quarantine and Delete forms, for a key with `prompts:write` and a trace they apply to.
+/// The Quarantine (or Release) and Delete forms, for a key with `prompts:write` and a trace they apply to.
 fn trace_actions(op: &Operator, t: &crate::domain::Trace) -> String {
     use crate::domain::TraceStatus;
     if !op.can(Scope::PromptsWrite) || t.status == TraceStatus::Consumed || t.round_id.is_some() {
@@ -1005,7 +1005,10 @@ fn trace_actions(op: &Operator, t: &crate::domain::Trace) -> String {
     }
     let csrf = format!(r#"<input type="hidden" name="csrf" value="{}">"#, escape(&op.session.csrf_token));
     let quarantine = if t.status == TraceStatus::Quarantined {
-        String::new()
+        format!(
+            r#"<form method="post" action="/ui/traces/{id}/release" class="inline" id="release-form">{csrf}<button type="submit" class="small" id="release" title="Lift the quarantine: learn from this trace again">Release</button></form> "#,
+            id = t.id
+        )
     } else {
         format!(
             r#"<form method="post" action="/ui/traces/{id}/quarantine" class="inline" id="quarantine-form">{csrf}<input type="text" name="reason" maxlength="500" placeholder="reason (optional)" id="quarantine-reason"> <button type="submit" class="small" id="quarantine" title="Hold this trace back from learning">Quarantine</button></form> "#,
@@ -1056,6 +1059,7 @@ pub async fn trace(
         match q.notice.as_deref() {
             Some("quarantined") =>
                 r#"<p class="notice ok" id="notice">Quarantined: no round will learn from this trace.</p>"#,
+            Some("released") => r#"<p class="notice ok" id="notice">Released: rounds learn from this trace again.</p>"#,
             _ => "",
         },
         trace_actions(&op, &t),

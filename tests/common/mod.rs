@@ -6,7 +6,8 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use combee::{
     app::Application,
-    config::{Secret, Settings},
+    config::Settings,
+    secret::Secret,
     store::{self, DynStore},
 };
 use serde_json::{Value, json};
