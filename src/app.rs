@@ -17,7 +17,7 @@ use crate::{
     llm::{LlmBackend, client::OpenAiClient},
     store::{self, Change, DynStore, Scope},
     telemetry,
-    worker::Worker,
+    worker::{Worker, guard::RegressionGuard},
 };
 
 pub const ADMIN_KEY_FILE: &str = "admin-key";
@@ -34,6 +34,7 @@ pub struct Application {
     state: AppState,
     worker: Option<Worker>,
     deliverer: Option<Deliverer>,
+    guard: Option<RegressionGuard>,
     shutdown: CancellationToken,
 }
 
@@ -107,6 +108,13 @@ impl Application {
                     .context("cannot build the webhook delivery client")?,
             ),
         };
+        // The regression guard runs wherever the learning worker may run, LLM or not.
+        let guard = match settings.server.role {
+            Role::All | Role::Worker if settings.guard.enabled => {
+                Some(RegressionGuard::new(store.clone(), settings.guard.clone()))
+            }
+            _ => None,
+        };
         let state = AppState::new(Shared {
             cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
             keys: Arc::new(KeyCache::new(store.clone())),
@@ -114,7 +122,7 @@ impl Application {
             settings: Arc::new(settings),
             store,
         });
-        Ok(Self { listener, state, worker, deliverer, shutdown: CancellationToken::new() })
+        Ok(Self { listener, state, worker, deliverer, guard, shutdown: CancellationToken::new() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -131,7 +139,8 @@ impl Application {
     }
 
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Application { listener, state, worker, deliverer, shutdown } = self;
+        let Application { listener, state, worker, deliverer, guard, shutdown } = self;
+        let guard = guard.map(|g| tokio::spawn(g.run(shutdown.clone())));
         let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
         let worker = worker.map(|w| tokio::spawn(w.run(shutdown.clone())));
         let deliverer = deliverer.map(|d| tokio::spawn(d.run(shutdown.clone())));
@@ -163,6 +172,9 @@ impl Application {
         }
         if let Some(d) = deliverer {
             let _ = tokio::time::timeout(Duration::from_secs(5), d).await;
+        }
+        if let Some(g) = guard {
+            let _ = tokio::time::timeout(Duration::from_secs(5), g).await;
         }
         Ok(())
     }

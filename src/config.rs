@@ -24,6 +24,9 @@ pub struct Settings {
     /// The dynamic batch-size controller for prompts with `batch_size = "auto"`.
     pub controller: crate::learn::controller::ControllerConfig,
     pub webhooks: WebhookSettings,
+    /// The regression guard (see `worker::guard`).
+    #[serde(default)]
+    pub guard: GuardSettings,
     /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
     #[serde(default, skip_serializing)]
     pub llm: crate::llm::config::LlmConfig,
@@ -57,6 +60,31 @@ pub struct WorkerSettings {
     /// The same with regular expressions (Rust `regex` syntax, case-insensitive).
     #[serde(default)]
     pub denylist_patterns: Vec<String>,
+}
+
+/// The regression guard: rolls production back when its reward falls
+/// significantly (see `evaluate::guard` for the test, `worker::guard` for the rules).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardSettings {
+    /// Run the guard in worker processes (prompts opt out with `settings.regression_guard = false`).
+    pub enabled: bool,
+    /// How often the guard looks at every prompt (seconds).
+    pub tick_secs: u64,
+    /// Length of the current window, and of the windows it is compared with (seconds).
+    pub window_secs: u64,
+    /// Level of the one-sided test (a drop fires only when p < alpha).
+    pub alpha: f64,
+    /// Smallest drop that counts (success rate or mean score units).
+    pub min_drop: f64,
+    /// Traces with a reward each side needs before anything is judged.
+    pub min_traces: u64,
+}
+
+impl Default for GuardSettings {
+    fn default() -> Self {
+        Self { enabled: true, tick_secs: 60, window_secs: 3600, alpha: 0.01, min_drop: 0.05, min_traces: 50 }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -216,6 +244,7 @@ impl Default for Settings {
                 poll_interval_ms: 1000,
                 max_concurrency: 16,
             },
+            guard: GuardSettings::default(),
             llm: Default::default(),
         }
     }
@@ -289,6 +318,13 @@ impl Settings {
             return Err(ConfigError(
                 "webhooks.request_timeout_secs, poll_interval_ms and max_concurrency must be greater than 0".into(),
             ));
+        }
+        let g = &self.guard;
+        if g.tick_secs == 0 || g.window_secs == 0 || g.min_traces == 0 {
+            return Err(ConfigError("guard.tick_secs, window_secs and min_traces must be greater than 0".into()));
+        }
+        if !(g.alpha > 0.0 && g.alpha < 0.5 && (0.0..=1.0e12).contains(&g.min_drop)) {
+            return Err(ConfigError("guard.alpha must be in (0, 0.5) and guard.min_drop at least 0".into()));
         }
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
         self.controller.validate().map_err(|e| ConfigError(format!("controller: {e}")))?;

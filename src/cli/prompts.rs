@@ -1,4 +1,4 @@
-//! `combee prompts …`: list, show, history, diff, and the two label moves
+//! `combee prompts …`: list, show, history, label history, diff, and the two label moves
 //! operators make by hand — promote and rollback — each guarded by `If-Match`
 //! so a move made meanwhile by someone else is refused (412), not overwritten;
 //! and the learning settings: show or patch them, pin and unpin bullets.
@@ -25,6 +25,13 @@ pub enum PromptsCommand {
     },
     /// List a prompt's versions, newest first, with the labels pointing at them.
     History { name: String },
+    /// The label history: every label move, newest first, with who or what moved it and why.
+    LabelHistory {
+        name: String,
+        /// Only the moves of this label.
+        #[arg(long)]
+        label: Option<String>,
+    },
     /// Diff two versions: the rendered texts, and bullets added / removed / changed.
     Diff { name: String, from: i64, to: i64 },
     /// Point a label (default `production`) at VERSION, if it has not moved since it was read.
@@ -36,6 +43,9 @@ pub enum PromptsCommand {
         /// The ETag you saw (`prompts show`); default: the label's current ETag, fetched just before.
         #[arg(long, value_name = "ETAG")]
         if_match: Option<String>,
+        /// Why, for the label history.
+        #[arg(long)]
+        reason: Option<String>,
     },
     /// Show a prompt's learning settings, or change them with a JSON merge patch.
     Settings {
@@ -76,9 +86,10 @@ pub async fn run(api: &ApiClient, json_out: bool, cmd: PromptsCommand) -> CliRes
         PromptsCommand::List => list(api, json_out).await,
         PromptsCommand::Show { name, label, version } => show(api, json_out, &name, label, version).await,
         PromptsCommand::History { name } => history(api, json_out, &name).await,
+        PromptsCommand::LabelHistory { name, label } => label_history(api, json_out, &name, label.as_deref()).await,
         PromptsCommand::Diff { name, from, to } => diff(api, json_out, &name, from, to).await,
-        PromptsCommand::Promote { name, version, label, if_match } => {
-            promote(api, json_out, &name, version, &label, if_match).await
+        PromptsCommand::Promote { name, version, label, if_match, reason } => {
+            promote(api, json_out, &name, version, &label, if_match, reason).await
         }
         PromptsCommand::Rollback { name, version, message, if_match } => {
             rollback(api, json_out, &name, version, message, if_match).await
@@ -239,6 +250,31 @@ async fn history(api: &ApiClient, json_out: bool, name: &str) -> CliResult<()> {
     Ok(())
 }
 
+async fn label_history(api: &ApiClient, json_out: bool, name: &str, label: Option<&str>) -> CliResult<()> {
+    let filter = label.map(|l| format!("?label={}", encode(l))).unwrap_or_default();
+    let moves = api.get_all(&format!("{}/labels/history{filter}", path(name)), "moves").await?;
+    if json_out {
+        print_json(&json!({ "moves": moves }));
+        return Ok(());
+    }
+    let version = |v: &Value| if v.is_null() { "-".to_owned() } else { format!("v{}", cell(v)) };
+    let rows: Vec<Vec<String>> = moves
+        .iter()
+        .map(|m| {
+            vec![
+                when(&m["at"]),
+                cell(&m["label"]),
+                format!("{} -> {}", version(&m["from_version"]), version(&m["to_version"])),
+                cell(&m["kind"]),
+                cell(&m["actor"]),
+                cell(&m["reason"]).lines().next().unwrap_or_default().to_owned(),
+            ]
+        })
+        .collect();
+    print_table(&["AT", "LABEL", "MOVE", "KIND", "BY", "REASON"], &rows);
+    Ok(())
+}
+
 async fn diff(api: &ApiClient, json_out: bool, name: &str, from: i64, to: i64) -> CliResult<()> {
     let b = api.get(&format!("{}/diff?from={from}&to={to}", path(name))).await?.body;
     if json_out {
@@ -299,6 +335,7 @@ async fn promote(
     version: i64,
     label: &str,
     if_match: Option<String>,
+    reason: Option<String>,
 ) -> CliResult<()> {
     let etag = match if_match {
         Some(t) => Some(t),
@@ -308,10 +345,11 @@ async fn promote(
     if let Some(t) = &etag {
         req = req.header("if-match", t);
     }
-    let answer: Answer = api
-        .send(req.json(&json!({ "version": version })))
-        .await
-        .map_err(|e| explain_412(e, &format!("label {label:?}")))?;
+    let mut body = json!({ "version": version });
+    if let Some(r) = reason {
+        body["reason"] = json!(r);
+    }
+    let answer: Answer = api.send(req.json(&body)).await.map_err(|e| explain_412(e, &format!("label {label:?}")))?;
     if json_out {
         print_json(&answer.body);
     } else {

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{LabelName, PromptName, Version};
+use super::{LabelName, MoveCause, PromptName, Version};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
 pub enum EventType {
@@ -21,11 +21,19 @@ pub enum EventType {
     RoundCompleted,
     #[serde(rename = "round.failed")]
     RoundFailed,
+    /// `production` went back to an earlier version: an operator's rollback or the regression guard's.
+    #[serde(rename = "prompt.rolled_back")]
+    PromptRolledBack,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 4] =
-        [EventType::VersionCreated, EventType::LabelMoved, EventType::RoundCompleted, EventType::RoundFailed];
+    pub const ALL: [EventType; 5] = [
+        EventType::VersionCreated,
+        EventType::LabelMoved,
+        EventType::RoundCompleted,
+        EventType::RoundFailed,
+        EventType::PromptRolledBack,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -33,6 +41,7 @@ impl EventType {
             EventType::LabelMoved => "label.moved",
             EventType::RoundCompleted => "round.completed",
             EventType::RoundFailed => "round.failed",
+            EventType::PromptRolledBack => "prompt.rolled_back",
         }
     }
 
@@ -103,6 +112,24 @@ impl OutboxEvent {
             json!({
                 "prompt": prompt.as_str(), "label": label.as_str(), "version": to,
                 "previous_version": from, "moved_by": by,
+            }),
+        )
+    }
+
+    /// A rollback of `label` from `from` to `to`, with the cause's kind, reason and numbers.
+    pub fn rolled_back(
+        prompt: &PromptName,
+        label: &LabelName,
+        to: i64,
+        from: Option<i64>,
+        by: &str,
+        cause: &MoveCause,
+    ) -> Self {
+        Self::new(
+            EventType::PromptRolledBack,
+            json!({
+                "prompt": prompt.as_str(), "label": label.as_str(), "version": to, "previous_version": from,
+                "kind": cause.kind.as_str(), "moved_by": by, "reason": cause.reason, "evidence": cause.evidence,
             }),
         )
     }

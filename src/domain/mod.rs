@@ -4,6 +4,7 @@
 
 pub mod diff;
 pub mod event;
+pub mod label_history;
 pub mod learning;
 pub mod names;
 pub mod playbook;
@@ -11,6 +12,7 @@ pub mod prompt;
 pub mod round;
 pub mod trace;
 
+pub use label_history::{LabelHistoryEntry, LabelMoveKind, MoveCause};
 pub use learning::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 pub use names::{LabelName, NameError, PromptName};
 pub use playbook::{Bullet, Playbook, Section};

@@ -7,7 +7,9 @@ use std::fmt;
 pub enum NameError {
     #[error("{kind} name must match [a-z0-9][a-z0-9._-]{{0,63}}, got {got:?}")]
     Invalid { kind: &'static str, got: String },
-    #[error("label name {0:?} is reserved: `latest` is derived from the version history, never stored")]
+    #[error(
+        "label name {0:?} is reserved: `latest` is derived from the version history and `history` names the label history (`/labels/history`); neither is stored"
+    )]
     Reserved(String),
 }
 
@@ -57,7 +59,7 @@ impl fmt::Display for PromptName {
     }
 }
 
-/// A label's name: same alphabet as prompt names; `latest` is reserved.
+/// A label's name: same alphabet as prompt names; `latest` and `history` are reserved.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(transparent)]
 pub struct LabelName(std::borrow::Cow<'static, str>);
@@ -66,9 +68,11 @@ impl LabelName {
     pub const PRODUCTION: &'static str = "production";
     pub const CANDIDATE: &'static str = "candidate";
     pub const LATEST: &'static str = "latest";
+    /// The path segment of the label history (`/v1/prompts/{name}/labels/history`).
+    pub const HISTORY: &'static str = "history";
 
     pub fn parse(s: &str) -> Result<Self, NameError> {
-        if s == Self::LATEST {
+        if s == Self::LATEST || s == Self::HISTORY {
             return Err(NameError::Reserved(s.to_owned()));
         }
         if valid_slug(s) {
@@ -124,6 +128,7 @@ mod tests {
     #[test]
     fn latest_is_not_a_storable_label() {
         assert_eq!(LabelName::parse("latest"), Err(NameError::Reserved("latest".into())));
+        assert_eq!(LabelName::parse("history"), Err(NameError::Reserved("history".into())));
         assert!(LabelName::parse("production").is_ok());
     }
 }

@@ -76,6 +76,14 @@ pub struct PromptSettings {
     #[serde(default = "default_max_removal_share")]
     #[schema(minimum = 0.0, maximum = 1.0, example = 0.25)]
     pub max_removal_share: f64,
+    /// Whether the regression guard may roll this prompt's production back
+    /// (default on: it acts only on significant evidence, see `[guard]`).
+    #[serde(default = "default_regression_guard")]
+    pub regression_guard: bool,
+}
+
+fn default_regression_guard() -> bool {
+    true
 }
 
 /// How level 2 of a playbook round combines the groups' operations.
@@ -167,6 +175,7 @@ impl Default for PromptSettings {
             agent_reflections: AgentReflections::default(),
             pinned_bullets: Vec::new(),
             max_removal_share: default_max_removal_share(),
+            regression_guard: true,
         }
     }
 }

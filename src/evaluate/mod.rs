@@ -5,6 +5,7 @@
 //! HTTP layers feed it numbers.
 
 pub mod assign;
+pub mod guard;
 pub mod outcomes;
 pub mod population;
 pub mod stats;

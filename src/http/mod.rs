@@ -6,6 +6,7 @@ pub mod controller;
 pub mod error;
 pub mod extract;
 pub mod keys;
+pub mod label_history;
 pub mod openapi;
 pub mod ops;
 pub mod otlp;
@@ -79,6 +80,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/prompts/{name}/versions/{number}", get(prompts::get_version))
         .route("/v1/prompts/{name}/diff", get(prompts::diff_versions))
         .route("/v1/prompts/{name}/labels", get(prompts::list_labels))
+        .route("/v1/prompts/{name}/labels/history", get(label_history::label_history))
         .route("/v1/prompts/{name}/labels/{label}", put(prompts::move_label).delete(prompts::delete_label))
         .route("/v1/prompts/{name}/rollback", post(prompts::rollback))
         .route("/v1/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))

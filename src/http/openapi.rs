@@ -18,6 +18,8 @@ use crate::domain::prompt::{MAX_BULLETS, MAX_CHARS, MAX_WAIT_SECS};
 
 /// A prompt or label name.
 pub const NAME_PATTERN: &str = "^[a-z0-9][a-z0-9._-]{0,63}$";
+/// A label name that can be stored (`latest` and `history` are reserved).
+const STORED_LABEL_PATTERN: &str = "^(?!(latest|history)$)[a-z0-9][a-z0-9._-]{0,63}$";
 const PROBLEM_REF: &str = "#/components/schemas/Problem";
 
 /// The finished document, built once.
@@ -148,7 +150,9 @@ fn finish_operation(path: &str, op: &mut Map<String, Value>) {
 fn page_token_pattern(path: &str) -> &'static str {
     match path {
         "/v1/prompts" => NAME_PATTERN,
-        "/v1/prompts/{name}/versions" | "/v1/webhooks/{id}/deliveries" => "^[0-9]{1,18}$",
+        "/v1/prompts/{name}/versions" | "/v1/webhooks/{id}/deliveries" | "/v1/prompts/{name}/labels/history" => {
+            "^[0-9]{1,18}$"
+        }
         _ => "^[0-9a-f]{32}$",
     }
 }
@@ -170,8 +174,11 @@ fn finish_parameter(path: &str, p: &mut Value) {
             schema["pattern"] = json!(page_token_pattern(path));
             p["description"] = json!("opaque: the `next_page_token` of the previous page, unchanged");
         }
+        // The label history's filter names a stored label: never `latest` or `history`.
+        ("path", "label") | ("query", "label") if place == "path" || path.ends_with("/labels/history") => {
+            schema["pattern"] = json!(STORED_LABEL_PATTERN)
+        }
         ("query", "prompt") | ("path", "name") | ("query", "label") => schema["pattern"] = json!(NAME_PATTERN),
-        ("path", "label") => schema["pattern"] = json!("^(?!latest$)[a-z0-9][a-z0-9._-]{0,63}$"),
         ("query", "version") | ("path", "number") | ("query", "from") | ("query", "to") => schema["minimum"] = json!(1),
         ("header", "Idempotency-Key") => schema["pattern"] = json!("^[!-~]{1,255}$"),
         _ => {}
@@ -242,7 +249,7 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
         "CreateWebhook",
         "events",
         &merge(
-            json!({"minItems": 1, "items": {"type": "string", "enum": ["version.created", "label.moved", "round.completed", "round.failed"]}}),
+            json!({"minItems": 1, "items": {"type": "string", "enum": crate::domain::event::EventType::ALL.map(|e| e.as_str())}}),
         ),
     );
     set("CreateWebhook", "url", &merge(json!({"format": "uri", "pattern": "^https?://", "maxLength": 2048})));
@@ -252,6 +259,7 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
     set("CreateVersion", "parent", &merge(json!({"minimum": 1})));
     set("CreateVersion", "base", &merge(json!({"minLength": 1, "pattern": "\\S"})));
     set("MoveLabel", "version", &merge(json!({"minimum": 1})));
+    set("MoveLabel", "reason", &merge(json!({"maxLength": 2000})));
     set("Rollback", "to", &merge(json!({"minimum": 1})));
     set(
         "PromptSettings",

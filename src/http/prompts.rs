@@ -23,8 +23,8 @@ use super::{
 use crate::{
     cache::CachedPrompt,
     domain::{
-        LabelName, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy, Version, VersionContent,
-        VersionSource,
+        LabelMoveKind, LabelName, MoveCause, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy,
+        Version, VersionContent, VersionSource,
         diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
         prompt::NewVersion,
     },
@@ -201,6 +201,7 @@ impl utoipa::PartialSchema for SettingsPatch {
                 "agent_reflections": {"type": ["string", "null"], "enum": ["ignore", "use", null]},
                 "pinned_bullets": {"type": ["array", "null"], "maxItems": 1000, "items": {"type": "string", "pattern": "^b-[0-9]{1,12}$"}},
                 "max_removal_share": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                "regression_guard": {"type": ["boolean", "null"]},
             },
             "example": {"agent_reflections": "ignore", "pinned_bullets": ["b-0001"], "max_removal_share": 0.25},
         });
@@ -650,6 +651,9 @@ async fn check_if_match(
 #[serde(deny_unknown_fields)]
 pub struct MoveLabel {
     pub version: i64,
+    /// Why, for the label history (at most 2000 characters; longer: 422).
+    #[serde(default)]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -697,6 +701,11 @@ pub async fn move_label(
     if req.version < 1 {
         return Err(ApiError::Unprocessable("`version` must be at least 1".into()));
     }
+    let reason = req.reason.unwrap_or_default();
+    // The schema states the bound (`maxLength`), so breaking it is invalid input (422), not a large body.
+    if reason.chars().count() > MAX_MESSAGE_CHARS {
+        return Err(ApiError::Unprocessable(format!("`reason` is longer than {MAX_MESSAGE_CHARS} characters")));
+    }
     let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
     let mv = LabelMove {
         label: label.clone(),
@@ -705,13 +714,14 @@ pub async fn move_label(
         check_current,
         by: caller.actor(),
     };
-    let moved_label = move_label_to(&st, &prompt.name, &mv).await?;
+    let moved_label = move_label_to(&st, &prompt.name, &mv, &MoveCause::new(LabelMoveKind::Promote, reason)).await?;
     moved(&st, &prompt.name, moved_label).await
 }
 
-/// Applies a label move and drops the cached views; shared with the web UI.
-pub async fn move_label_to(st: &AppState, name: &PromptName, mv: &LabelMove) -> ApiResult<Label> {
-    let label = st.store.move_label(name, mv).await.map_err(|e| store_move_error(e, &mv.label))?;
+/// Applies a label move, recording `cause` in the label history, and drops
+/// the cached views; shared with the web UI.
+pub async fn move_label_to(st: &AppState, name: &PromptName, mv: &LabelMove, cause: &MoveCause) -> ApiResult<Label> {
+    let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
     st.cache.invalidate(name.as_str());
     Ok(label)
 }
@@ -731,7 +741,7 @@ pub async fn delete_label(
     if label.as_str() == LabelName::PRODUCTION {
         return Err(ApiError::Conflict("`production` cannot be deleted; move it instead".into()));
     }
-    if !st.store.delete_label(&prompt.name, &label).await? {
+    if !st.store.delete_label(&prompt.name, &label, &caller.actor()).await? {
         return Err(ApiError::not_found(format_args!("label {label:?} of prompt {:?}", prompt.name)));
     }
     st.cache.invalidate(prompt.name.as_str());

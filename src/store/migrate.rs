@@ -38,6 +38,7 @@ pub const POSTGRES: &[Migration] = &[
         sql: include_str!("../../migrations/postgres/0008_reflections_by_trace.sql"),
     },
     Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/postgres/0010_otlp_spans.sql") },
+    Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/postgres/0011_label_moves.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -62,6 +63,7 @@ pub const SQLITE: &[Migration] = &[
         sql: include_str!("../../migrations/sqlite/0008_reflections_by_trace.sql"),
     },
     Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/sqlite/0010_otlp_spans.sql") },
+    Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/sqlite/0011_label_moves.sql") },
 ];
 
 #[cfg(test)]

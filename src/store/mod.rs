@@ -18,8 +18,8 @@ use uuid::Uuid;
 
 use crate::{
     domain::{
-        Feedback, LabelName, Promotion, Prompt, PromptName, PromptSettings, Reflection, Strategy, Trace, TraceStatus,
-        Version,
+        Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Promotion, Prompt, PromptName,
+        PromptSettings, Reflection, Strategy, Trace, TraceStatus, Version,
         event::EventType,
         prompt::NewVersion,
         round::{Method, Round, RoundTrigger},
@@ -202,6 +202,15 @@ pub struct Label {
     pub version: i64,
     pub updated_at: DateTime<Utc>,
     pub updated_by: String,
+}
+
+/// How the label moves that come with a new version enter the label history.
+pub(crate) fn version_move_kind(source: crate::domain::VersionSource) -> LabelMoveKind {
+    match source {
+        crate::domain::VersionSource::Rollback => LabelMoveKind::Rollback,
+        crate::domain::VersionSource::Learned => LabelMoveKind::AutoPublish,
+        crate::domain::VersionSource::Manual => LabelMoveKind::Promote,
+    }
 }
 
 /// Which version of a prompt a reader wants.
@@ -553,7 +562,8 @@ pub trait Store: Send + Sync + 'static {
     async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool>;
 
     // Prompts and versions
-    /// Creates the prompt and its version 1, labelled `production`.
+    /// Creates the prompt and its version 1, labelled `production` (a `create`
+    /// entry in the label history).
     async fn create_prompt(&self, prompt: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)>;
     async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>>;
     /// Replaces a prompt's settings if they still equal `expected` (`Conflict`
@@ -568,6 +578,8 @@ pub trait Store: Send + Sync + 'static {
     async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>>;
     /// Appends a version (number = previous + 1, never a gap or a duplicate) and
     /// applies the label moves in the same transaction. A failed CAS rolls all back.
+    /// The moves enter the label history as `rollback` when the version's source
+    /// is `rollback`, as `promote` otherwise, with the version's message as reason.
     async fn create_version(
         &self,
         prompt: &PromptName,
@@ -578,9 +590,27 @@ pub trait Store: Send + Sync + 'static {
     /// Versions newest first, with numbers below `before`.
     async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>>;
     async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>>;
-    /// Applies one compare-and-set label move (`Conflict` when the CAS fails).
-    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label>;
-    async fn delete_label(&self, prompt: &PromptName, label: &LabelName) -> StoreResult<bool>;
+    /// Applies one compare-and-set label move (`Conflict` when the CAS fails),
+    /// recorded in the label history as an operator's `promote`.
+    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
+        self.move_label_because(prompt, mv, &MoveCause::new(LabelMoveKind::Promote, "")).await
+    }
+    /// [`Store::move_label`] recording `cause` in the label history, in the
+    /// same transaction (a move that changes nothing records nothing). A
+    /// `guard-rollback` or `rollback` also queues a `prompt.rolled_back` event.
+    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label>;
+    /// Deletes a label, recording who did it in the label history; false when
+    /// there was no such label.
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool>;
+    /// The prompt's label history, newest first: moves with ids below
+    /// `before`, of `label` only when given. Empty for an unknown prompt.
+    async fn label_history(
+        &self,
+        prompt: &PromptName,
+        label: Option<&LabelName>,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<LabelHistoryEntry>>;
 
     // Traces
     /// Stores traces durably, all or none; `Invalid` names the first unknown prompt or version.
@@ -688,7 +718,7 @@ pub trait Store: Send + Sync + 'static {
         detail: &serde_json::Value,
     ) -> StoreResult<bool>;
     /// In one transaction, fenced by the attempt: writes the version, moves
-    /// `label` to it, charges the traces in `charges` (see [`TraceCharges`]),
+    /// `label` to it (an `auto-publish` entry in the label history), charges the traces in `charges` (see [`TraceCharges`]),
     /// marks consumed the round's traces that have a stored reflection (the others
     /// return to pending uncharged: nothing was learned from them), marks the round succeeded,
     /// and (given `sample_secs`) records the batch-size controller's delay sample

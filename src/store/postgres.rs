@@ -25,12 +25,12 @@ use super::{
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector,
     Store, StoreError, StoreKind, StoreResult, TraceAction, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
-    otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
+    otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal, version_move_kind,
 };
 use crate::{
     domain::{
-        Feedback, LabelName, Prompt, PromptName, PromptSettings, Reflection, Trace, TraceStatus, Version,
-        VersionContent, VersionSource,
+        Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
+        Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
         event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
@@ -240,18 +240,71 @@ async fn record_event(tx: &mut Transaction<'_, Postgres>, e: &OutboxEvent) -> St
     Ok(())
 }
 
-/// The outbox events of one label move (none when it did not change anything).
+/// Appends one entry to the label history (inside the caller's transaction).
+// The columns of one history row; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
+async fn record_history(
+    tx: &mut Transaction<'_, Postgres>,
+    prompt_id: Uuid,
+    label: &LabelName,
+    from: Option<i64>,
+    to: Option<i64>,
+    actor: &str,
+    cause: &MoveCause,
+) -> StoreResult<()> {
+    sqlx::query(
+        "INSERT INTO label_moves (prompt_id, label, from_version, to_version, kind, actor, reason, evidence)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+    )
+    .bind(prompt_id)
+    .bind(label.as_str())
+    .bind(from)
+    .bind(to)
+    .bind(cause.kind.as_str())
+    .bind(actor)
+    .bind(&cause.reason)
+    .bind(&cause.evidence)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The history entry and outbox events of one label move (none when it did
+/// not change anything).
 async fn record_move(
     tx: &mut Transaction<'_, Postgres>,
+    prompt_id: Uuid,
     prompt: &PromptName,
     label: &Label,
     previous: Option<i64>,
+    cause: &MoveCause,
 ) -> StoreResult<()> {
     if previous != Some(label.version) {
+        record_history(tx, prompt_id, &label.name, previous, Some(label.version), &label.updated_by, cause).await?;
         record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by))
             .await?;
+        if matches!(cause.kind, LabelMoveKind::Rollback | LabelMoveKind::GuardRollback) {
+            let e = OutboxEvent::rolled_back(prompt, &label.name, label.version, previous, &label.updated_by, cause);
+            record_event(tx, &e).await?;
+        }
     }
     Ok(())
+}
+
+fn history_from_row(row: &PgRow) -> StoreResult<LabelHistoryEntry> {
+    let label: String = row.try_get("label")?;
+    let kind: String = row.try_get("kind")?;
+    Ok(LabelHistoryEntry {
+        id: row.try_get("id")?,
+        label: LabelName::parse(&label).map_err(|_| corrupt("label name"))?,
+        from_version: row.try_get("from_version")?,
+        to_version: row.try_get("to_version")?,
+        kind: LabelMoveKind::parse(&kind).ok_or_else(|| corrupt("label move kind"))?,
+        actor: row.try_get("actor")?,
+        reason: row.try_get("reason")?,
+        evidence: row.try_get("evidence")?,
+        at: row.try_get("at")?,
+    })
 }
 
 fn corrupt(what: &str) -> StoreError {
@@ -571,6 +624,8 @@ impl Store for PgStore {
         record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
         record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
             .await?;
+        let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
+        record_history(&mut tx, prompt.id, &production, None, Some(1), &version.created_by, &cause).await?;
         notify(&mut tx, &format!("prompt:{}", prompt.name)).await?;
         tx.commit().await?;
         Ok((prompt, version))
@@ -665,8 +720,9 @@ impl Store for PgStore {
         let on_new: Vec<&str> =
             moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
         record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
+        let cause = MoveCause::new(version_move_kind(version.source), version.message.clone());
         for (label, previous) in &moved {
-            record_move(&mut tx, prompt, label, *previous).await?;
+            record_move(&mut tx, id, prompt, label, *previous, &cause).await?;
         }
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
@@ -749,28 +805,56 @@ impl Store for PgStore {
         .collect()
     }
 
-    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
+    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
         let mut tx = self.pool.begin().await?;
         let id = prompt_id(&mut tx, prompt).await?;
         let (label, previous) = apply_move(&mut tx, id, mv).await?;
-        record_move(&mut tx, prompt, &label, previous).await?;
+        record_move(&mut tx, id, prompt, &label, previous, cause).await?;
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
         Ok(label)
     }
 
-    async fn delete_label(&self, prompt: &PromptName, label: &LabelName) -> StoreResult<bool> {
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
         let mut tx = self.pool.begin().await?;
         let id = prompt_id(&mut tx, prompt).await?;
-        let n = sqlx::query("DELETE FROM labels WHERE prompt_id = $1 AND name = $2")
-            .bind(id)
-            .bind(label.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+        let deleted: Option<i64> =
+            sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = $1 AND name = $2 RETURNING version")
+                .bind(id)
+                .bind(label.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(version) = deleted {
+            let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
+            record_history(&mut tx, id, label, Some(version), None, by, &cause).await?;
+        }
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
-        Ok(n > 0)
+        Ok(deleted.is_some())
+    }
+
+    async fn label_history(
+        &self,
+        prompt: &PromptName,
+        label: Option<&LabelName>,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<LabelHistoryEntry>> {
+        sqlx::query(
+            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
+             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
+             WHERE p.name = $1 AND ($2::text IS NULL OR m.label = $2) AND ($3::bigint IS NULL OR m.id < $3)
+             ORDER BY m.id DESC LIMIT $4",
+        )
+        .bind(prompt.as_str())
+        .bind(label.map(LabelName::as_str))
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(history_from_row)
+        .collect()
     }
 
     async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
@@ -1543,7 +1627,9 @@ impl Store for PgStore {
         .await?;
         let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, created_at);
         record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
-        record_move(&mut tx, &version.prompt, &moved, previous).await?;
+        let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
+            .with_evidence(serde_json::json!({ "round_id": round }));
+        record_move(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
         record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
         notify(&mut tx, &format!("prompt:{name}")).await?;
         tx.commit().await?;

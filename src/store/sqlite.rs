@@ -25,12 +25,12 @@ use super::{
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector,
     Store, StoreError, StoreKind, StoreResult, TraceAction, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
-    otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
+    otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal, version_move_kind,
 };
 use crate::{
     domain::{
-        Feedback, LabelName, Prompt, PromptName, PromptSettings, Reflection, Trace, TraceStatus, Version,
-        VersionContent, VersionSource,
+        Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
+        Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
         event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
@@ -131,17 +131,75 @@ async fn record_event(tx: &mut Transaction<'_, Sqlite>, e: &OutboxEvent) -> Stor
     Ok(!subscribers.is_empty())
 }
 
-/// The outbox event of one label move (none when it did not change anything).
+/// Appends one entry to the label history (inside the caller's transaction).
+// The columns of one history row; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
+async fn record_history(
+    tx: &mut Transaction<'_, Sqlite>,
+    prompt_id: Uuid,
+    label: &LabelName,
+    from: Option<i64>,
+    to: Option<i64>,
+    actor: &str,
+    cause: &MoveCause,
+) -> StoreResult<()> {
+    sqlx::query(
+        "INSERT INTO label_moves (prompt_id, label, from_version, to_version, kind, actor, reason, evidence, at)
+         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(prompt_id.to_string())
+    .bind(label.as_str())
+    .bind(from)
+    .bind(to)
+    .bind(cause.kind.as_str())
+    .bind(actor)
+    .bind(&cause.reason)
+    .bind(cause.evidence.as_ref().map(to_json).transpose()?)
+    .bind(now_us())
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The history entry and outbox events of one label move (none when it did
+/// not change anything). True when a delivery was queued.
 async fn record_move(
     tx: &mut Transaction<'_, Sqlite>,
+    prompt_id: Uuid,
     prompt: &PromptName,
     label: &Label,
     previous: Option<i64>,
+    cause: &MoveCause,
 ) -> StoreResult<bool> {
     if previous == Some(label.version) {
         return Ok(false);
     }
-    record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by)).await
+    record_history(tx, prompt_id, &label.name, previous, Some(label.version), &label.updated_by, cause).await?;
+    let mut queued =
+        record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by))
+            .await?;
+    if matches!(cause.kind, LabelMoveKind::Rollback | LabelMoveKind::GuardRollback) {
+        let e = OutboxEvent::rolled_back(prompt, &label.name, label.version, previous, &label.updated_by, cause);
+        queued |= record_event(tx, &e).await?;
+    }
+    Ok(queued)
+}
+
+fn history_from_row(row: &SqliteRow) -> StoreResult<LabelHistoryEntry> {
+    let label: String = row.try_get("label")?;
+    let kind: String = row.try_get("kind")?;
+    let evidence: Option<String> = row.try_get("evidence")?;
+    Ok(LabelHistoryEntry {
+        id: row.try_get("id")?,
+        label: LabelName::parse(&label).map_err(|_| corrupt("label name"))?,
+        from_version: row.try_get("from_version")?,
+        to_version: row.try_get("to_version")?,
+        kind: LabelMoveKind::parse(&kind).ok_or_else(|| corrupt("label move kind"))?,
+        actor: row.try_get("actor")?,
+        reason: row.try_get("reason")?,
+        evidence: evidence.as_deref().map(json).transpose()?,
+        at: time(row.try_get("at")?)?,
+    })
 }
 
 fn corrupt(what: &str) -> StoreError {
@@ -749,6 +807,8 @@ impl Store for SqliteStore {
         queued |=
             record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
                 .await?;
+        let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
+        record_history(&mut tx, id, &production, None, Some(1), &version.created_by, &cause).await?;
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.name.to_string()));
         self.announce_outbox(queued);
@@ -845,8 +905,9 @@ impl Store for SqliteStore {
         let on_new: Vec<&str> =
             moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
         let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
+        let cause = MoveCause::new(version_move_kind(version.source), version.message.clone());
         for (label, previous) in &moved {
-            queued |= record_move(&mut tx, prompt, label, *previous).await?;
+            queued |= record_move(&mut tx, id, prompt, label, *previous, &cause).await?;
         }
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.to_string()));
@@ -932,29 +993,57 @@ impl Store for SqliteStore {
         .collect()
     }
 
-    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
+    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
         let mut tx = self.writer.begin().await?;
         let id = prompt_id(&mut tx, prompt).await?;
         let (label, previous) = apply_move(&mut tx, id, mv).await?;
-        let queued = record_move(&mut tx, prompt, &label, previous).await?;
+        let queued = record_move(&mut tx, id, prompt, &label, previous, cause).await?;
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.to_string()));
         self.announce_outbox(queued);
         Ok(label)
     }
 
-    async fn delete_label(&self, prompt: &PromptName, label: &LabelName) -> StoreResult<bool> {
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
         let mut tx = self.writer.begin().await?;
         let id = prompt_id(&mut tx, prompt).await?;
-        let n = sqlx::query("DELETE FROM labels WHERE prompt_id = ? AND name = ?")
-            .bind(id.to_string())
-            .bind(label.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+        let deleted: Option<i64> =
+            sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = ? AND name = ? RETURNING version")
+                .bind(id.to_string())
+                .bind(label.as_str())
+                .fetch_optional(&mut *tx)
+                .await?;
+        if let Some(version) = deleted {
+            let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
+            record_history(&mut tx, id, label, Some(version), None, by, &cause).await?;
+        }
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.to_string()));
-        Ok(n > 0)
+        Ok(deleted.is_some())
+    }
+
+    async fn label_history(
+        &self,
+        prompt: &PromptName,
+        label: Option<&LabelName>,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<LabelHistoryEntry>> {
+        sqlx::query(
+            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
+             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
+             WHERE p.name = ?1 AND (?2 IS NULL OR m.label = ?2) AND (?3 IS NULL OR m.id < ?3)
+             ORDER BY m.id DESC LIMIT ?4",
+        )
+        .bind(prompt.as_str())
+        .bind(label.map(LabelName::as_str))
+        .bind(before)
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(history_from_row)
+        .collect()
     }
 
     async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
@@ -1737,7 +1826,9 @@ impl Store for SqliteStore {
         .await?;
         let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, time(now)?);
         let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
-        queued |= record_move(&mut tx, &version.prompt, &moved, previous).await?;
+        let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
+            .with_evidence(serde_json::json!({ "round_id": round }));
+        queued |= record_move(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
         queued |= record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
         tx.commit().await?;
         self.announce(Change::Prompt(name));

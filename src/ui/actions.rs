@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use super::{UiError, session::Operator};
 use crate::{
-    domain::LabelName,
+    domain::{LabelMoveKind, LabelName, MoveCause},
     http::{AppState, error::ApiError, prompts},
     store::{LabelMove, Scope, TraceAction},
 };
@@ -61,7 +61,8 @@ pub async fn promote(
         check_current: true,
         by: op.actor(),
     };
-    prompts::move_label_to(&st, &prompt.name, &mv).await?;
+    let cause = MoveCause::new(LabelMoveKind::Promote, "promoted in the web UI");
+    prompts::move_label_to(&st, &prompt.name, &mv, &cause).await?;
     tracing::info!(prompt = %prompt.name, version, by = %op.actor(), "promoted from the web UI");
     Ok(back(prompt.name.as_str(), "promoted", version))
 }

@@ -151,6 +151,9 @@ pub struct PromptQuery {
     v: Option<i64>,
 }
 
+/// Label moves the prompt page shows.
+const LABEL_MOVES_SHOWN: u32 = 20;
+
 pub async fn prompt(
     State(st): State<AppState>,
     op: Operator,
@@ -289,6 +292,36 @@ pub async fn prompt(
     let reward_chart = plot::reward_plot(&series).unwrap_or_else(|| {
         r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned()
     });
+    // The newest label moves: who or what moved which label, and why.
+    let moves = st.store.label_history(&prompt.name, None, None, LABEL_MOVES_SHOWN).await?;
+    let mut move_rows = String::new();
+    for m in &moves {
+        let version = |v: Option<i64>| v.map_or_else(|| "—".to_owned(), |v| format!("v{v}"));
+        let evidence = m.evidence.as_ref().map_or_else(String::new, |e| {
+            format!(r#"<details><summary>numbers</summary><pre class="json">{}</pre></details>"#, pretty(e))
+        });
+        let _ = write!(
+            move_rows,
+            r#"<tr id="move-{}" class="move-{}"><td class="nowrap">{}</td><td>{}</td><td class="nowrap">{} → {}</td><td>{}</td><td>{}</td><td class="message">{}{}</td></tr>"#,
+            m.id,
+            m.kind.as_str(),
+            time(m.at),
+            badge(m.label.as_str()),
+            version(m.from_version),
+            version(m.to_version),
+            escape(m.kind.as_str()),
+            escape(&m.actor),
+            clip(&m.reason, 300),
+            evidence
+        );
+    }
+    let label_history = if moves.is_empty() {
+        r#"<p class="muted" id="label-history-empty">No label move recorded yet (moves before label history existed are not shown).</p>"#.to_owned()
+    } else {
+        format!(
+            r#"<table id="label-history" class="compact"><thead><tr><th>Time</th><th>Label</th><th>Move</th><th>Kind</th><th>By</th><th>Why</th></tr></thead><tbody>{move_rows}</tbody></table>"#
+        )
+    };
     let promote_note = if can_promote {
         ""
     } else {
@@ -302,7 +335,8 @@ pub async fn prompt(
 {diff_form}
 <h2>Version history</h2>{promote_note}
 <table id="versions"><thead><tr><th class="num">Version</th><th>Labels</th><th>Source</th><th>Round</th><th>Message</th><th>By</th><th>Time</th><th></th></tr></thead><tbody>{rows}</tbody></table>{older}
-<h2>Reward by version <span class="muted small">last 7 days, hourly</span></h2>{reward_chart}"#,
+<h2>Reward by version <span class="muted small">last 7 days, hourly</span></h2>{reward_chart}
+<h2>Label history <span class="muted small">newest {LABEL_MOVES_SHOWN}; all of them: <code>combee prompts label-history</code></span></h2>{label_history}"#,
         name = escape(prompt.name.as_str()),
         strategy = escape(strategy_str(prompt.strategy)),
         promotion = escape(&word(&prompt.promotion)),

@@ -6,6 +6,7 @@
 //! after the lease expires, from the reflections already stored.
 
 pub mod controller;
+pub mod guard;
 mod journal;
 
 use std::{sync::Arc, time::Duration};

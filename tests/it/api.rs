@@ -650,7 +650,97 @@ async fn per_version_metrics_reflect_rewards_usage_and_late_feedback(b: Backend)
     assert!(doc["paths"]["/v1/prompts/{name}/metrics"]["get"]["responses"]["400"].is_object());
 }
 
+/// `GET /v1/prompts/{name}/labels/history`: every move made through the API,
+/// newest first, with its actor, kind and reason; filtered by label; paged;
+/// read with `prompts:read`; bad input answered with problems.
+async fn label_history_over_the_api(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("hist").await;
+    let res = app
+        .post("/v1/prompts/hist/versions", json!({"base": "two", "labels": ["candidate"], "message": "try two"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let res = app
+        .put("/v1/prompts/hist/labels/production", json!({"version": 2, "reason": "candidate won"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let res = app.post("/v1/prompts/hist/rollback", json!({"to": 1, "message": "too slow"})).send().await.unwrap();
+    assert_eq!(res.status(), 201);
+    let res =
+        app.http.delete(app.url("/v1/prompts/hist/labels/candidate")).bearer_auth(&app.admin_key).send().await.unwrap();
+    assert_eq!(res.status(), 204);
+
+    let reader = app.key_with(&["prompts:read"]).await;
+    let get = |path: &str| app.http.get(app.url(path)).bearer_auth(&reader);
+    let page: Value = get("/v1/prompts/hist/labels/history").send().await.unwrap().json().await.unwrap();
+    let moves = page["moves"].as_array().unwrap();
+    let summary: Vec<(String, String, Value, Value, String)> = moves
+        .iter()
+        .map(|m| {
+            (
+                m["label"].as_str().unwrap().into(),
+                m["kind"].as_str().unwrap().into(),
+                m["from_version"].clone(),
+                m["to_version"].clone(),
+                m["reason"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    let row = |l: &str, k: &str, f: Value, t: Value, r: &str| (l.to_owned(), k.to_owned(), f, t, r.to_owned());
+    assert_eq!(
+        summary,
+        vec![
+            row("candidate", "delete", json!(2), json!(null), "label deleted"),
+            row("production", "rollback", json!(2), json!(3), "too slow"),
+            row("production", "promote", json!(1), json!(2), "candidate won"),
+            row("candidate", "promote", json!(null), json!(2), "try two"),
+            row("production", "create", json!(null), json!(1), "prompt created"),
+        ]
+    );
+    assert!(moves.iter().all(|m| m["actor"].as_str().unwrap().starts_with("key:")), "{page}");
+    assert!(!page.to_string().contains(&app.admin_key), "a secret in the history");
+    assert!(page["next_page_token"].is_null());
+
+    // Filter and pages.
+    let prod: Value =
+        get("/v1/prompts/hist/labels/history?label=production").send().await.unwrap().json().await.unwrap();
+    assert_eq!(prod["moves"].as_array().unwrap().len(), 3);
+    let p1: Value = get("/v1/prompts/hist/labels/history?page_size=2").send().await.unwrap().json().await.unwrap();
+    let token = p1["next_page_token"].as_str().unwrap().to_owned();
+    let p2: Value = get(&format!("/v1/prompts/hist/labels/history?page_size=2&page_token={token}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(p2["moves"][0]["kind"], "promote");
+    assert_eq!(p2["moves"][0]["label"], "production");
+
+    // Errors.
+    expect_problem(get("/v1/prompts/nope/labels/history").send().await.unwrap(), 404).await;
+    expect_problem(get("/v1/prompts/hist/labels/history?label=Bad!").send().await.unwrap(), 422).await;
+    expect_problem(get("/v1/prompts/hist/labels/history?page_token=abc").send().await.unwrap(), 400).await;
+    let writer = app.key_with(&["traces:write"]).await;
+    let res = app.http.get(app.url("/v1/prompts/hist/labels/history")).bearer_auth(&writer).send().await.unwrap();
+    expect_problem(res, 403).await;
+    // `history` is the history's path, never a label.
+    let res = app.put("/v1/prompts/hist/labels/history", json!({"version": 1})).send().await.unwrap();
+    assert!(res.status().is_client_error(), "{}", res.status());
+    let res = app.post("/v1/prompts/hist/versions", json!({"base": "x", "labels": ["history"]})).send().await.unwrap();
+    expect_problem(res, 422).await;
+    let long = "x".repeat(2001);
+    let res =
+        app.put("/v1/prompts/hist/labels/production", json!({"version": 1, "reason": long})).send().await.unwrap();
+    expect_problem(res, 422).await;
+}
+
 on_both_stores!(
+    label_history_over_the_api,
     failed_traces_are_requeued_through_the_api,
     prompt_lifecycle,
     playbook_diff_and_candidate_label,

@@ -213,6 +213,30 @@ async fn prompts_round_trip_with_exit_codes(b: Backend) {
     fails(&app, &["prompts", "rollback", "support-agent", "2", "--if-match", &etag_v1], 4).await;
     fails(&app, &["prompts", "rollback", "support-agent", "42"], 4).await;
 
+    // The label history shows every move above, newest first, with who and why.
+    ok(&app, &["prompts", "promote", "support-agent", "2", "--label", "candidate", "--reason", "retry v2"]).await;
+    let moves = ok(&app, &["prompts", "label-history", "support-agent"]).await;
+    let rows: Vec<Vec<&str>> = moves.stdout.lines().skip(1).map(|l| l.split_whitespace().collect()).collect();
+    let summary: Vec<(&str, &str, &str, &str)> = rows.iter().map(|r| (r[2], r[3], r[5], r[6])).collect();
+    assert_eq!(
+        summary,
+        [
+            ("candidate", "v1", "v2", "promote"),
+            ("production", "v2", "v3", "rollback"),
+            ("candidate", "-", "v1", "promote"),
+            ("production", "v1", "v2", "promote"),
+            ("production", "-", "v1", "create"),
+        ],
+        "{}",
+        moves.stdout
+    );
+    assert!(moves.stdout.lines().nth(1).unwrap().trim_end().ends_with("retry v2"), "{}", moves.stdout);
+    assert!(moves.stdout.contains("back to basics"), "{}", moves.stdout);
+    let only = ok(&app, &["prompts", "label-history", "support-agent", "--label", "production", "--json"]).await.json();
+    assert_eq!(only["moves"].as_array().unwrap().len(), 3);
+    assert!(only["moves"].as_array().unwrap().iter().all(|m| m["actor"].as_str().unwrap().starts_with("key:")));
+    fails(&app, &["prompts", "label-history", "nope"], 2).await;
+
     // Keys: a bad one is 3, a missing scope is 3, a key file works, no key at all is 3.
     let bad = combee(&app, "cmb_not_a_real_key_at_all_000000000000000", &["prompts", "list"]).await;
     assert_eq!(bad.code, 3, "{}", bad.stderr);

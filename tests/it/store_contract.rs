@@ -133,8 +133,8 @@ async fn label_moves_are_compare_and_set(b: Backend) {
     s.move_label(&name("p"), &cand).await.unwrap();
     let labels: Vec<_> = s.list_labels(&name("p")).await.unwrap().into_iter().map(|l| (l.name, l.version)).collect();
     assert_eq!(labels, vec![(LabelName::candidate(), 2), (prod.clone(), 1)]);
-    assert!(s.delete_label(&name("p"), &LabelName::candidate()).await.unwrap());
-    assert!(!s.delete_label(&name("p"), &LabelName::candidate()).await.unwrap());
+    assert!(s.delete_label(&name("p"), &LabelName::candidate(), "key:test").await.unwrap());
+    assert!(!s.delete_label(&name("p"), &LabelName::candidate(), "key:test").await.unwrap());
 }
 
 async fn traces_are_all_or_nothing(b: Backend) {
@@ -918,6 +918,134 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
     assert!(s.version_outcomes(&name("nope"), from, until, 60).await.unwrap().is_empty());
 }
 
+/// Every kind of label change lands in the label history in the same
+/// transaction, newest first, with its actor; a refused or empty move records nothing.
+async fn label_history_records_every_move_in_order(b: Backend) {
+    use combee::{
+        domain::{LabelMoveKind, MoveCause, event::EventType},
+        secret::Secret,
+        store::NewWebhook,
+    };
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let hook = NewWebhook {
+        url: "https://example.com/hook".into(),
+        events: vec![EventType::PromptRolledBack],
+        description: None,
+        secret: Secret::new("whsec_c2VjcmV0"),
+    };
+    s.create_webhook(&hook).await.unwrap();
+    make_prompt(&s, "p").await;
+    make_prompt(&s, "other").await;
+    let prod = LabelName::production();
+    let to_new = |expected| LabelMove {
+        label: prod.clone(),
+        to_version: 0,
+        expected_current: expected,
+        check_current: true,
+        by: "key:op1".into(),
+    };
+    s.create_version(&name("p"), version("two"), &[to_new(Some(1))]).await.unwrap();
+    let mut back = version("one again");
+    back.source = VersionSource::Rollback;
+    back.message = "rollback to v1".into();
+    s.create_version(&name("p"), back, &[to_new(Some(2))]).await.unwrap();
+    // A refused CAS writes no history.
+    assert!(matches!(s.create_version(&name("p"), version("x"), &[to_new(Some(1))]).await, Err(StoreError::Conflict)));
+    let guard = LabelMove {
+        label: prod.clone(),
+        to_version: 2,
+        expected_current: Some(3),
+        check_current: true,
+        by: "guard".into(),
+    };
+    let cause = MoveCause::new(LabelMoveKind::GuardRollback, "success fell").with_evidence(json!({"p_value": 0.001}));
+    s.move_label_because(&name("p"), &guard, &cause).await.unwrap();
+    // Moving to where it already points changes nothing and records nothing.
+    s.move_label_because(&name("p"), &LabelMove { expected_current: Some(2), ..guard.clone() }, &cause).await.unwrap();
+    let cand = LabelMove {
+        label: LabelName::candidate(),
+        to_version: 3,
+        expected_current: None,
+        check_current: true,
+        by: "key:op2".into(),
+    };
+    s.move_label(&name("p"), &cand).await.unwrap();
+    assert!(s.delete_label(&name("p"), &LabelName::candidate(), "key:op3").await.unwrap());
+    s.insert_traces(&[trace("p", Some(2))]).await.unwrap();
+    let round = open_and_claim(&s, "p").await;
+    let mut learned = version("learned");
+    learned.source = VersionSource::Learned;
+    learned.created_by = "worker:w".into();
+    s.publish_round(round.round.id, round.round.attempt, learned, prod.clone(), &json!({}), None, &Default::default())
+        .await
+        .unwrap();
+
+    let all = s.label_history(&name("p"), None, None, 100).await.unwrap();
+    let got: Vec<_> =
+        all.iter().map(|m| (m.label.as_str(), m.kind, m.from_version, m.to_version, m.actor.as_str())).collect();
+    assert_eq!(
+        got,
+        vec![
+            ("production", LabelMoveKind::AutoPublish, Some(2), Some(4), "worker:w"),
+            ("candidate", LabelMoveKind::Delete, Some(3), None, "key:op3"),
+            ("candidate", LabelMoveKind::Promote, None, Some(3), "key:op2"),
+            ("production", LabelMoveKind::GuardRollback, Some(3), Some(2), "guard"),
+            ("production", LabelMoveKind::Rollback, Some(2), Some(3), "key:op1"),
+            ("production", LabelMoveKind::Promote, Some(1), Some(2), "key:op1"),
+            ("production", LabelMoveKind::Create, None, Some(1), "test"),
+        ]
+    );
+    assert!(all.windows(2).all(|w| w[0].id > w[1].id && w[0].at >= w[1].at), "newest first");
+    assert_eq!(all[3].evidence, Some(json!({"p_value": 0.001})));
+    assert_eq!(all[3].reason, "success fell");
+    assert_eq!(all[4].reason, "rollback to v1");
+    assert_eq!(all[0].evidence.as_ref().unwrap()["round_id"], json!(round.round.id));
+    assert!(all[6].evidence.is_none());
+
+    // Filtered by label, and paged by id.
+    let cands = s.label_history(&name("p"), Some(&LabelName::candidate()), None, 100).await.unwrap();
+    assert_eq!(cands.iter().map(|m| m.kind).collect::<Vec<_>>(), vec![LabelMoveKind::Delete, LabelMoveKind::Promote]);
+    let page1 = s.label_history(&name("p"), None, None, 3).await.unwrap();
+    let page2 = s.label_history(&name("p"), None, Some(page1[2].id), 3).await.unwrap();
+    assert_eq!(page2.iter().map(|m| m.id).collect::<Vec<_>>(), all[3..6].iter().map(|m| m.id).collect::<Vec<_>>());
+    // Per prompt.
+    let other = s.label_history(&name("other"), None, None, 100).await.unwrap();
+    assert_eq!(other.iter().map(|m| m.kind).collect::<Vec<_>>(), vec![LabelMoveKind::Create]);
+    assert!(s.label_history(&name("nope"), None, None, 100).await.unwrap().is_empty());
+
+    // The operator's rollback and the guard's each announced `prompt.rolled_back`.
+    let claimed = s.claim_deliveries("a", std::time::Duration::from_secs(60), 10).await.unwrap();
+    let mut rolled: Vec<_> = claimed
+        .iter()
+        .map(|d| {
+            assert_eq!(d.event_type, "prompt.rolled_back");
+            let body: serde_json::Value = serde_json::from_str(&d.body).unwrap();
+            (body["data"]["kind"].as_str().unwrap().to_owned(), body["data"]["version"].as_i64().unwrap())
+        })
+        .collect();
+    rolled.sort();
+    assert_eq!(rolled, vec![("guard-rollback".to_owned(), 2), ("rollback".to_owned(), 3)]);
+
+    // Append-only: the database itself refuses to change or remove an entry.
+    use sqlx::Connection;
+    for sql in ["UPDATE label_moves SET actor = 'someone else'", "DELETE FROM label_moves"] {
+        let refused = match b {
+            Backend::Postgres => {
+                let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+                sqlx::raw_sql(sql).execute(&mut c).await.map(|_| ())
+            }
+            Backend::Sqlite => {
+                let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+                sqlx::raw_sql(sql).execute(&mut c).await.map(|_| ())
+            }
+        };
+        let err = refused.expect_err(sql).to_string();
+        assert!(err.contains("append-only"), "{sql}: {err}");
+    }
+    assert_eq!(s.label_history(&name("p"), None, None, 100).await.unwrap(), all);
+}
+
 // ---- Round leases: claim, heartbeat, lease loss and fencing, failure ----
 
 const MINUTE: std::time::Duration = std::time::Duration::from_secs(60);
@@ -1252,6 +1380,7 @@ async fn failed_rounds_retry_later_or_give_their_traces_back(b: Backend) {
 }
 
 on_both_stores!(
+    label_history_records_every_move_in_order,
     a_live_lease_makes_a_round_claimable_exactly_once,
     concurrent_claimers_take_each_round_once,
     a_lost_lease_fences_the_old_attempt,

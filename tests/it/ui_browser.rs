@@ -347,6 +347,11 @@ async fn operator_story(b: Backend) {
     assert_eq!((now["version"].as_i64(), now["text"].as_str()), (Some(5), v1["text"].as_str()), "{now}");
     assert!(br.text("#version-5").await.contains("rollback"));
     br.screenshot("05-rolled-back").await;
+    // The label history on the same page: the three publishes, then the operator's rollback on top.
+    assert_eq!(br.count("#label-history tr.move-auto-publish").await, 3);
+    let newest = br.text("#label-history tbody tr:first-child").await;
+    assert!(newest.contains("v4 → v5") && newest.contains("rollback") && newest.contains("web UI"), "{newest}");
+    assert_eq!(br.count("#label-history tr.move-create").await, 1);
 
     // One round: facts, phase timeline, calls with usage, operations.
     br.goto(&app.url(&format!("/ui/rounds/{}", rounds[2]))).await;

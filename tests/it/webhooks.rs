@@ -363,7 +363,163 @@ async fn secrets_stay_out_of_answers_and_logs(b: Backend) {
     assert!(!logs.contains(&key_part), "a log line shows the secret");
 }
 
+/// Posts `n` traces of `version` of `prompt`, the first `successes` successful, through the API.
+async fn post_rewarded(app: &TestApp, prompt: &str, version: i64, successes: usize, n: usize) {
+    let all: Vec<Value> = (0..n)
+        .map(|i| {
+            json!({"prompt": prompt, "prompt_version": version, "input": {"task": i},
+                   "output": "done", "feedback": {"success": i < successes}})
+        })
+        .collect();
+    for chunk in all.chunks(50) {
+        let res = app.post("/v1/traces", json!({"traces": chunk})).send().await.unwrap();
+        assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    }
+}
+
+async fn production_of(app: &TestApp, prompt: &str) -> i64 {
+    let labels: Value = app.get(&format!("/v1/prompts/{prompt}/labels")).send().await.unwrap().json().await.unwrap();
+    labels["labels"].as_array().unwrap().iter().find(|l| l["name"] == "production").unwrap()["version"]
+        .as_i64()
+        .unwrap()
+}
+
+/// An operator's new version made production (`promote` in the label history).
+async fn promote_new_version(app: &TestApp, prompt: &str, base: &str) -> i64 {
+    let res = app
+        .post(&format!("/v1/prompts/{prompt}/versions"), json!({"base": base, "labels": ["production"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    res.json::<Value>().await.unwrap()["number"].as_i64().unwrap()
+}
+
+/// The regression guard on, ticking every second, with deliveries to loopback; no learning worker.
+fn guarded(s: &mut Settings) {
+    s.server.role = Role::All;
+    s.webhooks.allow_private_targets = true;
+    s.webhooks.poll_interval_ms = 50;
+    s.guard.tick_secs = 1;
+}
+
+/// A new production version whose success rate falls well below the previous
+/// one's is rolled back by the running guard within a tick: production points
+/// at the previous version again, the label history has a `guard-rollback`
+/// with the test's numbers, and a `prompt.rolled_back` webhook goes out.
+async fn an_injected_regression_is_rolled_back_within_one_guard_tick(b: Backend) {
+    let rx = spawn_receiver(|_| 204).await;
+    let app = spawn_app_with(b, guarded).await;
+    subscribe(&app, &rx.url, &["prompt.rolled_back"]).await;
+    app.create_prompt("guarded").await;
+    post_rewarded(&app, "guarded", 1, 54, 60).await; // 90 %
+    let v2 = promote_new_version(&app, "guarded", "You are a careless agent.").await;
+    post_rewarded(&app, "guarded", v2, 24, 60).await; // 40 %
+    let started = std::time::Instant::now();
+    let deadline = started + Duration::from_secs(10);
+    while production_of(&app, "guarded").await != 1 {
+        assert!(std::time::Instant::now() < deadline, "the guard did not roll back within 10 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = started.elapsed();
+    eprintln!("regression guard: production rolled back {took:?} after the regression was posted (tick 1 s)");
+    assert!(took < Duration::from_secs(3), "more than one tick (1 s) plus slack: {took:?}");
+
+    let got = rx.wait_for(1).await;
+    let event = got[0].json();
+    assert_eq!(event["type"], "prompt.rolled_back");
+    let data = &event["data"];
+    assert_eq!((data["prompt"].as_str(), data["kind"].as_str()), (Some("guarded"), Some("guard-rollback")));
+    assert_eq!((data["version"].as_i64(), data["previous_version"].as_i64()), (Some(1), Some(v2)));
+    assert_eq!(data["moved_by"], "guard");
+
+    let history: Value = app.get("/v1/prompts/guarded/labels/history").send().await.unwrap().json().await.unwrap();
+    let top = &history["moves"][0];
+    assert_eq!((top["kind"].as_str(), top["actor"].as_str()), (Some("guard-rollback"), Some("guard")));
+    assert_eq!((top["from_version"].as_i64(), top["to_version"].as_i64()), (Some(v2), Some(1)));
+    let evidence = &top["evidence"];
+    assert_eq!(evidence["fired_on"], "previous_production");
+    let test = &evidence["previous_production"];
+    assert_eq!(
+        (test["metric"].as_str(), test["reference_n"].as_u64(), test["current_n"].as_u64()),
+        (Some("success"), Some(60), Some(60))
+    );
+    assert!(
+        (test["reference"].as_f64().unwrap() - 0.9).abs() < 1e-9
+            && (test["current"].as_f64().unwrap() - 0.4).abs() < 1e-9
+    );
+    assert!(test["p_value"].as_f64().unwrap() < 0.01, "{test}");
+    assert!(top["reason"].as_str().unwrap().contains("rolled back to v1"), "{top}");
+    assert_eq!(data["evidence"], *evidence, "the webhook carries the same numbers");
+}
+
+/// Judged directly (one tick of the same guard the worker runs): thin
+/// evidence, a drop within noise and a prompt that opted out are left alone;
+/// the operator who re-promotes a version the guard took out is not overruled.
+async fn thin_or_noisy_evidence_never_rolls_back(b: Backend) {
+    use combee::{config::GuardSettings, worker::guard::RegressionGuard};
+    let app = spawn_app(b).await;
+    let guard = RegressionGuard::new(app.store.clone(), GuardSettings::default());
+
+    app.create_prompt("thin").await;
+    post_rewarded(&app, "thin", 1, 40, 40).await;
+    let thin = promote_new_version(&app, "thin", "worse").await;
+    post_rewarded(&app, "thin", thin, 0, 40).await; // 100 % → 0 %, but 40 < 50 traces a side
+
+    app.create_prompt("noisy").await;
+    post_rewarded(&app, "noisy", 1, 48, 60).await; // 80 %
+    let noisy = promote_new_version(&app, "noisy", "same").await;
+    post_rewarded(&app, "noisy", noisy, 45, 60).await; // 75 %: p ≈ 0.26
+
+    app.create_prompt("opted-out").await;
+    let res = app
+        .http
+        .patch(app.url("/v1/prompts/opted-out/settings"))
+        .bearer_auth(&app.admin_key)
+        .json(&json!({"regression_guard": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    post_rewarded(&app, "opted-out", 1, 60, 60).await;
+    let opted = promote_new_version(&app, "opted-out", "worse").await;
+    post_rewarded(&app, "opted-out", opted, 0, 60).await;
+
+    app.create_prompt("overruled").await;
+    post_rewarded(&app, "overruled", 1, 60, 60).await;
+    let bad = promote_new_version(&app, "overruled", "worse").await;
+    post_rewarded(&app, "overruled", bad, 10, 60).await;
+
+    guard.tick(chrono::Utc::now()).await.unwrap();
+    assert_eq!(production_of(&app, "thin").await, thin);
+    assert_eq!(production_of(&app, "noisy").await, noisy);
+    assert_eq!(production_of(&app, "opted-out").await, opted);
+    assert_eq!(production_of(&app, "overruled").await, 1, "the clear regression is rolled back");
+
+    // The operator puts it back on purpose: the guard respects that, tick after tick.
+    let res = app
+        .put("/v1/prompts/overruled/labels/production", json!({"version": bad, "reason": "expected dip, new task mix"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    guard.tick(chrono::Utc::now()).await.unwrap();
+    guard.tick(chrono::Utc::now()).await.unwrap();
+    assert_eq!(production_of(&app, "overruled").await, bad);
+    let history: Value = app.get("/v1/prompts/overruled/labels/history").send().await.unwrap().json().await.unwrap();
+    let kinds: Vec<&str> = history["moves"].as_array().unwrap().iter().map(|m| m["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, vec!["promote", "guard-rollback", "promote", "create"]);
+    assert_eq!(history["moves"][0]["reason"], "expected dip, new task mix");
+    for name in ["thin", "noisy", "opted-out"] {
+        let h: Value =
+            app.get(&format!("/v1/prompts/{name}/labels/history")).send().await.unwrap().json().await.unwrap();
+        assert!(h["moves"].as_array().unwrap().iter().all(|m| m["kind"] != "guard-rollback"), "{name}: {h}");
+    }
+}
+
 on_both_stores!(
+    an_injected_regression_is_rolled_back_within_one_guard_tick,
+    thin_or_noisy_evidence_never_rolls_back,
     signatures_verify_with_the_reference_implementation,
     failures_are_retried_with_the_same_id_until_one_succeeds,
     an_event_written_before_a_restart_is_delivered_after_it,

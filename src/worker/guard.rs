@@ -1,0 +1,269 @@
+//! The regression guard, run periodically by worker processes: for every
+//! prompt with `settings.regression_guard` on, it compares production's reward
+//! in the current window with (i) its own previous window and (ii) the previous
+//! production version's last window before the change, and when
+//! `evaluate::guard::compare` finds a significant drop it moves `production`
+//! back to the previous production version — a `guard-rollback` in the label
+//! history with the test's numbers, a `prompt.rolled_back` webhook event, a log
+//! line. Rules that keep it from fighting people or itself:
+//! - it only acts when the label history says which version production came
+//!   from (moves before label history existed are unknown: no rollback);
+//! - it never makes the same rollback (from V to P) twice;
+//! - once it has acted on a prompt, a later manual move of `production` by an
+//!   operator (`promote`, `rollback`) is respected: the guard does not roll
+//!   back a version an operator put there after the guard's last action;
+//! - it does not judge a version it rolled back to itself (no flip-flop), nor
+//!   undo an operator's rollback;
+//! - it goes back one step only (to the version production came from), with a
+//!   compare-and-set, so two guards or an operator racing it cannot stack moves.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::GuardSettings,
+    domain::{LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName},
+    evaluate::guard::{Comparison, GuardThresholds, WindowRewards, compare},
+    store::{DynStore, LabelMove, StoreError, StoreResult},
+};
+
+/// Who the guard's moves are recorded as.
+pub const GUARD_ACTOR: &str = "guard";
+
+/// Most prompts one list call returns.
+const PAGE: u32 = 200;
+
+#[derive(Clone)]
+pub struct RegressionGuard {
+    store: DynStore,
+    settings: GuardSettings,
+}
+
+/// What the guard did for one prompt (for logs and tests).
+#[derive(Debug, Clone, PartialEq)]
+pub enum GuardOutcome {
+    /// Nothing to judge or to roll back to (see the module's rules).
+    NotApplicable(&'static str),
+    /// Judged; no significant drop (or not enough evidence).
+    Healthy,
+    /// Production moved from `from` back to `to`.
+    RolledBack { from: i64, to: i64 },
+    /// Production moved meanwhile; judged again next tick.
+    Raced,
+}
+
+/// The part of the production history the rules need: the move that made the
+/// current production, and whether the guard may act on it.
+fn applicable(history: &[LabelHistoryEntry]) -> Result<(&LabelHistoryEntry, i64, i64), &'static str> {
+    let Some(current) = history.first() else { return Err("no recorded production move") };
+    let (Some(from), Some(to)) = (current.from_version, current.to_version) else {
+        return Err("production has no previous version");
+    };
+    if current.kind == LabelMoveKind::GuardRollback {
+        return Err("production is where the guard put it");
+    }
+    if current.kind == LabelMoveKind::Rollback {
+        return Err("an operator rolled back: going back to what they rolled back from would undo their judgement");
+    }
+    if history
+        .iter()
+        .any(|m| m.kind == LabelMoveKind::GuardRollback && m.from_version == Some(to) && m.to_version == Some(from))
+    {
+        return Err("already rolled back once from this version to that one");
+    }
+    let guard_acted_before = history[1..].iter().any(|m| m.kind == LabelMoveKind::GuardRollback);
+    if current.kind.by_operator() && guard_acted_before {
+        return Err("an operator moved production after the guard's last action");
+    }
+    Ok((current, from, to))
+}
+
+impl RegressionGuard {
+    pub fn new(store: DynStore, settings: GuardSettings) -> Self {
+        Self { store, settings }
+    }
+
+    /// Runs a tick every `tick_secs` until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(Duration::from_secs(self.settings.tick_secs));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tracing::info!(window_secs = self.settings.window_secs, "regression guard started");
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = self.tick(Utc::now()).await {
+                tracing::warn!(error = %e, "regression guard tick failed");
+            }
+        }
+    }
+
+    /// Judges every prompt once.
+    pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<()> {
+        let mut after: Option<String> = None;
+        loop {
+            let page = self.store.list_prompts(after.as_deref(), PAGE).await?;
+            for p in &page {
+                if !p.prompt.settings.regression_guard {
+                    continue;
+                }
+                if let Err(e) = self.judge(&p.prompt.name, now).await {
+                    tracing::warn!(prompt = %p.prompt.name, error = %e, "regression guard could not judge the prompt");
+                }
+            }
+            if page.len() < PAGE as usize {
+                return Ok(());
+            }
+            after = page.last().map(|p| p.prompt.name.to_string());
+        }
+    }
+
+    /// The whole history of `production`, newest first.
+    async fn production_history(&self, prompt: &PromptName) -> StoreResult<Vec<LabelHistoryEntry>> {
+        let production = LabelName::production();
+        let mut all = Vec::new();
+        loop {
+            let before = all.last().map(|m: &LabelHistoryEntry| m.id);
+            let page = self.store.label_history(prompt, Some(&production), before, 500).await?;
+            let done = page.len() < 500;
+            all.extend(page);
+            if done {
+                return Ok(all);
+            }
+        }
+    }
+
+    async fn rewards(
+        &self,
+        prompt: &PromptName,
+        version: i64,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> StoreResult<WindowRewards> {
+        let bucket = self.settings.window_secs as i64;
+        let buckets = self.store.version_outcomes(prompt, from, until, bucket).await?;
+        Ok(WindowRewards::of_version(&buckets, version))
+    }
+
+    /// Judges one prompt at `now`, and rolls it back when the evidence says so.
+    pub async fn judge(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<GuardOutcome> {
+        let history = self.production_history(prompt).await?;
+        let (current, previous, production) = match applicable(&history) {
+            Ok(found) => found,
+            Err(why) => return Ok(GuardOutcome::NotApplicable(why)),
+        };
+        let w = chrono::Duration::seconds(self.settings.window_secs as i64);
+        let thresholds = GuardThresholds {
+            alpha: self.settings.alpha,
+            min_drop: self.settings.min_drop,
+            min_traces: self.settings.min_traces,
+        };
+        let now_rewards = self.rewards(prompt, production, now - w, now).await?;
+        let own_before = self.rewards(prompt, production, now - w - w, now - w).await?;
+        let previous_last = self.rewards(prompt, previous, current.at - w, current.at).await?;
+        let vs_previous = compare(&previous_last, &now_rewards, &thresholds);
+        let vs_own = compare(&own_before, &now_rewards, &thresholds);
+        let fired: Option<(&str, &Comparison)> = [("previous_production", &vs_previous), ("previous_window", &vs_own)]
+            .into_iter()
+            .filter_map(|(name, c)| c.as_ref().filter(|c| c.significant).map(|c| (name, c)))
+            .max_by(|a, b| a.1.z.total_cmp(&b.1.z));
+        let Some((baseline, c)) = fired else { return Ok(GuardOutcome::Healthy) };
+        let metric = match c.metric {
+            crate::evaluate::guard::Metric::Success => "success rate",
+            crate::evaluate::guard::Metric::Score => "mean score",
+        };
+        let against = if baseline == "previous_production" {
+            format!("v{previous}'s last window before the change")
+        } else {
+            "its own previous window".to_owned()
+        };
+        let reason = format!(
+            "regression guard: {metric} of v{production} fell to {:.3} (n={}) from {:.3} (n={}) in {against}; \
+             one-sided z={:.2}, p={:.2e} < alpha={}; rolled back to v{previous}",
+            c.current, c.current_n, c.reference, c.reference_n, c.z, c.p_value, thresholds.alpha
+        );
+        let evidence = json!({
+            "fired_on": baseline,
+            "window_secs": self.settings.window_secs,
+            "alpha": thresholds.alpha,
+            "min_drop": thresholds.min_drop,
+            "min_traces": thresholds.min_traces,
+            "judged_at": now,
+            "production_version": production,
+            "previous_version": previous,
+            "previous_production": vs_previous,
+            "previous_window": vs_own,
+        });
+        let mv = LabelMove {
+            label: LabelName::production(),
+            to_version: previous,
+            expected_current: Some(production),
+            check_current: true,
+            by: GUARD_ACTOR.to_owned(),
+        };
+        let cause = MoveCause::new(LabelMoveKind::GuardRollback, reason.clone()).with_evidence(evidence);
+        match self.store.move_label_because(prompt, &mv, &cause).await {
+            Ok(_) => {
+                tracing::warn!(%prompt, from = production, to = previous, %reason, "regression guard rolled production back");
+                Ok(GuardOutcome::RolledBack { from: production, to: previous })
+            }
+            Err(StoreError::Conflict) => Ok(GuardOutcome::Raced),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(id: i64, kind: LabelMoveKind, from: Option<i64>, to: Option<i64>) -> LabelHistoryEntry {
+        LabelHistoryEntry {
+            id,
+            label: LabelName::production(),
+            from_version: from,
+            to_version: to,
+            kind,
+            actor: "x".into(),
+            reason: String::new(),
+            evidence: None,
+            at: Utc::now(),
+        }
+    }
+
+    #[test]
+    fn the_rules_decide_when_the_guard_may_act() {
+        use LabelMoveKind::*;
+        assert!(applicable(&[]).is_err());
+        assert!(applicable(&[entry(1, Create, None, Some(1))]).is_err());
+        // An automatic publish, and an operator's promotion before the guard ever acted, are guarded.
+        let auto = [entry(2, AutoPublish, Some(1), Some(2)), entry(1, Create, None, Some(1))];
+        assert_eq!(applicable(&auto).map(|(_, f, t)| (f, t)), Ok((1, 2)));
+        let manual = [entry(2, Promote, Some(1), Some(2)), entry(1, Create, None, Some(1))];
+        assert!(applicable(&manual).is_ok());
+        // Never the same rollback twice: v2 came back by auto-publish after the guard took it out once.
+        let again = [
+            entry(4, AutoPublish, Some(1), Some(2)),
+            entry(3, GuardRollback, Some(2), Some(1)),
+            entry(2, AutoPublish, Some(1), Some(2)),
+        ];
+        assert!(applicable(&again).is_err());
+        // Where the guard put production, it stays; an operator's rollback is never undone.
+        assert!(applicable(&again[1..]).is_err());
+        assert!(applicable(&[entry(2, Rollback, Some(2), Some(3)), entry(1, Create, None, Some(1))]).is_err());
+        // An operator's move after the guard's last action is respected...
+        let overridden = [entry(4, Promote, Some(1), Some(3)), entry(3, GuardRollback, Some(2), Some(1))];
+        assert!(applicable(&overridden).is_err());
+        // ...but a later automatic publish is guarded again.
+        let republished = [
+            entry(5, AutoPublish, Some(3), Some(4)),
+            entry(4, Promote, Some(1), Some(3)),
+            entry(3, GuardRollback, Some(2), Some(1)),
+        ];
+        assert_eq!(applicable(&republished).map(|(_, f, t)| (f, t)), Ok((3, 4)));
+    }
+}
