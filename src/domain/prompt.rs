@@ -121,6 +121,20 @@ fn default_max_removal_share() -> f64 {
 }
 
 impl PromptSettings {
+    /// Every member a settings document may have (a patch naming another is refused).
+    pub const FIELDS: &[&str] = &[
+        "duplication",
+        "batch_size",
+        "max_wait_secs",
+        "reduce",
+        "max_bullets",
+        "max_chars",
+        "agent_reflections",
+        "pinned_bullets",
+        "max_removal_share",
+        "regression_guard",
+    ];
+
     /// The rules a settings document must follow, in words an operator can act
     /// on; pinned ids come back in their canonical form (`b-1` → `b-0001`).
     pub fn validated(mut self) -> Result<Self, String> {
@@ -328,6 +342,22 @@ impl NewVersion {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_settings_fields_list_names_every_member() {
+        let full = PromptSettings {
+            max_wait_secs: Some(1),
+            max_bullets: Some(1),
+            max_chars: Some(1),
+            ..PromptSettings::default()
+        };
+        let doc = serde_json::to_value(&full).unwrap();
+        let mut names: Vec<&str> = doc.as_object().unwrap().keys().map(String::as_str).collect();
+        let mut listed = PromptSettings::FIELDS.to_vec();
+        names.sort();
+        listed.sort();
+        assert_eq!(names, listed);
+    }
+
     use super::*;
 
     #[test]

@@ -62,6 +62,9 @@ fn parse_span(what: &str, s: &str) -> ApiResult<i64> {
     let bad = || {
         ApiError::BadRequest(format!("`{what}` must be a number and a unit m, h or d (e.g. 1h, 24h, 7d); got {s:?}"))
     };
+    if !s.is_ascii() {
+        return Err(bad());
+    }
     let (digits, unit) = s.split_at(s.len().saturating_sub(1));
     let n: i64 = if digits.is_empty() || digits.len() > 6 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return Err(bad());
@@ -226,7 +229,7 @@ mod tests {
     #[test]
     fn bad_windows_are_explained() {
         let now = Utc::now();
-        for bad in ["", "h", "10", "1w", "-1h", "0h", "1.5h", "9999999d"] {
+        for bad in ["", "h", "10", "1w", "-1h", "0h", "1.5h", "9999999d", "1é", "é"] {
             assert!(matches!(window(&q(Some(bad), None, None), now), Err(ApiError::BadRequest(_))), "{bad:?}");
         }
     }

@@ -225,6 +225,15 @@ pub async fn update_settings(
     ApiJson(patch): ApiJson<SettingsPatch>,
 ) -> ApiResult<Json<Prompt>> {
     caller.require(Scope::PromptsWrite)?;
+    // `null` removes a member before the settings are read back, so an unknown
+    // name would pass unnoticed there: refuse it here.
+    if let Some(unknown) = patch.0.keys().find(|k| !PromptSettings::FIELDS.contains(&k.as_str())) {
+        return Err(ApiError::Unprocessable(format!(
+            "`{}` is not a setting; the settings are {}",
+            unknown.chars().take(64).collect::<String>(),
+            PromptSettings::FIELDS.join(", ")
+        )));
+    }
     let patch = serde_json::Value::Object(patch.0);
     // Optimistic: re-read and re-apply when another change landed in between.
     for _ in 0..5 {

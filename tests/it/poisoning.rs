@@ -55,6 +55,8 @@ async fn prompt_settings_patch_and_agent_reflection_default(b: Backend) {
         (json!({"agent_reflections": "trust"}), "agent_reflections"),
         (json!({"max_bullets": "many"}), "non-negative whole number"),
         (json!({"colour": "red"}), "colour"),
+        (json!({"": null}), "is not a setting"),
+        (json!({"colour": null}), "colour"),
     ] {
         let body = expect_problem(patch(&app, "p", bad.clone()).await, 422).await;
         let detail = body["detail"].as_str().unwrap();
