@@ -248,7 +248,7 @@ impl Worker {
             Ok(outcome) => {
                 let mut detail = journal.detail();
                 detail["outcome"] = json!({
-                    "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map,
+                    "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map, "resumed_groups": outcome.resumed_groups,
                     "unreflected": outcome.unreflected, "applied": outcome.applied, "skipped": outcome.skipped,
                     "evicted": outcome.evicted, "timings": outcome.timings, "level2": outcome.level2,
                     "answers": outcome.answers, "coverage": outcome.coverage,
