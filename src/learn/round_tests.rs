@@ -701,7 +701,8 @@ async fn journaled_group_outputs_are_not_reused_when_the_version_differs() {
     let first = run_round(&sim.client, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &journal).await.unwrap();
     assert_eq!(first.resumed_groups, 0);
     // The same traces against another base version: every group is asked again.
-    let other = VersionContent { base: "You solve {task} for {user}, politely.".into(), ..base_for(Strategy::Playbook) };
+    let other =
+        VersionContent { base: "You solve {task} for {user}, politely.".into(), ..base_for(Strategy::Playbook) };
     let before = task_calls(&sim, "aggregate-playbook").await;
     let out = run_round(&sim.client, &sim.cfg, &spec, &other, &ts, &journal).await.unwrap();
     assert_eq!(out.resumed_groups, 0);
