@@ -255,6 +255,7 @@ impl Worker {
                 });
                 detail["group_outputs"] = json!(outcome.group_outputs);
                 let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
+                let meter = meter_counts(&outcome);
                 let label = match prompt.promotion {
                     Promotion::Auto => LabelName::production(),
                     Promotion::Manual => LabelName::candidate(),
@@ -286,6 +287,11 @@ impl Worker {
                     Ok(v) => {
                         metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
                         tracing::info!(version = v.number, label = %label, "round published");
+                        if !meter.is_empty()
+                            && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
+                        {
+                            tracing::warn!(error = %e, "the overload meter was not updated for this round");
+                        }
                     }
                     Err(StoreError::Conflict) => {
                         tracing::warn!("lease lost before publishing; another worker owns the round")
@@ -392,4 +398,21 @@ mod tests {
         assert_eq!(decide(&b, 32, &settings(), Utc::now()), None);
         assert_eq!(decide(&backlog(0, 1000), 32, &settings(), Utc::now()), None);
     }
+}
+
+/// The overload meter's counts of a published round (see [`crate::learn::meter`]):
+/// only playbook rounds whose reflections sit in at least two groups (p ≥ 2) have any.
+fn meter_counts(outcome: &crate::learn::round::RoundOutcome) -> Vec<crate::store::MeterCounts> {
+    if outcome.strategy != crate::domain::Strategy::Playbook || outcome.p < 2 {
+        return Vec::new();
+    }
+    crate::learn::meter::observe(&outcome.group_outputs)
+        .into_iter()
+        .map(|(size_min, c)| crate::store::MeterCounts {
+            size_min,
+            marked: c.marked,
+            recaptured: c.recaptured,
+            rounds: 1,
+        })
+        .collect()
 }

@@ -679,3 +679,100 @@ mod controller {
 
     on_both_stores!(the_controller_settles_near_the_modelled_plateau, controller_view_for_a_fixed_prompt);
 }
+
+/// The overload meter against the simulator's soft capacity model: the product
+/// estimates retention from the groups' cited sources alone; the test measures
+/// the truth with the simulator's markers (which the product never reads).
+mod meter {
+    use std::collections::{BTreeMap, HashMap};
+
+    use super::*;
+    use combee::learn::meter::bucket_of;
+
+    /// Sends `rounds` batches of `batch` traces with fresh insights and runs a Combee round on each.
+    async fn run_rounds(app: &TestApp, name: &str, batch: usize, rounds: usize) -> Vec<Value> {
+        create(app, name, "playbook", json!({"duplication": 2})).await;
+        let mut done = Vec::new();
+        for r in 0..rounds {
+            let traces: Vec<Value> = (r * batch..(r + 1) * batch).map(|i| insight_trace(name, i)).collect();
+            for chunk in traces.chunks(50) {
+                let res = app.post("/v1/traces", json!({"traces": chunk})).send().await.unwrap();
+                assert_eq!(res.status(), 201);
+            }
+            let round = trigger(app, name, json!({"method": "combee", "batch_size": batch})).await;
+            let id = round["id"].as_str().unwrap().to_owned();
+            let end = finished(app, &id, Duration::from_secs(120)).await;
+            assert_eq!(end["status"], "succeeded", "{end}");
+            done.push(app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap());
+        }
+        done
+    }
+
+    /// True retention per size bucket, from markers: insights a group's answer
+    /// carries over insights its reflections held, summed over groups.
+    fn true_retention(rounds: &[Value]) -> BTreeMap<u32, (usize, usize)> {
+        let mut by_bucket: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
+        for round in rounds {
+            let markers: HashMap<String, BTreeSet<String>> = round["reflections"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| (r["trace_id"].as_str().unwrap().to_owned(), insights(&r["reflection"].to_string())))
+                .collect();
+            for g in round["detail"]["group_outputs"].as_array().unwrap() {
+                let traces = g["traces"].as_array().unwrap();
+                let given: BTreeSet<String> =
+                    traces.iter().flat_map(|t| markers[t.as_str().unwrap()].iter().cloned()).collect();
+                let kept = insights(&g["output"].to_string());
+                let e = by_bucket.entry(bucket_of(traces.len())).or_default();
+                e.0 += given.intersection(&kept).count();
+                e.1 += given.len();
+            }
+        }
+        by_bucket
+    }
+
+    async fn the_meter_estimates_retention_within_ten_points(b: Backend) {
+        let sim = spawn_sim(SimConfig { seed: 11, capacity_model: CapacityModel::Soft, capacity_k: 12, ..sim() }).await;
+        let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+        // Rounds of 36 make k = 6 groups of about 12 (bucket 8–15); rounds of 100 make k = 10 groups of about 20 (16–31).
+        for (name, batch, rounds, bucket) in [("meter-small", 36, 10, 8u32), ("meter-large", 100, 5, 16u32)] {
+            let done = run_rounds(&app, name, batch, rounds).await;
+            let truth = true_retention(&done);
+            let (kept, given) = truth[&bucket];
+            let true_r = kept as f64 / given as f64;
+            let view: Value =
+                app.get(&format!("/v1/prompts/{name}/controller")).send().await.unwrap().json().await.unwrap();
+            let buckets = view["meter"]["buckets"].as_array().unwrap();
+            let row = buckets.iter().find(|b| b["size_min"] == bucket).unwrap_or_else(|| panic!("{view}"));
+            let estimate = row["retention"].as_f64().unwrap();
+            eprintln!(
+                "overload meter, soft capacity K = 12, groups of {}-{} ({name}, {rounds} rounds of {batch}): \
+                 estimate {:.1}% from {} samples, true retention (markers) {:.1}% ({kept}/{given})",
+                row["size_min"],
+                row["size_max"],
+                estimate * 100.0,
+                row["samples"],
+                true_r * 100.0
+            );
+            assert_eq!(row["rounds"], rounds as u64, "{row}");
+            assert!(row["samples"].as_u64().unwrap() >= 300, "{row}");
+            assert!((estimate - true_r).abs() <= 0.10, "estimate {estimate:.3} vs truth {true_r:.3}");
+        }
+        // The UI shows the meter on the controller page.
+        let signed_in = crate::ui_browser::sign_in(&app, &app.key_with(&["prompts:read"]).await).await;
+        let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
+        let page = crate::ui_browser::plain_client()
+            .get(app.url("/ui/prompts/meter-large/controller"))
+            .header("cookie", format!("combee_session={session}"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(page.contains(r#"id="meter""#) && page.contains("16–31"), "{page}");
+    }
+
+    on_both_stores!(the_meter_estimates_retention_within_ten_points);
+}
