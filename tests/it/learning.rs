@@ -776,3 +776,154 @@ mod meter {
 
     on_both_stores!(the_meter_estimates_retention_within_ten_points);
 }
+
+/// Resuming from the store-backed journal: a round whose backend went down after
+/// some level-1 groups answered is claimed again (attempt + 1) and pays only
+/// for the missing groups.
+mod resume {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use async_trait::async_trait;
+    use combee::{
+        domain::{
+            Promotion, PromptName, PromptSettings, Strategy, VersionContent, VersionSource,
+            prompt::NewVersion,
+            round::RoundTrigger,
+            trace::{NewTrace, TraceLimits},
+        },
+        learn::{
+            delta::Budget,
+            grouping::Method,
+            round::{ReduceMode, RoundSpec, run_round},
+        },
+        llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},
+        store::{DynStore, NewPrompt, OpenRound, RoundFailure},
+        worker::StoreJournal,
+    };
+
+    use super::*;
+
+    /// Answers the first `ok` requests through the simulator, then is down for good.
+    struct DownAfter {
+        inner: OpenAiClient,
+        ok: usize,
+        seen: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl LlmBackend for DownAfter {
+        async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+            if self.seen.fetch_add(1, Ordering::SeqCst) < self.ok {
+                self.inner.chat(req).await
+            } else {
+                Err(LlmError::Server { status: 503, message: "down".into() })
+            }
+        }
+    }
+
+    async fn claim(s: &DynStore) -> combee::store::ClaimedRound {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(c) = s.claim_round("resume-test", Duration::from_secs(60)).await.unwrap() {
+                return c;
+            }
+            assert!(Instant::now() < deadline, "no round became claimable within 5 s");
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn spec_of(c: &combee::store::ClaimedRound) -> RoundSpec {
+        RoundSpec {
+            round_id: c.round.id,
+            seed: c.round.seed as u64,
+            method: c.round.method,
+            strategy: c.round.strategy,
+            duplication: c.round.duplication.max(1) as u32,
+            reduce: ReduceMode::Union,
+            budget: Budget::default(),
+            agent_reflections: c.prompt.settings.agent_reflections,
+            denylist: Default::default(),
+        }
+    }
+
+    async fn a_resumed_round_calls_only_the_missing_groups(b: Backend) {
+        const N: usize = 25; // k = 5 groups
+        const ANSWERED: usize = 2;
+        let sim = spawn_sim(sim()).await;
+        let ts = common::test_store(b).await;
+        let s = ts.store.clone();
+        let name = PromptName::parse("resumed").unwrap();
+        let settings = PromptSettings { duplication: 2, ..PromptSettings::default() };
+        let prompt = NewPrompt {
+            name: name.clone(),
+            strategy: Strategy::Playbook,
+            promotion: Promotion::Auto,
+            settings,
+            created_by: "test".into(),
+        };
+        let v1 = NewVersion {
+            parent: None,
+            source: VersionSource::Manual,
+            round_id: None,
+            content: VersionContent { base: "You answer support questions.".into(), playbook: None },
+            message: "m".into(),
+            created_by: "test".into(),
+        };
+        s.create_prompt(prompt, v1).await.unwrap();
+        let traces: Vec<_> = (0..N)
+            .map(|i| {
+                let t: NewTrace = serde_json::from_value(insight_trace("resumed", i)).unwrap();
+                t.validate(TraceLimits { max_field_bytes: 4096, max_trace_bytes: 16384 }).unwrap()
+            })
+            .collect();
+        s.insert_traces(&traces).await.unwrap();
+        let open = OpenRound {
+            prompt: name.clone(),
+            trigger: RoundTrigger::Api,
+            method: Method::Combee,
+            batch: N as u32,
+            min_traces: 1,
+            seed: 3,
+            inbound_webhook_id: None,
+        };
+        s.open_round(&open).await.unwrap().expect("a round opens");
+        let llm = LlmConfig { base_url: sim.url.clone(), max_concurrency: 1, backoff_base_ms: 1, ..Default::default() };
+        let client = OpenAiClient::new(llm.clone()).unwrap();
+
+        // Attempt 1: every reflection and the first groups answer, then the backend is down.
+        let first = claim(&s).await;
+        let journal = StoreJournal::new(s.clone(), first.round.id, first.round.attempt, first.round.detail.clone());
+        let down = DownAfter { inner: client.clone(), ok: N + ANSWERED, seen: AtomicUsize::new(0) };
+        let err =
+            run_round(&down, &llm, &spec_of(&first), &first.base.content, &first.traces, &journal).await.unwrap_err();
+        assert!(err.is_retryable(), "{err}");
+        s.fail_round(
+            first.round.id,
+            first.round.attempt,
+            &err.to_string(),
+            RoundFailure::Retry { after: Duration::ZERO },
+        )
+        .await
+        .unwrap();
+
+        // Attempt 2, from what the store kept: no reflection and no answered group is paid again.
+        let second = claim(&s).await;
+        assert_eq!((second.round.id, second.round.attempt), (first.round.id, first.round.attempt + 1));
+        let journal = StoreJournal::new(s.clone(), second.round.id, second.round.attempt, second.round.detail.clone());
+        let (reflect0, aggregate0) = (sim.calls("reflect").await, sim.calls("aggregate-playbook").await);
+        let out =
+            run_round(&client, &llm, &spec_of(&second), &second.base.content, &second.traces, &journal).await.unwrap();
+        let aggregated = sim.calls("aggregate-playbook").await - aggregate0;
+        eprintln!(
+            "resumed round (store-backed journal, {b:?}): k = {}, {} groups reused, {aggregated} aggregator calls paid",
+            out.k, out.resumed_groups
+        );
+        assert_eq!(sim.calls("reflect").await - reflect0, 0, "no reflection is asked for again");
+        assert_eq!(out.k, 5);
+        assert_eq!(out.resumed_groups, ANSWERED);
+        assert_eq!(aggregated as usize, out.k - ANSWERED, "only the missing groups are called");
+        assert_eq!(out.group_outputs.len(), out.k);
+    }
+
+    on_both_stores!(a_resumed_round_calls_only_the_missing_groups);
+}
