@@ -349,6 +349,23 @@ impl Worker {
     }
 }
 
+/// The overload meter's counts of a published round (see [`crate::learn::meter`]):
+/// only playbook rounds whose reflections sit in at least two groups (p ≥ 2) have any.
+fn meter_counts(outcome: &crate::learn::round::RoundOutcome) -> Vec<crate::store::MeterCounts> {
+    if outcome.strategy != crate::domain::Strategy::Playbook || outcome.p < 2 {
+        return Vec::new();
+    }
+    crate::learn::meter::observe(&outcome.group_outputs)
+        .into_iter()
+        .map(|(size_min, c)| crate::store::MeterCounts {
+            size_min,
+            marked: c.marked,
+            recaptured: c.recaptured,
+            rounds: 1,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -398,21 +415,4 @@ mod tests {
         assert_eq!(decide(&b, 32, &settings(), Utc::now()), None);
         assert_eq!(decide(&backlog(0, 1000), 32, &settings(), Utc::now()), None);
     }
-}
-
-/// The overload meter's counts of a published round (see [`crate::learn::meter`]):
-/// only playbook rounds whose reflections sit in at least two groups (p ≥ 2) have any.
-fn meter_counts(outcome: &crate::learn::round::RoundOutcome) -> Vec<crate::store::MeterCounts> {
-    if outcome.strategy != crate::domain::Strategy::Playbook || outcome.p < 2 {
-        return Vec::new();
-    }
-    crate::learn::meter::observe(&outcome.group_outputs)
-        .into_iter()
-        .map(|(size_min, c)| crate::store::MeterCounts {
-            size_min,
-            marked: c.marked,
-            recaptured: c.recaptured,
-            rounds: 1,
-        })
-        .collect()
 }
