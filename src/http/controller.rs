@@ -1,6 +1,7 @@
 //! The batch-size controller of one prompt, as operators see it: the delay
 //! samples, the per-size profile, the fitted curve T(bs) = A·bs^(−α), the
-//! chosen size and the rule that chose it.
+//! chosen size and the rule that chose it — and the overload meter (the
+//! estimated per-group retention by group size, see [`crate::learn::meter`]).
 
 use axum::{Json, extract::State};
 use chrono::{DateTime, Utc};
@@ -16,7 +17,10 @@ use super::{
 };
 use crate::{
     domain::{BatchSize, PromptName},
-    learn::controller::{self, Sample},
+    learn::{
+        controller::{self, Sample},
+        meter::{BucketCounts, MeterBucket},
+    },
     store::{ControllerSample, Scope},
     worker,
 };
@@ -53,7 +57,22 @@ pub struct ControllerView {
     pub last_choice_at: Option<DateTime<Utc>>,
     #[schema(value_type = Object)]
     pub config: Value,
+    /// The overload meter: estimated retention of a level-1 group by size.
+    pub meter: MeterView,
 }
+
+/// The overload meter as operators see it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MeterView {
+    /// How the estimate is made, in one sentence.
+    pub method: &'static str,
+    /// One entry per group-size bucket seen so far, smallest first.
+    pub buckets: Vec<MeterBucket>,
+}
+
+/// What [`MeterView::method`] says.
+pub const METER_METHOD: &str = "capture-recapture over the p >= 2 copies of each reflection: among copies whose \
+reflection another copy's group cited, the share their own group cited too";
 
 #[utoipa::path(get, path = "/v1/prompts/{name}/controller", tag = "rounds", params(("name" = String, Path)),
     responses((status = 200, body = ControllerView), (status = 404, body = super::error::Problem)),
@@ -93,6 +112,13 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ApiResult<Cont
         })
         .collect();
     let last = st.store.controller_choice(&name).await?;
+    let buckets = st
+        .store
+        .meter_counts(&name)
+        .await?
+        .into_iter()
+        .map(|c| MeterBucket::new(c.size_min, BucketCounts { marked: c.marked, recaptured: c.recaptured }, c.rounds))
+        .collect();
     let (mode, fixed_batch_size) = match backlog.prompt.settings.batch_size {
         BatchSize::Auto => ("auto", None),
         BatchSize::Fixed(n) => ("fixed", Some(n)),
@@ -109,5 +135,6 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ApiResult<Cont
         last_choice_at: last.as_ref().map(|(_, t)| *t),
         last_choice: last.map(|(v, _)| v),
         config: serde_json::to_value(cfg).unwrap_or_default(),
+        meter: MeterView { method: METER_METHOD, buckets },
     })
 }

@@ -1,6 +1,7 @@
 //! What a round writes down while it runs, so a crashed round resumes without
 //! paying for its reflections twice and an operator can see every phase, call and
-//! group output. The store implements [`RoundJournal`] for one round row; the
+//! group output (a resumed round reuses the level-1 outputs it already paid
+//! for, too). The store implements [`RoundJournal`] for one round row; the
 //! round executor never sees a database. [`MemoryJournal`] serves tests and benches.
 
 use std::collections::HashMap;
@@ -68,6 +69,10 @@ pub trait RoundJournal: Send + Sync {
     async fn record_calls(&self, calls: &[LlmCall]) -> Result<(), JournalError>;
     /// Records the level-1 output of group `group` (its traces and its ops or instruction).
     async fn save_group_output(&self, group: usize, output: &Value) -> Result<(), JournalError>;
+    /// Level-1 group outputs saved by earlier attempts of this round (as saved by
+    /// [`RoundJournal::save_group_output`]); a resumed round reuses those whose key
+    /// still matches instead of calling the aggregator again.
+    async fn stored_group_outputs(&self) -> Result<Vec<Value>, JournalError>;
     async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError>;
 }
 
@@ -142,6 +147,10 @@ impl RoundJournal for MemoryJournal {
 
     async fn save_group_output(&self, group: usize, output: &Value) -> Result<(), JournalError> {
         self.with(|r| r.group_outputs.push((group, output.clone())))
+    }
+
+    async fn stored_group_outputs(&self) -> Result<Vec<Value>, JournalError> {
+        self.with(|r| r.group_outputs.iter().map(|(_, v)| v.clone()).collect())
     }
 
     async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError> {

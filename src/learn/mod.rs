@@ -2,7 +2,8 @@
 //! reduce, the level-2 merge of playbook delta operations and the dynamic
 //! batch-size controller's math are pure functions (and so is the level-2 plan:
 //! consolidation by decisions, the structural rewrite merge); `round` runs one learning
-//! round over an LLM backend, recording what it must not lose in a journal.
+//! round over an LLM backend, recording what it must not lose in a journal; `meter`
+//! estimates per-group retention by group size from the rounds' own provenance.
 
 pub mod controller;
 pub mod delta;
@@ -10,5 +11,6 @@ pub mod denylist;
 pub mod grouping;
 pub mod journal;
 pub mod level2;
+pub mod meter;
 pub mod round;
 pub mod shuffle;

@@ -32,7 +32,7 @@
 //!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an
 //!   applied operation cites it — the retention figure a real model gives.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -99,6 +99,27 @@ pub struct GroupOutput {
     pub group: usize,
     pub traces: Vec<Uuid>,
     pub output: Value,
+    /// What the call's answer depends on ([`group_key`]): a resumed round reuses
+    /// a journaled output only under the same key.
+    #[serde(default)]
+    pub key: String,
+}
+
+/// The journal key of one level-1 call: the round's seed and strategy, the
+/// version the call was made against, and the group's traces in order (their
+/// reflections are journaled, so the same traces mean the same input). The
+/// grouping is deterministic per seed, so a resumed round with the same
+/// reflections meets the same keys; one whose reflections changed does not.
+pub fn group_key(seed: u64, strategy: Strategy, current: &VersionContent, traces: &[Uuid]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(seed.to_be_bytes());
+    h.update(crate::domain::round::strategy_str(strategy).as_bytes());
+    h.update(current.hash().as_bytes());
+    for t in traces {
+        h.update(t.as_bytes());
+    }
+    format!("sha256:{}", hex::encode(h.finalize()))
 }
 
 /// A trace left out of the round because its reflection could not be obtained.
@@ -133,6 +154,10 @@ pub struct RoundOutcome {
     pub n: usize,
     /// Level-1 groups (aggregator calls before level 2).
     pub k: usize,
+    /// Level-1 groups whose output was taken from the journal (an earlier
+    /// attempt of the round) instead of calling the aggregator again.
+    #[serde(default)]
+    pub resumed_groups: usize,
     pub p: u32,
     pub map: MapCounts,
     pub unreflected: Vec<Unreflected>,
@@ -358,6 +383,7 @@ pub async fn run_round(
         strategy: spec.strategy,
         n,
         k,
+        resumed_groups: result.resumed_groups,
         p: if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 },
         map: mapped.counts,
         unreflected: mapped.unreflected,
@@ -505,6 +531,7 @@ struct Reduced {
     group_outputs: Vec<GroupOutput>,
     level2: Level2Summary,
     timings: PhaseTimings,
+    resumed_groups: usize,
 }
 
 /// One level-1 answer.
@@ -520,6 +547,27 @@ impl Proposal {
             Self::Ops(ops) => json!({ "operations": ops }),
             Self::Instruction(text) => json!({ "instruction": text }),
         }
+    }
+
+    /// Reads back what [`Proposal::to_json`] wrote (a journaled group output);
+    /// `None` when it is not that shape.
+    fn from_json(v: &Value) -> Option<Self> {
+        if let Some(text) = v.get("instruction").and_then(Value::as_str) {
+            return Some(Self::Instruction(text.to_owned()));
+        }
+        let ops = v.get("operations")?.as_array()?;
+        ops.iter()
+            .map(|op| {
+                let mut op = op.as_object()?.clone();
+                let sources = match op.remove("sources") {
+                    None => Vec::new(),
+                    Some(s) => serde_json::from_value(s).ok()?,
+                };
+                let op: DeltaOp = serde_json::from_value(Value::Object(op)).ok()?;
+                Some(SourcedOp { op, sources })
+            })
+            .collect::<Option<Vec<_>>>()
+            .map(Self::Ops)
     }
 
     /// Playbook ops of group `g` with their sources as indices into the round's reflections.
@@ -588,6 +636,7 @@ impl Reduce<'_> {
 
     async fn record(
         &self,
+        current: &VersionContent,
         g: usize,
         group: &[usize],
         proposal: &Proposal,
@@ -596,13 +645,42 @@ impl Reduce<'_> {
     ) -> Result<GroupOutput, JournalError> {
         self.journal.record_calls(&made).await?;
         calls.extend(made);
+        let traces: Vec<Uuid> = group.iter().map(|&i| self.trace_ids[i]).collect();
         let out = GroupOutput {
             group: g,
-            traces: group.iter().map(|&i| self.trace_ids[i]).collect(),
+            key: group_key(self.spec.seed, self.spec.strategy, current, &traces),
+            traces,
             output: proposal.to_json(),
         };
         self.journal.save_group_output(g, &serde_json::to_value(&out).unwrap_or(Value::Null)).await?;
         Ok(out)
+    }
+
+    /// Level-1 outputs journaled by earlier attempts of this round, by key
+    /// (outputs without a key, from before keys existed, are not reused).
+    async fn journaled_outputs(&self) -> Result<HashMap<String, GroupOutput>, JournalError> {
+        let stored = self.journal.stored_group_outputs().await?;
+        Ok(stored
+            .into_iter()
+            .filter_map(|v| serde_json::from_value::<GroupOutput>(v).ok())
+            .filter(|o| !o.key.is_empty())
+            .map(|o| (o.key.clone(), o))
+            .collect())
+    }
+
+    /// The journaled output of group `g` when its call was already paid for
+    /// against `current` with the same traces.
+    fn resume(
+        &self,
+        journaled: &HashMap<String, GroupOutput>,
+        current: &VersionContent,
+        g: usize,
+        group: &[usize],
+    ) -> Option<(Proposal, GroupOutput)> {
+        let traces: Vec<Uuid> = group.iter().map(|&i| self.trace_ids[i]).collect();
+        let out = journaled.get(&group_key(self.spec.seed, self.spec.strategy, current, &traces))?;
+        let proposal = Proposal::from_json(&out.output)?;
+        Some((proposal, GroupOutput { group: g, ..out.clone() }))
     }
 
     /// Combee and naive: level 1 in parallel against the same frozen version, then level 2 once.
@@ -614,9 +692,21 @@ impl Reduce<'_> {
         report: &mut AnswerReport,
     ) -> Result<Reduced, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
+        let journaled = self.journaled_outputs().await?;
+        let mut proposals = Vec::with_capacity(groups.len());
+        let mut group_outputs = Vec::with_capacity(groups.len());
+        for (g, group) in groups.iter().enumerate() {
+            if let Some((p, out)) = self.resume(&journaled, frozen, g, group) {
+                proposals.push((g, p));
+                group_outputs.push(out);
+            }
+        }
+        let resumed_groups = proposals.len();
+        let resumed: HashSet<usize> = proposals.iter().map(|(g, _)| *g).collect();
         let group_calls: Vec<_> = groups
             .iter()
             .enumerate()
+            .filter(|(g, _)| !resumed.contains(g))
             .map(|(g, group)| async move {
                 let mut made = Vec::new();
                 let r = self.aggregate(frozen, group, &mut made).await;
@@ -624,15 +714,13 @@ impl Reduce<'_> {
             })
             .collect();
         let mut answers = stream::iter(group_calls).buffered(self.concurrency);
-        let mut proposals = Vec::with_capacity(groups.len());
-        let mut group_outputs = Vec::with_capacity(groups.len());
         let mut failure: Option<LlmError> = None;
         let mut first_left_out: Option<LlmError> = None;
         while let Some((g, r, made)) = answers.next().await {
             match r {
                 Ok((p, notes)) => {
                     report.note(self.task(), None, Some(g), notes);
-                    group_outputs.push(self.record(g, &groups[g], &p, made, calls).await?);
+                    group_outputs.push(self.record(frozen, g, &groups[g], &p, made, calls).await?);
                     proposals.push((g, p));
                 }
                 Err(e) => {
@@ -658,6 +746,9 @@ impl Reduce<'_> {
             return Err(e.into());
         }
         let reduce1_ms = clock.finish().await?;
+        // Level 2 sees the groups in their order, resumed or not, as an uninterrupted round would.
+        proposals.sort_by_key(|(g, _)| *g);
+        group_outputs.sort_by_key(|o| o.group);
 
         let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
         let mut reduced = match self.spec.strategy {
@@ -669,6 +760,7 @@ impl Reduce<'_> {
         reduced.timings.reduce1_ms = reduce1_ms;
         reduced.timings.reduce2_ms = clock.finish().await?;
         reduced.group_outputs = group_outputs;
+        reduced.resumed_groups = resumed_groups;
         Ok(reduced)
     }
 
@@ -699,6 +791,7 @@ impl Reduce<'_> {
             group_outputs: Vec::new(),
             level2: summary,
             timings: PhaseTimings::default(),
+            resumed_groups: 0,
         })
     }
 
@@ -797,6 +890,7 @@ impl Reduce<'_> {
             group_outputs: Vec::new(),
             level2: summary,
             timings: PhaseTimings::default(),
+            resumed_groups: 0,
         })
     }
 
@@ -845,26 +939,35 @@ impl Reduce<'_> {
             group_outputs: Vec::new(),
             level2: Level2Summary::default(),
             timings: PhaseTimings::default(),
+            resumed_groups: 0,
         };
+        let journaled = self.journaled_outputs().await?;
         for (g, group) in groups.iter().enumerate() {
-            let mut made = Vec::new();
-            let answer = self.aggregate(&current, group, &mut made).await;
-            let proposal = match answer {
-                Ok((p, notes)) => {
-                    report.note(self.task(), None, Some(g), notes);
-                    p
-                }
-                Err(e) => {
-                    self.journal.record_calls(&made).await?;
-                    calls.extend(made);
-                    self.leave_out(g, group, e.clone(), report)?;
-                    if too_many_left_out(report.groups_left_out.len(), groups.len()) {
-                        return Err(e.into());
+            let proposal = if let Some((p, out)) = self.resume(&journaled, &current, g, group) {
+                reduced.group_outputs.push(out);
+                reduced.resumed_groups += 1;
+                p
+            } else {
+                let mut made = Vec::new();
+                let answer = self.aggregate(&current, group, &mut made).await;
+                let proposal = match answer {
+                    Ok((p, notes)) => {
+                        report.note(self.task(), None, Some(g), notes);
+                        p
                     }
-                    continue;
-                }
+                    Err(e) => {
+                        self.journal.record_calls(&made).await?;
+                        calls.extend(made);
+                        self.leave_out(g, group, e.clone(), report)?;
+                        if too_many_left_out(report.groups_left_out.len(), groups.len()) {
+                            return Err(e.into());
+                        }
+                        continue;
+                    }
+                };
+                reduced.group_outputs.push(self.record(&current, g, group, &proposal, made, calls).await?);
+                proposal
             };
-            reduced.group_outputs.push(self.record(g, group, &proposal, made, calls).await?);
             match proposal {
                 p @ Proposal::Ops(_) => {
                     let merged = delta::normalize_sourced_ops(p.round_ops(g, group));

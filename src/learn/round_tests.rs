@@ -643,3 +643,68 @@ async fn a_sequential_batch_whose_answer_stays_invalid_is_left_out_too() {
     assert_eq!(kept(&out), 9);
     assert_eq!(out.coverage.as_ref().map(|c| c.covered), Some(9));
 }
+
+/// Calls the simulator answered for `task` so far.
+async fn task_calls(sim: &Sim, task: &str) -> u64 {
+    sim.stats().await.calls.get(task).copied().unwrap_or(0)
+}
+
+/// A round whose backend goes down after `groups_done` level-1 answers is
+/// resumed: only the missing groups are paid for, and the result is the one an
+/// uninterrupted round gives.
+async fn resume_after_groups(method: Method, strategy: Strategy, task: &str, groups_done: usize) {
+    let sim = Sim::start(hard(), |c| c.max_concurrency = 1).await;
+    let ts = traces(16);
+    let spec = spec(method, strategy, 2, 5);
+    let base = base_for(strategy);
+    let uninterrupted = sim.run(&spec, &base, &ts).await;
+    let k = uninterrupted.k;
+    assert!(k > groups_done + 1, "k = {k}");
+
+    let backend = FailsAfter { inner: sim.client.clone(), ok: ts.len() + groups_done, seen: AtomicUsize::new(0) };
+    let journal = MemoryJournal::new();
+    let err = run_round(&backend, &sim.cfg, &spec, &base, &ts, &journal).await.unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    assert_eq!(journal.snapshot().group_outputs.len(), groups_done, "the answered groups are journaled");
+
+    let before = task_calls(&sim, task).await;
+    let out = run_round(&sim.client, &sim.cfg, &spec, &base, &ts, &journal).await.unwrap();
+    let paid = task_calls(&sim, task).await - before;
+    assert_eq!(paid as usize, k - groups_done, "only the missing groups are called again");
+    assert_eq!(out.resumed_groups, groups_done);
+    assert_eq!(out.map.resumed, ts.len());
+    assert_eq!(out.content, uninterrupted.content, "resuming changes nothing in the result");
+    assert_eq!(out.group_outputs, uninterrupted.group_outputs);
+}
+
+#[tokio::test]
+async fn a_resumed_combee_round_reuses_journaled_group_outputs() {
+    resume_after_groups(Method::Combee, Strategy::Playbook, "aggregate-playbook", 2).await;
+}
+
+#[tokio::test]
+async fn a_resumed_rewrite_round_reuses_journaled_group_outputs() {
+    resume_after_groups(Method::Combee, Strategy::Rewrite, "aggregate-rewrite", 1).await;
+}
+
+#[tokio::test]
+async fn a_resumed_sequential_round_reuses_the_batches_already_applied() {
+    resume_after_groups(Method::Sequential, Strategy::Playbook, "aggregate-playbook", 3).await;
+}
+
+#[tokio::test]
+async fn journaled_group_outputs_are_not_reused_when_the_version_differs() {
+    let sim = Sim::start(hard(), |c| c.max_concurrency = 1).await;
+    let ts = traces(9);
+    let spec = spec(Method::Combee, Strategy::Playbook, 2, 5);
+    let journal = MemoryJournal::new();
+    let first = run_round(&sim.client, &sim.cfg, &spec, &base_for(Strategy::Playbook), &ts, &journal).await.unwrap();
+    assert_eq!(first.resumed_groups, 0);
+    // The same traces against another base version: every group is asked again.
+    let other =
+        VersionContent { base: "You solve {task} for {user}, politely.".into(), ..base_for(Strategy::Playbook) };
+    let before = task_calls(&sim, "aggregate-playbook").await;
+    let out = run_round(&sim.client, &sim.cfg, &spec, &other, &ts, &journal).await.unwrap();
+    assert_eq!(out.resumed_groups, 0);
+    assert_eq!((task_calls(&sim, "aggregate-playbook").await - before) as usize, out.k);
+}

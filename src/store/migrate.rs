@@ -39,6 +39,11 @@ pub const POSTGRES: &[Migration] = &[
     },
     Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/postgres/0010_otlp_spans.sql") },
     Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/postgres/0011_label_moves.sql") },
+    Migration {
+        version: 12,
+        name: "overload_meter",
+        sql: include_str!("../../migrations/postgres/0012_overload_meter.sql"),
+    },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -64,6 +69,11 @@ pub const SQLITE: &[Migration] = &[
     },
     Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/sqlite/0010_otlp_spans.sql") },
     Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/sqlite/0011_label_moves.sql") },
+    Migration {
+        version: 12,
+        name: "overload_meter",
+        sql: include_str!("../../migrations/sqlite/0012_overload_meter.sql"),
+    },
 ];
 
 #[cfg(test)]

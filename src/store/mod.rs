@@ -423,6 +423,19 @@ pub struct ControllerSample {
     pub created_at: DateTime<Utc>,
 }
 
+/// Overload-meter counts of one group-size bucket (see `learn::meter`):
+/// copies marked by another covered copy of their reflection, and of them
+/// those their own group covered too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct MeterCounts {
+    /// Smallest group size of the bucket (a power of two).
+    pub size_min: u32,
+    pub marked: u64,
+    pub recaptured: u64,
+    /// Rounds that contributed (1 when recording one round).
+    pub rounds: u64,
+}
+
 /// An outbound webhook subscription. The secret signs deliveries; it is
 /// shown once when the subscription is created and never serialised.
 #[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
@@ -769,6 +782,13 @@ pub trait Store: Send + Sync + 'static {
     async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<ControllerSample>>;
     async fn save_controller_choice(&self, prompt: &PromptName, choice: &serde_json::Value) -> StoreResult<()>;
     async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(serde_json::Value, DateTime<Utc>)>>;
+
+    // Overload meter
+    /// Records one round's meter counts per bucket; recording the same round
+    /// again changes nothing (`rounds` of the input is ignored).
+    async fn record_meter_counts(&self, prompt: &PromptName, round: Uuid, counts: &[MeterCounts]) -> StoreResult<()>;
+    /// The prompt's meter: counts summed over its rounds, per bucket, smallest first.
+    async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<MeterCounts>>;
 }
 
 pub type DynStore = Arc<dyn Store>;

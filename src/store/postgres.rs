@@ -1912,6 +1912,53 @@ impl Store for PgStore {
         .await?;
         row.map(|r| Ok((r.try_get("choice")?, r.try_get("updated_at")?))).transpose()
     }
+
+    async fn record_meter_counts(
+        &self,
+        prompt: &PromptName,
+        round: Uuid,
+        counts: &[super::MeterCounts],
+    ) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await?;
+        for c in counts {
+            sqlx::query(
+                "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured)
+                 SELECT $2, id, $3, $4, $5 FROM prompts WHERE name = $1
+                 ON CONFLICT (round_id, size_min) DO NOTHING",
+            )
+            .bind(prompt.as_str())
+            .bind(round)
+            .bind(i32::try_from(c.size_min).unwrap_or(i32::MAX))
+            .bind(i64::try_from(c.marked).unwrap_or(i64::MAX))
+            .bind(i64::try_from(c.recaptured).unwrap_or(i64::MAX))
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
+        sqlx::query(
+            "SELECT m.size_min, SUM(m.marked)::bigint AS marked, SUM(m.recaptured)::bigint AS recaptured,
+                    COUNT(*)::bigint AS rounds
+             FROM meter_counts m JOIN prompts p ON p.id = m.prompt_id WHERE p.name = $1
+             GROUP BY m.size_min ORDER BY m.size_min",
+        )
+        .bind(prompt.as_str())
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(super::MeterCounts {
+                size_min: r.try_get::<i32, _>("size_min")? as u32,
+                marked: r.try_get::<i64, _>("marked")? as u64,
+                recaptured: r.try_get::<i64, _>("recaptured")? as u64,
+                rounds: r.try_get::<i64, _>("rounds")? as u64,
+            })
+        })
+        .collect()
+    }
 }
 
 const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";

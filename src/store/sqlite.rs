@@ -2147,6 +2147,54 @@ impl Store for SqliteStore {
         .await?;
         row.map(|r| Ok((json(r.try_get("choice")?)?, time(r.try_get("updated_at")?)?))).transpose()
     }
+
+    async fn record_meter_counts(
+        &self,
+        prompt: &PromptName,
+        round: Uuid,
+        counts: &[super::MeterCounts],
+    ) -> StoreResult<()> {
+        let now = now_us();
+        let mut tx = self.writer.begin().await?;
+        for c in counts {
+            sqlx::query(
+                "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured, created_at)
+                 SELECT ?, id, ?, ?, ?, ? FROM prompts WHERE name = ?
+                 ON CONFLICT (round_id, size_min) DO NOTHING",
+            )
+            .bind(round.to_string())
+            .bind(i64::from(c.size_min))
+            .bind(i64::try_from(c.marked).unwrap_or(i64::MAX))
+            .bind(i64::try_from(c.recaptured).unwrap_or(i64::MAX))
+            .bind(now)
+            .bind(prompt.as_str())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
+        sqlx::query(
+            "SELECT m.size_min, SUM(m.marked) AS marked, SUM(m.recaptured) AS recaptured, COUNT(*) AS rounds
+             FROM meter_counts m JOIN prompts p ON p.id = m.prompt_id WHERE p.name = ?
+             GROUP BY m.size_min ORDER BY m.size_min",
+        )
+        .bind(prompt.as_str())
+        .fetch_all(&self.reader)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(super::MeterCounts {
+                size_min: r.try_get::<i64, _>("size_min")? as u32,
+                marked: r.try_get::<i64, _>("marked")? as u64,
+                recaptured: r.try_get::<i64, _>("recaptured")? as u64,
+                rounds: r.try_get::<i64, _>("rounds")? as u64,
+            })
+        })
+        .collect()
+    }
 }
 
 /// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).

@@ -941,13 +941,38 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
             )
         })
         .collect();
+    let meter_rows: String = view
+        .meter
+        .buckets
+        .iter()
+        .map(|b| {
+            format!(
+                r#"<tr><td class="num">{}–{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td></tr>"#,
+                b.size_min,
+                b.size_max,
+                b.retention.map_or_else(|| "—".to_owned(), |r| format!("{:.0}%", r * 100.0)),
+                b.samples,
+                b.rounds
+            )
+        })
+        .collect();
+    let meter = if meter_rows.is_empty() {
+        r#"<p class="muted" id="no-meter">No playbook round with p ≥ 2 has published yet, so retention has not been measured.</p>"#.to_owned()
+    } else {
+        format!(
+            r#"<table class="compact" id="meter"><thead><tr><th class="num">Group size</th><th class="num">Estimated retention</th><th class="num">Samples</th><th class="num">Rounds</th></tr></thead><tbody>{meter_rows}</tbody></table>"#
+        )
+    };
     let body = format!(
         r#"<h1>{} <span class="muted small">batch-size controller</span></h1>{}{fixed}
 <div class="split"><div class="main-col card">{svg}</div><aside class="card">{facts}</aside></div>
 <h2>Profile</h2><table class="compact" id="profile"><thead><tr><th class="num">Batch size</th><th class="num">Median round R</th><th class="num">Delay T</th><th class="num">Fitted T</th></tr></thead><tbody>{profile}</tbody></table>
+<h2>Overload meter <span class="muted small">share of a group's lessons its answer keeps, by group size</span></h2>
+<p class="muted small">{meter_method}</p>{meter}
 <h2>Samples <span class="muted small">newest first</span></h2><table class="compact" id="samples"><thead><tr><th>Time</th><th class="num">Batch size</th><th class="num">Round time</th><th>Round</th></tr></thead><tbody>{samples}</tbody></table>"#,
         escape(prompt.name.as_str()),
         prompt_tabs(prompt.name.as_str(), "controller"),
+        meter_method = escape(crate::http::controller::METER_METHOD),
     );
     Ok(page(&format!("{} controller", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
 }

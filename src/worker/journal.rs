@@ -1,6 +1,7 @@
 //! The round journal backed by the store: reflections are written as they
 //! arrive (so a resumed round does not pay for them again), every LLM call is
-//! recorded, and phase timings and group outputs become the round's detail.
+//! recorded, and phase timings and group outputs become the round's detail (a
+//! resumed round reads its earlier group outputs back from it).
 
 use std::{collections::HashMap, sync::Mutex};
 
@@ -104,6 +105,16 @@ impl RoundJournal for StoreJournal {
             }
         }
         self.flush().await
+    }
+
+    async fn stored_group_outputs(&self) -> Result<Vec<Value>, JournalError> {
+        // Saved one by one as an object by group index; a finished attempt leaves a list.
+        let d = self.detail();
+        Ok(match d.get("group_outputs") {
+            Some(Value::Object(g)) => g.values().cloned().collect(),
+            Some(Value::Array(g)) => g.clone(),
+            _ => Vec::new(),
+        })
     }
 
     async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError> {

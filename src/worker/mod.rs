@@ -248,13 +248,14 @@ impl Worker {
             Ok(outcome) => {
                 let mut detail = journal.detail();
                 detail["outcome"] = json!({
-                    "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map,
+                    "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map, "resumed_groups": outcome.resumed_groups,
                     "unreflected": outcome.unreflected, "applied": outcome.applied, "skipped": outcome.skipped,
                     "evicted": outcome.evicted, "timings": outcome.timings, "level2": outcome.level2,
                     "answers": outcome.answers, "coverage": outcome.coverage,
                 });
                 detail["group_outputs"] = json!(outcome.group_outputs);
                 let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
+                let meter = meter_counts(&outcome);
                 let label = match prompt.promotion {
                     Promotion::Auto => LabelName::production(),
                     Promotion::Manual => LabelName::candidate(),
@@ -286,6 +287,11 @@ impl Worker {
                     Ok(v) => {
                         metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
                         tracing::info!(version = v.number, label = %label, "round published");
+                        if !meter.is_empty()
+                            && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
+                        {
+                            tracing::warn!(error = %e, "the overload meter was not updated for this round");
+                        }
                     }
                     Err(StoreError::Conflict) => {
                         tracing::warn!("lease lost before publishing; another worker owns the round")
@@ -341,6 +347,23 @@ impl Worker {
             Err(e) => tracing::warn!(error = %e, "could not fail the round"),
         }
     }
+}
+
+/// The overload meter's counts of a published round (see [`crate::learn::meter`]):
+/// only playbook rounds whose reflections sit in at least two groups (p ≥ 2) have any.
+fn meter_counts(outcome: &crate::learn::round::RoundOutcome) -> Vec<crate::store::MeterCounts> {
+    if outcome.strategy != crate::domain::Strategy::Playbook || outcome.p < 2 {
+        return Vec::new();
+    }
+    crate::learn::meter::observe(&outcome.group_outputs)
+        .into_iter()
+        .map(|(size_min, c)| crate::store::MeterCounts {
+            size_min,
+            marked: c.marked,
+            recaptured: c.recaptured,
+            rounds: 1,
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -679,3 +679,251 @@ mod controller {
 
     on_both_stores!(the_controller_settles_near_the_modelled_plateau, controller_view_for_a_fixed_prompt);
 }
+
+/// The overload meter against the simulator's soft capacity model: the product
+/// estimates retention from the groups' cited sources alone; the test measures
+/// the truth with the simulator's markers (which the product never reads).
+mod meter {
+    use std::collections::{BTreeMap, HashMap};
+
+    use super::*;
+    use combee::learn::meter::bucket_of;
+
+    /// Sends `rounds` batches of `batch` traces with fresh insights and runs a Combee round on each.
+    async fn run_rounds(app: &TestApp, name: &str, batch: usize, rounds: usize) -> Vec<Value> {
+        create(app, name, "playbook", json!({"duplication": 2})).await;
+        let mut done = Vec::new();
+        for r in 0..rounds {
+            let traces: Vec<Value> = (r * batch..(r + 1) * batch).map(|i| insight_trace(name, i)).collect();
+            for chunk in traces.chunks(50) {
+                let res = app.post("/v1/traces", json!({"traces": chunk})).send().await.unwrap();
+                assert_eq!(res.status(), 201);
+            }
+            let round = trigger(app, name, json!({"method": "combee", "batch_size": batch})).await;
+            let id = round["id"].as_str().unwrap().to_owned();
+            let end = finished(app, &id, Duration::from_secs(120)).await;
+            assert_eq!(end["status"], "succeeded", "{end}");
+            done.push(app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap());
+        }
+        done
+    }
+
+    /// True retention per size bucket, from markers: insights a group's answer
+    /// carries over insights its reflections held, summed over groups.
+    fn true_retention(rounds: &[Value]) -> BTreeMap<u32, (usize, usize)> {
+        let mut by_bucket: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
+        for round in rounds {
+            let markers: HashMap<String, BTreeSet<String>> = round["reflections"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| (r["trace_id"].as_str().unwrap().to_owned(), insights(&r["reflection"].to_string())))
+                .collect();
+            for g in round["detail"]["group_outputs"].as_array().unwrap() {
+                let traces = g["traces"].as_array().unwrap();
+                let given: BTreeSet<String> =
+                    traces.iter().flat_map(|t| markers[t.as_str().unwrap()].iter().cloned()).collect();
+                let kept = insights(&g["output"].to_string());
+                let e = by_bucket.entry(bucket_of(traces.len())).or_default();
+                e.0 += given.intersection(&kept).count();
+                e.1 += given.len();
+            }
+        }
+        by_bucket
+    }
+
+    async fn the_meter_estimates_retention_within_ten_points(b: Backend) {
+        let sim = spawn_sim(SimConfig { seed: 11, capacity_model: CapacityModel::Soft, capacity_k: 12, ..sim() }).await;
+        let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+        // Rounds of 36 make k = 6 groups of about 12 (bucket 8–15); rounds of 100 make k = 10 groups of about 20 (16–31).
+        for (name, batch, rounds, bucket) in [("meter-small", 36, 10, 8u32), ("meter-large", 100, 5, 16u32)] {
+            let done = run_rounds(&app, name, batch, rounds).await;
+            let truth = true_retention(&done);
+            let (kept, given) = truth[&bucket];
+            let true_r = kept as f64 / given as f64;
+            let view: Value =
+                app.get(&format!("/v1/prompts/{name}/controller")).send().await.unwrap().json().await.unwrap();
+            let buckets = view["meter"]["buckets"].as_array().unwrap();
+            let row = buckets.iter().find(|b| b["size_min"] == bucket).unwrap_or_else(|| panic!("{view}"));
+            let estimate = row["retention"].as_f64().unwrap();
+            eprintln!(
+                "overload meter, soft capacity K = 12, groups of {}-{} ({name}, {rounds} rounds of {batch}): \
+                 estimate {:.1}% from {} samples, true retention (markers) {:.1}% ({kept}/{given})",
+                row["size_min"],
+                row["size_max"],
+                estimate * 100.0,
+                row["samples"],
+                true_r * 100.0
+            );
+            assert_eq!(row["rounds"], rounds as u64, "{row}");
+            assert!(row["samples"].as_u64().unwrap() >= 300, "{row}");
+            assert!((estimate - true_r).abs() <= 0.10, "estimate {estimate:.3} vs truth {true_r:.3}");
+        }
+        // The UI shows the meter on the controller page.
+        let signed_in = crate::ui_browser::sign_in(&app, &app.key_with(&["prompts:read"]).await).await;
+        let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
+        let page = crate::ui_browser::plain_client()
+            .get(app.url("/ui/prompts/meter-large/controller"))
+            .header("cookie", format!("combee_session={session}"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(page.contains(r#"id="meter""#) && page.contains("16–31"), "{page}");
+    }
+
+    on_both_stores!(the_meter_estimates_retention_within_ten_points);
+}
+
+/// Resuming from the store-backed journal: a round whose backend went down after
+/// some level-1 groups answered is claimed again (attempt + 1) and pays only
+/// for the missing groups.
+mod resume {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use async_trait::async_trait;
+    use combee::{
+        domain::{
+            Promotion, PromptName, PromptSettings, Strategy, VersionContent, VersionSource,
+            prompt::NewVersion,
+            round::RoundTrigger,
+            trace::{NewTrace, TraceLimits},
+        },
+        learn::{
+            delta::Budget,
+            grouping::Method,
+            round::{ReduceMode, RoundSpec, run_round},
+        },
+        llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},
+        store::{DynStore, NewPrompt, OpenRound, RoundFailure},
+        worker::StoreJournal,
+    };
+
+    use super::*;
+
+    /// Answers the first `ok` requests through the simulator, then is down for good.
+    struct DownAfter {
+        inner: OpenAiClient,
+        ok: usize,
+        seen: AtomicUsize,
+    }
+
+    #[async_trait]
+    impl LlmBackend for DownAfter {
+        async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+            if self.seen.fetch_add(1, Ordering::SeqCst) < self.ok {
+                self.inner.chat(req).await
+            } else {
+                Err(LlmError::Server { status: 503, message: "down".into() })
+            }
+        }
+    }
+
+    async fn claim(s: &DynStore) -> combee::store::ClaimedRound {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(c) = s.claim_round("resume-test", Duration::from_secs(60)).await.unwrap() {
+                return c;
+            }
+            assert!(Instant::now() < deadline, "no round became claimable within 5 s");
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn spec_of(c: &combee::store::ClaimedRound) -> RoundSpec {
+        RoundSpec {
+            round_id: c.round.id,
+            seed: c.round.seed as u64,
+            method: c.round.method,
+            strategy: c.round.strategy,
+            duplication: c.round.duplication.max(1) as u32,
+            reduce: ReduceMode::Union,
+            budget: Budget::default(),
+            agent_reflections: c.prompt.settings.agent_reflections,
+            denylist: Default::default(),
+        }
+    }
+
+    async fn a_resumed_round_calls_only_the_missing_groups(b: Backend) {
+        const N: usize = 25; // k = 5 groups
+        const ANSWERED: usize = 2;
+        let sim = spawn_sim(sim()).await;
+        let ts = common::test_store(b).await;
+        let s = ts.store.clone();
+        let name = PromptName::parse("resumed").unwrap();
+        let settings = PromptSettings { duplication: 2, ..PromptSettings::default() };
+        let prompt = NewPrompt {
+            name: name.clone(),
+            strategy: Strategy::Playbook,
+            promotion: Promotion::Auto,
+            settings,
+            created_by: "test".into(),
+        };
+        let v1 = NewVersion {
+            parent: None,
+            source: VersionSource::Manual,
+            round_id: None,
+            content: VersionContent { base: "You answer support questions.".into(), playbook: None },
+            message: "m".into(),
+            created_by: "test".into(),
+        };
+        s.create_prompt(prompt, v1).await.unwrap();
+        let traces: Vec<_> = (0..N)
+            .map(|i| {
+                let t: NewTrace = serde_json::from_value(insight_trace("resumed", i)).unwrap();
+                t.validate(TraceLimits { max_field_bytes: 4096, max_trace_bytes: 16384 }).unwrap()
+            })
+            .collect();
+        s.insert_traces(&traces).await.unwrap();
+        let open = OpenRound {
+            prompt: name.clone(),
+            trigger: RoundTrigger::Api,
+            method: Method::Combee,
+            batch: N as u32,
+            min_traces: 1,
+            seed: 3,
+            inbound_webhook_id: None,
+        };
+        s.open_round(&open).await.unwrap().expect("a round opens");
+        let llm = LlmConfig { base_url: sim.url.clone(), max_concurrency: 1, backoff_base_ms: 1, ..Default::default() };
+        let client = OpenAiClient::new(llm.clone()).unwrap();
+
+        // Attempt 1: every reflection and the first groups answer, then the backend is down.
+        let first = claim(&s).await;
+        let journal = StoreJournal::new(s.clone(), first.round.id, first.round.attempt, first.round.detail.clone());
+        let down = DownAfter { inner: client.clone(), ok: N + ANSWERED, seen: AtomicUsize::new(0) };
+        let err =
+            run_round(&down, &llm, &spec_of(&first), &first.base.content, &first.traces, &journal).await.unwrap_err();
+        assert!(err.is_retryable(), "{err}");
+        s.fail_round(
+            first.round.id,
+            first.round.attempt,
+            &err.to_string(),
+            RoundFailure::Retry { after: Duration::ZERO },
+        )
+        .await
+        .unwrap();
+
+        // Attempt 2, from what the store kept: no reflection and no answered group is paid again.
+        let second = claim(&s).await;
+        assert_eq!((second.round.id, second.round.attempt), (first.round.id, first.round.attempt + 1));
+        let journal = StoreJournal::new(s.clone(), second.round.id, second.round.attempt, second.round.detail.clone());
+        let (reflect0, aggregate0) = (sim.calls("reflect").await, sim.calls("aggregate-playbook").await);
+        let out =
+            run_round(&client, &llm, &spec_of(&second), &second.base.content, &second.traces, &journal).await.unwrap();
+        let aggregated = sim.calls("aggregate-playbook").await - aggregate0;
+        eprintln!(
+            "resumed round (store-backed journal, {b:?}): k = {}, {} groups reused, {aggregated} aggregator calls paid",
+            out.k, out.resumed_groups
+        );
+        assert_eq!(sim.calls("reflect").await - reflect0, 0, "no reflection is asked for again");
+        assert_eq!(out.k, 5);
+        assert_eq!(out.resumed_groups, ANSWERED);
+        assert_eq!(aggregated as usize, out.k - ANSWERED, "only the missing groups are called");
+        assert_eq!(out.group_outputs.len(), out.k);
+    }
+
+    on_both_stores!(a_resumed_round_calls_only_the_missing_groups);
+}

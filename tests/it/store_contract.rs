@@ -14,9 +14,9 @@ use combee::{
     },
     learn::grouping::Method,
     store::{
-        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, NewPrompt, NewUiSession, OpenRound, OtlpMerge,
-        OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceAction, TraceCharges,
-        TraceFault, TraceFilter,
+        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, MeterCounts, NewPrompt, NewUiSession, OpenRound,
+        OtlpMerge, OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceAction,
+        TraceCharges, TraceFault, TraceFilter,
     },
 };
 use common::{Backend, test_store};
@@ -1379,7 +1379,39 @@ async fn failed_rounds_retry_later_or_give_their_traces_back(b: Backend) {
     assert_eq!((backlog.pending, backlog.active_round), (2, false));
 }
 
+/// The overload meter sums each round's counts once per bucket, per prompt.
+async fn meter_counts_sum_rounds_once_per_prompt(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "metered").await;
+    make_prompt(&s, "other").await;
+    assert!(s.meter_counts(&name("metered")).await.unwrap().is_empty());
+    let counts = |size_min, marked, recaptured| MeterCounts { size_min, marked, recaptured, rounds: 1 };
+
+    s.insert_traces(&[trace("metered", None)]).await.unwrap();
+    let a = open_and_claim(&s, "metered").await;
+    s.record_meter_counts(&name("metered"), a.round.id, &[counts(4, 10, 8), counts(16, 20, 11)]).await.unwrap();
+    // A worker recording the same round again (a retried publish) changes nothing.
+    s.record_meter_counts(&name("metered"), a.round.id, &[counts(4, 10, 8)]).await.unwrap();
+    let charges = TraceCharges { faults: vec![], max_trace_attempts: 2 };
+    s.fail_round(a.round.id, a.round.attempt, "done", RoundFailure::GiveUp { charges }).await.unwrap();
+
+    let b_round = open_and_claim(&s, "metered").await;
+    s.record_meter_counts(&name("metered"), b_round.round.id, &[counts(4, 6, 3)]).await.unwrap();
+
+    let got = s.meter_counts(&name("metered")).await.unwrap();
+    assert_eq!(
+        got,
+        vec![
+            MeterCounts { size_min: 4, marked: 16, recaptured: 11, rounds: 2 },
+            MeterCounts { size_min: 16, marked: 20, recaptured: 11, rounds: 1 },
+        ]
+    );
+    assert!(s.meter_counts(&name("other")).await.unwrap().is_empty(), "meters are per prompt");
+}
+
 on_both_stores!(
+    meter_counts_sum_rounds_once_per_prompt,
     label_history_records_every_move_in_order,
     a_live_lease_makes_a_round_claimable_exactly_once,
     concurrent_claimers_take_each_round_once,

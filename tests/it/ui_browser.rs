@@ -236,11 +236,11 @@ async fn api_prompt(app: &TestApp, name: &str) -> Value {
 }
 
 /// A client that keeps cookies to itself and never follows redirects.
-fn plain_client() -> reqwest::Client {
+pub(crate) fn plain_client() -> reqwest::Client {
     reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
 }
 
-fn set_cookie(res: &reqwest::Response, name: &str) -> Option<String> {
+pub(crate) fn set_cookie(res: &reqwest::Response, name: &str) -> Option<String> {
     res.headers()
         .get_all("set-cookie")
         .iter()
@@ -255,7 +255,7 @@ fn hidden(html: &str, name: &str) -> String {
 }
 
 /// Signs in over plain HTTP; returns the session cookie's value.
-async fn sign_in(app: &TestApp, key: &str) -> reqwest::Response {
+pub(crate) async fn sign_in(app: &TestApp, key: &str) -> reqwest::Response {
     let http = plain_client();
     let form = http.get(app.url("/ui/login")).send().await.unwrap();
     let login_cookie = set_cookie(&form, "combee_login").unwrap();
