@@ -8,7 +8,10 @@ use axum::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::store::{Scope, StoreError};
+use crate::{
+    service::ServiceError,
+    store::{Scope, StoreError},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -105,17 +108,21 @@ impl ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
+        ServiceError::from(e).into()
+    }
+}
+
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
         match e {
-            StoreError::NotFound => ApiError::NotFound("not found".into()),
-            StoreError::AlreadyExists => ApiError::Conflict("it already exists".into()),
-            StoreError::Conflict => ApiError::PreconditionFailed("the resource changed; fetch it again".into()),
-            StoreError::Invalid(msg) => ApiError::Unprocessable(msg),
-            StoreError::Duplicate => ApiError::Conflict("it was already processed".into()),
-            StoreError::Unavailable(e) => {
-                tracing::error!(error = %e, "store unavailable");
-                ApiError::Unavailable
-            }
-            other => ApiError::Internal(other.into()),
+            ServiceError::BadRequest(m) => ApiError::BadRequest(m),
+            ServiceError::NotFound(m) => ApiError::NotFound(m),
+            ServiceError::Conflict(m) => ApiError::Conflict(m),
+            ServiceError::PreconditionFailed(m) => ApiError::PreconditionFailed(m),
+            ServiceError::PayloadTooLarge(m) => ApiError::PayloadTooLarge(m),
+            ServiceError::Unprocessable(m) => ApiError::Unprocessable(m),
+            ServiceError::Unavailable => ApiError::Unavailable,
+            ServiceError::Internal(e) => ApiError::Internal(e),
         }
     }
 }
