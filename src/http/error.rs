@@ -165,4 +165,30 @@ mod tests {
         let bad_request = ApiError::BadRequest("no".into()).into_response();
         assert!(bad_request.headers().get(header::RETRY_AFTER).is_none());
     }
+
+    /// The web UI shows a service failure with `ServiceError::status` and its
+    /// message; the API must answer the same failure with the same status and words.
+    #[test]
+    fn the_api_answers_a_service_failure_as_the_ui_shows_it() {
+        let failures = || {
+            vec![
+                ServiceError::BadRequest("bad".into()),
+                ServiceError::NotFound("prompt \"x\" not found".into()),
+                ServiceError::Conflict("in flight".into()),
+                ServiceError::PreconditionFailed("moved".into()),
+                ServiceError::PayloadTooLarge("long".into()),
+                ServiceError::Unprocessable("invalid".into()),
+                ServiceError::Unavailable,
+                ServiceError::Internal(anyhow::anyhow!("secret detail")),
+            ]
+        };
+        for (shown, answered) in failures().into_iter().zip(failures().into_iter().map(ApiError::from)) {
+            assert_eq!(answered.status(), shown.status(), "{shown:?}");
+            assert_eq!(answered.problem().detail, shown.to_string(), "{shown:?}");
+        }
+        assert_eq!(
+            ApiError::from(ServiceError::Internal(anyhow::anyhow!("secret detail"))).problem().detail,
+            "internal error"
+        );
+    }
 }
