@@ -9,10 +9,9 @@ use uuid::Uuid;
 use super::{AppState, ServiceError, ServiceResult};
 use crate::{
     domain::{
-        PromptName, Reflection,
+        Method, PromptName, Reflection,
         round::{Round, RoundTrigger},
     },
-    learn::grouping::Method,
     store::{OpenRound, RoundCall, StoreError},
     worker::{self, random_seed},
 };

@@ -1,5 +1,5 @@
-//! The operator web UI at `/ui`: server-rendered HTML over the same store and
-//! route logic as the JSON API, behind a cookie session opened with an API
+//! The operator web UI at `/ui`: server-rendered HTML over the same service
+//! operations as the JSON API (`service/`), behind a cookie session opened with an API
 //! key. No script; one local stylesheet; charts are inline SVG. Every page
 //! sends a strict Content-Security-Policy and is never cached.
 
