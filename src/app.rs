@@ -1,6 +1,6 @@
 //! Building and running the service: open the store, make sure an admin key
-//! exists, bind the listener (port 0 in tests), serve until SIGTERM/SIGINT,
-//! and let in-flight requests finish.
+//! exists, bind the listener (port 0 in tests), compose the API and web UI
+//! routers, serve until SIGTERM/SIGINT, and let in-flight requests finish.
 
 use std::{net::SocketAddr, path::Path, sync::Arc, time::Duration};
 
@@ -13,12 +13,18 @@ use crate::{
     cache::PromptCache,
     config::{Role, Settings},
     delivery::Deliverer,
-    http::{self, AppState, Shared},
+    http,
     llm::{LlmBackend, client::OpenAiClient},
+    service::{AppState, Shared},
     store::{self, Change, DynStore, Scope},
-    telemetry,
+    telemetry, ui,
     worker::{Worker, guard::RegressionGuard},
 };
+
+/// The API with the web UI at `/ui`, both behind the API's middleware.
+fn router(state: AppState) -> axum::Router {
+    http::serve(http::routes().nest("/ui", ui::router()), state)
+}
 
 pub const ADMIN_KEY_FILE: &str = "admin-key";
 
@@ -154,7 +160,7 @@ impl Application {
             signal_token.cancel();
         });
         let stopped = shutdown.clone();
-        let router = if role == Role::Worker { http::ops_router(state) } else { http::router(state) };
+        let router = if role == Role::Worker { http::ops_router(state) } else { router(state) };
         let server = axum::serve(listener, router).with_graceful_shutdown(async move {
             stopped.cancelled().await;
             tracing::info!("shutting down: finishing in-flight requests");

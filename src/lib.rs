@@ -14,6 +14,7 @@ pub mod learn;
 pub mod llm;
 pub mod otlp;
 pub mod secret;
+pub mod service;
 pub mod simulation;
 pub mod store;
 pub mod telemetry;

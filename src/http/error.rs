@@ -8,7 +8,10 @@ use axum::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::store::{Scope, StoreError};
+use crate::{
+    service::ServiceError,
+    store::{Scope, StoreError},
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -105,17 +108,21 @@ impl ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
+        ServiceError::from(e).into()
+    }
+}
+
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
         match e {
-            StoreError::NotFound => ApiError::NotFound("not found".into()),
-            StoreError::AlreadyExists => ApiError::Conflict("it already exists".into()),
-            StoreError::Conflict => ApiError::PreconditionFailed("the resource changed; fetch it again".into()),
-            StoreError::Invalid(msg) => ApiError::Unprocessable(msg),
-            StoreError::Duplicate => ApiError::Conflict("it was already processed".into()),
-            StoreError::Unavailable(e) => {
-                tracing::error!(error = %e, "store unavailable");
-                ApiError::Unavailable
-            }
-            other => ApiError::Internal(other.into()),
+            ServiceError::BadRequest(m) => ApiError::BadRequest(m),
+            ServiceError::NotFound(m) => ApiError::NotFound(m),
+            ServiceError::Conflict(m) => ApiError::Conflict(m),
+            ServiceError::PreconditionFailed(m) => ApiError::PreconditionFailed(m),
+            ServiceError::PayloadTooLarge(m) => ApiError::PayloadTooLarge(m),
+            ServiceError::Unprocessable(m) => ApiError::Unprocessable(m),
+            ServiceError::Unavailable => ApiError::Unavailable,
+            ServiceError::Internal(e) => ApiError::Internal(e),
         }
     }
 }
@@ -157,5 +164,31 @@ mod tests {
         assert_eq!(res.headers()[header::CONTENT_TYPE], "application/problem+json");
         let bad_request = ApiError::BadRequest("no".into()).into_response();
         assert!(bad_request.headers().get(header::RETRY_AFTER).is_none());
+    }
+
+    /// The web UI shows a service failure with `ServiceError::status` and its
+    /// message; the API must answer the same failure with the same status and words.
+    #[test]
+    fn the_api_answers_a_service_failure_as_the_ui_shows_it() {
+        let failures = || {
+            vec![
+                ServiceError::BadRequest("bad".into()),
+                ServiceError::NotFound("prompt \"x\" not found".into()),
+                ServiceError::Conflict("in flight".into()),
+                ServiceError::PreconditionFailed("moved".into()),
+                ServiceError::PayloadTooLarge("long".into()),
+                ServiceError::Unprocessable("invalid".into()),
+                ServiceError::Unavailable,
+                ServiceError::Internal(anyhow::anyhow!("secret detail")),
+            ]
+        };
+        for (shown, answered) in failures().into_iter().zip(failures().into_iter().map(ApiError::from)) {
+            assert_eq!(answered.status(), shown.status(), "{shown:?}");
+            assert_eq!(answered.problem().detail, shown.to_string(), "{shown:?}");
+        }
+        assert_eq!(
+            ApiError::from(ServiceError::Internal(anyhow::anyhow!("secret detail"))).problem().detail,
+            "internal error"
+        );
     }
 }

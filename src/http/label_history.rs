@@ -10,11 +10,11 @@ use super::{
     AppState,
     error::{ApiError, ApiResult},
     extract::{ApiPath, ApiQuery, Caller},
-    pagination::{PageParams, next_token},
-    prompts::existing_prompt,
 };
 use crate::{
     domain::{LabelHistoryEntry, LabelName},
+    service::pagination::{PageParams, next_token},
+    service::prompts::existing_prompt,
     store::Scope,
 };
 

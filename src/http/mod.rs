@@ -1,6 +1,7 @@
-//! The HTTP API: router, shared state and the middleware every request passes
-//! through (request id, tracing span, metrics, timeout, body limit, panics as
-//! problems). One file per resource beside this one.
+//! The HTTP API: its routes and the middleware every request passes through
+//! (request id, tracing span, metrics, timeout, body limit, panics as
+//! problems). One file per resource beside this one; the operations the web
+//! UI shares are in `service/`.
 
 pub mod controller;
 pub mod error;
@@ -11,7 +12,6 @@ pub mod openapi;
 pub mod ops;
 pub mod otlp;
 pub mod outcomes;
-pub mod pagination;
 pub mod prompts;
 pub mod rounds;
 pub mod traces;
@@ -27,7 +27,6 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{get, post, put},
 };
-use metrics_exporter_prometheus::PrometheusHandle;
 use tower::ServiceBuilder;
 use tower_http::{
     catch_panic::CatchPanicLayer,
@@ -35,39 +34,15 @@ use tower_http::{
     trace::TraceLayer,
 };
 
-use crate::{auth::KeyCache, cache::PromptCache, config::Settings, store::DynStore};
 use error::ApiError;
 
-/// Shared by every request; one `Arc`, so the per-request clone axum makes
-/// is a single reference-count bump.
-#[derive(Clone)]
-pub struct AppState(Arc<Shared>);
-
-pub struct Shared {
-    pub store: DynStore,
-    pub settings: Arc<Settings>,
-    pub cache: Arc<PromptCache>,
-    pub keys: Arc<KeyCache>,
-    pub metrics: PrometheusHandle,
-}
-
-impl AppState {
-    pub fn new(shared: Shared) -> Self {
-        Self(Arc::new(shared))
-    }
-}
-
-impl std::ops::Deref for AppState {
-    type Target = Shared;
-    fn deref(&self) -> &Shared {
-        &self.0
-    }
-}
+pub use crate::service::{AppState, Shared};
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-pub fn router(state: AppState) -> Router {
-    let timeout = Duration::from_secs(state.settings.server.request_timeout_secs);
+/// The API's routes, without state or middleware: `app.rs` adds the web UI
+/// beside them and hands the whole table to [`serve`].
+pub fn routes() -> Router<AppState> {
     // Flat paths rather than `.nest("/v1")`: nesting costs a second routing step per request.
     Router::new()
         .route("/healthz", get(ops::healthz))
@@ -101,7 +76,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
         .route("/v1/openapi.json", get(ops::openapi))
-        .nest("/ui", crate::ui::router())
+}
+
+/// The route table as served: the API's fallbacks (problem documents) and
+/// the middleware every request passes through, web UI pages included.
+pub fn serve(routes: Router<AppState>, state: AppState) -> Router {
+    let timeout = Duration::from_secs(state.settings.server.request_timeout_secs);
+    routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.limits.max_body_bytes))

@@ -12,10 +12,10 @@ use super::{
     AppState,
     error::{ApiError, ApiResult},
     extract::{ApiPath, ApiQuery, Caller},
-    prompts::existing_prompt,
 };
 use crate::{
     evaluate::outcomes::{VersionOutcomes, summarize},
+    service::prompts::existing_prompt,
     store::Scope,
 };
 

@@ -18,37 +18,22 @@ use super::{
     AppState,
     error::{ApiError, ApiResult},
     extract::{ApiJson, ApiPath, ApiQuery, Caller},
-    pagination::{PageParams, next_token},
 };
 use crate::{
     cache::CachedPrompt,
     domain::{
         LabelMoveKind, LabelName, MoveCause, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy,
-        Version, VersionContent, VersionSource,
-        diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
-        prompt::NewVersion,
+        Version, VersionContent, VersionSource, prompt::NewVersion,
+    },
+    service::{
+        pagination::{PageParams, next_token},
+        prompts::{
+            MAX_MESSAGE_CHARS, VersionDiff, check_message, existing_prompt, move_label_to, parse_name, roll_back,
+            version_diff,
+        },
     },
     store::{Label, LabelMove, NewPrompt, PromptSummary, Resolved, Scope, Selector, StoreError},
 };
-
-const MAX_MESSAGE_CHARS: usize = 2000;
-
-pub fn parse_name(name: &str) -> ApiResult<PromptName> {
-    PromptName::parse(name).map_err(|e| ApiError::NotFound(format!("no such prompt: {e}")))
-}
-
-pub async fn existing_prompt(st: &AppState, name: &str) -> ApiResult<Prompt> {
-    let name = parse_name(name)?;
-    st.store.get_prompt(&name).await?.ok_or_else(|| ApiError::not_found(format_args!("prompt {name:?}")))
-}
-
-fn check_message(message: Option<String>, default: &str) -> ApiResult<String> {
-    let m = message.unwrap_or_else(|| default.to_owned());
-    if m.chars().count() > MAX_MESSAGE_CHARS {
-        return Err(ApiError::PayloadTooLarge(format!("`message` is longer than {MAX_MESSAGE_CHARS} characters")));
-    }
-    Ok(m)
-}
 
 fn check_content(
     st: &AppState,
@@ -567,17 +552,6 @@ pub struct DiffQuery {
     pub to: i64,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
-pub struct VersionDiff {
-    pub from: i64,
-    pub to: i64,
-    /// A unified diff of the rendered texts.
-    pub unified: String,
-    pub lines: Vec<DiffLine>,
-    /// Bullets added, removed and changed (playbook prompts).
-    pub playbook: Option<PlaybookDiff>,
-}
-
 #[utoipa::path(get, path = "/v1/prompts/{name}/diff", tag = "versions", params(("name" = String, Path), DiffQuery),
     responses((status = 200, body = VersionDiff), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
 pub async fn diff_versions(
@@ -589,27 +563,6 @@ pub async fn diff_versions(
     caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
     Ok(Json(version_diff(&st, &prompt, q.from, q.to).await?))
-}
-
-/// The diff of two versions, as the route and the web UI show it.
-pub async fn version_diff(st: &AppState, prompt: &Prompt, from: i64, to: i64) -> ApiResult<VersionDiff> {
-    let load = |n: i64| {
-        let st = st.clone();
-        let name = prompt.name.clone();
-        async move {
-            st.store
-                .resolve(&name, &Selector::Version(n))
-                .await?
-                .map(|r| r.version)
-                .ok_or_else(|| ApiError::not_found(format_args!("version {n} of prompt {name:?}")))
-        }
-    };
-    let (a, b) = (load(from).await?, load(to).await?);
-    let (unified, lines) =
-        text_diff(&a.content.render(), &b.content.render(), &format!("v{}", a.number), &format!("v{}", b.number));
-    let playbook = (prompt.strategy == Strategy::Playbook)
-        .then(|| playbook_diff(a.content.playbook.as_ref(), b.content.playbook.as_ref()));
-    Ok(VersionDiff { from: a.number, to: b.number, unified, lines, playbook })
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -682,17 +635,6 @@ async fn moved(st: &AppState, name: &PromptName, label: Label) -> ApiResult<Resp
     Ok(res)
 }
 
-fn store_move_error(e: StoreError, label: &LabelName) -> ApiError {
-    match e {
-        StoreError::Conflict => {
-            ApiError::PreconditionFailed(format!("label {label:?} moved meanwhile; fetch it again"))
-        }
-        // The version named does not exist (yet): a conflict with the prompt's state.
-        StoreError::Invalid(msg) => ApiError::Conflict(msg),
-        other => other.into(),
-    }
-}
-
 #[utoipa::path(put, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
     params(("name" = String, Path), ("label" = String, Path), ("If-Match" = Option<String>, Header, description = "ETag of `GET ?label=` — the move fails with 412 if the label moved")),
     request_body = MoveLabel, responses((status = 200, body = LabelMoved), (status = 412, body = super::error::Problem)),
@@ -725,14 +667,6 @@ pub async fn move_label(
     };
     let moved_label = move_label_to(&st, &prompt.name, &mv, &MoveCause::new(LabelMoveKind::Promote, reason)).await?;
     moved(&st, &prompt.name, moved_label).await
-}
-
-/// Applies a label move, recording `cause` in the label history, and drops
-/// the cached views; shared with the web UI.
-pub async fn move_label_to(st: &AppState, name: &PromptName, mv: &LabelMove, cause: &MoveCause) -> ApiResult<Label> {
-    let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
-    st.cache.invalidate(name.as_str());
-    Ok(label)
 }
 
 #[utoipa::path(delete, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
@@ -796,47 +730,4 @@ pub async fn rollback(
     let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();
     res.headers_mut().insert(header::ETAG, etag);
     Ok(res)
-}
-
-/// Brings version `to`'s content back as a new version made production.
-/// Given `expected_production`, fails with 412 unless production still points
-/// there (the API's `If-Match`, the web UI's version on the page).
-pub async fn roll_back(
-    st: &AppState,
-    prompt: &Prompt,
-    to: i64,
-    message: Option<String>,
-    expected_production: Option<i64>,
-    actor: &str,
-) -> ApiResult<Version> {
-    let production = LabelName::production();
-    let current = match expected_production {
-        Some(v) => Some(v),
-        None => st.store.resolve(&prompt.name, &Selector::Label(production.clone())).await?.map(|r| r.version.number),
-    };
-    let target = st
-        .store
-        .resolve(&prompt.name, &Selector::Version(to))
-        .await?
-        .ok_or_else(|| ApiError::Conflict(format!("version {to} does not exist")))?
-        .version;
-    let version = NewVersion {
-        parent: current,
-        source: VersionSource::Rollback,
-        round_id: None,
-        content: target.content,
-        message: check_message(message, &format!("rollback to v{to}"))?,
-        created_by: actor.to_owned(),
-    };
-    let mv = LabelMove {
-        label: production.clone(),
-        to_version: 0,
-        expected_current: current,
-        check_current: expected_production.is_some(),
-        by: actor.to_owned(),
-    };
-    let created =
-        st.store.create_version(&prompt.name, version, &[mv]).await.map_err(|e| store_move_error(e, &production))?;
-    st.cache.invalidate(prompt.name.as_str());
-    Ok(created)
 }

@@ -16,33 +16,17 @@ use super::{
     AppState,
     error::{ApiError, ApiResult},
     extract::{ApiPath, ApiQuery, Caller, body_bytes},
-    pagination::{PageParams, next_token},
-    prompts::parse_name,
 };
 use crate::{
-    domain::{
-        PromptName, Reflection,
-        round::{Round, RoundTrigger},
+    domain::round::{Round, RoundTrigger},
+    service::{
+        pagination::{PageParams, next_token},
+        prompts::parse_name,
+        rounds::{RoundView, TriggerRound, open_round, round_view},
     },
-    learn::grouping::Method,
-    store::{OpenRound, RoundCall, Scope, StoreError},
+    store::Scope,
     webhooks,
-    worker::random_seed,
 };
-
-#[derive(Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct TriggerRound {
-    /// Most traces to take (default: the prompt's batch size, else `worker.default_batch_size`).
-    #[serde(default)]
-    pub batch_size: Option<u32>,
-    /// `combee` (default), or the `naive` / `sequential` baselines.
-    #[serde(default)]
-    #[schema(value_type = Option<String>)]
-    pub method: Option<Method>,
-}
-
-const MAX_BATCH: u32 = 10_000;
 
 /// An empty body means all defaults.
 fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
@@ -54,43 +38,6 @@ fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
     super::extract::body_value(&mut value)?;
     serde_json::from_value(value)
         .map_err(|e| ApiError::Unprocessable(super::extract::plain_serde_error(&e.to_string())))
-}
-
-/// Opens a round; `Ok(None)` only for a webhook id that already opened one.
-async fn open(
-    st: &AppState,
-    name: &PromptName,
-    req: TriggerRound,
-    trigger: RoundTrigger,
-    inbound_webhook_id: Option<String>,
-) -> ApiResult<Option<Round>> {
-    let prompt =
-        st.store.get_prompt(name).await?.ok_or_else(|| ApiError::not_found(format_args!("prompt {name:?}")))?;
-    let batch = match req.batch_size {
-        Some(n) => n,
-        None => crate::worker::controller::default_batch(&st.store, &prompt, &st.settings.controller).await?,
-    };
-    if !(1..=MAX_BATCH).contains(&batch) {
-        return Err(ApiError::Unprocessable(format!("`batch_size` must be between 1 and {MAX_BATCH}")));
-    }
-    let open = OpenRound {
-        prompt: name.clone(),
-        trigger,
-        method: req.method.unwrap_or_default(),
-        batch,
-        min_traces: 1,
-        seed: random_seed(),
-        inbound_webhook_id,
-    };
-    match st.store.open_round(&open).await {
-        Ok(Some(round)) => Ok(Some(round)),
-        Err(StoreError::Duplicate) => Ok(None),
-        Ok(None) => Err(ApiError::Conflict(format!("prompt {name:?} has no pending traces to learn from"))),
-        Err(StoreError::AlreadyExists) => Err(ApiError::Conflict(format!(
-            "prompt {name:?} already has a round in flight; at most one runs at a time"
-        ))),
-        Err(e) => Err(e.into()),
-    }
 }
 
 #[utoipa::path(post, path = "/v1/prompts/{name}/rounds", tag = "rounds", params(("name" = String, Path)),
@@ -105,7 +52,7 @@ pub async fn trigger_round(
     caller.require(Scope::RoundsTrigger)?;
     let name = parse_name(&name)?;
     let body = parse_trigger(&body_bytes(req).await?)?;
-    let round = open(&st, &name, body, RoundTrigger::Api, None)
+    let round = open_round(&st, &name, body, RoundTrigger::Api, None)
         .await?
         .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("a round without a webhook id was taken for a duplicate")))?;
     Ok((StatusCode::ACCEPTED, Json(round)).into_response())
@@ -153,7 +100,7 @@ pub async fn webhook_round(
     }
     // The id is remembered only together with the round it opens: a trigger
     // refused here (404, 409) is processed again when the sender retries it.
-    match open(&st, &name, trigger, RoundTrigger::Webhook, Some(id.to_owned())).await? {
+    match open_round(&st, &name, trigger, RoundTrigger::Webhook, Some(id.to_owned())).await? {
         Some(round) => {
             Ok((StatusCode::ACCEPTED, Json(WebhookAccepted { status: "queued", round: Some(round) })).into_response())
         }
@@ -172,33 +119,6 @@ fn webhook_reason(e: &webhooks::VerifyError) -> &'static str {
     }
 }
 
-#[derive(Debug, Serialize, ToSchema)]
-pub struct RoundReflection {
-    pub trace_id: Uuid,
-    /// True when the agent sent its own reflection with the trace.
-    pub from_trace: bool,
-    pub reflection: Reflection,
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-pub struct UsageTotals {
-    pub calls: usize,
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    pub cost_usd: f64,
-    pub retries: u64,
-}
-
-#[derive(Debug, Serialize, ToSchema)]
-pub struct RoundView {
-    #[serde(flatten)]
-    pub round: Round,
-    pub trace_ids: Vec<Uuid>,
-    pub reflections: Vec<RoundReflection>,
-    pub llm_calls: Vec<RoundCall>,
-    pub usage: UsageTotals,
-}
-
 #[utoipa::path(get, path = "/v1/rounds/{id}", tag = "rounds", params(("id" = Uuid, Path)),
     responses((status = 200, body = RoundView), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
 pub async fn get_round(
@@ -209,25 +129,6 @@ pub async fn get_round(
     caller.require(Scope::PromptsRead)?;
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound("no such round: ids are UUIDs".into()))?;
     Ok(Json(round_view(&st, id).await?))
-}
-
-/// One round with its traces, reflections, calls and usage, as the route and the web UI show it.
-pub async fn round_view(st: &AppState, id: Uuid) -> ApiResult<RoundView> {
-    let round = st.store.get_round(id).await?.ok_or_else(|| ApiError::not_found(format_args!("round {id}")))?;
-    let (trace_ids, reflections, llm_calls) =
-        tokio::try_join!(st.store.round_trace_ids(id), st.store.round_reflections(id), st.store.round_calls(id))?;
-    let usage = UsageTotals {
-        calls: llm_calls.len(),
-        prompt_tokens: llm_calls.iter().map(|c| c.call.prompt_tokens).sum(),
-        completion_tokens: llm_calls.iter().map(|c| c.call.completion_tokens).sum(),
-        cost_usd: llm_calls.iter().map(|c| c.call.cost_usd).sum(),
-        retries: llm_calls.iter().map(|c| u64::from(c.call.retries)).sum(),
-    };
-    let reflections = reflections
-        .into_iter()
-        .map(|(trace_id, reflection, from_trace)| RoundReflection { trace_id, from_trace, reflection })
-        .collect();
-    Ok(RoundView { round, trace_ids, reflections, llm_calls, usage })
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -19,14 +19,14 @@ use super::{
     AppState,
     error::{ApiError, ApiResult},
     extract::{ApiJson, ApiPath, ApiQuery, Caller, body_bytes},
-    pagination::{PageParams, next_token},
-    prompts::parse_name,
 };
 use crate::{
     domain::{
         Feedback, NewTrace, PromptName, Trace, TraceStatus,
         trace::{TraceLimits, ValidTrace},
     },
+    service::pagination::{PageParams, next_token},
+    service::prompts::parse_name,
     store::{IdempotencyKey, IdempotentIngest, RequeueFailed, Scope, StoreError, TraceAction, TraceFilter},
 };
 
@@ -448,7 +448,7 @@ pub async fn quarantine_traces(
     ApiJson(q): ApiJson<BulkQuarantine>,
 ) -> ApiResult<Json<Quarantined>> {
     caller.require(Scope::PromptsWrite)?;
-    let prompt = super::prompts::existing_prompt(&st, &q.prompt).await?;
+    let prompt = crate::service::prompts::existing_prompt(&st, &q.prompt).await?;
     let reason = quarantine_reason(q.reason, &caller)?;
     let filter = TraceFilter { prompt: Some(prompt.name), since: q.since, until: q.until, ..Default::default() };
     let quarantined = st.store.quarantine_traces(&filter, &reason).await?;

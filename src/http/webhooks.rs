@@ -13,12 +13,12 @@ use super::{
     AppState,
     error::{ApiError, ApiResult},
     extract::{ApiJson, ApiPath, ApiQuery, Caller},
-    pagination::{PageParams, next_token},
 };
 use crate::{
     delivery::target::{self, TargetError},
     domain::event::EventType,
     secret::Secret,
+    service::pagination::{PageParams, next_token},
     store::{DeliveryAttempt, NewWebhook, Scope, Webhook},
     webhooks::SECRET_PREFIX,
 };

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use super::{UiError, session::Operator};
 use crate::{
     domain::{LabelMoveKind, LabelName, MoveCause},
-    http::{AppState, error::ApiError, prompts},
+    service::{AppState, ServiceError, prompts},
     store::{LabelMove, Scope, TraceAction},
 };
 
@@ -32,7 +32,7 @@ pub struct VersionForm {
 fn number(v: Option<&str>, what: &str) -> Result<i64, UiError> {
     v.and_then(|s| s.trim().parse::<i64>().ok())
         .filter(|n| *n >= 1)
-        .ok_or_else(|| UiError::Api(ApiError::BadRequest(format!("`{what}` must be a version number"))))
+        .ok_or_else(|| UiError::Service(ServiceError::BadRequest(format!("`{what}` must be a version number"))))
 }
 
 /// Checks, in this order: the CSRF token, the scope, the numbers.
@@ -96,7 +96,7 @@ fn trace_outcome(id: uuid::Uuid, action: TraceAction) -> Result<(), UiError> {
     match action {
         TraceAction::Done(_) => Ok(()),
         TraceAction::NotFound => Err(UiError::NotFound(format!("Trace {id} not found."))),
-        TraceAction::Refused(why) => Err(UiError::Api(ApiError::Conflict(why))),
+        TraceAction::Refused(why) => Err(UiError::Service(ServiceError::Conflict(why))),
     }
 }
 

@@ -1,5 +1,5 @@
-//! The operator web UI at `/ui`: server-rendered HTML over the same store and
-//! route logic as the JSON API, behind a cookie session opened with an API
+//! The operator web UI at `/ui`: server-rendered HTML over the same service
+//! operations as the JSON API (`service/`), behind a cookie session opened with an API
 //! key. No script; one local stylesheet; charts are inline SVG. Every page
 //! sends a strict Content-Security-Policy and is never cached.
 
@@ -20,7 +20,10 @@ use axum::{
     routing::{get, post},
 };
 
-use crate::{http::AppState, http::error::ApiError, store::StoreError};
+use crate::{
+    service::{AppState, ServiceError},
+    store::StoreError,
+};
 use html::{Section, page};
 
 pub fn router() -> Router<AppState> {
@@ -53,20 +56,20 @@ pub enum UiError {
     SignIn,
     Forbidden(String),
     NotFound(String),
-    Api(ApiError),
+    Service(ServiceError),
 }
 
 impl UiError {
     pub fn from_store(e: StoreError) -> Self {
-        UiError::Api(e.into())
+        UiError::Service(e.into())
     }
 }
 
-impl From<ApiError> for UiError {
-    fn from(e: ApiError) -> Self {
+impl From<ServiceError> for UiError {
+    fn from(e: ServiceError) -> Self {
         match e {
-            ApiError::NotFound(m) => UiError::NotFound(m),
-            other => UiError::Api(other),
+            ServiceError::NotFound(m) => UiError::NotFound(m),
+            other => UiError::Service(other),
         }
     }
 }
@@ -90,8 +93,8 @@ impl IntoResponse for UiError {
             }
             UiError::Forbidden(m) => (StatusCode::FORBIDDEN, m),
             UiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
-            UiError::Api(e) => {
-                if let ApiError::Internal(inner) = &e {
+            UiError::Service(e) => {
+                if let ServiceError::Internal(inner) = &e {
                     tracing::error!(error = ?inner, "web UI request failed");
                 }
                 // The API's messages are written for callers; internal details are not in them.

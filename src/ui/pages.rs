@@ -24,10 +24,9 @@ use crate::{
         diff::{LineTag, SectionBullet},
         round::{Round, method_str, strategy_str},
     },
-    http::{
-        AppState,
+    service::{
+        AppState, ServiceError,
         controller::controller_view,
-        error::ApiError,
         pagination::{PageParams, next_token},
         prompts::{existing_prompt, version_diff},
         rounds::round_view,
@@ -379,7 +378,7 @@ pub async fn diff(
     op.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
     let (Some(from), Some(to)) = (q.from, q.to) else {
-        return Err(UiError::Api(ApiError::BadRequest("choose two versions (`from` and `to`)".into())));
+        return Err(UiError::Service(ServiceError::BadRequest("choose two versions (`from` and `to`)".into())));
     };
     let d = version_diff(&st, &prompt, from, to).await?;
     let latest = st.store.resolve(&prompt.name, &Selector::Latest).await?.map_or(0, |r| r.version.number);
@@ -972,7 +971,7 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
 <h2>Samples <span class="muted small">newest first</span></h2><table class="compact" id="samples"><thead><tr><th>Time</th><th class="num">Batch size</th><th class="num">Round time</th><th>Round</th></tr></thead><tbody>{samples}</tbody></table>"#,
         escape(prompt.name.as_str()),
         prompt_tabs(prompt.name.as_str(), "controller"),
-        meter_method = escape(crate::http::controller::METER_METHOD),
+        meter_method = escape(crate::service::controller::METER_METHOD),
     );
     Ok(page(&format!("{} controller", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
 }
@@ -1004,16 +1003,17 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
         Some(p) => Some(existing_prompt(&st, p).await?.name),
         None => None,
     };
-    let status =
-        match q.status.as_deref().filter(|s| !s.is_empty()) {
-            Some(s) => Some(TraceStatus::parse(s).ok_or_else(|| {
-                UiError::Api(ApiError::BadRequest("status must be pending, consumed or failed".into()))
-            })?),
-            None => None,
-        };
+    let status = match q.status.as_deref().filter(|s| !s.is_empty()) {
+        Some(s) => Some(TraceStatus::parse(s).ok_or_else(|| {
+            UiError::Service(ServiceError::BadRequest("status must be pending, consumed or failed".into()))
+        })?),
+        None => None,
+    };
     let page_params = PageParams { page_size: Some(PAGE), page_token: q.page_token };
     let before_id = match page_params.cursor()? {
-        Some(c) => Some(Uuid::parse_str(&c).map_err(|_| UiError::Api(ApiError::BadRequest("bad page token".into())))?),
+        Some(c) => {
+            Some(Uuid::parse_str(&c).map_err(|_| UiError::Service(ServiceError::BadRequest("bad page token".into())))?)
+        }
         None => None,
     };
     let filter = TraceFilter { prompt: prompt.clone(), status, since: None, until: None, before_id };

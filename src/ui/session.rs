@@ -21,7 +21,7 @@ use super::{
 };
 use crate::{
     auth::hash_key,
-    http::AppState,
+    service::AppState,
     store::{ApiKey, NewUiSession, Scope, UiSession},
 };
 

@@ -7,7 +7,7 @@
 use serde::Deserialize;
 use utoipa::IntoParams;
 
-use super::error::ApiError;
+use super::error::ServiceError;
 
 pub const DEFAULT_PAGE_SIZE: u32 = 50;
 
@@ -26,10 +26,10 @@ impl PageParams {
     }
 
     /// The cursor, if any (each list parses it in its own grammar).
-    pub fn cursor(&self) -> Result<Option<String>, ApiError> {
+    pub fn cursor(&self) -> Result<Option<String>, ServiceError> {
         match &self.page_token {
             Some(t) if t.is_empty() || t.len() > 64 => {
-                Err(ApiError::BadRequest("`page_token` is not a token this API issued".into()))
+                Err(ServiceError::BadRequest("`page_token` is not a token this API issued".into()))
             }
             other => Ok(other.clone()),
         }

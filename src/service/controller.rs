@@ -1,0 +1,123 @@
+//! The batch-size controller of one prompt, as operators see it: the delay
+//! samples, the per-size profile, the fitted curve T(bs) = A·bs^(−α), the
+//! chosen size and the rule that chose it — and the overload meter (the
+//! estimated per-group retention by group size, see [`crate::learn::meter`]).
+//! The API and the web UI show the same view.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use utoipa::ToSchema;
+
+use super::{AppState, ServiceError, ServiceResult};
+use crate::{
+    domain::{BatchSize, PromptName},
+    learn::{
+        controller::{self, Sample},
+        meter::{BucketCounts, MeterBucket},
+    },
+    store::ControllerSample,
+    worker,
+};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CurvePoint {
+    pub batch_size: u32,
+    /// Median round wall time at this size (seconds).
+    pub round_secs: f64,
+    /// T(bs) = (N/bs)·R(bs) for the current backlog N (seconds).
+    pub delay_secs: f64,
+    /// The fitted T at this size, when there is a fit.
+    pub fitted_delay_secs: Option<f64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ControllerView {
+    pub prompt: String,
+    /// `auto` (the controller chooses) or `fixed`.
+    pub mode: &'static str,
+    pub fixed_batch_size: Option<u32>,
+    /// Pending traces not yet in a round (N).
+    pub backlog: i64,
+    pub samples: Vec<ControllerSample>,
+    /// One point per profiled size, for plotting.
+    pub curve: Vec<CurvePoint>,
+    /// What the controller would choose now (size, target, rule, fit, plateau bs*).
+    #[schema(value_type = Object)]
+    pub choice: Value,
+    pub reason: String,
+    /// The last choice the worker recorded, and when.
+    #[schema(value_type = Option<Object>)]
+    pub last_choice: Option<Value>,
+    pub last_choice_at: Option<DateTime<Utc>>,
+    #[schema(value_type = Object)]
+    pub config: Value,
+    /// The overload meter: estimated retention of a level-1 group by size.
+    pub meter: MeterView,
+}
+
+/// The overload meter as operators see it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MeterView {
+    /// How the estimate is made, in one sentence.
+    pub method: &'static str,
+    /// One entry per group-size bucket seen so far, smallest first.
+    pub buckets: Vec<MeterBucket>,
+}
+
+/// What [`MeterView::method`] says.
+pub const METER_METHOD: &str = "capture-recapture over the p >= 2 copies of each reflection: among copies whose \
+reflection another copy's group cited, the share their own group cited too";
+
+/// The controller as the route and the web UI show it.
+pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<ControllerView> {
+    let name = name.clone();
+    let backlog = st
+        .store
+        .backlogs()
+        .await?
+        .into_iter()
+        .find(|b| b.prompt.name == name)
+        .ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
+    let cfg = &st.settings.controller;
+    let samples = st.store.controller_samples(&name, worker::controller::SAMPLE_LIMIT).await?;
+    let plain: Vec<Sample> =
+        samples.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs }).collect();
+    let n = backlog.pending.max(1) as u64;
+    let choice = controller::choose(&plain, n, cfg);
+    let curve = controller::profile(&plain, cfg.window)
+        .into_iter()
+        .map(|(bs, secs)| CurvePoint {
+            batch_size: bs,
+            round_secs: secs,
+            delay_secs: n as f64 / f64::from(bs) * secs,
+            fitted_delay_secs: choice.fit.map(|f| f.delay(f64::from(bs))),
+        })
+        .collect();
+    let last = st.store.controller_choice(&name).await?;
+    let buckets = st
+        .store
+        .meter_counts(&name)
+        .await?
+        .into_iter()
+        .map(|c| MeterBucket::new(c.size_min, BucketCounts { marked: c.marked, recaptured: c.recaptured }, c.rounds))
+        .collect();
+    let (mode, fixed_batch_size) = match backlog.prompt.settings.batch_size {
+        BatchSize::Auto => ("auto", None),
+        BatchSize::Fixed(n) => ("fixed", Some(n)),
+    };
+    Ok(ControllerView {
+        prompt: name.to_string(),
+        mode,
+        fixed_batch_size,
+        backlog: backlog.pending,
+        samples,
+        curve,
+        reason: choice.reason.message(),
+        choice: serde_json::to_value(&choice).unwrap_or_default(),
+        last_choice_at: last.as_ref().map(|(_, t)| *t),
+        last_choice: last.map(|(v, _)| v),
+        config: serde_json::to_value(cfg).unwrap_or_default(),
+        meter: MeterView { method: METER_METHOD, buckets },
+    })
+}

@@ -1,0 +1,114 @@
+//! Round operations both front ends call: open a round (by API key or by
+//! inbound webhook) with the worker's default batch and a fresh seed, and
+//! one round as it is shown, with its traces, reflections, calls and usage.
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::{AppState, ServiceError, ServiceResult};
+use crate::{
+    domain::{
+        Method, PromptName, Reflection,
+        round::{Round, RoundTrigger},
+    },
+    store::{OpenRound, RoundCall, StoreError},
+    worker::{self, random_seed},
+};
+
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TriggerRound {
+    /// Most traces to take (default: the prompt's batch size, else `worker.default_batch_size`).
+    #[serde(default)]
+    pub batch_size: Option<u32>,
+    /// `combee` (default), or the `naive` / `sequential` baselines.
+    #[serde(default)]
+    #[schema(value_type = Option<String>)]
+    pub method: Option<Method>,
+}
+
+pub const MAX_BATCH: u32 = 10_000;
+
+/// Opens a round; `Ok(None)` only for a webhook id that already opened one.
+pub async fn open_round(
+    st: &AppState,
+    name: &PromptName,
+    req: TriggerRound,
+    trigger: RoundTrigger,
+    inbound_webhook_id: Option<String>,
+) -> ServiceResult<Option<Round>> {
+    let prompt =
+        st.store.get_prompt(name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
+    let batch = match req.batch_size {
+        Some(n) => n,
+        None => worker::controller::default_batch(&st.store, &prompt, &st.settings.controller).await?,
+    };
+    if !(1..=MAX_BATCH).contains(&batch) {
+        return Err(ServiceError::Unprocessable(format!("`batch_size` must be between 1 and {MAX_BATCH}")));
+    }
+    let open = OpenRound {
+        prompt: name.clone(),
+        trigger,
+        method: req.method.unwrap_or_default(),
+        batch,
+        min_traces: 1,
+        seed: random_seed(),
+        inbound_webhook_id,
+    };
+    match st.store.open_round(&open).await {
+        Ok(Some(round)) => Ok(Some(round)),
+        Err(StoreError::Duplicate) => Ok(None),
+        Ok(None) => Err(ServiceError::Conflict(format!("prompt {name:?} has no pending traces to learn from"))),
+        Err(StoreError::AlreadyExists) => Err(ServiceError::Conflict(format!(
+            "prompt {name:?} already has a round in flight; at most one runs at a time"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundReflection {
+    pub trace_id: Uuid,
+    /// True when the agent sent its own reflection with the trace.
+    pub from_trace: bool,
+    pub reflection: Reflection,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageTotals {
+    pub calls: usize,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub cost_usd: f64,
+    pub retries: u64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundView {
+    #[serde(flatten)]
+    pub round: Round,
+    pub trace_ids: Vec<Uuid>,
+    pub reflections: Vec<RoundReflection>,
+    pub llm_calls: Vec<RoundCall>,
+    pub usage: UsageTotals,
+}
+
+/// One round with its traces, reflections, calls and usage, as the route and the web UI show it.
+pub async fn round_view(st: &AppState, id: Uuid) -> ServiceResult<RoundView> {
+    let round = st.store.get_round(id).await?.ok_or_else(|| ServiceError::not_found(format_args!("round {id}")))?;
+    let (trace_ids, reflections, llm_calls) =
+        tokio::try_join!(st.store.round_trace_ids(id), st.store.round_reflections(id), st.store.round_calls(id))?;
+    let usage = UsageTotals {
+        calls: llm_calls.len(),
+        prompt_tokens: llm_calls.iter().map(|c| c.call.prompt_tokens).sum(),
+        completion_tokens: llm_calls.iter().map(|c| c.call.completion_tokens).sum(),
+        cost_usd: llm_calls.iter().map(|c| c.call.cost_usd).sum(),
+        retries: llm_calls.iter().map(|c| u64::from(c.call.retries)).sum(),
+    };
+    let reflections = reflections
+        .into_iter()
+        .map(|(trace_id, reflection, from_trace)| RoundReflection { trace_id, from_trace, reflection })
+        .collect();
+    Ok(RoundView { round, trace_ids, reflections, llm_calls, usage })
+}
