@@ -39,6 +39,7 @@ pub const POSTGRES: &[Migration] = &[
     },
     Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/postgres/0010_otlp_spans.sql") },
     Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/postgres/0011_label_moves.sql") },
+    Migration { version: 13, name: "population", sql: include_str!("../../migrations/postgres/0013_population.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -64,6 +65,7 @@ pub const SQLITE: &[Migration] = &[
     },
     Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/sqlite/0010_otlp_spans.sql") },
     Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/sqlite/0011_label_moves.sql") },
+    Migration { version: 13, name: "population", sql: include_str!("../../migrations/sqlite/0013_population.sql") },
 ];
 
 #[cfg(test)]

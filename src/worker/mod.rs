@@ -8,6 +8,7 @@
 pub mod controller;
 pub mod guard;
 mod journal;
+pub mod population;
 
 use std::{sync::Arc, time::Duration};
 
@@ -41,6 +42,8 @@ pub struct Worker {
     denylist: Arc<ContentDenylist>,
     controller: Arc<ControllerConfig>,
     choices: Arc<controller::ChoiceLog>,
+    /// Population knobs for prompts under the `evaluated` policy.
+    population: crate::evaluate::population::PopulationPolicy,
     /// Names this process in leases (`host:pid:random`).
     owner: String,
 }
@@ -102,8 +105,15 @@ impl Worker {
             settings: Arc::new(settings),
             controller: Arc::new(controller),
             choices: Arc::default(),
+            population: Default::default(),
             owner,
         }
+    }
+
+    /// Uses these population knobs (from `[population]`) for `evaluated` prompts.
+    pub fn with_population(mut self, policy: crate::evaluate::population::PopulationPolicy) -> Self {
+        self.population = policy;
+        self
     }
 
     /// Runs until `shutdown`; rounds in progress are abandoned to their lease
@@ -257,7 +267,9 @@ impl Worker {
                 let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
                 let label = match prompt.promotion {
                     Promotion::Auto => LabelName::production(),
-                    Promotion::Manual => LabelName::candidate(),
+                    // The child is measured before it may serve production: it
+                    // joins the population as a challenger (below).
+                    Promotion::Manual | Promotion::Evaluated => LabelName::candidate(),
                 };
                 let version = NewVersion {
                     parent: Some(base.number),
@@ -286,6 +298,19 @@ impl Worker {
                     Ok(v) => {
                         metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
                         tracing::info!(version = v.number, label = %label, "round published");
+                        if prompt.promotion == Promotion::Evaluated {
+                            let added = population::add_challenger(
+                                &self.store,
+                                &prompt.name,
+                                v.number,
+                                Some(base.number),
+                                &self.population,
+                            )
+                            .await;
+                            if let Err(e) = added {
+                                tracing::error!(version = v.number, error = %e, "the learned version could not join the population");
+                            }
+                        }
                     }
                     Err(StoreError::Conflict) => {
                         tracing::warn!("lease lost before publishing; another worker owns the round")
