@@ -1,13 +1,14 @@
 -- The `evaluated` promotion policy: a third value for prompts.promotion, and
 -- each prompt's population of arms (versions measured on live traffic).
 --
--- SQLite cannot alter a CHECK constraint, so prompts is rebuilt. With
--- legacy_alter_table the rename does not rewrite the other tables' foreign
--- keys: they keep naming `prompts`, which is the new table once it exists;
--- dropping the old copy then removes no row any foreign key points at.
-PRAGMA legacy_alter_table = ON;
-ALTER TABLE prompts RENAME TO prompts_before_0013;
-CREATE TABLE prompts (
+-- SQLite cannot alter a CHECK constraint, so prompts is rebuilt inside the
+-- migration's transaction, with foreign keys on (they cannot be switched off
+-- in a transaction): with deferred foreign keys, dropping the old table counts
+-- the rows that point at it as violations, and inserting the same ids into
+-- the new table (named `prompts` by then) counts them off again before commit.
+PRAGMA defer_foreign_keys = ON;
+CREATE TEMP TABLE prompts_copy AS SELECT * FROM prompts;
+CREATE TABLE prompts_new (
     id             TEXT PRIMARY KEY,
     name           TEXT NOT NULL UNIQUE,
     strategy       TEXT NOT NULL CHECK (strategy IN ('playbook', 'rewrite')),
@@ -17,10 +18,11 @@ CREATE TABLE prompts (
     created_at     INTEGER NOT NULL,
     created_by     TEXT NOT NULL
 );
+DROP TABLE prompts;
+ALTER TABLE prompts_new RENAME TO prompts;
 INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by)
-    SELECT id, name, strategy, promotion, settings, version_count, created_at, created_by FROM prompts_before_0013;
-DROP TABLE prompts_before_0013;
-PRAGMA legacy_alter_table = OFF;
+    SELECT id, name, strategy, promotion, settings, version_count, created_at, created_by FROM prompts_copy;
+DROP TABLE prompts_copy;
 
 -- One row per version that is or was an arm. `state`: champion (the version
 -- production points at), challenger (gets a share of traffic), retired

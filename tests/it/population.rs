@@ -1,0 +1,214 @@
+//! The `evaluated` policy's population on both stores: arms stored and read
+//! back, learned children joining as challengers (mutation), sticky traffic
+//! shares that follow the stored weights, and the rater's promotion gate,
+//! which waits for evidence and then promotes a clearly better challenger.
+
+use crate::common;
+
+use combee::{
+    config::PopulationSettings,
+    domain::{
+        LabelMoveKind, LabelName, Promotion, PromptName, PromptSettings, Strategy, VersionContent, VersionSource,
+        prompt::NewVersion,
+        trace::{NewTrace, TraceLimits, ValidTrace},
+    },
+    evaluate::{assign::sticky_arm, population::GateDecision, trueskill::Rating},
+    store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
+    worker::population::{PopulationRater, RatingOutcome, add_challenger},
+};
+use common::{Backend, test_store};
+use serde_json::json;
+
+fn name(s: &str) -> PromptName {
+    PromptName::parse(s).unwrap()
+}
+
+fn version(base: &str, parent: Option<i64>) -> NewVersion {
+    NewVersion {
+        parent,
+        source: VersionSource::Learned,
+        round_id: None,
+        content: VersionContent { base: base.into(), playbook: None },
+        message: "m".into(),
+        created_by: "test".into(),
+    }
+}
+
+async fn evaluated_prompt(store: &DynStore, n: &str, versions: i64) {
+    let p = NewPrompt {
+        name: name(n),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Evaluated,
+        settings: PromptSettings::default(),
+        created_by: "test".into(),
+    };
+    store.create_prompt(p, version("v1", None)).await.unwrap();
+    for v in 2..=versions {
+        store.create_version(&name(n), version(&format!("v{v}"), Some(1)), &[]).await.unwrap();
+    }
+}
+
+fn arm(arms: &[PopulationArm], version: i64) -> &PopulationArm {
+    arms.iter().find(|a| a.version == version).unwrap_or_else(|| panic!("no arm v{version} in {arms:?}"))
+}
+
+fn live_weights(arms: &[PopulationArm]) -> Vec<(i64, f64)> {
+    arms.iter().filter(|a| a.state != ArmState::Retired).map(|a| (a.version, a.weight)).collect()
+}
+
+async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 4).await;
+    assert_eq!(s.get_prompt(&name("p")).await.unwrap().unwrap().promotion, Promotion::Evaluated);
+    assert!(s.population(&name("p")).await.unwrap().is_empty());
+    let policy = PopulationSettings { max_arms: 2, ..Default::default() }.policy();
+    add_challenger(&s, &name("p"), 2, Some(1), &policy).await.unwrap();
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!(arms.len(), 2);
+    assert_eq!((arm(&arms, 1).state, arm(&arms, 1).rating), (ArmState::Champion, Rating::default()));
+    let child = arm(&arms, 2);
+    assert_eq!((child.state, child.created_from), (ArmState::Challenger, Some(1)));
+    // Mutation: the parent's μ, σ = √(σ_parent² + 1).
+    assert_eq!(child.rating.mu, 25.0);
+    assert!((child.rating.sigma - ((25.0f64 / 3.0).powi(2) + 1.0).sqrt()).abs() < 1e-9);
+    assert!((arm(&arms, 1).weight - 0.8).abs() < 1e-9 && (child.weight - 0.2).abs() < 1e-9);
+    // Production did not move: the child is only measured.
+    let prod = s.resolve(&name("p"), &Selector::Label(LabelName::production())).await.unwrap().unwrap();
+    assert_eq!(prod.version.number, 1);
+
+    // v3 is a child of v2, whose rating is now worse than the prior: it inherits it.
+    let mut weaker = arms.clone();
+    weaker.iter_mut().find(|a| a.version == 2).unwrap().rating = Rating { mu: 20.0, sigma: 2.0 };
+    s.save_population(&name("p"), &weaker).await.unwrap();
+    add_challenger(&s, &name("p"), 3, Some(2), &policy).await.unwrap();
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!(arm(&arms, 3).rating.mu, 20.0);
+    assert!((arm(&arms, 3).rating.sigma - 5f64.sqrt()).abs() < 1e-9);
+    // v3 measures well (μ−2σ = 28), v2 badly (16); a third challenger with
+    // max_arms = 2 retires the weakest, v2; the newest stays.
+    let mut measured = arms.clone();
+    measured.iter_mut().find(|a| a.version == 3).unwrap().rating = Rating { mu: 30.0, sigma: 1.0 };
+    s.save_population(&name("p"), &measured).await.unwrap();
+    add_challenger(&s, &name("p"), 4, Some(1), &policy).await.unwrap();
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!(arm(&arms, 2).state, ArmState::Retired);
+    assert_eq!(arm(&arms, 2).weight, 0.0);
+    assert_eq!((arm(&arms, 3).state, arm(&arms, 4).state), (ArmState::Challenger, ArmState::Challenger));
+    let total: f64 = live_weights(&arms).iter().map(|(_, w)| w).sum();
+    assert!((total - 1.0).abs() < 1e-9, "{arms:?}");
+
+    // Bad input is refused, not stored.
+    let mut ghost = arms[0].clone();
+    ghost.version = 99;
+    assert!(matches!(s.save_population(&name("p"), &[ghost.clone()]).await, Err(StoreError::Invalid(_))));
+    assert!(matches!(s.save_population(&name("nope"), &[ghost]).await, Err(StoreError::NotFound)));
+    assert_eq!(s.population(&name("p")).await.unwrap().len(), 4);
+}
+
+/// Sticky assignment over the weights the store holds: the same subject
+/// always gets the same arm, and over 10,000 subjects every arm's share is
+/// within 3 points of its weight.
+async fn sticky_shares_follow_the_stored_weights(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 3).await;
+    let policy = PopulationSettings::default().policy();
+    add_challenger(&s, &name("p"), 2, Some(1), &policy).await.unwrap();
+    add_challenger(&s, &name("p"), 3, Some(1), &policy).await.unwrap();
+    let weights = live_weights(&s.population(&name("p")).await.unwrap());
+    assert_eq!(weights.len(), 3);
+    // v1 champion 0.8; the challenger with the highest μ+2σ gets the bonus, the other the floor.
+    assert!((weights[0].1 - 0.8).abs() < 1e-9, "{weights:?}");
+    assert!(weights[1..].iter().any(|(_, w)| (w - 0.02).abs() < 1e-9), "{weights:?}");
+    let mut counts = [0usize; 3];
+    for i in 0..10_000 {
+        let subject = format!("agent-{i}");
+        let first = sticky_arm(&subject, "p", &weights).unwrap();
+        // Read again from the store: the same answer.
+        if i % 1000 == 0 {
+            let again = live_weights(&s.population(&name("p")).await.unwrap());
+            assert_eq!(sticky_arm(&subject, "p", &again), Some(first));
+        }
+        counts[first] += 1;
+    }
+    for ((v, w), c) in weights.iter().zip(counts) {
+        let share = c as f64 / 10_000.0;
+        assert!((share - w).abs() < 0.03, "v{v}: share {share} vs weight {w}");
+    }
+}
+
+fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
+    let t: NewTrace = serde_json::from_value(json!({
+        "prompt": prompt, "prompt_version": v, "input": {"q": "x"},
+        "feedback": {"success": success}, "metadata": {"task_key": format!("t{task}")}
+    }))
+    .unwrap();
+    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+}
+
+/// `n` traces of version `v` with `rate` of them successful.
+fn batch(prompt: &str, v: i64, n: usize, rate: f64) -> Vec<ValidTrace> {
+    (0..n).map(|i| rewarded(prompt, v, ((i + 1) as f64 * rate).floor() > (i as f64 * rate).floor(), i)).collect()
+}
+
+async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 3).await;
+    let settings = PopulationSettings { window_secs: 30, min_window_traces: 10, min_traces: 50, ..Default::default() };
+    add_challenger(&s, &name("p"), 2, Some(1), &settings.policy()).await.unwrap();
+    add_challenger(&s, &name("p"), 3, Some(1), &settings.policy()).await.unwrap();
+    let rater = PopulationRater::new(s.clone(), settings);
+
+    // Window 1: v2 is clearly better, v3 worse, but nobody has 50 scored traces yet.
+    let mut first = batch("p", 1, 30, 0.5);
+    first.extend(batch("p", 2, 30, 0.9));
+    first.extend(batch("p", 3, 12, 0.2));
+    s.insert_traces(&first).await.unwrap();
+    let t1 = chrono::Utc::now();
+    let out = rater.rate(&name("p"), t1).await.unwrap();
+    let RatingOutcome::Rated { ranked, gate } = out else { panic!("{out:?}") };
+    assert_eq!(ranked.len(), 3);
+    assert!(matches!(gate, GateDecision::ChampionUnderSampled { traces: 30, needed: 50 }), "{gate:?}");
+    let arms = s.population(&name("p")).await.unwrap();
+    assert!(arm(&arms, 2).rating.mu > 25.0 && arm(&arms, 1).rating.mu < arm(&arms, 2).rating.mu, "{arms:?}");
+    assert!(arm(&arms, 3).rating.mu < arm(&arms, 1).rating.mu, "{arms:?}");
+    assert_eq!(arm(&arms, 2).scored_traces, 30);
+    let prod = || async {
+        s.resolve(&name("p"), &Selector::Label(LabelName::production())).await.unwrap().unwrap().version.number
+    };
+    assert_eq!(prod().await, 1, "nothing is promoted before the gate's evidence");
+    // The same window is not rated twice.
+    assert_eq!(rater.rate(&name("p"), t1).await.unwrap(), RatingOutcome::WindowOpen);
+    assert_eq!(arm(&s.population(&name("p")).await.unwrap(), 2).scored_traces, 30);
+
+    // Window 2: 30 more each: both now have 60 scored traces; v2 is promoted.
+    let mut second = batch("p", 1, 30, 0.5);
+    second.extend(batch("p", 2, 30, 0.9));
+    s.insert_traces(&second).await.unwrap();
+    let t2 = t1 + chrono::Duration::seconds(30);
+    let out = rater.rate(&name("p"), t2).await.unwrap();
+    assert_eq!(out, RatingOutcome::Promoted { from: 1, to: 2 });
+    assert_eq!(prod().await, 2);
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!((arm(&arms, 2).state, arm(&arms, 1).state), (ArmState::Champion, ArmState::Challenger));
+    assert!((arm(&arms, 2).weight - 0.8).abs() < 1e-9, "{arms:?}");
+    assert_eq!((arm(&arms, 1).scored_traces, arm(&arms, 2).scored_traces), (60, 60));
+
+    // The label history says why, with the numbers.
+    let history = s.label_history(&name("p"), Some(&LabelName::production()), None, 10).await.unwrap();
+    let last = &history[0];
+    assert_eq!((last.kind, last.from_version, last.to_version), (LabelMoveKind::GatePromote, Some(1), Some(2)));
+    assert_eq!(last.actor, "gate");
+    assert!(last.reason.contains("μ−2σ"), "{}", last.reason);
+    let ev = last.evidence.as_ref().unwrap();
+    assert_eq!(ev["challenger"]["scored_traces"], 60);
+    assert!(ev["challenger"]["lower"].as_f64().unwrap() > ev["champion"]["lower"].as_f64().unwrap());
+}
+
+on_both_stores!(
+    children_join_as_challengers_and_the_weakest_is_retired,
+    sticky_shares_follow_the_stored_weights,
+    the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger,
+);
