@@ -212,3 +212,101 @@ on_both_stores!(
     sticky_shares_follow_the_stored_weights,
     the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger,
 );
+
+mod http {
+    //! Serving an `evaluated` prompt over HTTP: sticky arms by subject,
+    //! the arm named in the answer, ETag/304, `Vary`, the population route.
+
+    use super::*;
+    use crate::common::{expect_problem, spawn_app};
+    use serde_json::Value;
+    use std::time::{Duration, Instant};
+
+    async fn served(app: &crate::common::TestApp, subject: &str) -> (i64, String, String) {
+        let res = app.get("/v1/prompts/p").header("Combee-Subject", subject).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["vary"], "Combee-Subject");
+        let etag = res.headers()["etag"].to_str().unwrap().to_owned();
+        let arm_header = res.headers()["combee-arm"].to_str().unwrap().to_owned();
+        let body: Value = res.json().await.unwrap();
+        assert_eq!(body["arm"], arm_header.as_str());
+        (body["version"].as_i64().unwrap(), arm_header, etag)
+    }
+
+    async fn subjects_get_sticky_arms_and_the_population_is_visible(b: Backend) {
+        let app = spawn_app(b).await;
+        let res = app
+            .post("/v1/prompts", json!({"name": "p", "base": "You are an agent.", "promotion": "evaluated"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        let res = app.post("/v1/prompts/p/versions", json!({"base": "You are a careful agent."})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        let policy = PopulationSettings { explore_share: 0.5, min_arm_share: 0.5, ..Default::default() }.policy();
+        add_challenger(&app.store, &name("p"), 2, Some(1), &policy).await.unwrap();
+
+        // Each subject keeps its arm; both arms are served to someone.
+        let mut seen = std::collections::BTreeSet::new();
+        for i in 0..40 {
+            let subject = format!("agent-{i}");
+            let (v, arm, etag) = served(&app, &subject).await;
+            assert_eq!(served(&app, &subject).await.0, v, "{subject} flipped");
+            assert_eq!(arm, if v == 1 { "champion" } else { "challenger" });
+            seen.insert(v);
+            // ETag/304 still work on the served arm.
+            let res = app
+                .get(&format!("/v1/prompts/p?subject={subject}"))
+                .header("if-none-match", &etag)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 304);
+        }
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![1, 2]);
+        // Explicit selectors are unchanged: production is still v1.
+        let res = app.get("/v1/prompts/p?label=production").header("Combee-Subject", "agent-1").send().await.unwrap();
+        assert!(res.headers().get("combee-arm").is_none());
+        assert_eq!(res.json::<Value>().await.unwrap()["version"], 1);
+        // Without a subject an arm is drawn per request.
+        let res = app.get("/v1/prompts/p").send().await.unwrap();
+        assert!(res.headers().get("combee-arm").is_some());
+        // A bad subject is a 400 with an explanation.
+        let long = "x".repeat(300);
+        expect_problem(app.get(&format!("/v1/prompts/p?subject={long}")).send().await.unwrap(), 400).await;
+
+        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+        assert_eq!(pop["promotion"], "evaluated");
+        let arms = pop["arms"].as_array().unwrap();
+        assert_eq!(arms.len(), 2);
+        assert_eq!((arms[0]["version"].as_i64(), arms[0]["state"].as_str()), (Some(1), Some("champion")));
+        assert_eq!(arms[1]["state"], "challenger");
+        assert_eq!(arms[1]["created_from"], 1);
+        assert!((arms[0]["weight"].as_f64().unwrap() - 0.5).abs() < 1e-9);
+        assert!(arms[1]["rating"]["sigma"].as_f64().unwrap() > 25.0 / 3.0);
+        expect_problem(app.get("/v1/prompts/nope/population").send().await.unwrap(), 404).await;
+
+        // A weight change in the store reaches the serving cache: v1 retired, v2 gets everything.
+        let mut arms = app.store.population(&name("p")).await.unwrap();
+        for a in &mut arms {
+            (a.state, a.weight) = if a.version == 2 { (ArmState::Champion, 1.0) } else { (ArmState::Retired, 0.0) };
+        }
+        app.store.save_population(&name("p"), &arms).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut moved = false;
+        while Instant::now() < deadline {
+            let mut all_v2 = true;
+            for i in 0..10 {
+                all_v2 &= served(&app, &format!("agent-{i}")).await.0 == 2;
+            }
+            if all_v2 {
+                moved = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(moved, "the served arms did not follow the stored weights");
+    }
+
+    on_both_stores!(subjects_get_sticky_arms_and_the_population_is_visible);
+}
