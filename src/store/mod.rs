@@ -255,6 +255,17 @@ pub struct PopulationArm {
     pub rated_until: Option<DateTime<Utc>>,
 }
 
+/// The rewards of one version on one task (traces carrying `metadata.task_key`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRewards {
+    pub version: i64,
+    pub task_key: String,
+    /// Rewarded traces of this version on this task.
+    pub traces: u64,
+    /// Sum of their rewards: 1/0 for `feedback.success`, else `feedback.score`.
+    pub reward_sum: f64,
+}
+
 /// Which version of a prompt a reader wants.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Selector {
@@ -641,6 +652,15 @@ pub trait Store: Send + Sync + 'static {
     /// same transaction (a move that changes nothing records nothing). A
     /// `guard-rollback` or `rollback` also queues a `prompt.rolled_back` event.
     async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label>;
+    /// Per (version, `metadata.task_key`) reward sums of the prompt's rewarded,
+    /// unquarantined traces created in `[from, until)` (traces without a string
+    /// task key or a version are left out), so arms can be compared on matched work.
+    async fn task_rewards(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> StoreResult<Vec<TaskRewards>>;
     /// The prompt's population (every arm, retired ones too), by version.
     async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>>;
     /// Inserts or replaces these arms (by version) in one transaction, and

@@ -24,8 +24,8 @@ use super::{
     ApiKey, ArmState, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
-    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TraceAction, TraceCharges, TraceFilter, UiSession,
-    Webhook, migrate, otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
+    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
+    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
     version_move_kind,
 };
 use crate::{
@@ -845,6 +845,44 @@ impl Store for PgStore {
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
         Ok(deleted.is_some())
+    }
+
+    async fn task_rewards(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> StoreResult<Vec<TaskRewards>> {
+        let sql = format!(
+            "WITH r AS (
+               SELECT t.prompt_version AS version, t.metadata->>'task_key' AS task_key,
+                      CASE WHEN jsonb_typeof(t.feedback->'success') = 'boolean'
+                           THEN CASE WHEN (t.feedback->>'success')::boolean THEN 1.0::float8 ELSE 0.0::float8 END
+                           WHEN jsonb_typeof(t.feedback->'score') = 'number'
+                           THEN CASE WHEN abs((t.feedback->'score')::numeric) <= {MAX_ABS_VALUE}
+                                THEN (t.feedback->'score')::numeric::float8 END END AS reward
+               FROM traces t JOIN prompts p ON p.id = t.prompt_id
+               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL
+                 AND t.prompt_version IS NOT NULL AND jsonb_typeof(t.metadata->'task_key') = 'string')
+             SELECT version, task_key, count(reward) AS n, coalesce(sum(reward), 0)::float8 AS total
+             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
+        );
+        sqlx::query(&sql)
+            .bind(prompt.as_str())
+            .bind(from)
+            .bind(until)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(TaskRewards {
+                    version: row.try_get("version")?,
+                    task_key: row.try_get("task_key")?,
+                    traces: row.try_get::<i64, _>("n")?.max(0) as u64,
+                    reward_sum: row.try_get("total")?,
+                })
+            })
+            .collect()
     }
 
     async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {

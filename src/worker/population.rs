@@ -23,7 +23,7 @@ use crate::{
         population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate, traffic_weights},
         trueskill::{Rating, TrueSkill, ranks_from_rewards},
     },
-    store::{ArmState, DynStore, LabelMove, PopulationArm, Selector, StoreError, StoreResult},
+    store::{ArmState, DynStore, LabelMove, PopulationArm, Selector, StoreError, StoreResult, TaskRewards},
 };
 
 /// Who the gate's moves are recorded as.
@@ -31,6 +31,10 @@ pub const GATE_ACTOR: &str = "gate";
 
 /// E-SPL's tie rule: rewards within this of each other share a rank.
 pub const TIE: f64 = 0.01;
+
+/// Task keys every ranked arm must have run before arms are compared on
+/// matched work instead of on their window means.
+pub const MIN_SHARED_TASKS: usize = 5;
 
 /// Most prompts one list call returns.
 const PAGE: u32 = 200;
@@ -120,7 +124,7 @@ pub enum RatingOutcome {
     /// The last window is not over yet.
     WindowOpen,
     /// Arms rated (those with enough traces); the gate held.
-    Rated { ranked: Vec<i64>, gate: GateDecision },
+    Rated { ranked: Vec<i64>, basis: Basis, gate: GateDecision },
     /// The gate moved production from `from` to `to`.
     Promoted { from: i64, to: i64 },
     /// Production moved meanwhile; judged again next tick.
@@ -147,6 +151,35 @@ fn window_reward(buckets: &[OutcomeBucket], version: i64) -> (u64, Option<f64>) 
         None
     };
     (with_feedback, reward)
+}
+
+/// How the arms of a window were compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Basis {
+    /// On the task keys all ranked arms ran: each arm's mean reward per shared
+    /// key, averaged over the keys (arms in an online split see different work).
+    SharedTasks,
+    /// On each arm's mean reward over the window (too few shared task keys).
+    WindowMeans,
+}
+
+/// Each of `versions`' reward on the task keys all of them ran (the mean of
+/// its per-key mean rewards), in the order of `versions`; `None` when they
+/// share fewer than `min_keys` keys.
+pub fn matched_rewards(tasks: &[TaskRewards], versions: &[i64], min_keys: usize) -> Option<Vec<f64>> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let mut per_key: BTreeMap<&str, BTreeMap<i64, f64>> = BTreeMap::new();
+    for t in tasks.iter().filter(|t| t.traces > 0 && versions.contains(&t.version)) {
+        per_key.entry(&t.task_key).or_default().insert(t.version, t.reward_sum / t.traces as f64);
+    }
+    let wanted: BTreeSet<i64> = versions.iter().copied().collect();
+    let shared: Vec<&BTreeMap<i64, f64>> =
+        per_key.values().filter(|by_version| by_version.keys().copied().collect::<BTreeSet<_>>() == wanted).collect();
+    if shared.len() < min_keys.max(1) {
+        return None;
+    }
+    Some(versions.iter().map(|v| shared.iter().map(|m| m[v]).sum::<f64>() / shared.len() as f64).collect())
 }
 
 #[derive(Clone)]
@@ -226,7 +259,16 @@ impl PopulationRater {
                 ranked.push((i, r));
             }
         }
+        let mut basis = Basis::WindowMeans;
         if ranked.len() >= 2 {
+            let versions: Vec<i64> = ranked.iter().map(|(i, _)| arms[*i].version).collect();
+            let tasks = self.store.task_rewards(prompt, from, now).await?;
+            if let Some(matched) = matched_rewards(&tasks, &versions, MIN_SHARED_TASKS) {
+                basis = Basis::SharedTasks;
+                for ((_, r), m) in ranked.iter_mut().zip(matched) {
+                    *r = m;
+                }
+            }
             let rewards: Vec<f64> = ranked.iter().map(|(_, r)| *r).collect();
             let ranks = ranks_from_rewards(&rewards, TIE);
             let ratings: Vec<Rating> = ranked.iter().map(|(i, _)| arms[*i].rating).collect();
@@ -249,7 +291,7 @@ impl PopulationRater {
         else {
             reconcile(&mut arms, champion, &policy);
             self.store.save_population(prompt, &arms).await?;
-            return Ok(RatingOutcome::Rated { ranked: ranked_versions, gate: decision });
+            return Ok(RatingOutcome::Rated { ranked: ranked_versions, basis, gate: decision });
         };
         // Save the ratings first: they are the evidence, whatever happens to the move.
         reconcile(&mut arms, champion, &policy);
@@ -263,7 +305,7 @@ impl PopulationRater {
             "champion": {"version": champion, "rating": rating_of(champion), "lower": champion_lower, "scored_traces": champion_traces},
             "challenger": {"version": challenger, "rating": rating_of(challenger), "lower": challenger_lower, "scored_traces": challenger_traces},
             "min_traces": policy.min_traces,
-            "window": {"from": from, "until": now, "rewards": window_rewards},
+            "window": {"from": from, "until": now, "basis": basis, "rewards": window_rewards},
         });
         let mv = LabelMove {
             label: LabelName::production(),
@@ -289,6 +331,27 @@ impl PopulationRater {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn task(version: i64, key: &str, traces: u64, reward_sum: f64) -> TaskRewards {
+        TaskRewards { version, task_key: key.into(), traces, reward_sum }
+    }
+
+    #[test]
+    fn arms_are_compared_on_the_tasks_they_share() {
+        // v1 ran easy and hard tasks; v2 only hard ones: on window means v1
+        // looks better, on the shared (hard) keys v2 is.
+        let mut tasks = Vec::new();
+        for k in 0..5 {
+            tasks.push(task(1, &format!("hard-{k}"), 2, 0.0));
+            tasks.push(task(2, &format!("hard-{k}"), 2, 1.0));
+            tasks.push(task(1, &format!("easy-{k}"), 4, 4.0));
+        }
+        assert_eq!(matched_rewards(&tasks, &[1, 2], 5), Some(vec![0.0, 0.5]));
+        assert_eq!(matched_rewards(&tasks, &[2, 1], 5), Some(vec![0.5, 0.0]));
+        assert_eq!(matched_rewards(&tasks, &[1, 2], 6), None, "five shared keys are not six");
+        // A key counts only when every arm ran it.
+        assert_eq!(matched_rewards(&tasks, &[1, 2, 3], 1), None);
+    }
 
     fn arm(version: i64, state: ArmState) -> PopulationArm {
         PopulationArm {

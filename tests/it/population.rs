@@ -14,7 +14,7 @@ use combee::{
     },
     evaluate::{assign::sticky_arm, population::GateDecision, trueskill::Rating},
     store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
-    worker::population::{PopulationRater, RatingOutcome, add_challenger},
+    worker::population::{Basis, PopulationRater, RatingOutcome, add_challenger},
 };
 use common::{Backend, test_store};
 use serde_json::json;
@@ -168,8 +168,10 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     s.insert_traces(&first).await.unwrap();
     let t1 = chrono::Utc::now();
     let out = rater.rate(&name("p"), t1).await.unwrap();
-    let RatingOutcome::Rated { ranked, gate } = out else { panic!("{out:?}") };
+    let RatingOutcome::Rated { ranked, gate, basis } = out else { panic!("{out:?}") };
     assert_eq!(ranked.len(), 3);
+    // The three arms ran tasks t0..t11 in common: they are compared on those.
+    assert_eq!(basis, Basis::SharedTasks);
     assert!(matches!(gate, GateDecision::ChampionUnderSampled { traces: 30, needed: 50 }), "{gate:?}");
     let arms = s.population(&name("p")).await.unwrap();
     assert!(arm(&arms, 2).rating.mu > 25.0 && arm(&arms, 1).rating.mu < arm(&arms, 2).rating.mu, "{arms:?}");
