@@ -284,13 +284,15 @@ pub struct SelectorQuery {
     /// policy when neither `label` nor `version` is given: the same subject is
     /// always served the same arm while the traffic weights stay. Overrides
     /// the `Combee-Subject` header. Without either, an arm is drawn per request.
+    /// 1 to 256 characters, no control characters.
+    #[param(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]+$")]
     pub subject: Option<String>,
 }
 
 /// The header an agent names its subject with (see `SelectorQuery::subject`).
 pub const SUBJECT_HEADER: &str = "combee-subject";
-/// Longest accepted subject, in bytes.
-pub const MAX_SUBJECT_BYTES: usize = 256;
+/// Longest accepted subject, in characters.
+pub const MAX_SUBJECT_CHARS: usize = 256;
 
 impl SelectorQuery {
     fn selector(&self) -> ApiResult<Selector> {
@@ -444,9 +446,9 @@ fn subject_of(q: &SelectorQuery, headers: &HeaderMap) -> ApiResult<Option<String
             .to_owned(),
         (None, None) => return Ok(None),
     };
-    if raw.is_empty() || raw.len() > MAX_SUBJECT_BYTES || raw.chars().any(char::is_control) {
+    if raw.is_empty() || raw.chars().count() > MAX_SUBJECT_CHARS || raw.chars().any(char::is_control) {
         return Err(ApiError::BadRequest(format!(
-            "a subject must be 1 to {MAX_SUBJECT_BYTES} bytes without control characters"
+            "a subject must be 1 to {MAX_SUBJECT_CHARS} characters without control characters"
         )));
     }
     Ok(Some(raw))
