@@ -209,7 +209,61 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     assert!(ev["challenger"]["lower"].as_f64().unwrap() > ev["champion"]["lower"].as_f64().unwrap());
 }
 
+/// Migration 0013 on a database with data (SQLite rebuilds `prompts` under
+/// the foreign keys of versions, labels, traces, label history): run it again
+/// over existing rows and everything is still there and still enforced.
+async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) {
+    use sqlx::Connection;
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "old", 2).await;
+    s.insert_traces(&batch("old", 2, 3, 0.5)).await.unwrap();
+    add_challenger(&s, &name("old"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
+    let undo = ["DROP TABLE population_arms", "DELETE FROM schema_migrations WHERE version = 13"];
+    match b {
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+            sqlx::raw_sql("UPDATE prompts SET promotion = 'manual'").execute(&mut c).await.unwrap();
+            for sql in undo {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+            sqlx::raw_sql("UPDATE prompts SET promotion = 'manual'").execute(&mut c).await.unwrap();
+            for sql in undo {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+    }
+    let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("migrate again");
+    let old = again.get_prompt(&name("old")).await.unwrap().unwrap();
+    assert_eq!(old.promotion, Promotion::Manual);
+    assert_eq!(again.list_versions(&name("old"), None, 10).await.unwrap().len(), 2);
+    assert_eq!(again.label_history(&name("old"), None, None, 10).await.unwrap().len(), 1);
+    let until = chrono::Utc::now() + chrono::Duration::minutes(1);
+    let rewards = again.task_rewards(&name("old"), until - chrono::Duration::hours(1), until).await.unwrap();
+    assert_eq!(rewards.len(), 3);
+    assert!(again.population(&name("old")).await.unwrap().is_empty());
+    // `evaluated` is accepted now.
+    evaluated_prompt(&again, "new", 1).await;
+    if b == Backend::Sqlite {
+        // Every reference to the rebuilt table still resolves, and new ones are checked.
+        let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+        let broken = sqlx::query("PRAGMA foreign_key_check").fetch_all(&mut c).await.unwrap();
+        assert!(broken.is_empty(), "{} dangling references", broken.len());
+        sqlx::raw_sql("PRAGMA foreign_keys = ON").execute(&mut c).await.unwrap();
+        let orphan = sqlx::raw_sql(
+            "INSERT INTO label_moves (prompt_id, label, kind, actor, reason, at) VALUES ('nope', 'x', 'create', 't', '', 0)",
+        )
+        .execute(&mut c)
+        .await;
+        assert!(orphan.is_err(), "a label move for no prompt was accepted");
+    }
+}
+
 on_both_stores!(
+    migration_0013_keeps_existing_prompts_and_their_references,
     children_join_as_challengers_and_the_weakest_is_retired,
     sticky_shares_follow_the_stored_weights,
     the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger,
