@@ -18,7 +18,7 @@ use crate::{
     service::{AppState, Shared},
     store::{self, Change, DynStore, Scope},
     telemetry, ui,
-    worker::{Worker, guard::RegressionGuard},
+    worker::{Worker, guard::RegressionGuard, population::PopulationRater},
 };
 
 /// The API with the web UI at `/ui`, both behind the API's middleware.
@@ -41,6 +41,7 @@ pub struct Application {
     worker: Option<Worker>,
     deliverer: Option<Deliverer>,
     guard: Option<RegressionGuard>,
+    rater: Option<PopulationRater>,
     shutdown: CancellationToken,
 }
 
@@ -103,7 +104,10 @@ impl Application {
                 let llm = settings.llm.clone().with_env_fallbacks();
                 let backend: Arc<dyn LlmBackend> =
                     Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?);
-                Some(Worker::new(store.clone(), backend, llm, settings.worker.clone(), settings.controller.clone()))
+                Some(
+                    Worker::new(store.clone(), backend, llm, settings.worker.clone(), settings.controller.clone())
+                        .with_population(settings.population.policy()),
+                )
             }
         };
         // Webhook deliveries go out from wherever the learning worker runs.
@@ -121,6 +125,13 @@ impl Application {
             }
             _ => None,
         };
+        // So does the population rater (ratings, weights, promotion gate of `evaluated` prompts).
+        let rater = match settings.server.role {
+            Role::All | Role::Worker if settings.population.enabled => {
+                Some(PopulationRater::new(store.clone(), settings.population.clone()))
+            }
+            _ => None,
+        };
         let state = AppState::new(Shared {
             cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
             keys: Arc::new(KeyCache::new(store.clone())),
@@ -128,7 +139,7 @@ impl Application {
             settings: Arc::new(settings),
             store,
         });
-        Ok(Self { listener, state, worker, deliverer, guard, shutdown: CancellationToken::new() })
+        Ok(Self { listener, state, worker, deliverer, guard, rater, shutdown: CancellationToken::new() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -145,8 +156,9 @@ impl Application {
     }
 
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Application { listener, state, worker, deliverer, guard, shutdown } = self;
+        let Application { listener, state, worker, deliverer, guard, rater, shutdown } = self;
         let guard = guard.map(|g| tokio::spawn(g.run(shutdown.clone())));
+        let rater = rater.map(|r| tokio::spawn(r.run(shutdown.clone())));
         let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
         let worker = worker.map(|w| tokio::spawn(w.run(shutdown.clone())));
         let deliverer = deliverer.map(|d| tokio::spawn(d.run(shutdown.clone())));
@@ -181,6 +193,9 @@ impl Application {
         }
         if let Some(g) = guard {
             let _ = tokio::time::timeout(Duration::from_secs(5), g).await;
+        }
+        if let Some(r) = rater {
+            let _ = tokio::time::timeout(Duration::from_secs(5), r).await;
         }
         Ok(())
     }

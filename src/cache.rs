@@ -34,15 +34,31 @@ impl CachedPrompt {
 /// Prompt name → selector → answer; nested so a lookup borrows the name.
 type Entries = HashMap<String, HashMap<Selector, Arc<CachedPrompt>>>;
 
+/// The live arms of a prompt under the `evaluated` policy, as served:
+/// (version, traffic weight, champion?). Empty for other prompts.
+#[derive(Debug, Default)]
+pub struct ServedArms {
+    pub arms: Vec<(i64, f64)>,
+    pub champion: Option<i64>,
+    stored_at: Option<Instant>,
+}
+
+impl ServedArms {
+    pub fn new(arms: Vec<(i64, f64)>, champion: Option<i64>) -> Self {
+        Self { arms, champion, stored_at: Some(Instant::now()) }
+    }
+}
+
 pub struct PromptCache {
     entries: RwLock<Entries>,
+    arms: RwLock<HashMap<String, Arc<ServedArms>>>,
     generation: AtomicU64,
     max_age: Duration,
 }
 
 impl PromptCache {
     pub fn new(max_age: Duration) -> Self {
-        Self { entries: RwLock::new(HashMap::new()), generation: AtomicU64::new(0), max_age }
+        Self { entries: RwLock::new(HashMap::new()), arms: RwLock::default(), generation: AtomicU64::new(0), max_age }
     }
 
     /// Read before loading from the store; pass to [`PromptCache::insert`].
@@ -64,16 +80,35 @@ impl PromptCache {
         }
     }
 
+    /// The served arms of `prompt`, if cached and fresh.
+    pub fn get_arms(&self, prompt: &str) -> Option<Arc<ServedArms>> {
+        let arms = self.arms.read().unwrap_or_else(|e| e.into_inner());
+        let hit = arms.get(prompt)?;
+        hit.stored_at.is_some_and(|t| t.elapsed() < self.max_age).then(|| hit.clone())
+    }
+
+    /// Inserts unless something changed since `generation` was read.
+    pub fn insert_arms(&self, prompt: &str, generation: u64, value: Arc<ServedArms>) {
+        let mut arms = self.arms.write().unwrap_or_else(|e| e.into_inner());
+        if self.generation.load(Ordering::Acquire) == generation {
+            arms.insert(prompt.to_owned(), value);
+        }
+    }
+
     pub fn invalidate(&self, prompt: &str) {
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        let mut arms = self.arms.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::AcqRel);
         entries.remove(prompt);
+        arms.remove(prompt);
     }
 
     pub fn clear(&self) {
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        let mut arms = self.arms.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::AcqRel);
         entries.clear();
+        arms.clear();
     }
 }
 

@@ -27,6 +27,9 @@ pub struct Settings {
     /// The regression guard (see `worker::guard`).
     #[serde(default)]
     pub guard: GuardSettings,
+    /// The population of prompts under the `evaluated` policy (see `worker::population`).
+    #[serde(default)]
+    pub population: PopulationSettings,
     /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
     #[serde(default, skip_serializing)]
     pub llm: crate::llm::config::LlmConfig,
@@ -84,6 +87,56 @@ pub struct GuardSettings {
 impl Default for GuardSettings {
     fn default() -> Self {
         Self { enabled: true, tick_secs: 60, window_secs: 3600, alpha: 0.01, min_drop: 0.05, min_traces: 50 }
+    }
+}
+
+/// The population of a prompt under the `evaluated` policy: how traffic is
+/// split between the champion and its challengers, how often arms are rated,
+/// and the promotion gate's evidence (see `worker::population`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PopulationSettings {
+    /// Rate arms and run the gate in worker processes (`all` and `worker` roles).
+    pub enabled: bool,
+    /// How often the rater looks at every `evaluated` prompt (seconds).
+    pub tick_secs: u64,
+    /// Length of a rating window (seconds): arms are ranked once per window.
+    pub window_secs: u64,
+    /// Share of traffic all challengers together receive.
+    pub explore_share: f64,
+    /// Share every challenger receives at least (so the newest child is measured).
+    pub min_arm_share: f64,
+    /// Scored traces the champion and a challenger each need before the gate may promote.
+    pub min_traces: u64,
+    /// Most challengers beside the champion; the weakest is retired to make room.
+    pub max_arms: usize,
+    /// Scored traces an arm needs in a window to be ranked in it.
+    pub min_window_traces: u64,
+}
+
+impl Default for PopulationSettings {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            tick_secs: 60,
+            window_secs: 600,
+            explore_share: 0.2,
+            min_arm_share: 0.02,
+            min_traces: 50,
+            max_arms: 4,
+            min_window_traces: 10,
+        }
+    }
+}
+
+impl PopulationSettings {
+    pub fn policy(&self) -> crate::evaluate::population::PopulationPolicy {
+        crate::evaluate::population::PopulationPolicy {
+            explore_share: self.explore_share,
+            min_arm_share: self.min_arm_share,
+            min_traces: self.min_traces,
+            max_arms: self.max_arms,
+        }
     }
 }
 
@@ -245,6 +298,7 @@ impl Default for Settings {
                 max_concurrency: 16,
             },
             guard: GuardSettings::default(),
+            population: PopulationSettings::default(),
             llm: Default::default(),
         }
     }
@@ -326,6 +380,13 @@ impl Settings {
         if !(g.alpha > 0.0 && g.alpha < 0.5 && (0.0..=1.0e12).contains(&g.min_drop)) {
             return Err(ConfigError("guard.alpha must be in (0, 0.5) and guard.min_drop at least 0".into()));
         }
+        let p = &self.population;
+        if p.tick_secs == 0 || p.window_secs == 0 || p.min_traces == 0 || p.min_window_traces == 0 {
+            return Err(ConfigError(
+                "population.tick_secs, window_secs, min_traces and min_window_traces must be greater than 0".into(),
+            ));
+        }
+        p.policy().validate().map_err(|e| ConfigError(format!("population: {e}")))?;
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
         self.controller.validate().map_err(|e| ConfigError(format!("controller: {e}")))?;
         Ok(())

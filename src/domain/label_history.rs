@@ -26,11 +26,20 @@ pub enum LabelMoveKind {
     GuardRollback,
     /// An operator deleted the label.
     Delete,
+    /// The promotion gate moved `production` to a challenger that beat the champion on live traffic.
+    GatePromote,
 }
 
 impl LabelMoveKind {
-    pub const ALL: [LabelMoveKind; 6] =
-        [Self::Create, Self::Promote, Self::Rollback, Self::AutoPublish, Self::GuardRollback, Self::Delete];
+    pub const ALL: [LabelMoveKind; 7] = [
+        Self::Create,
+        Self::Promote,
+        Self::Rollback,
+        Self::AutoPublish,
+        Self::GuardRollback,
+        Self::Delete,
+        Self::GatePromote,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -40,6 +49,7 @@ impl LabelMoveKind {
             Self::AutoPublish => "auto-publish",
             Self::GuardRollback => "guard-rollback",
             Self::Delete => "delete",
+            Self::GatePromote => "gate-promote",
         }
     }
 

@@ -29,6 +29,10 @@ pub enum Promotion {
     Auto,
     /// Learned versions are labelled `candidate`; an operator promotes them.
     Manual,
+    /// Learned versions join the prompt's population as challengers, get a
+    /// share of live traffic, and replace `production` only when the
+    /// promotion gate's evidence says they are better (see `worker::population`).
+    Evaluated,
 }
 
 /// Per-prompt learning knobs. Stored as a document so later learning features

@@ -39,7 +39,7 @@ pub struct LabelHistoryPage {
     security(("bearer" = ["prompts:read"])))]
 /// Every change of the prompt's labels since label history was recorded:
 /// the kind (`create`, `promote`, `rollback`, `auto-publish`,
-/// `guard-rollback`, `delete`), who or what made it, why, and the numbers.
+/// `guard-rollback`, `gate-promote`, `delete`), who or what made it, why, and the numbers.
 pub async fn label_history(
     State(st): State<AppState>,
     caller: Caller,

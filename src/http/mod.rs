@@ -50,6 +50,7 @@ pub fn routes() -> Router<AppState> {
         .route("/metrics", get(ops::metrics))
         .route("/v1/prompts", post(prompts::create_prompt).get(prompts::list_prompts))
         .route("/v1/prompts/{name}", get(prompts::get_prompt))
+        .route("/v1/prompts/{name}/population", get(prompts::get_population))
         .route("/v1/prompts/{name}/settings", axum::routing::patch(prompts::update_settings))
         .route("/v1/prompts/{name}/versions", post(prompts::create_version).get(prompts::list_versions))
         .route("/v1/prompts/{name}/versions/{number}", get(prompts::get_version))

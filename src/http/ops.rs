@@ -64,7 +64,7 @@ impl utoipa::Modify for BearerAuth {
         super::prompts::update_settings,
         super::prompts::create_version, super::prompts::list_versions, super::prompts::get_version,
         super::prompts::diff_versions, super::prompts::list_labels, super::prompts::move_label,
-        super::prompts::delete_label, super::prompts::rollback, super::label_history::label_history,
+        super::prompts::delete_label, super::prompts::rollback, super::label_history::label_history, super::prompts::get_population,
         super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
         super::otlp::export_traces,
         super::traces::requeue_failed,

@@ -20,11 +20,12 @@ use super::{
     extract::{ApiJson, ApiPath, ApiQuery, Caller},
 };
 use crate::{
-    cache::CachedPrompt,
+    cache::{CachedPrompt, ServedArms},
     domain::{
         LabelMoveKind, LabelName, MoveCause, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy,
         Version, VersionContent, VersionSource, prompt::NewVersion,
     },
+    evaluate::assign::assign,
     service::{
         pagination::{PageParams, next_token},
         prompts::{
@@ -32,7 +33,9 @@ use crate::{
             version_diff,
         },
     },
-    store::{Label, LabelMove, NewPrompt, PromptSummary, Resolved, Scope, Selector, StoreError},
+    store::{
+        ArmState, Label, LabelMove, NewPrompt, PopulationArm, PromptSummary, Resolved, Scope, Selector, StoreError,
+    },
 };
 
 fn check_content(
@@ -271,7 +274,19 @@ pub struct SelectorQuery {
     pub label: Option<String>,
     /// A version number (instead of a label).
     pub version: Option<i64>,
+    /// The agent (user, session…) asking, for prompts under the `evaluated`
+    /// policy when neither `label` nor `version` is given: the same subject is
+    /// always served the same arm while the traffic weights stay. Overrides
+    /// the `Combee-Subject` header. Without either, an arm is drawn per request.
+    /// 1 to 256 characters, no control characters.
+    #[param(min_length = 1, max_length = 256, pattern = r"^[^\u0000-\u001F\u007F-\u009F]+$")]
+    pub subject: Option<String>,
 }
+
+/// The header an agent names its subject with (see `SelectorQuery::subject`).
+pub const SUBJECT_HEADER: &str = "combee-subject";
+/// Longest accepted subject, in characters.
+pub const MAX_SUBJECT_CHARS: usize = 256;
 
 impl SelectorQuery {
     fn selector(&self) -> ApiResult<Selector> {
@@ -364,7 +379,7 @@ fn etag_matches(header_value: Option<&HeaderValue>, etag: &HeaderValue, weak: bo
 }
 
 #[utoipa::path(get, path = "/v1/prompts/{name}", tag = "prompts", params(("name" = String, Path), SelectorQuery),
-    responses((status = 200, body = PromptView, headers(("ETag" = String))), (status = 304), (status = 404, body = super::error::Problem)),
+    responses((status = 200, body = PromptView, headers(("ETag" = String), ("Vary" = String), ("Combee-Arm" = Option<String>, description = "`champion` or `challenger` when an `evaluated` prompt's arm was served"))), (status = 304), (status = 400, description = "a bad `subject`, `label` or `version`", body = super::error::Problem), (status = 404, body = super::error::Problem)),
     security(("bearer" = ["prompts:read"])))]
 pub async fn get_prompt(
     State(st): State<AppState>,
@@ -385,17 +400,145 @@ pub async fn get_prompt(
             return Err(ApiError::NotFound(format!("label {l:?} does not point at version {v}")));
         }
     }
-    let view = cached_view(&st, &name, q.selector()?).await?;
+    let subject = subject_of(&q, &headers)?;
+    let explicit = q.label.is_some() || q.version.is_some();
+    let arm = if explicit { None } else { served_arm(&st, &name, subject.as_deref()).await? };
+    let selector = match arm {
+        Some((version, _)) => Selector::Version(version),
+        None => q.selector()?,
+    };
+    let view = cached_view(&st, &name, selector).await?;
     let mut res = if etag_matches(headers.get(header::IF_NONE_MATCH), &view.etag, true) {
         StatusCode::NOT_MODIFIED.into_response()
     } else {
-        let mut res = view.body.clone().into_response();
+        let body = match arm {
+            Some((_, state)) => with_arm(&view.body, state)?,
+            None => view.body.clone(),
+        };
+        let mut res = body.into_response();
         res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         res
     };
+    if let Some((version, state)) = arm {
+        res.headers_mut().insert("combee-arm", HeaderValue::from_static(state.as_str()));
+        res.headers_mut().insert("combee-version", HeaderValue::from(version));
+    }
     res.headers_mut().insert(header::ETAG, view.etag.clone());
     res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // Without `label`/`version`, which version is served can depend on the subject.
+    res.headers_mut().insert(header::VARY, HeaderValue::from_static("Combee-Subject"));
     Ok(res)
+}
+
+/// The subject of a request: `?subject=`, else the `Combee-Subject` header.
+fn subject_of(q: &SelectorQuery, headers: &HeaderMap) -> ApiResult<Option<String>> {
+    let raw = match (&q.subject, headers.get(SUBJECT_HEADER)) {
+        (Some(s), _) => s.clone(),
+        (None, Some(h)) => h
+            .to_str()
+            .map_err(|_| ApiError::BadRequest("the `Combee-Subject` header must be visible ASCII".into()))?
+            .to_owned(),
+        (None, None) => return Ok(None),
+    };
+    if raw.is_empty() || raw.chars().count() > MAX_SUBJECT_CHARS || raw.chars().any(char::is_control) {
+        return Err(ApiError::BadRequest(format!(
+            "a subject must be 1 to {MAX_SUBJECT_CHARS} characters without control characters"
+        )));
+    }
+    Ok(Some(raw))
+}
+
+/// The live arms of an `evaluated` prompt (empty for other prompts), cached
+/// like the prompt's text and dropped with it on every change.
+async fn served_arms(st: &AppState, name: &str) -> ApiResult<Arc<ServedArms>> {
+    if crate::domain::names::is_valid_name(name)
+        && let Some(hit) = st.cache.get_arms(name)
+    {
+        return Ok(hit);
+    }
+    let generation = st.cache.generation();
+    let prompt = existing_prompt(st, name).await?;
+    let served = if prompt.promotion == Promotion::Evaluated {
+        let population = st.store.population(&prompt.name).await?;
+        let champion = population.iter().find(|a| a.state == ArmState::Champion).map(|a| a.version);
+        let arms = population
+            .iter()
+            .filter(|a| a.state != ArmState::Retired && a.weight > 0.0)
+            .map(|a| (a.version, a.weight))
+            .collect();
+        ServedArms::new(arms, champion)
+    } else {
+        ServedArms::new(Vec::new(), None)
+    };
+    let served = Arc::new(served);
+    st.cache.insert_arms(prompt.name.as_str(), generation, served.clone());
+    Ok(served)
+}
+
+/// The arm (version, state) this request is served: sticky by subject over
+/// the current weights, or drawn per request without one. `None` when the
+/// prompt has no population (it is served `production` as usual).
+async fn served_arm(st: &AppState, name: &str, subject: Option<&str>) -> ApiResult<Option<(i64, ArmState)>> {
+    let served = served_arms(st, name).await?;
+    let picked = assign(subject, name, &served.arms, &mut rand::thread_rng());
+    Ok(picked.map(|i| {
+        let version = served.arms[i].0;
+        let state = if Some(version) == served.champion { ArmState::Champion } else { ArmState::Challenger };
+        (version, state)
+    }))
+}
+
+/// The cached body with the arm it was served as.
+fn with_arm(body: &Bytes, state: ArmState) -> ApiResult<Bytes> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::Internal(e.into()))?;
+    v["arm"] = serde_json::Value::String(state.as_str().to_owned());
+    Ok(Bytes::from(serde_json::to_vec(&v).map_err(|e| ApiError::Internal(e.into()))?))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PopulationView {
+    pub prompt: String,
+    pub promotion: Promotion,
+    /// Every arm, retired ones too, by version.
+    pub arms: Vec<PopulationArmView>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PopulationArmView {
+    #[serde(flatten)]
+    pub arm: PopulationArm,
+    /// μ − 2σ: what the promotion gate compares.
+    pub conservative: f64,
+    /// μ + 2σ: what exploration chases.
+    pub optimistic: f64,
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/population", tag = "prompts", params(("name" = String, Path)),
+    responses((status = 200, body = PopulationView), (status = 404, body = super::error::Problem)),
+    security(("bearer" = ["prompts:read"])))]
+/// The prompt's population under the `evaluated` policy: every arm with its
+/// state (champion, challenger, retired), TrueSkill rating, traffic weight
+/// and scored-trace count. Empty for prompts under `auto` or `manual`
+/// (they have no population until switched).
+pub async fn get_population(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<PopulationView>> {
+    caller.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let arms = st
+        .store
+        .population(&prompt.name)
+        .await?
+        .into_iter()
+        .map(|arm| PopulationArmView {
+            conservative: arm.rating.conservative(),
+            optimistic: arm.rating.optimistic(),
+            arm,
+        })
+        .collect();
+    Ok(Json(PopulationView { prompt: prompt.name.to_string(), promotion: prompt.promotion, arms }))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

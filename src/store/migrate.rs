@@ -44,6 +44,7 @@ pub const POSTGRES: &[Migration] = &[
         name: "overload_meter",
         sql: include_str!("../../migrations/postgres/0012_overload_meter.sql"),
     },
+    Migration { version: 13, name: "population", sql: include_str!("../../migrations/postgres/0013_population.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -74,6 +75,7 @@ pub const SQLITE: &[Migration] = &[
         name: "overload_meter",
         sql: include_str!("../../migrations/sqlite/0012_overload_meter.sql"),
     },
+    Migration { version: 13, name: "population", sql: include_str!("../../migrations/sqlite/0013_population.sql") },
 ];
 
 #[cfg(test)]

@@ -213,6 +213,59 @@ pub(crate) fn version_move_kind(source: crate::domain::VersionSource) -> LabelMo
     }
 }
 
+/// Where an arm of a prompt's population stands (policy `evaluated`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ArmState {
+    /// The version `production` points at; gets most of the traffic.
+    Champion,
+    /// Measured on a share of the traffic; may replace the champion.
+    Challenger,
+    /// Gets no traffic any more (the version itself stays).
+    Retired,
+}
+
+impl ArmState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Champion => "champion",
+            Self::Challenger => "challenger",
+            Self::Retired => "retired",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::Champion, Self::Challenger, Self::Retired].into_iter().find(|x| x.as_str() == s)
+    }
+}
+
+/// One version in a prompt's population, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct PopulationArm {
+    pub version: i64,
+    pub state: ArmState,
+    /// TrueSkill rating (μ, σ) from the rating windows so far.
+    pub rating: crate::evaluate::trueskill::Rating,
+    /// Share of subjects served this arm (the weights of live arms sum to 1).
+    pub weight: f64,
+    /// Scored traces of this version counted in rating windows so far.
+    pub scored_traces: u64,
+    /// The version this one was learned from (`null` for the first champion).
+    pub created_from: Option<i64>,
+    /// End of the last rating window this arm took part in.
+    pub rated_until: Option<DateTime<Utc>>,
+}
+
+/// The rewards of one version on one task (traces carrying `metadata.task_key`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRewards {
+    pub version: i64,
+    pub task_key: String,
+    /// Rewarded traces of this version on this task.
+    pub traces: u64,
+    /// Sum of their rewards: 1/0 for `feedback.success`, else `feedback.score`.
+    pub reward_sum: f64,
+}
+
 /// Which version of a prompt a reader wants.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Selector {
@@ -612,6 +665,21 @@ pub trait Store: Send + Sync + 'static {
     /// same transaction (a move that changes nothing records nothing). A
     /// `guard-rollback` or `rollback` also queues a `prompt.rolled_back` event.
     async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label>;
+    /// Per (version, `metadata.task_key`) reward sums of the prompt's rewarded,
+    /// unquarantined traces created in `[from, until)` (traces without a string
+    /// task key or a version are left out), so arms can be compared on matched work.
+    async fn task_rewards(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> StoreResult<Vec<TaskRewards>>;
+    /// The prompt's population (every arm, retired ones too), by version.
+    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>>;
+    /// Inserts or replaces these arms (by version) in one transaction, and
+    /// tells every process's cache (NOTIFY on Postgres). `NotFound` for an
+    /// unknown prompt, `Invalid` for a version it does not have.
+    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()>;
     /// Deletes a label, recording who did it in the label history; false when
     /// there was no such label.
     async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool>;

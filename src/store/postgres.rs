@@ -21,11 +21,12 @@ use crate::evaluate::{
 };
 
 use super::{
-    ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
+    ApiKey, ArmState, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
-    OtlpRemap, OtlpRemapFn, OtlpSpan, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector,
-    Store, StoreError, StoreKind, StoreResult, TraceAction, TraceCharges, TraceFilter, UiSession, Webhook, migrate,
-    otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal, version_move_kind,
+    OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
+    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
+    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
+    version_move_kind,
 };
 use crate::{
     domain::{
@@ -304,6 +305,19 @@ fn history_from_row(row: &PgRow) -> StoreResult<LabelHistoryEntry> {
         reason: row.try_get("reason")?,
         evidence: row.try_get("evidence")?,
         at: row.try_get("at")?,
+    })
+}
+
+fn arm_from_row(row: &PgRow) -> StoreResult<PopulationArm> {
+    let state: String = row.try_get("state")?;
+    Ok(PopulationArm {
+        version: row.try_get("version")?,
+        state: ArmState::parse(&state).ok_or_else(|| corrupt("arm state"))?,
+        rating: crate::evaluate::trueskill::Rating { mu: row.try_get("mu")?, sigma: row.try_get("sigma")? },
+        weight: row.try_get("weight")?,
+        scored_traces: row.try_get::<i64, _>("scored_traces")?.max(0) as u64,
+        created_from: row.try_get("created_from")?,
+        rated_until: row.try_get("rated_until")?,
     })
 }
 
@@ -831,6 +845,97 @@ impl Store for PgStore {
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
         Ok(deleted.is_some())
+    }
+
+    async fn task_rewards(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> StoreResult<Vec<TaskRewards>> {
+        let sql = format!(
+            "WITH r AS (
+               SELECT t.prompt_version AS version, t.metadata->>'task_key' AS task_key,
+                      CASE WHEN jsonb_typeof(t.feedback->'success') = 'boolean'
+                           THEN CASE WHEN (t.feedback->>'success')::boolean THEN 1.0::float8 ELSE 0.0::float8 END
+                           WHEN jsonb_typeof(t.feedback->'score') = 'number'
+                           THEN CASE WHEN abs((t.feedback->'score')::numeric) <= {MAX_ABS_VALUE}
+                                THEN (t.feedback->'score')::numeric::float8 END END AS reward
+               FROM traces t JOIN prompts p ON p.id = t.prompt_id
+               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL
+                 AND t.prompt_version IS NOT NULL AND jsonb_typeof(t.metadata->'task_key') = 'string')
+             SELECT version, task_key, count(reward) AS n, coalesce(sum(reward), 0)::float8 AS total
+             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
+        );
+        sqlx::query(&sql)
+            .bind(prompt.as_str())
+            .bind(from)
+            .bind(until)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(TaskRewards {
+                    version: row.try_get("version")?,
+                    task_key: row.try_get("task_key")?,
+                    traces: row.try_get::<i64, _>("n")?.max(0) as u64,
+                    reward_sum: row.try_get("total")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
+        sqlx::query(
+            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
+             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
+             WHERE p.name = $1 ORDER BY a.version",
+        )
+        .bind(prompt.as_str())
+        .fetch_all(&self.pool)
+        .await?
+        .iter()
+        .map(arm_from_row)
+        .collect()
+    }
+
+    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
+        let mut tx = self.pool.begin().await?;
+        let id = prompt_id(&mut tx, prompt).await?;
+        for arm in arms {
+            let exists: Option<i64> =
+                sqlx::query_scalar("SELECT number FROM versions WHERE prompt_id = $1 AND number = $2")
+                    .bind(id)
+                    .bind(arm.version)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            if exists.is_none() {
+                return Err(StoreError::Invalid(format!("version {} does not exist", arm.version)));
+            }
+            sqlx::query(
+                "INSERT INTO population_arms
+                    (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from, rated_until)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                 ON CONFLICT (prompt_id, version) DO UPDATE SET
+                    state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
+                    scored_traces = excluded.scored_traces, created_from = excluded.created_from,
+                    rated_until = excluded.rated_until, updated_at = now()",
+            )
+            .bind(id)
+            .bind(arm.version)
+            .bind(arm.state.as_str())
+            .bind(arm.rating.mu)
+            .bind(arm.rating.sigma)
+            .bind(arm.weight)
+            .bind(arm.scored_traces as i64)
+            .bind(arm.created_from)
+            .bind(arm.rated_until)
+            .execute(&mut *tx)
+            .await?;
+        }
+        notify(&mut tx, &format!("prompt:{prompt}")).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn label_history(

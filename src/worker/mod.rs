@@ -8,6 +8,7 @@
 pub mod controller;
 pub mod guard;
 mod journal;
+pub mod population;
 
 use std::{sync::Arc, time::Duration};
 
@@ -41,6 +42,8 @@ pub struct Worker {
     denylist: Arc<ContentDenylist>,
     controller: Arc<ControllerConfig>,
     choices: Arc<controller::ChoiceLog>,
+    /// Population knobs for prompts under the `evaluated` policy.
+    population: crate::evaluate::population::PopulationPolicy,
     /// Names this process in leases (`host:pid:random`).
     owner: String,
 }
@@ -102,8 +105,15 @@ impl Worker {
             settings: Arc::new(settings),
             controller: Arc::new(controller),
             choices: Arc::default(),
+            population: Default::default(),
             owner,
         }
+    }
+
+    /// Uses these population knobs (from `[population]`) for `evaluated` prompts.
+    pub fn with_population(mut self, policy: crate::evaluate::population::PopulationPolicy) -> Self {
+        self.population = policy;
+        self
     }
 
     /// Runs until `shutdown`; rounds in progress are abandoned to their lease
@@ -258,7 +268,9 @@ impl Worker {
                 let meter = meter_counts(&outcome);
                 let label = match prompt.promotion {
                     Promotion::Auto => LabelName::production(),
-                    Promotion::Manual => LabelName::candidate(),
+                    // The child is measured before it may serve production: it
+                    // joins the population as a challenger (below).
+                    Promotion::Manual | Promotion::Evaluated => LabelName::candidate(),
                 };
                 let version = NewVersion {
                     parent: Some(base.number),
@@ -291,6 +303,19 @@ impl Worker {
                             && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
                         {
                             tracing::warn!(error = %e, "the overload meter was not updated for this round");
+                        }
+                        if prompt.promotion == Promotion::Evaluated {
+                            let added = population::add_challenger(
+                                &self.store,
+                                &prompt.name,
+                                v.number,
+                                Some(base.number),
+                                &self.population,
+                            )
+                            .await;
+                            if let Err(e) = added {
+                                tracing::error!(version = v.number, error = %e, "the learned version could not join the population");
+                            }
                         }
                     }
                     Err(StoreError::Conflict) => {

@@ -13,6 +13,7 @@ mod key_revocation;
 mod learning;
 mod otlp;
 mod poisoning;
+mod population;
 mod postgres_outage;
 mod postgres_processes;
 mod store_contract;

@@ -1410,8 +1410,55 @@ async fn meter_counts_sum_rounds_once_per_prompt(b: Backend) {
     assert!(s.meter_counts(&name("other")).await.unwrap().is_empty(), "meters are per prompt");
 }
 
+/// Rewards per (version, task key) for comparing arms on matched work.
+async fn task_rewards_group_by_version_and_task_key(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    s.create_version(&name("p"), version("v2"), &[]).await.unwrap();
+    let ids = s
+        .insert_traces(&[
+            rewarded_trace("p", Some(1), json!({"success": true}), json!({"task_key": "a"})),
+            rewarded_trace("p", Some(1), json!({"success": false, "score": 0.9}), json!({"task_key": "a"})),
+            rewarded_trace("p", Some(1), json!({"score": 0.25}), json!({"task_key": "b"})),
+            rewarded_trace("p", Some(2), json!({"success": true}), json!({"task_key": "a"})),
+            // Left out: no reward, a task key that is not a string, no task key, no version.
+            rewarded_trace("p", Some(2), json!({}), json!({"task_key": "a"})),
+            rewarded_trace("p", Some(2), json!({"success": true}), json!({"task_key": 7})),
+            rewarded_trace("p", Some(2), json!({"success": true}), json!({})),
+            rewarded_trace("p", None, json!({"success": true}), json!({"task_key": "a"})),
+            rewarded_trace("p", Some(2), json!({"success": false}), json!({"task_key": "b"})),
+        ])
+        .await
+        .unwrap();
+    let from = chrono::Utc::now() - chrono::Duration::hours(1);
+    let until = chrono::Utc::now() + chrono::Duration::minutes(1);
+    let got: Vec<_> = s
+        .task_rewards(&name("p"), from, until)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.version, t.task_key, t.traces, t.reward_sum))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (1, "a".to_owned(), 2, 1.0),
+            (1, "b".to_owned(), 1, 0.25),
+            (2, "a".to_owned(), 1, 1.0),
+            (2, "b".to_owned(), 1, 0.0),
+        ]
+    );
+    // Quarantined traces are not trusted; the window is half-open.
+    s.quarantine_trace(ids[0], "suspect").await.unwrap();
+    let a1 = s.task_rewards(&name("p"), from, until).await.unwrap();
+    assert_eq!((a1[0].traces, a1[0].reward_sum), (1, 0.0));
+    assert!(s.task_rewards(&name("p"), until, until + chrono::Duration::hours(1)).await.unwrap().is_empty());
+}
+
 on_both_stores!(
     meter_counts_sum_rounds_once_per_prompt,
+    task_rewards_group_by_version_and_task_key,
     label_history_records_every_move_in_order,
     a_live_lease_makes_a_round_claimable_exactly_once,
     concurrent_claimers_take_each_round_once,

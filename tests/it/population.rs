@@ -1,0 +1,368 @@
+//! The `evaluated` policy's population on both stores: arms stored and read
+//! back, learned children joining as challengers (mutation), sticky traffic
+//! shares that follow the stored weights, and the rater's promotion gate,
+//! which waits for evidence and then promotes a clearly better challenger.
+
+use crate::common;
+
+use combee::{
+    config::PopulationSettings,
+    domain::{
+        LabelMoveKind, LabelName, Promotion, PromptName, PromptSettings, Strategy, VersionContent, VersionSource,
+        prompt::NewVersion,
+        trace::{NewTrace, TraceLimits, ValidTrace},
+    },
+    evaluate::{assign::sticky_arm, population::GateDecision, trueskill::Rating},
+    store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
+    worker::population::{Basis, PopulationRater, RatingOutcome, add_challenger},
+};
+use common::{Backend, test_store};
+use serde_json::json;
+
+fn name(s: &str) -> PromptName {
+    PromptName::parse(s).unwrap()
+}
+
+fn version(base: &str, parent: Option<i64>) -> NewVersion {
+    NewVersion {
+        parent,
+        source: VersionSource::Learned,
+        round_id: None,
+        content: VersionContent { base: base.into(), playbook: None },
+        message: "m".into(),
+        created_by: "test".into(),
+    }
+}
+
+async fn evaluated_prompt(store: &DynStore, n: &str, versions: i64) {
+    let p = NewPrompt {
+        name: name(n),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Evaluated,
+        settings: PromptSettings::default(),
+        created_by: "test".into(),
+    };
+    store.create_prompt(p, version("v1", None)).await.unwrap();
+    for v in 2..=versions {
+        store.create_version(&name(n), version(&format!("v{v}"), Some(1)), &[]).await.unwrap();
+    }
+}
+
+fn arm(arms: &[PopulationArm], version: i64) -> &PopulationArm {
+    arms.iter().find(|a| a.version == version).unwrap_or_else(|| panic!("no arm v{version} in {arms:?}"))
+}
+
+fn live_weights(arms: &[PopulationArm]) -> Vec<(i64, f64)> {
+    arms.iter().filter(|a| a.state != ArmState::Retired).map(|a| (a.version, a.weight)).collect()
+}
+
+async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 4).await;
+    assert_eq!(s.get_prompt(&name("p")).await.unwrap().unwrap().promotion, Promotion::Evaluated);
+    assert!(s.population(&name("p")).await.unwrap().is_empty());
+    let policy = PopulationSettings { max_arms: 2, ..Default::default() }.policy();
+    add_challenger(&s, &name("p"), 2, Some(1), &policy).await.unwrap();
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!(arms.len(), 2);
+    assert_eq!((arm(&arms, 1).state, arm(&arms, 1).rating), (ArmState::Champion, Rating::default()));
+    let child = arm(&arms, 2);
+    assert_eq!((child.state, child.created_from), (ArmState::Challenger, Some(1)));
+    // Mutation: the parent's μ, σ = √(σ_parent² + 1).
+    assert_eq!(child.rating.mu, 25.0);
+    assert!((child.rating.sigma - ((25.0f64 / 3.0).powi(2) + 1.0).sqrt()).abs() < 1e-9);
+    assert!((arm(&arms, 1).weight - 0.8).abs() < 1e-9 && (child.weight - 0.2).abs() < 1e-9);
+    // Production did not move: the child is only measured.
+    let prod = s.resolve(&name("p"), &Selector::Label(LabelName::production())).await.unwrap().unwrap();
+    assert_eq!(prod.version.number, 1);
+
+    // v3 is a child of v2, whose rating is now worse than the prior: it inherits it.
+    let mut weaker = arms.clone();
+    weaker.iter_mut().find(|a| a.version == 2).unwrap().rating = Rating { mu: 20.0, sigma: 2.0 };
+    s.save_population(&name("p"), &weaker).await.unwrap();
+    add_challenger(&s, &name("p"), 3, Some(2), &policy).await.unwrap();
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!(arm(&arms, 3).rating.mu, 20.0);
+    assert!((arm(&arms, 3).rating.sigma - 5f64.sqrt()).abs() < 1e-9);
+    // v3 measures well (μ−2σ = 28), v2 badly (16); a third challenger with
+    // max_arms = 2 retires the weakest, v2; the newest stays.
+    let mut measured = arms.clone();
+    measured.iter_mut().find(|a| a.version == 3).unwrap().rating = Rating { mu: 30.0, sigma: 1.0 };
+    s.save_population(&name("p"), &measured).await.unwrap();
+    add_challenger(&s, &name("p"), 4, Some(1), &policy).await.unwrap();
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!(arm(&arms, 2).state, ArmState::Retired);
+    assert_eq!(arm(&arms, 2).weight, 0.0);
+    assert_eq!((arm(&arms, 3).state, arm(&arms, 4).state), (ArmState::Challenger, ArmState::Challenger));
+    let total: f64 = live_weights(&arms).iter().map(|(_, w)| w).sum();
+    assert!((total - 1.0).abs() < 1e-9, "{arms:?}");
+
+    // Bad input is refused, not stored.
+    let mut ghost = arms[0].clone();
+    ghost.version = 99;
+    assert!(matches!(s.save_population(&name("p"), &[ghost.clone()]).await, Err(StoreError::Invalid(_))));
+    assert!(matches!(s.save_population(&name("nope"), &[ghost]).await, Err(StoreError::NotFound)));
+    assert_eq!(s.population(&name("p")).await.unwrap().len(), 4);
+}
+
+/// Sticky assignment over the weights the store holds: the same subject
+/// always gets the same arm, and over 10,000 subjects every arm's share is
+/// within 3 points of its weight.
+async fn sticky_shares_follow_the_stored_weights(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 3).await;
+    let policy = PopulationSettings::default().policy();
+    add_challenger(&s, &name("p"), 2, Some(1), &policy).await.unwrap();
+    add_challenger(&s, &name("p"), 3, Some(1), &policy).await.unwrap();
+    let weights = live_weights(&s.population(&name("p")).await.unwrap());
+    assert_eq!(weights.len(), 3);
+    // v1 champion 0.8; the challenger with the highest μ+2σ gets the bonus, the other the floor.
+    assert!((weights[0].1 - 0.8).abs() < 1e-9, "{weights:?}");
+    assert!(weights[1..].iter().any(|(_, w)| (w - 0.02).abs() < 1e-9), "{weights:?}");
+    let mut counts = [0usize; 3];
+    for i in 0..10_000 {
+        let subject = format!("agent-{i}");
+        let first = sticky_arm(&subject, "p", &weights).unwrap();
+        // Read again from the store: the same answer.
+        if i % 1000 == 0 {
+            let again = live_weights(&s.population(&name("p")).await.unwrap());
+            assert_eq!(sticky_arm(&subject, "p", &again), Some(first));
+        }
+        counts[first] += 1;
+    }
+    for ((v, w), c) in weights.iter().zip(counts) {
+        let share = c as f64 / 10_000.0;
+        assert!((share - w).abs() < 0.03, "v{v}: share {share} vs weight {w}");
+    }
+}
+
+fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
+    let t: NewTrace = serde_json::from_value(json!({
+        "prompt": prompt, "prompt_version": v, "input": {"q": "x"},
+        "feedback": {"success": success}, "metadata": {"task_key": format!("t{task}")}
+    }))
+    .unwrap();
+    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+}
+
+/// `n` traces of version `v` with `rate` of them successful.
+fn batch(prompt: &str, v: i64, n: usize, rate: f64) -> Vec<ValidTrace> {
+    (0..n).map(|i| rewarded(prompt, v, ((i + 1) as f64 * rate).floor() > (i as f64 * rate).floor(), i)).collect()
+}
+
+async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 3).await;
+    let settings = PopulationSettings { window_secs: 30, min_window_traces: 10, min_traces: 50, ..Default::default() };
+    add_challenger(&s, &name("p"), 2, Some(1), &settings.policy()).await.unwrap();
+    add_challenger(&s, &name("p"), 3, Some(1), &settings.policy()).await.unwrap();
+    let rater = PopulationRater::new(s.clone(), settings);
+
+    // Window 1: v2 is clearly better, v3 worse, but nobody has 50 scored traces yet.
+    let mut first = batch("p", 1, 30, 0.5);
+    first.extend(batch("p", 2, 30, 0.9));
+    first.extend(batch("p", 3, 12, 0.2));
+    s.insert_traces(&first).await.unwrap();
+    let t1 = chrono::Utc::now();
+    let out = rater.rate(&name("p"), t1).await.unwrap();
+    let RatingOutcome::Rated { ranked, gate, basis } = out else { panic!("{out:?}") };
+    assert_eq!(ranked.len(), 3);
+    // The three arms ran tasks t0..t11 in common: they are compared on those.
+    assert_eq!(basis, Basis::SharedTasks);
+    assert!(matches!(gate, GateDecision::ChampionUnderSampled { traces: 30, needed: 50 }), "{gate:?}");
+    let arms = s.population(&name("p")).await.unwrap();
+    assert!(arm(&arms, 2).rating.mu > 25.0 && arm(&arms, 1).rating.mu < arm(&arms, 2).rating.mu, "{arms:?}");
+    assert!(arm(&arms, 3).rating.mu < arm(&arms, 1).rating.mu, "{arms:?}");
+    assert_eq!(arm(&arms, 2).scored_traces, 30);
+    let prod = || async {
+        s.resolve(&name("p"), &Selector::Label(LabelName::production())).await.unwrap().unwrap().version.number
+    };
+    assert_eq!(prod().await, 1, "nothing is promoted before the gate's evidence");
+    // The same window is not rated twice.
+    assert_eq!(rater.rate(&name("p"), t1).await.unwrap(), RatingOutcome::WindowOpen);
+    assert_eq!(arm(&s.population(&name("p")).await.unwrap(), 2).scored_traces, 30);
+
+    // Window 2: 30 more each: both now have 60 scored traces; v2 is promoted.
+    let mut second = batch("p", 1, 30, 0.5);
+    second.extend(batch("p", 2, 30, 0.9));
+    s.insert_traces(&second).await.unwrap();
+    let t2 = t1 + chrono::Duration::seconds(30);
+    let out = rater.rate(&name("p"), t2).await.unwrap();
+    assert_eq!(out, RatingOutcome::Promoted { from: 1, to: 2 });
+    assert_eq!(prod().await, 2);
+    let arms = s.population(&name("p")).await.unwrap();
+    assert_eq!((arm(&arms, 2).state, arm(&arms, 1).state), (ArmState::Champion, ArmState::Challenger));
+    assert!((arm(&arms, 2).weight - 0.8).abs() < 1e-9, "{arms:?}");
+    assert_eq!((arm(&arms, 1).scored_traces, arm(&arms, 2).scored_traces), (60, 60));
+
+    // The label history says why, with the numbers.
+    let history = s.label_history(&name("p"), Some(&LabelName::production()), None, 10).await.unwrap();
+    let last = &history[0];
+    assert_eq!((last.kind, last.from_version, last.to_version), (LabelMoveKind::GatePromote, Some(1), Some(2)));
+    assert_eq!(last.actor, "gate");
+    assert!(last.reason.contains("μ−2σ"), "{}", last.reason);
+    let ev = last.evidence.as_ref().unwrap();
+    assert_eq!(ev["challenger"]["scored_traces"], 60);
+    assert!(ev["challenger"]["lower"].as_f64().unwrap() > ev["champion"]["lower"].as_f64().unwrap());
+}
+
+/// Migration 0013 on a database with data (SQLite rebuilds `prompts` under
+/// the foreign keys of versions, labels, traces, label history): run it again
+/// over existing rows and everything is still there and still enforced.
+async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) {
+    use sqlx::Connection;
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "old", 2).await;
+    s.insert_traces(&batch("old", 2, 3, 0.5)).await.unwrap();
+    add_challenger(&s, &name("old"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
+    let undo = ["DROP TABLE population_arms", "DELETE FROM schema_migrations WHERE version = 13"];
+    match b {
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+            sqlx::raw_sql("UPDATE prompts SET promotion = 'manual'").execute(&mut c).await.unwrap();
+            for sql in undo {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+            sqlx::raw_sql("UPDATE prompts SET promotion = 'manual'").execute(&mut c).await.unwrap();
+            for sql in undo {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+    }
+    let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("migrate again");
+    let old = again.get_prompt(&name("old")).await.unwrap().unwrap();
+    assert_eq!(old.promotion, Promotion::Manual);
+    assert_eq!(again.list_versions(&name("old"), None, 10).await.unwrap().len(), 2);
+    assert_eq!(again.label_history(&name("old"), None, None, 10).await.unwrap().len(), 1);
+    let until = chrono::Utc::now() + chrono::Duration::minutes(1);
+    let rewards = again.task_rewards(&name("old"), until - chrono::Duration::hours(1), until).await.unwrap();
+    assert_eq!(rewards.len(), 3);
+    assert!(again.population(&name("old")).await.unwrap().is_empty());
+    // `evaluated` is accepted now.
+    evaluated_prompt(&again, "new", 1).await;
+    if b == Backend::Sqlite {
+        // Every reference to the rebuilt table still resolves, and new ones are checked.
+        let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+        let broken = sqlx::query("PRAGMA foreign_key_check").fetch_all(&mut c).await.unwrap();
+        assert!(broken.is_empty(), "{} dangling references", broken.len());
+        sqlx::raw_sql("PRAGMA foreign_keys = ON").execute(&mut c).await.unwrap();
+        let orphan = sqlx::raw_sql(
+            "INSERT INTO label_moves (prompt_id, label, kind, actor, reason, at) VALUES ('nope', 'x', 'create', 't', '', 0)",
+        )
+        .execute(&mut c)
+        .await;
+        assert!(orphan.is_err(), "a label move for no prompt was accepted");
+    }
+}
+
+on_both_stores!(
+    migration_0013_keeps_existing_prompts_and_their_references,
+    children_join_as_challengers_and_the_weakest_is_retired,
+    sticky_shares_follow_the_stored_weights,
+    the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger,
+);
+
+mod http {
+    //! Serving an `evaluated` prompt over HTTP: sticky arms by subject,
+    //! the arm named in the answer, ETag/304, `Vary`, the population route.
+
+    use super::*;
+    use crate::common::{expect_problem, spawn_app};
+    use serde_json::Value;
+    use std::time::{Duration, Instant};
+
+    async fn served(app: &crate::common::TestApp, subject: &str) -> (i64, String, String) {
+        let res = app.get("/v1/prompts/p").header("Combee-Subject", subject).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["vary"], "Combee-Subject");
+        let etag = res.headers()["etag"].to_str().unwrap().to_owned();
+        let arm_header = res.headers()["combee-arm"].to_str().unwrap().to_owned();
+        let body: Value = res.json().await.unwrap();
+        assert_eq!(body["arm"], arm_header.as_str());
+        (body["version"].as_i64().unwrap(), arm_header, etag)
+    }
+
+    async fn subjects_get_sticky_arms_and_the_population_is_visible(b: Backend) {
+        let app = spawn_app(b).await;
+        let res = app
+            .post("/v1/prompts", json!({"name": "p", "base": "You are an agent.", "promotion": "evaluated"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        let res = app.post("/v1/prompts/p/versions", json!({"base": "You are a careful agent."})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        let policy = PopulationSettings { explore_share: 0.5, min_arm_share: 0.5, ..Default::default() }.policy();
+        add_challenger(&app.store, &name("p"), 2, Some(1), &policy).await.unwrap();
+
+        // Each subject keeps its arm; both arms are served to someone.
+        let mut seen = std::collections::BTreeSet::new();
+        for i in 0..40 {
+            let subject = format!("agent-{i}");
+            let (v, arm, etag) = served(&app, &subject).await;
+            assert_eq!(served(&app, &subject).await.0, v, "{subject} flipped");
+            assert_eq!(arm, if v == 1 { "champion" } else { "challenger" });
+            seen.insert(v);
+            // ETag/304 still work on the served arm.
+            let res = app
+                .get(&format!("/v1/prompts/p?subject={subject}"))
+                .header("if-none-match", &etag)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(res.status(), 304);
+        }
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![1, 2]);
+        // Explicit selectors are unchanged: production is still v1.
+        let res = app.get("/v1/prompts/p?label=production").header("Combee-Subject", "agent-1").send().await.unwrap();
+        assert!(res.headers().get("combee-arm").is_none());
+        assert_eq!(res.json::<Value>().await.unwrap()["version"], 1);
+        // Without a subject an arm is drawn per request.
+        let res = app.get("/v1/prompts/p").send().await.unwrap();
+        assert!(res.headers().get("combee-arm").is_some());
+        // A bad subject is a 400 with an explanation.
+        let long = "x".repeat(300);
+        expect_problem(app.get(&format!("/v1/prompts/p?subject={long}")).send().await.unwrap(), 400).await;
+
+        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+        assert_eq!(pop["promotion"], "evaluated");
+        let arms = pop["arms"].as_array().unwrap();
+        assert_eq!(arms.len(), 2);
+        assert_eq!((arms[0]["version"].as_i64(), arms[0]["state"].as_str()), (Some(1), Some("champion")));
+        assert_eq!(arms[1]["state"], "challenger");
+        assert_eq!(arms[1]["created_from"], 1);
+        assert!((arms[0]["weight"].as_f64().unwrap() - 0.5).abs() < 1e-9);
+        assert!(arms[1]["rating"]["sigma"].as_f64().unwrap() > 25.0 / 3.0);
+        expect_problem(app.get("/v1/prompts/nope/population").send().await.unwrap(), 404).await;
+
+        // A weight change in the store reaches the serving cache: v1 retired, v2 gets everything.
+        let mut arms = app.store.population(&name("p")).await.unwrap();
+        for a in &mut arms {
+            (a.state, a.weight) = if a.version == 2 { (ArmState::Champion, 1.0) } else { (ArmState::Retired, 0.0) };
+        }
+        app.store.save_population(&name("p"), &arms).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut moved = false;
+        while Instant::now() < deadline {
+            let mut all_v2 = true;
+            for i in 0..10 {
+                all_v2 &= served(&app, &format!("agent-{i}")).await.0 == 2;
+            }
+            if all_v2 {
+                moved = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(moved, "the served arms did not follow the stored weights");
+    }
+
+    on_both_stores!(subjects_get_sticky_arms_and_the_population_is_visible);
+}
