@@ -116,6 +116,14 @@ def test_arm_is_exposed_when_the_server_sends_one() -> None:
     assert parse_prompt(json.dumps({**body, "arm": None}).encode(), None, None).arm is None
 
 
+def test_the_servers_arm_role_is_read() -> None:
+    # What `GET /v1/prompts/{name}` answers for an `evaluated` prompt's arm
+    # (src/http/prompts.rs `with_arm`): the role as a string.
+    body = {"name": "ab", "version": 4, "labels": ["candidate"], "text": "t", "arm": "challenger"}
+    p = parse_prompt(json.dumps(body).encode(), None, "user-1")
+    assert p.arm == Arm(version=4, role="challenger", experiment="ab")
+
+
 def test_compile_fills_placeholders_and_leaves_other_braces_alone() -> None:
     p = Prompt("x", 'Hi {name}. Reply as JSON: {"answer": "..."} {{literal}} { spaced } {name}', 1)
     assert p.variables == ["name"]

@@ -201,7 +201,11 @@ def parse_prompt(body: bytes, label: Optional[str], subject: Optional[str]) -> P
         raise ValueError("the answer is not a prompt (no `text` and `version`)")
     arm = None
     raw_arm = doc.get("arm")
-    if isinstance(raw_arm, dict):
+    if isinstance(raw_arm, str):
+        # The server names the arm's role (`champion` / `challenger`) of the
+        # prompt's population; the version is the answer's own.
+        arm = Arm(version=doc["version"], role=raw_arm, experiment=str(doc.get("name", "")))
+    elif isinstance(raw_arm, dict):
         try:
             arm = Arm(version=int(raw_arm["version"]), role=str(raw_arm["role"]), experiment=str(raw_arm["experiment"]))
         except (KeyError, TypeError, ValueError):
