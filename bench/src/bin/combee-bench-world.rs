@@ -476,6 +476,22 @@ async fn main() -> anyhow::Result<()> {
         auto_dip * 100.0
     ));
 
+    // Not a target: what poisoning cost production, window by window, against
+    // the same policy's unpoisoned run (the same world seed, so the same tasks).
+    let shortfall = |p: Policy| {
+        find(p, 0.0)
+            .iter()
+            .zip(find(p, POISON))
+            .map(|(clean, poisoned)| clean.production_modelled - poisoned.production_modelled)
+            .fold(0.0, f64::max)
+    };
+    md.push_str(&format!(
+        "- (not a target) production's worst shortfall under poisoning against the same policy's unpoisoned run \
+         in the same window: `auto` {:.1} points, `evaluated` {:.1} points\n",
+        shortfall(Policy::Auto) * 100.0,
+        shortfall(Policy::Evaluated) * 100.0
+    ));
+
     let mut csv = String::from(
         "simulation,configuration,policy,poison_share,window,elapsed_secs,runs,honest_runs,successes,success_rate,production_version,production_lessons,production_harmful,production_modelled_success,versions_served\n",
     );
