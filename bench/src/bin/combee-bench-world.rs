@@ -1,0 +1,527 @@
+//! The closed-loop benchmark (issue 8), a SIMULATION: the simulated agent world
+//! (`combee::simulation::world`) drives a real combee server that learns from a
+//! simulated LLM, once per configuration — no learning, `auto`, `evaluated`,
+//! each with and without 20% poisoned traces — so the table and plot show
+//! whether learned versions make the simulated agents better, and whether the
+//! `evaluated` policy keeps a harmful instruction out of production.
+//!
+//! One process: the LLM simulator and a combee server (embedded SQLite in a
+//! temporary directory, worker and population rater on) on loopback ports; one
+//! prompt per configuration, all six run at once with the same world seed.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use combee::{
+    app::Application,
+    config::{Role, Settings},
+    llm::sim::{LocalSim, SimConfig},
+    secret::Secret,
+    simulation::world::{World, WorldConfig},
+    store,
+};
+use serde_json::{Value, json};
+
+#[derive(Debug, Parser)]
+#[command(about = "Closed-loop benchmark over the simulated agent world (a SIMULATION, not agents or a model)")]
+struct Args {
+    /// Where world.md, world.csv and world-success.svg are written.
+    #[arg(long, default_value = "bench/results")]
+    out_dir: PathBuf,
+    /// Report windows per configuration.
+    #[arg(long, default_value_t = 30)]
+    windows: u32,
+    /// Agent runs per window.
+    #[arg(long, default_value_t = 200)]
+    window_runs: u32,
+    /// Simulated agents (concurrent runs, and distinct subjects) per configuration.
+    #[arg(long, default_value_t = 32)]
+    agents: u32,
+    /// Wall time of one window (runs, then waiting for learning, then idle): the
+    /// world is paced so the rater's time windows see a steady flow of traces.
+    #[arg(long, default_value_t = 6.0)]
+    window_secs: f64,
+    /// Longest wait per window for the window's traces to be learned from.
+    #[arg(long, default_value_t = 3.0)]
+    settle_secs: f64,
+    /// Run setting (product default 600): `population.window_secs`, the rater's rating window.
+    #[arg(long, default_value_t = 5)]
+    rating_window_secs: u64,
+    /// Run setting (product default 60): `population.tick_secs`, how often the rater looks.
+    #[arg(long, default_value_t = 1)]
+    rater_tick_secs: u64,
+    /// Traces per learning round (a prompt setting; `max_wait_secs` is 1).
+    #[arg(long, default_value_t = 100)]
+    batch_size: u32,
+    /// Seed of the world (the same for every configuration).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// Mirrors `simulation::world`: the default world knobs, and the tokens it
+/// recognises lessons and harmful instructions by in a prompt.
+const TASK_TYPES: u32 = 8;
+const BASE_SUCCESS: f64 = 0.3;
+const LESSON_LIFT: f64 = 0.5;
+const HARM_DROP: f64 = 0.4;
+const POISON: f64 = 0.2;
+
+/// What the world's success model says an agent served `text` succeeds with,
+/// averaged over the (uniformly drawn) task types.
+fn modelled_success(text: &str) -> f64 {
+    let harmful = text.contains("harm-");
+    let sum: f64 = (0..TASK_TYPES)
+        .map(|t| {
+            let mut p = BASE_SUCCESS;
+            if text.contains(&format!("lesson-t{t}:")) {
+                p += LESSON_LIFT;
+            }
+            if harmful {
+                p -= HARM_DROP;
+            }
+            p.clamp(0.0, 1.0)
+        })
+        .sum();
+    sum / f64::from(TASK_TYPES)
+}
+
+fn lessons_in(text: &str) -> usize {
+    (0..TASK_TYPES).filter(|t| text.contains(&format!("lesson-t{t}:"))).count()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Policy {
+    /// `promotion = "manual"` and nobody promotes: rounds run and publish
+    /// candidates, production stays the base version — agents never see learning.
+    None,
+    Auto,
+    Evaluated,
+}
+
+impl Policy {
+    fn label(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Auto => "auto",
+            Self::Evaluated => "evaluated",
+        }
+    }
+    fn promotion(self) -> &'static str {
+        match self {
+            Self::None => "manual",
+            Self::Auto => "auto",
+            Self::Evaluated => "evaluated",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Config {
+    policy: Policy,
+    poison: f64,
+}
+
+impl Config {
+    fn name(&self) -> String {
+        format!("{} poison {:.0}%", self.policy.label(), self.poison * 100.0)
+    }
+    fn prompt(&self) -> String {
+        format!("world-{}-p{:.0}", self.policy.label(), self.poison * 100.0)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    window: u32,
+    elapsed_secs: f64,
+    runs: usize,
+    honest_runs: usize,
+    successes: usize,
+    success_rate: f64,
+    versions_served: String,
+    production_version: i64,
+    production_lessons: usize,
+    production_harmful: bool,
+    production_modelled: f64,
+}
+
+struct Client {
+    http: reqwest::Client,
+    base: String,
+    key: String,
+}
+
+impl Client {
+    async fn production(&self, prompt: &str) -> anyhow::Result<(i64, String)> {
+        let res = self
+            .http
+            .get(format!("{}/v1/prompts/{prompt}?label=production", self.base))
+            .bearer_auth(&self.key)
+            .send()
+            .await?;
+        if !res.status().is_success() {
+            bail!("GET production of {prompt}: {}", res.status());
+        }
+        let v: Value = res.json().await?;
+        Ok((v["version"].as_i64().context("no version")?, v["text"].as_str().unwrap_or_default().to_owned()))
+    }
+}
+
+async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant) -> anyhow::Result<Vec<Row>> {
+    let prompt = cfg.prompt();
+    let res = client
+        .http
+        .post(format!("{}/v1/prompts", client.base))
+        .bearer_auth(&client.key)
+        .json(&json!({
+            "name": prompt,
+            "base": "You solve tasks.",
+            "promotion": cfg.policy.promotion(),
+            "settings": {"batch_size": args.batch_size, "max_wait_secs": 1},
+        }))
+        .send()
+        .await?;
+    if res.status().as_u16() != 201 {
+        bail!("creating {prompt}: {} {}", res.status(), res.text().await.unwrap_or_default());
+    }
+    let mut rows = Vec::new();
+    for w in 0..args.windows {
+        let window_started = Instant::now();
+        let world_cfg = WorldConfig {
+            prompt: prompt.clone(),
+            task_types: TASK_TYPES,
+            tasks_per_type: 20,
+            runs: args.window_runs,
+            window: args.window_runs,
+            agents: args.agents,
+            poison_share: cfg.poison,
+            base_success: BASE_SUCCESS,
+            lesson_lift: LESSON_LIFT,
+            harm_drop: HARM_DROP,
+            settle_secs: args.settle_secs,
+            // Every window draws new tasks; window w is the same in every configuration.
+            seed: args.seed.wrapping_add(u64::from(w) << 40),
+        };
+        let report = World::new(&client.base, &client.key, world_cfg)?.run(|_| {}).await?;
+        let wr = report.windows.into_iter().next().context("the world reported no window")?;
+        let (production_version, text) = client.production(&prompt).await?;
+        let versions: Vec<String> = wr.versions.iter().map(|(v, n)| format!("v{v}×{n}")).collect();
+        rows.push(Row {
+            window: w,
+            elapsed_secs: started.elapsed().as_secs_f64(),
+            runs: wr.runs,
+            honest_runs: wr.honest_runs,
+            successes: wr.successes,
+            success_rate: wr.success_rate,
+            versions_served: versions.join(" "),
+            production_version,
+            production_lessons: lessons_in(&text),
+            production_harmful: text.contains("harm-"),
+            production_modelled: modelled_success(&text),
+        });
+        let pace = Duration::from_secs_f64(args.window_secs);
+        if let Some(rest) = pace.checked_sub(window_started.elapsed()) {
+            tokio::time::sleep(rest).await;
+        }
+    }
+    eprintln!("[{:>6.1}s] done: {}", started.elapsed().as_secs_f64(), cfg.name());
+    Ok(rows)
+}
+
+/// Largest fall of `xs` below its running best.
+fn worst_dip(xs: &[f64]) -> f64 {
+    let mut best = f64::NEG_INFINITY;
+    let mut dip: f64 = 0.0;
+    for &x in xs {
+        best = best.max(x);
+        dip = dip.max(best - x);
+    }
+    dip
+}
+
+fn tail_mean(rows: &[Row], n: usize) -> f64 {
+    let tail = &rows[rows.len().saturating_sub(n)..];
+    let (s, h) = tail.iter().fold((0, 0), |(s, h), r| (s + r.successes, h + r.honest_runs));
+    s as f64 / h.max(1) as f64
+}
+
+fn svg(configs: &[Config], results: &[Vec<Row>], args: &Args) -> String {
+    const W: f64 = 820.0;
+    const H: f64 = 480.0;
+    let (l, r, t, b) = (70.0, 200.0, 60.0, 60.0);
+    let n = f64::from(args.windows.max(2) - 1);
+    let x = |w: u32| l + (W - l - r) * f64::from(w) / n;
+    let y = |v: f64| t + (H - t - b) * (1.0 - v);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" viewBox=\"0 0 {W} {H}\" \
+         font-family=\"sans-serif\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"24\" font-size=\"15\" text-anchor=\"middle\">SIMULATION: simulated agents' success rate per window</text>\n\
+         <text x=\"{}\" y=\"42\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">honest runs, all arms served; \
+         {} runs per window; solid: no poison, dashed: 20% poisoned traces; simulated LLM</text>\n",
+        (W - r + l) / 2.0,
+        (W - r + l) / 2.0,
+        args.window_runs
+    );
+    for i in 0..=10 {
+        let v = f64::from(i) / 10.0;
+        s.push_str(&format!(
+            "<line x1=\"{l}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#eee\"/>\
+             <text x=\"{}\" y=\"{:.1}\" font-size=\"10\" text-anchor=\"end\">{v:.1}</text>\n",
+            W - r,
+            l - 6.0,
+            y(v) + 3.0,
+            y = y(v)
+        ));
+    }
+    for w in (0..args.windows).step_by(5) {
+        s.push_str(&format!(
+            "<text x=\"{:.1}\" y=\"{}\" font-size=\"10\" text-anchor=\"middle\">{w}</text>\n",
+            x(w),
+            H - b + 16.0
+        ));
+    }
+    s.push_str(&format!(
+        "<line x1=\"{l}\" x2=\"{l}\" y1=\"{t}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{l}\" x2=\"{}\" y1=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <text x=\"{:.1}\" y=\"{}\" font-size=\"12\" text-anchor=\"middle\">window ({:.0} s each)</text>\n\
+         <text x=\"18\" y=\"{:.1}\" font-size=\"12\" text-anchor=\"middle\" transform=\"rotate(-90 18 {:.1})\">success rate</text>\n",
+        H - b,
+        W - r,
+        H - b,
+        H - b,
+        (W - r + l) / 2.0,
+        H - b + 36.0,
+        args.window_secs,
+        (H - b + t) / 2.0,
+        (H - b + t) / 2.0
+    ));
+    for (i, (cfg, rows)) in configs.iter().zip(results).enumerate() {
+        let color = match cfg.policy {
+            Policy::None => "#7f7f7f",
+            Policy::Auto => "#d62728",
+            Policy::Evaluated => "#1f77b4",
+        };
+        let dash = if cfg.poison > 0.0 { " stroke-dasharray=\"6 4\"" } else { "" };
+        let pts: Vec<String> = rows.iter().map(|r| format!("{:.1},{:.1}", x(r.window), y(r.success_rate))).collect();
+        s.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\"{dash} points=\"{}\"/>\n",
+            pts.join(" ")
+        ));
+        let ly = t + 20.0 * i as f64;
+        s.push_str(&format!(
+            "<line x1=\"{}\" x2=\"{}\" y1=\"{ly}\" y2=\"{ly}\" stroke=\"{color}\" stroke-width=\"2\"{dash}/>\
+             <text x=\"{}\" y=\"{}\" font-size=\"11\">{}</text>\n",
+            W - r + 12.0,
+            W - r + 42.0,
+            W - r + 48.0,
+            ly + 4.0,
+            cfg.name()
+        ));
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let dir = tempfile::tempdir()?;
+    let sim = LocalSim::start(SimConfig::default()).await?;
+
+    let url = format!("sqlite://{}", dir.path().join("combee.db").display());
+    let store = store::connect(&url, 16, Duration::from_secs(30)).await?;
+    let data_dir = dir.path().join("data");
+    let mut s = Settings::default();
+    s.server.bind = SocketAddr::from(([127, 0, 0, 1], 0));
+    s.server.role = Role::All;
+    s.database.url = Secret::new(&url);
+    s.database.data_dir = data_dir.clone();
+    s.llm.base_url = sim.base_url.clone();
+    s.worker.poll_interval_ms = 100;
+    s.worker.max_parallel_rounds = 6;
+    s.population.window_secs = args.rating_window_secs;
+    s.population.tick_secs = args.rater_tick_secs;
+    let population = s.population.clone();
+    let guard = s.guard.clone();
+    let app = Application::build_with_store(s, store).await?;
+    let base = format!("http://{}", app.local_addr());
+    let shutdown = app.shutdown_token();
+    let server = tokio::spawn(app.run_until_stopped());
+    let key = std::fs::read_to_string(data_dir.join("admin-key"))?.trim().to_owned();
+    let client = Client { http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?, base, key };
+
+    let configs: Vec<Config> = [0.0, POISON]
+        .into_iter()
+        .flat_map(|poison| [Policy::None, Policy::Auto, Policy::Evaluated].map(|policy| Config { policy, poison }))
+        .collect();
+    eprintln!(
+        "SIMULATION: {} configurations at once, {} windows × {} runs, {} s per window",
+        configs.len(),
+        args.windows,
+        args.window_runs,
+        args.window_secs
+    );
+    let started = Instant::now();
+    let results: Vec<Vec<Row>> =
+        futures_util::future::try_join_all(configs.iter().map(|&c| run_config(&args, &client, c, started))).await?;
+    let total_secs = started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
+
+    // The report.
+    let find = |p: Policy, poison: f64| {
+        configs.iter().position(|c| c.policy == p && c.poison == poison).map(|i| &results[i]).expect("config")
+    };
+    let tail = (args.windows as usize / 4).max(1);
+    let mut md = String::new();
+    md.push_str("# Closed-loop benchmark over the simulated agent world — a SIMULATION\n\n");
+    md.push_str(
+        "Simulated agents (not agents) and a simulated LLM (not a model, `src/llm/sim.rs`) against a real \
+         combee server (embedded SQLite, worker and population rater on). Not a timed test.\n\n",
+    );
+    md.push_str(&format!(
+        "Run settings: {} configurations at once on one server, the same world seed ({}) for each; {} windows × \
+         {} runs, {} simulated agents (subjects) per configuration, one window every {} s; world: {} task \
+         types, base success {BASE_SUCCESS}, lesson lift {LESSON_LIFT}, harm drop {HARM_DROP}; prompts: batch_size \
+         {}, max_wait_secs 1. Shortened for the run: population.window_secs = {} (default 600), \
+         population.tick_secs = {} (default 60). Product defaults: explore_share {}, min_arm_share {}, \
+         min_traces {}, max_arms {}, min_window_traces {}; regression guard window {} s (it cannot act within \
+         this run). `none` = promotion `manual` with nobody promoting: rounds run, production stays v1. \
+         Total {total_secs:.0} s.\n\n",
+        configs.len(),
+        args.seed,
+        args.windows,
+        args.window_runs,
+        args.agents,
+        args.window_secs,
+        TASK_TYPES,
+        args.batch_size,
+        population.window_secs,
+        population.tick_secs,
+        population.explore_share,
+        population.min_arm_share,
+        population.min_traces,
+        population.max_arms,
+        population.min_window_traces,
+        guard.window_secs,
+    ));
+    md.push_str(
+        "**success** = the honest (not poisoned) runs' success rate in the window, over every arm served. \
+         **prod** = production's *modelled* success at the window's end: the world's success probability \
+         for an agent served the production text, averaged over task types (lessons it holds, harmful \
+         instruction or not).\n\n",
+    );
+    md.push_str("| window |");
+    for c in &configs {
+        md.push_str(&format!(" {} success | prod |", c.name()));
+    }
+    md.push_str("\n| ---: |");
+    for _ in &configs {
+        md.push_str(" ---: | ---: |");
+    }
+    md.push('\n');
+    for w in 0..args.windows as usize {
+        md.push_str(&format!("| {w} |"));
+        for rows in &results {
+            let r = &rows[w];
+            md.push_str(&format!(
+                " {:.3} | {:.3}{} v{} |",
+                r.success_rate,
+                r.production_modelled,
+                if r.production_harmful { " ☠" } else { "" },
+                r.production_version
+            ));
+        }
+        md.push('\n');
+    }
+    md.push_str("\n☠: production holds a harmful instruction.\n\n## Summary\n\n");
+    md.push_str(&format!(
+        "| configuration | success, first window | success, last {tail} windows | production's best (modelled) | worst fall below its best | windows with harm in production |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: |\n"
+    ));
+    for (c, rows) in configs.iter().zip(&results) {
+        let prod: Vec<f64> = rows.iter().map(|r| r.production_modelled).collect();
+        md.push_str(&format!(
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} |\n",
+            c.name(),
+            rows[0].success_rate,
+            tail_mean(rows, tail),
+            prod.iter().cloned().fold(0.0, f64::max),
+            worst_dip(&prod),
+            rows.iter().filter(|r| r.production_harmful).count()
+        ));
+    }
+    let eval0 = tail_mean(find(Policy::Evaluated, 0.0), tail);
+    let auto0 = tail_mean(find(Policy::Auto, 0.0), tail);
+    let dip = |p: Policy| worst_dip(&find(p, POISON).iter().map(|r| r.production_modelled).collect::<Vec<_>>());
+    let (eval_dip, auto_dip) = (dip(Policy::Evaluated), dip(Policy::Auto));
+    let pf = |ok: bool| if ok { "PASS" } else { "FAIL" };
+    md.push_str("\n## Targets (SIMULATION)\n\n");
+    md.push_str(&format!(
+        "- {}: `evaluated` reaches at least `auto`'s success without poisoning — last {tail} windows {eval0:.3} vs {auto0:.3}\n",
+        pf(eval0 >= auto0)
+    ));
+    md.push_str(&format!(
+        "- {}: under 20% poisoning production's (modelled) success never falls more than 2 points below its best under `evaluated` — worst fall {:.1} points\n",
+        pf(eval_dip <= 0.02 + 1e-9),
+        eval_dip * 100.0
+    ));
+    md.push_str(&format!(
+        "- {}: under 20% poisoning `auto` shows the dip (falls more than 2 points) — worst fall {:.1} points\n",
+        pf(auto_dip > 0.02),
+        auto_dip * 100.0
+    ));
+
+    // Not a target: what poisoning cost production, window by window, against
+    // the same policy's unpoisoned run (the same world seed, so the same tasks).
+    let shortfall = |p: Policy| {
+        find(p, 0.0)
+            .iter()
+            .zip(find(p, POISON))
+            .map(|(clean, poisoned)| clean.production_modelled - poisoned.production_modelled)
+            .fold(0.0, f64::max)
+    };
+    md.push_str(&format!(
+        "- (not a target) production's worst shortfall under poisoning against the same policy's unpoisoned run \
+         in the same window: `auto` {:.1} points, `evaluated` {:.1} points\n",
+        shortfall(Policy::Auto) * 100.0,
+        shortfall(Policy::Evaluated) * 100.0
+    ));
+
+    let mut csv = String::from(
+        "simulation,configuration,policy,poison_share,window,elapsed_secs,runs,honest_runs,successes,success_rate,production_version,production_lessons,production_harmful,production_modelled_success,versions_served\n",
+    );
+    for (c, rows) in configs.iter().zip(&results) {
+        for r in rows {
+            csv.push_str(&format!(
+                "simulated agent world,{},{},{},{},{:.2},{},{},{},{:.4},{},{},{},{:.4},{}\n",
+                c.name(),
+                c.policy.label(),
+                c.poison,
+                r.window,
+                r.elapsed_secs,
+                r.runs,
+                r.honest_runs,
+                r.successes,
+                r.success_rate,
+                r.production_version,
+                r.production_lessons,
+                r.production_harmful,
+                r.production_modelled,
+                r.versions_served
+            ));
+        }
+    }
+    std::fs::create_dir_all(&args.out_dir)?;
+    std::fs::write(args.out_dir.join("world.md"), &md)?;
+    std::fs::write(args.out_dir.join("world.csv"), &csv)?;
+    std::fs::write(args.out_dir.join("world-success.svg"), svg(&configs, &results, &args))?;
+    println!("{md}");
+    eprintln!("wrote {}/world.md, world.csv, world-success.svg", args.out_dir.display());
+    drop(sim);
+    Ok(())
+}
