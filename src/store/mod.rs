@@ -313,6 +313,13 @@ pub enum TraceAction {
     Refused(String),
 }
 
+impl TraceAction {
+    /// `Done` with the trace as it is now, or `NotFound`.
+    pub(crate) fn found(trace: Option<Trace>) -> Self {
+        trace.map_or(Self::NotFound, |t| Self::Done(Box::new(t)))
+    }
+}
+
 /// Why an operator action on a trace in this state is refused, if it is.
 /// `status` is the stored status column (never `quarantined`).
 pub(crate) fn trace_action_refusal(delete: bool, status: &str, round_id: Option<Uuid>) -> Option<String> {

@@ -1083,15 +1083,8 @@ impl Store for PgStore {
 
     async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
         let mut tx = self.pool.begin().await?;
-        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = $1 FOR UPDATE")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(TraceAction::NotFound);
-        };
-        if let Some(why) = trace_action_refusal(false, row.try_get("status")?, row.try_get("round_id")?) {
-            return Ok(TraceAction::Refused(why));
+        if let Some(refused) = lock_for_action(&mut tx, id, false).await? {
+            return Ok(refused);
         }
         sqlx::query(
             "UPDATE traces SET quarantined_at = now(), quarantine_reason = $2, updated_at = now()
@@ -1102,7 +1095,7 @@ impl Store for PgStore {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+        Ok(TraceAction::found(self.get_trace(id).await?))
     }
 
     async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
@@ -1137,21 +1130,14 @@ impl Store for PgStore {
             notify(&mut tx, "round").await?;
         }
         tx.commit().await?;
-        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+        Ok(TraceAction::found(self.get_trace(id).await?))
     }
 
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
         let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
         let mut tx = self.pool.begin().await?;
-        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = $1 FOR UPDATE")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(TraceAction::NotFound);
-        };
-        if let Some(why) = trace_action_refusal(true, row.try_get("status")?, row.try_get("round_id")?) {
-            return Ok(TraceAction::Refused(why));
+        if let Some(refused) = lock_for_action(&mut tx, id, true).await? {
+            return Ok(refused);
         }
         // Only rounds that ended without publishing can still name it.
         sqlx::query("DELETE FROM reflections WHERE trace_id = $1").bind(id).execute(&mut *tx).await?;
@@ -2195,6 +2181,23 @@ impl PgStore {
         }
         Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
     }
+}
+
+/// Locks trace `id` for an operator action (`delete` or quarantine); the
+/// answer to give instead when it is missing or in a state that refuses it.
+async fn lock_for_action(
+    tx: &mut Transaction<'_, Postgres>,
+    id: Uuid,
+    delete: bool,
+) -> StoreResult<Option<TraceAction>> {
+    let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .fetch_optional(&mut **tx)
+        .await?
+    else {
+        return Ok(Some(TraceAction::NotFound));
+    };
+    Ok(trace_action_refusal(delete, row.try_get("status")?, row.try_get("round_id")?).map(TraceAction::Refused))
 }
 
 /// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).

@@ -1271,17 +1271,8 @@ impl Store for SqliteStore {
     async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
         // The single writer connection makes this read-then-write atomic.
         let mut tx = self.writer.begin().await?;
-        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = ?")
-            .bind(id.to_string())
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(TraceAction::NotFound);
-        };
-        let round_id: Option<String> = row.try_get("round_id")?;
-        let round_id = round_id.as_deref().map(uuid).transpose()?;
-        if let Some(why) = trace_action_refusal(false, row.try_get("status")?, round_id) {
-            return Ok(TraceAction::Refused(why));
+        if let Some(refused) = check_for_action(&mut tx, id, false).await? {
+            return Ok(refused);
         }
         let now = now_us();
         sqlx::query(
@@ -1295,7 +1286,7 @@ impl Store for SqliteStore {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+        Ok(TraceAction::found(self.get_trace(id).await?))
     }
 
     async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
@@ -1326,23 +1317,14 @@ impl Store for SqliteStore {
         .bind(id.to_string())
         .execute(&self.writer)
         .await?;
-        Ok(self.get_trace(id).await?.map_or(TraceAction::NotFound, |t| TraceAction::Done(Box::new(t))))
+        Ok(TraceAction::found(self.get_trace(id).await?))
     }
 
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
         let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
         let mut tx = self.writer.begin().await?;
-        let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = ?")
-            .bind(id.to_string())
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(TraceAction::NotFound);
-        };
-        let round_id: Option<String> = row.try_get("round_id")?;
-        let round_id = round_id.as_deref().map(uuid).transpose()?;
-        if let Some(why) = trace_action_refusal(true, row.try_get("status")?, round_id) {
-            return Ok(TraceAction::Refused(why));
+        if let Some(refused) = check_for_action(&mut tx, id, true).await? {
+            return Ok(refused);
         }
         // Only rounds that ended without publishing can still name it.
         for sql in [
@@ -2303,6 +2285,26 @@ impl Store for SqliteStore {
         })
         .collect()
     }
+}
+
+/// Reads trace `id` for an operator action (`delete` or quarantine) inside
+/// the writer's transaction; the answer to give instead when it is missing or
+/// in a state that refuses it.
+async fn check_for_action(
+    tx: &mut Transaction<'_, Sqlite>,
+    id: Uuid,
+    delete: bool,
+) -> StoreResult<Option<TraceAction>> {
+    let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = ?")
+        .bind(id.to_string())
+        .fetch_optional(&mut **tx)
+        .await?
+    else {
+        return Ok(Some(TraceAction::NotFound));
+    };
+    let round_id: Option<String> = row.try_get("round_id")?;
+    let round_id = round_id.as_deref().map(uuid).transpose()?;
+    Ok(trace_action_refusal(delete, row.try_get("status")?, round_id).map(TraceAction::Refused))
 }
 
 /// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).

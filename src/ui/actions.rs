@@ -92,6 +92,13 @@ fn trace_id(id: &str) -> Result<uuid::Uuid, UiError> {
     uuid::Uuid::parse_str(id).map_err(|_| UiError::NotFound("No such trace: ids are UUIDs.".into()))
 }
 
+/// A trace button's form: the CSRF token, the scope, the trace id.
+fn trace_form(op: &Operator, form: &TraceForm, id: &str) -> Result<uuid::Uuid, UiError> {
+    op.check_csrf(form.csrf.as_deref())?;
+    op.require(Scope::PromptsWrite)?;
+    trace_id(id)
+}
+
 fn trace_outcome(id: uuid::Uuid, action: TraceAction) -> Result<(), UiError> {
     match action {
         TraceAction::Done(_) => Ok(()),
@@ -107,9 +114,7 @@ pub async fn quarantine_trace(
     Path(id): Path<String>,
     Form(form): Form<TraceForm>,
 ) -> Result<Response, UiError> {
-    op.check_csrf(form.csrf.as_deref())?;
-    op.require(Scope::PromptsWrite)?;
-    let id = trace_id(&id)?;
+    let id = trace_form(&op, &form, &id)?;
     let reason = form.reason.map(|r| r.trim().chars().take(500).collect::<String>()).filter(|r| !r.is_empty());
     let reason = reason.unwrap_or_else(|| format!("quarantined by {} in the web UI", op.actor()));
     trace_outcome(id, st.store.quarantine_trace(id, &reason).await?)?;
@@ -124,9 +129,7 @@ pub async fn release_trace(
     Path(id): Path<String>,
     Form(form): Form<TraceForm>,
 ) -> Result<Response, UiError> {
-    op.check_csrf(form.csrf.as_deref())?;
-    op.require(Scope::PromptsWrite)?;
-    let id = trace_id(&id)?;
+    let id = trace_form(&op, &form, &id)?;
     trace_outcome(id, st.store.release_trace(id).await?)?;
     tracing::info!(trace = %id, by = %op.actor(), "trace released from quarantine in the web UI");
     Ok(Redirect::to(&format!("/ui/traces/{id}?notice=released")).into_response())
@@ -139,9 +142,7 @@ pub async fn delete_trace(
     Path(id): Path<String>,
     Form(form): Form<TraceForm>,
 ) -> Result<Response, UiError> {
-    op.check_csrf(form.csrf.as_deref())?;
-    op.require(Scope::PromptsWrite)?;
-    let id = trace_id(&id)?;
+    let id = trace_form(&op, &form, &id)?;
     trace_outcome(id, st.store.delete_trace(id).await?)?;
     tracing::info!(trace = %id, by = %op.actor(), "trace deleted from the web UI");
     Ok(Redirect::to("/ui/traces?notice=deleted").into_response())
