@@ -70,13 +70,14 @@ struct Args {
     burst_start: u32,
     /// Wall time of one window (runs, then waiting for learning, then idle): the
     /// world is paced so the rater's time windows see a steady flow of traces.
-    #[arg(long, default_value_t = 6.0)]
+    #[arg(long, default_value_t = 10.0)]
     window_secs: f64,
     /// Longest wait per window for the window's traces to be learned from.
     #[arg(long, default_value_t = 3.0)]
     settle_secs: f64,
-    /// Run setting (product default 600): `population.window_secs`, the rater's rating window.
-    #[arg(long, default_value_t = 5)]
+    /// Run setting (product default 600): `population.window_secs`, the rater's rating window
+    /// (one per world window by default).
+    #[arg(long, default_value_t = 10)]
     rating_window_secs: u64,
     /// Run setting (product default 60): `population.tick_secs`, how often the rater looks.
     #[arg(long, default_value_t = 1)]
@@ -154,7 +155,9 @@ impl Args {
                     .map(|w| w.to_string())
                     .collect();
                 format!(
-                    "bursts: the attacker is active in {} consecutive windows of every {} from window {}                      (windows {}), poisoning {:.0}% of those windows' traces and none in the others — {:.0}% of all                      traces in a whole number of campaigns; a poisoned run's subject is drawn from the same users",
+                    "bursts: the attacker is active in {} consecutive windows of every {} from window {} \
+                     (windows {}), poisoning {:.0}% of those windows' traces and none in the others — {:.0}% of all \
+                     traces in a whole number of campaigns; a poisoned run's subject is drawn from the same users",
                     self.burst_len,
                     self.burst_every,
                     self.burst_start,
@@ -342,14 +345,18 @@ fn svg(configs: &[Config], results: &[Vec<Row>], args: &Args) -> String {
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" viewBox=\"0 0 {W} {H}\" \
          font-family=\"sans-serif\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
          <text x=\"{}\" y=\"24\" font-size=\"15\" text-anchor=\"middle\">SIMULATION: simulated agents' success rate per window</text>\n\
-         <text x=\"{}\" y=\"42\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">honest runs, all arms served; \
-         {} runs per window, {} subjects; solid: no poison, dashed: 20% poisoned traces ({:?} attacker, \
-         shaded: attack windows); simulated LLM</text>\n",
-        (W - r + l) / 2.0,
+         <text x=\"{x0}\" y=\"40\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">honest runs, all arms served; \
+         {} runs per window, {} subjects; simulated LLM</text>\n\
+         <text x=\"{x0}\" y=\"53\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">solid: no poison, dashed: 20% \
+         poisoned traces ({} attacker; shaded: attack windows)</text>\n",
         (W - r + l) / 2.0,
         args.window_runs,
         args.subjects,
-        args.attacker
+        match args.attacker {
+            Attacker::Burst => "burst",
+            Attacker::Uniform => "uniform",
+        },
+        x0 = (W - r + l) / 2.0,
     );
     // The windows the attacker is active in (a band one window wide around each).
     let half = (W - l - r) / n / 2.0;
