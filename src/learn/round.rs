@@ -47,8 +47,8 @@ use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
 use super::level2;
 use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
-use crate::llm::answer::AnswerNotes;
-use crate::llm::protocol::{self, SourcedOp, Task, placeholders, validate_reflection};
+use crate::learn::answer::AnswerNotes;
+use crate::learn::protocol::{self, SourcedOp, Task, placeholders, validate_reflection};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
 /// Most level-1 groups a round may leave out (invalid answers after the

@@ -8,8 +8,8 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::learn::journal::{MemoryJournal, ReflectionSource};
-use crate::llm::protocol::tests::trace;
-use crate::llm::sim::{CapacityModel, LocalSim, SimConfig, SimStats};
+use crate::learn::protocol::tests::trace;
+use crate::simulation::llm::{CapacityModel, LocalSim, SimConfig, SimStats};
 
 /// The hard capacity model: these tests count exactly which insights survive.
 fn hard() -> SimConfig {

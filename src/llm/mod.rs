@@ -5,12 +5,8 @@
 //! Implementations: [`client::OpenAiClient`] for any OpenAI-compatible server,
 //! and [`sim`], a *simulated* OpenAI-compatible server used by tests and benchmarks.
 
-pub mod answer;
 pub mod client;
 pub mod config;
-pub mod fence;
-pub mod protocol;
-pub mod sim;
 
 use std::time::Duration;
 

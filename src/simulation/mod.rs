@@ -2,4 +2,5 @@
 //! appear: the simulated agent world that drives a real server over HTTP.
 //! (The LLM simulator is `llm::sim`.)
 
+pub mod llm;
 pub mod world;

@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use combee::llm::sim::{CapacityModel, SimConfig};
+use combee::simulation::llm::{CapacityModel, SimConfig};
 use common::{Backend, TestApp, expect_problem, learning, spawn_app_with, spawn_sim};
 use serde_json::{Value, json};
 

@@ -20,9 +20,11 @@ use clap::Parser;
 use combee::{
     app::Application,
     config::{Role, Settings},
-    llm::sim::{LocalSim, SimConfig},
     secret::Secret,
-    simulation::world::{World, WorldConfig},
+    simulation::{
+        llm::{LocalSim, SimConfig},
+        world::{World, WorldConfig},
+    },
     store,
 };
 use serde_json::{Value, json};

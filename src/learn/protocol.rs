@@ -12,12 +12,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::answer::{self, AnswerNotes};
-use super::config::LlmConfig;
-use super::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded};
 use crate::domain::playbook::parse_bullet_id;
 use crate::domain::{BulletTag, DeltaOp, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::delta::MergedOp;
 use crate::learn::level2::{self, Decision, DecisionsAnswer};
+use crate::llm::config::LlmConfig;
+use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded};
 
 const REFLECTOR: &str = include_str!("../../prompts/reflector.md");
 const AGGREGATE_PLAYBOOK: &str = include_str!("../../prompts/aggregate_playbook.md");

@@ -77,10 +77,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::client::estimate_tokens;
-use super::protocol::{InstructionAnswer, Task};
 use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 use crate::learn::level2::{Action, Decision, DecisionsAnswer};
+use crate::learn::protocol::{InstructionAnswer, Task};
+use crate::llm::client::estimate_tokens;
 
 /// Which capacity model the simulated aggregator follows (see the module doc). [simulation]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -891,7 +891,7 @@ mod tests {
     use crate::domain::playbook::{Bullet, Playbook, Section};
     use crate::domain::{Strategy, Trace};
     use crate::learn::delta::MergedOp;
-    use crate::llm::protocol::{self, tests::trace};
+    use crate::learn::protocol::{self, tests::trace};
     use crate::llm::{ChatMessage, LlmBackend, LlmConfig, LlmRole, OpenAiClient};
 
     /// The hard capacity model, for tests that count exactly what survives.
