@@ -26,7 +26,7 @@
 //!   than failing the round, unless more than [`MAX_LEFT_OUT_SHARE`] of the
 //!   groups (or all of them) are: then the round fails as before. With p ≥ 2
 //!   its reflections usually still reach the reduce through their other group.
-//! - Answers are read tolerantly ([`crate::llm::answer`]); everything ignored or
+//! - Answers are read tolerantly ([`super::answer`]); everything ignored or
 //!   dropped is counted per call in [`RoundOutcome::answers`].
 //! - Provenance: aggregator operations cite the reflections of their group they
 //!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an

@@ -284,7 +284,7 @@ fn results_are_validated_before_they_can_become_versions() {
     assert!(validate_result(&base, &content("Solve {task} for {user}."), &tight).unwrap_err().contains("budget"));
 }
 
-/// The acceptance experiment (see the module doc of `llm::sim` for the capacity model).
+/// The acceptance experiment (see the module doc of `simulation::llm` for the capacity model).
 /// 100 traces with one distinct insight each, aggregator capacity K = 12, k = 10 groups.
 ///
 /// The ≥ 95 assertion uses p = 1: each group holds 10 distinct reflections ≤ K, so
