@@ -92,18 +92,8 @@ pub struct PhaseTimings {
     pub reduce2_ms: u64,
 }
 
-/// One level-1 aggregator call: which traces it saw and what it proposed
-/// (`{"operations": [...]}` or `{"instruction": "..."}`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GroupOutput {
-    pub group: usize,
-    pub traces: Vec<Uuid>,
-    pub output: Value,
-    /// What the call's answer depends on ([`group_key`]): a resumed round reuses
-    /// a journaled output only under the same key.
-    #[serde(default)]
-    pub key: String,
-}
+/// One level-1 aggregator call, as the round's record keeps it.
+pub use crate::domain::GroupOutput;
 
 /// The journal key of one level-1 call: the round's seed and strategy, the
 /// version the call was made against, and the group's traces in order (their
@@ -175,6 +165,52 @@ pub struct RoundOutcome {
     pub answers: AnswerReport,
     /// Playbook rounds: which reflections an applied operation cites.
     pub coverage: Option<Coverage>,
+}
+
+/// What a finished reduce leaves in the round's record (`detail.outcome`): the
+/// outcome without its content (the version), calls (stored one by one) and
+/// group outputs (`detail.group_outputs`). Every part defaults, so a record
+/// written before a part existed still reads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OutcomeRecord {
+    pub n: usize,
+    pub k: usize,
+    pub p: u32,
+    pub map: MapCounts,
+    pub resumed_groups: usize,
+    pub unreflected: Vec<Unreflected>,
+    pub applied: Vec<Applied>,
+    pub skipped: Vec<Skipped>,
+    pub evicted: Vec<Evicted>,
+    pub timings: PhaseTimings,
+    pub level2: Level2Summary,
+    pub answers: AnswerReport,
+    pub coverage: Option<Coverage>,
+}
+
+/// A round's record as the learning engine reads and writes it.
+pub type LearnedRoundDetail = crate::domain::RoundDetail<OutcomeRecord>;
+
+impl RoundOutcome {
+    /// What the round's record keeps of this outcome.
+    pub fn record(&self) -> OutcomeRecord {
+        OutcomeRecord {
+            n: self.n,
+            k: self.k,
+            p: self.p,
+            map: self.map,
+            resumed_groups: self.resumed_groups,
+            unreflected: self.unreflected.clone(),
+            applied: self.applied.clone(),
+            skipped: self.skipped.clone(),
+            evicted: self.evicted.clone(),
+            timings: self.timings,
+            level2: self.level2.clone(),
+            answers: self.answers.clone(),
+            coverage: self.coverage.clone(),
+        }
+    }
 }
 
 /// What reading the models' answers ignored or dropped in one round attempt.
@@ -652,7 +688,7 @@ impl Reduce<'_> {
             traces,
             output: proposal.to_json(),
         };
-        self.journal.save_group_output(g, &serde_json::to_value(&out).unwrap_or(Value::Null)).await?;
+        self.journal.save_group_output(&out).await?;
         Ok(out)
     }
 
@@ -660,12 +696,7 @@ impl Reduce<'_> {
     /// (outputs without a key, from before keys existed, are not reused).
     async fn journaled_outputs(&self) -> Result<HashMap<String, GroupOutput>, JournalError> {
         let stored = self.journal.stored_group_outputs().await?;
-        Ok(stored
-            .into_iter()
-            .filter_map(|v| serde_json::from_value::<GroupOutput>(v).ok())
-            .filter(|o| !o.key.is_empty())
-            .map(|o| (o.key.clone(), o))
-            .collect())
+        Ok(stored.into_iter().filter(|o| !o.key.is_empty()).map(|o| (o.key.clone(), o)).collect())
     }
 
     /// The journaled output of group `g` when its call was already paid for

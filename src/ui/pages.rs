@@ -20,10 +20,11 @@ use super::{
 };
 use crate::{
     domain::{
-        LabelName, Strategy, TraceStatus,
+        DeltaOp, LabelName, RoundDetail, Strategy, TraceStatus,
         diff::{LineTag, SectionBullet},
         round::{Round, method_str, strategy_str},
     },
+    learn::round::{LearnedRoundDetail, OutcomeRecord},
     service::{
         AppState, ServiceError,
         controller::controller_view,
@@ -555,22 +556,9 @@ pub async fn rounds(
     Ok(page(&format!("{} rounds", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
 }
 
-fn phase_bars(detail: &Value, origin: Option<chrono::DateTime<chrono::Utc>>) -> Vec<(String, f64, f64)> {
-    let Some(phases) = detail.get("phases").and_then(Value::as_object) else { return Vec::new() };
-    let parse = |v: Option<&Value>| {
-        v.and_then(Value::as_str).and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok()).map(|t| t.to_utc())
-    };
-    let mut bars: Vec<_> = phases
-        .iter()
-        .filter_map(|(name, p)| {
-            let start = parse(p.get("started_at"))?;
-            let elapsed = p
-                .get("elapsed_ms")
-                .and_then(Value::as_f64)
-                .or_else(|| parse(p.get("finished_at")).map(|f| (f - start).num_milliseconds() as f64))?;
-            Some((name.clone(), start, elapsed))
-        })
-        .collect();
+fn phase_bars<O>(detail: &RoundDetail<O>, origin: Option<chrono::DateTime<chrono::Utc>>) -> Vec<(String, f64, f64)> {
+    let mut bars: Vec<_> =
+        detail.phases.iter().filter_map(|(name, p)| Some((name.clone(), p.started_at?, p.elapsed_ms()?))).collect();
     bars.sort_by_key(|b| b.1);
     let origin = origin.or_else(|| bars.first().map(|b| b.1));
     bars.into_iter()
@@ -581,13 +569,15 @@ fn phase_bars(detail: &Value, origin: Option<chrono::DateTime<chrono::Utc>>) -> 
         .collect()
 }
 
-fn op_row(op: &Value, extra: &str) -> String {
-    let kind = op.get("op").and_then(Value::as_str).unwrap_or("?");
-    let target = op.get("id").or_else(|| op.get("section")).and_then(Value::as_str).unwrap_or("");
-    let content = op.get("content").and_then(Value::as_str).unwrap_or("");
+fn op_row(op: &DeltaOp, extra: &str) -> String {
+    let (kind, target, content) = match op {
+        DeltaOp::Add { section, content, .. } => ("add", section, content.as_str()),
+        DeltaOp::Update { id, content, .. } => ("update", id, content.as_str()),
+        DeltaOp::Remove { id, .. } => ("remove", id, ""),
+    };
     format!(
         r#"<tr><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td></tr>"#,
-        badge(&kind.to_lowercase()),
+        badge(kind),
         escape(target),
         clip(content, 200),
         extra
@@ -599,7 +589,10 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     let id = Uuid::parse_str(&id).map_err(|_| UiError::NotFound("No such round: ids are UUIDs.".into()))?;
     let view = round_view(&st, id).await?;
     let r = &view.round;
-    let detail = &r.detail;
+    let detail = LearnedRoundDetail::read(&r.detail).unwrap_or_else(|e| {
+        tracing::warn!(round = %r.id, error = %e, "the round's record is unreadable; the page shows its columns only");
+        LearnedRoundDetail::default()
+    });
 
     let result = match (r.result_version, &r.error) {
         (Some(v), _) => format!(
@@ -637,7 +630,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     );
 
     // Phase timeline.
-    let bars = phase_bars(detail, r.started_at);
+    let bars = phase_bars(&detail, r.started_at);
     let phase_rows: String = bars
         .iter()
         .map(|(name, start, el)| {
@@ -689,36 +682,27 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     );
 
     // Operations (playbook rounds).
-    let outcome = detail.get("outcome");
-    let list = |key: &str| outcome.and_then(|o| o.get(key)).and_then(Value::as_array).cloned().unwrap_or_default();
-    let (applied, skipped) = (list("applied"), list("skipped"));
-    let groups_of = |a: &Value| {
-        a.get("groups")
-            .and_then(Value::as_array)
-            .map(|g| g.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", "))
-            .unwrap_or_default()
-    };
+    let outcome = detail.outcome.as_ref();
+    let (applied, skipped) = outcome.map_or((&[][..], &[][..]), |o| (&o.applied[..], &o.skipped[..]));
+    let groups_of = |g: &[usize]| g.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
     let ops = if applied.is_empty() && skipped.is_empty() {
         String::new()
     } else {
         let applied_rows: String = applied
             .iter()
             .map(|a| {
-                let bullet = a.get("bullet_id").and_then(Value::as_str).unwrap_or("");
                 op_row(
-                    a.get("op").unwrap_or(&Value::Null),
-                    &format!("groups {} → <code>{}</code>", escape(&groups_of(a)), escape(bullet)),
+                    &a.op,
+                    &format!("groups {} → <code>{}</code>", escape(&groups_of(&a.groups)), escape(&a.bullet_id)),
                 )
             })
             .collect();
         let skipped_rows: String = skipped
             .iter()
             .map(|s| {
-                let reason = s.get("reason").and_then(|r| r.get("kind")).and_then(Value::as_str).unwrap_or("?");
-                op_row(
-                    s.get("op").unwrap_or(&Value::Null),
-                    &format!("groups {} · skipped: {}", escape(&groups_of(s)), escape(reason)),
-                )
+                let reason = serde_json::to_value(&s.reason).ok();
+                let kind = reason.as_ref().and_then(|r| r.get("kind")).and_then(Value::as_str).unwrap_or("?");
+                op_row(&s.op, &format!("groups {} · skipped: {}", escape(&groups_of(&s.groups)), escape(kind)))
             })
             .collect();
         format!(
@@ -729,25 +713,18 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     };
 
     // Group outputs.
-    let group_outputs = match detail.get("group_outputs") {
-        Some(Value::Array(gs)) if !gs.is_empty() => gs
-            .iter()
-            .map(|g| {
-                let n = g.get("group").map(Value::to_string).unwrap_or_default();
-                let traces = g.get("traces").and_then(Value::as_array).map_or(0, Vec::len);
-                format!(
-                    r#"<details><summary>Group {} · {traces} reflections</summary><pre class="json">{}</pre></details>"#,
-                    escape(&n),
-                    pretty(g.get("output").unwrap_or(&Value::Null))
-                )
-            })
-            .collect::<String>(),
-        Some(Value::Object(gs)) if !gs.is_empty() => gs
-            .iter()
-            .map(|(k, v)| format!(r#"<details><summary>Group {}</summary><pre class="json">{}</pre></details>"#, escape(k), pretty(v)))
-            .collect(),
-        _ => String::new(),
-    };
+    let group_outputs: String = detail
+        .group_outputs
+        .iter()
+        .map(|g| {
+            format!(
+                r#"<details><summary>Group {} · {} reflections</summary><pre class="json">{}</pre></details>"#,
+                g.group,
+                g.traces.len(),
+                pretty(&g.output)
+            )
+        })
+        .collect();
     let group_outputs = if group_outputs.is_empty() {
         String::new()
     } else {
@@ -757,18 +734,13 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     let answers = answers_section(outcome);
 
     // Reflections, with provenance: whether an applied operation cites each.
-    let covered: std::collections::HashMap<String, bool> = outcome
-        .and_then(|o| o.pointer("/coverage/reflections"))
-        .and_then(Value::as_array)
-        .map(|rs| {
-            rs.iter()
-                .filter_map(|r| Some((r.get("trace_id")?.as_str()?.to_owned(), r.get("covered")?.as_bool()?)))
-                .collect()
-        })
+    let covered: std::collections::HashMap<Uuid, bool> = outcome
+        .and_then(|o| o.coverage.as_ref())
+        .map(|c| c.reflections.iter().map(|r| (r.trace_id, r.covered)).collect())
         .unwrap_or_default();
     let mut refl = String::new();
     for x in &view.reflections {
-        let cover = match covered.get(&x.trace_id.to_string()) {
+        let cover = match covered.get(&x.trace_id) {
             Some(true) => r#"<span class="badge ok">covered</span>"#,
             Some(false) => r#"<span class="badge plain">not covered</span>"#,
             None => "—",
@@ -804,64 +776,58 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
 
 /// The round's answer report (`outcome.answers`, `outcome.coverage`): what
 /// tolerant reading ignored or dropped, groups left out, and the covered share.
-fn answers_section(outcome: Option<&Value>) -> String {
+fn answers_section(outcome: Option<&OutcomeRecord>) -> String {
     let Some(o) = outcome else { return String::new() };
-    let (Some(a), coverage) = (o.get("answers"), o.get("coverage").filter(|c| !c.is_null())) else {
-        return String::new();
-    };
-    let num = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
-    let list = |v: &Value, k: &str| v.get(k).and_then(Value::as_array).cloned().unwrap_or_default();
-    let coverage_fact = coverage.map_or_else(String::new, |c| {
+    let a = &o.answers;
+    let coverage_fact = o.coverage.as_ref().map_or_else(String::new, |c| {
         format!(
             r#"<dt>Covered reflections</dt><dd id="covered-share">{} of {} ({:.1}%)</dd>"#,
-            num(c, "covered"),
-            num(c, "n"),
-            100.0 * c.get("share").and_then(Value::as_f64).unwrap_or(0.0)
+            c.covered,
+            c.n,
+            100.0 * c.share
         )
     });
     let mut rows = String::new();
-    for g in list(a, "groups_left_out") {
+    for g in &a.groups_left_out {
         let _ = write!(
             rows,
             r#"<tr><td>group {}</td><td>left out ({} reflections)</td><td class="bad-text">{}</td></tr>"#,
-            num(&g, "group"),
-            g.get("traces").and_then(Value::as_array).map_or(0, Vec::len),
-            clip(g.get("error").and_then(Value::as_str).unwrap_or(""), 300)
+            g.group,
+            g.traces.len(),
+            clip(&g.error, 300)
         );
     }
-    for c in list(a, "calls") {
-        let who = match (c.get("group").and_then(Value::as_u64), c.get("trace_id").and_then(Value::as_str)) {
+    for c in &a.calls {
+        let who = match (c.group, c.trace_id) {
             (Some(g), _) => format!("group {g}"),
-            (None, Some(t)) => format!("trace {}", escape(&t.chars().take(8).collect::<String>())),
+            (None, Some(t)) => format!("trace {}", escape(&t.to_string().chars().take(8).collect::<String>())),
             _ => String::new(),
         };
-        let task = c.get("task").and_then(Value::as_str).unwrap_or("");
         let mut what: Vec<String> = Vec::new();
-        let wrapping: Vec<String> = list(&c, "wrapping").iter().filter_map(Value::as_str).map(str::to_owned).collect();
-        if !wrapping.is_empty() {
-            what.push(format!("unwrapped from {}", escape(&wrapping.join(", "))));
+        if !c.notes.wrapping.is_empty() {
+            what.push(format!("unwrapped from {}", escape(&c.notes.wrapping.join(", "))));
         }
-        let keys: Vec<String> = list(&c, "unknown_keys").iter().filter_map(Value::as_str).map(str::to_owned).collect();
-        if !keys.is_empty() {
-            what.push(format!("ignored keys <code>{}</code>", escape(&keys.join(", "))));
+        if !c.notes.unknown_keys.is_empty() {
+            what.push(format!("ignored keys <code>{}</code>", escape(&c.notes.unknown_keys.join(", "))));
         }
-        for d in list(&c, "dropped") {
-            what.push(format!(
-                "dropped <code>{}</code>: {}",
-                escape(d.get("item").and_then(Value::as_str).unwrap_or("")),
-                clip(d.get("reason").and_then(Value::as_str).unwrap_or(""), 200)
-            ));
+        for d in &c.notes.dropped {
+            what.push(format!("dropped <code>{}</code>: {}", escape(&d.item), clip(&d.reason, 200)));
         }
-        let _ = write!(rows, r#"<tr><td>{who}</td><td>{}</td><td>{}</td></tr>"#, escape(task), what.join("<br>"));
+        let _ = write!(
+            rows,
+            r#"<tr><td>{who}</td><td>{}</td><td>{}</td></tr>"#,
+            escape(c.task.as_str()),
+            what.join("<br>")
+        );
     }
     format!(
         r#"<h2>Answers</h2><details class="card" id="answers-box"{}><summary>{} tolerated answers · {} unknown keys ignored · {} items dropped · {} groups left out · {} reflections lost</summary><dl class="facts">{coverage_fact}</dl><table class="compact" id="answer-notes"><thead><tr><th>Call</th><th>Task</th><th>What was ignored or dropped, and why</th></tr></thead><tbody>{rows}</tbody></table></details>"#,
         if rows.is_empty() { "" } else { " open" },
-        num(a, "tolerated_answers"),
-        num(a, "unknown_keys"),
-        num(a, "dropped_items"),
-        list(a, "groups_left_out").len(),
-        list(a, "reflections_lost").len(),
+        a.tolerated_answers,
+        a.unknown_keys,
+        a.dropped_items,
+        a.groups_left_out.len(),
+        a.reflections_lost.len(),
     )
 }
 

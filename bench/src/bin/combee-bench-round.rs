@@ -160,8 +160,12 @@ async fn main() -> anyhow::Result<()> {
                         .await?
                         .ok_or_else(|| anyhow::anyhow!("no round claimed"))?;
                     anyhow::ensure!(claimed.traces.len() == ids.len());
-                    let journal =
-                        combee::worker::StoreJournal::new(store.clone(), round.id, claimed.round.attempt, json!({}));
+                    let journal = combee::worker::StoreJournal::new(
+                        store.clone(),
+                        round.id,
+                        claimed.round.attempt,
+                        Default::default(),
+                    );
                     let spec = RoundSpec { round_id: round.id, ..spec };
                     let t = Instant::now();
                     let o =
