@@ -140,31 +140,20 @@ pub struct RoundOutcome {
     pub content: VersionContent,
     pub method: Method,
     pub strategy: Strategy,
-    /// Reflections the reduce used (traces minus [`RoundOutcome::unreflected`]).
-    pub n: usize,
-    /// Level-1 groups (aggregator calls before level 2).
-    pub k: usize,
-    /// Level-1 groups whose output was taken from the journal (an earlier
-    /// attempt of the round) instead of calling the aggregator again.
-    #[serde(default)]
-    pub resumed_groups: usize,
-    pub p: u32,
-    pub map: MapCounts,
-    pub unreflected: Vec<Unreflected>,
-    /// Playbook mode: ops applied, with the groups that proposed them.
-    pub applied: Vec<Applied>,
-    pub skipped: Vec<Skipped>,
-    pub evicted: Vec<Evicted>,
     pub group_outputs: Vec<GroupOutput>,
-    /// What level 2 did (consolidation decisions, rewrite conflict regions).
-    pub level2: Level2Summary,
     /// Every LLM call of this attempt, failed ones included.
     pub calls: Vec<LlmCall>,
-    pub timings: PhaseTimings,
-    /// What tolerant reading of the answers ignored or dropped, and groups left out.
-    pub answers: AnswerReport,
-    /// Playbook rounds: which reflections an applied operation cites.
-    pub coverage: Option<Coverage>,
+    /// The rest (n, k, p, what was applied, …): what the round's record keeps.
+    /// Its fields read as the outcome's own (`outcome.n`).
+    #[serde(flatten)]
+    pub record: OutcomeRecord,
+}
+
+impl std::ops::Deref for RoundOutcome {
+    type Target = OutcomeRecord;
+    fn deref(&self) -> &OutcomeRecord {
+        &self.record
+    }
 }
 
 /// What a finished reduce leaves in the round's record (`detail.outcome`): the
@@ -174,44 +163,31 @@ pub struct RoundOutcome {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct OutcomeRecord {
+    /// Reflections the reduce used (traces minus [`OutcomeRecord::unreflected`]).
     pub n: usize,
+    /// Level-1 groups (aggregator calls before level 2).
     pub k: usize,
+    /// Level-1 groups whose output was taken from the journal (an earlier
+    /// attempt of the round) instead of calling the aggregator again.
+    pub resumed_groups: usize,
     pub p: u32,
     pub map: MapCounts,
-    pub resumed_groups: usize,
     pub unreflected: Vec<Unreflected>,
+    /// Playbook mode: ops applied, with the groups that proposed them.
     pub applied: Vec<Applied>,
     pub skipped: Vec<Skipped>,
     pub evicted: Vec<Evicted>,
-    pub timings: PhaseTimings,
+    /// What level 2 did (consolidation decisions, rewrite conflict regions).
     pub level2: Level2Summary,
+    pub timings: PhaseTimings,
+    /// What tolerant reading of the answers ignored or dropped, and groups left out.
     pub answers: AnswerReport,
+    /// Playbook rounds: which reflections an applied operation cites.
     pub coverage: Option<Coverage>,
 }
 
 /// A round's record as the learning engine reads and writes it.
 pub type LearnedRoundDetail = crate::domain::RoundDetail<OutcomeRecord>;
-
-impl RoundOutcome {
-    /// What the round's record keeps of this outcome.
-    pub fn record(&self) -> OutcomeRecord {
-        OutcomeRecord {
-            n: self.n,
-            k: self.k,
-            p: self.p,
-            map: self.map,
-            resumed_groups: self.resumed_groups,
-            unreflected: self.unreflected.clone(),
-            applied: self.applied.clone(),
-            skipped: self.skipped.clone(),
-            evicted: self.evicted.clone(),
-            timings: self.timings,
-            level2: self.level2.clone(),
-            answers: self.answers.clone(),
-            coverage: self.coverage.clone(),
-        }
-    }
-}
 
 /// What reading the models' answers ignored or dropped in one round attempt.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -417,21 +393,23 @@ pub async fn run_round(
         content: result.content,
         method: spec.method,
         strategy: spec.strategy,
-        n,
-        k,
-        resumed_groups: result.resumed_groups,
-        p: if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 },
-        map: mapped.counts,
-        unreflected: mapped.unreflected,
-        applied: result.applied,
-        skipped: result.skipped,
-        evicted: result.evicted,
         group_outputs: result.group_outputs,
-        level2: result.level2,
         calls,
-        timings: result.timings,
-        answers,
-        coverage,
+        record: OutcomeRecord {
+            n,
+            k,
+            resumed_groups: result.resumed_groups,
+            p: if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 },
+            map: mapped.counts,
+            unreflected: mapped.unreflected,
+            applied: result.applied,
+            skipped: result.skipped,
+            evicted: result.evicted,
+            level2: result.level2,
+            timings: result.timings,
+            answers,
+            coverage,
+        },
     })
 }
 

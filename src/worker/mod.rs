@@ -259,7 +259,7 @@ impl Worker {
         metrics::histogram!("combee_round_duration_seconds").record(started.elapsed().as_secs_f64());
         match result {
             Ok(outcome) => {
-                let mut detail = journal.detail().with_outcome(outcome.record());
+                let mut detail = journal.detail().with_outcome(outcome.record.clone());
                 detail.group_outputs = outcome.group_outputs.clone();
                 let detail = detail.to_value();
                 let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
@@ -277,10 +277,10 @@ impl Worker {
                     content: outcome.content,
                     message: format!(
                         "learned from {} traces ({} round, k = {}, p = {})",
-                        outcome.n,
+                        outcome.record.n,
                         crate::domain::round::method_str(outcome.method),
-                        outcome.k,
-                        outcome.p
+                        outcome.record.k,
+                        outcome.record.p
                     ),
                     created_by: format!("worker:{}", self.owner),
                 };
@@ -288,6 +288,7 @@ impl Worker {
                 let sample =
                     (round.method == Method::Combee && batch_size > 0).then(|| started.elapsed().as_secs_f64());
                 let faults = outcome
+                    .record
                     .unreflected
                     .iter()
                     .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })
