@@ -62,7 +62,7 @@ pub enum Command {
     #[command(subcommand)]
     Keys(KeysCommand),
     /// Run the OpenAI-compatible LLM simulator used by tests and benchmarks (a simulation, not a model).
-    SimLlm(crate::llm::sim::SimArgs),
+    SimLlm(crate::simulation::llm::SimArgs),
     /// Run the simulated agent world against a running server (a simulation, not agents): agents fetch
     /// the prompt, succeed more often when it holds their task's lesson, and post traces with rewards;
     /// prints the success rate per window.
@@ -192,7 +192,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let shutdown = async {
                 let _ = tokio::signal::ctrl_c().await;
             };
-            crate::llm::sim::serve_simulator(listener, args.sim, shutdown).await?;
+            crate::simulation::llm::serve_simulator(listener, args.sim, shutdown).await?;
             Ok(())
         }
         Command::Prompts { .. } | Command::Traces { .. } | Command::Rounds { .. } | Command::SimWorld { .. } => {

@@ -10,6 +10,7 @@ pub mod names;
 pub mod playbook;
 pub mod prompt;
 pub mod round;
+pub mod round_detail;
 pub mod trace;
 
 pub use label_history::{LabelHistoryEntry, LabelMoveKind, MoveCause};
@@ -21,4 +22,5 @@ pub use prompt::{
     VersionSource,
 };
 pub use round::Method;
+pub use round_detail::{GroupOutput, RoundDetail};
 pub use trace::{Feedback, NewTrace, Trace, TraceStatus};

@@ -142,7 +142,8 @@ pub struct Round {
     /// How many times a worker has claimed this round.
     pub attempt: i32,
     pub error: Option<String>,
-    /// Phase timings, group outputs, operations applied and skipped.
+    /// Phase timings, group outputs, operations applied and skipped: a
+    /// [`super::RoundDetail`] as stored (read it with `RoundDetail::read`).
     #[schema(value_type = Object)]
     pub detail: Value,
     pub created_at: DateTime<Utc>,

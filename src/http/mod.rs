@@ -8,13 +8,16 @@ pub mod error;
 pub mod extract;
 pub mod keys;
 pub mod label_history;
+pub mod labels;
 pub mod openapi;
 pub mod ops;
 pub mod otlp;
 pub mod outcomes;
 pub mod prompts;
 pub mod rounds;
+pub mod settings;
 pub mod traces;
+pub mod versions;
 pub mod webhooks;
 
 use std::{sync::Arc, time::Duration};
@@ -51,14 +54,14 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/prompts", post(prompts::create_prompt).get(prompts::list_prompts))
         .route("/v1/prompts/{name}", get(prompts::get_prompt))
         .route("/v1/prompts/{name}/population", get(prompts::get_population))
-        .route("/v1/prompts/{name}/settings", axum::routing::patch(prompts::update_settings))
-        .route("/v1/prompts/{name}/versions", post(prompts::create_version).get(prompts::list_versions))
-        .route("/v1/prompts/{name}/versions/{number}", get(prompts::get_version))
-        .route("/v1/prompts/{name}/diff", get(prompts::diff_versions))
-        .route("/v1/prompts/{name}/labels", get(prompts::list_labels))
+        .route("/v1/prompts/{name}/settings", axum::routing::patch(settings::update_settings))
+        .route("/v1/prompts/{name}/versions", post(versions::create_version).get(versions::list_versions))
+        .route("/v1/prompts/{name}/versions/{number}", get(versions::get_version))
+        .route("/v1/prompts/{name}/diff", get(versions::diff_versions))
+        .route("/v1/prompts/{name}/labels", get(labels::list_labels))
         .route("/v1/prompts/{name}/labels/history", get(label_history::label_history))
-        .route("/v1/prompts/{name}/labels/{label}", put(prompts::move_label).delete(prompts::delete_label))
-        .route("/v1/prompts/{name}/rollback", post(prompts::rollback))
+        .route("/v1/prompts/{name}/labels/{label}", put(labels::move_label).delete(labels::delete_label))
+        .route("/v1/prompts/{name}/rollback", post(labels::rollback))
         .route("/v1/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
         .route("/v1/rounds/{id}", get(rounds::get_round))
         .route("/v1/prompts/{name}/controller", get(controller::get_controller))

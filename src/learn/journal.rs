@@ -9,10 +9,9 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use uuid::Uuid;
 
-use crate::domain::Reflection;
+use crate::domain::{GroupOutput, Reflection};
 use crate::llm::LlmCall;
 
 /// The phases of a round, in order.
@@ -67,12 +66,12 @@ pub trait RoundJournal: Send + Sync {
     async fn record_unreflected(&self, trace_id: Uuid, error: &str) -> Result<(), JournalError>;
     /// Records LLM calls (usage, latency, failures) in the order they finished.
     async fn record_calls(&self, calls: &[LlmCall]) -> Result<(), JournalError>;
-    /// Records the level-1 output of group `group` (its traces and its ops or instruction).
-    async fn save_group_output(&self, group: usize, output: &Value) -> Result<(), JournalError>;
+    /// Records the level-1 output of one group (its traces and its ops or instruction).
+    async fn save_group_output(&self, output: &GroupOutput) -> Result<(), JournalError>;
     /// Level-1 group outputs saved by earlier attempts of this round (as saved by
     /// [`RoundJournal::save_group_output`]); a resumed round reuses those whose key
     /// still matches instead of calling the aggregator again.
-    async fn stored_group_outputs(&self) -> Result<Vec<Value>, JournalError>;
+    async fn stored_group_outputs(&self) -> Result<Vec<GroupOutput>, JournalError>;
     async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError>;
 }
 
@@ -83,7 +82,7 @@ pub struct JournalRecord {
     /// Traces whose reflection failed, with the reason.
     pub unreflected: HashMap<Uuid, String>,
     pub calls: Vec<LlmCall>,
-    pub group_outputs: Vec<(usize, Value)>,
+    pub group_outputs: Vec<GroupOutput>,
     pub phases: Vec<(Phase, PhaseEvent)>,
 }
 
@@ -145,12 +144,12 @@ impl RoundJournal for MemoryJournal {
         self.with(|r| r.calls.extend_from_slice(calls))
     }
 
-    async fn save_group_output(&self, group: usize, output: &Value) -> Result<(), JournalError> {
-        self.with(|r| r.group_outputs.push((group, output.clone())))
+    async fn save_group_output(&self, output: &GroupOutput) -> Result<(), JournalError> {
+        self.with(|r| r.group_outputs.push(output.clone()))
     }
 
-    async fn stored_group_outputs(&self) -> Result<Vec<Value>, JournalError> {
-        self.with(|r| r.group_outputs.iter().map(|(_, v)| v.clone()).collect())
+    async fn stored_group_outputs(&self) -> Result<Vec<GroupOutput>, JournalError> {
+        self.with(|r| r.group_outputs.clone())
     }
 
     async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError> {

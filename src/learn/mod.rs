@@ -5,12 +5,15 @@
 //! round over an LLM backend, recording what it must not lose in a journal; `meter`
 //! estimates per-group retention by group size from the rounds' own provenance.
 
+pub mod answer;
 pub mod controller;
 pub mod delta;
 pub mod denylist;
+pub mod fence;
 pub mod grouping;
 pub mod journal;
 pub mod level2;
 pub mod meter;
+pub mod protocol;
 pub mod round;
 pub mod shuffle;

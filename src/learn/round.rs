@@ -26,7 +26,7 @@
 //!   than failing the round, unless more than [`MAX_LEFT_OUT_SHARE`] of the
 //!   groups (or all of them) are: then the round fails as before. With p ≥ 2
 //!   its reflections usually still reach the reduce through their other group.
-//! - Answers are read tolerantly ([`crate::llm::answer`]); everything ignored or
+//! - Answers are read tolerantly ([`super::answer`]); everything ignored or
 //!   dropped is counted per call in [`RoundOutcome::answers`].
 //! - Provenance: aggregator operations cite the reflections of their group they
 //!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an
@@ -47,8 +47,8 @@ use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
 use super::level2;
 use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
-use crate::llm::answer::AnswerNotes;
-use crate::llm::protocol::{self, SourcedOp, Task, placeholders, validate_reflection};
+use crate::learn::answer::AnswerNotes;
+use crate::learn::protocol::{self, SourcedOp, Task, placeholders, validate_reflection};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
 /// Most level-1 groups a round may leave out (invalid answers after the
@@ -92,18 +92,8 @@ pub struct PhaseTimings {
     pub reduce2_ms: u64,
 }
 
-/// One level-1 aggregator call: which traces it saw and what it proposed
-/// (`{"operations": [...]}` or `{"instruction": "..."}`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GroupOutput {
-    pub group: usize,
-    pub traces: Vec<Uuid>,
-    pub output: Value,
-    /// What the call's answer depends on ([`group_key`]): a resumed round reuses
-    /// a journaled output only under the same key.
-    #[serde(default)]
-    pub key: String,
-}
+/// One level-1 aggregator call, as the round's record keeps it.
+pub use crate::domain::GroupOutput;
 
 /// The journal key of one level-1 call: the round's seed and strategy, the
 /// version the call was made against, and the group's traces in order (their
@@ -150,13 +140,35 @@ pub struct RoundOutcome {
     pub content: VersionContent,
     pub method: Method,
     pub strategy: Strategy,
-    /// Reflections the reduce used (traces minus [`RoundOutcome::unreflected`]).
+    pub group_outputs: Vec<GroupOutput>,
+    /// Every LLM call of this attempt, failed ones included.
+    pub calls: Vec<LlmCall>,
+    /// The rest (n, k, p, what was applied, …): what the round's record keeps.
+    /// Its fields read as the outcome's own (`outcome.n`).
+    #[serde(flatten)]
+    pub record: OutcomeRecord,
+}
+
+impl std::ops::Deref for RoundOutcome {
+    type Target = OutcomeRecord;
+    fn deref(&self) -> &OutcomeRecord {
+        &self.record
+    }
+}
+
+/// What a finished reduce leaves in the round's record (`detail.outcome`): the
+/// outcome without its content (the version), calls (stored one by one) and
+/// group outputs (`detail.group_outputs`). Every part defaults, so a record
+/// written before a part existed still reads.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OutcomeRecord {
+    /// Reflections the reduce used (traces minus [`OutcomeRecord::unreflected`]).
     pub n: usize,
     /// Level-1 groups (aggregator calls before level 2).
     pub k: usize,
     /// Level-1 groups whose output was taken from the journal (an earlier
     /// attempt of the round) instead of calling the aggregator again.
-    #[serde(default)]
     pub resumed_groups: usize,
     pub p: u32,
     pub map: MapCounts,
@@ -165,17 +177,17 @@ pub struct RoundOutcome {
     pub applied: Vec<Applied>,
     pub skipped: Vec<Skipped>,
     pub evicted: Vec<Evicted>,
-    pub group_outputs: Vec<GroupOutput>,
     /// What level 2 did (consolidation decisions, rewrite conflict regions).
     pub level2: Level2Summary,
-    /// Every LLM call of this attempt, failed ones included.
-    pub calls: Vec<LlmCall>,
     pub timings: PhaseTimings,
     /// What tolerant reading of the answers ignored or dropped, and groups left out.
     pub answers: AnswerReport,
     /// Playbook rounds: which reflections an applied operation cites.
     pub coverage: Option<Coverage>,
 }
+
+/// A round's record as the learning engine reads and writes it.
+pub type LearnedRoundDetail = crate::domain::RoundDetail<OutcomeRecord>;
 
 /// What reading the models' answers ignored or dropped in one round attempt.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -381,21 +393,23 @@ pub async fn run_round(
         content: result.content,
         method: spec.method,
         strategy: spec.strategy,
-        n,
-        k,
-        resumed_groups: result.resumed_groups,
-        p: if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 },
-        map: mapped.counts,
-        unreflected: mapped.unreflected,
-        applied: result.applied,
-        skipped: result.skipped,
-        evicted: result.evicted,
         group_outputs: result.group_outputs,
-        level2: result.level2,
         calls,
-        timings: result.timings,
-        answers,
-        coverage,
+        record: OutcomeRecord {
+            n,
+            k,
+            resumed_groups: result.resumed_groups,
+            p: if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 },
+            map: mapped.counts,
+            unreflected: mapped.unreflected,
+            applied: result.applied,
+            skipped: result.skipped,
+            evicted: result.evicted,
+            level2: result.level2,
+            timings: result.timings,
+            answers,
+            coverage,
+        },
     })
 }
 
@@ -652,7 +666,7 @@ impl Reduce<'_> {
             traces,
             output: proposal.to_json(),
         };
-        self.journal.save_group_output(g, &serde_json::to_value(&out).unwrap_or(Value::Null)).await?;
+        self.journal.save_group_output(&out).await?;
         Ok(out)
     }
 
@@ -660,12 +674,7 @@ impl Reduce<'_> {
     /// (outputs without a key, from before keys existed, are not reused).
     async fn journaled_outputs(&self) -> Result<HashMap<String, GroupOutput>, JournalError> {
         let stored = self.journal.stored_group_outputs().await?;
-        Ok(stored
-            .into_iter()
-            .filter_map(|v| serde_json::from_value::<GroupOutput>(v).ok())
-            .filter(|o| !o.key.is_empty())
-            .map(|o| (o.key.clone(), o))
-            .collect())
+        Ok(stored.into_iter().filter(|o| !o.key.is_empty()).map(|o| (o.key.clone(), o)).collect())
     }
 
     /// The journaled output of group `g` when its call was already paid for

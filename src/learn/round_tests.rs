@@ -8,40 +8,21 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::learn::journal::{MemoryJournal, ReflectionSource};
-use crate::llm::protocol::tests::trace;
-use crate::llm::sim::{CapacityModel, LocalSim, SimConfig, SimStats};
-
-/// The hard capacity model: these tests count exactly which insights survive.
-fn hard() -> SimConfig {
-    SimConfig { capacity_model: CapacityModel::Hard, ..SimConfig::default() }
-}
+use crate::learn::protocol::tests::{reflection, trace};
 use crate::llm::{ChatRequest, ChatResponse, OpenAiClient};
+use crate::simulation::llm::SimConfig;
+use crate::simulation::llm::tests::{Running, hard, start};
 
-struct Sim {
-    client: OpenAiClient,
-    cfg: LlmConfig,
-    base: String,
-    _sim: LocalSim,
-}
+/// The simulator and a client for it (at most 16 calls at once).
+type Sim = Running;
 
-impl Sim {
+impl Running {
     async fn start(sim: SimConfig, tweak: impl FnOnce(&mut LlmConfig)) -> Self {
-        let local = LocalSim::start(sim).await.unwrap();
-        let base = local.base_url.clone();
-        let mut cfg = LlmConfig {
-            base_url: base.clone(),
-            backoff_base_ms: 1,
-            backoff_max_ms: 20,
-            max_retries: 8,
-            max_concurrency: 16,
-            ..Default::default()
-        };
-        tweak(&mut cfg);
-        Self { client: OpenAiClient::new(cfg.clone()).unwrap(), cfg, base, _sim: local }
-    }
-
-    async fn stats(&self) -> SimStats {
-        reqwest::get(format!("{}/sim/stats", self.base)).await.unwrap().json().await.unwrap()
+        start(sim, |cfg| {
+            cfg.max_concurrency = 16;
+            tweak(cfg)
+        })
+        .await
     }
 
     async fn reflect_calls(&self) -> u64 {
@@ -87,16 +68,6 @@ fn base_for(strategy: Strategy) -> VersionContent {
     match strategy {
         Strategy::Playbook => VersionContent { base, playbook: Some(Playbook::default()) },
         Strategy::Rewrite => VersionContent { base, playbook: None },
-    }
-}
-
-fn reflection(insight: &str) -> Reflection {
-    Reflection {
-        error: String::new(),
-        root_cause: String::new(),
-        correct_approach: String::new(),
-        key_insight: insight.into(),
-        bullet_tags: vec![],
     }
 }
 
@@ -284,7 +255,7 @@ fn results_are_validated_before_they_can_become_versions() {
     assert!(validate_result(&base, &content("Solve {task} for {user}."), &tight).unwrap_err().contains("budget"));
 }
 
-/// The acceptance experiment (see the module doc of `llm::sim` for the capacity model).
+/// The acceptance experiment (see the module doc of `simulation::llm` for the capacity model).
 /// 100 traces with one distinct insight each, aggregator capacity K = 12, k = 10 groups.
 ///
 /// The ≥ 95 assertion uses p = 1: each group holds 10 distinct reflections ≤ K, so

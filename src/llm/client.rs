@@ -1,5 +1,5 @@
 //! The OpenAI-compatible chat-completions client (OpenAI, DeepSeek, vLLM, Ollama,
-//! llama.cpp, OpenRouter, LiteLLM, the combee simulator). It owns everything that
+//! llama.cpp, OpenRouter, LiteLLM, combee's simulated LLM). It owns everything that
 //! makes calls robust and polite: per-attempt timeouts, retries with jittered
 //! exponential backoff honouring `Retry-After`, a client-side requests/tokens per
 //! minute limiter, a process-wide concurrency limit, and usage/cost accounting.
@@ -411,8 +411,8 @@ where
     chat_decoded(backend, role, req, calls, decode).await
 }
 
-/// Sends `req` and reads the answer with `decode` (which parses and validates,
-/// see [`super::answer`] for the tolerant readers). When it fails, asks ONCE
+/// Sends `req` and reads the answer with `decode` (which parses and validates;
+/// combee's own tolerant readers are in `learn::answer`). When it fails, asks ONCE
 /// more with the bad answer and the reason appended to the conversation; a
 /// second failure is [`LlmError::InvalidAnswer`]. Every call made, failed or
 /// not, is pushed onto `calls`.

@@ -1,16 +1,15 @@
-//! The LLM backend: the one narrow trait the learning engine calls for reflector
-//! and aggregator answers, the plain request/response types it speaks, and the
-//! per-call record (usage, cost, latency, retries) a round stores.
+//! The LLM transport: the one narrow trait the learning engine calls for chat
+//! completions, the plain request/response types it speaks, and the per-call
+//! record (usage, cost, latency, retries) a round stores. It knows nothing of
+//! combee's prompts or answers (those are `learn::protocol`), so it imports no
+//! higher layer.
 //!
-//! Implementations: [`client::OpenAiClient`] for any OpenAI-compatible server,
-//! and [`sim`], a *simulated* OpenAI-compatible server used by tests and benchmarks.
+//! Implementation: [`client::OpenAiClient`] for any OpenAI-compatible server,
+//! which is also how tests and benchmarks reach the simulated LLM
+//! (`simulation::llm`).
 
-pub mod answer;
 pub mod client;
 pub mod config;
-pub mod fence;
-pub mod protocol;
-pub mod sim;
 
 use std::time::Duration;
 

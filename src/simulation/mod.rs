@@ -1,5 +1,7 @@
 //! Simulations for tests and benchmarks, named as such wherever their figures
-//! appear: the simulated agent world that drives a real server over HTTP.
-//! (The LLM simulator is `llm::sim`.)
+//! appear: the simulated agent world that drives a real server over HTTP
+//! (`world`), and the simulated OpenAI-compatible LLM that answers combee's own
+//! prompts by rule (`llm`, also `combee sim-llm`).
 
+pub mod llm;
 pub mod world;

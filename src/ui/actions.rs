@@ -107,43 +107,35 @@ fn trace_outcome(id: uuid::Uuid, action: TraceAction) -> Result<(), UiError> {
     }
 }
 
-/// Holds a trace back from learning (the trace page's Quarantine button).
-pub async fn quarantine_trace(
+/// The trace page's buttons: Quarantine holds the trace back from learning
+/// (with the operator's reason, if given), Release lifts that, Delete removes
+/// the trace and goes back to the trace list.
+pub async fn trace_button(
     State(st): State<AppState>,
     op: Operator,
-    Path(id): Path<String>,
+    Path((id, button)): Path<(String, String)>,
     Form(form): Form<TraceForm>,
 ) -> Result<Response, UiError> {
+    if !["quarantine", "release", "delete"].contains(&button.as_str()) {
+        return Err(UiError::NotFound("No such page.".into()));
+    }
     let id = trace_form(&op, &form, &id)?;
-    let reason = form.reason.map(|r| r.trim().chars().take(500).collect::<String>()).filter(|r| !r.is_empty());
-    let reason = reason.unwrap_or_else(|| format!("quarantined by {} in the web UI", op.actor()));
-    trace_outcome(id, st.store.quarantine_trace(id, &reason).await?)?;
-    tracing::info!(trace = %id, by = %op.actor(), "trace quarantined from the web UI");
-    Ok(Redirect::to(&format!("/ui/traces/{id}?notice=quarantined")).into_response())
-}
-
-/// Lifts a trace's quarantine (the trace page's Release button).
-pub async fn release_trace(
-    State(st): State<AppState>,
-    op: Operator,
-    Path(id): Path<String>,
-    Form(form): Form<TraceForm>,
-) -> Result<Response, UiError> {
-    let id = trace_form(&op, &form, &id)?;
-    trace_outcome(id, st.store.release_trace(id).await?)?;
-    tracing::info!(trace = %id, by = %op.actor(), "trace released from quarantine in the web UI");
-    Ok(Redirect::to(&format!("/ui/traces/{id}?notice=released")).into_response())
-}
-
-/// Deletes a trace (the trace page's Delete button); back to the trace list.
-pub async fn delete_trace(
-    State(st): State<AppState>,
-    op: Operator,
-    Path(id): Path<String>,
-    Form(form): Form<TraceForm>,
-) -> Result<Response, UiError> {
-    let id = trace_form(&op, &form, &id)?;
-    trace_outcome(id, st.store.delete_trace(id).await?)?;
-    tracing::info!(trace = %id, by = %op.actor(), "trace deleted from the web UI");
-    Ok(Redirect::to("/ui/traces?notice=deleted").into_response())
+    let (action, done, to) = match button.as_str() {
+        "quarantine" => {
+            let reason = form.reason.map(|r| r.trim().chars().take(500).collect::<String>()).filter(|r| !r.is_empty());
+            let reason = reason.unwrap_or_else(|| format!("quarantined by {} in the web UI", op.actor()));
+            (
+                st.store.quarantine_trace(id, &reason).await?,
+                "quarantined",
+                format!("/ui/traces/{id}?notice=quarantined"),
+            )
+        }
+        "release" => {
+            (st.store.release_trace(id).await?, "released from quarantine", format!("/ui/traces/{id}?notice=released"))
+        }
+        _ => (st.store.delete_trace(id).await?, "deleted", "/ui/traces?notice=deleted".to_owned()),
+    };
+    trace_outcome(id, action)?;
+    tracing::info!(trace = %id, by = %op.actor(), "trace {done} from the web UI");
+    Ok(Redirect::to(&to).into_response())
 }

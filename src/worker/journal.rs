@@ -6,11 +6,10 @@
 use std::{collections::HashMap, sync::Mutex};
 
 use async_trait::async_trait;
-use serde_json::{Value, json};
 use uuid::Uuid;
 
 use crate::{
-    domain::Reflection,
+    domain::{GroupOutput, Reflection, RoundDetail, round_detail::PhaseSpan},
     learn::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal},
     llm::LlmCall,
     store::{DynStore, TraceFault},
@@ -20,38 +19,38 @@ pub struct StoreJournal {
     store: DynStore,
     round: Uuid,
     attempt: i32,
-    detail: Mutex<Value>,
+    detail: Mutex<RoundDetail>,
 }
 
 fn err(e: impl std::fmt::Display) -> JournalError {
     JournalError(e.to_string())
 }
 
-/// The traces a round's detail records as unreflected (`detail.unreflected`:
-/// trace id → reason), as the faults they are charged for.
-pub fn unreflected_faults(detail: &Value) -> Vec<TraceFault> {
-    let Some(Value::Object(u)) = detail.get("unreflected") else { return Vec::new() };
-    u.iter()
-        .filter_map(|(id, reason)| {
-            let trace_id = id.parse().ok()?;
-            let reason = reason.as_str().unwrap_or("the reflection could not be obtained").to_owned();
-            Some(TraceFault { trace_id, reason: format!("reflection failed: {reason}") })
-        })
+/// The traces a round's detail records as unreflected, as the faults they are charged for.
+pub fn unreflected_faults<O>(detail: &RoundDetail<O>) -> Vec<TraceFault> {
+    detail
+        .unreflected
+        .iter()
+        .map(|(&trace_id, reason)| TraceFault { trace_id, reason: format!("reflection failed: {reason}") })
         .collect()
 }
 
 impl StoreJournal {
-    pub fn new(store: DynStore, round: Uuid, attempt: i32, detail: Value) -> Self {
-        let detail = if detail.is_object() { detail } else { json!({}) };
+    /// A journal continuing the round's record as an earlier attempt left it.
+    pub fn new(store: DynStore, round: Uuid, attempt: i32, detail: RoundDetail) -> Self {
         Self { store, round, attempt, detail: Mutex::new(detail) }
     }
 
-    pub fn detail(&self) -> Value {
+    pub fn detail(&self) -> RoundDetail {
         self.detail.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    fn edit(&self, f: impl FnOnce(&mut RoundDetail)) {
+        f(&mut self.detail.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     async fn flush(&self) -> Result<(), JournalError> {
-        let detail = self.detail();
+        let detail = self.detail().to_value();
         if self.store.update_round(self.round, self.attempt, None, &detail).await.map_err(err)? {
             Ok(())
         } else {
@@ -71,21 +70,16 @@ impl RoundJournal for StoreJournal {
 
     async fn save_reflection(&self, trace: Uuid, r: &Reflection, source: ReflectionSource) -> Result<(), JournalError> {
         self.store.save_reflection(self.round, trace, r, source == ReflectionSource::Trace).await.map_err(err)?;
-        let mut d = self.detail.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(Value::Object(u)) = d.get_mut("unreflected") {
-            u.remove(&trace.to_string());
-        }
+        self.edit(|d| {
+            d.unreflected.remove(&trace);
+        });
         Ok(())
     }
 
     async fn record_unreflected(&self, trace: Uuid, error: &str) -> Result<(), JournalError> {
-        {
-            let mut d = self.detail.lock().unwrap_or_else(|e| e.into_inner());
-            let map = d.as_object_mut().map(|o| o.entry("unreflected").or_insert_with(|| json!({})));
-            if let Some(Value::Object(u)) = map {
-                u.insert(trace.to_string(), json!(error));
-            }
-        }
+        self.edit(|d| {
+            d.unreflected.insert(trace, error.to_owned());
+        });
         self.flush().await
     }
 
@@ -96,44 +90,28 @@ impl RoundJournal for StoreJournal {
         Ok(())
     }
 
-    async fn save_group_output(&self, group: usize, output: &Value) -> Result<(), JournalError> {
-        {
-            let mut d = self.detail.lock().unwrap_or_else(|e| e.into_inner());
-            let groups = d.as_object_mut().map(|o| o.entry("group_outputs").or_insert_with(|| json!({})));
-            if let Some(Value::Object(g)) = groups {
-                g.insert(group.to_string(), output.clone());
-            }
-        }
+    async fn save_group_output(&self, output: &GroupOutput) -> Result<(), JournalError> {
+        self.edit(|d| d.put_group_output(output.clone()));
         self.flush().await
     }
 
-    async fn stored_group_outputs(&self) -> Result<Vec<Value>, JournalError> {
-        // Saved one by one as an object by group index; a finished attempt leaves a list.
-        let d = self.detail();
-        Ok(match d.get("group_outputs") {
-            Some(Value::Object(g)) => g.values().cloned().collect(),
-            Some(Value::Array(g)) => g.clone(),
-            _ => Vec::new(),
-        })
+    async fn stored_group_outputs(&self) -> Result<Vec<GroupOutput>, JournalError> {
+        Ok(self.detail().group_outputs)
     }
 
     async fn phase(&self, phase: Phase, event: PhaseEvent) -> Result<(), JournalError> {
         let name = serde_json::to_value(phase).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-        {
-            let mut d = self.detail.lock().unwrap_or_else(|e| e.into_inner());
-            let phases = d.as_object_mut().map(|o| o.entry("phases").or_insert_with(|| json!({})));
-            if let Some(Value::Object(p)) = phases {
-                let now = chrono::Utc::now();
-                let entry = p.entry(name).or_insert_with(|| json!({}));
-                match event {
-                    PhaseEvent::Started => entry["started_at"] = json!(now),
-                    PhaseEvent::Finished { elapsed_ms } => {
-                        entry["finished_at"] = json!(now);
-                        entry["elapsed_ms"] = json!(elapsed_ms);
-                    }
+        self.edit(|d| {
+            let now = chrono::Utc::now();
+            let span: &mut PhaseSpan = d.phases.entry(name).or_default();
+            match event {
+                PhaseEvent::Started => span.started_at = Some(now),
+                PhaseEvent::Finished { elapsed_ms } => {
+                    span.finished_at = Some(now);
+                    span.elapsed_ms = Some(elapsed_ms);
                 }
             }
-        }
+        });
         self.flush().await
     }
 }

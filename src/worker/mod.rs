@@ -13,7 +13,6 @@ pub mod population;
 use std::{sync::Arc, time::Duration};
 
 use rand::Rng;
-use serde_json::json;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -21,7 +20,7 @@ pub use journal::{StoreJournal, unreflected_faults};
 
 use crate::{
     config::WorkerSettings,
-    domain::{BatchSize, LabelName, Promotion, VersionSource, prompt::NewVersion, round::RoundTrigger},
+    domain::{BatchSize, LabelName, Promotion, RoundDetail, VersionSource, prompt::NewVersion, round::RoundTrigger},
     learn::{
         controller::ControllerConfig,
         delta::Budget,
@@ -200,10 +199,14 @@ impl Worker {
         let (id, attempt) = (round.id, round.attempt);
         let span = tracing::info_span!("round", round = %id, prompt = %prompt.name, attempt);
         let _enter = span.enter();
+        let recorded = RoundDetail::read(&round.detail).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the round's earlier record is unreadable; this attempt starts a new one");
+            RoundDetail::default()
+        });
         if attempt > self.settings.max_round_attempts {
             let reason = round.error.clone().unwrap_or_else(|| "the round's worker stopped (lease expired)".into());
             let msg = format!("gave up after {} attempts: {reason}", attempt - 1);
-            self.give_up(id, attempt, &msg, unreflected_faults(&round.detail)).await;
+            self.give_up(id, attempt, &msg, unreflected_faults(&recorded)).await;
             return;
         }
         // Keep the lease alive; losing it cancels the round.
@@ -227,7 +230,7 @@ impl Worker {
                 }
             })
         };
-        let journal = StoreJournal::new(self.store.clone(), id, attempt, round.detail.clone());
+        let journal = StoreJournal::new(self.store.clone(), id, attempt, recorded);
         let spec = RoundSpec {
             round_id: id,
             seed: round.seed as u64,
@@ -256,14 +259,9 @@ impl Worker {
         metrics::histogram!("combee_round_duration_seconds").record(started.elapsed().as_secs_f64());
         match result {
             Ok(outcome) => {
-                let mut detail = journal.detail();
-                detail["outcome"] = json!({
-                    "n": outcome.n, "k": outcome.k, "p": outcome.p, "map": outcome.map, "resumed_groups": outcome.resumed_groups,
-                    "unreflected": outcome.unreflected, "applied": outcome.applied, "skipped": outcome.skipped,
-                    "evicted": outcome.evicted, "timings": outcome.timings, "level2": outcome.level2,
-                    "answers": outcome.answers, "coverage": outcome.coverage,
-                });
-                detail["group_outputs"] = json!(outcome.group_outputs);
+                let mut detail = journal.detail().with_outcome(outcome.record.clone());
+                detail.group_outputs = outcome.group_outputs.clone();
+                let detail = detail.to_value();
                 let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
                 let meter = meter_counts(&outcome);
                 let label = match prompt.promotion {
@@ -279,10 +277,10 @@ impl Worker {
                     content: outcome.content,
                     message: format!(
                         "learned from {} traces ({} round, k = {}, p = {})",
-                        outcome.n,
+                        outcome.record.n,
                         crate::domain::round::method_str(outcome.method),
-                        outcome.k,
-                        outcome.p
+                        outcome.record.k,
+                        outcome.record.p
                     ),
                     created_by: format!("worker:{}", self.owner),
                 };
@@ -290,6 +288,7 @@ impl Worker {
                 let sample =
                     (round.method == Method::Combee && batch_size > 0).then(|| started.elapsed().as_secs_f64());
                 let faults = outcome
+                    .record
                     .unreflected
                     .iter()
                     .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })

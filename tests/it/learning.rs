@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use combee::llm::sim::{CapacityModel, SimConfig};
+use combee::simulation::llm::{CapacityModel, SimConfig};
 use common::{Backend, TestApp, expect_problem, learning, spawn_app_with, spawn_sim};
 use serde_json::{Value, json};
 
@@ -786,7 +786,7 @@ mod resume {
     use async_trait::async_trait;
     use combee::{
         domain::{
-            Promotion, PromptName, PromptSettings, Strategy, VersionContent, VersionSource,
+            Promotion, PromptName, PromptSettings, RoundDetail, Strategy, VersionContent, VersionSource,
             prompt::NewVersion,
             round::RoundTrigger,
             trace::{NewTrace, TraceLimits},
@@ -892,7 +892,12 @@ mod resume {
 
         // Attempt 1: every reflection and the first groups answer, then the backend is down.
         let first = claim(&s).await;
-        let journal = StoreJournal::new(s.clone(), first.round.id, first.round.attempt, first.round.detail.clone());
+        let journal = StoreJournal::new(
+            s.clone(),
+            first.round.id,
+            first.round.attempt,
+            RoundDetail::read(&first.round.detail).unwrap(),
+        );
         let down = DownAfter { inner: client.clone(), ok: N + ANSWERED, seen: AtomicUsize::new(0) };
         let err =
             run_round(&down, &llm, &spec_of(&first), &first.base.content, &first.traces, &journal).await.unwrap_err();
@@ -909,7 +914,12 @@ mod resume {
         // Attempt 2, from what the store kept: no reflection and no answered group is paid again.
         let second = claim(&s).await;
         assert_eq!((second.round.id, second.round.attempt), (first.round.id, first.round.attempt + 1));
-        let journal = StoreJournal::new(s.clone(), second.round.id, second.round.attempt, second.round.detail.clone());
+        let journal = StoreJournal::new(
+            s.clone(),
+            second.round.id,
+            second.round.attempt,
+            RoundDetail::read(&second.round.detail).unwrap(),
+        );
         let (reflect0, aggregate0) = (sim.calls("reflect").await, sim.calls("aggregate-playbook").await);
         let out =
             run_round(&client, &llm, &spec_of(&second), &second.base.content, &second.traces, &journal).await.unwrap();
@@ -926,4 +936,67 @@ mod resume {
     }
 
     on_both_stores!(a_resumed_round_calls_only_the_missing_groups);
+}
+
+/// A round's record written by an earlier version (group outputs as an object by
+/// group index, phases without `elapsed_ms`, an outcome from before answer
+/// reports and coverage) still reads: the API passes it through unchanged and
+/// the round page shows its phases, operations and group outputs.
+mod stored_detail {
+    use std::time::Duration;
+
+    use super::*;
+
+    async fn a_round_recorded_by_an_earlier_version_still_shows(b: Backend) {
+        let app = crate::common::spawn_app(b).await;
+        create(&app, "old-record", "playbook", json!({})).await;
+        send_traces(&app, "old-record", 2).await;
+        let round = trigger(&app, "old-record", json!({})).await;
+        let id: uuid::Uuid = round["id"].as_str().unwrap().parse().unwrap();
+        let claimed =
+            app.store.claim_round("old-shape-test", Duration::from_secs(60)).await.unwrap().expect("claimable");
+        assert_eq!(claimed.round.id, id);
+        let (t1, t2) = (claimed.traces[0].id, claimed.traces[1].id);
+        let old = json!({
+            "phases": {
+                "map": {"started_at": "2026-01-02T03:04:05Z", "finished_at": "2026-01-02T03:04:06.250Z"},
+                "reduce1": {"started_at": "2026-01-02T03:04:06.300Z"},
+            },
+            "unreflected": {},
+            "group_outputs": {
+                "1": {"group": 1, "traces": [t2], "output": {"operations": [{"op": "ADD", "section": "s", "content": "from group one"}]}},
+                "0": {"group": 0, "traces": [t1], "output": {"operations": []}},
+            },
+            "outcome": {
+                "n": 2, "k": 2, "p": 1,
+                "map": {"reflected": 2, "resumed": 0, "from_traces": 0},
+                "unreflected": [],
+                "applied": [{"op": {"op": "ADD", "section": "s", "content": "verify the order id first"}, "groups": [1], "bullet_id": "s-00001"}],
+                "skipped": [],
+                "evicted": [],
+                "timings": {"map_ms": 1250, "shuffle_ms": 0, "reduce1_ms": 5, "reduce2_ms": 0},
+            },
+        });
+        assert!(app.store.update_round(id, claimed.round.attempt, Some(2), &old).await.unwrap());
+
+        let got: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(got["detail"], old, "the API shows the stored record as it is");
+
+        let signed_in = crate::ui_browser::sign_in(&app, &app.key_with(&["prompts:read"]).await).await;
+        let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
+        let res = crate::ui_browser::plain_client()
+            .get(app.url(&format!("/ui/rounds/{id}")))
+            .header("cookie", format!("combee_session={session}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        let page = res.text().await.unwrap();
+        assert!(page.contains(r#"id="phases""#) && page.contains("<td>map</td>"), "the finished phase: {page}");
+        assert!(page.contains("verify the order id first") && page.contains("s-00001"), "the applied op: {page}");
+        assert!(page.contains("Group 0 · 1 reflections") && page.contains("Group 1 · 1 reflections"), "{page}");
+        assert!(page.contains("from group one"), "group 1's output: {page}");
+    }
+
+    on_both_stores!(a_round_recorded_by_an_earlier_version_still_shows);
 }

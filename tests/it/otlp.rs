@@ -367,7 +367,7 @@ async fn duplicate_spans_metric(app: &TestApp) -> f64 {
 }
 
 async fn spans_after_a_round_took_the_trace_are_rejected(b: Backend) {
-    let sim = spawn_sim(combee::llm::sim::SimConfig { seed: 12, ..Default::default() }).await;
+    let sim = spawn_sim(combee::simulation::llm::SimConfig { seed: 12, ..Default::default() }).await;
     let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
     let res = app
         .post(
@@ -518,7 +518,7 @@ async fn poll<T>(what: &str, within: Duration, mut f: impl AsyncFnMut() -> Optio
 /// OTLP/HTTP exporter send spans; the traces are found with the right
 /// version, pending, and a round learns from them.
 async fn the_python_sdk_exporter_feeds_a_round(b: Backend) {
-    let sim = spawn_sim(combee::llm::sim::SimConfig { seed: 11, ..Default::default() }).await;
+    let sim = spawn_sim(combee::simulation::llm::SimConfig { seed: 11, ..Default::default() }).await;
     let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
     let res = app
         .post(

@@ -257,7 +257,8 @@ fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_round_killed_mid_map_is_finished_by_another_process_without_paying_twice() {
-    let sim = common::spawn_sim(combee::llm::sim::SimConfig { seed: 3, fixed_ms: 120.0, ..Default::default() }).await;
+    let sim =
+        common::spawn_sim(combee::simulation::llm::SimConfig { seed: 3, fixed_ms: 120.0, ..Default::default() }).await;
     let app = spawn_app(Backend::Postgres).await; // API only: the rounds run in the child processes
     let res = app
         .post("/v1/prompts", json!({"name": "crashy", "base": "Base.", "settings": {"batch_size": 1000}}))

@@ -14,7 +14,7 @@ use std::{
 };
 
 use base64::Engine;
-use combee::llm::sim::SimConfig;
+use combee::simulation::llm::SimConfig;
 use common::{Backend, TestApp, learning, spawn_app, spawn_app_with, spawn_sim};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};

@@ -5,7 +5,7 @@
 use serde_json::json;
 
 use crate::common::{Backend, learning, spawn_app_with, spawn_sim};
-use combee::llm::sim::SimConfig;
+use combee::simulation::llm::SimConfig;
 use combee::simulation::world::{World, WorldConfig, markdown};
 
 fn world(prompt: &str, runs: u32, poison_share: f64) -> WorldConfig {

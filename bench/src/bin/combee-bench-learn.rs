@@ -40,8 +40,8 @@ use combee::{
         ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, Usage,
         client::{OpenAiClient, estimate_tokens},
         config::LlmConfig,
-        sim::{self, CapacityModel, SimConfig},
     },
+    simulation::llm::{self as sim, CapacityModel, SimConfig},
 };
 use serde_json::json;
 use uuid::Uuid;

@@ -16,7 +16,8 @@ use combee::{
         journal::{MemoryJournal, RoundJournal},
         round::{ReduceMode, RoundSpec, run_round},
     },
-    llm::{LlmBackend, client::OpenAiClient, config::LlmConfig, sim::SimConfig},
+    llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
+    simulation::llm::SimConfig,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -80,7 +81,8 @@ struct Row {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let sim = combee::llm::sim::LocalSim::start(SimConfig { fixed_ms: args.latency_ms, ..Default::default() }).await?;
+    let sim =
+        combee::simulation::llm::LocalSim::start(SimConfig { fixed_ms: args.latency_ms, ..Default::default() }).await?;
     let llm = LlmConfig { base_url: sim.base_url.clone(), max_concurrency: args.concurrency, ..LlmConfig::default() };
     let backend: Arc<dyn LlmBackend> = Arc::new(OpenAiClient::new(llm.clone())?);
     let base = VersionContent { base: "You are a benchmark agent.".into(), playbook: None };
@@ -158,8 +160,12 @@ async fn main() -> anyhow::Result<()> {
                         .await?
                         .ok_or_else(|| anyhow::anyhow!("no round claimed"))?;
                     anyhow::ensure!(claimed.traces.len() == ids.len());
-                    let journal =
-                        combee::worker::StoreJournal::new(store.clone(), round.id, claimed.round.attempt, json!({}));
+                    let journal = combee::worker::StoreJournal::new(
+                        store.clone(),
+                        round.id,
+                        claimed.round.attempt,
+                        Default::default(),
+                    );
                     let spec = RoundSpec { round_id: round.id, ..spec };
                     let t = Instant::now();
                     let o =

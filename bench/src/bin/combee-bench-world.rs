@@ -27,9 +27,11 @@ use clap::Parser;
 use combee::{
     app::Application,
     config::{Role, Settings},
-    llm::sim::{LocalSim, SimConfig},
     secret::Secret,
-    simulation::world::{World, WorldConfig},
+    simulation::{
+        llm::{LocalSim, SimConfig},
+        world::{World, WorldConfig},
+    },
     store,
 };
 use serde_json::{Value, json};
@@ -481,7 +483,7 @@ async fn main() -> anyhow::Result<()> {
     let mut md = String::new();
     md.push_str("# Closed-loop benchmark over the simulated agent world — a SIMULATION\n\n");
     md.push_str(
-        "Simulated agents (not agents) and a simulated LLM (not a model, `src/llm/sim.rs`) against a real \
+        "Simulated agents (not agents) and a simulated LLM (not a model, `src/simulation/llm.rs`) against a real \
          combee server (embedded SQLite, worker and population rater on). Not a timed test.\n\n",
     );
     md.push_str(&format!(

@@ -84,11 +84,11 @@ pub fn settings_for(url: &str, data_dir: &std::path::Path) -> Settings {
 /// The OpenAI-compatible simulator (a simulation, not a model) on port 0.
 pub struct Sim {
     pub url: String,
-    _local: combee::llm::sim::LocalSim,
+    _local: combee::simulation::llm::LocalSim,
 }
 
-pub async fn spawn_sim(cfg: combee::llm::sim::SimConfig) -> Sim {
-    let local = combee::llm::sim::LocalSim::start(cfg).await.expect("start the simulator");
+pub async fn spawn_sim(cfg: combee::simulation::llm::SimConfig) -> Sim {
+    let local = combee::simulation::llm::LocalSim::start(cfg).await.expect("start the simulator");
     Sim { url: local.base_url.clone(), _local: local }
 }
 

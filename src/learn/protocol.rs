@@ -12,12 +12,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::answer::{self, AnswerNotes};
-use super::config::LlmConfig;
-use super::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded};
 use crate::domain::playbook::parse_bullet_id;
 use crate::domain::{BulletTag, DeltaOp, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::delta::MergedOp;
 use crate::learn::level2::{self, Decision, DecisionsAnswer};
+use crate::llm::config::LlmConfig;
+use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded};
 
 const REFLECTOR: &str = include_str!("../../prompts/reflector.md");
 const AGGREGATE_PLAYBOOK: &str = include_str!("../../prompts/aggregate_playbook.md");
@@ -387,42 +387,57 @@ pub fn decode_reflection(text: &str, current: &VersionContent) -> Result<Noted<R
         }
     };
     let known = bullet_ids(current);
-    let mut kept: Vec<BulletTag> = Vec::new();
-    for (i, raw) in tags.into_iter().enumerate() {
-        let at = format!("bullet_tags[{i}]");
-        if kept.len() >= MAX_BULLET_TAGS {
-            notes.drop_item(at, format!("beyond the limit of {MAX_BULLET_TAGS} tags"));
-            continue;
-        }
-        let Value::Object(mut m) = raw else {
-            notes.drop_item(at, "not an object");
-            continue;
-        };
-        answer::keep_known(&mut m, &["id", "tag"], &at, &mut notes);
+    let kept = read_items(tags, "bullet_tags", (MAX_BULLET_TAGS, "tags"), &mut notes, |at, mut m, kept, notes| {
+        answer::keep_known(&mut m, &["id", "tag"], at, notes);
         // `Helpful` is as clear as `helpful`.
         if let Some(Value::String(tag)) = m.get_mut("tag") {
             *tag = tag.trim().to_ascii_lowercase();
         }
-        let tag: BulletTag = match serde_json::from_value(Value::Object(m)) {
-            Ok(t) => t,
-            Err(e) => {
-                notes.drop_item(at, format!("not a bullet tag: {e}"));
-                continue;
-            }
-        };
+        let tag: BulletTag = serde_json::from_value(Value::Object(m)).map_err(|e| format!("not a bullet tag: {e}"))?;
         if !known.contains(tag.id.as_str()) {
-            notes.drop_item(at, format!("{:?} is not a bullet of the current playbook", short(&tag.id)));
-        } else if kept.iter().any(|t| t.id == tag.id) {
-            notes.drop_item(at, format!("bullet {:?} is tagged twice", short(&tag.id)));
+            Err(format!("{:?} is not a bullet of the current playbook", short(&tag.id)))
+        } else if kept.iter().any(|t: &BulletTag| t.id == tag.id) {
+            Err(format!("bullet {:?} is tagged twice", short(&tag.id)))
         } else {
-            kept.push(tag);
+            Ok(tag)
         }
-    }
+    });
     let mut r: Reflection =
         serde_json::from_value(Value::Object(obj)).map_err(|e| format!("not a valid reflection: {e}"))?;
     r.bullet_tags = kept;
     validate_reflection(&r, current)?;
     Ok(Noted { value: r, notes })
+}
+
+/// Reads an answer's list item by item: an item past the limit of kept ones
+/// (`limit`: how many, and what they are called), or not an object, is dropped
+/// and counted; `read` gets every other with where it stands (`list[i]`) and
+/// the items kept so far, and keeps it (`Ok`) or says why not (`Err`: dropped
+/// and counted).
+fn read_items<T>(
+    items: Vec<Value>,
+    list: &str,
+    (limit, what): (usize, &str),
+    notes: &mut AnswerNotes,
+    mut read: impl FnMut(&str, serde_json::Map<String, Value>, &[T], &mut AnswerNotes) -> Result<T, String>,
+) -> Vec<T> {
+    let mut kept = Vec::new();
+    for (i, raw) in items.into_iter().enumerate() {
+        let at = format!("{list}[{i}]");
+        if kept.len() >= limit {
+            notes.drop_item(at, format!("beyond the limit of {limit} {what}"));
+            continue;
+        }
+        let Value::Object(m) = raw else {
+            notes.drop_item(at, "not an object");
+            continue;
+        };
+        match read(&at, m, &kept, notes) {
+            Ok(item) => kept.push(item),
+            Err(why) => notes.drop_item(at, why),
+        }
+    }
+    kept
 }
 
 /// The 0-based group positions an op's `sources` name (1-based numbers, or
@@ -478,17 +493,7 @@ pub fn decode_operations(
         None => return Err("the answer has no `operations` list".into()),
     };
     let known = bullet_ids(current);
-    let mut out: Vec<SourcedOp> = Vec::new();
-    for (i, raw) in raw.into_iter().enumerate() {
-        let at = format!("operations[{i}]");
-        if out.len() >= MAX_OPERATIONS {
-            notes.drop_item(at, format!("beyond the limit of {MAX_OPERATIONS} operations"));
-            continue;
-        }
-        let Value::Object(mut m) = raw else {
-            notes.drop_item(at, "not an object");
-            continue;
-        };
+    let out = read_items(raw, "operations", (MAX_OPERATIONS, "operations"), &mut notes, |at, mut m, _, notes| {
         let kind = m.get("op").and_then(Value::as_str).map(|k| k.trim().to_ascii_uppercase());
         let fields: &[&str] = match kind.as_deref() {
             Some("ADD") => &["op", "section", "content", "reason", "sources"],
@@ -496,27 +501,18 @@ pub fn decode_operations(
             Some("REMOVE") => &["op", "id", "reason", "sources"],
             _ => {
                 let shown: String = m.get("op").map(Value::to_string).unwrap_or_default().chars().take(40).collect();
-                notes.drop_item(at, format!("unknown op {shown}; expected ADD, UPDATE or REMOVE"));
-                continue;
+                return Err(format!("unknown op {shown}; expected ADD, UPDATE or REMOVE"));
             }
         };
-        answer::keep_known(&mut m, fields, &at, &mut notes);
+        answer::keep_known(&mut m, fields, at, notes);
         m.insert("op".into(), Value::String(kind.unwrap_or_default()));
         let sources = m.remove("sources");
-        let op: DeltaOp = match serde_json::from_value(Value::Object(m)) {
-            Ok(op) => op,
-            Err(e) => {
-                notes.drop_item(at, format!("not a valid operation: {e}"));
-                continue;
-            }
-        };
-        if let Err(why) = check_op(&op, &known) {
-            notes.drop_item(at, why);
-            continue;
-        }
-        let sources = read_sources(sources, group_size, &at, &mut notes);
-        out.push(SourcedOp { op, sources });
-    }
+        let op: DeltaOp =
+            serde_json::from_value(Value::Object(m)).map_err(|e| format!("not a valid operation: {e}"))?;
+        check_op(&op, &known)?;
+        let sources = read_sources(sources, group_size, at, notes);
+        Ok(SourcedOp { op, sources })
+    });
     Ok(Noted { value: out, notes })
 }
 
@@ -603,18 +599,6 @@ pub async fn reflect_noted(
     chat_decoded(backend, LlmRole::Reflector, req, calls, |t| decode_reflection(t, current)).await
 }
 
-/// [`reflect_noted`] without the notes.
-pub async fn reflect(
-    backend: &dyn LlmBackend,
-    cfg: &LlmConfig,
-    trace: &Trace,
-    current: &VersionContent,
-    strategy: Strategy,
-    calls: &mut Vec<LlmCall>,
-) -> Result<Reflection, LlmError> {
-    Ok(reflect_noted(backend, cfg, trace, current, strategy, calls).await?.value)
-}
-
 /// One playbook aggregator call over a group of reflections.
 pub async fn aggregate_playbook_noted(
     backend: &dyn LlmBackend,
@@ -628,18 +612,6 @@ pub async fn aggregate_playbook_noted(
     chat_decoded(backend, LlmRole::Aggregator, req, calls, |t| decode_operations(t, current, n)).await
 }
 
-/// [`aggregate_playbook_noted`]'s operations, without notes and sources.
-pub async fn aggregate_playbook(
-    backend: &dyn LlmBackend,
-    cfg: &LlmConfig,
-    current: &VersionContent,
-    reflections: &[Reflection],
-    calls: &mut Vec<LlmCall>,
-) -> Result<Vec<DeltaOp>, LlmError> {
-    let noted = aggregate_playbook_noted(backend, cfg, current, reflections, calls).await?;
-    Ok(noted.value.into_iter().map(|s| s.op).collect())
-}
-
 /// One rewrite aggregator call over a group of reflections.
 pub async fn aggregate_rewrite_noted(
     backend: &dyn LlmBackend,
@@ -650,17 +622,6 @@ pub async fn aggregate_rewrite_noted(
 ) -> Result<Noted<String>, LlmError> {
     let req = cfg.request(LlmRole::Aggregator, aggregate_rewrite_messages(current, reflections), true);
     chat_decoded(backend, LlmRole::Aggregator, req, calls, |t| decode_instruction(t, current)).await
-}
-
-/// [`aggregate_rewrite_noted`] without the notes.
-pub async fn aggregate_rewrite(
-    backend: &dyn LlmBackend,
-    cfg: &LlmConfig,
-    current: &VersionContent,
-    reflections: &[Reflection],
-    calls: &mut Vec<LlmCall>,
-) -> Result<String, LlmError> {
-    Ok(aggregate_rewrite_noted(backend, cfg, current, reflections, calls).await?.value)
 }
 
 /// The level-2 merge of the groups' versions of one conflicting passage (rewrite mode).
@@ -737,7 +698,7 @@ pub(crate) mod tests {
         }
     }
 
-    fn reflection(insight: &str) -> Reflection {
+    pub(crate) fn reflection(insight: &str) -> Reflection {
         Reflection {
             error: String::new(),
             root_cause: String::new(),
@@ -884,11 +845,20 @@ pub(crate) mod tests {
         decode_operations(text, &content_with_playbook(), 2).unwrap()
     }
 
+    /// Operations in a plain code fence, after a prose preamble, or after a think
+    /// block (whose own object is not the answer) are read, and the wrapping noted.
     #[test]
-    fn operations_inside_a_plain_code_fence_are_read() {
-        let got = ops_of(&format!("```\n{OPS}\n```"));
-        assert_eq!(got.value.len(), 1);
-        assert_eq!(got.notes.wrapping, ["code fence"]);
+    fn the_wrapping_around_operations_is_skipped_and_noted() {
+        let cases = [
+            (format!("```\n{OPS}\n```"), "code fence"),
+            (format!("Looking at the {{reflections}}, I propose: {OPS}"), "prose"),
+            (format!("<think>The reflections say {{\"operations\": []}} maybe.</think>\n{OPS}"), "think block"),
+        ];
+        for (text, wrapping) in cases {
+            let got = ops_of(&text);
+            assert_eq!(got.value.len(), 1, "{wrapping}: one operation, not the think block's empty list");
+            assert_eq!(got.notes.wrapping, [wrapping]);
+        }
     }
 
     #[test]
@@ -899,21 +869,6 @@ pub(crate) mod tests {
             DeltaOp::Add { section: "tips".into(), content: "Check the units".into(), reason: "r".into() }
         );
         assert_eq!(got.value[0].sources, vec![0]);
-    }
-
-    #[test]
-    fn a_prose_preamble_is_skipped() {
-        let got = ops_of(&format!("Looking at the {{reflections}}, I propose: {OPS}"));
-        assert_eq!(got.value.len(), 1);
-        assert_eq!(got.notes.wrapping, ["prose"]);
-    }
-
-    #[test]
-    fn a_think_block_is_skipped() {
-        let text = format!("<think>The reflections say {{\"operations\": []}} maybe.</think>\n{OPS}");
-        let got = ops_of(&text);
-        assert_eq!(got.value.len(), 1, "the object inside the think block is not the answer");
-        assert_eq!(got.notes.wrapping, ["think block"]);
     }
 
     #[test]

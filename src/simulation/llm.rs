@@ -77,10 +77,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::client::estimate_tokens;
-use super::protocol::{InstructionAnswer, Task};
 use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 use crate::learn::level2::{Action, Decision, DecisionsAnswer};
+use crate::learn::protocol::{InstructionAnswer, Task};
+use crate::llm::client::estimate_tokens;
 
 /// Which capacity model the simulated aggregator follows (see the module doc). [simulation]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -884,35 +884,71 @@ fn reflect(user: &str, current: &str) -> Reflection {
     }
 }
 
+/// The simulator running in this process, and a client for it: shared by the
+/// tests here and the round executor's.
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::domain::VersionContent;
     use crate::domain::playbook::{Bullet, Playbook, Section};
     use crate::domain::{Strategy, Trace};
     use crate::learn::delta::MergedOp;
-    use crate::llm::protocol::{self, tests::trace};
-    use crate::llm::{ChatMessage, LlmBackend, LlmConfig, LlmRole, OpenAiClient};
+    use crate::learn::protocol::{
+        self,
+        tests::{reflection, trace},
+    };
+    use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmConfig, LlmError, LlmRole, OpenAiClient};
 
     /// The hard capacity model, for tests that count exactly what survives.
-    fn hard() -> SimConfig {
+    pub(crate) fn hard() -> SimConfig {
         SimConfig { capacity_model: CapacityModel::Hard, ..SimConfig::default() }
     }
 
-    struct Running {
-        client: OpenAiClient,
-        cfg: LlmConfig,
-        base: String,
+    pub(crate) struct Running {
+        pub(crate) client: OpenAiClient,
+        pub(crate) cfg: LlmConfig,
+        pub(crate) base: String,
         _sim: LocalSim,
     }
 
     impl Running {
-        async fn stats(&self) -> SimStats {
+        pub(crate) async fn stats(&self) -> SimStats {
             reqwest::get(format!("{}/sim/stats", self.base)).await.unwrap().json().await.unwrap()
         }
     }
 
-    async fn start(sim: SimConfig, tweak: impl FnOnce(&mut LlmConfig)) -> Running {
+    /// A playbook reflector call against the running simulator, without the answer notes.
+    async fn reflect_on(
+        sim: &Running,
+        trace: &Trace,
+        current: &VersionContent,
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<Reflection, LlmError> {
+        Ok(protocol::reflect_noted(&sim.client, &sim.cfg, trace, current, Strategy::Playbook, calls).await?.value)
+    }
+
+    /// A playbook aggregator call's operations, without notes and sources.
+    async fn aggregate_playbook_on(
+        sim: &Running,
+        current: &VersionContent,
+        reflections: &[Reflection],
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<Vec<DeltaOp>, LlmError> {
+        let noted = protocol::aggregate_playbook_noted(&sim.client, &sim.cfg, current, reflections, calls).await?;
+        Ok(noted.value.into_iter().map(|s| s.op).collect())
+    }
+
+    /// A rewrite aggregator call's instruction, without the notes.
+    async fn aggregate_rewrite_on(
+        sim: &Running,
+        current: &VersionContent,
+        reflections: &[Reflection],
+        calls: &mut Vec<LlmCall>,
+    ) -> Result<String, LlmError> {
+        Ok(protocol::aggregate_rewrite_noted(&sim.client, &sim.cfg, current, reflections, calls).await?.value)
+    }
+
+    pub(crate) async fn start(sim: SimConfig, tweak: impl FnOnce(&mut LlmConfig)) -> Running {
         let local = LocalSim::start(sim).await.unwrap();
         let base = local.base_url.clone();
         let mut cfg = LlmConfig {
@@ -924,16 +960,6 @@ mod tests {
         };
         tweak(&mut cfg);
         Running { client: OpenAiClient::new(cfg.clone()).unwrap(), cfg, base, _sim: local }
-    }
-
-    fn reflection(insight: &str) -> Reflection {
-        Reflection {
-            error: String::new(),
-            root_cause: String::new(),
-            correct_approach: String::new(),
-            key_insight: insight.into(),
-            bullet_tags: vec![],
-        }
     }
 
     fn numbered(range: std::ops::Range<usize>) -> Vec<Reflection> {
@@ -1109,15 +1135,11 @@ mod tests {
         assert_eq!(SimConfig::default().capacity_model, CapacityModel::Soft);
         let current = playbook(&[]);
         let mut calls = vec![];
-        let big =
-            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..100), &mut calls).await.unwrap();
+        let big = aggregate_playbook_on(&sim, &current, &numbered(0..100), &mut calls).await.unwrap();
         assert!((6..=18).contains(&big.len()), "E(100) ≈ 12, kept {}", big.len());
         let mut small_kept = 0;
         for g in 0..10 {
-            let ops =
-                protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(g * 3..g * 3 + 3), &mut calls)
-                    .await
-                    .unwrap();
+            let ops = aggregate_playbook_on(&sim, &current, &numbered(g * 3..g * 3 + 3), &mut calls).await.unwrap();
             small_kept += ops.len();
         }
         assert!(small_kept >= 23, "E(3)/3 ≈ 0.885 of 30, kept {small_kept}");
@@ -1129,7 +1151,7 @@ mod tests {
         let current = playbook(&["Check units", "INSIGHT-old: already known"]);
         let t = with_trajectory("Used [b-0001] and [b-0042].\nINSIGHT-units: convert to SI first", true);
         let mut calls = vec![];
-        let r = protocol::reflect(&sim.client, &sim.cfg, &t, &current, Strategy::Playbook, &mut calls).await.unwrap();
+        let r = reflect_on(&sim, &t, &current, &mut calls).await.unwrap();
         assert_eq!(
             r.key_insight, "INSIGHT-units: convert to SI first",
             "only the trace's insights, not the playbook's"
@@ -1139,7 +1161,7 @@ mod tests {
         assert!(calls[0].prompt_tokens > 0 && calls[0].completion_tokens > 0);
 
         let t = with_trajectory("Used [b-0002].", false);
-        let r = protocol::reflect(&sim.client, &sim.cfg, &t, &current, Strategy::Playbook, &mut calls).await.unwrap();
+        let r = reflect_on(&sim, &t, &current, &mut calls).await.unwrap();
         assert!(r.key_insight.contains("generic") && !r.error.is_empty());
         assert_eq!(r.bullet_tags, vec![BulletTag { id: "b-0002".into(), tag: BulletTagKind::Harmful }]);
         assert_eq!(sim.stats().await.calls.get("reflect"), Some(&2));
@@ -1150,17 +1172,14 @@ mod tests {
         let sim = start(SimConfig { capacity_k: 12, digest_reflections: 12, ..hard() }, |_| {}).await;
         let current = playbook(&["Check units"]);
         let mut calls = vec![];
-        let ops =
-            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..100), &mut calls).await.unwrap();
+        let ops = aggregate_playbook_on(&sim, &current, &numbered(0..100), &mut calls).await.unwrap();
         assert!(ops.len() <= 12);
         assert_eq!(ops.len(), 1, "max(1, 12*12/100)");
         // A small group is digested fully; a group of 20 keeps floor(144/20) = 7.
-        let ops =
-            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..5), &mut calls).await.unwrap();
+        let ops = aggregate_playbook_on(&sim, &current, &numbered(0..5), &mut calls).await.unwrap();
         assert_eq!(tokens(&ops), ["i0", "i1", "i2", "i3", "i4"]);
         assert!(matches!(&ops[0], DeltaOp::Add { content, .. } if content == "INSIGHT-i0: lesson number 0"));
-        let ops =
-            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..20), &mut calls).await.unwrap();
+        let ops = aggregate_playbook_on(&sim, &current, &numbered(0..20), &mut calls).await.unwrap();
         assert_eq!(ops.len(), 7);
     }
 
@@ -1169,8 +1188,7 @@ mod tests {
         let sim = start(hard(), |_| {}).await;
         let current = playbook(&["INSIGHT-i1: lesson number 1"]);
         let mut calls = vec![];
-        let ops =
-            protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..3), &mut calls).await.unwrap();
+        let ops = aggregate_playbook_on(&sim, &current, &numbered(0..3), &mut calls).await.unwrap();
         assert_eq!(tokens(&ops), ["i0", "i2"]);
     }
 
@@ -1180,9 +1198,7 @@ mod tests {
         let mut kept = vec![];
         for seed in [7, 7, 8] {
             let sim = start(SimConfig { seed, ..hard() }, |_| {}).await;
-            let ops = protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &numbered(0..30), &mut vec![])
-                .await
-                .unwrap();
+            let ops = aggregate_playbook_on(&sim, &current, &numbered(0..30), &mut vec![]).await.unwrap();
             assert_eq!(ops.len(), 4, "floor(12*12/30)");
             kept.push(tokens(&ops));
         }
@@ -1196,8 +1212,7 @@ mod tests {
         let sim = start(SimConfig { capacity_k: 12, ..hard() }, |_| {}).await;
         let current = VersionContent { base: "You solve {task}.".into(), playbook: None };
         let mut calls = vec![];
-        let proposal =
-            protocol::aggregate_rewrite(&sim.client, &sim.cfg, &current, &numbered(0..3), &mut calls).await.unwrap();
+        let proposal = aggregate_rewrite_on(&sim, &current, &numbered(0..3), &mut calls).await.unwrap();
         assert!(proposal.starts_with("You solve {task}."));
         assert_eq!(insights(&proposal).len(), 3);
 
@@ -1285,8 +1300,8 @@ mod tests {
         let current = playbook(&[]);
         for i in 0..16 {
             let group = numbered(i..i + 3);
-            let got = protocol::aggregate_playbook(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await;
-            let want = protocol::aggregate_playbook(&clean.client, &clean.cfg, &current, &group, &mut vec![]).await;
+            let got = aggregate_playbook_on(&sim, &current, &group, &mut vec![]).await;
+            let want = aggregate_playbook_on(&clean, &current, &group, &mut vec![]).await;
             assert_eq!(got.unwrap(), want.unwrap(), "call {i} recovered to the same answer");
         }
         let stats = sim.stats().await;

@@ -1,0 +1,191 @@
+//! Label routes: list a prompt's labels, move or delete one (guarded by
+//! `If-Match` on the label's current text), and roll production back.
+
+use axum::{
+    Json,
+    extract::State,
+    http::{HeaderMap, StatusCode, header},
+    response::{IntoResponse, Response},
+};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::{
+    AppState,
+    error::{ApiError, ApiResult},
+    extract::{ApiJson, ApiPath, Caller},
+    prompts::{etag_matches, fresh_view},
+    versions::VersionView,
+};
+use crate::{
+    domain::{LabelMoveKind, LabelName, MoveCause, PromptName},
+    service::prompts::{MAX_MESSAGE_CHARS, existing_prompt, move_label_to, roll_back},
+    store::{Label, LabelMove, Scope, Selector},
+};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LabelList {
+    pub labels: Vec<Label>,
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/labels", tag = "labels", params(("name" = String, Path)),
+    responses((status = 200, body = LabelList)), security(("bearer" = ["prompts:read"])))]
+pub async fn list_labels(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<LabelList>> {
+    caller.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    Ok(Json(LabelList { labels: st.store.list_labels(&prompt.name).await? }))
+}
+
+/// Checks `If-Match` against the label's current ETag (as `GET ?label=` shows
+/// it) and returns the version the label points at now, for the store's CAS.
+async fn check_if_match(
+    st: &AppState,
+    name: &PromptName,
+    label: &LabelName,
+    headers: &HeaderMap,
+) -> ApiResult<(Option<i64>, bool)> {
+    let Some(if_match) = headers.get(header::IF_MATCH) else { return Ok((None, false)) };
+    let current = match fresh_view(st, name, &Selector::Label(label.clone())).await {
+        Ok(v) => v,
+        Err(ApiError::NotFound(_)) => {
+            return Err(ApiError::PreconditionFailed(format!(
+                "label {label:?} does not exist, so If-Match cannot match"
+            )));
+        }
+        Err(e) => return Err(e),
+    };
+    if !etag_matches(Some(if_match), &current.etag, false) {
+        return Err(ApiError::PreconditionFailed(format!(
+            "label {label:?} has moved: its current ETag is {}; fetch it again",
+            current.etag.to_str().unwrap_or_default()
+        )));
+    }
+    Ok((Some(current.version), true))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MoveLabel {
+    pub version: i64,
+    /// Why, for the label history (at most 2000 characters; longer: 422).
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LabelMoved {
+    #[serde(flatten)]
+    pub label: Label,
+    /// The new ETag of `GET /v1/prompts/{name}?label=…`.
+    pub etag: String,
+}
+
+async fn moved(st: &AppState, name: &PromptName, label: Label) -> ApiResult<Response> {
+    st.cache.invalidate(name.as_str());
+    let view = fresh_view(st, name, &Selector::Label(label.name.clone())).await?;
+    let etag = view.etag.to_str().unwrap_or_default().to_owned();
+    let mut res = Json(LabelMoved { label, etag }).into_response();
+    res.headers_mut().insert(header::ETAG, view.etag.clone());
+    Ok(res)
+}
+
+#[utoipa::path(put, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
+    params(("name" = String, Path), ("label" = String, Path), ("If-Match" = Option<String>, Header, description = "ETag of `GET ?label=` — the move fails with 412 if the label moved")),
+    request_body = MoveLabel, responses((status = 200, body = LabelMoved), (status = 412, body = super::error::Problem)),
+    security(("bearer" = ["prompts:promote"])))]
+pub async fn move_label(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath((name, label)): ApiPath<(String, String)>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<MoveLabel>,
+) -> ApiResult<Response> {
+    caller.require(Scope::PromptsPromote)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    if req.version < 1 {
+        return Err(ApiError::Unprocessable("`version` must be at least 1".into()));
+    }
+    let reason = req.reason.unwrap_or_default();
+    // The schema states the bound (`maxLength`), so breaking it is invalid input (422), not a large body.
+    if reason.chars().count() > MAX_MESSAGE_CHARS {
+        return Err(ApiError::Unprocessable(format!("`reason` is longer than {MAX_MESSAGE_CHARS} characters")));
+    }
+    let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
+    let mv = LabelMove {
+        label: label.clone(),
+        to_version: req.version,
+        expected_current,
+        check_current,
+        by: caller.actor(),
+    };
+    let moved_label = move_label_to(&st, &prompt.name, &mv, &MoveCause::new(LabelMoveKind::Promote, reason)).await?;
+    moved(&st, &prompt.name, moved_label).await
+}
+
+#[utoipa::path(delete, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
+    params(("name" = String, Path), ("label" = String, Path)),
+    responses((status = 204), (status = 404, body = super::error::Problem), (status = 409, description = "`production` cannot be deleted", body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    security(("bearer" = ["prompts:promote"])))]
+pub async fn delete_label(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath((name, label)): ApiPath<(String, String)>,
+) -> ApiResult<StatusCode> {
+    caller.require(Scope::PromptsPromote)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    if label.as_str() == LabelName::PRODUCTION {
+        return Err(ApiError::Conflict("`production` cannot be deleted; move it instead".into()));
+    }
+    if !st.store.delete_label(&prompt.name, &label, &caller.actor()).await? {
+        return Err(ApiError::not_found(format_args!("label {label:?} of prompt {:?}", prompt.name)));
+    }
+    st.cache.invalidate(prompt.name.as_str());
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Rollback {
+    /// The version whose content comes back.
+    pub to: i64,
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+#[utoipa::path(post, path = "/v1/prompts/{name}/rollback", tag = "labels",
+    params(("name" = String, Path), ("If-Match" = Option<String>, Header, description = "ETag of the production prompt")),
+    request_body = Rollback, responses((status = 201, body = VersionView), (status = 412, body = super::error::Problem)),
+    security(("bearer" = ["prompts:promote"])))]
+/// Brings an older version's content back as a new version (source
+/// `rollback`, parent = the current production version) and makes it production.
+pub async fn rollback(
+    State(st): State<AppState>,
+    caller: Caller,
+    ApiPath(name): ApiPath<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<Rollback>,
+) -> ApiResult<Response> {
+    caller.require(Scope::PromptsPromote)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let production = LabelName::production();
+    if req.to < 1 {
+        return Err(ApiError::Unprocessable("`to` must be at least 1".into()));
+    }
+    let (expected, checked) = check_if_match(&st, &prompt.name, &production, &headers).await?;
+    let created = roll_back(&st, &prompt, req.to, req.message, expected.filter(|_| checked), &caller.actor()).await?;
+    let view = st
+        .store
+        .resolve(&prompt.name, &Selector::Version(created.number))
+        .await?
+        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("version vanished after insert")))?;
+    let etag = fresh_view(&st, &prompt.name, &Selector::Label(production)).await?.etag.clone();
+    let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();
+    res.headers_mut().insert(header::ETAG, etag);
+    Ok(res)
+}

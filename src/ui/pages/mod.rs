@@ -1,0 +1,99 @@
+//! The UI's read-only pages: prompts, one prompt (text, labels, history,
+//! promote / roll back forms), a diff, rounds, one round, the batch-size
+//! controller, and the trace browser, one file per page; the small helpers
+//! they share are here. GET handlers never change state.
+
+use std::fmt::Write;
+
+use axum::{
+    extract::{Path, Query, State},
+    response::Html,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{
+    UiError,
+    html::{Section, badge, clip, duration_ms, escape, opt_time, page, time, url_encode},
+    plot,
+    session::Operator,
+};
+use crate::{
+    domain::{
+        DeltaOp, LabelName, RoundDetail, Strategy, TraceStatus,
+        diff::{LineTag, SectionBullet},
+        round::{Round, method_str, strategy_str},
+    },
+    learn::round::{LearnedRoundDetail, OutcomeRecord},
+    service::{
+        AppState, ServiceError,
+        controller::controller_view,
+        pagination::{PageParams, next_token},
+        prompts::{existing_prompt, version_diff},
+        rounds::round_view,
+    },
+    store::{Scope, Selector, TraceFilter},
+};
+
+mod controller;
+mod diff;
+mod prompts;
+mod rounds;
+mod traces;
+
+pub use controller::controller;
+pub use diff::diff;
+pub use prompts::{prompt, prompts};
+pub use rounds::{round, rounds};
+pub use traces::{trace, traces};
+
+type PageResult = Result<Html<String>, UiError>;
+
+const PAGE: u32 = 50;
+
+/// A serde enum's wire name (`"auto"`, `"reflector"`, …).
+fn word<T: Serialize>(v: &T) -> String {
+    match serde_json::to_value(v) {
+        Ok(Value::String(s)) => s,
+        _ => "?".to_owned(),
+    }
+}
+
+fn prompt_link(name: &str) -> String {
+    format!(r#"<a href="/ui/prompts/{}">{}</a>"#, escape(&url_encode(name)), escape(name))
+}
+
+fn round_link(id: Uuid, text: &str) -> String {
+    format!(r#"<a href="/ui/rounds/{id}" title="{id}">{}</a>"#, escape(text))
+}
+
+/// The last 8 hex digits: ids are UUIDv7, whose first digits are a timestamp
+/// shared by everything made in the same millisecond.
+fn short_id(id: Uuid) -> String {
+    let hex = id.simple().to_string();
+    hex[hex.len() - 8..].to_owned()
+}
+
+fn pretty(v: &Value) -> String {
+    escape(&serde_json::to_string_pretty(v).unwrap_or_default())
+}
+
+fn round_duration_ms(r: &Round) -> Option<f64> {
+    Some((r.finished_at? - r.started_at?).num_milliseconds() as f64)
+}
+
+fn prompt_tabs(name: &str, current: &str) -> String {
+    let n = escape(&url_encode(name));
+    let tab = |href: String, label: &str, key: &str| {
+        let class = if key == current { r#" class="current""# } else { "" };
+        format!(r#"<a href="{href}"{class}>{label}</a>"#)
+    };
+    format!(
+        r#"<nav class="tabs">{}{}{}{}</nav>"#,
+        tab(format!("/ui/prompts/{n}"), "Versions", "prompt"),
+        tab(format!("/ui/prompts/{n}/rounds"), "Rounds", "rounds"),
+        tab(format!("/ui/prompts/{n}/controller"), "Controller", "controller"),
+        tab(format!("/ui/traces?prompt={n}"), "Traces", "traces"),
+    )
+}

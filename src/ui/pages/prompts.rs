@@ -1,0 +1,273 @@
+//! The prompt list and one prompt's page: text, labels, label history,
+//! promote / roll back forms.
+
+use super::*;
+
+#[derive(Deserialize)]
+pub struct AfterQuery {
+    #[serde(default)]
+    after: Option<String>,
+}
+
+pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<AfterQuery>) -> PageResult {
+    op.require(Scope::PromptsRead)?;
+    let list = st.store.list_prompts(q.after.as_deref(), PAGE).await?;
+    let mut rows = String::new();
+    for p in &list {
+        let last = st.store.list_rounds(Some(&p.prompt.name), None, 1).await?;
+        let last = last.first().map_or_else(
+            || r#"<span class="muted">none yet</span>"#.to_owned(),
+            |r| {
+                format!(
+                    "{} {}",
+                    badge(r.status.as_str()),
+                    round_link(r.id, &r.created_at.format("%Y-%m-%d %H:%M").to_string())
+                )
+            },
+        );
+        let _ = write!(
+            rows,
+            r#"<tr><td class="name">{}</td><td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>"#,
+            prompt_link(p.prompt.name.as_str()),
+            escape(strategy_str(p.prompt.strategy)),
+            escape(&word(&p.prompt.promotion)),
+            p.production_version.map_or_else(|| "—".to_owned(), |v| format!("v{v}")),
+            p.latest_version,
+            p.pending_traces,
+            last
+        );
+    }
+    let more = match list.last() {
+        Some(last) if list.len() as u32 == PAGE => {
+            format!(
+                r#"<p class="pager"><a href="/ui/prompts?after={}">Next page →</a></p>"#,
+                escape(&url_encode(last.prompt.name.as_str()))
+            )
+        }
+        _ => String::new(),
+    };
+    let table = if list.is_empty() {
+        r#"<p class="muted">No prompts yet. Create one with <code>POST /v1/prompts</code>.</p>"#.to_owned()
+    } else {
+        format!(
+            r#"<table id="prompts"><thead><tr><th>Name</th><th>Strategy</th><th>Promotion</th><th class="num">Production</th><th class="num">Latest</th><th class="num">Pending traces</th><th>Last round</th></tr></thead><tbody>{rows}</tbody></table>{more}"#
+        )
+    };
+    let body = format!(r#"<h1>Prompts</h1>{table}"#);
+    Ok(page("Prompts", Some(&op.who()), Section::Prompts, &body))
+}
+
+#[derive(Deserialize)]
+pub struct PromptQuery {
+    #[serde(default)]
+    before: Option<i64>,
+    #[serde(default)]
+    notice: Option<String>,
+    #[serde(default)]
+    v: Option<i64>,
+}
+
+/// Label moves the prompt page shows.
+const LABEL_MOVES_SHOWN: u32 = 20;
+/// Newest moves of `production` marked on the reward chart.
+const REWARD_MARKERS_SHOWN: u32 = 100;
+
+pub async fn prompt(
+    State(st): State<AppState>,
+    op: Operator,
+    Path(name): Path<String>,
+    Query(q): Query<PromptQuery>,
+) -> PageResult {
+    op.require(Scope::PromptsRead)?;
+    let prompt = existing_prompt(&st, &name).await?;
+    let production = st.store.resolve(&prompt.name, &Selector::Label(LabelName::production())).await?;
+    let labels = st.store.list_labels(&prompt.name).await?;
+    let versions = st.store.list_versions(&prompt.name, q.before, PAGE).await?;
+    let latest = st.store.resolve(&prompt.name, &Selector::Latest).await?.map_or(0, |r| r.version.number);
+    let prod_number = production.as_ref().map(|r| r.version.number);
+    let can_promote = op.can(Scope::PromptsPromote);
+    let n = escape(&url_encode(prompt.name.as_str()));
+
+    // Only fixed messages; the number is parsed, never echoed as text.
+    let notice = match (q.notice.as_deref(), q.v) {
+        (Some("promoted"), Some(v)) => {
+            format!(r#"<p class="notice ok" id="notice">Version {v} is now production.</p>"#)
+        }
+        (Some("rolled_back"), Some(v)) => {
+            format!(
+                r#"<p class="notice ok" id="notice">Rolled back: version {v} is a copy of the chosen version and is now production.</p>"#
+            )
+        }
+        _ => String::new(),
+    };
+
+    let mut label_list = String::new();
+    for l in &labels {
+        let _ = write!(
+            label_list,
+            r#"<li>{} → <strong>v{}</strong><span class="meta">by {} · {}</span></li>"#,
+            badge(l.name.as_str()),
+            l.version,
+            escape(&l.updated_by),
+            time(l.updated_at)
+        );
+    }
+
+    let text = production.as_ref().map_or_else(
+        || r#"<p class="muted">No version is labelled production.</p>"#.to_owned(),
+        |r| {
+            format!(
+                r#"<h2>Production text <span class="muted">(v{})</span></h2><pre class="prompt-text" id="production-text">{}</pre>"#,
+                r.version.number,
+                escape(&r.version.content.render())
+            )
+        },
+    );
+
+    // Diff form: every version number up to the latest.
+    let options = |selected: i64| {
+        (1..=latest)
+            .rev()
+            .map(|v| format!(r#"<option value="{v}"{}>v{v}</option>"#, if v == selected { " selected" } else { "" }))
+            .collect::<String>()
+    };
+    let diff_form = if latest >= 2 {
+        format!(
+            r#"<form method="get" action="/ui/prompts/{n}/diff" class="diff-form card" id="diff-form"><strong>Compare</strong>
+<label>from <select name="from" id="diff-from">{}</select></label>
+<label>to <select name="to" id="diff-to">{}</select></label>
+<button type="submit" id="diff-submit">Show diff</button></form>"#,
+            options(prod_number.unwrap_or(1).min(latest - 1).max(1)),
+            options(latest)
+        )
+    } else {
+        String::new()
+    };
+
+    let mut rows = String::new();
+    for v in &versions {
+        let vlabels: String = labels.iter().filter(|l| l.version == v.number).map(|l| badge(l.name.as_str())).collect();
+        let round = v.round_id.map_or_else(|| "—".to_owned(), |id| round_link(id, &short_id(id)));
+        let mut actions = String::new();
+        if can_promote
+            && let Some(prod) = prod_number
+            && v.number != prod
+        {
+            let hidden = format!(
+                r#"<input type="hidden" name="csrf" value="{}"><input type="hidden" name="version" value="{}"><input type="hidden" name="expected" value="{prod}">"#,
+                escape(&op.session.csrf_token),
+                v.number
+            );
+            let _ = write!(
+                actions,
+                r#"<form method="post" action="/ui/prompts/{n}/promote" class="inline">{hidden}<button type="submit" class="small" id="promote-{0}" title="Point production at v{0}">Promote</button></form>
+<form method="post" action="/ui/prompts/{n}/rollback" class="inline">{hidden}<button type="submit" class="small secondary" id="rollback-{0}" title="Copy v{0}'s content into a new version and make it production">Roll back to</button></form>"#,
+                v.number
+            );
+        }
+        let _ = write!(
+            rows,
+            r#"<tr id="version-{}"><td class="num"><strong>v{}</strong></td><td>{}</td><td>{}</td><td>{}</td><td class="message">{}</td><td>{}</td><td class="nowrap">{}</td><td class="actions">{}</td></tr>"#,
+            v.number,
+            v.number,
+            vlabels,
+            escape(v.source.as_str()),
+            round,
+            clip(&v.message, 160),
+            escape(&v.created_by),
+            time(v.created_at),
+            actions
+        );
+    }
+    let older = match versions.last() {
+        Some(last) if versions.len() as u32 == PAGE && last.number > 1 => {
+            format!(r#"<p class="pager"><a href="/ui/prompts/{n}?before={}">Older versions →</a></p>"#, last.number)
+        }
+        _ => String::new(),
+    };
+    // Reward over the last 7 days per version (at most the 6 newest with traces).
+    let until = chrono::Utc::now();
+    let buckets = st.store.version_outcomes(&prompt.name, until - chrono::Duration::days(7), until, 3_600).await?;
+    let outcomes = crate::evaluate::outcomes::summarize(&buckets, |v| {
+        labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect()
+    });
+    let shown: Vec<(String, Vec<(i64, f64)>)> = outcomes
+        .iter()
+        .take(6)
+        .map(|o| {
+            let name = match (o.version, o.labels.is_empty()) {
+                (Some(v), true) => format!("v{v}"),
+                (Some(v), false) => format!("v{v} ({})", o.labels.join(", ")),
+                (None, _) => "no version".to_owned(),
+            };
+            let points =
+                o.series.iter().filter_map(|p| Some((p.start.timestamp(), p.success_rate.or(p.mean_score)?))).collect();
+            (name, points)
+        })
+        .collect();
+    let series: Vec<plot::RewardSeries<'_>> =
+        shown.iter().map(|(name, points)| plot::RewardSeries { name, points }).collect();
+    // Production's promotions and rollbacks inside the chart's 7 days, as markers.
+    let markers: Vec<plot::RewardMarker> = st
+        .store
+        .label_history(&prompt.name, Some(&LabelName::production()), None, REWARD_MARKERS_SHOWN)
+        .await?
+        .iter()
+        .filter(|m| m.at >= until - chrono::Duration::days(7))
+        .filter_map(plot::RewardMarker::for_move)
+        .collect();
+    let reward_chart = plot::reward_plot(&series, &markers).unwrap_or_else(|| {
+        r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned()
+    });
+    // The newest label moves: who or what moved which label, and why.
+    let moves = st.store.label_history(&prompt.name, None, None, LABEL_MOVES_SHOWN).await?;
+    let mut move_rows = String::new();
+    for m in &moves {
+        let version = |v: Option<i64>| v.map_or_else(|| "—".to_owned(), |v| format!("v{v}"));
+        let evidence = m.evidence.as_ref().map_or_else(String::new, |e| {
+            format!(r#"<details><summary>numbers</summary><pre class="json">{}</pre></details>"#, pretty(e))
+        });
+        let _ = write!(
+            move_rows,
+            r#"<tr id="move-{}" class="move-{}"><td class="nowrap">{}</td><td>{}</td><td class="nowrap">{} → {}</td><td>{}</td><td>{}</td><td class="message">{}{}</td></tr>"#,
+            m.id,
+            m.kind.as_str(),
+            time(m.at),
+            badge(m.label.as_str()),
+            version(m.from_version),
+            version(m.to_version),
+            escape(m.kind.as_str()),
+            escape(&m.actor),
+            clip(&m.reason, 300),
+            evidence
+        );
+    }
+    let label_history = if moves.is_empty() {
+        r#"<p class="muted" id="label-history-empty">No label move recorded yet (moves before label history existed are not shown).</p>"#.to_owned()
+    } else {
+        format!(
+            r#"<table id="label-history" class="compact"><thead><tr><th>Time</th><th>Label</th><th>Move</th><th>Kind</th><th>By</th><th>Why</th></tr></thead><tbody>{move_rows}</tbody></table>"#
+        )
+    };
+    let promote_note = if can_promote {
+        ""
+    } else {
+        r#"<p class="muted">Promoting and rolling back need the <code>prompts:promote</code> scope.</p>"#
+    };
+    let body = format!(
+        r#"<h1>{name} <span class="muted small">{strategy} · promotion {promotion}</span></h1>
+{tabs}{notice}
+<div class="split"><div class="main-col">{text}</div>
+<aside class="card"><h2>Labels</h2><ul class="labels" id="labels">{label_list}</ul></aside></div>
+{diff_form}
+<h2>Version history</h2>{promote_note}
+<table id="versions"><thead><tr><th class="num">Version</th><th>Labels</th><th>Source</th><th>Round</th><th>Message</th><th>By</th><th>Time</th><th></th></tr></thead><tbody>{rows}</tbody></table>{older}
+<h2>Reward by version <span class="muted small">last 7 days, hourly</span></h2>{reward_chart}
+<h2>Label history <span class="muted small">newest {LABEL_MOVES_SHOWN}; all of them: <code>combee prompts label-history</code></span></h2>{label_history}"#,
+        name = escape(prompt.name.as_str()),
+        strategy = escape(strategy_str(prompt.strategy)),
+        promotion = escape(&word(&prompt.promotion)),
+        tabs = prompt_tabs(prompt.name.as_str(), "prompt"),
+    );
+    Ok(page(prompt.name.as_str(), Some(&op.who()), Section::Prompts, &body))
+}
