@@ -440,6 +440,25 @@ pub fn tree_level(n: usize, fan_in: usize) -> Vec<Range<usize>> {
     split_contiguous(n, n.div_ceil(fan_in.max(2)))
 }
 
+/// A scan tree of bounded fan-in over `leaves` inputs: one entry per level
+/// above the leaves, each the ranges (into the level below) that one node
+/// merges, until a single root. `leaves <= fan_in` is one node (the paper's
+/// single level-2 merge); no leaves, no levels. Every input reaches the root
+/// through exactly one node per level.
+pub fn scan_tree(leaves: usize, fan_in: usize) -> Vec<Vec<Range<usize>>> {
+    let mut levels = Vec::new();
+    let mut width = leaves;
+    while width > 0 {
+        let level = tree_level(width, fan_in);
+        width = level.len();
+        levels.push(level);
+        if width == 1 {
+            break;
+        }
+    }
+    levels
+}
+
 fn short(s: &str) -> String {
     s.chars().take(20).collect()
 }
@@ -618,6 +637,34 @@ mod tests {
         assert_eq!(tree_level(3, 4), vec![0..3]);
         assert_eq!(tree_level(1, 4), vec![0..1]);
         assert!(tree_level(0, 4).is_empty());
+    }
+
+    #[test]
+    fn scan_tree_has_bounded_fan_in_and_every_input_reaches_the_root_once() {
+        for leaves in 1..=70 {
+            for fan_in in 2..=9 {
+                let tree = scan_tree(leaves, fan_in);
+                // Levels: ⌈log_fan_in(leaves)⌉, at least one.
+                let mut expect = 1;
+                while fan_in.pow(expect) < leaves {
+                    expect += 1;
+                }
+                assert_eq!(tree.len(), expect as usize, "leaves {leaves} fan-in {fan_in}");
+                assert_eq!(tree.last().map(Vec::len), Some(1), "one root");
+                // Follow each leaf up: every level covers the level below exactly once.
+                let mut width = leaves;
+                for level in &tree {
+                    assert!(level.iter().all(|r| !r.is_empty() && r.len() <= fan_in));
+                    let covered: Vec<usize> = level.iter().cloned().flatten().collect();
+                    assert_eq!(covered, (0..width).collect::<Vec<_>>());
+                    width = level.len();
+                }
+            }
+        }
+        assert!(scan_tree(0, 4).is_empty());
+        // The paper's two levels are the special case k ≤ fan-in.
+        assert_eq!(scan_tree(5, 8), vec![vec![0..5]]);
+        assert_eq!(scan_tree(20, 4), vec![vec![0..4, 4..8, 8..12, 12..16, 16..20], vec![0..3, 3..5], vec![0..2]]);
     }
 
     #[test]
