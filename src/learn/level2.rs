@@ -32,7 +32,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use super::delta::MergedOp;
+use super::delta::{self, MergedOp, Overruled};
 use super::grouping::split_contiguous;
 use crate::domain::DeltaOp;
 
@@ -257,6 +257,36 @@ pub fn consolidation_chunks(ops: &[MergedOp], max: usize) -> Vec<Vec<usize>> {
             let mut c = order[r].to_vec();
             c.sort_unstable();
             c
+        })
+        .collect()
+}
+
+/// The deterministic union of several nodes' ops (one scan-tree node's input):
+/// duplicates across children fold as in the level-1 union, and each result
+/// keeps the groups, proposal counts and sources of everything folded into it.
+pub fn union_of_nodes(children: Vec<Vec<MergedOp>>) -> Vec<MergedOp> {
+    let flat: Vec<MergedOp> = children.into_iter().flatten().collect();
+    // Each flat op enters the union as "group" = its position, mapped back below.
+    let raw = flat.iter().enumerate().map(|(i, m)| (i, m.op.clone(), m.sources.clone())).collect();
+    let groups_of = |idx: &[usize]| -> Vec<usize> {
+        idx.iter().flat_map(|&i| flat[i].groups.iter().copied()).collect::<BTreeSet<usize>>().into_iter().collect()
+    };
+    delta::normalize_sourced_ops(raw)
+        .into_iter()
+        .map(|m| {
+            let mut overruled: Vec<Overruled> = m
+                .overruled
+                .iter()
+                .map(|o| Overruled { op: o.op.clone(), groups: groups_of(&o.groups) })
+                .collect();
+            overruled.extend(m.groups.iter().flat_map(|&i| flat[i].overruled.iter().cloned()));
+            MergedOp {
+                groups: groups_of(&m.groups),
+                proposals: m.groups.iter().map(|&i| flat[i].proposals).sum(),
+                overruled,
+                sources: m.sources,
+                op: m.op,
+            }
         })
         .collect()
 }
@@ -665,6 +695,22 @@ mod tests {
         // The paper's two levels are the special case k ≤ fan-in.
         assert_eq!(scan_tree(5, 8), vec![vec![0..5]]);
         assert_eq!(scan_tree(20, 4), vec![vec![0..4, 4..8, 8..12, 12..16, 16..20], vec![0..3, 3..5], vec![0..2]]);
+    }
+
+    #[test]
+    fn the_union_of_nodes_folds_duplicates_across_children_and_keeps_provenance() {
+        let mut a = add("s", "Check the date format", 0);
+        a.sources = vec![1];
+        let mut b = add("s", "Check the date format", 3);
+        b.groups = vec![3, 4];
+        b.proposals = 2;
+        b.sources = vec![7];
+        let c = add("t", "Unrelated", 5);
+        let out = union_of_nodes(vec![vec![a], vec![b, c]]);
+        assert_eq!(texts(&Consolidated { ops: out.clone(), ..Default::default() }), ["Check the date format", "Unrelated"]);
+        assert_eq!(out[0].groups, vec![0, 3, 4]);
+        assert_eq!((out[0].proposals, out[0].sources.clone()), (3, vec![1, 7]));
+        assert_eq!(out[1].groups, vec![5]);
     }
 
     #[test]

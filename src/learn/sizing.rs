@@ -82,6 +82,12 @@ pub struct GroupSize {
     pub source: SizeSource,
 }
 
+impl Default for GroupSize {
+    fn default() -> Self {
+        Self::default_because("no group size bound was given")
+    }
+}
+
 impl GroupSize {
     pub fn default_because(why: &str) -> Self {
         Self { max_group: None, source: SizeSource::Default { why: why.to_owned() } }

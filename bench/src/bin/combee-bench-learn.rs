@@ -291,6 +291,7 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
             budget: Budget::default(),
             agent_reflections: combee::domain::AgentReflections::Use,
             denylist: Default::default(),
+            group_size: Default::default(),
         };
         let journal = MemoryJournal::new();
         let t = Instant::now();
@@ -490,6 +491,7 @@ async fn level2_section(args: &Args) -> anyhow::Result<(String, bool)> {
                 budget: Budget::default(),
                 agent_reflections: combee::domain::AgentReflections::Use,
                 denylist: Default::default(),
+                group_size: Default::default(),
             };
             let t = Instant::now();
             let outcome = run_round(backend.as_ref(), &llm, &spec, &base, &traces, &MemoryJournal::new())
