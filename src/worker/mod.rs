@@ -314,15 +314,18 @@ impl Worker {
                     .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })
                     .collect();
                 let charges = self.charges(faults);
+                // The meter first: once the round publishes, the scheduler may size the
+                // next round from it. What the groups kept is a measurement of the model
+                // whether or not publishing succeeds (recording a round twice counts once).
+                if !meter.is_empty()
+                    && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
+                {
+                    tracing::warn!(error = %e, "the overload meter was not updated for this round");
+                }
                 match self.store.publish_round(id, attempt, version, label.clone(), &detail, sample, &charges).await {
                     Ok(v) => {
                         metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
                         tracing::info!(version = v.number, label = %label, "round published");
-                        if !meter.is_empty()
-                            && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
-                        {
-                            tracing::warn!(error = %e, "the overload meter was not updated for this round");
-                        }
                         if prompt.promotion == Promotion::Evaluated {
                             let added = population::add_challenger(
                                 &self.store,

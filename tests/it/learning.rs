@@ -584,7 +584,8 @@ mod controller {
                 full.sort_by_key(|r| r["created_at"].as_str().unwrap().to_owned());
                 return full;
             }
-            assert!(Instant::now() < deadline, "the backlog was not learned from: {list}");
+            let sizes: Vec<(&Value, &Value)> = rounds.iter().map(|r| (&r["n"], &r["status"])).collect();
+            assert!(Instant::now() < deadline, "the backlog was not learned from: {sizes:?}");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -598,6 +599,8 @@ mod controller {
         let app = spawn_app_with(b, |s| {
             learning(s, &sim.url);
             s.controller = cfg.clone();
+            // A remainder below min_batch is learned from once it has waited a second.
+            s.worker.max_wait_secs = 1;
         })
         .await;
         create(&app, "auto", "playbook", json!({"batch_size": "auto", "duplication": 2})).await;
