@@ -168,15 +168,28 @@ pub enum Reason {
     /// Nothing is pending.
     Empty,
     /// Everything pending fits every bound: the round takes it all.
-    WholeBacklog { backlog: u64 },
+    WholeBacklog {
+        backlog: u64,
+    },
     /// The meter has not found a group size that keeps the target yet: rounds
     /// are held at the meter batch until it has.
-    MeterWarmUp { batch: u32, group_size: String },
+    MeterWarmUp {
+        batch: u32,
+        group_size: String,
+    },
     /// No group size keeps the target: larger batches are refused.
-    QualityRefused { batch: u32, group_size: String },
+    QualityRefused {
+        batch: u32,
+        group_size: String,
+    },
     /// The fitted round time reaches `max_round_secs` at this batch.
-    RoundTime { batch: u32, max_round_secs: f64 },
-    MaxBatch { max_batch: u32 },
+    RoundTime {
+        batch: u32,
+        max_round_secs: f64,
+    },
+    MaxBatch {
+        max_batch: u32,
+    },
 }
 
 impl Reason {
@@ -346,8 +359,10 @@ mod tests {
     }
 
     fn measured(buckets: &[(u32, u64, u64)]) -> Quality {
-        let b: Vec<MeterBucket> =
-            buckets.iter().map(|&(s, m, r)| MeterBucket::new(s, BucketCounts { marked: m, recaptured: r }, 1)).collect();
+        let b: Vec<MeterBucket> = buckets
+            .iter()
+            .map(|&(s, m, r)| MeterBucket::new(s, BucketCounts { marked: m, recaptured: r }, 1))
+            .collect();
         Quality::of(choose_group_size(&b, 0.9), 2, true)
     }
 

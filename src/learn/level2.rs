@@ -274,11 +274,8 @@ pub fn union_of_nodes(children: Vec<Vec<MergedOp>>) -> Vec<MergedOp> {
     delta::normalize_sourced_ops(raw)
         .into_iter()
         .map(|m| {
-            let mut overruled: Vec<Overruled> = m
-                .overruled
-                .iter()
-                .map(|o| Overruled { op: o.op.clone(), groups: groups_of(&o.groups) })
-                .collect();
+            let mut overruled: Vec<Overruled> =
+                m.overruled.iter().map(|o| Overruled { op: o.op.clone(), groups: groups_of(&o.groups) }).collect();
             overruled.extend(m.groups.iter().flat_map(|&i| flat[i].overruled.iter().cloned()));
             MergedOp {
                 groups: groups_of(&m.groups),
@@ -707,7 +704,10 @@ mod tests {
         b.sources = vec![7];
         let c = add("t", "Unrelated", 5);
         let out = union_of_nodes(vec![vec![a], vec![b, c]]);
-        assert_eq!(texts(&Consolidated { ops: out.clone(), ..Default::default() }), ["Check the date format", "Unrelated"]);
+        assert_eq!(
+            texts(&Consolidated { ops: out.clone(), ..Default::default() }),
+            ["Check the date format", "Unrelated"]
+        );
         assert_eq!(out[0].groups, vec![0, 3, 4]);
         assert_eq!((out[0].proposals, out[0].sources.clone()), (3, vec![1, 7]));
         assert_eq!(out[1].groups, vec![5]);

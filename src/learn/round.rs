@@ -819,16 +819,12 @@ impl Reduce<'_> {
         let tree = level2::scan_tree(proposals.len(), self.fan_in);
         let merged = if self.spec.reduce == ReduceMode::Llm && tree.len() > 1 {
             // More group outputs than one call may take: a scan tree of consolidations.
-            let mut nodes: Vec<Vec<MergedOp>> = proposals
-                .into_iter()
-                .map(|(g, p)| delta::normalize_sourced_ops(p.round_ops(g, &groups[g])))
-                .collect();
+            let mut nodes: Vec<Vec<MergedOp>> =
+                proposals.into_iter().map(|(g, p)| delta::normalize_sourced_ops(p.round_ops(g, &groups[g]))).collect();
             for level in &tree {
                 let mut inputs: Vec<Option<Vec<MergedOp>>> = std::mem::take(&mut nodes).into_iter().map(Some).collect();
-                let node_inputs: Vec<Vec<Vec<MergedOp>>> = level
-                    .iter()
-                    .map(|r| r.clone().map(|i| inputs[i].take().unwrap_or_default()).collect())
-                    .collect();
+                let node_inputs: Vec<Vec<Vec<MergedOp>>> =
+                    level.iter().map(|r| r.clone().map(|i| inputs[i].take().unwrap_or_default()).collect()).collect();
                 let node_calls = node_inputs.into_iter().map(|children| async move {
                     let ops = level2::union_of_nodes(children);
                     let mut made = Vec::new();

@@ -100,7 +100,5 @@ pub async fn default_batch(store: &DynStore, prompt: &Prompt, cfg: &ControllerCo
         return Ok(n);
     }
     let stored = store.controller_choice(&prompt.name).await?;
-    Ok(stored
-        .and_then(|(v, _)| serde_json::from_value::<Choice>(v).ok())
-        .map_or(cfg.default_batch, |c| c.cap.max(1)))
+    Ok(stored.and_then(|(v, _)| serde_json::from_value::<Choice>(v).ok()).map_or(cfg.default_batch, |c| c.cap.max(1)))
 }

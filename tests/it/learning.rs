@@ -570,8 +570,14 @@ mod controller {
     async fn rounds_until_consumed(app: &TestApp, name: &str, n: u64) -> Vec<Value> {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
-            let list: Value =
-                app.get(&format!("/v1/prompts/{name}/rounds?page_size=100")).send().await.unwrap().json().await.unwrap();
+            let list: Value = app
+                .get(&format!("/v1/prompts/{name}/rounds?page_size=100"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
             let rounds = list["rounds"].as_array().unwrap();
             let done: Vec<&Value> = rounds.iter().filter(|r| r["status"] == "succeeded").collect();
             assert!(rounds.iter().all(|r| r["status"] != "failed"), "{list}");
@@ -776,7 +782,10 @@ mod meter {
                     true_r * 100.0
                 );
                 if samples >= 150 {
-                    assert!((estimate - true_r).abs() <= 0.10, "bucket {bucket}: estimate {estimate:.3} vs {true_r:.3}");
+                    assert!(
+                        (estimate - true_r).abs() <= 0.10,
+                        "bucket {bucket}: estimate {estimate:.3} vs {true_r:.3}"
+                    );
                     checked += 1;
                 }
             }

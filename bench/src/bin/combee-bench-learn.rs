@@ -35,8 +35,8 @@ use combee::{
         grouping::{self, Execution, Method},
         journal::MemoryJournal,
         meter::{self, BucketCounts, MeterBucket},
-        sizing::{GroupSize, choose_group_size},
         round::{ReduceMode, RoundSpec, run_round},
+        sizing::{GroupSize, choose_group_size},
     },
     llm::{
         ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, Usage,
@@ -107,7 +107,6 @@ struct Args {
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
 }
-
 
 // ---------------------------------------------------------------------------
 // Configurations and runs
@@ -328,11 +327,8 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
 async fn meter_section(env: &Env, n: usize, seeds: u64) -> anyhow::Result<(String, bool)> {
     let mut est: BTreeMap<u32, BucketCounts> = BTreeMap::new();
     let mut truth: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
-    let markers: std::collections::HashMap<Uuid, String> = env
-        .traces
-        .iter()
-        .map(|t| (t.id, t.feedback.comment.clone().unwrap_or_default()))
-        .collect();
+    let markers: std::collections::HashMap<Uuid, String> =
+        env.traces.iter().map(|t| (t.id, t.feedback.comment.clone().unwrap_or_default())).collect();
     for max_group in [1usize, 2, 3, 4, 6, 8, 12, 16, 24, 32] {
         for seed in 1..=seeds {
             let spec = RoundSpec {
@@ -356,8 +352,7 @@ async fn meter_section(env: &Env, n: usize, seeds: u64) -> anyhow::Result<(Strin
                 e.recaptured += c.recaptured;
             }
             for g in &outcome.group_outputs {
-                let given: BTreeSet<String> =
-                    g.traces.iter().flat_map(|t| insight_tokens(&markers[t])).collect();
+                let given: BTreeSet<String> = g.traces.iter().flat_map(|t| insight_tokens(&markers[t])).collect();
                 let kept = insight_tokens(&g.output.to_string());
                 let e = truth.entry(meter::bucket_of(g.traces.len())).or_default();
                 e.0 += given.intersection(&kept).count();
@@ -392,7 +387,6 @@ async fn meter_section(env: &Env, n: usize, seeds: u64) -> anyhow::Result<(Strin
     }
     Ok((out, ok))
 }
-
 
 fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
     let now = chrono::Utc::now();
@@ -678,11 +672,8 @@ async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String,
         rows.push(run(setup).await?);
     }
     // Naive at the largest batch combee-auto took, too.
-    let auto_largest = rows
-        .iter()
-        .find(|r| r.setup.family == Family::CombeeAuto)
-        .and_then(|r| r.result().largest)
-        .map(|t| t as usize);
+    let auto_largest =
+        rows.iter().find(|r| r.setup.family == Family::CombeeAuto).and_then(|r| r.result().largest).map(|t| t as usize);
     let mut sizes = args.sizes.clone();
     sizes.extend(auto_largest);
     sizes.sort_unstable();
@@ -910,7 +901,12 @@ impl Report<'_> {
         let seq_ret = self.retention(seq.result());
         match self.sim.capacity_model {
             CapacityModel::Hard => {
-                let _ = writeln!(out, "- Combee-auto retention {:.1}% (≥ 95%): {}", 100.0 * auto_ret, pass(auto_ret >= 0.95));
+                let _ = writeln!(
+                    out,
+                    "- Combee-auto retention {:.1}% (≥ 95%): {}",
+                    100.0 * auto_ret,
+                    pass(auto_ret >= 0.95)
+                );
             }
             CapacityModel::Soft => {
                 let _ = writeln!(
@@ -934,7 +930,11 @@ impl Report<'_> {
             );
         }
         let _ = writeln!(out, "- Sequential retention (the reference): {:.1}%", 100.0 * seq_ret);
-        let _ = writeln!(out, "- Overload meter within ±10 points of the truth at every judged size: {}", pass(self.meter.1));
+        let _ = writeln!(
+            out,
+            "- Overload meter within ±10 points of the truth at every judged size: {}",
+            pass(self.meter.1)
+        );
         out
     }
 
