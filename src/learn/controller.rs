@@ -1,46 +1,45 @@
-//! The dynamic batch-size controller (design §4), as plain functions over
-//! plain data: from the round wall times observed at several batch sizes it
-//! fits the backlog delay T(bs) = A·bs^(−α) and picks the plateau batch size,
-//! the largest whose marginal delay reduction still exceeds τ. The worker keeps
-//! and persists the samples; this module only decides.
+//! The batch-size controller (design §4, revised by issue 9), as plain
+//! functions over plain data: how many pending traces the next round of a
+//! prompt takes. The worker keeps and persists the samples and the meter; this
+//! module only decides.
+//!
+//! # The rule
+//! A round takes **everything pending**, up to the smallest of three bounds —
+//! so in continuous operation (one round of a prompt at a time) each round
+//! takes what arrived while the last one ran, and a backlog is learned from in
+//! as few rounds as the bounds allow:
+//! 1. **quality** (the overload meter, [`super::sizing`]): once the meter has
+//!    found a group size that keeps `target_retention`, capacity-aware groups
+//!    hold it at any batch size and quality sets no bound. Until then — the
+//!    meter is still measuring, or no group size holds the target — a batch is
+//!    refused beyond the *meter batch*, the smallest round that gives the
+//!    meter enough samples (2·[`MIN_METER_SAMPLES`]/p traces, at least
+//!    `min_batch`). A prompt the meter cannot measure (p = 1, or the rewrite
+//!    strategy) has no quality bound, and the page says so.
+//! 2. **round time** (`max_round_secs`, the knob): the measured round wall
+//!    time R(bs) is fitted as R(bs) = A·bs^(−α) over the median time per
+//!    size; the largest batch whose fitted R stays within `max_round_secs` is
+//!    the bound (none while R does not grow with bs). A trace therefore waits at
+//!    most about `max_wait_secs` (a round starts) + `max_round_secs` (it runs)
+//!    + one more round (the one it arrived during).
+//! 3. **`max_batch`**, a plain ceiling.
+//!
+//! A round starts once `min_batch` traces are pending (the *target*), or when
+//! the oldest has waited `max_wait_secs`. The rule depends on no ladder and
+//! no starting size: only on the meter, the measured round times and the knobs.
 //!
 //! # Samples and window
 //! A [`Sample`] is one finished round: its batch size and its wall time R. For
-//! each batch size only the `window` most recent samples count (the caller
-//! passes samples oldest first), and a size is represented by the *median* R of
-//! those samples — robust to a one-off slow round (a retried 429), while a real
-//! latency change takes over a size after ⌈window/2⌉ new rounds. Sizes are kept
-//! per size rather than decayed globally so the warm-up's small sizes, which
-//! anchor the slope, are never forgotten while the chosen size keeps refreshing.
-//!
-//! # Delay model and choice
-//! For a backlog of N traces T(bs) = (N/bs)·R(bs). The fit is least squares of
-//! ln T = ln A − α·ln bs over one point per size. With bs_min the smallest
-//! profiled size, τ = τ_rel·|T′(bs_min)| and T′(bs) = −α·A·bs^(−α−1), so
-//! bs* = (α·A/τ)^(1/(α+1)) = bs_min·τ_rel^(−1/(α+1)): A, and with it N, cancels,
-//! and the choice depends only on the shape of R.
-//!
-//! Rules, first match wins ([`Reason`] names the one that set the size):
-//! 1. warm-up: while fewer than three sizes have samples, the next ladder size
-//!    (ascending, within [min_batch, max_batch]) without samples and ≤ backlog;
-//! 2. fallback to `default_batch` when warm-up cannot walk (no untried size fits
-//!    the backlog) or the samples cannot be fitted;
-//! 3. α ≤ 0 (bigger batches do not shorten the delay): `min_batch`;
-//! 4. otherwise ⌊bs*⌋, clamped to [min_batch, max_batch].
-//!
-//! The result is the *target* (a round starts once the backlog reaches it); the
-//! batch to take now is the target clamped to the backlog.
+//! each batch size only the `window` most recent samples count (oldest first
+//! in the input), and a size is represented by the *median* R of those — robust
+//! to a one-off slow round (a retried 429).
 
 use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// Default τ_rel: stop growing the batch once the marginal gain falls to 1.6 %
-/// of the steepest profiled slope.
-pub const DEFAULT_TAU_REL: f64 = 0.016;
-/// Distinct profiled sizes needed before the controller trusts a fit.
-pub const MIN_DISTINCT_SIZES: usize = 3;
+use super::sizing::{DEFAULT_TARGET_RETENTION, GroupSize, MIN_METER_SAMPLES, SizeSource};
 
 /// One finished round: its batch size and wall time in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -49,7 +48,8 @@ pub struct Sample {
     pub round_secs: f64,
 }
 
-/// T(bs) = A·bs^(−α), fitted in log–log space; `r2` is the fit's R² in log space.
+/// y = A·x^(−α), fitted in log–log space; `r2` is the fit's R² in log space.
+/// The controller fits the round time R(bs) with it (α < 0 when R grows).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Fit {
     pub a: f64,
@@ -58,39 +58,44 @@ pub struct Fit {
 }
 
 impl Fit {
-    /// The fitted delay at `bs`.
+    /// The fitted value at `bs`.
     pub fn delay(&self, bs: f64) -> f64 {
         self.a * bs.powf(-self.alpha)
     }
 
-    /// T′(bs) = −α·A·bs^(−α−1).
-    pub fn slope(&self, bs: f64) -> f64 {
-        -self.alpha * self.a * bs.powf(-self.alpha - 1.0)
+    /// The largest x with A·x^(−α) ≤ `limit`, when the curve grows (α < 0).
+    pub fn largest_within(&self, limit: f64) -> Option<f64> {
+        (self.alpha < 0.0 && self.a > 0.0 && limit > 0.0).then(|| (limit / self.a).powf(1.0 / -self.alpha))
     }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ControllerConfig {
+    /// A round starts once this many traces are pending (or `max_wait_secs` passed).
     pub min_batch: u32,
+    /// No round takes more.
     pub max_batch: u32,
-    pub tau_rel: f64,
+    /// The longest a round should take (seconds): bounds the batch through the
+    /// measured round times.
+    pub max_round_secs: f64,
+    /// The share of a level-1 group's insights its answer should keep: sets the
+    /// capacity-aware group size ([`super::sizing`]) and the quality bound.
+    pub target_retention: f64,
+    /// The batch a manual trigger takes before the controller has chosen.
     pub default_batch: u32,
-    /// Sizes tried during warm-up, ascending.
-    pub ladder: Vec<u32>,
     /// Most recent samples kept per batch size.
     pub window: usize,
 }
 
 impl Default for ControllerConfig {
     fn default() -> Self {
-        let max_batch = 256;
         Self {
             min_batch: 4,
-            max_batch,
-            tau_rel: DEFAULT_TAU_REL,
+            max_batch: 256,
+            max_round_secs: 300.0,
+            target_retention: DEFAULT_TARGET_RETENTION,
             default_batch: 16,
-            ladder: Self::doubling_ladder(4, max_batch),
             window: 5,
         }
     }
@@ -100,24 +105,24 @@ impl Default for ControllerConfig {
 pub enum ConfigError {
     #[error("min_batch must be at least 1 and at most max_batch")]
     BadBounds,
-    #[error("tau_rel must be a number in (0, 1)")]
-    BadTauRel,
+    #[error("max_round_secs must be a positive number of seconds")]
+    BadRoundSecs,
+    #[error("target_retention must be a number in (0, 1]")]
+    BadTargetRetention,
     #[error("window must be at least 1")]
     BadWindow,
 }
 
 impl ControllerConfig {
-    /// `start, 2·start, 4·start, …` up to `max`.
-    pub fn doubling_ladder(start: u32, max: u32) -> Vec<u32> {
-        std::iter::successors(Some(start.max(1)), |&s| s.checked_mul(2)).take_while(|&s| s <= max).collect()
-    }
-
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.min_batch == 0 || self.min_batch > self.max_batch {
             return Err(ConfigError::BadBounds);
         }
-        if !(self.tau_rel > 0.0 && self.tau_rel < 1.0) {
-            return Err(ConfigError::BadTauRel);
+        if !(self.max_round_secs.is_finite() && self.max_round_secs > 0.0) {
+            return Err(ConfigError::BadRoundSecs);
+        }
+        if !(self.target_retention > 0.0 && self.target_retention <= 1.0) {
+            return Err(ConfigError::BadTargetRetention);
         }
         if self.window == 0 {
             return Err(ConfigError::BadWindow);
@@ -129,72 +134,81 @@ impl ControllerConfig {
         let min = self.min_batch.max(1);
         (min, self.max_batch.max(min))
     }
+
+    /// The smallest round that gives the meter [`MIN_METER_SAMPLES`] marked
+    /// copies per measured size at p copies per trace (at retention ≥ ½): 2·MIN/p.
+    pub fn meter_batch(&self, p: u32) -> u32 {
+        let (min, max) = self.bounds();
+        ((2 * MIN_METER_SAMPLES).div_ceil(u64::from(p.max(1))) as u32).clamp(min, max)
+    }
 }
 
-/// Why the controller chose a size.
+/// What the overload meter says about quality, as the controller needs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Quality {
+    /// The meter cannot measure this prompt (p = 1 or the rewrite strategy).
+    Unmeasured,
+    /// The group size the meter chose for the next round, and whether it holds the target.
+    Meter { group_size: GroupSize, p: u32 },
+}
+
+impl Quality {
+    /// From the meter's group-size choice for a prompt with `p` copies per
+    /// trace; `measurable` is false where the meter has no data to give (p = 1, rewrite).
+    pub fn of(group_size: GroupSize, p: u32, measurable: bool) -> Self {
+        if measurable && p >= 2 { Self::Meter { group_size, p } } else { Self::Unmeasured }
+    }
+}
+
+/// Which bound set the batch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rule", rename_all = "snake_case")]
 pub enum Reason {
-    /// Profiling the next untried ladder size.
-    WarmUp {
-        sizes_profiled: usize,
-    },
-    /// The fitted plateau, within bounds.
-    Plateau {
-        plateau: f64,
-    },
-    ClampedToMin {
-        plateau: f64,
-    },
-    ClampedToMax {
-        plateau: f64,
-    },
-    /// The fit shows no gain from larger batches (α ≤ 0).
-    NoGain {
-        alpha: f64,
-    },
-    /// The target exceeds the backlog, so the batch is the whole backlog.
-    ClampedToBacklog {
-        target: u32,
+    /// Nothing is pending.
+    Empty,
+    /// Everything pending fits every bound: the round takes it all.
+    WholeBacklog {
         backlog: u64,
     },
-    Fallback {
-        why: FallbackWhy,
+    /// The meter has not found a group size that keeps the target yet: rounds
+    /// are held at the meter batch until it has.
+    MeterWarmUp {
+        batch: u32,
+        group_size: String,
     },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FallbackWhy {
-    /// Warm-up needs another size but none left on the ladder fits the backlog.
-    LadderBlocked,
-    /// The samples could not be fitted (degenerate or invalid values).
-    NoFit,
+    /// No group size keeps the target: larger batches are refused.
+    QualityRefused {
+        batch: u32,
+        group_size: String,
+    },
+    /// The fitted round time reaches `max_round_secs` at this batch.
+    RoundTime {
+        batch: u32,
+        max_round_secs: f64,
+    },
+    MaxBatch {
+        max_batch: u32,
+    },
 }
 
 impl Reason {
     pub fn message(&self) -> String {
         match self {
-            Self::WarmUp { sizes_profiled } => {
-                format!(
-                    "warm-up: profiling the next ladder size ({sizes_profiled} of {MIN_DISTINCT_SIZES} sizes profiled)"
-                )
+            Self::Empty => "nothing is pending".to_owned(),
+            Self::WholeBacklog { backlog } => {
+                format!("takes everything pending ({backlog}): what arrived during the last round, within every bound")
             }
-            Self::Plateau { plateau } => format!("fitted plateau bs* = {plateau:.1}"),
-            Self::ClampedToMin { plateau } => format!("fitted plateau bs* = {plateau:.1}, raised to min_batch"),
-            Self::ClampedToMax { plateau } => format!("fitted plateau bs* = {plateau:.1}, capped at max_batch"),
-            Self::NoGain { alpha } => {
-                format!("larger batches do not reduce the delay (alpha = {alpha:.3}); using min_batch")
+            Self::MeterWarmUp { batch, group_size } => {
+                format!("held at {batch} while the overload meter measures ({group_size})")
             }
-            Self::ClampedToBacklog { target, backlog } => {
-                format!("target batch size {target} exceeds the backlog of {backlog}; taking the whole backlog")
+            Self::QualityRefused { batch, group_size } => {
+                format!("held at {batch}: no group size keeps the target retention ({group_size})")
             }
-            Self::Fallback { why: FallbackWhy::LadderBlocked } => {
-                "fallback to default_batch: the backlog is smaller than every untried ladder size".to_owned()
+            Self::RoundTime { batch, max_round_secs } => {
+                format!("capped at {batch}: the fitted round time reaches max_round_secs = {max_round_secs} s there")
             }
-            Self::Fallback { why: FallbackWhy::NoFit } => {
-                "fallback to default_batch: the samples cannot be fitted".to_owned()
-            }
+            Self::MaxBatch { max_batch } => format!("capped at max_batch = {max_batch}"),
         }
     }
 }
@@ -207,18 +221,22 @@ impl fmt::Display for Reason {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Choice {
-    /// The batch to take now: `target` clamped to the backlog.
+    /// The batch to take now: everything pending up to `cap`.
     pub batch_size: u32,
-    /// The size the controller wants; a round starts once the backlog reaches it.
+    /// A round starts once this many are pending (`min_batch`, within `cap`).
     pub target: u32,
+    /// The largest batch allowed now (the smallest bound).
+    pub cap: u32,
     pub reason: Reason,
-    /// The fit over the current backlog (A scales with it), when one was made.
+    /// The fitted round time R(bs) = A·bs^(−α), when two sizes were measured.
     pub fit: Option<Fit>,
-    /// The unclamped plateau bs*, when a fit was made.
-    pub plateau: Option<f64>,
+    /// R at `batch_size` by the fit, when there is one.
+    pub predicted_round_secs: Option<f64>,
+    /// What quality allows, for the page.
+    pub quality: Quality,
 }
 
-/// Least squares of ln T = ln A − α·ln bs. `None` with fewer than two distinct
+/// Least squares of ln y = ln A − α·ln x. `None` with fewer than two distinct
 /// sizes or any non-positive or non-finite value.
 pub fn fit_power_law(points: &[(f64, f64)]) -> Option<Fit> {
     if points.iter().any(|&(bs, t)| !(bs.is_finite() && t.is_finite() && bs > 0.0 && t > 0.0)) {
@@ -239,17 +257,6 @@ pub fn fit_power_law(points: &[(f64, f64)]) -> Option<Fit> {
     let ss_res: f64 = xs.iter().zip(&ys).map(|(x, y)| (y - intercept - slope * x).powi(2)).sum();
     let r2 = if ss_tot <= 1e-12 { 1.0 } else { 1.0 - ss_res / ss_tot };
     Some(Fit { a: intercept.exp(), alpha: -slope, r2 })
-}
-
-/// bs* = (α·A/τ)^(1/(α+1)): where |T′(bs)| has fallen to τ. Meaningful for
-/// α > 0 and τ > 0 only (otherwise NaN or infinite).
-pub fn plateau(fit: &Fit, tau: f64) -> f64 {
-    (fit.alpha * fit.a / tau).powf(1.0 / (fit.alpha + 1.0))
-}
-
-/// τ = τ_rel·|T′(bs_min)|.
-pub fn tau(fit: &Fit, tau_rel: f64, bs_min: f64) -> f64 {
-    tau_rel * fit.slope(bs_min).abs()
 }
 
 /// One point per batch size: the median wall time of its `window` most recent
@@ -273,199 +280,174 @@ pub fn profile(samples: &[Sample], window: usize) -> Vec<(u32, f64)> {
         .collect()
 }
 
-/// Fits T(bs) = (N/bs)·R(bs) for a backlog of `backlog` traces (at least one).
-pub fn fit_delay(profile: &[(u32, f64)], backlog: u64) -> Option<Fit> {
-    let n = backlog.max(1) as f64;
-    let points: Vec<(f64, f64)> = profile.iter().map(|&(bs, r)| (f64::from(bs), n / f64::from(bs) * r)).collect();
+/// Fits the round time R(bs) over the profile.
+pub fn fit_round_time(profile: &[(u32, f64)]) -> Option<Fit> {
+    let points: Vec<(f64, f64)> = profile.iter().map(|&(bs, r)| (f64::from(bs), r)).collect();
     fit_power_law(&points)
 }
 
-/// Chooses the next batch size from the samples of past rounds (oldest first)
-/// and the current backlog; rules in the module doc.
-pub fn choose(samples: &[Sample], backlog: u64, cfg: &ControllerConfig) -> Choice {
+/// The largest batch whose round should stay within `max_round_secs`: from the
+/// fit when there is one; from a single measured size, proportionally (R ∝ bs,
+/// the pessimistic case) when that size already takes longer; else no bound.
+fn round_time_bound(profile: &[(u32, f64)], fit: Option<Fit>, max_round_secs: f64) -> Option<u32> {
+    let clamp = |x: f64| (x + 1e-9).floor().clamp(1.0, f64::from(u32::MAX)) as u32;
+    match (fit, profile) {
+        (Some(f), _) => f.largest_within(max_round_secs).filter(|x| x.is_finite()).map(clamp),
+        (None, [(bs, r)]) if *r > max_round_secs => Some(clamp(f64::from(*bs) * max_round_secs / r)),
+        _ => None,
+    }
+}
+
+/// Chooses the next batch from the samples of past rounds (oldest first), the
+/// number pending and what the meter says; the rule is in the module doc.
+pub fn choose(samples: &[Sample], backlog: u64, quality: &Quality, cfg: &ControllerConfig) -> Choice {
     let (min, max) = cfg.bounds();
     let profile = profile(samples, cfg.window);
-    let finish = |target: u32, reason: Reason, fit: Option<Fit>, plateau: Option<f64>| {
-        let batch_size = u64::from(target).min(backlog) as u32;
-        let reason = if u64::from(target) > backlog { Reason::ClampedToBacklog { target, backlog } } else { reason };
-        Choice { batch_size, target, reason, fit, plateau }
-    };
-    let fallback = |why| finish(cfg.default_batch.clamp(min, max), Reason::Fallback { why }, None, None);
+    let fit = fit_round_time(&profile);
 
-    if profile.len() < MIN_DISTINCT_SIZES {
-        let mut ladder = cfg.ladder.clone();
-        ladder.sort_unstable();
-        let next = ladder
-            .into_iter()
-            .filter(|&s| (min..=max).contains(&s) && u64::from(s) <= backlog)
-            .find(|s| profile.iter().all(|(bs, _)| bs != s));
-        return match next {
-            Some(step) => finish(step, Reason::WarmUp { sizes_profiled: profile.len() }, None, None),
-            None => fallback(FallbackWhy::LadderBlocked),
-        };
+    // The bounds, smallest wins (ties: the later, more specific one).
+    let mut bounds: Vec<(u32, Reason)> = vec![(max, Reason::MaxBatch { max_batch: max })];
+    if let Some(b) = round_time_bound(&profile, fit, cfg.max_round_secs) {
+        bounds.push((b.max(min), Reason::RoundTime { batch: b.max(min), max_round_secs: cfg.max_round_secs }));
     }
-
-    let Some(fit) = fit_delay(&profile, backlog) else { return fallback(FallbackWhy::NoFit) };
-    if fit.alpha <= 0.0 {
-        return finish(min, Reason::NoGain { alpha: fit.alpha }, Some(fit), None);
+    if let Quality::Meter { group_size, p } = quality {
+        let batch = cfg.meter_batch(*p);
+        let group_size_text = group_size.source.message();
+        match &group_size.source {
+            SizeSource::Meter { .. } => {}
+            SizeSource::NoSizeHolds { .. } => {
+                bounds.push((batch, Reason::QualityRefused { batch, group_size: group_size_text }))
+            }
+            SizeSource::Default { .. } | SizeSource::Probe { .. } => {
+                bounds.push((batch, Reason::MeterWarmUp { batch, group_size: group_size_text }))
+            }
+        }
     }
-    let bs_min = f64::from(profile[0].0);
-    let star = plateau(&fit, tau(&fit, cfg.tau_rel, bs_min));
-    if !star.is_finite() {
-        return fallback(FallbackWhy::NoFit);
-    }
-    let (target, reason) = if star < f64::from(min) {
-        (min, Reason::ClampedToMin { plateau: star })
-    } else if star >= f64::from(max) + 1.0 {
-        (max, Reason::ClampedToMax { plateau: star })
+    let (cap, bound) = bounds.into_iter().rev().min_by_key(|(b, _)| *b).unwrap_or((max, Reason::Empty));
+    let batch_size = u64::from(cap).min(backlog) as u32;
+    let reason = if backlog == 0 {
+        Reason::Empty
+    } else if backlog <= u64::from(cap) {
+        Reason::WholeBacklog { backlog }
     } else {
-        ((star.floor() as u32).clamp(min, max), Reason::Plateau { plateau: star })
+        bound
     };
-    finish(target, reason, Some(fit), Some(star))
+    Choice {
+        batch_size,
+        target: min.min(cap),
+        cap,
+        reason,
+        fit,
+        predicted_round_secs: fit.filter(|_| batch_size > 0).map(|f| f.delay(f64::from(batch_size))),
+        quality: quality.clone(),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
+    use crate::learn::meter::{BucketCounts, MeterBucket};
+    use crate::learn::sizing::choose_group_size;
 
     fn close(actual: f64, expected: f64, rel: f64) -> bool {
         ((actual - expected) / expected).abs() <= rel
     }
 
-    /// Samples from rounds whose wall time follows R(bs) = c·bs^(1−α), i.e. a
-    /// per-trace delay T₁(bs) = c·bs^(−α).
-    fn rounds(sizes: &[u32], c: f64, alpha: f64) -> Vec<Sample> {
-        sizes.iter().map(|&bs| Sample { batch_size: bs, round_secs: c * f64::from(bs).powf(1.0 - alpha) }).collect()
+    /// Rounds whose wall time follows R(bs) = c·bs^beta.
+    fn rounds(sizes: &[u32], c: f64, beta: f64) -> Vec<Sample> {
+        sizes.iter().map(|&bs| Sample { batch_size: bs, round_secs: c * f64::from(bs).powf(beta) }).collect()
     }
 
-    fn cfg() -> ControllerConfig {
-        ControllerConfig { min_batch: 1, max_batch: 1024, ..ControllerConfig::default() }
+    fn measured(buckets: &[(u32, u64, u64)]) -> Quality {
+        let b: Vec<MeterBucket> = buckets
+            .iter()
+            .map(|&(s, m, r)| MeterBucket::new(s, BucketCounts { marked: m, recaptured: r }, 1))
+            .collect();
+        Quality::of(choose_group_size(&b, 0.9), 2, true)
+    }
+
+    fn holds() -> Quality {
+        measured(&[(4, 100, 98), (8, 100, 95), (16, 100, 60)])
     }
 
     #[test]
-    fn fit_recovers_exact_power_law_within_two_percent() {
-        for (a, alpha) in [(120.0, 0.7), (3.5, 0.2), (9000.0, 1.4)] {
+    fn fit_recovers_exact_power_law() {
+        for (a, alpha) in [(120.0, 0.7), (3.5, -0.2), (0.5, -1.0)] {
             let points: Vec<(f64, f64)> =
                 [4.0, 8.0, 16.0, 32.0, 64.0].iter().map(|&bs: &f64| (bs, a * bs.powf(-alpha))).collect();
             let fit = fit_power_law(&points).unwrap();
             assert!(close(fit.a, a, 0.02) && close(fit.alpha, alpha, 0.02), "{fit:?}");
-            assert!(fit.r2 > 0.999_999);
         }
-    }
-
-    #[test]
-    fn fit_recovers_noisy_power_law_within_ten_percent() {
-        let (a, alpha) = (250.0, 0.8);
-        for seed in 0..20 {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            let points: Vec<(f64, f64)> = (1..=64)
-                .map(|bs| {
-                    let bs = f64::from(bs);
-                    (bs, a * bs.powf(-alpha) * (1.0 + rng.gen_range(-0.1..=0.1)))
-                })
-                .collect();
-            let fit = fit_power_law(&points).unwrap();
-            assert!(close(fit.a, a, 0.10) && close(fit.alpha, alpha, 0.10), "seed {seed}: {fit:?}");
-        }
-    }
-
-    #[test]
-    fn fit_needs_two_distinct_positive_sizes() {
-        assert!(fit_power_law(&[]).is_none());
         assert!(fit_power_law(&[(4.0, 10.0), (4.0, 12.0)]).is_none());
         assert!(fit_power_law(&[(4.0, 10.0), (8.0, 0.0)]).is_none());
-        assert!(fit_power_law(&[(0.0, 10.0), (8.0, 5.0)]).is_none());
-        assert!(fit_power_law(&[(4.0, f64::NAN), (8.0, 5.0)]).is_none());
-        assert!(fit_power_law(&[(4.0, 10.0), (8.0, 5.0)]).is_some());
     }
 
     #[test]
-    fn plateau_formula_matches_a_numeric_search() {
-        for (a, alpha, tau_rel) in [(500.0, 0.9, 0.016), (40.0, 0.4, 0.05), (1e4, 1.6, 0.01)] {
-            let fit = Fit { a, alpha, r2: 1.0 };
-            let bs_min = 4.0;
-            let tau = tau(&fit, tau_rel, bs_min);
-            // |T′| decreases monotonically; bisect for the bs where it reaches τ.
-            let (mut lo, mut hi) = (bs_min, 1e9);
-            for _ in 0..200 {
-                let mid = (lo + hi) / 2.0;
-                if fit.slope(mid).abs() > tau { lo = mid } else { hi = mid }
-            }
-            let star = plateau(&fit, tau);
-            assert!(close(star, lo, 1e-9), "formula {star} vs search {lo}");
-            assert!(close(star, bs_min * tau_rel.powf(-1.0 / (alpha + 1.0)), 1e-9));
-        }
+    fn with_quality_assured_a_round_takes_everything_pending_up_to_max_batch() {
+        let cfg = ControllerConfig::default();
+        // Round time nearly flat (the simulator): no time bound below max_batch.
+        let samples = rounds(&[20, 20, 180], 0.5, 0.03);
+        let c = choose(&samples, 90, &holds(), &cfg);
+        assert_eq!((c.batch_size, c.cap, c.target), (90, 256, 4));
+        assert_eq!(c.reason, Reason::WholeBacklog { backlog: 90 });
+        let c = choose(&samples, 1000, &holds(), &cfg);
+        assert_eq!((c.batch_size, c.reason.clone()), (256, Reason::MaxBatch { max_batch: 256 }));
+        assert!(c.predicted_round_secs.unwrap() < 1.0);
+        assert_eq!(choose(&samples, 0, &holds(), &cfg).reason, Reason::Empty);
     }
 
     #[test]
-    fn choice_does_not_depend_on_the_backlog_size() {
-        let samples = rounds(&[4, 8, 16, 32], 2.0, 0.6);
-        let small = choose(&samples, 300, &cfg());
-        let large = choose(&samples, 300_000, &cfg());
-        assert_eq!(small.target, large.target);
-        assert!(matches!(small.reason, Reason::Plateau { .. }), "{}", small.reason);
-        let (fs, fl) = (small.fit.unwrap(), large.fit.unwrap());
-        assert!(close(fl.a / fs.a, 1000.0, 1e-9), "A scales with N");
-        assert!(close(fs.alpha, fl.alpha, 1e-12));
-        // bs* = bs_min·τ_rel^(−1/(α+1)) = 4·0.016^(−1/1.6) ≈ 53.03
-        assert_eq!(small.target, 53);
-        assert_eq!(small.batch_size, 53);
+    fn the_choice_does_not_depend_on_where_sizes_were_first_tried() {
+        // The old rule scaled with the smallest profiled size; this one does not.
+        let cfg = ControllerConfig { max_round_secs: 10.0, max_batch: 10_000, ..ControllerConfig::default() };
+        let from_4 = choose(&rounds(&[4, 8, 16, 32], 0.1, 1.0), 5000, &holds(), &cfg);
+        let from_16 = choose(&rounds(&[16, 32, 64], 0.1, 1.0), 5000, &holds(), &cfg);
+        // R = 0.1·bs reaches 10 s at bs = 100, whichever sizes were measured.
+        assert_eq!((from_4.cap, from_16.cap), (100, 100));
+        assert!(matches!(from_4.reason, Reason::RoundTime { batch: 100, .. }), "{}", from_4.reason);
     }
 
     #[test]
-    fn warm_up_walks_the_ladder_within_the_backlog() {
-        let c = ControllerConfig::default();
-        assert_eq!(c.ladder, vec![4, 8, 16, 32, 64, 128, 256]);
-        let first = choose(&[], 100, &c);
-        assert_eq!((first.batch_size, first.reason.clone()), (4, Reason::WarmUp { sizes_profiled: 0 }));
-        let second = choose(&rounds(&[4, 4], 1.0, 0.5), 100, &c);
-        assert_eq!(second.batch_size, 8);
-        let third = choose(&rounds(&[4, 8], 1.0, 0.5), 100, &c);
-        assert_eq!((third.batch_size, third.reason), (16, Reason::WarmUp { sizes_profiled: 2 }));
-        // Sizes profiled outside the ladder count; the ladder skips what was tried.
-        let skip = choose(&rounds(&[4, 10], 1.0, 0.5), 100, &c);
-        assert_eq!(skip.batch_size, 8);
-        assert!(choose(&rounds(&[4, 8, 16], 1.0, 0.5), 100, &c).fit.is_some());
+    fn round_time_bounds_the_batch_by_max_round_secs() {
+        let cfg = ControllerConfig { max_round_secs: 60.0, ..ControllerConfig::default() };
+        // R(bs) = 2·bs^0.5: 60 s at bs = 900 > max_batch; at max_round_secs 20: bs = 100.
+        let samples = rounds(&[10, 40, 90], 2.0, 0.5);
+        assert_eq!(choose(&samples, 5000, &holds(), &cfg).cap, 256);
+        let tight = ControllerConfig { max_round_secs: 20.0, ..cfg.clone() };
+        let c = choose(&samples, 5000, &holds(), &tight);
+        assert_eq!(c.cap, 100);
+        assert!(close(c.predicted_round_secs.unwrap(), 20.0, 1e-6));
+        // One measured size that is already too slow: proportional.
+        let one = choose(&[Sample { batch_size: 50, round_secs: 40.0 }], 5000, &holds(), &tight);
+        assert_eq!(one.cap, 25);
+        // One size within the limit says nothing about larger ones.
+        let ok = choose(&[Sample { batch_size: 50, round_secs: 4.0 }], 5000, &holds(), &tight);
+        assert_eq!(ok.cap, 256);
+        // Even the smallest batch too slow: still min_batch, never zero.
+        let slow = choose(&rounds(&[4, 8], 100.0, 1.0), 5000, &holds(), &tight);
+        assert_eq!(slow.cap, 4);
     }
 
     #[test]
-    fn blocked_warm_up_falls_back_to_the_default() {
-        let c = ControllerConfig { default_batch: 8, ..ControllerConfig::default() };
-        // 4 and 8 are profiled, the next rung (16) does not fit a backlog of 12.
-        let blocked = choose(&rounds(&[4, 8], 1.0, 0.5), 12, &c);
-        assert_eq!((blocked.target, blocked.batch_size), (8, 8));
-        assert_eq!(blocked.reason, Reason::Fallback { why: FallbackWhy::LadderBlocked });
-        assert!(blocked.reason.message().contains("default_batch"));
-        let small = choose(&rounds(&[4, 8], 1.0, 0.5), 6, &c);
-        assert_eq!((small.target, small.batch_size), (8, 6));
-        assert_eq!(small.reason, Reason::ClampedToBacklog { target: 8, backlog: 6 });
-        let nothing = choose(&[], 0, &c);
-        assert_eq!(nothing.batch_size, 0);
-    }
-
-    #[test]
-    fn plateau_is_clamped_to_bounds_and_backlog() {
-        let samples = rounds(&[4, 8, 16, 32], 2.0, 0.6); // bs* ≈ 53.03
-        let capped = choose(&samples, 1000, &ControllerConfig { max_batch: 32, ..cfg() });
-        assert_eq!(capped.target, 32);
-        assert!(matches!(capped.reason, Reason::ClampedToMax { plateau } if close(plateau, 53.03, 0.001)));
-        let raised = choose(&samples, 1000, &ControllerConfig { min_batch: 64, ..cfg() });
-        assert_eq!(raised.target, 64);
-        assert!(matches!(raised.reason, Reason::ClampedToMin { .. }));
-        let short = choose(&samples, 40, &cfg());
-        assert_eq!((short.target, short.batch_size), (53, 40));
-        assert_eq!(short.reason, Reason::ClampedToBacklog { target: 53, backlog: 40 });
-    }
-
-    #[test]
-    fn no_gain_from_batching_picks_the_minimum() {
-        // Round time linear in bs: the backlog takes as long at any batch size.
-        let samples = rounds(&[4, 8, 16], 0.5, 0.0);
-        let choice = choose(&samples, 100, &ControllerConfig { min_batch: 3, ..cfg() });
-        assert_eq!(choice.target, 3);
-        assert!(matches!(choice.reason, Reason::NoGain { .. }));
+    fn quality_holds_rounds_at_the_meter_batch_until_the_meter_vouches_for_a_size() {
+        let cfg = ControllerConfig::default();
+        assert_eq!(cfg.meter_batch(2), 20);
+        assert_eq!(cfg.meter_batch(3), 14);
+        // Not measured yet: the paper's default groups, rounds of 20.
+        let warm = choose(&[], 300, &measured(&[]), &cfg);
+        assert_eq!((warm.batch_size, warm.target), (20, 4));
+        assert!(matches!(warm.reason, Reason::MeterWarmUp { batch: 20, .. }), "{}", warm.reason);
+        // Only misses measured: probing smaller groups, still held.
+        let probing = choose(&[], 300, &measured(&[(8, 30, 20)]), &cfg);
+        assert!(matches!(probing.reason, Reason::MeterWarmUp { .. }));
+        // Not even one reflection per call keeps the target: refused beyond the meter batch.
+        let refused = choose(&[], 300, &measured(&[(1, 50, 30)]), &cfg);
+        assert!(matches!(refused.reason, Reason::QualityRefused { batch: 20, .. }), "{}", refused.reason);
+        // A prompt the meter cannot measure (p = 1) is not held.
+        let p1 = choose(&[], 300, &Quality::of(GroupSize::default(), 1, true), &cfg);
+        assert_eq!((p1.batch_size, p1.quality.clone()), (256, Quality::Unmeasured));
+        // Once a size holds: the whole backlog.
+        assert_eq!(choose(&[], 300, &holds(), &cfg).batch_size, 256);
     }
 
     #[test]
@@ -477,30 +459,13 @@ mod tests {
     }
 
     #[test]
-    fn drift_in_latency_moves_the_fit() {
-        let c = ControllerConfig { window: 3, ..cfg() };
-        let mut samples = rounds(&[4, 8, 16, 32, 4, 8, 16, 32], 2.0, 0.6);
-        let before = choose(&samples, 1000, &c);
-        // The backend gets slower per call: fixed overhead grows, so batching helps more.
-        let drifted = rounds(&[4, 8, 16, 32], 2.0, 0.9);
-        samples.extend(drifted.iter().chain(&drifted).copied());
-        let after = choose(&samples, 1000, &c);
-        let (fb, fa) = (before.fit.unwrap(), after.fit.unwrap());
-        assert!(close(fb.alpha, 0.6, 1e-9));
-        assert!(close(fa.alpha, 0.9, 1e-9), "two of three window slots now hold the new latency: {fa:?}");
-        assert_ne!(before.target, after.target);
-        // A single outlier round does not move a size's median.
-        samples.push(Sample { batch_size: 16, round_secs: 1e6 });
-        assert_eq!(choose(&samples, 1000, &c).target, after.target);
-    }
-
-    #[test]
     fn config_validation() {
         assert_eq!(ControllerConfig::default().validate(), Ok(()));
         let bad = ControllerConfig { min_batch: 10, max_batch: 5, ..ControllerConfig::default() };
         assert_eq!(bad.validate(), Err(ConfigError::BadBounds));
-        let bad = ControllerConfig { tau_rel: 0.0, ..ControllerConfig::default() };
-        assert_eq!(bad.validate(), Err(ConfigError::BadTauRel));
-        assert_eq!(ControllerConfig::doubling_ladder(4, 20), vec![4, 8, 16]);
+        let bad = ControllerConfig { max_round_secs: 0.0, ..ControllerConfig::default() };
+        assert_eq!(bad.validate(), Err(ConfigError::BadRoundSecs));
+        let bad = ControllerConfig { target_retention: 1.5, ..ControllerConfig::default() };
+        assert_eq!(bad.validate(), Err(ConfigError::BadTargetRetention));
     }
 }

@@ -67,10 +67,27 @@ pub fn sequential_batches(len: usize, size: usize) -> Vec<Range<usize>> {
 /// The groups for `n` reflections under `method`. `p` (duplication, at least 1)
 /// and `seed` only matter for Combee; the same inputs always give the same plan.
 pub fn plan(method: Method, n: usize, p: u32, seed: u64) -> Plan {
+    plan_sized(method, n, p, seed, None)
+}
+
+/// Combee's group count when no group may hold more than `max_group` of the
+/// p·n augmented reflections: k = max(⌊√n⌋, ⌈p·n / max_group⌉) — the paper's
+/// ⌊√n⌋ is the special case of a size bound it already meets.
+pub fn capacity_group_count(n: usize, p: u32, max_group: Option<usize>) -> usize {
+    let paper = combee_group_count(n);
+    match max_group {
+        Some(g) => paper.max((n * p.max(1) as usize).div_ceil(g.max(1))),
+        None => paper,
+    }
+}
+
+/// [`plan`] with Combee's groups bounded by `max_group` reflections each
+/// (see [`capacity_group_count`]); the baselines ignore the bound.
+pub fn plan_sized(method: Method, n: usize, p: u32, seed: u64, max_group: Option<usize>) -> Plan {
     match method {
         Method::Combee => {
             let augmented = augmented_indices(n, p.max(1), seed);
-            let groups = split_contiguous(augmented.len(), combee_group_count(n))
+            let groups = split_contiguous(augmented.len(), capacity_group_count(n, p, max_group))
                 .into_iter()
                 .map(|r| augmented[r].to_vec())
                 .collect();
@@ -141,6 +158,26 @@ mod tests {
                 assert!(counts.iter().all(|&c| c == p), "n {n} p {p}");
             }
         }
+    }
+
+    #[test]
+    fn a_group_size_bound_adds_groups_but_never_fewer_than_the_papers() {
+        for (n, p, g) in [(300, 2, 8), (100, 2, 2), (40, 2, 4), (17, 3, 5), (9, 2, 100), (1, 2, 1)] {
+            let plan = plan_sized(Method::Combee, n, p, 7, Some(g));
+            let k = plan.groups.len();
+            assert!(k >= combee_group_count(n).min(n * p as usize), "n {n} p {p} g {g}: {k}");
+            assert!(plan.groups.iter().all(|grp| grp.len() <= g.max(n * p as usize / k)), "n {n} g {g}");
+            if (n * p as usize).div_ceil(combee_group_count(n)) > g {
+                assert!(plan.groups.iter().all(|grp| grp.len() <= g), "n {n} p {p} g {g}");
+            }
+            let mut counts = vec![0u32; n];
+            plan.groups.iter().flatten().for_each(|&i| counts[i] += 1);
+            assert!(counts.iter().all(|&c| c == p), "every reflection p times");
+        }
+        assert_eq!(capacity_group_count(300, 2, Some(8)), 75);
+        assert_eq!(capacity_group_count(300, 2, None), 17);
+        assert_eq!(capacity_group_count(16, 2, Some(100)), 4);
+        assert_eq!(plan_sized(Method::Naive, 5, 2, 1, Some(2)).groups.len(), 1, "naive is one call by definition");
     }
 
     #[test]

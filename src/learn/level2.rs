@@ -32,7 +32,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use super::delta::MergedOp;
+use super::delta::{self, MergedOp, Overruled};
 use super::grouping::split_contiguous;
 use crate::domain::DeltaOp;
 
@@ -261,6 +261,33 @@ pub fn consolidation_chunks(ops: &[MergedOp], max: usize) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// The deterministic union of several nodes' ops (one scan-tree node's input):
+/// duplicates across children fold as in the level-1 union, and each result
+/// keeps the groups, proposal counts and sources of everything folded into it.
+pub fn union_of_nodes(children: Vec<Vec<MergedOp>>) -> Vec<MergedOp> {
+    let flat: Vec<MergedOp> = children.into_iter().flatten().collect();
+    // Each flat op enters the union as "group" = its position, mapped back below.
+    let raw = flat.iter().enumerate().map(|(i, m)| (i, m.op.clone(), m.sources.clone())).collect();
+    let groups_of = |idx: &[usize]| -> Vec<usize> {
+        idx.iter().flat_map(|&i| flat[i].groups.iter().copied()).collect::<BTreeSet<usize>>().into_iter().collect()
+    };
+    delta::normalize_sourced_ops(raw)
+        .into_iter()
+        .map(|m| {
+            let mut overruled: Vec<Overruled> =
+                m.overruled.iter().map(|o| Overruled { op: o.op.clone(), groups: groups_of(&o.groups) }).collect();
+            overruled.extend(m.groups.iter().flat_map(|&i| flat[i].overruled.iter().cloned()));
+            MergedOp {
+                groups: groups_of(&m.groups),
+                proposals: m.groups.iter().map(|&i| flat[i].proposals).sum(),
+                overruled,
+                sources: m.sources,
+                op: m.op,
+            }
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------------------
 // Rewrite: structural k-way merge against the base
 
@@ -438,6 +465,25 @@ pub fn assemble(pieces: &[Piece], resolved: &[String]) -> Option<String> {
 /// ranges of at most `fan_in`; a range of one needs no call.
 pub fn tree_level(n: usize, fan_in: usize) -> Vec<Range<usize>> {
     split_contiguous(n, n.div_ceil(fan_in.max(2)))
+}
+
+/// A scan tree of bounded fan-in over `leaves` inputs: one entry per level
+/// above the leaves, each the ranges (into the level below) that one node
+/// merges, until a single root. `leaves <= fan_in` is one node (the paper's
+/// single level-2 merge); no leaves, no levels. Every input reaches the root
+/// through exactly one node per level.
+pub fn scan_tree(leaves: usize, fan_in: usize) -> Vec<Vec<Range<usize>>> {
+    let mut levels = Vec::new();
+    let mut width = leaves;
+    while width > 0 {
+        let level = tree_level(width, fan_in);
+        width = level.len();
+        levels.push(level);
+        if width == 1 {
+            break;
+        }
+    }
+    levels
 }
 
 fn short(s: &str) -> String {
@@ -618,6 +664,53 @@ mod tests {
         assert_eq!(tree_level(3, 4), vec![0..3]);
         assert_eq!(tree_level(1, 4), vec![0..1]);
         assert!(tree_level(0, 4).is_empty());
+    }
+
+    #[test]
+    fn scan_tree_has_bounded_fan_in_and_every_input_reaches_the_root_once() {
+        for leaves in 1..=70 {
+            for fan_in in 2..=9 {
+                let tree = scan_tree(leaves, fan_in);
+                // Levels: ⌈log_fan_in(leaves)⌉, at least one.
+                let mut expect = 1;
+                while fan_in.pow(expect) < leaves {
+                    expect += 1;
+                }
+                assert_eq!(tree.len(), expect as usize, "leaves {leaves} fan-in {fan_in}");
+                assert_eq!(tree.last().map(Vec::len), Some(1), "one root");
+                // Follow each leaf up: every level covers the level below exactly once.
+                let mut width = leaves;
+                for level in &tree {
+                    assert!(level.iter().all(|r| !r.is_empty() && r.len() <= fan_in));
+                    let covered: Vec<usize> = level.iter().cloned().flatten().collect();
+                    assert_eq!(covered, (0..width).collect::<Vec<_>>());
+                    width = level.len();
+                }
+            }
+        }
+        assert!(scan_tree(0, 4).is_empty());
+        // The paper's two levels are the special case k ≤ fan-in.
+        assert_eq!(scan_tree(5, 8), vec![vec![0..5]]);
+        assert_eq!(scan_tree(20, 4), vec![vec![0..4, 4..8, 8..12, 12..16, 16..20], vec![0..3, 3..5], vec![0..2]]);
+    }
+
+    #[test]
+    fn the_union_of_nodes_folds_duplicates_across_children_and_keeps_provenance() {
+        let mut a = add("s", "Check the date format", 0);
+        a.sources = vec![1];
+        let mut b = add("s", "Check the date format", 3);
+        b.groups = vec![3, 4];
+        b.proposals = 2;
+        b.sources = vec![7];
+        let c = add("t", "Unrelated", 5);
+        let out = union_of_nodes(vec![vec![a], vec![b, c]]);
+        assert_eq!(
+            texts(&Consolidated { ops: out.clone(), ..Default::default() }),
+            ["Check the date format", "Unrelated"]
+        );
+        assert_eq!(out[0].groups, vec![0, 3, 4]);
+        assert_eq!((out[0].proposals, out[0].sources.clone()), (3, vec![1, 7]));
+        assert_eq!(out[1].groups, vec![5]);
     }
 
     #[test]

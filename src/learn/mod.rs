@@ -3,7 +3,8 @@
 //! batch-size controller's math are pure functions (and so is the level-2 plan:
 //! consolidation by decisions, the structural rewrite merge); `round` runs one learning
 //! round over an LLM backend, recording what it must not lose in a journal; `meter`
-//! estimates per-group retention by group size from the rounds' own provenance.
+//! estimates per-group retention by group size from the rounds' own provenance;
+//! `sizing` turns that estimate into the group size a round uses.
 
 pub mod answer;
 pub mod controller;
@@ -17,3 +18,4 @@ pub mod meter;
 pub mod protocol;
 pub mod round;
 pub mod shuffle;
+pub mod sizing;

@@ -46,6 +46,7 @@ use super::delta::{self, Applied, Budget, Evicted, Guard, MergedOp, Skipped};
 use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal};
 use super::level2;
+use super::sizing::GroupSize;
 use crate::domain::{AgentReflections, DeltaOp, Playbook, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::answer::AnswerNotes;
 use crate::learn::protocol::{self, SourcedOp, Task, placeholders, validate_reflection};
@@ -81,6 +82,24 @@ pub struct RoundSpec {
     /// Lines learned content must not add (from the configuration, not stored with the round).
     #[serde(skip)]
     pub denylist: std::sync::Arc<super::denylist::ContentDenylist>,
+    /// Most reflections one level-1 call may be given (Combee), and why — from
+    /// the overload meter ([`super::sizing`]); it also bounds level 2's fan-in.
+    #[serde(default)]
+    pub group_size: GroupSize,
+}
+
+/// How a round was cut: the group size it was given and the reduce tree it ran.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupingRecord {
+    /// The bound on a level-1 group and where it came from (meter estimate or the paper's default).
+    pub group_size: GroupSize,
+    /// Most distinct reflections one level-1 group of this round held.
+    pub largest_group: usize,
+    /// Most inputs one level-2 merge takes: the group bound (at least 2).
+    pub fan_in: usize,
+    /// Calls per level of the reduce tree, level 1 first (`[20, 5, 2, 1]`); a
+    /// level 2 that makes no LLM call (the deterministic union) is not a level.
+    pub levels: Vec<usize>,
 }
 
 /// Wall time of each phase, in milliseconds.
@@ -184,6 +203,8 @@ pub struct OutcomeRecord {
     pub answers: AnswerReport,
     /// Playbook rounds: which reflections an applied operation cites.
     pub coverage: Option<Coverage>,
+    /// The group size chosen, why, and the reduce tree's levels.
+    pub grouping: GroupingRecord,
 }
 
 /// A round's record as the learning engine reads and writes it.
@@ -363,15 +384,27 @@ pub async fn run_round(
 
     // 2. Shuffle and group.
     let clock = PhaseClock::start(journal, Phase::Shuffle).await?;
-    let plan = grouping::plan(spec.method, n, spec.duplication, spec.seed);
+    let plan = grouping::plan_sized(spec.method, n, spec.duplication, spec.seed, spec.group_size.max_group);
     let groups: Vec<Vec<usize>> = plan.groups.iter().map(|g| distinct_in_order(g)).collect();
     let shuffle_ms = clock.finish().await?;
     let k = groups.len();
+    let largest_group = groups.iter().map(Vec::len).max().unwrap_or(0);
+    // A level-2 call may take as many inputs as a level-1 group may hold.
+    let fan_in = spec.group_size.max_group.unwrap_or(largest_group).max(2);
 
     // What this round may not take away is judged on the counters before its own tags.
     let guard = Guard::for_round(&base.playbook.clone().unwrap_or_default(), &spec.budget);
-    let ctx =
-        Reduce { backend, llm, journal, spec, trace_ids: &trace_ids, reflections: &reflections, concurrency, guard };
+    let ctx = Reduce {
+        backend,
+        llm,
+        journal,
+        spec,
+        trace_ids: &trace_ids,
+        reflections: &reflections,
+        concurrency,
+        guard,
+        fan_in,
+    };
     let mut result = match plan.execution {
         Execution::Parallel => ctx.parallel(&frozen, &groups, &mut calls, &mut answers).await?,
         Execution::Sequential => ctx.sequential(&frozen, &groups, &mut calls, &mut answers).await?,
@@ -409,6 +442,12 @@ pub async fn run_round(
             timings: result.timings,
             answers,
             coverage,
+            grouping: GroupingRecord {
+                group_size: spec.group_size.clone(),
+                largest_group,
+                fan_in,
+                levels: std::iter::once(k).chain(result.levels).collect(),
+            },
         },
     })
 }
@@ -546,6 +585,8 @@ struct Reduced {
     level2: Level2Summary,
     timings: PhaseTimings,
     resumed_groups: usize,
+    /// Merge nodes per level-2 tree level that made LLM calls (empty: level 2 is mechanical).
+    levels: Vec<usize>,
 }
 
 /// One level-1 answer.
@@ -605,6 +646,8 @@ struct Reduce<'a> {
     reflections: &'a [Reflection],
     concurrency: usize,
     guard: Guard,
+    /// Most inputs one level-2 merge node takes.
+    fan_in: usize,
 }
 
 impl Reduce<'_> {
@@ -780,16 +823,51 @@ impl Reduce<'_> {
         proposals: Vec<(usize, Proposal)>,
         calls: &mut Vec<LlmCall>,
     ) -> Result<Reduced, RoundError> {
-        let union = proposals.into_iter().flat_map(|(g, p)| p.round_ops(g, &groups[g]));
-        let mut merged = delta::normalize_sourced_ops(union.collect());
         let mut summary = Level2Summary::default();
-        if self.spec.reduce == ReduceMode::Llm && merged.len() > 1 {
-            let consolidated = self.consolidate(frozen, &merged, calls).await?;
-            summary.consolidation_calls = consolidated.1;
-            summary.merged_inputs = consolidated.0.merged_inputs;
-            summary.dropped = consolidated.0.dropped;
-            merged = consolidated.0.ops;
-        }
+        let mut levels = Vec::new();
+        let tree = level2::scan_tree(proposals.len(), self.fan_in);
+        let merged = if self.spec.reduce == ReduceMode::Llm && tree.len() > 1 {
+            // More group outputs than one call may take: a scan tree of consolidations.
+            let mut nodes: Vec<Vec<MergedOp>> =
+                proposals.into_iter().map(|(g, p)| delta::normalize_sourced_ops(p.round_ops(g, &groups[g]))).collect();
+            for level in &tree {
+                let mut inputs: Vec<Option<Vec<MergedOp>>> = std::mem::take(&mut nodes).into_iter().map(Some).collect();
+                let node_inputs: Vec<Vec<Vec<MergedOp>>> =
+                    level.iter().map(|r| r.clone().map(|i| inputs[i].take().unwrap_or_default()).collect()).collect();
+                let node_calls = node_inputs.into_iter().map(|children| async move {
+                    let ops = level2::union_of_nodes(children);
+                    let mut made = Vec::new();
+                    if ops.len() <= 1 {
+                        return Ok::<_, RoundError>((level2::Consolidated { ops, ..Default::default() }, 0, made));
+                    }
+                    let (c, n) = self.consolidate(frozen, &ops, &mut made).await?;
+                    Ok((c, n, made))
+                });
+                for (c, n, made) in futures_util::future::try_join_all(node_calls).await? {
+                    calls.extend(made);
+                    summary.consolidation_calls += n;
+                    summary.merged_inputs += c.merged_inputs;
+                    summary.dropped.extend(c.dropped);
+                    nodes.push(c.ops);
+                }
+                levels.push(level.len());
+            }
+            nodes.pop().unwrap_or_default()
+        } else {
+            let union = proposals.into_iter().flat_map(|(g, p)| p.round_ops(g, &groups[g]));
+            let mut merged = delta::normalize_sourced_ops(union.collect());
+            if self.spec.reduce == ReduceMode::Llm && merged.len() > 1 {
+                let mut made = Vec::new();
+                let consolidated = self.consolidate(frozen, &merged, &mut made).await?;
+                calls.extend(made);
+                summary.consolidation_calls = consolidated.1;
+                summary.merged_inputs = consolidated.0.merged_inputs;
+                summary.dropped = consolidated.0.dropped;
+                merged = consolidated.0.ops;
+                levels.push(1);
+            }
+            merged
+        };
         let playbook = frozen.playbook.clone().unwrap_or_default();
         let outcome = delta::apply_ops_guarded(&playbook, &merged, &self.spec.budget, &mut self.guard.clone());
         Ok(Reduced {
@@ -801,6 +879,7 @@ impl Reduce<'_> {
             level2: summary,
             timings: PhaseTimings::default(),
             resumed_groups: 0,
+            levels,
         })
     }
 
@@ -847,7 +926,7 @@ impl Reduce<'_> {
         proposals: Vec<Proposal>,
         calls: &mut Vec<LlmCall>,
     ) -> Result<Reduced, RoundError> {
-        let mut texts: Vec<String> = proposals
+        let mut nodes: Vec<String> = proposals
             .into_iter()
             .filter_map(|p| match p {
                 Proposal::Instruction(t) => Some(t),
@@ -855,44 +934,26 @@ impl Reduce<'_> {
             })
             .collect();
         let mut summary = Level2Summary::default();
-        let instruction = if texts.len() == 1 {
-            texts.pop().unwrap_or_default()
-        } else {
-            // The structural k-way merge against the base (see [`level2`]): only
-            // regions the groups changed differently go to the model.
-            let plan = level2::plan_rewrite_merge(&frozen.base, &texts);
-            let regions = level2::conflicts(&plan);
-            summary.conflict_regions = regions.len();
-            let region_calls: Vec<_> = regions
-                .into_iter()
-                .map(|(base, variants)| async move {
-                    let mut made = Vec::new();
-                    let r = self.merge_region(base, variants, &mut made).await;
-                    (r, made)
-                })
-                .collect();
-            let mut answers = stream::iter(region_calls).buffered(self.concurrency);
-            let mut resolved = Vec::new();
-            let mut failure = None;
-            while let Some((r, made)) = answers.next().await {
-                self.journal.record_calls(&made).await?;
-                summary.consolidation_calls += made.len();
-                calls.extend(made);
-                match r {
-                    Ok(text) => resolved.push(text),
-                    Err(e) => {
-                        failure.get_or_insert(e);
-                    }
+        let mut levels = Vec::new();
+        if nodes.len() > 1 {
+            // The structural k-way merge against the base (see [`level2`]), in a
+            // scan tree when there are more proposals than one merge may take.
+            for level in level2::scan_tree(nodes.len(), self.fan_in) {
+                let mut inputs: Vec<Option<String>> = std::mem::take(&mut nodes).into_iter().map(Some).collect();
+                let node_inputs: Vec<Vec<String>> =
+                    level.iter().map(|r| r.clone().filter_map(|i| inputs[i].take()).collect()).collect();
+                let node_calls = node_inputs.into_iter().map(|texts| self.merge_instructions(frozen, texts));
+                for (text, regions, made) in futures_util::future::try_join_all(node_calls).await? {
+                    summary.conflict_regions += regions;
+                    summary.consolidation_calls += made.len();
+                    calls.extend(made);
+                    nodes.push(text);
                 }
+                levels.push(level.len());
             }
-            if let Some(e) = failure {
-                return Err(e.into());
-            }
-            level2::assemble(&plan, &resolved)
-                .ok_or_else(|| RoundError::Invalid("the rewrite merge lost a conflict region".into()))?
-        };
+        }
         Ok(Reduced {
-            content: VersionContent { base: instruction, playbook: frozen.playbook.clone() },
+            content: VersionContent { base: nodes.pop().unwrap_or_default(), playbook: frozen.playbook.clone() },
             applied: Vec::new(),
             skipped: Vec::new(),
             evicted: Vec::new(),
@@ -900,7 +961,52 @@ impl Reduce<'_> {
             level2: summary,
             timings: PhaseTimings::default(),
             resumed_groups: 0,
+            levels,
         })
+    }
+
+    /// One merge node of the rewrite strategy: `texts` merged structurally
+    /// against the base, only the conflict regions going to the model. Returns
+    /// the text, the number of conflict regions and the calls made.
+    async fn merge_instructions(
+        &self,
+        frozen: &VersionContent,
+        mut texts: Vec<String>,
+    ) -> Result<(String, usize, Vec<LlmCall>), RoundError> {
+        if texts.len() <= 1 {
+            return Ok((texts.pop().unwrap_or_else(|| frozen.base.clone()), 0, Vec::new()));
+        }
+        let plan = level2::plan_rewrite_merge(&frozen.base, &texts);
+        let regions = level2::conflicts(&plan);
+        let conflict_regions = regions.len();
+        let region_calls: Vec<_> = regions
+            .into_iter()
+            .map(|(base, variants)| async move {
+                let mut made = Vec::new();
+                let r = self.merge_region(base, variants, &mut made).await;
+                (r, made)
+            })
+            .collect();
+        let mut answers = stream::iter(region_calls).buffered(self.concurrency);
+        let mut resolved = Vec::new();
+        let mut failure = None;
+        let mut calls = Vec::new();
+        while let Some((r, made)) = answers.next().await {
+            self.journal.record_calls(&made).await?;
+            calls.extend(made);
+            match r {
+                Ok(text) => resolved.push(text),
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        let text = level2::assemble(&plan, &resolved)
+            .ok_or_else(|| RoundError::Invalid("the rewrite merge lost a conflict region".into()))?;
+        Ok((text, conflict_regions, calls))
     }
 
     /// Merges the groups' versions of one conflicting passage in a tree of
@@ -949,6 +1055,7 @@ impl Reduce<'_> {
             level2: Level2Summary::default(),
             timings: PhaseTimings::default(),
             resumed_groups: 0,
+            levels: Vec::new(),
         };
         let journaled = self.journaled_outputs().await?;
         for (g, group) in groups.iter().enumerate() {

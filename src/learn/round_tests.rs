@@ -60,6 +60,7 @@ fn spec(method: Method, strategy: Strategy, p: u32, seed: u64) -> RoundSpec {
         budget: Budget::default(),
         agent_reflections: AgentReflections::Use,
         denylist: Default::default(),
+        group_size: Default::default(),
     }
 }
 
@@ -420,6 +421,7 @@ async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
         reflections: &[],
         concurrency: 4,
         guard: Guard::for_round(&Playbook::default(), &s.budget),
+        fan_in: 8,
     };
     let mut calls = Vec::new();
     let out = reduce.level2_rewrite(&base, proposals, &mut calls).await.unwrap();

@@ -1,7 +1,8 @@
-//! The batch-size controller of one prompt, as operators see it: the delay
-//! samples, the per-size profile, the fitted curve T(bs) = A·bs^(−α), the
-//! chosen size and the rule that chose it — and the overload meter (the
-//! estimated per-group retention by group size, see [`crate::learn::meter`]).
+//! The batch-size controller of one prompt, as operators see it: the round-time
+//! samples, the per-size profile, the fitted round time R(bs) = A·bs^(−α), the
+//! chosen batch and the bound that set it — and the overload meter (the
+//! estimated per-group retention by group size, see [`crate::learn::meter`])
+//! with the group size it gives the next round.
 //! The API and the web UI show the same view.
 
 use chrono::{DateTime, Utc};
@@ -14,7 +15,7 @@ use crate::{
     domain::{BatchSize, PromptName},
     learn::{
         controller::{self, Sample},
-        meter::{BucketCounts, MeterBucket},
+        meter::MeterBucket,
     },
     store::ControllerSample,
     worker,
@@ -25,10 +26,10 @@ pub struct CurvePoint {
     pub batch_size: u32,
     /// Median round wall time at this size (seconds).
     pub round_secs: f64,
-    /// T(bs) = (N/bs)·R(bs) for the current backlog N (seconds).
+    /// (N/bs)·R(bs): how long the current backlog N would take at this size (seconds).
     pub delay_secs: f64,
-    /// The fitted T at this size, when there is a fit.
-    pub fitted_delay_secs: Option<f64>,
+    /// The fitted round time R at this size, when there is a fit.
+    pub fitted_round_secs: Option<f64>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -42,7 +43,8 @@ pub struct ControllerView {
     pub samples: Vec<ControllerSample>,
     /// One point per profiled size, for plotting.
     pub curve: Vec<CurvePoint>,
-    /// What the controller would choose now (size, target, rule, fit, plateau bs*).
+    /// What the controller would choose now: batch, start threshold (`target`),
+    /// bound (`cap`), the rule that set it, the round-time fit and the quality state.
     #[schema(value_type = Object)]
     pub choice: Value,
     pub reason: String,
@@ -63,6 +65,11 @@ pub struct MeterView {
     pub method: &'static str,
     /// One entry per group-size bucket seen so far, smallest first.
     pub buckets: Vec<MeterBucket>,
+    /// The level-1 group size the next round gets from the meter, and why.
+    #[schema(value_type = Object)]
+    pub group_size: Value,
+    /// The knob: the share of a group's insights its answer should keep.
+    pub target_retention: f64,
 }
 
 /// What [`MeterView::method`] says.
@@ -83,25 +90,26 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
     let samples = st.store.controller_samples(&name, worker::controller::SAMPLE_LIMIT).await?;
     let plain: Vec<Sample> =
         samples.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs }).collect();
-    let n = backlog.pending.max(1) as u64;
-    let choice = controller::choose(&plain, n, cfg);
+    let n = backlog.pending.max(0) as u64;
+    let quality = worker::controller::quality(&st.store, &backlog.prompt, cfg).await?;
+    let choice = controller::choose(&plain, n, &quality, cfg);
     let curve = controller::profile(&plain, cfg.window)
         .into_iter()
         .map(|(bs, secs)| CurvePoint {
             batch_size: bs,
             round_secs: secs,
-            delay_secs: n as f64 / f64::from(bs) * secs,
-            fitted_delay_secs: choice.fit.map(|f| f.delay(f64::from(bs))),
+            delay_secs: n.max(1) as f64 / f64::from(bs) * secs,
+            fitted_round_secs: choice.fit.map(|f| f.delay(f64::from(bs))),
         })
         .collect();
     let last = st.store.controller_choice(&name).await?;
-    let buckets = st
-        .store
-        .meter_counts(&name)
-        .await?
-        .into_iter()
-        .map(|c| MeterBucket::new(c.size_min, BucketCounts { marked: c.marked, recaptured: c.recaptured }, c.rounds))
-        .collect();
+    let buckets = worker::controller::meter(&st.store, &name).await?;
+    let group_size = crate::learn::sizing::choose_group_size(&buckets, cfg.target_retention);
+    let group_size = serde_json::json!({
+        "max_group": group_size.max_group,
+        "source": group_size.source,
+        "message": group_size.source.message(),
+    });
     let (mode, fixed_batch_size) = match backlog.prompt.settings.batch_size {
         BatchSize::Auto => ("auto", None),
         BatchSize::Fixed(n) => ("fixed", Some(n)),
@@ -118,6 +126,6 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
         last_choice_at: last.as_ref().map(|(_, t)| *t),
         last_choice: last.map(|(v, _)| v),
         config: serde_json::to_value(cfg).unwrap_or_default(),
-        meter: MeterView { method: METER_METHOD, buckets },
+        meter: MeterView { method: METER_METHOD, buckets, group_size, target_retention: cfg.target_retention },
     })
 }

@@ -55,16 +55,24 @@ pub struct Decision {
     pub min_traces: u32,
 }
 
-/// A round starts when the backlog reaches the batch size (`target`: fixed, or
-/// the controller's), or when the oldest pending trace has waited `max_wait`
-/// and at least `min_batch` are pending.
-pub fn decide(b: &Backlog, target: u32, s: &WorkerSettings, now: chrono::DateTime<chrono::Utc>) -> Option<Decision> {
+/// A round starts when the backlog reaches `target` (the fixed batch size, or
+/// the controller's start threshold), or when the oldest pending trace has
+/// waited `max_wait` and at least `min_batch` are pending; it takes up to
+/// `batch` traces (the fixed size, or the controller's bound).
+pub fn decide(
+    b: &Backlog,
+    target: u32,
+    batch: u32,
+    s: &WorkerSettings,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Option<Decision> {
     if b.active_round || b.pending == 0 {
         return None;
     }
-    let batch = target.max(1);
-    if b.pending >= i64::from(batch) {
-        return Some(Decision { trigger: RoundTrigger::Backlog, batch, min_traces: batch });
+    let target = target.max(1);
+    let batch = batch.max(target);
+    if b.pending >= i64::from(target) {
+        return Some(Decision { trigger: RoundTrigger::Backlog, batch, min_traces: target });
     }
     let max_wait = b.prompt.settings.max_wait_secs.unwrap_or(s.max_wait_secs);
     let waited = b.oldest.map(|t| (now - t).num_seconds().max(0) as u64).unwrap_or(0);
@@ -163,16 +171,17 @@ impl Worker {
                 continue;
             }
             let name = &backlog.prompt.name;
-            let target = match backlog.prompt.settings.batch_size {
-                BatchSize::Fixed(n) => n,
+            let (target, batch) = match backlog.prompt.settings.batch_size {
+                BatchSize::Fixed(n) => (n, n),
                 BatchSize::Auto => {
                     let choice =
-                        controller::current(&self.store, name, backlog.pending as u64, &self.controller).await?;
+                        controller::current(&self.store, &backlog.prompt, backlog.pending as u64, &self.controller)
+                            .await?;
                     self.choices.record(&self.store, name, &choice).await?;
-                    choice.target
+                    (choice.target, choice.cap)
                 }
             };
-            let Some(d) = decide(&backlog, target, &self.settings, now) else { continue };
+            let Some(d) = decide(&backlog, target, batch, &self.settings, now) else { continue };
             let req = OpenRound {
                 prompt: backlog.prompt.name.clone(),
                 trigger: d.trigger,
@@ -231,6 +240,15 @@ impl Worker {
             })
         };
         let journal = StoreJournal::new(self.store.clone(), id, attempt, recorded);
+        // The meter changes only when a round of this prompt publishes, so a
+        // retried attempt regroups as the first did.
+        let group_size = match controller::group_size(&self.store, &prompt.name, &self.controller).await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");
+                crate::learn::sizing::GroupSize::default_because("the overload meter could not be read")
+            }
+        };
         let spec = RoundSpec {
             round_id: id,
             seed: round.seed as u64,
@@ -246,6 +264,7 @@ impl Worker {
             },
             agent_reflections: prompt.settings.agent_reflections,
             denylist: self.denylist.clone(),
+            group_size,
         };
         let started = std::time::Instant::now();
         let batch_size = traces.len() as u32;
@@ -294,15 +313,18 @@ impl Worker {
                     .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })
                     .collect();
                 let charges = self.charges(faults);
+                // The meter first: once the round publishes, the scheduler may size the
+                // next round from it. What the groups kept is a measurement of the model
+                // whether or not publishing succeeds (recording a round twice counts once).
+                if !meter.is_empty()
+                    && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
+                {
+                    tracing::warn!(error = %e, "the overload meter was not updated for this round");
+                }
                 match self.store.publish_round(id, attempt, version, label.clone(), &detail, sample, &charges).await {
                     Ok(v) => {
                         metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
                         tracing::info!(version = v.number, label = %label, "round published");
-                        if !meter.is_empty()
-                            && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
-                        {
-                            tracing::warn!(error = %e, "the overload meter was not updated for this round");
-                        }
                         if prompt.promotion == Promotion::Evaluated {
                             let added = population::add_challenger(
                                 &self.store,
@@ -419,16 +441,19 @@ mod tests {
 
     #[test]
     fn a_full_batch_starts_a_round() {
-        let d = decide(&backlog(40, 0), 32, &settings(), Utc::now()).unwrap();
+        let d = decide(&backlog(40, 0), 32, 32, &settings(), Utc::now()).unwrap();
         assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 32, min_traces: 32 });
-        let d = decide(&backlog(8, 0), 8, &settings(), Utc::now()).unwrap();
+        let d = decide(&backlog(8, 0), 8, 8, &settings(), Utc::now()).unwrap();
         assert_eq!(d.batch, 8);
+        // The controller: start at 4 pending, take up to its bound.
+        let d = decide(&backlog(40, 0), 4, 256, &settings(), Utc::now()).unwrap();
+        assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 256, min_traces: 4 });
     }
 
     #[test]
     fn a_long_wait_starts_a_smaller_round() {
-        assert_eq!(decide(&backlog(3, 10), 32, &settings(), Utc::now()), None);
-        let d = decide(&backlog(3, 601), 32, &settings(), Utc::now()).unwrap();
+        assert_eq!(decide(&backlog(3, 10), 32, 32, &settings(), Utc::now()), None);
+        let d = decide(&backlog(3, 601), 32, 32, &settings(), Utc::now()).unwrap();
         assert_eq!(d, Decision { trigger: RoundTrigger::MaxWait, batch: 32, min_traces: 1 });
     }
 
@@ -436,7 +461,7 @@ mod tests {
     fn nothing_starts_while_a_round_is_in_flight_or_nothing_is_pending() {
         let mut b = backlog(100, 1000);
         b.active_round = true;
-        assert_eq!(decide(&b, 32, &settings(), Utc::now()), None);
-        assert_eq!(decide(&backlog(0, 1000), 32, &settings(), Utc::now()), None);
+        assert_eq!(decide(&b, 32, 32, &settings(), Utc::now()), None);
+        assert_eq!(decide(&backlog(0, 1000), 32, 32, &settings(), Utc::now()), None);
     }
 }

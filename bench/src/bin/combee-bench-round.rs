@@ -135,6 +135,7 @@ async fn main() -> anyhow::Result<()> {
                     budget: Budget::default(),
                     agent_reflections: combee::domain::AgentReflections::Use,
                     denylist: Default::default(),
+                    group_size: Default::default(),
                 };
                 let (wall, outcome) = if journal_kind == "memory" {
                     let journal = MemoryJournal::new();

@@ -18,13 +18,13 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
         fit.and_then(|f| f.get("alpha")).and_then(f),
         fit.and_then(|f| f.get("r2")).and_then(f),
     );
-    let chosen = c.get("target").and_then(f).or_else(|| c.get("batch_size").and_then(f));
-    let points: Vec<(f64, f64)> = view.curve.iter().map(|p| (f64::from(p.batch_size), p.delay_secs)).collect();
+    let chosen = c.get("cap").and_then(f).or_else(|| c.get("batch_size").and_then(f));
+    let points: Vec<(f64, f64)> = view.curve.iter().map(|p| (f64::from(p.batch_size), p.round_secs)).collect();
     let svg = plot::delay_plot(&plot::DelayPlot { points: &points, fit: a.zip(alpha), chosen }).map_or_else(
         || r#"<p class="muted" id="no-samples">No Combee round has published yet, so there is nothing to plot.</p>"#.to_owned(),
         |svg| {
             format!(
-                r#"{svg}<p class="legend"><span class="key point"></span> measured T(bs) = (N/bs)·R(bs) <span class="key fit"></span> fitted A·bs<sup>−α</sup> <span class="key choice"></span> chosen bs*</p>"#
+                r#"{svg}<p class="legend"><span class="key point"></span> measured round time R(bs) <span class="key fit"></span> fitted A·bs<sup>−α</sup> <span class="key choice"></span> largest batch allowed now</p>"#
             )
         },
     );
@@ -32,17 +32,18 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
     let facts = format!(
         r#"<dl class="facts" id="controller-facts">
 <dt>Mode</dt><dd>{}</dd><dt>Backlog N</dt><dd>{}</dd><dt>Batch now</dt><dd id="chosen-batch">{}</dd>
-<dt>Target</dt><dd>{}</dd><dt>Plateau bs*</dt><dd>{}</dd><dt>Fit</dt><dd>A = {}, α = {}, R² = {}</dd>
-<dt>Rule</dt><dd>{}</dd><dt>Last choice</dt><dd>{}</dd></dl>"#,
+<dt>Starts at</dt><dd>{} pending</dd><dt>Largest batch now</dt><dd>{}</dd><dt>Round time R(bs)</dt><dd>A = {}, α = {}, R² = {}</dd>
+<dt>Rule</dt><dd>{}</dd><dt>Group size</dt><dd id="group-size">{}</dd><dt>Last choice</dt><dd>{}</dd></dl>"#,
         escape(view.mode),
         view.backlog,
         c.get("batch_size").map(Value::to_string).map_or_else(|| "—".to_owned(), |s| escape(&s)),
         c.get("target").map(Value::to_string).map_or_else(|| "—".to_owned(), |s| escape(&s)),
-        num(c.get("plateau").and_then(f), 1),
+        c.get("cap").map(Value::to_string).map_or_else(|| "—".to_owned(), |s| escape(&s)),
         num(a, 2),
         num(alpha, 3),
         num(r2, 3),
         escape(&view.reason),
+        escape(view.meter.group_size.get("message").and_then(Value::as_str).unwrap_or("—")),
         opt_time(view.last_choice_at),
     );
     let fixed = view
@@ -58,7 +59,7 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
                 p.batch_size,
                 p.round_secs,
                 p.delay_secs,
-                p.fitted_delay_secs.map_or_else(|| "—".to_owned(), |x| format!("{x:.2} s"))
+                p.fitted_round_secs.map_or_else(|| "—".to_owned(), |x| format!("{x:.2} s"))
             )
         })
         .collect();
@@ -101,13 +102,14 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
     let body = format!(
         r#"<h1>{} <span class="muted small">batch-size controller</span></h1>{}{fixed}
 <div class="split"><div class="main-col card">{svg}</div><aside class="card">{facts}</aside></div>
-<h2>Profile</h2><table class="compact" id="profile"><thead><tr><th class="num">Batch size</th><th class="num">Median round R</th><th class="num">Delay T</th><th class="num">Fitted T</th></tr></thead><tbody>{profile}</tbody></table>
+<h2>Profile</h2><table class="compact" id="profile"><thead><tr><th class="num">Batch size</th><th class="num">Median round R</th><th class="num">Backlog at this size (N/bs)·R</th><th class="num">Fitted R</th></tr></thead><tbody>{profile}</tbody></table>
 <h2>Overload meter <span class="muted small">share of a group's lessons its answer keeps, by group size</span></h2>
-<p class="muted small">{meter_method}</p>{meter}
+<p class="muted small">{meter_method}. Target retention {target:.0}%.</p>{meter}
 <h2>Samples <span class="muted small">newest first</span></h2><table class="compact" id="samples"><thead><tr><th>Time</th><th class="num">Batch size</th><th class="num">Round time</th><th>Round</th></tr></thead><tbody>{samples}</tbody></table>"#,
         escape(prompt.name.as_str()),
         prompt_tabs(prompt.name.as_str(), "controller"),
         meter_method = escape(crate::service::controller::METER_METHOD),
+        target = 100.0 * view.meter.target_retention,
     );
     Ok(page(&format!("{} controller", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
 }
