@@ -256,6 +256,8 @@ pub enum VersionSource {
     Manual,
     Learned,
     Rollback,
+    /// Made by crossing the population's winners (the `evaluated` policy).
+    Crossover,
 }
 
 impl VersionSource {
@@ -264,6 +266,7 @@ impl VersionSource {
             Self::Manual => "manual",
             Self::Learned => "learned",
             Self::Rollback => "rollback",
+            Self::Crossover => "crossover",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -271,6 +274,7 @@ impl VersionSource {
             "manual" => Self::Manual,
             "learned" => Self::Learned,
             "rollback" => Self::Rollback,
+            "crossover" => Self::Crossover,
             _ => return None,
         })
     }

@@ -3,9 +3,11 @@
 //! batch-size controller's math are pure functions (and so is the level-2 plan:
 //! consolidation by decisions, the structural rewrite merge); `round` runs one learning
 //! round over an LLM backend, recording what it must not lose in a journal; `meter`
-//! estimates per-group retention by group size from the rounds' own provenance.
+//! estimates per-group retention by group size from the rounds' own provenance;
+//! `crossover` breeds a child of a population's winners (the `evaluated` policy).
 
 pub mod controller;
+pub mod crossover;
 pub mod delta;
 pub mod denylist;
 pub mod grouping;
