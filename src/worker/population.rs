@@ -648,6 +648,50 @@ mod tests {
         assert_eq!(matched_rewards(&tasks, &[1, 2, 3], 1), None);
     }
 
+    #[test]
+    fn a_task_key_is_won_only_by_a_clear_best_among_two_or_more() {
+        let tasks = vec![
+            task(1, "a", 2, 2.0), // v1 1.0 vs v2 0.0: v1 wins
+            task(2, "a", 2, 0.0),
+            task(1, "b", 4, 1.0), // v1 0.25 vs v2 0.75 vs v3 0.5: v2 wins
+            task(2, "b", 4, 3.0),
+            task(3, "b", 2, 1.0),
+            task(1, "c", 1, 1.0), // a tie within 0.01: nobody
+            task(2, "c", 200, 199.0),
+            task(3, "d", 3, 3.0), // only v3 ran it: nobody
+            task(9, "a", 5, 5.0), // not a live arm: ignored
+        ];
+        let won = task_winners(&tasks, &[1, 2, 3], TIE);
+        assert_eq!(won.keys().copied().collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(won[&1], [WonTask { task_key: "a".into(), reward: 1.0, runner_up: 0.0 }]);
+        assert_eq!(won[&2], [WonTask { task_key: "b".into(), reward: 0.75, runner_up: 0.5 }]);
+    }
+
+    #[test]
+    fn the_crossover_draw_is_seeded_by_prompt_and_window() {
+        let p = PromptName::parse("p").unwrap();
+        let t = DateTime::parse_from_rfc3339("2026-11-23T16:00:00Z").unwrap().with_timezone(&Utc);
+        assert_eq!(crossover_draw(&p, t), crossover_draw(&p, t));
+        // Over many windows about a fifth fall below 0.2, all below 1, none below 0.
+        let draws: Vec<f64> = (0..2000).map(|i| crossover_draw(&p, t + chrono::Duration::seconds(i))).collect();
+        assert!(draws.iter().all(|d| (0.0..1.0).contains(d)));
+        let share = draws.iter().filter(|d| **d < 0.2).count() as f64 / 2000.0;
+        assert!((share - 0.2).abs() < 0.03, "{share}");
+    }
+
+    #[test]
+    fn a_crossover_childs_prior_is_the_precision_weighted_mean_of_its_parents() {
+        // σ 2 and 4: precisions 1/4 and 1/16; μ = (30/4 + 18/16) / (5/16) = 27.6; σ = √(16/5 + 1).
+        let child =
+            Rating::crossover_child(&[Rating { mu: 30.0, sigma: 2.0 }, Rating { mu: 18.0, sigma: 4.0 }]).unwrap();
+        assert!((child.mu - 27.6).abs() < 1e-12, "{child:?}");
+        assert!((child.sigma - (16.0f64 / 5.0 + 1.0).sqrt()).abs() < 1e-12, "{child:?}");
+        // Two fresh arms at the prior: μ stays 25, σ = √(σ0²/2 + 1).
+        let fresh = Rating::crossover_child(&[Rating::default(), Rating::default()]).unwrap();
+        assert!((fresh.mu - 25.0).abs() < 1e-12);
+        assert!((fresh.sigma - ((25.0f64 / 3.0).powi(2) / 2.0 + 1.0).sqrt()).abs() < 1e-12);
+    }
+
     fn arm(version: i64, state: ArmState) -> PopulationArm {
         PopulationArm {
             version,
