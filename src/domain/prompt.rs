@@ -25,13 +25,14 @@ pub enum Strategy {
 #[serde(rename_all = "lowercase")]
 pub enum Promotion {
     /// Learned versions become `production` at once.
-    #[default]
     Auto,
     /// Learned versions are labelled `candidate`; an operator promotes them.
     Manual,
-    /// Learned versions join the prompt's population as challengers, get a
-    /// share of live traffic, and replace `production` only when the
-    /// promotion gate's evidence says they are better (see `worker::population`).
+    /// The default for new prompts: learned (and crossover) versions join the
+    /// prompt's population as challengers, get a share of live traffic, and
+    /// replace `production` only when the promotion gate's evidence says they
+    /// are better (see `worker::population`).
+    #[default]
     Evaluated,
 }
 

@@ -78,6 +78,9 @@ pub struct CreatePrompt {
     pub base: String,
     #[serde(default)]
     pub strategy: Option<Strategy>,
+    /// What happens to learned versions: `evaluated` (the default: measured
+    /// on live traffic, promoted by the gate), `auto` (straight to production)
+    /// or `manual` (labelled `candidate`).
     #[serde(default)]
     pub promotion: Option<Promotion>,
     /// An initial playbook (playbook strategy only); bullet ids are assigned when absent.
@@ -126,11 +129,7 @@ pub async fn create_prompt(
         settings,
         created_by: caller.actor(),
     };
-    let (prompt, version) = st.store.create_prompt(new, first).await.map_err(|e| match e {
-        StoreError::AlreadyExists => ApiError::Conflict(format!("a prompt named {name:?} already exists")),
-        other => other.into(),
-    })?;
-    st.cache.invalidate(name.as_str());
+    let (prompt, version) = crate::service::prompts::create_prompt(&st, new, first).await?;
     let location = HeaderValue::from_str(&format!("/v1/prompts/{name}")).ok();
     let mut res = (StatusCode::CREATED, Json(PromptCreated { prompt, version, labels: vec![LabelName::production()] }))
         .into_response();
@@ -634,8 +633,12 @@ pub async fn create_version(
             by: caller.actor(),
         })
         .collect();
+    let to_production = moves.iter().any(|m| m.label == LabelName::production());
     let created = st.store.create_version(&prompt.name, version, &moves).await?;
     st.cache.invalidate(prompt.name.as_str());
+    if to_production {
+        crate::service::prompts::production_moved(&st, &prompt.name).await;
+    }
     let view = st
         .store
         .resolve(&prompt.name, &Selector::Version(created.number))

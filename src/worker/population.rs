@@ -63,20 +63,26 @@ async fn production_version(store: &DynStore, prompt: &PromptName) -> StoreResul
     Ok(store.resolve(prompt, &Selector::Label(LabelName::production())).await?.map(|r| r.version.number))
 }
 
+/// A population's first arm: `version` as champion at the prior (μ0, σ0)
+/// with all the traffic.
+pub fn first_champion(version: i64) -> PopulationArm {
+    PopulationArm {
+        version,
+        state: ArmState::Champion,
+        rating: Rating::default(),
+        weight: 1.0,
+        scored_traces: 0,
+        created_from: None,
+        parents: Vec::new(),
+        rated_until: None,
+    }
+}
+
 /// Makes the population agree with `production` (the champion) and sets
 /// the live arms' weights. An empty population gets the champion at the prior.
 fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &PopulationPolicy) {
     if !arms.iter().any(|a| a.version == champion) {
-        arms.push(PopulationArm {
-            version: champion,
-            state: ArmState::Champion,
-            rating: Rating::default(),
-            weight: 1.0,
-            scored_traces: 0,
-            created_from: None,
-            parents: Vec::new(),
-            rated_until: None,
-        });
+        arms.push(first_champion(champion));
     }
     for a in arms.iter_mut() {
         if a.version == champion {
@@ -91,6 +97,22 @@ fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &PopulationPo
     for a in arms.iter_mut() {
         a.weight = weights.iter().find(|(v, _)| *v == a.version).map_or(0.0, |(_, w)| *w);
     }
+}
+
+/// Makes a stored population follow `production` at once after a move the
+/// rater did not make (an operator's promote or rollback, a new version
+/// labelled production): the version production points at becomes the
+/// champion (joining at the prior if it was no arm), the old champion
+/// competes on as a challenger, weights are recomputed. Nothing to do for a
+/// prompt without a population, or when production is the champion already.
+pub async fn follow_production(store: &DynStore, prompt: &PromptName, policy: &PopulationPolicy) -> StoreResult<()> {
+    let Some(champion) = production_version(store, prompt).await? else { return Ok(()) };
+    let mut arms = store.population(prompt).await?;
+    if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {
+        return Ok(());
+    }
+    reconcile(&mut arms, champion, policy);
+    store.save_population(prompt, &arms).await
 }
 
 /// Mutation: `version`, learned from `parent`, joins the population of

@@ -529,5 +529,63 @@ mod http {
         assert!(moved, "the served arms did not follow the stored weights");
     }
 
-    on_both_stores!(subjects_get_sticky_arms_and_the_population_is_visible);
+    /// New prompts are `evaluated` by default, and their population exists
+    /// from the first moment: on an API-only server (no worker, no rater)
+    /// the first GET names the champion arm. An operator's promote is served
+    /// at once, before any rater reconciles the stored population.
+    async fn a_new_prompt_is_evaluated_and_names_its_arm_from_the_first_get(b: Backend) {
+        // `spawn_app` runs the API role only: no worker, no rater.
+        let app = spawn_app(b).await;
+        let res = app.post("/v1/prompts", json!({"name": "p", "base": "You are an agent."})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        assert_eq!(res.json::<Value>().await.unwrap()["promotion"], "evaluated");
+        let (v, arm, _) = served(&app, "agent-1").await;
+        assert_eq!((v, arm.as_str()), (1, "champion"));
+        let res = app.get("/v1/prompts/p").send().await.unwrap();
+        assert_eq!(res.headers()["combee-arm"], "champion", "without a subject too");
+        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+        let arms = pop["arms"].as_array().unwrap();
+        assert_eq!(arms.len(), 1);
+        assert_eq!((arms[0]["version"].as_i64(), arms[0]["state"].as_str()), (Some(1), Some("champion")));
+        assert_eq!((arms[0]["weight"].as_f64(), arms[0]["rating"]["mu"].as_f64()), (Some(1.0), Some(25.0)));
+
+        // An operator makes v2 production: at once it is the champion (most of
+        // the traffic) and v1 competes on as a challenger.
+        let res = app
+            .post("/v1/prompts/p/versions", json!({"base": "You are a careful agent.", "labels": ["production"]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+        let states: Vec<(i64, &str)> = pop["arms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| (a["version"].as_i64().unwrap(), a["state"].as_str().unwrap()))
+            .collect();
+        assert_eq!(states, [(1, "challenger"), (2, "champion")]);
+        let mut on_v2 = 0;
+        for i in 0..50 {
+            let (v, arm, _) = served(&app, &format!("agent-{i}")).await;
+            assert_eq!(arm, if v == 2 { "champion" } else { "challenger" }, "agent-{i} got v{v}");
+            on_v2 += usize::from(v == 2);
+        }
+        assert!(on_v2 >= 30, "the new production serves most subjects: {on_v2}/50");
+
+        // `auto` and `manual` stay available and have no population.
+        for policy in ["auto", "manual"] {
+            let n = format!("p-{policy}");
+            let res =
+                app.post("/v1/prompts", json!({"name": n, "base": "b", "promotion": policy})).send().await.unwrap();
+            assert_eq!(res.json::<Value>().await.unwrap()["promotion"], policy);
+            let res = app.get(&format!("/v1/prompts/{n}?subject=a")).send().await.unwrap();
+            assert!(res.headers().get("combee-arm").is_none(), "{policy}");
+        }
+    }
+
+    on_both_stores!(
+        subjects_get_sticky_arms_and_the_population_is_visible,
+        a_new_prompt_is_evaluated_and_names_its_arm_from_the_first_get,
+    );
 }
