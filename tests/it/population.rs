@@ -584,8 +584,81 @@ mod http {
         }
     }
 
+    /// The wiring: a server with a worker (the simulated LLM) crosses on its
+    /// own rater ticks. Agents post traces over HTTP with task keys on which
+    /// v1 and v2 win different tasks; a `crossover` version appears, served to
+    /// some subjects, and the simulator saw the crossover call.
+    async fn the_worker_crosses_winners_on_its_own_ticks(b: Backend) {
+        let sim = crate::common::spawn_sim(combee::llm::sim::SimConfig::default()).await;
+        let app = crate::common::spawn_app_with(b, |s| {
+            crate::common::learning(s, &sim.url);
+            s.population.tick_secs = 1;
+            s.population.window_secs = 2;
+            s.population.crossover_prob = 1.0;
+        })
+        .await;
+        let playbook = |lesson: &str| json!({"sections": [{"name": "insights", "bullets": [{"content": lesson}]}]});
+        let res = app
+            .post(
+                "/v1/prompts",
+                json!({"name": "p", "base": "You are an agent.", "playbook": playbook("INSIGHT-units: convert to SI first"),
+                       "settings": {"batch_size": 1000}}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        let res = app
+            .post(
+                "/v1/prompts/p/versions",
+                json!({"base": "You are an agent.", "playbook": playbook("INSIGHT-dates: use ISO 8601 dates")}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        add_challenger(&app.store, &name("p"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
+
+        let trace = |v: i64, key: &str, success: bool| {
+            json!({"prompt": "p", "prompt_version": v, "input": key, "feedback": {"success": success},
+                   "metadata": {"task_key": key}})
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let child = loop {
+            // Traces keep arriving, so every rating window holds some.
+            let mut batch = Vec::new();
+            for k in 0..6 {
+                for _ in 0..2 {
+                    batch.push(trace(1, &format!("a{k}"), true));
+                    batch.push(trace(2, &format!("a{k}"), false));
+                    batch.push(trace(1, &format!("b{k}"), false));
+                    batch.push(trace(2, &format!("b{k}"), true));
+                }
+            }
+            assert_eq!(app.post("/v1/traces", json!({"traces": batch})).send().await.unwrap().status(), 201);
+            let versions: Value = app.get("/v1/prompts/p/versions").send().await.unwrap().json().await.unwrap();
+            let crossed = versions["versions"].as_array().unwrap().iter().find(|v| v["source"] == "crossover").cloned();
+            if let Some(v) = crossed {
+                break v;
+            }
+            assert!(Instant::now() < deadline, "no crossover child within 30 s: {versions}");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        };
+        assert_eq!(child["parent"], 1);
+        assert!(sim.calls("crossover").await >= 1);
+        let n = child["number"].as_i64().unwrap();
+        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+        let arm = pop["arms"].as_array().unwrap().iter().find(|a| a["version"] == n).cloned().unwrap();
+        assert_eq!(arm["parents"], json!([1, 2]), "{arm}");
+        assert!(arm["weight"].as_f64().unwrap() > 0.0, "{arm}");
+        let shown: Value = app.get(&format!("/v1/prompts/p?version={n}")).send().await.unwrap().json().await.unwrap();
+        let shown = shown["text"].as_str().unwrap();
+        assert!(shown.contains("INSIGHT-units") && shown.contains("INSIGHT-dates"), "{shown}");
+    }
+
     on_both_stores!(
         subjects_get_sticky_arms_and_the_population_is_visible,
         a_new_prompt_is_evaluated_and_names_its_arm_from_the_first_get,
+        the_worker_crosses_winners_on_its_own_ticks,
     );
 }
