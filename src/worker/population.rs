@@ -303,6 +303,9 @@ pub enum CrossoverOutcome {
     NotPlaybook,
     /// The model imported nothing the champion does not already hold.
     NothingImported,
+    /// The child would have the same content as this live arm (e.g. the same
+    /// winners crossed again in a later window): no new version.
+    SameAsArm { version: i64 },
     /// The child `version`, bred from `parents` (the champion first), joined the population.
     Bred { version: i64, parents: Vec<i64>, rating: Rating },
 }
@@ -325,6 +328,7 @@ impl CrossoverOutcome {
             Self::TooFewWinners { .. } => "too_few_winners",
             Self::NotPlaybook => "not_playbook",
             Self::NothingImported => "nothing_imported",
+            Self::SameAsArm { .. } => "same_as_arm",
             Self::Bred { .. } => "bred",
         }
     }
@@ -489,6 +493,13 @@ impl PopulationRater {
             return Ok(CrossoverOutcome::NothingImported);
         };
         breeder.denylist.check(&champion_version.content, &child).map_err(CrossoverError::Refused)?;
+        let child_hash = child.hash();
+        for v in &versions {
+            let Some(existing) = self.store.resolve(prompt, &Selector::Version(*v)).await? else { continue };
+            if existing.version.content_hash == child_hash {
+                return Ok(CrossoverOutcome::SameAsArm { version: *v });
+            }
+        }
         // The champion (whose bullets the child kept) first, then the winners.
         let mut parents = vec![champion];
         parents.extend(won.keys().copied().filter(|v| *v != champion));

@@ -385,6 +385,9 @@ async fn crossover_makes_a_child_from_two_arms_that_won_different_tasks(b: Backe
     // The same window is not rated or crossed twice.
     assert_eq!(rater.rate(&name("x"), now).await.unwrap(), RatingOutcome::WindowOpen);
     assert_eq!(sim.calls("crossover").await, 1);
+    // Crossing the same winners again would repeat v3: no new version.
+    assert_eq!(rater.cross(&name("x"), from, now).await.unwrap(), CrossoverOutcome::SameAsArm { version: 3 });
+    assert_eq!(s.list_versions(&name("x"), None, 10).await.unwrap().len(), 3);
 }
 
 /// Migration 0014: arms written before it (no `parents`) read their one
@@ -624,7 +627,7 @@ mod http {
                    "metadata": {"task_key": key}})
         };
         let deadline = Instant::now() + Duration::from_secs(30);
-        let child = loop {
+        let arm = loop {
             // Traces keep arriving, so every rating window holds some.
             let mut batch = Vec::new();
             for k in 0..6 {
@@ -636,20 +639,26 @@ mod http {
                 }
             }
             assert_eq!(app.post("/v1/traces", json!({"traces": batch})).send().await.unwrap().status(), 201);
-            let versions: Value = app.get("/v1/prompts/p/versions").send().await.unwrap().json().await.unwrap();
-            let crossed = versions["versions"].as_array().unwrap().iter().find(|v| v["source"] == "crossover").cloned();
-            if let Some(v) = crossed {
-                break v;
+            // The child's version is written first, then it joins the population: wait for the arm.
+            let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+            let crossed = pop["arms"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|a| a["parents"].as_array().is_some_and(|p| p.len() == 2))
+                .cloned();
+            if let Some(arm) = crossed {
+                break arm;
             }
-            assert!(Instant::now() < deadline, "no crossover child within 30 s: {versions}");
+            assert!(Instant::now() < deadline, "no crossover child within 30 s: {pop}");
             tokio::time::sleep(Duration::from_millis(300)).await;
         };
-        assert_eq!(child["parent"], 1);
-        assert!(sim.calls("crossover").await >= 1);
-        let n = child["number"].as_i64().unwrap();
-        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
-        let arm = pop["arms"].as_array().unwrap().iter().find(|a| a["version"] == n).cloned().unwrap();
         assert_eq!(arm["parents"], json!([1, 2]), "{arm}");
+        assert!(sim.calls("crossover").await >= 1);
+        let n = arm["version"].as_i64().unwrap();
+        let versions: Value = app.get("/v1/prompts/p/versions").send().await.unwrap().json().await.unwrap();
+        let child = versions["versions"].as_array().unwrap().iter().find(|v| v["number"] == n).cloned().unwrap();
+        assert_eq!((child["source"].as_str(), child["parent"].as_i64()), (Some("crossover"), Some(1)), "{child}");
         assert!(arm["weight"].as_f64().unwrap() > 0.0, "{arm}");
         let shown: Value = app.get(&format!("/v1/prompts/p?version={n}")).send().await.unwrap().json().await.unwrap();
         let shown = shown["text"].as_str().unwrap();
