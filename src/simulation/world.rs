@@ -49,6 +49,11 @@ pub struct WorldConfig {
     /// Agents running at once.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub agents: u32,
+    /// Distinct subjects (the agents' users) a run's subject is drawn from at
+    /// random: an agent serves many users, so the arms' traffic shares follow
+    /// the weights instead of a handful of sticky subjects.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub subjects: u32,
     /// Share of traces that are poisoned (claim failure, teach a harmful instruction).
     #[arg(long, default_value_t = 0.0)]
     pub poison_share: f64,
@@ -209,7 +214,11 @@ impl World {
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (u64::from(i) << 20) ^ 0x5eed);
         let task_type = rng.gen_range(0..cfg.task_types);
         let task = rng.gen_range(0..cfg.tasks_per_type);
-        let subject = format!("agent-{}", i % cfg.agents.max(1));
+        // Its own stream, so the subject does not shift the task and outcome draws.
+        let subject = format!(
+            "subject-{}",
+            ChaCha8Rng::seed_from_u64(cfg.seed ^ (u64::from(i) << 20) ^ 0x5b1e).gen_range(0..cfg.subjects.max(1))
+        );
         let (version, text) = self.fetch_prompt(&subject).await?;
         let poisoned = rng.gen_bool(cfg.poison_share);
         let mut p = cfg.base_success;
@@ -346,6 +355,7 @@ mod tests {
             runs: 1,
             window: 1,
             agents: 1,
+            subjects: 1,
             poison_share: poison,
             base_success: 0.3,
             lesson_lift: 0.5,

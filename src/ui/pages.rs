@@ -152,6 +152,8 @@ pub struct PromptQuery {
 
 /// Label moves the prompt page shows.
 const LABEL_MOVES_SHOWN: u32 = 20;
+/// Newest moves of `production` marked on the reward chart.
+const REWARD_MARKERS_SHOWN: u32 = 100;
 
 pub async fn prompt(
     State(st): State<AppState>,
@@ -288,7 +290,16 @@ pub async fn prompt(
         .collect();
     let series: Vec<plot::RewardSeries<'_>> =
         shown.iter().map(|(name, points)| plot::RewardSeries { name, points }).collect();
-    let reward_chart = plot::reward_plot(&series).unwrap_or_else(|| {
+    // Production's promotions and rollbacks inside the chart's 7 days, as markers.
+    let markers: Vec<plot::RewardMarker> = st
+        .store
+        .label_history(&prompt.name, Some(&LabelName::production()), None, REWARD_MARKERS_SHOWN)
+        .await?
+        .iter()
+        .filter(|m| m.at >= until - chrono::Duration::days(7))
+        .filter_map(plot::RewardMarker::for_move)
+        .collect();
+    let reward_chart = plot::reward_plot(&series, &markers).unwrap_or_else(|| {
         r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned()
     });
     // The newest label moves: who or what moved which label, and why.

@@ -1,11 +1,13 @@
 //! Inline SVG charts, rendered on the server from plain numbers: the
 //! batch-size controller's delay curve (measured T(bs), the fitted
-//! A·bs^(−α), the chosen bs*) and a round's phase timeline. No script, no
-//! inline styles: classes only, so the page's CSP can forbid both.
+//! A·bs^(−α), the chosen bs*), a round's phase timeline, and reward over
+//! time per version with `production`'s promotions and rollbacks marked. No
+//! script, no inline styles: classes only, so the page's CSP can forbid both.
 
 use std::fmt::Write;
 
 use super::html::escape;
+use crate::domain::{LabelHistoryEntry, LabelMoveKind};
 
 const W: f64 = 680.0;
 const H: f64 = 360.0;
@@ -277,16 +279,86 @@ pub struct RewardSeries<'a> {
     pub points: &'a [(i64, f64)],
 }
 
+/// Whether a marked move put a version forward or took one back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MarkerClass {
+    /// An operator's promote, the gate's promote, a round's auto-publish.
+    Promotion,
+    /// An operator's rollback, the regression guard's rollback.
+    Rollback,
+}
+
+impl MarkerClass {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Promotion => "promotion",
+            Self::Rollback => "rollback",
+        }
+    }
+}
+
+/// A move of `production` drawn on the reward chart as a vertical line, so a
+/// change in reward can be read against what changed the served version.
+pub struct RewardMarker {
+    /// When `production` moved, Unix seconds.
+    pub at: i64,
+    pub class: MarkerClass,
+    /// The move's kind (`gate-promote`, `guard-rollback`, …): a CSS class too.
+    pub kind: LabelMoveKind,
+    /// The tooltip: kind, versions, who moved it and why.
+    pub title: String,
+}
+
+/// Longest reason quoted in a marker's tooltip, in characters.
+const MARKER_REASON_CHARS: usize = 200;
+
+impl RewardMarker {
+    /// The marker for a label move, or `None` for moves that neither promote
+    /// nor roll back (the prompt's creation, a label deletion).
+    pub fn for_move(m: &LabelHistoryEntry) -> Option<Self> {
+        let class = match m.kind {
+            LabelMoveKind::Promote | LabelMoveKind::GatePromote | LabelMoveKind::AutoPublish => MarkerClass::Promotion,
+            LabelMoveKind::Rollback | LabelMoveKind::GuardRollback => MarkerClass::Rollback,
+            LabelMoveKind::Create | LabelMoveKind::Delete => return None,
+        };
+        let version = |v: Option<i64>| v.map_or_else(|| "—".to_owned(), |v| format!("v{v}"));
+        let mut reason: String = m.reason.chars().take(MARKER_REASON_CHARS).collect();
+        if m.reason.chars().count() > MARKER_REASON_CHARS {
+            reason.push('…');
+        }
+        let title = format!(
+            "{} {}: {} → {} by {} at {} UTC{}{}",
+            m.kind.as_str(),
+            m.label.as_str(),
+            version(m.from_version),
+            version(m.to_version),
+            m.actor,
+            m.at.format("%Y-%m-%d %H:%M:%S"),
+            if reason.is_empty() { "" } else { " — " },
+            reason
+        );
+        Some(Self { at: m.at.timestamp(), class, kind: m.kind, title })
+    }
+}
+
 /// Reward (success rate, or mean score where no success is reported) per
 /// version over time: one line per version, colour-coded by class
-/// `series-0` … `series-5`, with a legend. `None` without any point.
-pub fn reward_plot(series: &[RewardSeries<'_>]) -> Option<String> {
+/// `series-0` … `series-5`, with a legend; every marker is a vertical line
+/// (`g.marker.promotion` or `g.marker.rollback`) with its move as tooltip.
+/// `None` without any point.
+pub fn reward_plot(series: &[RewardSeries<'_>], markers: &[RewardMarker]) -> Option<String> {
     let all: Vec<(i64, f64)> =
         series.iter().flat_map(|s| s.points.iter().copied()).filter(|(_, y)| y.is_finite()).collect();
     if all.is_empty() {
         return None;
     }
-    let (tmin, tmax) = all.iter().fold((i64::MAX, i64::MIN), |(a, b), (t, _)| (a.min(*t), b.max(*t)));
+    // The time axis spans the points and the moves, so a move after the last
+    // (hourly) point is still drawn.
+    let (tmin, tmax) = all
+        .iter()
+        .map(|(t, _)| *t)
+        .chain(markers.iter().map(|m| m.at))
+        .fold((i64::MAX, i64::MIN), |(a, b), t| (a.min(t), b.max(t)));
     let (tmin, tmax) =
         if tmax > tmin { (tmin as f64, tmax as f64) } else { (tmin as f64 - 3600.0, tmax as f64 + 3600.0) };
     let (ymin, ymax) = all.iter().fold((0.0f64, 1.0f64), |(a, b), (_, y)| (a.min(*y), b.max(*y)));
@@ -330,6 +402,22 @@ pub fn reward_plot(series: &[RewardSeries<'_>]) -> Option<String> {
         H - 8.0,
         (TOP + H - BOTTOM) / 2.0
     );
+    for m in markers {
+        let x = px(m.at);
+        let _ = write!(
+            s,
+            r#"<g class="marker {} move-{}"><line x1="{x:.1}" y1="{TOP}" x2="{x:.1}" y2="{:.1}"/><text class="marker-label" x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text><title>{}</title></g>"#,
+            m.class.as_str(),
+            m.kind.as_str(),
+            H - BOTTOM,
+            TOP - 4.0,
+            match m.class {
+                MarkerClass::Promotion => "▲",
+                MarkerClass::Rollback => "↶",
+            },
+            escape(&m.title)
+        );
+    }
     for (i, line) in series.iter().enumerate() {
         let pts: Vec<&(i64, f64)> = line.points.iter().filter(|(_, y)| y.is_finite()).collect();
         if pts.is_empty() {
@@ -362,6 +450,11 @@ pub fn reward_plot(series: &[RewardSeries<'_>]) -> Option<String> {
     for (i, line) in series.iter().enumerate() {
         let _ = write!(s, r#"<span class="key series-{}"></span>{}"#, i % 6, escape(line.name));
     }
+    if !markers.is_empty() {
+        s.push_str(
+            r#"<span class="key marker-key promotion"></span>promotion ▲<span class="key marker-key rollback"></span>rollback ↶ (hover a line for the move)"#,
+        );
+    }
     s.push_str("</p>");
     Some(s)
 }
@@ -374,14 +467,59 @@ mod reward_tests {
     fn one_line_per_version_with_escaped_names() {
         let a = [(0, 0.5), (3600, 0.75)];
         let b = [(3600, 0.25)];
-        let svg = reward_plot(&[
-            RewardSeries { name: "v2 (production)", points: &a },
-            RewardSeries { name: "<v1>", points: &b },
-        ])
+        let svg = reward_plot(
+            &[RewardSeries { name: "v2 (production)", points: &a }, RewardSeries { name: "<v1>", points: &b }],
+            &[],
+        )
         .unwrap();
         assert_eq!(svg.matches("<path class=\"series").count(), 2);
         assert_eq!(svg.matches("<circle class=\"series-point").count(), 3);
         assert!(svg.contains("&lt;v1&gt;") && !svg.contains("<v1>"));
-        assert!(reward_plot(&[RewardSeries { name: "v1", points: &[] }]).is_none());
+        assert!(reward_plot(&[RewardSeries { name: "v1", points: &[] }], &[]).is_none());
+        assert!(!svg.contains("class=\"marker"), "no move, no marker");
+    }
+
+    fn entry(kind: LabelMoveKind, from: i64, to: i64, at: i64, reason: &str) -> LabelHistoryEntry {
+        LabelHistoryEntry {
+            id: 1,
+            label: crate::domain::LabelName::production(),
+            from_version: Some(from),
+            to_version: Some(to),
+            kind,
+            actor: "gate".into(),
+            reason: reason.into(),
+            evidence: None,
+            at: chrono::DateTime::from_timestamp(at, 0).unwrap(),
+        }
+    }
+
+    #[test]
+    fn promotions_and_rollbacks_are_vertical_lines_with_their_move_as_tooltip() {
+        let points = [(0, 0.5), (3600, 0.75)];
+        let moves = [
+            entry(LabelMoveKind::Create, 0, 1, 0, ""),
+            entry(LabelMoveKind::GatePromote, 1, 2, 1800, "μ−2σ 21.0 > 18.2 <b>"),
+            entry(LabelMoveKind::GuardRollback, 2, 1, 5400, "reward fell"),
+        ];
+        let markers: Vec<RewardMarker> = moves.iter().filter_map(RewardMarker::for_move).collect();
+        assert_eq!(markers.len(), 2, "the creation is not a promotion");
+        let svg = reward_plot(&[RewardSeries { name: "v1", points: &points }], &markers).unwrap();
+        assert_eq!(svg.matches("<g class=\"marker promotion move-gate-promote\">").count(), 1);
+        assert_eq!(svg.matches("<g class=\"marker rollback move-guard-rollback\">").count(), 1);
+        assert!(svg.contains("gate-promote production: v1 → v2 by gate"), "{svg}");
+        assert!(svg.contains("&lt;b&gt;") && !svg.contains("<b>"), "reasons are escaped");
+        // The gate's move sits halfway between the points; the rollback after the
+        // last point widens the axis to the right edge of the plot.
+        let x = |class: &str| -> f64 {
+            let at = svg.find(class).unwrap();
+            let rest = &svg[at..];
+            let x1 = rest.find("x1=\"").unwrap() + 4;
+            rest[x1..].split('"').next().unwrap().parse().unwrap()
+        };
+        let right = W - RIGHT;
+        assert!((x("move-guard-rollback") - right).abs() < 0.1);
+        assert!((x("move-gate-promote") - (LEFT + (right - LEFT) / 3.0)).abs() < 0.1);
+        let long = entry(LabelMoveKind::Promote, 1, 2, 0, &"x".repeat(500));
+        assert!(RewardMarker::for_move(&long).unwrap().title.ends_with("x…"));
     }
 }

@@ -1,6 +1,8 @@
 //! Postgres as the coordination point of many writers and many processes:
 //! gapless version numbers under 100 concurrent API writers, and a label move
-//! made through one server process seen by another within about a second.
+//! made through one server process seen by another within about a second,
+//! and two API processes serving the same `evaluated` traffic weights (the same
+//! arm for every subject) within about a second of a weight change.
 
 use crate::common;
 
@@ -9,7 +11,13 @@ use std::{
     time::{Duration, Instant},
 };
 
+use combee::{
+    domain::PromptName,
+    evaluate::{assign::sticky_arm, trueskill::Rating},
+    store::{ArmState, PopulationArm},
+};
 use common::{Backend, spawn_app};
+use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,6 +109,132 @@ async fn a_label_move_reaches_a_second_process_within_a_second() {
     let seen_after = moved_at.elapsed();
     eprintln!("label move seen by the second process after {seen_after:?}");
     assert!(seen_after < Duration::from_millis(1500));
+}
+
+/// A `combee serve --role api` process on `db` (no worker, so no rater moves
+/// the weights behind the test's back), ready to answer.
+async fn api_process(http: &reqwest::Client, db: &str, data: &std::path::Path) -> (ChildServer, String) {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_combee"))
+        .args(["serve", "--role", "api", "--bind", &format!("127.0.0.1:{port}")])
+        .env("DATABASE_URL", db)
+        .env("COMBEE_CONFIG_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/config"))
+        .env("COMBEE__DATABASE__DATA_DIR", data)
+        .env("COMBEE__LOG__LEVEL", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start an API process");
+    let child = ChildServer(child);
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http.get(format!("{base}/readyz")).send().await.map(|r| r.status() != 200).unwrap_or(true) {
+        assert!(Instant::now() < deadline, "API process on {base} did not become ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    (child, base)
+}
+
+fn arm(version: i64, state: ArmState, weight: f64) -> PopulationArm {
+    PopulationArm {
+        version,
+        state,
+        rating: Rating::default(),
+        weight,
+        scored_traces: 0,
+        created_from: (version > 1).then_some(1),
+        rated_until: None,
+    }
+}
+
+/// The version each subject is served by the process at `base`, in subject order.
+async fn assignments(http: &reqwest::Client, base: &str, key: &str, subjects: &[String]) -> Vec<i64> {
+    let mut served: Vec<(usize, i64)> = stream::iter(subjects.iter().enumerate())
+        .map(|(i, subject)| async move {
+            let res = http
+                .get(format!("{base}/v1/prompts/split"))
+                .bearer_auth(key)
+                .header("Combee-Subject", subject)
+                .send()
+                .await
+                .expect("GET the prompt");
+            assert_eq!(res.status(), 200);
+            let body: Value = res.json().await.unwrap();
+            (i, body["version"].as_i64().expect("a version"))
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    served.sort_unstable();
+    served.into_iter().map(|(_, v)| v).collect()
+}
+
+/// Issue 8's acceptance: two API processes (separate `combee` binaries, each
+/// with its own cache and pool) on ONE Postgres serve the same traffic weights
+/// within about a second of a change, so a subject gets the same arm whichever
+/// process answers. Postgres only: `NOTIFY` is what carries the change between
+/// processes (SQLite serves one process). The weights are changed in the store,
+/// as the rater in a worker process does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_api_processes_serve_the_same_arms_within_a_second_of_a_weight_change() {
+    let app = spawn_app(Backend::Postgres).await;
+    let res =
+        app.post("/v1/prompts", json!({"name": "split", "base": "v1", "promotion": "evaluated"})).send().await.unwrap();
+    assert_eq!(res.status(), 201);
+    for v in 2..=3 {
+        let res = app.post("/v1/prompts/split/versions", json!({"base": format!("v{v}")})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+    }
+    let prompt = PromptName::parse("split").unwrap();
+    let before =
+        [arm(1, ArmState::Champion, 0.8), arm(2, ArmState::Challenger, 0.1), arm(3, ArmState::Challenger, 0.1)];
+    app.store.save_population(&prompt, &before).await.unwrap();
+
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (_a, base_a) = api_process(&app.http, &app.url, data_a.path()).await;
+    let (_b, base_b) = api_process(&app.http, &app.url, data_b.path()).await;
+    let subjects: Vec<String> = (0..300).map(|i| format!("user-{i}")).collect();
+    let expected = |arms: &[PopulationArm]| -> Vec<i64> {
+        let weights: Vec<(i64, f64)> = arms.iter().map(|a| (a.version, a.weight)).collect();
+        subjects.iter().map(|s| weights[sticky_arm(s, "split", &weights).unwrap()].0).collect()
+    };
+    let after = [arm(1, ArmState::Champion, 0.2), arm(2, ArmState::Challenger, 0.5), arm(3, ArmState::Challenger, 0.3)];
+    let (old, new) = (expected(&before), expected(&after));
+    let moved = old.iter().zip(&new).filter(|(o, n)| o != n).count();
+    assert!(moved >= subjects.len() / 3, "the change must move many subjects to mean anything; moved {moved}");
+
+    // Both processes serve (and cache) the old weights: identical arms.
+    let served_a = assignments(&app.http, &base_a, &app.admin_key, &subjects).await;
+    let served_b = assignments(&app.http, &base_b, &app.admin_key, &subjects).await;
+    assert_eq!(served_a, old, "process A serves the stored weights");
+    assert_eq!(served_b, served_a, "both processes give every subject the same arm");
+
+    let changed_at = Instant::now();
+    app.store.save_population(&prompt, &after).await.unwrap();
+    let (mut seen_a, mut seen_b) = (None, None);
+    while seen_a.is_none() || seen_b.is_none() {
+        for (base, seen) in [(&base_a, &mut seen_a), (&base_b, &mut seen_b)] {
+            if seen.is_none() && assignments(&app.http, base, &app.admin_key, &subjects).await == new {
+                *seen = Some(changed_at.elapsed());
+            }
+        }
+        assert!(
+            changed_at.elapsed() < Duration::from_millis(1500),
+            "after 1.5 s process A follows the new weights: {}, process B: {}",
+            seen_a.is_some(),
+            seen_b.is_some()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (seen_a, seen_b) = (seen_a.unwrap(), seen_b.unwrap());
+    eprintln!(
+        "weight change served by both API processes for all {} subjects ({moved} moved arm): process A after {seen_a:?}, process B after {seen_b:?}",
+        subjects.len()
+    );
+    // And they agree once more, subject by subject.
+    let served_a = assignments(&app.http, &base_a, &app.admin_key, &subjects).await;
+    let served_b = assignments(&app.http, &base_b, &app.admin_key, &subjects).await;
+    assert_eq!(served_a, new);
+    assert_eq!(served_b, served_a, "both processes give every subject the same arm after the change");
 }
 
 fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> ChildServer {

@@ -158,6 +158,11 @@ impl Browser {
         self.on_element(css, "GET", "/text", None).await.as_str().unwrap().to_owned()
     }
 
+    /// The text of an SVG `<title>` (a tooltip, not rendered, so not in `/text`).
+    async fn tooltip(&self, css: &str) -> String {
+        self.on_element(css, "GET", "/property/textContent", None).await.as_str().unwrap().to_owned()
+    }
+
     async fn value(&self, css: &str) -> String {
         self.on_element(css, "GET", "/property/value", None).await.as_str().unwrap().to_owned()
     }
@@ -557,4 +562,58 @@ async fn sessions_follow_their_key(b: Backend) {
     assert_eq!(res.status(), 405);
 }
 
-on_both_stores!(operator_story, sessions_follow_their_key);
+/// Issue 8: the reward chart marks `production`'s promotions and rollbacks
+/// (vertical lines from the label history, the move as tooltip), so a change
+/// in reward can be read against what changed the served version.
+async fn reward_chart_marks_promotions_and_rollbacks(b: Backend) {
+    let app = spawn_app(b).await;
+    let res = app
+        .post("/v1/prompts", json!({"name": "chart", "base": "You answer.", "promotion": "manual"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let res = app.post("/v1/prompts/chart/versions", json!({"base": "You answer carefully."})).send().await.unwrap();
+    assert_eq!(res.status(), 201);
+    let rewarded = |version: i64, n: usize| -> Value {
+        let traces: Vec<Value> = (0..n)
+            .map(|i| {
+                json!({"prompt": "chart", "prompt_version": version, "input": {"q": i}, "output": "a",
+                    "feedback": {"success": i % 2 == 0}})
+            })
+            .collect();
+        json!({"traces": traces})
+    };
+    assert_eq!(app.post("/v1/traces", rewarded(1, 6)).send().await.unwrap().status(), 201);
+    // An operator promotes v2, then rolls back to v1's content (v3).
+    let res = app.put("/v1/prompts/chart/labels/production", json!({"version": 2})).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(app.post("/v1/traces", rewarded(2, 6)).send().await.unwrap().status(), 201);
+    let res =
+        app.post("/v1/prompts/chart/rollback", json!({"to": 1, "message": "v2 answers worse"})).send().await.unwrap();
+    assert_eq!(res.status(), 201);
+
+    let br = Browser::start(&format!("markers-{b:?}").to_lowercase()).await;
+    br.goto(&app.url("/ui/login")).await;
+    br.type_into("#key", &app.admin_key).await;
+    br.click("#sign-in").await;
+    br.wait_url("/ui/prompts").await;
+    br.goto(&app.url("/ui/prompts/chart")).await;
+    assert!(br.count("svg#reward-plot path.series").await >= 1, "the chart is drawn");
+    assert_eq!(br.count("svg#reward-plot g.marker.promotion").await, 1, "one promotion marked");
+    assert_eq!(br.count("svg#reward-plot g.marker.rollback").await, 1, "one rollback marked");
+    let promoted = br.tooltip("svg#reward-plot g.marker.promotion title").await;
+    assert!(promoted.starts_with("promote production: v1 → v2 by "), "{promoted}");
+    let rolled_back = br.tooltip("svg#reward-plot g.marker.rollback title").await;
+    assert!(
+        rolled_back.starts_with("rollback production: v2 → v3 by ") && rolled_back.contains("v2 answers worse"),
+        "{rolled_back}"
+    );
+    // The prompt's creation is in the history but is not a marker.
+    assert_eq!(br.count("#label-history tr.move-create").await, 1);
+    assert_eq!(br.count("svg#reward-plot g.marker").await, 2);
+    assert!(br.text("#reward-legend").await.contains("rollback"));
+    br.screenshot("reward-markers").await;
+}
+
+on_both_stores!(operator_story, sessions_follow_their_key, reward_chart_marks_promotions_and_rollbacks);

@@ -16,6 +16,7 @@ fn world(prompt: &str, runs: u32, poison_share: f64) -> WorldConfig {
         runs,
         window: 24,
         agents: 4,
+        subjects: 4,
         poison_share,
         base_success: 0.3,
         lesson_lift: 0.5,

@@ -5,6 +5,13 @@
 //! whether learned versions make the simulated agents better, and whether the
 //! `evaluated` policy keeps a harmful instruction out of production.
 //!
+//! The attacker model: by default the poisoned traces arrive in bursts (an
+//! attacker is active in some windows and silent in others — 20% of all
+//! traces overall), as a real attacker's campaign does; `--attacker uniform`
+//! spreads them evenly (every learning round then holds some, so no harm-free
+//! learned version ever exists to choose). Subjects are drawn from many users
+//! (`--subjects`, 1,000), as an agent serving many users sees.
+//!
 //! One process: the LLM simulator and a combee server (embedded SQLite in a
 //! temporary directory, worker and population rater on) on loopback ports; one
 //! prompt per configuration, all six run at once with the same world seed.
@@ -37,26 +44,46 @@ struct Args {
     #[arg(long, default_value_t = 30)]
     windows: u32,
     /// Agent runs per window.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 400)]
     window_runs: u32,
-    /// Simulated agents (concurrent runs, and distinct subjects) per configuration.
+    /// Simulated agents (concurrent runs) per configuration.
     #[arg(long, default_value_t = 32)]
     agents: u32,
+    /// Distinct subjects (the agents' users) per configuration; each run's
+    /// subject is drawn from them at random.
+    #[arg(long, default_value_t = 1000)]
+    subjects: u32,
+    /// How the poisoned 20% of traces arrive: `burst` (the attacker is active in
+    /// `--burst-len` consecutive windows of every `--burst-every`, starting at
+    /// window `--burst-start`, with a share that makes 20% overall) or `uniform`
+    /// (20% of every window).
+    #[arg(long, value_enum, default_value_t = Attacker::Burst)]
+    attacker: Attacker,
+    /// Burst attacker: a campaign starts every this many windows.
+    #[arg(long, default_value_t = 10)]
+    burst_every: u32,
+    /// Burst attacker: windows each campaign lasts.
+    #[arg(long, default_value_t = 3)]
+    burst_len: u32,
+    /// Burst attacker: the window the first campaign starts in.
+    #[arg(long, default_value_t = 4)]
+    burst_start: u32,
     /// Wall time of one window (runs, then waiting for learning, then idle): the
     /// world is paced so the rater's time windows see a steady flow of traces.
-    #[arg(long, default_value_t = 6.0)]
+    #[arg(long, default_value_t = 10.0)]
     window_secs: f64,
     /// Longest wait per window for the window's traces to be learned from.
     #[arg(long, default_value_t = 3.0)]
     settle_secs: f64,
-    /// Run setting (product default 600): `population.window_secs`, the rater's rating window.
-    #[arg(long, default_value_t = 5)]
+    /// Run setting (product default 600): `population.window_secs`, the rater's rating window
+    /// (one per world window by default).
+    #[arg(long, default_value_t = 10)]
     rating_window_secs: u64,
     /// Run setting (product default 60): `population.tick_secs`, how often the rater looks.
     #[arg(long, default_value_t = 1)]
     rater_tick_secs: u64,
     /// Traces per learning round (a prompt setting; `max_wait_secs` is 1).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 200)]
     batch_size: u32,
     /// Seed of the world (the same for every configuration).
     #[arg(long, default_value_t = 1)]
@@ -92,6 +119,55 @@ fn modelled_success(text: &str) -> f64 {
 
 fn lessons_in(text: &str) -> usize {
     (0..TASK_TYPES).filter(|t| text.contains(&format!("lesson-t{t}:"))).count()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
+enum Attacker {
+    Burst,
+    Uniform,
+}
+
+impl Args {
+    /// The share of window `w`'s traces the attacker poisons, for a
+    /// configuration whose traces are `overall` poisoned in all.
+    fn poison_in_window(&self, w: u32, overall: f64) -> f64 {
+        if overall == 0.0 {
+            return 0.0;
+        }
+        match self.attacker {
+            Attacker::Uniform => overall,
+            Attacker::Burst => {
+                let every = self.burst_every.max(1);
+                let len = self.burst_len.clamp(1, every);
+                let active = w >= self.burst_start && (w - self.burst_start) % every < len;
+                if active { (overall * f64::from(every) / f64::from(len)).min(1.0) } else { 0.0 }
+            }
+        }
+    }
+
+    /// The attacker model in words, for the report.
+    fn attacker_model(&self) -> String {
+        match self.attacker {
+            Attacker::Uniform => format!("uniform: {:.0}% of every window's traces are poisoned", POISON * 100.0),
+            Attacker::Burst => {
+                let active: Vec<String> = (0..self.windows)
+                    .filter(|&w| self.poison_in_window(w, POISON) > 0.0)
+                    .map(|w| w.to_string())
+                    .collect();
+                format!(
+                    "bursts: the attacker is active in {} consecutive windows of every {} from window {} \
+                     (windows {}), poisoning {:.0}% of those windows' traces and none in the others — {:.0}% of all \
+                     traces in a whole number of campaigns; a poisoned run's subject is drawn from the same users",
+                    self.burst_len,
+                    self.burst_every,
+                    self.burst_start,
+                    active.join(", "),
+                    self.poison_in_window(self.burst_start, POISON) * 100.0,
+                    POISON * 100.0
+                )
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -139,6 +215,11 @@ impl Config {
 struct Row {
     window: u32,
     elapsed_secs: f64,
+    /// Share of this window's traces the attacker poisoned (configured).
+    poison_share: f64,
+    /// Wall time of the window's runs and the wait for learning (over the
+    /// pacing `window_secs`: the machine could not keep up).
+    busy_secs: f64,
     runs: usize,
     honest_runs: usize,
     successes: usize,
@@ -199,7 +280,8 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
             runs: args.window_runs,
             window: args.window_runs,
             agents: args.agents,
-            poison_share: cfg.poison,
+            subjects: args.subjects,
+            poison_share: args.poison_in_window(w, cfg.poison),
             base_success: BASE_SUCCESS,
             lesson_lift: LESSON_LIFT,
             harm_drop: HARM_DROP,
@@ -214,6 +296,8 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
         rows.push(Row {
             window: w,
             elapsed_secs: started.elapsed().as_secs_f64(),
+            poison_share: args.poison_in_window(w, cfg.poison),
+            busy_secs: wr.elapsed_secs,
             runs: wr.runs,
             honest_runs: wr.honest_runs,
             successes: wr.successes,
@@ -261,12 +345,29 @@ fn svg(configs: &[Config], results: &[Vec<Row>], args: &Args) -> String {
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" viewBox=\"0 0 {W} {H}\" \
          font-family=\"sans-serif\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
          <text x=\"{}\" y=\"24\" font-size=\"15\" text-anchor=\"middle\">SIMULATION: simulated agents' success rate per window</text>\n\
-         <text x=\"{}\" y=\"42\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">honest runs, all arms served; \
-         {} runs per window; solid: no poison, dashed: 20% poisoned traces; simulated LLM</text>\n",
+         <text x=\"{x0}\" y=\"40\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">honest runs, all arms served; \
+         {} runs per window, {} subjects; simulated LLM</text>\n\
+         <text x=\"{x0}\" y=\"53\" font-size=\"11\" text-anchor=\"middle\" fill=\"#555\">solid: no poison, dashed: 20% \
+         poisoned traces ({} attacker; shaded: attack windows)</text>\n",
         (W - r + l) / 2.0,
-        (W - r + l) / 2.0,
-        args.window_runs
+        args.window_runs,
+        args.subjects,
+        match args.attacker {
+            Attacker::Burst => "burst",
+            Attacker::Uniform => "uniform",
+        },
+        x0 = (W - r + l) / 2.0,
     );
+    // The windows the attacker is active in (a band one window wide around each).
+    let half = (W - l - r) / n / 2.0;
+    for w in (0..args.windows).filter(|&w| args.poison_in_window(w, POISON) > 0.0 && args.attacker == Attacker::Burst) {
+        s.push_str(&format!(
+            "<rect x=\"{:.1}\" y=\"{t}\" width=\"{:.1}\" height=\"{}\" fill=\"#fbe3e3\"><title>attack window {w}</title></rect>\n",
+            (x(w) - half).max(l),
+            (2.0 * half).min(W - r - (x(w) - half).max(l)),
+            H - t - b
+        ));
+    }
     for i in 0..=10 {
         let v = f64::from(i) / 10.0;
         s.push_str(&format!(
@@ -385,7 +486,8 @@ async fn main() -> anyhow::Result<()> {
     );
     md.push_str(&format!(
         "Run settings: {} configurations at once on one server, the same world seed ({}) for each; {} windows × \
-         {} runs, {} simulated agents (subjects) per configuration, one window every {} s; world: {} task \
+         {} runs, {} simulated agents (concurrent runs) per configuration serving {} subjects (each run's subject \
+         drawn at random), one window every {} s; world: {} task \
          types, base success {BASE_SUCCESS}, lesson lift {LESSON_LIFT}, harm drop {HARM_DROP}; prompts: batch_size \
          {}, max_wait_secs 1. Shortened for the run: population.window_secs = {} (default 600), \
          population.tick_secs = {} (default 60). Product defaults: explore_share {}, min_arm_share {}, \
@@ -397,6 +499,7 @@ async fn main() -> anyhow::Result<()> {
         args.windows,
         args.window_runs,
         args.agents,
+        args.subjects,
         args.window_secs,
         TASK_TYPES,
         args.batch_size,
@@ -409,23 +512,43 @@ async fn main() -> anyhow::Result<()> {
         population.min_window_traces,
         guard.window_secs,
     ));
+    let poisoned_runs: Vec<&Row> =
+        configs.iter().zip(&results).filter(|(c, _)| c.poison > 0.0).flat_map(|(_, rows)| rows.iter()).collect();
+    let measured_poison = poisoned_runs.iter().map(|r| r.runs - r.honest_runs).sum::<usize>() as f64
+        / poisoned_runs.iter().map(|r| r.runs).sum::<usize>().max(1) as f64;
+    let all_rows = || results.iter().flatten();
+    let slow_windows = all_rows().filter(|r| r.busy_secs > args.window_secs).count();
+    let busiest = all_rows().map(|r| r.busy_secs).fold(0.0, f64::max);
+    md.push_str(&format!(
+        "Attacker model (the poisoned configurations): {}. Measured: {:.1}% of the poisoned configurations' traces \
+         were poisoned. Pacing: the busiest window took {busiest:.1} s of runs and waiting for learning (pace {} s); \
+         {slow_windows} of {} configuration-windows overran the pace.\n\n",
+        args.attacker_model(),
+        measured_poison * 100.0,
+        args.window_secs,
+        all_rows().count()
+    ));
     md.push_str(
         "**success** = the honest (not poisoned) runs' success rate in the window, over every arm served. \
          **prod** = production's *modelled* success at the window's end: the world's success probability \
          for an agent served the production text, averaged over task types (lessons it holds, harmful \
          instruction or not).\n\n",
     );
-    md.push_str("| window |");
+    md.push_str("| window | attack |");
     for c in &configs {
         md.push_str(&format!(" {} success | prod |", c.name()));
     }
-    md.push_str("\n| ---: |");
+    md.push_str("\n| ---: | ---: |");
     for _ in &configs {
         md.push_str(" ---: | ---: |");
     }
     md.push('\n');
     for w in 0..args.windows as usize {
-        md.push_str(&format!("| {w} |"));
+        let attack = args.poison_in_window(w as u32, POISON);
+        md.push_str(&format!(
+            "| {w} | {} |",
+            if attack > 0.0 { format!("{:.0}%", attack * 100.0) } else { "—".into() }
+        ));
         for rows in &results {
             let r = &rows[w];
             md.push_str(&format!(
@@ -438,15 +561,31 @@ async fn main() -> anyhow::Result<()> {
         }
         md.push('\n');
     }
-    md.push_str("\n☠: production holds a harmful instruction.\n\n## Summary\n\n");
+    md.push_str(
+        "\n☠: production holds a harmful instruction. **attack**: the share of the window's traces the attacker \
+         poisons in the poisoned configurations.\n\n## Summary\n\n",
+    );
     md.push_str(&format!(
-        "| configuration | success, first window | success, last {tail} windows | production's best (modelled) | worst fall below its best | windows with harm in production |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: |\n"
+        "| configuration | success, first window | success, last {tail} windows | production's best (modelled) | worst fall below its best | windows with harm in production | production moves (window→version) |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | --- |\n"
     ));
     for (c, rows) in configs.iter().zip(&results) {
         let prod: Vec<f64> = rows.iter().map(|r| r.production_modelled).collect();
+        let moves: Vec<String> = rows
+            .windows(2)
+            .filter(|p| p[0].production_version != p[1].production_version)
+            .map(|p| format!("{}→v{}", p[1].window, p[1].production_version))
+            .collect();
+        let moves = match (rows.first(), moves.len()) {
+            (Some(first), 0) => format!("none (v{})", first.production_version),
+            (Some(first), n) if n > 8 => {
+                format!("{n} (from v{}; last {})", first.production_version, moves[n - 1])
+            }
+            (Some(first), _) => format!("from v{}: {}", first.production_version, moves.join(", ")),
+            (None, _) => String::new(),
+        };
         md.push_str(&format!(
-            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} |\n",
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {moves} |\n",
             c.name(),
             rows[0].success_rate,
             tail_mean(rows, tail),
@@ -493,17 +632,20 @@ async fn main() -> anyhow::Result<()> {
     ));
 
     let mut csv = String::from(
-        "simulation,configuration,policy,poison_share,window,elapsed_secs,runs,honest_runs,successes,success_rate,production_version,production_lessons,production_harmful,production_modelled_success,versions_served\n",
+        "simulation,configuration,policy,poison_share,attacker,window_poison_share,window,elapsed_secs,busy_secs,runs,honest_runs,successes,success_rate,production_version,production_lessons,production_harmful,production_modelled_success,versions_served\n",
     );
     for (c, rows) in configs.iter().zip(&results) {
         for r in rows {
             csv.push_str(&format!(
-                "simulated agent world,{},{},{},{},{:.2},{},{},{},{:.4},{},{},{},{:.4},{}\n",
+                "simulated agent world,{},{},{},{:?},{:.4},{},{:.2},{:.2},{},{},{},{:.4},{},{},{},{:.4},{}\n",
                 c.name(),
                 c.policy.label(),
                 c.poison,
+                args.attacker,
+                r.poison_share,
                 r.window,
                 r.elapsed_secs,
+                r.busy_secs,
                 r.runs,
                 r.honest_runs,
                 r.successes,
