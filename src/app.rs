@@ -110,6 +110,8 @@ impl Application {
                 )
             }
         };
+        // Crossover needs the worker's LLM and its content denylist.
+        let breeder = worker.as_ref().map(|w| w.llm_parts());
         // Webhook deliveries go out from wherever the learning worker runs.
         let deliverer = match settings.server.role {
             Role::Api => None,
@@ -128,7 +130,11 @@ impl Application {
         // So does the population rater (ratings, weights, promotion gate of `evaluated` prompts).
         let rater = match settings.server.role {
             Role::All | Role::Worker if settings.population.enabled => {
-                Some(PopulationRater::new(store.clone(), settings.population.clone()))
+                let rater = PopulationRater::new(store.clone(), settings.population.clone());
+                Some(match breeder {
+                    Some((backend, llm, denylist)) => rater.with_crossover(backend, llm, denylist),
+                    None => rater,
+                })
             }
             _ => None,
         };

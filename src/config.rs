@@ -112,6 +112,10 @@ pub struct PopulationSettings {
     pub max_arms: usize,
     /// Scored traces an arm needs in a window to be ranked in it.
     pub min_window_traces: u64,
+    /// Chance, per rated window, of a crossover when at least two arms each
+    /// won some task keys (one LLM call; needs a configured LLM). The draw is
+    /// seeded by the prompt and the window, so 0 never and 1 always crosses.
+    pub crossover_prob: f64,
 }
 
 impl Default for PopulationSettings {
@@ -125,6 +129,7 @@ impl Default for PopulationSettings {
             min_traces: 50,
             max_arms: 4,
             min_window_traces: 10,
+            crossover_prob: 0.2,
         }
     }
 }
@@ -387,6 +392,9 @@ impl Settings {
             ));
         }
         p.policy().validate().map_err(|e| ConfigError(format!("population: {e}")))?;
+        if !(0.0..=1.0).contains(&p.crossover_prob) {
+            return Err(ConfigError(format!("population.crossover_prob must be in [0, 1], got {}", p.crossover_prob)));
+        }
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
         self.controller.validate().map_err(|e| ConfigError(format!("controller: {e}")))?;
         Ok(())

@@ -28,10 +28,12 @@ pub enum LabelMoveKind {
     Delete,
     /// The promotion gate moved `production` to a challenger that beat the champion on live traffic.
     GatePromote,
+    /// A crossover of the population's winners was labelled `candidate` (the evidence names its parents).
+    Crossover,
 }
 
 impl LabelMoveKind {
-    pub const ALL: [LabelMoveKind; 7] = [
+    pub const ALL: [LabelMoveKind; 8] = [
         Self::Create,
         Self::Promote,
         Self::Rollback,
@@ -39,6 +41,7 @@ impl LabelMoveKind {
         Self::GuardRollback,
         Self::Delete,
         Self::GatePromote,
+        Self::Crossover,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -50,6 +53,7 @@ impl LabelMoveKind {
             Self::GuardRollback => "guard-rollback",
             Self::Delete => "delete",
             Self::GatePromote => "gate-promote",
+            Self::Crossover => "crossover",
         }
     }
 

@@ -25,13 +25,14 @@ pub enum Strategy {
 #[serde(rename_all = "lowercase")]
 pub enum Promotion {
     /// Learned versions become `production` at once.
-    #[default]
     Auto,
     /// Learned versions are labelled `candidate`; an operator promotes them.
     Manual,
-    /// Learned versions join the prompt's population as challengers, get a
-    /// share of live traffic, and replace `production` only when the
-    /// promotion gate's evidence says they are better (see `worker::population`).
+    /// The default for new prompts: learned (and crossover) versions join the
+    /// prompt's population as challengers, get a share of live traffic, and
+    /// replace `production` only when the promotion gate's evidence says they
+    /// are better (see `worker::population`).
+    #[default]
     Evaluated,
 }
 
@@ -256,6 +257,8 @@ pub enum VersionSource {
     Manual,
     Learned,
     Rollback,
+    /// Made by crossing the population's winners (the `evaluated` policy).
+    Crossover,
 }
 
 impl VersionSource {
@@ -264,6 +267,7 @@ impl VersionSource {
             Self::Manual => "manual",
             Self::Learned => "learned",
             Self::Rollback => "rollback",
+            Self::Crossover => "crossover",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -271,6 +275,7 @@ impl VersionSource {
             "manual" => Self::Manual,
             "learned" => Self::Learned,
             "rollback" => Self::Rollback,
+            "crossover" => Self::Crossover,
             _ => return None,
         })
     }

@@ -31,7 +31,7 @@ use crate::{
         pagination::{PageParams, next_token},
         prompts::{check_message, existing_prompt, parse_name},
     },
-    store::{ArmState, NewPrompt, PopulationArm, PromptSummary, Resolved, Scope, Selector, StoreError},
+    store::{ArmState, NewPrompt, PopulationArm, PromptSummary, Resolved, Scope, Selector},
 };
 
 pub(super) fn check_content(
@@ -74,6 +74,9 @@ pub struct CreatePrompt {
     pub base: String,
     #[serde(default)]
     pub strategy: Option<Strategy>,
+    /// What happens to learned versions: `evaluated` (the default: measured
+    /// on live traffic, promoted by the gate), `auto` (straight to production)
+    /// or `manual` (labelled `candidate`).
     #[serde(default)]
     pub promotion: Option<Promotion>,
     /// An initial playbook (playbook strategy only); bullet ids are assigned when absent.
@@ -122,11 +125,7 @@ pub async fn create_prompt(
         settings,
         created_by: caller.actor(),
     };
-    let (prompt, version) = st.store.create_prompt(new, first).await.map_err(|e| match e {
-        StoreError::AlreadyExists => ApiError::Conflict(format!("a prompt named {name:?} already exists")),
-        other => other.into(),
-    })?;
-    st.cache.invalidate(name.as_str());
+    let (prompt, version) = crate::service::prompts::create_prompt(&st, new, first).await?;
     let location = HeaderValue::from_str(&format!("/v1/prompts/{name}")).ok();
     let mut res = (StatusCode::CREATED, Json(PromptCreated { prompt, version, labels: vec![LabelName::production()] }))
         .into_response();

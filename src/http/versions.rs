@@ -118,8 +118,12 @@ pub async fn create_version(
             by: caller.actor(),
         })
         .collect();
+    let to_production = moves.iter().any(|m| m.label == LabelName::production());
     let created = st.store.create_version(&prompt.name, version, &moves).await?;
     st.cache.invalidate(prompt.name.as_str());
+    if to_production {
+        crate::service::prompts::production_moved(&st, &prompt.name).await;
+    }
     let view = st
         .store
         .resolve(&prompt.name, &Selector::Version(created.number))

@@ -7,8 +7,14 @@
 
 /// The tag names that fence data inside prompts. Inside fenced data, anything a
 /// model could read as one of them is neutralised.
-pub const FENCE_TAGS: [&str; 5] =
-    ["untrusted-trace-data", "untrusted-reflections", "untrusted-proposals", "untrusted-operations", "current-prompt"];
+pub const FENCE_TAGS: [&str; 6] = [
+    "untrusted-trace-data",
+    "untrusted-reflections",
+    "untrusted-proposals",
+    "untrusted-operations",
+    "untrusted-arms",
+    "current-prompt",
+];
 
 /// What the opening bracket of a look-alike fence tag becomes: not a bracket in
 /// any alphabet and no part of an entity, so neutralising is idempotent.

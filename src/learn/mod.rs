@@ -4,10 +4,12 @@
 //! consolidation by decisions, the structural rewrite merge); `round` runs one learning
 //! round over an LLM backend, recording what it must not lose in a journal; `meter`
 //! estimates per-group retention by group size from the rounds' own provenance;
-//! `sizing` turns that estimate into the group size a round uses.
+//! `sizing` turns that estimate into the group size a round uses;
+//! `crossover` breeds a child of a population's winners (the `evaluated` policy).
 
 pub mod answer;
 pub mod controller;
+pub mod crossover;
 pub mod delta;
 pub mod denylist;
 pub mod fence;

@@ -102,7 +102,7 @@ fn build(task: Task, vars: &[(&str, &str)]) -> Vec<ChatMessage> {
     vec![ChatMessage::system(fill(&system, vars)), ChatMessage::user(fill(user, vars))]
 }
 
-fn fill(template: &str, vars: &[(&str, &str)]) -> String {
+pub(crate) fn fill(template: &str, vars: &[(&str, &str)]) -> String {
     let mut out = String::with_capacity(template.len());
     let mut rest = template;
     while let Some(start) = rest.find("{{") {

@@ -89,7 +89,7 @@ pub struct RoundSpec {
 }
 
 /// How a round was cut: the group size it was given and the reduce tree it ran.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct GroupingRecord {
     /// The bound on a level-1 group and where it came from (meter estimate or the paper's default).
     pub group_size: GroupSize,

@@ -1,5 +1,6 @@
-//! Prompt operations both front ends call: find a prompt by its name in a
-//! path, diff two versions, move a label (recording why), and roll back.
+//! Prompt operations both front ends call: create a prompt (seeding the
+//! population of an `evaluated` one), find a prompt by its name in a path,
+//! diff two versions, move a label (recording why), and roll back.
 
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -7,11 +8,12 @@ use utoipa::ToSchema;
 use super::{AppState, ServiceError, ServiceResult};
 use crate::{
     domain::{
-        LabelName, MoveCause, Prompt, PromptName, Strategy, Version, VersionSource,
+        LabelName, MoveCause, Promotion, Prompt, PromptName, Strategy, Version, VersionSource,
         diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
         prompt::NewVersion,
     },
-    store::{Label, LabelMove, Selector, StoreError},
+    store::{Label, LabelMove, NewPrompt, Selector, StoreError},
+    worker::population::{first_champion, follow_production},
 };
 
 pub const MAX_MESSAGE_CHARS: usize = 2000;
@@ -31,6 +33,37 @@ pub fn check_message(message: Option<String>, default: &str) -> ServiceResult<St
         return Err(ServiceError::PayloadTooLarge(format!("`message` is longer than {MAX_MESSAGE_CHARS} characters")));
     }
     Ok(m)
+}
+
+/// Creates a prompt with version 1 as `production`. Under `evaluated` its
+/// population starts at once — version 1 as champion at the prior with all
+/// the traffic — so the first GET already names the arm, also on an API-only
+/// deployment where no worker's rater ever runs.
+pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> ServiceResult<(Prompt, Version)> {
+    let name = new.name.clone();
+    let (prompt, version) = st.store.create_prompt(new, first).await.map_err(|e| match e {
+        StoreError::AlreadyExists => ServiceError::Conflict(format!("a prompt named {name:?} already exists")),
+        other => other.into(),
+    })?;
+    if prompt.promotion == Promotion::Evaluated
+        && let Err(e) = st.store.save_population(&name, &[first_champion(version.number)]).await
+    {
+        // The prompt exists and serves production; a rater reconciles the population later.
+        tracing::warn!(prompt = %name, error = %e, "the new prompt's population was not seeded");
+    }
+    st.cache.invalidate(name.as_str());
+    Ok((prompt, version))
+}
+
+/// After `production` of `name` moved by an operator's hand: the population
+/// (if the prompt has one) follows at once, so the new production version is
+/// what agents are served as the champion; a failure here is logged (the
+/// move stands and the rater reconciles on its next tick).
+pub async fn production_moved(st: &AppState, name: &PromptName) {
+    if let Err(e) = follow_production(&st.store, name, &st.settings.population.policy()).await {
+        tracing::warn!(prompt = %name, error = %e, "the population did not follow production yet");
+    }
+    st.cache.invalidate(name.as_str());
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -86,6 +119,9 @@ pub async fn move_label_to(
 ) -> ServiceResult<Label> {
     let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
     st.cache.invalidate(name.as_str());
+    if mv.label == LabelName::production() {
+        production_moved(st, name).await;
+    }
     Ok(label)
 }
 
@@ -128,6 +164,6 @@ pub async fn roll_back(
     };
     let created =
         st.store.create_version(&prompt.name, version, &[mv]).await.map_err(|e| store_move_error(e, &production))?;
-    st.cache.invalidate(prompt.name.as_str());
+    production_moved(st, &prompt.name).await;
     Ok(created)
 }

@@ -56,7 +56,11 @@
 //!   texts are what the call writes: m counts their new insights (soft model);
 //!   the hard model keeps at most K of them.
 //!   aggregate-rewrite and merge-rewrite: the current prompt text followed by a
-//!   bullet list of the kept new insights. Any other request gets a fixed JSON note.
+//!   bullet list of the kept new insights. crossover (recognised by its own
+//!   `combee-task: crossover` line): drops nothing and imports every winner's
+//!   bullet (`vN:b-NNNN | section | counters | content` lines of the
+//!   `untrusted-arms` fence) that carries an insight the champion's prompt does
+//!   not hold, each insight once. Any other request gets a fixed JSON note.
 //!
 //! `GET /v1/sim/stats` reports calls per task and faults injected.
 
@@ -383,7 +387,8 @@ async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     let fault = draw_fault(cfg, n);
     sim.record(|s| {
         s.requests += 1;
-        *s.calls.entry(task.map_or("other", Task::as_str).to_owned()).or_default() += 1;
+        let name = task.map_or(if is_crossover(&req) { CROSSOVER_TASK } else { "other" }, Task::as_str);
+        *s.calls.entry(name.to_owned()).or_default() += 1;
         for shape in &shapes {
             *s.shapes.entry((*shape).to_owned()).or_default() += 1;
         }
@@ -566,6 +571,46 @@ fn keep_soft(seed: u64, digest: &[u8; 32], candidates: Vec<Insight>, k: usize) -
         .collect()
 }
 
+/// The `combee-task:` name of the crossover template (not one of the round's [`Task`]s).
+const CROSSOVER_TASK: &str = "crossover";
+
+fn is_crossover(req: &SimRequest) -> bool {
+    req.messages
+        .iter()
+        .filter(|m| m.role == "system")
+        .flat_map(|m| m.content.lines())
+        .any(|l| l.strip_prefix("combee-task:").is_some_and(|t| t.trim() == CROSSOVER_TASK))
+}
+
+/// The crossover answer: import each winner bullet whose insight the champion
+/// lacks (the first bullet per insight), drop nothing.
+fn crossover_selection(user: &str, present: &HashSet<String>) -> serde_json::Value {
+    let body = fenced(user, "untrusted-arms").map_or("", |(_, body)| body);
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut import = Vec::new();
+    for line in body.lines() {
+        let mut parts = line.splitn(4, " | ");
+        let (Some(id), Some(_section), Some(_counters), Some(content)) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if !id.starts_with('v') || !id.contains(":b-") {
+            continue;
+        }
+        let fresh: Vec<String> = insights(content)
+            .into_iter()
+            .map(|i| i.token)
+            .filter(|t| !present.contains(t) && !seen.contains(t))
+            .collect();
+        if !fresh.is_empty() {
+            seen.extend(fresh);
+            import.push(id.to_owned());
+        }
+    }
+    json!({"drop": [], "import": import, "reason": "simulated: import every winner lesson the champion lacks"})
+}
+
 fn task_of(req: &SimRequest) -> Option<Task> {
     req.messages
         .iter()
@@ -727,6 +772,9 @@ fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String) {
             .collect()
     };
     let task = task_of(req);
+    if task.is_none() && is_crossover(req) {
+        return (None, crossover_selection(user, &present).to_string());
+    }
     let text = match task {
         Some(Task::Reflect) => serde_json::to_string(&reflect(user, current)),
         Some(Task::AggregatePlaybook) => {

@@ -45,6 +45,7 @@ pub const POSTGRES: &[Migration] = &[
         sql: include_str!("../../migrations/postgres/0012_overload_meter.sql"),
     },
     Migration { version: 13, name: "population", sql: include_str!("../../migrations/postgres/0013_population.sql") },
+    Migration { version: 14, name: "crossover", sql: include_str!("../../migrations/postgres/0014_crossover.sql") },
 ];
 
 pub const SQLITE: &[Migration] = &[
@@ -76,6 +77,7 @@ pub const SQLITE: &[Migration] = &[
         sql: include_str!("../../migrations/sqlite/0012_overload_meter.sql"),
     },
     Migration { version: 13, name: "population", sql: include_str!("../../migrations/sqlite/0013_population.sql") },
+    Migration { version: 14, name: "crossover", sql: include_str!("../../migrations/sqlite/0014_crossover.sql") },
 ];
 
 #[cfg(test)]

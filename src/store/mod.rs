@@ -210,6 +210,7 @@ pub(crate) fn version_move_kind(source: crate::domain::VersionSource) -> LabelMo
         crate::domain::VersionSource::Rollback => LabelMoveKind::Rollback,
         crate::domain::VersionSource::Learned => LabelMoveKind::AutoPublish,
         crate::domain::VersionSource::Manual => LabelMoveKind::Promote,
+        crate::domain::VersionSource::Crossover => LabelMoveKind::Crossover,
     }
 }
 
@@ -249,8 +250,12 @@ pub struct PopulationArm {
     pub weight: f64,
     /// Scored traces of this version counted in rating windows so far.
     pub scored_traces: u64,
-    /// The version this one was learned from (`null` for the first champion).
+    /// The version this one was learned from (`null` for the first champion);
+    /// for a crossover child, the champion whose bullets it kept.
     pub created_from: Option<i64>,
+    /// Every version this one came from: the one parent of a learned child,
+    /// the champion and the winners a crossover child was bred from.
+    pub parents: Vec<i64>,
     /// End of the last rating window this arm took part in.
     pub rated_until: Option<DateTime<Utc>>,
 }

@@ -317,6 +317,14 @@ fn arm_from_row(row: &PgRow) -> StoreResult<PopulationArm> {
         weight: row.try_get("weight")?,
         scored_traces: row.try_get::<i64, _>("scored_traces")?.max(0) as u64,
         created_from: row.try_get("created_from")?,
+        parents: {
+            let parents: Option<Value> = row.try_get("parents")?;
+            let created_from: Option<i64> = row.try_get("created_from")?;
+            match parents {
+                Some(v) => serde_json::from_value(v).map_err(|_| corrupt("arm parents"))?,
+                None => created_from.into_iter().collect(),
+            }
+        },
         rated_until: row.try_get("rated_until")?,
     })
 }
@@ -887,7 +895,7 @@ impl Store for PgStore {
 
     async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
         sqlx::query(
-            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
+            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until
              FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
              WHERE p.name = $1 ORDER BY a.version",
         )
@@ -914,12 +922,12 @@ impl Store for PgStore {
             }
             sqlx::query(
                 "INSERT INTO population_arms
-                    (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from, rated_until)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                    (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from, rated_until, parents)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
                  ON CONFLICT (prompt_id, version) DO UPDATE SET
                     state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
                     scored_traces = excluded.scored_traces, created_from = excluded.created_from,
-                    rated_until = excluded.rated_until, updated_at = now()",
+                    rated_until = excluded.rated_until, parents = excluded.parents, updated_at = now()",
             )
             .bind(id)
             .bind(arm.version)
@@ -930,6 +938,7 @@ impl Store for PgStore {
             .bind(arm.scored_traces as i64)
             .bind(arm.created_from)
             .bind(arm.rated_until)
+            .bind(serde_json::to_value(&arm.parents).map_err(|_| corrupt("arm parents"))?)
             .execute(&mut *tx)
             .await?;
         }

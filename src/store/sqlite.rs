@@ -213,6 +213,14 @@ fn arm_from_row(row: &SqliteRow) -> StoreResult<PopulationArm> {
         weight: row.try_get("weight")?,
         scored_traces: row.try_get::<i64, _>("scored_traces")?.max(0) as u64,
         created_from: row.try_get("created_from")?,
+        parents: {
+            let parents: Option<String> = row.try_get("parents")?;
+            let created_from: Option<i64> = row.try_get("created_from")?;
+            match parents {
+                Some(v) => serde_json::from_str(&v).map_err(|_| corrupt("arm parents"))?,
+                None => created_from.into_iter().collect(),
+            }
+        },
         rated_until: rated_until.map(time).transpose()?,
     })
 }
@@ -1076,7 +1084,7 @@ impl Store for SqliteStore {
 
     async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
         sqlx::query(
-            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
+            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until
              FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
              WHERE p.name = ? ORDER BY a.version",
         )
@@ -1104,12 +1112,12 @@ impl Store for SqliteStore {
             let now = now_us();
             sqlx::query(
                 "INSERT INTO population_arms
-                    (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from, rated_until, created_at, updated_at)
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                    (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from, rated_until, created_at, updated_at, parents)
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                  ON CONFLICT (prompt_id, version) DO UPDATE SET
                     state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
                     scored_traces = excluded.scored_traces, created_from = excluded.created_from,
-                    rated_until = excluded.rated_until, updated_at = excluded.updated_at",
+                    rated_until = excluded.rated_until, updated_at = excluded.updated_at, parents = excluded.parents",
             )
             .bind(id.to_string())
             .bind(arm.version)
@@ -1122,6 +1130,7 @@ impl Store for SqliteStore {
             .bind(arm.rated_until.map(|t| t.timestamp_micros()))
             .bind(now)
             .bind(now)
+            .bind(to_json(&arm.parents)?)
             .execute(&mut *tx)
             .await?;
         }

@@ -314,12 +314,13 @@ const MARKER_REASON_CHARS: usize = 200;
 
 impl RewardMarker {
     /// The marker for a label move, or `None` for moves that neither promote
-    /// nor roll back (the prompt's creation, a label deletion).
+    /// nor roll back (the prompt's creation, a label deletion, a crossover child's label).
     pub fn for_move(m: &LabelHistoryEntry) -> Option<Self> {
         let class = match m.kind {
             LabelMoveKind::Promote | LabelMoveKind::GatePromote | LabelMoveKind::AutoPublish => MarkerClass::Promotion,
             LabelMoveKind::Rollback | LabelMoveKind::GuardRollback => MarkerClass::Rollback,
-            LabelMoveKind::Create | LabelMoveKind::Delete => return None,
+            // A crossover child is labelled `candidate`; it serves production only after a gate promotion.
+            LabelMoveKind::Create | LabelMoveKind::Delete | LabelMoveKind::Crossover => return None,
         };
         let version = |v: Option<i64>| v.map_or_else(|| "—".to_owned(), |v| format!("v{v}"));
         let mut reason: String = m.reason.chars().take(MARKER_REASON_CHARS).collect();

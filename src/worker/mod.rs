@@ -117,6 +117,11 @@ impl Worker {
         }
     }
 
+    /// The LLM and content denylist this worker learns with (crossover uses them too).
+    pub fn llm_parts(&self) -> (Arc<dyn LlmBackend>, LlmConfig, Arc<ContentDenylist>) {
+        (self.backend.clone(), (*self.llm).clone(), self.denylist.clone())
+    }
+
     /// Uses these population knobs (from `[population]`) for `evaluated` prompts.
     pub fn with_population(mut self, policy: crate::evaluate::population::PopulationPolicy) -> Self {
         self.population = policy;

@@ -8,26 +8,41 @@
 //! both sides — a `gate-promote` in the label history with the numbers.
 //! The champion is always the version `production` points at: an operator's
 //! promote or the regression guard's rollback is followed on the next tick.
+//! After a rated window, with probability `crossover_prob` and when at least
+//! two arms each won some task keys, one LLM call crosses the winners into a
+//! child (source `crossover`, see [`crate::learn::crossover`]) that joins as a
+//! challenger with μ = the precision-weighted mean of its parents' μ,
+//! σ = √(1/Σσᵢ⁻² + 1); a failure is logged and counted, never fatal.
 
-use std::time::Duration;
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use chrono::{DateTime, Utc};
 use serde_json::json;
+use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::PopulationSettings,
-    domain::{LabelMoveKind, LabelName, MoveCause, Promotion, PromptName},
+    domain::{LabelMoveKind, LabelName, MoveCause, Promotion, PromptName, Strategy, VersionSource, prompt::NewVersion},
     evaluate::{
         outcomes::OutcomeBucket,
         population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate, traffic_weights},
         trueskill::{Rating, TrueSkill, ranks_from_rewards},
     },
+    learn::{
+        crossover::{self, Winner, WonTask},
+        delta::Budget,
+        denylist::ContentDenylist,
+    },
+    llm::{LlmBackend, LlmError, config::LlmConfig},
     store::{ArmState, DynStore, LabelMove, PopulationArm, Selector, StoreError, StoreResult, TaskRewards},
 };
 
 /// Who the gate's moves are recorded as.
 pub const GATE_ACTOR: &str = "gate";
+
+/// Who crossover children are made and labelled by.
+pub const CROSSOVER_ACTOR: &str = "crossover";
 
 /// E-SPL's tie rule: rewards within this of each other share a rank.
 pub const TIE: f64 = 0.01;
@@ -48,19 +63,26 @@ async fn production_version(store: &DynStore, prompt: &PromptName) -> StoreResul
     Ok(store.resolve(prompt, &Selector::Label(LabelName::production())).await?.map(|r| r.version.number))
 }
 
+/// A population's first arm: `version` as champion at the prior (μ0, σ0)
+/// with all the traffic.
+pub fn first_champion(version: i64) -> PopulationArm {
+    PopulationArm {
+        version,
+        state: ArmState::Champion,
+        rating: Rating::default(),
+        weight: 1.0,
+        scored_traces: 0,
+        created_from: None,
+        parents: Vec::new(),
+        rated_until: None,
+    }
+}
+
 /// Makes the population agree with `production` (the champion) and sets
 /// the live arms' weights. An empty population gets the champion at the prior.
 fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &PopulationPolicy) {
     if !arms.iter().any(|a| a.version == champion) {
-        arms.push(PopulationArm {
-            version: champion,
-            state: ArmState::Champion,
-            rating: Rating::default(),
-            weight: 1.0,
-            scored_traces: 0,
-            created_from: None,
-            rated_until: None,
-        });
+        arms.push(first_champion(champion));
     }
     for a in arms.iter_mut() {
         if a.version == champion {
@@ -77,9 +99,26 @@ fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &PopulationPo
     }
 }
 
+/// Makes a stored population follow `production` at once after a move the
+/// rater did not make (an operator's promote or rollback, a new version
+/// labelled production): the version production points at becomes the
+/// champion (joining at the prior if it was no arm), the old champion
+/// competes on as a challenger, weights are recomputed. Nothing to do for a
+/// prompt without a population, or when production is the champion already.
+pub async fn follow_production(store: &DynStore, prompt: &PromptName, policy: &PopulationPolicy) -> StoreResult<()> {
+    let Some(champion) = production_version(store, prompt).await? else { return Ok(()) };
+    let mut arms = store.population(prompt).await?;
+    if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {
+        return Ok(());
+    }
+    reconcile(&mut arms, champion, policy);
+    store.save_population(prompt, &arms).await
+}
+
 /// Mutation: `version`, learned from `parent`, joins the population of
-/// `prompt` as a challenger; the weakest challenger is retired when there are
-/// more than `max_arms`. Weights are recomputed and saved.
+/// `prompt` as a challenger with the parent's μ and σ = √(σ_parent² + 1);
+/// the weakest challenger is retired when there are more than `max_arms`.
+/// Weights are recomputed and saved.
 pub async fn add_challenger(
     store: &DynStore,
     prompt: &PromptName,
@@ -87,24 +126,56 @@ pub async fn add_challenger(
     parent: Option<i64>,
     policy: &PopulationPolicy,
 ) -> StoreResult<Vec<PopulationArm>> {
+    let parents: Vec<i64> = parent.into_iter().collect();
+    join(store, prompt, version, &parents, policy, |rated| rated.first().copied().unwrap_or_default().mutated_child())
+        .await
+}
+
+/// Crossover: `version`, bred from `parents` (the first is the champion whose
+/// bullets it kept), joins as a challenger with μ = the precision-weighted
+/// mean of the parents' μ and σ = √(1/Σσᵢ⁻² + 1); retirement as for mutation.
+pub async fn add_crossover_child(
+    store: &DynStore,
+    prompt: &PromptName,
+    version: i64,
+    parents: &[i64],
+    policy: &PopulationPolicy,
+) -> StoreResult<Vec<PopulationArm>> {
+    join(store, prompt, version, parents, policy, |rated| {
+        Rating::crossover_child(rated).unwrap_or_else(|| Rating::default().mutated_child())
+    })
+    .await
+}
+
+/// A new arm joins: its prior from its parents' current ratings (parents no
+/// longer in the population count at the default prior), the weakest
+/// challenger retired while there are more than `max_arms`, weights saved.
+async fn join(
+    store: &DynStore,
+    prompt: &PromptName,
+    version: i64,
+    parents: &[i64],
+    policy: &PopulationPolicy,
+    prior: impl FnOnce(&[Rating]) -> Rating,
+) -> StoreResult<Vec<PopulationArm>> {
     let champion = production_version(store, prompt).await?.ok_or(StoreError::NotFound)?;
     let mut arms = store.population(prompt).await?;
     reconcile(&mut arms, champion, policy);
-    let parent_rating =
-        parent.and_then(|p| arms.iter().find(|a| a.version == p)).map_or(Rating::default(), |a| a.rating);
+    let rated: Vec<Rating> =
+        parents.iter().map(|p| arms.iter().find(|a| a.version == *p).map_or(Rating::default(), |a| a.rating)).collect();
     arms.retain(|a| a.version != version);
     arms.push(PopulationArm {
         version,
         state: ArmState::Challenger,
-        rating: parent_rating.mutated_child(),
+        rating: prior(&rated),
         weight: 0.0,
         scored_traces: 0,
-        created_from: parent,
+        created_from: parents.first().copied(),
+        parents: parents.to_vec(),
         rated_until: None,
     });
-    let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
     // `max_arms` counts challengers; retire until there is room (the newest stays).
-    let mut live = live;
+    let mut live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
     while let Some(weakest) =
         arm_to_retire(&live, champion, Some(version), &PopulationPolicy { max_arms: policy.max_arms + 1, ..*policy })
     {
@@ -116,6 +187,28 @@ pub async fn add_challenger(
     reconcile(&mut arms, champion, policy);
     store.save_population(prompt, &arms).await?;
     Ok(arms)
+}
+
+/// The task keys each of `versions` *won* in a window: keys that at least two
+/// of them ran, where its mean reward beats every other's by more than `tie`.
+/// Keys within `tie` of the runner-up have no winner.
+pub fn task_winners(tasks: &[TaskRewards], versions: &[i64], tie: f64) -> BTreeMap<i64, Vec<WonTask>> {
+    let mut per_key: BTreeMap<&str, Vec<(i64, f64)>> = BTreeMap::new();
+    for t in tasks.iter().filter(|t| t.traces > 0 && versions.contains(&t.version)) {
+        per_key.entry(&t.task_key).or_default().push((t.version, t.reward_sum / t.traces as f64));
+    }
+    let mut out: BTreeMap<i64, Vec<WonTask>> = BTreeMap::new();
+    for (key, mut means) in per_key {
+        if means.len() < 2 {
+            continue;
+        }
+        means.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let ((best, reward), runner_up) = (means[0], means[1].1);
+        if reward - runner_up > tie {
+            out.entry(best).or_default().push(WonTask { task_key: key.to_owned(), reward, runner_up });
+        }
+    }
+    out
 }
 
 /// What one rating tick did for one prompt (for logs and tests).
@@ -187,11 +280,88 @@ pub struct PopulationRater {
     store: DynStore,
     settings: PopulationSettings,
     trueskill: TrueSkill,
+    /// What crossover needs; without it (no LLM configured) windows are only rated.
+    breeder: Option<Breeder>,
+}
+
+/// The LLM and the content rules crossover children are made with.
+#[derive(Clone)]
+struct Breeder {
+    backend: Arc<dyn LlmBackend>,
+    llm: Arc<LlmConfig>,
+    denylist: Arc<ContentDenylist>,
+}
+
+/// What a crossover attempt after a rated window did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CrossoverOutcome {
+    /// The window's draw against `crossover_prob` said no.
+    NotDrawn,
+    /// Fewer than two arms won task keys in the window.
+    TooFewWinners { winners: Vec<i64> },
+    /// Only playbook prompts have bullets to cross.
+    NotPlaybook,
+    /// The model imported nothing the champion does not already hold.
+    NothingImported,
+    /// The child would have the same content as this live arm (e.g. the same
+    /// winners crossed again in a later window): no new version.
+    SameAsArm { version: i64 },
+    /// The child `version`, bred from `parents` (the champion first), joined the population.
+    Bred { version: i64, parents: Vec<i64>, rating: Rating },
+}
+
+/// Why a crossover attempt failed (logged and counted; the rater goes on).
+#[derive(Debug, thiserror::Error)]
+pub enum CrossoverError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("the crossover call failed: {0}")]
+    Llm(#[from] LlmError),
+    #[error("the child was refused: {0}")]
+    Refused(String),
+}
+
+impl CrossoverOutcome {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::NotDrawn => "not_drawn",
+            Self::TooFewWinners { .. } => "too_few_winners",
+            Self::NotPlaybook => "not_playbook",
+            Self::NothingImported => "nothing_imported",
+            Self::SameAsArm { .. } => "same_as_arm",
+            Self::Bred { .. } => "bred",
+        }
+    }
+}
+
+/// The window's crossover draw in [0, 1): the same for the same prompt and
+/// window end in every process, so a test can force it with 0 or 1.
+fn crossover_draw(prompt: &PromptName, window_end: DateTime<Utc>) -> f64 {
+    let digest = Sha256::new()
+        .chain_update(b"crossover")
+        .chain_update(prompt.as_str().as_bytes())
+        .chain_update(window_end.timestamp_micros().to_le_bytes())
+        .finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    (u64::from_le_bytes(first) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 impl PopulationRater {
     pub fn new(store: DynStore, settings: PopulationSettings) -> Self {
-        Self { store, settings, trueskill: TrueSkill::default() }
+        Self { store, settings, trueskill: TrueSkill::default(), breeder: None }
+    }
+
+    /// Crosses winners (with probability `crossover_prob` per rated window)
+    /// through this LLM; children must pass the worker's content denylist.
+    pub fn with_crossover(
+        mut self,
+        backend: Arc<dyn LlmBackend>,
+        llm: LlmConfig,
+        denylist: Arc<ContentDenylist>,
+    ) -> Self {
+        self.breeder = Some(Breeder { backend, llm: Arc::new(llm), denylist });
+        self
     }
 
     /// Runs a tick every `tick_secs` until `shutdown`.
@@ -232,8 +402,166 @@ impl PopulationRater {
 
     /// Rates the window `[now − window_secs, now)` of one prompt (unless a
     /// window ending after `now − window_secs` was rated already: windows do
-    /// not overlap, so no trace counts twice), then runs the gate.
+    /// not overlap, so no trace counts twice), then runs the gate, then (with
+    /// an LLM) maybe a crossover of the window's winners, whose failure is
+    /// logged and counted but does not fail the rating.
     pub async fn rate(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<RatingOutcome> {
+        let outcome = self.rate_window(prompt, now).await?;
+        if outcome != RatingOutcome::WindowOpen && self.breeder.is_some() {
+            let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
+            match self.cross(prompt, from, now).await {
+                Ok(done) => {
+                    metrics::counter!("combee_crossover_total", "outcome" => done.label()).increment(1);
+                    if let CrossoverOutcome::Bred { version, parents, rating } = &done {
+                        tracing::info!(%prompt, version, ?parents, mu = rating.mu, sigma = rating.sigma, "crossover child joined the population");
+                    } else {
+                        tracing::debug!(%prompt, outcome = ?done, "no crossover this window");
+                    }
+                }
+                Err(e) => {
+                    metrics::counter!("combee_crossover_total", "outcome" => "failed").increment(1);
+                    tracing::warn!(%prompt, error = %e, "crossover failed");
+                }
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Crossover after the window `[from, until)` was rated: with probability
+    /// `crossover_prob`, when at least two live arms each won task keys, one
+    /// LLM call chooses which champion bullets to keep and which winners'
+    /// bullets to import; the child is a new version (source `crossover`,
+    /// label `candidate`, the evidence in the label history) and joins the
+    /// population. Does nothing without an LLM (`NotDrawn`).
+    pub async fn cross(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<CrossoverOutcome, CrossoverError> {
+        let Some(breeder) = &self.breeder else { return Ok(CrossoverOutcome::NotDrawn) };
+        if crossover_draw(prompt, until) >= self.settings.crossover_prob {
+            return Ok(CrossoverOutcome::NotDrawn);
+        }
+        let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+        if p.strategy != Strategy::Playbook {
+            return Ok(CrossoverOutcome::NotPlaybook);
+        }
+        let champion = production_version(&self.store, prompt).await?.ok_or(StoreError::NotFound)?;
+        let arms = self.store.population(prompt).await?;
+        let mut live: Vec<&PopulationArm> = arms.iter().filter(|a| a.state != ArmState::Retired).collect();
+        live.sort_by_key(|a| a.version);
+        let versions: Vec<i64> = live.iter().map(|a| a.version).collect();
+        let tasks = self.store.task_rewards(prompt, from, until).await?;
+        let won = task_winners(&tasks, &versions, TIE);
+        if won.len() < 2 {
+            return Ok(CrossoverOutcome::TooFewWinners { winners: won.into_keys().collect() });
+        }
+        let load = |v: i64| async move {
+            self.store
+                .resolve(prompt, &Selector::Version(v))
+                .await?
+                .map(|r| r.version)
+                .ok_or(CrossoverError::Refused(format!("version {v} is gone")))
+        };
+        let champion_version = load(champion).await?;
+        let mut winner_versions = Vec::new();
+        for v in won.keys() {
+            winner_versions.push(load(*v).await?);
+        }
+        let winners: Vec<Winner<'_>> = winner_versions
+            .iter()
+            .map(|v| Winner { version: v.number, content: &v.content, won: won[&v.number].clone() })
+            .collect();
+        let mut calls = Vec::new();
+        let selection = crossover::select(
+            breeder.backend.as_ref(),
+            &breeder.llm,
+            champion,
+            &champion_version.content,
+            &winners,
+            &mut calls,
+        )
+        .await?;
+        let budget = Budget {
+            max_bullets: p.settings.max_bullets,
+            max_chars: p.settings.max_chars,
+            pinned: p.settings.pinned_bullets.clone(),
+            max_removal_share: Some(p.settings.max_removal_share),
+        };
+        let Some((child, applied)) = crossover::breed(&champion_version.content, &selection, &budget) else {
+            return Ok(CrossoverOutcome::NothingImported);
+        };
+        breeder.denylist.check(&champion_version.content, &child).map_err(CrossoverError::Refused)?;
+        let child_hash = child.hash();
+        for v in &versions {
+            let Some(existing) = self.store.resolve(prompt, &Selector::Version(*v)).await? else { continue };
+            if existing.version.content_hash == child_hash {
+                return Ok(CrossoverOutcome::SameAsArm { version: *v });
+            }
+        }
+        // The champion (whose bullets the child kept) first, then the winners.
+        let mut parents = vec![champion];
+        parents.extend(won.keys().copied().filter(|v| *v != champion));
+        let imported: BTreeMap<i64, usize> = selection.import.iter().fold(BTreeMap::new(), |mut m, i| {
+            *m.entry(i.from_version).or_default() += 1;
+            m
+        });
+        let from_list = imported.iter().map(|(v, n)| format!("{n} from v{v}")).collect::<Vec<_>>().join(", ");
+        let message = format!(
+            "crossover of {}: kept v{champion}'s bullets ({} dropped), imported {from_list}",
+            parents.iter().map(|v| format!("v{v}")).collect::<Vec<_>>().join(", "),
+            selection.drop.len(),
+        );
+        let version = self
+            .store
+            .create_version(
+                prompt,
+                NewVersion {
+                    parent: Some(champion),
+                    source: VersionSource::Crossover,
+                    round_id: None,
+                    content: child,
+                    message: message.clone(),
+                    created_by: CROSSOVER_ACTOR.to_owned(),
+                },
+                &[],
+            )
+            .await?;
+        let arms = add_crossover_child(&self.store, prompt, version.number, &parents, &self.settings.policy()).await?;
+        let rating = arms.iter().find(|a| a.version == version.number).map_or_else(Rating::default, |a| a.rating);
+        let parent_ratings: Vec<serde_json::Value> = parents
+            .iter()
+            .map(|v| json!({"version": v, "rating": arms.iter().find(|a| a.version == *v).map(|a| a.rating)}))
+            .collect();
+        let evidence = json!({
+            "parents": parent_ratings,
+            "child": {"version": version.number, "rating": rating},
+            "won": won.iter().map(|(v, keys)| json!({"version": v, "tasks": keys})).collect::<Vec<_>>(),
+            "window": {"from": from, "until": until},
+            "template": crossover::template_id(),
+            "selection": {"drop": selection.drop, "import": selection.import, "reason": selection.reason},
+            "answer": selection.notes,
+            "applied": applied.applied.len(),
+            "skipped": applied.skipped.len(),
+            "llm_calls": calls,
+        });
+        let mv = LabelMove {
+            label: LabelName::candidate(),
+            to_version: version.number,
+            expected_current: None,
+            check_current: false,
+            by: CROSSOVER_ACTOR.to_owned(),
+        };
+        let cause = MoveCause::new(LabelMoveKind::Crossover, message).with_evidence(evidence);
+        // The child exists and competes either way; the label is its pointer for people.
+        if let Err(e) = self.store.move_label_because(prompt, &mv, &cause).await {
+            tracing::warn!(%prompt, version = version.number, error = %e, "the crossover child was not labelled candidate");
+        }
+        Ok(CrossoverOutcome::Bred { version: version.number, parents, rating })
+    }
+
+    async fn rate_window(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<RatingOutcome> {
         let policy = self.settings.policy();
         let Some(champion) = production_version(&self.store, prompt).await? else {
             return Err(StoreError::NotFound);
@@ -353,6 +681,50 @@ mod tests {
         assert_eq!(matched_rewards(&tasks, &[1, 2, 3], 1), None);
     }
 
+    #[test]
+    fn a_task_key_is_won_only_by_a_clear_best_among_two_or_more() {
+        let tasks = vec![
+            task(1, "a", 2, 2.0), // v1 1.0 vs v2 0.0: v1 wins
+            task(2, "a", 2, 0.0),
+            task(1, "b", 4, 1.0), // v1 0.25 vs v2 0.75 vs v3 0.5: v2 wins
+            task(2, "b", 4, 3.0),
+            task(3, "b", 2, 1.0),
+            task(1, "c", 1, 1.0), // a tie within 0.01: nobody
+            task(2, "c", 200, 199.0),
+            task(3, "d", 3, 3.0), // only v3 ran it: nobody
+            task(9, "a", 5, 5.0), // not a live arm: ignored
+        ];
+        let won = task_winners(&tasks, &[1, 2, 3], TIE);
+        assert_eq!(won.keys().copied().collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(won[&1], [WonTask { task_key: "a".into(), reward: 1.0, runner_up: 0.0 }]);
+        assert_eq!(won[&2], [WonTask { task_key: "b".into(), reward: 0.75, runner_up: 0.5 }]);
+    }
+
+    #[test]
+    fn the_crossover_draw_is_seeded_by_prompt_and_window() {
+        let p = PromptName::parse("p").unwrap();
+        let t = DateTime::parse_from_rfc3339("2026-11-23T16:00:00Z").unwrap().with_timezone(&Utc);
+        assert_eq!(crossover_draw(&p, t), crossover_draw(&p, t));
+        // Over many windows about a fifth fall below 0.2, all below 1, none below 0.
+        let draws: Vec<f64> = (0..2000).map(|i| crossover_draw(&p, t + chrono::Duration::seconds(i))).collect();
+        assert!(draws.iter().all(|d| (0.0..1.0).contains(d)));
+        let share = draws.iter().filter(|d| **d < 0.2).count() as f64 / 2000.0;
+        assert!((share - 0.2).abs() < 0.03, "{share}");
+    }
+
+    #[test]
+    fn a_crossover_childs_prior_is_the_precision_weighted_mean_of_its_parents() {
+        // σ 2 and 4: precisions 1/4 and 1/16; μ = (30/4 + 18/16) / (5/16) = 27.6; σ = √(16/5 + 1).
+        let child =
+            Rating::crossover_child(&[Rating { mu: 30.0, sigma: 2.0 }, Rating { mu: 18.0, sigma: 4.0 }]).unwrap();
+        assert!((child.mu - 27.6).abs() < 1e-12, "{child:?}");
+        assert!((child.sigma - (16.0f64 / 5.0 + 1.0).sqrt()).abs() < 1e-12, "{child:?}");
+        // Two fresh arms at the prior: μ stays 25, σ = √(σ0²/2 + 1).
+        let fresh = Rating::crossover_child(&[Rating::default(), Rating::default()]).unwrap();
+        assert!((fresh.mu - 25.0).abs() < 1e-12);
+        assert!((fresh.sigma - ((25.0f64 / 3.0).powi(2) / 2.0 + 1.0).sqrt()).abs() < 1e-12);
+    }
+
     fn arm(version: i64, state: ArmState) -> PopulationArm {
         PopulationArm {
             version,
@@ -361,6 +733,7 @@ mod tests {
             weight: 0.0,
             scored_traces: 0,
             created_from: None,
+            parents: Vec::new(),
             rated_until: None,
         }
     }

@@ -41,7 +41,7 @@ async fn create(app: &TestApp, name: &str, strategy: &str, mut settings: Value) 
         settings["batch_size"] = json!(1000);
     }
     let res = app
-        .post("/v1/prompts", json!({"name": name, "base": "You answer support questions. Use {customer_name}.", "strategy": strategy, "settings": settings}))
+        .post("/v1/prompts", json!({"name": name, "base": "You answer support questions. Use {customer_name}.", "strategy": strategy, "promotion": "auto", "settings": settings}))
         .send()
         .await
         .unwrap();

@@ -8,16 +8,20 @@ use crate::common;
 use combee::{
     config::PopulationSettings,
     domain::{
-        LabelMoveKind, LabelName, Promotion, PromptName, PromptSettings, Strategy, VersionContent, VersionSource,
+        Bullet, LabelMoveKind, LabelName, Playbook, Promotion, PromptName, PromptSettings, Section, Strategy,
+        VersionContent, VersionSource,
         prompt::NewVersion,
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
     evaluate::{assign::sticky_arm, population::GateDecision, trueskill::Rating},
+    learn::denylist::ContentDenylist,
+    llm::{LlmBackend, OpenAiClient, config::LlmConfig},
     store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
-    worker::population::{Basis, PopulationRater, RatingOutcome, add_challenger},
+    worker::population::{Basis, CrossoverOutcome, PopulationRater, RatingOutcome, add_challenger},
 };
 use common::{Backend, test_store};
 use serde_json::json;
+use std::sync::Arc;
 
 fn name(s: &str) -> PromptName {
     PromptName::parse(s).unwrap()
@@ -219,7 +223,8 @@ async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) 
     evaluated_prompt(&s, "old", 2).await;
     s.insert_traces(&batch("old", 2, 3, 0.5)).await.unwrap();
     add_challenger(&s, &name("old"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
-    let undo = ["DROP TABLE population_arms", "DELETE FROM schema_migrations WHERE version = 13"];
+    // 0014 (crossover) alters population_arms and, on SQLite, rebuilds versions: it runs again too.
+    let undo = ["DROP TABLE population_arms", "DELETE FROM schema_migrations WHERE version IN (13, 14)"];
     match b {
         Backend::Postgres => {
             let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
@@ -262,7 +267,170 @@ async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) 
     }
 }
 
+fn playbook_version(lessons: &[&str], parent: Option<i64>) -> NewVersion {
+    let bullets = lessons
+        .iter()
+        .enumerate()
+        .map(|(i, l)| Bullet { id: format!("b-{:04}", i + 1), content: (*l).into(), helpful: 0, harmful: 0 })
+        .collect();
+    NewVersion {
+        content: VersionContent {
+            base: "You are an agent.".into(),
+            playbook: Some(Playbook { sections: vec![Section { name: "insights".into(), bullets }], next_id: 0 }),
+        },
+        ..version("", parent)
+    }
+}
+
+/// `n` traces of version `v` on task key `key`, all succeeding or all failing.
+fn on_task(prompt: &str, v: i64, key: &str, n: usize, success: bool) -> Vec<ValidTrace> {
+    (0..n)
+        .map(|_| {
+            let t: NewTrace = serde_json::from_value(json!({
+                "prompt": prompt, "prompt_version": v, "input": {"q": key},
+                "feedback": {"success": success}, "metadata": {"task_key": key}
+            }))
+            .unwrap();
+            t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+        })
+        .collect()
+}
+
+/// Crossover (issue 8): the champion v1 wins tasks a0..a5, the challenger v2
+/// wins b0..b5; after the window is rated, one crossover call (the simulated
+/// LLM) breeds v3 = v1's bullets + v2's lesson, source `crossover`, parents
+/// v1 and v2, prior μ/σ from the parents' ratings, label `candidate` with the
+/// evidence. With crossover_prob 0 nothing is bred.
+async fn crossover_makes_a_child_from_two_arms_that_won_different_tasks(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let p = NewPrompt {
+        name: name("x"),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Evaluated,
+        settings: PromptSettings::default(),
+        created_by: "test".into(),
+    };
+    s.create_prompt(p, playbook_version(&["INSIGHT-units: convert to SI first"], None)).await.unwrap();
+    s.create_version(&name("x"), playbook_version(&["INSIGHT-dates: use ISO 8601 dates"], Some(1)), &[]).await.unwrap();
+    let settings =
+        PopulationSettings { window_secs: 60, min_window_traces: 10, crossover_prob: 1.0, ..Default::default() };
+    add_challenger(&s, &name("x"), 2, Some(1), &settings.policy()).await.unwrap();
+    let mut traces = Vec::new();
+    for k in 0..6 {
+        traces.extend(on_task("x", 1, &format!("a{k}"), 2, true));
+        traces.extend(on_task("x", 2, &format!("a{k}"), 2, false));
+        traces.extend(on_task("x", 1, &format!("b{k}"), 2, false));
+        traces.extend(on_task("x", 2, &format!("b{k}"), 2, true));
+    }
+    s.insert_traces(&traces).await.unwrap();
+
+    let sim = crate::common::spawn_sim(combee::simulation::llm::SimConfig::default()).await;
+    let llm = LlmConfig { base_url: sim.url.clone(), backoff_base_ms: 1, ..Default::default() };
+    let backend: Arc<dyn LlmBackend> = Arc::new(OpenAiClient::new(llm.clone()).unwrap());
+    let denylist = Arc::new(ContentDenylist::default());
+    let never = PopulationRater::new(s.clone(), PopulationSettings { crossover_prob: 0.0, ..settings.clone() })
+        .with_crossover(backend.clone(), llm.clone(), denylist.clone());
+    let rater = PopulationRater::new(s.clone(), settings.clone()).with_crossover(backend, llm, denylist);
+    let now = chrono::Utc::now() + chrono::Duration::seconds(1);
+    let from = now - chrono::Duration::seconds(60);
+    assert_eq!(never.cross(&name("x"), from, now).await.unwrap(), CrossoverOutcome::NotDrawn);
+    assert_eq!(sim.calls("crossover").await, 0);
+
+    // The rater's tick rates the window (both arms are ranked), then crosses.
+    let out = rater.rate(&name("x"), now).await.unwrap();
+    assert!(matches!(out, RatingOutcome::Rated { ref ranked, .. } if ranked.len() == 2), "{out:?}");
+    assert_eq!(sim.calls("crossover").await, 1);
+    let child = s.resolve(&name("x"), &Selector::Version(3)).await.unwrap().expect("a crossover child, v3").version;
+    assert_eq!(
+        (child.source, child.parent, child.created_by.as_str()),
+        (VersionSource::Crossover, Some(1), "crossover")
+    );
+    let lessons: Vec<&str> =
+        child.content.playbook.as_ref().unwrap().bullets().map(|(_, b)| b.content.as_str()).collect();
+    assert_eq!(lessons, ["INSIGHT-units: convert to SI first", "INSIGHT-dates: use ISO 8601 dates"]);
+    assert!(child.message.contains("v1, v2"), "{}", child.message);
+
+    let arms = s.population(&name("x")).await.unwrap();
+    let c = arm(&arms, 3);
+    assert_eq!((c.state, c.created_from, c.parents.as_slice()), (ArmState::Challenger, Some(1), [1, 2].as_slice()));
+    // μ = precision-weighted mean of the parents' μ (after this window's update), σ = √(1/Σσᵢ⁻² + 1).
+    let (r1, r2) = (arm(&arms, 1).rating, arm(&arms, 2).rating);
+    let precision = r1.sigma.powi(-2) + r2.sigma.powi(-2);
+    let mu = (r1.mu * r1.sigma.powi(-2) + r2.mu * r2.sigma.powi(-2)) / precision;
+    assert!((c.rating.mu - mu).abs() < 1e-9, "{:?} vs μ {mu}", c.rating);
+    assert!((c.rating.sigma - (1.0 / precision + 1.0).sqrt()).abs() < 1e-9, "{:?}", c.rating);
+    assert!(c.weight > 0.0, "the child gets traffic");
+    let total: f64 = live_weights(&arms).iter().map(|(_, w)| w).sum();
+    assert!((total - 1.0).abs() < 1e-9, "{arms:?}");
+
+    // Labelled candidate; the label history holds the evidence.
+    let cand = s.resolve(&name("x"), &Selector::Label(LabelName::candidate())).await.unwrap().unwrap();
+    assert_eq!(cand.version.number, 3);
+    let history = s.label_history(&name("x"), Some(&LabelName::candidate()), None, 5).await.unwrap();
+    assert_eq!((history[0].kind, history[0].actor.as_str()), (LabelMoveKind::Crossover, "crossover"));
+    let ev = history[0].evidence.as_ref().unwrap();
+    let won: Vec<(i64, usize)> = ev["won"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["version"].as_i64().unwrap(), w["tasks"].as_array().unwrap().len()))
+        .collect();
+    assert_eq!(won, [(1, 6), (2, 6)]);
+    assert_eq!(ev["selection"]["import"][0]["from_version"], 2);
+    assert_eq!(ev["template"], "crossover v1");
+    // Production did not move: the child is only measured.
+    let prod = s.resolve(&name("x"), &Selector::Label(LabelName::production())).await.unwrap().unwrap();
+    assert_eq!(prod.version.number, 1);
+    // The same window is not rated or crossed twice.
+    assert_eq!(rater.rate(&name("x"), now).await.unwrap(), RatingOutcome::WindowOpen);
+    assert_eq!(sim.calls("crossover").await, 1);
+    // Crossing the same winners again would repeat v3: no new version.
+    assert_eq!(rater.cross(&name("x"), from, now).await.unwrap(), CrossoverOutcome::SameAsArm { version: 3 });
+    assert_eq!(s.list_versions(&name("x"), None, 10).await.unwrap().len(), 3);
+}
+
+/// Migration 0014: arms written before it (no `parents`) read their one
+/// parent from `created_from`; a `crossover` version is accepted, and on
+/// SQLite the rebuilt `versions` keeps every label's reference.
+async fn migration_0014_reads_old_arms_parents_and_accepts_crossover_versions(b: Backend) {
+    use sqlx::Connection;
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "old", 2).await;
+    add_challenger(&s, &name("old"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
+    let sql = "UPDATE population_arms SET parents = NULL";
+    match b {
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+            sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+        }
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+            sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+        }
+    }
+    let arms = s.population(&name("old")).await.unwrap();
+    assert_eq!((arm(&arms, 1).parents.clone(), arm(&arms, 2).parents.clone()), (vec![], vec![1]));
+    let crossed = NewVersion { source: VersionSource::Crossover, ..version("v3", Some(1)) };
+    let mv = combee::store::LabelMove {
+        label: LabelName::candidate(),
+        to_version: 0,
+        expected_current: None,
+        check_current: false,
+        by: "t".into(),
+    };
+    let v = s.create_version(&name("old"), crossed, &[mv]).await.unwrap();
+    assert_eq!((v.number, v.source), (3, VersionSource::Crossover));
+    let listed = s.list_versions(&name("old"), None, 10).await.unwrap();
+    assert_eq!(listed[0].source, VersionSource::Crossover);
+    let history = s.label_history(&name("old"), Some(&LabelName::candidate()), None, 1).await.unwrap();
+    assert_eq!(history[0].kind, LabelMoveKind::Crossover);
+}
+
 on_both_stores!(
+    crossover_makes_a_child_from_two_arms_that_won_different_tasks,
+    migration_0014_reads_old_arms_parents_and_accepts_crossover_versions,
     migration_0013_keeps_existing_prompts_and_their_references,
     children_join_as_challengers_and_the_weakest_is_retired,
     sticky_shares_follow_the_stored_weights,
@@ -364,5 +532,142 @@ mod http {
         assert!(moved, "the served arms did not follow the stored weights");
     }
 
-    on_both_stores!(subjects_get_sticky_arms_and_the_population_is_visible);
+    /// New prompts are `evaluated` by default, and their population exists
+    /// from the first moment: on an API-only server (no worker, no rater)
+    /// the first GET names the champion arm. An operator's promote is served
+    /// at once, before any rater reconciles the stored population.
+    async fn a_new_prompt_is_evaluated_and_names_its_arm_from_the_first_get(b: Backend) {
+        // `spawn_app` runs the API role only: no worker, no rater.
+        let app = spawn_app(b).await;
+        let res = app.post("/v1/prompts", json!({"name": "p", "base": "You are an agent."})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        assert_eq!(res.json::<Value>().await.unwrap()["promotion"], "evaluated");
+        let (v, arm, _) = served(&app, "agent-1").await;
+        assert_eq!((v, arm.as_str()), (1, "champion"));
+        let res = app.get("/v1/prompts/p").send().await.unwrap();
+        assert_eq!(res.headers()["combee-arm"], "champion", "without a subject too");
+        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+        let arms = pop["arms"].as_array().unwrap();
+        assert_eq!(arms.len(), 1);
+        assert_eq!((arms[0]["version"].as_i64(), arms[0]["state"].as_str()), (Some(1), Some("champion")));
+        assert_eq!((arms[0]["weight"].as_f64(), arms[0]["rating"]["mu"].as_f64()), (Some(1.0), Some(25.0)));
+
+        // An operator makes v2 production: at once it is the champion (most of
+        // the traffic) and v1 competes on as a challenger.
+        let res = app
+            .post("/v1/prompts/p/versions", json!({"base": "You are a careful agent.", "labels": ["production"]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+        let states: Vec<(i64, &str)> = pop["arms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| (a["version"].as_i64().unwrap(), a["state"].as_str().unwrap()))
+            .collect();
+        assert_eq!(states, [(1, "challenger"), (2, "champion")]);
+        let mut on_v2 = 0;
+        for i in 0..50 {
+            let (v, arm, _) = served(&app, &format!("agent-{i}")).await;
+            assert_eq!(arm, if v == 2 { "champion" } else { "challenger" }, "agent-{i} got v{v}");
+            on_v2 += usize::from(v == 2);
+        }
+        assert!(on_v2 >= 30, "the new production serves most subjects: {on_v2}/50");
+
+        // `auto` and `manual` stay available and have no population.
+        for policy in ["auto", "manual"] {
+            let n = format!("p-{policy}");
+            let res =
+                app.post("/v1/prompts", json!({"name": n, "base": "b", "promotion": policy})).send().await.unwrap();
+            assert_eq!(res.json::<Value>().await.unwrap()["promotion"], policy);
+            let res = app.get(&format!("/v1/prompts/{n}?subject=a")).send().await.unwrap();
+            assert!(res.headers().get("combee-arm").is_none(), "{policy}");
+        }
+    }
+
+    /// The wiring: a server with a worker (the simulated LLM) crosses on its
+    /// own rater ticks. Agents post traces over HTTP with task keys on which
+    /// v1 and v2 win different tasks; a `crossover` version appears, served to
+    /// some subjects, and the simulator saw the crossover call.
+    async fn the_worker_crosses_winners_on_its_own_ticks(b: Backend) {
+        let sim = crate::common::spawn_sim(combee::simulation::llm::SimConfig::default()).await;
+        let app = crate::common::spawn_app_with(b, |s| {
+            crate::common::learning(s, &sim.url);
+            s.population.tick_secs = 1;
+            s.population.window_secs = 2;
+            s.population.crossover_prob = 1.0;
+        })
+        .await;
+        let playbook = |lesson: &str| json!({"sections": [{"name": "insights", "bullets": [{"content": lesson}]}]});
+        let res = app
+            .post(
+                "/v1/prompts",
+                json!({"name": "p", "base": "You are an agent.", "playbook": playbook("INSIGHT-units: convert to SI first"),
+                       "settings": {"batch_size": 1000}}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        let res = app
+            .post(
+                "/v1/prompts/p/versions",
+                json!({"base": "You are an agent.", "playbook": playbook("INSIGHT-dates: use ISO 8601 dates")}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201);
+        add_challenger(&app.store, &name("p"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
+
+        let trace = |v: i64, key: &str, success: bool| {
+            json!({"prompt": "p", "prompt_version": v, "input": key, "feedback": {"success": success},
+                   "metadata": {"task_key": key}})
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let arm = loop {
+            // Traces keep arriving, so every rating window holds some.
+            let mut batch = Vec::new();
+            for k in 0..6 {
+                for _ in 0..2 {
+                    batch.push(trace(1, &format!("a{k}"), true));
+                    batch.push(trace(2, &format!("a{k}"), false));
+                    batch.push(trace(1, &format!("b{k}"), false));
+                    batch.push(trace(2, &format!("b{k}"), true));
+                }
+            }
+            assert_eq!(app.post("/v1/traces", json!({"traces": batch})).send().await.unwrap().status(), 201);
+            // The child's version is written first, then it joins the population: wait for the arm.
+            let pop: Value = app.get("/v1/prompts/p/population").send().await.unwrap().json().await.unwrap();
+            let crossed = pop["arms"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|a| a["parents"].as_array().is_some_and(|p| p.len() == 2))
+                .cloned();
+            if let Some(arm) = crossed {
+                break arm;
+            }
+            assert!(Instant::now() < deadline, "no crossover child within 30 s: {pop}");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        };
+        assert_eq!(arm["parents"], json!([1, 2]), "{arm}");
+        assert!(sim.calls("crossover").await >= 1);
+        let n = arm["version"].as_i64().unwrap();
+        let versions: Value = app.get("/v1/prompts/p/versions").send().await.unwrap().json().await.unwrap();
+        let child = versions["versions"].as_array().unwrap().iter().find(|v| v["number"] == n).cloned().unwrap();
+        assert_eq!((child["source"].as_str(), child["parent"].as_i64()), (Some("crossover"), Some(1)), "{child}");
+        assert!(arm["weight"].as_f64().unwrap() > 0.0, "{arm}");
+        let shown: Value = app.get(&format!("/v1/prompts/p?version={n}")).send().await.unwrap().json().await.unwrap();
+        let shown = shown["text"].as_str().unwrap();
+        assert!(shown.contains("INSIGHT-units") && shown.contains("INSIGHT-dates"), "{shown}");
+    }
+
+    on_both_stores!(
+        subjects_get_sticky_arms_and_the_population_is_visible,
+        a_new_prompt_is_evaluated_and_names_its_arm_from_the_first_get,
+        the_worker_crosses_winners_on_its_own_ticks,
+    );
 }

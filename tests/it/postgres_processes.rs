@@ -142,6 +142,7 @@ fn arm(version: i64, state: ArmState, weight: f64) -> PopulationArm {
         weight,
         scored_traces: 0,
         created_from: (version > 1).then_some(1),
+        parents: if version > 1 { vec![1] } else { vec![] },
         rated_until: None,
     }
 }

@@ -282,7 +282,7 @@ async fn operator_story(b: Backend) {
         .post(
             "/v1/prompts",
             json!({"name": "support", "base": "You answer support questions. Use {customer_name}.",
-            "strategy": "playbook", "settings": {"batch_size": 1000, "duplication": 1}}),
+            "strategy": "playbook", "promotion": "auto", "settings": {"batch_size": 1000, "duplication": 1}}),
         )
         .send()
         .await

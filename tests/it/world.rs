@@ -32,7 +32,7 @@ async fn learned_versions_lift_the_agents_success_rate(b: Backend) {
     let res = app
         .post(
             "/v1/prompts",
-            json!({"name": "world", "base": "You solve tasks.", "settings": {"batch_size": 24, "max_wait_secs": 1}}),
+            json!({"name": "world", "base": "You solve tasks.", "promotion": "auto", "settings": {"batch_size": 24, "max_wait_secs": 1}}),
         )
         .send()
         .await
@@ -66,7 +66,7 @@ async fn poisoned_feedback_reaches_production_unless_denylisted(b: Backend) {
         .await;
         app.post(
             "/v1/prompts",
-            json!({"name": "world", "base": "You solve tasks.", "settings": {"batch_size": 24, "max_wait_secs": 1}}),
+            json!({"name": "world", "base": "You solve tasks.", "promotion": "auto", "settings": {"batch_size": 24, "max_wait_secs": 1}}),
         )
         .send()
         .await

@@ -165,9 +165,11 @@ impl TestApp {
         self.http.put(self.url(path)).bearer_auth(&self.admin_key).json(&body)
     }
 
+    /// A prompt under `auto` (learned versions go straight to production),
+    /// which the learning tests built on this helper check.
     pub async fn create_prompt(&self, name: &str) -> Value {
-        let res =
-            self.post("/v1/prompts", json!({"name": name, "base": "You are a helpful agent."})).send().await.unwrap();
+        let body = json!({"name": name, "base": "You are a helpful agent.", "promotion": "auto"});
+        let res = self.post("/v1/prompts", body).send().await.unwrap();
         assert_eq!(res.status(), 201, "create prompt {name}");
         res.json().await.unwrap()
     }
