@@ -42,7 +42,6 @@ use crate::{
 };
 
 const CHANNEL: &str = "combee_changes";
-const MIGRATION_LOCK: i64 = 0x636f_6d62_6565; // "combee"
 
 pub struct PgStore {
     pool: PgPool,
@@ -67,7 +66,7 @@ impl PgStore {
             .connect(url)
             .await
             .map_err(StoreError::Unavailable)?;
-        migrate_postgres(&pool).await?;
+        migrate::postgres(&pool).await?;
         let (changes, _) = broadcast::channel(1024);
         let listener = tokio::spawn(listen(pool.clone(), changes.clone()));
         Ok(Self { pool, changes, listener })
@@ -114,54 +113,6 @@ async fn insert_trace_rows<'e>(
     .execute(exec)
     .await?
     .rows_affected())
-}
-
-async fn migrate_postgres(pool: &PgPool) -> StoreResult<()> {
-    let mut conn = pool.acquire().await?;
-    // Several processes may start at once: one migrates, the others wait.
-    sqlx::query("SELECT pg_advisory_lock($1)").bind(MIGRATION_LOCK).execute(&mut *conn).await?;
-    let result = async {
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (
-                version bigint PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,
-                applied_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .execute(&mut *conn)
-        .await?;
-        for m in migrate::POSTGRES {
-            let applied: Option<String> =
-                sqlx::query_scalar("SELECT checksum FROM schema_migrations WHERE version = $1")
-                    .bind(m.version)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-            match applied {
-                Some(sum) if sum == m.checksum() => continue,
-                Some(_) => {
-                    return Err(StoreError::Migration(format!(
-                        "migration {} ({}) was changed after it was applied",
-                        m.version, m.name
-                    )));
-                }
-                None => {}
-            }
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            sqlx::raw_sql(m.sql)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| StoreError::Migration(format!("{}: {e}", m.name)))?;
-            sqlx::query("INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)")
-                .bind(m.version)
-                .bind(m.name)
-                .bind(m.checksum())
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-        }
-        Ok(())
-    }
-    .await;
-    sqlx::query("SELECT pg_advisory_unlock($1)").bind(MIGRATION_LOCK).execute(&mut *conn).await?;
-    result
 }
 
 /// Forwards NOTIFY payloads to the in-process broadcast; after any gap in the

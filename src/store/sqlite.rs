@@ -296,7 +296,7 @@ impl SqliteStore {
             .connect_with(options.clone())
             .await
             .map_err(StoreError::Unavailable)?;
-        migrate_sqlite(&writer).await?;
+        migrate::sqlite(&writer).await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(readers.max(1))
             .acquire_timeout(acquire_timeout)
@@ -316,42 +316,6 @@ impl SqliteStore {
             self.announce(Change::OutboxEvent);
         }
     }
-}
-
-async fn migrate_sqlite(pool: &SqlitePool) -> StoreResult<()> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS schema_migrations (
-            version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum TEXT NOT NULL, applied_at INTEGER NOT NULL)",
-    )
-    .execute(pool)
-    .await?;
-    for m in migrate::SQLITE {
-        let applied: Option<String> = sqlx::query_scalar("SELECT checksum FROM schema_migrations WHERE version = ?")
-            .bind(m.version)
-            .fetch_optional(pool)
-            .await?;
-        match applied {
-            Some(sum) if sum == m.checksum() => continue,
-            Some(_) => {
-                return Err(StoreError::Migration(format!(
-                    "migration {} ({}) was changed after it was applied",
-                    m.version, m.name
-                )));
-            }
-            None => {}
-        }
-        let mut tx = pool.begin().await?;
-        sqlx::raw_sql(m.sql).execute(&mut *tx).await.map_err(|e| StoreError::Migration(format!("{}: {e}", m.name)))?;
-        sqlx::query("INSERT INTO schema_migrations (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)")
-            .bind(m.version)
-            .bind(m.name)
-            .bind(m.checksum())
-            .bind(now_us())
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-    }
-    Ok(())
 }
 
 fn prompt_from_row(row: &SqliteRow) -> StoreResult<Prompt> {

@@ -219,7 +219,7 @@ async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) 
     evaluated_prompt(&s, "old", 2).await;
     s.insert_traces(&batch("old", 2, 3, 0.5)).await.unwrap();
     add_challenger(&s, &name("old"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
-    let undo = ["DROP TABLE population_arms", "DELETE FROM schema_migrations WHERE version = 13"];
+    let undo = ["DROP TABLE population_arms", "DELETE FROM _sqlx_migrations WHERE version = 13"];
     match b {
         Backend::Postgres => {
             let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
