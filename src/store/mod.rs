@@ -5,6 +5,7 @@
 
 mod migrate;
 pub mod postgres;
+mod sql;
 pub mod sqlite;
 
 use std::{sync::Arc, time::Duration};

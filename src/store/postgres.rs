@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    PgPool, Postgres, Row, Transaction,
+    PgConnection, PgPool, Postgres, Row, Transaction,
     postgres::{PgListener, PgPoolOptions, PgRow},
 };
 use tokio::{sync::broadcast, task::JoinHandle};
@@ -20,21 +21,26 @@ use crate::evaluate::{
     stats::Moments,
 };
 
+use super::sql::{
+    Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
+    charge_traces, corrupt, fence, history_from_row, insert_version, key_from_row, label_from_row, now,
+    prompt_from_row, prompt_id, record_event, record_history, record_move, release_traces, round_from_row,
+    trace_from_row, version_from_row, webhook_from_row,
+};
 use super::{
-    ApiKey, ArmState, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
+    ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
     Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
-    version_move_kind,
+    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_to_string, trace_action_refusal, version_move_kind,
 };
 use crate::{
     domain::{
         Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
-        Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
-        event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
+        Reflection, Trace, Version,
+        event::{OutboxEvent, events_to_column},
         prompt::NewVersion,
-        round::{self, Round, RoundStatus, RoundTrigger},
+        round::{self, Round},
         trace::ValidTrace,
     },
     llm::LlmCall,
@@ -115,6 +121,67 @@ async fn insert_trace_rows<'e>(
     .rows_affected())
 }
 
+/// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).
+impl Dialect for Postgres {
+    fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
+        match p {
+            Param::Int(v) => q.bind(v),
+            Param::Int32(v) => q.bind(v),
+            Param::Real(v) => q.bind(v),
+            Param::Bool(v) => q.bind(v),
+            Param::Text(v) => q.bind(v),
+            Param::Id(v) => q.bind(v),
+            Param::At(v) => q.bind(v),
+            Param::Json(v) => q.bind(v),
+        }
+    }
+    fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<u64>> {
+        Box::pin(async move { Ok(q.execute(c).await?.rows_affected()) })
+    }
+    fn fetch_all<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<Vec<PgRow>>> {
+        Box::pin(q.fetch_all(c))
+    }
+    fn fetch_optional<'c, 'q: 'c>(
+        q: Query<'q, Self>,
+        c: &'c mut PgConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<PgRow>>> {
+        Box::pin(q.fetch_optional(c))
+    }
+    fn get_i64(row: &PgRow, col: &str) -> StoreResult<Option<i64>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_i32(row: &PgRow, col: &str) -> StoreResult<Option<i32>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_f64(row: &PgRow, col: &str) -> StoreResult<Option<f64>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_bool(row: &PgRow, col: &str) -> StoreResult<Option<bool>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_text(row: &PgRow, col: &str) -> StoreResult<Option<String>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_id(row: &PgRow, col: &str) -> StoreResult<Option<Uuid>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_at(row: &PgRow, col: &str) -> StoreResult<Option<DateTime<Utc>>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_json(row: &PgRow, col: &str) -> StoreResult<Option<Value>> {
+        Ok(row.try_get(col)?)
+    }
+    fn lock(clause: &'static str) -> &'static str {
+        clause
+    }
+    fn notify<'c>(c: &'c mut PgConnection, payload: &'c str) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload).execute(c).await?;
+            Ok(())
+        })
+    }
+}
+
 /// Forwards NOTIFY payloads to the in-process broadcast; after any gap in the
 /// connection it sends `Resync`, since notifications may have been missed.
 async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
@@ -166,283 +233,6 @@ async fn notify(tx: &mut Transaction<'_, Postgres>, payload: &str) -> StoreResul
     Ok(())
 }
 
-/// Writes an event into the outbox and fans it out to every enabled
-/// subscription that asked for its type — inside the caller's transaction, so
-/// the event exists exactly when the change it announces does.
-async fn record_event(tx: &mut Transaction<'_, Postgres>, e: &OutboxEvent) -> StoreResult<()> {
-    sqlx::query("INSERT INTO webhook_events (id, type, body, created_at) VALUES ($1, $2, $3, $4)")
-        .bind(&e.id)
-        .bind(e.kind.as_str())
-        .bind(&e.body)
-        .bind(e.created_at)
-        .execute(&mut **tx)
-        .await?;
-    let queued = sqlx::query(
-        "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status)
-         SELECT gen_random_uuid(), $1, id, 'pending' FROM webhook_subscriptions WHERE enabled AND events LIKE $2",
-    )
-    .bind(&e.id)
-    .bind(events_pattern(e.kind))
-    .execute(&mut **tx)
-    .await?
-    .rows_affected();
-    if queued > 0 {
-        notify(tx, "outbox").await?;
-    }
-    Ok(())
-}
-
-/// Appends one entry to the label history (inside the caller's transaction).
-// The columns of one history row; a struct would only rename them.
-#[allow(clippy::too_many_arguments)]
-async fn record_history(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    label: &LabelName,
-    from: Option<i64>,
-    to: Option<i64>,
-    actor: &str,
-    cause: &MoveCause,
-) -> StoreResult<()> {
-    sqlx::query(
-        "INSERT INTO label_moves (prompt_id, label, from_version, to_version, kind, actor, reason, evidence)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-    )
-    .bind(prompt_id)
-    .bind(label.as_str())
-    .bind(from)
-    .bind(to)
-    .bind(cause.kind.as_str())
-    .bind(actor)
-    .bind(&cause.reason)
-    .bind(&cause.evidence)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// The history entry and outbox events of one label move (none when it did
-/// not change anything).
-async fn record_move(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    prompt: &PromptName,
-    label: &Label,
-    previous: Option<i64>,
-    cause: &MoveCause,
-) -> StoreResult<()> {
-    if previous != Some(label.version) {
-        record_history(tx, prompt_id, &label.name, previous, Some(label.version), &label.updated_by, cause).await?;
-        record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by))
-            .await?;
-        if matches!(cause.kind, LabelMoveKind::Rollback | LabelMoveKind::GuardRollback) {
-            let e = OutboxEvent::rolled_back(prompt, &label.name, label.version, previous, &label.updated_by, cause);
-            record_event(tx, &e).await?;
-        }
-    }
-    Ok(())
-}
-
-fn history_from_row(row: &PgRow) -> StoreResult<LabelHistoryEntry> {
-    let label: String = row.try_get("label")?;
-    let kind: String = row.try_get("kind")?;
-    Ok(LabelHistoryEntry {
-        id: row.try_get("id")?,
-        label: LabelName::parse(&label).map_err(|_| corrupt("label name"))?,
-        from_version: row.try_get("from_version")?,
-        to_version: row.try_get("to_version")?,
-        kind: LabelMoveKind::parse(&kind).ok_or_else(|| corrupt("label move kind"))?,
-        actor: row.try_get("actor")?,
-        reason: row.try_get("reason")?,
-        evidence: row.try_get("evidence")?,
-        at: row.try_get("at")?,
-    })
-}
-
-fn arm_from_row(row: &PgRow) -> StoreResult<PopulationArm> {
-    let state: String = row.try_get("state")?;
-    Ok(PopulationArm {
-        version: row.try_get("version")?,
-        state: ArmState::parse(&state).ok_or_else(|| corrupt("arm state"))?,
-        rating: crate::evaluate::trueskill::Rating { mu: row.try_get("mu")?, sigma: row.try_get("sigma")? },
-        weight: row.try_get("weight")?,
-        scored_traces: row.try_get::<i64, _>("scored_traces")?.max(0) as u64,
-        created_from: row.try_get("created_from")?,
-        rated_until: row.try_get("rated_until")?,
-    })
-}
-
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(what.to_owned())
-}
-
-fn prompt_from_row(row: &PgRow) -> StoreResult<Prompt> {
-    let name: String = row.try_get("name")?;
-    Ok(Prompt {
-        id: row.try_get("id")?,
-        name: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        strategy: serde_json::from_value(Value::String(row.try_get("strategy")?)).map_err(|_| corrupt("strategy"))?,
-        promotion: serde_json::from_value(Value::String(row.try_get("promotion")?))
-            .map_err(|_| corrupt("promotion"))?,
-        settings: serde_json::from_value(row.try_get("settings")?).map_err(|_| corrupt("settings"))?,
-        created_at: row.try_get("created_at")?,
-        created_by: row.try_get("created_by")?,
-    })
-}
-
-const VERSION_COLUMNS: &str = "p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, v.playbook, \
-     v.content_hash, v.message, v.created_by, v.created_at";
-
-fn version_from_row(row: &PgRow) -> StoreResult<Version> {
-    let name: String = row.try_get("prompt_name")?;
-    let source: String = row.try_get("source")?;
-    let playbook: Option<Value> = row.try_get("playbook")?;
-    Ok(Version {
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        number: row.try_get("number")?,
-        parent: row.try_get("parent")?,
-        source: VersionSource::parse(&source).ok_or_else(|| corrupt("version source"))?,
-        round_id: row.try_get("round_id")?,
-        content: VersionContent {
-            base: row.try_get("base")?,
-            playbook: playbook.map(serde_json::from_value).transpose().map_err(|_| corrupt("playbook"))?,
-        },
-        content_hash: row.try_get("content_hash")?,
-        message: row.try_get("message")?,
-        created_by: row.try_get("created_by")?,
-        created_at: row.try_get("created_at")?,
-    })
-}
-
-fn label_from_row(row: &PgRow) -> StoreResult<Label> {
-    let name: String = row.try_get("name")?;
-    Ok(Label {
-        name: LabelName::parse(&name).map_err(|_| corrupt("label name"))?,
-        version: row.try_get("version")?,
-        updated_at: row.try_get("updated_at")?,
-        updated_by: row.try_get("updated_by")?,
-    })
-}
-
-fn key_from_row(row: &PgRow) -> StoreResult<ApiKey> {
-    Ok(ApiKey {
-        id: row.try_get("id")?,
-        name: row.try_get("name")?,
-        prefix: row.try_get("prefix")?,
-        hash: row.try_get("hash")?,
-        scopes: scopes_from_string(row.try_get("scopes")?)?,
-        created_at: row.try_get("created_at")?,
-        revoked_at: row.try_get("revoked_at")?,
-    })
-}
-
-const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
-     t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
-     t.updated_at, t.quarantined_at, t.quarantine_reason";
-
-fn trace_from_row(row: &PgRow) -> StoreResult<Trace> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let reflection: Option<Value> = row.try_get("reflection")?;
-    let quarantined_at: Option<DateTime<Utc>> = row.try_get("quarantined_at")?;
-    Ok(Trace {
-        id: row.try_get("id")?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        prompt_version: row.try_get("prompt_version")?,
-        status: match quarantined_at {
-            Some(_) => TraceStatus::Quarantined,
-            None => TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
-        },
-        input: row.try_get("input")?,
-        trajectory: row.try_get("trajectory")?,
-        output: row.try_get("output")?,
-        feedback: serde_json::from_value(row.try_get("feedback")?).map_err(|_| corrupt("feedback"))?,
-        reflection: reflection.filter(|r| !r.is_null()),
-        external_id: row.try_get("external_id")?,
-        metadata: row.try_get("metadata")?,
-        attempts: row.try_get("attempts")?,
-        failure_reason: row.try_get("failure_reason")?,
-        round_id: row.try_get("round_id")?,
-        quarantined_at,
-        quarantine_reason: row.try_get("quarantine_reason")?,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
-
-async fn insert_version(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    number: i64,
-    v: &NewVersion,
-) -> StoreResult<DateTime<Utc>> {
-    let playbook =
-        v.content.playbook.as_ref().map(serde_json::to_value).transpose().map_err(|_| corrupt("playbook"))?;
-    let created_at = sqlx::query_scalar(
-        "INSERT INTO versions (prompt_id, number, parent, source, round_id, base, playbook, content_hash, message, created_by)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING created_at",
-    )
-    .bind(prompt_id)
-    .bind(number)
-    .bind(v.parent)
-    .bind(v.source.as_str())
-    .bind(v.round_id)
-    .bind(&v.content.base)
-    .bind(playbook)
-    .bind(v.content.hash())
-    .bind(&v.message)
-    .bind(&v.created_by)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok(created_at)
-}
-
-/// Moves a label; returns it with the version it pointed at before.
-async fn apply_move(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    mv: &LabelMove,
-) -> StoreResult<(Label, Option<i64>)> {
-    let current: Option<i64> =
-        sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = $1 AND name = $2 FOR UPDATE")
-            .bind(prompt_id)
-            .bind(mv.label.as_str())
-            .fetch_optional(&mut **tx)
-            .await?;
-    if mv.check_current && current != mv.expected_current {
-        return Err(StoreError::Conflict);
-    }
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM versions WHERE prompt_id = $1 AND number = $2)")
-            .bind(prompt_id)
-            .bind(mv.to_version)
-            .fetch_one(&mut **tx)
-            .await?;
-    if !exists {
-        return Err(StoreError::Invalid(format!("version {} does not exist", mv.to_version)));
-    }
-    let row = sqlx::query(
-        "INSERT INTO labels (prompt_id, name, version, updated_by) VALUES ($1, $2, $3, $4)
-         ON CONFLICT (prompt_id, name) DO UPDATE SET version = EXCLUDED.version, updated_at = now(), updated_by = EXCLUDED.updated_by
-         RETURNING name, version, updated_at, updated_by",
-    )
-    .bind(prompt_id)
-    .bind(mv.label.as_str())
-    .bind(mv.to_version)
-    .bind(&mv.by)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok((label_from_row(&row)?, current))
-}
-
-async fn prompt_id(tx: &mut Transaction<'_, Postgres>, name: &PromptName) -> StoreResult<Uuid> {
-    sqlx::query_scalar("SELECT id FROM prompts WHERE name = $1")
-        .bind(name.as_str())
-        .fetch_optional(&mut **tx)
-        .await?
-        .ok_or(StoreError::NotFound)
-}
-
 #[async_trait]
 impl Store for PgStore {
     fn kind(&self) -> StoreKind {
@@ -473,7 +263,7 @@ impl Store for PgStore {
         .await?;
         notify(&mut tx, "keys").await?;
         tx.commit().await?;
-        key_from_row(&row)
+        key_from_row::<Postgres>(&row)
     }
 
     async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
@@ -482,7 +272,7 @@ impl Store for PgStore {
             .fetch_optional(&self.pool)
             .await?
             .as_ref()
-            .map(key_from_row)
+            .map(key_from_row::<Postgres>)
             .transpose()
     }
 
@@ -491,7 +281,7 @@ impl Store for PgStore {
             .fetch_all(&self.pool)
             .await?
             .iter()
-            .map(key_from_row)
+            .map(key_from_row::<Postgres>)
             .collect()
     }
 
@@ -549,7 +339,7 @@ impl Store for PgStore {
             created_at: row.try_get("session_created_at")?,
             expires_at: row.try_get("expires_at")?,
         };
-        Ok(Some((session, key_from_row(&row)?)))
+        Ok(Some((session, key_from_row::<Postgres>(&row)?)))
     }
 
     async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
@@ -576,8 +366,9 @@ impl Store for PgStore {
         .bind(&p.created_by)
         .fetch_one(&mut *tx)
         .await?;
-        let prompt = prompt_from_row(&row)?;
-        let created_at = insert_version(&mut tx, prompt.id, 1, &first).await?;
+        let prompt = prompt_from_row::<Postgres>(&row)?;
+        let created_at = now();
+        insert_version::<Postgres>(&mut *tx, prompt.id, 1, &first, created_at).await?;
         sqlx::query("INSERT INTO labels (prompt_id, name, version, updated_by) VALUES ($1, $2, 1, $3)")
             .bind(prompt.id)
             .bind(LabelName::PRODUCTION)
@@ -586,11 +377,15 @@ impl Store for PgStore {
             .await?;
         let version = first.into_version(prompt.name.clone(), 1, created_at);
         let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
-        record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
-        record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
-            .await?;
+        record_event::<Postgres>(&mut *tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
+        record_event::<Postgres>(
+            &mut *tx,
+            &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by),
+        )
+        .await?;
         let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
-        record_history(&mut tx, prompt.id, &production, None, Some(1), &version.created_by, &cause).await?;
+        record_history::<Postgres>(&mut *tx, prompt.id, &production, None, Some(1), &version.created_by, &cause)
+            .await?;
         notify(&mut tx, &format!("prompt:{}", prompt.name)).await?;
         tx.commit().await?;
         Ok((prompt, version))
@@ -604,7 +399,7 @@ impl Store for PgStore {
         .fetch_optional(&self.pool)
         .await?
         .as_ref()
-        .map(prompt_from_row)
+        .map(prompt_from_row::<Postgres>)
         .transpose()
     }
 
@@ -635,7 +430,7 @@ impl Store for PgStore {
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        prompt_from_row(&row).map(Some)
+        prompt_from_row::<Postgres>(&row).map(Some)
     }
 
     async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
@@ -652,7 +447,7 @@ impl Store for PgStore {
         rows.iter()
             .map(|r| {
                 Ok(PromptSummary {
-                    prompt: prompt_from_row(r)?,
+                    prompt: prompt_from_row::<Postgres>(r)?,
                     production_version: r.try_get("production_version")?,
                     latest_version: r.try_get("version_count")?,
                     pending_traces: r.try_get("pending")?,
@@ -675,19 +470,20 @@ impl Store for PgStore {
         if v.parent.is_some_and(|p| p < 1 || p >= number) {
             return Err(StoreError::Invalid("parent version does not exist".into()));
         }
-        let created_at = insert_version(&mut tx, id, number, &v).await?;
+        let created_at = now();
+        insert_version::<Postgres>(&mut *tx, id, number, &v, created_at).await?;
         let mut moved = Vec::with_capacity(moves.len());
         for mv in moves {
             let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
-            moved.push(apply_move(&mut tx, id, &mv).await?);
+            moved.push(apply_move::<Postgres>(&mut *tx, id, &mv).await?);
         }
         let version = v.into_version(prompt.clone(), number, created_at);
         let on_new: Vec<&str> =
             moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
-        record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
+        record_event::<Postgres>(&mut *tx, &OutboxEvent::version_created(&version, &on_new)).await?;
         let cause = MoveCause::new(version_move_kind(version.source), version.message.clone());
         for (label, previous) in &moved {
-            record_move(&mut tx, id, prompt, label, *previous, &cause).await?;
+            record_move::<Postgres>(&mut *tx, id, prompt, label, *previous, &cause).await?;
         }
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
@@ -739,7 +535,7 @@ impl Store for PgStore {
             .iter()
             .map(|l| LabelName::parse(l).map_err(|_| corrupt("label name")))
             .collect::<StoreResult<_>>()?;
-        Ok(Some(Resolved { version: version_from_row(&row)?, labels }))
+        Ok(Some(Resolved { version: version_from_row::<Postgres>(&row)?, labels }))
     }
 
     async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
@@ -753,7 +549,7 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(version_from_row)
+        .map(version_from_row::<Postgres>)
         .collect()
     }
 
@@ -766,15 +562,15 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(label_from_row)
+        .map(label_from_row::<Postgres>)
         .collect()
     }
 
     async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
         let mut tx = self.pool.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        let (label, previous) = apply_move(&mut tx, id, mv).await?;
-        record_move(&mut tx, id, prompt, &label, previous, cause).await?;
+        let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
+        let (label, previous) = apply_move::<Postgres>(&mut *tx, id, mv).await?;
+        record_move::<Postgres>(&mut *tx, id, prompt, &label, previous, cause).await?;
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
         Ok(label)
@@ -782,7 +578,7 @@ impl Store for PgStore {
 
     async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
         let mut tx = self.pool.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
+        let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
         let deleted: Option<i64> =
             sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = $1 AND name = $2 RETURNING version")
                 .bind(id)
@@ -791,7 +587,7 @@ impl Store for PgStore {
                 .await?;
         if let Some(version) = deleted {
             let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
-            record_history(&mut tx, id, label, Some(version), None, by, &cause).await?;
+            record_history::<Postgres>(&mut *tx, id, label, Some(version), None, by, &cause).await?;
         }
         notify(&mut tx, &format!("prompt:{prompt}")).await?;
         tx.commit().await?;
@@ -846,13 +642,13 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(arm_from_row)
+        .map(arm_from_row::<Postgres>)
         .collect()
     }
 
     async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
         let mut tx = self.pool.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
+        let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
         for arm in arms {
             let exists: Option<i64> =
                 sqlx::query_scalar("SELECT number FROM versions WHERE prompt_id = $1 AND number = $2")
@@ -909,7 +705,7 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(history_from_row)
+        .map(history_from_row::<Postgres>)
         .collect()
     }
 
@@ -930,7 +726,7 @@ impl Store for PgStore {
         .fetch_optional(&self.pool)
         .await?
         .as_ref()
-        .map(trace_from_row)
+        .map(trace_from_row::<Postgres>)
         .transpose()
     }
 
@@ -953,7 +749,7 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(trace_from_row)
+        .map(trace_from_row::<Postgres>)
         .collect()
     }
 
@@ -1249,7 +1045,7 @@ impl Store for PgStore {
 
     async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
         let mut tx = self.pool.begin().await?;
-        let prompt = prompt_id(&mut tx, &req.prompt).await?;
+        let prompt = prompt_id::<Postgres>(&mut *tx, &req.prompt).await?;
         let mut ids: Vec<Uuid> = sqlx::query_scalar(
             "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = now()
              WHERE prompt_id = $1 AND status = 'failed'
@@ -1437,7 +1233,7 @@ impl Store for PgStore {
         rows.iter()
             .map(|r| {
                 Ok(Backlog {
-                    prompt: prompt_from_row(r)?,
+                    prompt: prompt_from_row::<Postgres>(r)?,
                     pending: r.try_get("pending")?,
                     oldest: r.try_get("oldest")?,
                     active_round: r.try_get("active")?,
@@ -1477,7 +1273,7 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(trace_from_row)
+        .map(trace_from_row::<Postgres>)
         .collect::<StoreResult<Vec<_>>>()?;
         Ok(Some(ClaimedRound { round, prompt, base, traces }))
     }
@@ -1623,7 +1419,7 @@ impl Store for PgStore {
         charges: &TraceCharges,
     ) -> StoreResult<Version> {
         let mut tx = self.pool.begin().await?;
-        let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
+        let (prompt_id, name) = fence::<Postgres>(&mut *tx, round, attempt).await?;
         if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
             sqlx::query(
                 "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs)
@@ -1640,7 +1436,8 @@ impl Store for PgStore {
         .bind(prompt_id)
         .fetch_one(&mut *tx)
         .await?;
-        let created_at = insert_version(&mut tx, prompt_id, number, &v).await?;
+        let created_at = now();
+        insert_version::<Postgres>(&mut *tx, prompt_id, number, &v, created_at).await?;
         let mv = LabelMove {
             label: label.clone(),
             to_version: number,
@@ -1648,8 +1445,8 @@ impl Store for PgStore {
             check_current: false,
             by: v.created_by.clone(),
         };
-        let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
-        charge_traces(&mut tx, round, charges).await?;
+        let (moved, previous) = apply_move::<Postgres>(&mut *tx, prompt_id, &mv).await?;
+        charge_traces::<Postgres>(&mut *tx, round, charges).await?;
         sqlx::query(
             "UPDATE traces SET status = 'consumed', updated_at = now() WHERE round_id = $1 AND status = 'pending'
                AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = $1 AND r.trace_id = traces.id)",
@@ -1657,7 +1454,7 @@ impl Store for PgStore {
         .bind(round)
         .execute(&mut *tx)
         .await?;
-        release_traces(&mut tx, round).await?;
+        release_traces::<Postgres>(&mut *tx, round).await?;
         sqlx::query(
             "UPDATE rounds SET status = 'succeeded', result_version = $2, detail = $3, error = NULL, finished_at = now(),
                     lease_owner = NULL, lease_expires_at = NULL, updated_at = now() WHERE id = $1",
@@ -1668,11 +1465,12 @@ impl Store for PgStore {
         .execute(&mut *tx)
         .await?;
         let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, created_at);
-        record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
+        record_event::<Postgres>(&mut *tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
         let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
             .with_evidence(serde_json::json!({ "round_id": round }));
-        record_move(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
-        record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
+        record_move::<Postgres>(&mut *tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
+        record_event::<Postgres>(&mut *tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label))
+            .await?;
         notify(&mut tx, &format!("prompt:{name}")).await?;
         tx.commit().await?;
         Ok(version)
@@ -1680,7 +1478,7 @@ impl Store for PgStore {
 
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
         let mut tx = self.pool.begin().await?;
-        let (_, name) = fence(&mut tx, round, attempt).await?;
+        let (_, name) = fence::<Postgres>(&mut *tx, round, attempt).await?;
         match how {
             RoundFailure::Retry { after } => {
                 sqlx::query(
@@ -1695,8 +1493,8 @@ impl Store for PgStore {
                 notify(&mut tx, "round").await?;
             }
             RoundFailure::GiveUp { charges } => {
-                charge_traces(&mut tx, round, &charges).await?;
-                release_traces(&mut tx, round).await?;
+                charge_traces::<Postgres>(&mut *tx, round, &charges).await?;
+                release_traces::<Postgres>(&mut *tx, round).await?;
                 sqlx::query(
                     "UPDATE rounds SET status = 'failed', error = $2, finished_at = now(), lease_owner = NULL,
                             lease_expires_at = NULL, updated_at = now() WHERE id = $1",
@@ -1705,7 +1503,7 @@ impl Store for PgStore {
                 .bind(error)
                 .execute(&mut *tx)
                 .await?;
-                record_event(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
+                record_event::<Postgres>(&mut *tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
             }
         }
         tx.commit().await?;
@@ -1733,7 +1531,7 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?
         .iter()
-        .map(round_from_row)
+        .map(round_from_row::<Postgres>)
         .collect()
     }
 
@@ -1756,7 +1554,7 @@ impl Store for PgStore {
         .bind(h.secret.expose())
         .fetch_one(&self.pool)
         .await?;
-        webhook_from_row(&row)
+        webhook_from_row::<Postgres>(&row)
     }
 
     async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
@@ -1764,7 +1562,7 @@ impl Store for PgStore {
             .fetch_all(&self.pool)
             .await?
             .iter()
-            .map(webhook_from_row)
+            .map(webhook_from_row::<Postgres>)
             .collect()
     }
 
@@ -1774,7 +1572,7 @@ impl Store for PgStore {
             .fetch_optional(&self.pool)
             .await?
             .as_ref()
-            .map(webhook_from_row)
+            .map(webhook_from_row::<Postgres>)
             .transpose()
     }
 
@@ -2003,99 +1801,6 @@ impl Store for PgStore {
     }
 }
 
-const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
-
-fn webhook_from_row(row: &PgRow) -> StoreResult<Webhook> {
-    Ok(Webhook {
-        id: row.try_get("id")?,
-        url: row.try_get("url")?,
-        events: events_from_column(row.try_get("events")?).ok_or_else(|| corrupt("webhook events"))?,
-        description: row.try_get("description")?,
-        enabled: row.try_get("enabled")?,
-        disabled_reason: row.try_get("disabled_reason")?,
-        created_at: row.try_get("created_at")?,
-        secret: Secret::new(row.try_get::<String, _>("secret")?),
-    })
-}
-
-const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \
-     r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
-     r.started_at, r.finished_at, r.updated_at";
-
-fn round_from_row(row: &PgRow) -> StoreResult<Round> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let trigger: String = row.try_get("trigger")?;
-    let method: String = row.try_get("method")?;
-    let strategy: String = row.try_get("strategy")?;
-    Ok(Round {
-        id: row.try_get("id")?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
-        trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
-        method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
-        strategy: round::parse_strategy(&strategy).ok_or_else(|| corrupt("round strategy"))?,
-        seed: row.try_get("seed")?,
-        duplication: row.try_get("duplication")?,
-        n: row.try_get("n")?,
-        k: row.try_get("k")?,
-        base_version: row.try_get("base_version")?,
-        result_version: row.try_get("result_version")?,
-        attempt: row.try_get("attempt")?,
-        error: row.try_get("error")?,
-        detail: row.try_get("detail")?,
-        created_at: row.try_get("created_at")?,
-        started_at: row.try_get("started_at")?,
-        finished_at: row.try_get("finished_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
-
-/// Locks the round row and checks that `attempt` still holds its lease.
-/// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).
-async fn charge_traces(tx: &mut Transaction<'_, Postgres>, round: Uuid, charges: &TraceCharges) -> StoreResult<()> {
-    for fault in &charges.faults {
-        sqlx::query(
-            "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = now(), failure_reason = $3,
-                    status = CASE WHEN attempts + 1 >= $4 THEN 'failed' ELSE 'pending' END
-             WHERE id = $1 AND round_id = $2 AND status = 'pending'",
-        )
-        .bind(fault.trace_id)
-        .bind(round)
-        .bind(&fault.reason)
-        .bind(charges.max_trace_attempts)
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(())
-}
-
-/// Returns the round's still-reserved pending traces to the backlog, uncharged.
-async fn release_traces(tx: &mut Transaction<'_, Postgres>, round: Uuid) -> StoreResult<()> {
-    sqlx::query("UPDATE traces SET round_id = NULL, updated_at = now() WHERE round_id = $1 AND status = 'pending'")
-        .bind(round)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
-}
-
-async fn fence(tx: &mut Transaction<'_, Postgres>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
-    let row = sqlx::query(
-        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id
-         WHERE r.id = $1 FOR UPDATE OF r",
-    )
-    .bind(round)
-    .fetch_optional(&mut **tx)
-    .await?
-    .ok_or(StoreError::NotFound)?;
-    let status: String = row.try_get("status")?;
-    let current: i32 = row.try_get("attempt")?;
-    if status != "running" || current != attempt {
-        return Err(StoreError::Conflict);
-    }
-    Ok((row.try_get("prompt_id")?, row.try_get("name")?))
-}
-
 impl PgStore {
     async fn load_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
         sqlx::query(&format!(
@@ -2105,7 +1810,7 @@ impl PgStore {
         .fetch_optional(&self.pool)
         .await?
         .as_ref()
-        .map(round_from_row)
+        .map(round_from_row::<Postgres>)
         .transpose()
     }
 

@@ -7,9 +7,10 @@ use std::{path::Path, str::FromStr, time::Duration};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    Row, Sqlite, SqlitePool, Transaction,
+    Row, Sqlite, SqliteConnection, SqlitePool, Transaction,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous},
 };
 use tokio::sync::broadcast;
@@ -20,21 +21,26 @@ use crate::evaluate::{
     stats::Moments,
 };
 
+use super::sql::{
+    Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
+    charge_traces, corrupt, fence, history_from_row, insert_version, key_from_row, label_from_row, prompt_from_row,
+    prompt_id, record_event, record_history, record_move, release_traces, round_from_row, trace_from_row,
+    version_from_row, webhook_from_row,
+};
 use super::{
-    ApiKey, ArmState, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
+    ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
     Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
-    version_move_kind,
+    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_to_string, trace_action_refusal, version_move_kind,
 };
 use crate::{
     domain::{
         Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
-        Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
-        event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
+        Reflection, Trace, Version,
+        event::{OutboxEvent, events_to_column},
         prompt::NewVersion,
-        round::{self, Round, RoundStatus, RoundTrigger},
+        round::{self, Round},
         trace::ValidTrace,
     },
     llm::LlmCall,
@@ -89,136 +95,73 @@ impl KeyGenerationCache {
     }
 }
 
+/// SQLite keeps ids as text, times as integer microseconds and JSON as text.
+impl Dialect for Sqlite {
+    fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
+        match p {
+            Param::Int(v) => q.bind(v),
+            Param::Int32(v) => q.bind(v),
+            Param::Real(v) => q.bind(v),
+            Param::Bool(v) => q.bind(v),
+            Param::Text(v) => q.bind(v),
+            Param::Id(v) => q.bind(v.map(|u| u.to_string())),
+            Param::At(v) => q.bind(v.map(|t| t.timestamp_micros())),
+            Param::Json(v) => q.bind(v.map(|j| j.to_string())),
+        }
+    }
+    fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut SqliteConnection) -> BoxFuture<'c, sqlx::Result<u64>> {
+        Box::pin(async move { Ok(q.execute(c).await?.rows_affected()) })
+    }
+    fn fetch_all<'c, 'q: 'c>(
+        q: Query<'q, Self>,
+        c: &'c mut SqliteConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Vec<SqliteRow>>> {
+        Box::pin(q.fetch_all(c))
+    }
+    fn fetch_optional<'c, 'q: 'c>(
+        q: Query<'q, Self>,
+        c: &'c mut SqliteConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<SqliteRow>>> {
+        Box::pin(q.fetch_optional(c))
+    }
+    fn get_i64(row: &SqliteRow, col: &str) -> StoreResult<Option<i64>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_i32(row: &SqliteRow, col: &str) -> StoreResult<Option<i32>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_f64(row: &SqliteRow, col: &str) -> StoreResult<Option<f64>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_bool(row: &SqliteRow, col: &str) -> StoreResult<Option<bool>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_text(row: &SqliteRow, col: &str) -> StoreResult<Option<String>> {
+        Ok(row.try_get(col)?)
+    }
+    fn get_id(row: &SqliteRow, col: &str) -> StoreResult<Option<Uuid>> {
+        row.try_get::<Option<&str>, _>(col)?.map(uuid).transpose()
+    }
+    fn get_at(row: &SqliteRow, col: &str) -> StoreResult<Option<DateTime<Utc>>> {
+        row.try_get::<Option<i64>, _>(col)?.map(time).transpose()
+    }
+    fn get_json(row: &SqliteRow, col: &str) -> StoreResult<Option<Value>> {
+        row.try_get::<Option<&str>, _>(col)?.map(json).transpose()
+    }
+    fn lock(_: &'static str) -> &'static str {
+        ""
+    }
+    fn notify<'c>(_: &'c mut SqliteConnection, _: &'c str) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
 fn now_us() -> i64 {
     Utc::now().timestamp_micros()
 }
 
 fn time(us: i64) -> StoreResult<DateTime<Utc>> {
     DateTime::from_timestamp_micros(us).ok_or_else(|| corrupt("timestamp"))
-}
-
-/// Writes an event into the outbox and fans it out to every enabled
-/// subscription that asked for its type — inside the caller's transaction, so
-/// the event exists exactly when the change it announces does. True when a
-/// delivery was queued (announce `Change::OutboxEvent` after the commit).
-async fn record_event(tx: &mut Transaction<'_, Sqlite>, e: &OutboxEvent) -> StoreResult<bool> {
-    let now = now_us();
-    sqlx::query("INSERT INTO webhook_events (id, type, body, created_at) VALUES (?, ?, ?, ?)")
-        .bind(&e.id)
-        .bind(e.kind.as_str())
-        .bind(&e.body)
-        .bind(e.created_at.timestamp_micros())
-        .execute(&mut **tx)
-        .await?;
-    let subscribers: Vec<String> =
-        sqlx::query_scalar("SELECT id FROM webhook_subscriptions WHERE enabled = 1 AND events LIKE ?")
-            .bind(events_pattern(e.kind))
-            .fetch_all(&mut **tx)
-            .await?;
-    for sub in &subscribers {
-        sqlx::query(
-            "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status, next_attempt_at, created_at, updated_at)
-             VALUES (?, ?, ?, 'pending', ?, ?, ?)",
-        )
-        .bind(Uuid::now_v7().to_string())
-        .bind(&e.id)
-        .bind(sub)
-        .bind(now)
-        .bind(now)
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(!subscribers.is_empty())
-}
-
-/// Appends one entry to the label history (inside the caller's transaction).
-// The columns of one history row; a struct would only rename them.
-#[allow(clippy::too_many_arguments)]
-async fn record_history(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    label: &LabelName,
-    from: Option<i64>,
-    to: Option<i64>,
-    actor: &str,
-    cause: &MoveCause,
-) -> StoreResult<()> {
-    sqlx::query(
-        "INSERT INTO label_moves (prompt_id, label, from_version, to_version, kind, actor, reason, evidence, at)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    )
-    .bind(prompt_id.to_string())
-    .bind(label.as_str())
-    .bind(from)
-    .bind(to)
-    .bind(cause.kind.as_str())
-    .bind(actor)
-    .bind(&cause.reason)
-    .bind(cause.evidence.as_ref().map(to_json).transpose()?)
-    .bind(now_us())
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// The history entry and outbox events of one label move (none when it did
-/// not change anything). True when a delivery was queued.
-async fn record_move(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    prompt: &PromptName,
-    label: &Label,
-    previous: Option<i64>,
-    cause: &MoveCause,
-) -> StoreResult<bool> {
-    if previous == Some(label.version) {
-        return Ok(false);
-    }
-    record_history(tx, prompt_id, &label.name, previous, Some(label.version), &label.updated_by, cause).await?;
-    let mut queued =
-        record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by))
-            .await?;
-    if matches!(cause.kind, LabelMoveKind::Rollback | LabelMoveKind::GuardRollback) {
-        let e = OutboxEvent::rolled_back(prompt, &label.name, label.version, previous, &label.updated_by, cause);
-        queued |= record_event(tx, &e).await?;
-    }
-    Ok(queued)
-}
-
-fn history_from_row(row: &SqliteRow) -> StoreResult<LabelHistoryEntry> {
-    let label: String = row.try_get("label")?;
-    let kind: String = row.try_get("kind")?;
-    let evidence: Option<String> = row.try_get("evidence")?;
-    Ok(LabelHistoryEntry {
-        id: row.try_get("id")?,
-        label: LabelName::parse(&label).map_err(|_| corrupt("label name"))?,
-        from_version: row.try_get("from_version")?,
-        to_version: row.try_get("to_version")?,
-        kind: LabelMoveKind::parse(&kind).ok_or_else(|| corrupt("label move kind"))?,
-        actor: row.try_get("actor")?,
-        reason: row.try_get("reason")?,
-        evidence: evidence.as_deref().map(json).transpose()?,
-        at: time(row.try_get("at")?)?,
-    })
-}
-
-fn arm_from_row(row: &SqliteRow) -> StoreResult<PopulationArm> {
-    let state: String = row.try_get("state")?;
-    let rated_until: Option<i64> = row.try_get("rated_until")?;
-    Ok(PopulationArm {
-        version: row.try_get("version")?,
-        state: ArmState::parse(&state).ok_or_else(|| corrupt("arm state"))?,
-        rating: crate::evaluate::trueskill::Rating { mu: row.try_get("mu")?, sigma: row.try_get("sigma")? },
-        weight: row.try_get("weight")?,
-        scored_traces: row.try_get::<i64, _>("scored_traces")?.max(0) as u64,
-        created_from: row.try_get("created_from")?,
-        rated_until: rated_until.map(time).transpose()?,
-    })
-}
-
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(what.to_owned())
 }
 
 fn uuid(s: &str) -> StoreResult<Uuid> {
@@ -318,281 +261,6 @@ impl SqliteStore {
     }
 }
 
-fn prompt_from_row(row: &SqliteRow) -> StoreResult<Prompt> {
-    let name: String = row.try_get("name")?;
-    Ok(Prompt {
-        id: uuid(row.try_get("id")?)?,
-        name: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        strategy: serde_json::from_value(Value::String(row.try_get("strategy")?)).map_err(|_| corrupt("strategy"))?,
-        promotion: serde_json::from_value(Value::String(row.try_get("promotion")?))
-            .map_err(|_| corrupt("promotion"))?,
-        settings: serde_json::from_str(row.try_get("settings")?).map_err(|_| corrupt("settings"))?,
-        created_at: time(row.try_get("created_at")?)?,
-        created_by: row.try_get("created_by")?,
-    })
-}
-
-const VERSION_COLUMNS: &str = "p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, v.playbook, \
-     v.content_hash, v.message, v.created_by, v.created_at";
-
-fn version_from_row(row: &SqliteRow) -> StoreResult<Version> {
-    let name: String = row.try_get("prompt_name")?;
-    let source: String = row.try_get("source")?;
-    let playbook: Option<String> = row.try_get("playbook")?;
-    let round_id: Option<String> = row.try_get("round_id")?;
-    Ok(Version {
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        number: row.try_get("number")?,
-        parent: row.try_get("parent")?,
-        source: VersionSource::parse(&source).ok_or_else(|| corrupt("version source"))?,
-        round_id: round_id.as_deref().map(uuid).transpose()?,
-        content: VersionContent {
-            base: row.try_get("base")?,
-            playbook: playbook.as_deref().map(serde_json::from_str).transpose().map_err(|_| corrupt("playbook"))?,
-        },
-        content_hash: row.try_get("content_hash")?,
-        message: row.try_get("message")?,
-        created_by: row.try_get("created_by")?,
-        created_at: time(row.try_get("created_at")?)?,
-    })
-}
-
-fn label_from_row(row: &SqliteRow) -> StoreResult<Label> {
-    let name: String = row.try_get("name")?;
-    Ok(Label {
-        name: LabelName::parse(&name).map_err(|_| corrupt("label name"))?,
-        version: row.try_get("version")?,
-        updated_at: time(row.try_get("updated_at")?)?,
-        updated_by: row.try_get("updated_by")?,
-    })
-}
-
-fn key_from_row(row: &SqliteRow) -> StoreResult<ApiKey> {
-    let revoked: Option<i64> = row.try_get("revoked_at")?;
-    Ok(ApiKey {
-        id: uuid(row.try_get("id")?)?,
-        name: row.try_get("name")?,
-        prefix: row.try_get("prefix")?,
-        hash: row.try_get("hash")?,
-        scopes: scopes_from_string(row.try_get("scopes")?)?,
-        created_at: time(row.try_get("created_at")?)?,
-        revoked_at: revoked.map(time).transpose()?,
-    })
-}
-
-const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
-     t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
-     t.updated_at, t.quarantined_at, t.quarantine_reason";
-
-fn trace_from_row(row: &SqliteRow) -> StoreResult<Trace> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let reflection: Option<String> = row.try_get("reflection")?;
-    let round_id: Option<String> = row.try_get("round_id")?;
-    let quarantined_at: Option<i64> = row.try_get("quarantined_at")?;
-    let quarantined_at = quarantined_at.map(time).transpose()?;
-    Ok(Trace {
-        id: uuid(row.try_get("id")?)?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        prompt_version: row.try_get("prompt_version")?,
-        status: match quarantined_at {
-            Some(_) => TraceStatus::Quarantined,
-            None => TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
-        },
-        input: json(row.try_get("input")?)?,
-        trajectory: json(row.try_get("trajectory")?)?,
-        output: json(row.try_get("output")?)?,
-        feedback: serde_json::from_str(row.try_get("feedback")?).map_err(|_| corrupt("feedback"))?,
-        reflection: reflection.as_deref().map(json).transpose()?.filter(|r| !r.is_null()),
-        external_id: row.try_get("external_id")?,
-        metadata: json(row.try_get("metadata")?)?,
-        attempts: row.try_get("attempts")?,
-        failure_reason: row.try_get("failure_reason")?,
-        round_id: round_id.as_deref().map(uuid).transpose()?,
-        quarantined_at,
-        quarantine_reason: row.try_get("quarantine_reason")?,
-        created_at: time(row.try_get("created_at")?)?,
-        updated_at: time(row.try_get("updated_at")?)?,
-    })
-}
-
-async fn insert_version(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    number: i64,
-    v: &NewVersion,
-    created_at: i64,
-) -> StoreResult<()> {
-    let playbook = v.content.playbook.as_ref().map(to_json).transpose()?;
-    sqlx::query(
-        "INSERT INTO versions (prompt_id, number, parent, source, round_id, base, playbook, content_hash, message, created_by, created_at)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    )
-    .bind(prompt_id.to_string())
-    .bind(number)
-    .bind(v.parent)
-    .bind(v.source.as_str())
-    .bind(v.round_id.map(|r| r.to_string()))
-    .bind(&v.content.base)
-    .bind(playbook)
-    .bind(v.content.hash())
-    .bind(&v.message)
-    .bind(&v.created_by)
-    .bind(created_at)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// Moves a label; returns it with the version it pointed at before.
-async fn apply_move(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    mv: &LabelMove,
-) -> StoreResult<(Label, Option<i64>)> {
-    let pid = prompt_id.to_string();
-    let current: Option<i64> = sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = ? AND name = ?")
-        .bind(&pid)
-        .bind(mv.label.as_str())
-        .fetch_optional(&mut **tx)
-        .await?;
-    if mv.check_current && current != mv.expected_current {
-        return Err(StoreError::Conflict);
-    }
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM versions WHERE prompt_id = ? AND number = ?)")
-        .bind(&pid)
-        .bind(mv.to_version)
-        .fetch_one(&mut **tx)
-        .await?;
-    if !exists {
-        return Err(StoreError::Invalid(format!("version {} does not exist", mv.to_version)));
-    }
-    let row = sqlx::query(
-        "INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES (?, ?, ?, ?, ?)
-         ON CONFLICT (prompt_id, name) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at,
-             updated_by = excluded.updated_by
-         RETURNING name, version, updated_at, updated_by",
-    )
-    .bind(&pid)
-    .bind(mv.label.as_str())
-    .bind(mv.to_version)
-    .bind(now_us())
-    .bind(&mv.by)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok((label_from_row(&row)?, current))
-}
-
-async fn prompt_id(tx: &mut Transaction<'_, Sqlite>, name: &PromptName) -> StoreResult<Uuid> {
-    let id: Option<String> = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
-        .bind(name.as_str())
-        .fetch_optional(&mut **tx)
-        .await?;
-    uuid(&id.ok_or(StoreError::NotFound)?)
-}
-
-const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
-
-fn webhook_from_row(row: &SqliteRow) -> StoreResult<Webhook> {
-    Ok(Webhook {
-        id: uuid(row.try_get("id")?)?,
-        url: row.try_get("url")?,
-        events: events_from_column(row.try_get("events")?).ok_or_else(|| corrupt("webhook events"))?,
-        description: row.try_get("description")?,
-        enabled: row.try_get("enabled")?,
-        disabled_reason: row.try_get("disabled_reason")?,
-        created_at: time(row.try_get("created_at")?)?,
-        secret: Secret::new(row.try_get::<String, _>("secret")?),
-    })
-}
-
-const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \
-     r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
-     r.started_at, r.finished_at, r.updated_at";
-
-fn round_from_row(row: &SqliteRow) -> StoreResult<Round> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let trigger: String = row.try_get("trigger")?;
-    let method: String = row.try_get("method")?;
-    let strategy: String = row.try_get("strategy")?;
-    let started: Option<i64> = row.try_get("started_at")?;
-    let finished: Option<i64> = row.try_get("finished_at")?;
-    Ok(Round {
-        id: uuid(row.try_get("id")?)?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
-        trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
-        method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
-        strategy: round::parse_strategy(&strategy).ok_or_else(|| corrupt("round strategy"))?,
-        seed: row.try_get("seed")?,
-        duplication: row.try_get("duplication")?,
-        n: row.try_get("n")?,
-        k: row.try_get("k")?,
-        base_version: row.try_get("base_version")?,
-        result_version: row.try_get("result_version")?,
-        attempt: row.try_get("attempt")?,
-        error: row.try_get("error")?,
-        detail: json(row.try_get("detail")?)?,
-        created_at: time(row.try_get("created_at")?)?,
-        started_at: started.map(time).transpose()?,
-        finished_at: finished.map(time).transpose()?,
-        updated_at: time(row.try_get("updated_at")?)?,
-    })
-}
-
-/// Checks that `attempt` still holds the round's lease (the single writer
-/// connection makes check-then-write atomic).
-/// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).
-async fn charge_traces(
-    tx: &mut Transaction<'_, Sqlite>,
-    round: Uuid,
-    charges: &TraceCharges,
-    now: i64,
-) -> StoreResult<()> {
-    for fault in &charges.faults {
-        sqlx::query(
-            "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = ?1, failure_reason = ?2,
-                    status = CASE WHEN attempts + 1 >= ?3 THEN 'failed' ELSE 'pending' END
-             WHERE id = ?4 AND round_id = ?5 AND status = 'pending'",
-        )
-        .bind(now)
-        .bind(&fault.reason)
-        .bind(charges.max_trace_attempts)
-        .bind(fault.trace_id.to_string())
-        .bind(round.to_string())
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(())
-}
-
-/// Returns the round's still-reserved pending traces to the backlog, uncharged.
-async fn release_traces(tx: &mut Transaction<'_, Sqlite>, round: Uuid, now: i64) -> StoreResult<()> {
-    sqlx::query("UPDATE traces SET round_id = NULL, updated_at = ? WHERE round_id = ? AND status = 'pending'")
-        .bind(now)
-        .bind(round.to_string())
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
-}
-
-async fn fence(tx: &mut Transaction<'_, Sqlite>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
-    let row = sqlx::query(
-        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = ?",
-    )
-    .bind(round.to_string())
-    .fetch_optional(&mut **tx)
-    .await?
-    .ok_or(StoreError::NotFound)?;
-    let status: String = row.try_get("status")?;
-    let current: i32 = row.try_get("attempt")?;
-    if status != "running" || current != attempt {
-        return Err(StoreError::Conflict);
-    }
-    Ok((uuid(row.try_get("prompt_id")?)?, row.try_get("name")?))
-}
-
 fn micros(d: Duration) -> i64 {
     d.as_micros().min(i64::MAX as u128) as i64
 }
@@ -606,7 +274,7 @@ impl SqliteStore {
         .fetch_optional(&self.reader)
         .await?
         .as_ref()
-        .map(round_from_row)
+        .map(round_from_row::<Sqlite>)
         .transpose()
     }
 }
@@ -644,7 +312,7 @@ impl Store for SqliteStore {
         .fetch_one(&self.writer)
         .await?;
         self.announce(Change::Keys);
-        key_from_row(&row)
+        key_from_row::<Sqlite>(&row)
     }
 
     async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
@@ -653,7 +321,7 @@ impl Store for SqliteStore {
             .fetch_optional(&self.reader)
             .await?
             .as_ref()
-            .map(key_from_row)
+            .map(key_from_row::<Sqlite>)
             .transpose()
     }
 
@@ -662,7 +330,7 @@ impl Store for SqliteStore {
             .fetch_all(&self.reader)
             .await?
             .iter()
-            .map(key_from_row)
+            .map(key_from_row::<Sqlite>)
             .collect()
     }
 
@@ -732,7 +400,7 @@ impl Store for SqliteStore {
             created_at: time(row.try_get("session_created_at")?)?,
             expires_at: time(row.try_get("expires_at")?)?,
         };
-        Ok(Some((session, key_from_row(&row)?)))
+        Ok(Some((session, key_from_row::<Sqlite>(&row)?)))
     }
 
     async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
@@ -761,7 +429,7 @@ impl Store for SqliteStore {
         .bind(&p.created_by)
         .execute(&mut *tx)
         .await?;
-        insert_version(&mut tx, id, 1, &first, now).await?;
+        insert_version::<Sqlite>(&mut *tx, id, 1, &first, time(now)?).await?;
         sqlx::query("INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES (?, ?, 1, ?, ?)")
             .bind(id.to_string())
             .bind(LabelName::PRODUCTION)
@@ -782,12 +450,14 @@ impl Store for SqliteStore {
         let version = first.into_version(p.name, 1, created_at);
         let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
         let mut queued =
-            record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
-        queued |=
-            record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
-                .await?;
+            record_event::<Sqlite>(&mut *tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
+        queued |= record_event::<Sqlite>(
+            &mut *tx,
+            &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by),
+        )
+        .await?;
         let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
-        record_history(&mut tx, id, &production, None, Some(1), &version.created_by, &cause).await?;
+        record_history::<Sqlite>(&mut *tx, id, &production, None, Some(1), &version.created_by, &cause).await?;
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.name.to_string()));
         self.announce_outbox(queued);
@@ -802,7 +472,7 @@ impl Store for SqliteStore {
         .fetch_optional(&self.reader)
         .await?
         .as_ref()
-        .map(prompt_from_row)
+        .map(prompt_from_row::<Sqlite>)
         .transpose()
     }
 
@@ -833,7 +503,7 @@ impl Store for SqliteStore {
         .fetch_one(&mut *tx)
         .await?;
         tx.commit().await?;
-        prompt_from_row(&row).map(Some)
+        prompt_from_row::<Sqlite>(&row).map(Some)
     }
 
     async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
@@ -850,7 +520,7 @@ impl Store for SqliteStore {
         rows.iter()
             .map(|r| {
                 Ok(PromptSummary {
-                    prompt: prompt_from_row(r)?,
+                    prompt: prompt_from_row::<Sqlite>(r)?,
                     production_version: r.try_get("production_version")?,
                     latest_version: r.try_get("version_count")?,
                     pending_traces: r.try_get("pending")?,
@@ -874,19 +544,19 @@ impl Store for SqliteStore {
         if v.parent.is_some_and(|p| p < 1 || p >= number) {
             return Err(StoreError::Invalid("parent version does not exist".into()));
         }
-        insert_version(&mut tx, id, number, &v, now).await?;
+        insert_version::<Sqlite>(&mut *tx, id, number, &v, time(now)?).await?;
         let mut moved = Vec::with_capacity(moves.len());
         for mv in moves {
             let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
-            moved.push(apply_move(&mut tx, id, &mv).await?);
+            moved.push(apply_move::<Sqlite>(&mut *tx, id, &mv).await?);
         }
         let version = v.into_version(prompt.clone(), number, time(now)?);
         let on_new: Vec<&str> =
             moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
-        let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
+        let mut queued = record_event::<Sqlite>(&mut *tx, &OutboxEvent::version_created(&version, &on_new)).await?;
         let cause = MoveCause::new(version_move_kind(version.source), version.message.clone());
         for (label, previous) in &moved {
-            queued |= record_move(&mut tx, id, prompt, label, *previous, &cause).await?;
+            queued |= record_move::<Sqlite>(&mut *tx, id, prompt, label, *previous, &cause).await?;
         }
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.to_string()));
@@ -941,7 +611,7 @@ impl Store for SqliteStore {
             .map(|l| LabelName::parse(l).map_err(|_| corrupt("label name")))
             .collect::<StoreResult<Vec<_>>>()?;
         labels.sort();
-        Ok(Some(Resolved { version: version_from_row(&row)?, labels }))
+        Ok(Some(Resolved { version: version_from_row::<Sqlite>(&row)?, labels }))
     }
 
     async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
@@ -955,7 +625,7 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?
         .iter()
-        .map(version_from_row)
+        .map(version_from_row::<Sqlite>)
         .collect()
     }
 
@@ -968,15 +638,15 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?
         .iter()
-        .map(label_from_row)
+        .map(label_from_row::<Sqlite>)
         .collect()
     }
 
     async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
         let mut tx = self.writer.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        let (label, previous) = apply_move(&mut tx, id, mv).await?;
-        let queued = record_move(&mut tx, id, prompt, &label, previous, cause).await?;
+        let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
+        let (label, previous) = apply_move::<Sqlite>(&mut *tx, id, mv).await?;
+        let queued = record_move::<Sqlite>(&mut *tx, id, prompt, &label, previous, cause).await?;
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.to_string()));
         self.announce_outbox(queued);
@@ -985,7 +655,7 @@ impl Store for SqliteStore {
 
     async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
         let mut tx = self.writer.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
+        let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
         let deleted: Option<i64> =
             sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = ? AND name = ? RETURNING version")
                 .bind(id.to_string())
@@ -994,7 +664,7 @@ impl Store for SqliteStore {
                 .await?;
         if let Some(version) = deleted {
             let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
-            record_history(&mut tx, id, label, Some(version), None, by, &cause).await?;
+            record_history::<Sqlite>(&mut *tx, id, label, Some(version), None, by, &cause).await?;
         }
         tx.commit().await?;
         self.announce(Change::Prompt(prompt.to_string()));
@@ -1048,13 +718,13 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?
         .iter()
-        .map(arm_from_row)
+        .map(arm_from_row::<Sqlite>)
         .collect()
     }
 
     async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
         let mut tx = self.writer.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
+        let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
         for arm in arms {
             let exists: Option<i64> =
                 sqlx::query_scalar("SELECT number FROM versions WHERE prompt_id = ? AND number = ?")
@@ -1114,7 +784,7 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?
         .iter()
-        .map(history_from_row)
+        .map(history_from_row::<Sqlite>)
         .collect()
     }
 
@@ -1133,7 +803,7 @@ impl Store for SqliteStore {
         .fetch_optional(&self.reader)
         .await?
         .as_ref()
-        .map(trace_from_row)
+        .map(trace_from_row::<Sqlite>)
         .transpose()
     }
 
@@ -1156,7 +826,7 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?
         .iter()
-        .map(trace_from_row)
+        .map(trace_from_row::<Sqlite>)
         .collect()
     }
 
@@ -1636,7 +1306,7 @@ impl Store for SqliteStore {
             .map(|r| {
                 let oldest: Option<i64> = r.try_get("oldest")?;
                 Ok(Backlog {
-                    prompt: prompt_from_row(r)?,
+                    prompt: prompt_from_row::<Sqlite>(r)?,
                     pending: r.try_get("pending")?,
                     oldest: oldest.map(time).transpose()?,
                     active_round: r.try_get("active")?,
@@ -1677,7 +1347,7 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?
         .iter()
-        .map(trace_from_row)
+        .map(trace_from_row::<Sqlite>)
         .collect::<StoreResult<Vec<_>>>()?;
         Ok(Some(ClaimedRound { round, prompt, base, traces }))
     }
@@ -1830,7 +1500,7 @@ impl Store for SqliteStore {
     ) -> StoreResult<Version> {
         let now = now_us();
         let mut tx = self.writer.begin().await?;
-        let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
+        let (prompt_id, name) = fence::<Sqlite>(&mut *tx, round, attempt).await?;
         if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
             sqlx::query(
                 "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
@@ -1848,7 +1518,7 @@ impl Store for SqliteStore {
         .bind(prompt_id.to_string())
         .fetch_one(&mut *tx)
         .await?;
-        insert_version(&mut tx, prompt_id, number, &v, now).await?;
+        insert_version::<Sqlite>(&mut *tx, prompt_id, number, &v, time(now)?).await?;
         let mv = LabelMove {
             label: label.clone(),
             to_version: number,
@@ -1856,8 +1526,8 @@ impl Store for SqliteStore {
             check_current: false,
             by: v.created_by.clone(),
         };
-        let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
-        charge_traces(&mut tx, round, charges, now).await?;
+        let (moved, previous) = apply_move::<Sqlite>(&mut *tx, prompt_id, &mv).await?;
+        charge_traces::<Sqlite>(&mut *tx, round, charges).await?;
         sqlx::query(
             "UPDATE traces SET status = 'consumed', updated_at = ?1 WHERE round_id = ?2 AND status = 'pending'
                AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = ?2 AND r.trace_id = traces.id)",
@@ -1866,7 +1536,7 @@ impl Store for SqliteStore {
         .bind(round.to_string())
         .execute(&mut *tx)
         .await?;
-        release_traces(&mut tx, round, now).await?;
+        release_traces::<Sqlite>(&mut *tx, round).await?;
         sqlx::query(
             "UPDATE rounds SET status = 'succeeded', result_version = ?, detail = ?, error = NULL, finished_at = ?,
                     lease_owner = NULL, lease_expires_at = NULL, updated_at = ? WHERE id = ?",
@@ -1879,11 +1549,14 @@ impl Store for SqliteStore {
         .execute(&mut *tx)
         .await?;
         let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, time(now)?);
-        let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
+        let mut queued =
+            record_event::<Sqlite>(&mut *tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
         let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
             .with_evidence(serde_json::json!({ "round_id": round }));
-        queued |= record_move(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
-        queued |= record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
+        queued |= record_move::<Sqlite>(&mut *tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
+        queued |=
+            record_event::<Sqlite>(&mut *tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label))
+                .await?;
         tx.commit().await?;
         self.announce(Change::Prompt(name));
         self.announce_outbox(queued);
@@ -1893,7 +1566,7 @@ impl Store for SqliteStore {
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
         let now = now_us();
         let mut tx = self.writer.begin().await?;
-        let (_, name) = fence(&mut tx, round, attempt).await?;
+        let (_, name) = fence::<Sqlite>(&mut *tx, round, attempt).await?;
         let requeued = matches!(how, RoundFailure::Retry { .. });
         let mut queued = false;
         match how {
@@ -1910,8 +1583,8 @@ impl Store for SqliteStore {
                 .await?;
             }
             RoundFailure::GiveUp { charges } => {
-                charge_traces(&mut tx, round, &charges, now).await?;
-                release_traces(&mut tx, round, now).await?;
+                charge_traces::<Sqlite>(&mut *tx, round, &charges).await?;
+                release_traces::<Sqlite>(&mut *tx, round).await?;
                 sqlx::query(
                     "UPDATE rounds SET status = 'failed', error = ?, finished_at = ?, lease_owner = NULL,
                             lease_expires_at = NULL, updated_at = ? WHERE id = ?",
@@ -1922,7 +1595,8 @@ impl Store for SqliteStore {
                 .bind(round.to_string())
                 .execute(&mut *tx)
                 .await?;
-                queued = record_event(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
+                queued =
+                    record_event::<Sqlite>(&mut *tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
             }
         }
         tx.commit().await?;
@@ -1953,7 +1627,7 @@ impl Store for SqliteStore {
         .fetch_all(&self.reader)
         .await?
         .iter()
-        .map(round_from_row)
+        .map(round_from_row::<Sqlite>)
         .collect()
     }
 
@@ -1981,7 +1655,7 @@ impl Store for SqliteStore {
         .bind(now)
         .fetch_one(&self.writer)
         .await?;
-        webhook_from_row(&row)
+        webhook_from_row::<Sqlite>(&row)
     }
 
     async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
@@ -1989,7 +1663,7 @@ impl Store for SqliteStore {
             .fetch_all(&self.reader)
             .await?
             .iter()
-            .map(webhook_from_row)
+            .map(webhook_from_row::<Sqlite>)
             .collect()
     }
 
@@ -1999,7 +1673,7 @@ impl Store for SqliteStore {
             .fetch_optional(&self.reader)
             .await?
             .as_ref()
-            .map(webhook_from_row)
+            .map(webhook_from_row::<Sqlite>)
             .transpose()
     }
 
