@@ -21,6 +21,7 @@ use crate::evaluate::{
     stats::Moments,
 };
 
+use super::backend::{Backend, SqlStore};
 use super::sql::{
     Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
     charge_traces, corrupt, fence, history_from_row, insert_version, key_from_row, label_from_row, now,
@@ -49,19 +50,18 @@ use crate::{
 
 const CHANNEL: &str = "combee_changes";
 
-pub struct PgStore {
-    pool: PgPool,
-    changes: broadcast::Sender<Change>,
-    listener: JoinHandle<()>,
-}
+pub type PgStore = SqlStore<Postgres>;
 
-impl Drop for PgStore {
+/// The NOTIFY listener task, stopped with the store.
+pub struct Listener(JoinHandle<()>);
+
+impl Drop for Listener {
     fn drop(&mut self) {
-        self.listener.abort();
+        self.0.abort();
     }
 }
 
-impl PgStore {
+impl SqlStore<Postgres> {
     pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration) -> StoreResult<Self> {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
@@ -74,12 +74,12 @@ impl PgStore {
             .map_err(StoreError::Unavailable)?;
         migrate::postgres(&pool).await?;
         let (changes, _) = broadcast::channel(1024);
-        let listener = tokio::spawn(listen(pool.clone(), changes.clone()));
-        Ok(Self { pool, changes, listener })
+        let listener = Listener(tokio::spawn(listen(pool.clone(), changes.clone())));
+        Ok(Self { writer: pool.clone(), reader: pool, changes, extra: listener })
     }
 
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        &self.writer
     }
 }
 
@@ -234,22 +234,24 @@ async fn notify(tx: &mut Transaction<'_, Postgres>, payload: &str) -> StoreResul
 }
 
 #[async_trait]
-impl Store for PgStore {
-    fn kind(&self) -> StoreKind {
-        StoreKind::Postgres
-    }
+impl Backend for Postgres {
+    const KIND: StoreKind = StoreKind::Postgres;
+    const ANNOUNCE_LOCALLY: bool = false;
+    type Extra = Listener;
 
-    async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+    async fn ping(s: &SqlStore<Self>) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&s.writer).await?;
         Ok(())
     }
 
-    fn changes(&self) -> broadcast::Receiver<Change> {
-        self.changes.subscribe()
-    }
-
-    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
-        let mut tx = self.pool.begin().await?;
+    async fn create_api_key(
+        s: &SqlStore<Self>,
+        name: &str,
+        prefix: &str,
+        hash: &str,
+        scopes: &[Scope],
+    ) -> StoreResult<ApiKey> {
+        let mut tx = s.writer.begin().await?;
         let row = sqlx::query(
             "INSERT INTO api_keys (id, name, prefix, hash, scopes) VALUES ($1, $2, $3, $4, $5)
              RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
@@ -266,27 +268,27 @@ impl Store for PgStore {
         key_from_row::<Postgres>(&row)
     }
 
-    async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
+    async fn api_key_by_hash(s: &SqlStore<Self>, hash: &str) -> StoreResult<Option<ApiKey>> {
         sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = $1")
             .bind(hash)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&s.writer)
             .await?
             .as_ref()
             .map(key_from_row::<Postgres>)
             .transpose()
     }
 
-    async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
+    async fn list_api_keys(s: &SqlStore<Self>) -> StoreResult<Vec<ApiKey>> {
         sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .fetch_all(&self.pool)
+            .fetch_all(&s.writer)
             .await?
             .iter()
             .map(key_from_row::<Postgres>)
             .collect()
     }
 
-    async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
-        let mut tx = self.pool.begin().await?;
+    async fn revoke_api_key(s: &SqlStore<Self>, id_or_prefix: &str) -> StoreResult<bool> {
+        let mut tx = s.writer.begin().await?;
         let id = Uuid::parse_str(id_or_prefix).ok();
         let n =
             sqlx::query("UPDATE api_keys SET revoked_at = now() WHERE revoked_at IS NULL AND (id = $1 OR prefix = $2)")
@@ -300,16 +302,16 @@ impl Store for PgStore {
         Ok(n > 0)
     }
 
-    async fn api_key_generation(&self) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.pool).await?)
+    async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
     }
 
-    async fn count_active_api_keys(&self) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.pool).await?)
+    async fn count_active_api_keys(s: &SqlStore<Self>) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&s.writer).await?)
     }
 
-    async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
+    async fn create_ui_session(s: &SqlStore<Self>, session: &NewUiSession) -> StoreResult<()> {
+        let mut tx = s.writer.begin().await?;
         sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= now()").execute(&mut *tx).await?;
         sqlx::query("INSERT INTO ui_sessions (token_hash, key_id, csrf_token, expires_at) VALUES ($1, $2, $3, $4)")
             .bind(&session.token_hash)
@@ -322,7 +324,7 @@ impl Store for PgStore {
         Ok(())
     }
 
-    async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
+    async fn ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
         let row = sqlx::query(
             "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
                     k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
@@ -330,7 +332,7 @@ impl Store for PgStore {
              WHERE s.token_hash = $1 AND s.expires_at > now()",
         )
         .bind(token_hash)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&s.writer)
         .await?;
         let Some(row) = row else { return Ok(None) };
         let session = UiSession {
@@ -342,17 +344,17 @@ impl Store for PgStore {
         Ok(Some((session, key_from_row::<Postgres>(&row)?)))
     }
 
-    async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
+    async fn delete_ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<bool> {
         let n = sqlx::query("DELETE FROM ui_sessions WHERE token_hash = $1")
             .bind(token_hash)
-            .execute(&self.pool)
+            .execute(&s.writer)
             .await?
             .rows_affected();
         Ok(n > 0)
     }
 
-    async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
-        let mut tx = self.pool.begin().await?;
+    async fn create_prompt(s: &SqlStore<Self>, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
+        let mut tx = s.writer.begin().await?;
         let row = sqlx::query(
             "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_by)
              VALUES ($1, $2, $3, $4, $5, 1, $6)
@@ -391,12 +393,12 @@ impl Store for PgStore {
         Ok((prompt, version))
     }
 
-    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
+    async fn get_prompt(s: &SqlStore<Self>, name: &PromptName) -> StoreResult<Option<Prompt>> {
         sqlx::query(
             "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1",
         )
         .bind(name.as_str())
-        .fetch_optional(&self.pool)
+        .fetch_optional(&s.writer)
         .await?
         .as_ref()
         .map(prompt_from_row::<Postgres>)
@@ -404,12 +406,12 @@ impl Store for PgStore {
     }
 
     async fn update_prompt_settings(
-        &self,
+        s: &SqlStore<Self>,
         name: &PromptName,
         expected: &PromptSettings,
         new: &PromptSettings,
     ) -> StoreResult<Option<Prompt>> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let Some(current) = sqlx::query_scalar::<_, Value>("SELECT settings FROM prompts WHERE name = $1 FOR UPDATE")
             .bind(name.as_str())
             .fetch_optional(&mut *tx)
@@ -433,7 +435,7 @@ impl Store for PgStore {
         prompt_from_row::<Postgres>(&row).map(Some)
     }
 
-    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
+    async fn list_prompts(s: &SqlStore<Self>, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
                     (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
@@ -442,7 +444,7 @@ impl Store for PgStore {
         )
         .bind(after)
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?;
         rows.iter()
             .map(|r| {
@@ -456,8 +458,13 @@ impl Store for PgStore {
             .collect()
     }
 
-    async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
-        let mut tx = self.pool.begin().await?;
+    async fn create_version(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        v: NewVersion,
+        moves: &[LabelMove],
+    ) -> StoreResult<Version> {
+        let mut tx = s.writer.begin().await?;
         // The row lock taken here serialises concurrent writers of one prompt.
         let row = sqlx::query(
             "UPDATE prompts SET version_count = version_count + 1 WHERE name = $1 RETURNING id, version_count",
@@ -490,7 +497,7 @@ impl Store for PgStore {
         Ok(version)
     }
 
-    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
+    async fn resolve(s: &SqlStore<Self>, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
         let labels_col = "(SELECT array_agg(l2.name ORDER BY l2.name) FROM labels l2
                            WHERE l2.prompt_id = v.prompt_id AND l2.version = v.number) AS labels";
         let row = match selector {
@@ -503,7 +510,7 @@ impl Store for PgStore {
                 ))
                 .bind(prompt.as_str())
                 .bind(label.as_str())
-                .fetch_optional(&self.pool)
+                .fetch_optional(&s.writer)
                 .await?
             }
             Selector::Latest => {
@@ -513,7 +520,7 @@ impl Store for PgStore {
                      WHERE p.name = $1"
                 ))
                 .bind(prompt.as_str())
-                .fetch_optional(&self.pool)
+                .fetch_optional(&s.writer)
                 .await?
             }
             Selector::Version(n) => {
@@ -524,7 +531,7 @@ impl Store for PgStore {
                 ))
                 .bind(prompt.as_str())
                 .bind(n)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&s.writer)
                 .await?
             }
         };
@@ -538,7 +545,12 @@ impl Store for PgStore {
         Ok(Some(Resolved { version: version_from_row::<Postgres>(&row)?, labels }))
     }
 
-    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
+    async fn list_versions(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<Version>> {
         sqlx::query(&format!(
             "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
              WHERE p.name = $1 AND ($2::bigint IS NULL OR v.number < $2) ORDER BY v.number DESC LIMIT $3"
@@ -546,28 +558,33 @@ impl Store for PgStore {
         .bind(prompt.as_str())
         .bind(before)
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(version_from_row::<Postgres>)
         .collect()
     }
 
-    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
+    async fn list_labels(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<Label>> {
         sqlx::query(
             "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
              WHERE p.name = $1 ORDER BY l.name",
         )
         .bind(prompt.as_str())
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(label_from_row::<Postgres>)
         .collect()
     }
 
-    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
-        let mut tx = self.pool.begin().await?;
+    async fn move_label_because(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        mv: &LabelMove,
+        cause: &MoveCause,
+    ) -> StoreResult<Label> {
+        let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
         let (label, previous) = apply_move::<Postgres>(&mut *tx, id, mv).await?;
         record_move::<Postgres>(&mut *tx, id, prompt, &label, previous, cause).await?;
@@ -576,8 +593,8 @@ impl Store for PgStore {
         Ok(label)
     }
 
-    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
-        let mut tx = self.pool.begin().await?;
+    async fn delete_label(s: &SqlStore<Self>, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
+        let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
         let deleted: Option<i64> =
             sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = $1 AND name = $2 RETURNING version")
@@ -595,7 +612,7 @@ impl Store for PgStore {
     }
 
     async fn task_rewards(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         from: DateTime<Utc>,
         until: DateTime<Utc>,
@@ -618,7 +635,7 @@ impl Store for PgStore {
             .bind(prompt.as_str())
             .bind(from)
             .bind(until)
-            .fetch_all(&self.pool)
+            .fetch_all(&s.writer)
             .await?
             .iter()
             .map(|row| {
@@ -632,22 +649,22 @@ impl Store for PgStore {
             .collect()
     }
 
-    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
+    async fn population(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
         sqlx::query(
             "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
              FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
              WHERE p.name = $1 ORDER BY a.version",
         )
         .bind(prompt.as_str())
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(arm_from_row::<Postgres>)
         .collect()
     }
 
-    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
+    async fn save_population(s: &SqlStore<Self>, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
+        let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
         for arm in arms {
             let exists: Option<i64> =
@@ -686,7 +703,7 @@ impl Store for PgStore {
     }
 
     async fn label_history(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         label: Option<&LabelName>,
         before: Option<i64>,
@@ -702,35 +719,35 @@ impl Store for PgStore {
         .bind(label.map(LabelName::as_str))
         .bind(before)
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(history_from_row::<Postgres>)
         .collect()
     }
 
-    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+    async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
         // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT round trips).
-        if insert_trace_rows(&self.pool, traces, &ids).await? != traces.len() as u64 {
-            return Err(self.first_unknown_reference(traces).await?);
+        if insert_trace_rows(&s.writer, traces, &ids).await? != traces.len() as u64 {
+            return Err(s.first_unknown_reference(traces).await?);
         }
         Ok(ids)
     }
 
-    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
+    async fn get_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Trace>> {
         sqlx::query(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = $1"
         ))
         .bind(id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&s.writer)
         .await?
         .as_ref()
         .map(trace_from_row::<Postgres>)
         .transpose()
     }
 
-    async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
+    async fn list_traces(s: &SqlStore<Self>, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
         sqlx::query(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
              WHERE ($1::text IS NULL OR p.name = $1)
@@ -746,15 +763,15 @@ impl Store for PgStore {
         .bind(f.until)
         .bind(f.before_id)
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(trace_from_row::<Postgres>)
         .collect()
     }
 
-    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
-        let mut tx = self.pool.begin().await?;
+    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
+        let mut tx = s.writer.begin().await?;
         let Some(current) = sqlx::query_scalar::<_, Value>("SELECT feedback FROM traces WHERE id = $1 FOR UPDATE")
             .bind(id)
             .fetch_optional(&mut *tx)
@@ -770,11 +787,11 @@ impl Store for PgStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        self.get_trace(id).await
+        s.get_trace(id).await
     }
 
     async fn version_outcomes(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         from: DateTime<Utc>,
         until: DateTime<Utc>,
@@ -821,15 +838,15 @@ impl Store for PgStore {
             .bind(from)
             .bind(until)
             .bind(bucket_secs)
-            .fetch_all(&self.pool)
+            .fetch_all(&s.writer)
             .await?
             .iter()
             .map(outcome_bucket_from_row)
             .collect()
     }
 
-    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
-        let mut tx = self.pool.begin().await?;
+    async fn quarantine_trace(s: &SqlStore<Self>, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
+        let mut tx = s.writer.begin().await?;
         if let Some(refused) = lock_for_action(&mut tx, id, false).await? {
             return Ok(refused);
         }
@@ -842,10 +859,10 @@ impl Store for PgStore {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
+        Ok(TraceAction::found(s.get_trace(id).await?))
     }
 
-    async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
+    async fn quarantine_traces(s: &SqlStore<Self>, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
         let Some(prompt) = &f.prompt else { return Ok(0) };
         Ok(sqlx::query(
             "UPDATE traces t SET quarantined_at = now(), quarantine_reason = $2, updated_at = now()
@@ -858,13 +875,13 @@ impl Store for PgStore {
         .bind(reason)
         .bind(f.since)
         .bind(f.until)
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?
         .rows_affected())
     }
 
-    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        let mut tx = self.pool.begin().await?;
+    async fn release_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<TraceAction> {
+        let mut tx = s.writer.begin().await?;
         let released = sqlx::query(
             "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = now()
              WHERE id = $1 AND quarantined_at IS NOT NULL",
@@ -877,12 +894,12 @@ impl Store for PgStore {
             notify(&mut tx, "round").await?;
         }
         tx.commit().await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
+        Ok(TraceAction::found(s.get_trace(id).await?))
     }
 
-    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
-        let mut tx = self.pool.begin().await?;
+    async fn delete_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<TraceAction> {
+        let Some(trace) = s.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
+        let mut tx = s.writer.begin().await?;
         if let Some(refused) = lock_for_action(&mut tx, id, true).await? {
             return Ok(refused);
         }
@@ -897,12 +914,12 @@ impl Store for PgStore {
     }
 
     async fn merge_otlp_spans(
-        &self,
+        s: &SqlStore<Self>,
         otel_trace_id: &str,
         spans: &[OtlpSpan],
         remap: &OtlpRemapFn<'_>,
     ) -> StoreResult<OtlpMerge> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = s.writer.begin().await?;
         // Serialises exports of the same trace id, including the first one,
         // when there is no row to lock yet; the lock ends with the transaction.
         sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
@@ -1031,20 +1048,20 @@ impl Store for PgStore {
         Ok(if created { OtlpMerge::Created { trace, added } } else { OtlpMerge::Extended { trace, added } })
     }
 
-    async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+    async fn purge_held_otlp_spans(s: &SqlStore<Self>, older_than: DateTime<Utc>) -> StoreResult<u64> {
         Ok(sqlx::query(
             "DELETE FROM otlp_spans WHERE trace_id IS NULL AND otel_trace_id IN (
                  SELECT otel_trace_id FROM otlp_spans WHERE trace_id IS NULL
                  GROUP BY otel_trace_id HAVING max(received_at) < $1)",
         )
         .bind(older_than)
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?
         .rows_affected())
     }
 
-    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
-        let mut tx = self.pool.begin().await?;
+    async fn requeue_failed_traces(s: &SqlStore<Self>, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
+        let mut tx = s.writer.begin().await?;
         let prompt = prompt_id::<Postgres>(&mut *tx, &req.prompt).await?;
         let mut ids: Vec<Uuid> = sqlx::query_scalar(
             "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = now()
@@ -1066,7 +1083,7 @@ impl Store for PgStore {
     }
 
     async fn insert_traces_idempotent(
-        &self,
+        s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
         status: u16,
@@ -1075,7 +1092,7 @@ impl Store for PgStore {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
         let body = answer(&ids);
         for _ in 0..3 {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = s.writer.begin().await?;
             // Claims the key with its final answer. A concurrent request with the
             // same key blocks here on the primary key until the first commits
             // (then nothing is inserted: replay) or rolls back (then this one runs).
@@ -1099,7 +1116,7 @@ impl Store for PgStore {
             if claimed == 1 {
                 if insert_trace_rows(&mut *tx, traces, &ids).await? != traces.len() as u64 {
                     tx.rollback().await?;
-                    return Err(self.first_unknown_reference(traces).await?);
+                    return Err(s.first_unknown_reference(traces).await?);
                 }
                 tx.commit().await?;
                 return Ok(IdempotentIngest::Stored { ids, status, body });
@@ -1126,16 +1143,16 @@ impl Store for PgStore {
         Err(StoreError::Conflict)
     }
 
-    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+    async fn idempotency_purge(s: &SqlStore<Self>, older_than: DateTime<Utc>) -> StoreResult<u64> {
         Ok(sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
             .bind(older_than)
-            .execute(&self.pool)
+            .execute(&s.writer)
             .await?
             .rows_affected())
     }
 
-    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
-        let mut tx = self.pool.begin().await?;
+    async fn open_round(s: &SqlStore<Self>, req: &OpenRound) -> StoreResult<Option<Round>> {
+        let mut tx = s.writer.begin().await?;
         // First, so a duplicate delivery is told so (not "a round is in flight":
         // its own round). A concurrent duplicate waits here on the primary key;
         // every refusal below rolls back, forgetting the id.
@@ -1217,10 +1234,10 @@ impl Store for PgStore {
             .await?;
         notify(&mut tx, "round").await?;
         tx.commit().await?;
-        self.load_round(id).await
+        s.load_round(id).await
     }
 
-    async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
+    async fn backlogs(s: &SqlStore<Self>) -> StoreResult<Vec<Backlog>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
                     (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
@@ -1228,7 +1245,7 @@ impl Store for PgStore {
                     EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
              FROM prompts p ORDER BY p.name",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?;
         rows.iter()
             .map(|r| {
@@ -1242,7 +1259,7 @@ impl Store for PgStore {
             .collect()
     }
 
-    async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
+    async fn claim_round(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
         let id: Option<Uuid> = sqlx::query_scalar(
             "WITH c AS (
                  SELECT id FROM rounds
@@ -1255,12 +1272,12 @@ impl Store for PgStore {
         )
         .bind(owner)
         .bind(lease.as_secs_f64())
-        .fetch_optional(&self.pool)
+        .fetch_optional(&s.writer)
         .await?;
         let Some(id) = id else { return Ok(None) };
-        let round = self.load_round(id).await?.ok_or(StoreError::NotFound)?;
-        let prompt = self.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
-        let base = self
+        let round = s.load_round(id).await?.ok_or(StoreError::NotFound)?;
+        let prompt = s.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
+        let base = s
             .resolve(&round.prompt, &Selector::Version(round.base_version))
             .await?
             .ok_or_else(|| corrupt("round base version"))?
@@ -1270,7 +1287,7 @@ impl Store for PgStore {
              JOIN prompts p ON p.id = t.prompt_id WHERE rt.round_id = $1 ORDER BY rt.position"
         ))
         .bind(id)
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(trace_from_row::<Postgres>)
@@ -1278,7 +1295,7 @@ impl Store for PgStore {
         Ok(Some(ClaimedRound { round, prompt, base, traces }))
     }
 
-    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
+    async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
         let n = sqlx::query(
             "UPDATE rounds SET lease_expires_at = now() + make_interval(secs => $3), updated_at = now()
              WHERE id = $1 AND attempt = $2 AND status = 'running'",
@@ -1286,13 +1303,13 @@ impl Store for PgStore {
         .bind(round)
         .bind(attempt)
         .bind(lease.as_secs_f64())
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?
         .rows_affected();
         Ok(n == 1)
     }
 
-    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
+    async fn adopt_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<u64> {
         Ok(sqlx::query(
             "INSERT INTO reflections (round_id, trace_id, reflection, from_trace)
              SELECT DISTINCT ON (r.trace_id) cur.id, r.trace_id, r.reflection, r.from_trace
@@ -1306,12 +1323,18 @@ impl Store for PgStore {
              ON CONFLICT DO NOTHING",
         )
         .bind(round)
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?
         .rows_affected())
     }
 
-    async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
+    async fn save_reflection(
+        s: &SqlStore<Self>,
+        round: Uuid,
+        trace: Uuid,
+        r: &Reflection,
+        from_trace: bool,
+    ) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO reflections (round_id, trace_id, reflection, from_trace) VALUES ($1, $2, $3, $4)
              ON CONFLICT DO NOTHING",
@@ -1320,15 +1343,15 @@ impl Store for PgStore {
         .bind(trace)
         .bind(serde_json::to_value(r).map_err(|_| corrupt("reflection"))?)
         .bind(from_trace)
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?;
         Ok(())
     }
 
-    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
+    async fn round_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
         sqlx::query("SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = $1 ORDER BY created_at, trace_id")
             .bind(round)
-            .fetch_all(&self.pool)
+            .fetch_all(&s.writer)
             .await?
             .iter()
             .map(|row| {
@@ -1342,7 +1365,7 @@ impl Store for PgStore {
             .collect()
     }
 
-    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
+    async fn record_llm_call(s: &SqlStore<Self>, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -1357,18 +1380,18 @@ impl Store for PgStore {
         .bind(call.latency_ms as i64)
         .bind(call.retries as i32)
         .bind(&call.error)
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?;
         Ok(())
     }
 
-    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
+    async fn round_calls(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<RoundCall>> {
         sqlx::query(
             "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
              FROM llm_calls WHERE round_id = $1 ORDER BY id",
         )
         .bind(round)
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(|row| {
@@ -1391,7 +1414,13 @@ impl Store for PgStore {
         .collect()
     }
 
-    async fn update_round(&self, round: Uuid, attempt: i32, k: Option<i32>, detail: &Value) -> StoreResult<bool> {
+    async fn update_round(
+        s: &SqlStore<Self>,
+        round: Uuid,
+        attempt: i32,
+        k: Option<i32>,
+        detail: &Value,
+    ) -> StoreResult<bool> {
         let n = sqlx::query(
             "UPDATE rounds SET k = COALESCE($3, k), detail = $4, updated_at = now()
              WHERE id = $1 AND attempt = $2 AND status = 'running'",
@@ -1400,7 +1429,7 @@ impl Store for PgStore {
         .bind(attempt)
         .bind(k)
         .bind(detail)
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?
         .rows_affected();
         Ok(n == 1)
@@ -1409,7 +1438,7 @@ impl Store for PgStore {
     // One fenced transaction needs all of these; a wrapper struct would only rename them.
     #[allow(clippy::too_many_arguments)]
     async fn publish_round(
-        &self,
+        s: &SqlStore<Self>,
         round: Uuid,
         attempt: i32,
         v: NewVersion,
@@ -1418,7 +1447,7 @@ impl Store for PgStore {
         sample_secs: Option<f64>,
         charges: &TraceCharges,
     ) -> StoreResult<Version> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let (prompt_id, name) = fence::<Postgres>(&mut *tx, round, attempt).await?;
         if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
             sqlx::query(
@@ -1476,8 +1505,14 @@ impl Store for PgStore {
         Ok(version)
     }
 
-    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
+    async fn fail_round(
+        s: &SqlStore<Self>,
+        round: Uuid,
+        attempt: i32,
+        error: &str,
+        how: RoundFailure,
+    ) -> StoreResult<()> {
+        let mut tx = s.writer.begin().await?;
         let (_, name) = fence::<Postgres>(&mut *tx, round, attempt).await?;
         match how {
             RoundFailure::Retry { after } => {
@@ -1510,12 +1545,12 @@ impl Store for PgStore {
         Ok(())
     }
 
-    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
-        self.load_round(id).await
+    async fn get_round(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Round>> {
+        s.load_round(id).await
     }
 
     async fn list_rounds(
-        &self,
+        s: &SqlStore<Self>,
         prompt: Option<&PromptName>,
         before: Option<Uuid>,
         limit: u32,
@@ -1528,21 +1563,21 @@ impl Store for PgStore {
         .bind(prompt.map(|p| p.as_str()))
         .bind(before)
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(round_from_row::<Postgres>)
         .collect()
     }
 
-    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
+    async fn round_trace_ids(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<Uuid>> {
         Ok(sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = $1 ORDER BY position")
             .bind(round)
-            .fetch_all(&self.pool)
+            .fetch_all(&s.writer)
             .await?)
     }
 
-    async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
+    async fn create_webhook(s: &SqlStore<Self>, h: &NewWebhook) -> StoreResult<Webhook> {
         let row = sqlx::query(&format!(
             "INSERT INTO webhook_subscriptions (id, url, events, description, secret) VALUES ($1, $2, $3, $4, $5)
              RETURNING {WEBHOOK_COLUMNS}"
@@ -1552,40 +1587,45 @@ impl Store for PgStore {
         .bind(events_to_column(&h.events))
         .bind(&h.description)
         .bind(h.secret.expose())
-        .fetch_one(&self.pool)
+        .fetch_one(&s.writer)
         .await?;
         webhook_from_row::<Postgres>(&row)
     }
 
-    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
+    async fn list_webhooks(s: &SqlStore<Self>) -> StoreResult<Vec<Webhook>> {
         sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
-            .fetch_all(&self.pool)
+            .fetch_all(&s.writer)
             .await?
             .iter()
             .map(webhook_from_row::<Postgres>)
             .collect()
     }
 
-    async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
+    async fn get_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Webhook>> {
         sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = $1"))
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&s.writer)
             .await?
             .as_ref()
             .map(webhook_from_row::<Postgres>)
             .transpose()
     }
 
-    async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool> {
+    async fn delete_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<bool> {
         let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = $1")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&s.writer)
             .await?
             .rows_affected();
         Ok(n > 0)
     }
 
-    async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>> {
+    async fn webhook_attempts(
+        s: &SqlStore<Self>,
+        id: Uuid,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<DeliveryAttempt>> {
         sqlx::query(
             "SELECT a.id, a.delivery_id, d.event_id, e.type, a.attempt, a.status_code, a.error, a.latency_ms,
                     a.created_at, a.next_attempt_at, d.status
@@ -1596,7 +1636,7 @@ impl Store for PgStore {
         .bind(id)
         .bind(before)
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(|r| {
@@ -1617,7 +1657,12 @@ impl Store for PgStore {
         .collect()
     }
 
-    async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>> {
+    async fn claim_deliveries(
+        s: &SqlStore<Self>,
+        owner: &str,
+        lease: Duration,
+        limit: u32,
+    ) -> StoreResult<Vec<ClaimedDelivery>> {
         // The lease is the due time itself: a crashed attempt becomes due again when it expires.
         sqlx::query(
             "WITH c AS (
@@ -1634,7 +1679,7 @@ impl Store for PgStore {
         .bind(owner)
         .bind(lease.as_secs_f64())
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(|r| {
@@ -1652,8 +1697,8 @@ impl Store for PgStore {
         .collect()
     }
 
-    async fn finish_delivery(&self, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
-        let mut tx = self.pool.begin().await?;
+    async fn finish_delivery(s: &SqlStore<Self>, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
+        let mut tx = s.writer.begin().await?;
         let (status, next_at) = match &rec.outcome {
             DeliveryOutcome::Succeeded => ("succeeded", None),
             DeliveryOutcome::Retry { at } => ("pending", Some(*at)),
@@ -1708,14 +1753,18 @@ impl Store for PgStore {
         Ok(true)
     }
 
-    async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
+    async fn controller_samples(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        limit: u32,
+    ) -> StoreResult<Vec<super::ControllerSample>> {
         let mut rows = sqlx::query(
             "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
              JOIN prompts p ON p.id = s.prompt_id WHERE p.name = $1 ORDER BY s.id DESC LIMIT $2",
         )
         .bind(prompt.as_str())
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(|r| {
@@ -1731,35 +1780,35 @@ impl Store for PgStore {
         Ok(rows)
     }
 
-    async fn save_controller_choice(&self, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
+    async fn save_controller_choice(s: &SqlStore<Self>, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO controller_choices (prompt_id, choice) SELECT id, $2 FROM prompts WHERE name = $1
              ON CONFLICT (prompt_id) DO UPDATE SET choice = EXCLUDED.choice, updated_at = now()",
         )
         .bind(prompt.as_str())
         .bind(choice)
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?;
         Ok(())
     }
 
-    async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
+    async fn controller_choice(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
         let row = sqlx::query(
             "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = $1",
         )
         .bind(prompt.as_str())
-        .fetch_optional(&self.pool)
+        .fetch_optional(&s.writer)
         .await?;
         row.map(|r| Ok((r.try_get("choice")?, r.try_get("updated_at")?))).transpose()
     }
 
     async fn record_meter_counts(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         round: Uuid,
         counts: &[super::MeterCounts],
     ) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = s.writer.begin().await?;
         for c in counts {
             sqlx::query(
                 "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured)
@@ -1778,7 +1827,7 @@ impl Store for PgStore {
         Ok(())
     }
 
-    async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
+    async fn meter_counts(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
         sqlx::query(
             "SELECT m.size_min, SUM(m.marked)::bigint AS marked, SUM(m.recaptured)::bigint AS recaptured,
                     COUNT(*)::bigint AS rounds
@@ -1786,7 +1835,7 @@ impl Store for PgStore {
              GROUP BY m.size_min ORDER BY m.size_min",
         )
         .bind(prompt.as_str())
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(|r| {
@@ -1801,13 +1850,13 @@ impl Store for PgStore {
     }
 }
 
-impl PgStore {
+impl SqlStore<Postgres> {
     async fn load_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
         sqlx::query(&format!(
             "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = $1"
         ))
         .bind(id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.writer)
         .await?
         .as_ref()
         .map(round_from_row::<Postgres>)
@@ -1820,7 +1869,7 @@ impl PgStore {
         for (i, t) in traces.iter().enumerate() {
             let count: Option<i64> = sqlx::query_scalar("SELECT version_count FROM prompts WHERE name = $1")
                 .bind(t.prompt.as_str())
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.writer)
                 .await?;
             match (count, t.prompt_version) {
                 (None, _) => {

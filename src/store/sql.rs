@@ -25,10 +25,10 @@ use crate::{
     secret::Secret,
 };
 
-pub(crate) type Query<'q, D> = sqlx::query::Query<'q, D, <D as Database>::Arguments<'q>>;
+pub type Query<'q, D> = sqlx::query::Query<'q, D, <D as Database>::Arguments<'q>>;
 
 /// One bound parameter; each dialect encodes it its own way.
-pub(crate) enum Param<'q> {
+pub enum Param<'q> {
     Int(Option<i64>),
     Int32(Option<i32>),
     Real(Option<f64>),
@@ -74,7 +74,7 @@ pub(crate) fn opt_json(v: Option<&Value>) -> Param<'_> {
 
 /// The dialect-specific half of the shared store code: encodings, execution
 /// and the few clauses only one dialect has.
-pub(crate) trait Dialect: Database + Sized {
+pub trait Dialect: Database + Sized {
     fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self>;
     fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut Self::Connection) -> BoxFuture<'c, sqlx::Result<u64>>;
     fn fetch_all<'c, 'q: 'c>(
@@ -102,7 +102,7 @@ pub(crate) trait Dialect: Database + Sized {
 }
 
 /// A value that can be read from a column.
-pub(crate) trait Column: Sized {
+pub trait Column: Sized {
     fn read<D: Dialect>(row: &D::Row, col: &str) -> StoreResult<Self>;
 }
 

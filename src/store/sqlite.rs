@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    Row, Sqlite, SqliteConnection, SqlitePool, Transaction,
+    Row, Sqlite, SqliteConnection, Transaction,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous},
 };
 use tokio::sync::broadcast;
@@ -21,6 +21,7 @@ use crate::evaluate::{
     stats::Moments,
 };
 
+use super::backend::{Backend, SqlStore};
 use super::sql::{
     Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
     charge_traces, corrupt, fence, history_from_row, insert_version, key_from_row, label_from_row, prompt_from_row,
@@ -47,12 +48,7 @@ use crate::{
     secret::Secret,
 };
 
-pub struct SqliteStore {
-    writer: SqlitePool,
-    reader: SqlitePool,
-    changes: broadcast::Sender<Change>,
-    key_generation: KeyGenerationCache,
-}
+pub type SqliteStore = SqlStore<Sqlite>;
 
 /// Makes the per-request "did any process revoke a key?" check cheap. Every
 /// commit, by any process, rewrites the WAL index header at the start of the
@@ -61,7 +57,7 @@ pub struct SqliteStore {
 /// transaction has committed, so the key generation read under them still
 /// holds and no query is needed; when they changed, or cannot be read, the
 /// generation is read from the table again.
-struct KeyGenerationCache {
+pub struct KeyGenerationCache {
     shm: Option<std::fs::File>,
     seen: std::sync::Mutex<Option<(WalIndexHeader, i64)>>,
 }
@@ -220,7 +216,7 @@ async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrac
     Ok(ids)
 }
 
-impl SqliteStore {
+impl SqlStore<Sqlite> {
     pub async fn open(path: &Path, readers: u32, acquire_timeout: Duration) -> StoreResult<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
@@ -247,17 +243,7 @@ impl SqliteStore {
             .await
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
-        Ok(Self { writer, reader, changes, key_generation: KeyGenerationCache::open(path) })
-    }
-
-    fn announce(&self, change: Change) {
-        let _ = self.changes.send(change);
-    }
-
-    fn announce_outbox(&self, queued: bool) {
-        if queued {
-            self.announce(Change::OutboxEvent);
-        }
+        Ok(Self { writer, reader, changes, extra: KeyGenerationCache::open(path) })
     }
 }
 
@@ -265,7 +251,7 @@ fn micros(d: Duration) -> i64 {
     d.as_micros().min(i64::MAX as u128) as i64
 }
 
-impl SqliteStore {
+impl SqlStore<Sqlite> {
     async fn load_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
         sqlx::query(&format!(
             "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = ?"
@@ -284,21 +270,23 @@ fn enum_str<T: serde::Serialize>(v: T) -> String {
 }
 
 #[async_trait]
-impl Store for SqliteStore {
-    fn kind(&self) -> StoreKind {
-        StoreKind::Sqlite
-    }
+impl Backend for Sqlite {
+    const KIND: StoreKind = StoreKind::Sqlite;
+    const ANNOUNCE_LOCALLY: bool = true;
+    type Extra = KeyGenerationCache;
 
-    async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1").execute(&self.reader).await?;
+    async fn ping(s: &SqlStore<Self>) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&s.reader).await?;
         Ok(())
     }
 
-    fn changes(&self) -> broadcast::Receiver<Change> {
-        self.changes.subscribe()
-    }
-
-    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
+    async fn create_api_key(
+        s: &SqlStore<Self>,
+        name: &str,
+        prefix: &str,
+        hash: &str,
+        scopes: &[Scope],
+    ) -> StoreResult<ApiKey> {
         let row = sqlx::query(
             "INSERT INTO api_keys (id, name, prefix, hash, scopes, created_at) VALUES (?, ?, ?, ?, ?, ?)
              RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
@@ -309,64 +297,64 @@ impl Store for SqliteStore {
         .bind(hash)
         .bind(scopes_to_string(scopes))
         .bind(now_us())
-        .fetch_one(&self.writer)
+        .fetch_one(&s.writer)
         .await?;
-        self.announce(Change::Keys);
+        s.announce(Change::Keys);
         key_from_row::<Sqlite>(&row)
     }
 
-    async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
+    async fn api_key_by_hash(s: &SqlStore<Self>, hash: &str) -> StoreResult<Option<ApiKey>> {
         sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = ?")
             .bind(hash)
-            .fetch_optional(&self.reader)
+            .fetch_optional(&s.reader)
             .await?
             .as_ref()
             .map(key_from_row::<Sqlite>)
             .transpose()
     }
 
-    async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
+    async fn list_api_keys(s: &SqlStore<Self>) -> StoreResult<Vec<ApiKey>> {
         sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .fetch_all(&self.reader)
+            .fetch_all(&s.reader)
             .await?
             .iter()
             .map(key_from_row::<Sqlite>)
             .collect()
     }
 
-    async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
+    async fn revoke_api_key(s: &SqlStore<Self>, id_or_prefix: &str) -> StoreResult<bool> {
         let n = sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE revoked_at IS NULL AND (id = ? OR prefix = ?)")
             .bind(now_us())
             .bind(id_or_prefix)
             .bind(id_or_prefix)
-            .execute(&self.writer)
+            .execute(&s.writer)
             .await?
             .rows_affected();
-        self.announce(Change::Keys);
+        s.announce(Change::Keys);
         Ok(n > 0)
     }
 
-    async fn api_key_generation(&self) -> StoreResult<i64> {
+    async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         // The header is read before the query: a commit landing in between
         // changes it, so the next call queries again.
-        let header = self.key_generation.header();
-        if let Some(generation) = header.as_ref().and_then(|h| self.key_generation.lookup(h)) {
+        let header = s.extra.header();
+        if let Some(generation) = header.as_ref().and_then(|h| s.extra.lookup(h)) {
             return Ok(generation);
         }
         let generation: i64 =
-            sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.reader).await?;
+            sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.reader).await?;
         if let Some(header) = header {
-            self.key_generation.remember(header, generation);
+            s.extra.remember(header, generation);
         }
         Ok(generation)
     }
 
-    async fn count_active_api_keys(&self) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.reader).await?)
+    async fn count_active_api_keys(s: &SqlStore<Self>) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&s.reader).await?)
     }
 
-    async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+    async fn create_ui_session(s: &SqlStore<Self>, session: &NewUiSession) -> StoreResult<()> {
+        let mut tx = s.writer.begin().await?;
         sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= ?").bind(now_us()).execute(&mut *tx).await?;
         sqlx::query(
             "INSERT INTO ui_sessions (token_hash, key_id, csrf_token, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
@@ -382,7 +370,7 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
+    async fn ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
         let row = sqlx::query(
             "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
                     k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
@@ -391,7 +379,7 @@ impl Store for SqliteStore {
         )
         .bind(token_hash)
         .bind(now_us())
-        .fetch_optional(&self.reader)
+        .fetch_optional(&s.reader)
         .await?;
         let Some(row) = row else { return Ok(None) };
         let session = UiSession {
@@ -403,19 +391,19 @@ impl Store for SqliteStore {
         Ok(Some((session, key_from_row::<Sqlite>(&row)?)))
     }
 
-    async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
+    async fn delete_ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<bool> {
         let n = sqlx::query("DELETE FROM ui_sessions WHERE token_hash = ?")
             .bind(token_hash)
-            .execute(&self.writer)
+            .execute(&s.writer)
             .await?
             .rows_affected();
         Ok(n > 0)
     }
 
-    async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
+    async fn create_prompt(s: &SqlStore<Self>, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
         let id = Uuid::now_v7();
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         sqlx::query(
             "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by)
              VALUES (?, ?, ?, ?, ?, 1, ?, ?)",
@@ -459,17 +447,17 @@ impl Store for SqliteStore {
         let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
         record_history::<Sqlite>(&mut *tx, id, &production, None, Some(1), &version.created_by, &cause).await?;
         tx.commit().await?;
-        self.announce(Change::Prompt(prompt.name.to_string()));
-        self.announce_outbox(queued);
+        s.announce(Change::Prompt(prompt.name.to_string()));
+        s.announce_outbox(queued);
         Ok((prompt, version))
     }
 
-    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
+    async fn get_prompt(s: &SqlStore<Self>, name: &PromptName) -> StoreResult<Option<Prompt>> {
         sqlx::query(
             "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = ?",
         )
         .bind(name.as_str())
-        .fetch_optional(&self.reader)
+        .fetch_optional(&s.reader)
         .await?
         .as_ref()
         .map(prompt_from_row::<Sqlite>)
@@ -477,12 +465,12 @@ impl Store for SqliteStore {
     }
 
     async fn update_prompt_settings(
-        &self,
+        s: &SqlStore<Self>,
         name: &PromptName,
         expected: &PromptSettings,
         new: &PromptSettings,
     ) -> StoreResult<Option<Prompt>> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let Some(current) = sqlx::query_scalar::<_, String>("SELECT settings FROM prompts WHERE name = ?")
             .bind(name.as_str())
             .fetch_optional(&mut *tx)
@@ -506,7 +494,7 @@ impl Store for SqliteStore {
         prompt_from_row::<Sqlite>(&row).map(Some)
     }
 
-    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
+    async fn list_prompts(s: &SqlStore<Self>, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
                     (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
@@ -515,7 +503,7 @@ impl Store for SqliteStore {
         )
         .bind(after)
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?;
         rows.iter()
             .map(|r| {
@@ -529,9 +517,14 @@ impl Store for SqliteStore {
             .collect()
     }
 
-    async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
+    async fn create_version(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        v: NewVersion,
+        moves: &[LabelMove],
+    ) -> StoreResult<Version> {
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let row = sqlx::query(
             "UPDATE prompts SET version_count = version_count + 1 WHERE name = ? RETURNING id, version_count",
         )
@@ -559,12 +552,12 @@ impl Store for SqliteStore {
             queued |= record_move::<Sqlite>(&mut *tx, id, prompt, label, *previous, &cause).await?;
         }
         tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
-        self.announce_outbox(queued);
+        s.announce(Change::Prompt(prompt.to_string()));
+        s.announce_outbox(queued);
         Ok(version)
     }
 
-    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
+    async fn resolve(s: &SqlStore<Self>, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
         let labels_col = "(SELECT group_concat(l2.name, ',') FROM labels l2
                            WHERE l2.prompt_id = v.prompt_id AND l2.version = v.number) AS labels";
         let row = match selector {
@@ -577,7 +570,7 @@ impl Store for SqliteStore {
                 ))
                 .bind(prompt.as_str())
                 .bind(label.as_str())
-                .fetch_optional(&self.reader)
+                .fetch_optional(&s.reader)
                 .await?
             }
             Selector::Latest => {
@@ -587,7 +580,7 @@ impl Store for SqliteStore {
                      WHERE p.name = ?"
                 ))
                 .bind(prompt.as_str())
-                .fetch_optional(&self.reader)
+                .fetch_optional(&s.reader)
                 .await?
             }
             Selector::Version(n) => {
@@ -598,7 +591,7 @@ impl Store for SqliteStore {
                 ))
                 .bind(n)
                 .bind(prompt.as_str())
-                .fetch_optional(&self.reader)
+                .fetch_optional(&s.reader)
                 .await?
             }
         };
@@ -614,7 +607,12 @@ impl Store for SqliteStore {
         Ok(Some(Resolved { version: version_from_row::<Sqlite>(&row)?, labels }))
     }
 
-    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
+    async fn list_versions(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<Version>> {
         sqlx::query(&format!(
             "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
              WHERE p.name = ?1 AND (?2 IS NULL OR v.number < ?2) ORDER BY v.number DESC LIMIT ?3"
@@ -622,39 +620,44 @@ impl Store for SqliteStore {
         .bind(prompt.as_str())
         .bind(before)
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(version_from_row::<Sqlite>)
         .collect()
     }
 
-    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
+    async fn list_labels(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<Label>> {
         sqlx::query(
             "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
              WHERE p.name = ? ORDER BY l.name",
         )
         .bind(prompt.as_str())
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(label_from_row::<Sqlite>)
         .collect()
     }
 
-    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
-        let mut tx = self.writer.begin().await?;
+    async fn move_label_because(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        mv: &LabelMove,
+        cause: &MoveCause,
+    ) -> StoreResult<Label> {
+        let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
         let (label, previous) = apply_move::<Sqlite>(&mut *tx, id, mv).await?;
         let queued = record_move::<Sqlite>(&mut *tx, id, prompt, &label, previous, cause).await?;
         tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
-        self.announce_outbox(queued);
+        s.announce(Change::Prompt(prompt.to_string()));
+        s.announce_outbox(queued);
         Ok(label)
     }
 
-    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
-        let mut tx = self.writer.begin().await?;
+    async fn delete_label(s: &SqlStore<Self>, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
+        let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
         let deleted: Option<i64> =
             sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = ? AND name = ? RETURNING version")
@@ -667,12 +670,12 @@ impl Store for SqliteStore {
             record_history::<Sqlite>(&mut *tx, id, label, Some(version), None, by, &cause).await?;
         }
         tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
+        s.announce(Change::Prompt(prompt.to_string()));
         Ok(deleted.is_some())
     }
 
     async fn task_rewards(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         from: DateTime<Utc>,
         until: DateTime<Utc>,
@@ -694,7 +697,7 @@ impl Store for SqliteStore {
             .bind(prompt.as_str())
             .bind(from.timestamp_micros())
             .bind(until.timestamp_micros())
-            .fetch_all(&self.reader)
+            .fetch_all(&s.reader)
             .await?
             .iter()
             .map(|row| {
@@ -708,22 +711,22 @@ impl Store for SqliteStore {
             .collect()
     }
 
-    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
+    async fn population(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
         sqlx::query(
             "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
              FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
              WHERE p.name = ? ORDER BY a.version",
         )
         .bind(prompt.as_str())
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(arm_from_row::<Sqlite>)
         .collect()
     }
 
-    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+    async fn save_population(s: &SqlStore<Self>, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
+        let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
         for arm in arms {
             let exists: Option<i64> =
@@ -760,12 +763,12 @@ impl Store for SqliteStore {
             .await?;
         }
         tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
+        s.announce(Change::Prompt(prompt.to_string()));
         Ok(())
     }
 
     async fn label_history(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         label: Option<&LabelName>,
         before: Option<i64>,
@@ -781,33 +784,33 @@ impl Store for SqliteStore {
         .bind(label.map(LabelName::as_str))
         .bind(before)
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(history_from_row::<Sqlite>)
         .collect()
     }
 
-    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        let mut tx = self.writer.begin().await?;
+    async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+        let mut tx = s.writer.begin().await?;
         let ids = insert_trace_rows(&mut tx, traces).await?;
         tx.commit().await?;
         Ok(ids)
     }
 
-    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
+    async fn get_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Trace>> {
         sqlx::query(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = ?"
         ))
         .bind(id.to_string())
-        .fetch_optional(&self.reader)
+        .fetch_optional(&s.reader)
         .await?
         .as_ref()
         .map(trace_from_row::<Sqlite>)
         .transpose()
     }
 
-    async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
+    async fn list_traces(s: &SqlStore<Self>, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
         sqlx::query(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
              WHERE (?1 IS NULL OR p.name = ?1)
@@ -823,15 +826,15 @@ impl Store for SqliteStore {
         .bind(f.until.map(|t| t.timestamp_micros()))
         .bind(f.before_id.map(|id| id.to_string()))
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(trace_from_row::<Sqlite>)
         .collect()
     }
 
-    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
-        let mut tx = self.writer.begin().await?;
+    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
+        let mut tx = s.writer.begin().await?;
         let Some(current) = sqlx::query_scalar::<_, String>("SELECT feedback FROM traces WHERE id = ?")
             .bind(id.to_string())
             .fetch_optional(&mut *tx)
@@ -847,11 +850,11 @@ impl Store for SqliteStore {
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
-        self.get_trace(id).await
+        s.get_trace(id).await
     }
 
     async fn version_outcomes(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         from: DateTime<Utc>,
         until: DateTime<Utc>,
@@ -895,16 +898,16 @@ impl Store for SqliteStore {
             .bind(from.timestamp_micros())
             .bind(until.timestamp_micros())
             .bind(bucket_secs)
-            .fetch_all(&self.reader)
+            .fetch_all(&s.reader)
             .await?
             .iter()
             .map(outcome_bucket_from_row)
             .collect()
     }
 
-    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
+    async fn quarantine_trace(s: &SqlStore<Self>, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
         // The single writer connection makes this read-then-write atomic.
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         if let Some(refused) = check_for_action(&mut tx, id, false).await? {
             return Ok(refused);
         }
@@ -920,10 +923,10 @@ impl Store for SqliteStore {
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
+        Ok(TraceAction::found(s.get_trace(id).await?))
     }
 
-    async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
+    async fn quarantine_traces(s: &SqlStore<Self>, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
         let Some(prompt) = &f.prompt else { return Ok(0) };
         let now = now_us();
         Ok(sqlx::query(
@@ -937,26 +940,26 @@ impl Store for SqliteStore {
         .bind(prompt.as_str())
         .bind(f.since.map(|t| t.timestamp_micros()))
         .bind(f.until.map(|t| t.timestamp_micros()))
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?
         .rows_affected())
     }
 
-    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+    async fn release_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<TraceAction> {
         sqlx::query(
             "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = ?
              WHERE id = ? AND quarantined_at IS NOT NULL",
         )
         .bind(now_us())
         .bind(id.to_string())
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
+        Ok(TraceAction::found(s.get_trace(id).await?))
     }
 
-    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
-        let mut tx = self.writer.begin().await?;
+    async fn delete_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<TraceAction> {
+        let Some(trace) = s.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
+        let mut tx = s.writer.begin().await?;
         if let Some(refused) = check_for_action(&mut tx, id, true).await? {
             return Ok(refused);
         }
@@ -974,14 +977,14 @@ impl Store for SqliteStore {
     }
 
     async fn merge_otlp_spans(
-        &self,
+        s: &SqlStore<Self>,
         otel_trace_id: &str,
         spans: &[OtlpSpan],
         remap: &OtlpRemapFn<'_>,
     ) -> StoreResult<OtlpMerge> {
         // The single writer connection serialises this read-map-write against
         // every other write, exports of the same trace id and rounds included.
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let stored = sqlx::query(
             "SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = ? ORDER BY received_at, span_id",
         )
@@ -1106,22 +1109,22 @@ impl Store for SqliteStore {
         Ok(if created { OtlpMerge::Created { trace, added } } else { OtlpMerge::Extended { trace, added } })
     }
 
-    async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+    async fn purge_held_otlp_spans(s: &SqlStore<Self>, older_than: DateTime<Utc>) -> StoreResult<u64> {
         Ok(sqlx::query(
             "DELETE FROM otlp_spans WHERE trace_id IS NULL AND otel_trace_id IN (
                  SELECT otel_trace_id FROM otlp_spans WHERE trace_id IS NULL
                  GROUP BY otel_trace_id HAVING max(received_at) < ?)",
         )
         .bind(older_than.timestamp_micros())
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?
         .rows_affected())
     }
 
-    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
+    async fn requeue_failed_traces(s: &SqlStore<Self>, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
         let ids =
             req.ids.as_ref().map(|ids| to_json(&ids.iter().map(Uuid::to_string).collect::<Vec<_>>())).transpose()?;
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let prompt: String = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
             .bind(req.prompt.as_str())
             .fetch_optional(&mut *tx)
@@ -1143,20 +1146,20 @@ impl Store for SqliteStore {
         let mut ids = requeued.iter().map(|id| uuid(id)).collect::<StoreResult<Vec<_>>>()?;
         ids.sort();
         if !ids.is_empty() {
-            self.announce(Change::RoundQueued);
+            s.announce(Change::RoundQueued);
         }
         Ok(ids)
     }
 
     async fn insert_traces_idempotent(
-        &self,
+        s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
         status: u16,
         answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest> {
         // The single writer connection serialises requests with the same key.
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let row =
             sqlx::query("SELECT request_hash, status_code, body FROM idempotency_keys WHERE owner = ? AND key = ?")
                 .bind(key.owner.to_string())
@@ -1195,17 +1198,17 @@ impl Store for SqliteStore {
         Ok(IdempotentIngest::Stored { ids, status, body })
     }
 
-    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+    async fn idempotency_purge(s: &SqlStore<Self>, older_than: DateTime<Utc>) -> StoreResult<u64> {
         Ok(sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?")
             .bind(older_than.timestamp_micros())
-            .execute(&self.writer)
+            .execute(&s.writer)
             .await?
             .rows_affected())
     }
 
-    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
+    async fn open_round(s: &SqlStore<Self>, req: &OpenRound) -> StoreResult<Option<Round>> {
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         // First, so a duplicate delivery is told so (not "a round is in flight":
         // its own round); every refusal below rolls back, forgetting the id.
         if let Some(hook) = &req.inbound_webhook_id {
@@ -1288,11 +1291,11 @@ impl Store for SqliteStore {
                 .await?;
         }
         tx.commit().await?;
-        self.announce(Change::RoundQueued);
-        self.load_round(id).await
+        s.announce(Change::RoundQueued);
+        s.load_round(id).await
     }
 
-    async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
+    async fn backlogs(s: &SqlStore<Self>) -> StoreResult<Vec<Backlog>> {
         let rows = sqlx::query(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
                     (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
@@ -1300,7 +1303,7 @@ impl Store for SqliteStore {
                     EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
              FROM prompts p ORDER BY p.name",
         )
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?;
         rows.iter()
             .map(|r| {
@@ -1315,7 +1318,7 @@ impl Store for SqliteStore {
             .collect()
     }
 
-    async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
+    async fn claim_round(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
         let now = now_us();
         let id: Option<String> = sqlx::query_scalar(
             "UPDATE rounds SET status = 'running', attempt = attempt + 1, lease_owner = ?1, lease_expires_at = ?2 + ?3,
@@ -1328,13 +1331,13 @@ impl Store for SqliteStore {
         .bind(owner)
         .bind(now)
         .bind(micros(lease))
-        .fetch_optional(&self.writer)
+        .fetch_optional(&s.writer)
         .await?;
         let Some(id) = id else { return Ok(None) };
         let id = uuid(&id)?;
-        let round = self.load_round(id).await?.ok_or(StoreError::NotFound)?;
-        let prompt = self.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
-        let base = self
+        let round = s.load_round(id).await?.ok_or(StoreError::NotFound)?;
+        let prompt = s.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
+        let base = s
             .resolve(&round.prompt, &Selector::Version(round.base_version))
             .await?
             .ok_or_else(|| corrupt("round base version"))?
@@ -1344,7 +1347,7 @@ impl Store for SqliteStore {
              JOIN prompts p ON p.id = t.prompt_id WHERE rt.round_id = ? ORDER BY rt.position"
         ))
         .bind(id.to_string())
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(trace_from_row::<Sqlite>)
@@ -1352,7 +1355,7 @@ impl Store for SqliteStore {
         Ok(Some(ClaimedRound { round, prompt, base, traces }))
     }
 
-    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
+    async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
         let now = now_us();
         let n = sqlx::query(
             "UPDATE rounds SET lease_expires_at = ?, updated_at = ? WHERE id = ? AND attempt = ? AND status = 'running'",
@@ -1361,13 +1364,13 @@ impl Store for SqliteStore {
         .bind(now)
         .bind(round.to_string())
         .bind(attempt)
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?
         .rows_affected();
         Ok(n == 1)
     }
 
-    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
+    async fn adopt_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<u64> {
         Ok(sqlx::query(
             "INSERT OR IGNORE INTO reflections (round_id, trace_id, reflection, from_trace, created_at)
              SELECT cur.id, r.trace_id, r.reflection, r.from_trace, ?2
@@ -1381,12 +1384,18 @@ impl Store for SqliteStore {
         )
         .bind(round.to_string())
         .bind(now_us())
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?
         .rows_affected())
     }
 
-    async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
+    async fn save_reflection(
+        s: &SqlStore<Self>,
+        round: Uuid,
+        trace: Uuid,
+        r: &Reflection,
+        from_trace: bool,
+    ) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at) VALUES (?, ?, ?, ?, ?)
              ON CONFLICT DO NOTHING",
@@ -1396,17 +1405,17 @@ impl Store for SqliteStore {
         .bind(to_json(r)?)
         .bind(from_trace)
         .bind(now_us())
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?;
         Ok(())
     }
 
-    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
+    async fn round_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
         sqlx::query(
             "SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = ? ORDER BY created_at, trace_id",
         )
         .bind(round.to_string())
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(|row| {
@@ -1420,7 +1429,7 @@ impl Store for SqliteStore {
         .collect()
     }
 
-    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
+    async fn record_llm_call(s: &SqlStore<Self>, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms,
                                     retries, error, created_at)
@@ -1437,18 +1446,18 @@ impl Store for SqliteStore {
         .bind(call.retries as i64)
         .bind(&call.error)
         .bind(now_us())
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?;
         Ok(())
     }
 
-    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
+    async fn round_calls(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<RoundCall>> {
         sqlx::query(
             "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
              FROM llm_calls WHERE round_id = ? ORDER BY id",
         )
         .bind(round.to_string())
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(|row| {
@@ -1471,7 +1480,13 @@ impl Store for SqliteStore {
         .collect()
     }
 
-    async fn update_round(&self, round: Uuid, attempt: i32, k: Option<i32>, detail: &Value) -> StoreResult<bool> {
+    async fn update_round(
+        s: &SqlStore<Self>,
+        round: Uuid,
+        attempt: i32,
+        k: Option<i32>,
+        detail: &Value,
+    ) -> StoreResult<bool> {
         let n = sqlx::query(
             "UPDATE rounds SET k = COALESCE(?, k), detail = ?, updated_at = ? WHERE id = ? AND attempt = ? AND status = 'running'",
         )
@@ -1480,7 +1495,7 @@ impl Store for SqliteStore {
         .bind(now_us())
         .bind(round.to_string())
         .bind(attempt)
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?
         .rows_affected();
         Ok(n == 1)
@@ -1489,7 +1504,7 @@ impl Store for SqliteStore {
     // One fenced transaction needs all of these; a wrapper struct would only rename them.
     #[allow(clippy::too_many_arguments)]
     async fn publish_round(
-        &self,
+        s: &SqlStore<Self>,
         round: Uuid,
         attempt: i32,
         v: NewVersion,
@@ -1499,7 +1514,7 @@ impl Store for SqliteStore {
         charges: &TraceCharges,
     ) -> StoreResult<Version> {
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let (prompt_id, name) = fence::<Sqlite>(&mut *tx, round, attempt).await?;
         if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
             sqlx::query(
@@ -1558,14 +1573,20 @@ impl Store for SqliteStore {
             record_event::<Sqlite>(&mut *tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label))
                 .await?;
         tx.commit().await?;
-        self.announce(Change::Prompt(name));
-        self.announce_outbox(queued);
+        s.announce(Change::Prompt(name));
+        s.announce_outbox(queued);
         Ok(version)
     }
 
-    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
+    async fn fail_round(
+        s: &SqlStore<Self>,
+        round: Uuid,
+        attempt: i32,
+        error: &str,
+        how: RoundFailure,
+    ) -> StoreResult<()> {
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let (_, name) = fence::<Sqlite>(&mut *tx, round, attempt).await?;
         let requeued = matches!(how, RoundFailure::Retry { .. });
         let mut queued = false;
@@ -1601,18 +1622,18 @@ impl Store for SqliteStore {
         }
         tx.commit().await?;
         if requeued {
-            self.announce(Change::RoundQueued);
+            s.announce(Change::RoundQueued);
         }
-        self.announce_outbox(queued);
+        s.announce_outbox(queued);
         Ok(())
     }
 
-    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
-        self.load_round(id).await
+    async fn get_round(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Round>> {
+        s.load_round(id).await
     }
 
     async fn list_rounds(
-        &self,
+        s: &SqlStore<Self>,
         prompt: Option<&PromptName>,
         before: Option<Uuid>,
         limit: u32,
@@ -1624,23 +1645,23 @@ impl Store for SqliteStore {
         .bind(prompt.map(|p| p.as_str()))
         .bind(before.map(|b| b.to_string()))
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(round_from_row::<Sqlite>)
         .collect()
     }
 
-    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
+    async fn round_trace_ids(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<Uuid>> {
         let ids: Vec<String> =
             sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = ? ORDER BY position")
                 .bind(round.to_string())
-                .fetch_all(&self.reader)
+                .fetch_all(&s.reader)
                 .await?;
         ids.iter().map(|s| uuid(s)).collect()
     }
 
-    async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
+    async fn create_webhook(s: &SqlStore<Self>, h: &NewWebhook) -> StoreResult<Webhook> {
         let now = now_us();
         let row = sqlx::query(&format!(
             "INSERT INTO webhook_subscriptions (id, url, events, description, secret, created_at, updated_at)
@@ -1653,40 +1674,45 @@ impl Store for SqliteStore {
         .bind(h.secret.expose())
         .bind(now)
         .bind(now)
-        .fetch_one(&self.writer)
+        .fetch_one(&s.writer)
         .await?;
         webhook_from_row::<Sqlite>(&row)
     }
 
-    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
+    async fn list_webhooks(s: &SqlStore<Self>) -> StoreResult<Vec<Webhook>> {
         sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
-            .fetch_all(&self.reader)
+            .fetch_all(&s.reader)
             .await?
             .iter()
             .map(webhook_from_row::<Sqlite>)
             .collect()
     }
 
-    async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
+    async fn get_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Webhook>> {
         sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = ?"))
             .bind(id.to_string())
-            .fetch_optional(&self.reader)
+            .fetch_optional(&s.reader)
             .await?
             .as_ref()
             .map(webhook_from_row::<Sqlite>)
             .transpose()
     }
 
-    async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool> {
+    async fn delete_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<bool> {
         let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = ?")
             .bind(id.to_string())
-            .execute(&self.writer)
+            .execute(&s.writer)
             .await?
             .rows_affected();
         Ok(n > 0)
     }
 
-    async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>> {
+    async fn webhook_attempts(
+        s: &SqlStore<Self>,
+        id: Uuid,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<DeliveryAttempt>> {
         sqlx::query(
             "SELECT a.id, a.delivery_id, d.event_id, e.type, a.attempt, a.status_code, a.error, a.latency_ms,
                     a.created_at, a.next_attempt_at, d.status
@@ -1697,7 +1723,7 @@ impl Store for SqliteStore {
         .bind(id.to_string())
         .bind(before)
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(|r| {
@@ -1719,12 +1745,17 @@ impl Store for SqliteStore {
         .collect()
     }
 
-    async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>> {
+    async fn claim_deliveries(
+        s: &SqlStore<Self>,
+        owner: &str,
+        lease: Duration,
+        limit: u32,
+    ) -> StoreResult<Vec<ClaimedDelivery>> {
         // One writer connection: the claim cannot race another claim in this
         // process, and SQLite serves a single process. The lease is the due
         // time itself, so a crashed attempt becomes due again when it expires.
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let rows = sqlx::query(
             "UPDATE webhook_deliveries SET attempts = attempts + 1, lease_owner = ?1, next_attempt_at = ?2 + ?3,
                     updated_at = ?2
@@ -1767,14 +1798,14 @@ impl Store for SqliteStore {
         Ok(claimed)
     }
 
-    async fn finish_delivery(&self, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
+    async fn finish_delivery(s: &SqlStore<Self>, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
         let now = now_us();
         let (status, next_at) = match &rec.outcome {
             DeliveryOutcome::Succeeded => ("succeeded", None),
             DeliveryOutcome::Retry { at } => ("pending", Some(at.timestamp_micros())),
             DeliveryOutcome::GiveUp | DeliveryOutcome::Gone => ("failed", None),
         };
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let n = sqlx::query(
             "UPDATE webhook_deliveries SET status = ?3, next_attempt_at = COALESCE(?4, next_attempt_at),
                     last_error = ?5, lease_owner = NULL, updated_at = ?6
@@ -1829,14 +1860,18 @@ impl Store for SqliteStore {
         Ok(true)
     }
 
-    async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
+    async fn controller_samples(
+        s: &SqlStore<Self>,
+        prompt: &PromptName,
+        limit: u32,
+    ) -> StoreResult<Vec<super::ControllerSample>> {
         let mut rows = sqlx::query(
             "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
              JOIN prompts p ON p.id = s.prompt_id WHERE p.name = ? ORDER BY s.id DESC LIMIT ?",
         )
         .bind(prompt.as_str())
         .bind(i64::from(limit))
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(|r| {
@@ -1852,7 +1887,7 @@ impl Store for SqliteStore {
         Ok(rows)
     }
 
-    async fn save_controller_choice(&self, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
+    async fn save_controller_choice(s: &SqlStore<Self>, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
         let now = now_us();
         sqlx::query(
             "INSERT INTO controller_choices (prompt_id, choice, updated_at) SELECT id, ?, ? FROM prompts WHERE name = ?
@@ -1861,29 +1896,29 @@ impl Store for SqliteStore {
         .bind(to_json(choice)?)
         .bind(now)
         .bind(prompt.as_str())
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?;
         Ok(())
     }
 
-    async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
+    async fn controller_choice(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
         let row = sqlx::query(
             "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = ?",
         )
         .bind(prompt.as_str())
-        .fetch_optional(&self.reader)
+        .fetch_optional(&s.reader)
         .await?;
         row.map(|r| Ok((json(r.try_get("choice")?)?, time(r.try_get("updated_at")?)?))).transpose()
     }
 
     async fn record_meter_counts(
-        &self,
+        s: &SqlStore<Self>,
         prompt: &PromptName,
         round: Uuid,
         counts: &[super::MeterCounts],
     ) -> StoreResult<()> {
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         for c in counts {
             sqlx::query(
                 "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured, created_at)
@@ -1903,14 +1938,14 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
+    async fn meter_counts(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
         sqlx::query(
             "SELECT m.size_min, SUM(m.marked) AS marked, SUM(m.recaptured) AS recaptured, COUNT(*) AS rounds
              FROM meter_counts m JOIN prompts p ON p.id = m.prompt_id WHERE p.name = ?
              GROUP BY m.size_min ORDER BY m.size_min",
         )
         .bind(prompt.as_str())
-        .fetch_all(&self.reader)
+        .fetch_all(&s.reader)
         .await?
         .iter()
         .map(|r| {
