@@ -10,7 +10,7 @@ use chrono::{DateTime, Utc};
 
 use crate::evaluate::outcomes::OutcomeBucket;
 use serde_json::Value;
-use sqlx::Pool;
+use sqlx::{Pool, Transaction};
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
@@ -18,12 +18,17 @@ use super::{
     ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, IdempotencyKey,
     IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge, OtlpRemapFn,
     OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Scope, Selector, Store,
-    StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter, UiSession, Webhook, sql::Dialect,
+    StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter, UiSession, Webhook, scopes_to_string,
+    sql::{
+        Cols, Dialect, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
+        corrupt, history_from_row, key_from_row, label_from_row, now, prompt_from_row, prompt_id, record_move,
+        round_from_row, sql, trace_from_row, version_from_row, webhook_from_row,
+    },
 };
 use crate::{
     domain::{
         Feedback, LabelHistoryEntry, LabelName, MoveCause, Prompt, PromptName, PromptSettings, Reflection, Trace,
-        Version, prompt::NewVersion, round::Round, trace::ValidTrace,
+        Version, event::events_to_column, prompt::NewVersion, round::Round, trace::ValidTrace,
     },
     llm::LlmCall,
 };
@@ -46,6 +51,22 @@ impl<D: Backend> SqlStore<D> {
         }
     }
 
+    /// Commits, telling every process's cache about `change` (NOTIFY inside
+    /// the transaction on Postgres, the in-process broadcast after it on SQLite).
+    pub(super) async fn commit(&self, mut tx: Transaction<'_, D>, change: Change) -> StoreResult<()> {
+        let payload = match &change {
+            Change::Prompt(name) => format!("prompt:{name}"),
+            Change::Keys => "keys".into(),
+            Change::RoundQueued => "round".into(),
+            Change::OutboxEvent => "outbox".into(),
+            Change::Resync => "resync".into(),
+        };
+        D::notify(&mut tx, &payload).await?;
+        tx.commit().await?;
+        self.announce(change);
+        Ok(())
+    }
+
     pub(super) fn announce_outbox(&self, queued: bool) {
         if queued {
             self.announce(Change::OutboxEvent);
@@ -62,23 +83,8 @@ pub trait Backend: Dialect {
     type Extra: Send + Sync + 'static;
 
     async fn ping(s: &SqlStore<Self>) -> StoreResult<()>;
-    async fn create_api_key(
-        s: &SqlStore<Self>,
-        name: &str,
-        prefix: &str,
-        hash: &str,
-        scopes: &[Scope],
-    ) -> StoreResult<ApiKey>;
-    async fn api_key_by_hash(s: &SqlStore<Self>, hash: &str) -> StoreResult<Option<ApiKey>>;
-    async fn list_api_keys(s: &SqlStore<Self>) -> StoreResult<Vec<ApiKey>>;
-    async fn revoke_api_key(s: &SqlStore<Self>, id_or_prefix: &str) -> StoreResult<bool>;
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64>;
-    async fn count_active_api_keys(s: &SqlStore<Self>) -> StoreResult<i64>;
-    async fn create_ui_session(s: &SqlStore<Self>, session: &NewUiSession) -> StoreResult<()>;
-    async fn ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>>;
-    async fn delete_ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<bool>;
     async fn create_prompt(s: &SqlStore<Self>, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)>;
-    async fn get_prompt(s: &SqlStore<Self>, name: &PromptName) -> StoreResult<Option<Prompt>>;
     async fn update_prompt_settings(
         s: &SqlStore<Self>,
         name: &PromptName,
@@ -93,19 +99,6 @@ pub trait Backend: Dialect {
         moves: &[LabelMove],
     ) -> StoreResult<Version>;
     async fn resolve(s: &SqlStore<Self>, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>>;
-    async fn list_versions(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<Version>>;
-    async fn list_labels(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<Label>>;
-    async fn move_label_because(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        mv: &LabelMove,
-        cause: &MoveCause,
-    ) -> StoreResult<Label>;
     async fn delete_label(s: &SqlStore<Self>, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool>;
     async fn task_rewards(
         s: &SqlStore<Self>,
@@ -113,17 +106,8 @@ pub trait Backend: Dialect {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> StoreResult<Vec<TaskRewards>>;
-    async fn population(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>>;
     async fn save_population(s: &SqlStore<Self>, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()>;
-    async fn label_history(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        label: Option<&LabelName>,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<LabelHistoryEntry>>;
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>>;
-    async fn get_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Trace>>;
     async fn list_traces(s: &SqlStore<Self>, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>>;
     async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
     async fn version_outcomes(
@@ -165,7 +149,6 @@ pub trait Backend: Dialect {
         r: &Reflection,
         from_trace: bool,
     ) -> StoreResult<()>;
-    async fn round_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>>;
     async fn record_llm_call(s: &SqlStore<Self>, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()>;
     async fn round_calls(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<RoundCall>>;
     async fn update_round(
@@ -194,18 +177,6 @@ pub trait Backend: Dialect {
         error: &str,
         how: RoundFailure,
     ) -> StoreResult<()>;
-    async fn get_round(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Round>>;
-    async fn list_rounds(
-        s: &SqlStore<Self>,
-        prompt: Option<&PromptName>,
-        before: Option<Uuid>,
-        limit: u32,
-    ) -> StoreResult<Vec<Round>>;
-    async fn round_trace_ids(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<Uuid>>;
-    async fn create_webhook(s: &SqlStore<Self>, h: &NewWebhook) -> StoreResult<Webhook>;
-    async fn list_webhooks(s: &SqlStore<Self>) -> StoreResult<Vec<Webhook>>;
-    async fn get_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Webhook>>;
-    async fn delete_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<bool>;
     async fn webhook_attempts(
         s: &SqlStore<Self>,
         id: Uuid,
@@ -225,7 +196,6 @@ pub trait Backend: Dialect {
         limit: u32,
     ) -> StoreResult<Vec<super::ControllerSample>>;
     async fn save_controller_choice(s: &SqlStore<Self>, prompt: &PromptName, choice: &Value) -> StoreResult<()>;
-    async fn controller_choice(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>>;
     async fn record_meter_counts(
         s: &SqlStore<Self>,
         prompt: &PromptName,
@@ -250,19 +220,49 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
-        D::create_api_key(self, name, prefix, hash, scopes).await
+        let mut tx = self.writer.begin().await?;
+        let row = sql::<D>(
+            "INSERT INTO api_keys (id, name, prefix, hash, scopes, created_at) VALUES ($1, $2, $3, $4, $5, $6)
+             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
+        )
+        .bind(Uuid::now_v7())
+        .bind(name)
+        .bind(prefix)
+        .bind(hash)
+        .bind(scopes_to_string(scopes))
+        .bind(now())
+        .fetch_one(&mut *tx)
+        .await?;
+        self.commit(tx, Change::Keys).await?;
+        key_from_row::<D>(&row)
     }
 
     async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
-        D::api_key_by_hash(self, hash).await
+        sql::<D>("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = $1")
+            .bind(hash)
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(key_from_row::<D>)
+            .transpose()
     }
 
     async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
-        D::list_api_keys(self).await
+        sql::<D>("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
+            .map(&mut *self.reader.acquire().await?, key_from_row::<D>)
+            .await
     }
 
     async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
-        D::revoke_api_key(self, id_or_prefix).await
+        let mut tx = self.writer.begin().await?;
+        let n = sql::<D>("UPDATE api_keys SET revoked_at = $3 WHERE revoked_at IS NULL AND (id = $1 OR prefix = $2)")
+            .bind(Uuid::parse_str(id_or_prefix).ok())
+            .bind(id_or_prefix)
+            .bind(now())
+            .execute(&mut *tx)
+            .await?;
+        self.commit(tx, Change::Keys).await?;
+        Ok(n > 0)
     }
 
     async fn api_key_generation(&self) -> StoreResult<i64> {
@@ -270,19 +270,57 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn count_active_api_keys(&self) -> StoreResult<i64> {
-        D::count_active_api_keys(self).await
+        let n = sql::<D>("SELECT count(*) AS n FROM api_keys WHERE revoked_at IS NULL")
+            .value(&mut *self.reader.acquire().await?, "n")
+            .await?;
+        Ok(n.unwrap_or(0))
     }
 
     async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
-        D::create_ui_session(self, session).await
+        let mut tx = self.writer.begin().await?;
+        sql::<D>("DELETE FROM ui_sessions WHERE expires_at <= $1").bind(now()).execute(&mut *tx).await?;
+        sql::<D>(
+            "INSERT INTO ui_sessions (token_hash, key_id, csrf_token, created_at, expires_at) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(&session.token_hash)
+        .bind(session.key_id)
+        .bind(&session.csrf_token)
+        .bind(now())
+        .bind(session.expires_at)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
-        D::ui_session(self, token_hash).await
+        let row = sql::<D>(
+            "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
+                    k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
+             FROM ui_sessions s JOIN api_keys k ON k.id = s.key_id
+             WHERE s.token_hash = $1 AND s.expires_at > $2",
+        )
+        .bind(token_hash)
+        .bind(now())
+        .fetch_optional(&mut *self.reader.acquire().await?)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let r = Cols::<D>(&row);
+        let session = UiSession {
+            key_id: r.get("key_id")?,
+            csrf_token: r.get("csrf_token")?,
+            created_at: r.get("session_created_at")?,
+            expires_at: r.get("expires_at")?,
+        };
+        Ok(Some((session, key_from_row::<D>(&row)?)))
     }
 
     async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
-        D::delete_ui_session(self, token_hash).await
+        let n = sql::<D>("DELETE FROM ui_sessions WHERE token_hash = $1")
+            .bind(token_hash)
+            .execute(&mut *self.writer.acquire().await?)
+            .await?;
+        Ok(n > 0)
     }
 
     async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
@@ -290,7 +328,13 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
-        D::get_prompt(self, name).await
+        sql::<D>("SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1")
+            .bind(name.as_str())
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(prompt_from_row::<D>)
+            .transpose()
     }
 
     async fn update_prompt_settings(
@@ -315,15 +359,35 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
-        D::list_versions(self, prompt, before, limit).await
+        sql::<D>(&format!(
+            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
+             WHERE p.name = $1 AND ($2 IS NULL OR v.number < $2) ORDER BY v.number DESC LIMIT $3"
+        ))
+        .bind(prompt.as_str())
+        .bind(before)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, version_from_row::<D>)
+        .await
     }
 
     async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
-        D::list_labels(self, prompt).await
+        sql::<D>(
+            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
+             WHERE p.name = $1 ORDER BY l.name",
+        )
+        .bind(prompt.as_str())
+        .map(&mut *self.reader.acquire().await?, label_from_row::<D>)
+        .await
     }
 
     async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
-        D::move_label_because(self, prompt, mv, cause).await
+        let mut tx = self.writer.begin().await?;
+        let id = prompt_id::<D>(&mut tx, prompt).await?;
+        let (label, previous) = apply_move::<D>(&mut tx, id, mv).await?;
+        let queued = record_move::<D>(&mut tx, id, prompt, &label, previous, cause).await?;
+        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        self.announce_outbox(queued);
+        Ok(label)
     }
 
     async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
@@ -340,7 +404,14 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
-        D::population(self, prompt).await
+        sql::<D>(
+            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
+             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
+             WHERE p.name = $1 ORDER BY a.version",
+        )
+        .bind(prompt.as_str())
+        .map(&mut *self.reader.acquire().await?, arm_from_row::<D>)
+        .await
     }
 
     async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
@@ -354,7 +425,18 @@ impl<D: Backend> Store for SqlStore<D> {
         before: Option<i64>,
         limit: u32,
     ) -> StoreResult<Vec<LabelHistoryEntry>> {
-        D::label_history(self, prompt, label, before, limit).await
+        sql::<D>(
+            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
+             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
+             WHERE p.name = $1 AND ($2 IS NULL OR m.label = $2) AND ($3 IS NULL OR m.id < $3)
+             ORDER BY m.id DESC LIMIT $4",
+        )
+        .bind(prompt.as_str())
+        .bind(label.map(LabelName::as_str))
+        .bind(before)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, history_from_row::<D>)
+        .await
     }
 
     async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
@@ -362,7 +444,13 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
-        D::get_trace(self, id).await
+        sql::<D>(&format!("SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(trace_from_row::<D>)
+            .transpose()
     }
 
     async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
@@ -455,7 +543,14 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
-        D::round_reflections(self, round).await
+        sql::<D>("SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = $1 ORDER BY created_at, trace_id")
+            .bind(round)
+            .map(&mut *self.reader.acquire().await?, |row| {
+                let r = Cols::<D>(row);
+                let reflection = serde_json::from_value(r.get("reflection")?).map_err(|_| corrupt("reflection"))?;
+                Ok((r.get("trace_id")?, reflection, r.get("from_trace")?))
+            })
+            .await
     }
 
     async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
@@ -490,7 +585,13 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
-        D::get_round(self, id).await
+        sql::<D>(&format!("SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(round_from_row::<D>)
+            .transpose()
     }
 
     async fn list_rounds(
@@ -499,27 +600,62 @@ impl<D: Backend> Store for SqlStore<D> {
         before: Option<Uuid>,
         limit: u32,
     ) -> StoreResult<Vec<Round>> {
-        D::list_rounds(self, prompt, before, limit).await
+        sql::<D>(&format!(
+            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
+             WHERE ($1 IS NULL OR p.name = $1) AND ($2 IS NULL OR r.id < $2) ORDER BY r.id DESC LIMIT $3"
+        ))
+        .bind(prompt.map(|p| p.as_str()))
+        .bind(before)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, round_from_row::<D>)
+        .await
     }
 
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
-        D::round_trace_ids(self, round).await
+        sql::<D>("SELECT trace_id FROM round_traces WHERE round_id = $1 ORDER BY position")
+            .bind(round)
+            .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("trace_id"))
+            .await
     }
 
     async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
-        D::create_webhook(self, h).await
+        let row = sql::<D>(&format!(
+            "INSERT INTO webhook_subscriptions (id, url, events, description, secret, created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $6) RETURNING {WEBHOOK_COLUMNS}"
+        ))
+        .bind(Uuid::now_v7())
+        .bind(&h.url)
+        .bind(events_to_column(&h.events))
+        .bind(h.description.as_deref())
+        .bind(h.secret.expose())
+        .bind(now())
+        .fetch_one(&mut *self.writer.acquire().await?)
+        .await?;
+        webhook_from_row::<D>(&row)
     }
 
     async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
-        D::list_webhooks(self).await
+        sql::<D>(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
+            .map(&mut *self.reader.acquire().await?, webhook_from_row::<D>)
+            .await
     }
 
     async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
-        D::get_webhook(self, id).await
+        sql::<D>(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(webhook_from_row::<D>)
+            .transpose()
     }
 
     async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool> {
-        D::delete_webhook(self, id).await
+        let n = sql::<D>("DELETE FROM webhook_subscriptions WHERE id = $1")
+            .bind(id)
+            .execute(&mut *self.writer.acquire().await?)
+            .await?;
+        Ok(n > 0)
     }
 
     async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>> {
@@ -543,7 +679,17 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
-        D::controller_choice(self, prompt).await
+        let row = sql::<D>(
+            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = $1",
+        )
+        .bind(prompt.as_str())
+        .fetch_optional(&mut *self.reader.acquire().await?)
+        .await?;
+        row.map(|row| {
+            let r = Cols::<D>(&row);
+            Ok((r.get("choice")?, r.get("updated_at")?))
+        })
+        .transpose()
     }
 
     async fn record_meter_counts(

@@ -23,23 +23,21 @@ use crate::evaluate::{
 
 use super::backend::{Backend, SqlStore};
 use super::sql::{
-    Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
-    charge_traces, corrupt, fence, history_from_row, insert_version, key_from_row, label_from_row, now,
-    prompt_from_row, prompt_id, record_event, record_history, record_move, release_traces, round_from_row,
-    trace_from_row, version_from_row, webhook_from_row,
+    Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, apply_move, charge_traces, corrupt, fence,
+    insert_version, now, prompt_from_row, prompt_id, record_event, record_history, record_move, release_traces,
+    round_from_row, trace_from_row, version_from_row,
 };
 use super::{
-    ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
-    OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
-    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_to_string, trace_action_refusal, version_move_kind,
+    AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome, IdempotencyKey,
+    IdempotentIngest, LabelMove, NewPrompt, OpenRound, OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm,
+    PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Selector, Store, StoreError, StoreKind,
+    StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter, migrate, otlp_prompt_problem,
+    trace_action_refusal, version_move_kind,
 };
 use crate::{
     domain::{
-        Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
-        Reflection, Trace, Version,
-        event::{OutboxEvent, events_to_column},
+        Feedback, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings, Reflection, Trace, Version,
+        event::OutboxEvent,
         prompt::NewVersion,
         round::{self, Round},
         trace::ValidTrace,
@@ -244,113 +242,8 @@ impl Backend for Postgres {
         Ok(())
     }
 
-    async fn create_api_key(
-        s: &SqlStore<Self>,
-        name: &str,
-        prefix: &str,
-        hash: &str,
-        scopes: &[Scope],
-    ) -> StoreResult<ApiKey> {
-        let mut tx = s.writer.begin().await?;
-        let row = sqlx::query(
-            "INSERT INTO api_keys (id, name, prefix, hash, scopes) VALUES ($1, $2, $3, $4, $5)
-             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
-        )
-        .bind(Uuid::now_v7())
-        .bind(name)
-        .bind(prefix)
-        .bind(hash)
-        .bind(scopes_to_string(scopes))
-        .fetch_one(&mut *tx)
-        .await?;
-        notify(&mut tx, "keys").await?;
-        tx.commit().await?;
-        key_from_row::<Postgres>(&row)
-    }
-
-    async fn api_key_by_hash(s: &SqlStore<Self>, hash: &str) -> StoreResult<Option<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = $1")
-            .bind(hash)
-            .fetch_optional(&s.writer)
-            .await?
-            .as_ref()
-            .map(key_from_row::<Postgres>)
-            .transpose()
-    }
-
-    async fn list_api_keys(s: &SqlStore<Self>) -> StoreResult<Vec<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .fetch_all(&s.writer)
-            .await?
-            .iter()
-            .map(key_from_row::<Postgres>)
-            .collect()
-    }
-
-    async fn revoke_api_key(s: &SqlStore<Self>, id_or_prefix: &str) -> StoreResult<bool> {
-        let mut tx = s.writer.begin().await?;
-        let id = Uuid::parse_str(id_or_prefix).ok();
-        let n =
-            sqlx::query("UPDATE api_keys SET revoked_at = now() WHERE revoked_at IS NULL AND (id = $1 OR prefix = $2)")
-                .bind(id)
-                .bind(id_or_prefix)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-        notify(&mut tx, "keys").await?;
-        tx.commit().await?;
-        Ok(n > 0)
-    }
-
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
-    }
-
-    async fn count_active_api_keys(s: &SqlStore<Self>) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&s.writer).await?)
-    }
-
-    async fn create_ui_session(s: &SqlStore<Self>, session: &NewUiSession) -> StoreResult<()> {
-        let mut tx = s.writer.begin().await?;
-        sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= now()").execute(&mut *tx).await?;
-        sqlx::query("INSERT INTO ui_sessions (token_hash, key_id, csrf_token, expires_at) VALUES ($1, $2, $3, $4)")
-            .bind(&session.token_hash)
-            .bind(session.key_id)
-            .bind(&session.csrf_token)
-            .bind(session.expires_at)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
-        let row = sqlx::query(
-            "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
-                    k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
-             FROM ui_sessions s JOIN api_keys k ON k.id = s.key_id
-             WHERE s.token_hash = $1 AND s.expires_at > now()",
-        )
-        .bind(token_hash)
-        .fetch_optional(&s.writer)
-        .await?;
-        let Some(row) = row else { return Ok(None) };
-        let session = UiSession {
-            key_id: row.try_get("key_id")?,
-            csrf_token: row.try_get("csrf_token")?,
-            created_at: row.try_get("session_created_at")?,
-            expires_at: row.try_get("expires_at")?,
-        };
-        Ok(Some((session, key_from_row::<Postgres>(&row)?)))
-    }
-
-    async fn delete_ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM ui_sessions WHERE token_hash = $1")
-            .bind(token_hash)
-            .execute(&s.writer)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
     }
 
     async fn create_prompt(s: &SqlStore<Self>, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
@@ -391,18 +284,6 @@ impl Backend for Postgres {
         notify(&mut tx, &format!("prompt:{}", prompt.name)).await?;
         tx.commit().await?;
         Ok((prompt, version))
-    }
-
-    async fn get_prompt(s: &SqlStore<Self>, name: &PromptName) -> StoreResult<Option<Prompt>> {
-        sqlx::query(
-            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1",
-        )
-        .bind(name.as_str())
-        .fetch_optional(&s.writer)
-        .await?
-        .as_ref()
-        .map(prompt_from_row::<Postgres>)
-        .transpose()
     }
 
     async fn update_prompt_settings(
@@ -545,54 +426,6 @@ impl Backend for Postgres {
         Ok(Some(Resolved { version: version_from_row::<Postgres>(&row)?, labels }))
     }
 
-    async fn list_versions(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<Version>> {
-        sqlx::query(&format!(
-            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
-             WHERE p.name = $1 AND ($2::bigint IS NULL OR v.number < $2) ORDER BY v.number DESC LIMIT $3"
-        ))
-        .bind(prompt.as_str())
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&s.writer)
-        .await?
-        .iter()
-        .map(version_from_row::<Postgres>)
-        .collect()
-    }
-
-    async fn list_labels(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<Label>> {
-        sqlx::query(
-            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
-             WHERE p.name = $1 ORDER BY l.name",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&s.writer)
-        .await?
-        .iter()
-        .map(label_from_row::<Postgres>)
-        .collect()
-    }
-
-    async fn move_label_because(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        mv: &LabelMove,
-        cause: &MoveCause,
-    ) -> StoreResult<Label> {
-        let mut tx = s.writer.begin().await?;
-        let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
-        let (label, previous) = apply_move::<Postgres>(&mut *tx, id, mv).await?;
-        record_move::<Postgres>(&mut *tx, id, prompt, &label, previous, cause).await?;
-        notify(&mut tx, &format!("prompt:{prompt}")).await?;
-        tx.commit().await?;
-        Ok(label)
-    }
-
     async fn delete_label(s: &SqlStore<Self>, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
         let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
@@ -649,20 +482,6 @@ impl Backend for Postgres {
             .collect()
     }
 
-    async fn population(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
-        sqlx::query(
-            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
-             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
-             WHERE p.name = $1 ORDER BY a.version",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&s.writer)
-        .await?
-        .iter()
-        .map(arm_from_row::<Postgres>)
-        .collect()
-    }
-
     async fn save_population(s: &SqlStore<Self>, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
         let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Postgres>(&mut *tx, prompt).await?;
@@ -702,30 +521,6 @@ impl Backend for Postgres {
         Ok(())
     }
 
-    async fn label_history(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        label: Option<&LabelName>,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<LabelHistoryEntry>> {
-        sqlx::query(
-            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
-             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
-             WHERE p.name = $1 AND ($2::text IS NULL OR m.label = $2) AND ($3::bigint IS NULL OR m.id < $3)
-             ORDER BY m.id DESC LIMIT $4",
-        )
-        .bind(prompt.as_str())
-        .bind(label.map(LabelName::as_str))
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&s.writer)
-        .await?
-        .iter()
-        .map(history_from_row::<Postgres>)
-        .collect()
-    }
-
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
         // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT round trips).
@@ -733,18 +528,6 @@ impl Backend for Postgres {
             return Err(s.first_unknown_reference(traces).await?);
         }
         Ok(ids)
-    }
-
-    async fn get_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Trace>> {
-        sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = $1"
-        ))
-        .bind(id)
-        .fetch_optional(&s.writer)
-        .await?
-        .as_ref()
-        .map(trace_from_row::<Postgres>)
-        .transpose()
     }
 
     async fn list_traces(s: &SqlStore<Self>, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
@@ -1348,23 +1131,6 @@ impl Backend for Postgres {
         Ok(())
     }
 
-    async fn round_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
-        sqlx::query("SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = $1 ORDER BY created_at, trace_id")
-            .bind(round)
-            .fetch_all(&s.writer)
-            .await?
-            .iter()
-            .map(|row| {
-                let r: Value = row.try_get("reflection")?;
-                Ok((
-                    row.try_get("trace_id")?,
-                    serde_json::from_value(r).map_err(|_| corrupt("reflection"))?,
-                    row.try_get("from_trace")?,
-                ))
-            })
-            .collect()
-    }
-
     async fn record_llm_call(s: &SqlStore<Self>, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error)
@@ -1545,81 +1311,6 @@ impl Backend for Postgres {
         Ok(())
     }
 
-    async fn get_round(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Round>> {
-        s.load_round(id).await
-    }
-
-    async fn list_rounds(
-        s: &SqlStore<Self>,
-        prompt: Option<&PromptName>,
-        before: Option<Uuid>,
-        limit: u32,
-    ) -> StoreResult<Vec<Round>> {
-        sqlx::query(&format!(
-            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
-             WHERE ($1::text IS NULL OR p.name = $1) AND ($2::uuid IS NULL OR r.id < $2)
-             ORDER BY r.id DESC LIMIT $3"
-        ))
-        .bind(prompt.map(|p| p.as_str()))
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&s.writer)
-        .await?
-        .iter()
-        .map(round_from_row::<Postgres>)
-        .collect()
-    }
-
-    async fn round_trace_ids(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<Uuid>> {
-        Ok(sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = $1 ORDER BY position")
-            .bind(round)
-            .fetch_all(&s.writer)
-            .await?)
-    }
-
-    async fn create_webhook(s: &SqlStore<Self>, h: &NewWebhook) -> StoreResult<Webhook> {
-        let row = sqlx::query(&format!(
-            "INSERT INTO webhook_subscriptions (id, url, events, description, secret) VALUES ($1, $2, $3, $4, $5)
-             RETURNING {WEBHOOK_COLUMNS}"
-        ))
-        .bind(Uuid::now_v7())
-        .bind(&h.url)
-        .bind(events_to_column(&h.events))
-        .bind(&h.description)
-        .bind(h.secret.expose())
-        .fetch_one(&s.writer)
-        .await?;
-        webhook_from_row::<Postgres>(&row)
-    }
-
-    async fn list_webhooks(s: &SqlStore<Self>) -> StoreResult<Vec<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
-            .fetch_all(&s.writer)
-            .await?
-            .iter()
-            .map(webhook_from_row::<Postgres>)
-            .collect()
-    }
-
-    async fn get_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = $1"))
-            .bind(id)
-            .fetch_optional(&s.writer)
-            .await?
-            .as_ref()
-            .map(webhook_from_row::<Postgres>)
-            .transpose()
-    }
-
-    async fn delete_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = $1")
-            .bind(id)
-            .execute(&s.writer)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
-    }
-
     async fn webhook_attempts(
         s: &SqlStore<Self>,
         id: Uuid,
@@ -1790,16 +1481,6 @@ impl Backend for Postgres {
         .execute(&s.writer)
         .await?;
         Ok(())
-    }
-
-    async fn controller_choice(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
-        let row = sqlx::query(
-            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = $1",
-        )
-        .bind(prompt.as_str())
-        .fetch_optional(&s.writer)
-        .await?;
-        row.map(|r| Ok((r.try_get("choice")?, r.try_get("updated_at")?))).transpose()
     }
 
     async fn record_meter_counts(

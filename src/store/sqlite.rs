@@ -23,23 +23,21 @@ use crate::evaluate::{
 
 use super::backend::{Backend, SqlStore};
 use super::sql::{
-    Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
-    charge_traces, corrupt, fence, history_from_row, insert_version, key_from_row, label_from_row, prompt_from_row,
-    prompt_id, record_event, record_history, record_move, release_traces, round_from_row, trace_from_row,
-    version_from_row, webhook_from_row,
+    Dialect, Param, Query, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, apply_move, charge_traces, corrupt, fence,
+    insert_version, prompt_from_row, prompt_id, record_event, record_history, record_move, release_traces,
+    round_from_row, trace_from_row, version_from_row,
 };
 use super::{
-    ApiKey, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
-    OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
-    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_to_string, trace_action_refusal, version_move_kind,
+    AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome, IdempotencyKey,
+    IdempotentIngest, LabelMove, NewPrompt, OpenRound, OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm,
+    PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure, Selector, Store, StoreError, StoreKind,
+    StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter, migrate, otlp_prompt_problem,
+    trace_action_refusal, version_move_kind,
 };
 use crate::{
     domain::{
-        Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
-        Reflection, Trace, Version,
-        event::{OutboxEvent, events_to_column},
+        Feedback, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings, Reflection, Trace, Version,
+        event::OutboxEvent,
         prompt::NewVersion,
         round::{self, Round},
         trace::ValidTrace,
@@ -280,60 +278,6 @@ impl Backend for Sqlite {
         Ok(())
     }
 
-    async fn create_api_key(
-        s: &SqlStore<Self>,
-        name: &str,
-        prefix: &str,
-        hash: &str,
-        scopes: &[Scope],
-    ) -> StoreResult<ApiKey> {
-        let row = sqlx::query(
-            "INSERT INTO api_keys (id, name, prefix, hash, scopes, created_at) VALUES (?, ?, ?, ?, ?, ?)
-             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
-        )
-        .bind(Uuid::now_v7().to_string())
-        .bind(name)
-        .bind(prefix)
-        .bind(hash)
-        .bind(scopes_to_string(scopes))
-        .bind(now_us())
-        .fetch_one(&s.writer)
-        .await?;
-        s.announce(Change::Keys);
-        key_from_row::<Sqlite>(&row)
-    }
-
-    async fn api_key_by_hash(s: &SqlStore<Self>, hash: &str) -> StoreResult<Option<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = ?")
-            .bind(hash)
-            .fetch_optional(&s.reader)
-            .await?
-            .as_ref()
-            .map(key_from_row::<Sqlite>)
-            .transpose()
-    }
-
-    async fn list_api_keys(s: &SqlStore<Self>) -> StoreResult<Vec<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .fetch_all(&s.reader)
-            .await?
-            .iter()
-            .map(key_from_row::<Sqlite>)
-            .collect()
-    }
-
-    async fn revoke_api_key(s: &SqlStore<Self>, id_or_prefix: &str) -> StoreResult<bool> {
-        let n = sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE revoked_at IS NULL AND (id = ? OR prefix = ?)")
-            .bind(now_us())
-            .bind(id_or_prefix)
-            .bind(id_or_prefix)
-            .execute(&s.writer)
-            .await?
-            .rows_affected();
-        s.announce(Change::Keys);
-        Ok(n > 0)
-    }
-
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         // The header is read before the query: a commit landing in between
         // changes it, so the next call queries again.
@@ -347,57 +291,6 @@ impl Backend for Sqlite {
             s.extra.remember(header, generation);
         }
         Ok(generation)
-    }
-
-    async fn count_active_api_keys(s: &SqlStore<Self>) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&s.reader).await?)
-    }
-
-    async fn create_ui_session(s: &SqlStore<Self>, session: &NewUiSession) -> StoreResult<()> {
-        let mut tx = s.writer.begin().await?;
-        sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= ?").bind(now_us()).execute(&mut *tx).await?;
-        sqlx::query(
-            "INSERT INTO ui_sessions (token_hash, key_id, csrf_token, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
-        )
-        .bind(&session.token_hash)
-        .bind(session.key_id.to_string())
-        .bind(&session.csrf_token)
-        .bind(now_us())
-        .bind(session.expires_at.timestamp_micros())
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
-        let row = sqlx::query(
-            "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
-                    k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
-             FROM ui_sessions s JOIN api_keys k ON k.id = s.key_id
-             WHERE s.token_hash = ? AND s.expires_at > ?",
-        )
-        .bind(token_hash)
-        .bind(now_us())
-        .fetch_optional(&s.reader)
-        .await?;
-        let Some(row) = row else { return Ok(None) };
-        let session = UiSession {
-            key_id: uuid(row.try_get("key_id")?)?,
-            csrf_token: row.try_get("csrf_token")?,
-            created_at: time(row.try_get("session_created_at")?)?,
-            expires_at: time(row.try_get("expires_at")?)?,
-        };
-        Ok(Some((session, key_from_row::<Sqlite>(&row)?)))
-    }
-
-    async fn delete_ui_session(s: &SqlStore<Self>, token_hash: &str) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM ui_sessions WHERE token_hash = ?")
-            .bind(token_hash)
-            .execute(&s.writer)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
     }
 
     async fn create_prompt(s: &SqlStore<Self>, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
@@ -450,18 +343,6 @@ impl Backend for Sqlite {
         s.announce(Change::Prompt(prompt.name.to_string()));
         s.announce_outbox(queued);
         Ok((prompt, version))
-    }
-
-    async fn get_prompt(s: &SqlStore<Self>, name: &PromptName) -> StoreResult<Option<Prompt>> {
-        sqlx::query(
-            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = ?",
-        )
-        .bind(name.as_str())
-        .fetch_optional(&s.reader)
-        .await?
-        .as_ref()
-        .map(prompt_from_row::<Sqlite>)
-        .transpose()
     }
 
     async fn update_prompt_settings(
@@ -607,55 +488,6 @@ impl Backend for Sqlite {
         Ok(Some(Resolved { version: version_from_row::<Sqlite>(&row)?, labels }))
     }
 
-    async fn list_versions(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<Version>> {
-        sqlx::query(&format!(
-            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
-             WHERE p.name = ?1 AND (?2 IS NULL OR v.number < ?2) ORDER BY v.number DESC LIMIT ?3"
-        ))
-        .bind(prompt.as_str())
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&s.reader)
-        .await?
-        .iter()
-        .map(version_from_row::<Sqlite>)
-        .collect()
-    }
-
-    async fn list_labels(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<Label>> {
-        sqlx::query(
-            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
-             WHERE p.name = ? ORDER BY l.name",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&s.reader)
-        .await?
-        .iter()
-        .map(label_from_row::<Sqlite>)
-        .collect()
-    }
-
-    async fn move_label_because(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        mv: &LabelMove,
-        cause: &MoveCause,
-    ) -> StoreResult<Label> {
-        let mut tx = s.writer.begin().await?;
-        let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
-        let (label, previous) = apply_move::<Sqlite>(&mut *tx, id, mv).await?;
-        let queued = record_move::<Sqlite>(&mut *tx, id, prompt, &label, previous, cause).await?;
-        tx.commit().await?;
-        s.announce(Change::Prompt(prompt.to_string()));
-        s.announce_outbox(queued);
-        Ok(label)
-    }
-
     async fn delete_label(s: &SqlStore<Self>, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
         let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
@@ -711,20 +543,6 @@ impl Backend for Sqlite {
             .collect()
     }
 
-    async fn population(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
-        sqlx::query(
-            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.rated_until
-             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
-             WHERE p.name = ? ORDER BY a.version",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&s.reader)
-        .await?
-        .iter()
-        .map(arm_from_row::<Sqlite>)
-        .collect()
-    }
-
     async fn save_population(s: &SqlStore<Self>, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
         let mut tx = s.writer.begin().await?;
         let id = prompt_id::<Sqlite>(&mut *tx, prompt).await?;
@@ -767,47 +585,11 @@ impl Backend for Sqlite {
         Ok(())
     }
 
-    async fn label_history(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        label: Option<&LabelName>,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<LabelHistoryEntry>> {
-        sqlx::query(
-            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
-             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
-             WHERE p.name = ?1 AND (?2 IS NULL OR m.label = ?2) AND (?3 IS NULL OR m.id < ?3)
-             ORDER BY m.id DESC LIMIT ?4",
-        )
-        .bind(prompt.as_str())
-        .bind(label.map(LabelName::as_str))
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&s.reader)
-        .await?
-        .iter()
-        .map(history_from_row::<Sqlite>)
-        .collect()
-    }
-
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let mut tx = s.writer.begin().await?;
         let ids = insert_trace_rows(&mut tx, traces).await?;
         tx.commit().await?;
         Ok(ids)
-    }
-
-    async fn get_trace(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Trace>> {
-        sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = ?"
-        ))
-        .bind(id.to_string())
-        .fetch_optional(&s.reader)
-        .await?
-        .as_ref()
-        .map(trace_from_row::<Sqlite>)
-        .transpose()
     }
 
     async fn list_traces(s: &SqlStore<Self>, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
@@ -1410,25 +1192,6 @@ impl Backend for Sqlite {
         Ok(())
     }
 
-    async fn round_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
-        sqlx::query(
-            "SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = ? ORDER BY created_at, trace_id",
-        )
-        .bind(round.to_string())
-        .fetch_all(&s.reader)
-        .await?
-        .iter()
-        .map(|row| {
-            let r: String = row.try_get("reflection")?;
-            Ok((
-                uuid(row.try_get("trace_id")?)?,
-                serde_json::from_str(&r).map_err(|_| corrupt("reflection"))?,
-                row.try_get("from_trace")?,
-            ))
-        })
-        .collect()
-    }
-
     async fn record_llm_call(s: &SqlStore<Self>, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
         sqlx::query(
             "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms,
@@ -1628,85 +1391,6 @@ impl Backend for Sqlite {
         Ok(())
     }
 
-    async fn get_round(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Round>> {
-        s.load_round(id).await
-    }
-
-    async fn list_rounds(
-        s: &SqlStore<Self>,
-        prompt: Option<&PromptName>,
-        before: Option<Uuid>,
-        limit: u32,
-    ) -> StoreResult<Vec<Round>> {
-        sqlx::query(&format!(
-            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
-             WHERE (?1 IS NULL OR p.name = ?1) AND (?2 IS NULL OR r.id < ?2) ORDER BY r.id DESC LIMIT ?3"
-        ))
-        .bind(prompt.map(|p| p.as_str()))
-        .bind(before.map(|b| b.to_string()))
-        .bind(i64::from(limit))
-        .fetch_all(&s.reader)
-        .await?
-        .iter()
-        .map(round_from_row::<Sqlite>)
-        .collect()
-    }
-
-    async fn round_trace_ids(s: &SqlStore<Self>, round: Uuid) -> StoreResult<Vec<Uuid>> {
-        let ids: Vec<String> =
-            sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = ? ORDER BY position")
-                .bind(round.to_string())
-                .fetch_all(&s.reader)
-                .await?;
-        ids.iter().map(|s| uuid(s)).collect()
-    }
-
-    async fn create_webhook(s: &SqlStore<Self>, h: &NewWebhook) -> StoreResult<Webhook> {
-        let now = now_us();
-        let row = sqlx::query(&format!(
-            "INSERT INTO webhook_subscriptions (id, url, events, description, secret, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING {WEBHOOK_COLUMNS}"
-        ))
-        .bind(Uuid::now_v7().to_string())
-        .bind(&h.url)
-        .bind(events_to_column(&h.events))
-        .bind(&h.description)
-        .bind(h.secret.expose())
-        .bind(now)
-        .bind(now)
-        .fetch_one(&s.writer)
-        .await?;
-        webhook_from_row::<Sqlite>(&row)
-    }
-
-    async fn list_webhooks(s: &SqlStore<Self>) -> StoreResult<Vec<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
-            .fetch_all(&s.reader)
-            .await?
-            .iter()
-            .map(webhook_from_row::<Sqlite>)
-            .collect()
-    }
-
-    async fn get_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<Option<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = ?"))
-            .bind(id.to_string())
-            .fetch_optional(&s.reader)
-            .await?
-            .as_ref()
-            .map(webhook_from_row::<Sqlite>)
-            .transpose()
-    }
-
-    async fn delete_webhook(s: &SqlStore<Self>, id: Uuid) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = ?")
-            .bind(id.to_string())
-            .execute(&s.writer)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
-    }
-
     async fn webhook_attempts(
         s: &SqlStore<Self>,
         id: Uuid,
@@ -1899,16 +1583,6 @@ impl Backend for Sqlite {
         .execute(&s.writer)
         .await?;
         Ok(())
-    }
-
-    async fn controller_choice(s: &SqlStore<Self>, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
-        let row = sqlx::query(
-            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = ?",
-        )
-        .bind(prompt.as_str())
-        .fetch_optional(&s.reader)
-        .await?;
-        row.map(|r| Ok((json(r.try_get("choice")?)?, time(r.try_get("updated_at")?)?))).transpose()
     }
 
     async fn record_meter_counts(
