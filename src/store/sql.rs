@@ -11,8 +11,8 @@ use sqlx::Database;
 use uuid::Uuid;
 
 use super::{
-    ApiKey, ArmState, Label, LabelMove, PopulationArm, StoreError, StoreResult, TraceCharges, Webhook,
-    scopes_from_string,
+    ApiKey, ArmState, Label, LabelMove, OtlpSpan, PopulationArm, StoreError, StoreResult, TraceAction, TraceCharges,
+    Webhook, scopes_from_string, trace_action_refusal,
 };
 use crate::{
     domain::{
@@ -37,6 +37,7 @@ pub enum Param<'q> {
     Id(Option<Uuid>),
     At(Option<DateTime<Utc>>),
     Json(Option<&'q Value>),
+    Bytes(Option<&'q [u8]>),
 }
 
 macro_rules! params {
@@ -56,6 +57,12 @@ macro_rules! params {
 
 params!(i64 => Int, i32 => Int32, f64 => Real, String => Text, &str => Text, &String => Text, Uuid => Id,
     DateTime<Utc> => At);
+
+impl<'q> From<&'q [u8]> for Param<'q> {
+    fn from(v: &'q [u8]) -> Self {
+        Param::Bytes(Some(v))
+    }
+}
 
 impl From<bool> for Param<'_> {
     fn from(v: bool) -> Self {
@@ -94,12 +101,28 @@ pub trait Dialect: Database + Sized {
     fn get_id(row: &Self::Row, col: &str) -> StoreResult<Option<Uuid>>;
     fn get_at(row: &Self::Row, col: &str) -> StoreResult<Option<DateTime<Utc>>>;
     fn get_json(row: &Self::Row, col: &str) -> StoreResult<Option<Value>>;
+    fn get_bytes(row: &Self::Row, col: &str) -> StoreResult<Option<Vec<u8>>>;
 
     /// A row-locking clause (`FOR UPDATE ...`) where the dialect has one; SQLite's single writer needs none.
     fn lock(clause: &'static str) -> &'static str;
+    /// An aggregate joining `expr` of every row with commas.
+    fn string_agg(expr: &str) -> String;
+    /// Serialises OTLP merges of one trace id until the transaction ends
+    /// (an advisory lock on Postgres; SQLite's single writer already does).
+    fn serialize_otlp<'c>(c: &'c mut Self::Connection, otel_trace_id: &'c str) -> BoxFuture<'c, StoreResult<()>>;
     /// Tells other processes' caches inside the transaction (NOTIFY on Postgres; SQLite announces after commit).
     fn notify<'c>(c: &'c mut Self::Connection, payload: &'c str) -> BoxFuture<'c, StoreResult<()>>;
 }
+
+/// Getters of a [`Dialect`] for the types its driver decodes as they are.
+macro_rules! direct_getters {
+    ($row:ty: $($get:ident -> $t:ty),* $(,)?) => {$(
+        fn $get(row: &$row, col: &str) -> StoreResult<Option<$t>> {
+            Ok(sqlx::Row::try_get(row, col)?)
+        }
+    )*};
+}
+pub(crate) use direct_getters;
 
 /// A value that can be read from a column.
 pub trait Column: Sized {
@@ -122,7 +145,7 @@ macro_rules! columns {
 }
 
 columns!(i64 => get_i64, i32 => get_i32, f64 => get_f64, bool => get_bool, String => get_text, Uuid => get_id,
-    DateTime<Utc> => get_at, Value => get_json);
+    DateTime<Utc> => get_at, Value => get_json, Vec<u8> => get_bytes);
 
 /// A row of dialect `D`, read by column name.
 pub(crate) struct Cols<'r, D: Dialect>(pub &'r D::Row);
@@ -173,6 +196,11 @@ impl<'q, D: Dialect> Sql<'q, D> {
     }
 }
 
+/// A serde enum's name (`"playbook"`), as its text column keeps it.
+pub(crate) fn enum_str<T: serde::Serialize>(v: T) -> String {
+    serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
+}
+
 pub(crate) fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(what.to_owned())
 }
@@ -181,6 +209,11 @@ pub(crate) fn corrupt(what: &str) -> StoreError {
 pub(crate) fn now() -> DateTime<Utc> {
     let us = Utc::now().timestamp_micros();
     DateTime::from_timestamp_micros(us).unwrap_or_default()
+}
+
+/// `d` after `at`, or the end of time.
+pub(crate) fn later(at: DateTime<Utc>, d: std::time::Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(d).ok().and_then(|d| at.checked_add_signed(d)).unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
 fn prompt_name(s: &str) -> StoreResult<PromptName> {
@@ -579,5 +612,43 @@ pub(crate) async fn release_traces<D: Dialect>(c: &mut D::Connection, round: Uui
         .bind(now())
         .execute(c)
         .await?;
+    Ok(())
+}
+
+/// Locks trace `id` for an operator action (`delete` or quarantine); the
+/// answer to give instead when it is missing or in a state that refuses it.
+pub(crate) async fn lock_for_action<D: Dialect>(
+    c: &mut D::Connection,
+    id: Uuid,
+    delete: bool,
+) -> StoreResult<Option<TraceAction>> {
+    let text = format!("SELECT status, round_id FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE"));
+    let Some(row) = sql::<D>(&text).bind(id).fetch_optional(c).await? else {
+        return Ok(Some(TraceAction::NotFound));
+    };
+    let r = Cols::<D>(&row);
+    Ok(trace_action_refusal(delete, &r.get::<String>("status")?, r.get("round_id")?).map(TraceAction::Refused))
+}
+
+/// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).
+pub(crate) async fn insert_otlp_spans<D: Dialect>(
+    c: &mut D::Connection,
+    otel_trace_id: &str,
+    trace: Option<Uuid>,
+    spans: &[&OtlpSpan],
+) -> StoreResult<()> {
+    let now = now();
+    for span in spans {
+        sql::<D>(
+            "INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body, received_at) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(otel_trace_id)
+        .bind(&span.span_id)
+        .bind(trace)
+        .bind(span.body.as_slice())
+        .bind(now)
+        .execute(c)
+        .await?;
+    }
     Ok(())
 }
