@@ -21,7 +21,7 @@ use super::{
     Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
     UiSession, Webhook, otlp_prompt_problem, scopes_to_string,
     sql::{
-        Cols, Dialect, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
+        Cols, Dialect, Param, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
         charge_traces, corrupt, enum_str, fence, history_from_row, insert_otlp_spans, insert_version, json,
         key_from_row, label_from_row, later, lock_for_action, now, opt_json, prompt_from_row, prompt_id, record_event,
         record_history, record_move, release_traces, round_from_row, sql, trace_from_row, version_from_row,
@@ -35,7 +35,7 @@ use crate::{
         Reflection, Trace, Version,
         event::{OutboxEvent, events_to_column},
         prompt::NewVersion,
-        round::Round,
+        round::{self, Round},
         trace::ValidTrace,
     },
     llm::LlmCall,
@@ -105,7 +105,6 @@ pub trait Backend: Dialect {
         until: DateTime<Utc>,
         bucket_secs: i64,
     ) -> StoreResult<Vec<OutcomeBucket>>;
-    async fn requeue_failed_traces(s: &SqlStore<Self>, req: &RequeueFailed) -> StoreResult<Vec<Uuid>>;
     async fn insert_traces_idempotent(
         s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
@@ -113,11 +112,9 @@ pub trait Backend: Dialect {
         status: u16,
         answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest>;
-    async fn open_round(s: &SqlStore<Self>, req: &OpenRound) -> StoreResult<Option<Round>>;
     /// Takes the lease of the oldest claimable round (see [`Store::claim_round`]); its id.
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>>;
     async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool>;
-    async fn adopt_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<u64>;
     async fn claim_deliveries(
         s: &SqlStore<Self>,
         owner: &str,
@@ -828,7 +825,28 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
-        D::requeue_failed_traces(self, req).await
+        let mut tx = self.writer.begin().await?;
+        let prompt = prompt_id::<D>(&mut tx, &req.prompt).await?;
+        let text = format!(
+            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = $4
+             WHERE prompt_id = $1 AND status = 'failed' AND ($2 IS NULL OR {}) AND ($3 IS NULL OR created_at >= $3)
+             RETURNING id",
+            D::any_of("id", "$2")
+        );
+        let mut ids: Vec<Uuid> = sql::<D>(&text)
+            .bind(prompt)
+            .bind(Param::Ids(req.ids.as_deref()))
+            .bind(req.since)
+            .bind(now())
+            .map(&mut tx, |row| Cols::<D>(row).get("id"))
+            .await?;
+        if ids.is_empty() {
+            tx.commit().await?;
+        } else {
+            self.commit(tx, Change::RoundQueued).await?;
+        }
+        ids.sort();
+        Ok(ids)
     }
 
     async fn insert_traces_idempotent(
@@ -849,7 +867,78 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
-        D::open_round(self, req).await
+        let now = now();
+        let mut tx = self.writer.begin().await?;
+        // First, so a duplicate delivery is told so (not "a round is in flight":
+        // its own round). A concurrent duplicate waits here on the primary key;
+        // every refusal below rolls back, forgetting the id.
+        if let Some(hook) = &req.inbound_webhook_id {
+            let n = sql::<D>("INSERT INTO inbound_webhooks (id, received_at) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                .bind(hook)
+                .bind(now)
+                .execute(&mut tx)
+                .await?;
+            if n == 0 {
+                return Err(StoreError::Duplicate);
+            }
+        }
+        // The prompt row lock (Postgres; the single writer on SQLite) serialises round creation per prompt.
+        let text = format!(
+            "SELECT id, strategy, settings, version_count FROM prompts WHERE name = $1{}",
+            D::lock(" FOR UPDATE")
+        );
+        let row = sql::<D>(&text).bind(req.prompt.as_str()).fetch_one(&mut tx).await?;
+        let r = Cols::<D>(&row);
+        let prompt_id: Uuid = r.get("id")?;
+        let strategy: String = r.get("strategy")?;
+        let settings: PromptSettings = serde_json::from_value(r.get("settings")?).map_err(|_| corrupt("settings"))?;
+        let latest: i64 = r.get("version_count")?;
+        let active = sql::<D>("SELECT id FROM rounds WHERE prompt_id = $1 AND status IN ('queued', 'running')")
+            .bind(prompt_id)
+            .fetch_optional(&mut tx)
+            .await?;
+        if active.is_some() {
+            return Err(StoreError::AlreadyExists);
+        }
+        let text = format!(
+            "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL
+               AND quarantined_at IS NULL ORDER BY id LIMIT $2{}",
+            D::lock(" FOR UPDATE SKIP LOCKED")
+        );
+        let ids: Vec<Uuid> = sql::<D>(&text)
+            .bind(prompt_id)
+            .bind(i64::from(req.batch))
+            .map(&mut tx, |row| Cols::<D>(row).get("id"))
+            .await?;
+        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
+            return Ok(None);
+        }
+        let production: Option<i64> =
+            sql::<D>("SELECT version FROM labels WHERE prompt_id = $1 AND name = 'production'")
+                .bind(prompt_id)
+                .value(&mut tx, "version")
+                .await?;
+        let id = Uuid::now_v7();
+        sql::<D>(
+            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version,
+                                 not_before, created_at, updated_at)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, $10, $10, $10)",
+        )
+        .bind(id)
+        .bind(prompt_id)
+        .bind(req.trigger.as_str())
+        .bind(round::method_str(req.method))
+        .bind(strategy)
+        .bind(req.seed)
+        .bind(settings.duplication as i32)
+        .bind(ids.len() as i32)
+        .bind(production.unwrap_or(latest))
+        .bind(now)
+        .execute(&mut tx)
+        .await?;
+        D::reserve_traces(&mut tx, id, &ids, now).await?;
+        self.commit(tx, Change::RoundQueued).await?;
+        self.get_round(id).await
     }
 
     async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
@@ -896,7 +985,23 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
-        D::adopt_reflections(self, round).await
+        // Newest first: of several earlier reflections on a trace, the newest wins.
+        sql::<D>(
+            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at)
+             SELECT cur.id, r.trace_id, r.reflection, r.from_trace, $2
+             FROM rounds cur
+             JOIN round_traces rt ON rt.round_id = cur.id
+             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
+             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
+                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
+             WHERE cur.id = $1
+             ORDER BY r.trace_id, r.created_at DESC
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(round)
+        .bind(now())
+        .execute(&mut *self.writer.acquire().await?)
+        .await
     }
 
     async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {

@@ -10,29 +10,21 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    PgConnection, PgPool, Postgres, Row, Transaction,
+    PgConnection, PgPool, Postgres, Row,
     postgres::{PgListener, PgPoolOptions, PgRow},
 };
 use tokio::{sync::broadcast, task::JoinHandle};
 use uuid::Uuid;
 
-use crate::evaluate::{
-    outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY},
-    stats::Moments,
-};
+use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY};
 
 use super::backend::{Backend, SqlStore};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, prompt_id};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters, outcome_bucket_from_row};
 use super::{
-    Change, ClaimedDelivery, IdempotencyKey, IdempotentIngest, OpenRound, RequeueFailed, StoreError, StoreKind,
-    StoreResult, TaskRewards, migrate,
+    Change, ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, TaskRewards, migrate,
 };
 use crate::{
-    domain::{
-        PromptName,
-        round::{self, Round},
-        trace::ValidTrace,
-    },
+    domain::{PromptName, trace::ValidTrace},
     secret::Secret,
 };
 
@@ -122,6 +114,7 @@ impl Dialect for Postgres {
             Param::Id(v) => q.bind(v),
             Param::At(v) => q.bind(v),
             Param::Bytes(v) => q.bind(v),
+            Param::Ids(v) => q.bind(v),
             Param::Json(v) => q.bind(v),
         }
     }
@@ -142,6 +135,33 @@ impl Dialect for Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
                 .bind(otel_trace_id)
                 .execute(c)
+                .await?;
+            Ok(())
+        })
+    }
+    fn any_of(column: &str, param: &str) -> String {
+        format!("{column} = ANY({param})")
+    }
+    fn reserve_traces<'c>(
+        c: &'c mut PgConnection,
+        round: Uuid,
+        traces: &'c [Uuid],
+        at: DateTime<Utc>,
+    ) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO round_traces (round_id, trace_id, position)
+                 SELECT $1, t.id, t.ord FROM unnest($2::uuid[]) WITH ORDINALITY AS t(id, ord)",
+            )
+            .bind(round)
+            .bind(traces)
+            .execute(&mut *c)
+            .await?;
+            sqlx::query("UPDATE traces SET round_id = $1, updated_at = $3 WHERE id = ANY($2)")
+                .bind(round)
+                .bind(traces)
+                .bind(at)
+                .execute(&mut *c)
                 .await?;
             Ok(())
         })
@@ -204,11 +224,6 @@ async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
             }
         }
     }
-}
-
-async fn notify(tx: &mut Transaction<'_, Postgres>, payload: &str) -> StoreResult<()> {
-    sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload).execute(&mut **tx).await?;
-    Ok(())
 }
 
 #[async_trait]
@@ -319,30 +334,8 @@ impl Backend for Postgres {
             .fetch_all(&s.writer)
             .await?
             .iter()
-            .map(outcome_bucket_from_row)
+            .map(outcome_bucket_from_row::<Postgres>)
             .collect()
-    }
-
-    async fn requeue_failed_traces(s: &SqlStore<Self>, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
-        let mut tx = s.writer.begin().await?;
-        let prompt = prompt_id::<Postgres>(&mut *tx, &req.prompt).await?;
-        let mut ids: Vec<Uuid> = sqlx::query_scalar(
-            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = now()
-             WHERE prompt_id = $1 AND status = 'failed'
-               AND ($2::uuid[] IS NULL OR id = ANY($2)) AND ($3::timestamptz IS NULL OR created_at >= $3)
-             RETURNING id",
-        )
-        .bind(prompt)
-        .bind(req.ids.as_deref())
-        .bind(req.since)
-        .fetch_all(&mut *tx)
-        .await?;
-        if !ids.is_empty() {
-            notify(&mut tx, "round").await?;
-        }
-        tx.commit().await?;
-        ids.sort();
-        Ok(ids)
     }
 
     async fn insert_traces_idempotent(
@@ -406,92 +399,6 @@ impl Backend for Postgres {
         Err(StoreError::Conflict)
     }
 
-    async fn open_round(s: &SqlStore<Self>, req: &OpenRound) -> StoreResult<Option<Round>> {
-        let mut tx = s.writer.begin().await?;
-        // First, so a duplicate delivery is told so (not "a round is in flight":
-        // its own round). A concurrent duplicate waits here on the primary key;
-        // every refusal below rolls back, forgetting the id.
-        if let Some(hook) = &req.inbound_webhook_id {
-            let n = sqlx::query("INSERT INTO inbound_webhooks (id) VALUES ($1) ON CONFLICT DO NOTHING")
-                .bind(hook)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if n == 0 {
-                return Err(StoreError::Duplicate);
-            }
-        }
-        // The prompt row lock serialises round creation per prompt.
-        let row = sqlx::query("SELECT id, strategy, settings FROM prompts WHERE name = $1 FOR UPDATE")
-            .bind(req.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        let prompt_id: Uuid = row.try_get("id")?;
-        let strategy: String = row.try_get("strategy")?;
-        let settings: crate::domain::PromptSettings =
-            serde_json::from_value(row.try_get("settings")?).map_err(|_| corrupt("settings"))?;
-        let active: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM rounds WHERE prompt_id = $1 AND status IN ('queued', 'running'))",
-        )
-        .bind(prompt_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        if active {
-            return Err(StoreError::AlreadyExists);
-        }
-        let ids: Vec<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL AND quarantined_at IS NULL
-             ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
-        )
-        .bind(prompt_id)
-        .bind(i64::from(req.batch))
-        .fetch_all(&mut *tx)
-        .await?;
-        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
-            return Ok(None);
-        }
-        let base: i64 = sqlx::query_scalar(
-            "SELECT COALESCE((SELECT version FROM labels WHERE prompt_id = $1 AND name = 'production'),
-                             (SELECT version_count FROM prompts WHERE id = $1))",
-        )
-        .bind(prompt_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        let id = Uuid::now_v7();
-        sqlx::query(
-            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(id)
-        .bind(prompt_id)
-        .bind(req.trigger.as_str())
-        .bind(round::method_str(req.method))
-        .bind(&strategy)
-        .bind(req.seed)
-        .bind(settings.duplication as i32)
-        .bind(ids.len() as i32)
-        .bind(base)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "INSERT INTO round_traces (round_id, trace_id, position)
-             SELECT $1, t.id, t.ord FROM unnest($2::uuid[]) WITH ORDINALITY AS t(id, ord)",
-        )
-        .bind(id)
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query("UPDATE traces SET round_id = $1, updated_at = now() WHERE id = ANY($2)")
-            .bind(id)
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await?;
-        notify(&mut tx, "round").await?;
-        tx.commit().await?;
-        super::Store::get_round(s, id).await
-    }
-
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {
         let id: Option<Uuid> = sqlx::query_scalar(
             "WITH c AS (
@@ -522,25 +429,6 @@ impl Backend for Postgres {
         .await?
         .rows_affected();
         Ok(n == 1)
-    }
-
-    async fn adopt_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<u64> {
-        Ok(sqlx::query(
-            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace)
-             SELECT DISTINCT ON (r.trace_id) cur.id, r.trace_id, r.reflection, r.from_trace
-             FROM rounds cur
-             JOIN round_traces rt ON rt.round_id = cur.id
-             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
-             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
-                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
-             WHERE cur.id = $1
-             ORDER BY r.trace_id, r.created_at DESC
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(round)
-        .execute(&s.writer)
-        .await?
-        .rows_affected())
     }
 
     async fn claim_deliveries(
@@ -608,28 +496,4 @@ impl SqlStore<Postgres> {
         }
         Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
     }
-}
-
-/// One row of the outcome aggregate query.
-fn outcome_bucket_from_row(row: &PgRow) -> StoreResult<OutcomeBucket> {
-    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(row.try_get::<i64, _>(c)?).unwrap_or(0)) };
-    let moments = |p: &str| -> StoreResult<Moments> {
-        Ok(Moments {
-            count: count(&format!("{p}_n"))?,
-            sum: row.try_get(format!("{p}_sum").as_str())?,
-            sum_sq: row.try_get(format!("{p}_sq").as_str())?,
-        })
-    };
-    Ok(OutcomeBucket {
-        version: row.try_get("version")?,
-        start: row.try_get("start")?,
-        traces: count("traces")?,
-        with_feedback: count("with_feedback")?,
-        success_trials: count("success_trials")?,
-        successes: count("successes")?,
-        score: moments("score")?,
-        tokens: moments("tokens")?,
-        cost_usd: moments("cost")?,
-        latency_ms: moments("latency")?,
-    })
 }

@@ -22,6 +22,7 @@ use crate::{
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
     },
+    evaluate::{outcomes::OutcomeBucket, stats::Moments},
     secret::Secret,
 };
 
@@ -38,6 +39,8 @@ pub enum Param<'q> {
     At(Option<DateTime<Utc>>),
     Json(Option<&'q Value>),
     Bytes(Option<&'q [u8]>),
+    /// A list of ids (a uuid array on Postgres, a JSON array on SQLite); see [`Dialect::any_of`].
+    Ids(Option<&'q [Uuid]>),
 }
 
 macro_rules! params {
@@ -105,6 +108,15 @@ pub trait Dialect: Database + Sized {
 
     /// A row-locking clause (`FOR UPDATE ...`) where the dialect has one; SQLite's single writer needs none.
     fn lock(clause: &'static str) -> &'static str;
+    /// `column` is one of the ids of the [`Param::Ids`] placeholder `param`.
+    fn any_of(column: &str, param: &str) -> String;
+    /// Reserves `traces` for `round`, in this order (`round_traces.position` from 1).
+    fn reserve_traces<'c>(
+        c: &'c mut Self::Connection,
+        round: Uuid,
+        traces: &'c [Uuid],
+        at: DateTime<Utc>,
+    ) -> BoxFuture<'c, StoreResult<()>>;
     /// An aggregate joining `expr` of every row with commas.
     fn string_agg(expr: &str) -> String;
     /// Serialises OTLP merges of one trace id until the transaction ends
@@ -651,4 +663,29 @@ pub(crate) async fn insert_otlp_spans<D: Dialect>(
         .await?;
     }
     Ok(())
+}
+
+/// One row of the outcome aggregate query.
+pub(crate) fn outcome_bucket_from_row<D: Dialect>(row: &D::Row) -> StoreResult<OutcomeBucket> {
+    let r = Cols::<D>(row);
+    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(r.get::<i64>(c)?).unwrap_or(0)) };
+    let moments = |p: &str| -> StoreResult<Moments> {
+        Ok(Moments {
+            count: count(&format!("{p}_n"))?,
+            sum: r.get(&format!("{p}_sum"))?,
+            sum_sq: r.get(&format!("{p}_sq"))?,
+        })
+    };
+    Ok(OutcomeBucket {
+        version: r.get("version")?,
+        start: r.get("start")?,
+        traces: count("traces")?,
+        with_feedback: count("with_feedback")?,
+        success_trials: count("success_trials")?,
+        successes: count("successes")?,
+        score: moments("score")?,
+        tokens: moments("tokens")?,
+        cost_usd: moments("cost")?,
+        latency_ms: moments("latency")?,
+    })
 }

@@ -16,23 +16,15 @@ use sqlx::{
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
-use crate::evaluate::{
-    outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY},
-    stats::Moments,
-};
+use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY};
 
 use super::backend::{Backend, SqlStore};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters, outcome_bucket_from_row};
 use super::{
-    Change, ClaimedDelivery, IdempotencyKey, IdempotentIngest, OpenRound, RequeueFailed, StoreError, StoreKind,
-    StoreResult, TaskRewards, migrate,
+    ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, TaskRewards, migrate,
 };
 use crate::{
-    domain::{
-        PromptName,
-        round::{self, Round},
-        trace::ValidTrace,
-    },
+    domain::{PromptName, trace::ValidTrace},
     secret::Secret,
 };
 
@@ -92,6 +84,9 @@ impl Dialect for Sqlite {
             Param::Id(v) => q.bind(v.map(|u| u.to_string())),
             Param::At(v) => q.bind(v.map(|t| t.timestamp_micros())),
             Param::Bytes(v) => q.bind(v),
+            Param::Ids(v) => {
+                q.bind(v.map(|ids| Value::from(ids.iter().map(Uuid::to_string).collect::<Vec<_>>()).to_string()))
+            }
             Param::Json(v) => q.bind(v.map(|j| j.to_string())),
         }
     }
@@ -121,6 +116,33 @@ impl Dialect for Sqlite {
     }
     fn serialize_otlp<'c>(_: &'c mut SqliteConnection, _: &'c str) -> BoxFuture<'c, StoreResult<()>> {
         Box::pin(async { Ok(()) })
+    }
+    fn any_of(column: &str, param: &str) -> String {
+        format!("{column} IN (SELECT value FROM json_each({param}))")
+    }
+    fn reserve_traces<'c>(
+        c: &'c mut SqliteConnection,
+        round: Uuid,
+        traces: &'c [Uuid],
+        at: DateTime<Utc>,
+    ) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            for (position, trace) in traces.iter().enumerate() {
+                sqlx::query("INSERT INTO round_traces (round_id, trace_id, position) VALUES (?, ?, ?)")
+                    .bind(round.to_string())
+                    .bind(trace.to_string())
+                    .bind(position as i64 + 1)
+                    .execute(&mut *c)
+                    .await?;
+                sqlx::query("UPDATE traces SET round_id = ?, updated_at = ? WHERE id = ?")
+                    .bind(round.to_string())
+                    .bind(at.timestamp_micros())
+                    .bind(trace.to_string())
+                    .execute(&mut *c)
+                    .await?;
+            }
+            Ok(())
+        })
     }
     fn string_agg(expr: &str) -> String {
         format!("group_concat({expr}, ',')")
@@ -345,38 +367,8 @@ impl Backend for Sqlite {
             .fetch_all(&s.reader)
             .await?
             .iter()
-            .map(outcome_bucket_from_row)
+            .map(outcome_bucket_from_row::<Sqlite>)
             .collect()
-    }
-
-    async fn requeue_failed_traces(s: &SqlStore<Self>, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
-        let ids =
-            req.ids.as_ref().map(|ids| to_json(&ids.iter().map(Uuid::to_string).collect::<Vec<_>>())).transpose()?;
-        let mut tx = s.writer.begin().await?;
-        let prompt: String = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
-            .bind(req.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        let requeued: Vec<String> = sqlx::query_scalar(
-            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = ?1
-             WHERE prompt_id = ?2 AND status = 'failed'
-               AND (?3 IS NULL OR id IN (SELECT value FROM json_each(?3))) AND (?4 IS NULL OR created_at >= ?4)
-             RETURNING id",
-        )
-        .bind(now_us())
-        .bind(&prompt)
-        .bind(ids)
-        .bind(req.since.map(|t| t.timestamp_micros()))
-        .fetch_all(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        let mut ids = requeued.iter().map(|id| uuid(id)).collect::<StoreResult<Vec<_>>>()?;
-        ids.sort();
-        if !ids.is_empty() {
-            s.announce(Change::RoundQueued);
-        }
-        Ok(ids)
     }
 
     async fn insert_traces_idempotent(
@@ -426,95 +418,6 @@ impl Backend for Sqlite {
         Ok(IdempotentIngest::Stored { ids, status, body })
     }
 
-    async fn open_round(s: &SqlStore<Self>, req: &OpenRound) -> StoreResult<Option<Round>> {
-        let now = now_us();
-        let mut tx = s.writer.begin().await?;
-        // First, so a duplicate delivery is told so (not "a round is in flight":
-        // its own round); every refusal below rolls back, forgetting the id.
-        if let Some(hook) = &req.inbound_webhook_id {
-            let n = sqlx::query("INSERT INTO inbound_webhooks (id, received_at) VALUES (?, ?) ON CONFLICT DO NOTHING")
-                .bind(hook)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if n == 0 {
-                return Err(StoreError::Duplicate);
-            }
-        }
-        let row = sqlx::query("SELECT id, strategy, settings, version_count FROM prompts WHERE name = ?")
-            .bind(req.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        let prompt_id: String = row.try_get("id")?;
-        let strategy: String = row.try_get("strategy")?;
-        let settings: crate::domain::PromptSettings =
-            serde_json::from_str(row.try_get("settings")?).map_err(|_| corrupt("settings"))?;
-        let latest: i64 = row.try_get("version_count")?;
-        let active: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM rounds WHERE prompt_id = ? AND status IN ('queued', 'running'))",
-        )
-        .bind(&prompt_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        if active {
-            return Err(StoreError::AlreadyExists);
-        }
-        let ids: Vec<String> = sqlx::query_scalar(
-            "SELECT id FROM traces WHERE prompt_id = ? AND status = 'pending' AND round_id IS NULL AND quarantined_at IS NULL ORDER BY id LIMIT ?",
-        )
-        .bind(&prompt_id)
-        .bind(i64::from(req.batch))
-        .fetch_all(&mut *tx)
-        .await?;
-        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
-            return Ok(None);
-        }
-        let production: Option<i64> =
-            sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = ? AND name = 'production'")
-                .bind(&prompt_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let id = Uuid::now_v7();
-        sqlx::query(
-            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version,
-                                 not_before, created_at, updated_at)
-             VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(id.to_string())
-        .bind(&prompt_id)
-        .bind(req.trigger.as_str())
-        .bind(round::method_str(req.method))
-        .bind(&strategy)
-        .bind(req.seed)
-        .bind(settings.duplication as i32)
-        .bind(ids.len() as i32)
-        .bind(production.unwrap_or(latest))
-        .bind(now)
-        .bind(now)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        for (position, trace) in ids.iter().enumerate() {
-            sqlx::query("INSERT INTO round_traces (round_id, trace_id, position) VALUES (?, ?, ?)")
-                .bind(id.to_string())
-                .bind(trace)
-                .bind(position as i64 + 1)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("UPDATE traces SET round_id = ?, updated_at = ? WHERE id = ?")
-                .bind(id.to_string())
-                .bind(now)
-                .bind(trace)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        s.announce(Change::RoundQueued);
-        super::Store::get_round(s, id).await
-    }
-
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {
         let now = now_us();
         let id: Option<String> = sqlx::query_scalar(
@@ -546,25 +449,6 @@ impl Backend for Sqlite {
         .await?
         .rows_affected();
         Ok(n == 1)
-    }
-
-    async fn adopt_reflections(s: &SqlStore<Self>, round: Uuid) -> StoreResult<u64> {
-        Ok(sqlx::query(
-            "INSERT OR IGNORE INTO reflections (round_id, trace_id, reflection, from_trace, created_at)
-             SELECT cur.id, r.trace_id, r.reflection, r.from_trace, ?2
-             FROM rounds cur
-             JOIN round_traces rt ON rt.round_id = cur.id
-             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
-             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
-                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
-             WHERE cur.id = ?1
-             ORDER BY r.trace_id, r.created_at DESC",
-        )
-        .bind(round.to_string())
-        .bind(now_us())
-        .execute(&s.writer)
-        .await?
-        .rows_affected())
     }
 
     async fn claim_deliveries(
@@ -619,28 +503,4 @@ impl Backend for Sqlite {
         tx.commit().await?;
         Ok(claimed)
     }
-}
-
-/// One row of the outcome aggregate query.
-fn outcome_bucket_from_row(row: &SqliteRow) -> StoreResult<OutcomeBucket> {
-    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(row.try_get::<i64, _>(c)?).unwrap_or(0)) };
-    let moments = |p: &str| -> StoreResult<Moments> {
-        Ok(Moments {
-            count: count(&format!("{p}_n"))?,
-            sum: row.try_get(format!("{p}_sum").as_str())?,
-            sum_sq: row.try_get(format!("{p}_sq").as_str())?,
-        })
-    };
-    Ok(OutcomeBucket {
-        version: row.try_get("version")?,
-        start: row.try_get("start")?,
-        traces: count("traces")?,
-        with_feedback: count("with_feedback")?,
-        success_trials: count("success_trials")?,
-        successes: count("successes")?,
-        score: moments("score")?,
-        tokens: moments("tokens")?,
-        cost_usd: moments("cost")?,
-        latency_ms: moments("latency")?,
-    })
 }
