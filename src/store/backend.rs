@@ -23,9 +23,9 @@ use super::{
     sql::{
         Cols, Dialect, Param, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
         charge_traces, corrupt, enum_str, fence, history_from_row, insert_otlp_spans, insert_version, json,
-        key_from_row, label_from_row, later, lock_for_action, now, opt_json, prompt_from_row, prompt_id, record_event,
-        record_history, record_move, release_traces, round_from_row, sql, trace_from_row, version_from_row,
-        webhook_from_row,
+        key_from_row, label_from_row, later, lock_for_action, now, opt_json, outcome_bucket_from_row, prompt_from_row,
+        prompt_id, record_event, record_history, record_move, release_traces, round_from_row, sql, trace_from_row,
+        version_from_row, webhook_from_row,
     },
     version_move_kind,
 };
@@ -91,20 +91,11 @@ pub trait Backend: Dialect {
     type Extra: Send + Sync + 'static;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64>;
-    async fn task_rewards(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-    ) -> StoreResult<Vec<TaskRewards>>;
+    /// The SQL of [`Store::task_rewards`] (the JSON functions differ).
+    fn task_rewards_sql() -> String;
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>>;
-    async fn version_outcomes(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-        bucket_secs: i64,
-    ) -> StoreResult<Vec<OutcomeBucket>>;
+    /// The SQL of [`Store::version_outcomes`] (the JSON functions differ).
+    fn version_outcomes_sql() -> String;
     async fn insert_traces_idempotent(
         s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
@@ -471,7 +462,20 @@ impl<D: Backend> Store for SqlStore<D> {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> StoreResult<Vec<TaskRewards>> {
-        D::task_rewards(self, prompt, from, until).await
+        sql::<D>(&D::task_rewards_sql())
+            .bind(prompt.as_str())
+            .bind(from)
+            .bind(until)
+            .map(&mut *self.reader.acquire().await?, |row| {
+                let r = Cols::<D>(row);
+                Ok(TaskRewards {
+                    version: r.get("version")?,
+                    task_key: r.get("task_key")?,
+                    traces: r.get::<i64>("n")?.max(0) as u64,
+                    reward_sum: r.get("total")?,
+                })
+            })
+            .await
     }
 
     async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
@@ -605,7 +609,13 @@ impl<D: Backend> Store for SqlStore<D> {
         until: DateTime<Utc>,
         bucket_secs: i64,
     ) -> StoreResult<Vec<OutcomeBucket>> {
-        D::version_outcomes(self, prompt, from, until, bucket_secs).await
+        sql::<D>(&D::version_outcomes_sql())
+            .bind(prompt.as_str())
+            .bind(from)
+            .bind(until)
+            .bind(bucket_secs)
+            .map(&mut *self.reader.acquire().await?, outcome_bucket_from_row::<D>)
+            .await
     }
 
     async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {

@@ -16,17 +16,12 @@ use sqlx::{
 use tokio::{sync::broadcast, task::JoinHandle};
 use uuid::Uuid;
 
-use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY};
+use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, TOKENS_KEY};
 
 use super::backend::{Backend, SqlStore};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, outcome_bucket_from_row};
-use super::{
-    Change, ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, TaskRewards, migrate,
-};
-use crate::{
-    domain::{PromptName, trace::ValidTrace},
-    secret::Secret,
-};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
+use super::{Change, ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
+use crate::{domain::trace::ValidTrace, secret::Secret};
 
 const CHANNEL: &str = "combee_changes";
 
@@ -236,13 +231,8 @@ impl Backend for Postgres {
         Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
     }
 
-    async fn task_rewards(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-    ) -> StoreResult<Vec<TaskRewards>> {
-        let sql = format!(
+    fn task_rewards_sql() -> String {
+        format!(
             "WITH r AS (
                SELECT t.prompt_version AS version, t.metadata->>'task_key' AS task_key,
                       CASE WHEN jsonb_typeof(t.feedback->'success') = 'boolean'
@@ -255,23 +245,7 @@ impl Backend for Postgres {
                  AND t.prompt_version IS NOT NULL AND jsonb_typeof(t.metadata->'task_key') = 'string')
              SELECT version, task_key, count(reward) AS n, coalesce(sum(reward), 0)::float8 AS total
              FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from)
-            .bind(until)
-            .fetch_all(&s.writer)
-            .await?
-            .iter()
-            .map(|row| {
-                Ok(TaskRewards {
-                    version: row.try_get("version")?,
-                    task_key: row.try_get("task_key")?,
-                    traces: row.try_get::<i64, _>("n")?.max(0) as u64,
-                    reward_sum: row.try_get("total")?,
-                })
-            })
-            .collect()
+        )
     }
 
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
@@ -283,13 +257,7 @@ impl Backend for Postgres {
         Ok(ids)
     }
 
-    async fn version_outcomes(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-        bucket_secs: i64,
-    ) -> StoreResult<Vec<OutcomeBucket>> {
+    fn version_outcomes_sql() -> String {
         // jsonb numbers are `numeric`: range-check before the float8 cast so an
         // absurd value is skipped instead of failing the query. Nested CASEs
         // because Postgres does not promise to short-circuit AND.
@@ -300,7 +268,7 @@ impl Backend for Postgres {
                      THEN ({col}->'{key}')::numeric::float8 END END"
             )
         };
-        let sql = format!(
+        format!(
             "WITH v AS (
                SELECT t.prompt_version AS version,
                       floor(extract(epoch FROM t.created_at) / $4)::bigint * $4 AS start,
@@ -325,17 +293,7 @@ impl Backend for Postgres {
                     "count({c}) AS {c}_n, coalesce(sum({c}), 0)::float8 AS {c}_sum, coalesce(sum({c} * {c}), 0)::float8 AS {c}_sq"
                 ))
                 .join(", "),
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from)
-            .bind(until)
-            .bind(bucket_secs)
-            .fetch_all(&s.writer)
-            .await?
-            .iter()
-            .map(outcome_bucket_from_row::<Postgres>)
-            .collect()
+        )
     }
 
     async fn insert_traces_idempotent(

@@ -16,17 +16,12 @@ use sqlx::{
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
-use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY};
+use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, TOKENS_KEY};
 
 use super::backend::{Backend, SqlStore};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, outcome_bucket_from_row};
-use super::{
-    ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, TaskRewards, migrate,
-};
-use crate::{
-    domain::{PromptName, trace::ValidTrace},
-    secret::Secret,
-};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
+use super::{ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
+use crate::{domain::trace::ValidTrace, secret::Secret};
 
 pub type SqliteStore = SqlStore<Sqlite>;
 
@@ -275,13 +270,8 @@ impl Backend for Sqlite {
         Ok(generation)
     }
 
-    async fn task_rewards(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-    ) -> StoreResult<Vec<TaskRewards>> {
-        let sql = format!(
+    fn task_rewards_sql() -> String {
+        format!(
             "WITH r AS (
                SELECT t.prompt_version AS version, json_extract(t.metadata, '$.task_key') AS task_key,
                       CASE json_type(t.feedback, '$.success') WHEN 'true' THEN 1.0 WHEN 'false' THEN 0.0
@@ -293,23 +283,7 @@ impl Backend for Sqlite {
                  AND t.prompt_version IS NOT NULL AND json_type(t.metadata, '$.task_key') = 'text')
              SELECT version, task_key, count(reward) AS n, CAST(coalesce(sum(reward), 0) AS REAL) AS total
              FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from.timestamp_micros())
-            .bind(until.timestamp_micros())
-            .fetch_all(&s.reader)
-            .await?
-            .iter()
-            .map(|row| {
-                Ok(TaskRewards {
-                    version: row.try_get("version")?,
-                    task_key: row.try_get("task_key")?,
-                    traces: row.try_get::<i64, _>("n")?.max(0) as u64,
-                    reward_sum: row.try_get("total")?,
-                })
-            })
-            .collect()
+        )
     }
 
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
@@ -319,13 +293,7 @@ impl Backend for Sqlite {
         Ok(ids)
     }
 
-    async fn version_outcomes(
-        s: &SqlStore<Self>,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-        bucket_secs: i64,
-    ) -> StoreResult<Vec<OutcomeBucket>> {
+    fn version_outcomes_sql() -> String {
         let num = |col: &str, key: &str| {
             format!(
                 "CASE WHEN json_type({col}, '$.{key}') IN ('integer', 'real') \
@@ -333,7 +301,7 @@ impl Backend for Sqlite {
                   THEN CAST(json_extract({col}, '$.{key}') AS REAL) END"
             )
         };
-        let sql = format!(
+        format!(
             "WITH v AS (
                SELECT t.prompt_version AS version,
                       (t.created_at / (?4 * 1000000)) * ?4 AS start,
@@ -358,17 +326,7 @@ impl Backend for Sqlite {
                      CAST(coalesce(sum({c} * {c}), 0) AS REAL) AS {c}_sq"
                 ))
                 .join(", "),
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from.timestamp_micros())
-            .bind(until.timestamp_micros())
-            .bind(bucket_secs)
-            .fetch_all(&s.reader)
-            .await?
-            .iter()
-            .map(outcome_bucket_from_row::<Sqlite>)
-            .collect()
+        )
     }
 
     async fn insert_traces_idempotent(
