@@ -1,84 +1,111 @@
-//! Embedded schema migrations: the SQL files under `migrations/` are compiled
-//! into the binary, applied in order at start-up and by `combee migrate`, and
-//! recorded with a checksum so an edited, already-applied file is caught.
+//! Embedded schema migrations: the SQL files under `migrations/` compiled in
+//! with `sqlx::migrate!`, applied in order at start-up and by `combee migrate`.
+//! sqlx records each one with a checksum in `_sqlx_migrations` (an edited,
+//! already-applied file is caught) and, on Postgres, holds an advisory lock so
+//! one of several starting processes migrates while the others wait.
+//!
+//! Databases made before by combee's own migrator kept their bookkeeping in
+//! `schema_migrations` (version, name, SHA-256 hex of the file). On the first
+//! start without `_sqlx_migrations` those rows are adopted: each one whose
+//! checksum still matches its file is recorded as applied, so nothing runs twice.
 
 use sha2::{Digest, Sha256};
+use sqlx::{
+    Connection, PgConnection, PgPool, SqliteConnection, SqlitePool,
+    migrate::{Migrate, MigrateError, Migrator},
+};
 
-pub struct Migration {
-    pub version: i64,
-    pub name: &'static str,
-    pub sql: &'static str,
+use super::{StoreError, StoreResult};
+
+// A database that ran a migration this binary does not have (a parallel
+// branch's number, not merged yet) still opens, as it did before sqlx.
+pub(super) static POSTGRES: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/postgres") };
+pub(super) static SQLITE: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/sqlite") };
+
+/// Serialises adopting the old bookkeeping between processes ("combee").
+const ADOPTION_LOCK: i64 = 0x636f_6d62_6565;
+
+fn failed(e: MigrateError) -> StoreError {
+    StoreError::Migration(e.to_string())
 }
 
-impl Migration {
-    pub fn checksum(&self) -> String {
-        hex::encode(Sha256::digest(self.sql.as_bytes()))
+/// The `_sqlx_migrations` rows for the old migrator's `(version, checksum)`
+/// rows: only versions this binary has, and only unchanged files.
+fn adopted(migrator: &Migrator, legacy: &[(i64, String)]) -> StoreResult<Vec<(i64, String, Vec<u8>)>> {
+    let mut rows = Vec::new();
+    for (version, sum) in legacy {
+        let Some(m) = migrator.iter().find(|m| m.version == *version) else { continue };
+        if hex::encode(Sha256::digest(m.sql.as_bytes())) != *sum {
+            return Err(StoreError::Migration(format!(
+                "migration {} ({}) was changed after it was applied",
+                m.version, m.description
+            )));
+        }
+        rows.push((m.version, m.description.to_string(), m.checksum.to_vec()));
     }
+    Ok(rows)
 }
 
-pub const POSTGRES: &[Migration] = &[
-    Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/postgres/0001_foundation.sql") },
-    Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/postgres/0002_rounds.sql") },
-    Migration { version: 3, name: "controller", sql: include_str!("../../migrations/postgres/0003_controller.sql") },
-    Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/postgres/0004_webhooks.sql") },
-    Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/postgres/0005_ui_sessions.sql") },
-    Migration {
-        version: 6,
-        name: "key_generation",
-        sql: include_str!("../../migrations/postgres/0006_key_generation.sql"),
-    },
-    Migration {
-        version: 7,
-        name: "poisoning_controls",
-        sql: include_str!("../../migrations/postgres/0007_poisoning_controls.sql"),
-    },
-    Migration {
-        version: 8,
-        name: "reflections_by_trace",
-        sql: include_str!("../../migrations/postgres/0008_reflections_by_trace.sql"),
-    },
-    Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/postgres/0010_otlp_spans.sql") },
-    Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/postgres/0011_label_moves.sql") },
-    Migration {
-        version: 12,
-        name: "overload_meter",
-        sql: include_str!("../../migrations/postgres/0012_overload_meter.sql"),
-    },
-    Migration { version: 13, name: "population", sql: include_str!("../../migrations/postgres/0013_population.sql") },
-    Migration { version: 14, name: "crossover", sql: include_str!("../../migrations/postgres/0014_crossover.sql") },
-];
+const ADOPT: &str = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+                     VALUES ($1, $2, TRUE, $3, 0)";
 
-pub const SQLITE: &[Migration] = &[
-    Migration { version: 1, name: "foundation", sql: include_str!("../../migrations/sqlite/0001_foundation.sql") },
-    Migration { version: 2, name: "rounds", sql: include_str!("../../migrations/sqlite/0002_rounds.sql") },
-    Migration { version: 3, name: "controller", sql: include_str!("../../migrations/sqlite/0003_controller.sql") },
-    Migration { version: 4, name: "webhooks", sql: include_str!("../../migrations/sqlite/0004_webhooks.sql") },
-    Migration { version: 5, name: "ui_sessions", sql: include_str!("../../migrations/sqlite/0005_ui_sessions.sql") },
-    Migration {
-        version: 6,
-        name: "key_generation",
-        sql: include_str!("../../migrations/sqlite/0006_key_generation.sql"),
-    },
-    Migration {
-        version: 7,
-        name: "poisoning_controls",
-        sql: include_str!("../../migrations/sqlite/0007_poisoning_controls.sql"),
-    },
-    Migration {
-        version: 8,
-        name: "reflections_by_trace",
-        sql: include_str!("../../migrations/sqlite/0008_reflections_by_trace.sql"),
-    },
-    Migration { version: 10, name: "otlp_spans", sql: include_str!("../../migrations/sqlite/0010_otlp_spans.sql") },
-    Migration { version: 11, name: "label_moves", sql: include_str!("../../migrations/sqlite/0011_label_moves.sql") },
-    Migration {
-        version: 12,
-        name: "overload_meter",
-        sql: include_str!("../../migrations/sqlite/0012_overload_meter.sql"),
-    },
-    Migration { version: 13, name: "population", sql: include_str!("../../migrations/sqlite/0013_population.sql") },
-    Migration { version: 14, name: "crossover", sql: include_str!("../../migrations/sqlite/0014_crossover.sql") },
-];
+pub(super) async fn postgres(pool: &PgPool) -> StoreResult<()> {
+    let mut conn = pool.acquire().await?;
+    sqlx::query("SELECT pg_advisory_lock($1)").bind(ADOPTION_LOCK).execute(&mut *conn).await?;
+    let result = async {
+        let legacy: bool = sqlx::query_scalar(
+            "SELECT to_regclass('schema_migrations') IS NOT NULL AND to_regclass('_sqlx_migrations') IS NULL",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        if legacy {
+            adopt_postgres(&mut conn).await?;
+        }
+        POSTGRES.run(&mut *conn).await.map_err(failed)
+    }
+    .await;
+    sqlx::query("SELECT pg_advisory_unlock($1)").bind(ADOPTION_LOCK).execute(&mut *conn).await?;
+    result
+}
+
+async fn adopt_postgres(conn: &mut PgConnection) -> StoreResult<()> {
+    let legacy = sqlx::query_as("SELECT version, checksum FROM schema_migrations").fetch_all(&mut *conn).await?;
+    let rows = adopted(&POSTGRES, &legacy)?;
+    let mut tx = conn.begin().await?;
+    tx.ensure_migrations_table().await.map_err(failed)?;
+    for (version, description, checksum) in rows {
+        sqlx::query(ADOPT).bind(version).bind(description).bind(checksum).execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// SQLite has one writer (the pool given), so no lock is needed.
+pub(super) async fn sqlite(pool: &SqlitePool) -> StoreResult<()> {
+    let mut conn = pool.acquire().await?;
+    let legacy: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations')
+            AND NOT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations')",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if legacy {
+        adopt_sqlite(&mut conn).await?;
+    }
+    SQLITE.run(&mut *conn).await.map_err(failed)
+}
+
+async fn adopt_sqlite(conn: &mut SqliteConnection) -> StoreResult<()> {
+    let legacy = sqlx::query_as("SELECT version, checksum FROM schema_migrations").fetch_all(&mut *conn).await?;
+    let rows = adopted(&SQLITE, &legacy)?;
+    let mut tx = conn.begin().await?;
+    tx.ensure_migrations_table().await.map_err(failed)?;
+    for (version, description, checksum) in rows {
+        sqlx::query(ADOPT).bind(version).bind(description).bind(checksum).execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {
@@ -86,10 +113,20 @@ mod tests {
 
     #[test]
     fn both_stores_have_the_same_migration_sequence() {
-        let pg: Vec<_> = POSTGRES.iter().map(|m| (m.version, m.name)).collect();
-        let lite: Vec<_> = SQLITE.iter().map(|m| (m.version, m.name)).collect();
+        let pg: Vec<_> = POSTGRES.iter().map(|m| (m.version, m.description.clone())).collect();
+        let lite: Vec<_> = SQLITE.iter().map(|m| (m.version, m.description.clone())).collect();
         assert_eq!(pg, lite);
         // Strictly increasing; a gap is allowed while a parallel branch's number is not merged yet.
         assert!(pg.windows(2).all(|w| w[0].0 < w[1].0));
+    }
+
+    #[test]
+    fn an_edited_file_is_not_adopted() {
+        let first = POSTGRES.iter().next().expect("a migration");
+        let sum = hex::encode(Sha256::digest(first.sql.as_bytes()));
+        assert_eq!(adopted(&POSTGRES, &[(first.version, sum)]).unwrap().len(), 1);
+        assert!(matches!(adopted(&POSTGRES, &[(first.version, "0".repeat(64))]), Err(StoreError::Migration(_))));
+        // Versions this binary does not know are left to sqlx (not adopted).
+        assert!(adopted(&POSTGRES, &[(9999, String::new())]).unwrap().is_empty());
     }
 }

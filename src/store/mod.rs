@@ -3,8 +3,10 @@
 //! server needed). Dispatch on the URL happens once, in [`connect`]. Every SQL
 //! statement lives next to the store function that runs it.
 
+mod backend;
 mod migrate;
 pub mod postgres;
+mod sql;
 pub mod sqlite;
 
 use std::{sync::Arc, time::Duration};

@@ -7,56 +7,36 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    PgPool, Postgres, Row, Transaction,
+    PgConnection, PgPool, Postgres, Row,
     postgres::{PgListener, PgPoolOptions, PgRow},
 };
 use tokio::{sync::broadcast, task::JoinHandle};
 use uuid::Uuid;
 
-use crate::evaluate::{
-    outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY},
-    stats::Moments,
-};
+use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, TOKENS_KEY};
 
-use super::{
-    ApiKey, ArmState, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
-    OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
-    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
-    version_move_kind,
-};
-use crate::{
-    domain::{
-        Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
-        Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
-        event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
-        prompt::NewVersion,
-        round::{self, Round, RoundStatus, RoundTrigger},
-        trace::ValidTrace,
-    },
-    llm::LlmCall,
-    secret::Secret,
-};
+use super::backend::{Backend, SqlStore};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
+use super::{Change, ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
+use crate::{domain::trace::ValidTrace, secret::Secret};
 
 const CHANNEL: &str = "combee_changes";
-const MIGRATION_LOCK: i64 = 0x636f_6d62_6565; // "combee"
 
-pub struct PgStore {
-    pool: PgPool,
-    changes: broadcast::Sender<Change>,
-    listener: JoinHandle<()>,
-}
+pub type PgStore = SqlStore<Postgres>;
 
-impl Drop for PgStore {
+/// The NOTIFY listener task, stopped with the store.
+pub struct Listener(JoinHandle<()>);
+
+impl Drop for Listener {
     fn drop(&mut self) {
-        self.listener.abort();
+        self.0.abort();
     }
 }
 
-impl PgStore {
+impl SqlStore<Postgres> {
     pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration) -> StoreResult<Self> {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
@@ -67,14 +47,14 @@ impl PgStore {
             .connect(url)
             .await
             .map_err(StoreError::Unavailable)?;
-        migrate_postgres(&pool).await?;
+        migrate::postgres(&pool).await?;
         let (changes, _) = broadcast::channel(1024);
-        let listener = tokio::spawn(listen(pool.clone(), changes.clone()));
-        Ok(Self { pool, changes, listener })
+        let listener = Listener(tokio::spawn(listen(pool.clone(), changes.clone())));
+        Ok(Self { writer: pool.clone(), reader: pool, changes, extra: listener })
     }
 
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        &self.writer
     }
 }
 
@@ -116,52 +96,83 @@ async fn insert_trace_rows<'e>(
     .rows_affected())
 }
 
-async fn migrate_postgres(pool: &PgPool) -> StoreResult<()> {
-    let mut conn = pool.acquire().await?;
-    // Several processes may start at once: one migrates, the others wait.
-    sqlx::query("SELECT pg_advisory_lock($1)").bind(MIGRATION_LOCK).execute(&mut *conn).await?;
-    let result = async {
-        sqlx::query(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (
-                version bigint PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,
-                applied_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .execute(&mut *conn)
-        .await?;
-        for m in migrate::POSTGRES {
-            let applied: Option<String> =
-                sqlx::query_scalar("SELECT checksum FROM schema_migrations WHERE version = $1")
-                    .bind(m.version)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-            match applied {
-                Some(sum) if sum == m.checksum() => continue,
-                Some(_) => {
-                    return Err(StoreError::Migration(format!(
-                        "migration {} ({}) was changed after it was applied",
-                        m.version, m.name
-                    )));
-                }
-                None => {}
-            }
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            sqlx::raw_sql(m.sql)
-                .execute(&mut *tx)
-                .await
-                .map_err(|e| StoreError::Migration(format!("{}: {e}", m.name)))?;
-            sqlx::query("INSERT INTO schema_migrations (version, name, checksum) VALUES ($1, $2, $3)")
-                .bind(m.version)
-                .bind(m.name)
-                .bind(m.checksum())
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
+/// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).
+impl Dialect for Postgres {
+    direct_getters!(PgRow: get_i64 -> i64, get_i32 -> i32, get_f64 -> f64, get_bool -> bool, get_text -> String, get_id -> Uuid, get_at -> DateTime<Utc>, get_json -> Value, get_bytes -> Vec<u8>);
+    fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
+        match p {
+            Param::Int(v) => q.bind(v),
+            Param::Int32(v) => q.bind(v),
+            Param::Real(v) => q.bind(v),
+            Param::Bool(v) => q.bind(v),
+            Param::Text(v) => q.bind(v),
+            Param::Id(v) => q.bind(v),
+            Param::At(v) => q.bind(v),
+            Param::Bytes(v) => q.bind(v),
+            Param::Ids(v) => q.bind(v),
+            Param::Json(v) => q.bind(v),
         }
-        Ok(())
     }
-    .await;
-    sqlx::query("SELECT pg_advisory_unlock($1)").bind(MIGRATION_LOCK).execute(&mut *conn).await?;
-    result
+    fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<u64>> {
+        Box::pin(async move { Ok(q.execute(c).await?.rows_affected()) })
+    }
+    fn fetch_all<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<Vec<PgRow>>> {
+        Box::pin(q.fetch_all(c))
+    }
+    fn fetch_optional<'c, 'q: 'c>(
+        q: Query<'q, Self>,
+        c: &'c mut PgConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<PgRow>>> {
+        Box::pin(q.fetch_optional(c))
+    }
+    fn serialize_otlp<'c>(c: &'c mut PgConnection, otel_trace_id: &'c str) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
+                .bind(otel_trace_id)
+                .execute(c)
+                .await?;
+            Ok(())
+        })
+    }
+    fn any_of(column: &str, param: &str) -> String {
+        format!("{column} = ANY({param})")
+    }
+    fn reserve_traces<'c>(
+        c: &'c mut PgConnection,
+        round: Uuid,
+        traces: &'c [Uuid],
+        at: DateTime<Utc>,
+    ) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO round_traces (round_id, trace_id, position)
+                 SELECT $1, t.id, t.ord FROM unnest($2::uuid[]) WITH ORDINALITY AS t(id, ord)",
+            )
+            .bind(round)
+            .bind(traces)
+            .execute(&mut *c)
+            .await?;
+            sqlx::query("UPDATE traces SET round_id = $1, updated_at = $3 WHERE id = ANY($2)")
+                .bind(round)
+                .bind(traces)
+                .bind(at)
+                .execute(&mut *c)
+                .await?;
+            Ok(())
+        })
+    }
+    fn string_agg(expr: &str) -> String {
+        format!("string_agg({expr}, ',')")
+    }
+    fn lock(clause: &'static str) -> &'static str {
+        clause
+    }
+    fn notify<'c>(c: &'c mut PgConnection, payload: &'c str) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload).execute(c).await?;
+            Ok(())
+        })
+    }
 }
 
 /// Forwards NOTIFY payloads to the in-process broadcast; after any gap in the
@@ -210,658 +221,18 @@ async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
     }
 }
 
-async fn notify(tx: &mut Transaction<'_, Postgres>, payload: &str) -> StoreResult<()> {
-    sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload).execute(&mut **tx).await?;
-    Ok(())
-}
-
-/// Writes an event into the outbox and fans it out to every enabled
-/// subscription that asked for its type — inside the caller's transaction, so
-/// the event exists exactly when the change it announces does.
-async fn record_event(tx: &mut Transaction<'_, Postgres>, e: &OutboxEvent) -> StoreResult<()> {
-    sqlx::query("INSERT INTO webhook_events (id, type, body, created_at) VALUES ($1, $2, $3, $4)")
-        .bind(&e.id)
-        .bind(e.kind.as_str())
-        .bind(&e.body)
-        .bind(e.created_at)
-        .execute(&mut **tx)
-        .await?;
-    let queued = sqlx::query(
-        "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status)
-         SELECT gen_random_uuid(), $1, id, 'pending' FROM webhook_subscriptions WHERE enabled AND events LIKE $2",
-    )
-    .bind(&e.id)
-    .bind(events_pattern(e.kind))
-    .execute(&mut **tx)
-    .await?
-    .rows_affected();
-    if queued > 0 {
-        notify(tx, "outbox").await?;
-    }
-    Ok(())
-}
-
-/// Appends one entry to the label history (inside the caller's transaction).
-// The columns of one history row; a struct would only rename them.
-#[allow(clippy::too_many_arguments)]
-async fn record_history(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    label: &LabelName,
-    from: Option<i64>,
-    to: Option<i64>,
-    actor: &str,
-    cause: &MoveCause,
-) -> StoreResult<()> {
-    sqlx::query(
-        "INSERT INTO label_moves (prompt_id, label, from_version, to_version, kind, actor, reason, evidence)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-    )
-    .bind(prompt_id)
-    .bind(label.as_str())
-    .bind(from)
-    .bind(to)
-    .bind(cause.kind.as_str())
-    .bind(actor)
-    .bind(&cause.reason)
-    .bind(&cause.evidence)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// The history entry and outbox events of one label move (none when it did
-/// not change anything).
-async fn record_move(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    prompt: &PromptName,
-    label: &Label,
-    previous: Option<i64>,
-    cause: &MoveCause,
-) -> StoreResult<()> {
-    if previous != Some(label.version) {
-        record_history(tx, prompt_id, &label.name, previous, Some(label.version), &label.updated_by, cause).await?;
-        record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by))
-            .await?;
-        if matches!(cause.kind, LabelMoveKind::Rollback | LabelMoveKind::GuardRollback) {
-            let e = OutboxEvent::rolled_back(prompt, &label.name, label.version, previous, &label.updated_by, cause);
-            record_event(tx, &e).await?;
-        }
-    }
-    Ok(())
-}
-
-fn history_from_row(row: &PgRow) -> StoreResult<LabelHistoryEntry> {
-    let label: String = row.try_get("label")?;
-    let kind: String = row.try_get("kind")?;
-    Ok(LabelHistoryEntry {
-        id: row.try_get("id")?,
-        label: LabelName::parse(&label).map_err(|_| corrupt("label name"))?,
-        from_version: row.try_get("from_version")?,
-        to_version: row.try_get("to_version")?,
-        kind: LabelMoveKind::parse(&kind).ok_or_else(|| corrupt("label move kind"))?,
-        actor: row.try_get("actor")?,
-        reason: row.try_get("reason")?,
-        evidence: row.try_get("evidence")?,
-        at: row.try_get("at")?,
-    })
-}
-
-fn arm_from_row(row: &PgRow) -> StoreResult<PopulationArm> {
-    let state: String = row.try_get("state")?;
-    Ok(PopulationArm {
-        version: row.try_get("version")?,
-        state: ArmState::parse(&state).ok_or_else(|| corrupt("arm state"))?,
-        rating: crate::evaluate::trueskill::Rating { mu: row.try_get("mu")?, sigma: row.try_get("sigma")? },
-        weight: row.try_get("weight")?,
-        scored_traces: row.try_get::<i64, _>("scored_traces")?.max(0) as u64,
-        created_from: row.try_get("created_from")?,
-        parents: {
-            let parents: Option<Value> = row.try_get("parents")?;
-            let created_from: Option<i64> = row.try_get("created_from")?;
-            match parents {
-                Some(v) => serde_json::from_value(v).map_err(|_| corrupt("arm parents"))?,
-                None => created_from.into_iter().collect(),
-            }
-        },
-        rated_until: row.try_get("rated_until")?,
-    })
-}
-
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(what.to_owned())
-}
-
-fn prompt_from_row(row: &PgRow) -> StoreResult<Prompt> {
-    let name: String = row.try_get("name")?;
-    Ok(Prompt {
-        id: row.try_get("id")?,
-        name: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        strategy: serde_json::from_value(Value::String(row.try_get("strategy")?)).map_err(|_| corrupt("strategy"))?,
-        promotion: serde_json::from_value(Value::String(row.try_get("promotion")?))
-            .map_err(|_| corrupt("promotion"))?,
-        settings: serde_json::from_value(row.try_get("settings")?).map_err(|_| corrupt("settings"))?,
-        created_at: row.try_get("created_at")?,
-        created_by: row.try_get("created_by")?,
-    })
-}
-
-const VERSION_COLUMNS: &str = "p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, v.playbook, \
-     v.content_hash, v.message, v.created_by, v.created_at";
-
-fn version_from_row(row: &PgRow) -> StoreResult<Version> {
-    let name: String = row.try_get("prompt_name")?;
-    let source: String = row.try_get("source")?;
-    let playbook: Option<Value> = row.try_get("playbook")?;
-    Ok(Version {
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        number: row.try_get("number")?,
-        parent: row.try_get("parent")?,
-        source: VersionSource::parse(&source).ok_or_else(|| corrupt("version source"))?,
-        round_id: row.try_get("round_id")?,
-        content: VersionContent {
-            base: row.try_get("base")?,
-            playbook: playbook.map(serde_json::from_value).transpose().map_err(|_| corrupt("playbook"))?,
-        },
-        content_hash: row.try_get("content_hash")?,
-        message: row.try_get("message")?,
-        created_by: row.try_get("created_by")?,
-        created_at: row.try_get("created_at")?,
-    })
-}
-
-fn label_from_row(row: &PgRow) -> StoreResult<Label> {
-    let name: String = row.try_get("name")?;
-    Ok(Label {
-        name: LabelName::parse(&name).map_err(|_| corrupt("label name"))?,
-        version: row.try_get("version")?,
-        updated_at: row.try_get("updated_at")?,
-        updated_by: row.try_get("updated_by")?,
-    })
-}
-
-fn key_from_row(row: &PgRow) -> StoreResult<ApiKey> {
-    Ok(ApiKey {
-        id: row.try_get("id")?,
-        name: row.try_get("name")?,
-        prefix: row.try_get("prefix")?,
-        hash: row.try_get("hash")?,
-        scopes: scopes_from_string(row.try_get("scopes")?)?,
-        created_at: row.try_get("created_at")?,
-        revoked_at: row.try_get("revoked_at")?,
-    })
-}
-
-const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
-     t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
-     t.updated_at, t.quarantined_at, t.quarantine_reason";
-
-fn trace_from_row(row: &PgRow) -> StoreResult<Trace> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let reflection: Option<Value> = row.try_get("reflection")?;
-    let quarantined_at: Option<DateTime<Utc>> = row.try_get("quarantined_at")?;
-    Ok(Trace {
-        id: row.try_get("id")?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        prompt_version: row.try_get("prompt_version")?,
-        status: match quarantined_at {
-            Some(_) => TraceStatus::Quarantined,
-            None => TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
-        },
-        input: row.try_get("input")?,
-        trajectory: row.try_get("trajectory")?,
-        output: row.try_get("output")?,
-        feedback: serde_json::from_value(row.try_get("feedback")?).map_err(|_| corrupt("feedback"))?,
-        reflection: reflection.filter(|r| !r.is_null()),
-        external_id: row.try_get("external_id")?,
-        metadata: row.try_get("metadata")?,
-        attempts: row.try_get("attempts")?,
-        failure_reason: row.try_get("failure_reason")?,
-        round_id: row.try_get("round_id")?,
-        quarantined_at,
-        quarantine_reason: row.try_get("quarantine_reason")?,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
-
-async fn insert_version(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    number: i64,
-    v: &NewVersion,
-) -> StoreResult<DateTime<Utc>> {
-    let playbook =
-        v.content.playbook.as_ref().map(serde_json::to_value).transpose().map_err(|_| corrupt("playbook"))?;
-    let created_at = sqlx::query_scalar(
-        "INSERT INTO versions (prompt_id, number, parent, source, round_id, base, playbook, content_hash, message, created_by)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) RETURNING created_at",
-    )
-    .bind(prompt_id)
-    .bind(number)
-    .bind(v.parent)
-    .bind(v.source.as_str())
-    .bind(v.round_id)
-    .bind(&v.content.base)
-    .bind(playbook)
-    .bind(v.content.hash())
-    .bind(&v.message)
-    .bind(&v.created_by)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok(created_at)
-}
-
-/// Moves a label; returns it with the version it pointed at before.
-async fn apply_move(
-    tx: &mut Transaction<'_, Postgres>,
-    prompt_id: Uuid,
-    mv: &LabelMove,
-) -> StoreResult<(Label, Option<i64>)> {
-    let current: Option<i64> =
-        sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = $1 AND name = $2 FOR UPDATE")
-            .bind(prompt_id)
-            .bind(mv.label.as_str())
-            .fetch_optional(&mut **tx)
-            .await?;
-    if mv.check_current && current != mv.expected_current {
-        return Err(StoreError::Conflict);
-    }
-    let exists: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM versions WHERE prompt_id = $1 AND number = $2)")
-            .bind(prompt_id)
-            .bind(mv.to_version)
-            .fetch_one(&mut **tx)
-            .await?;
-    if !exists {
-        return Err(StoreError::Invalid(format!("version {} does not exist", mv.to_version)));
-    }
-    let row = sqlx::query(
-        "INSERT INTO labels (prompt_id, name, version, updated_by) VALUES ($1, $2, $3, $4)
-         ON CONFLICT (prompt_id, name) DO UPDATE SET version = EXCLUDED.version, updated_at = now(), updated_by = EXCLUDED.updated_by
-         RETURNING name, version, updated_at, updated_by",
-    )
-    .bind(prompt_id)
-    .bind(mv.label.as_str())
-    .bind(mv.to_version)
-    .bind(&mv.by)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok((label_from_row(&row)?, current))
-}
-
-async fn prompt_id(tx: &mut Transaction<'_, Postgres>, name: &PromptName) -> StoreResult<Uuid> {
-    sqlx::query_scalar("SELECT id FROM prompts WHERE name = $1")
-        .bind(name.as_str())
-        .fetch_optional(&mut **tx)
-        .await?
-        .ok_or(StoreError::NotFound)
-}
-
 #[async_trait]
-impl Store for PgStore {
-    fn kind(&self) -> StoreKind {
-        StoreKind::Postgres
+impl Backend for Postgres {
+    const KIND: StoreKind = StoreKind::Postgres;
+    const ANNOUNCE_LOCALLY: bool = false;
+    type Extra = Listener;
+
+    async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
+        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
     }
 
-    async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
-    }
-
-    fn changes(&self) -> broadcast::Receiver<Change> {
-        self.changes.subscribe()
-    }
-
-    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
-        let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(
-            "INSERT INTO api_keys (id, name, prefix, hash, scopes) VALUES ($1, $2, $3, $4, $5)
-             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
-        )
-        .bind(Uuid::now_v7())
-        .bind(name)
-        .bind(prefix)
-        .bind(hash)
-        .bind(scopes_to_string(scopes))
-        .fetch_one(&mut *tx)
-        .await?;
-        notify(&mut tx, "keys").await?;
-        tx.commit().await?;
-        key_from_row(&row)
-    }
-
-    async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = $1")
-            .bind(hash)
-            .fetch_optional(&self.pool)
-            .await?
-            .as_ref()
-            .map(key_from_row)
-            .transpose()
-    }
-
-    async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(key_from_row)
-            .collect()
-    }
-
-    async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
-        let mut tx = self.pool.begin().await?;
-        let id = Uuid::parse_str(id_or_prefix).ok();
-        let n =
-            sqlx::query("UPDATE api_keys SET revoked_at = now() WHERE revoked_at IS NULL AND (id = $1 OR prefix = $2)")
-                .bind(id)
-                .bind(id_or_prefix)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-        notify(&mut tx, "keys").await?;
-        tx.commit().await?;
-        Ok(n > 0)
-    }
-
-    async fn api_key_generation(&self) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.pool).await?)
-    }
-
-    async fn count_active_api_keys(&self) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.pool).await?)
-    }
-
-    async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
-        sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= now()").execute(&mut *tx).await?;
-        sqlx::query("INSERT INTO ui_sessions (token_hash, key_id, csrf_token, expires_at) VALUES ($1, $2, $3, $4)")
-            .bind(&session.token_hash)
-            .bind(session.key_id)
-            .bind(&session.csrf_token)
-            .bind(session.expires_at)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
-        let row = sqlx::query(
-            "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
-                    k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
-             FROM ui_sessions s JOIN api_keys k ON k.id = s.key_id
-             WHERE s.token_hash = $1 AND s.expires_at > now()",
-        )
-        .bind(token_hash)
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some(row) = row else { return Ok(None) };
-        let session = UiSession {
-            key_id: row.try_get("key_id")?,
-            csrf_token: row.try_get("csrf_token")?,
-            created_at: row.try_get("session_created_at")?,
-            expires_at: row.try_get("expires_at")?,
-        };
-        Ok(Some((session, key_from_row(&row)?)))
-    }
-
-    async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM ui_sessions WHERE token_hash = $1")
-            .bind(token_hash)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
-    }
-
-    async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
-        let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(
-            "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_by)
-             VALUES ($1, $2, $3, $4, $5, 1, $6)
-             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
-        )
-        .bind(Uuid::now_v7())
-        .bind(p.name.as_str())
-        .bind(serde_json::to_value(p.strategy).ok().and_then(|v| v.as_str().map(str::to_owned)))
-        .bind(serde_json::to_value(p.promotion).ok().and_then(|v| v.as_str().map(str::to_owned)))
-        .bind(serde_json::to_value(&p.settings).map_err(|_| corrupt("settings"))?)
-        .bind(&p.created_by)
-        .fetch_one(&mut *tx)
-        .await?;
-        let prompt = prompt_from_row(&row)?;
-        let created_at = insert_version(&mut tx, prompt.id, 1, &first).await?;
-        sqlx::query("INSERT INTO labels (prompt_id, name, version, updated_by) VALUES ($1, $2, 1, $3)")
-            .bind(prompt.id)
-            .bind(LabelName::PRODUCTION)
-            .bind(&first.created_by)
-            .execute(&mut *tx)
-            .await?;
-        let version = first.into_version(prompt.name.clone(), 1, created_at);
-        let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
-        record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
-        record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
-            .await?;
-        let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
-        record_history(&mut tx, prompt.id, &production, None, Some(1), &version.created_by, &cause).await?;
-        notify(&mut tx, &format!("prompt:{}", prompt.name)).await?;
-        tx.commit().await?;
-        Ok((prompt, version))
-    }
-
-    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
-        sqlx::query(
-            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1",
-        )
-        .bind(name.as_str())
-        .fetch_optional(&self.pool)
-        .await?
-        .as_ref()
-        .map(prompt_from_row)
-        .transpose()
-    }
-
-    async fn update_prompt_settings(
-        &self,
-        name: &PromptName,
-        expected: &PromptSettings,
-        new: &PromptSettings,
-    ) -> StoreResult<Option<Prompt>> {
-        let mut tx = self.pool.begin().await?;
-        let Some(current) = sqlx::query_scalar::<_, Value>("SELECT settings FROM prompts WHERE name = $1 FOR UPDATE")
-            .bind(name.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(None);
-        };
-        let current: PromptSettings = serde_json::from_value(current).map_err(|_| corrupt("settings"))?;
-        if &current != expected {
-            return Err(StoreError::Conflict);
-        }
-        let row = sqlx::query(
-            "UPDATE prompts SET settings = $2 WHERE name = $1
-             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
-        )
-        .bind(name.as_str())
-        .bind(serde_json::to_value(new).map_err(|_| corrupt("settings"))?)
-        .fetch_one(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        prompt_from_row(&row).map(Some)
-    }
-
-    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
-        let rows = sqlx::query(
-            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
-                    (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
-             FROM prompts p WHERE ($1::text IS NULL OR p.name > $1) ORDER BY p.name LIMIT $2",
-        )
-        .bind(after)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(PromptSummary {
-                    prompt: prompt_from_row(r)?,
-                    production_version: r.try_get("production_version")?,
-                    latest_version: r.try_get("version_count")?,
-                    pending_traces: r.try_get("pending")?,
-                })
-            })
-            .collect()
-    }
-
-    async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
-        let mut tx = self.pool.begin().await?;
-        // The row lock taken here serialises concurrent writers of one prompt.
-        let row = sqlx::query(
-            "UPDATE prompts SET version_count = version_count + 1 WHERE name = $1 RETURNING id, version_count",
-        )
-        .bind(prompt.as_str())
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or(StoreError::NotFound)?;
-        let (id, number): (Uuid, i64) = (row.try_get("id")?, row.try_get("version_count")?);
-        if v.parent.is_some_and(|p| p < 1 || p >= number) {
-            return Err(StoreError::Invalid("parent version does not exist".into()));
-        }
-        let created_at = insert_version(&mut tx, id, number, &v).await?;
-        let mut moved = Vec::with_capacity(moves.len());
-        for mv in moves {
-            let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
-            moved.push(apply_move(&mut tx, id, &mv).await?);
-        }
-        let version = v.into_version(prompt.clone(), number, created_at);
-        let on_new: Vec<&str> =
-            moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
-        record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
-        let cause = MoveCause::new(version_move_kind(version.source), version.message.clone());
-        for (label, previous) in &moved {
-            record_move(&mut tx, id, prompt, label, *previous, &cause).await?;
-        }
-        notify(&mut tx, &format!("prompt:{prompt}")).await?;
-        tx.commit().await?;
-        Ok(version)
-    }
-
-    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
-        let labels_col = "(SELECT array_agg(l2.name ORDER BY l2.name) FROM labels l2
-                           WHERE l2.prompt_id = v.prompt_id AND l2.version = v.number) AS labels";
-        let row = match selector {
-            Selector::Label(label) => {
-                sqlx::query(&format!(
-                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM labels l
-                     JOIN prompts p ON p.id = l.prompt_id
-                     JOIN versions v ON v.prompt_id = l.prompt_id AND v.number = l.version
-                     WHERE p.name = $1 AND l.name = $2"
-                ))
-                .bind(prompt.as_str())
-                .bind(label.as_str())
-                .fetch_optional(&self.pool)
-                .await?
-            }
-            Selector::Latest => {
-                sqlx::query(&format!(
-                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
-                     JOIN versions v ON v.prompt_id = p.id AND v.number = p.version_count
-                     WHERE p.name = $1"
-                ))
-                .bind(prompt.as_str())
-                .fetch_optional(&self.pool)
-                .await?
-            }
-            Selector::Version(n) => {
-                sqlx::query(&format!(
-                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
-                     JOIN versions v ON v.prompt_id = p.id AND v.number = $2
-                     WHERE p.name = $1"
-                ))
-                .bind(prompt.as_str())
-                .bind(n)
-                .fetch_optional(&self.pool)
-                .await?
-            }
-        };
-        let Some(row) = row else { return Ok(None) };
-        let labels: Option<Vec<String>> = row.try_get("labels")?;
-        let labels = labels
-            .unwrap_or_default()
-            .iter()
-            .map(|l| LabelName::parse(l).map_err(|_| corrupt("label name")))
-            .collect::<StoreResult<_>>()?;
-        Ok(Some(Resolved { version: version_from_row(&row)?, labels }))
-    }
-
-    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
-        sqlx::query(&format!(
-            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
-             WHERE p.name = $1 AND ($2::bigint IS NULL OR v.number < $2) ORDER BY v.number DESC LIMIT $3"
-        ))
-        .bind(prompt.as_str())
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(version_from_row)
-        .collect()
-    }
-
-    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
-        sqlx::query(
-            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
-             WHERE p.name = $1 ORDER BY l.name",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(label_from_row)
-        .collect()
-    }
-
-    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
-        let mut tx = self.pool.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        let (label, previous) = apply_move(&mut tx, id, mv).await?;
-        record_move(&mut tx, id, prompt, &label, previous, cause).await?;
-        notify(&mut tx, &format!("prompt:{prompt}")).await?;
-        tx.commit().await?;
-        Ok(label)
-    }
-
-    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
-        let mut tx = self.pool.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        let deleted: Option<i64> =
-            sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = $1 AND name = $2 RETURNING version")
-                .bind(id)
-                .bind(label.as_str())
-                .fetch_optional(&mut *tx)
-                .await?;
-        if let Some(version) = deleted {
-            let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
-            record_history(&mut tx, id, label, Some(version), None, by, &cause).await?;
-        }
-        notify(&mut tx, &format!("prompt:{prompt}")).await?;
-        tx.commit().await?;
-        Ok(deleted.is_some())
-    }
-
-    async fn task_rewards(
-        &self,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-    ) -> StoreResult<Vec<TaskRewards>> {
-        let sql = format!(
+    fn task_rewards_sql() -> String {
+        format!(
             "WITH r AS (
                SELECT t.prompt_version AS version, t.metadata->>'task_key' AS task_key,
                       CASE WHEN jsonb_typeof(t.feedback->'success') = 'boolean'
@@ -874,174 +245,19 @@ impl Store for PgStore {
                  AND t.prompt_version IS NOT NULL AND jsonb_typeof(t.metadata->'task_key') = 'string')
              SELECT version, task_key, count(reward) AS n, coalesce(sum(reward), 0)::float8 AS total
              FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from)
-            .bind(until)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|row| {
-                Ok(TaskRewards {
-                    version: row.try_get("version")?,
-                    task_key: row.try_get("task_key")?,
-                    traces: row.try_get::<i64, _>("n")?.max(0) as u64,
-                    reward_sum: row.try_get("total")?,
-                })
-            })
-            .collect()
-    }
-
-    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
-        sqlx::query(
-            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until
-             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
-             WHERE p.name = $1 ORDER BY a.version",
         )
-        .bind(prompt.as_str())
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(arm_from_row)
-        .collect()
     }
 
-    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        for arm in arms {
-            let exists: Option<i64> =
-                sqlx::query_scalar("SELECT number FROM versions WHERE prompt_id = $1 AND number = $2")
-                    .bind(id)
-                    .bind(arm.version)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if exists.is_none() {
-                return Err(StoreError::Invalid(format!("version {} does not exist", arm.version)));
-            }
-            sqlx::query(
-                "INSERT INTO population_arms
-                    (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from, rated_until, parents)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-                 ON CONFLICT (prompt_id, version) DO UPDATE SET
-                    state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
-                    scored_traces = excluded.scored_traces, created_from = excluded.created_from,
-                    rated_until = excluded.rated_until, parents = excluded.parents, updated_at = now()",
-            )
-            .bind(id)
-            .bind(arm.version)
-            .bind(arm.state.as_str())
-            .bind(arm.rating.mu)
-            .bind(arm.rating.sigma)
-            .bind(arm.weight)
-            .bind(arm.scored_traces as i64)
-            .bind(arm.created_from)
-            .bind(arm.rated_until)
-            .bind(serde_json::to_value(&arm.parents).map_err(|_| corrupt("arm parents"))?)
-            .execute(&mut *tx)
-            .await?;
-        }
-        notify(&mut tx, &format!("prompt:{prompt}")).await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn label_history(
-        &self,
-        prompt: &PromptName,
-        label: Option<&LabelName>,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<LabelHistoryEntry>> {
-        sqlx::query(
-            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
-             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
-             WHERE p.name = $1 AND ($2::text IS NULL OR m.label = $2) AND ($3::bigint IS NULL OR m.id < $3)
-             ORDER BY m.id DESC LIMIT $4",
-        )
-        .bind(prompt.as_str())
-        .bind(label.map(LabelName::as_str))
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(history_from_row)
-        .collect()
-    }
-
-    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+    async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
         // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT round trips).
-        if insert_trace_rows(&self.pool, traces, &ids).await? != traces.len() as u64 {
-            return Err(self.first_unknown_reference(traces).await?);
+        if insert_trace_rows(&s.writer, traces, &ids).await? != traces.len() as u64 {
+            return Err(s.first_unknown_reference(traces).await?);
         }
         Ok(ids)
     }
 
-    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
-        sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = $1"
-        ))
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?
-        .as_ref()
-        .map(trace_from_row)
-        .transpose()
-    }
-
-    async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
-        sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
-             WHERE ($1::text IS NULL OR p.name = $1)
-               AND ($2::text IS NULL OR CASE WHEN $2 = 'quarantined' THEN t.quarantined_at IS NOT NULL
-                                             ELSE t.status = $2 AND t.quarantined_at IS NULL END)
-               AND ($3::timestamptz IS NULL OR t.created_at >= $3) AND ($4::timestamptz IS NULL OR t.created_at < $4)
-               AND ($5::uuid IS NULL OR t.id < $5)
-             ORDER BY t.id DESC LIMIT $6"
-        ))
-        .bind(f.prompt.as_ref().map(|p| p.as_str()))
-        .bind(f.status.map(|s| s.as_str()))
-        .bind(f.since)
-        .bind(f.until)
-        .bind(f.before_id)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(trace_from_row)
-        .collect()
-    }
-
-    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
-        let mut tx = self.pool.begin().await?;
-        let Some(current) = sqlx::query_scalar::<_, Value>("SELECT feedback FROM traces WHERE id = $1 FOR UPDATE")
-            .bind(id)
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(None);
-        };
-        let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
-        let merged = serde_json::to_value(current.merged(feedback)).map_err(|_| corrupt("feedback"))?;
-        sqlx::query("UPDATE traces SET feedback = $2, updated_at = now() WHERE id = $1")
-            .bind(id)
-            .bind(merged)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        self.get_trace(id).await
-    }
-
-    async fn version_outcomes(
-        &self,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-        bucket_secs: i64,
-    ) -> StoreResult<Vec<OutcomeBucket>> {
+    fn version_outcomes_sql() -> String {
         // jsonb numbers are `numeric`: range-check before the float8 cast so an
         // absurd value is skipped instead of failing the query. Nested CASEs
         // because Postgres does not promise to short-circuit AND.
@@ -1052,7 +268,7 @@ impl Store for PgStore {
                      THEN ({col}->'{key}')::numeric::float8 END END"
             )
         };
-        let sql = format!(
+        format!(
             "WITH v AS (
                SELECT t.prompt_version AS version,
                       floor(extract(epoch FROM t.created_at) / $4)::bigint * $4 AS start,
@@ -1077,258 +293,11 @@ impl Store for PgStore {
                     "count({c}) AS {c}_n, coalesce(sum({c}), 0)::float8 AS {c}_sum, coalesce(sum({c} * {c}), 0)::float8 AS {c}_sq"
                 ))
                 .join(", "),
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from)
-            .bind(until)
-            .bind(bucket_secs)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(outcome_bucket_from_row)
-            .collect()
-    }
-
-    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
-        let mut tx = self.pool.begin().await?;
-        if let Some(refused) = lock_for_action(&mut tx, id, false).await? {
-            return Ok(refused);
-        }
-        sqlx::query(
-            "UPDATE traces SET quarantined_at = now(), quarantine_reason = $2, updated_at = now()
-             WHERE id = $1 AND quarantined_at IS NULL",
         )
-        .bind(id)
-        .bind(reason)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
-    }
-
-    async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
-        let Some(prompt) = &f.prompt else { return Ok(0) };
-        Ok(sqlx::query(
-            "UPDATE traces t SET quarantined_at = now(), quarantine_reason = $2, updated_at = now()
-             FROM prompts p
-             WHERE p.id = t.prompt_id AND p.name = $1 AND t.status = 'pending' AND t.round_id IS NULL
-               AND t.quarantined_at IS NULL
-               AND ($3::timestamptz IS NULL OR t.created_at >= $3) AND ($4::timestamptz IS NULL OR t.created_at < $4)",
-        )
-        .bind(prompt.as_str())
-        .bind(reason)
-        .bind(f.since)
-        .bind(f.until)
-        .execute(&self.pool)
-        .await?
-        .rows_affected())
-    }
-
-    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        let mut tx = self.pool.begin().await?;
-        let released = sqlx::query(
-            "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = now()
-             WHERE id = $1 AND quarantined_at IS NOT NULL",
-        )
-        .bind(id)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if released > 0 {
-            notify(&mut tx, "round").await?;
-        }
-        tx.commit().await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
-    }
-
-    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
-        let mut tx = self.pool.begin().await?;
-        if let Some(refused) = lock_for_action(&mut tx, id, true).await? {
-            return Ok(refused);
-        }
-        // Only rounds that ended without publishing can still name it.
-        sqlx::query("DELETE FROM reflections WHERE trace_id = $1").bind(id).execute(&mut *tx).await?;
-        sqlx::query("DELETE FROM round_traces WHERE trace_id = $1").bind(id).execute(&mut *tx).await?;
-        // Its OTLP spans go too (a re-sent span would then make a new trace).
-        sqlx::query("DELETE FROM otlp_spans WHERE trace_id = $1").bind(id).execute(&mut *tx).await?;
-        sqlx::query("DELETE FROM traces WHERE id = $1").bind(id).execute(&mut *tx).await?;
-        tx.commit().await?;
-        Ok(TraceAction::Done(Box::new(trace)))
-    }
-
-    async fn merge_otlp_spans(
-        &self,
-        otel_trace_id: &str,
-        spans: &[OtlpSpan],
-        remap: &OtlpRemapFn<'_>,
-    ) -> StoreResult<OtlpMerge> {
-        let mut tx = self.pool.begin().await?;
-        // Serialises exports of the same trace id, including the first one,
-        // when there is no row to lock yet; the lock ends with the transaction.
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
-            .bind(otel_trace_id)
-            .execute(&mut *tx)
-            .await?;
-        let stored = sqlx::query(
-            "SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = $1 ORDER BY received_at, span_id",
-        )
-        .bind(otel_trace_id)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut seen = std::collections::HashSet::new();
-        let mut linked = None;
-        let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(stored.len() + spans.len());
-        for row in &stored {
-            seen.insert(row.try_get::<String, _>("span_id")?);
-            linked = linked.or(row.try_get::<Option<Uuid>, _>("trace_id")?);
-            bodies.push(row.try_get("body")?);
-        }
-        let new: Vec<&OtlpSpan> = spans.iter().filter(|s| seen.insert(s.span_id.clone())).collect();
-        if new.is_empty() {
-            // Ended explicitly: a dropped transaction would keep its locks
-            // until its pooled connection is used again.
-            tx.rollback().await?;
-            return Ok(OtlpMerge::Duplicate);
-        }
-        if let Some(trace) = linked {
-            // The row lock keeps a round from taking the trace while it changes
-            // (rounds skip locked traces); a round that took it first wins.
-            let open: Option<bool> = sqlx::query_scalar(
-                "SELECT status = 'pending' AND round_id IS NULL FROM traces WHERE id = $1 FOR UPDATE",
-            )
-            .bind(trace)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if open != Some(true) {
-                tx.rollback().await?;
-                return Ok(OtlpMerge::Closed { trace, spans: new.len() });
-            }
-        }
-        bodies.extend(new.iter().map(|s| s.body.clone()));
-        let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
-        let mapped = match remap(&refs) {
-            OtlpRemap::Invalid(reason) => {
-                tx.rollback().await?;
-                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
-            }
-            OtlpRemap::Incomplete(reason) if linked.is_some() => {
-                tx.rollback().await?;
-                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
-            }
-            OtlpRemap::Incomplete(reason) => {
-                insert_otlp_spans(&mut tx, otel_trace_id, None, &new).await?;
-                tx.commit().await?;
-                return Ok(OtlpMerge::Held { added: new.len(), reason });
-            }
-            OtlpRemap::Mapped(t) => *t,
-        };
-        let prompt = sqlx::query("SELECT id, version_count FROM prompts WHERE name = $1")
-            .bind(mapped.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-        let count = prompt.as_ref().map(|r| r.try_get::<i64, _>("version_count")).transpose()?;
-        if let Some(reason) = otlp_prompt_problem(&mapped, count) {
-            tx.rollback().await?;
-            return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
-        }
-        let prompt_id: Uuid = prompt.as_ref().map(|r| r.try_get("id")).transpose()?.ok_or_else(|| corrupt("prompt"))?;
-        let (trace, created) = match linked {
-            Some(trace) => {
-                let current: Value = sqlx::query_scalar("SELECT feedback FROM traces WHERE id = $1")
-                    .bind(trace)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
-                // Feedback given through the API stays unless a span says otherwise.
-                let feedback =
-                    serde_json::to_value(current.merged(mapped.feedback.clone())).map_err(|_| corrupt("feedback"))?;
-                sqlx::query(
-                    "UPDATE traces SET prompt_id = $2, prompt_version = $3, input = $4, trajectory = $5, output = $6,
-                            feedback = $7, metadata = $8, updated_at = now() WHERE id = $1",
-                )
-                .bind(trace)
-                .bind(prompt_id)
-                .bind(mapped.prompt_version)
-                .bind(&mapped.input)
-                .bind(&mapped.trajectory)
-                .bind(&mapped.output)
-                .bind(feedback)
-                .bind(&mapped.metadata)
-                .execute(&mut *tx)
-                .await?;
-                (trace, false)
-            }
-            None => {
-                let trace = Uuid::now_v7();
-                sqlx::query(
-                    "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
-                                         external_id, metadata)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-                )
-                .bind(trace)
-                .bind(prompt_id)
-                .bind(mapped.prompt_version)
-                .bind(&mapped.input)
-                .bind(&mapped.trajectory)
-                .bind(&mapped.output)
-                .bind(serde_json::to_value(&mapped.feedback).map_err(|_| corrupt("feedback"))?)
-                .bind(mapped.reflection.as_ref().map(serde_json::to_value).transpose().map_err(|_| corrupt("reflection"))?)
-                .bind(&mapped.external_id)
-                .bind(&mapped.metadata)
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query("UPDATE otlp_spans SET trace_id = $2 WHERE otel_trace_id = $1 AND trace_id IS NULL")
-                    .bind(otel_trace_id)
-                    .bind(trace)
-                    .execute(&mut *tx)
-                    .await?;
-                (trace, true)
-            }
-        };
-        insert_otlp_spans(&mut tx, otel_trace_id, Some(trace), &new).await?;
-        tx.commit().await?;
-        let added = new.len();
-        Ok(if created { OtlpMerge::Created { trace, added } } else { OtlpMerge::Extended { trace, added } })
-    }
-
-    async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
-        Ok(sqlx::query(
-            "DELETE FROM otlp_spans WHERE trace_id IS NULL AND otel_trace_id IN (
-                 SELECT otel_trace_id FROM otlp_spans WHERE trace_id IS NULL
-                 GROUP BY otel_trace_id HAVING max(received_at) < $1)",
-        )
-        .bind(older_than)
-        .execute(&self.pool)
-        .await?
-        .rows_affected())
-    }
-
-    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
-        let mut tx = self.pool.begin().await?;
-        let prompt = prompt_id(&mut tx, &req.prompt).await?;
-        let mut ids: Vec<Uuid> = sqlx::query_scalar(
-            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = now()
-             WHERE prompt_id = $1 AND status = 'failed'
-               AND ($2::uuid[] IS NULL OR id = ANY($2)) AND ($3::timestamptz IS NULL OR created_at >= $3)
-             RETURNING id",
-        )
-        .bind(prompt)
-        .bind(req.ids.as_deref())
-        .bind(req.since)
-        .fetch_all(&mut *tx)
-        .await?;
-        if !ids.is_empty() {
-            notify(&mut tx, "round").await?;
-        }
-        tx.commit().await?;
-        ids.sort();
-        Ok(ids)
     }
 
     async fn insert_traces_idempotent(
-        &self,
+        s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
         status: u16,
@@ -1337,7 +306,7 @@ impl Store for PgStore {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
         let body = answer(&ids);
         for _ in 0..3 {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = s.writer.begin().await?;
             // Claims the key with its final answer. A concurrent request with the
             // same key blocks here on the primary key until the first commits
             // (then nothing is inserted: replay) or rolls back (then this one runs).
@@ -1361,7 +330,7 @@ impl Store for PgStore {
             if claimed == 1 {
                 if insert_trace_rows(&mut *tx, traces, &ids).await? != traces.len() as u64 {
                     tx.rollback().await?;
-                    return Err(self.first_unknown_reference(traces).await?);
+                    return Err(s.first_unknown_reference(traces).await?);
                 }
                 tx.commit().await?;
                 return Ok(IdempotentIngest::Stored { ids, status, body });
@@ -1388,123 +357,7 @@ impl Store for PgStore {
         Err(StoreError::Conflict)
     }
 
-    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
-        Ok(sqlx::query("DELETE FROM idempotency_keys WHERE created_at < $1")
-            .bind(older_than)
-            .execute(&self.pool)
-            .await?
-            .rows_affected())
-    }
-
-    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
-        let mut tx = self.pool.begin().await?;
-        // First, so a duplicate delivery is told so (not "a round is in flight":
-        // its own round). A concurrent duplicate waits here on the primary key;
-        // every refusal below rolls back, forgetting the id.
-        if let Some(hook) = &req.inbound_webhook_id {
-            let n = sqlx::query("INSERT INTO inbound_webhooks (id) VALUES ($1) ON CONFLICT DO NOTHING")
-                .bind(hook)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if n == 0 {
-                return Err(StoreError::Duplicate);
-            }
-        }
-        // The prompt row lock serialises round creation per prompt.
-        let row = sqlx::query("SELECT id, strategy, settings FROM prompts WHERE name = $1 FOR UPDATE")
-            .bind(req.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        let prompt_id: Uuid = row.try_get("id")?;
-        let strategy: String = row.try_get("strategy")?;
-        let settings: crate::domain::PromptSettings =
-            serde_json::from_value(row.try_get("settings")?).map_err(|_| corrupt("settings"))?;
-        let active: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM rounds WHERE prompt_id = $1 AND status IN ('queued', 'running'))",
-        )
-        .bind(prompt_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        if active {
-            return Err(StoreError::AlreadyExists);
-        }
-        let ids: Vec<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL AND quarantined_at IS NULL
-             ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED",
-        )
-        .bind(prompt_id)
-        .bind(i64::from(req.batch))
-        .fetch_all(&mut *tx)
-        .await?;
-        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
-            return Ok(None);
-        }
-        let base: i64 = sqlx::query_scalar(
-            "SELECT COALESCE((SELECT version FROM labels WHERE prompt_id = $1 AND name = 'production'),
-                             (SELECT version_count FROM prompts WHERE id = $1))",
-        )
-        .bind(prompt_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        let id = Uuid::now_v7();
-        sqlx::query(
-            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9)",
-        )
-        .bind(id)
-        .bind(prompt_id)
-        .bind(req.trigger.as_str())
-        .bind(round::method_str(req.method))
-        .bind(&strategy)
-        .bind(req.seed)
-        .bind(settings.duplication as i32)
-        .bind(ids.len() as i32)
-        .bind(base)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query(
-            "INSERT INTO round_traces (round_id, trace_id, position)
-             SELECT $1, t.id, t.ord FROM unnest($2::uuid[]) WITH ORDINALITY AS t(id, ord)",
-        )
-        .bind(id)
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
-        sqlx::query("UPDATE traces SET round_id = $1, updated_at = now() WHERE id = ANY($2)")
-            .bind(id)
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await?;
-        notify(&mut tx, "round").await?;
-        tx.commit().await?;
-        self.load_round(id).await
-    }
-
-    async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
-        let rows = sqlx::query(
-            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
-                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS oldest,
-                    EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
-             FROM prompts p ORDER BY p.name",
-        )
-        .fetch_all(&self.pool)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(Backlog {
-                    prompt: prompt_from_row(r)?,
-                    pending: r.try_get("pending")?,
-                    oldest: r.try_get("oldest")?,
-                    active_round: r.try_get("active")?,
-                })
-            })
-            .collect()
-    }
-
-    async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
+    async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {
         let id: Option<Uuid> = sqlx::query_scalar(
             "WITH c AS (
                  SELECT id FROM rounds
@@ -1517,30 +370,12 @@ impl Store for PgStore {
         )
         .bind(owner)
         .bind(lease.as_secs_f64())
-        .fetch_optional(&self.pool)
+        .fetch_optional(&s.writer)
         .await?;
-        let Some(id) = id else { return Ok(None) };
-        let round = self.load_round(id).await?.ok_or(StoreError::NotFound)?;
-        let prompt = self.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
-        let base = self
-            .resolve(&round.prompt, &Selector::Version(round.base_version))
-            .await?
-            .ok_or_else(|| corrupt("round base version"))?
-            .version;
-        let traces = sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM round_traces rt JOIN traces t ON t.id = rt.trace_id
-             JOIN prompts p ON p.id = t.prompt_id WHERE rt.round_id = $1 ORDER BY rt.position"
-        ))
-        .bind(id)
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(trace_from_row)
-        .collect::<StoreResult<Vec<_>>>()?;
-        Ok(Some(ClaimedRound { round, prompt, base, traces }))
+        Ok(id)
     }
 
-    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
+    async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
         let n = sqlx::query(
             "UPDATE rounds SET lease_expires_at = now() + make_interval(secs => $3), updated_at = now()
              WHERE id = $1 AND attempt = $2 AND status = 'running'",
@@ -1548,336 +383,18 @@ impl Store for PgStore {
         .bind(round)
         .bind(attempt)
         .bind(lease.as_secs_f64())
-        .execute(&self.pool)
+        .execute(&s.writer)
         .await?
         .rows_affected();
         Ok(n == 1)
     }
 
-    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
-        Ok(sqlx::query(
-            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace)
-             SELECT DISTINCT ON (r.trace_id) cur.id, r.trace_id, r.reflection, r.from_trace
-             FROM rounds cur
-             JOIN round_traces rt ON rt.round_id = cur.id
-             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
-             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
-                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
-             WHERE cur.id = $1
-             ORDER BY r.trace_id, r.created_at DESC
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(round)
-        .execute(&self.pool)
-        .await?
-        .rows_affected())
-    }
-
-    async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace) VALUES ($1, $2, $3, $4)
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(round)
-        .bind(trace)
-        .bind(serde_json::to_value(r).map_err(|_| corrupt("reflection"))?)
-        .bind(from_trace)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
-        sqlx::query("SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = $1 ORDER BY created_at, trace_id")
-            .bind(round)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|row| {
-                let r: Value = row.try_get("reflection")?;
-                Ok((
-                    row.try_get("trace_id")?,
-                    serde_json::from_value(r).map_err(|_| corrupt("reflection"))?,
-                    row.try_get("from_trace")?,
-                ))
-            })
-            .collect()
-    }
-
-    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        )
-        .bind(round)
-        .bind(attempt)
-        .bind(serde_json::to_value(call.role).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default())
-        .bind(&call.model)
-        .bind(call.prompt_tokens as i64)
-        .bind(call.completion_tokens as i64)
-        .bind(call.cost_usd)
-        .bind(call.latency_ms as i64)
-        .bind(call.retries as i32)
-        .bind(&call.error)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
-        sqlx::query(
-            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
-             FROM llm_calls WHERE round_id = $1 ORDER BY id",
-        )
-        .bind(round)
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(|row| {
-            let role: String = row.try_get("role")?;
-            Ok(RoundCall {
-                attempt: row.try_get("attempt")?,
-                call: LlmCall {
-                    role: serde_json::from_value(Value::String(role)).map_err(|_| corrupt("llm role"))?,
-                    model: row.try_get("model")?,
-                    prompt_tokens: row.try_get::<i64, _>("prompt_tokens")? as u64,
-                    completion_tokens: row.try_get::<i64, _>("completion_tokens")? as u64,
-                    cost_usd: row.try_get("cost_usd")?,
-                    latency_ms: row.try_get::<i64, _>("latency_ms")? as u64,
-                    retries: row.try_get::<i32, _>("retries")? as u32,
-                    error: row.try_get("error")?,
-                },
-                created_at: row.try_get("created_at")?,
-            })
-        })
-        .collect()
-    }
-
-    async fn update_round(&self, round: Uuid, attempt: i32, k: Option<i32>, detail: &Value) -> StoreResult<bool> {
-        let n = sqlx::query(
-            "UPDATE rounds SET k = COALESCE($3, k), detail = $4, updated_at = now()
-             WHERE id = $1 AND attempt = $2 AND status = 'running'",
-        )
-        .bind(round)
-        .bind(attempt)
-        .bind(k)
-        .bind(detail)
-        .execute(&self.pool)
-        .await?
-        .rows_affected();
-        Ok(n == 1)
-    }
-
-    // One fenced transaction needs all of these; a wrapper struct would only rename them.
-    #[allow(clippy::too_many_arguments)]
-    async fn publish_round(
-        &self,
-        round: Uuid,
-        attempt: i32,
-        v: NewVersion,
-        label: LabelName,
-        detail: &Value,
-        sample_secs: Option<f64>,
-        charges: &TraceCharges,
-    ) -> StoreResult<Version> {
-        let mut tx = self.pool.begin().await?;
-        let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
-        if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
-            sqlx::query(
-                "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs)
-                 SELECT prompt_id, id, n, $2 FROM rounds WHERE id = $1",
-            )
-            .bind(round)
-            .bind(secs)
-            .execute(&mut *tx)
-            .await?;
-        }
-        let number: i64 = sqlx::query_scalar(
-            "UPDATE prompts SET version_count = version_count + 1 WHERE id = $1 RETURNING version_count",
-        )
-        .bind(prompt_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        let created_at = insert_version(&mut tx, prompt_id, number, &v).await?;
-        let mv = LabelMove {
-            label: label.clone(),
-            to_version: number,
-            expected_current: None,
-            check_current: false,
-            by: v.created_by.clone(),
-        };
-        let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
-        charge_traces(&mut tx, round, charges).await?;
-        sqlx::query(
-            "UPDATE traces SET status = 'consumed', updated_at = now() WHERE round_id = $1 AND status = 'pending'
-               AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = $1 AND r.trace_id = traces.id)",
-        )
-        .bind(round)
-        .execute(&mut *tx)
-        .await?;
-        release_traces(&mut tx, round).await?;
-        sqlx::query(
-            "UPDATE rounds SET status = 'succeeded', result_version = $2, detail = $3, error = NULL, finished_at = now(),
-                    lease_owner = NULL, lease_expires_at = NULL, updated_at = now() WHERE id = $1",
-        )
-        .bind(round)
-        .bind(number)
-        .bind(detail)
-        .execute(&mut *tx)
-        .await?;
-        let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, created_at);
-        record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
-        let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
-            .with_evidence(serde_json::json!({ "round_id": round }));
-        record_move(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
-        record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
-        notify(&mut tx, &format!("prompt:{name}")).await?;
-        tx.commit().await?;
-        Ok(version)
-    }
-
-    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
-        let (_, name) = fence(&mut tx, round, attempt).await?;
-        match how {
-            RoundFailure::Retry { after } => {
-                sqlx::query(
-                    "UPDATE rounds SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, error = $2,
-                            not_before = now() + make_interval(secs => $3), updated_at = now() WHERE id = $1",
-                )
-                .bind(round)
-                .bind(error)
-                .bind(after.as_secs_f64())
-                .execute(&mut *tx)
-                .await?;
-                notify(&mut tx, "round").await?;
-            }
-            RoundFailure::GiveUp { charges } => {
-                charge_traces(&mut tx, round, &charges).await?;
-                release_traces(&mut tx, round).await?;
-                sqlx::query(
-                    "UPDATE rounds SET status = 'failed', error = $2, finished_at = now(), lease_owner = NULL,
-                            lease_expires_at = NULL, updated_at = now() WHERE id = $1",
-                )
-                .bind(round)
-                .bind(error)
-                .execute(&mut *tx)
-                .await?;
-                record_event(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
-            }
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
-        self.load_round(id).await
-    }
-
-    async fn list_rounds(
-        &self,
-        prompt: Option<&PromptName>,
-        before: Option<Uuid>,
+    async fn claim_deliveries(
+        s: &SqlStore<Self>,
+        owner: &str,
+        lease: Duration,
         limit: u32,
-    ) -> StoreResult<Vec<Round>> {
-        sqlx::query(&format!(
-            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
-             WHERE ($1::text IS NULL OR p.name = $1) AND ($2::uuid IS NULL OR r.id < $2)
-             ORDER BY r.id DESC LIMIT $3"
-        ))
-        .bind(prompt.map(|p| p.as_str()))
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(round_from_row)
-        .collect()
-    }
-
-    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
-        Ok(sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = $1 ORDER BY position")
-            .bind(round)
-            .fetch_all(&self.pool)
-            .await?)
-    }
-
-    async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
-        let row = sqlx::query(&format!(
-            "INSERT INTO webhook_subscriptions (id, url, events, description, secret) VALUES ($1, $2, $3, $4, $5)
-             RETURNING {WEBHOOK_COLUMNS}"
-        ))
-        .bind(Uuid::now_v7())
-        .bind(&h.url)
-        .bind(events_to_column(&h.events))
-        .bind(&h.description)
-        .bind(h.secret.expose())
-        .fetch_one(&self.pool)
-        .await?;
-        webhook_from_row(&row)
-    }
-
-    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(webhook_from_row)
-            .collect()
-    }
-
-    async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = $1"))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?
-            .as_ref()
-            .map(webhook_from_row)
-            .transpose()
-    }
-
-    async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = $1")
-            .bind(id)
-            .execute(&self.pool)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
-    }
-
-    async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>> {
-        sqlx::query(
-            "SELECT a.id, a.delivery_id, d.event_id, e.type, a.attempt, a.status_code, a.error, a.latency_ms,
-                    a.created_at, a.next_attempt_at, d.status
-             FROM webhook_attempts a JOIN webhook_deliveries d ON d.id = a.delivery_id
-             JOIN webhook_events e ON e.id = d.event_id
-             WHERE a.subscription_id = $1 AND ($2::bigint IS NULL OR a.id < $2) ORDER BY a.id DESC LIMIT $3",
-        )
-        .bind(id)
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(DeliveryAttempt {
-                seq: r.try_get("id")?,
-                delivery_id: r.try_get("delivery_id")?,
-                event_id: r.try_get("event_id")?,
-                event_type: r.try_get("type")?,
-                attempt: r.try_get("attempt")?,
-                status_code: r.try_get::<Option<i32>, _>("status_code")?.map(|c| c as u16),
-                error: r.try_get("error")?,
-                latency_ms: r.try_get::<i64, _>("latency_ms")?.max(0) as u64,
-                attempted_at: r.try_get("created_at")?,
-                next_attempt_at: r.try_get("next_attempt_at")?,
-                delivery_status: r.try_get("status")?,
-            })
-        })
-        .collect()
-    }
-
-    async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>> {
+    ) -> StoreResult<Vec<ClaimedDelivery>> {
         // The lease is the due time itself: a crashed attempt becomes due again when it expires.
         sqlx::query(
             "WITH c AS (
@@ -1894,7 +411,7 @@ impl Store for PgStore {
         .bind(owner)
         .bind(lease.as_secs_f64())
         .bind(i64::from(limit))
-        .fetch_all(&self.pool)
+        .fetch_all(&s.writer)
         .await?
         .iter()
         .map(|r| {
@@ -1911,269 +428,16 @@ impl Store for PgStore {
         })
         .collect()
     }
-
-    async fn finish_delivery(&self, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
-        let mut tx = self.pool.begin().await?;
-        let (status, next_at) = match &rec.outcome {
-            DeliveryOutcome::Succeeded => ("succeeded", None),
-            DeliveryOutcome::Retry { at } => ("pending", Some(*at)),
-            DeliveryOutcome::GiveUp | DeliveryOutcome::Gone => ("failed", None),
-        };
-        let n = sqlx::query(
-            "UPDATE webhook_deliveries SET status = $3, next_attempt_at = COALESCE($4, next_attempt_at),
-                    last_error = $5, lease_owner = NULL, updated_at = now()
-             WHERE id = $1 AND attempts = $2 AND status = 'pending'",
-        )
-        .bind(d.id)
-        .bind(d.attempt)
-        .bind(status)
-        .bind(next_at)
-        .bind(&rec.error)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if n == 0 {
-            return Ok(false);
-        }
-        sqlx::query(
-            "INSERT INTO webhook_attempts (delivery_id, subscription_id, attempt, status_code, error, latency_ms, next_attempt_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        )
-        .bind(d.id)
-        .bind(d.subscription_id)
-        .bind(d.attempt)
-        .bind(rec.status_code.map(i32::from))
-        .bind(&rec.error)
-        .bind(rec.latency_ms.min(i64::MAX as u64) as i64)
-        .bind(next_at)
-        .execute(&mut *tx)
-        .await?;
-        if rec.outcome == DeliveryOutcome::Gone {
-            sqlx::query(
-                "UPDATE webhook_subscriptions SET enabled = false, updated_at = now(),
-                        disabled_reason = 'the receiver answered 410 Gone' WHERE id = $1",
-            )
-            .bind(d.subscription_id)
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(
-                "UPDATE webhook_deliveries SET status = 'failed', last_error = 'subscription disabled', updated_at = now()
-                 WHERE subscription_id = $1 AND status = 'pending'",
-            )
-            .bind(d.subscription_id)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(true)
-    }
-
-    async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
-        let mut rows = sqlx::query(
-            "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
-             JOIN prompts p ON p.id = s.prompt_id WHERE p.name = $1 ORDER BY s.id DESC LIMIT $2",
-        )
-        .bind(prompt.as_str())
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(super::ControllerSample {
-                batch_size: r.try_get::<i32, _>("batch_size")? as u32,
-                round_secs: r.try_get("round_secs")?,
-                round_id: r.try_get("round_id")?,
-                created_at: r.try_get("created_at")?,
-            })
-        })
-        .collect::<StoreResult<Vec<_>>>()?;
-        rows.reverse();
-        Ok(rows)
-    }
-
-    async fn save_controller_choice(&self, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO controller_choices (prompt_id, choice) SELECT id, $2 FROM prompts WHERE name = $1
-             ON CONFLICT (prompt_id) DO UPDATE SET choice = EXCLUDED.choice, updated_at = now()",
-        )
-        .bind(prompt.as_str())
-        .bind(choice)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
-    async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
-        let row = sqlx::query(
-            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = $1",
-        )
-        .bind(prompt.as_str())
-        .fetch_optional(&self.pool)
-        .await?;
-        row.map(|r| Ok((r.try_get("choice")?, r.try_get("updated_at")?))).transpose()
-    }
-
-    async fn record_meter_counts(
-        &self,
-        prompt: &PromptName,
-        round: Uuid,
-        counts: &[super::MeterCounts],
-    ) -> StoreResult<()> {
-        let mut tx = self.pool.begin().await?;
-        for c in counts {
-            sqlx::query(
-                "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured)
-                 SELECT $2, id, $3, $4, $5 FROM prompts WHERE name = $1
-                 ON CONFLICT (round_id, size_min) DO NOTHING",
-            )
-            .bind(prompt.as_str())
-            .bind(round)
-            .bind(i32::try_from(c.size_min).unwrap_or(i32::MAX))
-            .bind(i64::try_from(c.marked).unwrap_or(i64::MAX))
-            .bind(i64::try_from(c.recaptured).unwrap_or(i64::MAX))
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
-        sqlx::query(
-            "SELECT m.size_min, SUM(m.marked)::bigint AS marked, SUM(m.recaptured)::bigint AS recaptured,
-                    COUNT(*)::bigint AS rounds
-             FROM meter_counts m JOIN prompts p ON p.id = m.prompt_id WHERE p.name = $1
-             GROUP BY m.size_min ORDER BY m.size_min",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&self.pool)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(super::MeterCounts {
-                size_min: r.try_get::<i32, _>("size_min")? as u32,
-                marked: r.try_get::<i64, _>("marked")? as u64,
-                recaptured: r.try_get::<i64, _>("recaptured")? as u64,
-                rounds: r.try_get::<i64, _>("rounds")? as u64,
-            })
-        })
-        .collect()
-    }
 }
 
-const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
-
-fn webhook_from_row(row: &PgRow) -> StoreResult<Webhook> {
-    Ok(Webhook {
-        id: row.try_get("id")?,
-        url: row.try_get("url")?,
-        events: events_from_column(row.try_get("events")?).ok_or_else(|| corrupt("webhook events"))?,
-        description: row.try_get("description")?,
-        enabled: row.try_get("enabled")?,
-        disabled_reason: row.try_get("disabled_reason")?,
-        created_at: row.try_get("created_at")?,
-        secret: Secret::new(row.try_get::<String, _>("secret")?),
-    })
-}
-
-const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \
-     r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
-     r.started_at, r.finished_at, r.updated_at";
-
-fn round_from_row(row: &PgRow) -> StoreResult<Round> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let trigger: String = row.try_get("trigger")?;
-    let method: String = row.try_get("method")?;
-    let strategy: String = row.try_get("strategy")?;
-    Ok(Round {
-        id: row.try_get("id")?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
-        trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
-        method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
-        strategy: round::parse_strategy(&strategy).ok_or_else(|| corrupt("round strategy"))?,
-        seed: row.try_get("seed")?,
-        duplication: row.try_get("duplication")?,
-        n: row.try_get("n")?,
-        k: row.try_get("k")?,
-        base_version: row.try_get("base_version")?,
-        result_version: row.try_get("result_version")?,
-        attempt: row.try_get("attempt")?,
-        error: row.try_get("error")?,
-        detail: row.try_get("detail")?,
-        created_at: row.try_get("created_at")?,
-        started_at: row.try_get("started_at")?,
-        finished_at: row.try_get("finished_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
-
-/// Locks the round row and checks that `attempt` still holds its lease.
-/// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).
-async fn charge_traces(tx: &mut Transaction<'_, Postgres>, round: Uuid, charges: &TraceCharges) -> StoreResult<()> {
-    for fault in &charges.faults {
-        sqlx::query(
-            "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = now(), failure_reason = $3,
-                    status = CASE WHEN attempts + 1 >= $4 THEN 'failed' ELSE 'pending' END
-             WHERE id = $1 AND round_id = $2 AND status = 'pending'",
-        )
-        .bind(fault.trace_id)
-        .bind(round)
-        .bind(&fault.reason)
-        .bind(charges.max_trace_attempts)
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(())
-}
-
-/// Returns the round's still-reserved pending traces to the backlog, uncharged.
-async fn release_traces(tx: &mut Transaction<'_, Postgres>, round: Uuid) -> StoreResult<()> {
-    sqlx::query("UPDATE traces SET round_id = NULL, updated_at = now() WHERE round_id = $1 AND status = 'pending'")
-        .bind(round)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
-}
-
-async fn fence(tx: &mut Transaction<'_, Postgres>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
-    let row = sqlx::query(
-        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id
-         WHERE r.id = $1 FOR UPDATE OF r",
-    )
-    .bind(round)
-    .fetch_optional(&mut **tx)
-    .await?
-    .ok_or(StoreError::NotFound)?;
-    let status: String = row.try_get("status")?;
-    let current: i32 = row.try_get("attempt")?;
-    if status != "running" || current != attempt {
-        return Err(StoreError::Conflict);
-    }
-    Ok((row.try_get("prompt_id")?, row.try_get("name")?))
-}
-
-impl PgStore {
-    async fn load_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
-        sqlx::query(&format!(
-            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = $1"
-        ))
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?
-        .as_ref()
-        .map(round_from_row)
-        .transpose()
-    }
-
+impl SqlStore<Postgres> {
     /// Explains why a batch did not fully insert: the first trace whose prompt
     /// or version does not exist.
     async fn first_unknown_reference(&self, traces: &[ValidTrace]) -> StoreResult<StoreError> {
         for (i, t) in traces.iter().enumerate() {
             let count: Option<i64> = sqlx::query_scalar("SELECT version_count FROM prompts WHERE name = $1")
                 .bind(t.prompt.as_str())
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.writer)
                 .await?;
             match (count, t.prompt_version) {
                 (None, _) => {
@@ -2190,67 +454,4 @@ impl PgStore {
         }
         Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
     }
-}
-
-/// Locks trace `id` for an operator action (`delete` or quarantine); the
-/// answer to give instead when it is missing or in a state that refuses it.
-async fn lock_for_action(
-    tx: &mut Transaction<'_, Postgres>,
-    id: Uuid,
-    delete: bool,
-) -> StoreResult<Option<TraceAction>> {
-    let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = $1 FOR UPDATE")
-        .bind(id)
-        .fetch_optional(&mut **tx)
-        .await?
-    else {
-        return Ok(Some(TraceAction::NotFound));
-    };
-    Ok(trace_action_refusal(delete, row.try_get("status")?, row.try_get("round_id")?).map(TraceAction::Refused))
-}
-
-/// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).
-async fn insert_otlp_spans(
-    tx: &mut Transaction<'_, Postgres>,
-    otel_trace_id: &str,
-    trace: Option<Uuid>,
-    spans: &[&OtlpSpan],
-) -> StoreResult<()> {
-    let ids: Vec<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
-    let bodies: Vec<&[u8]> = spans.iter().map(|s| s.body.as_slice()).collect();
-    sqlx::query(
-        "INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body)
-         SELECT $1, u.span_id, $2, u.body FROM unnest($3::text[], $4::bytea[]) AS u(span_id, body)",
-    )
-    .bind(otel_trace_id)
-    .bind(trace)
-    .bind(&ids)
-    .bind(&bodies)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// One row of the outcome aggregate query.
-fn outcome_bucket_from_row(row: &PgRow) -> StoreResult<OutcomeBucket> {
-    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(row.try_get::<i64, _>(c)?).unwrap_or(0)) };
-    let moments = |p: &str| -> StoreResult<Moments> {
-        Ok(Moments {
-            count: count(&format!("{p}_n"))?,
-            sum: row.try_get(format!("{p}_sum").as_str())?,
-            sum_sq: row.try_get(format!("{p}_sq").as_str())?,
-        })
-    };
-    Ok(OutcomeBucket {
-        version: row.try_get("version")?,
-        start: row.try_get("start")?,
-        traces: count("traces")?,
-        with_feedback: count("with_feedback")?,
-        success_trials: count("success_trials")?,
-        successes: count("successes")?,
-        score: moments("score")?,
-        tokens: moments("tokens")?,
-        cost_usd: moments("cost")?,
-        latency_ms: moments("latency")?,
-    })
 }

@@ -7,46 +7,23 @@ use std::{path::Path, str::FromStr, time::Duration};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    Row, Sqlite, SqlitePool, Transaction,
+    Row, Sqlite, SqliteConnection, Transaction,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous},
 };
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
-use crate::evaluate::{
-    outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, OutcomeBucket, TOKENS_KEY},
-    stats::Moments,
-};
+use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, TOKENS_KEY};
 
-use super::{
-    ApiKey, ArmState, AttemptRecord, Backlog, Change, ClaimedDelivery, ClaimedRound, DeliveryAttempt, DeliveryOutcome,
-    IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
-    OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
-    Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, migrate, otlp_prompt_problem, scopes_from_string, scopes_to_string, trace_action_refusal,
-    version_move_kind,
-};
-use crate::{
-    domain::{
-        Feedback, LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings,
-        Reflection, Trace, TraceStatus, Version, VersionContent, VersionSource,
-        event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
-        prompt::NewVersion,
-        round::{self, Round, RoundStatus, RoundTrigger},
-        trace::ValidTrace,
-    },
-    llm::LlmCall,
-    secret::Secret,
-};
+use super::backend::{Backend, SqlStore};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
+use super::{ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
+use crate::{domain::trace::ValidTrace, secret::Secret};
 
-pub struct SqliteStore {
-    writer: SqlitePool,
-    reader: SqlitePool,
-    changes: broadcast::Sender<Change>,
-    key_generation: KeyGenerationCache,
-}
+pub type SqliteStore = SqlStore<Sqlite>;
 
 /// Makes the per-request "did any process revoke a key?" check cheap. Every
 /// commit, by any process, rewrites the WAL index header at the start of the
@@ -55,7 +32,7 @@ pub struct SqliteStore {
 /// transaction has committed, so the key generation read under them still
 /// holds and no query is needed; when they changed, or cannot be read, the
 /// generation is read from the table again.
-struct KeyGenerationCache {
+pub struct KeyGenerationCache {
     shm: Option<std::fs::File>,
     seen: std::sync::Mutex<Option<(WalIndexHeader, i64)>>,
 }
@@ -89,144 +66,96 @@ impl KeyGenerationCache {
     }
 }
 
+/// SQLite keeps ids as text, times as integer microseconds and JSON as text.
+impl Dialect for Sqlite {
+    direct_getters!(SqliteRow: get_i64 -> i64, get_i32 -> i32, get_f64 -> f64, get_bool -> bool, get_text -> String, get_bytes -> Vec<u8>);
+    fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
+        match p {
+            Param::Int(v) => q.bind(v),
+            Param::Int32(v) => q.bind(v),
+            Param::Real(v) => q.bind(v),
+            Param::Bool(v) => q.bind(v),
+            Param::Text(v) => q.bind(v),
+            Param::Id(v) => q.bind(v.map(|u| u.to_string())),
+            Param::At(v) => q.bind(v.map(|t| t.timestamp_micros())),
+            Param::Bytes(v) => q.bind(v),
+            Param::Ids(v) => {
+                q.bind(v.map(|ids| Value::from(ids.iter().map(Uuid::to_string).collect::<Vec<_>>()).to_string()))
+            }
+            Param::Json(v) => q.bind(v.map(|j| j.to_string())),
+        }
+    }
+    fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut SqliteConnection) -> BoxFuture<'c, sqlx::Result<u64>> {
+        Box::pin(async move { Ok(q.execute(c).await?.rows_affected()) })
+    }
+    fn fetch_all<'c, 'q: 'c>(
+        q: Query<'q, Self>,
+        c: &'c mut SqliteConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Vec<SqliteRow>>> {
+        Box::pin(q.fetch_all(c))
+    }
+    fn fetch_optional<'c, 'q: 'c>(
+        q: Query<'q, Self>,
+        c: &'c mut SqliteConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<SqliteRow>>> {
+        Box::pin(q.fetch_optional(c))
+    }
+    fn get_id(row: &SqliteRow, col: &str) -> StoreResult<Option<Uuid>> {
+        row.try_get::<Option<&str>, _>(col)?.map(uuid).transpose()
+    }
+    fn get_at(row: &SqliteRow, col: &str) -> StoreResult<Option<DateTime<Utc>>> {
+        row.try_get::<Option<i64>, _>(col)?.map(time).transpose()
+    }
+    fn get_json(row: &SqliteRow, col: &str) -> StoreResult<Option<Value>> {
+        row.try_get::<Option<&str>, _>(col)?.map(json).transpose()
+    }
+    fn serialize_otlp<'c>(_: &'c mut SqliteConnection, _: &'c str) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn any_of(column: &str, param: &str) -> String {
+        format!("{column} IN (SELECT value FROM json_each({param}))")
+    }
+    fn reserve_traces<'c>(
+        c: &'c mut SqliteConnection,
+        round: Uuid,
+        traces: &'c [Uuid],
+        at: DateTime<Utc>,
+    ) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            for (position, trace) in traces.iter().enumerate() {
+                sqlx::query("INSERT INTO round_traces (round_id, trace_id, position) VALUES (?, ?, ?)")
+                    .bind(round.to_string())
+                    .bind(trace.to_string())
+                    .bind(position as i64 + 1)
+                    .execute(&mut *c)
+                    .await?;
+                sqlx::query("UPDATE traces SET round_id = ?, updated_at = ? WHERE id = ?")
+                    .bind(round.to_string())
+                    .bind(at.timestamp_micros())
+                    .bind(trace.to_string())
+                    .execute(&mut *c)
+                    .await?;
+            }
+            Ok(())
+        })
+    }
+    fn string_agg(expr: &str) -> String {
+        format!("group_concat({expr}, ',')")
+    }
+    fn lock(_: &'static str) -> &'static str {
+        ""
+    }
+    fn notify<'c>(_: &'c mut SqliteConnection, _: &'c str) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
 fn now_us() -> i64 {
     Utc::now().timestamp_micros()
 }
 
 fn time(us: i64) -> StoreResult<DateTime<Utc>> {
     DateTime::from_timestamp_micros(us).ok_or_else(|| corrupt("timestamp"))
-}
-
-/// Writes an event into the outbox and fans it out to every enabled
-/// subscription that asked for its type — inside the caller's transaction, so
-/// the event exists exactly when the change it announces does. True when a
-/// delivery was queued (announce `Change::OutboxEvent` after the commit).
-async fn record_event(tx: &mut Transaction<'_, Sqlite>, e: &OutboxEvent) -> StoreResult<bool> {
-    let now = now_us();
-    sqlx::query("INSERT INTO webhook_events (id, type, body, created_at) VALUES (?, ?, ?, ?)")
-        .bind(&e.id)
-        .bind(e.kind.as_str())
-        .bind(&e.body)
-        .bind(e.created_at.timestamp_micros())
-        .execute(&mut **tx)
-        .await?;
-    let subscribers: Vec<String> =
-        sqlx::query_scalar("SELECT id FROM webhook_subscriptions WHERE enabled = 1 AND events LIKE ?")
-            .bind(events_pattern(e.kind))
-            .fetch_all(&mut **tx)
-            .await?;
-    for sub in &subscribers {
-        sqlx::query(
-            "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status, next_attempt_at, created_at, updated_at)
-             VALUES (?, ?, ?, 'pending', ?, ?, ?)",
-        )
-        .bind(Uuid::now_v7().to_string())
-        .bind(&e.id)
-        .bind(sub)
-        .bind(now)
-        .bind(now)
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(!subscribers.is_empty())
-}
-
-/// Appends one entry to the label history (inside the caller's transaction).
-// The columns of one history row; a struct would only rename them.
-#[allow(clippy::too_many_arguments)]
-async fn record_history(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    label: &LabelName,
-    from: Option<i64>,
-    to: Option<i64>,
-    actor: &str,
-    cause: &MoveCause,
-) -> StoreResult<()> {
-    sqlx::query(
-        "INSERT INTO label_moves (prompt_id, label, from_version, to_version, kind, actor, reason, evidence, at)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    )
-    .bind(prompt_id.to_string())
-    .bind(label.as_str())
-    .bind(from)
-    .bind(to)
-    .bind(cause.kind.as_str())
-    .bind(actor)
-    .bind(&cause.reason)
-    .bind(cause.evidence.as_ref().map(to_json).transpose()?)
-    .bind(now_us())
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// The history entry and outbox events of one label move (none when it did
-/// not change anything). True when a delivery was queued.
-async fn record_move(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    prompt: &PromptName,
-    label: &Label,
-    previous: Option<i64>,
-    cause: &MoveCause,
-) -> StoreResult<bool> {
-    if previous == Some(label.version) {
-        return Ok(false);
-    }
-    record_history(tx, prompt_id, &label.name, previous, Some(label.version), &label.updated_by, cause).await?;
-    let mut queued =
-        record_event(tx, &OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by))
-            .await?;
-    if matches!(cause.kind, LabelMoveKind::Rollback | LabelMoveKind::GuardRollback) {
-        let e = OutboxEvent::rolled_back(prompt, &label.name, label.version, previous, &label.updated_by, cause);
-        queued |= record_event(tx, &e).await?;
-    }
-    Ok(queued)
-}
-
-fn history_from_row(row: &SqliteRow) -> StoreResult<LabelHistoryEntry> {
-    let label: String = row.try_get("label")?;
-    let kind: String = row.try_get("kind")?;
-    let evidence: Option<String> = row.try_get("evidence")?;
-    Ok(LabelHistoryEntry {
-        id: row.try_get("id")?,
-        label: LabelName::parse(&label).map_err(|_| corrupt("label name"))?,
-        from_version: row.try_get("from_version")?,
-        to_version: row.try_get("to_version")?,
-        kind: LabelMoveKind::parse(&kind).ok_or_else(|| corrupt("label move kind"))?,
-        actor: row.try_get("actor")?,
-        reason: row.try_get("reason")?,
-        evidence: evidence.as_deref().map(json).transpose()?,
-        at: time(row.try_get("at")?)?,
-    })
-}
-
-fn arm_from_row(row: &SqliteRow) -> StoreResult<PopulationArm> {
-    let state: String = row.try_get("state")?;
-    let rated_until: Option<i64> = row.try_get("rated_until")?;
-    Ok(PopulationArm {
-        version: row.try_get("version")?,
-        state: ArmState::parse(&state).ok_or_else(|| corrupt("arm state"))?,
-        rating: crate::evaluate::trueskill::Rating { mu: row.try_get("mu")?, sigma: row.try_get("sigma")? },
-        weight: row.try_get("weight")?,
-        scored_traces: row.try_get::<i64, _>("scored_traces")?.max(0) as u64,
-        created_from: row.try_get("created_from")?,
-        parents: {
-            let parents: Option<String> = row.try_get("parents")?;
-            let created_from: Option<i64> = row.try_get("created_from")?;
-            match parents {
-                Some(v) => serde_json::from_str(&v).map_err(|_| corrupt("arm parents"))?,
-                None => created_from.into_iter().collect(),
-            }
-        },
-        rated_until: rated_until.map(time).transpose()?,
-    })
-}
-
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(what.to_owned())
 }
 
 fn uuid(s: &str) -> StoreResult<Uuid> {
@@ -285,7 +214,7 @@ async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrac
     Ok(ids)
 }
 
-impl SqliteStore {
+impl SqlStore<Sqlite> {
     pub async fn open(path: &Path, readers: u32, acquire_timeout: Duration) -> StoreResult<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
@@ -304,7 +233,7 @@ impl SqliteStore {
             .connect_with(options.clone())
             .await
             .map_err(StoreError::Unavailable)?;
-        migrate_sqlite(&writer).await?;
+        migrate::sqlite(&writer).await?;
         let reader = SqlitePoolOptions::new()
             .max_connections(readers.max(1))
             .acquire_timeout(acquire_timeout)
@@ -312,746 +241,37 @@ impl SqliteStore {
             .await
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
-        Ok(Self { writer, reader, changes, key_generation: KeyGenerationCache::open(path) })
+        Ok(Self { writer, reader, changes, extra: KeyGenerationCache::open(path) })
     }
-
-    fn announce(&self, change: Change) {
-        let _ = self.changes.send(change);
-    }
-
-    fn announce_outbox(&self, queued: bool) {
-        if queued {
-            self.announce(Change::OutboxEvent);
-        }
-    }
-}
-
-async fn migrate_sqlite(pool: &SqlitePool) -> StoreResult<()> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS schema_migrations (
-            version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum TEXT NOT NULL, applied_at INTEGER NOT NULL)",
-    )
-    .execute(pool)
-    .await?;
-    for m in migrate::SQLITE {
-        let applied: Option<String> = sqlx::query_scalar("SELECT checksum FROM schema_migrations WHERE version = ?")
-            .bind(m.version)
-            .fetch_optional(pool)
-            .await?;
-        match applied {
-            Some(sum) if sum == m.checksum() => continue,
-            Some(_) => {
-                return Err(StoreError::Migration(format!(
-                    "migration {} ({}) was changed after it was applied",
-                    m.version, m.name
-                )));
-            }
-            None => {}
-        }
-        let mut tx = pool.begin().await?;
-        sqlx::raw_sql(m.sql).execute(&mut *tx).await.map_err(|e| StoreError::Migration(format!("{}: {e}", m.name)))?;
-        sqlx::query("INSERT INTO schema_migrations (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)")
-            .bind(m.version)
-            .bind(m.name)
-            .bind(m.checksum())
-            .bind(now_us())
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-    }
-    Ok(())
-}
-
-fn prompt_from_row(row: &SqliteRow) -> StoreResult<Prompt> {
-    let name: String = row.try_get("name")?;
-    Ok(Prompt {
-        id: uuid(row.try_get("id")?)?,
-        name: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        strategy: serde_json::from_value(Value::String(row.try_get("strategy")?)).map_err(|_| corrupt("strategy"))?,
-        promotion: serde_json::from_value(Value::String(row.try_get("promotion")?))
-            .map_err(|_| corrupt("promotion"))?,
-        settings: serde_json::from_str(row.try_get("settings")?).map_err(|_| corrupt("settings"))?,
-        created_at: time(row.try_get("created_at")?)?,
-        created_by: row.try_get("created_by")?,
-    })
-}
-
-const VERSION_COLUMNS: &str = "p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, v.playbook, \
-     v.content_hash, v.message, v.created_by, v.created_at";
-
-fn version_from_row(row: &SqliteRow) -> StoreResult<Version> {
-    let name: String = row.try_get("prompt_name")?;
-    let source: String = row.try_get("source")?;
-    let playbook: Option<String> = row.try_get("playbook")?;
-    let round_id: Option<String> = row.try_get("round_id")?;
-    Ok(Version {
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        number: row.try_get("number")?,
-        parent: row.try_get("parent")?,
-        source: VersionSource::parse(&source).ok_or_else(|| corrupt("version source"))?,
-        round_id: round_id.as_deref().map(uuid).transpose()?,
-        content: VersionContent {
-            base: row.try_get("base")?,
-            playbook: playbook.as_deref().map(serde_json::from_str).transpose().map_err(|_| corrupt("playbook"))?,
-        },
-        content_hash: row.try_get("content_hash")?,
-        message: row.try_get("message")?,
-        created_by: row.try_get("created_by")?,
-        created_at: time(row.try_get("created_at")?)?,
-    })
-}
-
-fn label_from_row(row: &SqliteRow) -> StoreResult<Label> {
-    let name: String = row.try_get("name")?;
-    Ok(Label {
-        name: LabelName::parse(&name).map_err(|_| corrupt("label name"))?,
-        version: row.try_get("version")?,
-        updated_at: time(row.try_get("updated_at")?)?,
-        updated_by: row.try_get("updated_by")?,
-    })
-}
-
-fn key_from_row(row: &SqliteRow) -> StoreResult<ApiKey> {
-    let revoked: Option<i64> = row.try_get("revoked_at")?;
-    Ok(ApiKey {
-        id: uuid(row.try_get("id")?)?,
-        name: row.try_get("name")?,
-        prefix: row.try_get("prefix")?,
-        hash: row.try_get("hash")?,
-        scopes: scopes_from_string(row.try_get("scopes")?)?,
-        created_at: time(row.try_get("created_at")?)?,
-        revoked_at: revoked.map(time).transpose()?,
-    })
-}
-
-const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, t.trajectory, t.output, \
-     t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, \
-     t.updated_at, t.quarantined_at, t.quarantine_reason";
-
-fn trace_from_row(row: &SqliteRow) -> StoreResult<Trace> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let reflection: Option<String> = row.try_get("reflection")?;
-    let round_id: Option<String> = row.try_get("round_id")?;
-    let quarantined_at: Option<i64> = row.try_get("quarantined_at")?;
-    let quarantined_at = quarantined_at.map(time).transpose()?;
-    Ok(Trace {
-        id: uuid(row.try_get("id")?)?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        prompt_version: row.try_get("prompt_version")?,
-        status: match quarantined_at {
-            Some(_) => TraceStatus::Quarantined,
-            None => TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
-        },
-        input: json(row.try_get("input")?)?,
-        trajectory: json(row.try_get("trajectory")?)?,
-        output: json(row.try_get("output")?)?,
-        feedback: serde_json::from_str(row.try_get("feedback")?).map_err(|_| corrupt("feedback"))?,
-        reflection: reflection.as_deref().map(json).transpose()?.filter(|r| !r.is_null()),
-        external_id: row.try_get("external_id")?,
-        metadata: json(row.try_get("metadata")?)?,
-        attempts: row.try_get("attempts")?,
-        failure_reason: row.try_get("failure_reason")?,
-        round_id: round_id.as_deref().map(uuid).transpose()?,
-        quarantined_at,
-        quarantine_reason: row.try_get("quarantine_reason")?,
-        created_at: time(row.try_get("created_at")?)?,
-        updated_at: time(row.try_get("updated_at")?)?,
-    })
-}
-
-async fn insert_version(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    number: i64,
-    v: &NewVersion,
-    created_at: i64,
-) -> StoreResult<()> {
-    let playbook = v.content.playbook.as_ref().map(to_json).transpose()?;
-    sqlx::query(
-        "INSERT INTO versions (prompt_id, number, parent, source, round_id, base, playbook, content_hash, message, created_by, created_at)
-         VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    )
-    .bind(prompt_id.to_string())
-    .bind(number)
-    .bind(v.parent)
-    .bind(v.source.as_str())
-    .bind(v.round_id.map(|r| r.to_string()))
-    .bind(&v.content.base)
-    .bind(playbook)
-    .bind(v.content.hash())
-    .bind(&v.message)
-    .bind(&v.created_by)
-    .bind(created_at)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// Moves a label; returns it with the version it pointed at before.
-async fn apply_move(
-    tx: &mut Transaction<'_, Sqlite>,
-    prompt_id: Uuid,
-    mv: &LabelMove,
-) -> StoreResult<(Label, Option<i64>)> {
-    let pid = prompt_id.to_string();
-    let current: Option<i64> = sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = ? AND name = ?")
-        .bind(&pid)
-        .bind(mv.label.as_str())
-        .fetch_optional(&mut **tx)
-        .await?;
-    if mv.check_current && current != mv.expected_current {
-        return Err(StoreError::Conflict);
-    }
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM versions WHERE prompt_id = ? AND number = ?)")
-        .bind(&pid)
-        .bind(mv.to_version)
-        .fetch_one(&mut **tx)
-        .await?;
-    if !exists {
-        return Err(StoreError::Invalid(format!("version {} does not exist", mv.to_version)));
-    }
-    let row = sqlx::query(
-        "INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES (?, ?, ?, ?, ?)
-         ON CONFLICT (prompt_id, name) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at,
-             updated_by = excluded.updated_by
-         RETURNING name, version, updated_at, updated_by",
-    )
-    .bind(&pid)
-    .bind(mv.label.as_str())
-    .bind(mv.to_version)
-    .bind(now_us())
-    .bind(&mv.by)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok((label_from_row(&row)?, current))
-}
-
-async fn prompt_id(tx: &mut Transaction<'_, Sqlite>, name: &PromptName) -> StoreResult<Uuid> {
-    let id: Option<String> = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
-        .bind(name.as_str())
-        .fetch_optional(&mut **tx)
-        .await?;
-    uuid(&id.ok_or(StoreError::NotFound)?)
-}
-
-const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
-
-fn webhook_from_row(row: &SqliteRow) -> StoreResult<Webhook> {
-    Ok(Webhook {
-        id: uuid(row.try_get("id")?)?,
-        url: row.try_get("url")?,
-        events: events_from_column(row.try_get("events")?).ok_or_else(|| corrupt("webhook events"))?,
-        description: row.try_get("description")?,
-        enabled: row.try_get("enabled")?,
-        disabled_reason: row.try_get("disabled_reason")?,
-        created_at: time(row.try_get("created_at")?)?,
-        secret: Secret::new(row.try_get::<String, _>("secret")?),
-    })
-}
-
-const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, r.seed, \
-     r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
-     r.started_at, r.finished_at, r.updated_at";
-
-fn round_from_row(row: &SqliteRow) -> StoreResult<Round> {
-    let name: String = row.try_get("prompt_name")?;
-    let status: String = row.try_get("status")?;
-    let trigger: String = row.try_get("trigger")?;
-    let method: String = row.try_get("method")?;
-    let strategy: String = row.try_get("strategy")?;
-    let started: Option<i64> = row.try_get("started_at")?;
-    let finished: Option<i64> = row.try_get("finished_at")?;
-    Ok(Round {
-        id: uuid(row.try_get("id")?)?,
-        prompt: PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?,
-        status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
-        trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
-        method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
-        strategy: round::parse_strategy(&strategy).ok_or_else(|| corrupt("round strategy"))?,
-        seed: row.try_get("seed")?,
-        duplication: row.try_get("duplication")?,
-        n: row.try_get("n")?,
-        k: row.try_get("k")?,
-        base_version: row.try_get("base_version")?,
-        result_version: row.try_get("result_version")?,
-        attempt: row.try_get("attempt")?,
-        error: row.try_get("error")?,
-        detail: json(row.try_get("detail")?)?,
-        created_at: time(row.try_get("created_at")?)?,
-        started_at: started.map(time).transpose()?,
-        finished_at: finished.map(time).transpose()?,
-        updated_at: time(row.try_get("updated_at")?)?,
-    })
-}
-
-/// Checks that `attempt` still holds the round's lease (the single writer
-/// connection makes check-then-write atomic).
-/// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).
-async fn charge_traces(
-    tx: &mut Transaction<'_, Sqlite>,
-    round: Uuid,
-    charges: &TraceCharges,
-    now: i64,
-) -> StoreResult<()> {
-    for fault in &charges.faults {
-        sqlx::query(
-            "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = ?1, failure_reason = ?2,
-                    status = CASE WHEN attempts + 1 >= ?3 THEN 'failed' ELSE 'pending' END
-             WHERE id = ?4 AND round_id = ?5 AND status = 'pending'",
-        )
-        .bind(now)
-        .bind(&fault.reason)
-        .bind(charges.max_trace_attempts)
-        .bind(fault.trace_id.to_string())
-        .bind(round.to_string())
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(())
-}
-
-/// Returns the round's still-reserved pending traces to the backlog, uncharged.
-async fn release_traces(tx: &mut Transaction<'_, Sqlite>, round: Uuid, now: i64) -> StoreResult<()> {
-    sqlx::query("UPDATE traces SET round_id = NULL, updated_at = ? WHERE round_id = ? AND status = 'pending'")
-        .bind(now)
-        .bind(round.to_string())
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
-}
-
-async fn fence(tx: &mut Transaction<'_, Sqlite>, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
-    let row = sqlx::query(
-        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = ?",
-    )
-    .bind(round.to_string())
-    .fetch_optional(&mut **tx)
-    .await?
-    .ok_or(StoreError::NotFound)?;
-    let status: String = row.try_get("status")?;
-    let current: i32 = row.try_get("attempt")?;
-    if status != "running" || current != attempt {
-        return Err(StoreError::Conflict);
-    }
-    Ok((uuid(row.try_get("prompt_id")?)?, row.try_get("name")?))
 }
 
 fn micros(d: Duration) -> i64 {
     d.as_micros().min(i64::MAX as u128) as i64
 }
 
-impl SqliteStore {
-    async fn load_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
-        sqlx::query(&format!(
-            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = ?"
-        ))
-        .bind(id.to_string())
-        .fetch_optional(&self.reader)
-        .await?
-        .as_ref()
-        .map(round_from_row)
-        .transpose()
-    }
-}
-
-fn enum_str<T: serde::Serialize>(v: T) -> String {
-    serde_json::to_value(v).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default()
-}
-
 #[async_trait]
-impl Store for SqliteStore {
-    fn kind(&self) -> StoreKind {
-        StoreKind::Sqlite
-    }
+impl Backend for Sqlite {
+    const KIND: StoreKind = StoreKind::Sqlite;
+    const ANNOUNCE_LOCALLY: bool = true;
+    type Extra = KeyGenerationCache;
 
-    async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1").execute(&self.reader).await?;
-        Ok(())
-    }
-
-    fn changes(&self) -> broadcast::Receiver<Change> {
-        self.changes.subscribe()
-    }
-
-    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
-        let row = sqlx::query(
-            "INSERT INTO api_keys (id, name, prefix, hash, scopes, created_at) VALUES (?, ?, ?, ?, ?, ?)
-             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
-        )
-        .bind(Uuid::now_v7().to_string())
-        .bind(name)
-        .bind(prefix)
-        .bind(hash)
-        .bind(scopes_to_string(scopes))
-        .bind(now_us())
-        .fetch_one(&self.writer)
-        .await?;
-        self.announce(Change::Keys);
-        key_from_row(&row)
-    }
-
-    async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = ?")
-            .bind(hash)
-            .fetch_optional(&self.reader)
-            .await?
-            .as_ref()
-            .map(key_from_row)
-            .transpose()
-    }
-
-    async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
-        sqlx::query("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .fetch_all(&self.reader)
-            .await?
-            .iter()
-            .map(key_from_row)
-            .collect()
-    }
-
-    async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
-        let n = sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE revoked_at IS NULL AND (id = ? OR prefix = ?)")
-            .bind(now_us())
-            .bind(id_or_prefix)
-            .bind(id_or_prefix)
-            .execute(&self.writer)
-            .await?
-            .rows_affected();
-        self.announce(Change::Keys);
-        Ok(n > 0)
-    }
-
-    async fn api_key_generation(&self) -> StoreResult<i64> {
+    async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         // The header is read before the query: a commit landing in between
         // changes it, so the next call queries again.
-        let header = self.key_generation.header();
-        if let Some(generation) = header.as_ref().and_then(|h| self.key_generation.lookup(h)) {
+        let header = s.extra.header();
+        if let Some(generation) = header.as_ref().and_then(|h| s.extra.lookup(h)) {
             return Ok(generation);
         }
         let generation: i64 =
-            sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&self.reader).await?;
+            sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.reader).await?;
         if let Some(header) = header {
-            self.key_generation.remember(header, generation);
+            s.extra.remember(header, generation);
         }
         Ok(generation)
     }
 
-    async fn count_active_api_keys(&self) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM api_keys WHERE revoked_at IS NULL").fetch_one(&self.reader).await?)
-    }
-
-    async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
-        sqlx::query("DELETE FROM ui_sessions WHERE expires_at <= ?").bind(now_us()).execute(&mut *tx).await?;
-        sqlx::query(
-            "INSERT INTO ui_sessions (token_hash, key_id, csrf_token, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
-        )
-        .bind(&session.token_hash)
-        .bind(session.key_id.to_string())
-        .bind(&session.csrf_token)
-        .bind(now_us())
-        .bind(session.expires_at.timestamp_micros())
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
-        let row = sqlx::query(
-            "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
-                    k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
-             FROM ui_sessions s JOIN api_keys k ON k.id = s.key_id
-             WHERE s.token_hash = ? AND s.expires_at > ?",
-        )
-        .bind(token_hash)
-        .bind(now_us())
-        .fetch_optional(&self.reader)
-        .await?;
-        let Some(row) = row else { return Ok(None) };
-        let session = UiSession {
-            key_id: uuid(row.try_get("key_id")?)?,
-            csrf_token: row.try_get("csrf_token")?,
-            created_at: time(row.try_get("session_created_at")?)?,
-            expires_at: time(row.try_get("expires_at")?)?,
-        };
-        Ok(Some((session, key_from_row(&row)?)))
-    }
-
-    async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM ui_sessions WHERE token_hash = ?")
-            .bind(token_hash)
-            .execute(&self.writer)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
-    }
-
-    async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
-        let id = Uuid::now_v7();
-        let now = now_us();
-        let mut tx = self.writer.begin().await?;
-        sqlx::query(
-            "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by)
-             VALUES (?, ?, ?, ?, ?, 1, ?, ?)",
-        )
-        .bind(id.to_string())
-        .bind(p.name.as_str())
-        .bind(enum_str(p.strategy))
-        .bind(enum_str(p.promotion))
-        .bind(to_json(&p.settings)?)
-        .bind(now)
-        .bind(&p.created_by)
-        .execute(&mut *tx)
-        .await?;
-        insert_version(&mut tx, id, 1, &first, now).await?;
-        sqlx::query("INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES (?, ?, 1, ?, ?)")
-            .bind(id.to_string())
-            .bind(LabelName::PRODUCTION)
-            .bind(now)
-            .bind(&first.created_by)
-            .execute(&mut *tx)
-            .await?;
-        let created_at = time(now)?;
-        let prompt = Prompt {
-            id,
-            name: p.name.clone(),
-            strategy: p.strategy,
-            promotion: p.promotion,
-            settings: p.settings,
-            created_at,
-            created_by: p.created_by,
-        };
-        let version = first.into_version(p.name, 1, created_at);
-        let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
-        let mut queued =
-            record_event(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
-        queued |=
-            record_event(&mut tx, &OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by))
-                .await?;
-        let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
-        record_history(&mut tx, id, &production, None, Some(1), &version.created_by, &cause).await?;
-        tx.commit().await?;
-        self.announce(Change::Prompt(prompt.name.to_string()));
-        self.announce_outbox(queued);
-        Ok((prompt, version))
-    }
-
-    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
-        sqlx::query(
-            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = ?",
-        )
-        .bind(name.as_str())
-        .fetch_optional(&self.reader)
-        .await?
-        .as_ref()
-        .map(prompt_from_row)
-        .transpose()
-    }
-
-    async fn update_prompt_settings(
-        &self,
-        name: &PromptName,
-        expected: &PromptSettings,
-        new: &PromptSettings,
-    ) -> StoreResult<Option<Prompt>> {
-        let mut tx = self.writer.begin().await?;
-        let Some(current) = sqlx::query_scalar::<_, String>("SELECT settings FROM prompts WHERE name = ?")
-            .bind(name.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(None);
-        };
-        let current: PromptSettings = serde_json::from_str(&current).map_err(|_| corrupt("settings"))?;
-        if &current != expected {
-            return Err(StoreError::Conflict);
-        }
-        let row = sqlx::query(
-            "UPDATE prompts SET settings = ? WHERE name = ?
-             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
-        )
-        .bind(to_json(new)?)
-        .bind(name.as_str())
-        .fetch_one(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        prompt_from_row(&row).map(Some)
-    }
-
-    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
-        let rows = sqlx::query(
-            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
-                    (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
-             FROM prompts p WHERE (?1 IS NULL OR p.name > ?1) ORDER BY p.name LIMIT ?2",
-        )
-        .bind(after)
-        .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(PromptSummary {
-                    prompt: prompt_from_row(r)?,
-                    production_version: r.try_get("production_version")?,
-                    latest_version: r.try_get("version_count")?,
-                    pending_traces: r.try_get("pending")?,
-                })
-            })
-            .collect()
-    }
-
-    async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
-        let now = now_us();
-        let mut tx = self.writer.begin().await?;
-        let row = sqlx::query(
-            "UPDATE prompts SET version_count = version_count + 1 WHERE name = ? RETURNING id, version_count",
-        )
-        .bind(prompt.as_str())
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or(StoreError::NotFound)?;
-        let id = uuid(row.try_get("id")?)?;
-        let number: i64 = row.try_get("version_count")?;
-        if v.parent.is_some_and(|p| p < 1 || p >= number) {
-            return Err(StoreError::Invalid("parent version does not exist".into()));
-        }
-        insert_version(&mut tx, id, number, &v, now).await?;
-        let mut moved = Vec::with_capacity(moves.len());
-        for mv in moves {
-            let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
-            moved.push(apply_move(&mut tx, id, &mv).await?);
-        }
-        let version = v.into_version(prompt.clone(), number, time(now)?);
-        let on_new: Vec<&str> =
-            moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
-        let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
-        let cause = MoveCause::new(version_move_kind(version.source), version.message.clone());
-        for (label, previous) in &moved {
-            queued |= record_move(&mut tx, id, prompt, label, *previous, &cause).await?;
-        }
-        tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
-        self.announce_outbox(queued);
-        Ok(version)
-    }
-
-    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
-        let labels_col = "(SELECT group_concat(l2.name, ',') FROM labels l2
-                           WHERE l2.prompt_id = v.prompt_id AND l2.version = v.number) AS labels";
-        let row = match selector {
-            Selector::Label(label) => {
-                sqlx::query(&format!(
-                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM labels l
-                     JOIN prompts p ON p.id = l.prompt_id
-                     JOIN versions v ON v.prompt_id = l.prompt_id AND v.number = l.version
-                     WHERE p.name = ? AND l.name = ?"
-                ))
-                .bind(prompt.as_str())
-                .bind(label.as_str())
-                .fetch_optional(&self.reader)
-                .await?
-            }
-            Selector::Latest => {
-                sqlx::query(&format!(
-                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
-                     JOIN versions v ON v.prompt_id = p.id AND v.number = p.version_count
-                     WHERE p.name = ?"
-                ))
-                .bind(prompt.as_str())
-                .fetch_optional(&self.reader)
-                .await?
-            }
-            Selector::Version(n) => {
-                sqlx::query(&format!(
-                    "SELECT {VERSION_COLUMNS}, {labels_col} FROM prompts p
-                     JOIN versions v ON v.prompt_id = p.id AND v.number = ?
-                     WHERE p.name = ?"
-                ))
-                .bind(n)
-                .bind(prompt.as_str())
-                .fetch_optional(&self.reader)
-                .await?
-            }
-        };
-        let Some(row) = row else { return Ok(None) };
-        let labels: Option<String> = row.try_get("labels")?;
-        let mut labels = labels
-            .unwrap_or_default()
-            .split(',')
-            .filter(|l| !l.is_empty())
-            .map(|l| LabelName::parse(l).map_err(|_| corrupt("label name")))
-            .collect::<StoreResult<Vec<_>>>()?;
-        labels.sort();
-        Ok(Some(Resolved { version: version_from_row(&row)?, labels }))
-    }
-
-    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
-        sqlx::query(&format!(
-            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
-             WHERE p.name = ?1 AND (?2 IS NULL OR v.number < ?2) ORDER BY v.number DESC LIMIT ?3"
-        ))
-        .bind(prompt.as_str())
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(version_from_row)
-        .collect()
-    }
-
-    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
-        sqlx::query(
-            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
-             WHERE p.name = ? ORDER BY l.name",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(label_from_row)
-        .collect()
-    }
-
-    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
-        let mut tx = self.writer.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        let (label, previous) = apply_move(&mut tx, id, mv).await?;
-        let queued = record_move(&mut tx, id, prompt, &label, previous, cause).await?;
-        tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
-        self.announce_outbox(queued);
-        Ok(label)
-    }
-
-    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
-        let mut tx = self.writer.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        let deleted: Option<i64> =
-            sqlx::query_scalar("DELETE FROM labels WHERE prompt_id = ? AND name = ? RETURNING version")
-                .bind(id.to_string())
-                .bind(label.as_str())
-                .fetch_optional(&mut *tx)
-                .await?;
-        if let Some(version) = deleted {
-            let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
-            record_history(&mut tx, id, label, Some(version), None, by, &cause).await?;
-        }
-        tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
-        Ok(deleted.is_some())
-    }
-
-    async fn task_rewards(
-        &self,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-    ) -> StoreResult<Vec<TaskRewards>> {
-        let sql = format!(
+    fn task_rewards_sql() -> String {
+        format!(
             "WITH r AS (
                SELECT t.prompt_version AS version, json_extract(t.metadata, '$.task_key') AS task_key,
                       CASE json_type(t.feedback, '$.success') WHEN 'true' THEN 1.0 WHEN 'false' THEN 0.0
@@ -1063,175 +283,17 @@ impl Store for SqliteStore {
                  AND t.prompt_version IS NOT NULL AND json_type(t.metadata, '$.task_key') = 'text')
              SELECT version, task_key, count(reward) AS n, CAST(coalesce(sum(reward), 0) AS REAL) AS total
              FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from.timestamp_micros())
-            .bind(until.timestamp_micros())
-            .fetch_all(&self.reader)
-            .await?
-            .iter()
-            .map(|row| {
-                Ok(TaskRewards {
-                    version: row.try_get("version")?,
-                    task_key: row.try_get("task_key")?,
-                    traces: row.try_get::<i64, _>("n")?.max(0) as u64,
-                    reward_sum: row.try_get("total")?,
-                })
-            })
-            .collect()
-    }
-
-    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
-        sqlx::query(
-            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until
-             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
-             WHERE p.name = ? ORDER BY a.version",
         )
-        .bind(prompt.as_str())
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(arm_from_row)
-        .collect()
     }
 
-    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
-        let id = prompt_id(&mut tx, prompt).await?;
-        for arm in arms {
-            let exists: Option<i64> =
-                sqlx::query_scalar("SELECT number FROM versions WHERE prompt_id = ? AND number = ?")
-                    .bind(id.to_string())
-                    .bind(arm.version)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if exists.is_none() {
-                return Err(StoreError::Invalid(format!("version {} does not exist", arm.version)));
-            }
-            let now = now_us();
-            sqlx::query(
-                "INSERT INTO population_arms
-                    (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from, rated_until, created_at, updated_at, parents)
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-                 ON CONFLICT (prompt_id, version) DO UPDATE SET
-                    state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
-                    scored_traces = excluded.scored_traces, created_from = excluded.created_from,
-                    rated_until = excluded.rated_until, updated_at = excluded.updated_at, parents = excluded.parents",
-            )
-            .bind(id.to_string())
-            .bind(arm.version)
-            .bind(arm.state.as_str())
-            .bind(arm.rating.mu)
-            .bind(arm.rating.sigma)
-            .bind(arm.weight)
-            .bind(arm.scored_traces as i64)
-            .bind(arm.created_from)
-            .bind(arm.rated_until.map(|t| t.timestamp_micros()))
-            .bind(now)
-            .bind(now)
-            .bind(to_json(&arm.parents)?)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        self.announce(Change::Prompt(prompt.to_string()));
-        Ok(())
-    }
-
-    async fn label_history(
-        &self,
-        prompt: &PromptName,
-        label: Option<&LabelName>,
-        before: Option<i64>,
-        limit: u32,
-    ) -> StoreResult<Vec<LabelHistoryEntry>> {
-        sqlx::query(
-            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
-             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
-             WHERE p.name = ?1 AND (?2 IS NULL OR m.label = ?2) AND (?3 IS NULL OR m.id < ?3)
-             ORDER BY m.id DESC LIMIT ?4",
-        )
-        .bind(prompt.as_str())
-        .bind(label.map(LabelName::as_str))
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(history_from_row)
-        .collect()
-    }
-
-    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        let mut tx = self.writer.begin().await?;
+    async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+        let mut tx = s.writer.begin().await?;
         let ids = insert_trace_rows(&mut tx, traces).await?;
         tx.commit().await?;
         Ok(ids)
     }
 
-    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
-        sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = ?"
-        ))
-        .bind(id.to_string())
-        .fetch_optional(&self.reader)
-        .await?
-        .as_ref()
-        .map(trace_from_row)
-        .transpose()
-    }
-
-    async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
-        sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
-             WHERE (?1 IS NULL OR p.name = ?1)
-               AND (?2 IS NULL OR CASE WHEN ?2 = 'quarantined' THEN t.quarantined_at IS NOT NULL
-                                       ELSE t.status = ?2 AND t.quarantined_at IS NULL END)
-               AND (?3 IS NULL OR t.created_at >= ?3) AND (?4 IS NULL OR t.created_at < ?4)
-               AND (?5 IS NULL OR t.id < ?5)
-             ORDER BY t.id DESC LIMIT ?6"
-        ))
-        .bind(f.prompt.as_ref().map(|p| p.as_str()))
-        .bind(f.status.map(|s| s.as_str()))
-        .bind(f.since.map(|t| t.timestamp_micros()))
-        .bind(f.until.map(|t| t.timestamp_micros()))
-        .bind(f.before_id.map(|id| id.to_string()))
-        .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(trace_from_row)
-        .collect()
-    }
-
-    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
-        let mut tx = self.writer.begin().await?;
-        let Some(current) = sqlx::query_scalar::<_, String>("SELECT feedback FROM traces WHERE id = ?")
-            .bind(id.to_string())
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
-            return Ok(None);
-        };
-        let current: Feedback = serde_json::from_str(&current).map_err(|_| corrupt("feedback"))?;
-        sqlx::query("UPDATE traces SET feedback = ?, updated_at = ? WHERE id = ?")
-            .bind(to_json(&current.merged(feedback))?)
-            .bind(now_us())
-            .bind(id.to_string())
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        self.get_trace(id).await
-    }
-
-    async fn version_outcomes(
-        &self,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-        bucket_secs: i64,
-    ) -> StoreResult<Vec<OutcomeBucket>> {
+    fn version_outcomes_sql() -> String {
         let num = |col: &str, key: &str| {
             format!(
                 "CASE WHEN json_type({col}, '$.{key}') IN ('integer', 'real') \
@@ -1239,7 +301,7 @@ impl Store for SqliteStore {
                   THEN CAST(json_extract({col}, '$.{key}') AS REAL) END"
             )
         };
-        let sql = format!(
+        format!(
             "WITH v AS (
                SELECT t.prompt_version AS version,
                       (t.created_at / (?4 * 1000000)) * ?4 AS start,
@@ -1264,274 +326,18 @@ impl Store for SqliteStore {
                      CAST(coalesce(sum({c} * {c}), 0) AS REAL) AS {c}_sq"
                 ))
                 .join(", "),
-        );
-        sqlx::query(&sql)
-            .bind(prompt.as_str())
-            .bind(from.timestamp_micros())
-            .bind(until.timestamp_micros())
-            .bind(bucket_secs)
-            .fetch_all(&self.reader)
-            .await?
-            .iter()
-            .map(outcome_bucket_from_row)
-            .collect()
-    }
-
-    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
-        // The single writer connection makes this read-then-write atomic.
-        let mut tx = self.writer.begin().await?;
-        if let Some(refused) = check_for_action(&mut tx, id, false).await? {
-            return Ok(refused);
-        }
-        let now = now_us();
-        sqlx::query(
-            "UPDATE traces SET quarantined_at = ?, quarantine_reason = ?, updated_at = ?
-             WHERE id = ? AND quarantined_at IS NULL",
         )
-        .bind(now)
-        .bind(reason)
-        .bind(now)
-        .bind(id.to_string())
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
-    }
-
-    async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
-        let Some(prompt) = &f.prompt else { return Ok(0) };
-        let now = now_us();
-        Ok(sqlx::query(
-            "UPDATE traces SET quarantined_at = ?1, quarantine_reason = ?2, updated_at = ?1
-             WHERE prompt_id = (SELECT id FROM prompts WHERE name = ?3) AND status = 'pending' AND round_id IS NULL
-               AND quarantined_at IS NULL
-               AND (?4 IS NULL OR created_at >= ?4) AND (?5 IS NULL OR created_at < ?5)",
-        )
-        .bind(now)
-        .bind(reason)
-        .bind(prompt.as_str())
-        .bind(f.since.map(|t| t.timestamp_micros()))
-        .bind(f.until.map(|t| t.timestamp_micros()))
-        .execute(&self.writer)
-        .await?
-        .rows_affected())
-    }
-
-    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        sqlx::query(
-            "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = ?
-             WHERE id = ? AND quarantined_at IS NOT NULL",
-        )
-        .bind(now_us())
-        .bind(id.to_string())
-        .execute(&self.writer)
-        .await?;
-        Ok(TraceAction::found(self.get_trace(id).await?))
-    }
-
-    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
-        let mut tx = self.writer.begin().await?;
-        if let Some(refused) = check_for_action(&mut tx, id, true).await? {
-            return Ok(refused);
-        }
-        // Only rounds that ended without publishing can still name it.
-        for sql in [
-            "DELETE FROM reflections WHERE trace_id = ?",
-            "DELETE FROM round_traces WHERE trace_id = ?",
-            "DELETE FROM otlp_spans WHERE trace_id = ?",
-            "DELETE FROM traces WHERE id = ?",
-        ] {
-            sqlx::query(sql).bind(id.to_string()).execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(TraceAction::Done(Box::new(trace)))
-    }
-
-    async fn merge_otlp_spans(
-        &self,
-        otel_trace_id: &str,
-        spans: &[OtlpSpan],
-        remap: &OtlpRemapFn<'_>,
-    ) -> StoreResult<OtlpMerge> {
-        // The single writer connection serialises this read-map-write against
-        // every other write, exports of the same trace id and rounds included.
-        let mut tx = self.writer.begin().await?;
-        let stored = sqlx::query(
-            "SELECT span_id, trace_id, body FROM otlp_spans WHERE otel_trace_id = ? ORDER BY received_at, span_id",
-        )
-        .bind(otel_trace_id)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut seen = std::collections::HashSet::new();
-        let mut linked = None;
-        let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(stored.len() + spans.len());
-        for row in &stored {
-            seen.insert(row.try_get::<String, _>("span_id")?);
-            if linked.is_none() {
-                linked = row.try_get::<Option<String>, _>("trace_id")?.as_deref().map(uuid).transpose()?;
-            }
-            bodies.push(row.try_get("body")?);
-        }
-        let new: Vec<&OtlpSpan> = spans.iter().filter(|s| seen.insert(s.span_id.clone())).collect();
-        if new.is_empty() {
-            // Ended explicitly: a dropped transaction would keep its locks
-            // until its pooled connection is used again.
-            tx.rollback().await?;
-            return Ok(OtlpMerge::Duplicate);
-        }
-        if let Some(trace) = linked {
-            let open: Option<bool> =
-                sqlx::query_scalar("SELECT status = 'pending' AND round_id IS NULL FROM traces WHERE id = ?")
-                    .bind(trace.to_string())
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            if open != Some(true) {
-                tx.rollback().await?;
-                return Ok(OtlpMerge::Closed { trace, spans: new.len() });
-            }
-        }
-        bodies.extend(new.iter().map(|s| s.body.clone()));
-        let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
-        let mapped = match remap(&refs) {
-            OtlpRemap::Invalid(reason) => {
-                tx.rollback().await?;
-                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
-            }
-            OtlpRemap::Incomplete(reason) if linked.is_some() => {
-                tx.rollback().await?;
-                return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
-            }
-            OtlpRemap::Incomplete(reason) => {
-                insert_otlp_spans(&mut tx, otel_trace_id, None, &new).await?;
-                tx.commit().await?;
-                return Ok(OtlpMerge::Held { added: new.len(), reason });
-            }
-            OtlpRemap::Mapped(t) => *t,
-        };
-        let prompt = sqlx::query("SELECT id, version_count FROM prompts WHERE name = ?")
-            .bind(mapped.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-        let count = prompt.as_ref().map(|r| r.try_get::<i64, _>("version_count")).transpose()?;
-        if let Some(reason) = otlp_prompt_problem(&mapped, count) {
-            tx.rollback().await?;
-            return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
-        }
-        let prompt_id: String =
-            prompt.as_ref().map(|r| r.try_get("id")).transpose()?.ok_or_else(|| corrupt("prompt"))?;
-        let now = now_us();
-        let (trace, created) = match linked {
-            Some(trace) => {
-                let current: String = sqlx::query_scalar("SELECT feedback FROM traces WHERE id = ?")
-                    .bind(trace.to_string())
-                    .fetch_one(&mut *tx)
-                    .await?;
-                let current: Feedback = serde_json::from_str(&current).map_err(|_| corrupt("feedback"))?;
-                // Feedback given through the API stays unless a span says otherwise.
-                let feedback = current.merged(mapped.feedback.clone());
-                sqlx::query(
-                    "UPDATE traces SET prompt_id = ?2, prompt_version = ?3, input = ?4, trajectory = ?5, output = ?6,
-                            feedback = ?7, metadata = ?8, updated_at = ?9 WHERE id = ?1",
-                )
-                .bind(trace.to_string())
-                .bind(&prompt_id)
-                .bind(mapped.prompt_version)
-                .bind(to_json(&mapped.input)?)
-                .bind(to_json(&mapped.trajectory)?)
-                .bind(to_json(&mapped.output)?)
-                .bind(to_json(&feedback)?)
-                .bind(to_json(&mapped.metadata)?)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-                (trace, false)
-            }
-            None => {
-                let trace = Uuid::now_v7();
-                sqlx::query(
-                    "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
-                                         external_id, metadata, created_at, updated_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11)",
-                )
-                .bind(trace.to_string())
-                .bind(&prompt_id)
-                .bind(mapped.prompt_version)
-                .bind(to_json(&mapped.input)?)
-                .bind(to_json(&mapped.trajectory)?)
-                .bind(to_json(&mapped.output)?)
-                .bind(to_json(&mapped.feedback)?)
-                .bind(mapped.reflection.as_ref().map(to_json).transpose()?)
-                .bind(&mapped.external_id)
-                .bind(to_json(&mapped.metadata)?)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query("UPDATE otlp_spans SET trace_id = ?2 WHERE otel_trace_id = ?1 AND trace_id IS NULL")
-                    .bind(otel_trace_id)
-                    .bind(trace.to_string())
-                    .execute(&mut *tx)
-                    .await?;
-                (trace, true)
-            }
-        };
-        insert_otlp_spans(&mut tx, otel_trace_id, Some(trace), &new).await?;
-        tx.commit().await?;
-        let added = new.len();
-        Ok(if created { OtlpMerge::Created { trace, added } } else { OtlpMerge::Extended { trace, added } })
-    }
-
-    async fn purge_held_otlp_spans(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
-        Ok(sqlx::query(
-            "DELETE FROM otlp_spans WHERE trace_id IS NULL AND otel_trace_id IN (
-                 SELECT otel_trace_id FROM otlp_spans WHERE trace_id IS NULL
-                 GROUP BY otel_trace_id HAVING max(received_at) < ?)",
-        )
-        .bind(older_than.timestamp_micros())
-        .execute(&self.writer)
-        .await?
-        .rows_affected())
-    }
-
-    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
-        let ids =
-            req.ids.as_ref().map(|ids| to_json(&ids.iter().map(Uuid::to_string).collect::<Vec<_>>())).transpose()?;
-        let mut tx = self.writer.begin().await?;
-        let prompt: String = sqlx::query_scalar("SELECT id FROM prompts WHERE name = ?")
-            .bind(req.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        let requeued: Vec<String> = sqlx::query_scalar(
-            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = ?1
-             WHERE prompt_id = ?2 AND status = 'failed'
-               AND (?3 IS NULL OR id IN (SELECT value FROM json_each(?3))) AND (?4 IS NULL OR created_at >= ?4)
-             RETURNING id",
-        )
-        .bind(now_us())
-        .bind(&prompt)
-        .bind(ids)
-        .bind(req.since.map(|t| t.timestamp_micros()))
-        .fetch_all(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        let mut ids = requeued.iter().map(|id| uuid(id)).collect::<StoreResult<Vec<_>>>()?;
-        ids.sort();
-        if !ids.is_empty() {
-            self.announce(Change::RoundQueued);
-        }
-        Ok(ids)
     }
 
     async fn insert_traces_idempotent(
-        &self,
+        s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
         status: u16,
         answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest> {
         // The single writer connection serialises requests with the same key.
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let row =
             sqlx::query("SELECT request_hash, status_code, body FROM idempotency_keys WHERE owner = ? AND key = ?")
                 .bind(key.owner.to_string())
@@ -1570,127 +376,7 @@ impl Store for SqliteStore {
         Ok(IdempotentIngest::Stored { ids, status, body })
     }
 
-    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
-        Ok(sqlx::query("DELETE FROM idempotency_keys WHERE created_at < ?")
-            .bind(older_than.timestamp_micros())
-            .execute(&self.writer)
-            .await?
-            .rows_affected())
-    }
-
-    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
-        let now = now_us();
-        let mut tx = self.writer.begin().await?;
-        // First, so a duplicate delivery is told so (not "a round is in flight":
-        // its own round); every refusal below rolls back, forgetting the id.
-        if let Some(hook) = &req.inbound_webhook_id {
-            let n = sqlx::query("INSERT INTO inbound_webhooks (id, received_at) VALUES (?, ?) ON CONFLICT DO NOTHING")
-                .bind(hook)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if n == 0 {
-                return Err(StoreError::Duplicate);
-            }
-        }
-        let row = sqlx::query("SELECT id, strategy, settings, version_count FROM prompts WHERE name = ?")
-            .bind(req.prompt.as_str())
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or(StoreError::NotFound)?;
-        let prompt_id: String = row.try_get("id")?;
-        let strategy: String = row.try_get("strategy")?;
-        let settings: crate::domain::PromptSettings =
-            serde_json::from_str(row.try_get("settings")?).map_err(|_| corrupt("settings"))?;
-        let latest: i64 = row.try_get("version_count")?;
-        let active: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM rounds WHERE prompt_id = ? AND status IN ('queued', 'running'))",
-        )
-        .bind(&prompt_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        if active {
-            return Err(StoreError::AlreadyExists);
-        }
-        let ids: Vec<String> = sqlx::query_scalar(
-            "SELECT id FROM traces WHERE prompt_id = ? AND status = 'pending' AND round_id IS NULL AND quarantined_at IS NULL ORDER BY id LIMIT ?",
-        )
-        .bind(&prompt_id)
-        .bind(i64::from(req.batch))
-        .fetch_all(&mut *tx)
-        .await?;
-        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
-            return Ok(None);
-        }
-        let production: Option<i64> =
-            sqlx::query_scalar("SELECT version FROM labels WHERE prompt_id = ? AND name = 'production'")
-                .bind(&prompt_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let id = Uuid::now_v7();
-        sqlx::query(
-            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version,
-                                 not_before, created_at, updated_at)
-             VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(id.to_string())
-        .bind(&prompt_id)
-        .bind(req.trigger.as_str())
-        .bind(round::method_str(req.method))
-        .bind(&strategy)
-        .bind(req.seed)
-        .bind(settings.duplication as i32)
-        .bind(ids.len() as i32)
-        .bind(production.unwrap_or(latest))
-        .bind(now)
-        .bind(now)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        for (position, trace) in ids.iter().enumerate() {
-            sqlx::query("INSERT INTO round_traces (round_id, trace_id, position) VALUES (?, ?, ?)")
-                .bind(id.to_string())
-                .bind(trace)
-                .bind(position as i64 + 1)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("UPDATE traces SET round_id = ?, updated_at = ? WHERE id = ?")
-                .bind(id.to_string())
-                .bind(now)
-                .bind(trace)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        self.announce(Change::RoundQueued);
-        self.load_round(id).await
-    }
-
-    async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
-        let rows = sqlx::query(
-            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
-                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS oldest,
-                    EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
-             FROM prompts p ORDER BY p.name",
-        )
-        .fetch_all(&self.reader)
-        .await?;
-        rows.iter()
-            .map(|r| {
-                let oldest: Option<i64> = r.try_get("oldest")?;
-                Ok(Backlog {
-                    prompt: prompt_from_row(r)?,
-                    pending: r.try_get("pending")?,
-                    oldest: oldest.map(time).transpose()?,
-                    active_round: r.try_get("active")?,
-                })
-            })
-            .collect()
-    }
-
-    async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
+    async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {
         let now = now_us();
         let id: Option<String> = sqlx::query_scalar(
             "UPDATE rounds SET status = 'running', attempt = attempt + 1, lease_owner = ?1, lease_expires_at = ?2 + ?3,
@@ -1703,31 +389,12 @@ impl Store for SqliteStore {
         .bind(owner)
         .bind(now)
         .bind(micros(lease))
-        .fetch_optional(&self.writer)
+        .fetch_optional(&s.writer)
         .await?;
-        let Some(id) = id else { return Ok(None) };
-        let id = uuid(&id)?;
-        let round = self.load_round(id).await?.ok_or(StoreError::NotFound)?;
-        let prompt = self.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
-        let base = self
-            .resolve(&round.prompt, &Selector::Version(round.base_version))
-            .await?
-            .ok_or_else(|| corrupt("round base version"))?
-            .version;
-        let traces = sqlx::query(&format!(
-            "SELECT {TRACE_COLUMNS} FROM round_traces rt JOIN traces t ON t.id = rt.trace_id
-             JOIN prompts p ON p.id = t.prompt_id WHERE rt.round_id = ? ORDER BY rt.position"
-        ))
-        .bind(id.to_string())
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(trace_from_row)
-        .collect::<StoreResult<Vec<_>>>()?;
-        Ok(Some(ClaimedRound { round, prompt, base, traces }))
+        id.as_deref().map(uuid).transpose()
     }
 
-    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
+    async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
         let now = now_us();
         let n = sqlx::query(
             "UPDATE rounds SET lease_expires_at = ?, updated_at = ? WHERE id = ? AND attempt = ? AND status = 'running'",
@@ -1736,366 +403,23 @@ impl Store for SqliteStore {
         .bind(now)
         .bind(round.to_string())
         .bind(attempt)
-        .execute(&self.writer)
+        .execute(&s.writer)
         .await?
         .rows_affected();
         Ok(n == 1)
     }
 
-    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
-        Ok(sqlx::query(
-            "INSERT OR IGNORE INTO reflections (round_id, trace_id, reflection, from_trace, created_at)
-             SELECT cur.id, r.trace_id, r.reflection, r.from_trace, ?2
-             FROM rounds cur
-             JOIN round_traces rt ON rt.round_id = cur.id
-             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
-             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
-                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
-             WHERE cur.id = ?1
-             ORDER BY r.trace_id, r.created_at DESC",
-        )
-        .bind(round.to_string())
-        .bind(now_us())
-        .execute(&self.writer)
-        .await?
-        .rows_affected())
-    }
-
-    async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at) VALUES (?, ?, ?, ?, ?)
-             ON CONFLICT DO NOTHING",
-        )
-        .bind(round.to_string())
-        .bind(trace.to_string())
-        .bind(to_json(r)?)
-        .bind(from_trace)
-        .bind(now_us())
-        .execute(&self.writer)
-        .await?;
-        Ok(())
-    }
-
-    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
-        sqlx::query(
-            "SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = ? ORDER BY created_at, trace_id",
-        )
-        .bind(round.to_string())
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(|row| {
-            let r: String = row.try_get("reflection")?;
-            Ok((
-                uuid(row.try_get("trace_id")?)?,
-                serde_json::from_str(&r).map_err(|_| corrupt("reflection"))?,
-                row.try_get("from_trace")?,
-            ))
-        })
-        .collect()
-    }
-
-    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms,
-                                    retries, error, created_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(round.to_string())
-        .bind(attempt)
-        .bind(enum_str(call.role))
-        .bind(&call.model)
-        .bind(call.prompt_tokens as i64)
-        .bind(call.completion_tokens as i64)
-        .bind(call.cost_usd)
-        .bind(call.latency_ms as i64)
-        .bind(call.retries as i64)
-        .bind(&call.error)
-        .bind(now_us())
-        .execute(&self.writer)
-        .await?;
-        Ok(())
-    }
-
-    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
-        sqlx::query(
-            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
-             FROM llm_calls WHERE round_id = ? ORDER BY id",
-        )
-        .bind(round.to_string())
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(|row| {
-            let role: String = row.try_get("role")?;
-            Ok(RoundCall {
-                attempt: row.try_get("attempt")?,
-                call: LlmCall {
-                    role: serde_json::from_value(Value::String(role)).map_err(|_| corrupt("llm role"))?,
-                    model: row.try_get("model")?,
-                    prompt_tokens: row.try_get::<i64, _>("prompt_tokens")? as u64,
-                    completion_tokens: row.try_get::<i64, _>("completion_tokens")? as u64,
-                    cost_usd: row.try_get("cost_usd")?,
-                    latency_ms: row.try_get::<i64, _>("latency_ms")? as u64,
-                    retries: row.try_get::<i64, _>("retries")? as u32,
-                    error: row.try_get("error")?,
-                },
-                created_at: time(row.try_get("created_at")?)?,
-            })
-        })
-        .collect()
-    }
-
-    async fn update_round(&self, round: Uuid, attempt: i32, k: Option<i32>, detail: &Value) -> StoreResult<bool> {
-        let n = sqlx::query(
-            "UPDATE rounds SET k = COALESCE(?, k), detail = ?, updated_at = ? WHERE id = ? AND attempt = ? AND status = 'running'",
-        )
-        .bind(k)
-        .bind(to_json(detail)?)
-        .bind(now_us())
-        .bind(round.to_string())
-        .bind(attempt)
-        .execute(&self.writer)
-        .await?
-        .rows_affected();
-        Ok(n == 1)
-    }
-
-    // One fenced transaction needs all of these; a wrapper struct would only rename them.
-    #[allow(clippy::too_many_arguments)]
-    async fn publish_round(
-        &self,
-        round: Uuid,
-        attempt: i32,
-        v: NewVersion,
-        label: LabelName,
-        detail: &Value,
-        sample_secs: Option<f64>,
-        charges: &TraceCharges,
-    ) -> StoreResult<Version> {
-        let now = now_us();
-        let mut tx = self.writer.begin().await?;
-        let (prompt_id, name) = fence(&mut tx, round, attempt).await?;
-        if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
-            sqlx::query(
-                "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
-                 SELECT prompt_id, id, n, ?, ? FROM rounds WHERE id = ?",
-            )
-            .bind(secs)
-            .bind(now)
-            .bind(round.to_string())
-            .execute(&mut *tx)
-            .await?;
-        }
-        let number: i64 = sqlx::query_scalar(
-            "UPDATE prompts SET version_count = version_count + 1 WHERE id = ? RETURNING version_count",
-        )
-        .bind(prompt_id.to_string())
-        .fetch_one(&mut *tx)
-        .await?;
-        insert_version(&mut tx, prompt_id, number, &v, now).await?;
-        let mv = LabelMove {
-            label: label.clone(),
-            to_version: number,
-            expected_current: None,
-            check_current: false,
-            by: v.created_by.clone(),
-        };
-        let (moved, previous) = apply_move(&mut tx, prompt_id, &mv).await?;
-        charge_traces(&mut tx, round, charges, now).await?;
-        sqlx::query(
-            "UPDATE traces SET status = 'consumed', updated_at = ?1 WHERE round_id = ?2 AND status = 'pending'
-               AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = ?2 AND r.trace_id = traces.id)",
-        )
-        .bind(now)
-        .bind(round.to_string())
-        .execute(&mut *tx)
-        .await?;
-        release_traces(&mut tx, round, now).await?;
-        sqlx::query(
-            "UPDATE rounds SET status = 'succeeded', result_version = ?, detail = ?, error = NULL, finished_at = ?,
-                    lease_owner = NULL, lease_expires_at = NULL, updated_at = ? WHERE id = ?",
-        )
-        .bind(number)
-        .bind(to_json(detail)?)
-        .bind(now)
-        .bind(now)
-        .bind(round.to_string())
-        .execute(&mut *tx)
-        .await?;
-        let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, time(now)?);
-        let mut queued = record_event(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
-        let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
-            .with_evidence(serde_json::json!({ "round_id": round }));
-        queued |= record_move(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
-        queued |= record_event(&mut tx, &OutboxEvent::round_completed(&version.prompt, round, number, &label)).await?;
-        tx.commit().await?;
-        self.announce(Change::Prompt(name));
-        self.announce_outbox(queued);
-        Ok(version)
-    }
-
-    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
-        let now = now_us();
-        let mut tx = self.writer.begin().await?;
-        let (_, name) = fence(&mut tx, round, attempt).await?;
-        let requeued = matches!(how, RoundFailure::Retry { .. });
-        let mut queued = false;
-        match how {
-            RoundFailure::Retry { after } => {
-                sqlx::query(
-                    "UPDATE rounds SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, error = ?,
-                            not_before = ?, updated_at = ? WHERE id = ?",
-                )
-                .bind(error)
-                .bind(now + micros(after))
-                .bind(now)
-                .bind(round.to_string())
-                .execute(&mut *tx)
-                .await?;
-            }
-            RoundFailure::GiveUp { charges } => {
-                charge_traces(&mut tx, round, &charges, now).await?;
-                release_traces(&mut tx, round, now).await?;
-                sqlx::query(
-                    "UPDATE rounds SET status = 'failed', error = ?, finished_at = ?, lease_owner = NULL,
-                            lease_expires_at = NULL, updated_at = ? WHERE id = ?",
-                )
-                .bind(error)
-                .bind(now)
-                .bind(now)
-                .bind(round.to_string())
-                .execute(&mut *tx)
-                .await?;
-                queued = record_event(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
-            }
-        }
-        tx.commit().await?;
-        if requeued {
-            self.announce(Change::RoundQueued);
-        }
-        self.announce_outbox(queued);
-        Ok(())
-    }
-
-    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
-        self.load_round(id).await
-    }
-
-    async fn list_rounds(
-        &self,
-        prompt: Option<&PromptName>,
-        before: Option<Uuid>,
+    async fn claim_deliveries(
+        s: &SqlStore<Self>,
+        owner: &str,
+        lease: Duration,
         limit: u32,
-    ) -> StoreResult<Vec<Round>> {
-        sqlx::query(&format!(
-            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
-             WHERE (?1 IS NULL OR p.name = ?1) AND (?2 IS NULL OR r.id < ?2) ORDER BY r.id DESC LIMIT ?3"
-        ))
-        .bind(prompt.map(|p| p.as_str()))
-        .bind(before.map(|b| b.to_string()))
-        .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(round_from_row)
-        .collect()
-    }
-
-    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
-        let ids: Vec<String> =
-            sqlx::query_scalar("SELECT trace_id FROM round_traces WHERE round_id = ? ORDER BY position")
-                .bind(round.to_string())
-                .fetch_all(&self.reader)
-                .await?;
-        ids.iter().map(|s| uuid(s)).collect()
-    }
-
-    async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
-        let now = now_us();
-        let row = sqlx::query(&format!(
-            "INSERT INTO webhook_subscriptions (id, url, events, description, secret, created_at, updated_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING {WEBHOOK_COLUMNS}"
-        ))
-        .bind(Uuid::now_v7().to_string())
-        .bind(&h.url)
-        .bind(events_to_column(&h.events))
-        .bind(&h.description)
-        .bind(h.secret.expose())
-        .bind(now)
-        .bind(now)
-        .fetch_one(&self.writer)
-        .await?;
-        webhook_from_row(&row)
-    }
-
-    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
-            .fetch_all(&self.reader)
-            .await?
-            .iter()
-            .map(webhook_from_row)
-            .collect()
-    }
-
-    async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
-        sqlx::query(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE id = ?"))
-            .bind(id.to_string())
-            .fetch_optional(&self.reader)
-            .await?
-            .as_ref()
-            .map(webhook_from_row)
-            .transpose()
-    }
-
-    async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool> {
-        let n = sqlx::query("DELETE FROM webhook_subscriptions WHERE id = ?")
-            .bind(id.to_string())
-            .execute(&self.writer)
-            .await?
-            .rows_affected();
-        Ok(n > 0)
-    }
-
-    async fn webhook_attempts(&self, id: Uuid, before: Option<i64>, limit: u32) -> StoreResult<Vec<DeliveryAttempt>> {
-        sqlx::query(
-            "SELECT a.id, a.delivery_id, d.event_id, e.type, a.attempt, a.status_code, a.error, a.latency_ms,
-                    a.created_at, a.next_attempt_at, d.status
-             FROM webhook_attempts a JOIN webhook_deliveries d ON d.id = a.delivery_id
-             JOIN webhook_events e ON e.id = d.event_id
-             WHERE a.subscription_id = ?1 AND (?2 IS NULL OR a.id < ?2) ORDER BY a.id DESC LIMIT ?3",
-        )
-        .bind(id.to_string())
-        .bind(before)
-        .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(|r| {
-            let next: Option<i64> = r.try_get("next_attempt_at")?;
-            Ok(DeliveryAttempt {
-                seq: r.try_get("id")?,
-                delivery_id: uuid(r.try_get("delivery_id")?)?,
-                event_id: r.try_get("event_id")?,
-                event_type: r.try_get("type")?,
-                attempt: r.try_get("attempt")?,
-                status_code: r.try_get::<Option<i64>, _>("status_code")?.map(|c| c as u16),
-                error: r.try_get("error")?,
-                latency_ms: r.try_get::<i64, _>("latency_ms")?.max(0) as u64,
-                attempted_at: time(r.try_get("created_at")?)?,
-                next_attempt_at: next.map(time).transpose()?,
-                delivery_status: r.try_get("status")?,
-            })
-        })
-        .collect()
-    }
-
-    async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>> {
+    ) -> StoreResult<Vec<ClaimedDelivery>> {
         // One writer connection: the claim cannot race another claim in this
         // process, and SQLite serves a single process. The lease is the due
         // time itself, so a crashed attempt becomes due again when it expires.
         let now = now_us();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = s.writer.begin().await?;
         let rows = sqlx::query(
             "UPDATE webhook_deliveries SET attempts = attempts + 1, lease_owner = ?1, next_attempt_at = ?2 + ?3,
                     updated_at = ?2
@@ -2137,228 +461,4 @@ impl Store for SqliteStore {
         tx.commit().await?;
         Ok(claimed)
     }
-
-    async fn finish_delivery(&self, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {
-        let now = now_us();
-        let (status, next_at) = match &rec.outcome {
-            DeliveryOutcome::Succeeded => ("succeeded", None),
-            DeliveryOutcome::Retry { at } => ("pending", Some(at.timestamp_micros())),
-            DeliveryOutcome::GiveUp | DeliveryOutcome::Gone => ("failed", None),
-        };
-        let mut tx = self.writer.begin().await?;
-        let n = sqlx::query(
-            "UPDATE webhook_deliveries SET status = ?3, next_attempt_at = COALESCE(?4, next_attempt_at),
-                    last_error = ?5, lease_owner = NULL, updated_at = ?6
-             WHERE id = ?1 AND attempts = ?2 AND status = 'pending'",
-        )
-        .bind(d.id.to_string())
-        .bind(d.attempt)
-        .bind(status)
-        .bind(next_at)
-        .bind(&rec.error)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if n == 0 {
-            return Ok(false);
-        }
-        sqlx::query(
-            "INSERT INTO webhook_attempts (delivery_id, subscription_id, attempt, status_code, error, latency_ms,
-                                           next_attempt_at, created_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(d.id.to_string())
-        .bind(d.subscription_id.to_string())
-        .bind(d.attempt)
-        .bind(rec.status_code.map(i64::from))
-        .bind(&rec.error)
-        .bind(rec.latency_ms.min(i64::MAX as u64) as i64)
-        .bind(next_at)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
-        if rec.outcome == DeliveryOutcome::Gone {
-            sqlx::query(
-                "UPDATE webhook_subscriptions SET enabled = 0, updated_at = ?,
-                        disabled_reason = 'the receiver answered 410 Gone' WHERE id = ?",
-            )
-            .bind(now)
-            .bind(d.subscription_id.to_string())
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(
-                "UPDATE webhook_deliveries SET status = 'failed', last_error = 'subscription disabled', updated_at = ?
-                 WHERE subscription_id = ? AND status = 'pending'",
-            )
-            .bind(now)
-            .bind(d.subscription_id.to_string())
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(true)
-    }
-
-    async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
-        let mut rows = sqlx::query(
-            "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
-             JOIN prompts p ON p.id = s.prompt_id WHERE p.name = ? ORDER BY s.id DESC LIMIT ?",
-        )
-        .bind(prompt.as_str())
-        .bind(i64::from(limit))
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(super::ControllerSample {
-                batch_size: r.try_get::<i64, _>("batch_size")? as u32,
-                round_secs: r.try_get("round_secs")?,
-                round_id: uuid(r.try_get("round_id")?)?,
-                created_at: time(r.try_get("created_at")?)?,
-            })
-        })
-        .collect::<StoreResult<Vec<_>>>()?;
-        rows.reverse();
-        Ok(rows)
-    }
-
-    async fn save_controller_choice(&self, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
-        let now = now_us();
-        sqlx::query(
-            "INSERT INTO controller_choices (prompt_id, choice, updated_at) SELECT id, ?, ? FROM prompts WHERE name = ?
-             ON CONFLICT (prompt_id) DO UPDATE SET choice = excluded.choice, updated_at = excluded.updated_at",
-        )
-        .bind(to_json(choice)?)
-        .bind(now)
-        .bind(prompt.as_str())
-        .execute(&self.writer)
-        .await?;
-        Ok(())
-    }
-
-    async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
-        let row = sqlx::query(
-            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = ?",
-        )
-        .bind(prompt.as_str())
-        .fetch_optional(&self.reader)
-        .await?;
-        row.map(|r| Ok((json(r.try_get("choice")?)?, time(r.try_get("updated_at")?)?))).transpose()
-    }
-
-    async fn record_meter_counts(
-        &self,
-        prompt: &PromptName,
-        round: Uuid,
-        counts: &[super::MeterCounts],
-    ) -> StoreResult<()> {
-        let now = now_us();
-        let mut tx = self.writer.begin().await?;
-        for c in counts {
-            sqlx::query(
-                "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured, created_at)
-                 SELECT ?, id, ?, ?, ?, ? FROM prompts WHERE name = ?
-                 ON CONFLICT (round_id, size_min) DO NOTHING",
-            )
-            .bind(round.to_string())
-            .bind(i64::from(c.size_min))
-            .bind(i64::try_from(c.marked).unwrap_or(i64::MAX))
-            .bind(i64::try_from(c.recaptured).unwrap_or(i64::MAX))
-            .bind(now)
-            .bind(prompt.as_str())
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
-        sqlx::query(
-            "SELECT m.size_min, SUM(m.marked) AS marked, SUM(m.recaptured) AS recaptured, COUNT(*) AS rounds
-             FROM meter_counts m JOIN prompts p ON p.id = m.prompt_id WHERE p.name = ?
-             GROUP BY m.size_min ORDER BY m.size_min",
-        )
-        .bind(prompt.as_str())
-        .fetch_all(&self.reader)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(super::MeterCounts {
-                size_min: r.try_get::<i64, _>("size_min")? as u32,
-                marked: r.try_get::<i64, _>("marked")? as u64,
-                recaptured: r.try_get::<i64, _>("recaptured")? as u64,
-                rounds: r.try_get::<i64, _>("rounds")? as u64,
-            })
-        })
-        .collect()
-    }
-}
-
-/// Reads trace `id` for an operator action (`delete` or quarantine) inside
-/// the writer's transaction; the answer to give instead when it is missing or
-/// in a state that refuses it.
-async fn check_for_action(
-    tx: &mut Transaction<'_, Sqlite>,
-    id: Uuid,
-    delete: bool,
-) -> StoreResult<Option<TraceAction>> {
-    let Some(row) = sqlx::query("SELECT status, round_id FROM traces WHERE id = ?")
-        .bind(id.to_string())
-        .fetch_optional(&mut **tx)
-        .await?
-    else {
-        return Ok(Some(TraceAction::NotFound));
-    };
-    let round_id: Option<String> = row.try_get("round_id")?;
-    let round_id = round_id.as_deref().map(uuid).transpose()?;
-    Ok(trace_action_refusal(delete, row.try_get("status")?, round_id).map(TraceAction::Refused))
-}
-
-/// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).
-async fn insert_otlp_spans(
-    tx: &mut Transaction<'_, Sqlite>,
-    otel_trace_id: &str,
-    trace: Option<Uuid>,
-    spans: &[&OtlpSpan],
-) -> StoreResult<()> {
-    let now = now_us();
-    for span in spans {
-        sqlx::query(
-            "INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body, received_at) VALUES (?, ?, ?, ?, ?)",
-        )
-        .bind(otel_trace_id)
-        .bind(&span.span_id)
-        .bind(trace.map(|t| t.to_string()))
-        .bind(&span.body)
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
-    }
-    Ok(())
-}
-
-/// One row of the outcome aggregate query.
-fn outcome_bucket_from_row(row: &SqliteRow) -> StoreResult<OutcomeBucket> {
-    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(row.try_get::<i64, _>(c)?).unwrap_or(0)) };
-    let moments = |p: &str| -> StoreResult<Moments> {
-        Ok(Moments {
-            count: count(&format!("{p}_n"))?,
-            sum: row.try_get(format!("{p}_sum").as_str())?,
-            sum_sq: row.try_get(format!("{p}_sq").as_str())?,
-        })
-    };
-    Ok(OutcomeBucket {
-        version: row.try_get("version")?,
-        start: row.try_get("start")?,
-        traces: count("traces")?,
-        with_feedback: count("with_feedback")?,
-        success_trials: count("success_trials")?,
-        successes: count("successes")?,
-        score: moments("score")?,
-        tokens: moments("tokens")?,
-        cost_usd: moments("cost")?,
-        latency_ms: moments("latency")?,
-    })
 }

@@ -224,7 +224,7 @@ async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) 
     s.insert_traces(&batch("old", 2, 3, 0.5)).await.unwrap();
     add_challenger(&s, &name("old"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
     // 0014 (crossover) alters population_arms and, on SQLite, rebuilds versions: it runs again too.
-    let undo = ["DROP TABLE population_arms", "DELETE FROM schema_migrations WHERE version IN (13, 14)"];
+    let undo = ["DROP TABLE population_arms", "DELETE FROM _sqlx_migrations WHERE version IN (13, 14)"];
     match b {
         Backend::Postgres => {
             let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();

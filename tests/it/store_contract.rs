@@ -809,7 +809,7 @@ async fn migration_0007_keeps_existing_prompts_on_agent_reflections(b: Backend) 
             "DROP INDEX traces_quarantined",
             "ALTER TABLE traces DROP COLUMN quarantined_at",
             "ALTER TABLE traces DROP COLUMN quarantine_reason",
-            "DELETE FROM schema_migrations WHERE version = 7",
+            "DELETE FROM _sqlx_migrations WHERE version = 7",
             json_remove,
         ]
     };
@@ -1456,7 +1456,103 @@ async fn task_rewards_group_by_version_and_task_key(b: Backend) {
     assert!(s.task_rewards(&name("p"), until, until + chrono::Duration::hours(1)).await.unwrap().is_empty());
 }
 
+/// The bookkeeping of combee's own migrator before `sqlx::migrate!`, for a
+/// database at migration 12: every file up to 12 with its SHA-256 (hex), as
+/// the old migrator recorded them, and optionally one of them edited.
+fn old_bookkeeping(b: Backend, tampered: Option<i64>) -> Vec<String> {
+    use sha2::Digest;
+    let dir = match b {
+        Backend::Postgres => "migrations/postgres",
+        Backend::Sqlite => "migrations/sqlite",
+    };
+    let mut sql = vec![
+        match b {
+            Backend::Postgres => {
+                "CREATE TABLE schema_migrations (version bigint PRIMARY KEY, name text NOT NULL,
+             checksum text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+            }
+            Backend::Sqlite => {
+                "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,
+             checksum TEXT NOT NULL, applied_at INTEGER NOT NULL DEFAULT 0)"
+            }
+        }
+        .to_owned(),
+    ];
+    let mut files: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    for path in files {
+        let stem = path.file_stem().unwrap().to_str().unwrap().to_owned();
+        let (number, file_name) = stem.split_once('_').unwrap();
+        let version: i64 = number.parse().unwrap();
+        if version > 12 {
+            continue;
+        }
+        let mut sum = hex::encode(sha2::Sha256::digest(std::fs::read(&path).unwrap()));
+        if tampered == Some(version) {
+            sum = "0".repeat(64);
+        }
+        sql.push(format!(
+            "INSERT INTO schema_migrations (version, name, checksum) VALUES ({version}, '{file_name}', '{sum}')"
+        ));
+    }
+    sql
+}
+
+async fn run_raw(b: Backend, url: &str, statements: &[String]) {
+    use sqlx::Connection;
+    match b {
+        Backend::Postgres => {
+            let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+            for sql in statements {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+        Backend::Sqlite => {
+            let mut c = sqlx::SqliteConnection::connect(url).await.unwrap();
+            for sql in statements {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
+        }
+    }
+}
+
+/// A database the hand-written migrator made (its `schema_migrations`, no
+/// `_sqlx_migrations`) opens: the applied migrations are adopted, not run
+/// again, the missing one runs, and the data is all there. One whose applied
+/// file has changed since is refused, as before.
+async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
+    let ts = test_store(b).await;
+    make_prompt(&ts.store, "old").await;
+    // Back to migration 12 as the old migrator left it (0013 needs the prompts un-evaluated to re-run).
+    let mut undo: Vec<String> =
+        ["UPDATE prompts SET promotion = 'manual'", "DROP TABLE population_arms", "DROP TABLE _sqlx_migrations"]
+            .map(String::from)
+            .into();
+    undo.extend(old_bookkeeping(b, None));
+    run_raw(b, &ts.url, &undo).await;
+    let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");
+    assert_eq!(again.get_prompt(&name("old")).await.unwrap().unwrap().promotion, Promotion::Manual);
+    assert!(again.population(&name("old")).await.unwrap().is_empty(), "0013 ran: its table is back");
+    make_prompt(&again, "new").await;
+    drop(again);
+    // Opening again changes nothing (the adoption happens once).
+    let third = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("reopen");
+    assert_eq!(third.list_prompts(None, 10).await.unwrap().len(), 2);
+    drop(third);
+
+    let edited = test_store(b).await;
+    let mut undo: Vec<String> = vec!["DROP TABLE _sqlx_migrations".into()];
+    undo.extend(old_bookkeeping(b, Some(3)));
+    run_raw(b, &edited.url, &undo).await;
+    match combee::store::connect(&edited.url, 4, std::time::Duration::from_secs(10)).await {
+        Err(StoreError::Migration(why)) => assert!(why.contains("changed after it was applied"), "{why}"),
+        Err(e) => panic!("expected a migration error, got {e}"),
+        Ok(_) => panic!("an edited migration was adopted"),
+    }
+}
+
 on_both_stores!(
+    a_database_from_the_old_migrator_upgrades_in_place,
     meter_counts_sum_rounds_once_per_prompt,
     task_rewards_group_by_version_and_task_key,
     label_history_records_every_move_in_order,
