@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use crate::evaluate::outcomes::OutcomeBucket;
+use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, OutcomeBucket, TOKENS_KEY};
 use serde_json::Value;
 use sqlx::{Pool, Transaction};
 use tokio::sync::broadcast;
@@ -19,7 +19,7 @@ use super::{
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
     Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, otlp_prompt_problem, scopes_to_string,
+    UiSession, Webhook, prompt_reference_problem, scopes_to_string,
     sql::{
         Cols, Dialect, Param, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
         charge_traces, corrupt, enum_str, fence, history_from_row, insert_otlp_spans, insert_version, json,
@@ -39,6 +39,7 @@ use crate::{
         trace::ValidTrace,
     },
     llm::LlmCall,
+    secret::Secret,
 };
 
 /// A SQL store: `writer` takes every write (SQLite: one connection, so writers
@@ -91,11 +92,7 @@ pub trait Backend: Dialect {
     type Extra: Send + Sync + 'static;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64>;
-    /// The SQL of [`Store::task_rewards`] (the JSON functions differ).
-    fn task_rewards_sql() -> String;
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>>;
-    /// The SQL of [`Store::version_outcomes`] (the JSON functions differ).
-    fn version_outcomes_sql() -> String;
     async fn insert_traces_idempotent(
         s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
@@ -106,12 +103,9 @@ pub trait Backend: Dialect {
     /// Takes the lease of the oldest claimable round (see [`Store::claim_round`]); its id.
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>>;
     async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool>;
-    async fn claim_deliveries(
-        s: &SqlStore<Self>,
-        owner: &str,
-        lease: Duration,
-        limit: u32,
-    ) -> StoreResult<Vec<ClaimedDelivery>>;
+    /// Leases up to `limit` due deliveries to `owner`: the ids claimed.
+    async fn claim_delivery_ids(s: &SqlStore<Self>, owner: &str, lease: Duration, limit: u32)
+    -> StoreResult<Vec<Uuid>>;
 }
 
 #[async_trait]
@@ -462,7 +456,23 @@ impl<D: Backend> Store for SqlStore<D> {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> StoreResult<Vec<TaskRewards>> {
-        sql::<D>(&D::task_rewards_sql())
+        let text = format!(
+            "WITH r AS (
+               SELECT t.prompt_version AS version, {task_key} AS task_key,
+                      CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
+               FROM traces t JOIN prompts p ON p.id = t.prompt_id
+               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL
+                 AND t.prompt_version IS NOT NULL AND {keyed})
+             SELECT version, task_key, count(reward) AS n, {total} AS total
+             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key",
+            task_key = D::json_text("t.metadata", "task_key"),
+            is_flag = D::json_is("t.feedback", "success", "boolean"),
+            flag = D::json_flag("t.feedback", "success"),
+            score = D::json_number("t.feedback", "score"),
+            keyed = D::json_is("t.metadata", "task_key", "string"),
+            total = D::real("coalesce(sum(reward), 0)"),
+        );
+        sql::<D>(&text)
             .bind(prompt.as_str())
             .bind(from)
             .bind(until)
@@ -611,7 +621,33 @@ impl<D: Backend> Store for SqlStore<D> {
         until: DateTime<Utc>,
         bucket_secs: i64,
     ) -> StoreResult<Vec<OutcomeBucket>> {
-        sql::<D>(&D::version_outcomes_sql())
+        let text = format!(
+            "WITH v AS (
+               SELECT t.prompt_version AS version, {start} AS start, {success} AS success,
+                      ({is_flag} OR {is_number}) AS rewarded,
+                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
+               FROM traces t JOIN prompts p ON p.id = t.prompt_id
+               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL)
+             SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
+                    count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes, {aggs}
+             FROM v GROUP BY version, start",
+            start = D::bucket_start("$4"),
+            success = D::json_flag("t.feedback", "success"),
+            is_flag = D::json_is("t.feedback", "success", "boolean"),
+            is_number = D::json_is("t.feedback", "score", "number"),
+            score = D::json_number("t.feedback", "score"),
+            tokens = D::json_number("t.metadata", TOKENS_KEY),
+            cost = D::json_number("t.metadata", COST_KEY),
+            latency = D::json_number("t.metadata", LATENCY_KEY),
+            aggs = ["score", "tokens", "cost", "latency"]
+                .map(|c| format!(
+                    "count({c}) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
+                    D::real(&format!("coalesce(sum({c}), 0)")),
+                    D::real(&format!("coalesce(sum({c} * {c}), 0)"))
+                ))
+                .join(", "),
+        );
+        sql::<D>(&text)
             .bind(prompt.as_str())
             .bind(from)
             .bind(until)
@@ -755,7 +791,7 @@ impl<D: Backend> Store for SqlStore<D> {
             .fetch_optional(&mut tx)
             .await?;
         let count = prompt.as_ref().map(|r| Cols::<D>(r).get::<i64>("version_count")).transpose()?;
-        if let Some(reason) = otlp_prompt_problem(&mapped, count) {
+        if let Some(reason) = prompt_reference_problem(&mapped, count) {
             tx.rollback().await?;
             return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
         }
@@ -1324,7 +1360,33 @@ impl<D: Backend> Store for SqlStore<D> {
     }
 
     async fn claim_deliveries(&self, owner: &str, lease: Duration, limit: u32) -> StoreResult<Vec<ClaimedDelivery>> {
-        D::claim_deliveries(self, owner, lease, limit).await
+        let ids = D::claim_delivery_ids(self, owner, lease, limit).await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let text = format!(
+            "SELECT d.id, d.subscription_id, d.event_id, e.type, e.body, s.url, s.secret, d.attempts
+             FROM webhook_deliveries d JOIN webhook_events e ON e.id = d.event_id
+             JOIN webhook_subscriptions s ON s.id = d.subscription_id
+             WHERE {} ORDER BY d.next_attempt_at",
+            D::any_of("d.id", "$1")
+        );
+        sql::<D>(&text)
+            .bind(Param::Ids(Some(&ids)))
+            .map(&mut *self.writer.acquire().await?, |row| {
+                let r = Cols::<D>(row);
+                Ok(ClaimedDelivery {
+                    id: r.get("id")?,
+                    subscription_id: r.get("subscription_id")?,
+                    event_id: r.get("event_id")?,
+                    event_type: r.get("type")?,
+                    body: r.get("body")?,
+                    url: r.get("url")?,
+                    secret: Secret::new(r.get::<String>("secret")?),
+                    attempt: r.get("attempts")?,
+                })
+            })
+            .await
     }
 
     async fn finish_delivery(&self, d: &ClaimedDelivery, rec: &AttemptRecord) -> StoreResult<bool> {

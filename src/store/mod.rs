@@ -413,9 +413,9 @@ pub enum OtlpMerge {
 /// The mapping callback of [`Store::merge_otlp_spans`]: stored bodies first, then the new ones.
 pub type OtlpRemapFn<'a> = dyn Fn(&[&[u8]]) -> OtlpRemap + Send + Sync + 'a;
 
-/// Why a re-mapped OTLP trace cannot be stored, or `None`: `version_count` is
+/// Why a trace (posted, or re-mapped from OTLP spans) cannot be stored, or `None`: `version_count` is
 /// the prompt's, `None` when it does not exist. Shared by both backends.
-pub(crate) fn otlp_prompt_problem(trace: &ValidTrace, version_count: Option<i64>) -> Option<String> {
+pub(crate) fn prompt_reference_problem(trace: &ValidTrace, version_count: Option<i64>) -> Option<String> {
     let prompt = trace.prompt.as_str();
     match (version_count, trace.prompt_version) {
         (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),

@@ -16,12 +16,12 @@ use sqlx::{
 use tokio::{sync::broadcast, task::JoinHandle};
 use uuid::Uuid;
 
-use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, TOKENS_KEY};
+use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
-use super::{Change, ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
-use crate::{domain::trace::ValidTrace, secret::Secret};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors, reference_problem};
+use super::{Change, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::ValidTrace;
 
 const CHANNEL: &str = "combee_changes";
 
@@ -113,18 +113,7 @@ impl Dialect for Postgres {
             Param::Json(v) => q.bind(v),
         }
     }
-    fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<u64>> {
-        Box::pin(async move { Ok(q.execute(c).await?.rows_affected()) })
-    }
-    fn fetch_all<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<Vec<PgRow>>> {
-        Box::pin(q.fetch_all(c))
-    }
-    fn fetch_optional<'c, 'q: 'c>(
-        q: Query<'q, Self>,
-        c: &'c mut PgConnection,
-    ) -> BoxFuture<'c, sqlx::Result<Option<PgRow>>> {
-        Box::pin(q.fetch_optional(c))
-    }
+    executors!(PgConnection, PgRow);
     fn serialize_otlp<'c>(c: &'c mut PgConnection, otel_trace_id: &'c str) -> BoxFuture<'c, StoreResult<()>> {
         Box::pin(async move {
             sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
@@ -160,6 +149,31 @@ impl Dialect for Postgres {
                 .await?;
             Ok(())
         })
+    }
+    fn json_number(col: &str, key: &str) -> String {
+        // jsonb numbers are `numeric`: range-check before the float8 cast. Nested
+        // CASEs because Postgres does not promise to short-circuit AND.
+        format!(
+            "CASE WHEN jsonb_typeof({col}->'{key}') = 'number' THEN CASE WHEN abs(({col}->'{key}')::numeric) \
+             <= {MAX_ABS_VALUE} THEN ({col}->'{key}')::numeric::float8 END END"
+        )
+    }
+    fn json_flag(col: &str, key: &str) -> String {
+        format!(
+            "CASE WHEN jsonb_typeof({col}->'{key}') = 'boolean' THEN CASE WHEN ({col}->>'{key}')::boolean THEN 1.0::float8 ELSE 0.0::float8 END END"
+        )
+    }
+    fn json_is(col: &str, key: &str, kind: &str) -> String {
+        format!("jsonb_typeof({col}->'{key}') = '{kind}'")
+    }
+    fn json_text(col: &str, key: &str) -> String {
+        format!("{col}->>'{key}'")
+    }
+    fn bucket_start(param: &str) -> String {
+        format!("floor(extract(epoch FROM t.created_at) / {param})::bigint * {param}")
+    }
+    fn real(expr: &str) -> String {
+        format!("({expr})::float8")
     }
     fn string_agg(expr: &str) -> String {
         format!("string_agg({expr}, ',')")
@@ -231,23 +245,6 @@ impl Backend for Postgres {
         Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
     }
 
-    fn task_rewards_sql() -> String {
-        format!(
-            "WITH r AS (
-               SELECT t.prompt_version AS version, t.metadata->>'task_key' AS task_key,
-                      CASE WHEN jsonb_typeof(t.feedback->'success') = 'boolean'
-                           THEN CASE WHEN (t.feedback->>'success')::boolean THEN 1.0::float8 ELSE 0.0::float8 END
-                           WHEN jsonb_typeof(t.feedback->'score') = 'number'
-                           THEN CASE WHEN abs((t.feedback->'score')::numeric) <= {MAX_ABS_VALUE}
-                                THEN (t.feedback->'score')::numeric::float8 END END AS reward
-               FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL
-                 AND t.prompt_version IS NOT NULL AND jsonb_typeof(t.metadata->'task_key') = 'string')
-             SELECT version, task_key, count(reward) AS n, coalesce(sum(reward), 0)::float8 AS total
-             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
-        )
-    }
-
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
         // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT round trips).
@@ -255,45 +252,6 @@ impl Backend for Postgres {
             return Err(s.first_unknown_reference(traces).await?);
         }
         Ok(ids)
-    }
-
-    fn version_outcomes_sql() -> String {
-        // jsonb numbers are `numeric`: range-check before the float8 cast so an
-        // absurd value is skipped instead of failing the query. Nested CASEs
-        // because Postgres does not promise to short-circuit AND.
-        let num = |col: &str, key: &str| {
-            format!(
-                "CASE WHEN jsonb_typeof({col}->'{key}') = 'number' THEN \
-                   CASE WHEN abs(({col}->'{key}')::numeric) <= {MAX_ABS_VALUE} \
-                     THEN ({col}->'{key}')::numeric::float8 END END"
-            )
-        };
-        format!(
-            "WITH v AS (
-               SELECT t.prompt_version AS version,
-                      floor(extract(epoch FROM t.created_at) / $4)::bigint * $4 AS start,
-                      CASE WHEN jsonb_typeof(t.feedback->'success') = 'boolean'
-                           THEN (t.feedback->>'success')::boolean END AS success,
-                      (jsonb_typeof(t.feedback->'success') = 'boolean'
-                       OR jsonb_typeof(t.feedback->'score') = 'number') AS rewarded,
-                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
-               FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL)
-             SELECT version, start, count(*) AS traces,
-                    count(*) FILTER (WHERE rewarded) AS with_feedback,
-                    count(success) AS success_trials, count(*) FILTER (WHERE success) AS successes,
-                    {aggs}
-             FROM v GROUP BY version, start",
-            score = num("t.feedback", "score"),
-            tokens = num("t.metadata", TOKENS_KEY),
-            cost = num("t.metadata", COST_KEY),
-            latency = num("t.metadata", LATENCY_KEY),
-            aggs = ["score", "tokens", "cost", "latency"]
-                .map(|c| format!(
-                    "count({c}) AS {c}_n, coalesce(sum({c}), 0)::float8 AS {c}_sum, coalesce(sum({c} * {c}), 0)::float8 AS {c}_sq"
-                ))
-                .join(", "),
-        )
     }
 
     async fn insert_traces_idempotent(
@@ -389,14 +347,14 @@ impl Backend for Postgres {
         Ok(n == 1)
     }
 
-    async fn claim_deliveries(
+    async fn claim_delivery_ids(
         s: &SqlStore<Self>,
         owner: &str,
         lease: Duration,
         limit: u32,
-    ) -> StoreResult<Vec<ClaimedDelivery>> {
+    ) -> StoreResult<Vec<Uuid>> {
         // The lease is the due time itself: a crashed attempt becomes due again when it expires.
-        sqlx::query(
+        let ids = sqlx::query_scalar(
             "WITH c AS (
                  SELECT d.id FROM webhook_deliveries d
                  JOIN webhook_subscriptions s ON s.id = d.subscription_id AND s.enabled
@@ -404,29 +362,14 @@ impl Backend for Postgres {
                  ORDER BY d.next_attempt_at FOR UPDATE OF d SKIP LOCKED LIMIT $3)
              UPDATE webhook_deliveries d SET attempts = d.attempts + 1, lease_owner = $1,
                     next_attempt_at = now() + make_interval(secs => $2), updated_at = now()
-             FROM c, webhook_events e, webhook_subscriptions s
-             WHERE d.id = c.id AND e.id = d.event_id AND s.id = d.subscription_id
-             RETURNING d.id, d.subscription_id, d.event_id, e.type, e.body, s.url, s.secret, d.attempts",
+             FROM c WHERE d.id = c.id RETURNING d.id",
         )
         .bind(owner)
         .bind(lease.as_secs_f64())
         .bind(i64::from(limit))
         .fetch_all(&s.writer)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(ClaimedDelivery {
-                id: r.try_get("id")?,
-                subscription_id: r.try_get("subscription_id")?,
-                event_id: r.try_get("event_id")?,
-                event_type: r.try_get("type")?,
-                body: r.try_get("body")?,
-                url: r.try_get("url")?,
-                secret: Secret::new(r.try_get::<String, _>("secret")?),
-                attempt: r.try_get("attempts")?,
-            })
-        })
-        .collect()
+        .await?;
+        Ok(ids)
     }
 }
 
@@ -434,22 +377,10 @@ impl SqlStore<Postgres> {
     /// Explains why a batch did not fully insert: the first trace whose prompt
     /// or version does not exist.
     async fn first_unknown_reference(&self, traces: &[ValidTrace]) -> StoreResult<StoreError> {
+        let mut c = self.writer.acquire().await?;
         for (i, t) in traces.iter().enumerate() {
-            let count: Option<i64> = sqlx::query_scalar("SELECT version_count FROM prompts WHERE name = $1")
-                .bind(t.prompt.as_str())
-                .fetch_optional(&self.writer)
-                .await?;
-            match (count, t.prompt_version) {
-                (None, _) => {
-                    return Ok(StoreError::Invalid(format!("traces[{i}]: unknown prompt {:?}", t.prompt.as_str())));
-                }
-                (Some(c), Some(v)) if v > c => {
-                    return Ok(StoreError::Invalid(format!(
-                        "traces[{i}]: prompt {:?} has no version {v}",
-                        t.prompt.as_str()
-                    )));
-                }
-                _ => {}
+            if let Some(problem) = reference_problem::<Postgres>(&mut c, t).await? {
+                return Ok(StoreError::Invalid(format!("traces[{i}]: {problem}")));
             }
         }
         Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use super::{
     ApiKey, ArmState, Label, LabelMove, OtlpSpan, PopulationArm, StoreError, StoreResult, TraceAction, TraceCharges,
-    Webhook, scopes_from_string, trace_action_refusal,
+    Webhook, prompt_reference_problem, scopes_from_string, trace_action_refusal,
 };
 use crate::{
     domain::{
@@ -21,6 +21,7 @@ use crate::{
         event::{OutboxEvent, events_from_column, events_pattern},
         prompt::NewVersion,
         round::{self, Round, RoundStatus, RoundTrigger},
+        trace::ValidTrace,
     },
     evaluate::{outcomes::OutcomeBucket, stats::Moments},
     secret::Secret,
@@ -117,6 +118,19 @@ pub trait Dialect: Database + Sized {
         traces: &'c [Uuid],
         at: DateTime<Utc>,
     ) -> BoxFuture<'c, StoreResult<()>>;
+    /// SQL: `col`'s JSON member `key` as a double when it is a number within
+    /// ±`MAX_ABS_VALUE` (an absurd value is skipped, never fails the query), else NULL.
+    fn json_number(col: &str, key: &str) -> String;
+    /// SQL: `col`'s JSON boolean member `key` as 1.0 / 0.0, else NULL.
+    fn json_flag(col: &str, key: &str) -> String;
+    /// SQL: whether `col`'s JSON member `key` is a `kind`: "number", "boolean" or "string".
+    fn json_is(col: &str, key: &str, kind: &str) -> String;
+    /// SQL: `col`'s JSON string member `key` as text.
+    fn json_text(col: &str, key: &str) -> String;
+    /// SQL: `t.created_at` in Unix seconds, down to a multiple of the seconds in `param`.
+    fn bucket_start(param: &str) -> String;
+    /// SQL: `expr` as a double.
+    fn real(expr: &str) -> String;
     /// An aggregate joining `expr` of every row with commas.
     fn string_agg(expr: &str) -> String;
     /// Serialises OTLP merges of one trace id until the transaction ends
@@ -135,6 +149,25 @@ macro_rules! direct_getters {
     )*};
 }
 pub(crate) use direct_getters;
+
+/// The three ways a statement runs, the same on every backend but for its types.
+macro_rules! executors {
+    ($conn:ty, $row:ty) => {
+        fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut $conn) -> BoxFuture<'c, sqlx::Result<u64>> {
+            Box::pin(async move { Ok(q.execute(c).await?.rows_affected()) })
+        }
+        fn fetch_all<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut $conn) -> BoxFuture<'c, sqlx::Result<Vec<$row>>> {
+            Box::pin(q.fetch_all(c))
+        }
+        fn fetch_optional<'c, 'q: 'c>(
+            q: Query<'q, Self>,
+            c: &'c mut $conn,
+        ) -> BoxFuture<'c, sqlx::Result<Option<$row>>> {
+            Box::pin(q.fetch_optional(c))
+        }
+    };
+}
+pub(crate) use executors;
 
 /// A value that can be read from a column.
 pub trait Column: Sized {
@@ -569,6 +602,18 @@ pub(crate) async fn apply_move<D: Dialect>(
     .fetch_one(c)
     .await?;
     Ok((label_from_row::<D>(&row)?, current))
+}
+
+/// Why `trace` cannot be stored, or `None` when its prompt and version exist.
+pub(crate) async fn reference_problem<D: Dialect>(
+    c: &mut D::Connection,
+    trace: &ValidTrace,
+) -> StoreResult<Option<String>> {
+    let count = sql::<D>("SELECT version_count FROM prompts WHERE name = $1")
+        .bind(trace.prompt.as_str())
+        .value(c, "version_count")
+        .await?;
+    Ok(prompt_reference_problem(trace, count))
 }
 
 pub(crate) async fn prompt_id<D: Dialect>(c: &mut D::Connection, name: &PromptName) -> StoreResult<Uuid> {

@@ -16,12 +16,12 @@ use sqlx::{
 use tokio::sync::broadcast;
 use uuid::Uuid;
 
-use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, TOKENS_KEY};
+use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
-use super::{ClaimedDelivery, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
-use crate::{domain::trace::ValidTrace, secret::Secret};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors, reference_problem};
+use super::{IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::ValidTrace;
 
 pub type SqliteStore = SqlStore<Sqlite>;
 
@@ -85,21 +85,7 @@ impl Dialect for Sqlite {
             Param::Json(v) => q.bind(v.map(|j| j.to_string())),
         }
     }
-    fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut SqliteConnection) -> BoxFuture<'c, sqlx::Result<u64>> {
-        Box::pin(async move { Ok(q.execute(c).await?.rows_affected()) })
-    }
-    fn fetch_all<'c, 'q: 'c>(
-        q: Query<'q, Self>,
-        c: &'c mut SqliteConnection,
-    ) -> BoxFuture<'c, sqlx::Result<Vec<SqliteRow>>> {
-        Box::pin(q.fetch_all(c))
-    }
-    fn fetch_optional<'c, 'q: 'c>(
-        q: Query<'q, Self>,
-        c: &'c mut SqliteConnection,
-    ) -> BoxFuture<'c, sqlx::Result<Option<SqliteRow>>> {
-        Box::pin(q.fetch_optional(c))
-    }
+    executors!(SqliteConnection, SqliteRow);
     fn get_id(row: &SqliteRow, col: &str) -> StoreResult<Option<Uuid>> {
         row.try_get::<Option<&str>, _>(col)?.map(uuid).transpose()
     }
@@ -138,6 +124,32 @@ impl Dialect for Sqlite {
             }
             Ok(())
         })
+    }
+    fn json_number(col: &str, key: &str) -> String {
+        format!(
+            "CASE WHEN json_type({col}, '$.{key}') IN ('integer', 'real') AND abs(json_extract({col}, '$.{key}')) \
+             <= {MAX_ABS_VALUE} THEN CAST(json_extract({col}, '$.{key}') AS REAL) END"
+        )
+    }
+    fn json_flag(col: &str, key: &str) -> String {
+        format!("CASE json_type({col}, '$.{key}') WHEN 'true' THEN 1.0 WHEN 'false' THEN 0.0 END")
+    }
+    fn json_is(col: &str, key: &str, kind: &str) -> String {
+        let types = match kind {
+            "number" => "'integer', 'real'",
+            "boolean" => "'true', 'false'",
+            _ => "'text'",
+        };
+        format!("json_type({col}, '$.{key}') IN ({types})")
+    }
+    fn json_text(col: &str, key: &str) -> String {
+        format!("json_extract({col}, '$.{key}')")
+    }
+    fn bucket_start(param: &str) -> String {
+        format!("(t.created_at / ({param} * 1000000)) * {param}")
+    }
+    fn real(expr: &str) -> String {
+        format!("CAST({expr} AS REAL)")
     }
     fn string_agg(expr: &str) -> String {
         format!("group_concat({expr}, ',')")
@@ -198,15 +210,8 @@ async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrac
         .await?
         .rows_affected();
         if n == 0 {
-            let known: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM prompts WHERE name = ?)")
-                .bind(t.prompt.as_str())
-                .fetch_one(&mut **tx)
-                .await?;
-            let what = if known {
-                format!("prompt {:?} has no version {}", t.prompt.as_str(), t.prompt_version.unwrap_or_default())
-            } else {
-                format!("unknown prompt {:?}", t.prompt.as_str())
-            };
+            let what = reference_problem::<Sqlite>(&mut **tx, t).await?;
+            let what = what.unwrap_or_else(|| "a referenced prompt changed during the request; retry".into());
             return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
         }
         ids.push(id);
@@ -270,63 +275,11 @@ impl Backend for Sqlite {
         Ok(generation)
     }
 
-    fn task_rewards_sql() -> String {
-        format!(
-            "WITH r AS (
-               SELECT t.prompt_version AS version, json_extract(t.metadata, '$.task_key') AS task_key,
-                      CASE json_type(t.feedback, '$.success') WHEN 'true' THEN 1.0 WHEN 'false' THEN 0.0
-                        ELSE CASE WHEN json_type(t.feedback, '$.score') IN ('integer', 'real')
-                                   AND abs(json_extract(t.feedback, '$.score')) <= {MAX_ABS_VALUE}
-                             THEN CAST(json_extract(t.feedback, '$.score') AS REAL) END END AS reward
-               FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = ?1 AND t.created_at >= ?2 AND t.created_at < ?3 AND t.quarantined_at IS NULL
-                 AND t.prompt_version IS NOT NULL AND json_type(t.metadata, '$.task_key') = 'text')
-             SELECT version, task_key, count(reward) AS n, CAST(coalesce(sum(reward), 0) AS REAL) AS total
-             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key"
-        )
-    }
-
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let mut tx = s.writer.begin().await?;
         let ids = insert_trace_rows(&mut tx, traces).await?;
         tx.commit().await?;
         Ok(ids)
-    }
-
-    fn version_outcomes_sql() -> String {
-        let num = |col: &str, key: &str| {
-            format!(
-                "CASE WHEN json_type({col}, '$.{key}') IN ('integer', 'real') \
-                       AND abs(json_extract({col}, '$.{key}')) <= {MAX_ABS_VALUE} \
-                  THEN CAST(json_extract({col}, '$.{key}') AS REAL) END"
-            )
-        };
-        format!(
-            "WITH v AS (
-               SELECT t.prompt_version AS version,
-                      (t.created_at / (?4 * 1000000)) * ?4 AS start,
-                      CASE json_type(t.feedback, '$.success') WHEN 'true' THEN 1 WHEN 'false' THEN 0 END AS success,
-                      (json_type(t.feedback, '$.success') IN ('true', 'false')
-                       OR json_type(t.feedback, '$.score') IN ('integer', 'real')) AS rewarded,
-                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
-               FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = ?1 AND t.created_at >= ?2 AND t.created_at < ?3 AND t.quarantined_at IS NULL)
-             SELECT version, start, count(*) AS traces,
-                    coalesce(sum(rewarded), 0) AS with_feedback,
-                    count(success) AS success_trials, coalesce(sum(success), 0) AS successes,
-                    {aggs}
-             FROM v GROUP BY version, start",
-            score = num("t.feedback", "score"),
-            tokens = num("t.metadata", TOKENS_KEY),
-            cost = num("t.metadata", COST_KEY),
-            latency = num("t.metadata", LATENCY_KEY),
-            aggs = ["score", "tokens", "cost", "latency"]
-                .map(|c| format!(
-                    "count({c}) AS {c}_n, CAST(coalesce(sum({c}), 0) AS REAL) AS {c}_sum, \
-                     CAST(coalesce(sum({c} * {c}), 0) AS REAL) AS {c}_sq"
-                ))
-                .join(", "),
-        )
     }
 
     async fn insert_traces_idempotent(
@@ -409,56 +362,31 @@ impl Backend for Sqlite {
         Ok(n == 1)
     }
 
-    async fn claim_deliveries(
+    async fn claim_delivery_ids(
         s: &SqlStore<Self>,
         owner: &str,
         lease: Duration,
         limit: u32,
-    ) -> StoreResult<Vec<ClaimedDelivery>> {
+    ) -> StoreResult<Vec<Uuid>> {
         // One writer connection: the claim cannot race another claim in this
         // process, and SQLite serves a single process. The lease is the due
         // time itself, so a crashed attempt becomes due again when it expires.
         let now = now_us();
-        let mut tx = s.writer.begin().await?;
-        let rows = sqlx::query(
+        let ids: Vec<String> = sqlx::query_scalar(
             "UPDATE webhook_deliveries SET attempts = attempts + 1, lease_owner = ?1, next_attempt_at = ?2 + ?3,
                     updated_at = ?2
              WHERE id IN (SELECT d.id FROM webhook_deliveries d
                           JOIN webhook_subscriptions s ON s.id = d.subscription_id AND s.enabled = 1
                           WHERE d.status = 'pending' AND d.next_attempt_at <= ?2
                           ORDER BY d.next_attempt_at LIMIT ?4)
-             RETURNING id, subscription_id, event_id, attempts",
+             RETURNING id",
         )
         .bind(owner)
         .bind(now)
         .bind(micros(lease))
         .bind(i64::from(limit))
-        .fetch_all(&mut *tx)
+        .fetch_all(&s.writer)
         .await?;
-        let mut claimed = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let event_id: String = r.try_get("event_id")?;
-            let sub: String = r.try_get("subscription_id")?;
-            let e = sqlx::query("SELECT type, body FROM webhook_events WHERE id = ?")
-                .bind(&event_id)
-                .fetch_one(&mut *tx)
-                .await?;
-            let h = sqlx::query("SELECT url, secret FROM webhook_subscriptions WHERE id = ?")
-                .bind(&sub)
-                .fetch_one(&mut *tx)
-                .await?;
-            claimed.push(ClaimedDelivery {
-                id: uuid(r.try_get("id")?)?,
-                subscription_id: uuid(&sub)?,
-                event_id,
-                event_type: e.try_get("type")?,
-                body: e.try_get("body")?,
-                url: h.try_get("url")?,
-                secret: Secret::new(h.try_get::<String, _>("secret")?),
-                attempt: r.try_get("attempts")?,
-            });
-        }
-        tx.commit().await?;
-        Ok(claimed)
+        ids.iter().map(|id| uuid(id)).collect()
     }
 }
