@@ -11,7 +11,7 @@
 
 use sha2::{Digest, Sha256};
 use sqlx::{
-    Connection, PgConnection, PgPool, SqliteConnection, SqlitePool,
+    Connection, PgPool, SqlitePool,
     migrate::{Migrate, MigrateError, Migrator},
 };
 
@@ -59,7 +59,7 @@ pub(super) async fn postgres(pool: &PgPool) -> StoreResult<()> {
         .fetch_one(&mut *conn)
         .await?;
         if legacy {
-            adopt_postgres(&mut conn).await?;
+            adopt::<sqlx::Postgres>(&mut conn, &POSTGRES).await?;
         }
         POSTGRES.run(&mut *conn).await.map_err(failed)
     }
@@ -68,9 +68,21 @@ pub(super) async fn postgres(pool: &PgPool) -> StoreResult<()> {
     result
 }
 
-async fn adopt_postgres(conn: &mut PgConnection) -> StoreResult<()> {
-    let legacy = sqlx::query_as("SELECT version, checksum FROM schema_migrations").fetch_all(&mut *conn).await?;
-    let rows = adopted(&POSTGRES, &legacy)?;
+/// Records the old migrator's unchanged rows in `_sqlx_migrations`, in one transaction.
+async fn adopt<DB>(conn: &mut DB::Connection, migrator: &Migrator) -> StoreResult<()>
+where
+    DB: sqlx::Database,
+    DB::Connection: Migrate,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'r> (i64, String): sqlx::FromRow<'r, DB::Row>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> Vec<u8>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    let legacy: Vec<(i64, String)> =
+        sqlx::query_as("SELECT version, checksum FROM schema_migrations").fetch_all(&mut *conn).await?;
+    let rows = adopted(migrator, &legacy)?;
     let mut tx = conn.begin().await?;
     tx.ensure_migrations_table().await.map_err(failed)?;
     for (version, description, checksum) in rows {
@@ -90,21 +102,9 @@ pub(super) async fn sqlite(pool: &SqlitePool) -> StoreResult<()> {
     .fetch_one(&mut *conn)
     .await?;
     if legacy {
-        adopt_sqlite(&mut conn).await?;
+        adopt::<sqlx::Sqlite>(&mut conn, &SQLITE).await?;
     }
     SQLITE.run(&mut *conn).await.map_err(failed)
-}
-
-async fn adopt_sqlite(conn: &mut SqliteConnection) -> StoreResult<()> {
-    let legacy = sqlx::query_as("SELECT version, checksum FROM schema_migrations").fetch_all(&mut *conn).await?;
-    let rows = adopted(&SQLITE, &legacy)?;
-    let mut tx = conn.begin().await?;
-    tx.ensure_migrations_table().await.map_err(failed)?;
-    for (version, description, checksum) in rows {
-        sqlx::query(ADOPT).bind(version).bind(description).bind(checksum).execute(&mut *tx).await?;
-    }
-    tx.commit().await?;
-    Ok(())
 }
 
 #[cfg(test)]
