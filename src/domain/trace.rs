@@ -285,6 +285,35 @@ pub struct Trace {
     pub updated_at: DateTime<Utc>,
 }
 
+impl Trace {
+    /// A trace as it stands just after ingest: pending, untried, in no round,
+    /// no metadata, created now (for the simulator, benchmarks and tests that
+    /// feed a round without a store).
+    pub fn pending(prompt: PromptName, input: Value, trajectory: Value, output: Value, feedback: Feedback) -> Self {
+        let now = Utc::now();
+        Trace {
+            id: Uuid::now_v7(),
+            prompt,
+            prompt_version: Some(1),
+            status: TraceStatus::Pending,
+            input,
+            trajectory,
+            output,
+            feedback,
+            reflection: None,
+            external_id: None,
+            metadata: Value::Object(Default::default()),
+            attempts: 0,
+            failure_reason: None,
+            round_id: None,
+            quarantined_at: None,
+            quarantine_reason: None,
+            created_at: now,
+            updated_at: now,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

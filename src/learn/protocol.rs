@@ -654,30 +654,12 @@ pub async fn consolidate_playbook(
 pub(crate) mod tests {
     use super::*;
     use crate::domain::playbook::{Bullet, Playbook, Section};
-    use crate::domain::{BulletTag, BulletTagKind, Feedback, PromptName, TraceStatus};
+    use crate::domain::{BulletTag, BulletTagKind, Feedback, PromptName};
     use serde_json::json;
 
     pub(crate) fn trace(trajectory: Value, success: bool) -> Trace {
-        Trace {
-            id: uuid::Uuid::nil(),
-            prompt: PromptName::parse("p").unwrap(),
-            prompt_version: Some(1),
-            status: TraceStatus::Pending,
-            input: json!("What is 2+2?"),
-            trajectory,
-            output: json!("4"),
-            feedback: Feedback { success: Some(success), ..Default::default() },
-            reflection: None,
-            external_id: None,
-            metadata: json!({}),
-            attempts: 0,
-            failure_reason: None,
-            round_id: None,
-            quarantined_at: None,
-            quarantine_reason: None,
-            created_at: chrono::Utc::now(),
-            updated_at: chrono::Utc::now(),
-        }
+        let feedback = Feedback { success: Some(success), ..Default::default() };
+        Trace::pending(PromptName::parse("p").unwrap(), json!("What is 2+2?"), trajectory, json!("4"), feedback)
     }
 
     pub(crate) fn content_with_playbook() -> VersionContent {

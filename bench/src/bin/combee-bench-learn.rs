@@ -28,7 +28,7 @@ use anyhow::Context as _;
 use async_trait::async_trait;
 use clap::Parser;
 use combee::{
-    domain::{Feedback, PromptName, Strategy, Trace, TraceStatus, VersionContent},
+    domain::{Feedback, PromptName, Strategy, Trace, VersionContent},
     learn::{
         controller::{self, ControllerConfig, Quality, Sample},
         delta::Budget,
@@ -389,32 +389,21 @@ async fn meter_section(env: &Env, n: usize, seeds: u64) -> anyhow::Result<(Strin
 }
 
 fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
-    let now = chrono::Utc::now();
     let prompt = PromptName::parse("bench-learn")?;
     let traces: Vec<Trace> = (0..n)
-        .map(|i| Trace {
-            id: Uuid::now_v7(),
-            prompt: prompt.clone(),
-            prompt_version: Some(1),
-            status: TraceStatus::Pending,
-            input: json!({"task": format!("task {i}")}),
-            trajectory: json!([{"role": "assistant", "content": format!("worked on task {i}")}]),
-            output: json!(format!("answer {i}")),
-            feedback: Feedback {
+        .map(|i| {
+            let feedback = Feedback {
                 success: Some(!i.is_multiple_of(3)),
                 comment: Some(format!("INSIGHT-t{i:03}: check field {i} before answering")),
                 ..Default::default()
-            },
-            reflection: None,
-            external_id: None,
-            metadata: json!({}),
-            attempts: 0,
-            failure_reason: None,
-            round_id: None,
-            quarantined_at: None,
-            quarantine_reason: None,
-            created_at: now,
-            updated_at: now,
+            };
+            Trace::pending(
+                prompt.clone(),
+                json!({"task": format!("task {i}")}),
+                json!([{"role": "assistant", "content": format!("worked on task {i}")}]),
+                json!(format!("answer {i}")),
+                feedback,
+            )
         })
         .collect();
     let tokens = (0..n).map(|i| format!("t{i:03}")).collect();

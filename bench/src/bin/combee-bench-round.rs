@@ -9,7 +9,7 @@ use std::{sync::Arc, time::Instant};
 
 use clap::Parser;
 use combee::{
-    domain::{Feedback, PromptName, Strategy, Trace, TraceStatus, VersionContent},
+    domain::{Feedback, PromptName, Strategy, Trace, VersionContent},
     learn::{
         delta::Budget,
         grouping::Method,
@@ -39,31 +39,20 @@ struct Args {
 }
 
 fn traces(n: usize) -> Vec<Trace> {
-    let now = chrono::Utc::now();
     (0..n)
-        .map(|i| Trace {
-            id: Uuid::now_v7(),
-            prompt: PromptName::parse("bench").unwrap_or_else(|_| unreachable!()),
-            prompt_version: Some(1),
-            status: TraceStatus::Pending,
-            input: json!({"task": i}),
-            trajectory: json!([{"role": "assistant", "content": format!("step for task {i}")}]),
-            output: json!(format!("answer {i}")),
-            feedback: Feedback {
+        .map(|i| {
+            let feedback = Feedback {
                 success: Some(true),
                 comment: Some(format!("INSIGHT-b{i:04}: lesson {i}")),
                 ..Default::default()
-            },
-            reflection: None,
-            external_id: None,
-            metadata: json!({}),
-            attempts: 0,
-            failure_reason: None,
-            round_id: None,
-            quarantined_at: None,
-            quarantine_reason: None,
-            created_at: now,
-            updated_at: now,
+            };
+            Trace::pending(
+                PromptName::parse("bench").unwrap_or_else(|_| unreachable!()),
+                json!({"task": i}),
+                json!([{"role": "assistant", "content": format!("step for task {i}")}]),
+                json!(format!("answer {i}")),
+                feedback,
+            )
         })
         .collect()
 }
