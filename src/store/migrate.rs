@@ -1,5 +1,6 @@
 //! Embedded schema migrations: the SQL files under `migrations/` compiled in
-//! with `sqlx::migrate!`, applied in order at start-up and by `combee migrate`.
+//! (build.rs lists them), read by sqlx's own rules for names and checksums, and
+//! applied in order by sqlx's migrator at start-up and by `combee migrate`.
 //! sqlx records each one with a checksum in `_sqlx_migrations` (an edited,
 //! already-applied file is caught) and, on Postgres, holds an advisory lock so
 //! one of several starting processes migrates while the others wait.
@@ -9,18 +10,68 @@
 //! start without `_sqlx_migrations` those rows are adopted: each one whose
 //! checksum still matches its file is recorded as applied, so nothing runs twice.
 
+use std::{borrow::Cow, sync::LazyLock};
+
+use futures_util::{FutureExt, future::BoxFuture};
 use sha2::{Digest, Sha256};
 use sqlx::{
     Connection, PgPool, SqlitePool,
-    migrate::{Migrate, MigrateError, Migrator},
+    error::BoxDynError,
+    migrate::{Migrate, MigrateError, Migration, MigrationSource, MigrationType, Migrator},
 };
 
 use super::{StoreError, StoreResult};
 
-// A database that ran a migration this binary does not have (a parallel
-// branch's number, not merged yet) still opens, as it did before sqlx.
-pub(super) static POSTGRES: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/postgres") };
-pub(super) static SQLITE: Migrator = Migrator { ignore_missing: true, ..sqlx::migrate!("migrations/sqlite") };
+// `(file name, contents)` of every file under migrations/postgres and migrations/sqlite.
+include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
+
+pub(super) static POSTGRES: LazyLock<Migrator> = LazyLock::new(|| embedded(POSTGRES_FILES));
+pub(super) static SQLITE: LazyLock<Migrator> = LazyLock::new(|| embedded(SQLITE_FILES));
+
+/// The compiled-in files as a migration source, read as sqlx reads a folder
+/// (`<version>_<description>.sql`, `_` read as a space, a first line
+/// `-- no-transaction` runs outside a transaction), so versions, descriptions
+/// and checksums are those `sqlx::migrate!` and `sqlx migrate` record.
+#[derive(Debug)]
+struct Embedded(&'static [(&'static str, &'static str)]);
+
+impl MigrationSource<'static> for Embedded {
+    fn resolve(self) -> BoxFuture<'static, Result<Vec<Migration>, BoxDynError>> {
+        let mut migrations = Vec::with_capacity(self.0.len());
+        for (file, sql) in self.0 {
+            let Some((version, rest)) = file.split_once('_') else { continue };
+            let version: i64 = match version.parse() {
+                Ok(v) => v,
+                Err(_) => {
+                    return async move { Err(format!("migration {file:?} has no integer version").into()) }.boxed();
+                }
+            };
+            let kind = MigrationType::from_filename(rest);
+            let description = rest.trim_end_matches(kind.suffix()).replace('_', " ");
+            migrations.push(Migration::new(
+                version,
+                Cow::Owned(description),
+                kind,
+                Cow::Borrowed(sql),
+                sql.starts_with("-- no-transaction"),
+            ));
+        }
+        migrations.sort_by_key(|m| m.version);
+        async move { Ok(migrations) }.boxed()
+    }
+}
+
+fn embedded(files: &'static [(&'static str, &'static str)]) -> Migrator {
+    // Resolving compiled-in files does no I/O: the future is ready at once.
+    let mut migrator = Migrator::new(Embedded(files))
+        .now_or_never()
+        .expect("embedded migrations resolve without waiting")
+        .expect("build.rs embeds only <version>_<name>.sql files");
+    // A database that ran a migration this binary does not have (a parallel
+    // branch's number, not merged yet) still opens, as it did before sqlx.
+    migrator.set_ignore_missing(true);
+    migrator
+}
 
 /// Serialises adopting the old bookkeeping between processes ("combee").
 const ADOPTION_LOCK: i64 = 0x636f_6d62_6565;
@@ -110,6 +161,21 @@ pub(super) async fn sqlite(pool: &SqlitePool) -> StoreResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The embedded files read exactly as sqlx reads the folders (what
+    /// `sqlx::migrate!` recorded before): same versions, names and checksums,
+    /// so databases migrated by earlier builds are not seen as edited.
+    #[tokio::test]
+    async fn embedded_migrations_match_sqlx_reading_the_folders() {
+        for (migrator, folder) in [(&*POSTGRES, "postgres"), (&*SQLITE, "sqlite")] {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(folder);
+            let from_disk = Migrator::new(dir.as_path()).await.expect("the folder resolves");
+            let key = |m: &Migration| (m.version, m.description.to_string(), m.checksum.to_vec(), m.no_tx);
+            let embedded: Vec<_> = migrator.iter().map(key).collect();
+            assert_eq!(embedded, from_disk.iter().map(key).collect::<Vec<_>>(), "{folder}");
+            assert!(embedded.len() >= 13, "{folder}: {} migrations", embedded.len());
+        }
+    }
 
     #[test]
     fn both_stores_have_the_same_migration_sequence() {
