@@ -12,6 +12,7 @@ RUN mkdir -p src bench/src/bin && echo 'fn main() {}' > src/main.rs && echo '' >
     && for b in $(sed -n 's/^path = "\(src\/bin\/.*\)"/\1/p' bench/Cargo.toml); do echo 'fn main() {}' > "bench/$b"; done \
     && cargo build --release --locked --bin combee \
     && rm -rf src
+COPY build.rs ./
 COPY src ./src
 COPY migrations ./migrations
 COPY prompts ./prompts
