@@ -2,6 +2,10 @@
 # Starts and stops a private, throw-away PostgreSQL server for tests and
 # benchmarks: initdb + pg_ctl in a temp dir, on a free loopback port.
 # Source it, call start_private_postgres, and it exports DATABASE_URL.
+# `start_private_postgres --no-fsync` is for the test suite: the server is
+# thrown away at the end, so it skips flushing to disk (fsync, synchronous
+# commit, full-page writes); every test database and commit is then cheap.
+# Benchmarks start it without, as a deployment would run.
 
 _pg_as_owner() {
   if [ "$(id -u)" = 0 ]; then
@@ -23,7 +27,10 @@ _pg_bin() {
 }
 
 start_private_postgres() {
-  local initdb pg_ctl port
+  local initdb pg_ctl port durability=""
+  if [ "${1:-}" = --no-fsync ]; then
+    durability="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+  fi
   initdb=$(_pg_bin initdb) && pg_ctl=$(_pg_bin pg_ctl) || return 1
   COMBEE_PG_DIR=$(mktemp -d /tmp/combee-pg.XXXXXX)
   chmod 755 "$COMBEE_PG_DIR"
@@ -32,7 +39,7 @@ start_private_postgres() {
   _pg_as_owner "$initdb" -D "$COMBEE_PG_DIR/data" -U postgres --auth=trust -E UTF8 >"$COMBEE_PG_DIR/initdb.log" 2>&1 \
     || { cat "$COMBEE_PG_DIR/initdb.log" >&2; return 1; }
   _pg_as_owner "$pg_ctl" -D "$COMBEE_PG_DIR/data" -l "$COMBEE_PG_DIR/server.log" -w -t 60 \
-    -o "-p $port -k $COMBEE_PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 -c shared_buffers=256MB" \
+    -o "-p $port -k $COMBEE_PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 -c shared_buffers=256MB $durability" \
     start >/dev/null || { cat "$COMBEE_PG_DIR/server.log" >&2; return 1; }
   export COMBEE_PG_DIR
   export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"

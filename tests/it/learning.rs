@@ -434,8 +434,8 @@ async fn realistic_answer_shapes_fail_no_round(b: Backend) {
     assert!(dropped >= unknown_ids, "each unknown id shape drops at least one item: {dropped} < {unknown_ids}");
 }
 
+on_one_store!(realistic_answer_shapes_fail_no_round_on_sqlite: realistic_answer_shapes_fail_no_round(Sqlite));
 on_both_stores!(
-    realistic_answer_shapes_fail_no_round,
     playbook_combee_keeps_what_naive_loses,
     rewrite_combee_keeps_what_naive_loses,
     a_full_backlog_starts_a_round_by_itself,
@@ -806,7 +806,7 @@ mod meter {
         assert!(page.contains(r#"id="meter""#) && page.contains("16–31"), "{page}");
     }
 
-    on_both_stores!(the_meter_estimates_retention_within_ten_points);
+    on_one_store!(the_meter_estimates_retention_within_ten_points_on_postgres: the_meter_estimates_retention_within_ten_points(Postgres));
 }
 
 /// Resuming from the store-backed journal: a round whose backend went down after

@@ -80,4 +80,8 @@ async fn poisoned_feedback_reaches_production_unless_denylisted(b: Backend) {
     }
 }
 
-on_both_stores!(learned_versions_lift_the_agents_success_rate, poisoned_feedback_reaches_production_unless_denylisted);
+on_both_stores!(learned_versions_lift_the_agents_success_rate);
+on_one_store!(
+    poisoned_feedback_reaches_production_unless_denylisted_on_postgres:
+        poisoned_feedback_reaches_production_unless_denylisted(Postgres)
+);

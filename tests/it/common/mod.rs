@@ -212,6 +212,18 @@ macro_rules! on_both_stores {
     };
 }
 
+/// Tests on one named backend each, for long stories whose subject is not
+/// the store (the UI in a browser, learning quality over many rounds): the
+/// store contract suite and the API tests hold both backends to one behaviour,
+/// so such a story runs once, and the stories are split between the backends.
+#[macro_export]
+macro_rules! on_one_store {
+    ($($test:ident: $name:ident($backend:ident)),* $(,)?) => {
+        $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() { $name($crate::common::Backend::$backend).await })*
+    };
+}
+
 /// A second server on `prev`'s store (a fresh connection to the same
 /// database), as after a restart; `prev` should be stopped first.
 pub async fn restart_app_with(prev: &TestApp, tweak: impl FnOnce(&mut Settings)) -> TestApp {
