@@ -13,34 +13,22 @@ use crate::{
     store::{Scope, StoreError},
 };
 
+/// What an API request can fail with: whatever the service layer says (the
+/// web UI shows the same words with the same status), and what only HTTP has.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    #[error("{0}")]
-    BadRequest(String),
+    #[error(transparent)]
+    Service(#[from] ServiceError),
     #[error("{0}")]
     Unauthorized(&'static str),
     #[error("this API key lacks the `{}` scope", .0.as_str())]
     Forbidden(Scope),
-    #[error("{0}")]
-    NotFound(String),
     #[error("this route does not accept that method")]
     MethodNotAllowed,
     #[error("{0}")]
-    Conflict(String),
-    #[error("{0}")]
-    PreconditionFailed(String),
-    #[error("{0}")]
-    PayloadTooLarge(String),
-    #[error("{0}")]
     UnsupportedMediaType(String),
-    #[error("{0}")]
-    Unprocessable(String),
-    #[error("the store is unavailable; retry shortly")]
-    Unavailable,
     #[error("the request took too long")]
     Timeout,
-    #[error("internal error")]
-    Internal(#[source] anyhow::Error),
 }
 
 /// The RFC 9457 body.
@@ -57,37 +45,32 @@ pub struct Problem {
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::Service(e) => e.status(),
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::Conflict(_) => StatusCode::CONFLICT,
-            ApiError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
-            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     fn slug(&self) -> &'static str {
         match self {
-            ApiError::BadRequest(_) => "bad-request",
+            ApiError::Service(e) => match e {
+                ServiceError::BadRequest(_) => "bad-request",
+                ServiceError::NotFound(_) => "not-found",
+                ServiceError::Conflict(_) => "conflict",
+                ServiceError::PreconditionFailed(_) => "precondition-failed",
+                ServiceError::PayloadTooLarge(_) => "payload-too-large",
+                ServiceError::Unprocessable(_) => "unprocessable",
+                ServiceError::Unavailable => "unavailable",
+                ServiceError::Internal(_) => "internal",
+            },
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::Forbidden(_) => "forbidden",
-            ApiError::NotFound(_) => "not-found",
             ApiError::MethodNotAllowed => "method-not-allowed",
-            ApiError::Conflict(_) => "conflict",
-            ApiError::PreconditionFailed(_) => "precondition-failed",
-            ApiError::PayloadTooLarge(_) => "payload-too-large",
             ApiError::UnsupportedMediaType(_) => "unsupported-media-type",
-            ApiError::Unprocessable(_) => "unprocessable",
-            ApiError::Unavailable => "unavailable",
             ApiError::Timeout => "timeout",
-            ApiError::Internal(_) => "internal",
         }
     }
 
@@ -101,8 +84,43 @@ impl ApiError {
         }
     }
 
+    /// A 404 saying "{what} not found".
     pub fn not_found(what: impl std::fmt::Display) -> Self {
-        ApiError::NotFound(format!("{what} not found"))
+        ServiceError::not_found(what).into()
+    }
+
+    /// A 404 with this message as it is.
+    pub fn missing(message: String) -> Self {
+        ServiceError::NotFound(message).into()
+    }
+
+    pub fn bad_request(message: String) -> Self {
+        ServiceError::BadRequest(message).into()
+    }
+
+    pub fn conflict(message: String) -> Self {
+        ServiceError::Conflict(message).into()
+    }
+
+    pub fn precondition_failed(message: String) -> Self {
+        ServiceError::PreconditionFailed(message).into()
+    }
+
+    pub fn payload_too_large(message: String) -> Self {
+        ServiceError::PayloadTooLarge(message).into()
+    }
+
+    pub fn unprocessable(message: String) -> Self {
+        ServiceError::Unprocessable(message).into()
+    }
+
+    pub fn unavailable() -> Self {
+        ServiceError::Unavailable.into()
+    }
+
+    /// A 500: the cause is logged, the answer says only "internal error".
+    pub fn internal(cause: anyhow::Error) -> Self {
+        ServiceError::Internal(cause).into()
     }
 }
 
@@ -112,24 +130,9 @@ impl From<StoreError> for ApiError {
     }
 }
 
-impl From<ServiceError> for ApiError {
-    fn from(e: ServiceError) -> Self {
-        match e {
-            ServiceError::BadRequest(m) => ApiError::BadRequest(m),
-            ServiceError::NotFound(m) => ApiError::NotFound(m),
-            ServiceError::Conflict(m) => ApiError::Conflict(m),
-            ServiceError::PreconditionFailed(m) => ApiError::PreconditionFailed(m),
-            ServiceError::PayloadTooLarge(m) => ApiError::PayloadTooLarge(m),
-            ServiceError::Unprocessable(m) => ApiError::Unprocessable(m),
-            ServiceError::Unavailable => ApiError::Unavailable,
-            ServiceError::Internal(e) => ApiError::Internal(e),
-        }
-    }
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if let ApiError::Internal(e) = &self {
+        if let ApiError::Service(ServiceError::Internal(e)) = &self {
             tracing::error!(error = ?e, "request failed");
         }
         let problem = self.problem();
@@ -138,7 +141,7 @@ impl IntoResponse for ApiError {
         if matches!(self, ApiError::Unauthorized(_)) {
             res.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
-        if matches!(self, ApiError::Unavailable | ApiError::Timeout) {
+        if matches!(self, ApiError::Service(ServiceError::Unavailable) | ApiError::Timeout) {
             // Outages here are store restarts and failovers: seconds, not minutes.
             res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECS));
         }
@@ -162,7 +165,7 @@ mod tests {
         assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(res.headers()[header::RETRY_AFTER], "1");
         assert_eq!(res.headers()[header::CONTENT_TYPE], "application/problem+json");
-        let bad_request = ApiError::BadRequest("no".into()).into_response();
+        let bad_request = ApiError::bad_request("no".into()).into_response();
         assert!(bad_request.headers().get(header::RETRY_AFTER).is_none());
     }
 
@@ -186,9 +189,6 @@ mod tests {
             assert_eq!(answered.status(), shown.status(), "{shown:?}");
             assert_eq!(answered.problem().detail, shown.to_string(), "{shown:?}");
         }
-        assert_eq!(
-            ApiError::from(ServiceError::Internal(anyhow::anyhow!("secret detail"))).problem().detail,
-            "internal error"
-        );
+        assert_eq!(ApiError::internal(anyhow::anyhow!("secret detail")).problem().detail, "internal error");
     }
 }

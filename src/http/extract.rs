@@ -96,7 +96,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
         serde_path_to_error::deserialize(value).map(ApiJson).map_err(|e| {
             let inner = plain_serde_error(&e.inner().to_string());
             let path = e.path().to_string();
-            ApiError::Unprocessable(clip(if path == "." { inner } else { format!("`{path}`: {inner}") }))
+            ApiError::unprocessable(clip(if path == "." { inner } else { format!("`{path}`: {inner}") }))
         })
     }
 }
@@ -106,7 +106,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 /// written as integral floats (`3.0`) are integers, as JSON Schema says.
 pub fn body_value(value: &mut serde_json::Value) -> Result<(), ApiError> {
     if !value.is_object() {
-        return Err(ApiError::Unprocessable("the body must be a JSON object".into()));
+        return Err(ApiError::unprocessable("the body must be a JSON object".into()));
     }
     integral_floats_to_integers(value);
     Ok(())
@@ -131,15 +131,15 @@ fn integral_floats_to_integers(v: &mut serde_json::Value) {
 
 pub fn json_rejection(e: JsonRejection) -> ApiError {
     match e {
-        JsonRejection::JsonDataError(e) => ApiError::Unprocessable(clip(plain_serde_error(&e.body_text()))),
-        JsonRejection::JsonSyntaxError(e) => ApiError::BadRequest(clip(plain_serde_error(&e.body_text()))),
+        JsonRejection::JsonDataError(e) => ApiError::unprocessable(clip(plain_serde_error(&e.body_text()))),
+        JsonRejection::JsonSyntaxError(e) => ApiError::bad_request(clip(plain_serde_error(&e.body_text()))),
         JsonRejection::MissingJsonContentType(_) => {
             ApiError::UnsupportedMediaType("send the body as JSON with `Content-Type: application/json`".into())
         }
         JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-            ApiError::PayloadTooLarge("the request body exceeds `limits.max_body_bytes`".into())
+            ApiError::payload_too_large("the request body exceeds `limits.max_body_bytes`".into())
         }
-        other => ApiError::BadRequest(clip(other.body_text())),
+        other => ApiError::bad_request(clip(other.body_text())),
     }
 }
 
@@ -147,9 +147,9 @@ pub fn json_rejection(e: JsonRejection) -> ApiError {
 pub async fn body_bytes(req: Request) -> Result<axum::body::Bytes, ApiError> {
     axum::body::Bytes::from_request(req, &()).await.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::PayloadTooLarge("the request body exceeds `limits.max_body_bytes`".into())
+            ApiError::payload_too_large("the request body exceeds `limits.max_body_bytes`".into())
         } else {
-            ApiError::BadRequest(clip(e.body_text()))
+            ApiError::bad_request(clip(e.body_text()))
         }
     })
 }
@@ -164,7 +164,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
         Query::<T>::from_request_parts(parts, state)
             .await
             .map(|Query(v)| ApiQuery(v))
-            .map_err(|e| ApiError::BadRequest(clip(plain_serde_error(&e.body_text()))))
+            .map_err(|e| ApiError::bad_request(clip(plain_serde_error(&e.body_text()))))
     }
 }
 
@@ -178,7 +178,7 @@ impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath
         Path::<T>::from_request_parts(parts, state)
             .await
             .map(|Path(v)| ApiPath(v))
-            .map_err(|e| ApiError::BadRequest(clip(plain_serde_error(&e.body_text()))))
+            .map_err(|e| ApiError::bad_request(clip(plain_serde_error(&e.body_text()))))
     }
 }
 

@@ -43,10 +43,10 @@ pub async fn create_key(
 ) -> ApiResult<impl IntoResponse> {
     caller.require(Scope::Admin)?;
     if req.name.trim().is_empty() || req.name.chars().count() > 100 {
-        return Err(ApiError::Unprocessable("`name` must be 1..=100 characters".into()));
+        return Err(ApiError::unprocessable("`name` must be 1..=100 characters".into()));
     }
     if req.scopes.is_empty() {
-        return Err(ApiError::Unprocessable("give at least one scope".into()));
+        return Err(ApiError::unprocessable("give at least one scope".into()));
     }
     let (key, secret) = auth::create_key(&st.store, req.name.trim(), &req.scopes).await?;
     Ok((StatusCode::CREATED, Json(KeyCreated { key, secret })))

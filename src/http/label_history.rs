@@ -52,10 +52,10 @@ pub async fn label_history(
     let label = filter
         .label
         .as_deref()
-        .map(|l| LabelName::parse(l).map_err(|e| ApiError::Unprocessable(format!("`label`: {e}"))))
+        .map(|l| LabelName::parse(l).map_err(|e| ApiError::unprocessable(format!("`label`: {e}"))))
         .transpose()?;
     let before = match page.cursor()? {
-        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);

@@ -19,7 +19,10 @@ use super::{
 };
 use crate::{
     domain::{LabelMoveKind, LabelName, MoveCause, PromptName},
-    service::prompts::{MAX_MESSAGE_CHARS, existing_prompt, move_label_to, roll_back},
+    service::{
+        ServiceError,
+        prompts::{MAX_MESSAGE_CHARS, existing_prompt, move_label_to, roll_back},
+    },
     store::{Label, LabelMove, Scope, Selector},
 };
 
@@ -51,15 +54,15 @@ async fn check_if_match(
     let Some(if_match) = headers.get(header::IF_MATCH) else { return Ok((None, false)) };
     let current = match fresh_view(st, name, &Selector::Label(label.clone())).await {
         Ok(v) => v,
-        Err(ApiError::NotFound(_)) => {
-            return Err(ApiError::PreconditionFailed(format!(
+        Err(ApiError::Service(ServiceError::NotFound(_))) => {
+            return Err(ApiError::precondition_failed(format!(
                 "label {label:?} does not exist, so If-Match cannot match"
             )));
         }
         Err(e) => return Err(e),
     };
     if !etag_matches(Some(if_match), &current.etag, false) {
-        return Err(ApiError::PreconditionFailed(format!(
+        return Err(ApiError::precondition_failed(format!(
             "label {label:?} has moved: its current ETag is {}; fetch it again",
             current.etag.to_str().unwrap_or_default()
         )));
@@ -106,14 +109,14 @@ pub async fn move_label(
 ) -> ApiResult<Response> {
     caller.require(Scope::PromptsPromote)?;
     let prompt = existing_prompt(&st, &name).await?;
-    let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    let label = LabelName::parse(&label).map_err(|e| ApiError::unprocessable(e.to_string()))?;
     if req.version < 1 {
-        return Err(ApiError::Unprocessable("`version` must be at least 1".into()));
+        return Err(ApiError::unprocessable("`version` must be at least 1".into()));
     }
     let reason = req.reason.unwrap_or_default();
     // The schema states the bound (`maxLength`), so breaking it is invalid input (422), not a large body.
     if reason.chars().count() > MAX_MESSAGE_CHARS {
-        return Err(ApiError::Unprocessable(format!("`reason` is longer than {MAX_MESSAGE_CHARS} characters")));
+        return Err(ApiError::unprocessable(format!("`reason` is longer than {MAX_MESSAGE_CHARS} characters")));
     }
     let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
     let mv = LabelMove {
@@ -138,9 +141,9 @@ pub async fn delete_label(
 ) -> ApiResult<StatusCode> {
     caller.require(Scope::PromptsPromote)?;
     let prompt = existing_prompt(&st, &name).await?;
-    let label = LabelName::parse(&label).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    let label = LabelName::parse(&label).map_err(|e| ApiError::unprocessable(e.to_string()))?;
     if label.as_str() == LabelName::PRODUCTION {
-        return Err(ApiError::Conflict("`production` cannot be deleted; move it instead".into()));
+        return Err(ApiError::conflict("`production` cannot be deleted; move it instead".into()));
     }
     if !st.store.delete_label(&prompt.name, &label, &caller.actor()).await? {
         return Err(ApiError::not_found(format_args!("label {label:?} of prompt {:?}", prompt.name)));
@@ -175,7 +178,7 @@ pub async fn rollback(
     let prompt = existing_prompt(&st, &name).await?;
     let production = LabelName::production();
     if req.to < 1 {
-        return Err(ApiError::Unprocessable("`to` must be at least 1".into()));
+        return Err(ApiError::unprocessable("`to` must be at least 1".into()));
     }
     let (expected, checked) = check_if_match(&st, &prompt.name, &production, &headers).await?;
     let created = roll_back(&st, &prompt, req.to, req.message, expected.filter(|_| checked), &caller.actor()).await?;
@@ -183,7 +186,7 @@ pub async fn rollback(
         .store
         .resolve(&prompt.name, &Selector::Version(created.number))
         .await?
-        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("version vanished after insert")))?;
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("version vanished after insert")))?;
     let etag = fresh_view(&st, &prompt.name, &Selector::Label(production)).await?.etag.clone();
     let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();
     res.headers_mut().insert(header::ETAG, etag);

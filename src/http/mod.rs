@@ -101,7 +101,7 @@ pub fn serve(routes: Router<AppState>, state: AppState) -> Router {
                 }))
                 .layer(PropagateRequestIdLayer::new(REQUEST_ID))
                 .layer(CatchPanicLayer::custom(|_| {
-                    ApiError::Internal(anyhow::anyhow!("a handler panicked")).into_response()
+                    ApiError::internal(anyhow::anyhow!("a handler panicked")).into_response()
                 })),
         )
         .with_state(state)
@@ -118,7 +118,7 @@ pub fn ops_router(state: AppState) -> Router {
 }
 
 async fn not_found() -> ApiError {
-    ApiError::NotFound("no such route; see /v1/openapi.json".into())
+    ApiError::missing("no such route; see /v1/openapi.json".into())
 }
 
 async fn method_not_allowed() -> ApiError {

@@ -24,9 +24,9 @@ pub async fn readyz(State(st): State<AppState>) -> Result<Json<serde_json::Value
         Ok(Ok(())) => Ok(Json(json!({"status": "ready", "store": st.store.kind()}))),
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "readiness check failed");
-            Err(ApiError::Unavailable)
+            Err(ApiError::unavailable())
         }
-        Err(_) => Err(ApiError::Unavailable),
+        Err(_) => Err(ApiError::unavailable()),
     }
 }
 

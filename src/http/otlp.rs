@@ -25,11 +25,11 @@ use axum::{
 
 fn decode_error(e: DecodeError) -> ApiError {
     if e.is_size() {
-        ApiError::PayloadTooLarge(e.to_string())
+        ApiError::payload_too_large(e.to_string())
     } else if e.is_media_type() {
         ApiError::UnsupportedMediaType(e.to_string())
     } else {
-        ApiError::BadRequest(e.to_string())
+        ApiError::bad_request(e.to_string())
     }
 }
 
@@ -100,7 +100,7 @@ async fn ingest(
     let (groups, rejected) = mapping::split_request(request);
     let max = st.settings.limits.max_traces_per_batch;
     if groups.len() > max {
-        return Err(ApiError::PayloadTooLarge(format!(
+        return Err(ApiError::payload_too_large(format!(
             "the export holds {} traces (trace ids); the limit is {max} (`limits.max_traces_per_batch`)",
             groups.len()
         )));

@@ -60,7 +60,7 @@ pub struct PromptMetrics {
 /// `30m`, `24h`, `7d` → seconds.
 fn parse_span(what: &str, s: &str) -> ApiResult<i64> {
     let bad = || {
-        ApiError::BadRequest(format!("`{what}` must be a number and a unit m, h or d (e.g. 1h, 24h, 7d); got {s:?}"))
+        ApiError::bad_request(format!("`{what}` must be a number and a unit m, h or d (e.g. 1h, 24h, 7d); got {s:?}"))
     };
     if !s.is_ascii() {
         return Err(bad());
@@ -78,7 +78,7 @@ fn parse_span(what: &str, s: &str) -> ApiResult<i64> {
         _ => return Err(bad()),
     };
     if secs == 0 {
-        return Err(ApiError::BadRequest(format!("`{what}` must be longer than zero")));
+        return Err(ApiError::bad_request(format!("`{what}` must be longer than zero")));
     }
     Ok(secs)
 }
@@ -209,6 +209,7 @@ fn escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::service::ServiceError;
 
     fn q(window: Option<&str>, since: Option<DateTime<Utc>>, bucket: Option<&str>) -> MetricsQuery {
         MetricsQuery { window: window.map(Into::into), since, bucket: bucket.map(Into::into) }
@@ -230,7 +231,10 @@ mod tests {
     fn bad_windows_are_explained() {
         let now = Utc::now();
         for bad in ["", "h", "10", "1w", "-1h", "0h", "1.5h", "9999999d", "1é", "é"] {
-            assert!(matches!(window(&q(Some(bad), None, None), now), Err(ApiError::BadRequest(_))), "{bad:?}");
+            assert!(
+                matches!(window(&q(Some(bad), None, None), now), Err(ApiError::Service(ServiceError::BadRequest(_)))),
+                "{bad:?}"
+            );
         }
     }
 

@@ -41,10 +41,10 @@ pub(super) fn check_content(
     playbook: Option<Playbook>,
 ) -> ApiResult<VersionContent> {
     if base.trim().is_empty() {
-        return Err(ApiError::Unprocessable("`base` must not be empty".into()));
+        return Err(ApiError::unprocessable("`base` must not be empty".into()));
     }
     if base.len() > st.settings.limits.max_prompt_bytes {
-        return Err(ApiError::PayloadTooLarge(format!(
+        return Err(ApiError::payload_too_large(format!(
             "`base` is {} bytes; the limit is {} (`limits.max_prompt_bytes`)",
             base.len(),
             st.settings.limits.max_prompt_bytes
@@ -52,15 +52,15 @@ pub(super) fn check_content(
     }
     let playbook = match (strategy, playbook) {
         (Strategy::Rewrite, Some(_)) => {
-            return Err(ApiError::Unprocessable("a prompt with strategy `rewrite` has no playbook".into()));
+            return Err(ApiError::unprocessable("a prompt with strategy `rewrite` has no playbook".into()));
         }
-        (_, Some(pb)) => Some(pb.normalized().map_err(|e| ApiError::Unprocessable(format!("playbook: {e}")))?),
+        (_, Some(pb)) => Some(pb.normalized().map_err(|e| ApiError::unprocessable(format!("playbook: {e}")))?),
         (_, None) => None,
     };
     let content = VersionContent { base: base.to_owned(), playbook };
     let rendered = content.render().len();
     if rendered > st.settings.limits.max_prompt_bytes * 2 {
-        return Err(ApiError::PayloadTooLarge(format!("the rendered prompt is {rendered} bytes; too large")));
+        return Err(ApiError::payload_too_large(format!("the rendered prompt is {rendered} bytes; too large")));
     }
     Ok(content)
 }
@@ -106,9 +106,9 @@ pub async fn create_prompt(
     ApiJson(req): ApiJson<CreatePrompt>,
 ) -> ApiResult<Response> {
     caller.require(Scope::PromptsWrite)?;
-    let name = PromptName::parse(&req.name).map_err(|e| ApiError::Unprocessable(e.to_string()))?;
+    let name = PromptName::parse(&req.name).map_err(|e| ApiError::unprocessable(e.to_string()))?;
     let strategy = req.strategy.unwrap_or_default();
-    let settings = req.settings.unwrap_or_default().validated().map_err(ApiError::Unprocessable)?;
+    let settings = req.settings.unwrap_or_default().validated().map_err(ApiError::unprocessable)?;
     let content = check_content(&st, strategy, &req.base, req.playbook)?;
     let first = NewVersion {
         parent: None,
@@ -152,7 +152,7 @@ pub async fn list_prompts(
     let size = page.size(st.settings.limits.max_page_size);
     let after = page.cursor()?;
     if after.as_deref().is_some_and(|a| !crate::domain::names::is_valid_name(a)) {
-        return Err(ApiError::BadRequest("`page_token` is not a token this API issued".into()));
+        return Err(ApiError::bad_request("`page_token` is not a token this API issued".into()));
     }
     let prompts = st.store.list_prompts(after.as_deref(), size).await?;
     let next_page_token = next_token(&prompts, size, |p| p.prompt.name.to_string());
@@ -185,10 +185,10 @@ impl SelectorQuery {
         match (&self.label, self.version) {
             // Both: the version, and only while the label points at it (checked by the caller).
             (_, Some(v)) if v >= 1 => Ok(Selector::Version(v)),
-            (_, Some(_)) => Err(ApiError::BadRequest("`version` must be at least 1".into())),
+            (_, Some(_)) => Err(ApiError::bad_request("`version` must be at least 1".into())),
             (Some(l), None) if l == LabelName::LATEST => Ok(Selector::Latest),
             (Some(l), None) => {
-                LabelName::parse(l).map(Selector::Label).map_err(|e| ApiError::BadRequest(e.to_string()))
+                LabelName::parse(l).map(Selector::Label).map_err(|e| ApiError::bad_request(e.to_string()))
             }
             (None, None) => Ok(Selector::Label(LabelName::production())),
         }
@@ -244,8 +244,8 @@ pub(super) async fn fresh_view(st: &AppState, name: &PromptName, selector: &Sele
         source: v.source,
         created_at: v.created_at,
     })
-    .map_err(|e| ApiError::Internal(e.into()))?;
-    let etag = HeaderValue::from_str(&etag(&resolved)).map_err(|e| ApiError::Internal(e.into()))?;
+    .map_err(|e| ApiError::internal(e.into()))?;
+    let etag = HeaderValue::from_str(&etag(&resolved)).map_err(|e| ApiError::internal(e.into()))?;
     Ok(Arc::new(CachedPrompt::new(etag, Bytes::from(body), v.number)))
 }
 
@@ -285,11 +285,11 @@ pub async fn get_prompt(
         let sel = if l == LabelName::LATEST {
             Selector::Latest
         } else {
-            Selector::Label(LabelName::parse(l).map_err(|e| ApiError::BadRequest(e.to_string()))?)
+            Selector::Label(LabelName::parse(l).map_err(|e| ApiError::bad_request(e.to_string()))?)
         };
         let at = st.store.resolve(&parse_name(&name)?, &sel).await?.map(|r| r.version.number);
         if at != Some(v) {
-            return Err(ApiError::NotFound(format!("label {l:?} does not point at version {v}")));
+            return Err(ApiError::missing(format!("label {l:?} does not point at version {v}")));
         }
     }
     let subject = subject_of(&q, &headers)?;
@@ -328,12 +328,12 @@ fn subject_of(q: &SelectorQuery, headers: &HeaderMap) -> ApiResult<Option<String
         (Some(s), _) => s.clone(),
         (None, Some(h)) => h
             .to_str()
-            .map_err(|_| ApiError::BadRequest("the `Combee-Subject` header must be visible ASCII".into()))?
+            .map_err(|_| ApiError::bad_request("the `Combee-Subject` header must be visible ASCII".into()))?
             .to_owned(),
         (None, None) => return Ok(None),
     };
     if raw.is_empty() || raw.chars().count() > MAX_SUBJECT_CHARS || raw.chars().any(char::is_control) {
-        return Err(ApiError::BadRequest(format!(
+        return Err(ApiError::bad_request(format!(
             "a subject must be 1 to {MAX_SUBJECT_CHARS} characters without control characters"
         )));
     }
@@ -382,9 +382,9 @@ async fn served_arm(st: &AppState, name: &str, subject: Option<&str>) -> ApiResu
 
 /// The cached body with the arm it was served as.
 fn with_arm(body: &Bytes, state: ArmState) -> ApiResult<Bytes> {
-    let mut v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::Internal(e.into()))?;
+    let mut v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::internal(e.into()))?;
     v["arm"] = serde_json::Value::String(state.as_str().to_owned());
-    Ok(Bytes::from(serde_json::to_vec(&v).map_err(|e| ApiError::Internal(e.into()))?))
+    Ok(Bytes::from(serde_json::to_vec(&v).map_err(|e| ApiError::internal(e.into()))?))
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -34,10 +34,10 @@ fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
         return Ok(TriggerRound::default());
     }
     let mut value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("the body is not valid JSON: {e}")))?;
+        serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
     super::extract::body_value(&mut value)?;
     serde_json::from_value(value)
-        .map_err(|e| ApiError::Unprocessable(super::extract::plain_serde_error(&e.to_string())))
+        .map_err(|e| ApiError::unprocessable(super::extract::plain_serde_error(&e.to_string())))
 }
 
 #[utoipa::path(post, path = "/v1/prompts/{name}/rounds", tag = "rounds", params(("name" = String, Path)),
@@ -54,7 +54,7 @@ pub async fn trigger_round(
     let body = parse_trigger(&body_bytes(req).await?)?;
     let round = open_round(&st, &name, body, RoundTrigger::Api, None)
         .await?
-        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("a round without a webhook id was taken for a duplicate")))?;
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("a round without a webhook id was taken for a duplicate")))?;
     Ok((StatusCode::ACCEPTED, Json(round)).into_response())
 }
 
@@ -79,7 +79,7 @@ pub async fn webhook_round(
 ) -> ApiResult<Response> {
     let keys: Vec<Vec<u8>> = st.settings.webhooks.inbound_secrets.iter().filter_map(webhooks::decode_secret).collect();
     if keys.is_empty() {
-        return Err(ApiError::NotFound("inbound webhooks are not configured (`webhooks.inbound_secrets`)".into()));
+        return Err(ApiError::missing("inbound webhooks are not configured (`webhooks.inbound_secrets`)".into()));
     }
     let headers: HeaderMap = req.headers().clone();
     let body = body_bytes(req).await?;
@@ -96,7 +96,7 @@ pub async fn webhook_round(
     let trigger = parse_trigger(&body)?;
     let id = msg.id.unwrap_or_default();
     if id.len() > 255 {
-        return Err(ApiError::BadRequest("`webhook-id` is longer than 255 characters".into()));
+        return Err(ApiError::bad_request("`webhook-id` is longer than 255 characters".into()));
     }
     // The id is remembered only together with the round it opens: a trigger
     // refused here (404, 409) is processed again when the sender retries it.
@@ -127,7 +127,7 @@ pub async fn get_round(
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<RoundView>> {
     caller.require(Scope::PromptsRead)?;
-    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound("no such round: ids are UUIDs".into()))?;
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::missing("no such round: ids are UUIDs".into()))?;
     Ok(Json(round_view(&st, id).await?))
 }
 
@@ -159,7 +159,7 @@ pub async fn list_rounds(
     }
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before = match page.cursor()? {
-        Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);

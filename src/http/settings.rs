@@ -92,7 +92,7 @@ pub async fn update_settings(
     // `null` removes a member before the settings are read back, so an unknown
     // name would pass unnoticed there: refuse it here.
     if let Some(unknown) = patch.0.keys().find(|k| !PromptSettings::FIELDS.contains(&k.as_str())) {
-        return Err(ApiError::Unprocessable(format!(
+        return Err(ApiError::unprocessable(format!(
             "`{}` is not a setting; the settings are {}",
             unknown.chars().take(64).collect::<String>(),
             PromptSettings::FIELDS.join(", ")
@@ -102,13 +102,13 @@ pub async fn update_settings(
     // Optimistic: re-read and re-apply when another change landed in between.
     for _ in 0..5 {
         let prompt = existing_prompt(&st, &name).await?;
-        let mut doc = serde_json::to_value(&prompt.settings).map_err(|e| ApiError::Internal(e.into()))?;
+        let mut doc = serde_json::to_value(&prompt.settings).map_err(|e| ApiError::internal(e.into()))?;
         merge_patch(&mut doc, &patch);
         let new: PromptSettings = serde_path_to_error::deserialize(doc).map_err(|e| {
             let inner = super::extract::plain_serde_error(&e.inner().to_string());
-            ApiError::Unprocessable(format!("`settings.{}`: {inner}", e.path()))
+            ApiError::unprocessable(format!("`settings.{}`: {inner}", e.path()))
         })?;
-        let new = new.validated().map_err(ApiError::Unprocessable)?;
+        let new = new.validated().map_err(ApiError::unprocessable)?;
         match st.store.update_prompt_settings(&prompt.name, &prompt.settings, &new).await {
             Ok(Some(updated)) => return Ok(Json(updated)),
             Ok(None) => return Err(ApiError::not_found(format_args!("prompt {:?}", prompt.name.as_str()))),
@@ -116,5 +116,5 @@ pub async fn update_settings(
             Err(e) => return Err(e.into()),
         }
     }
-    Err(ApiError::Conflict("the settings kept changing while this patch was applied; send it again".into()))
+    Err(ApiError::conflict("the settings kept changing while this patch was applied; send it again".into()))
 }

@@ -56,31 +56,31 @@ pub(super) fn limits(st: &AppState) -> TraceLimits {
 fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         if e.is_syntax() || e.is_eof() {
-            ApiError::BadRequest(format!("the body is not valid JSON: {e}"))
+            ApiError::bad_request(format!("the body is not valid JSON: {e}"))
         } else {
-            ApiError::Unprocessable(super::extract::plain_serde_error(&e.to_string()))
+            ApiError::unprocessable(super::extract::plain_serde_error(&e.to_string()))
         }
     })?;
     let (items, batch) = match value {
         Value::Object(mut map) if map.contains_key("traces") => match map.remove("traces") {
             Some(Value::Array(items)) if map.is_empty() => (items, true),
             Some(Value::Array(_)) => {
-                return Err(ApiError::Unprocessable("a batch is `{\"traces\": [...]}` with no other fields".into()));
+                return Err(ApiError::unprocessable("a batch is `{\"traces\": [...]}` with no other fields".into()));
             }
-            _ => return Err(ApiError::Unprocessable("`traces` must be an array".into())),
+            _ => return Err(ApiError::unprocessable("`traces` must be an array".into())),
         },
         v @ Value::Object(_) => (vec![v], false),
-        _ => return Err(ApiError::Unprocessable("send one trace object or `{\"traces\": [...]}`".into())),
+        _ => return Err(ApiError::unprocessable("send one trace object or `{\"traces\": [...]}`".into())),
     };
     let max = st.settings.limits.max_traces_per_batch;
     if items.len() > max {
-        return Err(ApiError::PayloadTooLarge(format!(
+        return Err(ApiError::payload_too_large(format!(
             "the batch holds {} traces; the limit is {max} (`limits.max_traces_per_batch`)",
             items.len()
         )));
     }
     if items.is_empty() {
-        return Err(ApiError::Unprocessable("the batch holds no traces".into()));
+        return Err(ApiError::unprocessable("the batch holds no traces".into()));
     }
     let limits = limits(st);
     items
@@ -90,21 +90,21 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
             let at = |msg: String| if batch { format!("traces[{i}]: {msg}") } else { msg };
             let mut item = item;
             super::extract::body_value(&mut item)
-                .map_err(|_| ApiError::Unprocessable(at("a trace must be a JSON object".into())))?;
+                .map_err(|_| ApiError::unprocessable(at("a trace must be a JSON object".into())))?;
             if item.get("feedback").is_some_and(|f| !(f.is_object() || f.is_null())) {
-                return Err(ApiError::Unprocessable(at("`feedback` must be a JSON object".into())));
+                return Err(ApiError::unprocessable(at("`feedback` must be a JSON object".into())));
             }
             let t: NewTrace = serde_path_to_error::deserialize(item).map_err(|e| {
                 let path = e.path().to_string();
                 let inner = super::extract::plain_serde_error(&e.inner().to_string());
                 let msg = if path == "." { inner } else { format!("{path}: {inner}") };
-                ApiError::Unprocessable(at(msg))
+                ApiError::unprocessable(at(msg))
             })?;
             t.validate(limits).map_err(|e| {
                 if e.is_size() {
-                    ApiError::PayloadTooLarge(at(e.to_string()))
+                    ApiError::payload_too_large(at(e.to_string()))
                 } else {
-                    ApiError::Unprocessable(at(e.to_string()))
+                    ApiError::unprocessable(at(e.to_string()))
                 }
             })
         })
@@ -145,7 +145,7 @@ pub async fn post_traces(State(st): State<AppState>, caller: Caller, req: Reques
             Ok(res)
         }
         IdempotentIngest::Mismatch => {
-            Err(ApiError::Unprocessable("this Idempotency-Key was already used with a different request body".into()))
+            Err(ApiError::unprocessable("this Idempotency-Key was already used with a different request body".into()))
         }
     }
 }
@@ -157,9 +157,9 @@ fn accepted_body(ids: &[Uuid]) -> Vec<u8> {
 
 fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
     let Some(v) = headers.get(IDEMPOTENCY_KEY) else { return Ok(None) };
-    let v = v.to_str().map_err(|_| ApiError::BadRequest("`Idempotency-Key` must be visible ASCII".into()))?;
+    let v = v.to_str().map_err(|_| ApiError::bad_request("`Idempotency-Key` must be visible ASCII".into()))?;
     if v.is_empty() || v.len() > 255 {
-        return Err(ApiError::BadRequest("`Idempotency-Key` must be 1..=255 characters".into()));
+        return Err(ApiError::bad_request("`Idempotency-Key` must be 1..=255 characters".into()));
     }
     Ok(Some(v.to_owned()))
 }
@@ -200,7 +200,7 @@ pub async fn list_traces(
     caller.require(Scope::PromptsRead)?;
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before_id = match page.cursor()? {
-        Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
     let prompt: Option<PromptName> = q.prompt.as_deref().map(parse_name).transpose()?;
@@ -212,7 +212,7 @@ pub async fn list_traces(
 }
 
 fn trace_id(id: &str) -> ApiResult<Uuid> {
-    Uuid::parse_str(id).map_err(|_| ApiError::NotFound("no such trace: ids are UUIDs".into()))
+    Uuid::parse_str(id).map_err(|_| ApiError::missing("no such trace: ids are UUIDs".into()))
 }
 
 #[utoipa::path(get, path = "/v1/traces/{id}", tag = "traces", params(("id" = Uuid, Path)),
@@ -242,10 +242,10 @@ pub async fn add_feedback(
     let too_long = |s: &Option<String>| s.as_ref().is_some_and(|s| s.len() > limit);
     let gt_len = feedback.ground_truth.as_ref().map_or(0, |v| v.to_string().len());
     if too_long(&feedback.comment) || too_long(&feedback.error) || gt_len > st.settings.limits.max_trace_bytes {
-        return Err(ApiError::PayloadTooLarge(format!("a feedback field exceeds {limit} bytes")));
+        return Err(ApiError::payload_too_large(format!("a feedback field exceeds {limit} bytes")));
     }
     if feedback.score.is_some_and(|s| !s.is_finite()) {
-        return Err(ApiError::Unprocessable("`score` must be a finite number".into()));
+        return Err(ApiError::unprocessable("`score` must be a finite number".into()));
     }
     st.store.add_feedback(id, feedback).await?.map(Json).ok_or_else(|| ApiError::not_found(format_args!("trace {id}")))
 }
@@ -295,15 +295,15 @@ pub async fn requeue_failed(
     caller.require(Scope::TracesWrite)?;
     let prompt = parse_name(&name)?;
     let ids = match (req.ids, req.all) {
-        (Some(_), true) => return Err(ApiError::Unprocessable("give `ids` or `all: true`, not both".into())),
+        (Some(_), true) => return Err(ApiError::unprocessable("give `ids` or `all: true`, not both".into())),
         (None, false) => {
-            return Err(ApiError::Unprocessable(
+            return Err(ApiError::unprocessable(
                 "say which traces: `ids` (a list of trace ids) or `all: true` (every failed trace)".into(),
             ));
         }
-        (Some(ids), false) if ids.is_empty() => return Err(ApiError::Unprocessable("`ids` is empty".into())),
+        (Some(ids), false) if ids.is_empty() => return Err(ApiError::unprocessable("`ids` is empty".into())),
         (Some(ids), false) if ids.len() > MAX_REQUEUE_IDS => {
-            return Err(ApiError::Unprocessable(format!("at most {MAX_REQUEUE_IDS} `ids` per request")));
+            return Err(ApiError::unprocessable(format!("at most {MAX_REQUEUE_IDS} `ids` per request")));
         }
         (ids, _) => ids,
     };
@@ -336,7 +336,7 @@ pub struct QuarantineRequest {
 fn quarantine_reason(reason: Option<String>, caller: &Caller) -> ApiResult<String> {
     let reason = reason.map(|r| r.trim().to_owned()).filter(|r| !r.is_empty());
     if reason.as_ref().is_some_and(|r| r.chars().count() > MAX_REASON_CHARS) {
-        return Err(ApiError::Unprocessable(format!("`reason` is longer than {MAX_REASON_CHARS} characters")));
+        return Err(ApiError::unprocessable(format!("`reason` is longer than {MAX_REASON_CHARS} characters")));
     }
     Ok(reason.unwrap_or_else(|| format!("quarantined by {}", caller.actor())))
 }
@@ -345,7 +345,7 @@ fn trace_action(id: Uuid, action: TraceAction) -> ApiResult<Trace> {
     match action {
         TraceAction::Done(t) => Ok(*t),
         TraceAction::NotFound => Err(ApiError::not_found(format_args!("trace {id}"))),
-        TraceAction::Refused(why) => Err(ApiError::Conflict(why)),
+        TraceAction::Refused(why) => Err(ApiError::conflict(why)),
     }
 }
 
@@ -371,7 +371,7 @@ pub async fn quarantine_trace(
         serde_json::from_slice::<Option<QuarantineRequest>>(&body)
             .map_err(|e| {
                 let msg = super::extract::plain_serde_error(&e.to_string());
-                if e.is_data() { ApiError::Unprocessable(msg) } else { ApiError::BadRequest(msg) }
+                if e.is_data() { ApiError::unprocessable(msg) } else { ApiError::bad_request(msg) }
             })?
             .unwrap_or_default()
     };

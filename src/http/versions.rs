@@ -74,7 +74,7 @@ pub async fn create_version(
     let labels = req
         .labels
         .iter()
-        .map(|l| LabelName::parse(l).map_err(|e| ApiError::Unprocessable(e.to_string())))
+        .map(|l| LabelName::parse(l).map_err(|e| ApiError::unprocessable(e.to_string())))
         .collect::<ApiResult<Vec<_>>>()?;
     if !labels.is_empty() {
         caller.require(Scope::PromptsPromote)?;
@@ -84,7 +84,7 @@ pub async fn create_version(
         .store
         .resolve(&prompt.name, &parent_sel)
         .await?
-        .ok_or_else(|| ApiError::Conflict(format!("parent version {} does not exist", req.parent.unwrap_or(0))))?
+        .ok_or_else(|| ApiError::conflict(format!("parent version {} does not exist", req.parent.unwrap_or(0))))?
         .version;
     let req_has_playbook = req.playbook.is_some();
     let base = req.base.unwrap_or_else(|| parent.content.base.clone());
@@ -97,7 +97,7 @@ pub async fn create_version(
         None => parent.content.playbook.clone(),
     };
     if prompt.strategy == Strategy::Rewrite && req_has_playbook {
-        return Err(ApiError::Conflict("this prompt's strategy is `rewrite`: its versions have no playbook".into()));
+        return Err(ApiError::conflict("this prompt's strategy is `rewrite`: its versions have no playbook".into()));
     }
     let content = check_content(&st, prompt.strategy, &base, playbook)?;
     let version = NewVersion {
@@ -128,7 +128,7 @@ pub async fn create_version(
         .store
         .resolve(&prompt.name, &Selector::Version(created.number))
         .await?
-        .ok_or_else(|| ApiError::Internal(anyhow::anyhow!("version vanished after insert")))?;
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("version vanished after insert")))?;
     Ok((StatusCode::CREATED, Json(VersionView::from(view))).into_response())
 }
 
@@ -149,7 +149,7 @@ pub async fn list_versions(
     caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
     let before = match page.cursor()? {
-        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);

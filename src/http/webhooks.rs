@@ -54,7 +54,7 @@ pub struct WebhookList {
 
 fn parse_events(names: &[String]) -> ApiResult<Vec<EventType>> {
     if names.is_empty() {
-        return Err(ApiError::Unprocessable("`events` must name at least one event".into()));
+        return Err(ApiError::unprocessable("`events` must name at least one event".into()));
     }
     names
         .iter()
@@ -62,7 +62,7 @@ fn parse_events(names: &[String]) -> ApiResult<Vec<EventType>> {
             EventType::parse(n).ok_or_else(|| {
                 let known: Vec<&str> = EventType::ALL.iter().map(|e| e.as_str()).collect();
                 let shown: String = n.chars().take(64).collect();
-                ApiError::Unprocessable(format!("unknown event {shown:?}; known events: {}", known.join(", ")))
+                ApiError::unprocessable(format!("unknown event {shown:?}; known events: {}", known.join(", ")))
             })
         })
         .collect()
@@ -75,7 +75,7 @@ fn new_secret() -> Secret {
 }
 
 fn parse_id(id: &str) -> ApiResult<Uuid> {
-    Uuid::parse_str(id).map_err(|_| ApiError::NotFound("no such webhook: ids are UUIDs".into()))
+    Uuid::parse_str(id).map_err(|_| ApiError::missing("no such webhook: ids are UUIDs".into()))
 }
 
 #[utoipa::path(post, path = "/v1/webhooks", tag = "webhooks", request_body = CreateWebhook,
@@ -88,11 +88,11 @@ pub async fn create_webhook(
 ) -> ApiResult<impl IntoResponse> {
     caller.require(Scope::Admin)?;
     if req.url.len() > MAX_URL_BYTES {
-        return Err(ApiError::Unprocessable(format!("`url` is longer than {MAX_URL_BYTES} bytes")));
+        return Err(ApiError::unprocessable(format!("`url` is longer than {MAX_URL_BYTES} bytes")));
     }
     let description = req.description.map(|d| d.trim().to_owned()).filter(|d| !d.is_empty());
     if description.as_ref().is_some_and(|d| d.chars().count() > MAX_DESCRIPTION_CHARS) {
-        return Err(ApiError::Unprocessable(format!(
+        return Err(ApiError::unprocessable(format!(
             "`description` is longer than {MAX_DESCRIPTION_CHARS} characters"
         )));
     }
@@ -100,11 +100,11 @@ pub async fn create_webhook(
     let url =
         target::check_url(req.url.trim(), st.settings.webhooks.allow_private_targets).await.map_err(|e| match e {
             TargetError::Unresolvable(_) | TargetError::Refused { .. } | TargetError::BadUrl(_) => {
-                ApiError::Unprocessable(e.to_string())
+                ApiError::unprocessable(e.to_string())
             }
         })?;
     if st.store.list_webhooks().await?.len() >= MAX_SUBSCRIPTIONS {
-        return Err(ApiError::Conflict(format!("at most {MAX_SUBSCRIPTIONS} subscriptions; delete one first")));
+        return Err(ApiError::conflict(format!("at most {MAX_SUBSCRIPTIONS} subscriptions; delete one first")));
     }
     let secret = new_secret();
     let webhook = st
@@ -182,7 +182,7 @@ pub async fn list_deliveries(
     }
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before = match page.cursor()? {
-        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::BadRequest("bad `page_token`".into()))?),
+        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);
