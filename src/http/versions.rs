@@ -20,7 +20,7 @@ use crate::{
     domain::{LabelName, Playbook, Strategy, Version, VersionSource, prompt::NewVersion},
     service::{
         pagination::{PageParams, next_token},
-        prompts::{VersionDiff, check_message, existing_prompt, version_diff},
+        prompts::{VersionDiff, add_version, check_message, existing_prompt, version_diff},
     },
     store::{LabelMove, Resolved, Scope, Selector},
 };
@@ -118,12 +118,7 @@ pub async fn create_version(
             by: caller.actor(),
         })
         .collect();
-    let to_production = moves.iter().any(|m| m.label == LabelName::production());
-    let created = st.store.create_version(&prompt.name, version, &moves).await?;
-    st.cache.invalidate(prompt.name.as_str());
-    if to_production {
-        crate::service::prompts::production_moved(&st, &prompt.name).await;
-    }
+    let created = add_version(&st, &prompt.name, version, &moves).await?;
     let view = st
         .store
         .resolve(&prompt.name, &Selector::Version(created.number))

@@ -1,6 +1,6 @@
 //! Prompt operations both front ends call: create a prompt (seeding the
 //! population of an `evaluated` one), find a prompt by its name in a path,
-//! diff two versions, move a label (recording why), and roll back.
+//! add a version, diff two versions, move a label (recording why), and roll back.
 
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -55,11 +55,28 @@ pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> 
     Ok((prompt, version))
 }
 
+/// Stores a new version of `name` with the label moves made with it; what
+/// follows labels keeps in step: the served prompts' cache and, when
+/// `production` moved, the population.
+pub async fn add_version(
+    st: &AppState,
+    name: &PromptName,
+    version: NewVersion,
+    moves: &[LabelMove],
+) -> ServiceResult<Version> {
+    let created = st.store.create_version(name, version, moves).await?;
+    st.cache.invalidate(name.as_str());
+    if moves.iter().any(|m| m.label == LabelName::production()) {
+        production_moved(st, name).await;
+    }
+    Ok(created)
+}
+
 /// After `production` of `name` moved by an operator's hand: the population
 /// (if the prompt has one) follows at once, so the new production version is
 /// what agents are served as the champion; a failure here is logged (the
 /// move stands and the rater reconciles on its next tick).
-pub async fn production_moved(st: &AppState, name: &PromptName) {
+async fn production_moved(st: &AppState, name: &PromptName) {
     if let Err(e) = follow_production(&st.store, name, &st.settings.population.policy()).await {
         tracing::warn!(prompt = %name, error = %e, "the population did not follow production yet");
     }
