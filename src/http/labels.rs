@@ -4,7 +4,7 @@
 use axum::{
     Json,
     extract::State,
-    http::{HeaderMap, StatusCode, header},
+    http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
 use serde::{Deserialize, Serialize};
@@ -14,7 +14,7 @@ use super::{
     AppState,
     error::{ApiError, ApiResult},
     extract::{ApiJson, ApiPath, Caller},
-    prompts::{etag_matches, fresh_view},
+    prompts::{etag, etag_matches, fresh_view},
     versions::VersionView,
 };
 use crate::{
@@ -88,7 +88,6 @@ pub struct LabelMoved {
 }
 
 async fn moved(st: &AppState, name: &PromptName, label: Label) -> ApiResult<Response> {
-    st.cache.invalidate(name.as_str());
     let view = fresh_view(st, name, &Selector::Label(label.name.clone())).await?;
     let etag = view.etag.to_str().unwrap_or_default().to_owned();
     let mut res = Json(LabelMoved { label, etag }).into_response();
@@ -187,7 +186,8 @@ pub async fn rollback(
         .resolve(&prompt.name, &Selector::Version(created.number))
         .await?
         .ok_or_else(|| ApiError::internal(anyhow::anyhow!("version vanished after insert")))?;
-    let etag = fresh_view(&st, &prompt.name, &Selector::Label(production)).await?.etag.clone();
+    // The new version is production: its ETag is the one `GET ?label=production` answers.
+    let etag = HeaderValue::from_str(&etag(&view)).map_err(|e| ApiError::internal(e.into()))?;
     let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();
     res.headers_mut().insert(header::ETAG, etag);
     Ok(res)

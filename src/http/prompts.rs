@@ -211,7 +211,7 @@ pub struct PromptView<'a> {
 
 /// A strong validator over everything the body is made of: the version's
 /// content and the labels that point at it.
-fn etag(resolved: &Resolved) -> String {
+pub(super) fn etag(resolved: &Resolved) -> String {
     let v = &resolved.version;
     let mut h = Sha256::new();
     h.update(v.content_hash.as_bytes());
@@ -282,11 +282,7 @@ pub async fn get_prompt(
 ) -> ApiResult<Response> {
     caller.require(Scope::PromptsRead)?;
     if let (Some(l), Some(v)) = (&q.label, q.version) {
-        let sel = if l == LabelName::LATEST {
-            Selector::Latest
-        } else {
-            Selector::Label(LabelName::parse(l).map_err(|e| ApiError::bad_request(e.to_string()))?)
-        };
+        let sel = SelectorQuery { label: Some(l.clone()), version: None, subject: None }.selector()?;
         let at = st.store.resolve(&parse_name(&name)?, &sel).await?.map(|r| r.version.number);
         if at != Some(v) {
             return Err(ApiError::missing(format!("label {l:?} does not point at version {v}")));

@@ -21,7 +21,7 @@ use crate::{
     domain::round::{Round, RoundTrigger},
     service::{
         pagination::{PageParams, next_token},
-        prompts::parse_name,
+        prompts::{existing_prompt, parse_name},
         rounds::{RoundView, TriggerRound, open_round, round_view},
     },
     store::Scope,
@@ -153,10 +153,7 @@ pub async fn list_rounds(
     ApiQuery(q): ApiQuery<RoundQuery>,
 ) -> ApiResult<Json<RoundPage>> {
     caller.require(Scope::PromptsRead)?;
-    let name = parse_name(&name)?;
-    if st.store.get_prompt(&name).await?.is_none() {
-        return Err(ApiError::not_found(format_args!("prompt {name:?}")));
-    }
+    let name = existing_prompt(&st, &name).await?.name;
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before = match page.cursor()? {
         Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),

@@ -65,9 +65,10 @@ pub async fn add_version(
     moves: &[LabelMove],
 ) -> ServiceResult<Version> {
     let created = st.store.create_version(name, version, moves).await?;
-    st.cache.invalidate(name.as_str());
     if moves.iter().any(|m| m.label == LabelName::production()) {
-        production_moved(st, name).await;
+        production_moved(st, name).await; // invalidates after the population followed
+    } else {
+        st.cache.invalidate(name.as_str());
     }
     Ok(created)
 }
@@ -135,9 +136,10 @@ pub async fn move_label_to(
     cause: &MoveCause,
 ) -> ServiceResult<Label> {
     let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
-    st.cache.invalidate(name.as_str());
     if mv.label == LabelName::production() {
-        production_moved(st, name).await;
+        production_moved(st, name).await; // invalidates after the population followed
+    } else {
+        st.cache.invalidate(name.as_str());
     }
     Ok(label)
 }

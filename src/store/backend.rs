@@ -24,8 +24,8 @@ use super::{
         Cols, Dialect, Param, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
         charge_traces, corrupt, enum_str, fence, history_from_row, insert_otlp_spans, insert_version, json,
         key_from_row, label_from_row, later, lock_for_action, now, opt_json, outcome_bucket_from_row, prompt_from_row,
-        prompt_id, record_event, record_history, record_move, release_traces, round_from_row, sql, trace_from_row,
-        version_from_row, webhook_from_row,
+        prompt_id, record_event, record_history, record_move, release_traces, require_version, round_from_row, sql,
+        trace_from_row, version_from_row, webhook_from_row,
     },
     version_move_kind,
 };
@@ -504,14 +504,7 @@ impl<D: Backend> Store for SqlStore<D> {
         let mut tx = self.writer.begin().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         for arm in arms {
-            let exists = sql::<D>("SELECT number FROM versions WHERE prompt_id = $1 AND number = $2")
-                .bind(id)
-                .bind(arm.version)
-                .fetch_optional(&mut tx)
-                .await?;
-            if exists.is_none() {
-                return Err(StoreError::Invalid(format!("version {} does not exist", arm.version)));
-            }
+            require_version::<D>(&mut tx, id, arm.version).await?;
             sql::<D>(
                 "INSERT INTO population_arms (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from,
                                               rated_until, created_at, updated_at, parents)
@@ -754,19 +747,23 @@ impl<D: Backend> Store for SqlStore<D> {
             tx.rollback().await?;
             return Ok(OtlpMerge::Duplicate);
         }
+        // The linked trace's feedback, read under the lock that keeps it open.
+        let mut linked_feedback: Option<Value> = None;
         if let Some(trace) = linked {
             // The row lock keeps a round from taking the trace while it changes
             // (rounds skip locked traces); a round that took it first wins.
             let text = format!(
-                "SELECT CASE WHEN status = 'pending' AND round_id IS NULL THEN 1 ELSE 0 END AS open
+                "SELECT feedback, CASE WHEN status = 'pending' AND round_id IS NULL THEN 1 ELSE 0 END AS open
                  FROM traces WHERE id = $1{}",
                 D::lock(" FOR UPDATE")
             );
-            let open: Option<i32> = sql::<D>(&text).bind(trace).value(&mut tx, "open").await?;
+            let row = sql::<D>(&text).bind(trace).fetch_optional(&mut tx).await?;
+            let open: Option<i32> = row.as_ref().map(|r| Cols::<D>(r).get("open")).transpose()?;
             if open != Some(1) {
                 tx.rollback().await?;
                 return Ok(OtlpMerge::Closed { trace, spans: new.len() });
             }
+            linked_feedback = row.as_ref().map(|r| Cols::<D>(r).get("feedback")).transpose()?;
         }
         bodies.extend(new.iter().map(|s| s.body.clone()));
         let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
@@ -800,11 +797,7 @@ impl<D: Backend> Store for SqlStore<D> {
         let now = now();
         let (trace, created) = match linked {
             Some(trace) => {
-                let current: Value = sql::<D>("SELECT feedback FROM traces WHERE id = $1")
-                    .bind(trace)
-                    .value(&mut tx, "feedback")
-                    .await?
-                    .ok_or(StoreError::NotFound)?;
+                let current = linked_feedback.take().ok_or(StoreError::NotFound)?;
                 let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
                 // Feedback given through the API stays unless a span says otherwise.
                 let feedback =

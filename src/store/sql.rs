@@ -564,6 +564,20 @@ pub(crate) async fn insert_version<D: Dialect>(
     Ok(())
 }
 
+/// `Invalid("version N does not exist")` unless the prompt has version `number`.
+pub(crate) async fn require_version<D: Dialect>(
+    c: &mut D::Connection,
+    prompt_id: Uuid,
+    number: i64,
+) -> StoreResult<()> {
+    let exists = sql::<D>("SELECT 1 AS one FROM versions WHERE prompt_id = $1 AND number = $2")
+        .bind(prompt_id)
+        .bind(number)
+        .fetch_optional(c)
+        .await?
+        .is_some();
+    if exists { Ok(()) } else { Err(StoreError::Invalid(format!("version {number} does not exist"))) }
+}
 /// Moves a label; returns it with the version it pointed at before.
 pub(crate) async fn apply_move<D: Dialect>(
     c: &mut D::Connection,
@@ -579,15 +593,7 @@ pub(crate) async fn apply_move<D: Dialect>(
     if mv.check_current && current != mv.expected_current {
         return Err(StoreError::Conflict);
     }
-    let exists = sql::<D>("SELECT 1 AS one FROM versions WHERE prompt_id = $1 AND number = $2")
-        .bind(prompt_id)
-        .bind(mv.to_version)
-        .fetch_optional(c)
-        .await?
-        .is_some();
-    if !exists {
-        return Err(StoreError::Invalid(format!("version {} does not exist", mv.to_version)));
-    }
+    require_version::<D>(c, prompt_id, mv.to_version).await?;
     let row = sql::<D>(
         "INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT (prompt_id, name) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at,

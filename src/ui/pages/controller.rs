@@ -9,8 +9,8 @@ fn f(v: &Value) -> Option<f64> {
 
 pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Path<String>) -> PageResult {
     op.require(Scope::PromptsRead)?;
-    let prompt = existing_prompt(&st, &name).await?;
-    let view = controller_view(&st, &prompt.name).await?;
+    let name = parse_name(&name)?;
+    let view = controller_view(&st, &name).await?;
     let c = &view.choice;
     let fit = c.get("fit").filter(|v| !v.is_null());
     let (a, alpha, r2) = (
@@ -106,10 +106,10 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
 <h2>Overload meter <span class="muted small">share of a group's lessons its answer keeps, by group size</span></h2>
 <p class="muted small">{meter_method}. Target retention {target:.0}%.</p>{meter}
 <h2>Samples <span class="muted small">newest first</span></h2><table class="compact" id="samples"><thead><tr><th>Time</th><th class="num">Batch size</th><th class="num">Round time</th><th>Round</th></tr></thead><tbody>{samples}</tbody></table>"#,
-        escape(prompt.name.as_str()),
-        prompt_tabs(prompt.name.as_str(), "controller"),
+        escape(name.as_str()),
+        prompt_tabs(name.as_str(), "controller"),
         meter_method = escape(crate::service::controller::METER_METHOD),
         target = 100.0 * view.meter.target_retention,
     );
-    Ok(page(&format!("{} controller", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
+    Ok(page(&format!("{} controller", name.as_str()), Some(&op.who()), Section::Prompts, &body))
 }

@@ -30,7 +30,7 @@ use crate::{
         AppState, ServiceError,
         controller::controller_view,
         pagination::{PageParams, next_token},
-        prompts::{existing_prompt, version_diff},
+        prompts::{existing_prompt, parse_name, version_diff},
         rounds::round_view,
     },
     store::{Scope, Selector, TraceFilter},
