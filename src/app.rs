@@ -16,9 +16,9 @@ use crate::{
     http,
     llm::{LlmBackend, client::OpenAiClient},
     service::{AppState, Shared},
-    store::{self, Change, DynStore, Scope},
+    store::{self, Change, DynStore, Scope, retention::Expiring},
     telemetry, ui,
-    worker::{Worker, guard::RegressionGuard, population::PopulationRater},
+    worker::{Worker, guard::RegressionGuard, population::PopulationRater, retention::Pruner},
 };
 
 /// The API with the web UI at `/ui`, both behind the API's middleware.
@@ -42,6 +42,8 @@ pub struct Application {
     deliverer: Option<Deliverer>,
     guard: Option<RegressionGuard>,
     rater: Option<PopulationRater>,
+    /// Retention and rollup upkeep, wherever the learning worker may run.
+    pruner: Option<Pruner>,
     shutdown: CancellationToken,
 }
 
@@ -138,6 +140,12 @@ impl Application {
             }
             _ => None,
         };
+        let pruner = match settings.server.role {
+            Role::All | Role::Worker => {
+                Some(Pruner::new(store.clone(), settings.retention.clone(), settings.limits.idempotency_ttl_hours))
+            }
+            Role::Api => None,
+        };
         let state = AppState::new(Shared {
             cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
             keys: Arc::new(KeyCache::new(store.clone())),
@@ -145,7 +153,7 @@ impl Application {
             settings: Arc::new(settings),
             store,
         });
-        Ok(Self { listener, state, worker, deliverer, guard, rater, shutdown: CancellationToken::new() })
+        Ok(Self { listener, state, worker, deliverer, guard, rater, pruner, shutdown: CancellationToken::new() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -162,7 +170,11 @@ impl Application {
     }
 
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Application { listener, state, worker, deliverer, guard, rater, shutdown } = self;
+        let Application { listener, state, worker, deliverer, guard, rater, pruner, shutdown } = self;
+        let compactor = pruner
+            .is_some()
+            .then(|| tokio::spawn(crate::worker::rollups::compact_forever(state.store.clone(), shutdown.clone())));
+        let pruner = pruner.map(|p| tokio::spawn(p.run(shutdown.clone())));
         let guard = guard.map(|g| tokio::spawn(g.run(shutdown.clone())));
         let rater = rater.map(|r| tokio::spawn(r.run(shutdown.clone())));
         let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
@@ -191,6 +203,9 @@ impl Application {
         }
         invalidator.abort();
         housekeeping.abort();
+        for task in [compactor, pruner].into_iter().flatten() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
         if let Some(w) = worker {
             let _ = tokio::time::timeout(Duration::from_secs(5), w).await;
         }
@@ -256,10 +271,24 @@ async fn housekeeping(state: AppState, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        match state.store.idempotency_purge(chrono::Utc::now() - ttl).await {
-            Ok(n) if n > 0 => tracing::info!(purged = n, "expired idempotency keys removed"),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "idempotency purge failed"),
+        // In batches, so no single statement holds locks on a day of keys.
+        let mut purged = 0;
+        loop {
+            match state.store.prune(Expiring::IdempotencyKeys, chrono::Utc::now() - ttl, 1_000).await {
+                Ok(n) => {
+                    purged += n;
+                    if n < 1_000 {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "idempotency purge failed");
+                    break;
+                }
+            }
+        }
+        if purged > 0 {
+            tracing::info!(purged, "expired idempotency keys removed");
         }
         match state.store.purge_held_otlp_spans(chrono::Utc::now() - ttl).await {
             Ok(n) if n > 0 => tracing::info!(purged = n, "held OTLP spans that never became a trace removed"),

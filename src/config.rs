@@ -30,6 +30,9 @@ pub struct Settings {
     /// The population of prompts under the `evaluated` policy (see `worker::population`).
     #[serde(default)]
     pub population: PopulationSettings,
+    /// What is deleted when (see `worker::retention`).
+    #[serde(default)]
+    pub retention: RetentionSettings,
     /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
     #[serde(default, skip_serializing)]
     pub llm: crate::llm::config::LlmConfig,
@@ -250,7 +253,76 @@ pub struct CacheSettings {
     /// Upper bound on how long a cached prompt is served without re-reading the
     /// store, in seconds; changes invalidate it at once (across processes on Postgres).
     pub max_age_secs: u64,
+    /// Most prompts whose answers (and served arms) are kept in memory; past
+    /// it the least recently used go.
+    #[serde(default = "default_cache_max_prompts")]
+    pub max_prompts: usize,
+    /// Most verified API keys kept in memory; past it the least recently used go.
+    #[serde(default = "default_cache_max_keys")]
+    pub max_keys: usize,
 }
+
+fn default_cache_max_prompts() -> usize {
+    10_000
+}
+
+fn default_cache_max_keys() -> usize {
+    10_000
+}
+
+/// Data retention, run by worker processes: what is deleted (or compacted)
+/// after how many days, in batches of `batch_size` rows, each its own short
+/// transaction, every `interval_secs`. Per-prompt overrides of the trace
+/// retention live in the prompt's settings (`settings.retention`). The label
+/// history is never deleted; outcome rollups (per-version metrics) outlive
+/// the traces they count.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionSettings {
+    /// Delete anything at all (false: keep everything forever).
+    pub enabled: bool,
+    /// Consumed traces (learned from), with their OTLP spans and reflections, after this many days.
+    pub consumed_days: u32,
+    /// Failed traces (attempts used up) after this many days.
+    pub failed_days: u32,
+    /// Quarantined traces after this many days in quarantine.
+    pub quarantined_days: u32,
+    /// Finished rounds' group outputs and per-call LLM records after this many
+    /// days; the round and its usage totals stay.
+    pub round_detail_days: u32,
+    /// Outbound webhook events with their deliveries and delivery log after this many days.
+    pub events_days: u32,
+    /// Rows per batch (one transaction each).
+    pub batch_size: u32,
+    /// Pause between two batches, so deletion never crowds out live traffic (milliseconds).
+    pub batch_pause_ms: u64,
+    /// How often a pass runs (seconds).
+    pub interval_secs: u64,
+    /// When set, consumed traces are appended to gzip-compressed JSON Lines
+    /// files under this directory (`<prompt>/<YYYY-MM-DD>.jsonl.gz`, by the
+    /// day the trace was created) before they are deleted. Empty: no archive.
+    pub archive_dir: String,
+}
+
+impl Default for RetentionSettings {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            consumed_days: 30,
+            failed_days: 30,
+            quarantined_days: 90,
+            round_detail_days: 30,
+            events_days: 30,
+            batch_size: 500,
+            batch_pause_ms: 20,
+            interval_secs: 300,
+            archive_dir: String::new(),
+        }
+    }
+}
+
+/// Longest retention a setting may name, in days (100 years).
+pub const MAX_RETENTION_DAYS: u32 = 36_500;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -277,7 +349,11 @@ impl Default for Settings {
                 idempotency_ttl_hours: 24,
             },
             log: LogSettings { format: LogFormat::Text, level: "info".into() },
-            cache: CacheSettings { max_age_secs: 60 },
+            cache: CacheSettings {
+                max_age_secs: 60,
+                max_prompts: default_cache_max_prompts(),
+                max_keys: default_cache_max_keys(),
+            },
             worker: WorkerSettings {
                 poll_interval_ms: 1000,
                 lease_secs: 30,
@@ -304,6 +380,7 @@ impl Default for Settings {
             },
             guard: GuardSettings::default(),
             population: PopulationSettings::default(),
+            retention: RetentionSettings::default(),
             llm: Default::default(),
         }
     }
@@ -349,6 +426,23 @@ impl Settings {
         ];
         if let Some((k, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError(format!("{k} must be greater than 0")));
+        }
+        let r = &self.retention;
+        let days = [
+            ("retention.consumed_days", r.consumed_days),
+            ("retention.failed_days", r.failed_days),
+            ("retention.quarantined_days", r.quarantined_days),
+            ("retention.round_detail_days", r.round_detail_days),
+            ("retention.events_days", r.events_days),
+        ];
+        if let Some((k, _)) = days.iter().find(|(_, d)| !(1..=MAX_RETENTION_DAYS).contains(d)) {
+            return Err(ConfigError(format!("{k} must be from 1 to {MAX_RETENTION_DAYS}")));
+        }
+        if r.batch_size == 0 || r.interval_secs == 0 {
+            return Err(ConfigError("retention.batch_size and retention.interval_secs must be greater than 0".into()));
+        }
+        if self.cache.max_prompts == 0 || self.cache.max_keys == 0 {
+            return Err(ConfigError("cache.max_prompts and cache.max_keys must be greater than 0".into()));
         }
         let w = &self.worker;
         if w.lease_secs == 0 || w.heartbeat_secs == 0 || w.heartbeat_secs * 2 > w.lease_secs {

@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod prompts;
+pub mod prune;
 pub mod rounds;
 pub mod traces;
 
@@ -61,6 +62,10 @@ pub enum Command {
     /// Manage API keys directly in the store.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Delete what expired under `[retention]` and the prompts' own retention, once, directly in
+    /// the store (worker processes do this every `retention.interval_secs`); `--dry-run` only says
+    /// what would go.
+    Prune(prune::PruneArgs),
     /// Run the OpenAI-compatible LLM simulator used by tests and benchmarks (a simulation, not a model).
     SimLlm(crate::simulation::llm::SimArgs),
     /// Run the simulated agent world against a running server (a simulation, not agents): agents fetch
@@ -163,6 +168,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Keys(cmd) => keys(settings, cmd).await,
+        Command::Prune(args) => prune::run(settings, args).await,
         Command::Health { url } => {
             let res = reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(3))

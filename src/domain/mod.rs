@@ -18,8 +18,8 @@ pub use learning::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 pub use names::{LabelName, NameError, PromptName};
 pub use playbook::{Bullet, Playbook, Section};
 pub use prompt::{
-    AgentReflections, BatchSize, Promotion, Prompt, PromptSettings, ReduceMode, Strategy, Version, VersionContent,
-    VersionSource,
+    AgentReflections, BatchSize, Promotion, Prompt, PromptSettings, ReduceMode, RetentionOverride, Strategy, Version,
+    VersionContent, VersionSource,
 };
 pub use round::Method;
 pub use round_detail::{GroupOutput, RoundDetail};

@@ -85,7 +85,37 @@ pub struct PromptSettings {
     /// (default on: it acts only on significant evidence, see `[guard]`).
     #[serde(default = "default_regression_guard")]
     pub regression_guard: bool,
+    /// This prompt's own trace retention, in days; unset members follow `[retention]`.
+    #[serde(default, skip_serializing_if = "RetentionOverride::is_empty")]
+    pub retention: RetentionOverride,
 }
+
+/// A prompt's own trace retention (days; unset: the server's `[retention]` value).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionOverride {
+    /// Consumed traces (with their OTLP spans and reflections) are deleted this many days after they arrived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 36500)]
+    pub consumed_days: Option<u32>,
+    /// Failed traces are deleted this many days after they arrived.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 36500)]
+    pub failed_days: Option<u32>,
+    /// Quarantined traces are deleted this many days after they were quarantined.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 36500)]
+    pub quarantined_days: Option<u32>,
+}
+
+impl RetentionOverride {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// Longest retention a prompt may name, in days (100 years).
+pub const MAX_RETENTION_DAYS: u32 = 36_500;
 
 fn default_regression_guard() -> bool {
     true
@@ -138,6 +168,7 @@ impl PromptSettings {
         "pinned_bullets",
         "max_removal_share",
         "regression_guard",
+        "retention",
     ];
 
     /// The rules a settings document must follow, in words an operator can act
@@ -157,6 +188,16 @@ impl PromptSettings {
         }
         if !(0.0..=1.0).contains(&self.max_removal_share) {
             return Err("`settings.max_removal_share` must be a number from 0 to 1".into());
+        }
+        let r = &self.retention;
+        for (name, days) in [
+            ("consumed_days", r.consumed_days),
+            ("failed_days", r.failed_days),
+            ("quarantined_days", r.quarantined_days),
+        ] {
+            if days.is_some_and(|d| !(1..=MAX_RETENTION_DAYS).contains(&d)) {
+                return Err(format!("`settings.retention.{name}` must be from 1 to {MAX_RETENTION_DAYS} days"));
+            }
         }
         if self.pinned_bullets.len() > MAX_PINNED_BULLETS {
             return Err(format!("`settings.pinned_bullets` holds more than {MAX_PINNED_BULLETS} ids"));
@@ -195,6 +236,7 @@ impl Default for PromptSettings {
             pinned_bullets: Vec::new(),
             max_removal_share: default_max_removal_share(),
             regression_guard: true,
+            retention: RetentionOverride::default(),
         }
     }
 }
@@ -357,6 +399,7 @@ mod tests {
             max_wait_secs: Some(1),
             max_bullets: Some(1),
             max_chars: Some(1),
+            retention: RetentionOverride { consumed_days: Some(90), ..Default::default() },
             ..PromptSettings::default()
         };
         let doc = serde_json::to_value(&full).unwrap();

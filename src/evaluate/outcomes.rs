@@ -2,8 +2,10 @@
 //! aggregates per (version, time bucket) in one query, and how those buckets
 //! add up to the per-version summaries `GET /v1/prompts/{name}/metrics` shows
 //! (success rate with a Wilson interval, mean score with a t interval, usage
-//! means, and a bucketed series for charts). Computed from trace rows at query
-//! time, so late feedback is reflected on the next read.
+//! means, and a bucketed series for charts). The store keeps the buckets as
+//! rollups maintained with every trace write (late feedback replaces its old
+//! contribution at once); [`rollup_window`] and [`rollup_reads`] say which
+//! rollup rows answer a window exactly.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -20,6 +22,68 @@ pub const LATENCY_KEY: &str = "latency_ms";
 /// Values beyond this magnitude are left out of the aggregates, so a single
 /// absurd number cannot overflow a sum of squares (and Postgres float8 errors on overflow).
 pub const MAX_ABS_VALUE: f64 = 1e12;
+
+/// Minute rollups are kept this many days; a window edge older than that is
+/// read at hour resolution (see [`rollup_window`]).
+pub const MINUTE_ROLLUP_DAYS: i64 = 8;
+
+/// Widths of the rollup tiers in seconds, coarsest first.
+pub const ROLLUP_TIERS: [i64; 3] = [86_400, 3_600, 60];
+
+/// What the rollups can answer exactly for a request of `[from, until)` with
+/// series buckets `bucket_secs` wide, at `now`: each window edge rounded up to
+/// the minute (to the hour when it is older than [`MINUTE_ROLLUP_DAYS`]), and
+/// the bucket width rounded up to a whole number of minutes (of hours when the
+/// window starts before that horizon). Applying it twice changes nothing, so
+/// the HTTP layer reports exactly what the store reads.
+pub fn rollup_window(
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+    bucket_secs: i64,
+    now: DateTime<Utc>,
+) -> (DateTime<Utc>, DateTime<Utc>, i64) {
+    let horizon = now.timestamp() - MINUTE_ROLLUP_DAYS * 86_400;
+    let resolution = |t: i64| if t < horizon { 3_600 } else { 60 };
+    let (f, u) = (from.timestamp(), until.timestamp());
+    let until = ceil_to(u, resolution(u));
+    let from = ceil_to(f, resolution(f)).min(until);
+    let bucket = ceil_to(bucket_secs.max(60), if from < horizon { 3_600 } else { 60 });
+    let at = |s: i64| DateTime::from_timestamp(s, 0).unwrap_or_default();
+    (at(from), at(until), bucket)
+}
+
+fn ceil_to(t: i64, step: i64) -> i64 {
+    t.div_euclid(step) * step + if t.rem_euclid(step) == 0 { 0 } else { step }
+}
+
+/// The rollup rows to read for `[from, until)` (Unix seconds, as
+/// [`rollup_window`] returned them): `(tier width, start, end)` ranges, each
+/// from the coarsest tier that fits inside the window without crossing a
+/// series bucket's edge (a tier qualifies when it divides `bucket_secs`).
+pub fn rollup_reads(from: i64, until: i64, bucket_secs: i64) -> Vec<(i64, i64, i64)> {
+    let tiers: Vec<i64> = ROLLUP_TIERS.into_iter().filter(|w| bucket_secs % w == 0).collect();
+    let mut out = Vec::new();
+    split(from, until, &tiers, &mut out);
+    out
+}
+
+fn split(from: i64, until: i64, tiers: &[i64], out: &mut Vec<(i64, i64, i64)>) {
+    if from >= until {
+        return;
+    }
+    let Some((&w, finer)) = tiers.split_first() else { return };
+    if finer.is_empty() {
+        out.push((w, from, until));
+        return;
+    }
+    let (a, b) = (ceil_to(from, w), until.div_euclid(w) * w);
+    if a >= b {
+        return split(from, until, finer, out);
+    }
+    split(from, a, finer, out);
+    out.push((w, a, b));
+    split(b, until, finer, out);
+}
 
 /// One (version, bucket) cell as the store aggregates it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -175,6 +239,39 @@ mod tests {
         assert_eq!(out.iter().map(|v| v.version).collect::<Vec<_>>(), vec![Some(3), Some(1), None]);
         assert_eq!(out[0].labels, vec!["production".to_string()]);
         assert!(out[2].labels.is_empty());
+    }
+
+    #[test]
+    fn rollup_windows_round_edges_up_and_are_stable() {
+        let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let at = |s: i64| DateTime::from_timestamp(s, 0).unwrap();
+        let (f, u, b) = rollup_window(at(1_799_996_401), at(1_800_000_000), 90, now);
+        assert_eq!((f.timestamp() % 60, u, b), (0, now, 120));
+        assert_eq!(rollup_window(f, u, b, now), (f, u, b), "stable");
+        // A window starting before the minute horizon: that edge and the bucket go to hours.
+        let old = now - chrono::Duration::days(MINUTE_ROLLUP_DAYS + 2);
+        let (f, u, b) = rollup_window(old + chrono::Duration::seconds(61), now, 900, now);
+        assert_eq!((f.timestamp() % 3_600, u, b), (0, now, 3_600));
+        assert_eq!(rollup_window(f, u, b, now), (f, u, b));
+    }
+
+    #[test]
+    fn rollup_reads_cover_the_window_once_from_the_coarsest_rows() {
+        for (from, until, bucket) in
+            [(60, 200_000 * 60, 3_600), (86_400 * 3 + 120, 86_400 * 9 + 3_660, 86_400), (0, 60, 60)]
+        {
+            let reads = rollup_reads(from, until, bucket);
+            let mut at = from;
+            for (w, a, b) in &reads {
+                assert_eq!(*a, at, "contiguous: {reads:?}");
+                assert!(a % w == 0 && b % w == 0 && bucket % w == 0, "{reads:?}");
+                at = *b;
+            }
+            assert_eq!(at, until, "{reads:?}");
+            assert!(reads.len() <= 5, "{reads:?}");
+        }
+        // 900-second buckets cannot use hour rows.
+        assert!(rollup_reads(0, 86_400, 900).iter().all(|(w, _, _)| *w == 60));
     }
 
     #[test]

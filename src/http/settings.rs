@@ -66,6 +66,16 @@ impl utoipa::PartialSchema for SettingsPatch {
                 "pinned_bullets": {"type": ["array", "null"], "maxItems": 1000, "items": {"type": "string", "pattern": "^b-[0-9]{1,12}$"}},
                 "max_removal_share": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
                 "regression_guard": {"type": ["boolean", "null"]},
+                "retention": {
+                    "type": ["object", "null"],
+                    "additionalProperties": false,
+                    "description": "This prompt's own trace retention in days; `null` members follow the server's `[retention]`.",
+                    "properties": {
+                        "consumed_days": nullable_int(1, Some(u64::from(crate::domain::prompt::MAX_RETENTION_DAYS))),
+                        "failed_days": nullable_int(1, Some(u64::from(crate::domain::prompt::MAX_RETENTION_DAYS))),
+                        "quarantined_days": nullable_int(1, Some(u64::from(crate::domain::prompt::MAX_RETENTION_DAYS))),
+                    },
+                },
             },
             "example": {"agent_reflections": "ignore", "pinned_bullets": ["b-0001"], "max_removal_share": 0.25},
         });

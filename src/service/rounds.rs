@@ -92,23 +92,41 @@ pub struct RoundView {
     pub reflections: Vec<RoundReflection>,
     pub llm_calls: Vec<RoundCall>,
     pub usage: UsageTotals,
+    /// When retention compacted the round (`retention.round_detail_days`): its
+    /// group outputs and per-call records are gone, `usage` is what they added up to;
+    /// reflections and trace ids go with their traces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compacted_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 /// One round with its traces, reflections, calls and usage, as the route and the web UI show it.
 pub async fn round_view(st: &AppState, id: Uuid) -> ServiceResult<RoundView> {
     let round = st.store.get_round(id).await?.ok_or_else(|| ServiceError::not_found(format_args!("round {id}")))?;
-    let (trace_ids, reflections, llm_calls) =
-        tokio::try_join!(st.store.round_trace_ids(id), st.store.round_reflections(id), st.store.round_calls(id))?;
-    let usage = UsageTotals {
-        calls: llm_calls.len(),
-        prompt_tokens: llm_calls.iter().map(|c| c.call.prompt_tokens).sum(),
-        completion_tokens: llm_calls.iter().map(|c| c.call.completion_tokens).sum(),
-        cost_usd: llm_calls.iter().map(|c| c.call.cost_usd).sum(),
-        retries: llm_calls.iter().map(|c| u64::from(c.call.retries)).sum(),
+    let (trace_ids, reflections, llm_calls, summary) = tokio::try_join!(
+        st.store.round_trace_ids(id),
+        st.store.round_reflections(id),
+        st.store.round_calls(id),
+        st.store.round_summary(id)
+    )?;
+    let usage = match &summary {
+        Some(s) => UsageTotals {
+            calls: s.calls as usize,
+            prompt_tokens: s.prompt_tokens,
+            completion_tokens: s.completion_tokens,
+            cost_usd: s.cost_usd,
+            retries: s.retries,
+        },
+        None => UsageTotals {
+            calls: llm_calls.len(),
+            prompt_tokens: llm_calls.iter().map(|c| c.call.prompt_tokens).sum(),
+            completion_tokens: llm_calls.iter().map(|c| c.call.completion_tokens).sum(),
+            cost_usd: llm_calls.iter().map(|c| c.call.cost_usd).sum(),
+            retries: llm_calls.iter().map(|c| u64::from(c.call.retries)).sum(),
+        },
     };
     let reflections = reflections
         .into_iter()
         .map(|(trace_id, reflection, from_trace)| RoundReflection { trace_id, from_trace, reflection })
         .collect();
-    Ok(RoundView { round, trace_ids, reflections, llm_calls, usage })
+    Ok(RoundView { round, trace_ids, reflections, llm_calls, usage, compacted_at: summary.map(|s| s.compacted_at) })
 }

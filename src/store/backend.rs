@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use crate::evaluate::outcomes::{COST_KEY, LATENCY_KEY, OutcomeBucket, TOKENS_KEY};
+use crate::evaluate::outcomes::OutcomeBucket;
 use serde_json::Value;
 use sqlx::{Pool, Transaction};
 use tokio::sync::broadcast;
@@ -19,13 +19,15 @@ use super::{
     IdempotencyKey, IdempotentIngest, Label, LabelMove, NewPrompt, NewUiSession, NewWebhook, OpenRound, OtlpMerge,
     OtlpRemap, OtlpRemapFn, OtlpSpan, PopulationArm, PromptSummary, RequeueFailed, Resolved, RoundCall, RoundFailure,
     Scope, Selector, Store, StoreError, StoreKind, StoreResult, TaskRewards, TraceAction, TraceCharges, TraceFilter,
-    UiSession, Webhook, prompt_reference_problem, scopes_to_string,
+    UiSession, Webhook, prompt_reference_problem,
+    rollups::{self, Counted, Sign},
+    scopes_to_string,
     sql::{
         Cols, Dialect, Param, ROUND_COLUMNS, TRACE_COLUMNS, VERSION_COLUMNS, WEBHOOK_COLUMNS, apply_move, arm_from_row,
         charge_traces, corrupt, enum_str, fence, history_from_row, insert_otlp_spans, insert_version, json,
-        key_from_row, label_from_row, later, lock_for_action, now, opt_json, outcome_bucket_from_row, prompt_from_row,
-        prompt_id, record_event, record_history, record_move, release_traces, require_version, round_from_row, sql,
-        trace_from_row, version_from_row, webhook_from_row,
+        key_from_row, label_from_row, later, lock_for_action, now, opt_json, prompt_from_row, prompt_id, record_event,
+        record_history, record_move, release_traces, require_version, round_from_row, sql, trace_from_row,
+        version_from_row, webhook_from_row,
     },
     version_move_kind,
 };
@@ -456,36 +458,7 @@ impl<D: Backend> Store for SqlStore<D> {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> StoreResult<Vec<TaskRewards>> {
-        let text = format!(
-            "WITH r AS (
-               SELECT t.prompt_version AS version, {task_key} AS task_key,
-                      CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
-               FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL
-                 AND t.prompt_version IS NOT NULL AND {keyed})
-             SELECT version, task_key, count(reward) AS n, {total} AS total
-             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key ORDER BY version, task_key",
-            task_key = D::json_text("t.metadata", "task_key"),
-            is_flag = D::json_is("t.feedback", "success", "boolean"),
-            flag = D::json_flag("t.feedback", "success"),
-            score = D::json_number("t.feedback", "score"),
-            keyed = D::json_is("t.metadata", "task_key", "string"),
-            total = D::real("coalesce(sum(reward), 0)"),
-        );
-        sql::<D>(&text)
-            .bind(prompt.as_str())
-            .bind(from)
-            .bind(until)
-            .map(&mut *self.reader.acquire().await?, |row| {
-                let r = Cols::<D>(row);
-                Ok(TaskRewards {
-                    version: r.get("version")?,
-                    task_key: r.get("task_key")?,
-                    traces: r.get::<i64>("n")?.max(0) as u64,
-                    reward_sum: r.get("total")?,
-                })
-            })
-            .await
+        rollups::read_task_rewards(self, prompt, from, until).await
     }
 
     async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
@@ -597,12 +570,15 @@ impl<D: Backend> Store for SqlStore<D> {
         let Some(current) = current else { return Ok(None) };
         let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
         let merged = serde_json::to_value(current.merged(feedback)).map_err(|_| corrupt("feedback"))?;
+        // Under the row lock: the old contribution out, the new one in, once.
+        rollups::account::<D>(&mut tx, &[id], Sign::Retract, Counted::Unquarantined).await?;
         sql::<D>("UPDATE traces SET feedback = $1, updated_at = $2 WHERE id = $3")
             .bind(json(&merged))
             .bind(now())
             .bind(id)
             .execute(&mut tx)
             .await?;
+        rollups::account::<D>(&mut tx, &[id], Sign::Credit, Counted::Unquarantined).await?;
         tx.commit().await?;
         self.get_trace(id).await
     }
@@ -614,39 +590,7 @@ impl<D: Backend> Store for SqlStore<D> {
         until: DateTime<Utc>,
         bucket_secs: i64,
     ) -> StoreResult<Vec<OutcomeBucket>> {
-        let text = format!(
-            "WITH v AS (
-               SELECT t.prompt_version AS version, {start} AS start, {success} AS success,
-                      ({is_flag} OR {is_number}) AS rewarded,
-                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
-               FROM traces t JOIN prompts p ON p.id = t.prompt_id
-               WHERE p.name = $1 AND t.created_at >= $2 AND t.created_at < $3 AND t.quarantined_at IS NULL)
-             SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
-                    count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes, {aggs}
-             FROM v GROUP BY version, start",
-            start = D::bucket_start("$4"),
-            success = D::json_flag("t.feedback", "success"),
-            is_flag = D::json_is("t.feedback", "success", "boolean"),
-            is_number = D::json_is("t.feedback", "score", "number"),
-            score = D::json_number("t.feedback", "score"),
-            tokens = D::json_number("t.metadata", TOKENS_KEY),
-            cost = D::json_number("t.metadata", COST_KEY),
-            latency = D::json_number("t.metadata", LATENCY_KEY),
-            aggs = ["score", "tokens", "cost", "latency"]
-                .map(|c| format!(
-                    "count({c}) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
-                    D::real(&format!("coalesce(sum({c}), 0)")),
-                    D::real(&format!("coalesce(sum({c} * {c}), 0)"))
-                ))
-                .join(", "),
-        );
-        sql::<D>(&text)
-            .bind(prompt.as_str())
-            .bind(from)
-            .bind(until)
-            .bind(bucket_secs)
-            .map(&mut *self.reader.acquire().await?, outcome_bucket_from_row::<D>)
-            .await
+        rollups::read_version_outcomes(self, prompt, from, until, bucket_secs).await
     }
 
     async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
@@ -654,45 +598,55 @@ impl<D: Backend> Store for SqlStore<D> {
         if let Some(refused) = lock_for_action::<D>(&mut tx, id, false).await? {
             return Ok(refused);
         }
-        sql::<D>(
+        let held: Vec<Uuid> = sql::<D>(
             "UPDATE traces SET quarantined_at = $1, quarantine_reason = $2, updated_at = $1
-             WHERE id = $3 AND quarantined_at IS NULL",
+             WHERE id = $3 AND quarantined_at IS NULL RETURNING id",
         )
         .bind(now())
         .bind(reason)
         .bind(id)
-        .execute(&mut tx)
+        .map(&mut tx, |row| Cols::<D>(row).get("id"))
         .await?;
+        rollups::account::<D>(&mut tx, &held, Sign::Retract, Counted::All).await?;
         tx.commit().await?;
         Ok(TraceAction::found(self.get_trace(id).await?))
     }
 
     async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
         let Some(prompt) = &f.prompt else { return Ok(0) };
-        sql::<D>(
+        let mut tx = self.writer.begin().await?;
+        let held: Vec<Uuid> = sql::<D>(
             "UPDATE traces SET quarantined_at = $1, quarantine_reason = $2, updated_at = $1
              WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3) AND status = 'pending' AND round_id IS NULL
                AND quarantined_at IS NULL
-               AND ($4 IS NULL OR created_at >= $4) AND ($5 IS NULL OR created_at < $5)",
+               AND ($4 IS NULL OR created_at >= $4) AND ($5 IS NULL OR created_at < $5)
+             RETURNING id",
         )
         .bind(now())
         .bind(reason)
         .bind(prompt.as_str())
         .bind(f.since)
         .bind(f.until)
-        .execute(&mut *self.writer.acquire().await?)
-        .await
+        .map(&mut tx, |row| Cols::<D>(row).get("id"))
+        .await?;
+        // The rows this statement changed, whatever ran meanwhile: their rewards leave the rollups.
+        rollups::account::<D>(&mut tx, &held, Sign::Retract, Counted::All).await?;
+        tx.commit().await?;
+        Ok(held.len() as u64)
     }
 
     async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        sql::<D>(
+        let mut tx = self.writer.begin().await?;
+        let released: Vec<Uuid> = sql::<D>(
             "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = $1
-             WHERE id = $2 AND quarantined_at IS NOT NULL",
+             WHERE id = $2 AND quarantined_at IS NOT NULL RETURNING id",
         )
         .bind(now())
         .bind(id)
-        .execute(&mut *self.writer.acquire().await?)
+        .map(&mut tx, |row| Cols::<D>(row).get("id"))
         .await?;
+        rollups::account::<D>(&mut tx, &released, Sign::Credit, Counted::All).await?;
+        tx.commit().await?;
         Ok(TraceAction::found(self.get_trace(id).await?))
     }
 
@@ -702,6 +656,8 @@ impl<D: Backend> Store for SqlStore<D> {
         if let Some(refused) = lock_for_action::<D>(&mut tx, id, true).await? {
             return Ok(refused);
         }
+        // An operator's delete takes the trace's outcome with it (retention's does not).
+        rollups::account::<D>(&mut tx, &[id], Sign::Retract, Counted::Unquarantined).await?;
         // Only rounds that ended without publishing can still name it; its OTLP
         // spans go too (a re-sent span would then make a new trace).
         for text in [
@@ -802,6 +758,7 @@ impl<D: Backend> Store for SqlStore<D> {
                 // Feedback given through the API stays unless a span says otherwise.
                 let feedback =
                     serde_json::to_value(current.merged(mapped.feedback.clone())).map_err(|_| corrupt("feedback"))?;
+                rollups::account::<D>(&mut tx, &[trace], Sign::Retract, Counted::Unquarantined).await?;
                 sql::<D>(
                     "UPDATE traces SET prompt_id = $2, prompt_version = $3, input = $4, trajectory = $5, output = $6,
                             feedback = $7, metadata = $8, updated_at = $9 WHERE id = $1",
@@ -817,6 +774,7 @@ impl<D: Backend> Store for SqlStore<D> {
                 .bind(now)
                 .execute(&mut tx)
                 .await?;
+                rollups::account::<D>(&mut tx, &[trace], Sign::Credit, Counted::Unquarantined).await?;
                 (trace, false)
             }
             None => {
@@ -845,6 +803,7 @@ impl<D: Backend> Store for SqlStore<D> {
                     .bind(trace)
                     .execute(&mut tx)
                     .await?;
+                rollups::account::<D>(&mut tx, &[trace], Sign::Credit, Counted::All).await?;
                 (trace, true)
             }
         };

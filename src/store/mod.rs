@@ -6,8 +6,13 @@
 mod backend;
 mod migrate;
 pub mod postgres;
+pub mod retention;
+pub mod rollups;
 mod sql;
 pub mod sqlite;
+
+pub use retention::Retention;
+pub use rollups::Rollups;
 
 use std::{sync::Arc, time::Duration};
 
@@ -614,7 +619,7 @@ pub enum RoundFailure {
 }
 
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: Rollups + Retention + Send + Sync + 'static {
     fn kind(&self) -> StoreKind;
     /// Cheap reachability check for `/readyz`.
     async fn ping(&self) -> StoreResult<()>;
@@ -747,7 +752,9 @@ pub trait Store: Send + Sync + 'static {
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction>;
     /// Per (version, time bucket) outcome aggregates of the prompt's traces
     /// created in `[from, until)`; buckets are `bucket_secs` wide, aligned to
-    /// the Unix epoch. Read from the trace rows, so late feedback counts at once.
+    /// the Unix epoch. Read from the rollups every trace write maintains, so
+    /// late feedback counts at once, over the window and bucket width
+    /// [`crate::evaluate::outcomes::rollup_window`] rounds them to.
     /// Quarantined traces are left out: their rewards are not trusted.
     async fn version_outcomes(
         &self,

@@ -19,6 +19,7 @@ use uuid::Uuid;
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
+use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors, reference_problem};
 use super::{Change, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
 use crate::domain::trace::ValidTrace;
@@ -78,22 +79,27 @@ async fn insert_trace_rows<'e>(
             })
         })
         .collect();
-    Ok(sqlx::query(
+    // The rollups' deltas are written by the same statement: one snapshot, all or nothing.
+    let all = "(SELECT count(*) FROM matched) = $2";
+    let text = format!(
         "WITH matched AS (
              SELECT t.id, p.id AS prompt_id, t.prompt_version, t.input, COALESCE(t.trajectory, 'null'::jsonb) AS trajectory,
-                    COALESCE(t.output, 'null'::jsonb) AS output, t.feedback, t.reflection, t.external_id, t.metadata
+                    COALESCE(t.output, 'null'::jsonb) AS output, t.feedback, t.reflection, t.external_id, t.metadata,
+                    now() AS created_at
              FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
                   output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
-             JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count))
-         INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
-         SELECT id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata
-         FROM matched WHERE (SELECT count(*) FROM matched) = $2",
-    )
-    .bind(Value::Array(rows))
-    .bind(traces.len() as i64)
-    .execute(exec)
-    .await?
-    .rows_affected())
+             JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)),
+         outcomes AS ({outcomes}),
+         tasks AS ({tasks})
+         INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id,
+                             metadata, created_at)
+         SELECT id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata,
+                created_at
+         FROM matched WHERE {all}",
+        outcomes = outcome_delta_sql::<Postgres>("matched t", all, Sign::Credit),
+        tasks = task_delta_sql::<Postgres>("matched t", all, Sign::Credit),
+    );
+    Ok(sqlx::query(&text).bind(Value::Array(rows)).bind(traces.len() as i64).execute(exec).await?.rows_affected())
 }
 
 /// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).

@@ -19,6 +19,7 @@ use uuid::Uuid;
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
+use super::rollups::{Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors, reference_problem};
 use super::{IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
 use crate::domain::trace::ValidTrace;
@@ -216,6 +217,7 @@ async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrac
         }
         ids.push(id);
     }
+    super::rollups::account::<Sqlite>(&mut **tx, &ids, Sign::Credit, Counted::All).await?;
     Ok(ids)
 }
 

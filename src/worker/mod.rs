@@ -9,6 +9,8 @@ pub mod controller;
 pub mod guard;
 mod journal;
 pub mod population;
+pub mod retention;
+pub mod rollups;
 
 use std::{sync::Arc, time::Duration};
 

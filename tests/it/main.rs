@@ -11,6 +11,7 @@ mod cli;
 mod cli_client;
 mod key_revocation;
 mod learning;
+mod lifecycle;
 mod otlp;
 mod poisoning;
 mod population;

@@ -1524,10 +1524,23 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     let ts = test_store(b).await;
     make_prompt(&ts.store, "old").await;
     // Back to migration 12 as the old migrator left it (0013 needs the prompts un-evaluated to re-run).
-    let mut undo: Vec<String> =
-        ["UPDATE prompts SET promotion = 'manual'", "DROP TABLE population_arms", "DROP TABLE _sqlx_migrations"]
-            .map(String::from)
-            .into();
+    let mut undo: Vec<String> = [
+        "UPDATE prompts SET promotion = 'manual'",
+        "DROP TABLE population_arms",
+        "DROP TABLE _sqlx_migrations",
+        // 0015 and 0016 run again too.
+        "DROP TABLE outcome_rollups",
+        "DROP TABLE task_rollups",
+        "DROP TABLE round_summaries",
+        "DROP INDEX round_traces_by_trace",
+        "DROP INDEX webhook_events_by_age",
+        "DROP INDEX webhook_deliveries_by_event",
+        "DROP INDEX webhook_attempts_by_delivery",
+        "DROP INDEX inbound_webhooks_by_age",
+        "DROP INDEX rounds_by_finish",
+    ]
+    .map(String::from)
+    .into();
     undo.extend(old_bookkeeping(b, None));
     run_raw(b, &ts.url, &undo).await;
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");

@@ -1,0 +1,22 @@
+-- Data retention: the worker deletes expired rows in small batches, so every
+-- lookup it makes by age or by parent row needs an index (a cascade without
+-- one scans the child table once per parent row).
+CREATE INDEX round_traces_by_trace ON round_traces (trace_id);
+CREATE INDEX webhook_events_by_age ON webhook_events (created_at);
+CREATE INDEX webhook_deliveries_by_event ON webhook_deliveries (event_id);
+CREATE INDEX webhook_attempts_by_delivery ON webhook_attempts (delivery_id);
+CREATE INDEX inbound_webhooks_by_age ON inbound_webhooks (received_at);
+CREATE INDEX rounds_by_finish ON rounds (finished_at) WHERE finished_at IS NOT NULL;
+
+-- What stays of a round whose bulky detail was compacted: its LLM usage
+-- totals (the per-call rows are deleted) and when it was compacted (its
+-- group outputs were dropped from `rounds.detail` then).
+CREATE TABLE round_summaries (
+    round_id           TEXT PRIMARY KEY REFERENCES rounds (id),
+    calls              INTEGER NOT NULL,
+    prompt_tokens      INTEGER NOT NULL,
+    completion_tokens  INTEGER NOT NULL,
+    cost_usd           REAL NOT NULL,
+    retries            INTEGER NOT NULL,
+    compacted_at       INTEGER NOT NULL   -- microseconds since the epoch
+);

@@ -1,0 +1,302 @@
+//! Outcome rollups: per (prompt, version, time bucket) sums of what traces
+//! count for (rewards, scores, usage), and per (version, task key, minute)
+//! reward sums, so every read of outcomes costs O(buckets), not O(traces),
+//! and outcomes outlive the traces retention deletes.
+//!
+//! Writes only ever append signed delta rows, inside the transaction of the
+//! trace write they account for: a trace's contribution *as it is now* is
+//! taken back (`Sign::Retract`) before a change and added (`Sign::Credit`)
+//! after it, so late feedback replaces its earlier contribution exactly once.
+//! No rollup row is updated on the write path (concurrent writers never wait
+//! on a hot row); [`Rollups::compact_rollups`] folds each key's rows into one.
+//! Readers sum whatever rows a key has.
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use super::{
+    StoreKind, StoreResult, TaskRewards,
+    backend::{Backend, SqlStore},
+    sql::{Cols, Dialect, Param, outcome_bucket_from_row, sql},
+};
+use crate::{
+    domain::PromptName,
+    evaluate::outcomes::{
+        COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, TOKENS_KEY, rollup_reads, rollup_window,
+    },
+};
+
+/// Whether a delta adds a trace's contribution or takes it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sign {
+    Credit,
+    Retract,
+}
+
+/// Which of the traces named count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counted {
+    /// Those not quarantined (what they contribute now).
+    Unquarantined,
+    /// All of them, quarantined or not (what they contributed before a
+    /// quarantine just set, or contribute after one just lifted).
+    All,
+}
+
+const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, with_feedback, success_trials, successes, \
+     score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq, latency_n, latency_sum, \
+     latency_sq";
+
+const TIER_WIDTHS: &str = "(SELECT 60 AS width UNION ALL SELECT 3600 UNION ALL SELECT 86400) w";
+
+/// An `INSERT … SELECT` appending the outcome deltas of the rows of `source`
+/// (aliased `t`, with `prompt_id`, `prompt_version`, `feedback`, `metadata`,
+/// `created_at`) that match `cond`: one row per tier and (version, bucket).
+pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
+    let s = if sign == Sign::Retract { "-" } else { "" };
+    let moments = ["score", "tokens", "cost", "latency"]
+        .map(|c| {
+            format!(
+                "{s}count({c}), {s}{sum}, {s}{sq}",
+                sum = D::real(&format!("coalesce(sum({c}), 0)")),
+                sq = D::real(&format!("coalesce(sum({c} * {c}), 0)"))
+            )
+        })
+        .join(", ");
+    format!(
+        "INSERT INTO outcome_rollups ({OUTCOME_COLUMNS})
+         SELECT prompt_id, version, width, start_secs, {s}count(*), {s}count(CASE WHEN rewarded THEN 1 END),
+                {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}
+         FROM (SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, w.width, {start} AS start_secs,
+                      {success} AS success, ({is_flag} OR {is_number}) AS rewarded, {score} AS score,
+                      {tokens} AS tokens, {cost} AS cost, {latency} AS latency
+               FROM {source} CROSS JOIN {TIER_WIDTHS} WHERE {cond}) v
+         GROUP BY prompt_id, version, width, start_secs",
+        start = D::bucket_start("w.width"),
+        success = D::json_flag("t.feedback", "success"),
+        is_flag = D::json_is("t.feedback", "success", "boolean"),
+        is_number = D::json_is("t.feedback", "score", "number"),
+        score = D::json_number("t.feedback", "score"),
+        tokens = D::json_number("t.metadata", TOKENS_KEY),
+        cost = D::json_number("t.metadata", COST_KEY),
+        latency = D::json_number("t.metadata", LATENCY_KEY),
+    )
+}
+
+/// The same for the per-task reward rows: rewarded traces that name a
+/// version and carry a string `metadata.task_key`, per minute.
+pub(crate) fn task_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
+    let s = if sign == Sign::Retract { "-" } else { "" };
+    format!(
+        "INSERT INTO task_rollups (prompt_id, version, task_key, start_secs, traces, reward_sum)
+         SELECT prompt_id, version, task_key, start_secs, {s}count(*), {s}{total}
+         FROM (SELECT t.prompt_id, t.prompt_version AS version, {task_key} AS task_key, {start} AS start_secs,
+                      CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
+               FROM {source} WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed}) r
+         WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, start_secs",
+        total = D::real("sum(reward)"),
+        task_key = D::json_text("t.metadata", "task_key"),
+        start = D::bucket_start("60"),
+        is_flag = D::json_is("t.feedback", "success", "boolean"),
+        flag = D::json_flag("t.feedback", "success"),
+        score = D::json_number("t.feedback", "score"),
+        keyed = D::json_is("t.metadata", "task_key", "string"),
+    )
+}
+
+/// Appends the deltas of the stored traces `ids` (inside the caller's transaction).
+pub(crate) async fn account<D: Dialect>(
+    c: &mut D::Connection,
+    ids: &[Uuid],
+    sign: Sign,
+    counted: Counted,
+) -> StoreResult<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let mut cond = D::any_of("t.id", "$1");
+    if counted == Counted::Unquarantined {
+        cond.push_str(" AND t.quarantined_at IS NULL");
+    }
+    for text in [outcome_delta_sql::<D>("traces t", &cond, sign), task_delta_sql::<D>("traces t", &cond, sign)] {
+        sql::<D>(&text).bind(Param::Ids(Some(ids))).execute(c).await?;
+    }
+    Ok(())
+}
+
+/// [`super::Store::version_outcomes`] from the rollups: the window as
+/// [`rollup_window`] rounds it, each part from the coarsest rows that fit.
+pub(crate) async fn read_version_outcomes<D: Backend>(
+    s: &SqlStore<D>,
+    prompt: &PromptName,
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+    bucket_secs: i64,
+) -> StoreResult<Vec<OutcomeBucket>> {
+    let (from, until, bucket) = rollup_window(from, until, bucket_secs, Utc::now());
+    let reads = rollup_reads(from.timestamp(), until.timestamp(), bucket);
+    if reads.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ranges = (0..reads.len())
+        .map(|i| format!("(width = ${} AND start_secs >= ${} AND start_secs < ${})", 3 * i + 3, 3 * i + 4, 3 * i + 5))
+        .collect::<Vec<_>>()
+        .join(" OR ");
+    let sums = ["traces", "with_feedback", "success_trials", "successes", "score_n", "tokens_n", "cost_n", "latency_n"]
+        .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
+        .join(", ");
+    let reals = ["score", "tokens", "cost", "latency"]
+        .map(|c| {
+            format!("{} AS {c}_sum, {} AS {c}_sq", D::real(&format!("sum({c}_sum)")), D::real(&format!("sum({c}_sq)")))
+        })
+        .join(", ");
+    let text = format!(
+        "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {sums}, {reals}
+         FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
+         GROUP BY 1, 2 HAVING sum(traces) > 0"
+    );
+    let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(bucket);
+    for (w, a, b) in reads {
+        query = query.bind(w).bind(a).bind(b);
+    }
+    query.map(&mut *s.reader.acquire().await?, outcome_bucket_from_row::<D>).await
+}
+
+/// [`super::Store::task_rewards`] from the minute rows of the task rollups.
+pub(crate) async fn read_task_rewards<D: Backend>(
+    s: &SqlStore<D>,
+    prompt: &PromptName,
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+) -> StoreResult<Vec<TaskRewards>> {
+    let (from, until, _) = rollup_window(from, until, 60, Utc::now());
+    let text = format!(
+        "SELECT version, task_key, CAST(sum(traces) AS BIGINT) AS n, {total} AS total FROM task_rollups
+         WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND start_secs >= $2 AND start_secs < $3
+         GROUP BY version, task_key HAVING sum(traces) > 0 ORDER BY version, task_key",
+        total = D::real("sum(reward_sum)"),
+    );
+    sql::<D>(&text)
+        .bind(prompt.as_str())
+        .bind(from.timestamp())
+        .bind(until.timestamp())
+        .map(&mut *s.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok(TaskRewards {
+                version: r.get("version")?,
+                task_key: r.get("task_key")?,
+                traces: r.get::<i64>("n")?.max(0) as u64,
+                reward_sum: r.get("total")?,
+            })
+        })
+        .await
+}
+
+/// Upkeep of the rollups, run by the worker.
+#[async_trait]
+pub trait Rollups: Send + Sync {
+    /// Folds the rows of up to `limit` keys that have uncompacted rows into one
+    /// row per key (a key whose traces all went is dropped); how many rows
+    /// were folded. Sums are unchanged, whatever writes run meanwhile.
+    async fn compact_rollups(&self, limit: u32) -> StoreResult<u64>;
+    /// Deletes up to `limit` of the prompt's minute rows (outcome and task
+    /// rollups) that start before `before`; how many.
+    async fn prune_minute_rollups(&self, prompt: &PromptName, before: DateTime<Utc>, limit: u32) -> StoreResult<u64>;
+}
+
+/// Minute rows start this long before now at the latest when they are pruned
+/// (a day more than readers use them, see [`MINUTE_ROLLUP_DAYS`]).
+pub fn minute_rollup_cutoff(now: DateTime<Utc>) -> DateTime<Utc> {
+    now - chrono::Duration::days(MINUTE_ROLLUP_DAYS + 1)
+}
+
+const OUTCOME_KEY: &str = "prompt_id, version, width, start_secs";
+const TASK_KEY: &str = "prompt_id, version, task_key, start_secs";
+
+fn folded_sums(table: &str) -> &'static str {
+    if table == "outcome_rollups" {
+        "sum(traces), sum(with_feedback), sum(success_trials), sum(successes), sum(score_n), sum(score_sum), \
+         sum(score_sq), sum(tokens_n), sum(tokens_sum), sum(tokens_sq), sum(cost_n), sum(cost_sum), sum(cost_sq), \
+         sum(latency_n), sum(latency_sum), sum(latency_sq)"
+    } else {
+        "sum(traces), sum(reward_sum)"
+    }
+}
+
+#[async_trait]
+impl<D: Backend> Rollups for SqlStore<D> {
+    async fn compact_rollups(&self, limit: u32) -> StoreResult<u64> {
+        let mut folded = 0;
+        for (table, key, columns) in [
+            ("outcome_rollups", OUTCOME_KEY, OUTCOME_COLUMNS),
+            ("task_rollups", TASK_KEY, "prompt_id, version, task_key, start_secs, traces, reward_sum"),
+        ] {
+            let sums = folded_sums(table);
+            let matches = key.split(", ").map(|k| format!("r.{k} = k.{k}")).collect::<Vec<_>>().join(" AND ");
+            folded += match D::KIND {
+                // One statement, one snapshot: exactly the rows it deletes are
+                // summed; rows committed meanwhile stay for the next pass, and a
+                // concurrent compactor's deletes are skipped, not summed twice.
+                StoreKind::Postgres => {
+                    let text = format!(
+                        "WITH k AS (SELECT DISTINCT {key} FROM (SELECT {key} FROM {table} WHERE NOT compacted
+                                                          ORDER BY id LIMIT $1) u),
+                              gone AS (DELETE FROM {table} r USING k WHERE {matches} RETURNING r.*),
+                              put AS (INSERT INTO {table} ({columns}, compacted)
+                                      SELECT {key}, {sums}, TRUE FROM gone GROUP BY {key} HAVING sum(traces) <> 0)
+                         SELECT count(*) AS n FROM gone"
+                    );
+                    sql::<D>(&text).bind(i64::from(limit)).value::<i64>(&mut *self.writer.acquire().await?, "n").await?
+                }
+                // The single writer: nothing else writes between these statements.
+                // Rows up to the `limit`-th uncompacted one, of the keys among them.
+                StoreKind::Sqlite => {
+                    let mut tx = self.writer.begin().await?;
+                    let bound: Option<i64> = sql::<D>(&format!(
+                        "SELECT max(id) AS m FROM (SELECT id FROM {table} WHERE compacted = 0 ORDER BY id LIMIT $1)"
+                    ))
+                    .bind(i64::from(limit))
+                    .value::<Option<i64>>(&mut tx, "m")
+                    .await?
+                    .flatten();
+                    let Some(bound) = bound else { continue };
+                    let keyed = format!(
+                        "r.id <= $1 AND EXISTS (SELECT 1 FROM {table} k WHERE k.compacted = 0 AND k.id <= $1 AND {matches})"
+                    );
+                    sql::<D>(&format!(
+                        "INSERT INTO {table} ({columns}, compacted)
+                         SELECT {key}, {sums}, 1 FROM {table} r WHERE {keyed} GROUP BY {key} HAVING sum(traces) <> 0"
+                    ))
+                    .bind(bound)
+                    .execute(&mut tx)
+                    .await?;
+                    let n = sql::<D>(&format!("DELETE FROM {table} AS r WHERE {keyed}")).bind(bound).execute(&mut tx).await?;
+                    tx.commit().await?;
+                    Some(n as i64)
+                }
+            }
+            .unwrap_or(0)
+            .max(0) as u64;
+        }
+        Ok(folded)
+    }
+
+    async fn prune_minute_rollups(&self, prompt: &PromptName, before: DateTime<Utc>, limit: u32) -> StoreResult<u64> {
+        let before = before.timestamp();
+        let mut n = 0;
+        for (table, minute) in [("outcome_rollups", "width = 60 AND "), ("task_rollups", "")] {
+            n += sql::<D>(&format!(
+                "DELETE FROM {table} WHERE id IN (
+                     SELECT id FROM {table} WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3)
+                       AND {minute}start_secs < $1 LIMIT $2)"
+            ))
+            .bind(before)
+            .bind(i64::from(limit))
+            .bind(prompt.as_str())
+            .execute(&mut *self.writer.acquire().await?)
+            .await?;
+        }
+        Ok(n)
+    }
+}

@@ -1,0 +1,497 @@
+//! A production lifetime on both stores: the outcome rollups answer exactly
+//! what a scan of the trace rows says, through random streams of writes and
+//! compactions; retention deletes what expired (per prompt), archives it
+//! first, compacts old rounds and events, and never touches the label history
+//! or the outcomes; `combee prune --dry-run` says what would go.
+
+use std::{collections::BTreeMap, io::Read as _};
+
+use combee::{
+    domain::{
+        Feedback, LabelName, NewTrace, Promotion, PromptName, PromptSettings, RetentionOverride, Strategy, Trace,
+        VersionContent, VersionSource,
+        prompt::NewVersion,
+        trace::{TraceLimits, ValidTrace},
+    },
+    evaluate::outcomes::OutcomeBucket,
+    store::{DynStore, NewPrompt, OpenRound, OtlpRemap, OtlpSpan, TraceFilter},
+    worker::retention::Pruner,
+};
+use rand::{Rng, SeedableRng, seq::SliceRandom};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{Backend, test_store};
+
+fn name(s: &str) -> PromptName {
+    PromptName::parse(s).unwrap()
+}
+
+fn manual(base: &str) -> NewVersion {
+    NewVersion {
+        parent: None,
+        source: VersionSource::Manual,
+        round_id: None,
+        content: VersionContent { base: base.into(), playbook: None },
+        message: "m".into(),
+        created_by: "test".into(),
+    }
+}
+
+async fn make_prompt(s: &DynStore, n: &str, settings: PromptSettings) {
+    let p = NewPrompt {
+        name: name(n),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Auto,
+        settings,
+        created_by: "test".into(),
+    };
+    s.create_prompt(p, manual("v1")).await.unwrap();
+    s.create_version(&name(n), manual("v2"), &[]).await.unwrap();
+}
+
+fn valid(v: Value) -> ValidTrace {
+    let t: NewTrace = serde_json::from_value(v).unwrap();
+    t.validate(TraceLimits { max_field_bytes: 4096, max_trace_bytes: 16384 }).unwrap()
+}
+
+/// A random trace: any version, any mix of rewards (absurd scores too) and usage.
+fn random_trace(rng: &mut impl Rng, prompt: &str) -> Value {
+    let mut feedback = serde_json::Map::new();
+    if rng.gen_bool(0.6) {
+        feedback.insert("success".into(), rng.gen_bool(0.5).into());
+    }
+    match rng.gen_range(0..5) {
+        0 | 1 => {
+            feedback.insert("score".into(), json!((rng.gen_range(0..=8) as f64) / 8.0));
+        }
+        2 => {
+            feedback.insert("score".into(), json!(1e300));
+        }
+        _ => {}
+    }
+    let mut metadata = serde_json::Map::new();
+    if rng.gen_bool(0.5) {
+        metadata.insert("tokens".into(), json!(rng.gen_range(1..500)));
+    }
+    if rng.gen_bool(0.3) {
+        metadata.insert("cost_usd".into(), json!(rng.gen_range(1..100) as f64 / 1000.0));
+    }
+    if rng.gen_bool(0.3) {
+        metadata.insert("latency_ms".into(), json!("slow"));
+    }
+    if rng.gen_bool(0.6) {
+        metadata.insert("task_key".into(), json!(["a", "b", "c"][rng.gen_range(0..3)]));
+    } else if rng.gen_bool(0.2) {
+        metadata.insert("task_key".into(), json!(7));
+    }
+    let version = [Value::Null, json!(1), json!(2)][rng.gen_range(0..3)].clone();
+    json!({"prompt": prompt, "prompt_version": version, "input": {"q": rng.r#gen::<u32>()},
+           "feedback": feedback, "metadata": metadata})
+}
+
+fn random_feedback(rng: &mut impl Rng) -> Feedback {
+    Feedback {
+        success: rng.gen_bool(0.5).then(|| rng.gen_bool(0.5)),
+        score: rng.gen_bool(0.5).then(|| rng.gen_range(0..=4) as f64 / 4.0),
+        comment: rng.gen_bool(0.3).then(|| "late".into()),
+        ..Default::default()
+    }
+}
+
+/// Every trace of the prompt, as stored.
+async fn all_traces(s: &DynStore, prompt: &str) -> Vec<Trace> {
+    let mut out: Vec<Trace> = Vec::new();
+    loop {
+        let f = TraceFilter { prompt: Some(name(prompt)), before_id: out.last().map(|t| t.id), ..Default::default() };
+        let page = s.list_traces(&f, 200).await.unwrap();
+        let done = page.len() < 200;
+        out.extend(page);
+        if done {
+            return out;
+        }
+    }
+}
+
+/// The totals per version a scan of the rows gives, as `(traces, with_feedback,
+/// success_trials, successes, [score, tokens, cost, latency] × (n, sum, sum of squares))`.
+type Totals = (u64, u64, u64, u64, [(u64, f64, f64); 4]);
+
+fn usable(v: Option<f64>) -> Option<f64> {
+    v.filter(|x| x.abs() <= 1e12)
+}
+
+fn scan(traces: &[Trace]) -> BTreeMap<Option<i64>, Totals> {
+    let mut out: BTreeMap<Option<i64>, Totals> = BTreeMap::new();
+    for t in traces.iter().filter(|t| t.quarantined_at.is_none()) {
+        let e = out.entry(t.prompt_version).or_insert((0, 0, 0, 0, [(0, 0.0, 0.0); 4]));
+        let score = usable(t.feedback.score);
+        e.0 += 1;
+        e.1 += u64::from(t.feedback.success.is_some() || t.feedback.score.is_some());
+        e.2 += u64::from(t.feedback.success.is_some());
+        e.3 += u64::from(t.feedback.success == Some(true));
+        let num = |k: &str| usable(t.metadata.get(k).and_then(Value::as_f64));
+        for (m, v) in e.4.iter_mut().zip([score, num("tokens"), num("cost_usd"), num("latency_ms")]) {
+            if let Some(v) = v {
+                *m = (m.0 + 1, m.1 + v, m.2 + v * v);
+            }
+        }
+    }
+    out
+}
+
+fn totals(buckets: &[OutcomeBucket]) -> BTreeMap<Option<i64>, Totals> {
+    let mut out: BTreeMap<Option<i64>, Totals> = BTreeMap::new();
+    for b in buckets {
+        let e = out.entry(b.version).or_insert((0, 0, 0, 0, [(0, 0.0, 0.0); 4]));
+        e.0 += b.traces;
+        e.1 += b.with_feedback;
+        e.2 += b.success_trials;
+        e.3 += b.successes;
+        for (m, x) in e.4.iter_mut().zip([b.score, b.tokens, b.cost_usd, b.latency_ms]) {
+            *m = (m.0 + x.count, m.1 + x.sum, m.2 + x.sum_sq);
+        }
+    }
+    out
+}
+
+fn same(a: &BTreeMap<Option<i64>, Totals>, b: &BTreeMap<Option<i64>, Totals>) -> bool {
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * (1.0 + x.abs().max(y.abs()));
+    a.len() == b.len()
+        && a.iter().zip(b).all(|((va, ta), (vb, tb))| {
+            va == vb
+                && (ta.0, ta.1, ta.2, ta.3) == (tb.0, tb.1, tb.2, tb.3)
+                && ta.4.iter().zip(&tb.4).all(|(x, y)| x.0 == y.0 && close(x.1, y.1) && close(x.2, y.2))
+        })
+}
+
+/// Per (version, task key): rewarded traces and the reward sum, by a scan.
+fn scan_tasks(traces: &[Trace]) -> BTreeMap<(i64, String), (u64, f64)> {
+    let mut out: BTreeMap<(i64, String), (u64, f64)> = BTreeMap::new();
+    for t in traces.iter().filter(|t| t.quarantined_at.is_none()) {
+        let (Some(v), Some(key)) = (t.prompt_version, t.metadata.get("task_key").and_then(Value::as_str)) else {
+            continue;
+        };
+        let reward = match t.feedback.success {
+            Some(s) => Some(if s { 1.0 } else { 0.0 }),
+            None => usable(t.feedback.score),
+        };
+        if let Some(r) = reward {
+            let e = out.entry((v, key.to_owned())).or_default();
+            *e = (e.0 + 1, e.1 + r);
+        }
+    }
+    out
+}
+
+async fn check(s: &DynStore, prompt: &str, step: &str) {
+    let traces = all_traces(s, prompt).await;
+    let want = scan(&traces);
+    let now = chrono::Utc::now();
+    for bucket in [60, 3_600, 86_400] {
+        let got = s
+            .version_outcomes(
+                &name(prompt),
+                now - chrono::Duration::days(2),
+                now + chrono::Duration::minutes(2),
+                bucket,
+            )
+            .await
+            .unwrap();
+        let got = totals(&got);
+        assert!(same(&got, &want), "{step}: bucket {bucket}:\n rollups {got:?}\n scan    {want:?}");
+    }
+    let tasks = s
+        .task_rewards(&name(prompt), now - chrono::Duration::hours(1), now + chrono::Duration::minutes(2))
+        .await
+        .unwrap();
+    let got: BTreeMap<(i64, String), (u64, f64)> =
+        tasks.into_iter().map(|t| ((t.version, t.task_key), (t.traces, t.reward_sum))).collect();
+    let want = scan_tasks(&traces);
+    let ok = got.len() == want.len()
+        && got.iter().zip(&want).all(|((ka, a), (kb, b))| ka == kb && a.0 == b.0 && (a.1 - b.1).abs() < 1e-9);
+    assert!(ok, "{step}: task rewards\n rollups {got:?}\n scan    {want:?}");
+}
+
+/// Random streams of trace batches, late feedback, quarantines (one and by
+/// prompt), releases, deletions and OTLP re-maps, with compactions in between:
+/// after every step the rollups answer what a scan of the rows does.
+async fn rollups_equal_a_scan_of_the_rows(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    for p in ["p", "q"] {
+        make_prompt(&s, p, PromptSettings::default()).await;
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20_251_201);
+    let mut ids: Vec<uuid::Uuid> = Vec::new();
+    let mut otel = 0u32;
+    for step in 0..60 {
+        let prompt = ["p", "q"][rng.gen_range(0..2)];
+        let what = rng.gen_range(0..9);
+        match what {
+            0..=2 => {
+                let batch: Vec<ValidTrace> =
+                    (0..rng.gen_range(1..12)).map(|_| valid(random_trace(&mut rng, prompt))).collect();
+                ids.extend(s.insert_traces(&batch).await.unwrap());
+            }
+            3 | 4 if !ids.is_empty() => {
+                let id = *ids.choose(&mut rng).unwrap();
+                s.add_feedback(id, random_feedback(&mut rng)).await.unwrap();
+            }
+            5 if !ids.is_empty() => {
+                let id = *ids.choose(&mut rng).unwrap();
+                if rng.gen_bool(0.5) {
+                    s.quarantine_trace(id, "suspect").await.unwrap();
+                } else {
+                    s.release_trace(id).await.unwrap();
+                }
+            }
+            6 => {
+                let f = TraceFilter { prompt: Some(name(prompt)), ..Default::default() };
+                if rng.gen_bool(0.3) {
+                    s.quarantine_traces(&f, "burst").await.unwrap();
+                } else if let Some(id) = ids.choose(&mut rng).copied() {
+                    s.delete_trace(id).await.unwrap();
+                }
+            }
+            7 => {
+                // An OTLP trace id: made, then re-mapped with other feedback.
+                otel += 1;
+                let trace_id = format!("{otel:032x}");
+                let t1 = random_trace(&mut rng, prompt);
+                let t2 = random_trace(&mut rng, prompt);
+                for (span, t) in [("a", &t1), ("b", &t2)] {
+                    let body = serde_json::to_vec(t).unwrap();
+                    let span = OtlpSpan { span_id: format!("{:016x}", span.as_bytes()[0]), body };
+                    let remap = |bodies: &[&[u8]]| {
+                        let last: Value = serde_json::from_slice(bodies[bodies.len() - 1]).unwrap();
+                        OtlpRemap::Mapped(Box::new(valid(last)))
+                    };
+                    s.merge_otlp_spans(&trace_id, &[span], &remap).await.unwrap();
+                }
+            }
+            _ => {
+                s.compact_rollups(rng.gen_range(1..50)).await.unwrap();
+            }
+        }
+        if step % 6 == 5 {
+            check(&s, prompt, &format!("step {step}")).await;
+        }
+    }
+    for p in ["p", "q"] {
+        check(&s, p, "end").await;
+    }
+    // Compacted to one row per key, the answers are the same.
+    while s.compact_rollups(1_000).await.unwrap() > 0 {}
+    for p in ["p", "q"] {
+        check(&s, p, "compacted").await;
+    }
+}
+
+/// Consumes every pending trace of the prompt through a round.
+async fn consume(s: &DynStore, prompt: &str) -> uuid::Uuid {
+    let req = OpenRound {
+        prompt: name(prompt),
+        trigger: combee::domain::round::RoundTrigger::Api,
+        method: combee::learn::grouping::Method::Combee,
+        batch: 1_000,
+        min_traces: 1,
+        seed: 1,
+        inbound_webhook_id: None,
+    };
+    s.open_round(&req).await.unwrap().expect("a round opens");
+    let c = s.claim_round("w", std::time::Duration::from_secs(60)).await.unwrap().expect("a round to claim");
+    let reflection: combee::domain::Reflection = serde_json::from_value(json!({"key_insight": "x"})).unwrap();
+    for t in &c.traces {
+        s.save_reflection(c.round.id, t.id, &reflection, false).await.unwrap();
+    }
+    let call = combee::llm::LlmCall {
+        role: combee::llm::LlmRole::Reflector,
+        model: "m".into(),
+        prompt_tokens: 10,
+        completion_tokens: 5,
+        cost_usd: 0.5,
+        latency_ms: 3,
+        retries: 1,
+        error: None,
+    };
+    s.record_llm_call(c.round.id, c.round.attempt, &call).await.unwrap();
+    let mut v = manual("learned");
+    v.source = VersionSource::Learned;
+    let detail = json!({"group_outputs": [{"group": 0, "traces": [], "output": {"operations": []}}], "phases": {}});
+    s.publish_round(c.round.id, c.round.attempt, v, LabelName::candidate(), &detail, None, &Default::default())
+        .await
+        .unwrap();
+    c.round.id
+}
+
+/// Retention on both stores: expired consumed traces go (archived first, with
+/// their reflections and spans), a prompt's own longer retention keeps its
+/// traces, quarantined ones wait for their own horizon, old rounds keep only
+/// their summary, events and idempotency keys go; the label history and the
+/// per-version outcomes stay, and the dry run said exactly what went.
+async fn retention_deletes_what_expired_and_keeps_the_rest(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let metrics = combee::telemetry::metrics_handle();
+    make_prompt(&s, "p", PromptSettings::default()).await;
+    let keep = RetentionOverride { consumed_days: Some(365), ..Default::default() };
+    make_prompt(&s, "q", PromptSettings { retention: keep, ..Default::default() }).await;
+    let batch = |p: &str, n: usize| -> Vec<ValidTrace> {
+        (0..n)
+            .map(|i| {
+                valid(json!({"prompt": p, "prompt_version": 1, "input": {"i": i}, "feedback": {"success": i % 2 == 0}}))
+            })
+            .collect()
+    };
+    let mut p_ids = s.insert_traces(&batch("p", 7)).await.unwrap();
+    // An OTLP trace of p, with its spans.
+    let remap = |bodies: &[&[u8]]| OtlpRemap::Mapped(Box::new(valid(serde_json::from_slice(bodies[0]).unwrap())));
+    let body = serde_json::to_vec(&json!({"prompt": "p", "prompt_version": 2, "input": {"otel": 1}})).unwrap();
+    let merged =
+        s.merge_otlp_spans(&"a".repeat(32), &[OtlpSpan { span_id: "1".repeat(16), body }], &remap).await.unwrap();
+    let combee::store::OtlpMerge::Created { trace: otel_trace, .. } = merged else { panic!("{merged:?}") };
+    p_ids.push(otel_trace);
+    let q_ids = s.insert_traces(&batch("q", 3)).await.unwrap();
+    let round = consume(&s, "p").await;
+    consume(&s, "q").await;
+    // Pending (never deleted) and quarantined ones of p.
+    let pending = s.insert_traces(&batch("p", 2)).await.unwrap();
+    s.quarantine_trace(pending[1], "suspect").await.unwrap();
+    let key = combee::store::IdempotencyKey { owner: uuid::Uuid::nil(), key: "k", request_hash: "h" };
+    s.insert_traces_idempotent(key, &batch("p", 1), 201, &|_| b"{}".to_vec()).await.unwrap();
+
+    let history = |p: &'static str| {
+        let s = s.clone();
+        async move { s.label_history(&name(p), None, None, 100).await.unwrap().len() }
+    };
+    let history_before = (history("p").await, history("q").await);
+    let now = chrono::Utc::now();
+    // Whole hours, read from the hour rows (minute rows are pruned after days, and this test travels in time).
+    let hour =
+        |t: chrono::DateTime<chrono::Utc>| chrono::DateTime::from_timestamp(t.timestamp() / 3_600 * 3_600, 0).unwrap();
+    let (from, until) = (hour(now) - chrono::Duration::hours(1), hour(now) + chrono::Duration::hours(2));
+    let outcomes = |p: &'static str| {
+        let s = s.clone();
+        async move { totals(&s.version_outcomes(&name(p), from, until, 3_600).await.unwrap()) }
+    };
+    let outcomes_before = (outcomes("p").await, outcomes("q").await);
+
+    let archive = tempfile::tempdir().unwrap();
+    let mut settings = combee::config::RetentionSettings { batch_size: 3, batch_pause_ms: 0, ..Default::default() };
+    settings.archive_dir = archive.path().display().to_string();
+    let pruner = Pruner::new(s.clone(), settings, 24);
+    // A month and a day later: p's consumed traces expired, q's (a year) did not.
+    let later = now + chrono::Duration::days(31);
+    let plan = pruner.dry_run(later).await.unwrap();
+    assert_eq!(plan.traces["p"]["consumed"], 8, "{plan:?}");
+    assert_eq!((plan.traces["q"]["consumed"], plan.traces["p"]["quarantined"]), (0, 0), "{plan:?}");
+    assert_eq!((plan.other["round_details"], plan.other["idempotency_keys"]), (2, 1), "{plan:?}");
+    assert!(plan.other["webhook_events"] > 0, "{plan:?}");
+    assert_eq!(s.list_traces(&TraceFilter::default(), 100).await.unwrap().len(), 14, "the dry run deleted nothing");
+
+    let done = pruner.pass(later, &CancellationToken::new()).await.unwrap();
+    assert_eq!(done.traces.get("p").map(|k| k["consumed"]), Some(8), "{done:?}");
+    assert_eq!(done.total_traces(), 8, "{done:?}");
+    assert_eq!((done.reflections, done.round_links, done.otlp_spans, done.archived), (8, 8, 1, 8), "{done:?}");
+    assert_eq!(done.other["round_details"], plan.other["round_details"]);
+    assert_eq!(done.other["webhook_events"], plan.other["webhook_events"]);
+    for id in &p_ids {
+        assert!(s.get_trace(*id).await.unwrap().is_none(), "consumed and expired: deleted");
+    }
+    for id in q_ids.iter().chain(&pending) {
+        assert!(s.get_trace(*id).await.unwrap().is_some(), "kept: a year's retention, pending, or quarantined");
+    }
+    // The archive holds exactly the deleted traces, as the API shows them.
+    let mut archived = Vec::new();
+    for entry in std::fs::read_dir(archive.path().join("p")).unwrap() {
+        let mut text = String::new();
+        flate2::read::MultiGzDecoder::new(std::fs::File::open(entry.unwrap().path()).unwrap())
+            .read_to_string(&mut text)
+            .unwrap();
+        archived.extend(text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()));
+    }
+    let mut got: Vec<uuid::Uuid> = archived.iter().map(|t| t["id"].as_str().unwrap().parse().unwrap()).collect();
+    got.sort();
+    p_ids.sort();
+    assert_eq!(got, p_ids);
+    assert!(archived.iter().all(|t| t["prompt"] == "p" && t["status"] == "consumed" && t["input"].is_object()));
+    // Rounds keep their summary; the label history and the outcomes are untouched.
+    let summary = s.round_summary(round).await.unwrap().expect("a compacted round keeps its usage");
+    assert_eq!((summary.calls, summary.prompt_tokens, summary.retries, summary.cost_usd), (1, 10, 1, 0.5));
+    assert!(s.round_calls(round).await.unwrap().is_empty());
+    let detail = s.get_round(round).await.unwrap().unwrap().detail;
+    assert!(detail.get("group_outputs").is_none() && detail.get("phases").is_some(), "{detail}");
+    assert_eq!((history("p").await, history("q").await), history_before);
+    assert_eq!((outcomes("p").await, outcomes("q").await), outcomes_before, "outcomes outlive their traces");
+    // A second pass finds nothing; a quarter later the quarantined trace goes too.
+    assert_eq!(pruner.pass(later, &CancellationToken::new()).await.unwrap().total_traces(), 0);
+    let quarter = pruner.pass(now + chrono::Duration::days(91), &CancellationToken::new()).await.unwrap();
+    assert_eq!(quarter.traces["p"]["quarantined"], 1, "{quarter:?}");
+    assert!(s.get_trace(pending[0]).await.unwrap().is_some(), "pending traces are never deleted");
+    let text = metrics.render();
+    assert!(text.contains("combee_retention_deleted_total{what=\"traces\"}"), "counted in /metrics");
+}
+
+/// `combee prune --dry-run` lists what would go, per prompt; `combee prune` deletes it.
+#[test]
+fn prune_dry_run_says_what_would_go_then_prune_deletes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("combee.db").display());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    std::fs::write(dir.path().join("default.toml"), "").unwrap();
+    rt.block_on(async {
+        let s = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
+        make_prompt(&s, "old", PromptSettings::default()).await;
+    });
+    // Two traces consumed forty days ago (time-ordered ids of that day, as the server makes them).
+    let at = chrono::Utc::now() - chrono::Duration::days(40);
+    let ids: Vec<uuid::Uuid> = (0..2)
+        .map(|i| {
+            let ts = uuid::Timestamp::from_unix(uuid::NoContext, at.timestamp() as u64 + i, 0);
+            uuid::Uuid::new_v7(ts)
+        })
+        .collect();
+    rt.block_on(async {
+        use sqlx::Connection;
+        let mut c = sqlx::SqliteConnection::connect(&url).await.unwrap();
+        for id in &ids {
+            sqlx::query(
+                "INSERT INTO traces (id, prompt_id, prompt_version, status, input, trajectory, output, feedback, metadata,
+                                     created_at, updated_at)
+                 SELECT ?1, id, 1, 'consumed', '{}', 'null', 'null', '{}', '{}', ?2, ?2 FROM prompts WHERE name = 'old'",
+            )
+            .bind(id.to_string())
+            .bind(at.timestamp_micros())
+            .execute(&mut c)
+            .await
+            .unwrap();
+        }
+    });
+    let combee = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_combee"))
+            .args(args)
+            .env("COMBEE_CONFIG_DIR", dir.path())
+            .env("DATABASE_URL", &url)
+            .env_remove("COMBEE_ENV")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let plan = combee(&["prune", "--dry-run"]);
+    assert!(plan.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["old", "2", "0", "0"]), "{plan}");
+    assert!(plan.contains("traces: would delete 2"), "{plan}");
+    let json: Value = serde_json::from_str(&combee(&["prune", "--dry-run", "--json"])).unwrap();
+    assert_eq!(json["report"]["traces"]["old"]["consumed"], 2);
+    let done = combee(&["prune"]);
+    assert!(done.contains("traces: deleted 2"), "{done}");
+    rt.block_on(async {
+        let s = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
+        for id in ids {
+            assert!(s.get_trace(id).await.unwrap().is_none());
+        }
+    });
+}
+
+on_both_stores!(rollups_equal_a_scan_of_the_rows, retention_deletes_what_expired_and_keeps_the_rest);
