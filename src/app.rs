@@ -147,8 +147,11 @@ impl Application {
             Role::Api => None,
         };
         let state = AppState::new(Shared {
-            cache: Arc::new(PromptCache::new(Duration::from_secs(settings.cache.max_age_secs))),
-            keys: Arc::new(KeyCache::new(store.clone())),
+            cache: Arc::new(PromptCache::new(
+                Duration::from_secs(settings.cache.max_age_secs),
+                settings.cache.max_prompts,
+            )),
+            keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
             metrics: telemetry::metrics_handle(),
             settings: Arc::new(settings),
             store,
@@ -178,6 +181,7 @@ impl Application {
         let guard = guard.map(|g| tokio::spawn(g.run(shutdown.clone())));
         let rater = rater.map(|r| tokio::spawn(r.run(shutdown.clone())));
         let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
+        let key_watch = tokio::spawn(state.keys.clone().watch(shutdown.clone()));
         let worker = worker.map(|w| tokio::spawn(w.run(shutdown.clone())));
         let deliverer = deliverer.map(|d| tokio::spawn(d.run(shutdown.clone())));
         let housekeeping = tokio::spawn(housekeeping(state.clone(), shutdown.clone()));
@@ -202,6 +206,7 @@ impl Application {
             Err(_) => tracing::warn!("in-flight requests did not finish within the grace period"),
         }
         invalidator.abort();
+        key_watch.abort();
         housekeeping.abort();
         for task in [compactor, pruner].into_iter().flatten() {
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;

@@ -1,22 +1,28 @@
-//! API keys: generation, hashing, and a small cache of verified keys so the
+//! API keys: generation, hashing, and a bounded cache of verified keys so the
 //! hot paths do not query the store on every request. Keys are random
 //! (`cmb_` + 40 base62 characters), so a plain SHA-256 is a safe hash.
 
 use std::{
     collections::HashMap,
-    sync::{Arc, RwLock},
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use rand::{Rng, distributions::Alphanumeric};
 use sha2::{Digest, Sha256};
 
-use crate::store::{ApiKey, DynStore, Scope, StoreError, StoreKind};
+use crate::{
+    cache::coarse_now_ms,
+    store::{ApiKey, DynStore, Scope, StoreError},
+};
 
 pub const KEY_PREFIX: &str = "cmb_";
 const VISIBLE_PREFIX_LEN: usize = 12;
-const CACHE_TTL: Duration = Duration::from_secs(30);
-const CACHE_MAX: usize = 10_000;
+/// A cached key is read again after this long, whatever happened.
+pub const CACHE_TTL: Duration = Duration::from_secs(30);
 
 /// A freshly minted key: the secret is shown once and then only its hash is kept.
 pub struct MintedKey {
@@ -43,31 +49,54 @@ pub async fn create_key(store: &DynStore, name: &str, scopes: &[Scope]) -> Resul
 }
 
 /// Verified keys by the SHA-256 of their secret (raw bytes: no hex on the hot
-/// path), dropped on any key change this process hears of (see `Change::Keys`)
-/// and after a TTL. On SQLite nothing tells the server that another process
-/// (`combee keys revoke`) revoked a key, so there every request also reads the
-/// store's key generation and an entry counts only for the generation it was
-/// read at: a revocation takes effect at once. On Postgres the revoking
-/// process's `NOTIFY` clears the cache instead, with no query per request.
+/// path), bounded to `cache.max_keys` (the least recently used go first) and
+/// trusted for at most [`CACHE_TTL`]. A request does no store query for a
+/// cached key. Revocations reach every process within a second: the revoking
+/// process's `NOTIFY` clears the cache at once on Postgres, and on both stores
+/// [`KeyCache::watch`] reads the store's key generation (bumped by any
+/// revocation, by any process, `combee keys revoke` included) every
+/// [`GENERATION_POLL`] and drops every entry when it moved. An entry counts
+/// only for the epoch it was read in, so a read racing with a revocation
+/// never re-inserts the old key.
 pub struct KeyCache {
     store: DynStore,
     entries: RwLock<HashMap<KeyDigest, CachedKey>>,
-    check_generation: bool,
+    max_keys: usize,
+    /// Bumped whenever the cache is dropped.
+    epoch: AtomicU64,
 }
+
+/// How often [`KeyCache::watch`] reads the store's key generation.
+pub const GENERATION_POLL: Duration = Duration::from_millis(250);
+/// A process that could not read the key generation for this long stops trusting cached keys.
+const BLIND_LIMIT: Duration = Duration::from_secs(1);
 
 type KeyDigest = [u8; 32];
 
 struct CachedKey {
     key: Arc<ApiKey>,
-    stored_at: Instant,
-    /// The store's key generation when the key was read (`None`: not checked).
-    generation: Option<i64>,
+    /// [`coarse_now_ms`] when it was read.
+    stored_ms: u64,
+    /// The cache epoch the key was read in.
+    epoch: u64,
+    /// Milliseconds since the cache started, at the last hit (for eviction).
+    last_used: AtomicU64,
+}
+
+impl crate::cache::LastUsed for CachedKey {
+    fn last_used(&self) -> u64 {
+        self.last_used.load(Ordering::Relaxed)
+    }
 }
 
 impl KeyCache {
-    pub fn new(store: DynStore) -> Self {
-        let check_generation = store.kind() == StoreKind::Sqlite;
-        Self { store, entries: RwLock::new(HashMap::new()), check_generation }
+    pub fn new(store: DynStore, max_keys: usize) -> Self {
+        Self {
+            store,
+            entries: RwLock::new(HashMap::new()),
+            max_keys: max_keys.max(1),
+            epoch: AtomicU64::new(0),
+        }
     }
 
     /// The active key for this secret, or `None` when it is unknown or revoked.
@@ -76,13 +105,16 @@ impl KeyCache {
             return Ok(None);
         }
         let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
-        // Read before the key itself: a revocation landing in between then
-        // shows in the key row, and one landing after bumps the generation.
-        let generation = if self.check_generation { Some(self.store.api_key_generation().await?) } else { None };
+        // Read before the key itself: a revocation landing after this bumps it.
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let now = coarse_now_ms();
         if let Some(hit) = self.entries.read().unwrap_or_else(|e| e.into_inner()).get(&digest)
-            && hit.stored_at.elapsed() < CACHE_TTL
-            && hit.generation == generation
+            && now.saturating_sub(hit.stored_ms) < CACHE_TTL.as_millis() as u64
+            && hit.epoch == epoch
         {
+            if hit.last_used.load(Ordering::Relaxed) + 1_000 <= now {
+                hit.last_used.store(now, Ordering::Relaxed);
+            }
             return Ok(Some(hit.key.clone()));
         }
         let Some(key) = self.store.api_key_by_hash(&hex::encode(digest)).await?.filter(|k| k.revoked_at.is_none())
@@ -91,15 +123,55 @@ impl KeyCache {
         };
         let key = Arc::new(key);
         let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        if entries.len() >= CACHE_MAX {
-            entries.clear();
+        if entries.len() >= self.max_keys && !entries.contains_key(&digest) {
+            crate::cache::evict_least_recent(&mut entries, self.max_keys);
         }
-        entries.insert(digest, CachedKey { key: key.clone(), stored_at: Instant::now(), generation });
+        let now = coarse_now_ms();
+        entries.insert(digest, CachedKey { key: key.clone(), stored_ms: now, epoch, last_used: AtomicU64::new(now) });
         Ok(Some(key))
     }
 
     pub fn clear(&self) {
-        self.entries.write().unwrap_or_else(|e| e.into_inner()).clear();
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        entries.clear();
+    }
+
+    /// Keys cached now.
+    pub fn len(&self) -> usize {
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops the cache whenever the store's key generation moves (any
+    /// process revoked or deleted a key), reading it every [`GENERATION_POLL`]
+    /// until `shutdown`; and when it could not be read for over a second.
+    pub async fn watch(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let mut seen: Option<i64> = None;
+        let mut last_read = Instant::now();
+        loop {
+            match self.store.api_key_generation().await {
+                Ok(g) => {
+                    if seen.is_some_and(|s| s != g) {
+                        self.clear();
+                    }
+                    seen = Some(g);
+                    last_read = Instant::now();
+                }
+                Err(e) if last_read.elapsed() > BLIND_LIMIT => {
+                    tracing::warn!(error = %e, "cannot read the key generation; cached keys are not trusted");
+                    self.clear();
+                }
+                Err(_) => {}
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(GENERATION_POLL) => {}
+            }
+        }
     }
 }
 

@@ -1,7 +1,10 @@
-//! The in-memory cache of rendered prompts that agents fetch. Any change to a
-//! prompt drops its entries at once — in other processes too, via the store's
-//! change feed (`LISTEN/NOTIFY` on Postgres). A generation counter stops a
-//! read that raced with a change from re-inserting the old value.
+//! The in-memory cache of rendered prompts that agents fetch, and of the arms
+//! an `evaluated` prompt is served from. Any change to a prompt drops its
+//! entries at once — in other processes too, via the store's change feed
+//! (`LISTEN/NOTIFY` on Postgres). A generation counter stops a read that
+//! raced with a change from re-inserting the old value. Bounded: at most
+//! `cache.max_prompts` prompts (the least recently used go first) and
+//! [`MAX_ANSWERS_PER_PROMPT`] answers per prompt.
 
 use std::{
     collections::HashMap,
@@ -14,51 +17,133 @@ use std::{
 
 use axum::{body::Bytes, http::HeaderValue};
 
-use crate::store::Selector;
+use crate::store::{ArmState, Selector};
 
-/// A ready-to-send answer for `GET /v1/prompts/{name}`.
+/// Most cached answers (labels, versions) per prompt; past it the prompt's answers start over.
+pub const MAX_ANSWERS_PER_PROMPT: usize = 64;
+
+/// Milliseconds since the process first asked, kept by a thread that ticks
+/// every 10 ms: the caches' freshness and recency checks read this instead of
+/// the clock (several clock reads per request add up on the hottest route).
+pub fn coarse_now_ms() -> u64 {
+    static NOW: std::sync::OnceLock<Arc<AtomicU64>> = std::sync::OnceLock::new();
+    NOW.get_or_init(|| {
+        let now = Arc::new(AtomicU64::new(0));
+        let (tick, start) = (now.clone(), Instant::now());
+        let ticking = std::thread::Builder::new().name("combee-coarse-clock".into()).spawn(move || {
+            loop {
+                tick.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        if ticking.is_err() {
+            tracing::error!("cannot start the coarse clock; cached entries will not expire by age");
+        }
+        now
+    })
+    .load(Ordering::Relaxed)
+}
+
+/// A ready-to-send answer for `GET /v1/prompts/{name}`, also in the two
+/// shapes an `evaluated` prompt's arm is served in (with `"arm"`).
 #[derive(Debug)]
 pub struct CachedPrompt {
     pub etag: HeaderValue,
     pub body: Bytes,
     pub version: i64,
-    stored_at: Instant,
+    /// `Combee-Version` for this answer.
+    pub version_header: HeaderValue,
+    as_champion: Bytes,
+    as_challenger: Bytes,
+    stored_ms: u64,
 }
 
 impl CachedPrompt {
+    /// `body` is the JSON object agents receive; the arm shapes are made from it once, here.
     pub fn new(etag: HeaderValue, body: Bytes, version: i64) -> Self {
-        Self { etag, body, version, stored_at: Instant::now() }
+        let with = |state: ArmState| -> Bytes {
+            let Ok(serde_json::Value::Object(mut o)) = serde_json::from_slice::<serde_json::Value>(&body) else {
+                return body.clone();
+            };
+            o.insert("arm".into(), state.as_str().into());
+            serde_json::to_vec(&o).map(Bytes::from).unwrap_or_else(|_| body.clone())
+        };
+        Self {
+            as_champion: with(ArmState::Champion),
+            as_challenger: with(ArmState::Challenger),
+            version_header: HeaderValue::from(version),
+            etag,
+            body,
+            version,
+            stored_ms: coarse_now_ms(),
+        }
+    }
+
+    /// The body served as this arm.
+    pub fn body_as(&self, arm: Option<ArmState>) -> &Bytes {
+        match arm {
+            Some(ArmState::Champion) => &self.as_champion,
+            Some(_) => &self.as_challenger,
+            None => &self.body,
+        }
     }
 }
 
-/// Prompt name → selector → answer; nested so a lookup borrows the name.
-type Entries = HashMap<String, HashMap<Selector, Arc<CachedPrompt>>>;
-
 /// The live arms of a prompt under the `evaluated` policy, as served:
-/// (version, traffic weight, champion?). Empty for other prompts.
+/// (version, traffic weight), and which is the champion. Empty for other prompts.
 #[derive(Debug, Default)]
 pub struct ServedArms {
     pub arms: Vec<(i64, f64)>,
     pub champion: Option<i64>,
-    stored_at: Option<Instant>,
+    stored_ms: Option<u64>,
 }
 
 impl ServedArms {
     pub fn new(arms: Vec<(i64, f64)>, champion: Option<i64>) -> Self {
-        Self { arms, champion, stored_at: Some(Instant::now()) }
+        Self { arms, champion, stored_ms: Some(coarse_now_ms()) }
     }
 }
 
+/// Everything cached about one prompt.
+#[derive(Default)]
+struct PromptEntry {
+    answers: HashMap<Selector, Arc<CachedPrompt>>,
+    arms: Option<Arc<ServedArms>>,
+    /// Milliseconds since the cache started, at the last hit (for eviction).
+    last_used: AtomicU64,
+}
+
 pub struct PromptCache {
-    entries: RwLock<Entries>,
-    arms: RwLock<HashMap<String, Arc<ServedArms>>>,
+    prompts: RwLock<HashMap<String, PromptEntry>>,
     generation: AtomicU64,
-    max_age: Duration,
+    max_age_ms: u64,
+    max_prompts: usize,
 }
 
 impl PromptCache {
-    pub fn new(max_age: Duration) -> Self {
-        Self { entries: RwLock::new(HashMap::new()), arms: RwLock::default(), generation: AtomicU64::new(0), max_age }
+    pub fn new(max_age: Duration, max_prompts: usize) -> Self {
+        Self {
+            prompts: RwLock::default(),
+            generation: AtomicU64::new(0),
+            max_age_ms: max_age.as_millis() as u64,
+            max_prompts: max_prompts.max(1),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        coarse_now_ms()
+    }
+
+    fn fresh(&self, stored_ms: u64) -> bool {
+        self.now_ms().saturating_sub(stored_ms) < self.max_age_ms
+    }
+
+    fn touch(&self, entry: &PromptEntry) {
+        let now = self.now_ms();
+        // Only when it moved on, so concurrent hits do not keep writing one cache line.
+        if entry.last_used.load(Ordering::Relaxed) + 1_000 <= now {
+            entry.last_used.store(now, Ordering::Relaxed);
+        }
     }
 
     /// Read before loading from the store; pass to [`PromptCache::insert`].
@@ -67,48 +152,105 @@ impl PromptCache {
     }
 
     pub fn get(&self, prompt: &str, selector: &Selector) -> Option<Arc<CachedPrompt>> {
-        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        let hit = entries.get(prompt)?.get(selector)?;
-        (hit.stored_at.elapsed() < self.max_age).then(|| hit.clone())
+        let prompts = self.prompts.read().unwrap_or_else(|e| e.into_inner());
+        let entry = prompts.get(prompt)?;
+        let hit = entry.answers.get(selector)?;
+        if !self.fresh(hit.stored_ms) {
+            return None;
+        }
+        self.touch(entry);
+        Some(hit.clone())
+    }
+
+    /// The entry of `prompt` to write into, making room first when it is new.
+    fn entry<'m>(&self, prompts: &'m mut HashMap<String, PromptEntry>, prompt: &str) -> &'m mut PromptEntry {
+        if !prompts.contains_key(prompt) && prompts.len() >= self.max_prompts {
+            evict_least_recent(prompts, self.max_prompts);
+        }
+        let entry = prompts.entry(prompt.to_owned()).or_default();
+        entry.last_used.store(self.now_ms(), Ordering::Relaxed);
+        entry
     }
 
     /// Inserts unless something changed since `generation` was read.
     pub fn insert(&self, prompt: &str, selector: Selector, generation: u64, value: Arc<CachedPrompt>) {
-        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        if self.generation.load(Ordering::Acquire) == generation {
-            entries.entry(prompt.to_owned()).or_default().insert(selector, value);
+        let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
+        if self.generation.load(Ordering::Acquire) != generation {
+            return;
         }
+        let entry = self.entry(&mut prompts, prompt);
+        if entry.answers.len() >= MAX_ANSWERS_PER_PROMPT && !entry.answers.contains_key(&selector) {
+            entry.answers.clear();
+        }
+        entry.answers.insert(selector, value);
     }
 
     /// The served arms of `prompt`, if cached and fresh.
     pub fn get_arms(&self, prompt: &str) -> Option<Arc<ServedArms>> {
-        let arms = self.arms.read().unwrap_or_else(|e| e.into_inner());
-        let hit = arms.get(prompt)?;
-        hit.stored_at.is_some_and(|t| t.elapsed() < self.max_age).then(|| hit.clone())
+        let prompts = self.prompts.read().unwrap_or_else(|e| e.into_inner());
+        let entry = prompts.get(prompt)?;
+        let hit = entry.arms.as_ref()?;
+        if !hit.stored_ms.is_some_and(|t| self.fresh(t)) {
+            return None;
+        }
+        self.touch(entry);
+        Some(hit.clone())
     }
 
     /// Inserts unless something changed since `generation` was read.
     pub fn insert_arms(&self, prompt: &str, generation: u64, value: Arc<ServedArms>) {
-        let mut arms = self.arms.write().unwrap_or_else(|e| e.into_inner());
+        let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
         if self.generation.load(Ordering::Acquire) == generation {
-            arms.insert(prompt.to_owned(), value);
+            self.entry(&mut prompts, prompt).arms = Some(value);
         }
     }
 
     pub fn invalidate(&self, prompt: &str) {
-        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        let mut arms = self.arms.write().unwrap_or_else(|e| e.into_inner());
+        let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::AcqRel);
-        entries.remove(prompt);
-        arms.remove(prompt);
+        prompts.remove(prompt);
     }
 
     pub fn clear(&self) {
-        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
-        let mut arms = self.arms.write().unwrap_or_else(|e| e.into_inner());
+        let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::AcqRel);
-        entries.clear();
-        arms.clear();
+        prompts.clear();
+    }
+
+    /// Prompts cached now.
+    pub fn len(&self) -> usize {
+        self.prompts.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Drops the least recently used tenth of a full map (at least one entry),
+/// so a full cache sorts once per `max / 10` insertions, not on each.
+pub(crate) fn evict_least_recent<K: Clone + Eq + std::hash::Hash, V>(
+    map: &mut HashMap<K, V>,
+    max: usize,
+) where
+    V: LastUsed,
+{
+    let mut ages: Vec<(u64, K)> = map.iter().map(|(k, v)| (v.last_used(), k.clone())).collect();
+    ages.sort_unstable_by_key(|(t, _)| *t);
+    let drop = (max / 10).max(1).max(map.len() + 1 - max);
+    for (_, k) in ages.into_iter().take(drop) {
+        map.remove(&k);
+    }
+}
+
+/// An entry that remembers when it was last used (for [`evict_least_recent`]).
+pub(crate) trait LastUsed {
+    fn last_used(&self) -> u64;
+}
+
+impl LastUsed for PromptEntry {
+    fn last_used(&self) -> u64 {
+        self.last_used.load(Ordering::Relaxed)
     }
 }
 
@@ -118,12 +260,12 @@ mod tests {
     use crate::domain::LabelName;
 
     fn entry(v: i64) -> Arc<CachedPrompt> {
-        Arc::new(CachedPrompt::new(HeaderValue::from_static("\"x\""), Bytes::from_static(b"{}"), v))
+        Arc::new(CachedPrompt::new(HeaderValue::from_static("\"x\""), Bytes::from_static(b"{\"a\":1}"), v))
     }
 
     #[test]
     fn a_change_during_a_load_keeps_the_stale_value_out() {
-        let cache = PromptCache::new(Duration::from_secs(60));
+        let cache = PromptCache::new(Duration::from_secs(60), 100);
         let sel = Selector::Label(LabelName::production());
         let g = cache.generation();
         cache.invalidate("p"); // a write lands while the reader was loading
@@ -134,5 +276,34 @@ mod tests {
         assert_eq!(cache.get("p", &sel).unwrap().version, 2);
         cache.invalidate("other");
         assert!(cache.get("p", &sel).is_some(), "another prompt's change leaves p cached");
+    }
+
+    #[test]
+    fn the_cache_stays_within_its_bounds_and_keeps_what_is_used() {
+        let cache = PromptCache::new(Duration::from_secs(60), 100);
+        let sel = Selector::Label(LabelName::production());
+        cache.insert("hot", sel.clone(), cache.generation(), entry(1));
+        for i in 0..1_000 {
+            cache.insert(&format!("p{i}"), sel.clone(), cache.generation(), entry(1));
+            // The hot prompt is read all along (its use is recorded once a second at most).
+            if let Some(e) = cache.prompts.read().unwrap().get("hot") {
+                e.last_used.store(cache.now_ms() + 10_000, Ordering::Relaxed);
+            }
+            assert!(cache.len() <= 100);
+        }
+        assert!(cache.get("hot", &sel).is_some(), "the most recently used prompt stays");
+        for v in 1..=200 {
+            cache.insert("hot", Selector::Version(v), cache.generation(), entry(v));
+        }
+        assert!(cache.prompts.read().unwrap()["hot"].answers.len() <= MAX_ANSWERS_PER_PROMPT);
+    }
+
+    #[test]
+    fn arm_bodies_carry_the_arm() {
+        let e = entry(3);
+        let v: serde_json::Value = serde_json::from_slice(e.body_as(Some(ArmState::Challenger))).unwrap();
+        assert_eq!(v, serde_json::json!({"a": 1, "arm": "challenger"}));
+        assert_eq!(e.body_as(None).as_ref(), b"{\"a\":1}");
+        assert_eq!(e.version_header, "3");
     }
 }

@@ -14,7 +14,7 @@ use super::{
     extract::{ApiPath, ApiQuery, Caller},
 };
 use crate::{
-    evaluate::outcomes::{VersionOutcomes, summarize},
+    evaluate::outcomes::{VersionOutcomes, rollup_window, summarize},
     service::prompts::existing_prompt,
     store::Scope,
 };
@@ -101,7 +101,9 @@ fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, Dat
         Some(b) => parse_span("bucket", b)?.max((range + MAX_BUCKETS - 1) / MAX_BUCKETS),
         None => AUTO_BUCKETS.into_iter().find(|b| range / b <= AUTO_TARGET).unwrap_or(604_800),
     };
-    Ok((from, until, bucket))
+    // What the rollups answer exactly: edges to the minute (the hour, past their
+    // minute horizon), buckets of whole minutes. The answer says what was read.
+    Ok(rollup_window(from, until, bucket, now))
 }
 
 #[utoipa::path(get, path = "/v1/prompts/{name}/metrics", tag = "prompts",

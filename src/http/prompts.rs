@@ -8,7 +8,7 @@ use axum::{
     Json,
     body::Bytes,
     extract::State,
-    http::{HeaderMap, HeaderValue, StatusCode, header},
+    http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
 use serde::{Deserialize, Serialize};
@@ -278,7 +278,7 @@ pub async fn get_prompt(
     caller: Caller,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<SelectorQuery>,
-    headers: HeaderMap,
+    headers: GetHeaders,
 ) -> ApiResult<Response> {
     caller.require(Scope::PromptsRead)?;
     if let (Some(l), Some(v)) = (&q.label, q.version) {
@@ -288,28 +288,24 @@ pub async fn get_prompt(
             return Err(ApiError::missing(format!("label {l:?} does not point at version {v}")));
         }
     }
-    let subject = subject_of(&q, &headers)?;
+    let subject = subject_of(&q, headers.subject.as_ref())?;
     let explicit = q.label.is_some() || q.version.is_some();
-    let arm = if explicit { None } else { served_arm(&st, &name, subject.as_deref()).await? };
+    let arm = if explicit { None } else { served_arm(&st, &name, subject).await? };
     let selector = match arm {
         Some((version, _)) => Selector::Version(version),
         None => q.selector()?,
     };
     let view = cached_view(&st, &name, selector).await?;
-    let mut res = if etag_matches(headers.get(header::IF_NONE_MATCH), &view.etag, true) {
+    let mut res = if etag_matches(headers.if_none_match.as_ref(), &view.etag, true) {
         StatusCode::NOT_MODIFIED.into_response()
     } else {
-        let body = match arm {
-            Some((_, state)) => with_arm(&view.body, state)?,
-            None => view.body.clone(),
-        };
-        let mut res = body.into_response();
+        let mut res = view.body_as(arm.map(|(_, state)| state)).clone().into_response();
         res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         res
     };
-    if let Some((version, state)) = arm {
+    if let Some((_, state)) = arm {
         res.headers_mut().insert("combee-arm", HeaderValue::from_static(state.as_str()));
-        res.headers_mut().insert("combee-version", HeaderValue::from(version));
+        res.headers_mut().insert("combee-version", view.version_header.clone());
     }
     res.headers_mut().insert(header::ETAG, view.etag.clone());
     res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -318,14 +314,31 @@ pub async fn get_prompt(
     Ok(res)
 }
 
+/// The two request headers the agents' `GET` reads (taken alone: extracting
+/// the whole `HeaderMap` would copy every header on the hottest route).
+pub struct GetHeaders {
+    if_none_match: Option<HeaderValue>,
+    subject: Option<HeaderValue>,
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for GetHeaders {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self {
+            if_none_match: parts.headers.get(header::IF_NONE_MATCH).cloned(),
+            subject: parts.headers.get(SUBJECT_HEADER).cloned(),
+        })
+    }
+}
+
 /// The subject of a request: `?subject=`, else the `Combee-Subject` header.
-fn subject_of(q: &SelectorQuery, headers: &HeaderMap) -> ApiResult<Option<String>> {
-    let raw = match (&q.subject, headers.get(SUBJECT_HEADER)) {
-        (Some(s), _) => s.clone(),
-        (None, Some(h)) => h
-            .to_str()
-            .map_err(|_| ApiError::bad_request("the `Combee-Subject` header must be visible ASCII".into()))?
-            .to_owned(),
+fn subject_of<'a>(q: &'a SelectorQuery, header: Option<&'a HeaderValue>) -> ApiResult<Option<&'a str>> {
+    let raw = match (&q.subject, header) {
+        (Some(s), _) => s.as_str(),
+        (None, Some(h)) => {
+            h.to_str().map_err(|_| ApiError::bad_request("the `Combee-Subject` header must be visible ASCII".into()))?
+        }
         (None, None) => return Ok(None),
     };
     if raw.is_empty() || raw.chars().count() > MAX_SUBJECT_CHARS || raw.chars().any(char::is_control) {
@@ -374,13 +387,6 @@ async fn served_arm(st: &AppState, name: &str, subject: Option<&str>) -> ApiResu
         let state = if Some(version) == served.champion { ArmState::Champion } else { ArmState::Challenger };
         (version, state)
     }))
-}
-
-/// The cached body with the arm it was served as.
-fn with_arm(body: &Bytes, state: ArmState) -> ApiResult<Bytes> {
-    let mut v: serde_json::Value = serde_json::from_slice(body).map_err(|e| ApiError::internal(e.into()))?;
-    v["arm"] = serde_json::Value::String(state.as_str().to_owned());
-    Ok(Bytes::from(serde_json::to_vec(&v).map_err(|e| ApiError::internal(e.into()))?))
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -374,9 +374,11 @@ impl PopulationRater {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
+            let started = std::time::Instant::now();
             if let Err(e) = self.tick(Utc::now()).await {
                 tracing::warn!(error = %e, "population rating tick failed");
             }
+            metrics::histogram!("combee_rater_tick_seconds").record(started.elapsed().as_secs_f64());
         }
     }
 

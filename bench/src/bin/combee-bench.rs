@@ -99,9 +99,21 @@ struct HttpArgs {
     /// The `combee` binary [default: next to this one].
     #[arg(long)]
     server_bin: Option<PathBuf>,
-    /// Only these figures (comma-separated: post, paced, batch, get, bare) [default: all].
+    /// Only these figures (comma-separated: post, paced, batch, get, bare, memory) [default: all].
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Distinct subjects the GET-with-a-subject figures rotate through.
+    #[arg(long, default_value_t = 10_000)]
+    subjects: usize,
+    /// Prompts and subjects of the memory figure: this many prompts are created, then fetched with
+    /// `memory_subjects` distinct subjects.
+    #[arg(long, default_value_t = 10_000)]
+    memory_prompts: usize,
+    #[arg(long, default_value_t = 100_000)]
+    memory_subjects: usize,
+    /// Also measure GET on the embedded SQLite store (a second server) when the store is Postgres.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    sqlite_get: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -266,7 +278,7 @@ async fn request_once(addr: SocketAddr, request: &[u8]) -> io::Result<(u16, Vec<
 }
 
 // ---------------------------------------------------------------------------
-// Load: N connections, each sending the same request back to back.
+// Load: N connections sending requests back to back (one request, or a rotation of them).
 
 #[derive(Debug, Default)]
 struct LoadResult {
@@ -305,7 +317,7 @@ enum Pace {
 
 async fn load(
     addr: SocketAddr,
-    request: Arc<Vec<u8>>,
+    requests: Arc<Vec<Vec<u8>>>,
     expect: u16,
     connections: usize,
     duration: Duration,
@@ -320,8 +332,10 @@ async fn load(
     let deadline = start + duration;
     let mut workers = tokio::task::JoinSet::new();
     for (k, mut conn) in conns.into_iter().enumerate() {
-        let request = request.clone();
+        let requests = requests.clone();
         workers.spawn(async move {
+            // Connection k sends requests k, k + connections, … of the rotation.
+            let mut turn = k;
             let mut r = LoadResult { latencies_us: Vec::with_capacity(32 * 1024), ..LoadResult::default() };
             // For a paced load, connection k sends at start + k/rate + i·connections/rate.
             let (mut next, interval) = match pace {
@@ -341,7 +355,9 @@ async fn load(
                         scheduled
                     }
                 };
-                match conn.roundtrip(&request).await {
+                let request = &requests[turn % requests.len()];
+                turn += connections;
+                match conn.roundtrip(request).await {
                     Ok(a) if a.status == expect => {
                         r.ok += 1;
                         r.latencies_us.push(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
@@ -659,6 +675,95 @@ fn with_database(url: &str, db: &str) -> anyhow::Result<String> {
     Ok(out)
 }
 
+/// The benchmark's prompt, with the product's defaults (promotion `evaluated`: served through its population).
+const CREATE_BENCH: &str = r#"{"name":"bench","base":"You are a benchmark agent."}"#;
+
+/// A GET of `path` naming its subject in `Combee-Subject`.
+fn encode_get_with_subject(path: &str, addr: SocketAddr, key: &str, subject: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {key}\r\nCombee-Subject: {subject}\r\n\r\n")
+        .into_bytes()
+}
+
+/// `GET /v1/prompts/bench` on one server, without and with a subject (a
+/// rotation of `--subjects` distinct ones, as agents serving many users send).
+async fn get_phases(
+    args: &HttpArgs,
+    addr: SocketAddr,
+    key: &str,
+    store: &str,
+    pid: u32,
+    memory: &MemoryWatch,
+) -> anyhow::Result<Vec<Phase>> {
+    let plain = vec![encode_request("GET", "/v1/prompts/bench", addr, key, None)];
+    let subjects: Vec<Vec<u8>> = (0..args.subjects.max(1))
+        .map(|i| encode_get_with_subject("/v1/prompts/bench", addr, key, &format!("user-{i:06}")))
+        .collect();
+    let (status, _) = request_once(addr, &subjects[0]).await?;
+    anyhow::ensure!(status == 200, "GET with a subject on {store} answered {status}");
+    let mut out = Vec::new();
+    for (name, requests) in [
+        (format!("GET /v1/prompts/bench [{store}]"), plain),
+        (format!("GET /v1/prompts/bench with a subject [{store}]"), subjects),
+    ] {
+        eprintln!("combee-bench: {name}: {} s warm-up, {} s measured", args.warmup, args.duration);
+        let requests = Arc::new(requests);
+        if args.warmup > 0 {
+            load(addr, requests.clone(), 200, args.connections, Duration::from_secs(args.warmup), Pace::Flat).await?;
+        }
+        memory.take_phase_peak();
+        let cpu = CpuWindow::start(pid);
+        let result = load(addr, requests, 200, args.connections, Duration::from_secs(args.duration), Pace::Flat).await?;
+        let cpu = cpu.finish(pid, result.elapsed, clock_ticks_per_sec());
+        out.push(Phase { name, result, cpu, items: 1, peak_rss_kb: memory.take_phase_peak() });
+    }
+    Ok(out)
+}
+
+/// The bounded caches under many prompts and subjects: creates `--memory-prompts`
+/// prompts, fetches them with `--memory-subjects` distinct subjects (subject i
+/// asks for prompt i mod prompts), and reads the server's RSS afterwards.
+async fn memory_figure(args: &HttpArgs, addr: SocketAddr, key: &str, pid: u32) -> anyhow::Result<(usize, usize, u64, u64)> {
+    let (prompts, subjects) = (args.memory_prompts.max(1), args.memory_subjects.max(1));
+    eprintln!("combee-bench: memory: creating {prompts} prompts, then {subjects} GETs with distinct subjects");
+    let creates: Vec<Vec<u8>> = (0..prompts)
+        .map(|i| {
+            let body = format!(r#"{{"name":"mem-{i:05}","base":"You are agent {i}. Answer precisely and briefly."}}"#);
+            encode_request("POST", "/v1/prompts", addr, key, Some(body.as_bytes()))
+        })
+        .collect();
+    run_each_once(addr, creates, 201, args.connections).await.context("creating the memory figure's prompts")?;
+    let gets: Vec<Vec<u8>> = (0..subjects)
+        .map(|i| encode_get_with_subject(&format!("/v1/prompts/mem-{:05}", i % prompts), addr, key, &format!("subject-{i:07}")))
+        .collect();
+    run_each_once(addr, gets, 200, args.connections).await.context("the memory figure's GETs")?;
+    let (rss, hwm) = memory_kb(pid).context("cannot read the server's memory")?;
+    Ok((prompts, subjects, rss, hwm))
+}
+
+/// Sends every request once over `connections` keep-alive connections; fails on any other status.
+async fn run_each_once(addr: SocketAddr, requests: Vec<Vec<u8>>, expect: u16, connections: usize) -> anyhow::Result<()> {
+    let requests = Arc::new(requests);
+    let next = Arc::new(AtomicU64::new(0));
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..connections.max(1) {
+        let (requests, next) = (requests.clone(), next.clone());
+        workers.spawn(async move {
+            let mut conn = HttpConn::connect(addr).await?;
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let Some(request) = requests.get(i) else { return anyhow::Ok(()) };
+                let answer = conn.roundtrip(request).await?;
+                anyhow::ensure!(answer.status == expect, "request {i} answered {}: {}", answer.status,
+                    String::from_utf8_lossy(conn.body(&answer)));
+            }
+        });
+    }
+    while let Some(joined) = workers.join_next().await {
+        joined??;
+    }
+    Ok(())
+}
+
 const TRACE: &str = r#"{"prompt":"bench","input":{"q":"What is the capital of France, and how long is the Seine?"},"output":"Paris; the Seine is about 777 km long.","feedback":{"success":true}}"#;
 
 async fn measure(
@@ -692,13 +797,7 @@ async fn measure(
     let memory = MemoryWatch::start(server.pid);
     let idle_rss_kb = memory_kb(server.pid).map_or(0, |m| m.0);
 
-    let create = encode_request(
-        "POST",
-        "/v1/prompts",
-        addr,
-        &key,
-        Some(br#"{"name":"bench","base":"You are a benchmark agent."}"#),
-    );
+    let create = encode_request("POST", "/v1/prompts", addr, &key, Some(CREATE_BENCH.as_bytes()));
     let (status, body) = request_once(addr, &create).await?;
     anyhow::ensure!(
         status == 201,
@@ -732,14 +831,13 @@ async fn measure(
         ("post", "single-trace POST /v1/traces".to_owned(), single.clone(), 201, 1, Pace::Flat),
         ("paced", paced_name, single, 201, 1, Pace::Rate(args.paced_rate)),
         ("batch", "batched POST /v1/traces".to_owned(), batched, 201, args.batch as u64, Pace::Flat),
-        ("get", "GET /v1/prompts/bench".to_owned(), get, 200, 1, Pace::Flat),
     ];
     for (id, name, request, expect, items, pace) in plan {
         if !wanted(id) || (id == "paced" && args.paced_rate <= 0.0) {
             continue;
         }
         eprintln!("combee-bench: {name}: {} s warm-up, {} s measured", args.warmup, args.duration);
-        let request = Arc::new(request);
+        let request = Arc::new(vec![request]);
         if !warmup.is_zero() {
             load(addr, request.clone(), expect, args.connections, warmup, pace).await?;
         }
@@ -750,6 +848,37 @@ async fn measure(
         phases.push(Phase { name: name.to_owned(), result, cpu, items, peak_rss_kb: memory.take_phase_peak() });
     }
 
+    if wanted("get") {
+        let store = args.store.as_str();
+        phases.extend(get_phases(args, addr, &key, store, server.pid, &memory).await?);
+        if args.store == StoreKind::Postgres && args.sqlite_get {
+            // The embedded store's GET, from a second server of its own.
+            let sqlite_addr = free_port()?;
+            let sqlite_data = scratch.join("sqlite-data");
+            let mut cmd = Command::new(server_bin);
+            cmd.args(["serve", "--bind", &sqlite_addr.to_string()])
+                .env("DATABASE_URL", "")
+                .env("COMBEE__DATABASE__DATA_DIR", &sqlite_data)
+                .env("COMBEE__LOG__LEVEL", "warn")
+                .env_remove("RUST_LOG")
+                .env_remove("COMBEE__DATABASE__URL");
+            let mut sqlite = ChildGuard::spawn(cmd, scratch.join("server-sqlite.log"))?;
+            sqlite.wait_ready(sqlite_addr, "/readyz").await.context("the SQLite combee server did not start")?;
+            let key = std::fs::read_to_string(sqlite_data.join("admin-key"))?.trim().to_owned();
+            let create = encode_request("POST", "/v1/prompts", sqlite_addr, &key, Some(CREATE_BENCH.as_bytes()));
+            let (status, _) = request_once(sqlite_addr, &create).await?;
+            anyhow::ensure!(status == 201, "creating the prompt on SQLite answered {status}");
+            let watch = MemoryWatch::start(sqlite.pid);
+            phases.extend(get_phases(args, sqlite_addr, &key, "sqlite", sqlite.pid, &watch).await?);
+            sqlite.stop().await;
+        }
+    }
+    let memory_probe = if wanted("memory") {
+        Some(memory_figure(args, addr, &key, server.pid).await?)
+    } else {
+        None
+    };
+
     let mut bare_phase = None;
     if wanted("bare") {
         let bare_addr = free_port()?;
@@ -757,8 +886,8 @@ async fn measure(
         cmd.args(["bare", "--bind", &bare_addr.to_string(), "--body-bytes", &prompt_body.len().to_string()]);
         let mut bare = ChildGuard::spawn(cmd, scratch.join("bare.log"))?;
         bare.wait_ready(bare_addr, "/").await.context("the bare axum server did not start")?;
-        let request = Arc::new(encode_request("GET", "/", bare_addr, &key, None));
-        let (_, bare_body) = request_once(bare_addr, &request).await?;
+        let request = Arc::new(vec![encode_request("GET", "/", bare_addr, &key, None)]);
+        let (_, bare_body) = request_once(bare_addr, &request[0]).await?;
         anyhow::ensure!(bare_body.len() == prompt_body.len(), "the bare body differs in size from the prompt's");
         eprintln!("combee-bench: bare axum GET /: {} s warm-up, {} s measured", args.warmup, args.duration);
         if !warmup.is_zero() {
@@ -792,6 +921,7 @@ async fn measure(
         hwm_kb: memory.hwm_kb.load(Ordering::Relaxed),
         samples: memory.samples.load(Ordering::Relaxed),
         prompt_body_bytes: prompt_body.len(),
+        memory_probe,
     };
     drop(memory);
     server.stop().await;
@@ -807,6 +937,8 @@ struct Facts<'a> {
     hwm_kb: u64,
     samples: u64,
     prompt_body_bytes: usize,
+    /// The memory figure: (prompts, subjects, RSS after, in kB, VmHWM in kB).
+    memory_probe: Option<(usize, usize, u64, u64)>,
 }
 
 fn nproc() -> usize {
@@ -918,16 +1050,35 @@ fn render(f: &Facts, phases: &[Phase], bare: Option<&Phase>) -> String {
             pass(tps >= 5000.0 && p.result.errors == 0)
         );
     }
-    if let (Some(p), Some(b)) = (exact("GET /v1/prompts/bench"), bare) {
-        let share = 100.0 * p.result.per_sec() / b.result.per_sec();
+    if let Some(b) = bare {
+        for store in ["postgres", "sqlite"] {
+            for (with, label) in [("", "without a subject"), (" with a subject", "with a subject")] {
+                let Some(p) = exact(&format!("GET /v1/prompts/bench{with} [{store}]")) else { continue };
+                let share = 100.0 * p.result.per_sec() / b.result.per_sec();
+                let cpu_share = 100.0 * b.cpu.server_pct / b.result.per_sec() / (p.cpu.server_pct / p.result.per_sec());
+                let _ = writeln!(
+                    o,
+                    "| prompt GET vs bare axum handler, {store}, {label} | {share:.0} % ({} vs {} req/s; p99 {:.1} vs {:.1} ms; server CPU per request: bare {:.0} % of combee's) | ≥ 85 % | {} |",
+                    thousands(p.result.per_sec()),
+                    thousands(b.result.per_sec()),
+                    p.result.quantile_ms(0.99),
+                    b.result.quantile_ms(0.99),
+                    cpu_share,
+                    pass(share >= 85.0 && p.result.errors == 0)
+                );
+            }
+        }
+    }
+    if let Some((prompts, subjects, rss, hwm)) = f.memory_probe {
+        let mb = rss.max(hwm) as f64 / 1024.0;
         let _ = writeln!(
             o,
-            "| prompt GET vs bare axum handler | {share:.0} % ({} vs {} req/s; p99 {:.1} vs {:.1} ms) | ≥ 70 % | {} |",
-            thousands(p.result.per_sec()),
-            thousands(b.result.per_sec()),
-            p.result.quantile_ms(0.99),
-            b.result.quantile_ms(0.99),
-            pass(share >= 70.0 && p.result.errors == 0)
+            "| server RSS after {} prompts fetched by {} distinct subjects | {mb:.1} MB (RSS {:.1} MB, VmHWM {:.1} MB) | ≤ 150 MB | {} |",
+            thousands(prompts as f64),
+            thousands(subjects as f64),
+            rss as f64 / 1024.0,
+            hwm as f64 / 1024.0,
+            pass(mb <= 150.0)
         );
     }
     let peak_mb = f.peak_rss_kb.max(f.hwm_kb) as f64 / 1024.0;
