@@ -94,7 +94,10 @@ fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, Dat
     // A window that starts in the future is empty; a longer one than a request
     // may cover keeps its most recent part. The answer's `from`, `until` and
     // `bucket_seconds` say what was read.
-    let from = from.min(until).max(until - Duration::seconds(MAX_RANGE_SECS));
+    // The cut lands on a whole hour (the rollups read edges that old by the hour).
+    let earliest = until - Duration::seconds(MAX_RANGE_SECS);
+    let earliest = DateTime::from_timestamp(earliest.timestamp().div_euclid(3_600) * 3_600, 0).unwrap_or(earliest);
+    let from = from.min(until).max(earliest);
     let range = (until - from).num_seconds();
     let bucket = match q.bucket.as_deref() {
         // Widened when it would make too many buckets.

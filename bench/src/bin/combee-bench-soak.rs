@@ -292,7 +292,7 @@ async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> 
             sqlx::query(&format!(
                 "WITH s AS (
                      SELECT g, {p_idx} AS p, now() - interval '1 hour' - ({span_us} - g * {span_us} / {per_prompt}) * interval '1 microsecond' AS ts
-                     FROM generate_series({from}, {to} - 1) g)
+                     FROM generate_series({from}::bigint, {to} - 1) g)
                  INSERT INTO traces (id, prompt_id, prompt_version, status, input, trajectory, output, feedback, metadata,
                                      attempts, created_at, updated_at, quarantined_at, quarantine_reason)
                  SELECT {V7}, $1, 1,
@@ -313,7 +313,7 @@ async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> 
             sqlx::query(&format!(
                 "WITH s AS (
                      SELECT g, {p_idx} AS p, now() - interval '1 hour' - ({span_us} - g * {span_us} / {per_prompt}) * interval '1 microsecond' AS ts
-                     FROM generate_series({from}, {to} - 1) g WHERE g % 10 = 0 AND g % 200 >= 4),
+                     FROM generate_series({from}::bigint, {to} - 1) g WHERE g % 10 = 0 AND g % 200 >= 4),
                  t AS (SELECT {V7} AS id, ts, md5('round:' || $1::text || ':' || greatest(0, {days} - 1 - floor(extract(epoch FROM (now() - interval '1 hour' - ts)) / 86400)::int))::uuid AS round_id, g FROM s),
                  rt AS (INSERT INTO round_traces (round_id, trace_id, position) SELECT round_id, id, g FROM t)
                  INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at)
@@ -328,7 +328,7 @@ async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> 
             sqlx::query(&format!(
                 "WITH s AS (
                      SELECT g, {p_idx} AS p, now() - interval '1 hour' - ({span_us} - g * {span_us} / {per_prompt}) * interval '1 microsecond' AS ts
-                     FROM generate_series({from}, {to} - 1) g WHERE g % 10 = 1)
+                     FROM generate_series({from}::bigint, {to} - 1) g WHERE g % 10 = 1)
                  INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body, received_at)
                  SELECT md5('otel:' || $2 || ':' || g), lpad(to_hex(k), 16, '0'), {V7},
                         convert_to(repeat('gen_ai.input.messages: how do I reset the password of account ' || g || '; ', 6), 'UTF8'), ts
