@@ -47,7 +47,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the service: the HTTP API and web UI, and the background workers (learning, webhook delivery, guard, rater).
+    /// Run the service: the HTTP API and web UI, and the background workers (learning rounds, webhook
+    /// deliveries, the regression guard, the population rater); `--role` picks which parts run.
     Serve(ServeArgs),
     /// Apply database migrations and exit.
     Migrate,
