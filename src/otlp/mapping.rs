@@ -26,7 +26,7 @@ use crate::{
     store::{OtlpRemap, OtlpSpan},
 };
 
-/// The attribute names this mapping reads (documented in the README).
+/// The attribute names this mapping reads (documented in docs/opentelemetry.md).
 pub mod attr {
     pub const PROMPT_NAME: &str = "gen_ai.prompt.name";
     pub const PROMPT_VERSION: &str = "gen_ai.prompt.version";
