@@ -91,12 +91,7 @@ impl crate::cache::LastUsed for CachedKey {
 
 impl KeyCache {
     pub fn new(store: DynStore, max_keys: usize) -> Self {
-        Self {
-            store,
-            entries: RwLock::new(HashMap::new()),
-            max_keys: max_keys.max(1),
-            epoch: AtomicU64::new(0),
-        }
+        Self { store, entries: RwLock::new(HashMap::new()), max_keys: max_keys.max(1), epoch: AtomicU64::new(0) }
     }
 
     /// The active key for this secret, or `None` when it is unknown or revoked.

@@ -229,10 +229,8 @@ impl PromptCache {
 
 /// Drops the least recently used tenth of a full map (at least one entry),
 /// so a full cache sorts once per `max / 10` insertions, not on each.
-pub(crate) fn evict_least_recent<K: Clone + Eq + std::hash::Hash, V>(
-    map: &mut HashMap<K, V>,
-    max: usize,
-) where
+pub(crate) fn evict_least_recent<K: Clone + Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>, max: usize)
+where
     V: LastUsed,
 {
     let mut ages: Vec<(u64, K)> = map.iter().map(|(k, v)| (v.last_used(), k.clone())).collect();

@@ -2,6 +2,9 @@
 -- lookup it makes by age or by parent row needs an index (a cascade without
 -- one scans the child table once per parent row).
 CREATE INDEX round_traces_by_trace ON round_traces (trace_id);
+-- Per-version outcomes read the partial minutes at a window's edges from the
+-- trace rows (the whole minutes come from the rollups).
+CREATE INDEX traces_by_prompt_time ON traces (prompt_id, created_at);
 CREATE INDEX webhook_events_by_age ON webhook_events (created_at);
 CREATE INDEX webhook_deliveries_by_event ON webhook_deliveries (event_id);
 CREATE INDEX webhook_attempts_by_delivery ON webhook_attempts (delivery_id);

@@ -86,7 +86,7 @@ pub struct PromptSettings {
     #[serde(default = "default_regression_guard")]
     pub regression_guard: bool,
     /// This prompt's own trace retention, in days; unset members follow `[retention]`.
-    #[serde(default, skip_serializing_if = "RetentionOverride::is_empty")]
+    #[serde(default, skip_serializing_if = "RetentionOverride::is_empty", deserialize_with = "retention_object")]
     pub retention: RetentionOverride,
 }
 
@@ -112,6 +112,21 @@ impl RetentionOverride {
     pub fn is_empty(&self) -> bool {
         *self == Self::default()
     }
+}
+
+/// A retention override is a JSON object (serde would also read a struct from an array).
+fn retention_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<RetentionOverride, D::Error> {
+    struct Object;
+    impl<'de> serde::de::Visitor<'de> for Object {
+        type Value = RetentionOverride;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object with consumed_days, failed_days and quarantined_days")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            RetentionOverride::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+        }
+    }
+    d.deserialize_map(Object)
 }
 
 /// Longest retention a prompt may name, in days (100 years).
@@ -411,6 +426,14 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn a_retention_override_is_an_object() {
+        let ok: PromptSettings = serde_json::from_value(serde_json::json!({"retention": {"consumed_days": 9}})).unwrap();
+        assert_eq!(ok.retention.consumed_days, Some(9));
+        assert!(serde_json::from_value::<PromptSettings>(serde_json::json!({"retention": [null, null]})).is_err());
+        assert!(serde_json::from_value::<PromptSettings>(serde_json::json!({"retention": {"days": 1}})).is_err());
+    }
 
     #[test]
     fn hash_depends_on_content_only() {

@@ -5,7 +5,7 @@
 //! means, and a bucketed series for charts). The store keeps the buckets as
 //! rollups maintained with every trace write (late feedback replaces its old
 //! contribution at once); [`rollup_window`] and [`rollup_reads`] say which
-//! rollup rows answer a window exactly.
+//! rollup rows answer a window, whose partial minutes come from trace rows.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -30,12 +30,13 @@ pub const MINUTE_ROLLUP_DAYS: i64 = 8;
 /// Widths of the rollup tiers in seconds, coarsest first.
 pub const ROLLUP_TIERS: [i64; 3] = [86_400, 3_600, 60];
 
-/// What the rollups can answer exactly for a request of `[from, until)` with
-/// series buckets `bucket_secs` wide, at `now`: each window edge rounded up to
-/// the minute (to the hour when it is older than [`MINUTE_ROLLUP_DAYS`]), and
-/// the bucket width rounded up to a whole number of minutes (of hours when the
-/// window starts before that horizon). Applying it twice changes nothing, so
-/// the HTTP layer reports exactly what the store reads.
+/// The window and bucket width read for a request of `[from, until)` with
+/// series buckets `bucket_secs` wide, at `now`: edges within the last
+/// [`MINUTE_ROLLUP_DAYS`] are exact (their partial minutes are read from the
+/// trace rows), older ones are rounded up to the hour (only hour rows are kept
+/// that long); the bucket width is rounded up to whole minutes (whole hours
+/// when the window starts before that horizon). Applying it twice changes
+/// nothing, so the HTTP layer reports exactly what the store reads.
 pub fn rollup_window(
     from: DateTime<Utc>,
     until: DateTime<Utc>,
@@ -43,16 +44,21 @@ pub fn rollup_window(
     now: DateTime<Utc>,
 ) -> (DateTime<Utc>, DateTime<Utc>, i64) {
     let horizon = now.timestamp() - MINUTE_ROLLUP_DAYS * 86_400;
-    let resolution = |t: i64| if t < horizon { 3_600 } else { 60 };
-    let (f, u) = (from.timestamp(), until.timestamp());
-    let until = ceil_to(u, resolution(u));
-    let from = ceil_to(f, resolution(f)).min(until);
-    let bucket = ceil_to(bucket_secs.max(60), if from < horizon { 3_600 } else { 60 });
-    let at = |s: i64| DateTime::from_timestamp(s, 0).unwrap_or_default();
-    (at(from), at(until), bucket)
+    let edge = |t: DateTime<Utc>| {
+        if t.timestamp() >= horizon {
+            t
+        } else {
+            DateTime::from_timestamp(ceil_to(t.timestamp(), 3_600), 0).unwrap_or(t)
+        }
+    };
+    let until = edge(until);
+    let from = edge(from).min(until);
+    let bucket = ceil_to(bucket_secs.max(60), if from.timestamp() < horizon { 3_600 } else { 60 });
+    (from, until, bucket)
 }
 
-fn ceil_to(t: i64, step: i64) -> i64 {
+/// `t` rounded up to a multiple of `step`.
+pub fn ceil_to(t: i64, step: i64) -> i64 {
     t.div_euclid(step) * step + if t.rem_euclid(step) == 0 { 0 } else { step }
 }
 
@@ -61,6 +67,7 @@ fn ceil_to(t: i64, step: i64) -> i64 {
 /// from the coarsest tier that fits inside the window without crossing a
 /// series bucket's edge (a tier qualifies when it divides `bucket_secs`).
 pub fn rollup_reads(from: i64, until: i64, bucket_secs: i64) -> Vec<(i64, i64, i64)> {
+    debug_assert!(from % 60 == 0 && until % 60 == 0, "rollup rows are read in whole minutes");
     let tiers: Vec<i64> = ROLLUP_TIERS.into_iter().filter(|w| bucket_secs % w == 0).collect();
     let mut out = Vec::new();
     split(from, until, &tiers, &mut out);
@@ -242,11 +249,11 @@ mod tests {
     }
 
     #[test]
-    fn rollup_windows_round_edges_up_and_are_stable() {
+    fn rollup_windows_keep_recent_edges_and_round_old_ones_and_are_stable() {
         let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
         let at = |s: i64| DateTime::from_timestamp(s, 0).unwrap();
         let (f, u, b) = rollup_window(at(1_799_996_401), at(1_800_000_000), 90, now);
-        assert_eq!((f.timestamp() % 60, u, b), (0, now, 120));
+        assert_eq!((f, u, b), (at(1_799_996_401), now, 120));
         assert_eq!(rollup_window(f, u, b, now), (f, u, b), "stable");
         // A window starting before the minute horizon: that edge and the bucket go to hours.
         let old = now - chrono::Duration::days(MINUTE_ROLLUP_DAYS + 2);

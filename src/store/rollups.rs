@@ -23,7 +23,7 @@ use super::{
 use crate::{
     domain::PromptName,
     evaluate::outcomes::{
-        COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, TOKENS_KEY, rollup_reads, rollup_window,
+        COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, TOKENS_KEY, ceil_to, rollup_reads, rollup_window,
     },
 };
 
@@ -125,8 +125,28 @@ pub(crate) async fn account<D: Dialect>(
     Ok(())
 }
 
-/// [`super::Store::version_outcomes`] from the rollups: the window as
-/// [`rollup_window`] rounds it, each part from the coarsest rows that fit.
+/// `[start, end)` in Unix seconds.
+type Span = (i64, i64);
+
+/// The whole minutes inside `[from, until)` (Unix seconds), and the partial
+/// minutes at its edges, which are read from the trace rows (at most two
+/// minutes of one prompt's traces, through `traces_by_prompt_time`).
+fn split_minutes(from: i64, until: i64) -> (Option<Span>, Vec<Span>) {
+    let (a, b) = (ceil_to(from, 60), until.div_euclid(60) * 60);
+    if a >= b {
+        return (None, if from < until { vec![(from, until)] } else { Vec::new() });
+    }
+    let edges = [(from, a), (b, until)].into_iter().filter(|(x, y)| x < y).collect();
+    (Some((a, b)), edges)
+}
+
+fn at(secs: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp(secs, 0).unwrap_or_default()
+}
+
+/// [`super::Store::version_outcomes`]: the window as [`rollup_window`] keeps
+/// it, its whole minutes from the coarsest rollup rows that fit, its partial
+/// minutes from the trace rows.
 pub(crate) async fn read_version_outcomes<D: Backend>(
     s: &SqlStore<D>,
     prompt: &PromptName,
@@ -135,35 +155,106 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
     bucket_secs: i64,
 ) -> StoreResult<Vec<OutcomeBucket>> {
     let (from, until, bucket) = rollup_window(from, until, bucket_secs, Utc::now());
-    let reads = rollup_reads(from.timestamp(), until.timestamp(), bucket);
-    if reads.is_empty() {
-        return Ok(Vec::new());
-    }
-    let ranges = (0..reads.len())
-        .map(|i| format!("(width = ${} AND start_secs >= ${} AND start_secs < ${})", 3 * i + 3, 3 * i + 4, 3 * i + 5))
-        .collect::<Vec<_>>()
-        .join(" OR ");
-    let sums = ["traces", "with_feedback", "success_trials", "successes", "score_n", "tokens_n", "cost_n", "latency_n"]
-        .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
-        .join(", ");
-    let reals = ["score", "tokens", "cost", "latency"]
-        .map(|c| {
-            format!("{} AS {c}_sum, {} AS {c}_sq", D::real(&format!("sum({c}_sum)")), D::real(&format!("sum({c}_sq)")))
+    let (whole, edges) = split_minutes(from.timestamp(), until.timestamp());
+    let edges: Vec<(DateTime<Utc>, DateTime<Utc>)> = edges
+        .into_iter()
+        .map(|(x, y)| {
+            (if x == from.timestamp() { from } else { at(x) }, if y == until.timestamp() { until } else { at(y) })
         })
-        .join(", ");
-    let text = format!(
-        "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {sums}, {reals}
-         FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
-         GROUP BY 1, 2 HAVING sum(traces) > 0"
-    );
-    let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(bucket);
-    for (w, a, b) in reads {
-        query = query.bind(w).bind(a).bind(b);
+        .collect();
+    let mut c = s.reader.acquire().await?;
+    let mut out: Vec<OutcomeBucket> = Vec::new();
+    if let Some((a, b)) = whole {
+        let reads = rollup_reads(a, b, bucket);
+        let ranges = (0..reads.len())
+            .map(|i| {
+                format!("(width = ${} AND start_secs >= ${} AND start_secs < ${})", 3 * i + 3, 3 * i + 4, 3 * i + 5)
+            })
+            .collect::<Vec<_>>()
+            .join(" OR ");
+        let sums =
+            ["traces", "with_feedback", "success_trials", "successes", "score_n", "tokens_n", "cost_n", "latency_n"]
+                .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
+                .join(", ");
+        let reals = ["score", "tokens", "cost", "latency"]
+            .map(|c| {
+                format!(
+                    "{} AS {c}_sum, {} AS {c}_sq",
+                    D::real(&format!("sum({c}_sum)")),
+                    D::real(&format!("sum({c}_sq)"))
+                )
+            })
+            .join(", ");
+        let text = format!(
+            "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {sums}, {reals}
+             FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
+             GROUP BY 1, 2 HAVING sum(traces) > 0"
+        );
+        let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(bucket);
+        for (w, a, b) in reads {
+            query = query.bind(w).bind(a).bind(b);
+        }
+        out.extend(query.map(&mut c, outcome_bucket_from_row::<D>).await?);
     }
-    query.map(&mut *s.reader.acquire().await?, outcome_bucket_from_row::<D>).await
+    for (x, y) in edges {
+        let text = format!(
+            "WITH v AS (
+               SELECT t.prompt_version AS version, {start} AS start, {success} AS success,
+                      ({is_flag} OR {is_number}) AS rewarded,
+                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
+               FROM traces t
+               WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND t.created_at >= $2 AND t.created_at < $3
+                 AND t.quarantined_at IS NULL)
+             SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
+                    count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes, {aggs}
+             FROM v GROUP BY version, start",
+            start = D::bucket_start("$4"),
+            success = D::json_flag("t.feedback", "success"),
+            is_flag = D::json_is("t.feedback", "success", "boolean"),
+            is_number = D::json_is("t.feedback", "score", "number"),
+            score = D::json_number("t.feedback", "score"),
+            tokens = D::json_number("t.metadata", TOKENS_KEY),
+            cost = D::json_number("t.metadata", COST_KEY),
+            latency = D::json_number("t.metadata", LATENCY_KEY),
+            aggs = ["score", "tokens", "cost", "latency"]
+                .map(|c| format!(
+                    "count({c}) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
+                    D::real(&format!("coalesce(sum({c}), 0)")),
+                    D::real(&format!("coalesce(sum({c} * {c}), 0)"))
+                ))
+                .join(", "),
+        );
+        let rows = sql::<D>(&text)
+            .bind(prompt.as_str())
+            .bind(x)
+            .bind(y)
+            .bind(bucket)
+            .map(&mut c, outcome_bucket_from_row::<D>)
+            .await?;
+        out.extend(rows);
+    }
+    // One bucket per (version, start), whatever it was read from.
+    let mut merged: std::collections::BTreeMap<(Option<i64>, i64), OutcomeBucket> = Default::default();
+    for b in out {
+        let m = merged.entry((b.version, b.start)).or_insert(OutcomeBucket {
+            version: b.version,
+            start: b.start,
+            ..Default::default()
+        });
+        m.traces += b.traces;
+        m.with_feedback += b.with_feedback;
+        m.success_trials += b.success_trials;
+        m.successes += b.successes;
+        m.score = m.score.combined(&b.score);
+        m.tokens = m.tokens.combined(&b.tokens);
+        m.cost_usd = m.cost_usd.combined(&b.cost_usd);
+        m.latency_ms = m.latency_ms.combined(&b.latency_ms);
+    }
+    Ok(merged.into_values().collect())
 }
 
-/// [`super::Store::task_rewards`] from the minute rows of the task rollups.
+/// [`super::Store::task_rewards`]: whole minutes from the task rollups, the
+/// partial minutes at the edges from the trace rows.
 pub(crate) async fn read_task_rewards<D: Backend>(
     s: &SqlStore<D>,
     prompt: &PromptName,
@@ -171,26 +262,54 @@ pub(crate) async fn read_task_rewards<D: Backend>(
     until: DateTime<Utc>,
 ) -> StoreResult<Vec<TaskRewards>> {
     let (from, until, _) = rollup_window(from, until, 60, Utc::now());
-    let text = format!(
-        "SELECT version, task_key, CAST(sum(traces) AS BIGINT) AS n, {total} AS total FROM task_rollups
-         WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND start_secs >= $2 AND start_secs < $3
-         GROUP BY version, task_key HAVING sum(traces) > 0 ORDER BY version, task_key",
-        total = D::real("sum(reward_sum)"),
-    );
-    sql::<D>(&text)
-        .bind(prompt.as_str())
-        .bind(from.timestamp())
-        .bind(until.timestamp())
-        .map(&mut *s.reader.acquire().await?, |row| {
-            let r = Cols::<D>(row);
-            Ok(TaskRewards {
-                version: r.get("version")?,
-                task_key: r.get("task_key")?,
-                traces: r.get::<i64>("n")?.max(0) as u64,
-                reward_sum: r.get("total")?,
-            })
-        })
-        .await
+    let (whole, edges) = split_minutes(from.timestamp(), until.timestamp());
+    let mut c = s.reader.acquire().await?;
+    let mut sums: std::collections::BTreeMap<(i64, String), (u64, f64)> = Default::default();
+    let row = |row: &D::Row| -> StoreResult<(i64, String, u64, f64)> {
+        let r = Cols::<D>(row);
+        Ok((r.get("version")?, r.get("task_key")?, r.get::<i64>("n")?.max(0) as u64, r.get("total")?))
+    };
+    if let Some((a, b)) = whole {
+        let text = format!(
+            "SELECT version, task_key, CAST(sum(traces) AS BIGINT) AS n, {total} AS total FROM task_rollups
+             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND start_secs >= $2 AND start_secs < $3
+             GROUP BY version, task_key HAVING sum(traces) > 0",
+            total = D::real("sum(reward_sum)"),
+        );
+        for (v, k, n, t) in sql::<D>(&text).bind(prompt.as_str()).bind(a).bind(b).map(&mut c, row).await? {
+            let e = sums.entry((v, k)).or_default();
+            *e = (e.0 + n, e.1 + t);
+        }
+    }
+    for (x, y) in edges {
+        let (x, y) =
+            (if x == from.timestamp() { from } else { at(x) }, if y == until.timestamp() { until } else { at(y) });
+        let text = format!(
+            "WITH r AS (
+               SELECT t.prompt_version AS version, {task_key} AS task_key,
+                      CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
+               FROM traces t
+               WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND t.created_at >= $2 AND t.created_at < $3
+                 AND t.quarantined_at IS NULL AND t.prompt_version IS NOT NULL AND {keyed})
+             SELECT version, task_key, count(reward) AS n, {total} AS total
+             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key",
+            task_key = D::json_text("t.metadata", "task_key"),
+            is_flag = D::json_is("t.feedback", "success", "boolean"),
+            flag = D::json_flag("t.feedback", "success"),
+            score = D::json_number("t.feedback", "score"),
+            keyed = D::json_is("t.metadata", "task_key", "string"),
+            total = D::real("coalesce(sum(reward), 0)"),
+        );
+        for (v, k, n, t) in sql::<D>(&text).bind(prompt.as_str()).bind(x).bind(y).map(&mut c, row).await? {
+            let e = sums.entry((v, k)).or_default();
+            *e = (e.0 + n, e.1 + t);
+        }
+    }
+    Ok(sums
+        .into_iter()
+        .filter(|(_, (n, _))| *n > 0)
+        .map(|((version, task_key), (traces, reward_sum))| TaskRewards { version, task_key, traces, reward_sum })
+        .collect())
 }
 
 /// Upkeep of the rollups, run by the worker.

@@ -1538,6 +1538,7 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
         "DROP INDEX webhook_attempts_by_delivery",
         "DROP INDEX inbound_webhooks_by_age",
         "DROP INDEX rounds_by_finish",
+        "DROP INDEX traces_by_prompt_time",
     ]
     .map(String::from)
     .into();

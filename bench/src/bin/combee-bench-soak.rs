@@ -33,7 +33,10 @@ use sqlx::{Connection, PgConnection};
 use tokio::process::{Child, Command};
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "combee-bench-soak", about = "A year in a day: history, then a live period on product defaults (SIMULATION)")]
+#[command(
+    name = "combee-bench-soak",
+    about = "A year in a day: history, then a live period on product defaults (SIMULATION)"
+)]
 struct Args {
     /// Prompts.
     #[arg(long, default_value_t = 50)]
@@ -163,7 +166,8 @@ async fn run(args: Args) -> anyhow::Result<String> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?.with_file_name("combee"),
     };
-    let admin = std::env::var("DATABASE_URL").context("DATABASE_URL is unset (scripts/bench-soak starts a private Postgres)")?;
+    let admin = std::env::var("DATABASE_URL")
+        .context("DATABASE_URL is unset (scripts/bench-soak starts a private Postgres)")?;
     let db = format!("soak_{:08x}", rand::random::<u32>());
     let mut conn = PgConnection::connect(&admin).await?;
     sqlx::query(&format!("CREATE DATABASE {db}")).execute(&mut conn).await?;
@@ -255,7 +259,8 @@ async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> 
     let per_prompt = args.history_traces / args.prompts as u64;
     let span_us = args.history_days * 86_400 * 1_000_000;
     sqlx::raw_sql("SET synchronous_commit = off").execute(&mut *db).await?;
-    let prompts: Vec<(uuid::Uuid, String)> = sqlx::query_as("SELECT id, name FROM prompts ORDER BY name").fetch_all(&mut *db).await?;
+    let prompts: Vec<(uuid::Uuid, String)> =
+        sqlx::query_as("SELECT id, name FROM prompts ORDER BY name").fetch_all(&mut *db).await?;
     // A round per prompt and day, with its LLM calls and group outputs.
     log("loading rounds");
     sqlx::query(&format!(
@@ -280,6 +285,18 @@ async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> 
     )
     .execute(&mut *db)
     .await?;
+    // A bulk load builds the secondary indexes of the big tables once at the end (as a
+    // restore would) instead of row by row: the same definitions, dropped and made again.
+    let indexes: Vec<(String, String)> = sqlx::query_as(
+        "SELECT indexname::text, indexdef FROM pg_indexes WHERE schemaname = 'public'
+           AND tablename IN ('traces', 'otlp_spans', 'reflections', 'round_traces')
+           AND indexname NOT IN (SELECT conname FROM pg_constraint)",
+    )
+    .fetch_all(&mut *db)
+    .await?;
+    for (name, _) in &indexes {
+        sqlx::raw_sql(&format!("DROP INDEX {name}")).execute(&mut *db).await?;
+    }
     // Traces: consumed (98 %), failed (1.5 %), quarantined (0.5 %); every tenth linked to its
     // day's round with a reflection; every tenth (another) with two OTLP spans.
     const CHUNK: u64 = 250_000;
@@ -341,6 +358,10 @@ async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> 
             tx.commit().await?;
             from = to;
         }
+    }
+    log(format!("building {} indexes", indexes.len()));
+    for (_, def) in &indexes {
+        sqlx::raw_sql(def).execute(&mut *db).await?;
     }
     // Rolled up as migration 0015 does for traces already stored.
     log("rolling up the history");
@@ -453,14 +474,16 @@ async fn live(args: &Args, server: &Server, key: &str, url: &str) -> anyhow::Res
                 tick.tick().await;
                 n += 1;
                 runs.fetch_add(1, Ordering::Relaxed);
-                let (http, base, key, recorder, args) = (http.clone(), base.clone(), key.clone(), recorder.clone(), args.clone());
+                let (http, base, key, recorder, args) =
+                    (http.clone(), base.clone(), key.clone(), recorder.clone(), args.clone());
                 tokio::spawn(async move { agent_run(n, &http, &base, &key, &recorder, &args).await });
             }
         });
     }
     // A dashboard.
     {
-        let (http, base, key, recorder, stop) = (http.clone(), base.clone(), key.to_owned(), recorder.clone(), stop.clone());
+        let (http, base, key, recorder, stop) =
+            (http.clone(), base.clone(), key.to_owned(), recorder.clone(), stop.clone());
         let (every, prompts) = (Duration::from_secs_f64(1.0 / args.metrics_rate), args.prompts);
         tasks.spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -521,7 +544,8 @@ async fn agent_run(n: u64, http: &reqwest::Client, base: &str, key: &str, record
     let name = prompt_name(rng.gen_range(0..args.prompts));
     let subject = format!("user-{}", rng.gen_range(0..args.subjects));
     let t0 = Instant::now();
-    let res = http.get(format!("{base}/v1/prompts/{name}")).bearer_auth(key).header("combee-subject", &subject).send().await;
+    let res =
+        http.get(format!("{base}/v1/prompts/{name}")).bearer_auth(key).header("combee-subject", &subject).send().await;
     let version = match res {
         Ok(r) => {
             let status = r.status().as_u16();
@@ -540,19 +564,19 @@ async fn agent_run(n: u64, http: &reqwest::Client, base: &str, key: &str, record
     if rng.gen_bool(args.otlp_share) {
         let now_ns = chrono::Utc::now().timestamp_nanos_opt().unwrap_or(0);
         let body = json!({"resourceSpans": [{
-            "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "soak-agent"}}]},
-            "scopeSpans": [{"spans": [{
-                "traceId": format!("{:032x}", rng.r#gen::<u128>()), "spanId": format!("{:016x}", rng.r#gen::<u64>()),
-                "name": format!("invoke_agent {name}"), "kind": 3,
-                "startTimeUnixNano": (now_ns - 900_000_000).to_string(), "endTimeUnixNano": now_ns.to_string(),
-                "attributes": [
-                    {"key": "gen_ai.prompt.name", "value": {"stringValue": name}},
-                    {"key": "gen_ai.prompt.version", "value": {"intValue": version.unwrap_or(1).to_string()}},
-                    {"key": "gen_ai.prompt", "value": {"stringValue": format!("How do I reset the password of {subject}?")}},
-                    {"key": "gen_ai.completion", "value": {"stringValue": "Settings, Security, Reset."}},
-                    {"key": "combee.feedback.success", "value": {"boolValue": success}},
-                    {"key": "gen_ai.usage.input_tokens", "value": {"intValue": "240"}}
-                ]}]}]}]});
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "soak-agent"}}]},
+        "scopeSpans": [{"spans": [{
+            "traceId": format!("{:032x}", rng.r#gen::<u128>()), "spanId": format!("{:016x}", rng.r#gen::<u64>()),
+            "name": format!("invoke_agent {name}"), "kind": 3,
+            "startTimeUnixNano": (now_ns - 900_000_000).to_string(), "endTimeUnixNano": now_ns.to_string(),
+            "attributes": [
+                {"key": "gen_ai.prompt.name", "value": {"stringValue": name}},
+                {"key": "gen_ai.prompt.version", "value": {"intValue": version.unwrap_or(1).to_string()}},
+                {"key": "gen_ai.prompt", "value": {"stringValue": format!("How do I reset the password of {subject}?")}},
+                {"key": "gen_ai.completion", "value": {"stringValue": "Settings, Security, Reset."}},
+                {"key": "combee.feedback.success", "value": {"boolValue": success}},
+                {"key": "gen_ai.usage.input_tokens", "value": {"intValue": "240"}}
+            ]}]}]}]});
         let t0 = Instant::now();
         let res = http.post(format!("{base}/v1/otlp/v1/traces")).bearer_auth(key).json(&body).send().await;
         record(recorder, "OTLP export", t0, res.map(|r| r.status().as_u16()).map_err(|e| e.to_string()), 200);
@@ -633,19 +657,34 @@ fn render(
     let _ = writeln!(
         o,
         "- history: {} traces over {} days for {} prompts, loaded with their timestamps in {:.0} s ({} rounds with their LLM calls, every tenth trace with a reflection, every tenth with two OTLP spans); database {:.0} MB",
-        history.0, args.history_days, args.prompts, history.1, args.history_days * args.prompts as i64, mb(hist_total)
+        history.0,
+        args.history_days,
+        args.prompts,
+        history.1,
+        args.history_days * args.prompts as i64,
+        mb(hist_total)
     );
     let _ = writeln!(
         o,
         "- live: {} s in {} periods; {} agent runs/s (each a GET with a subject from {} and a trace with a reward; {:.0} % over OTLP, {:.0} % of posted traces with late feedback); a dashboard reads metrics (default 7-day window) {} times/s; {} runs in all\n",
-        args.live_secs, args.periods, args.rate, args.subjects, args.otlp_share * 100.0, args.late_feedback * 100.0, args.metrics_rate, live.runs
+        args.live_secs,
+        args.periods,
+        args.rate,
+        args.subjects,
+        args.otlp_share * 100.0,
+        args.late_feedback * 100.0,
+        args.metrics_rate,
+        live.runs
     );
     let _ = writeln!(o, "## Per period\n");
     let _ = write!(o, "| period | ");
     for k in KINDS {
         let _ = write!(o, "{k} p50 / p99 ms | ");
     }
-    let _ = writeln!(o, "errors | rater tick (mean) | rounds (mean wall) | traces deleted | traces stored | database | server RSS |");
+    let _ = writeln!(
+        o,
+        "errors | rater tick (mean) | rounds (mean wall) | traces deleted | traces stored | database | server RSS |"
+    );
     let _ = writeln!(o, "|{}", " --- |".repeat(KINDS.len() + 8));
     for (i, p) in live.periods.iter().enumerate() {
         let _ = write!(o, "| {} | ", i + 1);
@@ -660,7 +699,11 @@ fn render(
             }
         }
         let errors: u64 = p.samples.values().map(|s| s.errors).sum();
-        let rater = if p.rater.1 > 0.0 { format!("{:.3} s ({} ticks)", p.rater.0 / p.rater.1, p.rater.1) } else { "—".into() };
+        let rater = if p.rater.1 > 0.0 {
+            format!("{:.3} s ({} ticks)", p.rater.0 / p.rater.1, p.rater.1)
+        } else {
+            "—".into()
+        };
         let rounds = if p.rounds.is_empty() {
             "0".into()
         } else {
@@ -720,7 +763,12 @@ fn render(
             let ratio = (l.rater.0 / l.rater.1) / (f.rater.0 / f.rater.1);
             let _ = writeln!(o, "| rater tick: last / first ≤ 1.3 | {ratio:.2} | {} |", pass(ratio <= 1.3));
         }
-        let metrics_p99 = live.periods.iter().filter_map(|p| p.samples.get("GET metrics")).map(|s| s.quantile_ms(0.99)).fold(0.0, f64::max);
+        let metrics_p99 = live
+            .periods
+            .iter()
+            .filter_map(|p| p.samples.get("GET metrics"))
+            .map(|s| s.quantile_ms(0.99))
+            .fold(0.0, f64::max);
         let _ = writeln!(
             o,
             "| metrics p99 ≤ 20 ms over the {}-trace history (worst period) | {metrics_p99:.1} ms | {} |",

@@ -712,7 +712,8 @@ async fn get_phases(
         }
         memory.take_phase_peak();
         let cpu = CpuWindow::start(pid);
-        let result = load(addr, requests, 200, args.connections, Duration::from_secs(args.duration), Pace::Flat).await?;
+        let result =
+            load(addr, requests, 200, args.connections, Duration::from_secs(args.duration), Pace::Flat).await?;
         let cpu = cpu.finish(pid, result.elapsed, clock_ticks_per_sec());
         out.push(Phase { name, result, cpu, items: 1, peak_rss_kb: memory.take_phase_peak() });
     }
@@ -722,7 +723,12 @@ async fn get_phases(
 /// The bounded caches under many prompts and subjects: creates `--memory-prompts`
 /// prompts, fetches them with `--memory-subjects` distinct subjects (subject i
 /// asks for prompt i mod prompts), and reads the server's RSS afterwards.
-async fn memory_figure(args: &HttpArgs, addr: SocketAddr, key: &str, pid: u32) -> anyhow::Result<(usize, usize, u64, u64)> {
+async fn memory_figure(
+    args: &HttpArgs,
+    addr: SocketAddr,
+    key: &str,
+    pid: u32,
+) -> anyhow::Result<(usize, usize, u64, u64)> {
     let (prompts, subjects) = (args.memory_prompts.max(1), args.memory_subjects.max(1));
     eprintln!("combee-bench: memory: creating {prompts} prompts, then {subjects} GETs with distinct subjects");
     let creates: Vec<Vec<u8>> = (0..prompts)
@@ -733,7 +739,14 @@ async fn memory_figure(args: &HttpArgs, addr: SocketAddr, key: &str, pid: u32) -
         .collect();
     run_each_once(addr, creates, 201, args.connections).await.context("creating the memory figure's prompts")?;
     let gets: Vec<Vec<u8>> = (0..subjects)
-        .map(|i| encode_get_with_subject(&format!("/v1/prompts/mem-{:05}", i % prompts), addr, key, &format!("subject-{i:07}")))
+        .map(|i| {
+            encode_get_with_subject(
+                &format!("/v1/prompts/mem-{:05}", i % prompts),
+                addr,
+                key,
+                &format!("subject-{i:07}"),
+            )
+        })
         .collect();
     run_each_once(addr, gets, 200, args.connections).await.context("the memory figure's GETs")?;
     let (rss, hwm) = memory_kb(pid).context("cannot read the server's memory")?;
@@ -741,7 +754,12 @@ async fn memory_figure(args: &HttpArgs, addr: SocketAddr, key: &str, pid: u32) -
 }
 
 /// Sends every request once over `connections` keep-alive connections; fails on any other status.
-async fn run_each_once(addr: SocketAddr, requests: Vec<Vec<u8>>, expect: u16, connections: usize) -> anyhow::Result<()> {
+async fn run_each_once(
+    addr: SocketAddr,
+    requests: Vec<Vec<u8>>,
+    expect: u16,
+    connections: usize,
+) -> anyhow::Result<()> {
     let requests = Arc::new(requests);
     let next = Arc::new(AtomicU64::new(0));
     let mut workers = tokio::task::JoinSet::new();
@@ -753,8 +771,12 @@ async fn run_each_once(addr: SocketAddr, requests: Vec<Vec<u8>>, expect: u16, co
                 let i = next.fetch_add(1, Ordering::Relaxed) as usize;
                 let Some(request) = requests.get(i) else { return anyhow::Ok(()) };
                 let answer = conn.roundtrip(request).await?;
-                anyhow::ensure!(answer.status == expect, "request {i} answered {}: {}", answer.status,
-                    String::from_utf8_lossy(conn.body(&answer)));
+                anyhow::ensure!(
+                    answer.status == expect,
+                    "request {i} answered {}: {}",
+                    answer.status,
+                    String::from_utf8_lossy(conn.body(&answer))
+                );
             }
         });
     }
@@ -873,11 +895,7 @@ async fn measure(
             sqlite.stop().await;
         }
     }
-    let memory_probe = if wanted("memory") {
-        Some(memory_figure(args, addr, &key, server.pid).await?)
-    } else {
-        None
-    };
+    let memory_probe = if wanted("memory") { Some(memory_figure(args, addr, &key, server.pid).await?) } else { None };
 
     let mut bare_phase = None;
     if wanted("bare") {
