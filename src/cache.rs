@@ -15,7 +15,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum::{body::Bytes, http::HeaderValue};
+use axum::{
+    body::Bytes,
+    http::{HeaderMap, HeaderValue, header},
+};
 
 use crate::store::{ArmState, Selector};
 
@@ -55,6 +58,8 @@ pub struct CachedPrompt {
     pub version_header: HeaderValue,
     as_champion: Bytes,
     as_challenger: Bytes,
+    /// The answer's headers, made once: plain, as the champion, as a challenger.
+    headers: [HeaderMap; 3],
     stored_ms: u64,
 }
 
@@ -68,10 +73,25 @@ impl CachedPrompt {
             o.insert("arm".into(), state.as_str().into());
             serde_json::to_vec(&o).map(Bytes::from).unwrap_or_else(|_| body.clone())
         };
+        let version_header = HeaderValue::from(version);
+        let headers = [None, Some(ArmState::Champion), Some(ArmState::Challenger)].map(|arm| {
+            let mut h = HeaderMap::with_capacity(8);
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            h.insert(header::ETAG, etag.clone());
+            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            // Without `label`/`version`, which version is served can depend on the subject.
+            h.insert(header::VARY, HeaderValue::from_static("Combee-Subject"));
+            if let Some(arm) = arm {
+                h.insert("combee-arm", HeaderValue::from_static(arm.as_str()));
+                h.insert("combee-version", version_header.clone());
+            }
+            h
+        });
         Self {
             as_champion: with(ArmState::Champion),
             as_challenger: with(ArmState::Challenger),
-            version_header: HeaderValue::from(version),
+            headers,
+            version_header,
             etag,
             body,
             version,
@@ -86,6 +106,16 @@ impl CachedPrompt {
             Some(_) => &self.as_challenger,
             None => &self.body,
         }
+    }
+
+    /// The headers of the answer served as this arm: `Content-Type`, `ETag`,
+    /// `Cache-Control`, `Vary`, and for an arm `Combee-Arm` and `Combee-Version`.
+    pub fn headers_as(&self, arm: Option<ArmState>) -> &HeaderMap {
+        &self.headers[match arm {
+            None => 0,
+            Some(ArmState::Champion) => 1,
+            Some(_) => 2,
+        }]
     }
 }
 
@@ -303,5 +333,8 @@ mod tests {
         assert_eq!(v, serde_json::json!({"a": 1, "arm": "challenger"}));
         assert_eq!(e.body_as(None).as_ref(), b"{\"a\":1}");
         assert_eq!(e.version_header, "3");
+        let h = e.headers_as(Some(ArmState::Champion));
+        assert_eq!((h["combee-arm"].to_str().unwrap(), h["combee-version"].to_str().unwrap()), ("champion", "3"));
+        assert!(e.headers_as(None).get("combee-arm").is_none());
     }
 }

@@ -429,7 +429,8 @@ mod tests {
 
     #[test]
     fn a_retention_override_is_an_object() {
-        let ok: PromptSettings = serde_json::from_value(serde_json::json!({"retention": {"consumed_days": 9}})).unwrap();
+        let ok: PromptSettings =
+            serde_json::from_value(serde_json::json!({"retention": {"consumed_days": 9}})).unwrap();
         assert_eq!(ok.retention.consumed_days, Some(9));
         assert!(serde_json::from_value::<PromptSettings>(serde_json::json!({"retention": [null, null]})).is_err());
         assert!(serde_json::from_value::<PromptSettings>(serde_json::json!({"retention": {"days": 1}})).is_err());

@@ -1,6 +1,6 @@
 //! The HTTP API: its routes and the middleware every request passes through
 //! (request id, tracing span, metrics, timeout, body limit, panics as
-//! problems). One file per resource beside this one; the operations the web
+//! problems; one middleware for all but the body limit). One file per resource beside this one; the operations the web
 //! UI shares are in `service/`.
 
 pub mod controller;
@@ -25,15 +25,10 @@ use std::{sync::Arc, time::Duration};
 use axum::{
     Router,
     extract::{DefaultBodyLimit, MatchedPath, Request, State},
-    http::HeaderName,
+    http::{HeaderName, HeaderValue},
     middleware::{self, Next},
     response::{IntoResponse, Response},
     routing::{get, post, put},
-};
-use tower::ServiceBuilder;
-use tower_http::{
-    catch_panic::CatchPanicLayer,
-    request_id::{MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer},
 };
 
 use error::ApiError;
@@ -84,21 +79,15 @@ pub fn routes() -> Router<AppState> {
 /// The route table as served: the API's fallbacks (problem documents) and
 /// the middleware every request passes through, web UI pages included.
 pub fn serve(routes: Router<AppState>, state: AppState) -> Router {
-    let timeout = Duration::from_secs(state.settings.server.request_timeout_secs);
+    let observer = Arc::new(Observer {
+        limit: Duration::from_secs(state.settings.server.request_timeout_secs),
+        ids: SequentialRequestId::default(),
+    });
     routes
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.settings.limits.max_body_bytes))
-        .layer(middleware::from_fn_with_state(timeout, time_limit))
-        .layer(middleware::from_fn(observe))
-        .layer(
-            ServiceBuilder::new()
-                .layer(SetRequestIdLayer::new(REQUEST_ID, SequentialRequestId::default()))
-                .layer(PropagateRequestIdLayer::new(REQUEST_ID))
-                .layer(CatchPanicLayer::custom(|_| {
-                    ApiError::internal(anyhow::anyhow!("a handler panicked")).into_response()
-                })),
-        )
+        .layer(middleware::from_fn_with_state(observer, observe))
         .with_state(state)
 }
 
@@ -120,29 +109,21 @@ async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
 }
 
-async fn time_limit(State(limit): State<Duration>, req: Request, next: Next) -> Response {
-    match tokio::time::timeout(limit, next.run(req)).await {
-        Ok(res) => res,
-        Err(_) => ApiError::Timeout.into_response(),
-    }
-}
-
 /// Request ids without a system call per request: a random process prefix
 /// (drawn once) and a counter, e.g. `3f9c2a71-000000000042`.
-#[derive(Clone)]
 struct SequentialRequestId {
     prefix: u32,
-    next: Arc<std::sync::atomic::AtomicU64>,
+    next: std::sync::atomic::AtomicU64,
 }
 
 impl Default for SequentialRequestId {
     fn default() -> Self {
-        Self { prefix: rand::random(), next: Arc::default() }
+        Self { prefix: rand::random(), next: Default::default() }
     }
 }
 
-impl MakeRequestId for SequentialRequestId {
-    fn make_request_id<B>(&mut self, _: &axum::http::Request<B>) -> Option<RequestId> {
+impl SequentialRequestId {
+    fn make(&self) -> Option<HeaderValue> {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // Written in place: this runs on every request.
         let mut id = [b'0'; 21];
@@ -155,7 +136,7 @@ impl MakeRequestId for SequentialRequestId {
             *digit = b'0' + (rest % 10) as u8;
             rest /= 10;
         }
-        axum::http::HeaderValue::from_bytes(&id).ok().map(RequestId::new)
+        HeaderValue::from_bytes(&id).ok()
     }
 }
 
@@ -187,22 +168,50 @@ fn request_metrics(route: &str, method: &axum::http::Method, status: u16) -> Han
     h
 }
 
-/// Every request: a `request` span carrying its method, path and
-/// `x-request-id` (for the logs of whatever runs inside), a debug line when it
-/// is answered, and its count and duration in `/metrics` by route. One
-/// middleware and one clock read for all three.
-async fn observe(req: Request, next: Next) -> Response {
+/// What [`observe`] needs: the request time limit and the request id maker.
+struct Observer {
+    limit: Duration,
+    ids: SequentialRequestId,
+}
+
+/// Every request, in one middleware (each layer of its own cost about as
+/// much as a cached prompt's whole answer): an `x-request-id` (the caller's,
+/// or a new one) echoed in the answer; a `request` span carrying method, path
+/// and id for the logs of whatever runs inside; the time limit
+/// (`server.request_timeout_secs`, then 503); a panic answered as a 500
+/// problem; a debug line when answered; and the count and duration in
+/// `/metrics` by route.
+async fn observe(State(o): State<Arc<Observer>>, mut req: Request, next: Next) -> Response {
+    use futures_util::FutureExt as _;
     use tracing::Instrument as _;
     let start = std::time::Instant::now();
+    let id = match req.headers().get(REQUEST_ID) {
+        Some(id) => Some(id.clone()),
+        None => {
+            let id = o.ids.make();
+            if let Some(id) = &id {
+                req.headers_mut().insert(REQUEST_ID, id.clone());
+            }
+            id
+        }
+    };
     let route = req.extensions().get::<MatchedPath>().cloned();
     let method = req.method().clone();
     let span = tracing::info_span!(
         "request",
         method = %req.method(),
         path = %req.uri().path(),
-        request_id = %req.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-"),
+        request_id = %id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
     );
-    let res = next.run(req).instrument(span.clone()).await;
+    let run = std::panic::AssertUnwindSafe(tokio::time::timeout(o.limit, next.run(req))).catch_unwind();
+    let mut res = match run.instrument(span.clone()).await {
+        Ok(Ok(res)) => res,
+        Ok(Err(_)) => ApiError::Timeout.into_response(),
+        Err(_) => ApiError::internal(anyhow::anyhow!("a handler panicked")).into_response(),
+    };
+    if let Some(id) = id {
+        res.headers_mut().insert(REQUEST_ID, id);
+    }
     let elapsed = start.elapsed();
     let status = res.status().as_u16();
     span.in_scope(|| tracing::debug!(status, latency_ms = elapsed.as_secs_f64() * 1e3, "finished processing request"));

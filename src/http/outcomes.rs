@@ -128,8 +128,10 @@ pub async fn prompt_metrics(
     caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
     let (from, until, bucket_seconds) = window(&q, Utc::now())?;
-    let buckets = st.store.version_outcomes(&prompt.name, from, until, bucket_seconds).await?;
-    let labels = st.store.list_labels(&prompt.name).await?;
+    let (buckets, labels) = tokio::try_join!(
+        st.store.version_outcomes(&prompt.name, from, until, bucket_seconds),
+        st.store.list_labels(&prompt.name)
+    )?;
     let versions =
         summarize(&buckets, |v| labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect());
     Ok(Json(PromptMetrics { prompt: prompt.name.to_string(), from, until, bucket_seconds, versions }))

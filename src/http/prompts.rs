@@ -296,21 +296,16 @@ pub async fn get_prompt(
         None => q.selector()?,
     };
     let view = cached_view(&st, &name, selector).await?;
-    let mut res = if etag_matches(headers.if_none_match.as_ref(), &view.etag, true) {
-        StatusCode::NOT_MODIFIED.into_response()
-    } else {
-        let mut res = view.body_as(arm.map(|(_, state)| state)).clone().into_response();
-        res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        res
-    };
-    if let Some((_, state)) = arm {
-        res.headers_mut().insert("combee-arm", HeaderValue::from_static(state.as_str()));
-        res.headers_mut().insert("combee-version", view.version_header.clone());
+    let served_as = arm.map(|(_, state)| state);
+    let not_modified = etag_matches(headers.if_none_match.as_ref(), &view.etag, true);
+    let body = if not_modified { axum::body::Body::empty() } else { view.body_as(served_as).clone().into() };
+    let mut res = Response::new(body);
+    // Made once with the cached answer: type, ETag, caching, `Vary`, and the arm served.
+    *res.headers_mut() = view.headers_as(served_as).clone();
+    if not_modified {
+        *res.status_mut() = StatusCode::NOT_MODIFIED;
+        res.headers_mut().remove(header::CONTENT_TYPE);
     }
-    res.headers_mut().insert(header::ETAG, view.etag.clone());
-    res.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    // Without `label`/`version`, which version is served can depend on the subject.
-    res.headers_mut().insert(header::VARY, HeaderValue::from_static("Combee-Subject"));
     Ok(res)
 }
 

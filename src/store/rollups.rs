@@ -162,53 +162,57 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
             (if x == from.timestamp() { from } else { at(x) }, if y == until.timestamp() { until } else { at(y) })
         })
         .collect();
-    let mut c = s.reader.acquire().await?;
-    let mut out: Vec<OutcomeBucket> = Vec::new();
-    if let Some((a, b)) = whole {
-        let reads = rollup_reads(a, b, bucket);
-        let ranges = (0..reads.len())
-            .map(|i| {
-                format!("(width = ${} AND start_secs >= ${} AND start_secs < ${})", 3 * i + 3, 3 * i + 4, 3 * i + 5)
-            })
+    // One statement: the rollup rows of the whole minutes, then the trace rows
+    // of the partial ones, each group summed (one round trip).
+    let mut parts = Vec::new();
+    let mut n = 2; // $1 the prompt, $2 the bucket width
+    let mut param = || {
+        n += 1;
+        format!("${n}")
+    };
+    let reads = whole.map(|(a, b)| rollup_reads(a, b, bucket)).unwrap_or_default();
+    if !reads.is_empty() {
+        let ranges = reads
+            .iter()
+            .map(|_| format!("(width = {} AND start_secs >= {} AND start_secs < {})", param(), param(), param()))
             .collect::<Vec<_>>()
             .join(" OR ");
-        let sums =
-            ["traces", "with_feedback", "success_trials", "successes", "score_n", "tokens_n", "cost_n", "latency_n"]
-                .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
-                .join(", ");
-        let reals = ["score", "tokens", "cost", "latency"]
+        // Columns in the order of the trace-row part below (UNION ALL matches by position).
+        let counts = ["traces", "with_feedback", "success_trials", "successes"]
+            .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
+            .join(", ");
+        let moments = ["score", "tokens", "cost", "latency"]
             .map(|c| {
                 format!(
-                    "{} AS {c}_sum, {} AS {c}_sq",
+                    "CAST(sum({c}_n) AS BIGINT) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
                     D::real(&format!("sum({c}_sum)")),
                     D::real(&format!("sum({c}_sq)"))
                 )
             })
             .join(", ");
-        let text = format!(
-            "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {sums}, {reals}
+        parts.push(format!(
+            "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {counts}, {moments}
              FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
              GROUP BY 1, 2 HAVING sum(traces) > 0"
-        );
-        let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(bucket);
-        for (w, a, b) in reads {
-            query = query.bind(w).bind(a).bind(b);
-        }
-        out.extend(query.map(&mut c, outcome_bucket_from_row::<D>).await?);
+        ));
     }
-    for (x, y) in edges {
-        let text = format!(
-            "WITH v AS (
-               SELECT t.prompt_version AS version, {start} AS start, {success} AS success,
-                      ({is_flag} OR {is_number}) AS rewarded,
-                      {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
-               FROM traces t
-               WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND t.created_at >= $2 AND t.created_at < $3
-                 AND t.quarantined_at IS NULL)
-             SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
+    if !edges.is_empty() {
+        let within = edges
+            .iter()
+            .map(|_| format!("(t.created_at >= {} AND t.created_at < {})", param(), param()))
+            .collect::<Vec<_>>()
+            .join(" OR ");
+        parts.push(format!(
+            "SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
                     count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes, {aggs}
-             FROM v GROUP BY version, start",
-            start = D::bucket_start("$4"),
+             FROM (SELECT t.prompt_version AS version, {start} AS start, {success} AS success,
+                          ({is_flag} OR {is_number}) AS rewarded,
+                          {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
+                   FROM traces t
+                   WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({within})
+                     AND t.quarantined_at IS NULL) v
+             GROUP BY version, start",
+            start = D::bucket_start("$2"),
             success = D::json_flag("t.feedback", "success"),
             is_flag = D::json_is("t.feedback", "success", "boolean"),
             is_number = D::json_is("t.feedback", "score", "number"),
@@ -223,16 +227,20 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
                     D::real(&format!("coalesce(sum({c} * {c}), 0)"))
                 ))
                 .join(", "),
-        );
-        let rows = sql::<D>(&text)
-            .bind(prompt.as_str())
-            .bind(x)
-            .bind(y)
-            .bind(bucket)
-            .map(&mut c, outcome_bucket_from_row::<D>)
-            .await?;
-        out.extend(rows);
+        ));
     }
+    if parts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let text = parts.join(" UNION ALL ");
+    let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(bucket);
+    for (w, a, b) in reads {
+        query = query.bind(w).bind(a).bind(b);
+    }
+    for (x, y) in edges {
+        query = query.bind(x).bind(y);
+    }
+    let out = query.map(&mut *s.reader.acquire().await?, outcome_bucket_from_row::<D>).await?;
     // One bucket per (version, start), whatever it was read from.
     let mut merged: std::collections::BTreeMap<(Option<i64>, i64), OutcomeBucket> = Default::default();
     for b in out {
