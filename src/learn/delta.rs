@@ -56,7 +56,7 @@
 //! freezing; a proven bullet survives as long as weaker older ones exist.
 //! Sections created by this round that end up empty are dropped.
 //!
-//! # Protection against poisoned rounds ([`Guard`])
+//! # Protection against poisoned rounds ([`Protection`])
 //! Counters, ADDs and REMOVEs all come from untrusted traces, so one round's
 //! evidence is bounded in what it can destroy:
 //! - a *pinned* bullet (an operator's choice, `settings.pinned_bullets`) is never
@@ -129,15 +129,15 @@ pub struct Budget {
 
 /// What one round may not take away (module doc, "Protection").
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Guard {
+pub struct Protection {
     pinned: HashSet<String>,
     established: HashSet<String>,
     /// Established bullets this round may still remove or evict; `None`: no bound.
     removals_left: Option<usize>,
 }
 
-impl Guard {
-    /// The guard for a round whose playbook was `before_round` (counters before
+impl Protection {
+    /// The protection for a round whose playbook was `before_round` (counters before
     /// this round's tags were applied).
     pub fn for_round(before_round: &Playbook, budget: &Budget) -> Self {
         let established: HashSet<String> =
@@ -534,11 +534,16 @@ fn find_bullet(playbook: &Playbook, id: &str) -> Option<(usize, usize)> {
 /// Applies merged ops to a copy of `playbook`, then enforces `budget` (policy in
 /// the module doc), protecting what `budget` says with `playbook` as the state before the round.
 pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> ApplyOutcome {
-    apply_ops_guarded(playbook, ops, budget, &mut Guard::for_round(playbook, budget))
+    apply_ops_protected(playbook, ops, budget, &mut Protection::for_round(playbook, budget))
 }
 
-/// [`apply_ops`] under a round's [`Guard`] (kept across the sequential baseline's steps).
-pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget, guard: &mut Guard) -> ApplyOutcome {
+/// [`apply_ops`] under a round's [`Protection`] (kept across the sequential baseline's steps).
+pub fn apply_ops_protected(
+    playbook: &Playbook,
+    ops: &[MergedOp],
+    budget: &Budget,
+    protection: &mut Protection,
+) -> ApplyOutcome {
     let mut pb = playbook.clone();
     let original_sections: HashSet<String> = pb.sections.iter().map(|s| s.name.clone()).collect();
     let max_existing = pb.bullets().filter_map(|(_, b)| parse_bullet_id(&b.id)).max().unwrap_or(0);
@@ -591,7 +596,7 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
                 let (id, content) = (id.trim(), collapse_whitespace(content));
                 if content.is_empty() {
                     skipped.push(skip(SkipReason::Empty));
-                } else if guard.is_pinned(id) {
+                } else if protection.is_pinned(id) {
                     skipped.push(skip(SkipReason::Pinned));
                 } else if let Some((s, b)) = find_bullet(&pb, id) {
                     let bullet = &mut pb.sections[s].bullets[b];
@@ -610,12 +615,12 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
             }
             DeltaOp::Remove { id, .. } => {
                 let id = id.trim();
-                if guard.is_pinned(id) {
+                if protection.is_pinned(id) {
                     skipped.push(skip(SkipReason::Pinned));
-                } else if find_bullet(&pb, id).is_some() && !guard.may_remove(id) {
+                } else if find_bullet(&pb, id).is_some() && !protection.may_remove(id) {
                     skipped.push(skip(SkipReason::RemovalBound));
                 } else if let Some((s, b)) = find_bullet(&pb, id) {
-                    guard.note_removed(id);
+                    protection.note_removed(id);
                     pb.sections[s].bullets.remove(b);
                     fingerprints.retain(|(fid, _)| fid != id);
                     applied.push(applied_to(id));
@@ -629,9 +634,9 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
 
     let mut evicted = Vec::new();
     while !fits(&pb, budget) {
-        let Some((s, b, rule)) = pick_eviction(&pb, &added, guard) else { break };
+        let Some((s, b, rule)) = pick_eviction(&pb, &added, protection) else { break };
         let bullet = pb.sections[s].bullets.remove(b);
-        guard.note_removed(&bullet.id);
+        protection.note_removed(&bullet.id);
         evicted.push(Evicted { section: pb.sections[s].name.clone(), bullet, rule });
     }
     pb.sections.retain(|s| !s.bullets.is_empty() || original_sections.contains(&s.name));
@@ -643,14 +648,14 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
 fn pick_eviction(
     pb: &Playbook,
     added: &HashMap<String, (usize, usize)>,
-    guard: &Guard,
+    protection: &Protection,
 ) -> Option<(usize, usize, EvictionRule)> {
     let all = || {
         pb.sections
             .iter()
             .enumerate()
             .flat_map(|(s, sec)| sec.bullets.iter().enumerate().map(move |(b, x)| (s, b, x)))
-            .filter(|(_, _, x)| guard.may_remove(&x.id))
+            .filter(|(_, _, x)| protection.may_remove(&x.id))
     };
     let age = |x: &Bullet| parse_bullet_id(&x.id).unwrap_or(0);
     let score = |x: &Bullet| i64::from(x.helpful) - i64::from(x.harmful);
@@ -1002,12 +1007,12 @@ mod tests {
 
         // Unbounded (the old behaviour): every proven bullet is evicted.
         let unbounded = Budget { max_bullets: Some(4), ..Default::default() };
-        let out = apply_ops_guarded(&tagged, &ops, &unbounded, &mut Guard::for_round(&before, &unbounded));
+        let out = apply_ops_protected(&tagged, &ops, &unbounded, &mut Protection::for_round(&before, &unbounded));
         assert_eq!(proven_left(&out), 0);
 
         // Bounded at 25 %: one of the four established bullets may go, new ones make room instead.
         let bounded = Budget { max_removal_share: Some(0.25), ..unbounded };
-        let out = apply_ops_guarded(&tagged, &ops, &bounded, &mut Guard::for_round(&before, &bounded));
+        let out = apply_ops_protected(&tagged, &ops, &bounded, &mut Protection::for_round(&before, &bounded));
         assert_eq!(out.playbook.bullet_count(), 4);
         assert_eq!(proven_left(&out), 3);
         let rules: Vec<EvictionRule> = out.evicted.iter().map(|e| e.rule).collect();
@@ -1023,13 +1028,13 @@ mod tests {
 
         // REMOVE ops share the same quota.
         let removes: Vec<MergedOp> = (1..=4).map(|b| MergedOp::single(0, remove(&format!("b-000{b}")))).collect();
-        let out = apply_ops_guarded(&tagged, &removes, &bounded, &mut Guard::for_round(&before, &bounded));
+        let out = apply_ops_protected(&tagged, &removes, &bounded, &mut Protection::for_round(&before, &bounded));
         assert_eq!(proven_left(&out), 3);
         assert_eq!(out.skipped.iter().filter(|s| s.reason == SkipReason::RemovalBound).count(), 3);
         // Bullets that were not established before the round (never helpful) are not protected.
         let mut fresh = before.clone();
         fresh.sections[0].bullets.iter_mut().for_each(|b| b.helpful = 0);
-        let out = apply_ops_guarded(&fresh, &removes, &bounded, &mut Guard::for_round(&fresh, &bounded));
+        let out = apply_ops_protected(&fresh, &removes, &bounded, &mut Protection::for_round(&fresh, &bounded));
         assert_eq!(out.playbook.bullet_count(), 0);
     }
 

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::round::GroupOutput;
+use crate::domain::GroupOutput;
 
 /// Copies in a size bucket whose reflection another copy covered (`marked`),
 /// and how many of them their own group covered too (`recaptured`).

@@ -7,8 +7,10 @@ use async_trait::async_trait;
 use serde_json::{Value, json};
 
 use super::*;
+use crate::learn::delta::Protection;
 use crate::learn::journal::{MemoryJournal, ReflectionSource};
 use crate::learn::protocol::tests::{reflection, trace};
+use crate::learn::reduce::{Proposal, Reduce, too_many_left_out};
 use crate::llm::{ChatRequest, ChatResponse, OpenAiClient};
 use crate::simulation::llm::SimConfig;
 use crate::simulation::llm::tests::{Running, hard, start};
@@ -420,7 +422,7 @@ async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
         trace_ids: &[],
         reflections: &[],
         concurrency: 4,
-        guard: Guard::for_round(&Playbook::default(), &s.budget),
+        protection: Protection::for_round(&Playbook::default(), &s.budget),
         fan_in: 8,
     };
     let mut calls = Vec::new();
