@@ -3,5 +3,6 @@
 //! (`world`), and the simulated OpenAI-compatible LLM that answers combee's own
 //! prompts by rule (`llm`, also `combee sim-llm`).
 
+mod answers;
 pub mod llm;
 pub mod world;
