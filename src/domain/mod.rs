@@ -8,6 +8,7 @@ pub mod label_history;
 pub mod learning;
 pub mod names;
 pub mod playbook;
+pub mod population_settings;
 pub mod prompt;
 pub mod round;
 pub mod round_detail;

@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use super::names::PromptName;
 use super::playbook::{self, Playbook};
+use super::population_settings::PopulationOverrides;
 
 /// How a round turns reflections into a new version.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -85,6 +86,10 @@ pub struct PromptSettings {
     /// (default on: it acts only on significant evidence, see `[guard]`).
     #[serde(default = "default_regression_guard")]
     pub regression_guard: bool,
+    /// This prompt's own population knobs under the `evaluated` policy; each
+    /// one set replaces the server's `[population]` default.
+    #[serde(default, skip_serializing_if = "PopulationOverrides::is_empty")]
+    pub population: PopulationOverrides,
 }
 
 fn default_regression_guard() -> bool {
@@ -138,6 +143,7 @@ impl PromptSettings {
         "pinned_bullets",
         "max_removal_share",
         "regression_guard",
+        "population",
     ];
 
     /// The rules a settings document must follow, in words an operator can act
@@ -174,6 +180,7 @@ impl PromptSettings {
             }
         }
         self.pinned_bullets = canonical;
+        self.population.validate()?;
         Ok(self)
     }
 }
@@ -195,6 +202,7 @@ impl Default for PromptSettings {
             pinned_bullets: Vec::new(),
             max_removal_share: default_max_removal_share(),
             regression_guard: true,
+            population: PopulationOverrides::default(),
         }
     }
 }
@@ -357,6 +365,7 @@ mod tests {
             max_wait_secs: Some(1),
             max_bullets: Some(1),
             max_chars: Some(1),
+            population: super::PopulationOverrides { margin: Some(1.0), ..Default::default() },
             ..PromptSettings::default()
         };
         let doc = serde_json::to_value(&full).unwrap();

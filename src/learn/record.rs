@@ -122,6 +122,10 @@ pub struct OutcomeRecord {
     pub coverage: Option<Coverage>,
     /// The group size chosen, why, and the reduce tree's levels.
     pub grouping: GroupingRecord,
+    /// What this round tells the overload meter (playbook Combee rounds at p ≥ 2):
+    /// capture–recapture counts per group size, and how the answers were read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub meter: Option<super::meter::MeterReading>,
 }
 
 /// A round's record as the learning engine reads and writes it.

@@ -42,6 +42,7 @@ use super::delta::{self, Budget, Protection};
 use super::grouping::{self, Execution, Method};
 use super::journal::{JournalError, Phase, PhaseEvent, RoundJournal};
 use super::map::map_phase;
+use super::meter;
 use super::reduce::Reduce;
 use super::sizing::GroupSize;
 use crate::domain::{AgentReflections, Playbook, Reflection, Strategy, Trace, VersionContent};
@@ -185,7 +186,14 @@ pub async fn run_round(
 
     // 2. Shuffle and group.
     let clock = PhaseClock::start(journal, Phase::Shuffle).await?;
-    let plan = grouping::plan_sized(spec.method, n, spec.duplication, spec.seed, spec.group_size.max_group);
+    let plan = grouping::plan_sized(
+        spec.method,
+        n,
+        spec.duplication,
+        spec.seed,
+        spec.group_size.max_group,
+        spec.group_size.probe_group,
+    );
     let groups: Vec<Vec<usize>> = plan.groups.iter().map(|g| distinct_in_order(g)).collect();
     let shuffle_ms = clock.finish().await?;
     let k = groups.len();
@@ -215,6 +223,12 @@ pub async fn run_round(
         groups.iter().enumerate().filter(|(g, _)| !left_out.contains(g)).flat_map(|(_, m)| m.iter().copied()).collect();
     answers.reflections_lost = (0..n).filter(|i| !reached.contains(i)).map(|i| trace_ids[i]).collect();
     let coverage = (spec.strategy == Strategy::Playbook).then(|| Coverage::of(&trace_ids, &result.applied));
+    // The round's own copies are the overload meter's samples (p ≥ 2, playbook).
+    let p = if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 };
+    let meter = (spec.strategy == Strategy::Playbook && p >= 2).then(|| {
+        let insights = trace_ids.iter().zip(&reflections).map(|(t, r)| (*t, r.key_insight.clone())).collect();
+        meter::observe(&result.group_outputs, &insights)
+    });
 
     // 5. Validate.
     let clock = PhaseClock::start(journal, Phase::Validate).await?;
@@ -233,7 +247,7 @@ pub async fn run_round(
             n,
             k,
             resumed_groups: result.resumed_groups,
-            p: if spec.method == Method::Combee { spec.duplication.max(1) } else { 1 },
+            p,
             map: mapped.counts,
             unreflected: mapped.unreflected,
             applied: result.applied,
@@ -249,6 +263,7 @@ pub async fn run_round(
                 fan_in,
                 levels: std::iter::once(k).chain(result.levels).collect(),
             },
+            meter,
         },
     })
 }

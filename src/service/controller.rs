@@ -104,11 +104,13 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
         .collect();
     let last = st.store.controller_choice(&name).await?;
     let buckets = worker::controller::meter(&st.store, &name).await?;
-    let group_size = crate::learn::sizing::choose_group_size(&buckets, cfg.target_retention);
+    let measurable = worker::controller::measurable(&backlog.prompt);
+    let group_size = crate::learn::sizing::choose_group_size(&buckets, cfg.target_retention, measurable);
     let group_size = serde_json::json!({
         "max_group": group_size.max_group,
+        "probe_group": group_size.probe_group,
         "source": group_size.source,
-        "message": group_size.source.message(),
+        "message": group_size.message(),
     });
     let (mode, fixed_batch_size) = match backlog.prompt.settings.batch_size {
         BatchSize::Auto => ("auto", None),

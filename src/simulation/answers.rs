@@ -371,8 +371,29 @@ pub(super) fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String
     if task.is_none() && is_crossover(req) {
         return (None, crossover_selection(user, &present).to_string());
     }
+    // Citation and level-2 faults of a model that does not follow every instruction,
+    // drawn from the request's content (a corrective retry draws the same).
+    let draw = |what: &[u8]| unit(&[what, &cfg.seed.to_le_bytes(), &digest]);
+    let citing = draw(b"citing");
+    let cites = if citing < cfg.rate_no_sources {
+        Citing::Nothing
+    } else if citing < cfg.rate_no_sources + cfg.rate_wrong_sources {
+        Citing::Wrong
+    } else {
+        Citing::Right
+    };
+    let unreadable_level2 = draw(b"unreadable-level2") < cfg.rate_unreadable_level2;
     let text = match task {
         Some(Task::Reflect) => serde_json::to_string(&reflect(user, current)),
+        Some(Task::ConsolidatePlaybook) if unreadable_level2 => {
+            // The older operations shape: a list of ops instead of decisions by op id.
+            let body = fenced(user, "untrusted-operations").map_or("", |(_, body)| body);
+            let ops: Vec<DeltaOp> = adds(insights(body).into_iter().filter(|i| !present.contains(&i.token)).collect());
+            serde_json::to_string(&json!({ "operations": ops }))
+        }
+        Some(Task::MergeRewrite) if unreadable_level2 => {
+            Ok("I merged the versions into one passage: keep every lesson of both and prefer the specific ones.".into())
+        }
         Some(Task::AggregatePlaybook) => {
             // Each op cites the reflections its insight came from, numbered as in the prompt.
             let sections = fenced(user, "untrusted-reflections").map_or_else(Vec::new, |(_, b)| reflection_sections(b));
@@ -386,9 +407,16 @@ pub(super) fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String
                     };
                     let sources: Vec<usize> = token.map_or_else(Vec::new, |t| {
                         let needle = format!("INSIGHT-{t}:");
-                        sections.iter().filter(|(_, text)| text.contains(&needle)).map(|(n, _)| *n).collect()
+                        let at = sections.iter().enumerate().filter(|(_, (_, text))| text.contains(&needle));
+                        match cites {
+                            // The next reflection of the group instead of the right one.
+                            Citing::Wrong => at.map(|(i, _)| sections[(i + 1) % sections.len()].0).collect(),
+                            _ => at.map(|(_, (n, _))| *n).collect(),
+                        }
                     });
-                    if let Some(o) = v.as_object_mut() {
+                    if let Some(o) = v.as_object_mut()
+                        && cites != Citing::Nothing
+                    {
                         o.insert("sources".into(), json!(sources));
                     }
                     v
@@ -409,6 +437,14 @@ pub(super) fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String
         None => Ok(r#"{"simulated": true, "note": "not a combee prompt"}"#.to_owned()),
     };
     (task, text.unwrap_or_default())
+}
+
+/// How an aggregate-playbook answer cites its reflections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Citing {
+    Right,
+    Wrong,
+    Nothing,
 }
 
 /// The consolidation answer: decisions only, by op id. Ops whose insights are all

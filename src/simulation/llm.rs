@@ -174,6 +174,20 @@ pub struct SimConfig {
     /// bullet `b-9999`, and a source number past the group. [simulation]
     #[arg(long, default_value_t = 0.0)]
     pub rate_unknown_ids: f64,
+    /// Share of aggregate-playbook answers whose operations carry no `sources` at all
+    /// (many small and local models ignore the instruction to cite), drawn per request
+    /// from its content, so a corrective retry draws the same. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_no_sources: f64,
+    /// Share of aggregate-playbook answers whose `sources` cite the wrong reflections
+    /// (each points at another reflection of the group), drawn like `rate_no_sources`. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_wrong_sources: f64,
+    /// Share of level-2 answers that cannot be read: a consolidation answered in the
+    /// older operations shape, a passage merge answered in prose. Drawn per request from
+    /// its content, so the corrective retry fails the same way. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_unreadable_level2: f64,
 }
 
 impl Default for SimConfig {
@@ -197,6 +211,9 @@ impl Default for SimConfig {
             rate_extra_keys: 0.0,
             rate_think: 0.0,
             rate_unknown_ids: 0.0,
+            rate_no_sources: 0.0,
+            rate_wrong_sources: 0.0,
+            rate_unreadable_level2: 0.0,
         }
     }
 }
@@ -597,6 +614,12 @@ pub(crate) mod tests {
             "0.08",
             "--rate-unknown-ids",
             "0.09",
+            "--rate-no-sources",
+            "0.1",
+            "--rate-wrong-sources",
+            "0.11",
+            "--rate-unreadable-level2",
+            "0.12",
         ])
         .unwrap();
         let want = SimConfig {
@@ -618,6 +641,9 @@ pub(crate) mod tests {
             rate_extra_keys: 0.07,
             rate_think: 0.08,
             rate_unknown_ids: 0.09,
+            rate_no_sources: 0.1,
+            rate_wrong_sources: 0.11,
+            rate_unreadable_level2: 0.12,
         };
         assert_eq!(cli.args.sim, want);
         assert_eq!(serde_json::from_str::<SimConfig>("{}").unwrap(), SimConfig::default());

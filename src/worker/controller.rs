@@ -37,15 +37,20 @@ pub async fn meter(store: &DynStore, prompt: &PromptName) -> StoreResult<Vec<Met
         .collect())
 }
 
+/// Whether the overload meter can measure this prompt: playbook rounds with
+/// every reflection in at least two groups (p ≥ 2).
+pub fn measurable(prompt: &Prompt) -> bool {
+    prompt.strategy == Strategy::Playbook && prompt.settings.duplication >= 2
+}
+
 /// The level-1 group size a round of this prompt uses now, from its meter.
-pub async fn group_size(store: &DynStore, prompt: &PromptName, cfg: &ControllerConfig) -> StoreResult<GroupSize> {
-    Ok(choose_group_size(&meter(store, prompt).await?, cfg.target_retention))
+pub async fn group_size(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<GroupSize> {
+    Ok(choose_group_size(&meter(store, &prompt.name).await?, cfg.target_retention, measurable(prompt)))
 }
 
 /// What the meter says about quality for this prompt (see [`Quality`]).
 pub async fn quality(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<Quality> {
-    let measurable = prompt.strategy == Strategy::Playbook;
-    Ok(Quality::of(group_size(store, &prompt.name, cfg).await?, prompt.settings.duplication, measurable))
+    Ok(Quality::of(group_size(store, prompt, cfg).await?, prompt.settings.duplication, measurable(prompt)))
 }
 
 /// The batch a round of this prompt should take now, and why.

@@ -9,6 +9,7 @@ pub mod controller;
 pub mod guard;
 mod journal;
 pub mod population;
+pub mod publish;
 
 use std::{sync::Arc, time::Duration};
 
@@ -20,7 +21,7 @@ pub use journal::{StoreJournal, unreflected_faults};
 
 use crate::{
     config::WorkerSettings,
-    domain::{BatchSize, LabelName, Promotion, RoundDetail, VersionSource, prompt::NewVersion, round::RoundTrigger},
+    domain::{BatchSize, RoundDetail, round::RoundTrigger},
     learn::{
         controller::ControllerConfig,
         delta::Budget,
@@ -247,7 +248,7 @@ impl Worker {
         let journal = StoreJournal::new(self.store.clone(), id, attempt, recorded);
         // The meter changes only when a round of this prompt publishes, so a
         // retried attempt regroups as the first did.
-        let group_size = match controller::group_size(&self.store, &prompt.name, &self.controller).await {
+        let group_size = match controller::group_size(&self.store, &prompt, &self.controller).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");
@@ -272,7 +273,6 @@ impl Worker {
             group_size,
         };
         let started = std::time::Instant::now();
-        let batch_size = traces.len() as u32;
         let result = tokio::select! {
             r = run_round(self.backend.as_ref(), &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
             _ = lost.cancelled() => None,
@@ -280,84 +280,54 @@ impl Worker {
         lost.cancel();
         heartbeat.abort();
         let Some(result) = result else { return };
-        metrics::histogram!("combee_round_duration_seconds").record(started.elapsed().as_secs_f64());
-        match result {
-            Ok(outcome) => {
-                let mut detail = journal.detail().with_outcome(outcome.record.clone());
-                detail.group_outputs = outcome.group_outputs.clone();
-                let detail = detail.to_value();
-                let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
-                let meter = meter_counts(&outcome);
-                let label = match prompt.promotion {
-                    Promotion::Auto => LabelName::production(),
-                    // The child is measured before it may serve production: it
-                    // joins the population as a challenger (below).
-                    Promotion::Manual | Promotion::Evaluated => LabelName::candidate(),
-                };
-                let version = NewVersion {
-                    parent: Some(base.number),
-                    source: VersionSource::Learned,
-                    round_id: Some(id),
-                    content: outcome.content,
-                    message: format!(
-                        "learned from {} traces ({} round, k = {}, p = {})",
-                        outcome.record.n,
-                        crate::domain::round::method_str(outcome.method),
-                        outcome.record.k,
-                        outcome.record.p
-                    ),
-                    created_by: format!("worker:{}", self.owner),
-                };
-                // Only Combee rounds describe the delay the controller models.
-                let sample =
-                    (round.method == Method::Combee && batch_size > 0).then(|| started.elapsed().as_secs_f64());
-                let faults = outcome
-                    .record
-                    .unreflected
-                    .iter()
-                    .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })
-                    .collect();
-                let charges = self.charges(faults);
-                // The meter first: once the round publishes, the scheduler may size the
-                // next round from it. What the groups kept is a measurement of the model
-                // whether or not publishing succeeds (recording a round twice counts once).
-                if !meter.is_empty()
-                    && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
-                {
-                    tracing::warn!(error = %e, "the overload meter was not updated for this round");
-                }
-                match self.store.publish_round(id, attempt, version, label.clone(), &detail, sample, &charges).await {
-                    Ok(v) => {
-                        metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
-                        tracing::info!(version = v.number, label = %label, "round published");
-                        if prompt.promotion == Promotion::Evaluated {
-                            let added = population::add_challenger(
-                                &self.store,
-                                &prompt.name,
-                                v.number,
-                                Some(base.number),
-                                &self.population,
-                            )
-                            .await;
-                            if let Err(e) = added {
-                                tracing::error!(version = v.number, error = %e, "the learned version could not join the population");
-                            }
-                        }
-                    }
-                    Err(StoreError::Conflict) => {
-                        tracing::warn!("lease lost before publishing; another worker owns the round")
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "publishing failed");
-                        let faults = unreflected_faults(&journal.detail());
-                        self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
-                    }
-                }
-            }
+        let elapsed = started.elapsed().as_secs_f64();
+        metrics::histogram!("combee_round_duration_seconds").record(elapsed);
+        let outcome = match result {
+            Ok(outcome) => outcome,
             Err(e) => {
                 tracing::warn!(error = %e, retryable = e.is_retryable(), "round attempt failed");
                 let faults = unreflected_faults(&journal.detail());
                 self.retry_or_give_up(id, attempt, &e.to_string(), e.is_retryable(), faults).await;
+                return;
+            }
+        };
+        let mut detail = journal.detail().with_outcome(outcome.record.clone());
+        detail.group_outputs = outcome.group_outputs.clone();
+        let detail = detail.to_value();
+        match self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!("lease lost before publishing; another worker owns the round");
+                return;
+            }
+            // Publishing writes the same record; a failure here only delays it.
+            Err(e) => tracing::warn!(error = %e, "the round's record could not be written before publishing"),
+        }
+        let by = format!("worker:{}", self.owner);
+        let publication = publish::Publication::of(&prompt, base.number, id, &outcome, elapsed, &by);
+        let degraded = outcome.record.level2.is_degraded();
+        let max_trace_attempts = self.settings.max_trace_attempts;
+        let published = publish::publish(
+            &self.store,
+            &prompt,
+            id,
+            attempt,
+            publication,
+            &detail,
+            max_trace_attempts,
+            &self.population,
+            degraded,
+        )
+        .await;
+        match published {
+            publish::Published::Version(_) => {}
+            publish::Published::LeaseLost => {
+                tracing::warn!("lease lost before publishing; another worker owns the round")
+            }
+            publish::Published::Failed(e) => {
+                tracing::error!(error = %e, "publishing failed");
+                let faults = unreflected_faults(&journal.detail());
+                self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
             }
         }
     }
@@ -400,27 +370,10 @@ impl Worker {
     }
 }
 
-/// The overload meter's counts of a published round (see [`crate::learn::meter`]):
-/// only playbook rounds whose reflections sit in at least two groups (p ≥ 2) have any.
-fn meter_counts(outcome: &crate::learn::round::RoundOutcome) -> Vec<crate::store::MeterCounts> {
-    if outcome.strategy != crate::domain::Strategy::Playbook || outcome.p < 2 {
-        return Vec::new();
-    }
-    crate::learn::meter::observe(&outcome.group_outputs)
-        .into_iter()
-        .map(|(size_min, c)| crate::store::MeterCounts {
-            size_min,
-            marked: c.marked,
-            recaptured: c.recaptured,
-            rounds: 1,
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{Prompt, PromptName, PromptSettings, Strategy};
+    use crate::domain::{Promotion, Prompt, PromptName, PromptSettings, Strategy};
     use chrono::Utc;
 
     fn backlog(pending: i64, waited_secs: i64) -> Backlog {

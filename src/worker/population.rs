@@ -63,6 +63,13 @@ async fn production_version(store: &DynStore, prompt: &PromptName) -> StoreResul
     Ok(store.resolve(prompt, &Selector::Label(LabelName::production())).await?.map(|r| r.version.number))
 }
 
+/// The population policy of `prompt`: the server's, with the prompt's own
+/// `settings.population` knobs in place.
+async fn policy_of(store: &DynStore, prompt: &PromptName, server: &PopulationPolicy) -> StoreResult<PopulationPolicy> {
+    let own = store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+    Ok(server.for_prompt(&own.settings.population))
+}
+
 /// A population's first arm: `version` as champion at the prior (μ0, σ0)
 /// with all the traffic.
 pub fn first_champion(version: i64) -> PopulationArm {
@@ -111,6 +118,7 @@ pub async fn follow_production(store: &DynStore, prompt: &PromptName, policy: &P
     if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {
         return Ok(());
     }
+    let policy = &policy_of(store, prompt, policy).await?;
     reconcile(&mut arms, champion, policy);
     store.save_population(prompt, &arms).await
 }
@@ -159,6 +167,7 @@ async fn join(
     prior: impl FnOnce(&[Rating]) -> Rating,
 ) -> StoreResult<Vec<PopulationArm>> {
     let champion = production_version(store, prompt).await?.ok_or(StoreError::NotFound)?;
+    let policy = &policy_of(store, prompt, policy).await?;
     let mut arms = store.population(prompt).await?;
     reconcile(&mut arms, champion, policy);
     let rated: Vec<Rating> =
@@ -440,10 +449,11 @@ impl PopulationRater {
         until: DateTime<Utc>,
     ) -> Result<CrossoverOutcome, CrossoverError> {
         let Some(breeder) = &self.breeder else { return Ok(CrossoverOutcome::NotDrawn) };
-        if crossover_draw(prompt, until) >= self.settings.crossover_prob {
+        let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+        let policy = self.settings.policy().for_prompt(&p.settings.population);
+        if crossover_draw(prompt, until) >= policy.crossover_prob {
             return Ok(CrossoverOutcome::NotDrawn);
         }
-        let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
         if p.strategy != Strategy::Playbook {
             return Ok(CrossoverOutcome::NotPlaybook);
         }
@@ -561,8 +571,19 @@ impl PopulationRater {
         Ok(CrossoverOutcome::Bred { version: version.number, parents, rating })
     }
 
+    /// Rating windows since `production` last moved from one version to another
+    /// (`None`: it never did — only its creation is on record).
+    async fn windows_since_move(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<Option<u64>> {
+        let last = self.store.label_history(prompt, Some(&LabelName::production()), None, 1).await?;
+        Ok(last
+            .first()
+            .filter(|m| m.from_version.is_some())
+            .map(|m| (now - m.at).num_seconds().max(0) as u64 / self.settings.window_secs.max(1)))
+    }
+
     async fn rate_window(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<RatingOutcome> {
-        let policy = self.settings.policy();
+        let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+        let policy = self.settings.policy().for_prompt(&own.settings.population);
         let Some(champion) = production_version(&self.store, prompt).await? else {
             return Err(StoreError::NotFound);
         };
@@ -613,9 +634,16 @@ impl PopulationRater {
         let Some(champ) = live.iter().find(|a| a.version == champion).copied() else {
             return Err(StoreError::Corrupt("the champion is not a live arm".into()));
         };
-        let decision = gate(&champ, &live, &policy);
-        let GateDecision::Promote { challenger, challenger_lower, champion_lower, challenger_traces, champion_traces } =
-            decision
+        let since_move = self.windows_since_move(prompt, now).await?;
+        let decision = gate(&champ, &live, &policy, since_move);
+        let GateDecision::Promote {
+            challenger,
+            challenger_lower,
+            champion_lower,
+            challenger_traces,
+            champion_traces,
+            margin,
+        } = decision
         else {
             reconcile(&mut arms, champion, &policy);
             self.store.save_population(prompt, &arms).await?;
@@ -627,12 +655,16 @@ impl PopulationRater {
         let rating_of = |v: i64| arms.iter().find(|a| a.version == v).map(|a| a.rating);
         let reason = format!(
             "promotion gate: v{challenger} μ−2σ = {challenger_lower:.2} ({challenger_traces} scored traces) \
-             exceeds champion v{champion} μ−2σ = {champion_lower:.2} ({champion_traces} scored traces)"
+             exceeds champion v{champion} μ−2σ = {champion_lower:.2} ({champion_traces} scored traces) by more \
+             than the margin {margin}"
         );
         let evidence = json!({
             "champion": {"version": champion, "rating": rating_of(champion), "lower": champion_lower, "scored_traces": champion_traces},
             "challenger": {"version": challenger, "rating": rating_of(challenger), "lower": challenger_lower, "scored_traces": challenger_traces},
             "min_traces": policy.min_traces,
+            "margin": margin,
+            "cooldown_windows": policy.cooldown_windows,
+            "windows_since_last_move": since_move,
             "window": {"from": from, "until": now, "basis": basis, "rewards": window_rewards},
         });
         let mv = LabelMove {
