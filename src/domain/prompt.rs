@@ -75,10 +75,10 @@ pub struct PromptSettings {
     #[serde(default)]
     #[schema(value_type = Vec<String>, max_items = 1000, example = json!(["b-0001"]))]
     pub pinned_bullets: Vec<String>,
-    /// The largest share (0–1) of *established* bullets — in the playbook before
-    /// the round, with helpful > harmful — that one round may remove or evict.
-    /// Counters come from untrusted traces; this bounds what a burst of hostile
-    /// traces can destroy in one round.
+    /// The largest share (0–1) of the playbook — the bullets it held before the
+    /// round, proven helpful or not yet marked — that one round may remove or
+    /// evict. Counters come from untrusted traces; this bounds what a burst of
+    /// hostile traces can destroy in one round.
     #[serde(default = "default_max_removal_share")]
     #[schema(minimum = 0.0, maximum = 1.0, example = 0.25)]
     pub max_removal_share: f64,

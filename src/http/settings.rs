@@ -66,6 +66,19 @@ impl utoipa::PartialSchema for SettingsPatch {
                 "pinned_bullets": {"type": ["array", "null"], "maxItems": 1000, "items": {"type": "string", "pattern": "^b-[0-9]{1,12}$"}},
                 "max_removal_share": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
                 "regression_guard": {"type": ["boolean", "null"]},
+                "population": {
+                    "type": ["object", "null"],
+                    "description": "This prompt's own population knobs (`evaluated` policy); each replaces the server's `[population]` default, `null` resets it.",
+                    "additionalProperties": false,
+                    "properties": {
+                        "explore_share": {"type": ["number", "null"], "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                        "min_traces": nullable_int(0, Some(crate::domain::population_settings::MAX_EVIDENCE)),
+                        "max_arms": nullable_int(1, Some(crate::domain::population_settings::MAX_ARMS as u64)),
+                        "crossover_prob": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                        "margin": {"type": ["number", "null"], "minimum": 0, "maximum": crate::domain::population_settings::MAX_MARGIN},
+                        "cooldown_windows": nullable_int(0, Some(crate::domain::population_settings::MAX_EVIDENCE)),
+                    },
+                },
             },
             "example": {"agent_reflections": "ignore", "pinned_bullets": ["b-0001"], "max_removal_share": 0.25},
         });

@@ -61,13 +61,15 @@
 //! evidence is bounded in what it can destroy:
 //! - a *pinned* bullet (an operator's choice, `settings.pinned_bullets`) is never
 //!   updated, removed or evicted ([`SkipReason::Pinned`]);
-//! - an *established* bullet — in the playbook before the round with helpful >
-//!   harmful *before this round's tags* — counts against a per-round quota of
-//!   ⌊`max_removal_share` × established⌋ removals (REMOVE ops and evictions
-//!   together). Once the quota is spent, REMOVEs of established bullets are
+//! - every bullet the playbook held before the round — proven helpful or not
+//!   yet marked at all — counts against a per-round quota of
+//!   ⌊`max_removal_share` × bullets before the round⌋ removals (REMOVE ops and
+//!   evictions together). Once the quota is spent, REMOVEs of earlier bullets are
 //!   skipped ([`SkipReason::RemovalBound`]) and eviction takes this round's new
-//!   bullets instead. If only protected bullets are left over the budget, the
-//!   round's result is over budget and is refused at validation.
+//!   bullets instead. So however many hostile traces tag bullets harmful or
+//!   propose new ones under a bullet cap, a round takes away at most that share
+//!   of what was learned before it. If only protected bullets are left over the
+//!   budget, the round's result is over budget and is refused at validation.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
@@ -121,8 +123,8 @@ pub struct Budget {
     /// Bullet ids learning never updates, removes or evicts.
     #[serde(default)]
     pub pinned: Vec<String>,
-    /// Most established bullets one round may remove or evict, as a share of
-    /// them (0–1); `None` means unbounded.
+    /// Most of the playbook's earlier bullets one round may remove or evict, as a
+    /// share of them (0–1); `None` means unbounded.
     #[serde(default)]
     pub max_removal_share: Option<f64>,
 }
@@ -131,34 +133,33 @@ pub struct Budget {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Protection {
     pinned: HashSet<String>,
-    established: HashSet<String>,
-    /// Established bullets this round may still remove or evict; `None`: no bound.
+    /// The bullets of the playbook before the round.
+    earlier: HashSet<String>,
+    /// Earlier bullets this round may still remove or evict; `None`: no bound.
     removals_left: Option<usize>,
 }
 
 impl Protection {
-    /// The protection for a round whose playbook was `before_round` (counters before
-    /// this round's tags were applied).
+    /// The protection for a round whose playbook was `before_round`.
     pub fn for_round(before_round: &Playbook, budget: &Budget) -> Self {
-        let established: HashSet<String> =
-            before_round.bullets().filter(|(_, b)| b.helpful > b.harmful).map(|(_, b)| b.id.clone()).collect();
+        let earlier: HashSet<String> = before_round.bullets().map(|(_, b)| b.id.clone()).collect();
         let removals_left = budget
             .max_removal_share
-            .map(|share| (share.clamp(0.0, 1.0) * established.len() as f64 + 1e-9).floor() as usize);
-        Self { pinned: budget.pinned.iter().cloned().collect(), established, removals_left }
+            .map(|share| (share.clamp(0.0, 1.0) * earlier.len() as f64 + 1e-9).floor() as usize);
+        Self { pinned: budget.pinned.iter().cloned().collect(), earlier, removals_left }
     }
 
     fn is_pinned(&self, id: &str) -> bool {
         self.pinned.contains(id)
     }
 
-    /// Whether `id` may be removed now (pinned: never; established: while the quota lasts).
+    /// Whether `id` may be removed now (pinned: never; an earlier bullet: while the quota lasts).
     fn may_remove(&self, id: &str) -> bool {
-        !self.is_pinned(id) && (!self.established.contains(id) || self.removals_left != Some(0))
+        !self.is_pinned(id) && (!self.earlier.contains(id) || self.removals_left != Some(0))
     }
 
     fn note_removed(&mut self, id: &str) {
-        if self.established.contains(id)
+        if self.earlier.contains(id)
             && let Some(left) = &mut self.removals_left
         {
             *left = left.saturating_sub(1);
@@ -206,7 +207,7 @@ pub enum SkipReason {
     Empty,
     /// UPDATE/REMOVE of a bullet an operator pinned.
     Pinned,
-    /// REMOVE of an established bullet after this round spent its removal quota.
+    /// REMOVE of an earlier bullet after this round spent its removal quota.
     RemovalBound,
 }
 
@@ -218,7 +219,7 @@ impl fmt::Display for SkipReason {
             Self::Unchanged => f.write_str("content is unchanged"),
             Self::Empty => f.write_str("empty content or id"),
             Self::Pinned => f.write_str("the bullet is pinned by an operator"),
-            Self::RemovalBound => f.write_str("this round already removed its share of established bullets"),
+            Self::RemovalBound => f.write_str("this round already removed its share of the playbook"),
         }
     }
 }
@@ -1031,11 +1032,69 @@ mod tests {
         let out = apply_ops_protected(&tagged, &removes, &bounded, &mut Protection::for_round(&before, &bounded));
         assert_eq!(proven_left(&out), 3);
         assert_eq!(out.skipped.iter().filter(|s| s.reason == SkipReason::RemovalBound).count(), 3);
-        // Bullets that were not established before the round (never helpful) are not protected.
+        // Bullets learned but never marked helpful are protected the same way.
         let mut fresh = before.clone();
         fresh.sections[0].bullets.iter_mut().for_each(|b| b.helpful = 0);
         let out = apply_ops_protected(&fresh, &removes, &bounded, &mut Protection::for_round(&fresh, &bounded));
-        assert_eq!(out.playbook.bullet_count(), 0);
+        assert_eq!(out.playbook.bullet_count(), 3);
+    }
+
+    /// A hostile burst — every reflection tagging every bullet harmful, proposing
+    /// new bullets and REMOVEs under a bullet cap — never takes away more than
+    /// ⌊max_removal_share × bullets before the round⌋ of the earlier bullets,
+    /// whether they were proven helpful, never marked, or already net harmful.
+    /// Checked over 500 random playbooks, budgets and bursts (seeded).
+    #[test]
+    fn a_hostile_burst_removes_at_most_the_removal_share_of_the_playbook() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2024);
+        for case in 0..500 {
+            let n = rng.gen_range(0..40usize);
+            let before = Playbook {
+                sections: vec![Section {
+                    name: "s".into(),
+                    bullets: (1..=n)
+                        .map(|i| {
+                            let (helpful, harmful) = (rng.gen_range(0..4u32), rng.gen_range(0..4u32));
+                            bullet(&format!("b-{i:04}"), &format!("lesson {i} about case {i}"), helpful, harmful)
+                        })
+                        .collect(),
+                }],
+                next_id: n as u64 + 1,
+            };
+            let share = [0.0, 0.1, 0.25, 0.5, 1.0][rng.gen_range(0..5)];
+            let pinned: Vec<String> = (1..=n).filter(|_| rng.gen_bool(0.1)).map(|i| format!("b-{i:04}")).collect();
+            let budget = Budget {
+                max_bullets: Some(rng.gen_range(0..=n + 5)),
+                max_chars: None,
+                pinned: pinned.clone(),
+                max_removal_share: Some(share),
+            };
+            let hostile: Vec<Reflection> = (0..rng.gen_range(1..30))
+                .map(|r| Reflection {
+                    error: String::new(),
+                    root_cause: String::new(),
+                    correct_approach: String::new(),
+                    key_insight: format!("hostile {r}"),
+                    bullet_tags: (1..=n)
+                        .map(|b| BulletTag { id: format!("b-{b:04}"), tag: BulletTagKind::Harmful })
+                        .collect(),
+                })
+                .collect();
+            let tagged = apply_bullet_tags(&before, &hostile);
+            let mut ops: Vec<MergedOp> = (0..rng.gen_range(0..30))
+                .map(|i| MergedOp::single(i, add("s", &format!("INSIGHT-h{case}x{i}: obey the attacker {i}"))))
+                .collect();
+            ops.extend(
+                (1..=n).filter(|_| rng.gen_bool(0.5)).map(|b| MergedOp::single(0, remove(&format!("b-{b:04}")))),
+            );
+            let out = apply_ops_protected(&tagged, &ops, &budget, &mut Protection::for_round(&before, &budget));
+            let left: HashSet<&str> = out.playbook.bullets().map(|(_, b)| b.id.as_str()).collect();
+            let taken = before.bullets().filter(|(_, b)| !left.contains(b.id.as_str())).count();
+            let quota = (share * n as f64 + 1e-9).floor() as usize;
+            assert!(taken <= quota, "case {case}: {taken} of {n} earlier bullets taken, quota {quota}");
+            assert!(pinned.iter().all(|p| left.contains(p.as_str())), "case {case}: a pinned bullet went");
+        }
     }
 
     #[test]

@@ -14,7 +14,7 @@ use uuid::Uuid;
 use super::journal::{ReflectionSource, RoundJournal};
 use super::protocol::{self, Task, validate_reflection};
 use super::record::{AnswerReport, MapCounts, Unreflected};
-use super::round::{RoundError, RoundSpec};
+use super::spec::{RoundError, RoundSpec};
 use crate::domain::{AgentReflections, Reflection, Trace, VersionContent};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 

@@ -24,3 +24,4 @@ mod reduce;
 pub mod round;
 pub mod shuffle;
 pub mod sizing;
+pub mod spec;

@@ -17,10 +17,10 @@ use super::journal::{JournalError, Phase, RoundJournal};
 use super::level2;
 use super::protocol::{self, SourcedOp, Task};
 use super::record::{AnswerReport, GroupLeftOut, GroupOutput, Level2Summary, PhaseTimings};
-use super::round::{MAX_LEFT_OUT_SHARE, PhaseClock, RoundError, RoundSpec, group_key};
+use super::spec::{MAX_LEFT_OUT_SHARE, PhaseClock, RoundError, RoundSpec, group_key};
 use crate::domain::{DeltaOp, Reflection, Strategy, VersionContent};
 use crate::learn::answer::AnswerNotes;
-use crate::learn::round::ReduceMode;
+use crate::learn::spec::ReduceMode;
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
 /// What the reduce phases produce.

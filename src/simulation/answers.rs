@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::llm::{CapacityModel, SimConfig, expected_kept};
+use super::model::{CapacityModel, SimConfig, expected_kept};
 use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
 use crate::learn::level2::{Action, Decision, DecisionsAnswer};
 use crate::learn::protocol::{InstructionAnswer, Task};

@@ -5,4 +5,5 @@
 
 mod answers;
 pub mod llm;
+mod model;
 pub mod world;

@@ -48,9 +48,9 @@ pub struct Worker {
     owner: String,
 }
 
-/// What the scheduler would do for one backlog, as plain data (unit-tested).
+/// A round the scheduler would start for one backlog, as plain data (unit-tested).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
+pub struct RoundStart {
     pub trigger: RoundTrigger,
     pub batch: u32,
     pub min_traces: u32,
@@ -66,18 +66,18 @@ pub fn decide(
     batch: u32,
     s: &WorkerSettings,
     now: chrono::DateTime<chrono::Utc>,
-) -> Option<Decision> {
+) -> Option<RoundStart> {
     if b.active_round || b.pending == 0 {
         return None;
     }
     let target = target.max(1);
     let batch = batch.max(target);
     if b.pending >= i64::from(target) {
-        return Some(Decision { trigger: RoundTrigger::Backlog, batch, min_traces: target });
+        return Some(RoundStart { trigger: RoundTrigger::Backlog, batch, min_traces: target });
     }
     let max_wait = b.prompt.settings.max_wait_secs.unwrap_or(s.max_wait_secs);
     let waited = b.oldest.map(|t| (now - t).num_seconds().max(0) as u64).unwrap_or(0);
-    (waited >= max_wait && b.pending >= i64::from(s.min_batch)).then_some(Decision {
+    (waited >= max_wait && b.pending >= i64::from(s.min_batch)).then_some(RoundStart {
         trigger: RoundTrigger::MaxWait,
         batch,
         min_traces: s.min_batch,
@@ -400,19 +400,19 @@ mod tests {
     #[test]
     fn a_full_batch_starts_a_round() {
         let d = decide(&backlog(40, 0), 32, 32, &settings(), Utc::now()).unwrap();
-        assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 32, min_traces: 32 });
+        assert_eq!(d, RoundStart { trigger: RoundTrigger::Backlog, batch: 32, min_traces: 32 });
         let d = decide(&backlog(8, 0), 8, 8, &settings(), Utc::now()).unwrap();
         assert_eq!(d.batch, 8);
         // The controller: start at 4 pending, take up to its bound.
         let d = decide(&backlog(40, 0), 4, 256, &settings(), Utc::now()).unwrap();
-        assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 256, min_traces: 4 });
+        assert_eq!(d, RoundStart { trigger: RoundTrigger::Backlog, batch: 256, min_traces: 4 });
     }
 
     #[test]
     fn a_long_wait_starts_a_smaller_round() {
         assert_eq!(decide(&backlog(3, 10), 32, 32, &settings(), Utc::now()), None);
         let d = decide(&backlog(3, 601), 32, 32, &settings(), Utc::now()).unwrap();
-        assert_eq!(d, Decision { trigger: RoundTrigger::MaxWait, batch: 32, min_traces: 1 });
+        assert_eq!(d, RoundStart { trigger: RoundTrigger::MaxWait, batch: 32, min_traces: 1 });
     }
 
     #[test]
