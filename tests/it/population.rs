@@ -210,7 +210,18 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     assert!(last.reason.contains("μ−2σ"), "{}", last.reason);
     let ev = last.evidence.as_ref().unwrap();
     assert_eq!(ev["challenger"]["scored_traces"], 60);
-    assert!(ev["challenger"]["lower"].as_f64().unwrap() > ev["champion"]["lower"].as_f64().unwrap());
+    let margin = ev["margin"].as_f64().unwrap();
+    assert!(ev["challenger"]["lower"].as_f64().unwrap() > ev["champion"]["lower"].as_f64().unwrap() + margin);
+
+    // Window 3: the former champion does far better now, but production just
+    // moved: moving back needs the same evidence, after the same cool-down.
+    let mut third = batch("p", 1, 60, 1.0);
+    third.extend(batch("p", 2, 60, 0.1));
+    s.insert_traces(&third).await.unwrap();
+    let out = rater.rate(&name("p"), t2 + chrono::Duration::seconds(30)).await.unwrap();
+    let RatingOutcome::Rated { gate, .. } = out else { panic!("{out:?}") };
+    assert!(matches!(gate, GateDecision::CoolingDown { windows_since_move: 1, cooldown_windows: 10 }), "{gate:?}");
+    assert_eq!(prod().await, 2);
 }
 
 /// Migration 0013 on a database with data (SQLite rebuilds `prompts` under
