@@ -67,6 +67,14 @@ impl Fit {
     }
 }
 
+/// Default `max_batch`. Measured (`scripts/bench-learn`, its max_batch section,
+/// simulated LLM): the time to learn a backlog keeps falling up to a ceiling of
+/// 1,024 and beyond, at the product's client concurrency (64) and at a large
+/// one, with retention unchanged; what grows is the round's record (about
+/// 0.75 KiB per trace: 776 KiB at 1,024, past 1 MiB beyond) and what one failed
+/// round puts back to pending. 1,024 keeps a round's record under 1 MiB.
+pub const DEFAULT_MAX_BATCH: u32 = 1024;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ControllerConfig {
@@ -90,7 +98,7 @@ impl Default for ControllerConfig {
     fn default() -> Self {
         Self {
             min_batch: 4,
-            max_batch: 256,
+            max_batch: DEFAULT_MAX_BATCH,
             max_round_secs: 300.0,
             target_retention: DEFAULT_TARGET_RETENTION,
             default_batch: 16,
@@ -346,7 +354,7 @@ mod tests {
 
     #[test]
     fn with_quality_assured_a_round_takes_everything_pending_up_to_max_batch() {
-        let cfg = ControllerConfig::default();
+        let cfg = ControllerConfig { max_batch: 256, ..ControllerConfig::default() };
         // Round time nearly flat (the simulator): no time bound below max_batch.
         let samples = rounds(&[20, 20, 180], 0.5, 0.03);
         let c = choose(&samples, 90, &holds(), &cfg);
@@ -371,7 +379,7 @@ mod tests {
 
     #[test]
     fn round_time_bounds_the_batch_by_max_round_secs() {
-        let cfg = ControllerConfig { max_round_secs: 60.0, ..ControllerConfig::default() };
+        let cfg = ControllerConfig { max_round_secs: 60.0, max_batch: 256, ..ControllerConfig::default() };
         // R(bs) = 2·bs^0.5: 60 s at bs = 900 > max_batch; at max_round_secs 20: bs = 100.
         let samples = rounds(&[10, 40, 90], 2.0, 0.5);
         assert_eq!(choose(&samples, 5000, &holds(), &cfg).cap, 256);
