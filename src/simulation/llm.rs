@@ -62,6 +62,12 @@
 //!   `untrusted-arms` fence) that carries an insight the champion's prompt does
 //!   not hold, each insight once. Any other request gets a fixed JSON note.
 //!
+//! - **Citations and level 2 that go wrong** (drawn per request from its content,
+//!   so a corrective retry draws the same): `rate_no_sources` answers cite no
+//!   `sources`, `rate_wrong_sources` cite the next reflection of the group instead
+//!   of the right one; `rate_unreadable_level2` consolidations answer in the older
+//!   operations shape and passage merges in prose.
+//!
 //! `GET /v1/sim/stats` reports calls per task and faults injected.
 
 use std::collections::BTreeMap;
