@@ -73,6 +73,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/traces/{id}/quarantine", post(traces::quarantine_trace).delete(traces::release_trace))
         .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
         .route("/v1/otlp/v1/traces", post(otlp::export_traces))
+        .route("/v1/otlp/v1/logs", post(otlp::export_logs))
         .route("/v1/prompts/{name}/traces/requeue", post(traces::requeue_failed))
         .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))

@@ -66,7 +66,7 @@ impl utoipa::Modify for BearerAuth {
         super::versions::diff_versions, super::labels::list_labels, super::labels::move_label,
         super::labels::delete_label, super::labels::rollback, super::label_history::label_history, super::prompts::get_population,
         super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
-        super::otlp::export_traces,
+        super::otlp::export_traces, super::otlp::export_logs,
         super::traces::requeue_failed,
         super::traces::quarantine_trace, super::traces::release_trace, super::traces::delete_trace, super::traces::quarantine_traces,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
