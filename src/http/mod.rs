@@ -9,6 +9,7 @@ pub mod extract;
 pub mod keys;
 pub mod label_history;
 pub mod labels;
+pub mod langfuse;
 pub mod openapi;
 pub mod ops;
 pub mod otlp;
@@ -81,6 +82,9 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
         .route("/v1/openapi.json", get(ops::openapi))
+        // For Langfuse SDKs pointed at combee (see http/langfuse.rs).
+        .route("/api/public/v2/prompts/{name}", get(langfuse::get_prompt))
+        .route("/api/public/otel/v1/traces", post(langfuse::export_traces))
 }
 
 /// The route table as served: the API's fallbacks (problem documents) and

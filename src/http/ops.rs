@@ -52,6 +52,11 @@ impl utoipa::Modify for BearerAuth {
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("cmb_…").build()),
         );
+        // The Langfuse-compatible routes: the key's prefix and the key as a Basic pair.
+        components.add_security_scheme(
+            "basic",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Basic).build()),
+        );
     }
 }
 
@@ -74,6 +79,7 @@ impl utoipa::Modify for BearerAuth {
         super::controller::get_controller, super::outcomes::prompt_metrics,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
+        super::langfuse::get_prompt, super::langfuse::export_traces,
     ),
     modifiers(&BearerAuth)
 )]

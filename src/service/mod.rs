@@ -4,6 +4,7 @@
 
 pub mod controller;
 pub mod error;
+pub mod langfuse;
 pub mod pagination;
 pub mod prompts;
 pub mod rounds;
