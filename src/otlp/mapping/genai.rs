@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 
 use super::{
     SpanContent, attr, fill,
-    values::{as_f64, first_structured, get, int_attr, structured},
+    values::{any_to_json, as_f64, first_structured, get, int_attr, structured},
 };
 
 /// Events that carry one input message each, and the role they imply.
@@ -80,7 +80,9 @@ fn indexed_messages(attrs: &[KeyValue], prefix: &str) -> Option<Value> {
         let (Ok(index), Some(v)) = (index.parse::<u64>(), kv.value.as_ref().and_then(|v| v.value.as_ref())) else {
             continue;
         };
-        by_index.entry(index).or_default().insert(field.to_owned(), structured(v));
+        // Message text stays text even when it happens to be JSON.
+        let value = if field == "content" { any_to_json(v, 0) } else { structured(v) };
+        by_index.entry(index).or_default().insert(field.to_owned(), value);
     }
     (!by_index.is_empty()).then(|| Value::Array(by_index.into_values().map(Value::Object).collect()))
 }
@@ -89,8 +91,10 @@ fn event_message(attrs: &[KeyValue], role: Option<&str>) -> Value {
     let mut msg: Map<String, Value> = Map::new();
     for kv in attrs.iter().filter(|kv| !EVENT_NOISE.contains(&kv.key.as_str())) {
         if let Some(v) = kv.value.as_ref().and_then(|v| v.value.as_ref()) {
-            // The first of a repeated key wins (a log record's body before its attributes).
-            msg.entry(kv.key.clone()).or_insert_with(|| structured(v));
+            // The first of a repeated key wins (a log record's body before its
+            // attributes); message text stays text even when it is JSON.
+            let value = if kv.key == "content" { any_to_json(v, 0) } else { structured(v) };
+            msg.entry(kv.key.clone()).or_insert(value);
         }
     }
     if let Some(role) = role {

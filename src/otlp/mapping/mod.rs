@@ -529,9 +529,10 @@ fn map_trace(trace_id: &str, mut records: Vec<Record>, limits: TraceLimits) -> R
     let (mut input_tokens, mut output_tokens) = (None::<i64>, None::<i64>);
     let mut models = BTreeSet::new();
     let (mut conversation, mut session, mut user) = (None, None, None);
-    for r in &records {
+    let facts: Vec<SpanFacts> = records.iter().map(|r| span_facts(&r.span, trace_start)).collect::<Result<_, _>>()?;
+    let repeats_usage = usage_repeaters(&records, &facts);
+    for ((r, f), repeats) in records.iter().zip(facts).zip(repeats_usage) {
         let s = &r.span;
-        let f = span_facts(s, trace_start)?;
         if explicit_input.is_none() {
             explicit_input = f.explicit_input;
         }
@@ -551,10 +552,10 @@ fn map_trace(trace_id: &str, mut records: Vec<Record>, limits: TraceLimits) -> R
         if first_error.is_none() {
             first_error = f.error.map(|e| format!("span {:?}: {e}", clip(s.name.clone(), 80)));
         }
-        if let Some(t) = f.input_tokens {
+        if let (Some(t), false) = (f.input_tokens, repeats) {
             input_tokens = Some(input_tokens.unwrap_or(0).saturating_add(t));
         }
-        if let Some(t) = f.output_tokens {
+        if let (Some(t), false) = (f.output_tokens, repeats) {
             output_tokens = Some(output_tokens.unwrap_or(0).saturating_add(t));
         }
         models.extend(f.model);
@@ -632,6 +633,33 @@ fn map_trace(trace_id: &str, mut records: Vec<Record>, limits: TraceLimits) -> R
         metadata: Some(Value::Object(metadata)),
     };
     trace.validate(limits).map_err(|e| Unmapped::Invalid(e.to_string()))
+}
+
+/// Which spans repeat usage their descendants report: an agent's span (or
+/// the Vercel AI SDK's top span) often carries the sum of its model calls'
+/// usage, which must not be counted twice. Only spans without a descendant
+/// that reports usage count toward the trace's totals.
+fn usage_repeaters(records: &[Record], facts: &[SpanFacts]) -> Vec<bool> {
+    let parent: HashMap<&[u8], &[u8]> = records
+        .iter()
+        .filter(|r| !r.span.span_id.is_empty())
+        .map(|r| (r.span.span_id.as_slice(), r.span.parent_span_id.as_slice()))
+        .collect();
+    let mut repeaters = std::collections::HashSet::new();
+    for (r, f) in records.iter().zip(facts) {
+        if f.input_tokens.is_none() && f.output_tokens.is_none() {
+            continue;
+        }
+        // Walk up (bounded: a malformed trace may link spans in a circle).
+        let mut at = r.span.parent_span_id.as_slice();
+        for _ in 0..records.len() {
+            if at.is_empty() || !repeaters.insert(at) {
+                break;
+            }
+            at = parent.get(at).copied().unwrap_or_default();
+        }
+    }
+    records.iter().map(|r| repeaters.contains(r.span.span_id.as_slice())).collect()
 }
 
 /// The system messages of a message list (a step's `system_instructions`

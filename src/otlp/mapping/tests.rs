@@ -580,3 +580,19 @@ fn content_reads_the_same_as_json_text_or_structured_values() {
     assert_eq!(m.traces.len(), 2);
     assert_eq!(m.traces[0].trace.input, m.traces[1].trace.input);
 }
+
+#[test]
+fn usage_an_agent_span_repeats_from_its_calls_is_counted_once() {
+    let usage = |n: i64| vec![i(attr::INPUT_TOKENS, n), i(attr::OUTPUT_TOKENS, 1)];
+    let mut root_attrs = usage(10);
+    root_attrs.extend([s(attr::PROMPT_NAME, "p"), s(attr::LEGACY_PROMPT, "q")]);
+    let root = span(28, 1, None, 0, root_attrs); // the agent: the sum of its calls
+    let step = span(28, 2, Some(1), 1, vec![]);
+    let first = span(28, 3, Some(2), 2, usage(4));
+    let second = span(28, 4, Some(1), 3, usage(6));
+    let t = one(map_request(&request(vec![], vec![root, step, first, second]), LIMITS)).trace;
+    assert_eq!(
+        (t.metadata["otel"]["input_tokens"].as_i64(), t.metadata["otel"]["output_tokens"].as_i64()),
+        (Some(10), Some(2))
+    );
+}

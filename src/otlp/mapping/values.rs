@@ -96,7 +96,8 @@ pub(super) fn parse_version(key: &str, v: &Any) -> Result<i64, String> {
 
 /// Flattened attributes under `prefix` (`prefix.0.message.role`, …) gathered
 /// into nested JSON: dotted segments become objects, numeric segments array
-/// positions (in index order). `None` when no attribute has the prefix.
+/// positions (in index order); JSON text in a value is parsed, except in a
+/// message's `content` or `text`. `None` when no attribute has the prefix.
 pub(super) fn unflatten(attrs: &[KeyValue], prefix: &str) -> Option<Value> {
     let mut root = Value::Null;
     let mut any = false;
@@ -104,7 +105,10 @@ pub(super) fn unflatten(attrs: &[KeyValue], prefix: &str) -> Option<Value> {
         let Some(rest) = kv.key.strip_prefix(prefix).and_then(|r| r.strip_prefix('.')) else { continue };
         let Some(v) = kv.value.as_ref().and_then(|v| v.value.as_ref()) else { continue };
         any = true;
-        insert_path(&mut root, rest.split('.'), structured(v));
+        // Message text stays text even when it happens to be JSON.
+        let leaf =
+            if rest.ends_with(".content") || rest.ends_with(".text") { any_to_json(v, 0) } else { structured(v) };
+        insert_path(&mut root, rest.split('.'), leaf);
     }
     any.then(|| sparse_to_arrays(root))
 }
@@ -186,14 +190,14 @@ mod tests {
         let attrs = vec![
             kv("llm.input_messages.10.message.role", "user"),
             kv("llm.input_messages.2.message.role", "system"),
-            kv("llm.input_messages.2.message.content", "be brief"),
+            kv("llm.input_messages.2.message.content", "{\"json\": \"text stays text\"}"),
             kv("llm.input_messages.10.message.tool_calls.0.tool_call.function.name", "lookup"),
             kv("llm.input_messages_other", "not under the prefix"),
         ];
         assert_eq!(
             unflatten(&attrs, "llm.input_messages").unwrap(),
             json!([
-                {"message": {"role": "system", "content": "be brief"}},
+                {"message": {"role": "system", "content": "{\"json\": \"text stays text\"}"}},
                 {"message": {"role": "user", "tool_calls": [{"tool_call": {"function": {"name": "lookup"}}}]}}
             ])
         );

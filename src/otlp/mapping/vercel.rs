@@ -56,15 +56,11 @@ pub(super) fn read(span: &Span, c: &mut SpanContent) {
             c.tool_call.entry(name).or_insert_with(|| structured(v));
         }
     }
-    // The top span repeats its model calls' usage: count it on the calls only.
-    if span.name.ends_with(".doGenerate") || span.name.ends_with(".doStream") {
-        fill(&mut c.input_tokens, || {
-            int_attr(a, "ai.usage.inputTokens").or_else(|| int_attr(a, "ai.usage.promptTokens"))
-        });
-        fill(&mut c.output_tokens, || {
-            int_attr(a, "ai.usage.outputTokens").or_else(|| int_attr(a, "ai.usage.completionTokens"))
-        });
-    }
+    // The top span repeats its model calls' usage; the trace's totals skip it.
+    fill(&mut c.input_tokens, || int_attr(a, "ai.usage.inputTokens").or_else(|| int_attr(a, "ai.usage.promptTokens")));
+    fill(&mut c.output_tokens, || {
+        int_attr(a, "ai.usage.outputTokens").or_else(|| int_attr(a, "ai.usage.completionTokens"))
+    });
 }
 
 /// `ai.prompt` is `{"system"?, "prompt" | "messages"}`; `ai.prompt.messages`
@@ -117,7 +113,6 @@ mod tests {
             json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "where is order 7?"}])
         );
         assert_eq!(c.output.unwrap(), json!("it shipped"));
-        assert_eq!(c.input_tokens, None, "the top span's usage repeats its calls'");
 
         let call = Span {
             name: "ai.generateText.doGenerate".into(),
