@@ -5,6 +5,7 @@
 
 pub mod controller;
 pub mod error;
+pub mod export;
 pub mod extract;
 pub mod keys;
 pub mod label_history;
@@ -76,6 +77,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/otlp/v1/traces", post(otlp::export_traces))
         .route("/v1/otlp/v1/logs", post(otlp::export_logs))
         .route("/v1/prompts/{name}/traces/requeue", post(traces::requeue_failed))
+        .route("/v1/prompts/{name}/export", get(export::export_traces))
         .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))
         .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))

@@ -79,7 +79,7 @@ impl utoipa::Modify for BearerAuth {
         super::controller::get_controller, super::outcomes::prompt_metrics,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
-        super::langfuse::get_prompt, super::langfuse::export_traces,
+        super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
     ),
     modifiers(&BearerAuth)
 )]

@@ -4,6 +4,7 @@
 
 pub mod controller;
 pub mod error;
+pub mod export;
 pub mod langfuse;
 pub mod pagination;
 pub mod prompts;

@@ -9,6 +9,7 @@ mod common;
 mod api;
 mod cli;
 mod cli_client;
+mod export;
 mod key_revocation;
 mod langfuse;
 mod learning;

@@ -1,0 +1,116 @@
+//! Dataset export against the real server on both stores: the three shapes,
+//! the filters (version, label, time, reward), an export longer than one
+//! store page read back line by line, quarantined traces left out, and bad
+//! filters as problems. (A real consumer, pyarrow, reads exports in the
+//! ecosystem tests.)
+
+use crate::common;
+
+use common::{Backend, TestApp, expect_problem, spawn_app_with};
+use serde_json::{Value, json};
+
+async fn post_traces(app: &TestApp, traces: Vec<Value>) {
+    for chunk in traces.chunks(500) {
+        let res = app.post("/v1/traces", json!({"traces": chunk})).send().await.unwrap();
+        assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    }
+}
+
+async fn export(app: &TestApp, query: &str) -> Vec<Value> {
+    let res = app.get(&format!("/v1/prompts/shop/export{query}")).send().await.unwrap();
+    assert_eq!(res.status(), 200, "{query}");
+    assert_eq!(res.headers()["content-type"], "application/x-ndjson");
+    let text = res.text().await.unwrap();
+    assert!(text.is_empty() || text.ends_with('\n'));
+    text.lines().map(|l| serde_json::from_str(l).expect("one JSON record per line")).collect()
+}
+
+fn run(i: usize, version: Option<i64>, feedback: Value) -> Value {
+    json!({
+        "prompt": "shop", "prompt_version": version,
+        "input": {"question": format!("question {i}")},
+        "trajectory": [{"role": "assistant", "content": format!("answer {i}")}],
+        "output": format!("answer {i}"),
+        "feedback": feedback,
+    })
+}
+
+async fn exports_stream_every_shape_with_filters(b: Backend) {
+    let app = spawn_app_with(b, |s| s.limits.max_traces_per_batch = 500).await;
+    let res = app
+        .post("/v1/prompts", json!({"name": "shop", "base": "You sell {item}.", "promotion": "manual"}))
+        .send()
+        .await;
+    assert_eq!(res.unwrap().status(), 201);
+    let res =
+        app.post("/v1/prompts/shop/versions", json!({"base": "You sell {item}, kindly.", "labels": ["candidate"]}));
+    assert_eq!(res.send().await.unwrap().status(), 201);
+
+    // 1,100 rewarded traces of version 1 (more than two store pages), some of
+    // version 2, one without a version, one without feedback.
+    let mut traces: Vec<Value> = (0..1100).map(|i| run(i, Some(1), json!({"score": (i % 10) as f64 / 10.0}))).collect();
+    traces.extend((0..5).map(|i| run(2000 + i, Some(2), json!({"success": i % 2 == 0}))));
+    traces.push(run(3000, None, json!({"success": true})));
+    traces.push(run(3001, Some(1), json!({})));
+    post_traces(&app, traces).await;
+
+    let all = export(&app, "").await;
+    assert_eq!(all.len(), 1107);
+    let first = all.iter().find(|t| t["input"]["question"] == "question 0").unwrap();
+    assert_eq!((first["output"].as_str(), first["reward"].as_f64()), (Some("answer 0"), Some(0.0)));
+    assert!(all.windows(2).all(|w| w[0]["id"].as_str() < w[1]["id"].as_str()), "oldest first, each once");
+    assert_eq!(all.iter().filter(|t| t["reward"].is_null()).count(), 1);
+
+    let chat = export(&app, "?format=chat&version=2").await;
+    assert_eq!(chat.len(), 5);
+    assert_eq!(
+        chat[0],
+        json!({"messages": [
+            {"role": "system", "content": "You sell {item}, kindly."},
+            {"role": "user", "content": "{\"question\":\"question 2000\"}"},
+            {"role": "assistant", "content": "answer 2000"},
+        ]})
+    );
+    // By label: the version `candidate` points at now; chat leaves out the trace without a version.
+    assert_eq!(export(&app, "?format=chat&label=candidate").await, chat);
+    assert_eq!(export(&app, "?format=chat").await.len(), 1106);
+
+    let rewards = export(&app, "?format=reward&min_reward=0.85").await;
+    assert_eq!(rewards.len(), 113, "score 0.9 (110), success of version 2 (3); not the one without a version");
+    let r = rewards.iter().find(|r| r["version"] == 2).unwrap();
+    assert_eq!(
+        (r["reward"].as_f64(), r["success"].as_bool(), r["prompt_name"].as_str()),
+        (Some(1.0), Some(true), Some("shop"))
+    );
+    assert_eq!(r["prompt"][0], json!({"role": "system", "content": "You sell {item}, kindly."}));
+    assert_eq!(r["completion"], json!([{"role": "assistant", "content": "answer 2000"}]));
+    assert_eq!(export(&app, "?format=reward&max_reward=0").await.len(), 110 + 2);
+    assert_eq!(export(&app, "?format=reward").await.len(), 1105, "all but the unrewarded and the versionless");
+
+    // Time: nothing before the first trace, everything before the end of time.
+    assert!(export(&app, "?until=2000-01-01T00:00:00Z").await.is_empty());
+    assert_eq!(export(&app, "?since=2000-01-01T00:00:00Z&until=2999-01-01T00:00:00Z").await.len(), 1107);
+
+    // Quarantined traces are never exported.
+    let id = first["id"].as_str().unwrap();
+    assert_eq!(app.post(&format!("/v1/traces/{id}/quarantine"), json!({})).send().await.unwrap().status(), 200);
+    assert_eq!(export(&app, "").await.len(), 1106);
+
+    for (query, status) in [
+        ("?version=1&label=candidate", 400),
+        ("?min_reward=0.9&max_reward=0.1", 400),
+        ("?format=parquet", 400),
+        ("?version=0", 400),
+        ("?since=2030-01-01T00:00:00Z&until=2020-01-01T00:00:00Z", 400),
+        ("?label=nowhere", 404),
+    ] {
+        let res = app.get(&format!("/v1/prompts/shop/export{query}")).send().await.unwrap();
+        expect_problem(res, status).await;
+    }
+    expect_problem(app.get("/v1/prompts/nobody/export").send().await.unwrap(), 404).await;
+    let writer = app.key_with(&["traces:write"]).await;
+    let res = app.http.get(app.url("/v1/prompts/shop/export")).bearer_auth(writer).send().await.unwrap();
+    expect_problem(res, 403).await;
+}
+
+on_both_stores!(exports_stream_every_shape_with_filters);
