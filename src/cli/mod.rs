@@ -4,6 +4,7 @@
 //! stays a few lines.
 
 pub mod client;
+pub mod export;
 pub mod prompts;
 pub mod rounds;
 pub mod traces;
@@ -81,7 +82,7 @@ pub enum Command {
         #[command(subcommand)]
         command: prompts::PromptsCommand,
     },
-    /// Traces on a running server: import a JSON Lines file, requeue failed traces.
+    /// Traces on a running server: import a JSON Lines file, requeue failed traces, export a dataset.
     #[command(after_help = EXIT_CODES)]
     Traces {
         #[command(flatten)]

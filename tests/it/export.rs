@@ -113,4 +113,40 @@ async fn exports_stream_every_shape_with_filters(b: Backend) {
     expect_problem(res, 403).await;
 }
 
+/// `combee traces export`: stdout or a file, the count on stderr, exit codes.
+async fn the_cli_streams_an_export_to_a_file(b: Backend) {
+    let app = spawn_app_with(b, |_| {}).await;
+    let res = app.post("/v1/prompts", json!({"name": "shop", "base": "You sell {item}."})).send().await;
+    assert_eq!(res.unwrap().status(), 201);
+    post_traces(&app, (0..3).map(|i| run(i, Some(1), json!({"score": i as f64}))).collect()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("chat.jsonl");
+    let cli = |args: Vec<String>| {
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_combee"))
+            .args(args)
+            .env("COMBEE_URL", &app.base)
+            .env("COMBEE_API_KEY", &app.admin_key)
+            .env_remove("COMBEE_CONFIG_DIR")
+            .output()
+    };
+    let args = |extra: &[&str]| {
+        let mut a: Vec<String> = ["traces", "export", "shop"].map(String::from).to_vec();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let out = cli(args(&["--format", "reward", "--min-reward", "1", "-o", file.to_str().unwrap()])).await.unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exported 2 record(s) of shop"));
+    let lines: Vec<Value> =
+        std::fs::read_to_string(&file).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.iter().map(|l| l["reward"].as_f64().unwrap()).collect::<Vec<_>>(), [1.0, 2.0]);
+    assert!(!dir.path().join("chat.jsonl.partial").exists());
+
+    let out = cli(args(&[])).await.unwrap();
+    assert_eq!(String::from_utf8(out.stdout).unwrap().lines().count(), 3);
+    let out = cli(args(&["--label", "nowhere"])).await.unwrap();
+    assert_eq!(out.status.code(), Some(2), "404 is exit code 2");
+}
+
 on_both_stores!(exports_stream_every_shape_with_filters);
+on_one_store!(cli_streams_an_export: the_cli_streams_an_export_to_a_file(Sqlite));
