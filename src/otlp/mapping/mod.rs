@@ -43,7 +43,7 @@ use records::Record;
 use values::{any_to_json, clip, get, parse_version, string_attr, structured};
 
 /// The attribute names combee itself defines, and the GenAI ones every
-/// convention module shares (all documented in docs/integrations.md).
+/// convention module shares (documented in docs/opentelemetry.md and docs/integrations.md).
 pub mod attr {
     pub const PROMPT_NAME: &str = "gen_ai.prompt.name";
     pub const PROMPT_VERSION: &str = "gen_ai.prompt.version";
