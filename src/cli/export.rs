@@ -32,8 +32,8 @@ pub struct ExportArgs {
     /// The record shape.
     #[arg(long, value_enum, default_value = "combee")]
     pub format: Shape,
-    /// Only traces that ran with this version.
-    #[arg(long, conflicts_with = "label")]
+    /// Only traces that ran with this version (with --label too: only while the label points at it).
+    #[arg(long)]
     pub version: Option<u32>,
     /// Only traces that ran with the version this label points at now.
     #[arg(long)]

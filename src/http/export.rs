@@ -32,7 +32,8 @@ pub struct ExportQueryParams {
     pub format: Option<ExportFormat>,
     /// Only traces that ran with this version.
     pub version: Option<i64>,
-    /// Only traces that ran with the version this label points at now (not with `version`).
+    /// Only traces that ran with the version this label points at now; with
+    /// `version` too, that version only while the label points at it (else 404).
     pub label: Option<String>,
     /// Only traces received at or after this time (RFC 3339).
     pub since: Option<DateTime<Utc>>,
@@ -49,7 +50,8 @@ pub struct ExportQueryParams {
 /// One record per line, oldest trace first, streamed in constant memory
 /// (`Content-Type: application/x-ndjson`). A trace's reward is its
 /// `feedback.score`, else 1 for `success: true` and 0 for `false`; with
-/// `min_reward` or `max_reward`, traces without a reward are left out. `chat`
+/// `min_reward` or `max_reward`, traces without a reward are left out
+/// (filters that cannot both hold match nothing). `chat`
 /// and `reward` records carry the system prompt of the version the trace
 /// ran with, so traces without a version or an output are left out of them
 /// (and traces without a reward out of `reward`). Quarantined traces are
@@ -59,8 +61,8 @@ pub struct ExportQueryParams {
     params(("name" = String, Path), ExportQueryParams),
     responses(
         (status = 200, description = "JSON Lines, one record per line", content_type = "application/x-ndjson", body = String),
-        (status = 400, body = super::error::Problem, description = "a bad filter: `version` with `label`, `min_reward` above `max_reward`, `since` not before `until`"),
-        (status = 404, body = super::error::Problem, description = "no such prompt, or no such label"),
+        (status = 400, body = super::error::Problem, description = "a bad filter (a malformed time, number, label or format)"),
+        (status = 404, body = super::error::Problem, description = "no such prompt or label, or the label does not point at `version`"),
     ),
     security(("bearer" = ["prompts:read"])))]
 pub async fn export_traces(

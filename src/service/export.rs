@@ -76,41 +76,37 @@ pub struct Exporter {
 }
 
 /// Checks the request and prepares the export: 404 for an unknown prompt or
-/// label, 400 for contradicting filters.
+/// label (or a label that does not point at the `version` also given).
 pub async fn start(st: &AppState, prompt: &str, req: ExportRequest) -> ServiceResult<Exporter> {
     let name = parse_name(prompt)?;
     if st.store.get_prompt(&name).await?.is_none() {
         return Err(ServiceError::not_found(format_args!("prompt {name:?}")));
     }
-    if let (Some(lo), Some(hi)) = (req.min_reward, req.max_reward)
-        && lo > hi
-    {
-        return Err(ServiceError::BadRequest("`min_reward` is above `max_reward`".into()));
-    }
+    // Filters that cannot both hold (`min_reward` above `max_reward`, `since`
+    // not before `until`) simply match nothing, as in `GET /v1/traces`.
     if [req.min_reward, req.max_reward].into_iter().flatten().any(|r| !r.is_finite()) {
         return Err(ServiceError::BadRequest("`min_reward` and `max_reward` must be finite numbers".into()));
     }
-    if let (Some(since), Some(until)) = (req.since, req.until)
-        && since >= until
-    {
-        return Err(ServiceError::BadRequest("`since` must be before `until`".into()));
-    }
-    let version = match (req.version, req.label.as_deref()) {
-        (Some(_), Some(_)) => {
-            return Err(ServiceError::BadRequest("give `version` or `label`, not both".into()));
+    let by_label = |label: &str| -> ServiceResult<Selector> {
+        if label == LabelName::LATEST {
+            return Ok(Selector::Latest);
         }
-        (Some(v), None) if v < 1 => return Err(ServiceError::BadRequest("`version` must be at least 1".into())),
+        LabelName::parse(label).map(Selector::Label).map_err(|e| ServiceError::BadRequest(e.to_string()))
+    };
+    let version = match (req.version, req.label.as_deref()) {
+        (Some(v), _) if v < 1 => return Err(ServiceError::BadRequest("`version` must be at least 1".into())),
         (Some(v), None) => Some(v),
-        (None, Some(label)) => {
-            let selector = if label == LabelName::LATEST {
-                Selector::Latest
-            } else {
-                Selector::Label(LabelName::parse(label).map_err(|e| ServiceError::BadRequest(e.to_string()))?)
-            };
-            let resolved = st.store.resolve(&name, &selector).await?;
-            let resolved =
-                resolved.ok_or_else(|| ServiceError::not_found(format_args!("label {label:?} of prompt {name:?}")))?;
-            Some(resolved.version.number)
+        (v, Some(label)) => {
+            let resolved = st.store.resolve(&name, &by_label(label)?).await?;
+            let at = resolved.map(|r| r.version.number);
+            match (at, v) {
+                (None, _) => return Err(ServiceError::not_found(format_args!("label {label:?} of prompt {name:?}"))),
+                // Both: that version, only while the label points at it (as `GET /v1/prompts/{name}`).
+                (Some(at), Some(v)) if at != v => {
+                    return Err(ServiceError::NotFound(format!("label {label:?} does not point at version {v}")));
+                }
+                (Some(at), _) => Some(at),
+            }
         }
         (None, None) => None,
     };

@@ -96,12 +96,16 @@ async fn exports_stream_every_shape_with_filters(b: Backend) {
     assert_eq!(app.post(&format!("/v1/traces/{id}/quarantine"), json!({})).send().await.unwrap().status(), 200);
     assert_eq!(export(&app, "").await.len(), 1106);
 
+    // Filters that cannot both hold match nothing; both a version and a label: while it points there.
+    assert!(export(&app, "?min_reward=0.9&max_reward=0.1").await.is_empty());
+    assert!(export(&app, "?since=2030-01-01T00:00:00Z&until=2020-01-01T00:00:00Z").await.is_empty());
+    assert_eq!(export(&app, "?format=chat&version=2&label=candidate").await, chat);
     for (query, status) in [
-        ("?version=1&label=candidate", 400),
-        ("?min_reward=0.9&max_reward=0.1", 400),
+        ("?version=1&label=candidate", 404),
         ("?format=parquet", 400),
         ("?version=0", 400),
-        ("?since=2030-01-01T00:00:00Z&until=2020-01-01T00:00:00Z", 400),
+        ("?min_reward=inf", 400),
+        ("?since=yesterday", 400),
         ("?label=nowhere", 404),
     ] {
         let res = app.get(&format!("/v1/prompts/shop/export{query}")).send().await.unwrap();
