@@ -154,3 +154,61 @@ async fn the_cli_streams_an_export_to_a_file(b: Backend) {
 
 on_both_stores!(exports_stream_every_shape_with_filters);
 on_one_store!(cli_streams_an_export: the_cli_streams_an_export_to_a_file(Sqlite));
+
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Memory while exporting, small and large: the server's resident memory
+/// during the download barely moves while the body grows tenfold. Prints the
+/// figures. Run: `cargo nextest run -E 'test(/export::measure/)' --run-ignored only --no-capture`.
+async fn measure_export_memory(b: Backend) {
+    let app = spawn_app_with(b, |s| {
+        s.limits.max_traces_per_batch = 500;
+        s.limits.max_body_bytes = 8 << 20;
+    })
+    .await;
+    let res = app.post("/v1/prompts", json!({"name": "shop", "base": "You sell {item}."})).send().await;
+    assert_eq!(res.unwrap().status(), 201);
+    let pad = "x".repeat(1500);
+    let mut sent = 0;
+    for n in [2_000, 20_000] {
+        let traces: Vec<Value> = (sent..n)
+            .map(|i| json!({"prompt": "shop", "prompt_version": 1, "input": {"q": i, "pad": pad}, "output": "a", "feedback": {"score": 1.0}}))
+            .collect();
+        post_traces(&app, traces).await;
+        sent = n;
+        let before = rss_kib();
+        let mut res = app.get("/v1/prompts/shop/export").send().await.unwrap();
+        let (mut bytes, mut peak) = (0_usize, before);
+        while let Some(chunk) = res.chunk().await.unwrap() {
+            bytes += chunk.len();
+            peak = peak.max(rss_kib());
+        }
+        eprintln!(
+            "{b:?}: exported {n} traces, {:.1} MiB, in-process resident memory {:.1} MiB before, peak {:.1} MiB during (+{:.1} MiB)",
+            bytes as f64 / 1048576.0,
+            before as f64 / 1024.0,
+            peak as f64 / 1024.0,
+            (peak - before) as f64 / 1024.0
+        );
+    }
+}
+
+mod measure {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement that prints figures"]
+    async fn export_memory_postgres() {
+        super::measure_export_memory(super::Backend::Postgres).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement that prints figures"]
+    async fn export_memory_sqlite() {
+        super::measure_export_memory(super::Backend::Sqlite).await
+    }
+}
