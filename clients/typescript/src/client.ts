@@ -305,6 +305,34 @@ export class Combee {
   }
 
   /**
+   * Records one run of `fn` as a trace: `run.step(…)` appends to its
+   * trajectory, `run.feedback(…)` sets feedback, and what `fn` returns is the
+   * output (unless `run.output` was set). An error thrown by `fn` is recorded
+   * (`feedback.error`, `success: false` unless set) and thrown again. The
+   * trace is queued when `fn` settles; its handle is `run.handle`.
+   */
+  async trace<T>(prompt: Prompt | string, input: unknown, fn: (run: Run) => T | Promise<T>, metadata?: Record<string, unknown>): Promise<T> {
+    const run = new Run();
+    try {
+      const result = await fn(run);
+      if (run.output === undefined) run.output = result;
+      return result;
+    } catch (e) {
+      const message = e instanceof Error ? `${e.name}: ${e.message}` : String(e);
+      run.feedback({ error: message.slice(0, 4000), ...run.feedbackSoFar, success: run.feedbackSoFar.success ?? false });
+      throw e;
+    } finally {
+      run.handle = this.logTrace(prompt, {
+        input: input ?? {},
+        output: run.output,
+        trajectory: run.trajectory.length ? run.trajectory : undefined,
+        feedback: Object.keys(run.feedbackSoFar).length ? run.feedbackSoFar : undefined,
+        metadata,
+      });
+    }
+  }
+
+  /**
    * Late feedback on a trace: by its handle (sent once the trace is stored,
    * even if that is later) or by its server id. Fields given replace earlier ones.
    */
@@ -553,6 +581,31 @@ export class Combee {
       this.stats.retries += 1;
       await sleep(backoffMs(1, this.#maxBackoffMs), this.#forcing > 0);
     }
+  }
+}
+
+/** One run being recorded by `client.trace`. */
+export class Run {
+  /** The output; defaults to what the recorded function returns. */
+  output: unknown = undefined;
+  readonly trajectory: unknown[] = [];
+  /** The queued trace, once the run has ended. */
+  handle: TraceHandle | null = null;
+  #feedback: Feedback = {};
+
+  /** Appends one message, step or tool call to the trajectory. */
+  step(item: unknown): void {
+    this.trajectory.push(item);
+  }
+
+  /** Sets feedback fields (`score`, `success`, `groundTruth`, `comment`, `error`). */
+  feedback(fields: Feedback): void {
+    feedbackBody(fields); // refuses unknown fields here, at the call site
+    this.#feedback = { ...this.#feedback, ...fields };
+  }
+
+  get feedbackSoFar(): Feedback {
+    return { ...this.#feedback };
   }
 }
 

@@ -82,6 +82,35 @@ test('a rejected trace does not take its batch down; bad calls fail at the call 
   await client.close();
 });
 
+test('client.trace records a run, its steps and a thrown error', async () => {
+  const client = new Combee({ baseUrl: server.url, apiKey: server.adminKey, logger: quiet });
+  const prompt = await client.getPrompt('agent');
+  let ok;
+  const answer = await client.trace(prompt, { q: 'traced run' }, (run) => {
+    ok = run;
+    run.step({ role: 'tool', content: 'looked it up' });
+    run.feedback({ success: true });
+    return 'found it';
+  });
+  assert.equal(answer, 'found it');
+  let failed;
+  await assert.rejects(
+    client.trace('agent', { q: 'traced failure' }, async (run) => {
+      failed = run;
+      throw new RangeError('no such order');
+    }),
+    RangeError,
+  );
+  assert.throws(() => ok.feedback({ stars: 1 }), TypeError);
+  await client.flush(10);
+  const stored = await server.traces('agent');
+  const good = stored.find((t) => t.id === ok.handle.id);
+  assert.deepEqual([good.output, good.trajectory, good.feedback, good.prompt_version], ['found it', [{ role: 'tool', content: 'looked it up' }], { success: true }, 1]);
+  const bad = stored.find((t) => t.id === failed.handle.id);
+  assert.deepEqual(bad.feedback, { success: false, error: 'RangeError: no such order' });
+  await client.close();
+});
+
 test('a full queue drops new traces and never blocks', () => {
   const client = new Combee({ baseUrl: 'http://127.0.0.1:9', maxQueue: 2, flushInterval: 3600, logger: quiet });
   const handles = Array.from({ length: 4 }, (_, i) => client.logTrace('agent', { input: i }));
