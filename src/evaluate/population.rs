@@ -22,8 +22,8 @@ pub struct Arm {
     pub scored_traces: u64,
 }
 
-/// Knobs of the population (the server's `[population]`, each overridable per
-/// prompt through `settings.population`).
+/// Knobs of the population (the server's `[population]` in `docs/configuration.md`,
+/// each overridable per prompt through `settings.population`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PopulationPolicy {
     /// Share of traffic all challengers together receive (default 0.2).
@@ -190,7 +190,8 @@ pub enum GateDecision {
     Hold { champion_lower: f64, best_challenger: Option<i64>, best_challenger_lower: Option<f64>, margin: f64 },
 }
 
-/// The promotion gate: the champion changes only when production has not moved
+/// The promotion gate (`docs/evaluated-policy.md`, `docs/learning-controller.md`):
+/// the champion changes only when production has not moved
 /// for `cooldown_windows` rating windows (`windows_since_move`: `None` when it
 /// never moved from one version to another), both sides have at least
 /// `min_traces` scored traces, and a challenger's μ−2σ exceeds the champion's

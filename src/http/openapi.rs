@@ -76,13 +76,18 @@ pub fn finish(doc: &mut Value) {
             json!({"oneOf": [{"$ref": "#/components/schemas/TraceBatch"}, {"$ref": "#/components/schemas/NewTrace"}]});
     }
     // The OTLP JSON encoding of an export: an object (unknown members are ignored).
-    if let Some(content) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody/content") {
-        content["application/json"] = json!({"schema": {"type": "object",
-            "properties": {"resourceSpans": {"type": "array", "items": {"type": "object"}}}}});
-        content["application/x-protobuf"] = json!({"schema": {"type": "string", "format": "binary"}});
-    }
-    if let Some(body) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody") {
-        body["required"] = json!(true);
+    for (path, member) in [
+        ("/v1/otlp/v1/traces", "resourceSpans"),
+        ("/v1/otlp/v1/logs", "resourceLogs"),
+        ("/api/public/otel/v1/traces", "resourceSpans"),
+    ] {
+        let pointer = format!("/paths/{}/post/requestBody", path.replace('/', "~1"));
+        if let Some(body) = doc.pointer_mut(&pointer) {
+            body["required"] = json!(true);
+            body["content"]["application/json"] = json!({"schema": {"type": "object",
+                "properties": {member: {"type": "array", "items": {"type": "object"}}}}});
+            body["content"]["application/x-protobuf"] = json!({"schema": {"type": "string", "format": "binary"}});
+        }
     }
 }
 

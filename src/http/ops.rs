@@ -52,6 +52,11 @@ impl utoipa::Modify for BearerAuth {
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("cmb_…").build()),
         );
+        // The Langfuse-compatible routes: the key's prefix and the key as a Basic pair.
+        components.add_security_scheme(
+            "basic",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Basic).build()),
+        );
     }
 }
 
@@ -66,7 +71,7 @@ impl utoipa::Modify for BearerAuth {
         super::versions::diff_versions, super::labels::list_labels, super::labels::move_label,
         super::labels::delete_label, super::labels::rollback, super::label_history::label_history, super::prompts::get_population,
         super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
-        super::otlp::export_traces,
+        super::otlp::export_traces, super::otlp::export_logs,
         super::traces::requeue_failed,
         super::traces::quarantine_trace, super::traces::release_trace, super::traces::delete_trace, super::traces::quarantine_traces,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
@@ -74,6 +79,7 @@ impl utoipa::Modify for BearerAuth {
         super::controller::get_controller, super::outcomes::prompt_metrics,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
+        super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
     ),
     modifiers(&BearerAuth)
 )]

@@ -1,4 +1,4 @@
-//! The batch-size controller, as plain functions over plain data: how many
+//! The batch-size controller (`docs/learning-controller.md`), as plain functions over plain data: how many
 //! pending traces the next round of a prompt takes. The worker keeps and
 //! persists the samples and the meter; this module only decides.
 //!

@@ -4,6 +4,8 @@
 
 pub mod controller;
 pub mod error;
+pub mod export;
+pub mod langfuse;
 pub mod pagination;
 pub mod prompts;
 pub mod rounds;

@@ -4,6 +4,7 @@
 //! statement lives next to the store function that runs it.
 
 mod backend;
+pub mod export;
 mod migrate;
 pub mod postgres;
 mod sql;
@@ -614,7 +615,7 @@ pub enum RoundFailure {
 }
 
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: export::ExportStore + Send + Sync + 'static {
     fn kind(&self) -> StoreKind;
     /// Cheap reachability check for `/readyz`.
     async fn ping(&self) -> StoreResult<()>;

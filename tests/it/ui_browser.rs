@@ -562,7 +562,7 @@ async fn sessions_follow_their_key(b: Backend) {
     assert_eq!(res.status(), 405);
 }
 
-/// Issue 8: the reward chart marks `production`'s promotions and rollbacks
+/// The reward chart marks `production`'s promotions and rollbacks
 /// (vertical lines from the label history, the move as tooltip), so a change
 /// in reward can be read against what changed the served version.
 async fn reward_chart_marks_promotions_and_rollbacks(b: Backend) {
