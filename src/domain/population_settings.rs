@@ -10,6 +10,9 @@ use utoipa::ToSchema;
 pub const POPULATION_FIELDS: &[&str] =
     &["explore_share", "min_traces", "max_arms", "crossover_prob", "margin", "cooldown_windows"];
 
+/// The range of `explore_share` (some traffic must go to each side).
+pub const EXPLORE_SHARE_MIN: f64 = 0.001;
+pub const EXPLORE_SHARE_MAX: f64 = 0.999;
 /// Largest `max_arms` a prompt may ask for.
 pub const MAX_ARMS: usize = 32;
 /// Largest `min_traces` and `cooldown_windows` a prompt may ask for.
@@ -20,24 +23,41 @@ pub const MAX_MARGIN: f64 = 100.0;
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PopulationOverrides {
-    /// Share of traffic all challengers together get (0 < x < 1).
+    /// Share of traffic all challengers together get (0.001–0.999).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.001, maximum = 0.999)]
     pub explore_share: Option<f64>,
     /// Scored traces the champion and a challenger each need before the gate may move production.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 1_000_000)]
     pub min_traces: Option<u64>,
     /// Most challengers beside the champion.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 32)]
     pub max_arms: Option<usize>,
     /// Chance per rated window of a crossover (0–1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.0, maximum = 1.0)]
     pub crossover_prob: Option<f64>,
     /// How far (TrueSkill points) a challenger's μ−2σ must exceed the champion's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0.0, maximum = 100.0)]
     pub margin: Option<f64>,
     /// Rating windows production stays after it moved before the gate may move it again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 1_000_000)]
     pub cooldown_windows: Option<u64>,
+}
+
+/// Reads `settings.population` only from a JSON object (serde would also take
+/// an array of the members in order, which no client means).
+pub fn from_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<PopulationOverrides, D::Error> {
+    use serde::de::Error;
+    let v = serde_json::Value::deserialize(d)?;
+    if !v.is_object() {
+        return Err(D::Error::custom("`population` must be an object of population knobs"));
+    }
+    serde_json::from_value(v).map_err(D::Error::custom)
 }
 
 impl PopulationOverrides {
@@ -50,9 +70,12 @@ impl PopulationOverrides {
     pub fn validate(&self) -> Result<(), String> {
         let field = |name: &str| format!("`settings.population.{name}`");
         if let Some(x) = self.explore_share
-            && !(x > 0.0 && x < 1.0)
+            && !(EXPLORE_SHARE_MIN..=EXPLORE_SHARE_MAX).contains(&x)
         {
-            return Err(format!("{} must be a number between 0 and 1 (both excluded)", field("explore_share")));
+            return Err(format!(
+                "{} must be a number from {EXPLORE_SHARE_MIN} to {EXPLORE_SHARE_MAX}",
+                field("explore_share")
+            ));
         }
         if let Some(x) = self.crossover_prob
             && !(0.0..=1.0).contains(&x)
@@ -103,6 +126,9 @@ mod tests {
             assert!(e.contains(word), "{e}");
         }
         assert!(serde_json::from_str::<PopulationOverrides>(r#"{"margins": 1}"#).is_err());
+        let object_only = |text: &str| from_object(&mut serde_json::Deserializer::from_str(text));
+        assert!(object_only("[null, null]").is_err() && object_only("null").is_err());
+        assert_eq!(object_only(r#"{"margin": 1}"#).unwrap().margin, Some(1.0));
         // Every member is listed.
         let v = serde_json::to_value(&ok).unwrap();
         let mut names: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();

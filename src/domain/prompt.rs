@@ -88,7 +88,11 @@ pub struct PromptSettings {
     pub regression_guard: bool,
     /// This prompt's own population knobs under the `evaluated` policy; each
     /// one set replaces the server's `[population]` default.
-    #[serde(default, skip_serializing_if = "PopulationOverrides::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "PopulationOverrides::is_empty",
+        deserialize_with = "super::population_settings::from_object"
+    )]
     pub population: PopulationOverrides,
 }
 

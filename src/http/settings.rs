@@ -71,7 +71,7 @@ impl utoipa::PartialSchema for SettingsPatch {
                     "description": "This prompt's own population knobs (`evaluated` policy); each replaces the server's `[population]` default, `null` resets it.",
                     "additionalProperties": false,
                     "properties": {
-                        "explore_share": {"type": ["number", "null"], "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                        "explore_share": {"type": ["number", "null"], "minimum": crate::domain::population_settings::EXPLORE_SHARE_MIN, "maximum": crate::domain::population_settings::EXPLORE_SHARE_MAX},
                         "min_traces": nullable_int(0, Some(crate::domain::population_settings::MAX_EVIDENCE)),
                         "max_arms": nullable_int(1, Some(crate::domain::population_settings::MAX_ARMS as u64)),
                         "crossover_prob": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
