@@ -226,52 +226,9 @@ impl Worker {
         }
         // Keep the lease alive; losing it cancels the round.
         let lost = stop.child_token();
-        let heartbeat = {
-            let (store, lost) = (self.store.clone(), lost.clone());
-            let every = Duration::from_secs(self.settings.heartbeat_secs);
-            let lease = Duration::from_secs(self.settings.lease_secs);
-            tokio::spawn(async move {
-                loop {
-                    tokio::select! { _ = lost.cancelled() => return, _ = tokio::time::sleep(every) => {} }
-                    match store.heartbeat_round(id, attempt, lease).await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            tracing::warn!(round = %id, "lease lost; abandoning this attempt");
-                            lost.cancel();
-                            return;
-                        }
-                        Err(e) => tracing::warn!(round = %id, error = %e, "heartbeat failed"),
-                    }
-                }
-            })
-        };
+        let heartbeat = self.keep_lease(id, attempt, lost.clone());
         let journal = StoreJournal::new(self.store.clone(), id, attempt, recorded);
-        // The meter changes only when a round of this prompt publishes, so a
-        // retried attempt regroups as the first did.
-        let group_size = match controller::group_size(&self.store, &prompt, &self.controller).await {
-            Ok(g) => g,
-            Err(e) => {
-                tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");
-                crate::learn::sizing::GroupSize::default_because("the overload meter could not be read")
-            }
-        };
-        let spec = RoundSpec {
-            round_id: id,
-            seed: round.seed as u64,
-            method: round.method,
-            strategy: round.strategy,
-            duplication: round.duplication.max(1) as u32,
-            reduce: prompt.settings.reduce,
-            budget: Budget {
-                max_bullets: prompt.settings.max_bullets,
-                max_chars: prompt.settings.max_chars,
-                pinned: prompt.settings.pinned_bullets.clone(),
-                max_removal_share: Some(prompt.settings.max_removal_share),
-            },
-            agent_reflections: prompt.settings.agent_reflections,
-            denylist: self.denylist.clone(),
-            group_size,
-        };
+        let spec = self.spec_for(&round, &prompt).await;
         let started = std::time::Instant::now();
         let result = tokio::select! {
             r = run_round(self.backend.as_ref(), &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
@@ -329,6 +286,59 @@ impl Worker {
                 let faults = unreflected_faults(&journal.detail());
                 self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
             }
+        }
+    }
+
+    /// Renews the round's lease every `heartbeat_secs` until `lost` is cancelled;
+    /// cancels `lost` itself when the lease is gone (another process owns the round).
+    fn keep_lease(&self, id: uuid::Uuid, attempt: i32, lost: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let store = self.store.clone();
+        let every = Duration::from_secs(self.settings.heartbeat_secs);
+        let lease = Duration::from_secs(self.settings.lease_secs);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! { _ = lost.cancelled() => return, _ = tokio::time::sleep(every) => {} }
+                match store.heartbeat_round(id, attempt, lease).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(round = %id, "lease lost; abandoning this attempt");
+                        lost.cancel();
+                        return;
+                    }
+                    Err(e) => tracing::warn!(round = %id, error = %e, "heartbeat failed"),
+                }
+            }
+        })
+    }
+
+    /// What the claimed round is asked to do: its method, seed and duplication,
+    /// the prompt's settings and budget, and the group size the overload meter
+    /// gives it now (the meter changes only when a round of this prompt
+    /// publishes, so a retried attempt regroups as the first did).
+    async fn spec_for(&self, round: &crate::domain::round::Round, prompt: &crate::domain::Prompt) -> RoundSpec {
+        let group_size = match controller::group_size(&self.store, prompt, &self.controller).await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");
+                crate::learn::sizing::GroupSize::default_because("the overload meter could not be read")
+            }
+        };
+        RoundSpec {
+            round_id: round.id,
+            seed: round.seed as u64,
+            method: round.method,
+            strategy: round.strategy,
+            duplication: round.duplication.max(1) as u32,
+            reduce: prompt.settings.reduce,
+            budget: Budget {
+                max_bullets: prompt.settings.max_bullets,
+                max_chars: prompt.settings.max_chars,
+                pinned: prompt.settings.pinned_bullets.clone(),
+                max_removal_share: Some(prompt.settings.max_removal_share),
+            },
+            agent_reflections: prompt.settings.agent_reflections,
+            denylist: self.denylist.clone(),
+            group_size,
         }
     }
 
