@@ -90,7 +90,7 @@ pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Requ
 
 /// Splits the export by trace id and merges each trace id's spans into its
 /// pending trace (one store transaction per trace id; see
-/// [`crate::store::Store::merge_otlp_spans`]), then encodes the answer.
+/// [`crate::store::OtlpStore::merge_otlp_spans`]), then encodes the answer.
 /// A failure part-way is safe to retry: spans stored already are ignored.
 async fn ingest(
     st: &AppState,
