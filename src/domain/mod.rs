@@ -14,6 +14,7 @@ pub mod population;
 pub mod prompt;
 pub mod round;
 pub mod round_detail;
+pub mod span;
 pub mod trace;
 pub mod webhook;
 

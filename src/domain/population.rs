@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::evaluate::trueskill::Rating;
+use crate::evaluate::{population::Arm, trueskill::Rating};
 
 /// Where an arm of a prompt's population stands (policy `evaluated`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize, ToSchema)]
@@ -51,4 +51,10 @@ pub struct PopulationArm {
     pub parents: Vec<i64>,
     /// End of the last rating window this arm took part in.
     pub rated_until: Option<DateTime<Utc>>,
+}
+
+impl From<&PopulationArm> for Arm {
+    fn from(a: &PopulationArm) -> Self {
+        Arm { version: a.version, rating: a.rating, scored_traces: a.scored_traces }
+    }
 }

@@ -79,7 +79,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
-        .route("/v1/openapi.json", get(ops::openapi))
+        .route("/v1/openapi.json", get(openapi::openapi))
 }
 
 /// The route table as served: the API's fallbacks (problem documents) and

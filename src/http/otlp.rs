@@ -7,15 +7,15 @@
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{Caller, body_bytes},
-    traces::limits,
+    extract::{Authorized, body_bytes, scope},
 };
 use crate::{
+    domain::span::OtlpMerge,
     otlp::{
         self, DecodeError, Encoding,
         mapping::{self, Mapping, Rejection},
     },
-    store::{OtlpMerge, Scope},
+    service::traces::{self, limits},
 };
 use axum::{
     extract::{Request, State},
@@ -61,8 +61,11 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
         (status = 503, body = super::error::Problem, description = "the store is unavailable (`Retry-After`); retrying the same export is safe"),
     ),
     security(("bearer" = ["traces:write"])))]
-pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
-    caller.require(Scope::TracesWrite)?;
+pub async fn export_traces(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::TracesWrite>,
+    req: Request,
+) -> ApiResult<Response> {
     let headers = req.headers();
     let encoding = Encoding::from_content_type(headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()))
         .map_err(decode_error)?;
@@ -113,7 +116,7 @@ async fn ingest(
         let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
         let trace_id = Some(group.trace_id.clone());
         // How many of the group's spans were new; the rest were stored before.
-        let new = match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
+        let new = match traces::merge_spans(st, &group.trace_id, &group.spans, &remap).await? {
             OtlpMerge::Created { added, .. } => {
                 created += 1;
                 accepted_spans += added;

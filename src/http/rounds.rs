@@ -15,16 +15,15 @@ use uuid::Uuid;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Caller, body_bytes},
+    extract::{ApiPath, ApiQuery, Authorized, body_bytes, scope},
 };
 use crate::{
     domain::round::{Round, RoundTrigger},
     service::{
         pagination::{PageParams, next_token},
         prompts::{existing_prompt, parse_name},
-        rounds::{RoundView, TriggerRound, open_round, round_view},
+        rounds::{self, RoundView, TriggerRound, open_round, round_view},
     },
-    store::Scope,
     webhooks,
 };
 
@@ -45,11 +44,10 @@ fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
     security(("bearer" = ["rounds:trigger"])))]
 pub async fn trigger_round(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::RoundsTrigger>,
     ApiPath(name): ApiPath<String>,
     req: Request,
 ) -> ApiResult<Response> {
-    caller.require(Scope::RoundsTrigger)?;
     let name = parse_name(&name)?;
     let body = parse_trigger(&body_bytes(req).await?)?;
     let round = open_round(&st, &name, body, RoundTrigger::Api, None)
@@ -123,10 +121,9 @@ fn webhook_reason(e: &webhooks::VerifyError) -> &'static str {
     responses((status = 200, body = RoundView), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
 pub async fn get_round(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<RoundView>> {
-    caller.require(Scope::PromptsRead)?;
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::missing("no such round: ids are UUIDs".into()))?;
     Ok(Json(round_view(&st, id).await?))
 }
@@ -148,11 +145,10 @@ pub struct RoundPage {
     responses((status = 200, body = RoundPage)), security(("bearer" = ["prompts:read"])))]
 pub async fn list_rounds(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<RoundQuery>,
 ) -> ApiResult<Json<RoundPage>> {
-    caller.require(Scope::PromptsRead)?;
     let name = existing_prompt(&st, &name).await?.name;
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before = match page.cursor()? {
@@ -160,7 +156,7 @@ pub async fn list_rounds(
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);
-    let rounds = st.store.list_rounds(Some(&name), before, size).await?;
+    let rounds = rounds::list_rounds(&st, &name, before, size).await?;
     let next_page_token = next_token(&rounds, size, |r| r.id.simple().to_string());
     Ok(Json(RoundPage { rounds, next_page_token }))
 }

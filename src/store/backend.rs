@@ -72,8 +72,6 @@ pub trait Backend: Dialect {
         s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
-        status: u16,
-        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest>;
     /// Takes the lease of the oldest claimable round (see [`RoundStore::claim_round`](super::RoundStore::claim_round)); its id.
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>>;

@@ -31,7 +31,7 @@ use tokio::sync::broadcast;
 pub use controller::{ControllerSample, ControllerStore, MeterCounts};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::LabelStore;
-pub use otlp::{OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan, OtlpStore};
+pub use otlp::OtlpStore;
 pub use population::{PopulationStore, TaskRewards};
 pub use prompts::PromptStore;
 pub use rounds::{Backlog, ClaimedRound, OpenRound, RoundCall, RoundFailure, RoundStore, TraceCharges, TraceFault};
@@ -46,6 +46,7 @@ pub use crate::domain::{
     label::{Label, LabelMove, Resolved, Selector},
     population::{ArmState, PopulationArm},
     prompt::{NewPrompt, PromptSummary},
+    span::{OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan},
     trace::{RequeueFailed, TraceFilter},
     webhook::{DeliveryAttempt, NewWebhook, Webhook},
 };

@@ -66,10 +66,11 @@ pub struct IdempotencyKey<'a> {
 /// How an ingest under an `Idempotency-Key` ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum IdempotentIngest {
-    /// First sighting: the traces and the answer were committed together.
-    Stored { ids: Vec<Uuid>, status: u16, body: Vec<u8> },
-    /// The same request was stored before: replay its answer (nothing stored now).
-    Replay { status: u16, body: Vec<u8> },
+    /// First sighting: the traces and the key were committed together.
+    Stored { ids: Vec<Uuid> },
+    /// The same request was stored before: these are its traces, in request
+    /// order (nothing stored now).
+    Replay { ids: Vec<Uuid> },
     /// The same key was used with another payload (nothing stored).
     Mismatch,
 }
@@ -123,18 +124,16 @@ pub trait TraceStore: Send + Sync {
         until: DateTime<Utc>,
         bucket_secs: i64,
     ) -> StoreResult<Vec<crate::evaluate::outcomes::OutcomeBucket>>;
-    /// Stores traces and remembers the key with its answer (`status`, and the
-    /// body `answer` renders from the new ids) in ONE transaction: an outage
-    /// at any point leaves either both or neither, so a retry either replays
-    /// or stores — never twice, and never a key stuck "in flight". A
-    /// concurrent request with the same key waits for the first to end.
-    /// `Invalid` (nothing stored, key not remembered) as for `insert_traces`.
+    /// Stores traces and remembers the key with their ids in ONE
+    /// transaction: an outage at any point leaves either both or neither, so
+    /// a retry either replays or stores — never twice, and never a key stuck
+    /// "in flight". A concurrent request with the same key waits for the
+    /// first to end. `Invalid` (nothing stored, key not remembered) as for
+    /// `insert_traces`.
     async fn insert_traces_idempotent(
         &self,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
-        status: u16,
-        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest>;
     /// Deletes keys older than the retention; returns how many.
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
@@ -334,10 +333,8 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         &self,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
-        status: u16,
-        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest> {
-        D::insert_traces_idempotent(self, key, traces, status, answer).await
+        D::insert_traces_idempotent(self, key, traces).await
     }
 
     async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {

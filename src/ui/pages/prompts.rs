@@ -11,10 +11,10 @@ pub struct AfterQuery {
 
 pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<AfterQuery>) -> PageResult {
     op.require(Scope::PromptsRead)?;
-    let list = st.store.list_prompts(q.after.as_deref(), PAGE).await?;
+    let list = service::prompts::list_prompts(&st, q.after.as_deref(), PAGE).await?;
     let mut rows = String::new();
     for p in &list {
-        let last = st.store.list_rounds(Some(&p.prompt.name), None, 1).await?;
+        let last = service::rounds::list_rounds(&st, &p.prompt.name, None, 1).await?;
         let last = last.first().map_or_else(
             || r#"<span class="muted">none yet</span>"#.to_owned(),
             |r| {
@@ -80,10 +80,10 @@ pub async fn prompt(
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
-    let production = st.store.resolve(&prompt.name, &Selector::Label(LabelName::production())).await?;
-    let labels = st.store.list_labels(&prompt.name).await?;
-    let versions = st.store.list_versions(&prompt.name, q.before, PAGE).await?;
-    let latest = st.store.resolve(&prompt.name, &Selector::Latest).await?.map_or(0, |r| r.version.number);
+    let production = service::prompts::resolve(&st, &prompt.name, &Selector::Label(LabelName::production())).await?;
+    let labels = service::labels::list_labels(&st, &prompt.name).await?;
+    let versions = service::prompts::list_versions(&st, &prompt.name, q.before, PAGE).await?;
+    let latest = service::prompts::latest_number(&st, &prompt.name).await?;
     let prod_number = production.as_ref().map(|r| r.version.number);
     let can_promote = op.can(Scope::PromptsPromote);
     let n = escape(&url_encode(prompt.name.as_str()));
@@ -187,10 +187,8 @@ pub async fn prompt(
     };
     // Reward over the last 7 days per version (at most the 6 newest with traces).
     let until = chrono::Utc::now();
-    let buckets = st.store.version_outcomes(&prompt.name, until - chrono::Duration::days(7), until, 3_600).await?;
-    let outcomes = crate::evaluate::outcomes::summarize(&buckets, |v| {
-        labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect()
-    });
+    let outcomes =
+        service::outcomes::version_outcomes(&st, &prompt.name, until - chrono::Duration::days(7), until, 3_600).await?;
     let shown: Vec<(String, Vec<(i64, f64)>)> = outcomes
         .iter()
         .take(6)
@@ -208,19 +206,21 @@ pub async fn prompt(
     let series: Vec<plot::RewardSeries<'_>> =
         shown.iter().map(|(name, points)| plot::RewardSeries { name, points }).collect();
     // Production's promotions and rollbacks inside the chart's 7 days, as markers.
-    let markers: Vec<plot::RewardMarker> = st
-        .store
-        .label_history(&prompt.name, Some(&LabelName::production()), None, REWARD_MARKERS_SHOWN)
-        .await?
-        .iter()
-        .filter(|m| m.at >= until - chrono::Duration::days(7))
-        .filter_map(plot::RewardMarker::for_move)
-        .collect();
+    let markers: Vec<plot::RewardMarker> = service::labels::production_moves_since(
+        &st,
+        &prompt.name,
+        until - chrono::Duration::days(7),
+        REWARD_MARKERS_SHOWN,
+    )
+    .await?
+    .iter()
+    .filter_map(plot::RewardMarker::for_move)
+    .collect();
     let reward_chart = plot::reward_plot(&series, &markers).unwrap_or_else(|| {
         r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned()
     });
     // The newest label moves: who or what moved which label, and why.
-    let moves = st.store.label_history(&prompt.name, None, None, LABEL_MOVES_SHOWN).await?;
+    let moves = service::labels::label_history(&st, &prompt.name, None, None, LABEL_MOVES_SHOWN).await?;
     let mut move_rows = String::new();
     for m in &moves {
         let version = |v: Option<i64>| v.map_or_else(|| "—".to_owned(), |v| format!("v{v}"));
