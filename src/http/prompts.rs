@@ -31,8 +31,8 @@ use crate::{
     evaluate::assign::assign,
     service::{
         pagination::{PageParams, next_token},
-        population::{self, PopulationArmView, served_arms},
-        prompts::{self, check_content, check_message, existing_prompt, parse_name},
+        population::{self, PopulationArmView},
+        prompts::{self, check_content, check_message, existing_prompt, parse_name, served_arms},
     },
 };
 

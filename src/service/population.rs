@@ -1,20 +1,17 @@
 //! The population of a prompt under the `evaluated` policy, where both the
 //! worker's rater and the operators' moves keep it in step with `production`:
 //! its first champion, how arms follow a moved `production` (the rater on its
-//! ticks, an operator's promote or rollback at once), the arms as operators
-//! see them, and the live arms agents are served from (cached beside the
-//! prompt's text).
-
-use std::sync::Arc;
+//! ticks, an operator's promote or rollback at once), and the arms as
+//! operators see them. The arms agents are served from are read in
+//! `prompts.rs`, beside the prompt's text.
 
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{AppState, ServiceResult, prompts::existing_prompt};
+use super::{AppState, ServiceResult};
 use crate::{
-    cache::ServedArms,
     domain::{
-        LabelName, Promotion, Prompt, PromptName,
+        LabelName, Prompt, PromptName,
         label::Selector,
         population::{ArmState, PopulationArm},
     },
@@ -107,33 +104,6 @@ pub async fn population(st: &AppState, prompt: &Prompt) -> ServiceResult<Vec<Pop
             arm,
         })
         .collect())
-}
-
-/// The live arms of an `evaluated` prompt (empty for other prompts), cached
-/// like the prompt's text and dropped with it on every change.
-pub async fn served_arms(st: &AppState, name: &str) -> ServiceResult<Arc<ServedArms>> {
-    if crate::domain::names::is_valid_name(name)
-        && let Some(hit) = st.cache.get_arms(name)
-    {
-        return Ok(hit);
-    }
-    let generation = st.cache.generation();
-    let prompt = existing_prompt(st, name).await?;
-    let served = if prompt.promotion == Promotion::Evaluated {
-        let population = st.store.population(&prompt.name).await?;
-        let champion = population.iter().find(|a| a.state == ArmState::Champion).map(|a| a.version);
-        let arms = population
-            .iter()
-            .filter(|a| a.state != ArmState::Retired && a.weight > 0.0)
-            .map(|a| (a.version, a.weight))
-            .collect();
-        ServedArms::new(arms, champion)
-    } else {
-        ServedArms::new(Vec::new(), None)
-    };
-    let served = Arc::new(served);
-    st.cache.insert_arms(prompt.name.as_str(), generation, served.clone());
-    Ok(served)
 }
 
 #[cfg(test)]

@@ -1,19 +1,24 @@
 //! Prompt and version operations both front ends call: create a prompt
 //! (seeding the population of an `evaluated` one), find a prompt by the name
 //! in a path, list prompts, resolve a selector, list and add versions (the
-//! content rules live here), diff two versions, and change a prompt's settings.
+//! content rules live here), diff two versions, change a prompt's settings,
+//! and read the live arms an `evaluated` prompt is served from.
 //! Label moves and rollback are in `labels.rs`.
+
+use std::sync::Arc;
 
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::{AppState, ServiceError, ServiceResult, error::plain_serde_error, population};
 use crate::{
+    cache::ServedArms,
     domain::{
         LabelName, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy, Version, VersionContent,
         VersionSource,
         diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
         label::{LabelMove, Resolved, Selector},
+        population::ArmState,
         prompt::{NewPrompt, NewVersion, PromptSummary},
     },
     store::StoreError,
@@ -229,6 +234,33 @@ pub(super) async fn production_moved(st: &AppState, name: &PromptName) {
         tracing::warn!(prompt = %name, error = %e, "the population did not follow production yet");
     }
     st.cache.invalidate(name.as_str());
+}
+
+/// The live arms of an `evaluated` prompt (empty for other prompts), cached
+/// like the prompt's text and dropped with it on every change.
+pub async fn served_arms(st: &AppState, name: &str) -> ServiceResult<Arc<ServedArms>> {
+    if crate::domain::names::is_valid_name(name)
+        && let Some(hit) = st.cache.get_arms(name)
+    {
+        return Ok(hit);
+    }
+    let generation = st.cache.generation();
+    let prompt = existing_prompt(st, name).await?;
+    let served = if prompt.promotion == Promotion::Evaluated {
+        let population = st.store.population(&prompt.name).await?;
+        let champion = population.iter().find(|a| a.state == ArmState::Champion).map(|a| a.version);
+        let arms = population
+            .iter()
+            .filter(|a| a.state != ArmState::Retired && a.weight > 0.0)
+            .map(|a| (a.version, a.weight))
+            .collect();
+        ServedArms::new(arms, champion)
+    } else {
+        ServedArms::new(Vec::new(), None)
+    };
+    let served = Arc::new(served);
+    st.cache.insert_arms(prompt.name.as_str(), generation, served.clone());
+    Ok(served)
 }
 
 #[derive(Debug, Serialize, ToSchema)]
