@@ -107,6 +107,48 @@ pub async fn body_bytes(req: Request) -> Result<axum::body::Bytes, ApiError> {
     })
 }
 
+/// An optional JSON body: `None` when the body is empty (or only whitespace)
+/// or JSON `null`; else it must be sent as JSON (415 otherwise) and be a JSON
+/// object (400 when it is not JSON, 422 when it breaks a rule).
+pub async fn optional_json<T: DeserializeOwned>(req: Request) -> Result<Option<T>, ApiError> {
+    let json_type = req
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|v| v == "application/json" || (v.starts_with("application/") && v.ends_with("+json")));
+    let body = body_bytes(req).await?;
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    if !json_type {
+        return Err(ApiError::UnsupportedMediaType(
+            "send the body as JSON with `Content-Type: application/json`".into(),
+        ));
+    }
+    optional_json_bytes(&body)
+}
+
+/// [`optional_json`] of a body already read (whatever its content type).
+pub fn optional_json_bytes<T: DeserializeOwned>(body: &[u8]) -> Result<Option<T>, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(clip(format!("the body is not valid JSON: {}", plain_serde_error(&e.to_string()))))
+    })?;
+    if value.is_null() {
+        return Ok(None);
+    }
+    body_value(&mut value)?;
+    serde_path_to_error::deserialize(value).map(Some).map_err(|e| {
+        let inner = plain_serde_error(&e.inner().to_string());
+        let path = e.path().to_string();
+        ApiError::unprocessable(clip(if path == "." { inner } else { format!("`{path}`: {inner}") }))
+    })
+}
+
 /// `axum::extract::Query` with 400 problems.
 pub struct ApiQuery<T>(pub T);
 

@@ -83,6 +83,14 @@ pub fn finish(doc: &mut Value) {
     if let Some(body) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody") {
         body["required"] = json!(true);
     }
+    // A round trigger's body is optional: an empty one means all defaults.
+    for trigger in
+        ["/paths/~1v1~1prompts~1{name}~1rounds/post/requestBody", "/paths/~1v1~1hooks~1rounds~1{name}/post/requestBody"]
+    {
+        if let Some(body) = doc.pointer_mut(trigger) {
+            body["required"] = json!(false);
+        }
+    }
 }
 
 fn finish_operation(path: &str, op: &mut Map<String, Value>) {
@@ -322,6 +330,11 @@ fn bound_integers(v: &mut Value) {
                 };
                 o.entry("minimum").or_insert(lo);
                 o.entry("maximum").or_insert(hi);
+                // A `u32` is wider than `int32`: say `int64`, which holds it, so a
+                // client or fuzzer does not stop at 2^31 − 1.
+                if unsigned && o.get("format").and_then(Value::as_str) == Some("int32") {
+                    o.insert("format".into(), json!("int64"));
+                }
             }
             for (_, x) in o.iter_mut() {
                 bound_integers(x);

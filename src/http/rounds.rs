@@ -15,7 +15,7 @@ use uuid::Uuid;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Authorized, body_bytes, scope},
+    extract::{ApiPath, ApiQuery, Authorized, body_bytes, optional_json, optional_json_bytes, scope},
 };
 use crate::{
     domain::round::{Round, RoundTrigger},
@@ -27,18 +27,6 @@ use crate::{
     webhooks,
 };
 
-/// An empty body means all defaults.
-fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(TriggerRound::default());
-    }
-    let mut value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
-    super::extract::body_value(&mut value)?;
-    serde_json::from_value(value)
-        .map_err(|e| ApiError::unprocessable(super::extract::plain_serde_error(&e.to_string())))
-}
-
 #[utoipa::path(post, path = "/v1/prompts/{name}/rounds", tag = "rounds", params(("name" = String, Path)),
     request_body = TriggerRound, responses((status = 202, body = Round), (status = 409, body = super::error::Problem)),
     security(("bearer" = ["rounds:trigger"])))]
@@ -49,7 +37,8 @@ pub async fn trigger_round(
     req: Request,
 ) -> ApiResult<Response> {
     let name = parse_name(&name)?;
-    let body = parse_trigger(&body_bytes(req).await?)?;
+    // An empty body means all defaults.
+    let body = optional_json::<TriggerRound>(req).await?.unwrap_or_default();
     let round = open_round(&st, &name, body, RoundTrigger::Api, None)
         .await?
         .ok_or_else(|| ApiError::internal(anyhow::anyhow!("a round without a webhook id was taken for a duplicate")))?;
@@ -91,7 +80,8 @@ pub async fn webhook_round(
     webhooks::verify(&keys, &msg, chrono::Utc::now().timestamp(), st.settings.webhooks.tolerance_secs)
         .map_err(|e| ApiError::Unauthorized(webhook_reason(&e)))?;
     let name = parse_name(&name)?;
-    let trigger = parse_trigger(&body)?;
+    // Signed bytes, whatever their content type; an empty body means all defaults.
+    let trigger = optional_json_bytes::<TriggerRound>(&body)?.unwrap_or_default();
     let id = msg.id.unwrap_or_default();
     if id.len() > 255 {
         return Err(ApiError::bad_request("`webhook-id` is longer than 255 characters".into()));

@@ -17,7 +17,7 @@ use uuid::Uuid;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, ApiQuery, Authorized, body_bytes, scope},
+    extract::{ApiJson, ApiPath, ApiQuery, Authorized, body_bytes, optional_json, scope},
 };
 use crate::{
     domain::{
@@ -283,17 +283,7 @@ pub async fn quarantine_trace(
     req: Request,
 ) -> ApiResult<Json<Trace>> {
     let id = trace_id(&id)?;
-    let body = body_bytes(req).await?;
-    let q: QuarantineRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        QuarantineRequest::default()
-    } else {
-        serde_json::from_slice::<Option<QuarantineRequest>>(&body)
-            .map_err(|e| {
-                let msg = super::extract::plain_serde_error(&e.to_string());
-                if e.is_data() { ApiError::unprocessable(msg) } else { ApiError::bad_request(msg) }
-            })?
-            .unwrap_or_default()
-    };
+    let q = optional_json::<QuarantineRequest>(req).await?.unwrap_or_default();
     Ok(Json(traces::quarantine_trace(&st, id, q.reason, &caller.actor()).await?))
 }
 

@@ -153,10 +153,11 @@ pub async fn requeue_failed(
 /// The reason a quarantine records: the operator's, trimmed (at most
 /// [`MAX_REASON_CHARS`]), or who did it.
 pub fn quarantine_reason(reason: Option<String>, actor: &str) -> ServiceResult<String> {
-    let reason = reason.map(|r| r.trim().to_owned()).filter(|r| !r.is_empty());
+    // As given (the API's schema states `maxLength` of the string sent), then trimmed.
     if reason.as_ref().is_some_and(|r| r.chars().count() > MAX_REASON_CHARS) {
         return Err(ServiceError::Unprocessable(format!("`reason` is longer than {MAX_REASON_CHARS} characters")));
     }
+    let reason = reason.map(|r| r.trim().to_owned()).filter(|r| !r.is_empty());
     Ok(reason.unwrap_or_else(|| format!("quarantined by {actor}")))
 }
 

@@ -17,6 +17,7 @@ mod poisoning;
 mod population;
 mod postgres_outage;
 mod postgres_processes;
+mod request_rules;
 mod store_contract;
 mod ui_browser;
 mod webhooks;
