@@ -1,7 +1,7 @@
 //! Standard Webhooks (standardwebhooks.com): HMAC-SHA256 over
 //! `{webhook-id}.{webhook-timestamp}.{body}` with a `whsec_<base64>` secret,
 //! signatures sent as space-separated `v1,<base64>` entries. Used to verify
-//! inbound round triggers (and, later, to sign outbound events).
+//! inbound round triggers and to sign outbound events.
 
 use base64::{Engine, engine::general_purpose::STANDARD};
 use hmac::{Hmac, Mac};

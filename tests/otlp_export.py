@@ -4,7 +4,7 @@ and its OTLP/HTTP (protobuf) exporter, exactly as an instrumented agent would.
 Usage: otlp_export.py PROMPT VERSION N
 
 The exporter is configured only through the standard environment variables,
-as the README shows: OTEL_EXPORTER_OTLP_ENDPOINT (combee's base URL + /v1/otlp),
+as docs/opentelemetry.md shows: OTEL_EXPORTER_OTLP_ENDPOINT (combee's base URL + /v1/otlp),
 OTEL_EXPORTER_OTLP_HEADERS (Authorization=Bearer%20cmb_...) and
 OTEL_EXPORTER_OTLP_COMPRESSION=gzip.
 

@@ -17,7 +17,7 @@ better, equal ranks draw): (&[(mu, sigma), ...], &[rank, ...], &[(mu', sigma'), 
 """
 import trueskill
 
-env = trueskill.TrueSkill()  # the package defaults are the issue's parameters
+env = trueskill.TrueSkill()  # the package defaults are E-SPL's parameters
 assert abs(env.beta - 25 / 6) < 1e-12 and abs(env.tau - 25 / 300) < 1e-12
 assert env.draw_probability == 0.10
 

@@ -4,6 +4,7 @@
 //! stays a few lines.
 
 pub mod client;
+pub mod export;
 pub mod prompts;
 pub mod rounds;
 pub mod traces;
@@ -47,8 +48,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the service: the HTTP API, the web UI and the background worker (learning rounds, webhook
-    /// deliveries); `--role api` or `--role worker` runs only one side.
+    /// Run the service: the HTTP API and web UI, and the background workers (learning rounds, webhook
+    /// deliveries, the regression guard, the population rater); `--role` picks which parts run.
     Serve(ServeArgs),
     /// Apply database migrations and exit.
     Migrate,
@@ -74,7 +75,7 @@ pub enum Command {
         #[command(flatten)]
         world: crate::simulation::world::WorldConfig,
     },
-    /// Prompts on a running server: list, show, history, diff, promote, rollback.
+    /// Prompts on a running server: list, show, history, label history, diff, promote, rollback, settings, pin, unpin.
     #[command(after_help = EXIT_CODES)]
     Prompts {
         #[command(flatten)]
@@ -82,7 +83,7 @@ pub enum Command {
         #[command(subcommand)]
         command: prompts::PromptsCommand,
     },
-    /// Traces on a running server: import a JSON Lines file, requeue failed traces.
+    /// Traces on a running server: import a JSON Lines file, requeue failed traces, quarantine, release, delete, export a dataset.
     #[command(after_help = EXIT_CODES)]
     Traces {
         #[command(flatten)]

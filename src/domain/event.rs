@@ -1,4 +1,4 @@
-//! Outbound webhook events: the four kinds a subscription can ask for and the
+//! Outbound webhook events: the five kinds a subscription can ask for and the
 //! JSON body each one carries (`{"type", "timestamp", "data"}`). The store
 //! writes these bodies into its outbox in the same transaction as the change
 //! they announce; the delivery worker sends the stored bytes unchanged.

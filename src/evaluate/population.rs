@@ -23,7 +23,7 @@ pub struct Arm {
     pub scored_traces: u64,
 }
 
-/// Knobs of the population (defaults from the issue).
+/// Knobs of the population (defaults: `[population]` in `docs/configuration.md`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PopulationPolicy {
     /// Share of traffic all challengers together receive (default 0.2).
@@ -132,7 +132,7 @@ pub enum GateDecision {
     Hold { champion_lower: f64, best_challenger: Option<i64>, best_challenger_lower: Option<f64> },
 }
 
-/// The promotion gate (the issue's rule): the champion changes only when a
+/// The promotion gate (`docs/evaluated-policy.md`): the champion changes only when a
 /// challenger's μ−2σ exceeds the champion's μ−2σ *and* both have at least
 /// `min_traces` scored traces. Among several such challengers the highest
 /// μ−2σ wins.

@@ -75,13 +75,18 @@ pub fn finish(doc: &mut Value) {
             json!({"oneOf": [{"$ref": "#/components/schemas/TraceBatch"}, {"$ref": "#/components/schemas/NewTrace"}]});
     }
     // The OTLP JSON encoding of an export: an object (unknown members are ignored).
-    if let Some(content) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody/content") {
-        content["application/json"] = json!({"schema": {"type": "object",
-            "properties": {"resourceSpans": {"type": "array", "items": {"type": "object"}}}}});
-        content["application/x-protobuf"] = json!({"schema": {"type": "string", "format": "binary"}});
-    }
-    if let Some(body) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody") {
-        body["required"] = json!(true);
+    for (path, member) in [
+        ("/v1/otlp/v1/traces", "resourceSpans"),
+        ("/v1/otlp/v1/logs", "resourceLogs"),
+        ("/api/public/otel/v1/traces", "resourceSpans"),
+    ] {
+        let pointer = format!("/paths/{}/post/requestBody", path.replace('/', "~1"));
+        if let Some(body) = doc.pointer_mut(&pointer) {
+            body["required"] = json!(true);
+            body["content"]["application/json"] = json!({"schema": {"type": "object",
+                "properties": {member: {"type": "array", "items": {"type": "object"}}}}});
+            body["content"]["application/x-protobuf"] = json!({"schema": {"type": "string", "format": "binary"}});
+        }
     }
     // A round trigger's body is optional: an empty one means all defaults.
     for trigger in
@@ -355,6 +360,11 @@ impl utoipa::Modify for BearerAuth {
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("cmb_…").build()),
         );
+        // The Langfuse-compatible routes: the key's prefix and the key as a Basic pair.
+        components.add_security_scheme(
+            "basic",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Basic).build()),
+        );
     }
 }
 
@@ -369,7 +379,7 @@ impl utoipa::Modify for BearerAuth {
         super::versions::diff_versions, super::labels::list_labels, super::labels::move_label,
         super::labels::delete_label, super::labels::rollback, super::label_history::label_history, super::prompts::get_population,
         super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
-        super::otlp::export_traces,
+        super::otlp::export_traces, super::otlp::export_logs,
         super::traces::requeue_failed,
         super::traces::quarantine_trace, super::traces::release_trace, super::traces::delete_trace, super::traces::quarantine_traces,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
@@ -377,6 +387,7 @@ impl utoipa::Modify for BearerAuth {
         super::controller::get_controller, super::outcomes::prompt_metrics,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
+        super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
     ),
     modifiers(&BearerAuth)
 )]

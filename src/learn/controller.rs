@@ -1,4 +1,4 @@
-//! The batch-size controller (design §4, revised by issue 9), as plain
+//! The batch-size controller (`docs/design.md`, The batch-size controller), as plain
 //! functions over plain data: how many pending traces the next round of a
 //! prompt takes. The worker keeps and persists the samples and the meter; this
 //! module only decides.

@@ -1,7 +1,7 @@
 //! The round executor: one learning step for one prompt over a batch of traces —
 //! map (one reflector call per trace), augmented shuffle, level-1 reduce (one
 //! aggregator call per group against the same frozen version), level-2 reduce,
-//! validation — exactly as design §3 describes. It knows no store: everything it
+//! validation — as `docs/design.md` (The round, step by step) describes. It knows no store: everything it
 //! must not lose goes through a [`RoundJournal`], so a crashed round resumes from
 //! its saved reflections and only the missing ones are paid for again.
 //!
@@ -351,7 +351,7 @@ impl<'a> PhaseClock<'a> {
     }
 }
 
-/// Runs one round (design §3) over `traces` against the frozen `base` version.
+/// Runs one round (`docs/design.md`, The round, step by step) over `traces` against the frozen `base` version.
 pub async fn run_round(
     backend: &dyn LlmBackend,
     llm: &LlmConfig,
@@ -1111,7 +1111,7 @@ fn too_many_left_out(left_out: usize, k: usize) -> bool {
     left_out > 0 && (left_out >= k || left_out as f64 > MAX_LEFT_OUT_SHARE * k as f64)
 }
 
-/// Design §3.5: not empty, within the budget, every `{placeholder}` of the base kept.
+/// The publication checks (`docs/design.md`, Publish): not empty, within the budget, every `{placeholder}` of the base kept.
 fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec) -> Result<(), String> {
     if new.render().trim().is_empty() {
         return Err("the new prompt is empty".into());

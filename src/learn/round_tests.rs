@@ -256,7 +256,7 @@ fn results_are_validated_before_they_can_become_versions() {
     assert!(validate_result(&base, &content("Solve {task} for {user}."), &tight).unwrap_err().contains("budget"));
 }
 
-/// The acceptance experiment (see the module doc of `simulation::llm` for the capacity model).
+/// The retention experiment (see the module doc of `simulation::llm` for the capacity model).
 /// 100 traces with one distinct insight each, aggregator capacity K = 12, k = 10 groups.
 ///
 /// The ≥ 95 assertion uses p = 1: each group holds 10 distinct reflections ≤ K, so
@@ -364,7 +364,7 @@ async fn a_trace_the_reflector_cannot_answer_is_left_out_not_fatal() {
     assert_eq!(kept(&out), 7);
 }
 
-/// Issue 13's acceptance, as a test: under the soft capacity model (the simulator's
+/// Level 2 keeps what the groups learned, as a test: under the soft capacity model (the simulator's
 /// default) a level 2 that made one call restate the union kept about K = 12 of
 /// ~70 insights; consolidation by decisions and the structural rewrite merge keep
 /// at least 90% of what the plain union keeps (n = 100, p = 2, three seeds).
@@ -436,7 +436,7 @@ async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
     assert_eq!(journal.snapshot().calls.len(), 3, "level-2 calls are journaled");
 }
 
-/// Issue 10: four hostile traces under `max_bullets = 4` used to evict every
+/// Poisoning: four hostile traces under `max_bullets = 4` used to evict every
 /// proven bullet (their harmful tags and their ADDs come from the same
 /// untrusted traces). With the removal bound at 25 % only one may go; a pinned
 /// bullet never goes.

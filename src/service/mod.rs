@@ -6,8 +6,10 @@
 
 pub mod controller;
 pub mod error;
+pub mod export;
 pub mod keys;
 pub mod labels;
+pub mod langfuse;
 pub mod outcomes;
 pub mod pagination;
 pub mod population;

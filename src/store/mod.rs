@@ -8,6 +8,7 @@
 
 mod backend;
 mod controller;
+pub mod export;
 mod keys;
 mod labels;
 mod migrate;
@@ -29,6 +30,7 @@ use serde::Serialize;
 use tokio::sync::broadcast;
 
 pub use controller::{ControllerSample, ControllerStore, MeterCounts};
+pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::LabelStore;
 pub use otlp::OtlpStore;
@@ -139,6 +141,7 @@ pub trait Store:
     + RoundStore
     + WebhookStore
     + ControllerStore
+    + ExportStore
     + Send
     + Sync
     + 'static

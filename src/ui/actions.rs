@@ -1,8 +1,8 @@
 //! The UI's state-changing forms: promote a version to production and roll
 //! back to a version. Both are POSTs carrying the session's CSRF token and the
 //! production version the page showed, so a stale page cannot undo someone
-//! else's change (it gets a 412 page instead). Quarantine and delete of a
-//! trace (containing a poisoned stream) are POSTs with the CSRF token too.
+//! else's change (it gets a 412 page instead). Quarantine, release and delete
+//! of a trace (containing a poisoned stream) are POSTs with the CSRF token too.
 
 use axum::{
     Form,

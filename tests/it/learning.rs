@@ -100,7 +100,7 @@ fn sim() -> SimConfig {
 async fn combee_keeps_what_naive_loses(b: Backend, strategy: &str) {
     let sim = spawn_sim(sim()).await;
     let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
-    // p = 1: with a hard capacity of K = 12 per call, groups of n/k = 10 fit; see the README's note on p.
+    // p = 1: with a hard capacity of K = 12 per call, groups of n/k = 10 fit; see docs/learning.md on p.
     let (combee, kept) = learn(&app, "combee-run", strategy, "combee", 1).await;
     assert_eq!((combee["n"].as_i64(), combee["k"].as_i64()), (Some(100), Some(10)));
     let (_, naive) = learn(&app, "naive-run", strategy, "naive", 1).await;
@@ -361,7 +361,7 @@ async fn round_triggers_are_validated(b: Backend) {
     assert_eq!(done["status"], "succeeded");
 }
 
-/// Issue 9's acceptance line for tolerant answers: with 10% of every realistic
+/// Tolerant answers, end to end: with 10% of every realistic
 /// answer shape at once (simulated), 20 rounds on the product defaults (Combee,
 /// p = 2) fail none, lose at most 1% of reflections, and the round records
 /// account for every shaped answer.

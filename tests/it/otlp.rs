@@ -514,7 +514,7 @@ async fn poll<T>(what: &str, within: Duration, mut f: impl AsyncFnMut() -> Optio
     }
 }
 
-/// The acceptance test of issue 11: the real OpenTelemetry Python SDK and its
+/// The OTLP acceptance test: the real OpenTelemetry Python SDK and its
 /// OTLP/HTTP exporter send spans; the traces are found with the right
 /// version, pending, and a round learns from them.
 async fn the_python_sdk_exporter_feeds_a_round(b: Backend) {

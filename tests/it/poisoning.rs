@@ -1,4 +1,4 @@
-//! Containing a poisoned trace stream (issue 10, point 6), through the real
+//! Containing a poisoned trace stream (docs/security.md), through the real
 //! server and the real CLI on both stores: the agent-reflection switch, prompt
 //! settings patches, pinned bullets, quarantine and delete of traces.
 

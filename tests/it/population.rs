@@ -296,7 +296,7 @@ fn on_task(prompt: &str, v: i64, key: &str, n: usize, success: bool) -> Vec<Vali
         .collect()
 }
 
-/// Crossover (issue 8): the champion v1 wins tasks a0..a5, the challenger v2
+/// Crossover: the champion v1 wins tasks a0..a5, the challenger v2
 /// wins b0..b5; after the window is rated, one crossover call (the simulated
 /// LLM) breeds v3 = v1's bullets + v2's lesson, source `crossover`, parents
 /// v1 and v2, prior μ/σ from the parents' ratings, label `candidate` with the

@@ -169,7 +169,7 @@ async fn assignments(http: &reqwest::Client, base: &str, key: &str, subjects: &[
     served.into_iter().map(|(_, v)| v).collect()
 }
 
-/// Issue 8's acceptance: two API processes (separate `combee` binaries, each
+/// The evaluated policy across processes: two API processes (separate `combee` binaries, each
 /// with its own cache and pool) on ONE Postgres serve the same traffic weights
 /// within about a second of a change, so a subject gets the same arm whichever
 /// process answers. Postgres only: `NOTIFY` is what carries the change between

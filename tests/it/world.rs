@@ -53,7 +53,7 @@ async fn learned_versions_lift_the_agents_success_rate(b: Backend) {
 }
 
 /// Under `auto`, poisoned feedback reaches production: the hazard the
-/// promotion gate of the closed-loop issue is for. The denylist stops it.
+/// promotion gate of the `evaluated` policy is for. The denylist stops it.
 async fn poisoned_feedback_reaches_production_unless_denylisted(b: Backend) {
     let sim = spawn_sim(SimConfig::default()).await;
     for denylist in [false, true] {

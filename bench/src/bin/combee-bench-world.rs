@@ -1,4 +1,4 @@
-//! The closed-loop benchmark (issue 8), a SIMULATION: the simulated agent world
+//! The closed-loop benchmark (docs/benchmarks.md), a SIMULATION: the simulated agent world
 //! (`combee::simulation::world`) drives a real combee server that learns from a
 //! simulated LLM, once per configuration — no learning, `auto`, `evaluated`,
 //! each with and without 20% poisoned traces — so the table and plot show
