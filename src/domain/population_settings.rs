@@ -6,6 +6,8 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::evaluate::population::PopulationPolicy;
+
 /// The members of `settings.population` (a patch naming another is refused).
 pub const POPULATION_FIELDS: &[&str] =
     &["explore_share", "min_traces", "max_arms", "crossover_prob", "margin", "cooldown_windows"];
@@ -61,6 +63,21 @@ pub fn from_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<PopulationO
 }
 
 impl PopulationOverrides {
+    /// The server's policy with this prompt's knobs in place (a challenger's
+    /// floor share stays within the prompt's exploration share).
+    pub fn applied_to(&self, server: &PopulationPolicy) -> PopulationPolicy {
+        let explore_share = self.explore_share.unwrap_or(server.explore_share);
+        PopulationPolicy {
+            explore_share,
+            min_arm_share: server.min_arm_share.min(explore_share),
+            min_traces: self.min_traces.unwrap_or(server.min_traces),
+            max_arms: self.max_arms.unwrap_or(server.max_arms),
+            margin: self.margin.unwrap_or(server.margin),
+            cooldown_windows: self.cooldown_windows.unwrap_or(server.cooldown_windows),
+            crossover_prob: self.crossover_prob.unwrap_or(server.crossover_prob),
+        }
+    }
+
     /// Whether nothing is overridden.
     pub fn is_empty(&self) -> bool {
         *self == Self::default()

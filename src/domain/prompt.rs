@@ -361,6 +361,27 @@ impl NewVersion {
     }
 }
 
+/// A prompt to create; its version 1 is given beside it.
+#[derive(Debug, Clone)]
+pub struct NewPrompt {
+    pub name: PromptName,
+    pub strategy: Strategy,
+    pub promotion: Promotion,
+    pub settings: PromptSettings,
+    pub created_by: String,
+}
+
+/// A prompt as listed: with where `production` points, its latest version
+/// number and how many traces wait to be learned from.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PromptSummary {
+    #[serde(flatten)]
+    pub prompt: Prompt,
+    pub production_version: Option<i64>,
+    pub latest_version: i64,
+    pub pending_traces: i64,
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

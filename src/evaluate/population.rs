@@ -10,7 +10,6 @@
 use serde::Serialize;
 
 use super::trueskill::Rating;
-use crate::domain::population_settings::PopulationOverrides;
 
 /// One arm as the decisions see it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -23,7 +22,8 @@ pub struct Arm {
 }
 
 /// Knobs of the population (the server's `[population]` in `docs/configuration.md`,
-/// each overridable per prompt through `settings.population`).
+/// each overridable per prompt through `settings.population`: see
+/// `domain::population_settings::PopulationOverrides::applied_to`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PopulationPolicy {
     /// Share of traffic all challengers together receive (default 0.2).
@@ -105,21 +105,6 @@ impl PopulationPolicy {
             return Err(PolicyError::CrossoverProb(self.crossover_prob));
         }
         Ok(())
-    }
-
-    /// This policy with a prompt's own knobs in place of the server's (a
-    /// challenger's floor share stays within the prompt's exploration share).
-    pub fn for_prompt(&self, own: &PopulationOverrides) -> Self {
-        let explore_share = own.explore_share.unwrap_or(self.explore_share);
-        Self {
-            explore_share,
-            min_arm_share: self.min_arm_share.min(explore_share),
-            min_traces: own.min_traces.unwrap_or(self.min_traces),
-            max_arms: own.max_arms.unwrap_or(self.max_arms),
-            margin: own.margin.unwrap_or(self.margin),
-            cooldown_windows: own.cooldown_windows.unwrap_or(self.cooldown_windows),
-            crossover_prob: own.crossover_prob.unwrap_or(self.crossover_prob),
-        }
     }
 }
 

@@ -15,12 +15,9 @@ use utoipa::IntoParams;
 use super::{
     AppState,
     error::ApiResult,
-    extract::{ApiPath, ApiQuery, Caller},
+    extract::{ApiPath, ApiQuery, Authorized, scope},
 };
-use crate::{
-    service::export::{self, ExportFormat, ExportRequest},
-    store::Scope,
-};
+use crate::service::export::{self, ExportFormat, ExportRequest};
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -67,11 +64,10 @@ pub struct ExportQueryParams {
     security(("bearer" = ["prompts:read"])))]
 pub async fn export_traces(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<ExportQueryParams>,
 ) -> ApiResult<Response> {
-    caller.require(Scope::PromptsRead)?;
     let req = ExportRequest {
         format: q.format.unwrap_or_default(),
         version: q.version,

@@ -6,6 +6,8 @@
 //! public key is a combee key's visible prefix (`cmb_` and 8 more
 //! characters), the secret key the whole combee key; `Bearer` works too.
 
+use std::marker::PhantomData;
+
 use axum::{
     Json,
     extract::{FromRequestParts, Request, State},
@@ -19,45 +21,56 @@ use utoipa::IntoParams;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Caller},
+    extract::{ApiPath, ApiQuery, Caller, RequiredScope, scope},
     otlp::handle_export,
 };
 use crate::{
     otlp::Signal,
-    service::langfuse::{self, LangfusePrompt},
-    store::Scope,
+    service::{
+        keys,
+        langfuse::{self, LangfusePrompt},
+    },
 };
 
 /// The caller of a Langfuse route, authenticated by the SDK's key pair (or a
-/// bearer key). A missing or bad pair is a 401, never anonymous.
-pub struct LangfuseCaller(pub Caller);
+/// bearer key) and holding the scope `S`: a missing or bad pair is a 401,
+/// never anonymous, a key without the scope a 403 — both before the request
+/// itself is looked at.
+pub struct LangfuseCaller<S: RequiredScope>(pub Caller, PhantomData<S>);
 
 const PAIR_HELP: &str = "send the key pair as HTTP Basic auth: the public key is the combee key's prefix \
      (`cmb_` and the next 8 characters), the secret key the whole combee key";
 
-impl FromRequestParts<AppState> for LangfuseCaller {
+impl<S: RequiredScope> FromRequestParts<AppState> for LangfuseCaller<S> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
-        let header = parts.headers.get(axum::http::header::AUTHORIZATION).ok_or(ApiError::Unauthorized(PAIR_HELP))?;
-        let value = header.to_str().map_err(|_| ApiError::Unauthorized(PAIR_HELP))?;
-        let Some(encoded) = value.strip_prefix("Basic ").or_else(|| value.strip_prefix("basic ")) else {
-            return Caller::from_request_parts(parts, state).await.map(LangfuseCaller);
-        };
-        let decoded = base64::engine::general_purpose::STANDARD
-            .decode(encoded.trim())
-            .ok()
-            .and_then(|b| String::from_utf8(b).ok())
-            .ok_or(ApiError::Unauthorized(PAIR_HELP))?;
-        let (public, secret) = decoded.split_once(':').ok_or(ApiError::Unauthorized(PAIR_HELP))?;
-        let key = state.keys.authenticate(secret).await?.ok_or(ApiError::Unauthorized("unknown or revoked API key"))?;
-        if public != key.prefix {
-            return Err(ApiError::Unauthorized(
-                "the public key does not match the secret key: use the combee key's prefix (`cmb_` and the next 8 characters)",
-            ));
-        }
-        Ok(LangfuseCaller(Caller(key)))
+        let caller = key_pair(parts, state).await?;
+        caller.require(S::SCOPE)?;
+        Ok(LangfuseCaller(caller, PhantomData))
     }
+}
+
+/// The key of a Basic key pair, or of a bearer key.
+async fn key_pair(parts: &mut Parts, state: &AppState) -> Result<Caller, ApiError> {
+    let header = parts.headers.get(axum::http::header::AUTHORIZATION).ok_or(ApiError::Unauthorized(PAIR_HELP))?;
+    let value = header.to_str().map_err(|_| ApiError::Unauthorized(PAIR_HELP))?;
+    let Some(encoded) = value.strip_prefix("Basic ").or_else(|| value.strip_prefix("basic ")) else {
+        return Caller::from_request_parts(parts, state).await;
+    };
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok())
+        .ok_or(ApiError::Unauthorized(PAIR_HELP))?;
+    let (public, secret) = decoded.split_once(':').ok_or(ApiError::Unauthorized(PAIR_HELP))?;
+    let key = keys::authenticate(state, secret).await?.ok_or(ApiError::Unauthorized("unknown or revoked API key"))?;
+    if public != key.prefix {
+        return Err(ApiError::Unauthorized(
+            "the public key does not match the secret key: use the combee key's prefix (`cmb_` and the next 8 characters)",
+        ));
+    }
+    Ok(Caller(key))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -92,11 +105,10 @@ pub struct LangfusePromptQuery {
     security(("basic" = ["prompts:read"]), ("bearer" = ["prompts:read"])))]
 pub async fn get_prompt(
     State(st): State<AppState>,
-    LangfuseCaller(caller): LangfuseCaller,
+    _caller: LangfuseCaller<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<LangfusePromptQuery>,
 ) -> ApiResult<Json<LangfusePrompt>> {
-    caller.require(Scope::PromptsRead)?;
     Ok(Json(langfuse::prompt(&st, &name, q.label.as_deref(), q.version).await?))
 }
 
@@ -121,9 +133,8 @@ pub async fn get_prompt(
     security(("basic" = ["traces:write"]), ("bearer" = ["traces:write"])))]
 pub async fn export_traces(
     State(st): State<AppState>,
-    LangfuseCaller(caller): LangfuseCaller,
+    _caller: LangfuseCaller<scope::TracesWrite>,
     req: Request,
 ) -> ApiResult<Response> {
-    caller.require(Scope::TracesWrite)?;
     handle_export(&st, Signal::Traces, req).await
 }

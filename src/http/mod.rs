@@ -83,7 +83,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
-        .route("/v1/openapi.json", get(ops::openapi))
+        .route("/v1/openapi.json", get(openapi::openapi))
         // For Langfuse SDKs pointed at combee (see http/langfuse.rs).
         .route("/api/public/v2/prompts/{name}", get(langfuse::get_prompt))
         .route("/api/public/otel/v1/traces", post(langfuse::export_traces))

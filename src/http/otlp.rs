@@ -8,15 +8,15 @@
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{Caller, body_bytes},
-    traces::limits,
+    extract::{Authorized, body_bytes, scope},
 };
 use crate::{
+    domain::span::OtlpMerge,
     otlp::{
         self, DecodeError, Encoding, Signal,
         mapping::{self, Mapping, Rejection, SpanGroup},
     },
-    store::{OtlpMerge, Scope},
+    service::traces::{self, limits},
 };
 use axum::{
     extract::{Request, State},
@@ -63,8 +63,11 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
         (status = 503, body = super::error::Problem, description = "the store is unavailable (`Retry-After`); retrying the same export is safe"),
     ),
     security(("bearer" = ["traces:write"])))]
-pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
-    caller.require(Scope::TracesWrite)?;
+pub async fn export_traces(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::TracesWrite>,
+    req: Request,
+) -> ApiResult<Response> {
     handle_export(&st, Signal::Traces, req).await
 }
 
@@ -90,8 +93,11 @@ pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Requ
         (status = 503, body = super::error::Problem, description = "the store is unavailable (`Retry-After`); retrying the same export is safe"),
     ),
     security(("bearer" = ["traces:write"])))]
-pub async fn export_logs(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
-    caller.require(Scope::TracesWrite)?;
+pub async fn export_logs(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::TracesWrite>,
+    req: Request,
+) -> ApiResult<Response> {
     handle_export(&st, Signal::Logs, req).await
 }
 
@@ -134,7 +140,7 @@ pub(super) async fn handle_export(st: &AppState, signal: Signal, req: Request) -
 }
 
 /// Merges each trace id's records into its pending trace (one store
-/// transaction per trace id; see [`crate::store::Store::merge_otlp_spans`]),
+/// transaction per trace id; see [`crate::store::OtlpStore::merge_otlp_spans`]),
 /// and says how many records were rejected and why (or which are held).
 /// A failure part-way is safe to retry: records stored already are ignored.
 async fn ingest(
@@ -158,7 +164,7 @@ async fn ingest(
         let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
         let trace_id = Some(group.trace_id.clone());
         // How many of the group's records were new; the rest were stored before.
-        let new = match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
+        let new = match traces::merge_spans(st, &group.trace_id, &group.spans, &remap).await? {
             OtlpMerge::Created { added, .. } => {
                 created += 1;
                 accepted += added;

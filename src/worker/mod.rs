@@ -84,9 +84,7 @@ pub fn decide(
     })
 }
 
-pub fn random_seed() -> i64 {
-    rand::thread_rng().r#gen::<i64>() & i64::MAX
-}
+pub use crate::domain::round::random_seed;
 
 impl Worker {
     pub fn new(

@@ -26,7 +26,7 @@ use crate::{
     domain::{LabelMoveKind, LabelName, MoveCause, Promotion, PromptName, Strategy, VersionSource, prompt::NewVersion},
     evaluate::{
         outcomes::OutcomeBucket,
-        population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate, traffic_weights},
+        population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate},
         trueskill::{Rating, TrueSkill, ranks_from_rewards},
     },
     learn::{
@@ -35,6 +35,7 @@ use crate::{
         denylist::ContentDenylist,
     },
     llm::{LlmBackend, LlmError, config::LlmConfig},
+    service::population::reconcile,
     store::{ArmState, DynStore, LabelMove, PopulationArm, Selector, StoreError, StoreResult, TaskRewards},
 };
 
@@ -67,60 +68,7 @@ async fn production_version(store: &DynStore, prompt: &PromptName) -> StoreResul
 /// `settings.population` knobs in place.
 async fn policy_of(store: &DynStore, prompt: &PromptName, server: &PopulationPolicy) -> StoreResult<PopulationPolicy> {
     let own = store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
-    Ok(server.for_prompt(&own.settings.population))
-}
-
-/// A population's first arm: `version` as champion at the prior (μ0, σ0)
-/// with all the traffic.
-pub fn first_champion(version: i64) -> PopulationArm {
-    PopulationArm {
-        version,
-        state: ArmState::Champion,
-        rating: Rating::default(),
-        weight: 1.0,
-        scored_traces: 0,
-        created_from: None,
-        parents: Vec::new(),
-        rated_until: None,
-    }
-}
-
-/// Makes the population agree with `production` (the champion) and sets
-/// the live arms' weights. An empty population gets the champion at the prior.
-fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &PopulationPolicy) {
-    if !arms.iter().any(|a| a.version == champion) {
-        arms.push(first_champion(champion));
-    }
-    for a in arms.iter_mut() {
-        if a.version == champion {
-            a.state = ArmState::Champion;
-        } else if a.state == ArmState::Champion {
-            // Production moved away (gate, operator, guard): the old champion keeps competing.
-            a.state = ArmState::Challenger;
-        }
-    }
-    let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
-    let weights = traffic_weights(&live, champion, policy);
-    for a in arms.iter_mut() {
-        a.weight = weights.iter().find(|(v, _)| *v == a.version).map_or(0.0, |(_, w)| *w);
-    }
-}
-
-/// Makes a stored population follow `production` at once after a move the
-/// rater did not make (an operator's promote or rollback, a new version
-/// labelled production): the version production points at becomes the
-/// champion (joining at the prior if it was no arm), the old champion
-/// competes on as a challenger, weights are recomputed. Nothing to do for a
-/// prompt without a population, or when production is the champion already.
-pub async fn follow_production(store: &DynStore, prompt: &PromptName, policy: &PopulationPolicy) -> StoreResult<()> {
-    let Some(champion) = production_version(store, prompt).await? else { return Ok(()) };
-    let mut arms = store.population(prompt).await?;
-    if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {
-        return Ok(());
-    }
-    let policy = &policy_of(store, prompt, policy).await?;
-    reconcile(&mut arms, champion, policy);
-    store.save_population(prompt, &arms).await
+    Ok(own.settings.population.applied_to(server))
 }
 
 /// Mutation: `version`, learned from `parent`, joins the population of
@@ -450,7 +398,7 @@ impl PopulationRater {
     ) -> Result<CrossoverOutcome, CrossoverError> {
         let Some(breeder) = &self.breeder else { return Ok(CrossoverOutcome::NotDrawn) };
         let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
-        let policy = self.settings.policy().for_prompt(&p.settings.population);
+        let policy = p.settings.population.applied_to(&self.settings.policy());
         if crossover_draw(prompt, until) >= policy.crossover_prob {
             return Ok(CrossoverOutcome::NotDrawn);
         }
@@ -583,7 +531,7 @@ impl PopulationRater {
 
     async fn rate_window(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<RatingOutcome> {
         let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
-        let policy = self.settings.policy().for_prompt(&own.settings.population);
+        let policy = own.settings.population.applied_to(&self.settings.policy());
         let Some(champion) = production_version(&self.store, prompt).await? else {
             return Err(StoreError::NotFound);
         };
@@ -755,33 +703,5 @@ mod tests {
         let fresh = Rating::crossover_child(&[Rating::default(), Rating::default()]).unwrap();
         assert!((fresh.mu - 25.0).abs() < 1e-12);
         assert!((fresh.sigma - ((25.0f64 / 3.0).powi(2) / 2.0 + 1.0).sqrt()).abs() < 1e-12);
-    }
-
-    fn arm(version: i64, state: ArmState) -> PopulationArm {
-        PopulationArm {
-            version,
-            state,
-            rating: Rating::default(),
-            weight: 0.0,
-            scored_traces: 0,
-            created_from: None,
-            parents: Vec::new(),
-            rated_until: None,
-        }
-    }
-
-    #[test]
-    fn reconcile_follows_production_and_gives_retired_arms_nothing() {
-        let policy = PopulationPolicy::default();
-        let mut arms = vec![arm(1, ArmState::Champion), arm(2, ArmState::Challenger), arm(3, ArmState::Retired)];
-        reconcile(&mut arms, 2, &policy);
-        assert_eq!(arms[0].state, ArmState::Challenger);
-        assert_eq!(arms[1].state, ArmState::Champion);
-        assert!((arms[1].weight - 0.8).abs() < 1e-12 && (arms[0].weight - 0.2).abs() < 1e-12);
-        assert_eq!(arms[2].weight, 0.0);
-        let mut empty = Vec::new();
-        reconcile(&mut empty, 5, &policy);
-        assert_eq!(empty.len(), 1);
-        assert_eq!((empty[0].version, empty[0].state, empty[0].weight), (5, ArmState::Champion, 1.0));
     }
 }

@@ -7,6 +7,7 @@
 mod common;
 
 mod api;
+mod authorization;
 mod cli;
 mod cli_client;
 mod export;
@@ -19,6 +20,7 @@ mod poisoning;
 mod population;
 mod postgres_outage;
 mod postgres_processes;
+mod request_rules;
 mod store_contract;
 mod ui_browser;
 mod webhooks;

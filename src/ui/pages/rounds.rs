@@ -17,7 +17,7 @@ pub async fn rounds(
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
-    let list = st.store.list_rounds(Some(&prompt.name), q.before, PAGE).await?;
+    let list = service::rounds::list_rounds(&st, &prompt.name, q.before, PAGE).await?;
     let mut rows = String::new();
     for r in &list {
         let result = match (r.result_version, &r.error) {
