@@ -52,6 +52,23 @@ async fn send_traces(app: &TestApp, name: &str, n: usize) {
     send_traces_from(app, name, 0, n).await;
 }
 
+/// Sends the traces `from..to` while the prompt waits (a fixed batch it does not
+/// reach, a long `max_wait_secs`), then lets the controller choose: the worker
+/// sees them all at once.
+async fn send_traces_at_once(app: &TestApp, name: &str, from: usize, to: usize) {
+    let patch = |body: Value| {
+        app.http
+            .patch(app.url(&format!("/v1/prompts/{name}/settings")))
+            .bearer_auth(&app.admin_key)
+            .header("content-type", "application/merge-patch+json")
+            .body(body.to_string())
+            .send()
+    };
+    assert_eq!(patch(json!({"batch_size": 10000, "max_wait_secs": 3600})).await.unwrap().status(), 200);
+    send_traces_from(app, name, from, to).await;
+    assert_eq!(patch(json!({"batch_size": "auto", "max_wait_secs": 1})).await.unwrap().status(), 200);
+}
+
 /// Sends the traces `from..to`, each with its own insight.
 async fn send_traces_from(app: &TestApp, name: &str, from: usize, to: usize) {
     let traces: Vec<Value> = (from..to).map(|i| insight_trace(name, i)).collect();
@@ -616,7 +633,7 @@ mod controller {
         })
         .await;
         create(&app, "auto", "playbook", json!({"batch_size": "auto", "duplication": 2})).await;
-        send_traces(&app, "auto", 150).await;
+        send_traces_at_once(&app, "auto", 0, 150).await;
         let rounds = rounds_until_consumed(&app, "auto", 150).await;
         let sizes: Vec<u64> = rounds.iter().map(|r| r["n"].as_u64().unwrap()).collect();
         let grouping = |r: &Value| r["detail"]["outcome"]["grouping"].clone();
@@ -665,9 +682,9 @@ mod controller {
         })
         .await;
         create(&app, "mute", "playbook", json!({"batch_size": "auto", "duplication": 2})).await;
-        send_traces(&app, "mute", 100).await;
+        send_traces_at_once(&app, "mute", 0, 100).await;
         let first = rounds_until_consumed(&app, "mute", 100).await;
-        send_traces_from(&app, "mute", 100, 200).await;
+        send_traces_at_once(&app, "mute", 100, 200).await;
         let rounds = rounds_until_consumed(&app, "mute", 200).await;
         let sizes: Vec<u64> = rounds.iter().map(|r| r["n"].as_u64().unwrap()).collect();
         assert!(sizes.iter().all(|&n| n > 20) && sizes[0] == 100, "{sizes:?}");
