@@ -119,6 +119,11 @@ pub struct PopulationSettings {
     /// won some task keys (one LLM call; needs a configured LLM). The draw is
     /// seeded by the prompt and the window, so 0 never and 1 always crosses.
     pub crossover_prob: f64,
+    /// TrueSkill points by which a challenger's μ−2σ must exceed the champion's
+    /// before the gate moves production.
+    pub margin: f64,
+    /// Rating windows production stays after it last moved before the gate may move it again.
+    pub cooldown_windows: u64,
 }
 
 impl Default for PopulationSettings {
@@ -133,6 +138,8 @@ impl Default for PopulationSettings {
             max_arms: 4,
             min_window_traces: 10,
             crossover_prob: 0.2,
+            margin: crate::evaluate::population::DEFAULT_MARGIN,
+            cooldown_windows: crate::evaluate::population::DEFAULT_COOLDOWN_WINDOWS,
         }
     }
 }
@@ -144,6 +151,9 @@ impl PopulationSettings {
             min_arm_share: self.min_arm_share,
             min_traces: self.min_traces,
             max_arms: self.max_arms,
+            margin: self.margin,
+            cooldown_windows: self.cooldown_windows,
+            crossover_prob: self.crossover_prob,
         }
     }
 }

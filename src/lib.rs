@@ -13,6 +13,7 @@ pub mod http;
 pub mod learn;
 pub mod llm;
 pub mod otlp;
+pub mod retry_after;
 pub mod secret;
 pub mod service;
 pub mod simulation;

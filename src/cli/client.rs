@@ -217,7 +217,7 @@ impl ApiClient {
     }
 }
 
-fn network_error(base: &str, e: &reqwest::Error) -> CliError {
+pub(crate) fn network_error(base: &str, e: &reqwest::Error) -> CliError {
     let what = if e.is_timeout() {
         "timed out"
     } else if e.is_connect() {

@@ -4,6 +4,7 @@
 //! stays a few lines.
 
 pub mod client;
+pub mod export;
 pub mod prompts;
 pub mod prune;
 pub mod rounds;
@@ -16,9 +17,9 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::{
     app::{self, Application},
-    auth,
     config::{Role, Settings},
-    store::Scope,
+    domain::access::Scope,
+    service::{self, ServiceError},
     telemetry,
 };
 
@@ -87,7 +88,7 @@ pub enum Command {
         #[command(subcommand)]
         command: prompts::PromptsCommand,
     },
-    /// Traces on a running server: import a JSON Lines file, requeue failed traces, quarantine, release, delete.
+    /// Traces on a running server: import a JSON Lines file, requeue failed traces, quarantine, release, delete, export a dataset.
     #[command(after_help = EXIT_CODES)]
     Traces {
         #[command(flatten)]
@@ -243,19 +244,22 @@ async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {
                 .iter()
                 .map(|s| Scope::parse(s.trim()).with_context(|| format!("unknown scope {s:?}")))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let (key, secret) = auth::create_key(&store, &name, &scopes).await?;
+            let (key, secret) = service::keys::create_key(&store, &name, &scopes).await?;
             eprintln!("created key {} ({}) with scopes {:?}", key.prefix, key.id, scopes_str(&key.scopes));
             println!("{secret}");
         }
         KeysCommand::List => {
             println!("{:<38} {:<14} {:<8} {:<20} SCOPES", "ID", "PREFIX", "STATE", "NAME");
-            for k in store.list_api_keys().await? {
+            for k in service::keys::list_keys(&store).await? {
                 let state = if k.revoked_at.is_some() { "revoked" } else { "active" };
                 println!("{:<38} {:<14} {:<8} {:<20} {}", k.id, k.prefix, state, k.name, scopes_str(&k.scopes));
             }
         }
         KeysCommand::Revoke { id } => {
-            anyhow::ensure!(store.revoke_api_key(&id).await?, "no active key with id or prefix {id:?}");
+            match service::keys::revoke_key(&store, &id).await {
+                Err(ServiceError::NotFound(_)) => anyhow::bail!("no active key with id or prefix {id:?}"),
+                other => other?,
+            }
             println!("revoked {id}");
         }
     }

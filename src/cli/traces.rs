@@ -8,7 +8,7 @@
 //! bad line costs only itself: local parse errors are caught before sending,
 //! a server rejection naming `traces[i]` is mapped back to the file's line,
 //! and the batch is sent again without it. `combee traces requeue` puts
-//! failed traces back to pending.
+//! failed traces back to pending. `combee traces export` is in `export.rs`.
 
 use std::{
     collections::VecDeque,
@@ -91,6 +91,8 @@ pub enum TracesCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+    /// Export a prompt's traces as JSON Lines for fine-tuning or RL (streamed; see --format).
+    Export(super::export::ExportArgs),
 }
 
 pub async fn run(api: &ApiClient, json_out: bool, cmd: TracesCommand) -> CliResult<()> {
@@ -126,6 +128,7 @@ pub async fn run(api: &ApiClient, json_out: bool, cmd: TracesCommand) -> CliResu
             })
             .await
         }
+        TracesCommand::Export(args) => super::export::run(api, args).await,
         TracesCommand::Delete { ids } => {
             each_trace(json_out, &ids, "deleted", |id| {
                 api.send(api.request(Method::DELETE, &format!("/v1/traces/{}", super::client::encode(id))))

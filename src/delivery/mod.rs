@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::WebhookSettings,
-    llm::client::parse_retry_after,
+    retry_after::parse_retry_after,
     store::{AttemptRecord, ClaimedDelivery, DeliveryOutcome, DynStore},
     webhooks,
 };

@@ -2,16 +2,22 @@
 //! types with their validation and pure logic. Nothing here touches a database
 //! or the network, so every rule can be unit-tested on its own.
 
+pub mod access;
 pub mod diff;
 pub mod event;
+pub mod label;
 pub mod label_history;
 pub mod learning;
 pub mod names;
 pub mod playbook;
+pub mod population;
+pub mod population_settings;
 pub mod prompt;
 pub mod round;
 pub mod round_detail;
+pub mod span;
 pub mod trace;
+pub mod webhook;
 
 pub use label_history::{LabelHistoryEntry, LabelMoveKind, MoveCause};
 pub use learning::{BulletTag, BulletTagKind, DeltaOp, Reflection};

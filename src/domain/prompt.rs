@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 use super::names::PromptName;
 use super::playbook::{self, Playbook};
+use super::population_settings::PopulationOverrides;
 
 /// How a round turns reflections into a new version.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -74,10 +75,10 @@ pub struct PromptSettings {
     #[serde(default)]
     #[schema(value_type = Vec<String>, max_items = 1000, example = json!(["b-0001"]))]
     pub pinned_bullets: Vec<String>,
-    /// The largest share (0–1) of *established* bullets — in the playbook before
-    /// the round, with helpful > harmful — that one round may remove or evict.
-    /// Counters come from untrusted traces; this bounds what a burst of hostile
-    /// traces can destroy in one round.
+    /// The largest share (0–1) of the playbook — the bullets it held before the
+    /// round, proven helpful or not yet marked — that one round may remove or
+    /// evict. Counters come from untrusted traces; this bounds what a burst of
+    /// hostile traces can destroy in one round.
     #[serde(default = "default_max_removal_share")]
     #[schema(minimum = 0.0, maximum = 1.0, example = 0.25)]
     pub max_removal_share: f64,
@@ -88,6 +89,14 @@ pub struct PromptSettings {
     /// This prompt's own trace retention, in days; unset members follow `[retention]`.
     #[serde(default, skip_serializing_if = "RetentionOverride::is_empty", deserialize_with = "retention_object")]
     pub retention: RetentionOverride,
+    /// This prompt's own population knobs under the `evaluated` policy; each
+    /// one set replaces the server's `[population]` default.
+    #[serde(
+        default,
+        skip_serializing_if = "PopulationOverrides::is_empty",
+        deserialize_with = "super::population_settings::from_object"
+    )]
+    pub population: PopulationOverrides,
 }
 
 /// A prompt's own trace retention (days; unset: the server's `[retention]` value).
@@ -184,6 +193,7 @@ impl PromptSettings {
         "max_removal_share",
         "regression_guard",
         "retention",
+        "population",
     ];
 
     /// The rules a settings document must follow, in words an operator can act
@@ -230,6 +240,7 @@ impl PromptSettings {
             }
         }
         self.pinned_bullets = canonical;
+        self.population.validate()?;
         Ok(self)
     }
 }
@@ -252,6 +263,7 @@ impl Default for PromptSettings {
             max_removal_share: default_max_removal_share(),
             regression_guard: true,
             retention: RetentionOverride::default(),
+            population: PopulationOverrides::default(),
         }
     }
 }
@@ -406,6 +418,27 @@ impl NewVersion {
     }
 }
 
+/// A prompt to create; its version 1 is given beside it.
+#[derive(Debug, Clone)]
+pub struct NewPrompt {
+    pub name: PromptName,
+    pub strategy: Strategy,
+    pub promotion: Promotion,
+    pub settings: PromptSettings,
+    pub created_by: String,
+}
+
+/// A prompt as listed: with where `production` points, its latest version
+/// number and how many traces wait to be learned from.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PromptSummary {
+    #[serde(flatten)]
+    pub prompt: Prompt,
+    pub production_version: Option<i64>,
+    pub latest_version: i64,
+    pub pending_traces: i64,
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -415,6 +448,7 @@ mod tests {
             max_bullets: Some(1),
             max_chars: Some(1),
             retention: RetentionOverride { consumed_days: Some(90), ..Default::default() },
+            population: super::PopulationOverrides { margin: Some(1.0), ..Default::default() },
             ..PromptSettings::default()
         };
         let doc = serde_json::to_value(&full).unwrap();

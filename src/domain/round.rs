@@ -10,6 +10,11 @@ use uuid::Uuid;
 
 use super::{PromptName, Strategy};
 
+/// A fresh seed for a round's shuffle: non-negative, so it reads the same in every store.
+pub fn random_seed() -> i64 {
+    rand::random::<i64>() & i64::MAX
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum RoundStatus {

@@ -314,6 +314,27 @@ impl Trace {
     }
 }
 
+/// Which traces a listing covers, newest first.
+#[derive(Debug, Clone, Default)]
+pub struct TraceFilter {
+    pub prompt: Option<PromptName>,
+    pub status: Option<TraceStatus>,
+    pub since: Option<DateTime<Utc>>,
+    pub until: Option<DateTime<Utc>>,
+    /// Return traces with ids below this (newest first pagination).
+    pub before_id: Option<Uuid>,
+}
+
+/// Which failed traces of a prompt to put back to pending.
+#[derive(Debug, Clone)]
+pub struct RequeueFailed {
+    pub prompt: PromptName,
+    /// Only these traces (ids of traces that are not failed are skipped); `None`: every failed one.
+    pub ids: Option<Vec<Uuid>>,
+    /// Only traces received at or after this.
+    pub since: Option<DateTime<Utc>>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,14 +6,11 @@ use axum::{Json, extract::State};
 use super::{
     AppState,
     error::ApiResult,
-    extract::{ApiPath, Caller},
+    extract::{ApiPath, Authorized, scope},
 };
-use crate::{
-    service::{
-        controller::{ControllerView, controller_view},
-        prompts::parse_name,
-    },
-    store::Scope,
+use crate::service::{
+    controller::{ControllerView, controller_view},
+    prompts::parse_name,
 };
 
 #[utoipa::path(get, path = "/v1/prompts/{name}/controller", tag = "rounds", params(("name" = String, Path)),
@@ -21,9 +18,8 @@ use crate::{
     security(("bearer" = ["prompts:read"])))]
 pub async fn get_controller(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
 ) -> ApiResult<Json<ControllerView>> {
-    caller.require(Scope::PromptsRead)?;
     Ok(Json(controller_view(&st, &parse_name(&name)?).await?))
 }

@@ -8,10 +8,7 @@ use axum::{
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::{
-    service::ServiceError,
-    store::{Scope, StoreError},
-};
+use crate::{domain::access::Scope, service::ServiceError};
 
 /// What an API request can fail with: whatever the service layer says (the
 /// web UI shows the same words with the same status), and what only HTTP has.
@@ -124,12 +121,6 @@ impl ApiError {
     }
 }
 
-impl From<StoreError> for ApiError {
-    fn from(e: StoreError) -> Self {
-        ServiceError::from(e).into()
-    }
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if let ApiError::Service(ServiceError::Internal(e)) = &self {
@@ -160,7 +151,7 @@ mod tests {
 
     #[test]
     fn a_store_outage_is_503_with_retry_after() {
-        let outage = StoreError::Unavailable(sqlx::Error::PoolTimedOut);
+        let outage = ServiceError::from(crate::store::StoreError::Unavailable(sqlx::Error::PoolTimedOut));
         let res = ApiError::from(outage).into_response();
         assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(res.headers()[header::RETRY_AFTER], "1");

@@ -1,14 +1,26 @@
-//! Request extractors whose every rejection is a problem document: JSON bodies
-//! and query strings that explain what was wrong, and the bearer-key check.
+//! Request extractors whose every rejection is a problem document: JSON bodies,
+//! query strings and path parameters that explain what was wrong, and the
+//! bearer-key check with the route's scope ([`Authorized`]), which runs before
+//! any of them.
+
+use std::{marker::PhantomData, sync::Arc};
 
 use axum::{
-    extract::{FromRequest, FromRequestParts, Path, Query, Request, rejection::JsonRejection},
+    extract::{
+        FromRequest, FromRequestParts, Path, Query, RawPathParams, Request,
+        path::ErrorKind,
+        rejection::{JsonRejection, PathRejection},
+    },
     http::{StatusCode, request::Parts},
 };
 use serde::de::DeserializeOwned;
 
 use super::{AppState, error::ApiError};
-use crate::store::{ApiKey, Scope};
+pub use crate::service::error::plain_serde_error;
+use crate::{
+    domain::access::{ApiKey, Scope},
+    service::keys,
+};
 
 /// Shortens an attacker-influenced message before it goes into an answer.
 fn clip(s: String) -> String {
@@ -20,65 +32,6 @@ fn clip(s: String) -> String {
         end -= 1;
     }
     format!("{}…", &s[..end])
-}
-
-/// A serde error message in words for an API user: Rust type names
-/// (`u32`, `i64`, `usize`, `f64`, `struct X`, `enum Y`…) become plain ones.
-pub fn plain_serde_error(msg: &str) -> String {
-    const WORDS: &[(&str, &str)] = &[
-        ("u8", "a whole number from 0 to 255"),
-        ("u16", "a whole number from 0 to 65535"),
-        ("u32", "a whole number from 0 to 4294967295"),
-        ("u64", "a non-negative whole number"),
-        ("usize", "a non-negative whole number"),
-        ("i8", "a whole number"),
-        ("i16", "a whole number"),
-        ("i32", "a whole number"),
-        ("i64", "a whole number"),
-        ("isize", "a whole number"),
-        ("f32", "a number"),
-        ("f64", "a number"),
-        ("bool", "true or false"),
-        ("a boolean", "true or false"),
-        ("char", "a single character"),
-    ];
-    let mut out = msg.to_owned();
-    // `expected u32`, `expected struct Foo`, `expected enum Bar`, `expected a sequence`…
-    for (rust, plain) in WORDS {
-        for lead in ["expected ", "expected an ", "expected a "] {
-            let from = format!("{lead}{rust}");
-            let mut rebuilt = String::with_capacity(out.len());
-            let mut rest = out.as_str();
-            while let Some(at) = rest.find(&from) {
-                let after = &rest[at + from.len()..];
-                let boundary = after.chars().next().is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
-                rebuilt.push_str(&rest[..at]);
-                rebuilt.push_str(if boundary { "expected " } else { &from });
-                if boundary {
-                    rebuilt.push_str(plain);
-                }
-                rest = after;
-            }
-            rebuilt.push_str(rest);
-            out = rebuilt;
-        }
-    }
-    for (kind, plain) in
-        [("struct ", "a JSON object"), ("enum ", "one of the documented values"), ("tuple struct ", "a value")]
-    {
-        while let Some(at) = out.find(&format!("expected {kind}")) {
-            let start = at + "expected ".len();
-            let name_end = out[start + kind.len()..]
-                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
-                .map_or(out.len(), |e| start + kind.len() + e);
-            out.replace_range(start..name_end, plain);
-        }
-    }
-    out = out.replace("a sequence", "a JSON array").replace("a map", "a JSON object");
-    out = out
-        .replace("invalid type: integer", "invalid type: number")
-        .replace("invalid type: floating point", "invalid type: number");
-    out
 }
 
 /// `axum::Json`, with rejections as 400/413/415/422 problems.
@@ -154,6 +107,48 @@ pub async fn body_bytes(req: Request) -> Result<axum::body::Bytes, ApiError> {
     })
 }
 
+/// An optional JSON body: `None` when the body is empty (or only whitespace)
+/// or JSON `null`; else it must be sent as JSON (415 otherwise) and be a JSON
+/// object (400 when it is not JSON, 422 when it breaks a rule).
+pub async fn optional_json<T: DeserializeOwned>(req: Request) -> Result<Option<T>, ApiError> {
+    let json_type = req
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|v| v == "application/json" || (v.starts_with("application/") && v.ends_with("+json")));
+    let body = body_bytes(req).await?;
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    if !json_type {
+        return Err(ApiError::UnsupportedMediaType(
+            "send the body as JSON with `Content-Type: application/json`".into(),
+        ));
+    }
+    optional_json_bytes(&body)
+}
+
+/// [`optional_json`] of a body already read (whatever its content type).
+pub fn optional_json_bytes<T: DeserializeOwned>(body: &[u8]) -> Result<Option<T>, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    let mut value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(clip(format!("the body is not valid JSON: {}", plain_serde_error(&e.to_string()))))
+    })?;
+    if value.is_null() {
+        return Ok(None);
+    }
+    body_value(&mut value)?;
+    serde_path_to_error::deserialize(value).map(Some).map_err(|e| {
+        let inner = plain_serde_error(&e.inner().to_string());
+        let path = e.path().to_string();
+        ApiError::unprocessable(clip(if path == "." { inner } else { format!("`{path}`: {inner}") }))
+    })
+}
+
 /// `axum::extract::Query` with 400 problems.
 pub struct ApiQuery<T>(pub T);
 
@@ -168,57 +163,114 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
     }
 }
 
-/// `axum::extract::Path` with 400 problems.
+/// `axum::extract::Path` with 400 problems that name the path parameter and
+/// say, in plain words, what it must be.
 pub struct ApiPath<T>(pub T);
 
 impl<T: DeserializeOwned + Send, S: Send + Sync> FromRequestParts<S> for ApiPath<T> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        Path::<T>::from_request_parts(parts, state)
-            .await
-            .map(|Path(v)| ApiPath(v))
-            .map_err(|e| ApiError::bad_request(clip(plain_serde_error(&e.body_text()))))
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(v)) => Ok(ApiPath(v)),
+            Err(e) => {
+                let names: Vec<String> = match RawPathParams::from_request_parts(parts, state).await {
+                    Ok(raw) => raw.iter().map(|(k, _)| k.to_owned()).collect(),
+                    Err(_) => Vec::new(),
+                };
+                Err(ApiError::bad_request(clip(path_problem(&e, &names))))
+            }
+        }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::plain_serde_error;
-
-    #[test]
-    fn serde_errors_lose_their_rust_type_names() {
-        let cases = [
-            (
-                "invalid type: string \"x\", expected u32 at line 1 column 5",
-                "expected a whole number from 0 to 4294967295",
-            ),
-            ("invalid value: integer `-1`, expected usize", "expected a non-negative whole number"),
-            ("invalid type: map, expected f64", "expected a number"),
-            ("invalid type: string \"a\", expected i64", "expected a whole number"),
-            ("invalid type: integer `3`, expected struct PromptSettings", "expected a JSON object"),
-            ("invalid type: null, expected a sequence", "expected a JSON array"),
-            ("expected a boolean", "expected true or false"),
-        ];
-        for (raw, want) in cases {
-            let got = plain_serde_error(raw);
-            assert!(got.contains(want), "{raw:?} became {got:?}");
-            for rust in ["u32", "usize", "f64", "i64", "struct ", "PromptSettings", "sequence"] {
-                assert!(!got.contains(rust), "{raw:?} became {got:?}");
-            }
+/// What a path parameter must be, for a rejection by serde: `names` are the
+/// route's parameter names in order (a tuple's error has only an index).
+fn path_problem(e: &PathRejection, names: &[String]) -> String {
+    let PathRejection::FailedToDeserializePathParams(e) = e else {
+        return plain_serde_error(&e.body_text());
+    };
+    let must_be = |expected: &str| {
+        let plain = plain_serde_error(&format!("expected {expected}"));
+        plain.strip_prefix("expected ").unwrap_or(&plain).to_owned()
+    };
+    let shown = |value: &str| value.chars().take(64).collect::<String>();
+    match e.kind() {
+        ErrorKind::ParseErrorAtKey { key, value, expected_type } => {
+            format!("the path parameter `{key}` must be {}; got {:?}", must_be(expected_type), shown(value))
         }
-        // Words that merely start like a type name are left alone.
-        assert_eq!(plain_serde_error("expected u32x"), "expected u32x");
-        assert_eq!(plain_serde_error("unknown field `x`"), "unknown field `x`");
+        ErrorKind::ParseErrorAtIndex { index, value, expected_type } => {
+            let name = names.get(*index).map_or_else(|| format!("number {}", index + 1), |n| format!("`{n}`"));
+            format!("the path parameter {name} must be {}; got {:?}", must_be(expected_type), shown(value))
+        }
+        ErrorKind::ParseError { value, expected_type } => {
+            let name = names.first().map_or_else(String::new, |n| format!(" `{n}`"));
+            format!("the path parameter{name} must be {}; got {:?}", must_be(expected_type), shown(value))
+        }
+        ErrorKind::InvalidUtf8InPathParam { key } => {
+            format!("the path parameter `{key}` is not UTF-8 text once percent-decoded")
+        }
+        _ => plain_serde_error(&e.body_text()),
+    }
+}
+
+/// A scope a route needs, as a type: [`Authorized`] checks it while the
+/// request is extracted, before the path, query and body are looked at, so
+/// a caller without the scope learns that first (403), never what was wrong
+/// with a body it may not send.
+pub trait RequiredScope: Send + Sync {
+    const SCOPE: Scope;
+}
+
+/// The scopes, one type each, for [`Authorized`].
+pub mod scope {
+    use super::{RequiredScope, Scope};
+
+    macro_rules! scopes {
+        ($($name:ident),* $(,)?) => {$(
+            #[doc = concat!("The `", stringify!($name), "` scope.")]
+            pub struct $name;
+            impl RequiredScope for $name {
+                const SCOPE: Scope = Scope::$name;
+            }
+        )*};
+    }
+
+    scopes!(TracesWrite, PromptsRead, PromptsWrite, PromptsPromote, RoundsTrigger, Admin);
+}
+
+/// The caller, authenticated (401 otherwise) and holding the scope `S` (or
+/// `admin`; 403 otherwise). Put it before the other extractors of a handler.
+pub struct Authorized<S: RequiredScope>(pub Caller, PhantomData<S>);
+
+impl<S: RequiredScope> std::ops::Deref for Authorized<S> {
+    type Target = Caller;
+    fn deref(&self) -> &Caller {
+        &self.0
+    }
+}
+
+impl<S: RequiredScope> FromRequestParts<AppState> for Authorized<S> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        let caller = Caller::from_request_parts(parts, state).await?;
+        caller.require(S::SCOPE)?;
+        Ok(Authorized(caller, PhantomData))
     }
 }
 
 /// The caller, authenticated by `Authorization: Bearer cmb_…`. A missing or bad
 /// key is rejected with 401 — never treated as anonymous.
 #[derive(Debug, Clone)]
-pub struct Caller(pub std::sync::Arc<ApiKey>);
+pub struct Caller(pub Arc<ApiKey>);
 
 impl Caller {
+    /// The key's id: what an `Idempotency-Key` is scoped to.
+    pub fn key_id(&self) -> uuid::Uuid {
+        self.0.id
+    }
+
     /// 403 unless the key has the scope (or `admin`).
     pub fn require(&self, scope: Scope) -> Result<(), ApiError> {
         if self.0.scopes.contains(&scope) || self.0.scopes.contains(&Scope::Admin) {
@@ -248,7 +300,8 @@ impl FromRequestParts<AppState> for Caller {
             .and_then(|h| h.strip_prefix("Bearer ").or_else(|| h.strip_prefix("bearer ")))
             .map(str::trim)
             .ok_or(ApiError::Unauthorized("the Authorization header must be `Bearer cmb_…`"))?;
-        let key = state.keys.authenticate(token).await?.ok_or(ApiError::Unauthorized("unknown or revoked API key"))?;
+        let key =
+            keys::authenticate(state, token).await?.ok_or(ApiError::Unauthorized("unknown or revoked API key"))?;
         Ok(Caller(key))
     }
 }

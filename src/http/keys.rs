@@ -6,12 +6,12 @@ use utoipa::ToSchema;
 
 use super::{
     AppState,
-    error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, Caller},
+    error::ApiResult,
+    extract::{ApiJson, ApiPath, Authorized, scope},
 };
 use crate::{
-    auth,
-    store::{ApiKey, Scope},
+    domain::access::{ApiKey, Scope},
+    service::keys,
 };
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -38,37 +38,25 @@ pub struct KeyList {
     responses((status = 201, body = KeyCreated)), security(("bearer" = ["admin"])))]
 pub async fn create_key(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::Admin>,
     ApiJson(req): ApiJson<CreateKey>,
 ) -> ApiResult<impl IntoResponse> {
-    caller.require(Scope::Admin)?;
-    if req.name.trim().is_empty() || req.name.chars().count() > 100 {
-        return Err(ApiError::unprocessable("`name` must be 1..=100 characters".into()));
-    }
-    if req.scopes.is_empty() {
-        return Err(ApiError::unprocessable("give at least one scope".into()));
-    }
-    let (key, secret) = auth::create_key(&st.store, req.name.trim(), &req.scopes).await?;
+    let (key, secret) = keys::create(&st, &req.name, &req.scopes).await?;
     Ok((StatusCode::CREATED, Json(KeyCreated { key, secret })))
 }
 
 #[utoipa::path(get, path = "/v1/keys", tag = "keys", responses((status = 200, body = KeyList)), security(("bearer" = ["admin"])))]
-pub async fn list_keys(State(st): State<AppState>, caller: Caller) -> ApiResult<Json<KeyList>> {
-    caller.require(Scope::Admin)?;
-    Ok(Json(KeyList { keys: st.store.list_api_keys().await? }))
+pub async fn list_keys(State(st): State<AppState>, _caller: Authorized<scope::Admin>) -> ApiResult<Json<KeyList>> {
+    Ok(Json(KeyList { keys: keys::list(&st).await? }))
 }
 
 #[utoipa::path(delete, path = "/v1/keys/{id}", tag = "keys", params(("id" = String, Path, description = "key id or visible prefix")),
     responses((status = 204), (status = 404, body = super::error::Problem)), security(("bearer" = ["admin"])))]
 pub async fn revoke_key(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::Admin>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<StatusCode> {
-    caller.require(Scope::Admin)?;
-    if !st.store.revoke_api_key(&id).await? {
-        return Err(ApiError::not_found("active key"));
-    }
-    st.keys.clear();
+    keys::revoke(&st, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -9,13 +9,15 @@ use utoipa::{IntoParams, ToSchema};
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Caller},
+    extract::{ApiPath, ApiQuery, Authorized, scope},
 };
 use crate::{
     domain::{LabelHistoryEntry, LabelName},
-    service::pagination::{PageParams, next_token},
-    service::prompts::existing_prompt,
-    store::Scope,
+    service::{
+        labels,
+        pagination::{PageParams, next_token},
+        prompts::existing_prompt,
+    },
 };
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -42,12 +44,11 @@ pub struct LabelHistoryPage {
 /// `guard-rollback`, `gate-promote`, `delete`), who or what made it, why, and the numbers.
 pub async fn label_history(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(filter): ApiQuery<HistoryFilter>,
     ApiQuery(page): ApiQuery<PageParams>,
 ) -> ApiResult<Json<LabelHistoryPage>> {
-    caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
     let label = filter
         .label
@@ -59,7 +60,7 @@ pub async fn label_history(
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);
-    let moves = st.store.label_history(&prompt.name, label.as_ref(), before, size).await?;
+    let moves = labels::label_history(&st, &prompt.name, label.as_ref(), before, size).await?;
     let next_page_token = next_token(&moves, size, |m| m.id.to_string());
     Ok(Json(LabelHistoryPage { moves, next_page_token }))
 }

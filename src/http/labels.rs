@@ -13,17 +13,20 @@ use utoipa::ToSchema;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, Caller},
+    extract::{ApiJson, ApiPath, Authorized, scope},
     prompts::{etag, etag_matches, fresh_view},
     versions::VersionView,
 };
 use crate::{
-    domain::{LabelMoveKind, LabelName, MoveCause, PromptName},
+    domain::{
+        LabelMoveKind, LabelName, MoveCause, PromptName,
+        label::{Label, LabelMove, Selector},
+    },
     service::{
         ServiceError,
-        prompts::{MAX_MESSAGE_CHARS, existing_prompt, move_label_to, roll_back},
+        labels::{self, check_move, check_version_number, move_label_to, roll_back},
+        prompts::{self, existing_prompt},
     },
-    store::{Label, LabelMove, Scope, Selector},
 };
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -35,12 +38,11 @@ pub struct LabelList {
     responses((status = 200, body = LabelList)), security(("bearer" = ["prompts:read"])))]
 pub async fn list_labels(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
 ) -> ApiResult<Json<LabelList>> {
-    caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
-    Ok(Json(LabelList { labels: st.store.list_labels(&prompt.name).await? }))
+    Ok(Json(LabelList { labels: labels::list_labels(&st, &prompt.name).await? }))
 }
 
 /// Checks `If-Match` against the label's current ETag (as `GET ?label=` shows
@@ -101,22 +103,14 @@ async fn moved(st: &AppState, name: &PromptName, label: Label) -> ApiResult<Resp
     security(("bearer" = ["prompts:promote"])))]
 pub async fn move_label(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsPromote>,
     ApiPath((name, label)): ApiPath<(String, String)>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<MoveLabel>,
 ) -> ApiResult<Response> {
-    caller.require(Scope::PromptsPromote)?;
     let prompt = existing_prompt(&st, &name).await?;
     let label = LabelName::parse(&label).map_err(|e| ApiError::unprocessable(e.to_string()))?;
-    if req.version < 1 {
-        return Err(ApiError::unprocessable("`version` must be at least 1".into()));
-    }
-    let reason = req.reason.unwrap_or_default();
-    // The schema states the bound (`maxLength`), so breaking it is invalid input (422), not a large body.
-    if reason.chars().count() > MAX_MESSAGE_CHARS {
-        return Err(ApiError::unprocessable(format!("`reason` is longer than {MAX_MESSAGE_CHARS} characters")));
-    }
+    let reason = check_move(req.version, req.reason)?;
     let (expected_current, check_current) = check_if_match(&st, &prompt.name, &label, &headers).await?;
     let mv = LabelMove {
         label: label.clone(),
@@ -135,19 +129,12 @@ pub async fn move_label(
     security(("bearer" = ["prompts:promote"])))]
 pub async fn delete_label(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsPromote>,
     ApiPath((name, label)): ApiPath<(String, String)>,
 ) -> ApiResult<StatusCode> {
-    caller.require(Scope::PromptsPromote)?;
     let prompt = existing_prompt(&st, &name).await?;
     let label = LabelName::parse(&label).map_err(|e| ApiError::unprocessable(e.to_string()))?;
-    if label.as_str() == LabelName::PRODUCTION {
-        return Err(ApiError::conflict("`production` cannot be deleted; move it instead".into()));
-    }
-    if !st.store.delete_label(&prompt.name, &label, &caller.actor()).await? {
-        return Err(ApiError::not_found(format_args!("label {label:?} of prompt {:?}", prompt.name)));
-    }
-    st.cache.invalidate(prompt.name.as_str());
+    labels::delete_label(&st, &prompt, &label, &caller.actor()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -168,24 +155,17 @@ pub struct Rollback {
 /// `rollback`, parent = the current production version) and makes it production.
 pub async fn rollback(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsPromote>,
     ApiPath(name): ApiPath<String>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<Rollback>,
 ) -> ApiResult<Response> {
-    caller.require(Scope::PromptsPromote)?;
     let prompt = existing_prompt(&st, &name).await?;
     let production = LabelName::production();
-    if req.to < 1 {
-        return Err(ApiError::unprocessable("`to` must be at least 1".into()));
-    }
+    check_version_number("to", req.to)?;
     let (expected, checked) = check_if_match(&st, &prompt.name, &production, &headers).await?;
     let created = roll_back(&st, &prompt, req.to, req.message, expected.filter(|_| checked), &caller.actor()).await?;
-    let view = st
-        .store
-        .resolve(&prompt.name, &Selector::Version(created.number))
-        .await?
-        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("version vanished after insert")))?;
+    let view = prompts::resolved(&st, &prompt.name, &Selector::Version(created.number)).await?;
     // The new version is production: its ETag is the one `GET ?label=production` answers.
     let etag = HeaderValue::from_str(&etag(&view)).map_err(|e| ApiError::internal(e.into()))?;
     let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();

@@ -5,10 +5,12 @@
 
 pub mod controller;
 pub mod error;
+pub mod export;
 pub mod extract;
 pub mod keys;
 pub mod label_history;
 pub mod labels;
+pub mod langfuse;
 pub mod openapi;
 pub mod ops;
 pub mod otlp;
@@ -67,13 +69,18 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/traces/{id}/quarantine", post(traces::quarantine_trace).delete(traces::release_trace))
         .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
         .route("/v1/otlp/v1/traces", post(otlp::export_traces))
+        .route("/v1/otlp/v1/logs", post(otlp::export_logs))
         .route("/v1/prompts/{name}/traces/requeue", post(traces::requeue_failed))
+        .route("/v1/prompts/{name}/export", get(export::export_traces))
         .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))
         .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
-        .route("/v1/openapi.json", get(ops::openapi))
+        .route("/v1/openapi.json", get(openapi::openapi))
+        // For Langfuse SDKs pointed at combee (see http/langfuse.rs).
+        .route("/api/public/v2/prompts/{name}", get(langfuse::get_prompt))
+        .route("/api/public/otel/v1/traces", post(langfuse::export_traces))
 }
 
 /// The route table as served: the API's fallbacks (problem documents) and

@@ -1,5 +1,5 @@
-//! The OpenAPI document as clients and fuzzers need it. utoipa generates the
-//! operations from the handlers' annotations; this module then states what the
+//! The OpenAPI document as clients and fuzzers need it, and its route. utoipa
+//! generates the operations from the handlers' annotations; this module then states what the
 //! annotations cannot say once for all routes: every error answer is an RFC 9457
 //! `application/problem+json` Problem (400/401/403/404/413/415/422/503 wherever
 //! the extractors and handlers can produce them), integers carry the bounds of
@@ -13,7 +13,6 @@ use std::sync::OnceLock;
 use serde_json::{Map, Value, json};
 use utoipa::OpenApi;
 
-use super::ops::ApiDoc;
 use crate::domain::prompt::{MAX_BULLETS, MAX_CHARS, MAX_WAIT_SECS};
 
 /// A prompt or label name.
@@ -76,13 +75,26 @@ pub fn finish(doc: &mut Value) {
             json!({"oneOf": [{"$ref": "#/components/schemas/TraceBatch"}, {"$ref": "#/components/schemas/NewTrace"}]});
     }
     // The OTLP JSON encoding of an export: an object (unknown members are ignored).
-    if let Some(content) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody/content") {
-        content["application/json"] = json!({"schema": {"type": "object",
-            "properties": {"resourceSpans": {"type": "array", "items": {"type": "object"}}}}});
-        content["application/x-protobuf"] = json!({"schema": {"type": "string", "format": "binary"}});
+    for (path, member) in [
+        ("/v1/otlp/v1/traces", "resourceSpans"),
+        ("/v1/otlp/v1/logs", "resourceLogs"),
+        ("/api/public/otel/v1/traces", "resourceSpans"),
+    ] {
+        let pointer = format!("/paths/{}/post/requestBody", path.replace('/', "~1"));
+        if let Some(body) = doc.pointer_mut(&pointer) {
+            body["required"] = json!(true);
+            body["content"]["application/json"] = json!({"schema": {"type": "object",
+                "properties": {member: {"type": "array", "items": {"type": "object"}}}}});
+            body["content"]["application/x-protobuf"] = json!({"schema": {"type": "string", "format": "binary"}});
+        }
     }
-    if let Some(body) = doc.pointer_mut("/paths/~1v1~1otlp~1v1~1traces/post/requestBody") {
-        body["required"] = json!(true);
+    // A round trigger's body is optional: an empty one means all defaults.
+    for trigger in
+        ["/paths/~1v1~1prompts~1{name}~1rounds/post/requestBody", "/paths/~1v1~1hooks~1rounds~1{name}/post/requestBody"]
+    {
+        if let Some(body) = doc.pointer_mut(trigger) {
+            body["required"] = json!(false);
+        }
     }
 }
 
@@ -323,6 +335,11 @@ fn bound_integers(v: &mut Value) {
                 };
                 o.entry("minimum").or_insert(lo);
                 o.entry("maximum").or_insert(hi);
+                // A `u32` is wider than `int32`: say `int64`, which holds it, so a
+                // client or fuzzer does not stop at 2^31 − 1.
+                if unsigned && o.get("format").and_then(Value::as_str) == Some("int32") {
+                    o.insert("format".into(), json!("int64"));
+                }
             }
             for (_, x) in o.iter_mut() {
                 bound_integers(x);
@@ -331,6 +348,54 @@ fn bound_integers(v: &mut Value) {
         Value::Array(a) => a.iter_mut().for_each(bound_integers),
         _ => {}
     }
+}
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("cmb_…").build()),
+        );
+        // The Langfuse-compatible routes: the key's prefix and the key as a Basic pair.
+        components.add_security_scheme(
+            "basic",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Basic).build()),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "combee", description = "Continuous agent self-improvement: versioned system prompts learned from agent traces."),
+    paths(
+        super::ops::healthz, super::ops::readyz, super::ops::metrics,
+        super::prompts::create_prompt, super::prompts::list_prompts, super::prompts::get_prompt,
+        super::settings::update_settings,
+        super::versions::create_version, super::versions::list_versions, super::versions::get_version,
+        super::versions::diff_versions, super::labels::list_labels, super::labels::move_label,
+        super::labels::delete_label, super::labels::rollback, super::label_history::label_history, super::prompts::get_population,
+        super::traces::post_traces, super::traces::list_traces, super::traces::get_trace, super::traces::add_feedback,
+        super::otlp::export_traces, super::otlp::export_logs,
+        super::traces::requeue_failed,
+        super::traces::quarantine_trace, super::traces::release_trace, super::traces::delete_trace, super::traces::quarantine_traces,
+        super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
+        super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
+        super::controller::get_controller, super::outcomes::prompt_metrics,
+        super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
+        super::webhooks::delete_webhook, super::webhooks::list_deliveries,
+        super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
+    ),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+/// `GET /v1/openapi.json`: the document with the rules utoipa cannot state.
+pub async fn openapi() -> axum::Json<Value> {
+    axum::Json(document().clone())
 }
 
 #[cfg(test)]

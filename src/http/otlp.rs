@@ -1,27 +1,29 @@
-//! The OTLP/HTTP trace receiver (`POST /v1/otlp/v1/traces`): agents point an
-//! OpenTelemetry exporter at `/v1/otlp` and their GenAI spans become traces
-//! like those of `POST /v1/traces`, one per trace id even when its spans come
-//! in several exports. Same key scope, same body limit; spans that cannot be
-//! mapped are counted in `partial_success`.
+//! The OTLP/HTTP receivers (`POST /v1/otlp/v1/traces` and `/v1/otlp/v1/logs`):
+//! agents point an OpenTelemetry exporter at `/v1/otlp` and their GenAI spans
+//! and log events become traces like those of `POST /v1/traces`, one per
+//! trace id even when its records come in several exports. Same key scope,
+//! same body limit; records that cannot be mapped are counted in
+//! `partial_success`.
 
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{Caller, body_bytes},
-    traces::limits,
+    extract::{Authorized, body_bytes, scope},
 };
 use crate::{
+    domain::span::OtlpMerge,
     otlp::{
-        self, DecodeError, Encoding,
-        mapping::{self, Mapping, Rejection},
+        self, DecodeError, Encoding, Signal,
+        mapping::{self, Mapping, Rejection, SpanGroup},
     },
-    store::{OtlpMerge, Scope},
+    service::traces::{self, limits},
 };
 use axum::{
     extract::{Request, State},
     http::{HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
 };
+use opentelemetry_proto::tonic::collector::{logs::v1::ExportLogsServiceRequest, trace::v1::ExportTraceServiceRequest};
 
 fn decode_error(e: DecodeError) -> ApiError {
     if e.is_size() {
@@ -61,8 +63,47 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
         (status = 503, body = super::error::Problem, description = "the store is unavailable (`Retry-After`); retrying the same export is safe"),
     ),
     security(("bearer" = ["traces:write"])))]
-pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
-    caller.require(Scope::TracesWrite)?;
+pub async fn export_traces(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::TracesWrite>,
+    req: Request,
+) -> ApiResult<Response> {
+    handle_export(&st, Signal::Traces, req).await
+}
+
+/// OTLP/HTTP export of log records (`ExportLogsServiceRequest`).
+///
+/// GenAI events sent as log records — the content of model calls
+/// (`gen_ai.client.inference.operation.details`, or the older
+/// `gen_ai.*.message` and `gen_ai.choice` events) and evaluation results
+/// (`gen_ai.evaluation.result`) — join their trace by trace id and their span
+/// by span id, under the same merge, hold and late-arrival rules as spans.
+/// Same encodings, compression, limits and key scope as the span export; log
+/// records that are no GenAI events, or carry no trace id, are rejected in
+/// `partial_success`. A retry of the same records stores nothing twice.
+#[utoipa::path(post, path = "/v1/otlp/v1/logs", tag = "traces",
+    request_body(content = Vec<u8>, description = "an OTLP `ExportLogsServiceRequest`; with `Content-Encoding: gzip` or `deflate` it may be compressed (the inflated body is held to `limits.max_body_bytes` too)",
+        content(("application/x-protobuf"), ("application/json"))),
+    responses(
+        (status = 200, description = "an OTLP `ExportLogsServiceResponse` in the request's encoding, with `partial_success` when log records were rejected or are held"),
+        (status = 400, body = super::error::Problem, description = "the body is not a valid export request (bad protobuf, JSON or gzip)"),
+        (status = 401, body = super::error::Problem), (status = 403, body = super::error::Problem),
+        (status = 413, body = super::error::Problem, description = "the body (or inflated body) exceeds `limits.max_body_bytes`, or more than `limits.max_traces_per_batch` trace ids"),
+        (status = 415, body = super::error::Problem, description = "neither protobuf nor JSON, or an unsupported `Content-Encoding`"),
+        (status = 503, body = super::error::Problem, description = "the store is unavailable (`Retry-After`); retrying the same export is safe"),
+    ),
+    security(("bearer" = ["traces:write"])))]
+pub async fn export_logs(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::TracesWrite>,
+    req: Request,
+) -> ApiResult<Response> {
+    handle_export(&st, Signal::Logs, req).await
+}
+
+/// Decodes an export of `signal` (the caller's key is checked already) and
+/// ingests it: shared by the OTLP routes and the Langfuse alias.
+pub(super) async fn handle_export(st: &AppState, signal: Signal, req: Request) -> ApiResult<Response> {
     let headers = req.headers();
     let encoding = Encoding::from_content_type(headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()))
         .map_err(decode_error)?;
@@ -79,25 +120,35 @@ pub async fn export_traces(State(st): State<AppState>, caller: Caller, req: Requ
     let body = body_bytes(req).await?;
     let limit = st.settings.limits.max_body_bytes;
     let body = otlp::decompress(content_encoding.as_deref(), &body, limit).map_err(decode_error)?;
-    let request = otlp::decode_request(encoding, &body).map_err(decode_error)?;
-
+    let (groups, rejected) = match signal {
+        Signal::Traces => {
+            let request: ExportTraceServiceRequest =
+                otlp::decode_export(signal, encoding, &body).map_err(decode_error)?;
+            mapping::split_request(&request)
+        }
+        Signal::Logs => {
+            let request: ExportLogsServiceRequest =
+                otlp::decode_export(signal, encoding, &body).map_err(decode_error)?;
+            otlp::logs::split_request(&request)
+        }
+    };
     // Exporters retry a failed export with the same bytes, and may re-batch
-    // spans: every span is stored once per (trace id, span id), so a retry
-    // after any failure stores nothing twice and needs no idempotency key.
-    let answer = ingest(&st, encoding, &request).await?;
-    Ok(otlp_response(encoding, StatusCode::OK, answer))
+    // records: every record is stored once per (trace id, record key), so a
+    // retry after any failure stores nothing twice and needs no idempotency key.
+    let answer = ingest(st, signal, groups, rejected).await?;
+    Ok(otlp_response(encoding, StatusCode::OK, otlp::encode_answer(signal, encoding, answer.0, &answer.1)))
 }
 
-/// Splits the export by trace id and merges each trace id's spans into its
-/// pending trace (one store transaction per trace id; see
-/// [`crate::store::Store::merge_otlp_spans`]), then encodes the answer.
-/// A failure part-way is safe to retry: spans stored already are ignored.
+/// Merges each trace id's records into its pending trace (one store
+/// transaction per trace id; see [`crate::store::OtlpStore::merge_otlp_spans`]),
+/// and says how many records were rejected and why (or which are held).
+/// A failure part-way is safe to retry: records stored already are ignored.
 async fn ingest(
     st: &AppState,
-    encoding: Encoding,
-    request: &opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
-) -> ApiResult<Vec<u8>> {
-    let (groups, rejected) = mapping::split_request(request);
+    signal: Signal,
+    groups: Vec<SpanGroup>,
+    rejected: Vec<Rejection>,
+) -> ApiResult<(usize, String)> {
     let max = st.settings.limits.max_traces_per_batch;
     if groups.len() > max {
         return Err(ApiError::payload_too_large(format!(
@@ -108,19 +159,19 @@ async fn ingest(
     let limits = limits(st);
     let mut answer = Mapping { traces: Vec::new(), rejected };
     let mut held = Mapping::default();
-    let (mut created, mut accepted_spans, mut duplicate_spans) = (0_u64, 0, 0);
+    let (mut created, mut accepted, mut duplicate) = (0_u64, 0, 0);
     for group in groups {
         let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
         let trace_id = Some(group.trace_id.clone());
-        // How many of the group's spans were new; the rest were stored before.
-        let new = match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
+        // How many of the group's records were new; the rest were stored before.
+        let new = match traces::merge_spans(st, &group.trace_id, &group.spans, &remap).await? {
             OtlpMerge::Created { added, .. } => {
                 created += 1;
-                accepted_spans += added;
+                accepted += added;
                 added
             }
             OtlpMerge::Extended { added, .. } => {
-                accepted_spans += added;
+                accepted += added;
                 added
             }
             OtlpMerge::Held { added, reason } => {
@@ -133,7 +184,7 @@ async fn ingest(
                     trace_id,
                     spans,
                     reason: format!(
-                        "its trace {trace} was already taken by a learning round; spans that arrive after that are not added"
+                        "its trace {trace} was already taken by a learning round; records that arrive after that are not added"
                     ),
                 });
                 spans
@@ -143,31 +194,32 @@ async fn ingest(
                 spans
             }
         };
-        duplicate_spans += group.spans.len().saturating_sub(new);
+        duplicate += group.spans.len().saturating_sub(new);
     }
-    let rejected_spans = answer.rejected_spans();
-    let held_spans = held.rejected_spans();
+    let rejected = answer.rejected_spans();
+    let held_count = held.rejected_spans();
     metrics::counter!("combee_traces_ingested_total").increment(created);
-    for (outcome, n) in [
-        ("accepted", accepted_spans),
-        ("rejected", rejected_spans),
-        ("held", held_spans),
-        ("duplicate", duplicate_spans),
-    ] {
-        metrics::counter!("combee_otlp_spans_total", "outcome" => outcome).increment(n as u64);
+    let counter = match signal {
+        Signal::Traces => "combee_otlp_spans_total",
+        Signal::Logs => "combee_otlp_log_records_total",
+    };
+    for (outcome, n) in [("accepted", accepted), ("rejected", rejected), ("held", held_count), ("duplicate", duplicate)]
+    {
+        metrics::counter!(counter, "outcome" => outcome).increment(n as u64);
     }
-    if rejected_spans > 0 {
-        tracing::info!(created, rejected_spans, "OTLP export partly rejected");
+    if rejected > 0 {
+        tracing::info!(created, rejected, signal = signal.request(), "OTLP export partly rejected");
     }
-    // Held spans are not rejected: the answer only warns (OTLP's partial
-    // success with 0 rejected spans and a message).
-    let mut message = answer.error_message();
-    if held_spans > 0 {
+    // Held records are not rejected: the answer only warns (OTLP's partial
+    // success with 0 rejected and a message).
+    let unit = signal.unit();
+    let mut message = answer.summary("rejected", unit);
+    if held_count > 0 {
         let warning = format!(
-            "{}. Held spans become a trace once the rest of their trace arrives (within `limits.idempotency_ttl_hours`)",
-            held.summary("held")
+            "{}. Held records become a trace once the rest of their trace arrives (within `limits.idempotency_ttl_hours`)",
+            held.summary("held", unit)
         );
         message = if message.is_empty() { warning } else { format!("{message}. {warning}") };
     }
-    Ok(otlp::encode_response(encoding, rejected_spans, &message))
+    Ok((rejected, message))
 }

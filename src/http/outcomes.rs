@@ -11,12 +11,11 @@ use utoipa::{IntoParams, ToSchema};
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Caller},
+    extract::{ApiPath, ApiQuery, Authorized, scope},
 };
 use crate::{
-    evaluate::outcomes::{VersionOutcomes, rollup_window, summarize},
-    service::prompts::existing_prompt,
-    store::Scope,
+    evaluate::outcomes::{VersionOutcomes, rollup_window},
+    service::{ServiceResult, outcomes, prompts::existing_prompt},
 };
 
 /// Longest window one request may cover.
@@ -121,19 +120,13 @@ fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, Dat
     security(("bearer" = ["prompts:read"])))]
 pub async fn prompt_metrics(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<MetricsQuery>,
 ) -> ApiResult<Json<PromptMetrics>> {
-    caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
     let (from, until, bucket_seconds) = window(&q, Utc::now())?;
-    let (buckets, labels) = tokio::try_join!(
-        st.store.version_outcomes(&prompt.name, from, until, bucket_seconds),
-        st.store.list_labels(&prompt.name)
-    )?;
-    let versions =
-        summarize(&buckets, |v| labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect());
+    let versions = outcomes::version_outcomes(&st, &prompt.name, from, until, bucket_seconds).await?;
     Ok(Json(PromptMetrics { prompt: prompt.name.to_string(), from, until, bucket_seconds, versions }))
 }
 
@@ -164,26 +157,12 @@ pub async fn outcome_gauges(st: &AppState) -> String {
     }
 }
 
-async fn render_gauges(st: &AppState) -> Result<String, crate::store::StoreError> {
+async fn render_gauges(st: &AppState) -> ServiceResult<String> {
     use std::fmt::Write;
-    let until = Utc::now();
-    let from = until - Duration::seconds(GAUGE_WINDOW_SECS);
     let (mut rate, mut score, mut rewarded) = (String::new(), String::new(), String::new());
-    for summary in st.store.list_prompts(None, GAUGE_MAX_PROMPTS).await? {
-        let name = &summary.prompt.name;
-        let labels = st.store.list_labels(name).await?;
-        if labels.is_empty() {
-            continue;
-        }
-        let buckets = st.store.version_outcomes(name, from, until, GAUGE_WINDOW_SECS).await?;
-        let labels_of = |v: i64| -> Vec<String> {
-            let mut l: Vec<String> =
-                labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect();
-            l.sort();
-            l
-        };
-        for v in summarize(&buckets, labels_of) {
-            let Some(version) = v.version.filter(|_| !v.labels.is_empty()) else { continue };
+    for (name, versions) in outcomes::labelled_outcomes(st, Utc::now(), GAUGE_WINDOW_SECS, GAUGE_MAX_PROMPTS).await? {
+        for v in versions {
+            let Some(version) = v.version else { continue };
             let series = format!(
                 "{{prompt=\"{}\",version=\"{version}\",labels=\"{}\"}}",
                 escape(name.as_str()),

@@ -18,52 +18,23 @@ use utoipa::{IntoParams, ToSchema};
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, ApiQuery, Caller},
+    extract::{ApiJson, ApiPath, ApiQuery, Authorized, scope},
 };
 use crate::{
-    cache::{CachedPrompt, ServedArms},
+    cache::CachedPrompt,
     domain::{
-        LabelName, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy, Version, VersionContent,
-        VersionSource, prompt::NewVersion,
+        LabelName, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy, Version, VersionSource,
+        label::{Resolved, Selector},
+        population::ArmState,
+        prompt::{NewPrompt, NewVersion, PromptSummary},
     },
     evaluate::assign::assign,
     service::{
         pagination::{PageParams, next_token},
-        prompts::{check_message, existing_prompt, parse_name},
+        population::{self, PopulationArmView},
+        prompts::{self, check_content, check_message, existing_prompt, parse_name, served_arms},
     },
-    store::{ArmState, NewPrompt, PopulationArm, PromptSummary, Resolved, Scope, Selector},
 };
-
-pub(super) fn check_content(
-    st: &AppState,
-    strategy: Strategy,
-    base: &str,
-    playbook: Option<Playbook>,
-) -> ApiResult<VersionContent> {
-    if base.trim().is_empty() {
-        return Err(ApiError::unprocessable("`base` must not be empty".into()));
-    }
-    if base.len() > st.settings.limits.max_prompt_bytes {
-        return Err(ApiError::payload_too_large(format!(
-            "`base` is {} bytes; the limit is {} (`limits.max_prompt_bytes`)",
-            base.len(),
-            st.settings.limits.max_prompt_bytes
-        )));
-    }
-    let playbook = match (strategy, playbook) {
-        (Strategy::Rewrite, Some(_)) => {
-            return Err(ApiError::unprocessable("a prompt with strategy `rewrite` has no playbook".into()));
-        }
-        (_, Some(pb)) => Some(pb.normalized().map_err(|e| ApiError::unprocessable(format!("playbook: {e}")))?),
-        (_, None) => None,
-    };
-    let content = VersionContent { base: base.to_owned(), playbook };
-    let rendered = content.render().len();
-    if rendered > st.settings.limits.max_prompt_bytes * 2 {
-        return Err(ApiError::payload_too_large(format!("the rendered prompt is {rendered} bytes; too large")));
-    }
-    Ok(content)
-}
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -102,10 +73,9 @@ pub struct PromptCreated {
     security(("bearer" = ["prompts:write"])))]
 pub async fn create_prompt(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsWrite>,
     ApiJson(req): ApiJson<CreatePrompt>,
 ) -> ApiResult<Response> {
-    caller.require(Scope::PromptsWrite)?;
     let name = PromptName::parse(&req.name).map_err(|e| ApiError::unprocessable(e.to_string()))?;
     let strategy = req.strategy.unwrap_or_default();
     let settings = req.settings.unwrap_or_default().validated().map_err(ApiError::unprocessable)?;
@@ -125,7 +95,7 @@ pub async fn create_prompt(
         settings,
         created_by: caller.actor(),
     };
-    let (prompt, version) = crate::service::prompts::create_prompt(&st, new, first).await?;
+    let (prompt, version) = prompts::create_prompt(&st, new, first).await?;
     let location = HeaderValue::from_str(&format!("/v1/prompts/{name}")).ok();
     let mut res = (StatusCode::CREATED, Json(PromptCreated { prompt, version, labels: vec![LabelName::production()] }))
         .into_response();
@@ -145,16 +115,15 @@ pub struct PromptPage {
     responses((status = 200, body = PromptPage)), security(("bearer" = ["prompts:read"])))]
 pub async fn list_prompts(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiQuery(page): ApiQuery<PageParams>,
 ) -> ApiResult<Json<PromptPage>> {
-    caller.require(Scope::PromptsRead)?;
     let size = page.size(st.settings.limits.max_page_size);
     let after = page.cursor()?;
     if after.as_deref().is_some_and(|a| !crate::domain::names::is_valid_name(a)) {
         return Err(ApiError::bad_request("`page_token` is not a token this API issued".into()));
     }
-    let prompts = st.store.list_prompts(after.as_deref(), size).await?;
+    let prompts = prompts::list_prompts(&st, after.as_deref(), size).await?;
     let next_page_token = next_token(&prompts, size, |p| p.prompt.name.to_string());
     Ok(Json(PromptPage { prompts, next_page_token }))
 }
@@ -224,16 +193,7 @@ pub(super) fn etag(resolved: &Resolved) -> String {
 }
 
 pub(super) async fn fresh_view(st: &AppState, name: &PromptName, selector: &Selector) -> ApiResult<Arc<CachedPrompt>> {
-    let Some(resolved) = st.store.resolve(name, selector).await? else {
-        if st.store.get_prompt(name).await?.is_none() {
-            return Err(ApiError::not_found(format_args!("prompt {name:?}")));
-        }
-        return Err(match selector {
-            Selector::Label(l) => ApiError::not_found(format_args!("label {l:?} of prompt {name:?}")),
-            Selector::Version(n) => ApiError::not_found(format_args!("version {n} of prompt {name:?}")),
-            Selector::Latest => ApiError::not_found(format_args!("prompt {name:?}")),
-        });
-    };
+    let resolved = prompts::resolved(st, name, selector).await?;
     let v = &resolved.version;
     let body = serde_json::to_vec(&PromptView {
         name: name.as_str(),
@@ -275,15 +235,14 @@ pub(super) fn etag_matches(header_value: Option<&HeaderValue>, etag: &HeaderValu
     security(("bearer" = ["prompts:read"])))]
 pub async fn get_prompt(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<SelectorQuery>,
     headers: GetHeaders,
 ) -> ApiResult<Response> {
-    caller.require(Scope::PromptsRead)?;
     if let (Some(l), Some(v)) = (&q.label, q.version) {
         let sel = SelectorQuery { label: Some(l.clone()), version: None, subject: None }.selector()?;
-        let at = st.store.resolve(&parse_name(&name)?, &sel).await?.map(|r| r.version.number);
+        let at = prompts::resolve(&st, &parse_name(&name)?, &sel).await?.map(|r| r.version.number);
         if at != Some(v) {
             return Err(ApiError::missing(format!("label {l:?} does not point at version {v}")));
         }
@@ -344,33 +303,6 @@ fn subject_of<'a>(q: &'a SelectorQuery, header: Option<&'a HeaderValue>) -> ApiR
     Ok(Some(raw))
 }
 
-/// The live arms of an `evaluated` prompt (empty for other prompts), cached
-/// like the prompt's text and dropped with it on every change.
-async fn served_arms(st: &AppState, name: &str) -> ApiResult<Arc<ServedArms>> {
-    if crate::domain::names::is_valid_name(name)
-        && let Some(hit) = st.cache.get_arms(name)
-    {
-        return Ok(hit);
-    }
-    let generation = st.cache.generation();
-    let prompt = existing_prompt(st, name).await?;
-    let served = if prompt.promotion == Promotion::Evaluated {
-        let population = st.store.population(&prompt.name).await?;
-        let champion = population.iter().find(|a| a.state == ArmState::Champion).map(|a| a.version);
-        let arms = population
-            .iter()
-            .filter(|a| a.state != ArmState::Retired && a.weight > 0.0)
-            .map(|a| (a.version, a.weight))
-            .collect();
-        ServedArms::new(arms, champion)
-    } else {
-        ServedArms::new(Vec::new(), None)
-    };
-    let served = Arc::new(served);
-    st.cache.insert_arms(prompt.name.as_str(), generation, served.clone());
-    Ok(served)
-}
-
 /// The arm (version, state) this request is served: sticky by subject over
 /// the current weights, or drawn per request without one. `None` when the
 /// prompt has no population (it is served `production` as usual).
@@ -392,16 +324,6 @@ pub struct PopulationView {
     pub arms: Vec<PopulationArmView>,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
-pub struct PopulationArmView {
-    #[serde(flatten)]
-    pub arm: PopulationArm,
-    /// μ − 2σ: what the promotion gate compares.
-    pub conservative: f64,
-    /// μ + 2σ: what exploration chases.
-    pub optimistic: f64,
-}
-
 #[utoipa::path(get, path = "/v1/prompts/{name}/population", tag = "prompts", params(("name" = String, Path)),
     responses((status = 200, body = PopulationView), (status = 404, body = super::error::Problem)),
     security(("bearer" = ["prompts:read"])))]
@@ -411,21 +333,10 @@ pub struct PopulationArmView {
 /// (they have no population until switched).
 pub async fn get_population(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
 ) -> ApiResult<Json<PopulationView>> {
-    caller.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
-    let arms = st
-        .store
-        .population(&prompt.name)
-        .await?
-        .into_iter()
-        .map(|arm| PopulationArmView {
-            conservative: arm.rating.conservative(),
-            optimistic: arm.rating.optimistic(),
-            arm,
-        })
-        .collect();
+    let arms = population::population(&st, &prompt).await?;
     Ok(Json(PopulationView { prompt: prompt.name.to_string(), promotion: prompt.promotion, arms }))
 }

@@ -15,43 +15,30 @@ use uuid::Uuid;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Caller, body_bytes},
+    extract::{ApiPath, ApiQuery, Authorized, body_bytes, optional_json, optional_json_bytes, scope},
 };
 use crate::{
     domain::round::{Round, RoundTrigger},
     service::{
         pagination::{PageParams, next_token},
         prompts::{existing_prompt, parse_name},
-        rounds::{RoundView, TriggerRound, open_round, round_view},
+        rounds::{self, RoundView, TriggerRound, open_round, round_view},
     },
-    store::Scope,
     webhooks,
 };
-
-/// An empty body means all defaults.
-fn parse_trigger(body: &[u8]) -> ApiResult<TriggerRound> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(TriggerRound::default());
-    }
-    let mut value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
-    super::extract::body_value(&mut value)?;
-    serde_json::from_value(value)
-        .map_err(|e| ApiError::unprocessable(super::extract::plain_serde_error(&e.to_string())))
-}
 
 #[utoipa::path(post, path = "/v1/prompts/{name}/rounds", tag = "rounds", params(("name" = String, Path)),
     request_body = TriggerRound, responses((status = 202, body = Round), (status = 409, body = super::error::Problem)),
     security(("bearer" = ["rounds:trigger"])))]
 pub async fn trigger_round(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::RoundsTrigger>,
     ApiPath(name): ApiPath<String>,
     req: Request,
 ) -> ApiResult<Response> {
-    caller.require(Scope::RoundsTrigger)?;
     let name = parse_name(&name)?;
-    let body = parse_trigger(&body_bytes(req).await?)?;
+    // An empty body means all defaults.
+    let body = optional_json::<TriggerRound>(req).await?.unwrap_or_default();
     let round = open_round(&st, &name, body, RoundTrigger::Api, None)
         .await?
         .ok_or_else(|| ApiError::internal(anyhow::anyhow!("a round without a webhook id was taken for a duplicate")))?;
@@ -93,7 +80,8 @@ pub async fn webhook_round(
     webhooks::verify(&keys, &msg, chrono::Utc::now().timestamp(), st.settings.webhooks.tolerance_secs)
         .map_err(|e| ApiError::Unauthorized(webhook_reason(&e)))?;
     let name = parse_name(&name)?;
-    let trigger = parse_trigger(&body)?;
+    // Signed bytes, whatever their content type; an empty body means all defaults.
+    let trigger = optional_json_bytes::<TriggerRound>(&body)?.unwrap_or_default();
     let id = msg.id.unwrap_or_default();
     if id.len() > 255 {
         return Err(ApiError::bad_request("`webhook-id` is longer than 255 characters".into()));
@@ -123,10 +111,9 @@ fn webhook_reason(e: &webhooks::VerifyError) -> &'static str {
     responses((status = 200, body = RoundView), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
 pub async fn get_round(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<RoundView>> {
-    caller.require(Scope::PromptsRead)?;
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::missing("no such round: ids are UUIDs".into()))?;
     Ok(Json(round_view(&st, id).await?))
 }
@@ -148,11 +135,10 @@ pub struct RoundPage {
     responses((status = 200, body = RoundPage)), security(("bearer" = ["prompts:read"])))]
 pub async fn list_rounds(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<RoundQuery>,
 ) -> ApiResult<Json<RoundPage>> {
-    caller.require(Scope::PromptsRead)?;
     let name = existing_prompt(&st, &name).await?.name;
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before = match page.cursor()? {
@@ -160,7 +146,7 @@ pub async fn list_rounds(
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);
-    let rounds = st.store.list_rounds(Some(&name), before, size).await?;
+    let rounds = rounds::list_rounds(&st, &name, before, size).await?;
     let next_page_token = next_token(&rounds, size, |r| r.id.simple().to_string());
     Ok(Json(RoundPage { rounds, next_page_token }))
 }

@@ -1,5 +1,5 @@
-//! The prompt settings route: an RFC 7396 merge patch of a prompt's settings,
-//! validated as a whole before it is stored.
+//! The prompt settings route: an RFC 7396 merge patch of a prompt's settings
+//! (applied and validated as a whole by `service::prompts`).
 
 use axum::{Json, extract::State};
 use serde::Deserialize;
@@ -7,35 +7,10 @@ use utoipa::ToSchema;
 
 use super::{
     AppState,
-    error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, Caller},
+    error::ApiResult,
+    extract::{ApiJson, ApiPath, Authorized, scope},
 };
-use crate::{
-    domain::{Prompt, PromptSettings},
-    service::prompts::existing_prompt,
-    store::{Scope, StoreError},
-};
-
-/// RFC 7396 JSON merge patch: members of `patch` replace those of `target`,
-/// objects merge recursively, `null` removes a member (its default applies).
-fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
-    let serde_json::Value::Object(patch) = patch else {
-        *target = patch.clone();
-        return;
-    };
-    if !target.is_object() {
-        *target = serde_json::Value::Object(Default::default());
-    }
-    if let serde_json::Value::Object(t) = target {
-        for (k, v) in patch {
-            if v.is_null() {
-                t.remove(k);
-            } else {
-                merge_patch(t.entry(k.clone()).or_insert(serde_json::Value::Null), v);
-            }
-        }
-    }
-}
+use crate::{domain::Prompt, service::prompts};
 
 /// A JSON merge patch (RFC 7396) of a prompt's settings: the members sent
 /// replace the current ones, `null` resets a member to its default.
@@ -76,6 +51,19 @@ impl utoipa::PartialSchema for SettingsPatch {
                         "quarantined_days": nullable_int(1, Some(u64::from(crate::domain::prompt::MAX_RETENTION_DAYS))),
                     },
                 },
+                "population": {
+                    "type": ["object", "null"],
+                    "description": "This prompt's own population knobs (`evaluated` policy); each replaces the server's `[population]` default, `null` resets it.",
+                    "additionalProperties": false,
+                    "properties": {
+                        "explore_share": {"type": ["number", "null"], "minimum": crate::domain::population_settings::EXPLORE_SHARE_MIN, "maximum": crate::domain::population_settings::EXPLORE_SHARE_MAX},
+                        "min_traces": nullable_int(0, Some(crate::domain::population_settings::MAX_EVIDENCE)),
+                        "max_arms": nullable_int(1, Some(crate::domain::population_settings::MAX_ARMS as u64)),
+                        "crossover_prob": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+                        "margin": {"type": ["number", "null"], "minimum": 0, "maximum": crate::domain::population_settings::MAX_MARGIN},
+                        "cooldown_windows": nullable_int(0, Some(crate::domain::population_settings::MAX_EVIDENCE)),
+                    },
+                },
             },
             "example": {"agent_reflections": "ignore", "pinned_bullets": ["b-0001"], "max_removal_share": 0.25},
         });
@@ -94,37 +82,9 @@ impl ToSchema for SettingsPatch {}
     security(("bearer" = ["prompts:write"])))]
 pub async fn update_settings(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsWrite>,
     ApiPath(name): ApiPath<String>,
     ApiJson(patch): ApiJson<SettingsPatch>,
 ) -> ApiResult<Json<Prompt>> {
-    caller.require(Scope::PromptsWrite)?;
-    // `null` removes a member before the settings are read back, so an unknown
-    // name would pass unnoticed there: refuse it here.
-    if let Some(unknown) = patch.0.keys().find(|k| !PromptSettings::FIELDS.contains(&k.as_str())) {
-        return Err(ApiError::unprocessable(format!(
-            "`{}` is not a setting; the settings are {}",
-            unknown.chars().take(64).collect::<String>(),
-            PromptSettings::FIELDS.join(", ")
-        )));
-    }
-    let patch = serde_json::Value::Object(patch.0);
-    // Optimistic: re-read and re-apply when another change landed in between.
-    for _ in 0..5 {
-        let prompt = existing_prompt(&st, &name).await?;
-        let mut doc = serde_json::to_value(&prompt.settings).map_err(|e| ApiError::internal(e.into()))?;
-        merge_patch(&mut doc, &patch);
-        let new: PromptSettings = serde_path_to_error::deserialize(doc).map_err(|e| {
-            let inner = super::extract::plain_serde_error(&e.inner().to_string());
-            ApiError::unprocessable(format!("`settings.{}`: {inner}", e.path()))
-        })?;
-        let new = new.validated().map_err(ApiError::unprocessable)?;
-        match st.store.update_prompt_settings(&prompt.name, &prompt.settings, &new).await {
-            Ok(Some(updated)) => return Ok(Json(updated)),
-            Ok(None) => return Err(ApiError::not_found(format_args!("prompt {:?}", prompt.name.as_str()))),
-            Err(StoreError::Conflict) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(ApiError::conflict("the settings kept changing while this patch was applied; send it again".into()))
+    Ok(Json(prompts::update_settings(&st, &name, patch.0).await?))
 }

@@ -11,23 +11,23 @@ use axum::{
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, ApiQuery, Caller, body_bytes},
+    extract::{ApiJson, ApiPath, ApiQuery, Authorized, body_bytes, optional_json, scope},
 };
 use crate::{
     domain::{
-        Feedback, NewTrace, PromptName, Trace, TraceStatus,
-        trace::{TraceLimits, ValidTrace},
+        Feedback, NewTrace, Trace, TraceStatus,
+        trace::{TraceFilter, ValidTrace},
     },
-    service::pagination::{PageParams, next_token},
-    service::prompts::parse_name,
-    store::{IdempotencyKey, IdempotentIngest, RequeueFailed, Scope, StoreError, TraceAction, TraceFilter},
+    service::{
+        pagination::{PageParams, next_token},
+        traces::{self, Idempotent, Ingested, limits},
+    },
 };
 
 const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -43,13 +43,6 @@ pub struct TracesAccepted {
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct TraceBatch {
     pub traces: Vec<NewTrace>,
-}
-
-pub(super) fn limits(st: &AppState) -> TraceLimits {
-    TraceLimits {
-        max_field_bytes: st.settings.limits.max_field_bytes,
-        max_trace_bytes: st.settings.limits.max_trace_bytes,
-    }
 }
 
 /// Parses and validates the body; errors name the offending trace by index.
@@ -123,31 +116,23 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
     responses((status = 201, body = TracesAccepted), (status = 413, body = super::error::Problem), (status = 422, body = super::error::Problem),
         (status = 503, description = "the store is unavailable; retry after `Retry-After` seconds", body = super::error::Problem)),
     security(("bearer" = ["traces:write"])))]
-pub async fn post_traces(State(st): State<AppState>, caller: Caller, req: Request) -> ApiResult<Response> {
-    caller.require(Scope::TracesWrite)?;
+pub async fn post_traces(
+    State(st): State<AppState>,
+    caller: Authorized<scope::TracesWrite>,
+    req: Request,
+) -> ApiResult<Response> {
     let idem_key = idempotency_key(req.headers())?;
     let body = body_bytes(req).await?;
-    let Some(key) = idem_key else {
-        return ingest(&st, &body).await.map(|b| json_response(StatusCode::CREATED, b));
-    };
     let traces = parse_traces(&st, &body)?;
-    let request_hash = hex::encode(Sha256::digest(&body));
-    let key = IdempotencyKey { owner: caller.0.id, key: &key, request_hash: &request_hash };
-    let answer = |ids: &[Uuid]| accepted_body(ids);
-    match st.store.insert_traces_idempotent(key, &traces, StatusCode::CREATED.as_u16(), &answer).await? {
-        IdempotentIngest::Stored { ids, status, body } => {
-            metrics::counter!("combee_traces_ingested_total").increment(ids.len() as u64);
-            Ok(json_response(StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED), body))
-        }
-        IdempotentIngest::Replay { status, body } => {
-            let mut res = json_response(StatusCode::from_u16(status).unwrap_or(StatusCode::CREATED), body);
+    let idempotent = idem_key.as_deref().map(|key| Idempotent { caller: caller.key_id(), key, body: &body });
+    Ok(match traces::ingest(&st, &traces, idempotent).await? {
+        Ingested::Stored(ids) => json_response(StatusCode::CREATED, accepted_body(&ids)),
+        Ingested::Replayed(ids) => {
+            let mut res = json_response(StatusCode::CREATED, accepted_body(&ids));
             res.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
-            Ok(res)
+            res
         }
-        IdempotentIngest::Mismatch => {
-            Err(ApiError::unprocessable("this Idempotency-Key was already used with a different request body".into()))
-        }
-    }
+    })
 }
 
 /// The answer to an accepted batch: `{"ids": [...], "count": n}`.
@@ -162,13 +147,6 @@ fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
         return Err(ApiError::bad_request("`Idempotency-Key` must be 1..=255 characters".into()));
     }
     Ok(Some(v.to_owned()))
-}
-
-async fn ingest(st: &AppState, body: &[u8]) -> ApiResult<Vec<u8>> {
-    let traces = parse_traces(st, body)?;
-    let ids = st.store.insert_traces(&traces).await?;
-    metrics::counter!("combee_traces_ingested_total").increment(ids.len() as u64);
-    Ok(accepted_body(&ids))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -194,19 +172,18 @@ pub struct TracePage {
     responses((status = 200, body = TracePage)), security(("bearer" = ["prompts:read"])))]
 pub async fn list_traces(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiQuery(q): ApiQuery<TraceQuery>,
 ) -> ApiResult<Json<TracePage>> {
-    caller.require(Scope::PromptsRead)?;
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before_id = match page.cursor()? {
         Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
-    let prompt: Option<PromptName> = q.prompt.as_deref().map(parse_name).transpose()?;
+    let prompt = traces::filter_prompt(q.prompt.as_deref())?;
     let filter = TraceFilter { prompt, status: q.status, since: q.since, until: q.until, before_id };
     let size = page.size(st.settings.limits.max_page_size);
-    let traces = st.store.list_traces(&filter, size).await?;
+    let traces = traces::list_traces(&st, &filter, size).await?;
     let next_page_token = next_token(&traces, size, |t| t.id.simple().to_string());
     Ok(Json(TracePage { traces, next_page_token }))
 }
@@ -219,12 +196,10 @@ fn trace_id(id: &str) -> ApiResult<Uuid> {
     responses((status = 200, body = Trace), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
 pub async fn get_trace(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::PromptsRead>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Trace>> {
-    caller.require(Scope::PromptsRead)?;
-    let id = trace_id(&id)?;
-    st.store.get_trace(id).await?.map(Json).ok_or_else(|| ApiError::not_found(format_args!("trace {id}")))
+    Ok(Json(traces::get_trace(&st, trace_id(&id)?).await?))
 }
 
 #[utoipa::path(post, path = "/v1/traces/{id}/feedback", tag = "traces", params(("id" = Uuid, Path)), request_body = Feedback,
@@ -232,22 +207,12 @@ pub async fn get_trace(
 /// Attaches late feedback: the fields given replace the earlier ones.
 pub async fn add_feedback(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::TracesWrite>,
     ApiPath(id): ApiPath<String>,
     ApiJson(feedback): ApiJson<Feedback>,
 ) -> ApiResult<Json<Trace>> {
-    caller.require(Scope::TracesWrite)?;
     let id = trace_id(&id)?;
-    let limit = st.settings.limits.max_field_bytes;
-    let too_long = |s: &Option<String>| s.as_ref().is_some_and(|s| s.len() > limit);
-    let gt_len = feedback.ground_truth.as_ref().map_or(0, |v| v.to_string().len());
-    if too_long(&feedback.comment) || too_long(&feedback.error) || gt_len > st.settings.limits.max_trace_bytes {
-        return Err(ApiError::payload_too_large(format!("a feedback field exceeds {limit} bytes")));
-    }
-    if feedback.score.is_some_and(|s| !s.is_finite()) {
-        return Err(ApiError::unprocessable("`score` must be a finite number".into()));
-    }
-    st.store.add_feedback(id, feedback).await?.map(Json).ok_or_else(|| ApiError::not_found(format_args!("trace {id}")))
+    Ok(Json(traces::add_feedback(&st, id, feedback).await?))
 }
 
 /// Which failed traces to put back to pending: `ids`, or `all: true`; either
@@ -273,8 +238,6 @@ pub struct Requeued {
     pub count: usize,
 }
 
-const MAX_REQUEUE_IDS: usize = 1000;
-
 #[utoipa::path(post, path = "/v1/prompts/{name}/traces/requeue", tag = "traces", params(("name" = String, Path)),
     request_body = RequeueRequest,
     responses((status = 200, body = Requeued),
@@ -288,40 +251,13 @@ const MAX_REQUEUE_IDS: usize = 1000;
 /// failed their rounds).
 pub async fn requeue_failed(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::TracesWrite>,
     ApiPath(name): ApiPath<String>,
     ApiJson(req): ApiJson<RequeueRequest>,
 ) -> ApiResult<Json<Requeued>> {
-    caller.require(Scope::TracesWrite)?;
-    let prompt = parse_name(&name)?;
-    let ids = match (req.ids, req.all) {
-        (Some(_), true) => return Err(ApiError::unprocessable("give `ids` or `all: true`, not both".into())),
-        (None, false) => {
-            return Err(ApiError::unprocessable(
-                "say which traces: `ids` (a list of trace ids) or `all: true` (every failed trace)".into(),
-            ));
-        }
-        (Some(ids), false) if ids.is_empty() => return Err(ApiError::unprocessable("`ids` is empty".into())),
-        (Some(ids), false) if ids.len() > MAX_REQUEUE_IDS => {
-            return Err(ApiError::unprocessable(format!("at most {MAX_REQUEUE_IDS} `ids` per request")));
-        }
-        (ids, _) => ids,
-    };
-    let filter = RequeueFailed { prompt, ids, since: req.since };
-    let ids = match st.store.requeue_failed_traces(&filter).await {
-        Err(StoreError::NotFound) => return Err(ApiError::not_found(format_args!("prompt {name:?}"))),
-        other => other?,
-    };
-    metrics::counter!("combee_traces_requeued_total").increment(ids.len() as u64);
-    tracing::info!(
-        prompt = %filter.prompt, count = ids.len(), by = %caller.actor(),
-        asked_ids = filter.ids.as_ref().map(Vec::len), since = ?filter.since, "failed traces requeued"
-    );
+    let ids = traces::requeue_failed(&st, &name, req.ids, req.all, req.since, &caller.actor()).await?;
     Ok(Json(Requeued { count: ids.len(), ids }))
 }
-
-/// Longest quarantine reason, in characters.
-const MAX_REASON_CHARS: usize = 500;
 
 /// Why an operator holds traces back.
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -333,22 +269,6 @@ pub struct QuarantineRequest {
     pub reason: Option<String>,
 }
 
-fn quarantine_reason(reason: Option<String>, caller: &Caller) -> ApiResult<String> {
-    let reason = reason.map(|r| r.trim().to_owned()).filter(|r| !r.is_empty());
-    if reason.as_ref().is_some_and(|r| r.chars().count() > MAX_REASON_CHARS) {
-        return Err(ApiError::unprocessable(format!("`reason` is longer than {MAX_REASON_CHARS} characters")));
-    }
-    Ok(reason.unwrap_or_else(|| format!("quarantined by {}", caller.actor())))
-}
-
-fn trace_action(id: Uuid, action: TraceAction) -> ApiResult<Trace> {
-    match action {
-        TraceAction::Done(t) => Ok(*t),
-        TraceAction::NotFound => Err(ApiError::not_found(format_args!("trace {id}"))),
-        TraceAction::Refused(why) => Err(ApiError::conflict(why)),
-    }
-}
-
 /// Holds a pending (or failed) trace back from learning: no round will reserve
 /// it; it stays visible with status `quarantined`. Repeating it changes nothing.
 #[utoipa::path(post, path = "/v1/traces/{id}/quarantine", tag = "traces", params(("id" = Uuid, Path)),
@@ -358,25 +278,13 @@ fn trace_action(id: Uuid, action: TraceAction) -> ApiResult<Trace> {
     security(("bearer" = ["prompts:write"])))]
 pub async fn quarantine_trace(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsWrite>,
     ApiPath(id): ApiPath<String>,
     req: Request,
 ) -> ApiResult<Json<Trace>> {
-    caller.require(Scope::PromptsWrite)?;
     let id = trace_id(&id)?;
-    let body = body_bytes(req).await?;
-    let q: QuarantineRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        QuarantineRequest::default()
-    } else {
-        serde_json::from_slice::<Option<QuarantineRequest>>(&body)
-            .map_err(|e| {
-                let msg = super::extract::plain_serde_error(&e.to_string());
-                if e.is_data() { ApiError::unprocessable(msg) } else { ApiError::bad_request(msg) }
-            })?
-            .unwrap_or_default()
-    };
-    let reason = quarantine_reason(q.reason, &caller)?;
-    Ok(Json(trace_action(id, st.store.quarantine_trace(id, &reason).await?)?))
+    let q = optional_json::<QuarantineRequest>(req).await?.unwrap_or_default();
+    Ok(Json(traces::quarantine_trace(&st, id, q.reason, &caller.actor()).await?))
 }
 
 /// Lifts a trace's quarantine: it is learned from again (a pending trace
@@ -387,14 +295,10 @@ pub async fn quarantine_trace(
     security(("bearer" = ["prompts:write"])))]
 pub async fn release_trace(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsWrite>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Trace>> {
-    caller.require(Scope::PromptsWrite)?;
-    let id = trace_id(&id)?;
-    let trace = trace_action(id, st.store.release_trace(id).await?)?;
-    tracing::info!(trace = %id, by = %caller.actor(), "trace released from quarantine");
-    Ok(Json(trace))
+    Ok(Json(traces::release_trace(&st, trace_id(&id)?, &caller.actor()).await?))
 }
 
 /// Deletes a trace no version was learned from (pending, quarantined or failed).
@@ -404,13 +308,10 @@ pub async fn release_trace(
     security(("bearer" = ["prompts:write"])))]
 pub async fn delete_trace(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsWrite>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<StatusCode> {
-    caller.require(Scope::PromptsWrite)?;
-    let id = trace_id(&id)?;
-    trace_action(id, st.store.delete_trace(id).await?)?;
-    tracing::info!(trace = %id, by = %caller.actor(), "trace deleted");
+    traces::delete_trace(&st, trace_id(&id)?, &caller.actor()).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -444,14 +345,9 @@ pub struct Quarantined {
     security(("bearer" = ["prompts:write"])))]
 pub async fn quarantine_traces(
     State(st): State<AppState>,
-    caller: Caller,
+    caller: Authorized<scope::PromptsWrite>,
     ApiJson(q): ApiJson<BulkQuarantine>,
 ) -> ApiResult<Json<Quarantined>> {
-    caller.require(Scope::PromptsWrite)?;
-    let prompt = crate::service::prompts::existing_prompt(&st, &q.prompt).await?;
-    let reason = quarantine_reason(q.reason, &caller)?;
-    let filter = TraceFilter { prompt: Some(prompt.name), since: q.since, until: q.until, ..Default::default() };
-    let quarantined = st.store.quarantine_traces(&filter, &reason).await?;
-    tracing::info!(prompt = %q.prompt, quarantined, by = %caller.actor(), "traces quarantined");
+    let quarantined = traces::quarantine_backlog(&st, &q.prompt, q.since, q.until, q.reason, &caller.actor()).await?;
     Ok(Json(Quarantined { quarantined }))
 }

@@ -3,8 +3,6 @@
 //! delivery log. Targets are checked here before anything is stored.
 
 use axum::{Json, extract::State, http::StatusCode, response::IntoResponse};
-use base64::{Engine, engine::general_purpose::STANDARD};
-use rand::RngCore;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
@@ -12,20 +10,15 @@ use uuid::Uuid;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, ApiQuery, Caller},
+    extract::{ApiJson, ApiPath, ApiQuery, Authorized, scope},
 };
 use crate::{
-    delivery::target::{self, TargetError},
-    domain::event::EventType,
-    secret::Secret,
-    service::pagination::{PageParams, next_token},
-    store::{DeliveryAttempt, NewWebhook, Scope, Webhook},
-    webhooks::SECRET_PREFIX,
+    domain::webhook::{DeliveryAttempt, Webhook},
+    service::{
+        pagination::{PageParams, next_token},
+        webhooks,
+    },
 };
-
-const MAX_URL_BYTES: usize = 2048;
-const MAX_DESCRIPTION_CHARS: usize = 500;
-const MAX_SUBSCRIPTIONS: usize = 100;
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -52,28 +45,6 @@ pub struct WebhookList {
     pub webhooks: Vec<Webhook>,
 }
 
-fn parse_events(names: &[String]) -> ApiResult<Vec<EventType>> {
-    if names.is_empty() {
-        return Err(ApiError::unprocessable("`events` must name at least one event".into()));
-    }
-    names
-        .iter()
-        .map(|n| {
-            EventType::parse(n).ok_or_else(|| {
-                let known: Vec<&str> = EventType::ALL.iter().map(|e| e.as_str()).collect();
-                let shown: String = n.chars().take(64).collect();
-                ApiError::unprocessable(format!("unknown event {shown:?}; known events: {}", known.join(", ")))
-            })
-        })
-        .collect()
-}
-
-fn new_secret() -> Secret {
-    let mut key = [0u8; 32];
-    rand::rngs::OsRng.fill_bytes(&mut key);
-    Secret::new(format!("{SECRET_PREFIX}{}", STANDARD.encode(key)))
-}
-
 fn parse_id(id: &str) -> ApiResult<Uuid> {
     Uuid::parse_str(id).map_err(|_| ApiError::missing("no such webhook: ids are UUIDs".into()))
 }
@@ -83,43 +54,20 @@ fn parse_id(id: &str) -> ApiResult<Uuid> {
     security(("bearer" = ["admin"])))]
 pub async fn create_webhook(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::Admin>,
     ApiJson(req): ApiJson<CreateWebhook>,
 ) -> ApiResult<impl IntoResponse> {
-    caller.require(Scope::Admin)?;
-    if req.url.len() > MAX_URL_BYTES {
-        return Err(ApiError::unprocessable(format!("`url` is longer than {MAX_URL_BYTES} bytes")));
-    }
-    let description = req.description.map(|d| d.trim().to_owned()).filter(|d| !d.is_empty());
-    if description.as_ref().is_some_and(|d| d.chars().count() > MAX_DESCRIPTION_CHARS) {
-        return Err(ApiError::unprocessable(format!(
-            "`description` is longer than {MAX_DESCRIPTION_CHARS} characters"
-        )));
-    }
-    let events = parse_events(&req.events)?;
-    let url =
-        target::check_url(req.url.trim(), st.settings.webhooks.allow_private_targets).await.map_err(|e| match e {
-            TargetError::Unresolvable(_) | TargetError::Refused { .. } | TargetError::BadUrl(_) => {
-                ApiError::unprocessable(e.to_string())
-            }
-        })?;
-    if st.store.list_webhooks().await?.len() >= MAX_SUBSCRIPTIONS {
-        return Err(ApiError::conflict(format!("at most {MAX_SUBSCRIPTIONS} subscriptions; delete one first")));
-    }
-    let secret = new_secret();
-    let webhook = st
-        .store
-        .create_webhook(&NewWebhook { url: url.to_string(), events, description, secret: secret.clone() })
-        .await?;
-    tracing::info!(webhook = %webhook.id, events = ?webhook.events, "webhook subscription created");
+    let (webhook, secret) = webhooks::create_webhook(&st, &req.url, &req.events, req.description).await?;
     Ok((StatusCode::CREATED, Json(WebhookCreated { webhook, secret: secret.expose().to_owned() })))
 }
 
 #[utoipa::path(get, path = "/v1/webhooks", tag = "webhooks", responses((status = 200, body = WebhookList)),
     security(("bearer" = ["admin"])))]
-pub async fn list_webhooks(State(st): State<AppState>, caller: Caller) -> ApiResult<Json<WebhookList>> {
-    caller.require(Scope::Admin)?;
-    Ok(Json(WebhookList { webhooks: st.store.list_webhooks().await? }))
+pub async fn list_webhooks(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::Admin>,
+) -> ApiResult<Json<WebhookList>> {
+    Ok(Json(WebhookList { webhooks: webhooks::list_webhooks(&st).await? }))
 }
 
 #[utoipa::path(get, path = "/v1/webhooks/{id}", tag = "webhooks", params(("id" = Uuid, Path)),
@@ -127,28 +75,20 @@ pub async fn list_webhooks(State(st): State<AppState>, caller: Caller) -> ApiRes
     security(("bearer" = ["admin"])))]
 pub async fn get_webhook(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::Admin>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<Json<Webhook>> {
-    caller.require(Scope::Admin)?;
-    let id = parse_id(&id)?;
-    let hook = st.store.get_webhook(id).await?.ok_or_else(|| ApiError::not_found(format_args!("webhook {id}")))?;
-    Ok(Json(hook))
+    Ok(Json(webhooks::get_webhook(&st, parse_id(&id)?).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/webhooks/{id}", tag = "webhooks", params(("id" = Uuid, Path)),
     responses((status = 204), (status = 404, body = super::error::Problem)), security(("bearer" = ["admin"])))]
 pub async fn delete_webhook(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::Admin>,
     ApiPath(id): ApiPath<String>,
 ) -> ApiResult<StatusCode> {
-    caller.require(Scope::Admin)?;
-    let id = parse_id(&id)?;
-    if !st.store.delete_webhook(id).await? {
-        return Err(ApiError::not_found(format_args!("webhook {id}")));
-    }
-    tracing::info!(webhook = %id, "webhook subscription deleted");
+    webhooks::delete_webhook(&st, parse_id(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -171,22 +111,18 @@ pub struct DeliveryLog {
     security(("bearer" = ["admin"])))]
 pub async fn list_deliveries(
     State(st): State<AppState>,
-    caller: Caller,
+    _caller: Authorized<scope::Admin>,
     ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<DeliveryQuery>,
 ) -> ApiResult<Json<DeliveryLog>> {
-    caller.require(Scope::Admin)?;
     let id = parse_id(&id)?;
-    if st.store.get_webhook(id).await?.is_none() {
-        return Err(ApiError::not_found(format_args!("webhook {id}")));
-    }
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let before = match page.cursor()? {
         Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
     let size = page.size(st.settings.limits.max_page_size);
-    let deliveries = st.store.webhook_attempts(id, before, size).await?;
+    let deliveries = webhooks::deliveries(&st, id, before, size).await?;
     let next_page_token = next_token(&deliveries, size, |a| a.seq.to_string());
     Ok(Json(DeliveryLog { deliveries, next_page_token }))
 }

@@ -1,32 +1,30 @@
-//! The batch-size controller (`docs/design.md`, The batch-size controller), as plain
-//! functions over plain data: how many pending traces the next round of a
-//! prompt takes. The worker keeps and persists the samples and the meter; this
-//! module only decides.
+//! The batch-size controller (`docs/learning-controller.md`), as plain functions over plain data: how many
+//! pending traces the next round of a prompt takes. The worker keeps and
+//! persists the samples and the meter; this module only decides.
 //!
 //! # The rule
-//! A round takes **everything pending**, up to the smallest of three bounds —
-//! so in continuous operation (one round of a prompt at a time) each round
-//! takes what arrived while the last one ran, and a backlog is learned from in
-//! as few rounds as the bounds allow:
-//! 1. **quality** (the overload meter, [`super::sizing`]): once the meter has
-//!    found a group size that keeps `target_retention`, capacity-aware groups
-//!    hold it at any batch size and quality sets no bound. Until then — the
-//!    meter is still measuring, or no group size holds the target — a batch is
-//!    refused beyond the *meter batch*, the smallest round that gives the
-//!    meter enough samples (2·[`MIN_METER_SAMPLES`]/p traces, at least
-//!    `min_batch`). A prompt the meter cannot measure (p = 1, or the rewrite
-//!    strategy) has no quality bound, and the page says so.
-//! 2. **round time** (`max_round_secs`, the knob): the measured round wall
+//! A round takes **everything pending**, up to the smallest of two bounds — so
+//! in continuous operation (one round of a prompt at a time) each round takes
+//! what arrived while the last one ran, and a backlog is learned from in as few
+//! rounds as the bounds allow:
+//! 1. **round time** (`max_round_secs`, the knob): the measured round wall
 //!    time R(bs) is fitted as R(bs) = A·bs^(−α) over the median time per
 //!    size; the largest batch whose fitted R stays within `max_round_secs` is
 //!    the bound (none while R does not grow with bs). A trace therefore waits at
 //!    most about `max_wait_secs` (a round starts) + `max_round_secs` (it runs)
 //!    + one more round (the one it arrived during).
-//! 3. **`max_batch`**, a plain ceiling.
+//! 2. **`max_batch`**, a plain ceiling.
+//!
+//! Quality sets no bound on the batch: the overload meter sizes the round's
+//! *groups* ([`super::sizing`]), and capacity-aware groups keep their retention
+//! at any batch size. The first round of a prompt is not held back to measure:
+//! its own p copies are the meter's samples. (The paper's ⌊√n⌋ groups, used
+//! where the meter cannot measure, are bounded only by round time and
+//! `max_batch` as well — never by a fixed small cap.)
 //!
 //! A round starts once `min_batch` traces are pending (the *target*), or when
 //! the oldest has waited `max_wait_secs`. The rule depends on no ladder and
-//! no starting size: only on the meter, the measured round times and the knobs.
+//! no starting size: only on the measured round times and the knobs.
 //!
 //! # Samples and window
 //! A [`Sample`] is one finished round: its batch size and its wall time R. For
@@ -39,7 +37,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::sizing::{DEFAULT_TARGET_RETENTION, GroupSize, MIN_METER_SAMPLES, SizeSource};
+use super::sizing::{DEFAULT_TARGET_RETENTION, GroupSize};
 
 /// One finished round: its batch size and wall time in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -69,6 +67,14 @@ impl Fit {
     }
 }
 
+/// Default `max_batch`. Measured (`scripts/bench-learn`, its max_batch section,
+/// simulated LLM): the time to learn a backlog keeps falling up to a ceiling of
+/// 1,024 and beyond, at the product's client concurrency (64) and at a large
+/// one, with retention unchanged; what grows is the round's record (about
+/// 0.75 KiB per trace: 776 KiB at 1,024, past 1 MiB beyond) and what one failed
+/// round puts back to pending. 1,024 keeps a round's record under 1 MiB.
+pub const DEFAULT_MAX_BATCH: u32 = 1024;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ControllerConfig {
@@ -80,7 +86,7 @@ pub struct ControllerConfig {
     /// measured round times.
     pub max_round_secs: f64,
     /// The share of a level-1 group's insights its answer should keep: sets the
-    /// capacity-aware group size ([`super::sizing`]) and the quality bound.
+    /// capacity-aware group size ([`super::sizing`]).
     pub target_retention: f64,
     /// The batch a manual trigger takes before the controller has chosen.
     pub default_batch: u32,
@@ -92,7 +98,7 @@ impl Default for ControllerConfig {
     fn default() -> Self {
         Self {
             min_batch: 4,
-            max_batch: 256,
+            max_batch: DEFAULT_MAX_BATCH,
             max_round_secs: 300.0,
             target_retention: DEFAULT_TARGET_RETENTION,
             default_batch: 16,
@@ -102,7 +108,7 @@ impl Default for ControllerConfig {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ConfigError {
+pub enum ControllerConfigError {
     #[error("min_batch must be at least 1 and at most max_batch")]
     BadBounds,
     #[error("max_round_secs must be a positive number of seconds")]
@@ -114,18 +120,18 @@ pub enum ConfigError {
 }
 
 impl ControllerConfig {
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<(), ControllerConfigError> {
         if self.min_batch == 0 || self.min_batch > self.max_batch {
-            return Err(ConfigError::BadBounds);
+            return Err(ControllerConfigError::BadBounds);
         }
         if !(self.max_round_secs.is_finite() && self.max_round_secs > 0.0) {
-            return Err(ConfigError::BadRoundSecs);
+            return Err(ControllerConfigError::BadRoundSecs);
         }
         if !(self.target_retention > 0.0 && self.target_retention <= 1.0) {
-            return Err(ConfigError::BadTargetRetention);
+            return Err(ControllerConfigError::BadTargetRetention);
         }
         if self.window == 0 {
-            return Err(ConfigError::BadWindow);
+            return Err(ControllerConfigError::BadWindow);
         }
         Ok(())
     }
@@ -134,16 +140,10 @@ impl ControllerConfig {
         let min = self.min_batch.max(1);
         (min, self.max_batch.max(min))
     }
-
-    /// The smallest round that gives the meter [`MIN_METER_SAMPLES`] marked
-    /// copies per measured size at p copies per trace (at retention ≥ ½): 2·MIN/p.
-    pub fn meter_batch(&self, p: u32) -> u32 {
-        let (min, max) = self.bounds();
-        ((2 * MIN_METER_SAMPLES).div_ceil(u64::from(p.max(1))) as u32).clamp(min, max)
-    }
 }
 
-/// What the overload meter says about quality, as the controller needs it.
+/// What the overload meter says about quality, for the page: the group size the
+/// next round gets (the batch does not depend on it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum Quality {
@@ -171,17 +171,6 @@ pub enum Reason {
     WholeBacklog {
         backlog: u64,
     },
-    /// The meter has not found a group size that keeps the target yet: rounds
-    /// are held at the meter batch until it has.
-    MeterWarmUp {
-        batch: u32,
-        group_size: String,
-    },
-    /// No group size keeps the target: larger batches are refused.
-    QualityRefused {
-        batch: u32,
-        group_size: String,
-    },
     /// The fitted round time reaches `max_round_secs` at this batch.
     RoundTime {
         batch: u32,
@@ -198,12 +187,6 @@ impl Reason {
             Self::Empty => "nothing is pending".to_owned(),
             Self::WholeBacklog { backlog } => {
                 format!("takes everything pending ({backlog}): what arrived during the last round, within every bound")
-            }
-            Self::MeterWarmUp { batch, group_size } => {
-                format!("held at {batch} while the overload meter measures ({group_size})")
-            }
-            Self::QualityRefused { batch, group_size } => {
-                format!("held at {batch}: no group size keeps the target retention ({group_size})")
             }
             Self::RoundTime { batch, max_round_secs } => {
                 format!("capped at {batch}: the fitted round time reaches max_round_secs = {max_round_secs} s there")
@@ -310,19 +293,6 @@ pub fn choose(samples: &[Sample], backlog: u64, quality: &Quality, cfg: &Control
     if let Some(b) = round_time_bound(&profile, fit, cfg.max_round_secs) {
         bounds.push((b.max(min), Reason::RoundTime { batch: b.max(min), max_round_secs: cfg.max_round_secs }));
     }
-    if let Quality::Meter { group_size, p } = quality {
-        let batch = cfg.meter_batch(*p);
-        let group_size_text = group_size.source.message();
-        match &group_size.source {
-            SizeSource::Meter { .. } => {}
-            SizeSource::NoSizeHolds { .. } => {
-                bounds.push((batch, Reason::QualityRefused { batch, group_size: group_size_text }))
-            }
-            SizeSource::Default { .. } | SizeSource::Probe { .. } => {
-                bounds.push((batch, Reason::MeterWarmUp { batch, group_size: group_size_text }))
-            }
-        }
-    }
     let (cap, bound) = bounds.into_iter().rev().min_by_key(|(b, _)| *b).unwrap_or((max, Reason::Empty));
     let batch_size = u64::from(cap).min(backlog) as u32;
     let reason = if backlog == 0 {
@@ -363,7 +333,7 @@ mod tests {
             .iter()
             .map(|&(s, m, r)| MeterBucket::new(s, BucketCounts { marked: m, recaptured: r }, 1))
             .collect();
-        Quality::of(choose_group_size(&b, 0.9), 2, true)
+        Quality::of(choose_group_size(&b, 0.9, true), 2, true)
     }
 
     fn holds() -> Quality {
@@ -384,7 +354,7 @@ mod tests {
 
     #[test]
     fn with_quality_assured_a_round_takes_everything_pending_up_to_max_batch() {
-        let cfg = ControllerConfig::default();
+        let cfg = ControllerConfig { max_batch: 256, ..ControllerConfig::default() };
         // Round time nearly flat (the simulator): no time bound below max_batch.
         let samples = rounds(&[20, 20, 180], 0.5, 0.03);
         let c = choose(&samples, 90, &holds(), &cfg);
@@ -409,7 +379,7 @@ mod tests {
 
     #[test]
     fn round_time_bounds_the_batch_by_max_round_secs() {
-        let cfg = ControllerConfig { max_round_secs: 60.0, ..ControllerConfig::default() };
+        let cfg = ControllerConfig { max_round_secs: 60.0, max_batch: 256, ..ControllerConfig::default() };
         // R(bs) = 2·bs^0.5: 60 s at bs = 900 > max_batch; at max_round_secs 20: bs = 100.
         let samples = rounds(&[10, 40, 90], 2.0, 0.5);
         assert_eq!(choose(&samples, 5000, &holds(), &cfg).cap, 256);
@@ -429,25 +399,19 @@ mod tests {
     }
 
     #[test]
-    fn quality_holds_rounds_at_the_meter_batch_until_the_meter_vouches_for_a_size() {
+    fn quality_never_holds_the_batch_back_not_even_before_the_meter_has_measured() {
         let cfg = ControllerConfig::default();
-        assert_eq!(cfg.meter_batch(2), 20);
-        assert_eq!(cfg.meter_batch(3), 14);
-        // Not measured yet: the paper's default groups, rounds of 20.
-        let warm = choose(&[], 300, &measured(&[]), &cfg);
-        assert_eq!((warm.batch_size, warm.target), (20, 4));
-        assert!(matches!(warm.reason, Reason::MeterWarmUp { batch: 20, .. }), "{}", warm.reason);
-        // Only misses measured: probing smaller groups, still held.
-        let probing = choose(&[], 300, &measured(&[(8, 30, 20)]), &cfg);
-        assert!(matches!(probing.reason, Reason::MeterWarmUp { .. }));
-        // Not even one reflection per call keeps the target: refused beyond the meter batch.
-        let refused = choose(&[], 300, &measured(&[(1, 50, 30)]), &cfg);
-        assert!(matches!(refused.reason, Reason::QualityRefused { batch: 20, .. }), "{}", refused.reason);
-        // A prompt the meter cannot measure (p = 1) is not held.
+        let max = cfg.max_batch;
+        // Nothing measured yet: the first round takes the backlog (it measures with its own copies).
+        let first = choose(&[], 300, &measured(&[]), &cfg);
+        assert_eq!((first.batch_size, first.target), (300.min(max), 4));
+        // Only misses measured, or no size holding: groups shrink, the batch does not.
+        assert_eq!(choose(&[], 300, &measured(&[(8, 30, 20)]), &cfg).batch_size, 300.min(max));
+        assert_eq!(choose(&[], 300, &measured(&[(1, 50, 30)]), &cfg).batch_size, 300.min(max));
+        // A prompt the meter cannot measure (p = 1): the same.
         let p1 = choose(&[], 300, &Quality::of(GroupSize::default(), 1, true), &cfg);
-        assert_eq!((p1.batch_size, p1.quality.clone()), (256, Quality::Unmeasured));
-        // Once a size holds: the whole backlog.
-        assert_eq!(choose(&[], 300, &holds(), &cfg).batch_size, 256);
+        assert_eq!((p1.batch_size, p1.quality.clone()), (300.min(max), Quality::Unmeasured));
+        assert_eq!(choose(&[], 5000, &holds(), &cfg).reason, Reason::MaxBatch { max_batch: max });
     }
 
     #[test]
@@ -462,10 +426,10 @@ mod tests {
     fn config_validation() {
         assert_eq!(ControllerConfig::default().validate(), Ok(()));
         let bad = ControllerConfig { min_batch: 10, max_batch: 5, ..ControllerConfig::default() };
-        assert_eq!(bad.validate(), Err(ConfigError::BadBounds));
+        assert_eq!(bad.validate(), Err(ControllerConfigError::BadBounds));
         let bad = ControllerConfig { max_round_secs: 0.0, ..ControllerConfig::default() };
-        assert_eq!(bad.validate(), Err(ConfigError::BadRoundSecs));
+        assert_eq!(bad.validate(), Err(ControllerConfigError::BadRoundSecs));
         let bad = ControllerConfig { target_retention: 1.5, ..ControllerConfig::default() };
-        assert_eq!(bad.validate(), Err(ConfigError::BadTargetRetention));
+        assert_eq!(bad.validate(), Err(ControllerConfigError::BadTargetRetention));
     }
 }

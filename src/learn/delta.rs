@@ -56,18 +56,20 @@
 //! freezing; a proven bullet survives as long as weaker older ones exist.
 //! Sections created by this round that end up empty are dropped.
 //!
-//! # Protection against poisoned rounds ([`Guard`])
+//! # Protection against poisoned rounds ([`Protection`])
 //! Counters, ADDs and REMOVEs all come from untrusted traces, so one round's
 //! evidence is bounded in what it can destroy:
 //! - a *pinned* bullet (an operator's choice, `settings.pinned_bullets`) is never
 //!   updated, removed or evicted ([`SkipReason::Pinned`]);
-//! - an *established* bullet — in the playbook before the round with helpful >
-//!   harmful *before this round's tags* — counts against a per-round quota of
-//!   ⌊`max_removal_share` × established⌋ removals (REMOVE ops and evictions
-//!   together). Once the quota is spent, REMOVEs of established bullets are
+//! - every bullet the playbook held before the round — proven helpful or not
+//!   yet marked at all — counts against a per-round quota of
+//!   ⌊`max_removal_share` × bullets before the round⌋ removals (REMOVE ops and
+//!   evictions together). Once the quota is spent, REMOVEs of earlier bullets are
 //!   skipped ([`SkipReason::RemovalBound`]) and eviction takes this round's new
-//!   bullets instead. If only protected bullets are left over the budget, the
-//!   round's result is over budget and is refused at validation.
+//!   bullets instead. So however many hostile traces tag bullets harmful or
+//!   propose new ones under a bullet cap, a round takes away at most that share
+//!   of what was learned before it. If only protected bullets are left over the
+//!   budget, the round's result is over budget and is refused at validation.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
@@ -121,44 +123,43 @@ pub struct Budget {
     /// Bullet ids learning never updates, removes or evicts.
     #[serde(default)]
     pub pinned: Vec<String>,
-    /// Most established bullets one round may remove or evict, as a share of
-    /// them (0–1); `None` means unbounded.
+    /// Most of the playbook's earlier bullets one round may remove or evict, as a
+    /// share of them (0–1); `None` means unbounded.
     #[serde(default)]
     pub max_removal_share: Option<f64>,
 }
 
 /// What one round may not take away (module doc, "Protection").
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Guard {
+pub struct Protection {
     pinned: HashSet<String>,
-    established: HashSet<String>,
-    /// Established bullets this round may still remove or evict; `None`: no bound.
+    /// The bullets of the playbook before the round.
+    earlier: HashSet<String>,
+    /// Earlier bullets this round may still remove or evict; `None`: no bound.
     removals_left: Option<usize>,
 }
 
-impl Guard {
-    /// The guard for a round whose playbook was `before_round` (counters before
-    /// this round's tags were applied).
+impl Protection {
+    /// The protection for a round whose playbook was `before_round`.
     pub fn for_round(before_round: &Playbook, budget: &Budget) -> Self {
-        let established: HashSet<String> =
-            before_round.bullets().filter(|(_, b)| b.helpful > b.harmful).map(|(_, b)| b.id.clone()).collect();
+        let earlier: HashSet<String> = before_round.bullets().map(|(_, b)| b.id.clone()).collect();
         let removals_left = budget
             .max_removal_share
-            .map(|share| (share.clamp(0.0, 1.0) * established.len() as f64 + 1e-9).floor() as usize);
-        Self { pinned: budget.pinned.iter().cloned().collect(), established, removals_left }
+            .map(|share| (share.clamp(0.0, 1.0) * earlier.len() as f64 + 1e-9).floor() as usize);
+        Self { pinned: budget.pinned.iter().cloned().collect(), earlier, removals_left }
     }
 
     fn is_pinned(&self, id: &str) -> bool {
         self.pinned.contains(id)
     }
 
-    /// Whether `id` may be removed now (pinned: never; established: while the quota lasts).
+    /// Whether `id` may be removed now (pinned: never; an earlier bullet: while the quota lasts).
     fn may_remove(&self, id: &str) -> bool {
-        !self.is_pinned(id) && (!self.established.contains(id) || self.removals_left != Some(0))
+        !self.is_pinned(id) && (!self.earlier.contains(id) || self.removals_left != Some(0))
     }
 
     fn note_removed(&mut self, id: &str) {
-        if self.established.contains(id)
+        if self.earlier.contains(id)
             && let Some(left) = &mut self.removals_left
         {
             *left = left.saturating_sub(1);
@@ -206,7 +207,7 @@ pub enum SkipReason {
     Empty,
     /// UPDATE/REMOVE of a bullet an operator pinned.
     Pinned,
-    /// REMOVE of an established bullet after this round spent its removal quota.
+    /// REMOVE of an earlier bullet after this round spent its removal quota.
     RemovalBound,
 }
 
@@ -218,7 +219,7 @@ impl fmt::Display for SkipReason {
             Self::Unchanged => f.write_str("content is unchanged"),
             Self::Empty => f.write_str("empty content or id"),
             Self::Pinned => f.write_str("the bullet is pinned by an operator"),
-            Self::RemovalBound => f.write_str("this round already removed its share of established bullets"),
+            Self::RemovalBound => f.write_str("this round already removed its share of the playbook"),
         }
     }
 }
@@ -534,11 +535,16 @@ fn find_bullet(playbook: &Playbook, id: &str) -> Option<(usize, usize)> {
 /// Applies merged ops to a copy of `playbook`, then enforces `budget` (policy in
 /// the module doc), protecting what `budget` says with `playbook` as the state before the round.
 pub fn apply_ops(playbook: &Playbook, ops: &[MergedOp], budget: &Budget) -> ApplyOutcome {
-    apply_ops_guarded(playbook, ops, budget, &mut Guard::for_round(playbook, budget))
+    apply_ops_protected(playbook, ops, budget, &mut Protection::for_round(playbook, budget))
 }
 
-/// [`apply_ops`] under a round's [`Guard`] (kept across the sequential baseline's steps).
-pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget, guard: &mut Guard) -> ApplyOutcome {
+/// [`apply_ops`] under a round's [`Protection`] (kept across the sequential baseline's steps).
+pub fn apply_ops_protected(
+    playbook: &Playbook,
+    ops: &[MergedOp],
+    budget: &Budget,
+    protection: &mut Protection,
+) -> ApplyOutcome {
     let mut pb = playbook.clone();
     let original_sections: HashSet<String> = pb.sections.iter().map(|s| s.name.clone()).collect();
     let max_existing = pb.bullets().filter_map(|(_, b)| parse_bullet_id(&b.id)).max().unwrap_or(0);
@@ -591,7 +597,7 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
                 let (id, content) = (id.trim(), collapse_whitespace(content));
                 if content.is_empty() {
                     skipped.push(skip(SkipReason::Empty));
-                } else if guard.is_pinned(id) {
+                } else if protection.is_pinned(id) {
                     skipped.push(skip(SkipReason::Pinned));
                 } else if let Some((s, b)) = find_bullet(&pb, id) {
                     let bullet = &mut pb.sections[s].bullets[b];
@@ -610,12 +616,12 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
             }
             DeltaOp::Remove { id, .. } => {
                 let id = id.trim();
-                if guard.is_pinned(id) {
+                if protection.is_pinned(id) {
                     skipped.push(skip(SkipReason::Pinned));
-                } else if find_bullet(&pb, id).is_some() && !guard.may_remove(id) {
+                } else if find_bullet(&pb, id).is_some() && !protection.may_remove(id) {
                     skipped.push(skip(SkipReason::RemovalBound));
                 } else if let Some((s, b)) = find_bullet(&pb, id) {
-                    guard.note_removed(id);
+                    protection.note_removed(id);
                     pb.sections[s].bullets.remove(b);
                     fingerprints.retain(|(fid, _)| fid != id);
                     applied.push(applied_to(id));
@@ -629,9 +635,9 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
 
     let mut evicted = Vec::new();
     while !fits(&pb, budget) {
-        let Some((s, b, rule)) = pick_eviction(&pb, &added, guard) else { break };
+        let Some((s, b, rule)) = pick_eviction(&pb, &added, protection) else { break };
         let bullet = pb.sections[s].bullets.remove(b);
-        guard.note_removed(&bullet.id);
+        protection.note_removed(&bullet.id);
         evicted.push(Evicted { section: pb.sections[s].name.clone(), bullet, rule });
     }
     pb.sections.retain(|s| !s.bullets.is_empty() || original_sections.contains(&s.name));
@@ -643,14 +649,14 @@ pub fn apply_ops_guarded(playbook: &Playbook, ops: &[MergedOp], budget: &Budget,
 fn pick_eviction(
     pb: &Playbook,
     added: &HashMap<String, (usize, usize)>,
-    guard: &Guard,
+    protection: &Protection,
 ) -> Option<(usize, usize, EvictionRule)> {
     let all = || {
         pb.sections
             .iter()
             .enumerate()
             .flat_map(|(s, sec)| sec.bullets.iter().enumerate().map(move |(b, x)| (s, b, x)))
-            .filter(|(_, _, x)| guard.may_remove(&x.id))
+            .filter(|(_, _, x)| protection.may_remove(&x.id))
     };
     let age = |x: &Bullet| parse_bullet_id(&x.id).unwrap_or(0);
     let score = |x: &Bullet| i64::from(x.helpful) - i64::from(x.harmful);
@@ -1002,12 +1008,12 @@ mod tests {
 
         // Unbounded (the old behaviour): every proven bullet is evicted.
         let unbounded = Budget { max_bullets: Some(4), ..Default::default() };
-        let out = apply_ops_guarded(&tagged, &ops, &unbounded, &mut Guard::for_round(&before, &unbounded));
+        let out = apply_ops_protected(&tagged, &ops, &unbounded, &mut Protection::for_round(&before, &unbounded));
         assert_eq!(proven_left(&out), 0);
 
         // Bounded at 25 %: one of the four established bullets may go, new ones make room instead.
         let bounded = Budget { max_removal_share: Some(0.25), ..unbounded };
-        let out = apply_ops_guarded(&tagged, &ops, &bounded, &mut Guard::for_round(&before, &bounded));
+        let out = apply_ops_protected(&tagged, &ops, &bounded, &mut Protection::for_round(&before, &bounded));
         assert_eq!(out.playbook.bullet_count(), 4);
         assert_eq!(proven_left(&out), 3);
         let rules: Vec<EvictionRule> = out.evicted.iter().map(|e| e.rule).collect();
@@ -1023,14 +1029,72 @@ mod tests {
 
         // REMOVE ops share the same quota.
         let removes: Vec<MergedOp> = (1..=4).map(|b| MergedOp::single(0, remove(&format!("b-000{b}")))).collect();
-        let out = apply_ops_guarded(&tagged, &removes, &bounded, &mut Guard::for_round(&before, &bounded));
+        let out = apply_ops_protected(&tagged, &removes, &bounded, &mut Protection::for_round(&before, &bounded));
         assert_eq!(proven_left(&out), 3);
         assert_eq!(out.skipped.iter().filter(|s| s.reason == SkipReason::RemovalBound).count(), 3);
-        // Bullets that were not established before the round (never helpful) are not protected.
+        // Bullets learned but never marked helpful are protected the same way.
         let mut fresh = before.clone();
         fresh.sections[0].bullets.iter_mut().for_each(|b| b.helpful = 0);
-        let out = apply_ops_guarded(&fresh, &removes, &bounded, &mut Guard::for_round(&fresh, &bounded));
-        assert_eq!(out.playbook.bullet_count(), 0);
+        let out = apply_ops_protected(&fresh, &removes, &bounded, &mut Protection::for_round(&fresh, &bounded));
+        assert_eq!(out.playbook.bullet_count(), 3);
+    }
+
+    /// A hostile burst — every reflection tagging every bullet harmful, proposing
+    /// new bullets and REMOVEs under a bullet cap — never takes away more than
+    /// ⌊max_removal_share × bullets before the round⌋ of the earlier bullets,
+    /// whether they were proven helpful, never marked, or already net harmful.
+    /// Checked over 500 random playbooks, budgets and bursts (seeded).
+    #[test]
+    fn a_hostile_burst_removes_at_most_the_removal_share_of_the_playbook() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2024);
+        for case in 0..500 {
+            let n = rng.gen_range(0..40usize);
+            let before = Playbook {
+                sections: vec![Section {
+                    name: "s".into(),
+                    bullets: (1..=n)
+                        .map(|i| {
+                            let (helpful, harmful) = (rng.gen_range(0..4u32), rng.gen_range(0..4u32));
+                            bullet(&format!("b-{i:04}"), &format!("lesson {i} about case {i}"), helpful, harmful)
+                        })
+                        .collect(),
+                }],
+                next_id: n as u64 + 1,
+            };
+            let share = [0.0, 0.1, 0.25, 0.5, 1.0][rng.gen_range(0..5)];
+            let pinned: Vec<String> = (1..=n).filter(|_| rng.gen_bool(0.1)).map(|i| format!("b-{i:04}")).collect();
+            let budget = Budget {
+                max_bullets: Some(rng.gen_range(0..=n + 5)),
+                max_chars: None,
+                pinned: pinned.clone(),
+                max_removal_share: Some(share),
+            };
+            let hostile: Vec<Reflection> = (0..rng.gen_range(1..30))
+                .map(|r| Reflection {
+                    error: String::new(),
+                    root_cause: String::new(),
+                    correct_approach: String::new(),
+                    key_insight: format!("hostile {r}"),
+                    bullet_tags: (1..=n)
+                        .map(|b| BulletTag { id: format!("b-{b:04}"), tag: BulletTagKind::Harmful })
+                        .collect(),
+                })
+                .collect();
+            let tagged = apply_bullet_tags(&before, &hostile);
+            let mut ops: Vec<MergedOp> = (0..rng.gen_range(0..30))
+                .map(|i| MergedOp::single(i, add("s", &format!("INSIGHT-h{case}x{i}: obey the attacker {i}"))))
+                .collect();
+            ops.extend(
+                (1..=n).filter(|_| rng.gen_bool(0.5)).map(|b| MergedOp::single(0, remove(&format!("b-{b:04}")))),
+            );
+            let out = apply_ops_protected(&tagged, &ops, &budget, &mut Protection::for_round(&before, &budget));
+            let left: HashSet<&str> = out.playbook.bullets().map(|(_, b)| b.id.as_str()).collect();
+            let taken = before.bullets().filter(|(_, b)| !left.contains(b.id.as_str())).count();
+            let quota = (share * n as f64 + 1e-9).floor() as usize;
+            assert!(taken <= quota, "case {case}: {taken} of {n} earlier bullets taken, quota {quota}");
+            assert!(pinned.iter().all(|p| left.contains(p.as_str())), "case {case}: a pinned bullet went");
+        }
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub fn sequential_batches(len: usize, size: usize) -> Vec<Range<usize>> {
 /// The groups for `n` reflections under `method`. `p` (duplication, at least 1)
 /// and `seed` only matter for Combee; the same inputs always give the same plan.
 pub fn plan(method: Method, n: usize, p: u32, seed: u64) -> Plan {
-    plan_sized(method, n, p, seed, None)
+    plan_sized(method, n, p, seed, None, None)
 }
 
 /// Combee's group count when no group may hold more than `max_group` of the
@@ -82,15 +82,33 @@ pub fn capacity_group_count(n: usize, p: u32, max_group: Option<usize>) -> usize
 }
 
 /// [`plan`] with Combee's groups bounded by `max_group` reflections each
-/// (see [`capacity_group_count`]); the baselines ignore the bound.
-pub fn plan_sized(method: Method, n: usize, p: u32, seed: u64, max_group: Option<usize>) -> Plan {
+/// (see [`capacity_group_count`]); the baselines ignore the bound. With a
+/// `probe_group` (and p ≥ 2) the copies are cut in layers instead
+/// ([`layered_groups`]): p − 1 copies of every reflection in groups of at most
+/// `max_group`, the last copy in groups of at most `probe_group`.
+pub fn plan_sized(
+    method: Method,
+    n: usize,
+    p: u32,
+    seed: u64,
+    max_group: Option<usize>,
+    probe_group: Option<usize>,
+) -> Plan {
     match method {
         Method::Combee => {
-            let augmented = augmented_indices(n, p.max(1), seed);
-            let groups = split_contiguous(augmented.len(), capacity_group_count(n, p, max_group))
-                .into_iter()
-                .map(|r| augmented[r].to_vec())
-                .collect();
+            let groups = match (max_group, probe_group) {
+                (Some(base), Some(probe)) if p >= 2 && n > 0 => {
+                    let sizes: Vec<usize> = (0..p).map(|c| if c + 1 == p { probe } else { base }).collect();
+                    layered_groups(n, &sizes, seed)
+                }
+                _ => {
+                    let augmented = augmented_indices(n, p.max(1), seed);
+                    split_contiguous(augmented.len(), capacity_group_count(n, p, max_group))
+                        .into_iter()
+                        .map(|r| augmented[r].to_vec())
+                        .collect()
+                }
+            };
             Plan { method, execution: Execution::Parallel, groups }
         }
         Method::Naive => {
@@ -103,6 +121,23 @@ pub fn plan_sized(method: Method, n: usize, p: u32, seed: u64, max_group: Option
             groups: sequential_batches(n, SEQUENTIAL_BATCH).into_iter().map(|r| r.collect()).collect(),
         },
     }
+}
+
+/// One copy of every reflection per entry of `sizes`: each copy layer is its
+/// own seeded shuffle of the n reflections, cut into ⌈n / size⌉ near-equal
+/// contiguous groups. Two copies of a reflection never share a group, and each
+/// layer's groups have that layer's size — so one round measures several sizes
+/// (the overload meter's samples) while every reflection keeps a copy in a group
+/// of the size it was vouched for.
+pub fn layered_groups(n: usize, sizes: &[usize], seed: u64) -> Vec<Vec<usize>> {
+    let mut groups = Vec::new();
+    for (layer, &size) in sizes.iter().enumerate() {
+        let order = augmented_indices(n, 1, seed.wrapping_add(layer as u64).rotate_left(7 * layer as u32));
+        for r in split_contiguous(n, n.div_ceil(size.max(1))) {
+            groups.push(order[r].to_vec());
+        }
+    }
+    groups
 }
 
 #[cfg(test)]
@@ -163,7 +198,7 @@ mod tests {
     #[test]
     fn a_group_size_bound_adds_groups_but_never_fewer_than_the_papers() {
         for (n, p, g) in [(300, 2, 8), (100, 2, 2), (40, 2, 4), (17, 3, 5), (9, 2, 100), (1, 2, 1)] {
-            let plan = plan_sized(Method::Combee, n, p, 7, Some(g));
+            let plan = plan_sized(Method::Combee, n, p, 7, Some(g), None);
             let k = plan.groups.len();
             assert!(k >= combee_group_count(n).min(n * p as usize), "n {n} p {p} g {g}: {k}");
             assert!(plan.groups.iter().all(|grp| grp.len() <= g.max(n * p as usize / k)), "n {n} g {g}");
@@ -177,7 +212,29 @@ mod tests {
         assert_eq!(capacity_group_count(300, 2, Some(8)), 75);
         assert_eq!(capacity_group_count(300, 2, None), 17);
         assert_eq!(capacity_group_count(16, 2, Some(100)), 4);
-        assert_eq!(plan_sized(Method::Naive, 5, 2, 1, Some(2)).groups.len(), 1, "naive is one call by definition");
+        assert_eq!(
+            plan_sized(Method::Naive, 5, 2, 1, Some(2), None).groups.len(),
+            1,
+            "naive is one call by definition"
+        );
+    }
+
+    #[test]
+    fn a_probe_puts_the_last_copy_in_larger_groups_and_never_two_copies_together() {
+        let plan = plan_sized(Method::Combee, 40, 2, 3, Some(4), Some(8));
+        let (small, large): (Vec<_>, Vec<_>) = plan.groups.iter().partition(|g| g.len() <= 4);
+        assert_eq!((small.len(), large.len()), (10, 5));
+        assert!(large.iter().all(|g| g.len() == 8));
+        let mut counts = [0u32; 40];
+        for g in &plan.groups {
+            let distinct: std::collections::HashSet<&usize> = g.iter().collect();
+            assert_eq!(distinct.len(), g.len(), "a copy twice in one group: {g:?}");
+            g.iter().for_each(|&i| counts[i] += 1);
+        }
+        assert!(counts.iter().all(|&c| c == 2));
+        assert_eq!(plan, plan_sized(Method::Combee, 40, 2, 3, Some(4), Some(8)), "reproducible");
+        // p = 1 has no second copy to probe with: the probe is ignored.
+        assert_eq!(plan_sized(Method::Combee, 40, 1, 3, Some(4), Some(8)).groups.len(), 10);
     }
 
     #[test]

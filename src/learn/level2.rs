@@ -95,6 +95,19 @@ pub struct Consolidated {
     pub dropped: Vec<DroppedOp>,
     /// How many ops were folded into merges (each merge counts its inputs).
     pub merged_inputs: usize,
+    /// Calls whose answer could not be used: their ops passed through unchanged.
+    pub degraded: Vec<DegradedCall>,
+}
+
+/// A level-2 call (a consolidation, or the merge of one rewrite passage) whose
+/// answer stayed unreadable after its corrective retry. The round does not fail:
+/// what the call was given is carried over as the deterministic union has it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DegradedCall {
+    /// Ops (consolidation) or passage versions (rewrite merge) the call was given.
+    pub inputs: usize,
+    /// Why its answer could not be used.
+    pub error: String,
 }
 
 /// The id an op is shown under: `o1` for index 0.
@@ -432,6 +445,23 @@ pub fn union_of_insertions(variants: &[Vec<String>]) -> Vec<String> {
         }
     }
     out
+}
+
+/// The deterministic union of several versions of one passage, used when the
+/// model's merge of them cannot be read: every line of the first version, then
+/// the lines of each later version that no earlier one has, in order. Nothing a
+/// group wrote is lost; contradictions stay side by side for a person to settle.
+pub fn union_of_lines(versions: &[String]) -> String {
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut out: Vec<&str> = Vec::new();
+    for v in versions {
+        for line in split_lines(v) {
+            if line.trim().is_empty() || seen.insert(line) {
+                out.push(line);
+            }
+        }
+    }
+    out.join("\n")
 }
 
 /// The conflict regions of a plan, in order: `(base text, variant texts)`.

@@ -7,8 +7,12 @@ use async_trait::async_trait;
 use serde_json::{Value, json};
 
 use super::*;
+use crate::domain::AgentReflections;
+use crate::learn::delta::{Budget, Protection};
 use crate::learn::journal::{MemoryJournal, ReflectionSource};
 use crate::learn::protocol::tests::{reflection, trace};
+use crate::learn::reduce::{Proposal, Reduce, too_many_left_out};
+use crate::llm::LlmError;
 use crate::llm::{ChatRequest, ChatResponse, OpenAiClient};
 use crate::simulation::llm::SimConfig;
 use crate::simulation::llm::tests::{Running, hard, start};
@@ -420,7 +424,7 @@ async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
         trace_ids: &[],
         reflections: &[],
         concurrency: 4,
-        guard: Guard::for_round(&Playbook::default(), &s.budget),
+        protection: Protection::for_round(&Playbook::default(), &s.budget),
         fan_in: 8,
     };
     let mut calls = Vec::new();
@@ -680,4 +684,57 @@ async fn journaled_group_outputs_are_not_reused_when_the_version_differs() {
     let out = run_round(&sim.client, &sim.cfg, &spec, &other, &ts, &journal).await.unwrap();
     assert_eq!(out.resumed_groups, 0);
     assert_eq!((task_calls(&sim, "aggregate-playbook").await - before) as usize, out.k);
+}
+
+/// Level 2 that cannot be read degrades to the union instead of failing the
+/// round: a consolidation (playbook, `reduce = "llm"`) answered in the older
+/// operations shape, and passage merges (rewrite) answered in prose — both
+/// after their corrective retry — leave the round with what the union keeps,
+/// listed as degraded.
+#[tokio::test]
+async fn unreadable_level_2_answers_degrade_to_the_union() {
+    let garbled = Sim::start(SimConfig { rate_unreadable_level2: 1.0, ..hard() }, |_| {}).await;
+    let plain = Sim::start(hard(), |_| {}).await;
+    let ts = traces(24);
+    let union = RoundSpec {
+        group_size: crate::learn::sizing::GroupSize::bounded(4, crate::learn::sizing::SizeSource::Start),
+        ..spec(Method::Combee, Strategy::Playbook, 2, 5)
+    };
+    let llm = RoundSpec { reduce: ReduceMode::Llm, ..union.clone() };
+    let degraded = garbled.run(&llm, &base_for(Strategy::Playbook), &ts).await;
+    let reference = plain.run(&union, &base_for(Strategy::Playbook), &ts).await;
+    assert!(degraded.level2.is_degraded(), "{:?}", degraded.level2);
+    assert!(degraded.level2.degraded[0].error.contains("invalid"), "{:?}", degraded.level2.degraded);
+    assert_eq!(degraded.content.render(), reference.content.render(), "exactly the union");
+    assert!(!reference.level2.is_degraded());
+
+    // Rewrite: five groups rewrite the same line differently, so the passage
+    // goes to merge calls; unreadable, its versions are kept side by side.
+    let base = VersionContent { base: "You solve {task}.\nRule A.\nEnd.".into(), playbook: None };
+    let proposals: Vec<Proposal> = (1..=5)
+        .map(|i| {
+            Proposal::Instruction(format!("You solve {{task}}.\nRule A, per group {i}: INSIGHT-r{i}: case {i}.\nEnd."))
+        })
+        .collect();
+    let journal = MemoryJournal::new();
+    let s = spec(Method::Combee, Strategy::Rewrite, 1, 1);
+    let reduce = Reduce {
+        backend: &garbled.client,
+        llm: &garbled.cfg,
+        journal: &journal,
+        spec: &s,
+        trace_ids: &[],
+        reflections: &[],
+        concurrency: 4,
+        protection: Protection::for_round(&Playbook::default(), &s.budget),
+        fan_in: 8,
+    };
+    let out = reduce.level2_rewrite(&base, proposals, &mut Vec::new()).await.unwrap();
+    assert_eq!(out.level2.degraded.len(), 3, "two merges of the tree's first level and the root: {:?}", out.level2);
+    let text = out.content.base;
+    let tokens = insight_tokens(&text);
+    for t in ["r1", "r2", "r3", "r4", "r5"] {
+        assert!(tokens.contains(t), "{t} lost: {text}");
+    }
+    assert!(text.starts_with("You solve {task}.\n") && text.ends_with("End."), "{text}");
 }

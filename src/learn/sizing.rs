@@ -5,29 +5,44 @@
 //!
 //! The rule ([`choose_group_size`]), over the meter's size buckets that have
 //! *enough* samples (at least [`MIN_METER_SAMPLES`] marked copies):
-//! 1. no bucket measured enough (or the meter cannot measure: p = 1, or a
-//!    rewrite prompt): the paper's ⌊√n⌋ groups ([`SizeSource::Default`]);
-//! 2. the largest measured bucket whose estimated retention is ≥
-//!    `target_retention`, below every measured bucket that misses it: groups
-//!    of at most that bucket's smallest size ([`SizeSource::Meter`]) — the
+//! 1. the meter cannot measure this prompt (p = 1, or a rewrite prompt): the
+//!    paper's ⌊√n⌋ groups ([`SizeSource::Default`]);
+//! 2. no round was observed yet: groups of [`START_GROUP_SIZE`] reflections
+//!    ([`SizeSource::Start`]) — the size of the sequential baseline's minibatch
+//!    (GEPA's default of 3), rounded up to the meter's buckets. The first round
+//!    then measures overload with its own p copies, at any batch size;
+//! 3. rounds were observed but their answers marked nothing — neither their
+//!    citations nor their text told which reflections they kept: no estimate at
+//!    all, the paper's ⌊√n⌋ groups ([`SizeSource::NoEstimate`]);
+//! 4. the largest measured bucket whose estimated retention is ≥
+//!    `target_retention`, below every measured bucket that misses it: groups of
+//!    at most that bucket's smallest size ([`SizeSource::Meter`]) — the
 //!    smallest size, because retention falls with size and a bucket's estimate
-//!    is an average over its sizes;
-//! 3. every measured bucket misses the target: half the smallest one, to be
+//!    is an average over its sizes. While the next bucket up (twice the size) is
+//!    not measured yet, one copy of every reflection goes to groups of that
+//!    larger size (`probe_group`), so the round measures it too: each
+//!    reflection keeps a copy in a group of the vouched size, and the meter
+//!    learns whether larger (cheaper) groups would hold the target as well;
+//! 5. every measured bucket misses the target: half the smallest one, to be
 //!    measured next ([`SizeSource::Probe`]); when that is already size 1 no size
-//!    holds the target ([`SizeSource::NoSizeHolds`]), groups of one.
+//!    holds the target ([`SizeSource::NoSizeHolds`]), groups of one;
+//! 6. some rounds marked something, but no bucket has enough samples yet: the
+//!    start size again.
 //!
-//! The size is an upper bound: a plan never has fewer than ⌊√n⌋ groups, so the
-//! paper's grouping is the special case of a meter that vouches for large groups.
+//! The size is an upper bound on a group; the batch is not bounded by quality at
+//! all (capacity-aware groups keep their retention at any batch size).
 
 use serde::{Deserialize, Serialize};
 
 use super::meter::MeterBucket;
 
 /// Marked copies a size bucket needs before its estimate is used ("enough").
-/// With p = 2 one round of 20 traces gives a bucket about 40 copies, of which
-/// the marked share is the retention itself, so one such round suffices down to
-/// about 50 % retention; the binomial error at 20 samples and r = 0.9 is ±7 points.
+/// The binomial error at 20 samples and r = 0.9 is ±7 points; a round of a few
+/// dozen traces at p = 2 gives it.
 pub const MIN_METER_SAMPLES: u64 = 20;
+
+/// The group size of a prompt's first round, before the meter has observed one.
+pub const START_GROUP_SIZE: usize = 4;
 
 /// Default `target_retention`: the share of a group's insights its answer
 /// should keep (with p = 2 copies that is ≈ 99 % of the round's).
@@ -37,8 +52,12 @@ pub const DEFAULT_TARGET_RETENTION: f64 = 0.9;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "source", rename_all = "snake_case")]
 pub enum SizeSource {
-    /// The paper's ⌊√n⌋ groups: the meter has not measured enough (or cannot).
+    /// The paper's ⌊√n⌋ groups: the meter cannot measure this prompt.
     Default { why: String },
+    /// No round observed yet: the start size, measured by this round.
+    Start,
+    /// Rounds were observed, but their answers told nothing about what they kept.
+    NoEstimate { rounds: u64 },
     /// The meter: the largest measured size bucket holding the target.
     Meter { bucket_min: u32, retention: f64, samples: u64 },
     /// Every measured bucket misses the target: trying a smaller size.
@@ -52,6 +71,13 @@ impl SizeSource {
     pub fn message(&self) -> String {
         match self {
             Self::Default { why } => format!("the paper's ⌊√n⌋ groups: {why}"),
+            Self::Start => format!(
+                "groups of {START_GROUP_SIZE} to start: the overload meter has observed no round yet (this one measures it)"
+            ),
+            Self::NoEstimate { rounds } => format!(
+                "the paper's ⌊√n⌋ groups: {rounds} rounds gave the overload meter no estimate (their answers neither \
+                 cite their sources nor repeat the lessons they keep)"
+            ),
             Self::Meter { bucket_min, retention, samples } => format!(
                 "overload meter: groups of up to {bucket_min} keep an estimated {:.0}% ({samples} samples)",
                 100.0 * retention
@@ -74,10 +100,13 @@ impl SizeSource {
 }
 
 /// The group size a round uses: `max_group` reflections per level-1 call at
-/// most (`None`: the paper's ⌊√n⌋ groups), and why.
+/// most (`None`: the paper's ⌊√n⌋ groups), the larger size one copy of each
+/// reflection is given to measure it (`probe_group`), and why.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GroupSize {
     pub max_group: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_group: Option<usize>,
     #[serde(flatten)]
     pub source: SizeSource,
 }
@@ -90,12 +119,34 @@ impl Default for GroupSize {
 
 impl GroupSize {
     pub fn default_because(why: &str) -> Self {
-        Self { max_group: None, source: SizeSource::Default { why: why.to_owned() } }
+        Self { max_group: None, probe_group: None, source: SizeSource::Default { why: why.to_owned() } }
+    }
+
+    /// Groups of at most `max_group`, for `source`.
+    pub fn bounded(max_group: usize, source: SizeSource) -> Self {
+        Self { max_group: Some(max_group.max(1)), probe_group: None, source }
+    }
+
+    /// One line for the round record and the controller page, the probe included.
+    pub fn message(&self) -> String {
+        match self.probe_group {
+            Some(probe) => {
+                format!("{}; one copy of each reflection in groups of {probe} to measure them", self.source.message())
+            }
+            None => self.source.message(),
+        }
     }
 }
 
-/// The rule in the module doc. `buckets` as the meter shows them (any order).
-pub fn choose_group_size(buckets: &[MeterBucket], target_retention: f64) -> GroupSize {
+/// The rule in the module doc. `buckets` as the meter shows them (any order);
+/// `measurable` is false where the meter has nothing to measure (p = 1, rewrite).
+pub fn choose_group_size(buckets: &[MeterBucket], target_retention: f64, measurable: bool) -> GroupSize {
+    if !measurable {
+        return GroupSize::default_because("the overload meter cannot measure this prompt (p = 1 or rewrite)");
+    }
+    if buckets.is_empty() {
+        return GroupSize::bounded(START_GROUP_SIZE, SizeSource::Start);
+    }
     let mut measured: Vec<(u32, f64, u64)> = buckets
         .iter()
         .filter(|b| b.samples >= MIN_METER_SAMPLES && b.size_min >= 1)
@@ -103,26 +154,26 @@ pub fn choose_group_size(buckets: &[MeterBucket], target_retention: f64) -> Grou
         .collect();
     measured.sort_by_key(|b| b.0);
     if measured.is_empty() {
-        return GroupSize::default_because(&format!(
-            "the overload meter has no group size with {MIN_METER_SAMPLES} samples yet"
-        ));
+        if buckets.iter().all(|b| b.samples == 0) {
+            let rounds = buckets.iter().map(|b| b.rounds).max().unwrap_or(0);
+            return GroupSize { max_group: None, probe_group: None, source: SizeSource::NoEstimate { rounds } };
+        }
+        return GroupSize::bounded(START_GROUP_SIZE, SizeSource::Start);
     }
     let first_miss = measured.iter().position(|b| b.1 < target_retention);
     let holding = &measured[..first_miss.unwrap_or(measured.len())];
     if let Some(&(bucket_min, retention, samples)) = holding.last() {
-        return GroupSize {
-            max_group: Some(bucket_min as usize),
-            source: SizeSource::Meter { bucket_min, retention, samples },
-        };
+        let next = bucket_min.saturating_mul(2);
+        let next_measured = measured.iter().any(|b| b.0 == next);
+        let mut size = GroupSize::bounded(bucket_min as usize, SizeSource::Meter { bucket_min, retention, samples });
+        size.probe_group = (!next_measured).then_some(next as usize);
+        return size;
     }
     let (smallest, retention, _) = measured[0];
     if smallest <= 1 {
-        return GroupSize { max_group: Some(1), source: SizeSource::NoSizeHolds { retention } };
+        return GroupSize::bounded(1, SizeSource::NoSizeHolds { retention });
     }
-    GroupSize {
-        max_group: Some((smallest / 2).max(1) as usize),
-        source: SizeSource::Probe { below_target_at: smallest, retention },
-    }
+    GroupSize::bounded((smallest / 2).max(1) as usize, SizeSource::Probe { below_target_at: smallest, retention })
 }
 
 #[cfg(test)]
@@ -135,34 +186,56 @@ mod tests {
     }
 
     #[test]
-    fn an_unmeasured_meter_gives_the_papers_default() {
-        let g = choose_group_size(&[], 0.9);
-        assert_eq!(g.max_group, None);
-        assert!(matches!(g.source, SizeSource::Default { .. }));
+    fn a_meter_that_observed_nothing_starts_small_and_one_that_cannot_measure_uses_the_papers_groups() {
+        let g = choose_group_size(&[], 0.9, true);
+        assert_eq!((g.max_group, g.probe_group, g.source.clone()), (Some(START_GROUP_SIZE), None, SizeSource::Start));
         // Too few samples count as unmeasured, however good they look.
-        let g = choose_group_size(&[bucket(8, MIN_METER_SAMPLES - 1, MIN_METER_SAMPLES - 1)], 0.9);
-        assert_eq!(g.max_group, None);
-        assert!(!g.source.holds_target());
+        let g = choose_group_size(&[bucket(8, MIN_METER_SAMPLES - 1, MIN_METER_SAMPLES - 1)], 0.9, true);
+        assert_eq!((g.max_group, g.source.holds_target()), (Some(START_GROUP_SIZE), false));
+        // p = 1 or rewrite: nothing to measure.
+        let g = choose_group_size(&[], 0.9, false);
+        assert!(matches!(g.source, SizeSource::Default { .. }) && g.max_group.is_none());
+    }
+
+    #[test]
+    fn rounds_that_marked_nothing_give_no_estimate_and_the_papers_groups() {
+        let nothing = MeterBucket::new(4, BucketCounts::default(), 3);
+        let g = choose_group_size(&[nothing], 0.9, true);
+        assert_eq!((g.max_group, g.source.clone()), (None, SizeSource::NoEstimate { rounds: 3 }));
+        assert!(g.message().contains("neither cite"), "{}", g.message());
+    }
+
+    #[test]
+    fn once_a_size_holds_the_next_larger_one_is_probed_until_it_is_measured() {
+        let g = choose_group_size(&[bucket(4, 100, 97)], 0.9, true);
+        assert_eq!((g.max_group, g.probe_group), (Some(4), Some(8)));
+        assert!(g.message().contains("groups of 8 to measure"), "{}", g.message());
+        // 8 measured and holding: 8, probing 16.
+        let g = choose_group_size(&[bucket(4, 100, 97), bucket(8, 100, 95)], 0.9, true);
+        assert_eq!((g.max_group, g.probe_group), (Some(8), Some(16)));
+        // 8 measured and missing: stay at 4, no probe.
+        let g = choose_group_size(&[bucket(4, 100, 97), bucket(8, 100, 70)], 0.9, true);
+        assert_eq!((g.max_group, g.probe_group), (Some(4), None));
     }
 
     #[test]
     fn the_largest_bucket_holding_the_target_sets_the_size() {
         // 2 and 4 hold 0.9, 8 does not; 16 (noisily) looks good again but lies above a miss.
         let meter = [bucket(16, 40, 38), bucket(2, 50, 48), bucket(4, 50, 46), bucket(8, 50, 30)];
-        let g = choose_group_size(&meter, 0.9);
+        let g = choose_group_size(&meter, 0.9, true);
         assert_eq!(g.max_group, Some(4));
         assert_eq!(g.source, SizeSource::Meter { bucket_min: 4, retention: 46.0 / 50.0, samples: 50 });
         assert!(g.source.holds_target());
         // A laxer target allows the larger bucket.
-        assert_eq!(choose_group_size(&meter, 0.6).max_group, Some(16));
+        assert_eq!(choose_group_size(&meter, 0.6, true).max_group, Some(16));
     }
 
     #[test]
     fn a_meter_that_only_saw_misses_probes_half_the_smallest_size() {
-        let g = choose_group_size(&[bucket(8, 30, 21), bucket(16, 30, 12)], 0.9);
+        let g = choose_group_size(&[bucket(8, 30, 21), bucket(16, 30, 12)], 0.9, true);
         assert_eq!(g.max_group, Some(4));
         assert!(matches!(g.source, SizeSource::Probe { below_target_at: 8, .. }));
-        let g = choose_group_size(&[bucket(1, 30, 20)], 0.9);
+        let g = choose_group_size(&[bucket(1, 30, 20)], 0.9, true);
         assert_eq!(g.max_group, Some(1));
         assert!(matches!(g.source, SizeSource::NoSizeHolds { .. }));
         assert!(g.source.message().contains("no group size"));

@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rand::Rng;
-use reqwest::header::{HeaderMap, RETRY_AFTER};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
 use super::config::LlmConfig;
 use super::{ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, TimeoutKind, Usage};
+use crate::retry_after::parse_retry_after;
 
 /// The client-side token estimate: one token per four characters, rounded up.
 pub fn estimate_tokens(chars: usize) -> u64 {
@@ -263,25 +263,6 @@ impl LlmBackend for OpenAiClient {
             }
         }
     }
-}
-
-/// `Retry-After` as delay-seconds or an HTTP date; also the `retry-after-ms`
-/// header some providers (OpenAI, Azure) send.
-pub fn parse_retry_after(headers: &HeaderMap, now: chrono::DateTime<chrono::Utc>) -> Option<Duration> {
-    if let Some(ms) =
-        headers.get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
-        && ms.is_finite()
-        && ms >= 0.0
-    {
-        return Some(Duration::from_secs_f64(ms / 1000.0));
-    }
-    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
-    if let Ok(secs) = value.parse::<u64>() {
-        return Some(Duration::from_secs(secs));
-    }
-    let at = chrono::DateTime::parse_from_rfc2822(value).ok()?;
-    let delta = at.with_timezone(&chrono::Utc) - now;
-    Some(delta.to_std().unwrap_or(Duration::ZERO))
 }
 
 fn truncate_chars(s: &str, max: usize) -> String {
@@ -767,22 +748,6 @@ mod tests {
         let check = |a: &Answer| if a.instruction.is_empty() { Err("empty instruction".to_owned()) } else { Ok(()) };
         let a: Answer = chat_json_checked(&c, LlmRole::Aggregator, req(&c), &mut calls, check).await.unwrap();
         assert_eq!(a.instruction, "z");
-    }
-
-    #[test]
-    fn retry_after_forms() {
-        let now = chrono::DateTime::parse_from_rfc3339("2015-10-21T07:28:00Z").unwrap().with_timezone(&chrono::Utc);
-        let mut h = HeaderMap::new();
-        h.insert(RETRY_AFTER, "7".parse().unwrap());
-        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_secs(7)));
-        h.insert(RETRY_AFTER, "Wed, 21 Oct 2015 07:28:30 GMT".parse().unwrap());
-        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_secs(30)));
-        h.insert(RETRY_AFTER, "Wed, 21 Oct 2015 07:00:00 GMT".parse().unwrap());
-        assert_eq!(parse_retry_after(&h, now), Some(Duration::ZERO));
-        h.insert(RETRY_AFTER, "soon".parse().unwrap());
-        assert_eq!(parse_retry_after(&h, now), None);
-        h.insert("retry-after-ms", "250".parse().unwrap());
-        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_millis(250)));
     }
 
     #[test]

@@ -1,17 +1,53 @@
-//! OTLP/HTTP trace ingest: agents that already export OpenTelemetry GenAI spans
-//! send them to combee unchanged. This module decodes an export request
-//! (protobuf or the OTLP JSON mapping, optionally gzip-compressed) and encodes
-//! the `ExportTraceServiceResponse`; [`mapping`] turns spans into traces.
-//! Nothing here touches the network or the store.
+//! OTLP/HTTP ingest: agents that already export OpenTelemetry GenAI spans and
+//! log events send them to combee unchanged. This module decodes an export
+//! request of either signal (protobuf or the OTLP JSON mapping, optionally
+//! gzip- or deflate-compressed) and encodes its answer; [`mapping`] turns a
+//! trace id's spans and log records into a trace, [`logs`] cuts a logs export
+//! into records. Nothing here touches the network or the store.
 
+pub mod logs;
 pub mod mapping;
 
 use std::io::Read;
 
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTracePartialSuccess, ExportTraceServiceRequest, ExportTraceServiceResponse,
+use opentelemetry_proto::tonic::collector::{
+    logs::v1::{ExportLogsPartialSuccess, ExportLogsServiceResponse},
+    trace::v1::{ExportTracePartialSuccess, ExportTraceServiceRequest, ExportTraceServiceResponse},
 };
 use prost::Message;
+
+/// The OTLP signals combee takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    Traces,
+    Logs,
+}
+
+impl Signal {
+    /// The export request's message name.
+    pub fn request(self) -> &'static str {
+        match self {
+            Self::Traces => "ExportTraceServiceRequest",
+            Self::Logs => "ExportLogsServiceRequest",
+        }
+    }
+
+    /// The request's one member in the OTLP JSON encoding.
+    fn json_member(self) -> &'static str {
+        match self {
+            Self::Traces => "resourceSpans",
+            Self::Logs => "resourceLogs",
+        }
+    }
+
+    /// What the answer counts: spans or log records.
+    pub fn unit(self) -> &'static str {
+        match self {
+            Self::Traces => "span(s)",
+            Self::Logs => "log record(s)",
+        }
+    }
+}
 
 /// How the request body (and so the answer) is encoded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +88,7 @@ impl Encoding {
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum DecodeError {
     #[error(
-        "send OTLP traces as `Content-Type: application/x-protobuf` or `application/json`{}",
+        "send OTLP exports as `Content-Type: application/x-protobuf` or `application/json`{}",
         .0.as_ref().map(|c| format!(" (got `{c}`)")).unwrap_or_default()
     )]
     ContentType(Option<String>),
@@ -62,10 +98,10 @@ pub enum DecodeError {
     TooLarge { limit: usize },
     #[error("the body is not valid {format}: {reason}")]
     Compressed { format: &'static str, reason: String },
-    #[error("the body is not an OTLP ExportTraceServiceRequest in protobuf: {0}")]
-    Protobuf(String),
-    #[error("the body is not an OTLP ExportTraceServiceRequest in the OTLP JSON encoding: {0}")]
-    Json(String),
+    #[error("the body is not an OTLP {message} in protobuf: {reason}")]
+    Protobuf { message: &'static str, reason: String },
+    #[error("the body is not an OTLP {message} in the OTLP JSON encoding: {reason}")]
+    Json { message: &'static str, reason: String },
 }
 
 impl DecodeError {
@@ -120,51 +156,71 @@ fn inflate(decoder: impl Read, format: &'static str, limit: usize) -> Result<Vec
     Ok(out)
 }
 
-/// Decodes an (already decompressed) export request.
+/// Decodes an (already decompressed) trace export request.
 pub fn decode_request(encoding: Encoding, body: &[u8]) -> Result<ExportTraceServiceRequest, DecodeError> {
+    decode_export(Signal::Traces, encoding, body)
+}
+
+/// Decodes an (already decompressed) export request of `signal`.
+pub fn decode_export<M>(signal: Signal, encoding: Encoding, body: &[u8]) -> Result<M, DecodeError>
+where
+    M: Message + Default + serde::de::DeserializeOwned,
+{
+    let message = signal.request();
     match encoding {
         Encoding::Protobuf => {
-            ExportTraceServiceRequest::decode(body).map_err(|e| DecodeError::Protobuf(clip(&e.to_string(), 200)))
+            M::decode(body).map_err(|e| DecodeError::Protobuf { message, reason: clip(&e.to_string(), 200) })
         }
         Encoding::Json => {
-            let json = |e: serde_json::Error| DecodeError::Json(clip(&e.to_string(), 200));
+            let json = |e: serde_json::Error| DecodeError::Json { message, reason: clip(&e.to_string(), 200) };
             let value: serde_json::Value = serde_json::from_slice(body).map_err(json)?;
             // serde would also read a message written as an array; OTLP JSON writes
-            // messages as objects only, so the request and its resource spans must be.
+            // messages as objects only, so the request and its resource items must be.
+            let member = signal.json_member();
             let shape = match &value {
-                serde_json::Value::Object(o) => match o.get("resourceSpans") {
+                serde_json::Value::Object(o) => match o.get(member) {
                     None | Some(serde_json::Value::Null) => Ok(()),
                     Some(serde_json::Value::Array(items)) if items.iter().all(serde_json::Value::is_object) => Ok(()),
-                    Some(_) => Err("`resourceSpans` must be an array of objects"),
+                    Some(_) => Err(format!("`{member}` must be an array of objects")),
                 },
-                _ => Err("the body must be a JSON object"),
+                _ => Err("the body must be a JSON object".to_owned()),
             };
-            shape.map_err(|m| DecodeError::Json(m.into()))?;
+            shape.map_err(|reason| DecodeError::Json { message, reason })?;
             serde_json::from_value(value).map_err(json)
         }
     }
 }
 
-/// The OTLP answer: `partial_success` is set only when some spans were
-/// rejected, or with 0 rejected spans to carry a warning (as OTLP allows).
+/// The OTLP answer: `partial_success` is set only when some records were
+/// rejected, or with 0 rejected to carry a warning (as OTLP allows).
 pub fn encode_response(encoding: Encoding, rejected_spans: usize, error_message: &str) -> Vec<u8> {
-    let partial = rejected_spans > 0 || !error_message.is_empty();
-    match encoding {
-        Encoding::Protobuf => {
-            let partial_success = partial.then(|| ExportTracePartialSuccess {
-                rejected_spans: rejected_spans as i64,
-                error_message: error_message.to_owned(),
-            });
+    encode_answer(Signal::Traces, encoding, rejected_spans, error_message)
+}
+
+/// [`encode_response`] for either signal: `rejected_spans` or `rejected_log_records`.
+pub fn encode_answer(signal: Signal, encoding: Encoding, rejected: usize, error_message: &str) -> Vec<u8> {
+    let partial = rejected > 0 || !error_message.is_empty();
+    let error_message = error_message.to_owned();
+    match (encoding, signal) {
+        (Encoding::Protobuf, Signal::Traces) => {
+            let partial_success =
+                partial.then_some(ExportTracePartialSuccess { rejected_spans: rejected as i64, error_message });
             ExportTraceServiceResponse { partial_success }.encode_to_vec()
         }
+        (Encoding::Protobuf, Signal::Logs) => {
+            let partial_success =
+                partial.then_some(ExportLogsPartialSuccess { rejected_log_records: rejected as i64, error_message });
+            ExportLogsServiceResponse { partial_success }.encode_to_vec()
+        }
         // Written by hand: the OTLP JSON mapping carries int64 as a string,
-        // which the crate's serde support does not do for `rejectedSpans`.
-        Encoding::Json => {
+        // which the crate's serde support does not do for the counts.
+        (Encoding::Json, _) => {
+            let count = match signal {
+                Signal::Traces => "rejectedSpans",
+                Signal::Logs => "rejectedLogRecords",
+            };
             let body = if partial {
-                serde_json::json!({"partialSuccess": {
-                    "rejectedSpans": rejected_spans.to_string(),
-                    "errorMessage": error_message,
-                }})
+                serde_json::json!({"partialSuccess": {count: rejected.to_string(), "errorMessage": error_message}})
             } else {
                 serde_json::json!({})
             };
@@ -208,12 +264,12 @@ mod tests {
 
     #[test]
     fn garbage_is_a_decode_error_not_a_panic() {
-        assert!(matches!(decode_request(Encoding::Protobuf, &[0xff, 0xff, 0xff]), Err(DecodeError::Protobuf(_))));
-        assert!(matches!(decode_request(Encoding::Json, b"{\"resourceSpans\": 3}"), Err(DecodeError::Json(_))));
+        assert!(matches!(decode_request(Encoding::Protobuf, &[0xff, 0xff, 0xff]), Err(DecodeError::Protobuf { .. })));
+        assert!(matches!(decode_request(Encoding::Json, b"{\"resourceSpans\": 3}"), Err(DecodeError::Json { .. })));
         assert_eq!(decode_request(Encoding::Json, b"{}").unwrap(), ExportTraceServiceRequest::default());
         // Messages are objects in OTLP JSON, never arrays (which serde alone would take).
         for bad in [&b"null"[..], b"[]", b"{\"resourceSpans\": [[]]}", b"{\"resourceSpans\": [1]}"] {
-            assert!(matches!(decode_request(Encoding::Json, bad), Err(DecodeError::Json(_))), "{bad:?}");
+            assert!(matches!(decode_request(Encoding::Json, bad), Err(DecodeError::Json { .. })), "{bad:?}");
         }
         assert!(decode_request(Encoding::Json, b"{\"resourceSpans\": [{}], \"other\": 1}").is_ok());
     }

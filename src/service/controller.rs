@@ -1,9 +1,11 @@
-//! The batch-size controller of one prompt, as operators see it: the round-time
-//! samples, the per-size profile, the fitted round time R(bs) = A·bs^(−α), the
-//! chosen batch and the bound that set it — and the overload meter (the
-//! estimated per-group retention by group size, see [`crate::learn::meter`])
-//! with the group size it gives the next round.
-//! The API and the web UI show the same view.
+//! The batch-size controller of one prompt: what it reads from the store (the
+//! round-time samples, the overload meter, its last choice) and the choices it
+//! makes from them, for the worker's scheduler and a trigger's default batch;
+//! and the view operators see of it — the per-size profile, the fitted round
+//! time R(bs) = A·bs^(−α), the chosen batch and the bound that set it, and the
+//! overload meter (the estimated per-group retention by group size, see
+//! [`crate::learn::meter`]) with the group size it gives the next round. The
+//! API and the web UI show the same view.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -12,14 +14,68 @@ use utoipa::ToSchema;
 
 use super::{AppState, ServiceError, ServiceResult};
 use crate::{
-    domain::{BatchSize, PromptName},
+    domain::{BatchSize, Prompt, PromptName, Strategy},
     learn::{
-        controller::{self, Sample},
-        meter::MeterBucket,
+        controller::{self, Choice, ControllerConfig, Quality, Sample, choose},
+        meter::{BucketCounts, MeterBucket},
+        sizing::{GroupSize, choose_group_size},
     },
-    store::ControllerSample,
-    worker,
+    store::{ControllerSample, DynStore, StoreResult},
 };
+
+/// Samples read per prompt: enough for `window` samples at many sizes.
+pub const SAMPLE_LIMIT: u32 = 500;
+
+pub async fn samples(store: &DynStore, prompt: &PromptName) -> StoreResult<Vec<Sample>> {
+    Ok(store
+        .controller_samples(prompt, SAMPLE_LIMIT)
+        .await?
+        .into_iter()
+        .map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs })
+        .collect())
+}
+
+/// The prompt's overload meter, bucket by bucket.
+pub async fn meter(store: &DynStore, prompt: &PromptName) -> StoreResult<Vec<MeterBucket>> {
+    Ok(store
+        .meter_counts(prompt)
+        .await?
+        .into_iter()
+        .map(|c| MeterBucket::new(c.size_min, BucketCounts { marked: c.marked, recaptured: c.recaptured }, c.rounds))
+        .collect())
+}
+
+/// Whether the overload meter can measure this prompt: playbook rounds with
+/// every reflection in at least two groups (p ≥ 2).
+pub fn measurable(prompt: &Prompt) -> bool {
+    prompt.strategy == Strategy::Playbook && prompt.settings.duplication >= 2
+}
+
+/// The level-1 group size a round of this prompt uses now, from its meter.
+pub async fn group_size(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<GroupSize> {
+    Ok(choose_group_size(&meter(store, &prompt.name).await?, cfg.target_retention, measurable(prompt)))
+}
+
+/// What the meter says about quality for this prompt (see [`Quality`]).
+pub async fn quality(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<Quality> {
+    Ok(Quality::of(group_size(store, prompt, cfg).await?, prompt.settings.duplication, measurable(prompt)))
+}
+
+/// The batch a round of this prompt should take now, and why.
+pub async fn current(store: &DynStore, prompt: &Prompt, backlog: u64, cfg: &ControllerConfig) -> StoreResult<Choice> {
+    let quality = quality(store, prompt, cfg).await?;
+    Ok(choose(&samples(store, &prompt.name).await?, backlog, &quality, cfg))
+}
+
+/// The batch a trigger without an explicit size takes: the fixed size, or
+/// the controller's latest bound, or its default before it has chosen.
+pub async fn default_batch(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<u32> {
+    if let BatchSize::Fixed(n) = prompt.settings.batch_size {
+        return Ok(n);
+    }
+    let stored = store.controller_choice(&prompt.name).await?;
+    Ok(stored.and_then(|(v, _)| serde_json::from_value::<Choice>(v).ok()).map_or(cfg.default_batch, |c| c.cap.max(1)))
+}
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CurvePoint {
@@ -87,11 +143,11 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
         .find(|b| b.prompt.name == name)
         .ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
     let cfg = &st.settings.controller;
-    let samples = st.store.controller_samples(&name, worker::controller::SAMPLE_LIMIT).await?;
+    let samples = st.store.controller_samples(&name, SAMPLE_LIMIT).await?;
     let plain: Vec<Sample> =
         samples.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs }).collect();
     let n = backlog.pending.max(0) as u64;
-    let quality = worker::controller::quality(&st.store, &backlog.prompt, cfg).await?;
+    let quality = quality(&st.store, &backlog.prompt, cfg).await?;
     let choice = controller::choose(&plain, n, &quality, cfg);
     let curve = controller::profile(&plain, cfg.window)
         .into_iter()
@@ -103,12 +159,13 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
         })
         .collect();
     let last = st.store.controller_choice(&name).await?;
-    let buckets = worker::controller::meter(&st.store, &name).await?;
-    let group_size = crate::learn::sizing::choose_group_size(&buckets, cfg.target_retention);
+    let buckets = meter(&st.store, &name).await?;
+    let group_size = choose_group_size(&buckets, cfg.target_retention, measurable(&backlog.prompt));
     let group_size = serde_json::json!({
         "max_group": group_size.max_group,
+        "probe_group": group_size.probe_group,
         "source": group_size.source,
-        "message": group_size.source.message(),
+        "message": group_size.message(),
     });
     let (mode, fixed_batch_size) = match backlog.prompt.settings.batch_size {
         BatchSize::Auto => ("auto", None),

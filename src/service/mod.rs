@@ -1,18 +1,34 @@
-//! The operations both front ends call — the JSON API (`http/`) and the web
-//! UI (`ui/`) — and the state they share, so neither front end imports the
-//! other: `app.rs` composes their routers. One file per resource.
+//! The one door to the store: the operations both front ends call — the JSON
+//! API (`http/`) and the web UI (`ui/`), which only parse and render and never
+//! touch the store themselves — with their rules, and the state they share, so
+//! neither front end imports the other: `app.rs` composes their routers. One
+//! file per resource.
 
 pub mod controller;
 pub mod error;
+pub mod export;
+pub mod keys;
+pub mod labels;
+pub mod langfuse;
+pub mod outcomes;
 pub mod pagination;
+pub mod population;
 pub mod prompts;
 pub mod rounds;
+pub mod sessions;
+pub mod traces;
+pub mod webhooks;
 
 use std::sync::Arc;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::{auth::KeyCache, cache::PromptCache, config::Settings, store::DynStore};
+use crate::{
+    auth::KeyCache,
+    cache::PromptCache,
+    config::Settings,
+    store::{DynStore, StoreKind},
+};
 
 pub use error::{ServiceError, ServiceResult};
 
@@ -39,5 +55,17 @@ impl std::ops::Deref for AppState {
     type Target = Shared;
     fn deref(&self) -> &Shared {
         &self.0
+    }
+}
+
+/// Whether the store answers within `limit`, and which kind it is (`/readyz`).
+pub async fn readiness(st: &AppState, limit: std::time::Duration) -> ServiceResult<StoreKind> {
+    match tokio::time::timeout(limit, st.store.ping()).await {
+        Ok(Ok(())) => Ok(st.store.kind()),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "readiness check failed");
+            Err(ServiceError::Unavailable)
+        }
+        Err(_) => Err(ServiceError::Unavailable),
     }
 }

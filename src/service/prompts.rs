@@ -1,21 +1,30 @@
-//! Prompt operations both front ends call: create a prompt (seeding the
-//! population of an `evaluated` one), find a prompt by its name in a path,
-//! add a version, diff two versions, move a label (recording why), and roll back.
+//! Prompt and version operations both front ends call: create a prompt
+//! (seeding the population of an `evaluated` one), find a prompt by the name
+//! in a path, list prompts, resolve a selector, list and add versions (the
+//! content rules live here), diff two versions, change a prompt's settings,
+//! and read the live arms an `evaluated` prompt is served from.
+//! Label moves and rollback are in `labels.rs`.
+
+use std::sync::Arc;
 
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{AppState, ServiceError, ServiceResult};
+use super::{AppState, ServiceError, ServiceResult, error::plain_serde_error, population};
 use crate::{
+    cache::ServedArms,
     domain::{
-        LabelName, MoveCause, Promotion, Prompt, PromptName, Strategy, Version, VersionSource,
+        LabelName, Playbook, Promotion, Prompt, PromptName, PromptSettings, Strategy, Version, VersionContent,
+        VersionSource,
         diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
-        prompt::NewVersion,
+        label::{LabelMove, Resolved, Selector},
+        population::ArmState,
+        prompt::{NewPrompt, NewVersion, PromptSummary},
     },
-    store::{Label, LabelMove, NewPrompt, Selector, StoreError},
-    worker::population::{first_champion, follow_production},
+    store::StoreError,
 };
 
+/// Longest version message or label-move reason, in characters.
 pub const MAX_MESSAGE_CHARS: usize = 2000;
 
 pub fn parse_name(name: &str) -> ServiceResult<PromptName> {
@@ -27,12 +36,48 @@ pub async fn existing_prompt(st: &AppState, name: &str) -> ServiceResult<Prompt>
     st.store.get_prompt(&name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))
 }
 
+/// A version message: `default` when none is given; longer than
+/// [`MAX_MESSAGE_CHARS`] is too large.
 pub fn check_message(message: Option<String>, default: &str) -> ServiceResult<String> {
     let m = message.unwrap_or_else(|| default.to_owned());
     if m.chars().count() > MAX_MESSAGE_CHARS {
         return Err(ServiceError::PayloadTooLarge(format!("`message` is longer than {MAX_MESSAGE_CHARS} characters")));
     }
     Ok(m)
+}
+
+/// A version's content as given: a non-empty base within
+/// `limits.max_prompt_bytes`, a normalised playbook (playbook prompts only),
+/// a rendered text at most twice the limit.
+pub fn check_content(
+    st: &AppState,
+    strategy: Strategy,
+    base: &str,
+    playbook: Option<Playbook>,
+) -> ServiceResult<VersionContent> {
+    let limit = st.settings.limits.max_prompt_bytes;
+    if base.trim().is_empty() {
+        return Err(ServiceError::Unprocessable("`base` must not be empty".into()));
+    }
+    if base.len() > limit {
+        return Err(ServiceError::PayloadTooLarge(format!(
+            "`base` is {} bytes; the limit is {limit} (`limits.max_prompt_bytes`)",
+            base.len()
+        )));
+    }
+    let playbook = match (strategy, playbook) {
+        (Strategy::Rewrite, Some(_)) => {
+            return Err(ServiceError::Unprocessable("a prompt with strategy `rewrite` has no playbook".into()));
+        }
+        (_, Some(pb)) => Some(pb.normalized().map_err(|e| ServiceError::Unprocessable(format!("playbook: {e}")))?),
+        (_, None) => None,
+    };
+    let content = VersionContent { base: base.to_owned(), playbook };
+    let rendered = content.render().len();
+    if rendered > limit * 2 {
+        return Err(ServiceError::PayloadTooLarge(format!("the rendered prompt is {rendered} bytes; too large")));
+    }
+    Ok(content)
 }
 
 /// Creates a prompt with version 1 as `production`. Under `evaluated` its
@@ -46,7 +91,7 @@ pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> 
         other => other.into(),
     })?;
     if prompt.promotion == Promotion::Evaluated
-        && let Err(e) = st.store.save_population(&name, &[first_champion(version.number)]).await
+        && let Err(e) = population::seed(st, &name, version.number).await
     {
         // The prompt exists and serves production; a rater reconciles the population later.
         tracing::warn!(prompt = %name, error = %e, "the new prompt's population was not seeded");
@@ -55,10 +100,117 @@ pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> 
     Ok((prompt, version))
 }
 
+/// Prompts ordered by name, after `after`.
+pub async fn list_prompts(st: &AppState, after: Option<&str>, limit: u32) -> ServiceResult<Vec<PromptSummary>> {
+    Ok(st.store.list_prompts(after, limit).await?)
+}
+
+/// The version `selector` names, with its labels; `None` when there is none.
+pub async fn resolve(st: &AppState, name: &PromptName, selector: &Selector) -> ServiceResult<Option<Resolved>> {
+    Ok(st.store.resolve(name, selector).await?)
+}
+
+/// The version `selector` names; a 404 that says whether the prompt, the
+/// label or the version is missing.
+pub async fn resolved(st: &AppState, name: &PromptName, selector: &Selector) -> ServiceResult<Resolved> {
+    if let Some(resolved) = st.store.resolve(name, selector).await? {
+        return Ok(resolved);
+    }
+    if st.store.get_prompt(name).await?.is_none() {
+        return Err(ServiceError::not_found(format_args!("prompt {name:?}")));
+    }
+    Err(match selector {
+        Selector::Label(l) => ServiceError::not_found(format_args!("label {l:?} of prompt {name:?}")),
+        Selector::Version(n) => ServiceError::not_found(format_args!("version {n} of prompt {name:?}")),
+        Selector::Latest => ServiceError::not_found(format_args!("prompt {name:?}")),
+    })
+}
+
+/// The number of the prompt's latest version (0 for none).
+pub async fn latest_number(st: &AppState, name: &PromptName) -> ServiceResult<i64> {
+    Ok(st.store.resolve(name, &Selector::Latest).await?.map_or(0, |r| r.version.number))
+}
+
+/// Versions newest first, with numbers below `before`.
+pub async fn list_versions(
+    st: &AppState,
+    name: &PromptName,
+    before: Option<i64>,
+    limit: u32,
+) -> ServiceResult<Vec<Version>> {
+    Ok(st.store.list_versions(name, before, limit).await?)
+}
+
+/// A version made by hand: what differs from its parent.
+#[derive(Debug, Default)]
+pub struct VersionEdit {
+    /// New base text (default: the parent's).
+    pub base: Option<String>,
+    /// New playbook (default: the parent's).
+    pub playbook: Option<Playbook>,
+    pub message: Option<String>,
+    /// The version this edit starts from (default: the latest).
+    pub parent: Option<i64>,
+    /// Labels to point at the new version.
+    pub labels: Vec<LabelName>,
+}
+
+/// Makes a version by hand from `edit` and moves `edit.labels` to it; the
+/// new version with its labels.
+pub async fn create_version(st: &AppState, prompt: &Prompt, edit: VersionEdit, actor: &str) -> ServiceResult<Resolved> {
+    let parent_sel = edit.parent.map_or(Selector::Latest, Selector::Version);
+    let parent = st
+        .store
+        .resolve(&prompt.name, &parent_sel)
+        .await?
+        .ok_or_else(|| ServiceError::Conflict(format!("parent version {} does not exist", edit.parent.unwrap_or(0))))?
+        .version;
+    let has_playbook = edit.playbook.is_some();
+    let base = edit.base.unwrap_or_else(|| parent.content.base.clone());
+    let playbook = match edit.playbook {
+        Some(mut pb) => {
+            // Ids the parent handed out are never reissued.
+            pb.next_id = pb.next_id.max(parent.content.playbook.as_ref().map_or(0, |p| p.next_id));
+            Some(pb)
+        }
+        None => parent.content.playbook.clone(),
+    };
+    if prompt.strategy == Strategy::Rewrite && has_playbook {
+        return Err(ServiceError::Conflict(
+            "this prompt's strategy is `rewrite`: its versions have no playbook".into(),
+        ));
+    }
+    let content = check_content(st, prompt.strategy, &base, playbook)?;
+    let version = NewVersion {
+        parent: Some(parent.number),
+        source: VersionSource::Manual,
+        round_id: None,
+        content,
+        message: check_message(edit.message, "manual edit")?,
+        created_by: actor.to_owned(),
+    };
+    let moves: Vec<LabelMove> = edit
+        .labels
+        .into_iter()
+        .map(|label| LabelMove {
+            label,
+            to_version: 0,
+            expected_current: None,
+            check_current: false,
+            by: actor.to_owned(),
+        })
+        .collect();
+    let created = add_version(st, &prompt.name, version, &moves).await?;
+    st.store
+        .resolve(&prompt.name, &Selector::Version(created.number))
+        .await?
+        .ok_or_else(|| ServiceError::Internal(anyhow::anyhow!("version vanished after insert")))
+}
+
 /// Stores a new version of `name` with the label moves made with it; what
 /// follows labels keeps in step: the served prompts' cache and, when
 /// `production` moved, the population.
-pub async fn add_version(
+pub(super) async fn add_version(
     st: &AppState,
     name: &PromptName,
     version: NewVersion,
@@ -77,11 +229,38 @@ pub async fn add_version(
 /// (if the prompt has one) follows at once, so the new production version is
 /// what agents are served as the champion; a failure here is logged (the
 /// move stands and the rater reconciles on its next tick).
-async fn production_moved(st: &AppState, name: &PromptName) {
-    if let Err(e) = follow_production(&st.store, name, &st.settings.population.policy()).await {
+pub(super) async fn production_moved(st: &AppState, name: &PromptName) {
+    if let Err(e) = population::follow_production(&st.store, name, &st.settings.population.policy()).await {
         tracing::warn!(prompt = %name, error = %e, "the population did not follow production yet");
     }
     st.cache.invalidate(name.as_str());
+}
+
+/// The live arms of an `evaluated` prompt (empty for other prompts), cached
+/// like the prompt's text and dropped with it on every change.
+pub async fn served_arms(st: &AppState, name: &str) -> ServiceResult<Arc<ServedArms>> {
+    if crate::domain::names::is_valid_name(name)
+        && let Some(hit) = st.cache.get_arms(name)
+    {
+        return Ok(hit);
+    }
+    let generation = st.cache.generation();
+    let prompt = existing_prompt(st, name).await?;
+    let served = if prompt.promotion == Promotion::Evaluated {
+        let population = st.store.population(&prompt.name).await?;
+        let champion = population.iter().find(|a| a.state == ArmState::Champion).map(|a| a.version);
+        let arms = population
+            .iter()
+            .filter(|a| a.state != ArmState::Retired && a.weight > 0.0)
+            .map(|a| (a.version, a.weight))
+            .collect();
+        ServedArms::new(arms, champion)
+    } else {
+        ServedArms::new(Vec::new(), None)
+    };
+    let served = Arc::new(served);
+    st.cache.insert_arms(prompt.name.as_str(), generation, served.clone());
+    Ok(served)
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -97,18 +276,10 @@ pub struct VersionDiff {
 
 /// The diff of two versions, as the route and the web UI show it.
 pub async fn version_diff(st: &AppState, prompt: &Prompt, from: i64, to: i64) -> ServiceResult<VersionDiff> {
-    let load = |n: i64| {
-        let st = st.clone();
-        let name = prompt.name.clone();
-        async move {
-            st.store
-                .resolve(&name, &Selector::Version(n))
-                .await?
-                .map(|r| r.version)
-                .ok_or_else(|| ServiceError::not_found(format_args!("version {n} of prompt {name:?}")))
-        }
-    };
-    let (a, b) = (load(from).await?, load(to).await?);
+    let (a, b) = (
+        resolved(st, &prompt.name, &Selector::Version(from)).await?.version,
+        resolved(st, &prompt.name, &Selector::Version(to)).await?.version,
+    );
     let (unified, lines) =
         text_diff(&a.content.render(), &b.content.render(), &format!("v{}", a.number), &format!("v{}", b.number));
     let playbook = (prompt.strategy == Strategy::Playbook)
@@ -116,73 +287,60 @@ pub async fn version_diff(st: &AppState, prompt: &Prompt, from: i64, to: i64) ->
     Ok(VersionDiff { from: a.number, to: b.number, unified, lines, playbook })
 }
 
-pub fn store_move_error(e: StoreError, label: &LabelName) -> ServiceError {
-    match e {
-        StoreError::Conflict => {
-            ServiceError::PreconditionFailed(format!("label {label:?} moved meanwhile; fetch it again"))
+/// RFC 7396 JSON merge patch: members of `patch` replace those of `target`,
+/// objects merge recursively, `null` removes a member (its default applies).
+fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
+    let serde_json::Value::Object(patch) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = serde_json::Value::Object(Default::default());
+    }
+    if let serde_json::Value::Object(t) = target {
+        for (k, v) in patch {
+            if v.is_null() {
+                t.remove(k);
+            } else {
+                merge_patch(t.entry(k.clone()).or_insert(serde_json::Value::Null), v);
+            }
         }
-        // The version named does not exist (yet): a conflict with the prompt's state.
-        StoreError::Invalid(msg) => ServiceError::Conflict(msg),
-        other => other.into(),
     }
 }
 
-/// Applies a label move, recording `cause` in the label history, and drops
-/// the cached views; shared with the web UI.
-pub async fn move_label_to(
+/// Applies an RFC 7396 merge patch to a prompt's settings, validated as a
+/// whole; retried when another change lands in between.
+pub async fn update_settings(
     st: &AppState,
-    name: &PromptName,
-    mv: &LabelMove,
-    cause: &MoveCause,
-) -> ServiceResult<Label> {
-    let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
-    if mv.label == LabelName::production() {
-        production_moved(st, name).await; // invalidates after the population followed
-    } else {
-        st.cache.invalidate(name.as_str());
+    name: &str,
+    patch: serde_json::Map<String, serde_json::Value>,
+) -> ServiceResult<Prompt> {
+    // `null` removes a member before the settings are read back, so an unknown
+    // name would pass unnoticed there: refuse it here.
+    if let Some(unknown) = patch.keys().find(|k| !PromptSettings::FIELDS.contains(&k.as_str())) {
+        return Err(ServiceError::Unprocessable(format!(
+            "`{}` is not a setting; the settings are {}",
+            unknown.chars().take(64).collect::<String>(),
+            PromptSettings::FIELDS.join(", ")
+        )));
     }
-    Ok(label)
-}
-
-/// Brings version `to`'s content back as a new version made production.
-/// Given `expected_production`, fails with 412 unless production still points
-/// there (the API's `If-Match`, the web UI's version on the page).
-pub async fn roll_back(
-    st: &AppState,
-    prompt: &Prompt,
-    to: i64,
-    message: Option<String>,
-    expected_production: Option<i64>,
-    actor: &str,
-) -> ServiceResult<Version> {
-    let production = LabelName::production();
-    let current = match expected_production {
-        Some(v) => Some(v),
-        None => st.store.resolve(&prompt.name, &Selector::Label(production.clone())).await?.map(|r| r.version.number),
-    };
-    let target = st
-        .store
-        .resolve(&prompt.name, &Selector::Version(to))
-        .await?
-        .ok_or_else(|| ServiceError::Conflict(format!("version {to} does not exist")))?
-        .version;
-    let version = NewVersion {
-        parent: current,
-        source: VersionSource::Rollback,
-        round_id: None,
-        content: target.content,
-        message: check_message(message, &format!("rollback to v{to}"))?,
-        created_by: actor.to_owned(),
-    };
-    let mv = LabelMove {
-        label: production.clone(),
-        to_version: 0,
-        expected_current: current,
-        check_current: expected_production.is_some(),
-        by: actor.to_owned(),
-    };
-    let created =
-        st.store.create_version(&prompt.name, version, &[mv]).await.map_err(|e| store_move_error(e, &production))?;
-    production_moved(st, &prompt.name).await;
-    Ok(created)
+    let patch = serde_json::Value::Object(patch);
+    // Optimistic: re-read and re-apply when another change landed in between.
+    for _ in 0..5 {
+        let prompt = existing_prompt(st, name).await?;
+        let mut doc = serde_json::to_value(&prompt.settings).map_err(|e| ServiceError::Internal(e.into()))?;
+        merge_patch(&mut doc, &patch);
+        let new: PromptSettings = serde_path_to_error::deserialize(doc).map_err(|e| {
+            let inner = plain_serde_error(&e.inner().to_string());
+            ServiceError::Unprocessable(format!("`settings.{}`: {inner}", e.path()))
+        })?;
+        let new = new.validated().map_err(ServiceError::Unprocessable)?;
+        match st.store.update_prompt_settings(&prompt.name, &prompt.settings, &new).await {
+            Ok(Some(updated)) => return Ok(updated),
+            Ok(None) => return Err(ServiceError::not_found(format_args!("prompt {:?}", prompt.name.as_str()))),
+            Err(StoreError::Conflict) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ServiceError::Conflict("the settings kept changing while this patch was applied; send it again".into()))
 }

@@ -1,19 +1,19 @@
 //! Round operations both front ends call: open a round (by API key or by
-//! inbound webhook) with the worker's default batch and a fresh seed, and
-//! one round as it is shown, with its traces, reflections, calls and usage.
+//! inbound webhook) with the controller's default batch and a fresh seed,
+//! list a prompt's rounds, and one round as it is shown, with its traces,
+//! reflections, calls and usage.
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{AppState, ServiceError, ServiceResult};
+use super::{AppState, ServiceError, ServiceResult, controller::default_batch};
 use crate::{
     domain::{
         Method, PromptName, Reflection,
-        round::{Round, RoundTrigger},
+        round::{Round, RoundTrigger, random_seed},
     },
     store::{OpenRound, RoundCall, StoreError},
-    worker::{self, random_seed},
 };
 
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -42,7 +42,7 @@ pub async fn open_round(
         st.store.get_prompt(name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
     let batch = match req.batch_size {
         Some(n) => n,
-        None => worker::controller::default_batch(&st.store, &prompt, &st.settings.controller).await?,
+        None => default_batch(&st.store, &prompt, &st.settings.controller).await?,
     };
     if !(1..=MAX_BATCH).contains(&batch) {
         return Err(ServiceError::Unprocessable(format!("`batch_size` must be between 1 and {MAX_BATCH}")));
@@ -65,6 +65,16 @@ pub async fn open_round(
         ))),
         Err(e) => Err(e.into()),
     }
+}
+
+/// The prompt's rounds, newest first, before the `before` round id.
+pub async fn list_rounds(
+    st: &AppState,
+    prompt: &PromptName,
+    before: Option<Uuid>,
+    limit: u32,
+) -> ServiceResult<Vec<Round>> {
+    Ok(st.store.list_rounds(Some(prompt), before, limit).await?)
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -3,5 +3,7 @@
 //! (`world`), and the simulated OpenAI-compatible LLM that answers combee's own
 //! prompts by rule (`llm`, also `combee sim-llm`).
 
+mod answers;
 pub mod llm;
+mod model;
 pub mod world;

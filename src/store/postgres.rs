@@ -264,30 +264,26 @@ impl Backend for Postgres {
         s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
-        status: u16,
-        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest> {
         let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
-        let body = answer(&ids);
+        let remembered = serde_json::to_value(&ids).map_err(|_| corrupt("trace ids"))?;
         for _ in 0..3 {
             let mut tx = s.writer.begin().await?;
-            // Claims the key with its final answer. A concurrent request with the
-            // same key blocks here on the primary key until the first commits
-            // (then nothing is inserted: replay) or rolls back (then this one runs).
-            // A row without an answer can only be left by an older combee that
-            // remembered keys before storing: it is taken over.
+            // Claims the key with the ids it stores. A concurrent request with
+            // the same key blocks here on the primary key until the first
+            // commits (then nothing is inserted: replay) or rolls back (then
+            // this one runs). A row without ids can only be left by an older
+            // combee that remembered keys before storing: it is taken over.
             let claimed = sqlx::query(
-                "INSERT INTO idempotency_keys (owner, key, request_hash, status_code, body) VALUES ($1, $2, $3, $4, $5)
+                "INSERT INTO idempotency_keys (owner, key, request_hash, trace_ids) VALUES ($1, $2, $3, $4)
                  ON CONFLICT (owner, key) DO UPDATE
-                   SET request_hash = EXCLUDED.request_hash, status_code = EXCLUDED.status_code,
-                       body = EXCLUDED.body, created_at = now()
-                   WHERE idempotency_keys.status_code IS NULL",
+                   SET request_hash = EXCLUDED.request_hash, trace_ids = EXCLUDED.trace_ids, created_at = now()
+                   WHERE idempotency_keys.trace_ids IS NULL",
             )
             .bind(key.owner)
             .bind(key.key)
             .bind(key.request_hash)
-            .bind(i32::from(status))
-            .bind(&body)
+            .bind(&remembered)
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -297,15 +293,13 @@ impl Backend for Postgres {
                     return Err(s.first_unknown_reference(traces).await?);
                 }
                 tx.commit().await?;
-                return Ok(IdempotentIngest::Stored { ids, status, body });
+                return Ok(IdempotentIngest::Stored { ids });
             }
-            let row = sqlx::query(
-                "SELECT request_hash, status_code, body FROM idempotency_keys WHERE owner = $1 AND key = $2",
-            )
-            .bind(key.owner)
-            .bind(key.key)
-            .fetch_optional(&mut *tx)
-            .await?;
+            let row = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = $1 AND key = $2")
+                .bind(key.owner)
+                .bind(key.key)
+                .fetch_optional(&mut *tx)
+                .await?;
             tx.rollback().await?;
             let Some(row) = row else {
                 continue; // purged meanwhile: claim it again
@@ -313,10 +307,9 @@ impl Backend for Postgres {
             if row.try_get::<String, _>("request_hash")? != key.request_hash {
                 return Ok(IdempotentIngest::Mismatch);
             }
-            let status: Option<i32> = row.try_get("status_code")?;
-            let body: Option<Vec<u8>> = row.try_get("body")?;
-            let status = status.and_then(|s| u16::try_from(s).ok()).ok_or_else(|| corrupt("idempotency status"))?;
-            return Ok(IdempotentIngest::Replay { status, body: body.unwrap_or_default() });
+            let stored: Option<Value> = row.try_get("trace_ids")?;
+            let ids = stored.and_then(|v| serde_json::from_value(v).ok()).ok_or_else(|| corrupt("idempotency ids"))?;
+            return Ok(IdempotentIngest::Replay { ids });
         }
         Err(StoreError::Conflict)
     }

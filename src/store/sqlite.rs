@@ -288,47 +288,41 @@ impl Backend for Sqlite {
         s: &SqlStore<Self>,
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
-        status: u16,
-        answer: &(dyn for<'i> Fn(&'i [Uuid]) -> Vec<u8> + Send + Sync),
     ) -> StoreResult<IdempotentIngest> {
         // The single writer connection serialises requests with the same key.
         let mut tx = s.writer.begin().await?;
-        let row =
-            sqlx::query("SELECT request_hash, status_code, body FROM idempotency_keys WHERE owner = ? AND key = ?")
-                .bind(key.owner.to_string())
-                .bind(key.key)
-                .fetch_optional(&mut *tx)
-                .await?;
+        let row = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = ? AND key = ?")
+            .bind(key.owner.to_string())
+            .bind(key.key)
+            .fetch_optional(&mut *tx)
+            .await?;
         if let Some(row) = row {
-            let stored_status: Option<i64> = row.try_get("status_code")?;
-            // A row without an answer can only be left by an older combee that
+            let stored: Option<String> = row.try_get("trace_ids")?;
+            // A row without ids can only be left by an older combee that
             // remembered keys before storing: it is taken over below.
-            if let Some(stored_status) = stored_status {
+            if let Some(stored) = stored {
                 if row.try_get::<String, _>("request_hash")? != key.request_hash {
                     return Ok(IdempotentIngest::Mismatch);
                 }
-                let body: Option<Vec<u8>> = row.try_get("body")?;
-                let status = u16::try_from(stored_status).map_err(|_| corrupt("idempotency status"))?;
-                return Ok(IdempotentIngest::Replay { status, body: body.unwrap_or_default() });
+                let ids = serde_json::from_str(&stored).map_err(|_| corrupt("idempotency ids"))?;
+                return Ok(IdempotentIngest::Replay { ids });
             }
         }
         let ids = insert_trace_rows(&mut tx, traces).await?;
-        let body = answer(&ids);
         sqlx::query(
-            "INSERT INTO idempotency_keys (owner, key, request_hash, status_code, body, created_at) VALUES (?, ?, ?, ?, ?, ?)
+            "INSERT INTO idempotency_keys (owner, key, request_hash, trace_ids, created_at) VALUES (?, ?, ?, ?, ?)
              ON CONFLICT (owner, key) DO UPDATE SET request_hash = excluded.request_hash,
-                 status_code = excluded.status_code, body = excluded.body, created_at = excluded.created_at",
+                 trace_ids = excluded.trace_ids, created_at = excluded.created_at",
         )
         .bind(key.owner.to_string())
         .bind(key.key)
         .bind(key.request_hash)
-        .bind(i64::from(status))
-        .bind(&body)
+        .bind(to_json(&ids)?)
         .bind(now_us())
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
-        Ok(IdempotentIngest::Stored { ids, status, body })
+        Ok(IdempotentIngest::Stored { ids })
     }
 
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {

@@ -13,9 +13,8 @@ use serde::Deserialize;
 
 use super::{UiError, session::Operator};
 use crate::{
-    domain::{LabelMoveKind, LabelName, MoveCause},
-    service::{AppState, ServiceError, prompts},
-    store::{LabelMove, Scope, TraceAction},
+    domain::{LabelMoveKind, LabelName, MoveCause, access::Scope, label::LabelMove},
+    service::{AppState, ServiceError, labels, prompts, traces},
 };
 
 #[derive(Deserialize)]
@@ -62,7 +61,7 @@ pub async fn promote(
         by: op.actor(),
     };
     let cause = MoveCause::new(LabelMoveKind::Promote, "promoted in the web UI");
-    prompts::move_label_to(&st, &prompt.name, &mv, &cause).await?;
+    labels::move_label_to(&st, &prompt.name, &mv, &cause).await?;
     tracing::info!(prompt = %prompt.name, version, by = %op.actor(), "promoted from the web UI");
     Ok(back(prompt.name.as_str(), "promoted", version))
 }
@@ -75,7 +74,7 @@ pub async fn rollback(
 ) -> Result<Response, UiError> {
     let (to, expected) = checked(&op, &form)?;
     let prompt = prompts::existing_prompt(&st, &name).await?;
-    let created = prompts::roll_back(&st, &prompt, to, None, Some(expected), &op.actor()).await?;
+    let created = labels::roll_back(&st, &prompt, to, None, Some(expected), &op.actor()).await?;
     tracing::info!(prompt = %prompt.name, to, new_version = created.number, by = %op.actor(), "rolled back from the web UI");
     Ok(back(prompt.name.as_str(), "rolled_back", created.number))
 }
@@ -99,14 +98,6 @@ fn trace_form(op: &Operator, form: &TraceForm, id: &str) -> Result<uuid::Uuid, U
     trace_id(id)
 }
 
-fn trace_outcome(id: uuid::Uuid, action: TraceAction) -> Result<(), UiError> {
-    match action {
-        TraceAction::Done(_) => Ok(()),
-        TraceAction::NotFound => Err(UiError::NotFound(format!("Trace {id} not found."))),
-        TraceAction::Refused(why) => Err(UiError::Service(ServiceError::Conflict(why))),
-    }
-}
-
 /// The trace page's buttons: Quarantine holds the trace back from learning
 /// (with the operator's reason, if given), Release lifts that, Delete removes
 /// the trace and goes back to the trace list.
@@ -120,22 +111,25 @@ pub async fn trace_button(
         return Err(UiError::NotFound("No such page.".into()));
     }
     let id = trace_form(&op, &form, &id)?;
-    let (action, done, to) = match button.as_str() {
+    // The same rules as the API's (a reason of at most 500 characters); a
+    // trace that is not there is the UI's own not-found page.
+    let not_found = |e: ServiceError| match e {
+        ServiceError::NotFound(_) => UiError::NotFound(format!("Trace {id} not found.")),
+        other => other.into(),
+    };
+    let to = match button.as_str() {
         "quarantine" => {
-            let reason = form.reason.map(|r| r.trim().chars().take(500).collect::<String>()).filter(|r| !r.is_empty());
-            let reason = reason.unwrap_or_else(|| format!("quarantined by {} in the web UI", op.actor()));
-            (
-                st.store.quarantine_trace(id, &reason).await?,
-                "quarantined",
-                format!("/ui/traces/{id}?notice=quarantined"),
-            )
+            traces::quarantine_trace(&st, id, form.reason, &op.actor()).await.map_err(not_found)?;
+            format!("/ui/traces/{id}?notice=quarantined")
         }
         "release" => {
-            (st.store.release_trace(id).await?, "released from quarantine", format!("/ui/traces/{id}?notice=released"))
+            traces::release_trace(&st, id, &op.actor()).await.map_err(not_found)?;
+            format!("/ui/traces/{id}?notice=released")
         }
-        _ => (st.store.delete_trace(id).await?, "deleted", "/ui/traces?notice=deleted".to_owned()),
+        _ => {
+            traces::delete_trace(&st, id, &op.actor()).await.map_err(not_found)?;
+            "/ui/traces?notice=deleted".to_owned()
+        }
     };
-    trace_outcome(id, action)?;
-    tracing::info!(trace = %id, by = %op.actor(), "trace {done} from the web UI");
     Ok(Redirect::to(&to).into_response())
 }

@@ -20,10 +20,7 @@ use axum::{
     routing::{get, post},
 };
 
-use crate::{
-    service::{AppState, ServiceError},
-    store::StoreError,
-};
+use crate::service::{AppState, ServiceError};
 use html::{Section, page};
 
 pub fn router() -> Router<AppState> {
@@ -57,24 +54,12 @@ pub enum UiError {
     Service(ServiceError),
 }
 
-impl UiError {
-    pub fn from_store(e: StoreError) -> Self {
-        UiError::Service(e.into())
-    }
-}
-
 impl From<ServiceError> for UiError {
     fn from(e: ServiceError) -> Self {
         match e {
             ServiceError::NotFound(m) => UiError::NotFound(m),
             other => UiError::Service(other),
         }
-    }
-}
-
-impl From<StoreError> for UiError {
-    fn from(e: StoreError) -> Self {
-        UiError::from_store(e)
     }
 }
 

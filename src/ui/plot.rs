@@ -346,22 +346,23 @@ impl RewardMarker {
 /// version over time: one line per version, colour-coded by class
 /// `series-0` … `series-5`, with a legend; every marker is a vertical line
 /// (`g.marker.promotion` or `g.marker.rollback`) with its move as tooltip.
-/// `None` without any point.
-pub fn reward_plot(series: &[RewardSeries<'_>], markers: &[RewardMarker]) -> Option<String> {
+/// The time axis zooms to the data (points `bucket_secs` apart): a short run
+/// fills the plot, and a move is drawn when it falls within a quarter of the
+/// data's span (at least one bucket) of it, widening the axis to reach it;
+/// moves further off are left out. `None` without any point.
+pub fn reward_plot(series: &[RewardSeries<'_>], markers: &[RewardMarker], bucket_secs: i64) -> Option<String> {
     let all: Vec<(i64, f64)> =
         series.iter().flat_map(|s| s.points.iter().copied()).filter(|(_, y)| y.is_finite()).collect();
     if all.is_empty() {
         return None;
     }
-    // The time axis spans the points and the moves, so a move after the last
-    // (hourly) point is still drawn.
-    let (tmin, tmax) = all
-        .iter()
-        .map(|(t, _)| *t)
-        .chain(markers.iter().map(|m| m.at))
-        .fold((i64::MAX, i64::MIN), |(a, b), t| (a.min(t), b.max(t)));
-    let (tmin, tmax) =
-        if tmax > tmin { (tmin as f64, tmax as f64) } else { (tmin as f64 - 3600.0, tmax as f64 + 3600.0) };
+    let (first, last) = all.iter().fold((i64::MAX, i64::MIN), |(a, b), (t, _)| (a.min(*t), b.max(*t)));
+    let slack = ((last - first) / 4).max(bucket_secs.max(1));
+    let markers: Vec<&RewardMarker> =
+        markers.iter().filter(|m| m.at >= first - slack && m.at <= last + slack).collect();
+    let (tmin, tmax) = markers.iter().fold((first, last), |(a, b), m| (a.min(m.at), b.max(m.at)));
+    let pad = bucket_secs.max(1) as f64 / 2.0;
+    let (tmin, tmax) = if tmax > tmin { (tmin as f64, tmax as f64) } else { (tmin as f64 - pad, tmax as f64 + pad) };
     let (ymin, ymax) = all.iter().fold((0.0f64, 1.0f64), |(a, b), (_, y)| (a.min(*y), b.max(*y)));
     let px = |t: i64| LEFT + (t as f64 - tmin) / (tmax - tmin) * (W - LEFT - RIGHT);
     let py = |y: f64| H - BOTTOM - (y - ymin) / (ymax - ymin) * (H - TOP - BOTTOM);
@@ -403,7 +404,7 @@ pub fn reward_plot(series: &[RewardSeries<'_>], markers: &[RewardMarker]) -> Opt
         H - 8.0,
         (TOP + H - BOTTOM) / 2.0
     );
-    for m in markers {
+    for m in &markers {
         let x = px(m.at);
         let _ = write!(
             s,
@@ -471,12 +472,13 @@ mod reward_tests {
         let svg = reward_plot(
             &[RewardSeries { name: "v2 (production)", points: &a }, RewardSeries { name: "<v1>", points: &b }],
             &[],
+            3600,
         )
         .unwrap();
         assert_eq!(svg.matches("<path class=\"series").count(), 2);
         assert_eq!(svg.matches("<circle class=\"series-point").count(), 3);
         assert!(svg.contains("&lt;v1&gt;") && !svg.contains("<v1>"));
-        assert!(reward_plot(&[RewardSeries { name: "v1", points: &[] }], &[]).is_none());
+        assert!(reward_plot(&[RewardSeries { name: "v1", points: &[] }], &[], 3600).is_none());
         assert!(!svg.contains("class=\"marker"), "no move, no marker");
     }
 
@@ -504,7 +506,7 @@ mod reward_tests {
         ];
         let markers: Vec<RewardMarker> = moves.iter().filter_map(RewardMarker::for_move).collect();
         assert_eq!(markers.len(), 2, "the creation is not a promotion");
-        let svg = reward_plot(&[RewardSeries { name: "v1", points: &points }], &markers).unwrap();
+        let svg = reward_plot(&[RewardSeries { name: "v1", points: &points }], &markers, 3600).unwrap();
         assert_eq!(svg.matches("<g class=\"marker promotion move-gate-promote\">").count(), 1);
         assert_eq!(svg.matches("<g class=\"marker rollback move-guard-rollback\">").count(), 1);
         assert!(svg.contains("gate-promote production: v1 → v2 by gate"), "{svg}");
@@ -522,5 +524,39 @@ mod reward_tests {
         assert!((x("move-gate-promote") - (LEFT + (right - LEFT) / 3.0)).abs() < 0.1);
         let long = entry(LabelMoveKind::Promote, 1, 2, 0, &"x".repeat(500));
         assert!(RewardMarker::for_move(&long).unwrap().title.ends_with("x…"));
+    }
+
+    /// The x of every `<circle>` of the plot, in order.
+    fn point_xs(svg: &str) -> Vec<f64> {
+        svg.split("<circle")
+            .skip(1)
+            .map(|c| c.split("cx=\"").nth(1).unwrap().split('"').next().unwrap().parse().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_short_run_fills_the_axis_and_far_moves_are_left_out() {
+        // Three minutes of data, a week after a promotion and a minute before a rollback.
+        let t0 = 1_800_000_000;
+        let points = [(t0, 0.5), (t0 + 60, 0.25), (t0 + 120, 0.75)];
+        let moves = [
+            entry(LabelMoveKind::Promote, 1, 2, t0 - 5 * 86_400, "long ago"),
+            entry(LabelMoveKind::Rollback, 2, 1, t0 + 180, "just after"),
+        ];
+        let markers: Vec<RewardMarker> = moves.iter().filter_map(RewardMarker::for_move).collect();
+        let svg = reward_plot(&[RewardSeries { name: "v1", points: &points }], &markers, 60).unwrap();
+        assert!(!svg.contains("long ago"), "a move days away is not drawn");
+        assert_eq!(svg.matches("<g class=\"marker").count(), 1, "the rollback a minute later is");
+        let xs = point_xs(&svg);
+        assert!((xs[0] - LEFT).abs() < 0.1, "the run starts at the left edge: {xs:?}");
+        let right = W - RIGHT;
+        assert!((xs[2] - (LEFT + (right - LEFT) * 120.0 / 180.0)).abs() < 0.1, "{xs:?}");
+        // The axis is labelled with the run's own start and end.
+        let label = |t: i64| chrono::DateTime::from_timestamp(t, 0).unwrap().format("%Y-%m-%d %H:%M").to_string();
+        assert!(svg.contains(&format!(">{} UTC<", label(t0))) && svg.contains(&format!(">{} UTC<", label(t0 + 180))));
+        // One instant: half a bucket either side, the point in the middle.
+        let one = [(t0, 0.5)];
+        let xs = point_xs(&reward_plot(&[RewardSeries { name: "v1", points: &one }], &[], 60).unwrap());
+        assert!((xs[0] - (LEFT + right) / 2.0).abs() < 0.1, "{xs:?}");
     }
 }

@@ -21,8 +21,8 @@ use super::{
 };
 use crate::{
     auth::hash_key,
-    service::AppState,
-    store::{ApiKey, NewUiSession, Scope, UiSession},
+    domain::access::{ApiKey, NewUiSession, Scope, UiSession},
+    service::{AppState, keys, sessions},
 };
 
 pub const SESSION_COOKIE: &str = "combee_session";
@@ -113,12 +113,8 @@ impl FromRequestParts<AppState> for Operator {
     async fn from_request_parts(parts: &mut Parts, st: &AppState) -> Result<Self, Self::Rejection> {
         let token = cookie_value(&parts.headers, SESSION_COOKIE).ok_or(UiError::SignIn)?;
         let hash = hash_key(token);
-        let (session, key) = st.store.ui_session(&hash).await.map_err(UiError::from_store)?.ok_or(UiError::SignIn)?;
-        if key.revoked_at.is_some() {
-            // The key was revoked after sign-in: the session ends with it.
-            st.store.delete_ui_session(&hash).await.map_err(UiError::from_store)?;
-            return Err(UiError::SignIn);
-        }
+        // A session whose key was revoked after sign-in ends with it.
+        let (session, key) = sessions::find(st, &hash).await?.ok_or(UiError::SignIn)?;
         Ok(Operator { session, key })
     }
 }
@@ -175,10 +171,10 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
         return UiError::Forbidden("The sign-in form expired or did not come from this site. Reload it.".into())
             .into_response();
     }
-    let key = match st.keys.authenticate(form.key.trim()).await {
+    let key = match keys::authenticate(&st, form.key.trim()).await {
         Ok(Some(key)) => key,
         Ok(None) => return login_page(&headers, Some("Unknown or revoked API key."), StatusCode::UNAUTHORIZED),
-        Err(e) => return UiError::from_store(e).into_response(),
+        Err(e) => return UiError::from(e).into_response(),
     };
     if !(key.scopes.contains(&Scope::PromptsRead) || key.scopes.contains(&Scope::Admin)) {
         return login_page(&headers, Some("This key lacks the prompts:read scope."), StatusCode::FORBIDDEN);
@@ -190,8 +186,8 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
         csrf_token: random_token(),
         expires_at: Utc::now() + chrono::Duration::hours(SESSION_HOURS),
     };
-    if let Err(e) = st.store.create_ui_session(&session).await {
-        return UiError::from_store(e).into_response();
+    if let Err(e) = sessions::open(&st, &session).await {
+        return UiError::from(e).into_response();
     }
     tracing::info!(key = %key.prefix, "web UI sign-in");
     let mut res = Redirect::to("/ui/prompts").into_response();
@@ -215,7 +211,7 @@ pub async fn logout(
 ) -> Result<Response, UiError> {
     op.check_csrf(form.csrf.as_deref())?;
     if let Some(token) = cookie_value(&headers, SESSION_COOKIE) {
-        st.store.delete_ui_session(&hash_key(token)).await.map_err(UiError::from_store)?;
+        sessions::close(&st, &hash_key(token)).await?;
     }
     Ok(signed_out(&headers))
 }

@@ -9,6 +9,7 @@ pub mod controller;
 pub mod guard;
 mod journal;
 pub mod population;
+pub mod publish;
 pub mod retention;
 pub mod rollups;
 
@@ -22,7 +23,7 @@ pub use journal::{StoreJournal, unreflected_faults};
 
 use crate::{
     config::WorkerSettings,
-    domain::{BatchSize, LabelName, Promotion, RoundDetail, VersionSource, prompt::NewVersion, round::RoundTrigger},
+    domain::{BatchSize, RoundDetail, round::RoundTrigger},
     learn::{
         controller::ControllerConfig,
         delta::Budget,
@@ -49,9 +50,9 @@ pub struct Worker {
     owner: String,
 }
 
-/// What the scheduler would do for one backlog, as plain data (unit-tested).
+/// A round the scheduler would start for one backlog, as plain data (unit-tested).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
+pub struct RoundStart {
     pub trigger: RoundTrigger,
     pub batch: u32,
     pub min_traces: u32,
@@ -67,27 +68,25 @@ pub fn decide(
     batch: u32,
     s: &WorkerSettings,
     now: chrono::DateTime<chrono::Utc>,
-) -> Option<Decision> {
+) -> Option<RoundStart> {
     if b.active_round || b.pending == 0 {
         return None;
     }
     let target = target.max(1);
     let batch = batch.max(target);
     if b.pending >= i64::from(target) {
-        return Some(Decision { trigger: RoundTrigger::Backlog, batch, min_traces: target });
+        return Some(RoundStart { trigger: RoundTrigger::Backlog, batch, min_traces: target });
     }
     let max_wait = b.prompt.settings.max_wait_secs.unwrap_or(s.max_wait_secs);
     let waited = b.oldest.map(|t| (now - t).num_seconds().max(0) as u64).unwrap_or(0);
-    (waited >= max_wait && b.pending >= i64::from(s.min_batch)).then_some(Decision {
+    (waited >= max_wait && b.pending >= i64::from(s.min_batch)).then_some(RoundStart {
         trigger: RoundTrigger::MaxWait,
         batch,
         min_traces: s.min_batch,
     })
 }
 
-pub fn random_seed() -> i64 {
-    rand::thread_rng().r#gen::<i64>() & i64::MAX
-}
+pub use crate::domain::round::random_seed;
 
 impl Worker {
     pub fn new(
@@ -227,37 +226,105 @@ impl Worker {
         }
         // Keep the lease alive; losing it cancels the round.
         let lost = stop.child_token();
-        let heartbeat = {
-            let (store, lost) = (self.store.clone(), lost.clone());
-            let every = Duration::from_secs(self.settings.heartbeat_secs);
-            let lease = Duration::from_secs(self.settings.lease_secs);
-            tokio::spawn(async move {
-                loop {
-                    tokio::select! { _ = lost.cancelled() => return, _ = tokio::time::sleep(every) => {} }
-                    match store.heartbeat_round(id, attempt, lease).await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            tracing::warn!(round = %id, "lease lost; abandoning this attempt");
-                            lost.cancel();
-                            return;
-                        }
-                        Err(e) => tracing::warn!(round = %id, error = %e, "heartbeat failed"),
-                    }
-                }
-            })
-        };
+        let heartbeat = self.keep_lease(id, attempt, lost.clone());
         let journal = StoreJournal::new(self.store.clone(), id, attempt, recorded);
-        // The meter changes only when a round of this prompt publishes, so a
-        // retried attempt regroups as the first did.
-        let group_size = match controller::group_size(&self.store, &prompt.name, &self.controller).await {
+        let spec = self.spec_for(&round, &prompt).await;
+        let started = std::time::Instant::now();
+        let result = tokio::select! {
+            r = run_round(self.backend.as_ref(), &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
+            _ = lost.cancelled() => None,
+        };
+        lost.cancel();
+        heartbeat.abort();
+        let Some(result) = result else { return };
+        let elapsed = started.elapsed().as_secs_f64();
+        metrics::histogram!("combee_round_duration_seconds").record(elapsed);
+        let outcome = match result {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                tracing::warn!(error = %e, retryable = e.is_retryable(), "round attempt failed");
+                let faults = unreflected_faults(&journal.detail());
+                self.retry_or_give_up(id, attempt, &e.to_string(), e.is_retryable(), faults).await;
+                return;
+            }
+        };
+        let mut detail = journal.detail().with_outcome(outcome.record.clone());
+        detail.group_outputs = outcome.group_outputs.clone();
+        let detail = detail.to_value();
+        match self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!("lease lost before publishing; another worker owns the round");
+                return;
+            }
+            // Publishing writes the same record; a failure here only delays it.
+            Err(e) => tracing::warn!(error = %e, "the round's record could not be written before publishing"),
+        }
+        let by = format!("worker:{}", self.owner);
+        let publication = publish::Publication::of(&prompt, base.number, id, &outcome, elapsed, &by);
+        let degraded = outcome.record.level2.is_degraded();
+        let max_trace_attempts = self.settings.max_trace_attempts;
+        let published = publish::publish(
+            &self.store,
+            &prompt,
+            id,
+            attempt,
+            publication,
+            &detail,
+            max_trace_attempts,
+            &self.population,
+            degraded,
+        )
+        .await;
+        match published {
+            publish::Published::Version(_) => {}
+            publish::Published::LeaseLost => {
+                tracing::warn!("lease lost before publishing; another worker owns the round")
+            }
+            publish::Published::Failed(e) => {
+                tracing::error!(error = %e, "publishing failed");
+                let faults = unreflected_faults(&journal.detail());
+                self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
+            }
+        }
+    }
+
+    /// Renews the round's lease every `heartbeat_secs` until `lost` is cancelled;
+    /// cancels `lost` itself when the lease is gone (another process owns the round).
+    fn keep_lease(&self, id: uuid::Uuid, attempt: i32, lost: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let store = self.store.clone();
+        let every = Duration::from_secs(self.settings.heartbeat_secs);
+        let lease = Duration::from_secs(self.settings.lease_secs);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! { _ = lost.cancelled() => return, _ = tokio::time::sleep(every) => {} }
+                match store.heartbeat_round(id, attempt, lease).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(round = %id, "lease lost; abandoning this attempt");
+                        lost.cancel();
+                        return;
+                    }
+                    Err(e) => tracing::warn!(round = %id, error = %e, "heartbeat failed"),
+                }
+            }
+        })
+    }
+
+    /// What the claimed round is asked to do: its method, seed and duplication,
+    /// the prompt's settings and budget, and the group size the overload meter
+    /// gives it now (the meter changes only when a round of this prompt
+    /// publishes, so a retried attempt regroups as the first did).
+    async fn spec_for(&self, round: &crate::domain::round::Round, prompt: &crate::domain::Prompt) -> RoundSpec {
+        let group_size = match controller::group_size(&self.store, prompt, &self.controller).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");
                 crate::learn::sizing::GroupSize::default_because("the overload meter could not be read")
             }
         };
-        let spec = RoundSpec {
-            round_id: id,
+        RoundSpec {
+            round_id: round.id,
             seed: round.seed as u64,
             method: round.method,
             strategy: round.strategy,
@@ -272,95 +339,6 @@ impl Worker {
             agent_reflections: prompt.settings.agent_reflections,
             denylist: self.denylist.clone(),
             group_size,
-        };
-        let started = std::time::Instant::now();
-        let batch_size = traces.len() as u32;
-        let result = tokio::select! {
-            r = run_round(self.backend.as_ref(), &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
-            _ = lost.cancelled() => None,
-        };
-        lost.cancel();
-        heartbeat.abort();
-        let Some(result) = result else { return };
-        metrics::histogram!("combee_round_duration_seconds").record(started.elapsed().as_secs_f64());
-        match result {
-            Ok(outcome) => {
-                let mut detail = journal.detail().with_outcome(outcome.record.clone());
-                detail.group_outputs = outcome.group_outputs.clone();
-                let detail = detail.to_value();
-                let _ = self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await;
-                let meter = meter_counts(&outcome);
-                let label = match prompt.promotion {
-                    Promotion::Auto => LabelName::production(),
-                    // The child is measured before it may serve production: it
-                    // joins the population as a challenger (below).
-                    Promotion::Manual | Promotion::Evaluated => LabelName::candidate(),
-                };
-                let version = NewVersion {
-                    parent: Some(base.number),
-                    source: VersionSource::Learned,
-                    round_id: Some(id),
-                    content: outcome.content,
-                    message: format!(
-                        "learned from {} traces ({} round, k = {}, p = {})",
-                        outcome.record.n,
-                        crate::domain::round::method_str(outcome.method),
-                        outcome.record.k,
-                        outcome.record.p
-                    ),
-                    created_by: format!("worker:{}", self.owner),
-                };
-                // Only Combee rounds describe the delay the controller models.
-                let sample =
-                    (round.method == Method::Combee && batch_size > 0).then(|| started.elapsed().as_secs_f64());
-                let faults = outcome
-                    .record
-                    .unreflected
-                    .iter()
-                    .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })
-                    .collect();
-                let charges = self.charges(faults);
-                // The meter first: once the round publishes, the scheduler may size the
-                // next round from it. What the groups kept is a measurement of the model
-                // whether or not publishing succeeds (recording a round twice counts once).
-                if !meter.is_empty()
-                    && let Err(e) = self.store.record_meter_counts(&prompt.name, id, &meter).await
-                {
-                    tracing::warn!(error = %e, "the overload meter was not updated for this round");
-                }
-                match self.store.publish_round(id, attempt, version, label.clone(), &detail, sample, &charges).await {
-                    Ok(v) => {
-                        metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
-                        tracing::info!(version = v.number, label = %label, "round published");
-                        if prompt.promotion == Promotion::Evaluated {
-                            let added = population::add_challenger(
-                                &self.store,
-                                &prompt.name,
-                                v.number,
-                                Some(base.number),
-                                &self.population,
-                            )
-                            .await;
-                            if let Err(e) = added {
-                                tracing::error!(version = v.number, error = %e, "the learned version could not join the population");
-                            }
-                        }
-                    }
-                    Err(StoreError::Conflict) => {
-                        tracing::warn!("lease lost before publishing; another worker owns the round")
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "publishing failed");
-                        let faults = unreflected_faults(&journal.detail());
-                        self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, retryable = e.is_retryable(), "round attempt failed");
-                let faults = unreflected_faults(&journal.detail());
-                self.retry_or_give_up(id, attempt, &e.to_string(), e.is_retryable(), faults).await;
-            }
         }
     }
 
@@ -402,27 +380,10 @@ impl Worker {
     }
 }
 
-/// The overload meter's counts of a published round (see [`crate::learn::meter`]):
-/// only playbook rounds whose reflections sit in at least two groups (p ≥ 2) have any.
-fn meter_counts(outcome: &crate::learn::round::RoundOutcome) -> Vec<crate::store::MeterCounts> {
-    if outcome.strategy != crate::domain::Strategy::Playbook || outcome.p < 2 {
-        return Vec::new();
-    }
-    crate::learn::meter::observe(&outcome.group_outputs)
-        .into_iter()
-        .map(|(size_min, c)| crate::store::MeterCounts {
-            size_min,
-            marked: c.marked,
-            recaptured: c.recaptured,
-            rounds: 1,
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{Prompt, PromptName, PromptSettings, Strategy};
+    use crate::domain::{Promotion, Prompt, PromptName, PromptSettings, Strategy};
     use chrono::Utc;
 
     fn backlog(pending: i64, waited_secs: i64) -> Backlog {
@@ -449,19 +410,19 @@ mod tests {
     #[test]
     fn a_full_batch_starts_a_round() {
         let d = decide(&backlog(40, 0), 32, 32, &settings(), Utc::now()).unwrap();
-        assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 32, min_traces: 32 });
+        assert_eq!(d, RoundStart { trigger: RoundTrigger::Backlog, batch: 32, min_traces: 32 });
         let d = decide(&backlog(8, 0), 8, 8, &settings(), Utc::now()).unwrap();
         assert_eq!(d.batch, 8);
         // The controller: start at 4 pending, take up to its bound.
         let d = decide(&backlog(40, 0), 4, 256, &settings(), Utc::now()).unwrap();
-        assert_eq!(d, Decision { trigger: RoundTrigger::Backlog, batch: 256, min_traces: 4 });
+        assert_eq!(d, RoundStart { trigger: RoundTrigger::Backlog, batch: 256, min_traces: 4 });
     }
 
     #[test]
     fn a_long_wait_starts_a_smaller_round() {
         assert_eq!(decide(&backlog(3, 10), 32, 32, &settings(), Utc::now()), None);
         let d = decide(&backlog(3, 601), 32, 32, &settings(), Utc::now()).unwrap();
-        assert_eq!(d, Decision { trigger: RoundTrigger::MaxWait, batch: 32, min_traces: 1 });
+        assert_eq!(d, RoundStart { trigger: RoundTrigger::MaxWait, batch: 32, min_traces: 1 });
     }
 
     #[test]

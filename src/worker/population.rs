@@ -26,7 +26,7 @@ use crate::{
     domain::{LabelMoveKind, LabelName, MoveCause, Promotion, PromptName, Strategy, VersionSource, prompt::NewVersion},
     evaluate::{
         outcomes::OutcomeBucket,
-        population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate, traffic_weights},
+        population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate},
         trueskill::{Rating, TrueSkill, ranks_from_rewards},
     },
     learn::{
@@ -35,6 +35,7 @@ use crate::{
         denylist::ContentDenylist,
     },
     llm::{LlmBackend, LlmError, config::LlmConfig},
+    service::population::reconcile,
     store::{ArmState, DynStore, LabelMove, PopulationArm, Selector, StoreError, StoreResult, TaskRewards},
 };
 
@@ -63,56 +64,11 @@ async fn production_version(store: &DynStore, prompt: &PromptName) -> StoreResul
     Ok(store.resolve(prompt, &Selector::Label(LabelName::production())).await?.map(|r| r.version.number))
 }
 
-/// A population's first arm: `version` as champion at the prior (μ0, σ0)
-/// with all the traffic.
-pub fn first_champion(version: i64) -> PopulationArm {
-    PopulationArm {
-        version,
-        state: ArmState::Champion,
-        rating: Rating::default(),
-        weight: 1.0,
-        scored_traces: 0,
-        created_from: None,
-        parents: Vec::new(),
-        rated_until: None,
-    }
-}
-
-/// Makes the population agree with `production` (the champion) and sets
-/// the live arms' weights. An empty population gets the champion at the prior.
-fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &PopulationPolicy) {
-    if !arms.iter().any(|a| a.version == champion) {
-        arms.push(first_champion(champion));
-    }
-    for a in arms.iter_mut() {
-        if a.version == champion {
-            a.state = ArmState::Champion;
-        } else if a.state == ArmState::Champion {
-            // Production moved away (gate, operator, guard): the old champion keeps competing.
-            a.state = ArmState::Challenger;
-        }
-    }
-    let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
-    let weights = traffic_weights(&live, champion, policy);
-    for a in arms.iter_mut() {
-        a.weight = weights.iter().find(|(v, _)| *v == a.version).map_or(0.0, |(_, w)| *w);
-    }
-}
-
-/// Makes a stored population follow `production` at once after a move the
-/// rater did not make (an operator's promote or rollback, a new version
-/// labelled production): the version production points at becomes the
-/// champion (joining at the prior if it was no arm), the old champion
-/// competes on as a challenger, weights are recomputed. Nothing to do for a
-/// prompt without a population, or when production is the champion already.
-pub async fn follow_production(store: &DynStore, prompt: &PromptName, policy: &PopulationPolicy) -> StoreResult<()> {
-    let Some(champion) = production_version(store, prompt).await? else { return Ok(()) };
-    let mut arms = store.population(prompt).await?;
-    if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {
-        return Ok(());
-    }
-    reconcile(&mut arms, champion, policy);
-    store.save_population(prompt, &arms).await
+/// The population policy of `prompt`: the server's, with the prompt's own
+/// `settings.population` knobs in place.
+async fn policy_of(store: &DynStore, prompt: &PromptName, server: &PopulationPolicy) -> StoreResult<PopulationPolicy> {
+    let own = store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+    Ok(own.settings.population.applied_to(server))
 }
 
 /// Mutation: `version`, learned from `parent`, joins the population of
@@ -159,6 +115,7 @@ async fn join(
     prior: impl FnOnce(&[Rating]) -> Rating,
 ) -> StoreResult<Vec<PopulationArm>> {
     let champion = production_version(store, prompt).await?.ok_or(StoreError::NotFound)?;
+    let policy = &policy_of(store, prompt, policy).await?;
     let mut arms = store.population(prompt).await?;
     reconcile(&mut arms, champion, policy);
     let rated: Vec<Rating> =
@@ -442,10 +399,11 @@ impl PopulationRater {
         until: DateTime<Utc>,
     ) -> Result<CrossoverOutcome, CrossoverError> {
         let Some(breeder) = &self.breeder else { return Ok(CrossoverOutcome::NotDrawn) };
-        if crossover_draw(prompt, until) >= self.settings.crossover_prob {
+        let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+        let policy = p.settings.population.applied_to(&self.settings.policy());
+        if crossover_draw(prompt, until) >= policy.crossover_prob {
             return Ok(CrossoverOutcome::NotDrawn);
         }
-        let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
         if p.strategy != Strategy::Playbook {
             return Ok(CrossoverOutcome::NotPlaybook);
         }
@@ -563,8 +521,19 @@ impl PopulationRater {
         Ok(CrossoverOutcome::Bred { version: version.number, parents, rating })
     }
 
+    /// Rating windows since `production` last moved from one version to another
+    /// (`None`: it never did — only its creation is on record).
+    async fn windows_since_move(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<Option<u64>> {
+        let last = self.store.label_history(prompt, Some(&LabelName::production()), None, 1).await?;
+        Ok(last
+            .first()
+            .filter(|m| m.from_version.is_some())
+            .map(|m| (now - m.at).num_seconds().max(0) as u64 / self.settings.window_secs.max(1)))
+    }
+
     async fn rate_window(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<RatingOutcome> {
-        let policy = self.settings.policy();
+        let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+        let policy = own.settings.population.applied_to(&self.settings.policy());
         let Some(champion) = production_version(&self.store, prompt).await? else {
             return Err(StoreError::NotFound);
         };
@@ -615,9 +584,16 @@ impl PopulationRater {
         let Some(champ) = live.iter().find(|a| a.version == champion).copied() else {
             return Err(StoreError::Corrupt("the champion is not a live arm".into()));
         };
-        let decision = gate(&champ, &live, &policy);
-        let GateDecision::Promote { challenger, challenger_lower, champion_lower, challenger_traces, champion_traces } =
-            decision
+        let since_move = self.windows_since_move(prompt, now).await?;
+        let decision = gate(&champ, &live, &policy, since_move);
+        let GateDecision::Promote {
+            challenger,
+            challenger_lower,
+            champion_lower,
+            challenger_traces,
+            champion_traces,
+            margin,
+        } = decision
         else {
             reconcile(&mut arms, champion, &policy);
             self.store.save_population(prompt, &arms).await?;
@@ -629,12 +605,16 @@ impl PopulationRater {
         let rating_of = |v: i64| arms.iter().find(|a| a.version == v).map(|a| a.rating);
         let reason = format!(
             "promotion gate: v{challenger} μ−2σ = {challenger_lower:.2} ({challenger_traces} scored traces) \
-             exceeds champion v{champion} μ−2σ = {champion_lower:.2} ({champion_traces} scored traces)"
+             exceeds champion v{champion} μ−2σ = {champion_lower:.2} ({champion_traces} scored traces) by more \
+             than the margin {margin}"
         );
         let evidence = json!({
             "champion": {"version": champion, "rating": rating_of(champion), "lower": champion_lower, "scored_traces": champion_traces},
             "challenger": {"version": challenger, "rating": rating_of(challenger), "lower": challenger_lower, "scored_traces": challenger_traces},
             "min_traces": policy.min_traces,
+            "margin": margin,
+            "cooldown_windows": policy.cooldown_windows,
+            "windows_since_last_move": since_move,
             "window": {"from": from, "until": now, "basis": basis, "rewards": window_rewards},
         });
         let mv = LabelMove {
@@ -725,33 +705,5 @@ mod tests {
         let fresh = Rating::crossover_child(&[Rating::default(), Rating::default()]).unwrap();
         assert!((fresh.mu - 25.0).abs() < 1e-12);
         assert!((fresh.sigma - ((25.0f64 / 3.0).powi(2) / 2.0 + 1.0).sqrt()).abs() < 1e-12);
-    }
-
-    fn arm(version: i64, state: ArmState) -> PopulationArm {
-        PopulationArm {
-            version,
-            state,
-            rating: Rating::default(),
-            weight: 0.0,
-            scored_traces: 0,
-            created_from: None,
-            parents: Vec::new(),
-            rated_until: None,
-        }
-    }
-
-    #[test]
-    fn reconcile_follows_production_and_gives_retired_arms_nothing() {
-        let policy = PopulationPolicy::default();
-        let mut arms = vec![arm(1, ArmState::Champion), arm(2, ArmState::Challenger), arm(3, ArmState::Retired)];
-        reconcile(&mut arms, 2, &policy);
-        assert_eq!(arms[0].state, ArmState::Challenger);
-        assert_eq!(arms[1].state, ArmState::Champion);
-        assert!((arms[1].weight - 0.8).abs() < 1e-12 && (arms[0].weight - 0.2).abs() < 1e-12);
-        assert_eq!(arms[2].weight, 0.0);
-        let mut empty = Vec::new();
-        reconcile(&mut empty, 5, &policy);
-        assert_eq!(empty.len(), 1);
-        assert_eq!((empty[0].version, empty[0].state, empty[0].weight), (5, ArmState::Champion, 1.0));
     }
 }

@@ -359,7 +359,7 @@ async fn retention_deletes_what_expired_and_keeps_the_rest(b: Backend) {
     let pending = s.insert_traces(&batch("p", 2)).await.unwrap();
     s.quarantine_trace(pending[1], "suspect").await.unwrap();
     let key = combee::store::IdempotencyKey { owner: uuid::Uuid::nil(), key: "k", request_hash: "h" };
-    s.insert_traces_idempotent(key, &batch("p", 1), 201, &|_| b"{}".to_vec()).await.unwrap();
+    s.insert_traces_idempotent(key, &batch("p", 1)).await.unwrap();
 
     let history = |p: &'static str| {
         let s = s.clone();

@@ -7,16 +7,21 @@
 mod common;
 
 mod api;
+mod authorization;
 mod cli;
 mod cli_client;
+mod export;
 mod key_revocation;
+mod langfuse;
 mod learning;
 mod lifecycle;
 mod otlp;
+mod otlp_logs;
 mod poisoning;
 mod population;
 mod postgres_outage;
 mod postgres_processes;
+mod request_rules;
 mod store_contract;
 mod ui_browser;
 mod webhooks;

@@ -210,7 +210,18 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     assert!(last.reason.contains("μ−2σ"), "{}", last.reason);
     let ev = last.evidence.as_ref().unwrap();
     assert_eq!(ev["challenger"]["scored_traces"], 60);
-    assert!(ev["challenger"]["lower"].as_f64().unwrap() > ev["champion"]["lower"].as_f64().unwrap());
+    let margin = ev["margin"].as_f64().unwrap();
+    assert!(ev["challenger"]["lower"].as_f64().unwrap() > ev["champion"]["lower"].as_f64().unwrap() + margin);
+
+    // Window 3: the former champion does far better now, but production just
+    // moved: moving back needs the same evidence, after the same cool-down.
+    let mut third = batch("p", 1, 60, 1.0);
+    third.extend(batch("p", 2, 60, 0.1));
+    s.insert_traces(&third).await.unwrap();
+    let out = rater.rate(&name("p"), t2 + chrono::Duration::seconds(30)).await.unwrap();
+    let RatingOutcome::Rated { gate, .. } = out else { panic!("{out:?}") };
+    assert!(matches!(gate, GateDecision::CoolingDown { windows_since_move: 1, cooldown_windows: 10 }), "{gate:?}");
+    assert_eq!(prod().await, 2);
 }
 
 /// Migration 0013 on a database with data (SQLite rebuilds `prompts` under
@@ -665,7 +676,53 @@ mod http {
         assert!(shown.contains("INSIGHT-units") && shown.contains("INSIGHT-dates"), "{shown}");
     }
 
+    /// A prompt's own population knobs: set with the settings PATCH, checked,
+    /// shown with the prompt, and used for its population (here its traffic split).
+    async fn a_prompts_own_population_knobs_are_patched_checked_and_used(b: Backend) {
+        let app = spawn_app(b).await;
+        let res = app.post("/v1/prompts", json!({"name": "p", "base": "You are an agent."})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        let patch = |body: Value| {
+            app.http
+                .patch(app.url("/v1/prompts/p/settings"))
+                .bearer_auth(&app.admin_key)
+                .header("content-type", "application/merge-patch+json")
+                .body(body.to_string())
+                .send()
+        };
+        let res =
+            patch(json!({"population": {"explore_share": 0.5, "margin": 0.5, "cooldown_windows": 2}})).await.unwrap();
+        assert_eq!(res.status(), 200);
+        let prompt: Value = res.json().await.unwrap();
+        assert_eq!(
+            prompt["settings"]["population"],
+            json!({"explore_share": 0.5, "margin": 0.5, "cooldown_windows": 2})
+        );
+        // One member at a time, merged; `null` resets one to the server's default.
+        let prompt: Value =
+            patch(json!({"population": {"margin": null, "max_arms": 2}})).await.unwrap().json().await.unwrap();
+        assert_eq!(
+            prompt["settings"]["population"],
+            json!({"explore_share": 0.5, "max_arms": 2, "cooldown_windows": 2})
+        );
+        for (bad, word) in [
+            (json!({"population": {"explore_share": 1.5}}), "explore_share"),
+            (json!({"population": {"crossover_prob": -0.1}}), "crossover_prob"),
+            (json!({"population": {"margins": 1}}), "margins"),
+        ] {
+            let problem = expect_problem(patch(bad).await.unwrap(), 422).await;
+            assert!(problem["detail"].as_str().unwrap().contains(word), "{problem}");
+        }
+        // A child joins with the prompt's exploration share, not the server's 0.2.
+        let res = app.post("/v1/prompts/p/versions", json!({"base": "You are a careful agent."})).send().await.unwrap();
+        assert_eq!(res.status(), 201);
+        add_challenger(&app.store, &name("p"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
+        let arms = app.store.population(&name("p")).await.unwrap();
+        assert!((arm(&arms, 1).weight - 0.5).abs() < 1e-9, "{arms:?}");
+    }
+
     on_both_stores!(
+        a_prompts_own_population_knobs_are_patched_checked_and_used,
         subjects_get_sticky_arms_and_the_population_is_visible,
         a_new_prompt_is_evaluated_and_names_its_arm_from_the_first_get,
         the_worker_crosses_winners_on_its_own_ticks,

@@ -326,10 +326,6 @@ async fn concurrent_otlp_parts_make_one_trace(b: Backend) {
     assert_eq!(s.list_traces(&TraceFilter::default(), 100).await.unwrap().len(), 5);
 }
 
-fn answer(ids: &[uuid::Uuid]) -> Vec<u8> {
-    serde_json::to_vec(&json!({ "ids": ids })).unwrap()
-}
-
 fn idem<'a>(owner: uuid::Uuid, key: &'a str, hash: &'a str) -> IdempotencyKey<'a> {
     IdempotencyKey { owner, key, request_hash: hash }
 }
@@ -344,36 +340,32 @@ async fn idempotent_ingest_commits_traces_and_key_together(b: Backend) {
     make_prompt(&s, "p").await;
     let owner = uuid::Uuid::now_v7();
     let batch = [trace("p", None), trace("p", Some(1))];
-    let IdempotentIngest::Stored { ids, status, body } =
-        s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch, 201, &answer).await.unwrap()
+    let IdempotentIngest::Stored { ids } = s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch).await.unwrap()
     else {
         panic!("first sighting stores")
     };
-    assert_eq!((ids.len(), status), (2, 201));
-    assert_eq!(body, answer(&ids), "the answer is rendered from the stored ids");
-    // The same request again: the first answer, nothing stored.
+    assert_eq!(ids.len(), 2);
+    assert_eq!(pending_count(&s).await, 2, "the ids named are the traces stored");
+    // The same request again: the first request's traces, nothing stored.
     assert_eq!(
-        s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch, 201, &answer).await.unwrap(),
-        IdempotentIngest::Replay { status: 201, body: body.clone() }
+        s.insert_traces_idempotent(idem(owner, "k", "h1"), &batch).await.unwrap(),
+        IdempotentIngest::Replay { ids: ids.clone() }
     );
-    assert_eq!(
-        s.insert_traces_idempotent(idem(owner, "k", "h2"), &batch, 201, &answer).await.unwrap(),
-        IdempotentIngest::Mismatch
-    );
+    assert_eq!(s.insert_traces_idempotent(idem(owner, "k", "h2"), &batch).await.unwrap(), IdempotentIngest::Mismatch);
     assert_eq!(pending_count(&s).await, 2);
     // Keys are per owner.
-    let other = s.insert_traces_idempotent(idem(uuid::Uuid::now_v7(), "k", "h2"), &batch, 201, &answer).await.unwrap();
+    let other = s.insert_traces_idempotent(idem(uuid::Uuid::now_v7(), "k", "h2"), &batch).await.unwrap();
     assert!(matches!(other, IdempotentIngest::Stored { .. }));
     assert_eq!(pending_count(&s).await, 4);
 
     // A failure inside the transaction (the second trace names an unknown
     // prompt) stores no trace and does not remember the key: a retry runs anew.
     let bad = [trace("p", None), trace("ghost", None)];
-    let err = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad, 201, &answer).await.unwrap_err();
+    let err = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad).await.unwrap_err();
     assert!(matches!(err, StoreError::Invalid(ref m) if m.contains("traces[1]")), "{err:?}");
     assert_eq!(pending_count(&s).await, 4, "nothing of the failed batch is stored");
     make_prompt(&s, "ghost").await;
-    let retried = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad, 201, &answer).await.unwrap();
+    let retried = s.insert_traces_idempotent(idem(owner, "j", "h"), &bad).await.unwrap();
     assert!(matches!(retried, IdempotentIngest::Stored { ref ids, .. } if ids.len() == 2), "{retried:?}");
     assert_eq!(pending_count(&s).await, 6);
 
@@ -391,22 +383,22 @@ async fn concurrent_idempotent_ingests_store_once(b: Backend) {
             let s = s.clone();
             tokio::spawn(async move {
                 let batch = [trace("p", None), trace("p", None), trace("p", None)];
-                s.insert_traces_idempotent(idem(owner, "same", "h"), &batch, 201, &answer).await.unwrap()
+                s.insert_traces_idempotent(idem(owner, "same", "h"), &batch).await.unwrap()
             })
         })
         .collect();
     let (mut stored, mut replays) = (None, Vec::new());
     for t in tasks {
         match t.await.unwrap() {
-            IdempotentIngest::Stored { body, .. } => {
-                assert!(stored.replace(body).is_none(), "stored twice");
+            IdempotentIngest::Stored { ids } => {
+                assert!(stored.replace(ids).is_none(), "stored twice");
             }
-            IdempotentIngest::Replay { body, .. } => replays.push(body),
+            IdempotentIngest::Replay { ids } => replays.push(ids),
             other => panic!("unexpected {other:?}"),
         }
     }
     let stored = stored.expect("one request stored the batch");
-    assert!(replays.iter().all(|r| *r == stored), "every other request replays the first answer");
+    assert!(replays.iter().all(|r| *r == stored), "every other request is told the first one's traces");
     assert_eq!(pending_count(&s).await, 3);
 }
 
@@ -842,6 +834,67 @@ async fn migration_0007_keeps_existing_prompts_on_agent_reflections(b: Backend) 
     // And the columns are back: quarantine works.
     let id = again.insert_traces(&[trace("old", Some(1))]).await.unwrap()[0];
     assert!(matches!(again.quarantine_trace(id, "x").await.unwrap(), TraceAction::Done(_)));
+}
+
+async fn migration_0030_keeps_replaying_keys_remembered_with_their_answer(b: Backend) {
+    use sqlx::Connection;
+    let ts = test_store(b).await;
+    make_prompt(&ts.store, "p").await;
+    let owner = uuid::Uuid::now_v7();
+    let (a, c) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    let answer = json!({"ids": [a, c], "count": 2}).to_string();
+    // Back to the state before 0030: keys kept the HTTP status and body of their answer.
+    let (undo, add_old): ([&str; 4], String) = match b {
+        Backend::Postgres => (
+            [
+                "ALTER TABLE idempotency_keys DROP COLUMN trace_ids",
+                "ALTER TABLE idempotency_keys ADD COLUMN status_code integer",
+                "ALTER TABLE idempotency_keys ADD COLUMN body bytea",
+                "DELETE FROM _sqlx_migrations WHERE version = 30",
+            ],
+            format!(
+                "INSERT INTO idempotency_keys (owner, key, request_hash, status_code, body) VALUES
+                 ('{owner}', 'answered', 'h', 201, convert_to('{answer}', 'UTF8')),
+                 ('{owner}', 'in-flight', 'h', NULL, NULL)"
+            ),
+        ),
+        Backend::Sqlite => (
+            [
+                "ALTER TABLE idempotency_keys DROP COLUMN trace_ids",
+                "ALTER TABLE idempotency_keys ADD COLUMN status_code INTEGER",
+                "ALTER TABLE idempotency_keys ADD COLUMN body BLOB",
+                "DELETE FROM _sqlx_migrations WHERE version = 30",
+            ],
+            format!(
+                "INSERT INTO idempotency_keys (owner, key, request_hash, status_code, body, created_at) VALUES
+                 ('{owner}', 'answered', 'h', 201, CAST('{answer}' AS BLOB), 0),
+                 ('{owner}', 'in-flight', 'h', NULL, NULL, 0)"
+            ),
+        ),
+    };
+    match b {
+        Backend::Postgres => {
+            let mut conn = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+            for sql in undo.iter().copied().chain([add_old.as_str()]) {
+                sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+            }
+        }
+        Backend::Sqlite => {
+            let mut conn = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+            for sql in undo.iter().copied().chain([add_old.as_str()]) {
+                sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+            }
+        }
+    }
+    let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("migrate again");
+    let batch = [trace("p", None)];
+    assert_eq!(
+        again.insert_traces_idempotent(idem(owner, "answered", "h"), &batch).await.unwrap(),
+        IdempotentIngest::Replay { ids: vec![a, c] },
+        "a key answered before the upgrade replays the ids of its answer"
+    );
+    let taken_over = again.insert_traces_idempotent(idem(owner, "in-flight", "h"), &batch).await.unwrap();
+    assert!(matches!(taken_over, IdempotentIngest::Stored { ref ids } if ids.len() == 1), "{taken_over:?}");
 }
 
 fn rewarded_trace(
@@ -1523,25 +1576,34 @@ async fn run_raw(b: Backend, url: &str, statements: &[String]) {
 async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     let ts = test_store(b).await;
     make_prompt(&ts.store, "old").await;
-    // Back to migration 12 as the old migrator left it (0013 needs the prompts un-evaluated to re-run).
-    let mut undo: Vec<String> = [
-        "UPDATE prompts SET promotion = 'manual'",
-        "DROP TABLE population_arms",
-        "DROP TABLE _sqlx_migrations",
-        // 0015 and 0016 run again too.
-        "DROP TABLE outcome_rollups",
-        "DROP TABLE task_rollups",
-        "DROP TABLE round_summaries",
-        "DROP INDEX round_traces_by_trace",
-        "DROP INDEX webhook_events_by_age",
-        "DROP INDEX webhook_deliveries_by_event",
-        "DROP INDEX webhook_attempts_by_delivery",
-        "DROP INDEX inbound_webhooks_by_age",
-        "DROP INDEX rounds_by_finish",
-        "DROP INDEX traces_by_prompt_time",
-    ]
-    .map(String::from)
-    .into();
+    // Back to migration 12 as the old migrator left it (0013 needs the prompts un-evaluated to re-run;
+    // 0030 the idempotency keys as they were).
+    let mut undo: Vec<String> =
+        ["UPDATE prompts SET promotion = 'manual'", "DROP TABLE population_arms", "DROP TABLE _sqlx_migrations"]
+            .map(String::from)
+            .into();
+    let blob = if b == Backend::Postgres { "bytea" } else { "BLOB" };
+    undo.extend([
+        "ALTER TABLE idempotency_keys DROP COLUMN trace_ids".to_owned(),
+        "ALTER TABLE idempotency_keys ADD COLUMN status_code integer".to_owned(),
+        format!("ALTER TABLE idempotency_keys ADD COLUMN body {blob}"),
+    ]);
+    // 0015 and 0016 run again too.
+    undo.extend(
+        [
+            "DROP TABLE outcome_rollups",
+            "DROP TABLE task_rollups",
+            "DROP TABLE round_summaries",
+            "DROP INDEX round_traces_by_trace",
+            "DROP INDEX webhook_events_by_age",
+            "DROP INDEX webhook_deliveries_by_event",
+            "DROP INDEX webhook_attempts_by_delivery",
+            "DROP INDEX inbound_webhooks_by_age",
+            "DROP INDEX rounds_by_finish",
+            "DROP INDEX traces_by_prompt_time",
+        ]
+        .map(String::from),
+    );
     undo.extend(old_bookkeeping(b, None));
     run_raw(b, &ts.url, &undo).await;
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");
@@ -1576,6 +1638,7 @@ on_both_stores!(
     failed_rounds_retry_later_or_give_their_traces_back,
     rounds_charge_traces_only_for_their_own_failures,
     migration_0007_keeps_existing_prompts_on_agent_reflections,
+    migration_0030_keeps_replaying_keys_remembered_with_their_answer,
     quarantined_traces_are_never_reserved_and_delete_keeps_provenance,
     prompt_settings_change_by_compare_and_set,
     outbox_events_commit_with_their_change_and_deliveries_are_leased,

@@ -600,6 +600,8 @@ async fn reward_chart_marks_promotions_and_rollbacks(b: Backend) {
     br.wait_url("/ui/prompts").await;
     br.goto(&app.url("/ui/prompts/chart")).await;
     assert!(br.count("svg#reward-plot path.series").await >= 1, "the chart is drawn");
+    // A run of seconds is drawn by the minute, on an axis that spans it (not the whole week).
+    assert!(br.text("#reward-span").await.contains("by the minute"), "{}", br.text("#reward-span").await);
     assert_eq!(br.count("svg#reward-plot g.marker.promotion").await, 1, "one promotion marked");
     assert_eq!(br.count("svg#reward-plot g.marker.rollback").await, 1, "one rollback marked");
     let promoted = br.tooltip("svg#reward-plot g.marker.promotion title").await;
@@ -616,8 +618,65 @@ async fn reward_chart_marks_promotions_and_rollbacks(b: Backend) {
     br.screenshot("reward-markers").await;
 }
 
+/// At 1280 px wide (the browser's window), a prompt's version table fits:
+/// every Promote and Roll back button is inside the table and the window,
+/// and nothing scrolls sideways — with long messages, several labels per
+/// version and actors named by key.
+async fn version_table_fits_a_1280_pixel_window(b: Backend) {
+    let app = spawn_app(b).await;
+    let res = app
+        .post("/v1/prompts", json!({"name": "a-rather-long-prompt-name.for-the-eu-west-region", "base": "You answer."}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let name = "a-rather-long-prompt-name.for-the-eu-west-region";
+    let words = "Tightened the refund rules after the escalation review; kept the greeting, dropped the \
+        apology template and the second follow-up question that confused customers in the pilot";
+    let link = "see https://wiki.example.com/support/playbooks/refunds/escalation-review-2026-11-24-final-v3-approved";
+    let long_label = "canary-internal-eu-west-1-shadow-traffic-ab";
+    for (i, (labels, message)) in
+        [(vec!["candidate", "staging-eu-west-1"], words), (vec![long_label, "shadow-traffic"], link), (vec![], words)]
+            .into_iter()
+            .enumerate()
+    {
+        let body = json!({"base": format!("You answer, version {}.", i + 2), "message": message, "labels": labels});
+        let res = app.post(&format!("/v1/prompts/{name}/versions"), body).send().await.unwrap();
+        assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    }
+
+    let br = Browser::start(&format!("width-{b:?}").to_lowercase()).await;
+    br.goto(&app.url("/ui/login")).await;
+    br.type_into("#key", &app.admin_key).await;
+    br.click("#sign-in").await;
+    br.wait_url("/ui/prompts").await;
+    br.goto(&app.url(&format!("/ui/prompts/{name}"))).await;
+    // A rollback from the web UI: its actor is the longest (`key:… (web UI)`).
+    br.click("#rollback-2").await;
+    br.wait_url("notice=rolled_back").await;
+    assert_eq!(br.count("#versions button").await, 8, "Promote and Roll back on the four versions not in production");
+    let script = json!({"script": r#"
+        const table = document.querySelector('#versions').getBoundingClientRect();
+        const cut = [...document.querySelectorAll('#versions button')]
+            .map(b => [b.id, b.getBoundingClientRect()])
+            .filter(([, r]) => r.right > table.right + 0.5 || r.right > window.innerWidth || r.width < 10)
+            .map(([id]) => id);
+        document.querySelector('#versions').scrollIntoView();
+        return {cut, inner: window.innerWidth, page: document.documentElement.scrollWidth,
+                table: document.querySelector('#versions').scrollWidth,
+                shown: document.querySelector('#versions').clientWidth};
+    "#, "args": []});
+    let fit = br.cmd("POST", "/execute/sync", Some(script)).await;
+    br.screenshot("versions-1280").await;
+    assert_eq!(fit["inner"], 1280, "the window is 1280 px wide: {fit}");
+    assert_eq!(fit["cut"], json!([]), "buttons outside the table or the window: {fit}");
+    assert!(fit["page"].as_u64() <= fit["inner"].as_u64(), "the page scrolls sideways: {fit}");
+    assert!(fit["table"].as_u64() <= fit["shown"].as_u64(), "the table overflows its box: {fit}");
+}
+
 on_both_stores!(sessions_follow_their_key);
 on_one_store!(
     operator_story_on_postgres: operator_story(Postgres),
     reward_chart_marks_promotions_and_rollbacks_on_sqlite: reward_chart_marks_promotions_and_rollbacks(Sqlite),
+    version_table_fits_1280_on_postgres: version_table_fits_a_1280_pixel_window(Postgres),
 );

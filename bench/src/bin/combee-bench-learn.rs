@@ -100,6 +100,26 @@ struct Args {
     /// Overload-meter section: round seeds per group size.
     #[arg(long, default_value_t = 3)]
     meter_seeds: u64,
+    /// Also run a model that never cites its sources right (the soft capacity model;
+    /// each aggregator answer cites nothing or cites the wrong reflections, see the
+    /// two rates below): sequential, combee-auto and the meter's text reading.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    non_citing: bool,
+    /// The non-citing model: share of aggregator answers without `sources`.
+    #[arg(long, default_value_t = 0.5)]
+    non_citing_absent: f64,
+    /// The non-citing model: share of aggregator answers whose `sources` are wrong (the rest).
+    #[arg(long, default_value_t = 0.5)]
+    non_citing_wrong: f64,
+    /// The max_batch section: backlog N for it (modelled only, soft capacity model).
+    #[arg(long, default_value_t = 2048)]
+    max_batch_n: usize,
+    /// The max_batch section: the ceilings compared.
+    #[arg(long, value_delimiter = ',', default_value = "64,128,256,512,1024,2048")]
+    max_batches: Vec<u32>,
+    /// The max_batch section: client concurrency limits compared (64 is `llm.max_concurrency`'s default).
+    #[arg(long, value_delimiter = ',', default_value = "64,1024")]
+    max_batch_concurrency: Vec<usize>,
     /// Only compute the modelled figures (no waiting, no files).
     #[arg(long)]
     model_only: bool,
@@ -175,6 +195,8 @@ struct RunResult {
     calls: usize,
     /// Combee-auto: the largest batch it took.
     largest: Option<u32>,
+    /// Bytes of the largest round's record (outcome and group outputs, as JSON).
+    largest_record: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,7 +214,6 @@ struct Env {
     replay: Arc<dyn LlmBackend>,
     base: VersionContent,
     traces: Vec<Trace>,
-    tokens: BTreeSet<String>,
 }
 
 /// The simulator's answers in process, at once; the latency it would have slept is only reported.
@@ -220,18 +241,30 @@ impl LlmBackend for Replay {
     }
 }
 
-/// A round's critical path under the latency model: the slowest reflector call
-/// (the map is one wave), then the slowest level-1 group (parallel) or every
-/// batch in turn (sequential). Level 2 is a union here: no call.
-fn modelled_round_secs(sim: &SimConfig, calls: &[LlmCall], execution: Execution) -> f64 {
-    let latency = |c: &&LlmCall| sim::latency_ms(sim, c.prompt_tokens, c.completion_tokens);
-    let map = calls.iter().filter(|c| c.role == LlmRole::Reflector).map(|c| latency(&c)).fold(0.0, f64::max);
-    let aggregate = calls.iter().filter(|c| c.role == LlmRole::Aggregator).map(|c| latency(&c));
+/// A round's critical path under the latency model: the reflector calls (the
+/// map), then the level-1 aggregator calls (parallel) or every batch in turn
+/// (sequential), each phase scheduled on `concurrency` slots (a call starts when
+/// a slot frees; with at least as many slots as calls a phase is one wave, its
+/// slowest call). Level 2 is a union here: no call.
+fn modelled_round_secs(sim: &SimConfig, calls: &[LlmCall], execution: Execution, concurrency: usize) -> f64 {
+    let latency = |c: &LlmCall| sim::latency_ms(sim, c.prompt_tokens, c.completion_tokens);
+    let of = |role| calls.iter().filter(move |c| c.role == role).map(latency).collect::<Vec<f64>>();
+    let map = makespan(&of(LlmRole::Reflector), concurrency);
     let reduce = match execution {
-        Execution::Parallel => aggregate.fold(0.0, f64::max),
-        Execution::Sequential => aggregate.sum(),
+        Execution::Parallel => makespan(&of(LlmRole::Aggregator), concurrency),
+        Execution::Sequential => of(LlmRole::Aggregator).iter().sum(),
     };
     (map + reduce) / 1000.0
+}
+
+/// When the last of `latencies` (in order) finishes on `slots` parallel slots.
+fn makespan(latencies: &[f64], slots: usize) -> f64 {
+    let mut free = vec![0.0f64; slots.clamp(1, latencies.len().max(1))];
+    for &l in latencies {
+        let (i, start) = free.iter().copied().enumerate().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap_or((0, 0.0));
+        free[i] = start + l;
+    }
+    free.into_iter().fold(0.0, f64::max)
 }
 
 fn insight_tokens(text: &str) -> BTreeSet<String> {
@@ -244,11 +277,22 @@ fn insight_tokens(text: &str) -> BTreeSet<String> {
 }
 
 /// Learns from the whole backlog with `setup`, round after round. Combee-auto
-/// does what the worker does: the overload meter accumulates over its rounds,
-/// the group size comes from it (`sizing::choose_group_size`), and the
-/// controller (`controller::choose`) picks each batch from the meter's quality
-/// state and the round times so far — all on the product defaults.
+/// does what the worker does: the overload meter accumulates the rounds' own
+/// readings (`outcome.meter`), the group size comes from it
+/// (`sizing::choose_group_size`), and the controller (`controller::choose`)
+/// picks each batch from the round times so far — all on the product defaults.
 async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult> {
+    learn_from(env, mode, setup, &env.traces, env.llm.max_concurrency).await
+}
+
+/// [`learn`] over `traces`, modelled round times scheduled on `concurrency` slots.
+async fn learn_from(
+    env: &Env,
+    mode: Mode,
+    setup: &Setup,
+    traces: &[Trace],
+    concurrency: usize,
+) -> anyhow::Result<RunResult> {
     let backend = match mode {
         Mode::Measured => env.http.as_ref(),
         Mode::Modelled => env.replay.as_ref(),
@@ -258,20 +302,20 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
     let mut samples: Vec<Sample> = Vec::new();
     let mut meter: BTreeMap<u32, (BucketCounts, u64)> = BTreeMap::new();
     let mut rounds = Vec::new();
-    let (mut calls, mut largest) = (0, None);
+    let (mut calls, mut largest, mut largest_record) = (0, None, 0);
     let mut pos = 0;
     let started = Instant::now();
-    while pos < env.traces.len() {
-        let backlog = env.traces.len() - pos;
+    while pos < traces.len() {
+        let backlog = traces.len() - pos;
         let buckets: Vec<MeterBucket> = meter.iter().map(|(&s, &(c, r))| MeterBucket::new(s, c, r)).collect();
         let (bs, reason, group_size) = match &setup.sizing {
             Sizing::Fixed(bs) => ((*bs).clamp(1, backlog), None, GroupSize::default()),
             Sizing::Auto(cfg) => {
-                let group_size = choose_group_size(&buckets, cfg.target_retention);
+                let group_size = choose_group_size(&buckets, cfg.target_retention, setup.p >= 2);
                 let quality = Quality::of(group_size.clone(), setup.p, true);
                 let choice = controller::choose(&samples, backlog as u64, &quality, cfg);
                 largest = largest.max(Some(choice.batch_size));
-                let why = format!("{}; groups: {}", choice.reason.message(), group_size.source.message());
+                let why = format!("{}; groups: {}", choice.reason.message(), group_size.message());
                 (choice.batch_size.max(1) as usize, Some(why), group_size)
             }
         };
@@ -289,22 +333,26 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
         };
         let journal = MemoryJournal::new();
         let t = Instant::now();
-        let outcome = run_round(backend, &env.llm, &spec, &content, &env.traces[pos..pos + bs], &journal)
+        let outcome = run_round(backend, &env.llm, &spec, &content, &traces[pos..pos + bs], &journal)
             .await
             .with_context(|| format!("{} round {} (bs {bs})", setup.label(), rounds.len() + 1))?;
         let secs = match mode {
             Mode::Measured => t.elapsed().as_secs_f64(),
-            Mode::Modelled => modelled_round_secs(&env.sim, &outcome.calls, execution),
+            Mode::Modelled => modelled_round_secs(&env.sim, &outcome.calls, execution, concurrency),
         };
         calls += outcome.calls.len();
-        if setup.p >= 2 {
-            for (bucket, c) in meter::observe(&outcome.group_outputs) {
+        if let Some(reading) = &outcome.record.meter {
+            for &(bucket, c) in &reading.buckets {
                 let e = meter.entry(bucket).or_default();
                 e.0.marked += c.marked;
                 e.0.recaptured += c.recaptured;
                 e.1 += 1;
             }
         }
+        // What the round's record (`detail`) holds: the outcome and the group outputs.
+        let record = serde_json::to_vec(&outcome.record).map_or(0, |v| v.len())
+            + serde_json::to_vec(&outcome.group_outputs).map_or(0, |v| v.len());
+        largest_record = largest_record.max(record);
         samples.push(Sample { batch_size: bs as u32, round_secs: secs });
         let groups = format!("k = {}, groups ≤ {}", outcome.k, outcome.grouping.largest_group);
         rounds.push(RoundLog { bs, secs, reason: reason.map(|r| format!("{groups} — {r}")) });
@@ -315,8 +363,10 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
         Mode::Measured => started.elapsed().as_secs_f64(),
         Mode::Modelled => rounds.iter().map(|r| r.secs).sum(),
     };
-    let kept = insight_tokens(&content.render()).intersection(&env.tokens).count();
-    Ok(RunResult { rounds, total_secs, kept, calls, largest })
+    let tokens: BTreeSet<String> =
+        traces.iter().flat_map(|t| insight_tokens(&t.feedback.comment.clone().unwrap_or_default())).collect();
+    let kept = insight_tokens(&content.render()).intersection(&tokens).count();
+    Ok(RunResult { rounds, total_secs, kept, calls, largest, largest_record })
 }
 
 /// The overload meter against the truth, per group size: Combee rounds of
@@ -326,6 +376,8 @@ async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult
 /// Against the in-process replay of the simulator (same answers, no waiting).
 async fn meter_section(env: &Env, n: usize, seeds: u64) -> anyhow::Result<(String, bool)> {
     let mut est: BTreeMap<u32, BucketCounts> = BTreeMap::new();
+    // Answers read by their citations, by text for want of citations, by text for implausible ones.
+    let mut read = (0usize, 0usize, 0usize);
     let mut truth: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
     let markers: std::collections::HashMap<Uuid, String> =
         env.traces.iter().map(|t| (t.id, t.feedback.comment.clone().unwrap_or_default())).collect();
@@ -346,7 +398,12 @@ async fn meter_section(env: &Env, n: usize, seeds: u64) -> anyhow::Result<(Strin
             let outcome =
                 run_round(env.replay.as_ref(), &env.llm, &spec, &env.base, &env.traces[..n], &MemoryJournal::new())
                     .await?;
-            for (b, c) in meter::observe(&outcome.group_outputs) {
+            if let Some(m) = &outcome.record.meter {
+                read.0 += m.by_sources;
+                read.1 += m.missing_sources;
+                read.2 += m.implausible_sources;
+            }
+            for &(b, c) in outcome.record.meter.iter().flat_map(|m| &m.buckets) {
                 let e = est.entry(b).or_default();
                 e.marked += c.marked;
                 e.recaptured += c.recaptured;
@@ -360,8 +417,10 @@ async fn meter_section(env: &Env, n: usize, seeds: u64) -> anyhow::Result<(Strin
             }
         }
     }
-    let mut out = String::from(
-        "| group size | meter estimate | samples (marked copies) | true retention (markers) | difference |\n|---|---|---|---|---|\n",
+    let mut out = format!(
+        "Answers read: {} by their citations, {} by text (no sources), {} by text (implausible citations).\n\n\
+         | group size | meter estimate | samples (marked copies) | true retention (markers) | difference |\n|---|---|---|---|---|\n",
+        read.0, read.1, read.2
     );
     let mut ok = true;
     for (b, c) in &est {
@@ -566,8 +625,12 @@ async fn main() -> anyhow::Result<()> {
     let mut md = String::new();
     let mut csv = String::new();
     let mut svgs = Vec::new();
-    for &model in &args.capacity_models {
-        let (report_md, report_csv, svg) = one_model(&args, model).await?;
+    let mut runs: Vec<(CapacityModel, bool)> = args.capacity_models.iter().map(|&m| (m, true)).collect();
+    if args.non_citing {
+        runs.push((CapacityModel::Soft, false));
+    }
+    for (model, citing) in runs {
+        let (report_md, report_csv, svg) = one_model(&args, model, citing).await?;
         md.push_str(&report_md);
         md.push('\n');
         if csv.is_empty() {
@@ -575,8 +638,13 @@ async fn main() -> anyhow::Result<()> {
         } else {
             csv.extend(report_csv.lines().skip(1).map(|l| format!("{l}\n")));
         }
-        svgs.push((model, svg));
+        if citing {
+            svgs.push((model, svg));
+        }
     }
+    eprintln!("  max_batch, modelled …");
+    md.push_str(&max_batch_section(&args).await?);
+    md.push('\n');
     md.push_str(&level2);
     let _ = writeln!(md, "\nWhole benchmark: {:.0} s on {} cores.", total.elapsed().as_secs_f64(), cores());
     print!("{md}");
@@ -603,9 +671,32 @@ fn model_name(m: CapacityModel) -> &'static str {
     }
 }
 
-/// Every configuration under one capacity model: the Markdown section, CSV rows, SVG.
-async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String, String, String)> {
+/// The model's name in headings: its capacity model, and whether it cites its sources.
+fn model_label(sim: &SimConfig) -> String {
+    if non_citing(sim) {
+        format!(
+            "{}, non-citing ({:.0}% of answers without sources, {:.0}% citing the wrong reflections)",
+            model_name(sim.capacity_model),
+            100.0 * sim.rate_no_sources,
+            100.0 * sim.rate_wrong_sources
+        )
+    } else {
+        model_name(sim.capacity_model).to_owned()
+    }
+}
+
+/// Whether this simulated model never cites its sources right.
+fn non_citing(sim: &SimConfig) -> bool {
+    sim.rate_no_sources + sim.rate_wrong_sources >= 1.0 - 1e-9
+}
+
+/// Every configuration under one capacity model: the Markdown section, CSV rows,
+/// SVG. A model that does not cite (`citing` false: its aggregator answers carry
+/// no `sources`) runs only sequential, combee-auto and the meter's reading.
+async fn one_model(args: &Args, model: CapacityModel, citing: bool) -> anyhow::Result<(String, String, String)> {
     let sim_cfg = SimConfig {
+        rate_no_sources: if citing { 0.0 } else { args.non_citing_absent },
+        rate_wrong_sources: if citing { 0.0 } else { args.non_citing_wrong },
         capacity_model: model,
         capacity_k: args.capacity_k,
         digest_reflections: args.digest,
@@ -620,7 +711,7 @@ async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String,
         max_concurrency: args.concurrency.max(2 * args.n),
         ..LlmConfig::default()
     };
-    let (traces, tokens) = traces(args.n)?;
+    let (traces, _) = traces(args.n)?;
     let env = Env {
         http: Arc::new(OpenAiClient::new(llm.clone())?),
         replay: Arc::new(Replay { sim: sim_cfg.clone() }),
@@ -628,7 +719,6 @@ async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String,
         sim: sim_cfg.clone(),
         base: VersionContent { base: "You are a benchmark agent. Answer the task.".into(), playbook: None },
         traces,
-        tokens,
     };
     // The product defaults: p = 2 (the prompt default) and `ControllerConfig::default()`.
     let p = 2;
@@ -643,7 +733,9 @@ async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String,
     }
     let mut rows: Vec<Row> = Vec::new();
     let started = Instant::now();
+    let name = model_label(&sim_cfg);
     let run = |setup: Setup| {
+        let name = name.clone();
         let env = &env;
         let model_only = args.model_only;
         async move {
@@ -651,7 +743,7 @@ async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String,
             let measured = if model_only {
                 None
             } else {
-                eprintln!("  [{}] running {} …", model_name(model), setup.label());
+                eprintln!("  [{name}] running {} …", setup.label());
                 Some(learn(env, Mode::Measured, &setup).await?)
             };
             anyhow::Ok(Row { setup, measured, modelled })
@@ -660,10 +752,11 @@ async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String,
     for setup in setups {
         rows.push(run(setup).await?);
     }
-    // Naive at the largest batch combee-auto took, too.
-    let auto_largest =
-        rows.iter().find(|r| r.setup.family == Family::CombeeAuto).and_then(|r| r.result().largest).map(|t| t as usize);
-    let mut sizes = args.sizes.clone();
+    // Naive at the largest batch combee-auto took, too (a citing model's full sweep).
+    let auto_largest = citing.then_some(()).and_then(|()| {
+        rows.iter().find(|r| r.setup.family == Family::CombeeAuto).and_then(|r| r.result().largest).map(|t| t as usize)
+    });
+    let mut sizes = if citing { args.sizes.clone() } else { Vec::new() };
     sizes.extend(auto_largest);
     sizes.sort_unstable();
     sizes.dedup();
@@ -674,14 +767,66 @@ async fn one_model(args: &Args, model: CapacityModel) -> anyhow::Result<(String,
     for &bs in &sizes {
         rows.push(run(fixed(Family::Combee, Method::Combee, p, bs)).await?);
     }
-    for &bs in &args.tuned_sizes {
+    for &bs in args.tuned_sizes.iter().filter(|_| citing) {
         rows.push(run(fixed(Family::CombeeTuned, Method::Combee, 1, bs)).await?);
     }
-    eprintln!("  [{}] overload meter vs markers …", model_name(model));
+    eprintln!("  [{name}] overload meter vs markers …");
     let meter = meter_section(&env, args.meter_n.min(args.n), args.meter_seeds).await?;
     let bench_secs = started.elapsed().as_secs_f64();
     let report = Report { args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, bench_secs, meter };
     Ok((report.markdown(), report.csv(), report.quality_delay_svg()))
+}
+
+/// Why `controller.max_batch` is what it is, measured (modelled: the replay of
+/// the soft simulator, no waiting): the time to learn a backlog of
+/// `--max-batch-n` traces with combee-auto on the product defaults but for the
+/// ceiling, at the product's client concurrency (`llm.max_concurrency` = 64)
+/// and at a large one, with the largest round's record size (what the store
+/// keeps and `GET /v1/rounds/{id}` returns).
+async fn max_batch_section(args: &Args) -> anyhow::Result<String> {
+    let sim_cfg = SimConfig {
+        capacity_model: CapacityModel::Soft,
+        capacity_k: args.capacity_k,
+        fixed_ms: args.fixed_ms,
+        per_input_token_ms: args.per_input_token_ms,
+        per_output_token_ms: args.per_output_token_ms,
+        ..SimConfig::default()
+    };
+    let (traces, _) = traces(args.max_batch_n)?;
+    let replay: Arc<dyn LlmBackend> = Arc::new(Replay { sim: sim_cfg.clone() });
+    let llm = LlmConfig { max_concurrency: 4096, ..LlmConfig::default() };
+    let env = Env {
+        http: replay.clone(),
+        replay,
+        llm,
+        sim: sim_cfg,
+        base: VersionContent { base: "You are a benchmark agent. Answer the task.".into(), playbook: None },
+        traces,
+    };
+    let mut out = format!(
+        "## max_batch: time to learn N = {} traces by the ceiling (modelled, soft capacity model, simulated LLM)\n\n\
+         combee-auto on the product defaults except `max_batch`; round times from the latency formula with each \
+         phase's calls scheduled on the client's concurrency limit (64 is `llm.max_concurrency`'s default). \
+         Record = the largest round's `detail` (outcome and group outputs) as JSON.\n\n\
+         | max_batch | concurrency | rounds | time to learn (s) | retention | largest round record (KiB) |\n|---|---|---|---|---|---|\n",
+        args.max_batch_n
+    );
+    for &concurrency in &args.max_batch_concurrency {
+        for &max_batch in &args.max_batches {
+            let cfg = ControllerConfig { max_batch, ..ControllerConfig::default() };
+            let setup = Setup { family: Family::CombeeAuto, method: Method::Combee, p: 2, sizing: Sizing::Auto(cfg) };
+            let r = learn_from(&env, Mode::Modelled, &setup, &env.traces, concurrency).await?;
+            let _ = writeln!(
+                out,
+                "| {max_batch} | {concurrency} | {} | {:.1} | {:.1}% | {:.0} |",
+                r.rounds.len(),
+                r.total_secs,
+                100.0 * r.kept as f64 / args.max_batch_n as f64,
+                r.largest_record as f64 / 1024.0
+            );
+        }
+    }
+    Ok(out)
 }
 
 // ---------------------------------------------------------------------------
@@ -755,7 +900,7 @@ impl Report<'_> {
              N = {} traces, each with one distinct `INSIGHT-<token>` marker; retention = share of the N markers in \
              the final rendered prompt. **Product defaults** for Combee and combee-auto: p = 2, \
              `ControllerConfig::default()` (min_batch {}, max_batch {}, max_round_secs {}, target_retention {}), \
-             group size from the overload meter (the paper's ⌊√n⌋ groups until it has measured enough). \
+             group size from the overload meter (groups of 4 until it has measured a round). \
              Machine: {} cores. This model's runs (measured and modelled): {:.0} s.\n",
             s.fixed_ms,
             s.per_input_token_ms,
@@ -789,7 +934,7 @@ impl Report<'_> {
         let _ = writeln!(
             out,
             "## {} capacity model: learning from a backlog of N = {n} traces, time to learn and retention (simulated LLM)\n",
-            model_name(self.sim.capacity_model)
+            model_label(self.sim)
         );
         out.push_str(&self.settings());
         out.push('\n');
@@ -858,10 +1003,16 @@ impl Report<'_> {
             "### Overload meter vs true retention, by group size\n\nCombee rounds of {} traces at p = 2 with groups \
              bounded at 1, 2, 3, 4, 6, 8, 12, 16, 24, 32 reflections, round seeds 1–{} each, against the in-process \
              replay of this simulator (the same answers, no waiting). Estimate: the product's capture–recapture over \
-             the answers' cited sources; truth: per group, the markers its answer kept over those its reflections \
-             held. Sizes with at least 100 samples are judged (±10 points).\n",
+             the round's own reading of its answers ({}); truth: per group, the markers its answer kept over those \
+             its reflections held. Sizes with at least 100 samples are judged (±10 points).\n",
             self.args.meter_n.min(self.n()),
-            self.args.meter_seeds
+            self.args.meter_seeds,
+            if non_citing(self.sim) {
+                "no answer cites its sources right: by text, whether each reflection's key insight reappears in its \
+                 group's operations, for answers without sources and for answers whose citations are implausible"
+            } else {
+                "by the operations' cited sources"
+            }
         );
         out.push_str(&self.meter.0);
         out.push('\n');
@@ -872,7 +1023,7 @@ impl Report<'_> {
     }
 
     fn targets(&self) -> String {
-        let mut out = format!("### Targets ({} capacity model)\n\n", model_name(self.sim.capacity_model));
+        let mut out = format!("### Targets ({} capacity model)\n\n", model_label(self.sim));
         if self.args.model_only {
             out.push_str("(--model-only: every figure below is modelled, nothing was measured)\n\n");
         }
@@ -881,32 +1032,26 @@ impl Report<'_> {
         };
         let measured = seq.result().total_secs / auto.result().total_secs;
         let modelled = seq.modelled.total_secs / auto.modelled.total_secs;
-        let _ = writeln!(
-            out,
-            "- Combee-auto speed-up over sequential: {measured:.1}× (≥ 17×): {} (modelled from the latency formula alone: {modelled:.1}×)",
-            pass(measured >= 17.0)
-        );
         let auto_ret = self.retention(auto.result());
         let seq_ret = self.retention(seq.result());
-        match self.sim.capacity_model {
-            CapacityModel::Hard => {
-                let _ = writeln!(
-                    out,
-                    "- Combee-auto retention {:.1}% (≥ 95%): {}",
-                    100.0 * auto_ret,
-                    pass(auto_ret >= 0.95)
-                );
-            }
-            CapacityModel::Soft => {
-                let _ = writeln!(
-                    out,
-                    "- Combee-auto retention {:.1}% (≥ sequential's {:.1}%): {}",
-                    100.0 * auto_ret,
-                    100.0 * seq_ret,
-                    pass(auto_ret >= seq_ret)
-                );
-            }
-        }
+        // The targets: hard ≥ 50× at ≥ 98 %; soft ≥ 40× at ≥ sequential's retention;
+        // a model that does not cite ≥ 17× at ≥ sequential's retention.
+        let (speed, retention, retention_text) = match (self.sim.capacity_model, non_citing(self.sim)) {
+            (_, true) => (17.0, seq_ret, format!("≥ sequential's {:.1}%", 100.0 * seq_ret)),
+            (CapacityModel::Hard, false) => (50.0, 0.98, "≥ 98%".to_owned()),
+            (CapacityModel::Soft, false) => (40.0, seq_ret, format!("≥ sequential's {:.1}%", 100.0 * seq_ret)),
+        };
+        let _ = writeln!(
+            out,
+            "- Combee-auto speed-up over sequential: {measured:.1}× (≥ {speed}×): {} (modelled from the latency formula alone: {modelled:.1}×)",
+            pass(measured >= speed)
+        );
+        let _ = writeln!(
+            out,
+            "- Combee-auto retention {:.1}% ({retention_text}): {}",
+            100.0 * auto_ret,
+            pass(auto_ret >= retention - 1e-9)
+        );
         if let Some(bs) = auto.result().largest.map(|t| t as usize)
             && let Some(naive) = self.fixed(Family::Naive, bs)
         {

@@ -14,7 +14,14 @@
 //!
 //! One process: the LLM simulator and a combee server (embedded SQLite in a
 //! temporary directory, worker and population rater on) on loopback ports; one
-//! prompt per configuration, all six run at once with the same world seed.
+//! prompt per configuration, all run at once with the same world seed.
+//!
+//! Production moves: beside the six configurations above, three more show the
+//! promotion gate's margin and cool-down — `evaluated` without poison with the
+//! gate as it was before them (margin 0, no cool-down, per-prompt settings), and
+//! a world where a lesson is worth little (learned versions 10 points better
+//! than the base) under both gates: equally good versions should not take turns
+//! in production, and a better version should be promoted no later than before.
 
 use std::{
     net::SocketAddr,
@@ -100,15 +107,19 @@ const LESSON_LIFT: f64 = 0.5;
 const HARM_DROP: f64 = 0.4;
 const POISON: f64 = 0.2;
 
+/// The lesson lift of the "+10 points" configurations: learned versions
+/// (all eight lessons) are 10 points better than the base.
+const SMALL_LIFT: f64 = 0.1;
+
 /// What the world's success model says an agent served `text` succeeds with,
-/// averaged over the (uniformly drawn) task types.
-fn modelled_success(text: &str) -> f64 {
+/// averaged over the (uniformly drawn) task types, for a world whose lessons lift by `lift`.
+fn modelled_success(text: &str, lift: f64) -> f64 {
     let harmful = text.contains("harm-");
     let sum: f64 = (0..TASK_TYPES)
         .map(|t| {
             let mut p = BASE_SUCCESS;
             if text.contains(&format!("lesson-t{t}:")) {
-                p += LESSON_LIFT;
+                p += lift;
             }
             if harmful {
                 p -= HARM_DROP;
@@ -198,18 +209,58 @@ impl Policy {
     }
 }
 
+/// The promotion gate a configuration's prompt runs with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Gate {
+    /// The product defaults (`[population]` margin and cool-down).
+    Defaults,
+    /// As before the margin and cool-down existed: margin 0, no cool-down (per-prompt settings).
+    Before,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Config {
     policy: Policy,
     poison: f64,
+    /// The world's lesson lift.
+    lift: f64,
+    gate: Gate,
 }
 
 impl Config {
+    fn plain(policy: Policy, poison: f64) -> Self {
+        Self { policy, poison, lift: LESSON_LIFT, gate: Gate::Defaults }
+    }
     fn name(&self) -> String {
-        format!("{} poison {:.0}%", self.policy.label(), self.poison * 100.0)
+        let mut name = format!("{} poison {:.0}%", self.policy.label(), self.poison * 100.0);
+        if self.lift != LESSON_LIFT {
+            name.push_str(&format!(", +{:.0} points", self.lift * 100.0));
+        }
+        if self.gate == Gate::Before {
+            name.push_str(", gate before (margin 0, no cool-down)");
+        }
+        name
     }
     fn prompt(&self) -> String {
-        format!("world-{}-p{:.0}", self.policy.label(), self.poison * 100.0)
+        format!(
+            "world-{}-p{:.0}-l{:.0}{}",
+            self.policy.label(),
+            self.poison * 100.0,
+            self.lift * 100.0,
+            if self.gate == Gate::Before { "-before" } else { "" }
+        )
+    }
+    /// The prompt's settings: the round size, and the gate's knobs for `Gate::Before`.
+    fn settings(&self, args: &Args) -> Value {
+        let mut settings = json!({"batch_size": args.batch_size, "max_wait_secs": 1});
+        if self.gate == Gate::Before {
+            settings["population"] = json!({"margin": 0.0, "cooldown_windows": 0});
+        }
+        settings
+    }
+    /// Whether the plot and the original targets show it (the gate comparisons are in the summary).
+    fn plotted(&self) -> bool {
+        self.lift == LESSON_LIFT && self.gate == Gate::Defaults
     }
 }
 
@@ -265,7 +316,7 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
             "name": prompt,
             "base": "You solve tasks.",
             "promotion": cfg.policy.promotion(),
-            "settings": {"batch_size": args.batch_size, "max_wait_secs": 1},
+            "settings": cfg.settings(args),
         }))
         .send()
         .await?;
@@ -285,7 +336,7 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
             subjects: args.subjects,
             poison_share: args.poison_in_window(w, cfg.poison),
             base_success: BASE_SUCCESS,
-            lesson_lift: LESSON_LIFT,
+            lesson_lift: cfg.lift,
             harm_drop: HARM_DROP,
             settle_secs: args.settle_secs,
             // Every window draws new tasks; window w is the same in every configuration.
@@ -308,7 +359,7 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
             production_version,
             production_lessons: lessons_in(&text),
             production_harmful: text.contains("harm-"),
-            production_modelled: modelled_success(&text),
+            production_modelled: modelled_success(&text, cfg.lift),
         });
         let pace = Duration::from_secs_f64(args.window_secs);
         if let Some(rest) = pace.checked_sub(window_started.elapsed()) {
@@ -317,6 +368,25 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
     }
     eprintln!("[{:>6.1}s] done: {}", started.elapsed().as_secs_f64(), cfg.name());
     Ok(rows)
+}
+
+/// Production's moves over the windows: how many, how many between versions
+/// the world models as equally good (within half a point), and the window of
+/// the first.
+/// (Production starts at version 1 with the base's modelled success: a move
+/// during the first window counts too.)
+fn moves_of(rows: &[Row]) -> (usize, usize, Option<u32>) {
+    let mut moves: Vec<(u32, f64, f64)> = Vec::new();
+    if let Some(first) = rows.first().filter(|r| r.production_version != 1) {
+        moves.push((first.window, BASE_SUCCESS, first.production_modelled));
+    }
+    moves.extend(
+        rows.windows(2)
+            .filter(|p| p[0].production_version != p[1].production_version)
+            .map(|p| (p[1].window, p[0].production_modelled, p[1].production_modelled)),
+    );
+    let equal = moves.iter().filter(|(_, from, to)| (from - to).abs() < 0.005).count();
+    (moves.len(), equal, moves.first().map(|m| m.0))
 }
 
 /// Largest fall of `xs` below its running best.
@@ -457,10 +527,13 @@ async fn main() -> anyhow::Result<()> {
     let key = std::fs::read_to_string(data_dir.join("admin-key"))?.trim().to_owned();
     let client = Client { http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?, base, key };
 
-    let configs: Vec<Config> = [0.0, POISON]
+    let mut configs: Vec<Config> = [0.0, POISON]
         .into_iter()
-        .flat_map(|poison| [Policy::None, Policy::Auto, Policy::Evaluated].map(|policy| Config { policy, poison }))
+        .flat_map(|poison| [Policy::None, Policy::Auto, Policy::Evaluated].map(|policy| Config::plain(policy, poison)))
         .collect();
+    configs.push(Config { gate: Gate::Before, ..Config::plain(Policy::Evaluated, 0.0) });
+    configs.push(Config { lift: SMALL_LIFT, ..Config::plain(Policy::Evaluated, 0.0) });
+    configs.push(Config { lift: SMALL_LIFT, gate: Gate::Before, ..Config::plain(Policy::Evaluated, 0.0) });
     eprintln!(
         "SIMULATION: {} configurations at once, {} windows × {} runs, {} s per window",
         configs.len(),
@@ -476,9 +549,14 @@ async fn main() -> anyhow::Result<()> {
     let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
 
     // The report.
-    let find = |p: Policy, poison: f64| {
-        configs.iter().position(|c| c.policy == p && c.poison == poison).map(|i| &results[i]).expect("config")
+    let find_with = |p: Policy, poison: f64, lift: f64, gate: Gate| {
+        configs
+            .iter()
+            .position(|c| c.policy == p && c.poison == poison && c.lift == lift && c.gate == gate)
+            .map(|i| &results[i])
+            .expect("config")
     };
+    let find = |p: Policy, poison: f64| find_with(p, poison, LESSON_LIFT, Gate::Defaults);
     let tail = (args.windows as usize / 4).max(1);
     let mut md = String::new();
     md.push_str("# Closed-loop benchmark over the simulated agent world — a SIMULATION\n\n");
@@ -493,9 +571,12 @@ async fn main() -> anyhow::Result<()> {
          types, base success {BASE_SUCCESS}, lesson lift {LESSON_LIFT}, harm drop {HARM_DROP}; prompts: batch_size \
          {}, max_wait_secs 1. Shortened for the run: population.window_secs = {} (default 600), \
          population.tick_secs = {} (default 60). Product defaults: explore_share {}, min_arm_share {}, \
-         min_traces {}, max_arms {}, min_window_traces {}; regression guard window {} s (it cannot act within \
+         min_traces {}, max_arms {}, min_window_traces {}, gate margin {} (TrueSkill points), cool-down {} \
+         rating windows; regression guard window {} s (it cannot act within \
          this run). `none` = promotion `manual` with nobody promoting: rounds run, production stays v1. \
-         Total {total_secs:.0} s.\n\n",
+         \"gate before\" = the prompt's own `settings.population` set to margin 0 and no cool-down, the gate \
+         as it was; \"+10 points\" = a world whose lesson lift is {SMALL_LIFT} (every learned version is 10 \
+         points better than the base). Total {total_secs:.0} s.\n\n",
         configs.len(),
         args.seed,
         args.windows,
@@ -512,6 +593,8 @@ async fn main() -> anyhow::Result<()> {
         population.min_traces,
         population.max_arms,
         population.min_window_traces,
+        population.margin,
+        population.cooldown_windows,
         guard.window_secs,
     ));
     let poisoned_runs: Vec<&Row> =
@@ -568,8 +651,8 @@ async fn main() -> anyhow::Result<()> {
          poisons in the poisoned configurations.\n\n## Summary\n\n",
     );
     md.push_str(&format!(
-        "| configuration | success, first window | success, last {tail} windows | production's best (modelled) | worst fall below its best | windows with harm in production | production moves (window→version) |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | --- |\n"
+        "| configuration | success, first window | success, last {tail} windows | production's best (modelled) | worst fall below its best | windows with harm in production | production moves | moves between equally good versions | first move | production moves (window→version) |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n"
     ));
     for (c, rows) in configs.iter().zip(&results) {
         let prod: Vec<f64> = rows.iter().map(|r| r.production_modelled).collect();
@@ -586,14 +669,16 @@ async fn main() -> anyhow::Result<()> {
             (Some(first), _) => format!("from v{}: {}", first.production_version, moves.join(", ")),
             (None, _) => String::new(),
         };
+        let (all, equal, first) = moves_of(rows);
         md.push_str(&format!(
-            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {moves} |\n",
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {all} | {equal} | {} | {moves} |\n",
             c.name(),
             rows[0].success_rate,
             tail_mean(rows, tail),
             prod.iter().cloned().fold(0.0, f64::max),
             worst_dip(&prod),
-            rows.iter().filter(|r| r.production_harmful).count()
+            rows.iter().filter(|r| r.production_harmful).count(),
+            first.map_or("—".to_owned(), |w| format!("window {w}")),
         ));
     }
     let eval0 = tail_mean(find(Policy::Evaluated, 0.0), tail);
@@ -615,6 +700,26 @@ async fn main() -> anyhow::Result<()> {
         "- {}: under 20% poisoning `auto` shows the dip (falls more than 2 points) — worst fall {:.1} points\n",
         pf(auto_dip > 0.02),
         auto_dip * 100.0
+    ));
+
+    // The gate: equally good versions do not take turns; a better one is not held back.
+    let (_, equal_now, _) = moves_of(find(Policy::Evaluated, 0.0));
+    let (_, equal_before, _) = moves_of(find_with(Policy::Evaluated, 0.0, LESSON_LIFT, Gate::Before));
+    md.push_str(&format!(
+        "- {}: production moves at most twice in {} windows between equally good versions (`evaluated`, no poison, \
+         product defaults) — {equal_now} moves; with the gate as before (margin 0, no cool-down): {equal_before}\n",
+        pf(equal_now <= 2),
+        args.windows
+    ));
+    let (_, _, first_now) = moves_of(find_with(Policy::Evaluated, 0.0, SMALL_LIFT, Gate::Defaults));
+    let (_, _, first_before) = moves_of(find_with(Policy::Evaluated, 0.0, SMALL_LIFT, Gate::Before));
+    let shown = |w: Option<u32>| w.map_or("never".to_owned(), |w| format!("window {w}"));
+    md.push_str(&format!(
+        "- {}: a version 10 points better is still promoted, no later than before — product defaults {}, \
+         the gate as before {}\n",
+        pf(first_now.is_some() && first_now.unwrap_or(u32::MAX) <= first_before.unwrap_or(u32::MAX)),
+        shown(first_now),
+        shown(first_before)
     ));
 
     // Not a target: what poisoning cost production, window by window, against
@@ -663,7 +768,9 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out_dir)?;
     std::fs::write(args.out_dir.join("world.md"), &md)?;
     std::fs::write(args.out_dir.join("world.csv"), &csv)?;
-    std::fs::write(args.out_dir.join("world-success.svg"), svg(&configs, &results, &args))?;
+    let (plotted, plotted_results): (Vec<Config>, Vec<Vec<Row>>) =
+        configs.iter().zip(&results).filter(|(c, _)| c.plotted()).map(|(c, r)| (*c, r.clone())).unzip();
+    std::fs::write(args.out_dir.join("world-success.svg"), svg(&plotted, &plotted_results, &args))?;
     println!("{md}");
     eprintln!("wrote {}/world.md, world.csv, world-success.svg", args.out_dir.display());
     drop(sim);

@@ -37,7 +37,7 @@ pub async fn diff(
         return Err(UiError::Service(ServiceError::BadRequest("choose two versions (`from` and `to`)".into())));
     };
     let d = version_diff(&st, &prompt, from, to).await?;
-    let latest = st.store.resolve(&prompt.name, &Selector::Latest).await?.map_or(0, |r| r.version.number);
+    let latest = service::prompts::latest_number(&st, &prompt.name).await?;
     let n = escape(&url_encode(prompt.name.as_str()));
     let options = |selected: i64| {
         (1..=latest)

@@ -25,15 +25,15 @@ use crate::{
         diff::{LineTag, SectionBullet},
         round::{Round, method_str, strategy_str},
     },
+    domain::{access::Scope, label::Selector, trace::TraceFilter},
     learn::round::{LearnedRoundDetail, OutcomeRecord},
     service::{
-        AppState, ServiceError,
+        self, AppState, ServiceError,
         controller::controller_view,
         pagination::{PageParams, next_token},
         prompts::{existing_prompt, parse_name, version_diff},
         rounds::round_view,
     },
-    store::{Scope, Selector, TraceFilter},
 };
 
 mod controller;

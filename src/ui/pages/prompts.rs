@@ -11,10 +11,10 @@ pub struct AfterQuery {
 
 pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<AfterQuery>) -> PageResult {
     op.require(Scope::PromptsRead)?;
-    let list = st.store.list_prompts(q.after.as_deref(), PAGE).await?;
+    let list = service::prompts::list_prompts(&st, q.after.as_deref(), PAGE).await?;
     let mut rows = String::new();
     for p in &list {
-        let last = st.store.list_rounds(Some(&p.prompt.name), None, 1).await?;
+        let last = service::rounds::list_rounds(&st, &p.prompt.name, None, 1).await?;
         let last = last.first().map_or_else(
             || r#"<span class="muted">none yet</span>"#.to_owned(),
             |r| {
@@ -71,6 +71,19 @@ pub struct PromptQuery {
 const LABEL_MOVES_SHOWN: u32 = 20;
 /// Newest moves of `production` marked on the reward chart.
 const REWARD_MARKERS_SHOWN: u32 = 100;
+/// Most points per line on the reward chart.
+const REWARD_POINTS: i64 = 120;
+
+/// A chart bucket's width in words: `by the minute`, `in 15-minute steps`, `hourly`.
+fn bucket_words(secs: i64) -> String {
+    match secs {
+        60 => "by the minute".to_owned(),
+        3_600 => "hourly".to_owned(),
+        86_400 => "daily".to_owned(),
+        s if s % 3_600 == 0 => format!("in {}-hour steps", s / 3_600),
+        s => format!("in {}-minute steps", s / 60),
+    }
+}
 
 pub async fn prompt(
     State(st): State<AppState>,
@@ -80,10 +93,10 @@ pub async fn prompt(
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
-    let production = st.store.resolve(&prompt.name, &Selector::Label(LabelName::production())).await?;
-    let labels = st.store.list_labels(&prompt.name).await?;
-    let versions = st.store.list_versions(&prompt.name, q.before, PAGE).await?;
-    let latest = st.store.resolve(&prompt.name, &Selector::Latest).await?.map_or(0, |r| r.version.number);
+    let production = service::prompts::resolve(&st, &prompt.name, &Selector::Label(LabelName::production())).await?;
+    let labels = service::labels::list_labels(&st, &prompt.name).await?;
+    let versions = service::prompts::list_versions(&st, &prompt.name, q.before, PAGE).await?;
+    let latest = service::prompts::latest_number(&st, &prompt.name).await?;
     let prod_number = production.as_ref().map(|r| r.version.number);
     let can_promote = op.can(Scope::PromptsPromote);
     let n = escape(&url_encode(prompt.name.as_str()));
@@ -167,7 +180,7 @@ pub async fn prompt(
         }
         let _ = write!(
             rows,
-            r#"<tr id="version-{}"><td class="num"><strong>v{}</strong></td><td>{}</td><td>{}</td><td>{}</td><td class="message">{}</td><td>{}</td><td class="nowrap">{}</td><td class="actions">{}</td></tr>"#,
+            r#"<tr id="version-{}"><td class="num"><strong>v{}</strong></td><td class="labels">{}</td><td>{}</td><td>{}</td><td class="message">{}</td><td class="by">{}</td><td class="when">{}</td><td class="actions">{}</td></tr>"#,
             v.number,
             v.number,
             vlabels,
@@ -185,12 +198,10 @@ pub async fn prompt(
         }
         _ => String::new(),
     };
-    // Reward over the last 7 days per version (at most the 6 newest with traces).
+    // Reward over the last 7 days per version (at most the 6 newest with traces), zoomed to the data.
     let until = chrono::Utc::now();
-    let buckets = st.store.version_outcomes(&prompt.name, until - chrono::Duration::days(7), until, 3_600).await?;
-    let outcomes = crate::evaluate::outcomes::summarize(&buckets, |v| {
-        labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect()
-    });
+    let since = until - chrono::Duration::days(7);
+    let (outcomes, bucket) = service::outcomes::chart_outcomes(&st, &prompt.name, since, until, REWARD_POINTS).await?;
     let shown: Vec<(String, Vec<(i64, f64)>)> = outcomes
         .iter()
         .take(6)
@@ -208,19 +219,17 @@ pub async fn prompt(
     let series: Vec<plot::RewardSeries<'_>> =
         shown.iter().map(|(name, points)| plot::RewardSeries { name, points }).collect();
     // Production's promotions and rollbacks inside the chart's 7 days, as markers.
-    let markers: Vec<plot::RewardMarker> = st
-        .store
-        .label_history(&prompt.name, Some(&LabelName::production()), None, REWARD_MARKERS_SHOWN)
-        .await?
-        .iter()
-        .filter(|m| m.at >= until - chrono::Duration::days(7))
-        .filter_map(plot::RewardMarker::for_move)
-        .collect();
-    let reward_chart = plot::reward_plot(&series, &markers).unwrap_or_else(|| {
+    let markers: Vec<plot::RewardMarker> =
+        service::labels::production_moves_since(&st, &prompt.name, since, REWARD_MARKERS_SHOWN)
+            .await?
+            .iter()
+            .filter_map(plot::RewardMarker::for_move)
+            .collect();
+    let reward_chart = plot::reward_plot(&series, &markers, bucket).unwrap_or_else(|| {
         r#"<p class="muted" id="reward-empty">No rewarded traces in the last 7 days.</p>"#.to_owned()
     });
     // The newest label moves: who or what moved which label, and why.
-    let moves = st.store.label_history(&prompt.name, None, None, LABEL_MOVES_SHOWN).await?;
+    let moves = service::labels::label_history(&st, &prompt.name, None, None, LABEL_MOVES_SHOWN).await?;
     let mut move_rows = String::new();
     for m in &moves {
         let version = |v: Option<i64>| v.map_or_else(|| "—".to_owned(), |v| format!("v{v}"));
@@ -262,12 +271,13 @@ pub async fn prompt(
 {diff_form}
 <h2>Version history</h2>{promote_note}
 <table id="versions"><thead><tr><th class="num">Version</th><th>Labels</th><th>Source</th><th>Round</th><th>Message</th><th>By</th><th>Time</th><th></th></tr></thead><tbody>{rows}</tbody></table>{older}
-<h2>Reward by version <span class="muted small">last 7 days, hourly</span></h2>{reward_chart}
+<h2>Reward by version <span class="muted small" id="reward-span">last 7 days, {buckets}</span></h2>{reward_chart}
 <h2>Label history <span class="muted small">newest {LABEL_MOVES_SHOWN}; all of them: <code>combee prompts label-history</code></span></h2>{label_history}"#,
         name = escape(prompt.name.as_str()),
         strategy = escape(strategy_str(prompt.strategy)),
         promotion = escape(&word(&prompt.promotion)),
         tabs = prompt_tabs(prompt.name.as_str(), "prompt"),
+        buckets = bucket_words(bucket),
     );
     Ok(page(prompt.name.as_str(), Some(&op.who()), Section::Prompts, &body))
 }

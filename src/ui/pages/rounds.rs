@@ -17,7 +17,7 @@ pub async fn rounds(
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
-    let list = st.store.list_rounds(Some(&prompt.name), q.before, PAGE).await?;
+    let list = service::rounds::list_rounds(&st, &prompt.name, q.before, PAGE).await?;
     let mut rows = String::new();
     for r in &list {
         let result = match (r.result_version, &r.error) {
@@ -292,7 +292,30 @@ fn answers_section(outcome: Option<&OutcomeRecord>) -> String {
             100.0 * c.share
         )
     });
+    let mut facts = coverage_fact;
+    if o.level2.is_degraded() {
+        let _ = write!(
+            facts,
+            r#"<dt>Level 2</dt><dd id="level2-degraded" class="bad-text">degraded to the union for {} unreadable answers</dd>"#,
+            o.level2.degraded.len()
+        );
+    }
+    if let Some(m) = &o.meter {
+        let _ = write!(
+            facts,
+            r#"<dt>Overload meter</dt><dd id="meter-reading">{} answers read by their citations, {} by text (no citations), {} by text (implausible citations)</dd>"#,
+            m.by_sources, m.missing_sources, m.implausible_sources
+        );
+    }
     let mut rows = String::new();
+    for d in &o.level2.degraded {
+        let _ = write!(
+            rows,
+            r#"<tr><td>level 2</td><td>degraded to the union ({} inputs)</td><td class="bad-text">{}</td></tr>"#,
+            d.inputs,
+            clip(&d.error, 300)
+        );
+    }
     for g in &a.groups_left_out {
         let _ = write!(
             rows,
@@ -326,7 +349,7 @@ fn answers_section(outcome: Option<&OutcomeRecord>) -> String {
         );
     }
     format!(
-        r#"<h2>Answers</h2><details class="card" id="answers-box"{}><summary>{} tolerated answers · {} unknown keys ignored · {} items dropped · {} groups left out · {} reflections lost</summary><dl class="facts">{coverage_fact}</dl><table class="compact" id="answer-notes"><thead><tr><th>Call</th><th>Task</th><th>What was ignored or dropped, and why</th></tr></thead><tbody>{rows}</tbody></table></details>"#,
+        r#"<h2>Answers</h2><details class="card" id="answers-box"{}><summary>{} tolerated answers · {} unknown keys ignored · {} items dropped · {} groups left out · {} reflections lost</summary><dl class="facts">{facts}</dl><table class="compact" id="answer-notes"><thead><tr><th>Call</th><th>Task</th><th>What was ignored or dropped, and why</th></tr></thead><tbody>{rows}</tbody></table></details>"#,
         if rows.is_empty() { "" } else { " open" },
         a.tolerated_answers,
         a.unknown_keys,

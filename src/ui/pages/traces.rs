@@ -41,10 +41,10 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
         None => None,
     };
     let filter = TraceFilter { prompt: prompt.clone(), status, since: None, until: None, before_id };
-    let list = st.store.list_traces(&filter, PAGE).await?;
+    let list = service::traces::list_traces(&st, &filter, PAGE).await?;
     let next = next_token(&list, PAGE, |t| t.id.to_string());
 
-    let all_prompts = st.store.list_prompts(None, 200).await?;
+    let all_prompts = service::prompts::list_prompts(&st, None, 200).await?;
     let prompt_options: String = all_prompts
         .iter()
         .map(|p| {
@@ -157,7 +157,10 @@ pub async fn trace(
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let id = Uuid::parse_str(&id).map_err(|_| UiError::NotFound("No such trace: ids are UUIDs.".into()))?;
-    let t = st.store.get_trace(id).await?.ok_or_else(|| UiError::NotFound(format!("Trace {id} not found.")))?;
+    let t = service::traces::get_trace(&st, id).await.map_err(|e| match e {
+        ServiceError::NotFound(_) => UiError::NotFound(format!("Trace {id} not found.")),
+        other => other.into(),
+    })?;
     let section =
         |title: &str, v: &Value| format!(r#"<h2>{}</h2><pre class="json">{}</pre>"#, escape(title), pretty(v));
     let feedback = serde_json::to_value(&t.feedback).unwrap_or_default();

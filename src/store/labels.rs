@@ -1,0 +1,111 @@
+//! Labels: list, move (compare-and-set, recorded in the label history), delete, and the history
+//! itself.
+
+use async_trait::async_trait;
+
+use super::{
+    Change, StoreResult,
+    backend::{Backend, SqlStore},
+    sql::{apply_move, history_from_row, label_from_row, prompt_id, record_history, record_move, sql},
+};
+use crate::domain::{
+    LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName, VersionSource,
+    label::{Label, LabelMove},
+};
+
+/// How the label moves that come with a new version enter the label history.
+pub(crate) fn version_move_kind(source: VersionSource) -> LabelMoveKind {
+    match source {
+        VersionSource::Rollback => LabelMoveKind::Rollback,
+        VersionSource::Learned => LabelMoveKind::AutoPublish,
+        VersionSource::Manual => LabelMoveKind::Promote,
+        VersionSource::Crossover => LabelMoveKind::Crossover,
+    }
+}
+
+/// The labels of a prompt and their history.
+#[async_trait]
+pub trait LabelStore: Send + Sync {
+    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>>;
+    /// Applies one compare-and-set label move (`Conflict` when the CAS fails),
+    /// recorded in the label history as an operator's `promote`.
+    async fn move_label(&self, prompt: &PromptName, mv: &LabelMove) -> StoreResult<Label> {
+        self.move_label_because(prompt, mv, &MoveCause::new(LabelMoveKind::Promote, "")).await
+    }
+    /// [`LabelStore::move_label`] recording `cause` in the label history, in the
+    /// same transaction (a move that changes nothing records nothing). A
+    /// `guard-rollback` or `rollback` also queues a `prompt.rolled_back` event.
+    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label>;
+    /// Deletes a label, recording who did it in the label history; false when
+    /// there was no such label.
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool>;
+    /// The prompt's label history, newest first: moves with ids below
+    /// `before`, of `label` only when given. Empty for an unknown prompt.
+    async fn label_history(
+        &self,
+        prompt: &PromptName,
+        label: Option<&LabelName>,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<LabelHistoryEntry>>;
+}
+
+#[async_trait]
+impl<D: Backend> LabelStore for SqlStore<D> {
+    async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
+        sql::<D>(
+            "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
+             WHERE p.name = $1 ORDER BY l.name",
+        )
+        .bind(prompt.as_str())
+        .map(&mut *self.reader.acquire().await?, label_from_row::<D>)
+        .await
+    }
+
+    async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
+        let mut tx = self.writer.begin().await?;
+        let id = prompt_id::<D>(&mut tx, prompt).await?;
+        let (label, previous) = apply_move::<D>(&mut tx, id, mv).await?;
+        let queued = record_move::<D>(&mut tx, id, prompt, &label, previous, cause).await?;
+        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        self.announce_outbox(queued);
+        Ok(label)
+    }
+
+    async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
+        let mut tx = self.writer.begin().await?;
+        let id = prompt_id::<D>(&mut tx, prompt).await?;
+        let deleted: Option<i64> = sql::<D>("DELETE FROM labels WHERE prompt_id = $1 AND name = $2 RETURNING version")
+            .bind(id)
+            .bind(label.as_str())
+            .value(&mut tx, "version")
+            .await?;
+        if let Some(version) = deleted {
+            let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
+            record_history::<D>(&mut tx, id, label, Some(version), None, by, &cause).await?;
+        }
+        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        Ok(deleted.is_some())
+    }
+
+    async fn label_history(
+        &self,
+        prompt: &PromptName,
+        label: Option<&LabelName>,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<LabelHistoryEntry>> {
+        sql::<D>(
+            "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
+             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
+             WHERE p.name = $1 AND ($2 IS NULL OR m.label = $2) AND ($3 IS NULL OR m.id < $3)
+             ORDER BY m.id DESC LIMIT $4",
+        )
+        .bind(prompt.as_str())
+        .bind(label.map(LabelName::as_str))
+        .bind(before)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, history_from_row::<D>)
+        .await
+    }
+}

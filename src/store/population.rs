@@ -1,0 +1,99 @@
+//! The population of an `evaluated` prompt (its arms and their ratings) and the per-task rewards
+//! its rater compares arms on.
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+
+use super::{
+    Change, StoreResult,
+    backend::{Backend, SqlStore},
+    sql::{arm_from_row, corrupt, json, now, prompt_id, require_version, sql},
+};
+use crate::domain::{PromptName, population::PopulationArm};
+
+/// The rewards of one version on one task (traces carrying `metadata.task_key`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRewards {
+    pub version: i64,
+    pub task_key: String,
+    /// Rewarded traces of this version on this task.
+    pub traces: u64,
+    /// Sum of their rewards: 1/0 for `feedback.success`, else `feedback.score`.
+    pub reward_sum: f64,
+}
+
+/// The arms of a prompt's population and the rewards they are rated on.
+#[async_trait]
+pub trait PopulationStore: Send + Sync {
+    /// Per (version, `metadata.task_key`) reward sums of the prompt's rewarded,
+    /// unquarantined traces created in `[from, until)` (traces without a string
+    /// task key or a version are left out), so arms can be compared on matched work.
+    async fn task_rewards(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> StoreResult<Vec<TaskRewards>>;
+    /// The prompt's population (every arm, retired ones too), by version.
+    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>>;
+    /// Inserts or replaces these arms (by version) in one transaction, and
+    /// tells every process's cache (NOTIFY on Postgres). `NotFound` for an
+    /// unknown prompt, `Invalid` for a version it does not have.
+    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()>;
+}
+
+#[async_trait]
+impl<D: Backend> PopulationStore for SqlStore<D> {
+    async fn task_rewards(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> StoreResult<Vec<TaskRewards>> {
+        super::rollups::read_task_rewards(self, prompt, from, until).await
+    }
+
+    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
+        sql::<D>(
+            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents,
+                    a.rated_until
+             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
+             WHERE p.name = $1 ORDER BY a.version",
+        )
+        .bind(prompt.as_str())
+        .map(&mut *self.reader.acquire().await?, arm_from_row::<D>)
+        .await
+    }
+
+    async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
+        let mut tx = self.writer.begin().await?;
+        let id = prompt_id::<D>(&mut tx, prompt).await?;
+        for arm in arms {
+            require_version::<D>(&mut tx, id, arm.version).await?;
+            sql::<D>(
+                "INSERT INTO population_arms (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from,
+                                              rated_until, created_at, updated_at, parents)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11)
+                 ON CONFLICT (prompt_id, version) DO UPDATE SET
+                    state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
+                    scored_traces = excluded.scored_traces, created_from = excluded.created_from,
+                    rated_until = excluded.rated_until, updated_at = excluded.updated_at, parents = excluded.parents",
+            )
+            .bind(id)
+            .bind(arm.version)
+            .bind(arm.state.as_str())
+            .bind(arm.rating.mu)
+            .bind(arm.rating.sigma)
+            .bind(arm.weight)
+            .bind(arm.scored_traces as i64)
+            .bind(arm.created_from)
+            .bind(arm.rated_until)
+            .bind(now())
+            .bind(json(&serde_json::to_value(&arm.parents).map_err(|_| corrupt("arm parents"))?))
+            .execute(&mut tx)
+            .await?;
+        }
+        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,244 @@
+//! Prompts and their immutable versions: create, read, list, change settings, append a version with
+//! its label moves, resolve a selector.
+
+use async_trait::async_trait;
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{
+    Change, StoreError, StoreResult,
+    backend::{Backend, SqlStore},
+    labels::version_move_kind,
+    sql::{
+        Cols, VERSION_COLUMNS, apply_move, corrupt, enum_str, insert_version, json, now, prompt_from_row, record_event,
+        record_history, record_move, sql, version_from_row,
+    },
+};
+use crate::domain::{
+    LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings, Version,
+    event::OutboxEvent,
+    label::{LabelMove, Resolved, Selector},
+    prompt::{NewPrompt, NewVersion, PromptSummary},
+};
+
+/// Prompts and their immutable, numbered versions.
+#[async_trait]
+pub trait PromptStore: Send + Sync {
+    /// Creates the prompt and its version 1, labelled `production` (a `create`
+    /// entry in the label history).
+    async fn create_prompt(&self, prompt: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)>;
+    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>>;
+    /// Replaces a prompt's settings if they still equal `expected` (`Conflict`
+    /// otherwise: read again and retry); `None` when the prompt does not exist.
+    async fn update_prompt_settings(
+        &self,
+        name: &PromptName,
+        expected: &PromptSettings,
+        new: &PromptSettings,
+    ) -> StoreResult<Option<Prompt>>;
+    /// Prompts ordered by name, starting after `after`.
+    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>>;
+    /// Appends a version (number = previous + 1, never a gap or a duplicate) and
+    /// applies the label moves in the same transaction. A failed CAS rolls all back.
+    /// The moves enter the label history as `rollback` when the version's source
+    /// is `rollback`, as `promote` otherwise, with the version's message as reason.
+    async fn create_version(
+        &self,
+        prompt: &PromptName,
+        version: NewVersion,
+        moves: &[LabelMove],
+    ) -> StoreResult<Version>;
+    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>>;
+    /// Versions newest first, with numbers below `before`.
+    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>>;
+}
+
+#[async_trait]
+impl<D: Backend> PromptStore for SqlStore<D> {
+    async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
+        let id = Uuid::now_v7();
+        let created_at = now();
+        let mut tx = self.writer.begin().await?;
+        let settings = serde_json::to_value(&p.settings).map_err(|_| corrupt("settings"))?;
+        sql::<D>(
+            "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by)
+             VALUES ($1, $2, $3, $4, $5, 1, $6, $7)",
+        )
+        .bind(id)
+        .bind(p.name.as_str())
+        .bind(enum_str(p.strategy))
+        .bind(enum_str(p.promotion))
+        .bind(json(&settings))
+        .bind(created_at)
+        .bind(&p.created_by)
+        .execute(&mut *tx)
+        .await?;
+        insert_version::<D>(&mut tx, id, 1, &first, created_at).await?;
+        sql::<D>("INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES ($1, $2, 1, $3, $4)")
+            .bind(id)
+            .bind(LabelName::PRODUCTION)
+            .bind(created_at)
+            .bind(&first.created_by)
+            .execute(&mut *tx)
+            .await?;
+        let prompt = Prompt {
+            id,
+            name: p.name.clone(),
+            strategy: p.strategy,
+            promotion: p.promotion,
+            settings: p.settings,
+            created_at,
+            created_by: p.created_by,
+        };
+        let version = first.into_version(p.name, 1, created_at);
+        let production = LabelName::parse(LabelName::PRODUCTION).map_err(|_| corrupt("label name"))?;
+        let mut queued =
+            record_event::<D>(&mut tx, &OutboxEvent::version_created(&version, &[LabelName::PRODUCTION])).await?;
+        let moved = OutboxEvent::label_moved(&prompt.name, &production, 1, None, &version.created_by);
+        queued |= record_event::<D>(&mut tx, &moved).await?;
+        let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
+        record_history::<D>(&mut tx, id, &production, None, Some(1), &version.created_by, &cause).await?;
+        self.commit(tx, Change::Prompt(prompt.name.to_string())).await?;
+        self.announce_outbox(queued);
+        Ok((prompt, version))
+    }
+
+    async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
+        sql::<D>("SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1")
+            .bind(name.as_str())
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(prompt_from_row::<D>)
+            .transpose()
+    }
+
+    async fn update_prompt_settings(
+        &self,
+        name: &PromptName,
+        expected: &PromptSettings,
+        new: &PromptSettings,
+    ) -> StoreResult<Option<Prompt>> {
+        let mut tx = self.writer.begin().await?;
+        let current: Option<Value> =
+            sql::<D>(&format!("SELECT settings FROM prompts WHERE name = $1{}", D::lock(" FOR UPDATE")))
+                .bind(name.as_str())
+                .value(&mut tx, "settings")
+                .await?;
+        let Some(current) = current else { return Ok(None) };
+        let current: PromptSettings = serde_json::from_value(current).map_err(|_| corrupt("settings"))?;
+        if &current != expected {
+            return Err(StoreError::Conflict);
+        }
+        let new = serde_json::to_value(new).map_err(|_| corrupt("settings"))?;
+        let row = sql::<D>(
+            "UPDATE prompts SET settings = $1 WHERE name = $2
+             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
+        )
+        .bind(json(&new))
+        .bind(name.as_str())
+        .fetch_one(&mut tx)
+        .await?;
+        tx.commit().await?;
+        prompt_from_row::<D>(&row).map(Some)
+    }
+
+    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
+        sql::<D>(
+            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
+                    (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
+             FROM prompts p WHERE ($1 IS NULL OR p.name > $1) ORDER BY p.name LIMIT $2",
+        )
+        .bind(after)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok(PromptSummary {
+                prompt: prompt_from_row::<D>(row)?,
+                production_version: r.get("production_version")?,
+                latest_version: r.get("version_count")?,
+                pending_traces: r.get("pending")?,
+            })
+        })
+        .await
+    }
+
+    async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
+        let created_at = now();
+        let mut tx = self.writer.begin().await?;
+        let row = sql::<D>(
+            "UPDATE prompts SET version_count = version_count + 1 WHERE name = $1 RETURNING id, version_count",
+        )
+        .bind(prompt.as_str())
+        .fetch_one(&mut tx)
+        .await?;
+        let (id, number): (Uuid, i64) = (Cols::<D>(&row).get("id")?, Cols::<D>(&row).get("version_count")?);
+        if v.parent.is_some_and(|p| p < 1 || p >= number) {
+            return Err(StoreError::Invalid("parent version does not exist".into()));
+        }
+        insert_version::<D>(&mut tx, id, number, &v, created_at).await?;
+        let mut moved = Vec::with_capacity(moves.len());
+        for mv in moves {
+            let mv = LabelMove { to_version: if mv.to_version == 0 { number } else { mv.to_version }, ..mv.clone() };
+            moved.push(apply_move::<D>(&mut tx, id, &mv).await?);
+        }
+        let version = v.into_version(prompt.clone(), number, created_at);
+        let on_new: Vec<&str> =
+            moved.iter().filter(|(l, _)| l.version == number).map(|(l, _)| l.name.as_str()).collect();
+        let mut queued = record_event::<D>(&mut tx, &OutboxEvent::version_created(&version, &on_new)).await?;
+        let cause = MoveCause::new(version_move_kind(version.source), version.message.clone());
+        for (label, previous) in &moved {
+            queued |= record_move::<D>(&mut tx, id, prompt, label, *previous, &cause).await?;
+        }
+        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        self.announce_outbox(queued);
+        Ok(version)
+    }
+
+    async fn resolve(&self, prompt: &PromptName, selector: &Selector) -> StoreResult<Option<Resolved>> {
+        let labels = format!(
+            "(SELECT {} FROM labels l2 WHERE l2.prompt_id = v.prompt_id AND l2.version = v.number) AS labels",
+            D::string_agg("l2.name")
+        );
+        let from = match selector {
+            Selector::Label(_) => {
+                "labels l JOIN prompts p ON p.id = l.prompt_id
+                 JOIN versions v ON v.prompt_id = l.prompt_id AND v.number = l.version WHERE p.name = $1 AND l.name = $2"
+            }
+            Selector::Latest => {
+                "prompts p JOIN versions v ON v.prompt_id = p.id AND v.number = p.version_count WHERE p.name = $1"
+            }
+            Selector::Version(_) => "prompts p JOIN versions v ON v.prompt_id = p.id AND v.number = $2 WHERE p.name = $1",
+        };
+        let text = format!("SELECT {VERSION_COLUMNS}, {labels} FROM {from}");
+        let query = sql::<D>(&text).bind(prompt.as_str());
+        let query = match selector {
+            Selector::Label(label) => query.bind(label.as_str()),
+            Selector::Latest => query,
+            Selector::Version(n) => query.bind(*n),
+        };
+        let Some(row) = query.fetch_optional(&mut *self.reader.acquire().await?).await? else { return Ok(None) };
+        let labels: Option<String> = Cols::<D>(&row).get("labels")?;
+        let mut labels = labels
+            .unwrap_or_default()
+            .split(',')
+            .filter(|l| !l.is_empty())
+            .map(|l| LabelName::parse(l).map_err(|_| corrupt("label name")))
+            .collect::<StoreResult<Vec<_>>>()?;
+        labels.sort();
+        Ok(Some(Resolved { version: version_from_row::<D>(&row)?, labels }))
+    }
+
+    async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
+        sql::<D>(&format!(
+            "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
+             WHERE p.name = $1 AND ($2 IS NULL OR v.number < $2) ORDER BY v.number DESC LIMIT $3"
+        ))
+        .bind(prompt.as_str())
+        .bind(before)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, version_from_row::<D>)
+        .await
+    }
+}

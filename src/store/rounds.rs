@@ -1,0 +1,554 @@
+//! Rounds: opened over a prompt's oldest pending traces, claimed under a lease with a fenced
+//! heartbeat, their reflections and LLM calls, and their end (published or failed).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::{
+    Change, PromptStore, StoreError, StoreResult,
+    backend::{Backend, SqlStore},
+    sql::{
+        Cols, ROUND_COLUMNS, TRACE_COLUMNS, apply_move, charge_traces, corrupt, enum_str, fence, insert_version, json,
+        later, now, prompt_from_row, record_event, record_move, release_traces, round_from_row, sql, trace_from_row,
+    },
+};
+use crate::{
+    domain::{
+        LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings, Reflection, Trace, Version,
+        event::OutboxEvent,
+        label::{LabelMove, Selector},
+        prompt::NewVersion,
+        round::{self, Method, Round, RoundTrigger},
+    },
+    llm::LlmCall,
+};
+
+/// A request to open a round over a prompt's oldest pending traces.
+#[derive(Debug, Clone)]
+pub struct OpenRound {
+    pub prompt: PromptName,
+    pub trigger: RoundTrigger,
+    pub method: Method,
+    /// Take at most this many traces.
+    pub batch: u32,
+    /// Open nothing when fewer traces are pending.
+    pub min_traces: u32,
+    pub seed: i64,
+    /// The `webhook-id` of the inbound trigger asking for this round: it is
+    /// remembered in the round's transaction, so only with a round opened.
+    pub inbound_webhook_id: Option<String>,
+}
+
+/// A prompt's learning backlog, for the scheduler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Backlog {
+    pub prompt: Prompt,
+    /// Pending traces not reserved by a round.
+    pub pending: i64,
+    pub oldest: Option<DateTime<Utc>>,
+    /// A round is queued or running.
+    pub active_round: bool,
+}
+
+/// A round a worker now holds the lease of, with everything needed to run it.
+#[derive(Debug, Clone)]
+pub struct ClaimedRound {
+    pub round: Round,
+    pub prompt: Prompt,
+    pub base: Version,
+    pub traces: Vec<Trace>,
+}
+
+/// One stored LLM call of a round.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RoundCall {
+    pub attempt: i32,
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub call: LlmCall,
+    pub created_at: DateTime<Utc>,
+}
+
+/// A trace that failed on its own account in a round: its reflection could not be obtained.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceFault {
+    pub trace_id: Uuid,
+    pub reason: String,
+}
+
+/// What the end of a round charges to its traces. Only a trace's own failure
+/// costs it an attempt: each faulted trace returns to pending with one more
+/// attempt and the reason in `failure_reason`, or is marked `failed` once its
+/// attempts reach `max_trace_attempts`. Every other trace of the round pays nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TraceCharges {
+    pub faults: Vec<TraceFault>,
+    pub max_trace_attempts: i32,
+}
+
+/// How a round ends when it cannot publish.
+#[derive(Debug, Clone)]
+pub enum RoundFailure {
+    /// Try again later (same traces, same seed) — after `after`.
+    Retry { after: std::time::Duration },
+    /// Give up: the traces return to pending; only those in `charges` (their own
+    /// reflection failed) pay an attempt — a failure elsewhere in the round is not theirs.
+    GiveUp { charges: TraceCharges },
+}
+
+/// Learning rounds, from opening through the lease to their end.
+#[async_trait]
+pub trait RoundStore: Send + Sync {
+    /// Reserves up to `batch` of the prompt's oldest pending traces for a new
+    /// queued round. `None` when fewer than `min_traces` are pending;
+    /// `AlreadyExists` when the prompt has a round in flight; `Duplicate` when
+    /// `inbound_webhook_id` opened a round before. The id is remembered only
+    /// when this call opens the round: a refused trigger can be retried.
+    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>>;
+    /// Per prompt: unreserved pending traces, the oldest one's age, whether a round is in flight.
+    async fn backlogs(&self) -> StoreResult<Vec<Backlog>>;
+    /// Takes the lease of the oldest claimable round (queued and due, or
+    /// running with an expired lease) and bumps its attempt number.
+    async fn claim_round(&self, owner: &str, lease: std::time::Duration) -> StoreResult<Option<ClaimedRound>>;
+    /// Extends the lease; false when this attempt no longer holds it.
+    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: std::time::Duration) -> StoreResult<bool>;
+    /// Copies into `round` the reflections that earlier rounds of the same prompt
+    /// stored for the round's traces against the same base version and strategy,
+    /// so a re-run over the same base pays no reflector call twice. Returns how many
+    /// were copied; reflections the round already has are kept.
+    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64>;
+    /// Stores a reflection once (a repeat for the same trace is ignored).
+    async fn save_reflection(
+        &self,
+        round: Uuid,
+        trace: Uuid,
+        reflection: &Reflection,
+        from_trace: bool,
+    ) -> StoreResult<()>;
+    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>>;
+    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()>;
+    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>>;
+    /// Saves progress (k, phase timings, group outputs); false when the lease was lost.
+    async fn update_round(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        k: Option<i32>,
+        detail: &serde_json::Value,
+    ) -> StoreResult<bool>;
+    /// In one transaction, fenced by the attempt: writes the version, moves
+    /// `label` to it (an `auto-publish` entry in the label history), charges the traces in `charges` (see [`TraceCharges`]),
+    /// marks consumed the round's traces that have a stored reflection (the others
+    /// return to pending uncharged: nothing was learned from them), marks the round succeeded,
+    /// and (given `sample_secs`) records the batch-size controller's delay sample
+    /// — atomically, so the scheduler never sees the round done but unsampled.
+    /// `Conflict` when the lease was lost.
+    // One fenced transaction needs all of these; a wrapper struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
+    async fn publish_round(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        version: NewVersion,
+        label: LabelName,
+        detail: &serde_json::Value,
+        sample_secs: Option<f64>,
+        charges: &TraceCharges,
+    ) -> StoreResult<Version>;
+    /// Ends an attempt that could not publish (fenced by the attempt).
+    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()>;
+    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>>;
+    /// Newest first, optionally for one prompt, before a round id (cursor).
+    async fn list_rounds(
+        &self,
+        prompt: Option<&PromptName>,
+        before: Option<Uuid>,
+        limit: u32,
+    ) -> StoreResult<Vec<Round>>;
+    /// The trace ids a round reserved, in batch order.
+    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
+}
+
+#[async_trait]
+impl<D: Backend> RoundStore for SqlStore<D> {
+    async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
+        let now = now();
+        let mut tx = self.writer.begin().await?;
+        // First, so a duplicate delivery is told so (not "a round is in flight":
+        // its own round). A concurrent duplicate waits here on the primary key;
+        // every refusal below rolls back, forgetting the id.
+        if let Some(hook) = &req.inbound_webhook_id {
+            let n = sql::<D>("INSERT INTO inbound_webhooks (id, received_at) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                .bind(hook)
+                .bind(now)
+                .execute(&mut tx)
+                .await?;
+            if n == 0 {
+                return Err(StoreError::Duplicate);
+            }
+        }
+        // The prompt row lock (Postgres; the single writer on SQLite) serialises round creation per prompt.
+        let text = format!(
+            "SELECT id, strategy, settings, version_count FROM prompts WHERE name = $1{}",
+            D::lock(" FOR UPDATE")
+        );
+        let row = sql::<D>(&text).bind(req.prompt.as_str()).fetch_one(&mut tx).await?;
+        let r = Cols::<D>(&row);
+        let prompt_id: Uuid = r.get("id")?;
+        let strategy: String = r.get("strategy")?;
+        let settings: PromptSettings = serde_json::from_value(r.get("settings")?).map_err(|_| corrupt("settings"))?;
+        let latest: i64 = r.get("version_count")?;
+        let active = sql::<D>("SELECT id FROM rounds WHERE prompt_id = $1 AND status IN ('queued', 'running')")
+            .bind(prompt_id)
+            .fetch_optional(&mut tx)
+            .await?;
+        if active.is_some() {
+            return Err(StoreError::AlreadyExists);
+        }
+        let text = format!(
+            "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL
+               AND quarantined_at IS NULL ORDER BY id LIMIT $2{}",
+            D::lock(" FOR UPDATE SKIP LOCKED")
+        );
+        let ids: Vec<Uuid> = sql::<D>(&text)
+            .bind(prompt_id)
+            .bind(i64::from(req.batch))
+            .map(&mut tx, |row| Cols::<D>(row).get("id"))
+            .await?;
+        if ids.is_empty() || (ids.len() as u32) < req.min_traces {
+            return Ok(None);
+        }
+        let production: Option<i64> =
+            sql::<D>("SELECT version FROM labels WHERE prompt_id = $1 AND name = 'production'")
+                .bind(prompt_id)
+                .value(&mut tx, "version")
+                .await?;
+        let id = Uuid::now_v7();
+        sql::<D>(
+            "INSERT INTO rounds (id, prompt_id, status, trigger, method, strategy, seed, duplication, n, base_version,
+                                 not_before, created_at, updated_at)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6, $7, $8, $9, $10, $10, $10)",
+        )
+        .bind(id)
+        .bind(prompt_id)
+        .bind(req.trigger.as_str())
+        .bind(round::method_str(req.method))
+        .bind(strategy)
+        .bind(req.seed)
+        .bind(settings.duplication as i32)
+        .bind(ids.len() as i32)
+        .bind(production.unwrap_or(latest))
+        .bind(now)
+        .execute(&mut tx)
+        .await?;
+        D::reserve_traces(&mut tx, id, &ids, now).await?;
+        self.commit(tx, Change::RoundQueued).await?;
+        self.get_round(id).await
+    }
+
+    async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
+        sql::<D>(
+            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
+                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
+                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS oldest,
+                    EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
+             FROM prompts p ORDER BY p.name",
+        )
+        .map(&mut *self.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok(Backlog {
+                prompt: prompt_from_row::<D>(row)?,
+                pending: r.get("pending")?,
+                oldest: r.get("oldest")?,
+                active_round: r.get("active")?,
+            })
+        })
+        .await
+    }
+
+    async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {
+        let Some(id) = D::claim_round_id(self, owner, lease).await? else { return Ok(None) };
+        let round = self.get_round(id).await?.ok_or(StoreError::NotFound)?;
+        let prompt = self.get_prompt(&round.prompt).await?.ok_or(StoreError::NotFound)?;
+        let base = self
+            .resolve(&round.prompt, &Selector::Version(round.base_version))
+            .await?
+            .ok_or_else(|| corrupt("round base version"))?
+            .version;
+        let traces = sql::<D>(&format!(
+            "SELECT {TRACE_COLUMNS} FROM round_traces rt JOIN traces t ON t.id = rt.trace_id
+             JOIN prompts p ON p.id = t.prompt_id WHERE rt.round_id = $1 ORDER BY rt.position"
+        ))
+        .bind(id)
+        .map(&mut *self.reader.acquire().await?, trace_from_row::<D>)
+        .await?;
+        Ok(Some(ClaimedRound { round, prompt, base, traces }))
+    }
+
+    async fn heartbeat_round(&self, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
+        D::heartbeat_round(self, round, attempt, lease).await
+    }
+
+    async fn adopt_reflections(&self, round: Uuid) -> StoreResult<u64> {
+        // Newest first: of several earlier reflections on a trace, the newest wins.
+        sql::<D>(
+            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at)
+             SELECT cur.id, r.trace_id, r.reflection, r.from_trace, $2
+             FROM rounds cur
+             JOIN round_traces rt ON rt.round_id = cur.id
+             JOIN reflections r ON r.trace_id = rt.trace_id AND r.round_id <> cur.id
+             JOIN rounds prev ON prev.id = r.round_id AND prev.prompt_id = cur.prompt_id
+                             AND prev.base_version = cur.base_version AND prev.strategy = cur.strategy
+             WHERE cur.id = $1
+             ORDER BY r.trace_id, r.created_at DESC
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(round)
+        .bind(now())
+        .execute(&mut *self.writer.acquire().await?)
+        .await
+    }
+
+    async fn save_reflection(&self, round: Uuid, trace: Uuid, r: &Reflection, from_trace: bool) -> StoreResult<()> {
+        let reflection = serde_json::to_value(r).map_err(|_| corrupt("reflection"))?;
+        sql::<D>(
+            "INSERT INTO reflections (round_id, trace_id, reflection, from_trace, created_at) VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(round)
+        .bind(trace)
+        .bind(json(&reflection))
+        .bind(from_trace)
+        .bind(now())
+        .execute(&mut *self.writer.acquire().await?)
+        .await?;
+        Ok(())
+    }
+
+    async fn round_reflections(&self, round: Uuid) -> StoreResult<Vec<(Uuid, Reflection, bool)>> {
+        sql::<D>("SELECT trace_id, reflection, from_trace FROM reflections WHERE round_id = $1 ORDER BY created_at, trace_id")
+            .bind(round)
+            .map(&mut *self.reader.acquire().await?, |row| {
+                let r = Cols::<D>(row);
+                let reflection = serde_json::from_value(r.get("reflection")?).map_err(|_| corrupt("reflection"))?;
+                Ok((r.get("trace_id")?, reflection, r.get("from_trace")?))
+            })
+            .await
+    }
+
+    async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
+        sql::<D>(
+            "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms,
+                                    retries, error, created_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+        )
+        .bind(round)
+        .bind(attempt)
+        .bind(enum_str(call.role))
+        .bind(&call.model)
+        .bind(call.prompt_tokens as i64)
+        .bind(call.completion_tokens as i64)
+        .bind(call.cost_usd)
+        .bind(call.latency_ms as i64)
+        .bind(call.retries as i32)
+        .bind(call.error.as_deref())
+        .bind(now())
+        .execute(&mut *self.writer.acquire().await?)
+        .await?;
+        Ok(())
+    }
+
+    async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
+        sql::<D>(
+            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
+             FROM llm_calls WHERE round_id = $1 ORDER BY id",
+        )
+        .bind(round)
+        .map(&mut *self.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok(RoundCall {
+                attempt: r.get("attempt")?,
+                call: LlmCall {
+                    role: serde_json::from_value(Value::String(r.get("role")?)).map_err(|_| corrupt("llm role"))?,
+                    model: r.get("model")?,
+                    prompt_tokens: r.get::<i64>("prompt_tokens")? as u64,
+                    completion_tokens: r.get::<i64>("completion_tokens")? as u64,
+                    cost_usd: r.get("cost_usd")?,
+                    latency_ms: r.get::<i64>("latency_ms")? as u64,
+                    retries: r.get::<i32>("retries")? as u32,
+                    error: r.get("error")?,
+                },
+                created_at: r.get("created_at")?,
+            })
+        })
+        .await
+    }
+
+    async fn update_round(&self, round: Uuid, attempt: i32, k: Option<i32>, detail: &Value) -> StoreResult<bool> {
+        let n = sql::<D>(
+            "UPDATE rounds SET k = COALESCE($1, k), detail = $2, updated_at = $3
+             WHERE id = $4 AND attempt = $5 AND status = 'running'",
+        )
+        .bind(k)
+        .bind(json(detail))
+        .bind(now())
+        .bind(round)
+        .bind(attempt)
+        .execute(&mut *self.writer.acquire().await?)
+        .await?;
+        Ok(n == 1)
+    }
+
+    // One fenced transaction needs all of these; a wrapper struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
+    async fn publish_round(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        v: NewVersion,
+        label: LabelName,
+        detail: &Value,
+        sample_secs: Option<f64>,
+        charges: &TraceCharges,
+    ) -> StoreResult<Version> {
+        let now = now();
+        let mut tx = self.writer.begin().await?;
+        let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
+        if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
+            sql::<D>(
+                "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
+                 SELECT prompt_id, id, n, $1, $2 FROM rounds WHERE id = $3",
+            )
+            .bind(secs)
+            .bind(now)
+            .bind(round)
+            .execute(&mut tx)
+            .await?;
+        }
+        let number: i64 =
+            sql::<D>("UPDATE prompts SET version_count = version_count + 1 WHERE id = $1 RETURNING version_count")
+                .bind(prompt_id)
+                .value(&mut tx, "version_count")
+                .await?
+                .ok_or(StoreError::NotFound)?;
+        insert_version::<D>(&mut tx, prompt_id, number, &v, now).await?;
+        let by = v.created_by.clone();
+        let mv =
+            LabelMove { label: label.clone(), to_version: number, expected_current: None, check_current: false, by };
+        let (moved, previous) = apply_move::<D>(&mut tx, prompt_id, &mv).await?;
+        charge_traces::<D>(&mut tx, round, charges).await?;
+        sql::<D>(
+            "UPDATE traces SET status = 'consumed', updated_at = $1 WHERE round_id = $2 AND status = 'pending'
+               AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = $2 AND r.trace_id = traces.id)",
+        )
+        .bind(now)
+        .bind(round)
+        .execute(&mut tx)
+        .await?;
+        release_traces::<D>(&mut tx, round).await?;
+        sql::<D>(
+            "UPDATE rounds SET status = 'succeeded', result_version = $1, detail = $2, error = NULL, finished_at = $3,
+                    lease_owner = NULL, lease_expires_at = NULL, updated_at = $3 WHERE id = $4",
+        )
+        .bind(number)
+        .bind(json(detail))
+        .bind(now)
+        .bind(round)
+        .execute(&mut tx)
+        .await?;
+        let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, now);
+        let mut queued = record_event::<D>(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
+        let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
+            .with_evidence(serde_json::json!({ "round_id": round }));
+        queued |= record_move::<D>(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
+        let completed = OutboxEvent::round_completed(&version.prompt, round, number, &label);
+        queued |= record_event::<D>(&mut tx, &completed).await?;
+        self.commit(tx, Change::Prompt(name)).await?;
+        self.announce_outbox(queued);
+        Ok(version)
+    }
+
+    async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
+        let now = now();
+        let mut tx = self.writer.begin().await?;
+        let (_, name) = fence::<D>(&mut tx, round, attempt).await?;
+        let mut queued = false;
+        let requeued = match how {
+            RoundFailure::Retry { after } => {
+                sql::<D>(
+                    "UPDATE rounds SET status = 'queued', lease_owner = NULL, lease_expires_at = NULL, error = $1,
+                            not_before = $2, updated_at = $3 WHERE id = $4",
+                )
+                .bind(error)
+                .bind(later(now, after))
+                .bind(now)
+                .bind(round)
+                .execute(&mut tx)
+                .await?;
+                true
+            }
+            RoundFailure::GiveUp { charges } => {
+                charge_traces::<D>(&mut tx, round, &charges).await?;
+                release_traces::<D>(&mut tx, round).await?;
+                sql::<D>(
+                    "UPDATE rounds SET status = 'failed', error = $1, finished_at = $2, lease_owner = NULL,
+                            lease_expires_at = NULL, updated_at = $2 WHERE id = $3",
+                )
+                .bind(error)
+                .bind(now)
+                .bind(round)
+                .execute(&mut tx)
+                .await?;
+                queued = record_event::<D>(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
+                false
+            }
+        };
+        if requeued {
+            self.commit(tx, Change::RoundQueued).await?;
+        } else {
+            tx.commit().await?;
+        }
+        self.announce_outbox(queued);
+        Ok(())
+    }
+
+    async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>> {
+        sql::<D>(&format!("SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id WHERE r.id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(round_from_row::<D>)
+            .transpose()
+    }
+
+    async fn list_rounds(
+        &self,
+        prompt: Option<&PromptName>,
+        before: Option<Uuid>,
+        limit: u32,
+    ) -> StoreResult<Vec<Round>> {
+        sql::<D>(&format!(
+            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
+             WHERE ($1 IS NULL OR p.name = $1) AND ($2 IS NULL OR r.id < $2) ORDER BY r.id DESC LIMIT $3"
+        ))
+        .bind(prompt.map(|p| p.as_str()))
+        .bind(before)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, round_from_row::<D>)
+        .await
+    }
+
+    async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {
+        sql::<D>("SELECT trace_id FROM round_traces WHERE round_id = $1 ORDER BY position")
+            .bind(round)
+            .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("trace_id"))
+            .await
+    }
+}

@@ -1,0 +1,329 @@
+//! Traces: durable ingest (with `Idempotency-Key`), reads, late feedback, requeue of failed ones,
+//! the operator's quarantine and delete, and the outcome aggregates versions are judged by.
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{
+    Change, StoreResult,
+    backend::{Backend, SqlStore},
+    rollups::{self, Counted, Sign},
+    sql::{Cols, Param, TRACE_COLUMNS, corrupt, json, lock_for_action, now, prompt_id, sql, trace_from_row},
+};
+use crate::{
+    domain::{
+        Feedback, PromptName, Trace,
+        trace::{RequeueFailed, TraceFilter, ValidTrace},
+    },
+    evaluate::outcomes::OutcomeBucket,
+};
+
+/// The result of an operator action on one trace.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TraceAction {
+    /// Done; the trace as it is now (for a delete: as it was).
+    Done(Box<Trace>),
+    NotFound,
+    /// Not allowed in the trace's state; the text says why, for the operator.
+    Refused(String),
+}
+
+impl TraceAction {
+    /// `Done` with the trace as it is now, or `NotFound`.
+    pub(crate) fn found(trace: Option<Trace>) -> Self {
+        trace.map_or(Self::NotFound, |t| Self::Done(Box::new(t)))
+    }
+}
+
+/// Why an operator action on a trace in this state is refused, if it is.
+/// `status` is the stored status column (never `quarantined`).
+pub(crate) fn trace_action_refusal(delete: bool, status: &str, round_id: Option<Uuid>) -> Option<String> {
+    let verb = if delete { "deleted" } else { "quarantined" };
+    if status == "consumed" {
+        return Some(format!(
+            "the trace was consumed by a round and a version was learned from it; it cannot be {verb} \
+             (roll back the version instead)"
+        ));
+    }
+    round_id.map(|r| {
+        format!("the trace is reserved by round {r}, which is in flight; it can be {verb} once the round ends")
+    })
+}
+
+/// An `Idempotency-Key` as the store keeps it: per caller, bound to the hash
+/// of the request it first came with.
+#[derive(Debug, Clone, Copy)]
+pub struct IdempotencyKey<'a> {
+    pub owner: Uuid,
+    pub key: &'a str,
+    pub request_hash: &'a str,
+}
+
+/// How an ingest under an `Idempotency-Key` ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IdempotentIngest {
+    /// First sighting: the traces and the key were committed together.
+    Stored { ids: Vec<Uuid> },
+    /// The same request was stored before: these are its traces, in request
+    /// order (nothing stored now).
+    Replay { ids: Vec<Uuid> },
+    /// The same key was used with another payload (nothing stored).
+    Mismatch,
+}
+
+/// Why a trace (posted, or re-mapped from OTLP spans) cannot be stored, or `None`: `version_count` is
+/// the prompt's, `None` when it does not exist. Shared by both backends.
+pub(crate) fn prompt_reference_problem(trace: &ValidTrace, version_count: Option<i64>) -> Option<String> {
+    let prompt = trace.prompt.as_str();
+    match (version_count, trace.prompt_version) {
+        (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),
+        (Some(last), Some(v)) if v > last => {
+            Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})"))
+        }
+        _ => None,
+    }
+}
+
+/// Traces, from ingest to the operator's containment.
+#[async_trait]
+pub trait TraceStore: Send + Sync {
+    /// Stores traces durably, all or none; `Invalid` names the first unknown prompt or version.
+    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>>;
+    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>>;
+    /// Newest first.
+    async fn list_traces(&self, filter: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>>;
+    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
+    /// Puts the prompt's matching `failed` traces back to `pending` with their
+    /// attempts reset and failure reason cleared; returns their ids, oldest
+    /// first. `NotFound` when the prompt does not exist.
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>>;
+    /// Holds a pending or failed trace back from learning (idempotent); refused
+    /// while a round has it reserved or once it was consumed.
+    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction>;
+    /// Quarantines every unreserved pending trace of `filter.prompt` created in
+    /// `[since, until)`; returns how many. `filter.status` and `before_id` are ignored.
+    async fn quarantine_traces(&self, filter: &TraceFilter, reason: &str) -> StoreResult<u64>;
+    /// Lifts a trace's quarantine: it is learned from again (a pending trace
+    /// rejoins the backlog). Idempotent: a trace not quarantined is unchanged.
+    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction>;
+    /// Deletes a trace that no version was learned from (with its reflections
+    /// in failed rounds); refused while a round has it reserved or once consumed.
+    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction>;
+    /// Per (version, time bucket) outcome aggregates of the prompt's traces
+    /// created in `[from, until)`; buckets are `bucket_secs` wide, aligned to
+    /// the Unix epoch. Read from the rollups every trace write maintains (the
+    /// partial minutes at the edges from the trace rows), so late feedback
+    /// counts at once; windows as [`crate::evaluate::outcomes::rollup_window`] keeps them.
+    /// Quarantined traces are left out: their rewards are not trusted.
+    async fn version_outcomes(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_secs: i64,
+    ) -> StoreResult<Vec<crate::evaluate::outcomes::OutcomeBucket>>;
+    /// Stores traces and remembers the key with their ids in ONE
+    /// transaction: an outage at any point leaves either both or neither, so
+    /// a retry either replays or stores — never twice, and never a key stuck
+    /// "in flight". A concurrent request with the same key waits for the
+    /// first to end. `Invalid` (nothing stored, key not remembered) as for
+    /// `insert_traces`.
+    async fn insert_traces_idempotent(
+        &self,
+        key: IdempotencyKey<'_>,
+        traces: &[ValidTrace],
+    ) -> StoreResult<IdempotentIngest>;
+    /// Deletes keys older than the retention; returns how many.
+    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64>;
+}
+
+#[async_trait]
+impl<D: Backend> TraceStore for SqlStore<D> {
+    async fn insert_traces(&self, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+        D::insert_traces(self, traces).await
+    }
+
+    async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>> {
+        sql::<D>(&format!("SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id WHERE t.id = $1"))
+            .bind(id)
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(trace_from_row::<D>)
+            .transpose()
+    }
+
+    async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
+        sql::<D>(&format!(
+            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
+             WHERE ($1 IS NULL OR p.name = $1)
+               AND ($2 IS NULL OR CASE WHEN $2 = 'quarantined' THEN t.quarantined_at IS NOT NULL
+                                       ELSE t.status = $2 AND t.quarantined_at IS NULL END)
+               AND ($3 IS NULL OR t.created_at >= $3) AND ($4 IS NULL OR t.created_at < $4)
+               AND ($5 IS NULL OR t.id < $5)
+             ORDER BY t.id DESC LIMIT $6"
+        ))
+        .bind(f.prompt.as_ref().map(|p| p.as_str()))
+        .bind(f.status.map(|s| s.as_str()))
+        .bind(f.since)
+        .bind(f.until)
+        .bind(f.before_id)
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, trace_from_row::<D>)
+        .await
+    }
+
+    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
+        let mut tx = self.writer.begin().await?;
+        let current: Option<Value> =
+            sql::<D>(&format!("SELECT feedback FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE")))
+                .bind(id)
+                .value(&mut tx, "feedback")
+                .await?;
+        let Some(current) = current else { return Ok(None) };
+        let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
+        let merged = serde_json::to_value(current.merged(feedback)).map_err(|_| corrupt("feedback"))?;
+        // Under the row lock: the old contribution out, the new one in, once.
+        rollups::account::<D>(&mut tx, &[id], Sign::Retract, Counted::Unquarantined).await?;
+        sql::<D>("UPDATE traces SET feedback = $1, updated_at = $2 WHERE id = $3")
+            .bind(json(&merged))
+            .bind(now())
+            .bind(id)
+            .execute(&mut tx)
+            .await?;
+        rollups::account::<D>(&mut tx, &[id], Sign::Credit, Counted::Unquarantined).await?;
+        tx.commit().await?;
+        self.get_trace(id).await
+    }
+
+    async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
+        let mut tx = self.writer.begin().await?;
+        let prompt = prompt_id::<D>(&mut tx, &req.prompt).await?;
+        let text = format!(
+            "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = $4
+             WHERE prompt_id = $1 AND status = 'failed' AND ($2 IS NULL OR {}) AND ($3 IS NULL OR created_at >= $3)
+             RETURNING id",
+            D::any_of("id", "$2")
+        );
+        let mut ids: Vec<Uuid> = sql::<D>(&text)
+            .bind(prompt)
+            .bind(Param::Ids(req.ids.as_deref()))
+            .bind(req.since)
+            .bind(now())
+            .map(&mut tx, |row| Cols::<D>(row).get("id"))
+            .await?;
+        if ids.is_empty() {
+            tx.commit().await?;
+        } else {
+            self.commit(tx, Change::RoundQueued).await?;
+        }
+        ids.sort();
+        Ok(ids)
+    }
+
+    async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
+        let mut tx = self.writer.begin().await?;
+        if let Some(refused) = lock_for_action::<D>(&mut tx, id, false).await? {
+            return Ok(refused);
+        }
+        let held: Vec<Uuid> = sql::<D>(
+            "UPDATE traces SET quarantined_at = $1, quarantine_reason = $2, updated_at = $1
+             WHERE id = $3 AND quarantined_at IS NULL RETURNING id",
+        )
+        .bind(now())
+        .bind(reason)
+        .bind(id)
+        .map(&mut tx, |row| Cols::<D>(row).get("id"))
+        .await?;
+        rollups::account::<D>(&mut tx, &held, Sign::Retract, Counted::All).await?;
+        tx.commit().await?;
+        Ok(TraceAction::found(self.get_trace(id).await?))
+    }
+
+    async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
+        let Some(prompt) = &f.prompt else { return Ok(0) };
+        let mut tx = self.writer.begin().await?;
+        let held: Vec<Uuid> = sql::<D>(
+            "UPDATE traces SET quarantined_at = $1, quarantine_reason = $2, updated_at = $1
+             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3) AND status = 'pending' AND round_id IS NULL
+               AND quarantined_at IS NULL
+               AND ($4 IS NULL OR created_at >= $4) AND ($5 IS NULL OR created_at < $5)
+             RETURNING id",
+        )
+        .bind(now())
+        .bind(reason)
+        .bind(prompt.as_str())
+        .bind(f.since)
+        .bind(f.until)
+        .map(&mut tx, |row| Cols::<D>(row).get("id"))
+        .await?;
+        // The rows this statement changed, whatever ran meanwhile: their rewards leave the rollups.
+        rollups::account::<D>(&mut tx, &held, Sign::Retract, Counted::All).await?;
+        tx.commit().await?;
+        Ok(held.len() as u64)
+    }
+
+    async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        let mut tx = self.writer.begin().await?;
+        let released: Vec<Uuid> = sql::<D>(
+            "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = $1
+             WHERE id = $2 AND quarantined_at IS NOT NULL RETURNING id",
+        )
+        .bind(now())
+        .bind(id)
+        .map(&mut tx, |row| Cols::<D>(row).get("id"))
+        .await?;
+        rollups::account::<D>(&mut tx, &released, Sign::Credit, Counted::All).await?;
+        tx.commit().await?;
+        Ok(TraceAction::found(self.get_trace(id).await?))
+    }
+
+    async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
+        let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
+        let mut tx = self.writer.begin().await?;
+        if let Some(refused) = lock_for_action::<D>(&mut tx, id, true).await? {
+            return Ok(refused);
+        }
+        // An operator's delete takes the trace's outcome with it (retention's does not).
+        rollups::account::<D>(&mut tx, &[id], Sign::Retract, Counted::Unquarantined).await?;
+        // Only rounds that ended without publishing can still name it; its OTLP
+        // spans go too (a re-sent span would then make a new trace).
+        for text in [
+            "DELETE FROM reflections WHERE trace_id = $1",
+            "DELETE FROM round_traces WHERE trace_id = $1",
+            "DELETE FROM otlp_spans WHERE trace_id = $1",
+            "DELETE FROM traces WHERE id = $1",
+        ] {
+            sql::<D>(text).bind(id).execute(&mut tx).await?;
+        }
+        tx.commit().await?;
+        Ok(TraceAction::Done(Box::new(trace)))
+    }
+
+    async fn version_outcomes(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+        bucket_secs: i64,
+    ) -> StoreResult<Vec<OutcomeBucket>> {
+        rollups::read_version_outcomes(self, prompt, from, until, bucket_secs).await
+    }
+
+    async fn insert_traces_idempotent(
+        &self,
+        key: IdempotencyKey<'_>,
+        traces: &[ValidTrace],
+    ) -> StoreResult<IdempotentIngest> {
+        D::insert_traces_idempotent(self, key, traces).await
+    }
+
+    async fn idempotency_purge(&self, older_than: DateTime<Utc>) -> StoreResult<u64> {
+        sql::<D>("DELETE FROM idempotency_keys WHERE created_at < $1")
+            .bind(older_than)
+            .execute(&mut *self.writer.acquire().await?)
+            .await
+    }
+}

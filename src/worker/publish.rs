@@ -1,0 +1,203 @@
+//! What publishing a finished round means, in one place: the label its version
+//! gets under the prompt's promotion policy, the version's provenance, the
+//! controller's round-time sample, the overload meter's counts, the traces
+//! charged for their own failures, and — under `evaluated` — the new version
+//! joining the population as a challenger. The worker loop only claims and runs
+//! rounds and hands a finished one here; [`Publication::of`] is the policy as
+//! plain data, [`publish`] carries it out against the store.
+
+use crate::{
+    domain::{LabelName, Promotion, Prompt, VersionSource, prompt::NewVersion},
+    evaluate::population::PopulationPolicy,
+    learn::{grouping::Method, round::RoundOutcome},
+    store::{DynStore, MeterCounts, StoreError, TraceCharges, TraceFault},
+};
+
+/// A finished round, as the publication policy decides it.
+#[derive(Debug, Clone)]
+pub struct Publication {
+    /// `production` under promotion `auto`; `candidate` otherwise.
+    pub label: LabelName,
+    pub version: NewVersion,
+    /// The round's wall time, when it describes the delay the controller models (Combee rounds).
+    pub sample_secs: Option<f64>,
+    /// The overload meter's counts of this round (empty when it has none).
+    pub meter: Vec<MeterCounts>,
+    /// Traces charged for their own failure (their reflection could not be obtained).
+    pub faults: Vec<TraceFault>,
+    /// Whether the version joins the population as a challenger (`evaluated`).
+    pub joins_population: bool,
+}
+
+/// What became of a publication.
+#[derive(Debug)]
+pub enum Published {
+    /// The version's number.
+    Version(i64),
+    /// Another worker owns the round now (its lease was lost): nothing was written.
+    LeaseLost,
+    /// The store refused or failed: the round should be retried or failed.
+    Failed(StoreError),
+}
+
+impl Publication {
+    /// The policy: which label, which provenance, what is recorded beside the version.
+    pub fn of(
+        prompt: &Prompt,
+        parent: i64,
+        round: uuid::Uuid,
+        outcome: &RoundOutcome,
+        elapsed_secs: f64,
+        by: &str,
+    ) -> Self {
+        let label = match prompt.promotion {
+            Promotion::Auto => LabelName::production(),
+            // A learned child is measured (evaluated) or reviewed (manual) before it may serve production.
+            Promotion::Manual | Promotion::Evaluated => LabelName::candidate(),
+        };
+        let record = &outcome.record;
+        let version = NewVersion {
+            parent: Some(parent),
+            source: VersionSource::Learned,
+            round_id: Some(round),
+            content: outcome.content.clone(),
+            message: format!(
+                "learned from {} traces ({} round, k = {}, p = {})",
+                record.n,
+                crate::domain::round::method_str(outcome.method),
+                record.k,
+                record.p
+            ),
+            created_by: by.to_owned(),
+        };
+        let meter = record.meter.as_ref().map_or_else(Vec::new, |m| {
+            m.buckets
+                .iter()
+                .map(|&(size_min, c)| MeterCounts { size_min, marked: c.marked, recaptured: c.recaptured, rounds: 1 })
+                .collect()
+        });
+        let faults = record
+            .unreflected
+            .iter()
+            .map(|u| TraceFault { trace_id: u.trace_id, reason: format!("reflection failed: {}", u.error) })
+            .collect();
+        Self {
+            label,
+            version,
+            // Only Combee rounds describe the delay the controller models.
+            sample_secs: (outcome.method == Method::Combee && record.n > 0).then_some(elapsed_secs),
+            meter,
+            faults,
+            joins_population: prompt.promotion == Promotion::Evaluated,
+        }
+    }
+}
+
+/// Carries a publication out: the meter first (once the round publishes, the
+/// scheduler may size the next round from it; what the groups kept is a
+/// measurement of the model whether or not publishing succeeds, and recording a
+/// round twice counts once), then the version, its label, the traces and the
+/// round's record in one fenced transaction, then the population.
+#[allow(clippy::too_many_arguments)]
+pub async fn publish(
+    store: &DynStore,
+    prompt: &Prompt,
+    round: uuid::Uuid,
+    attempt: i32,
+    publication: Publication,
+    detail: &serde_json::Value,
+    max_trace_attempts: i32,
+    population: &PopulationPolicy,
+    degraded_level2: bool,
+) -> Published {
+    if !publication.meter.is_empty()
+        && let Err(e) = store.record_meter_counts(&prompt.name, round, &publication.meter).await
+    {
+        tracing::warn!(error = %e, "the overload meter was not updated for this round");
+    }
+    let charges = TraceCharges { faults: publication.faults, max_trace_attempts };
+    let label = publication.label.clone();
+    let published = store
+        .publish_round(round, attempt, publication.version, label.clone(), detail, publication.sample_secs, &charges)
+        .await;
+    let version = match published {
+        Ok(v) => v,
+        Err(StoreError::Conflict) => return Published::LeaseLost,
+        Err(e) => return Published::Failed(e),
+    };
+    metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
+    if degraded_level2 {
+        metrics::counter!("combee_level2_degraded_total").increment(1);
+        tracing::warn!(
+            version = version.number,
+            "published with a degraded level 2 (the union where answers were unreadable)"
+        );
+    }
+    tracing::info!(version = version.number, label = %label, "round published");
+    if publication.joins_population
+        && let Err(e) =
+            super::population::add_challenger(store, &prompt.name, version.number, version.parent, population).await
+    {
+        tracing::error!(version = version.number, error = %e, "the learned version could not join the population");
+    }
+    Published::Version(version.number)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{PromptName, PromptSettings, Strategy, VersionContent};
+    use crate::learn::{
+        meter::{BucketCounts, MeterReading},
+        round::{OutcomeRecord, Unreflected},
+    };
+
+    fn prompt(promotion: Promotion) -> Prompt {
+        Prompt {
+            id: uuid::Uuid::nil(),
+            name: PromptName::parse("p").unwrap(),
+            strategy: Strategy::Playbook,
+            promotion,
+            settings: PromptSettings::default(),
+            created_at: chrono::Utc::now(),
+            created_by: "t".into(),
+        }
+    }
+
+    fn outcome(method: Method) -> RoundOutcome {
+        RoundOutcome {
+            content: VersionContent { base: "b".into(), playbook: None },
+            method,
+            strategy: Strategy::Playbook,
+            group_outputs: Vec::new(),
+            calls: Vec::new(),
+            record: OutcomeRecord {
+                n: 20,
+                k: 10,
+                p: 2,
+                unreflected: vec![Unreflected { trace_id: uuid::Uuid::from_u128(9), error: "bad".into() }],
+                meter: Some(MeterReading {
+                    buckets: vec![(4, BucketCounts { marked: 30, recaptured: 27 })],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn the_promotion_policy_picks_the_label_and_evaluated_versions_join_the_population() {
+        let round = uuid::Uuid::from_u128(1);
+        let auto = Publication::of(&prompt(Promotion::Auto), 3, round, &outcome(Method::Combee), 2.5, "worker:x");
+        assert_eq!((auto.label, auto.joins_population), (LabelName::production(), false));
+        assert_eq!((auto.version.parent, auto.version.round_id), (Some(3), Some(round)));
+        assert_eq!(auto.version.message, "learned from 20 traces (combee round, k = 10, p = 2)");
+        assert_eq!(auto.sample_secs, Some(2.5));
+        assert_eq!(auto.meter, vec![MeterCounts { size_min: 4, marked: 30, recaptured: 27, rounds: 1 }]);
+        assert_eq!(auto.faults.len(), 1);
+        let evaluated = Publication::of(&prompt(Promotion::Evaluated), 3, round, &outcome(Method::Combee), 1.0, "w");
+        assert_eq!((evaluated.label, evaluated.joins_population), (LabelName::candidate(), true));
+        let manual = Publication::of(&prompt(Promotion::Manual), 3, round, &outcome(Method::Sequential), 1.0, "w");
+        assert_eq!((manual.label, manual.joins_population, manual.sample_secs), (LabelName::candidate(), false, None));
+    }
+}
