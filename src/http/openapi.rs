@@ -162,9 +162,10 @@ fn finish_operation(path: &str, op: &mut Map<String, Value>) {
 fn page_token_pattern(path: &str) -> &'static str {
     match path {
         "/v1/prompts" => NAME_PATTERN,
-        "/v1/prompts/{name}/versions" | "/v1/webhooks/{id}/deliveries" | "/v1/prompts/{name}/labels/history" => {
-            "^[0-9]{1,18}$"
-        }
+        "/v1/prompts/{name}/versions"
+        | "/v1/webhooks/{id}/deliveries"
+        | "/v1/prompts/{name}/labels/history"
+        | "/v1/prompts/{name}/population" => "^[0-9]{1,18}$",
         _ => "^[0-9a-f]{32}$",
     }
 }

@@ -320,23 +320,32 @@ async fn served_arm(st: &AppState, name: &str, subject: Option<&str>) -> ApiResu
 pub struct PopulationView {
     pub prompt: String,
     pub promotion: Promotion,
-    /// Every arm, retired ones too, by version.
+    /// The arms of this page, retired ones too, by version.
     pub arms: Vec<PopulationArmView>,
+    /// More arms (newer versions) follow: pass this as `page_token`.
+    pub next_page_token: Option<String>,
 }
 
-#[utoipa::path(get, path = "/v1/prompts/{name}/population", tag = "prompts", params(("name" = String, Path)),
+#[utoipa::path(get, path = "/v1/prompts/{name}/population", tag = "prompts", params(("name" = String, Path), PageParams),
     responses((status = 200, body = PopulationView), (status = 404, body = super::error::Problem)),
     security(("bearer" = ["prompts:read"])))]
-/// The prompt's population under the `evaluated` policy: every arm with its
-/// state (champion, challenger, retired), TrueSkill rating, traffic weight
-/// and scored-trace count. Empty for prompts under `auto` or `manual`
-/// (they have no population until switched).
+/// The prompt's population under the `evaluated` policy, by version, one
+/// page at a time: every arm with its state (champion, challenger, retired),
+/// TrueSkill rating, traffic weight and scored-trace count. Empty for
+/// prompts under `auto` or `manual` (they have no population until switched).
 pub async fn get_population(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
+    ApiQuery(page): ApiQuery<PageParams>,
 ) -> ApiResult<Json<PopulationView>> {
     let prompt = existing_prompt(&st, &name).await?;
-    let arms = population::population(&st, &prompt).await?;
-    Ok(Json(PopulationView { prompt: prompt.name.to_string(), promotion: prompt.promotion, arms }))
+    let after = match page.cursor()? {
+        Some(c) => Some(c.parse::<i64>().map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
+        None => None,
+    };
+    let size = page.size(st.settings.limits.max_page_size);
+    let arms = population::population(&st, &prompt, after, size).await?;
+    let next_page_token = next_token(&arms, size, |a| a.arm.version.to_string());
+    Ok(Json(PopulationView { prompt: prompt.name.to_string(), promotion: prompt.promotion, arms, next_page_token }))
 }

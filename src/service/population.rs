@@ -67,7 +67,7 @@ pub fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &Populati
 pub async fn follow_production(store: &DynStore, prompt: &PromptName, policy: &PopulationPolicy) -> StoreResult<()> {
     let production = store.resolve(prompt, &Selector::Label(LabelName::production())).await?;
     let Some(champion) = production.map(|r| r.version.number) else { return Ok(()) };
-    let mut arms = store.population(prompt).await?;
+    let mut arms = store.live_arms(prompt, &[champion]).await?;
     if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {
         return Ok(());
     }
@@ -93,11 +93,17 @@ pub struct PopulationArmView {
     pub optimistic: f64,
 }
 
-/// Every arm of the prompt's population, retired ones too, by version.
-pub async fn population(st: &AppState, prompt: &Prompt) -> ServiceResult<Vec<PopulationArmView>> {
+/// One page of the prompt's population, retired arms too, by version: up to
+/// `limit` arms with versions above `after`.
+pub async fn population(
+    st: &AppState,
+    prompt: &Prompt,
+    after: Option<i64>,
+    limit: u32,
+) -> ServiceResult<Vec<PopulationArmView>> {
     Ok(st
         .store
-        .population(&prompt.name)
+        .population_page(&prompt.name, after, limit)
         .await?
         .into_iter()
         .map(|arm| PopulationArmView {

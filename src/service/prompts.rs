@@ -247,7 +247,7 @@ pub async fn served_arms(st: &AppState, name: &str) -> ServiceResult<Arc<ServedA
     let generation = st.cache.generation();
     let prompt = existing_prompt(st, name).await?;
     let served = if prompt.promotion == Promotion::Evaluated {
-        let population = st.store.population(&prompt.name).await?;
+        let population = st.store.live_arms(&prompt.name, &[]).await?;
         let champion = population.iter().find(|a| a.state == ArmState::Champion).map(|a| a.version);
         let arms = population
             .iter()

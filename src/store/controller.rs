@@ -47,7 +47,8 @@ pub trait ControllerStore: Send + Sync {
     /// Records one round's meter counts per bucket; recording the same round
     /// again changes nothing (`rounds` of the input is ignored).
     async fn record_meter_counts(&self, prompt: &PromptName, round: Uuid, counts: &[MeterCounts]) -> StoreResult<()>;
-    /// The prompt's meter: counts summed over its rounds, per bucket, smallest first.
+    /// The prompt's meter: counts summed over its rounds, per bucket, smallest
+    /// first (kept as running totals when rounds are recorded: O(buckets)).
     async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<MeterCounts>>;
 }
 
@@ -109,30 +110,49 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
     ) -> StoreResult<()> {
         let mut tx = self.writer.begin().await?;
         for c in counts {
-            sql::<D>(
+            let (size_min, marked, recaptured) = (
+                i32::try_from(c.size_min).unwrap_or(i32::MAX),
+                i64::try_from(c.marked).unwrap_or(i64::MAX),
+                i64::try_from(c.recaptured).unwrap_or(i64::MAX),
+            );
+            let recorded = sql::<D>(
                 "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured, created_at)
                  SELECT $1, id, $2, $3, $4, $5 FROM prompts WHERE name = $6
                  ON CONFLICT (round_id, size_min) DO NOTHING",
             )
             .bind(round)
-            .bind(i32::try_from(c.size_min).unwrap_or(i32::MAX))
-            .bind(i64::try_from(c.marked).unwrap_or(i64::MAX))
-            .bind(i64::try_from(c.recaptured).unwrap_or(i64::MAX))
+            .bind(size_min)
+            .bind(marked)
+            .bind(recaptured)
             .bind(now())
             .bind(prompt.as_str())
             .execute(&mut tx)
             .await?;
+            // The totals move only with a row recorded now: a round recorded twice counts once.
+            if recorded == 1 {
+                sql::<D>(
+                    "INSERT INTO meter_totals (prompt_id, size_min, marked, recaptured, rounds)
+                     SELECT id, $1, $2, $3, 1 FROM prompts WHERE name = $4
+                     ON CONFLICT (prompt_id, size_min) DO UPDATE SET marked = meter_totals.marked + excluded.marked,
+                        recaptured = meter_totals.recaptured + excluded.recaptured, rounds = meter_totals.rounds + 1",
+                )
+                .bind(size_min)
+                .bind(marked)
+                .bind(recaptured)
+                .bind(prompt.as_str())
+                .execute(&mut tx)
+                .await?;
+            }
         }
         tx.commit().await?;
         Ok(())
     }
 
     async fn meter_counts(&self, prompt: &PromptName) -> StoreResult<Vec<super::MeterCounts>> {
+        // The running totals (`meter_totals`), not a sum over every round ever recorded.
         sql::<D>(
-            "SELECT m.size_min, CAST(SUM(m.marked) AS BIGINT) AS marked, CAST(SUM(m.recaptured) AS BIGINT) AS recaptured,
-                    COUNT(*) AS rounds
-             FROM meter_counts m JOIN prompts p ON p.id = m.prompt_id WHERE p.name = $1
-             GROUP BY m.size_min ORDER BY m.size_min",
+            "SELECT size_min, marked, recaptured, rounds FROM meter_totals
+             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) ORDER BY size_min",
         )
         .bind(prompt.as_str())
         .map(&mut *self.reader.acquire().await?, |row| {

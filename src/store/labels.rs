@@ -47,7 +47,30 @@ pub trait LabelStore: Send + Sync {
         label: Option<&LabelName>,
         before: Option<i64>,
         limit: u32,
+    ) -> StoreResult<Vec<LabelHistoryEntry>> {
+        let query = LabelMoveQuery { label: label.cloned(), before, ..Default::default() };
+        self.label_moves(prompt, &query, limit).await
+    }
+    /// Up to `limit` of the prompt's label moves that match `query`, newest
+    /// first; each read walks an index on (prompt, label or kind, id), so it
+    /// costs what it returns, not the length of the history.
+    async fn label_moves(
+        &self,
+        prompt: &PromptName,
+        query: &LabelMoveQuery,
+        limit: u32,
     ) -> StoreResult<Vec<LabelHistoryEntry>>;
+}
+
+/// Which label moves to read (every condition given must hold).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LabelMoveQuery {
+    pub label: Option<LabelName>,
+    pub kind: Option<LabelMoveKind>,
+    pub from_version: Option<i64>,
+    pub to_version: Option<i64>,
+    /// Moves with ids below this one (the page cursor).
+    pub before: Option<i64>,
 }
 
 #[async_trait]
@@ -88,24 +111,42 @@ impl<D: Backend> LabelStore for SqlStore<D> {
         Ok(deleted.is_some())
     }
 
-    async fn label_history(
+    async fn label_moves(
         &self,
         prompt: &PromptName,
-        label: Option<&LabelName>,
-        before: Option<i64>,
+        query: &LabelMoveQuery,
         limit: u32,
     ) -> StoreResult<Vec<LabelHistoryEntry>> {
-        sql::<D>(
+        // Only the conditions given are in the text (no `$n IS NULL OR …`), so
+        // the planner sees which index serves them, on every execution.
+        let mut conditions = vec!["m.prompt_id = (SELECT id FROM prompts WHERE name = $1)".to_owned()];
+        let mut n = 2;
+        let mut next = |column: &str| {
+            let c = format!("{column} = ${n}");
+            n += 1;
+            c
+        };
+        let label = query.label.as_ref().map(|l| (next("m.label"), l.as_str()));
+        let kind = query.kind.map(|k| (next("m.kind"), k.as_str()));
+        let from = query.from_version.map(|v| (next("m.from_version"), v));
+        let to = query.to_version.map(|v| (next("m.to_version"), v));
+        let before = query.before.map(|id| (format!("m.id < ${n}"), id));
+        conditions.extend(label.iter().map(|(c, _)| c.clone()));
+        conditions.extend(kind.iter().map(|(c, _)| c.clone()));
+        conditions.extend(from.iter().chain(to.iter()).chain(before.iter()).map(|(c, _)| c.clone()));
+        let text = format!(
             "SELECT m.id, m.label, m.from_version, m.to_version, m.kind, m.actor, m.reason, m.evidence, m.at
-             FROM label_moves m JOIN prompts p ON p.id = m.prompt_id
-             WHERE p.name = $1 AND ($2 IS NULL OR m.label = $2) AND ($3 IS NULL OR m.id < $3)
-             ORDER BY m.id DESC LIMIT $4",
-        )
-        .bind(prompt.as_str())
-        .bind(label.map(LabelName::as_str))
-        .bind(before)
-        .bind(i64::from(limit))
-        .map(&mut *self.reader.acquire().await?, history_from_row::<D>)
-        .await
+             FROM label_moves m WHERE {} ORDER BY m.id DESC LIMIT {}",
+            conditions.join(" AND "),
+            limit.max(1)
+        );
+        let mut q = sql::<D>(&text).bind(prompt.as_str());
+        for (_, v) in label.iter().chain(kind.iter()) {
+            q = q.bind(*v);
+        }
+        for (_, v) in from.iter().chain(to.iter()).chain(before.iter()) {
+            q = q.bind(*v);
+        }
+        q.map(&mut *self.reader.acquire().await?, history_from_row::<D>).await
     }
 }

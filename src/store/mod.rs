@@ -34,7 +34,7 @@ use tokio::sync::broadcast;
 pub use controller::{ControllerSample, ControllerStore, MeterCounts};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
-pub use labels::LabelStore;
+pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
 pub use population::{PopulationStore, TaskRewards};
 pub use prompts::PromptStore;

@@ -11,6 +11,9 @@ use super::{
 };
 use crate::domain::{PromptName, population::PopulationArm};
 
+const ARM_COLUMNS: &str =
+    "a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until";
+
 /// The rewards of one version on one task (traces carrying `metadata.task_key`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TaskRewards {
@@ -34,11 +37,24 @@ pub trait PopulationStore: Send + Sync {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> StoreResult<Vec<TaskRewards>>;
-    /// The prompt's population (every arm, retired ones too), by version.
-    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>>;
+    /// The live arms of the prompt's population (champion and challengers),
+    /// and the arms of the versions in `also` whatever their state (a retired
+    /// arm production moved back to, a retired parent), by version. Retired
+    /// arms stay in the store as history; what the rater, the served arms and
+    /// a new arm's prior need costs O(live arms), however many there are.
+    async fn live_arms(&self, prompt: &PromptName, also: &[i64]) -> StoreResult<Vec<PopulationArm>>;
+    /// One page of the whole population, retired arms too: up to `limit`
+    /// arms with versions above `after`, by version.
+    async fn population_page(
+        &self,
+        prompt: &PromptName,
+        after: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<PopulationArm>>;
     /// Inserts or replaces these arms (by version) in one transaction, and
-    /// tells every process's cache (NOTIFY on Postgres). `NotFound` for an
-    /// unknown prompt, `Invalid` for a version it does not have.
+    /// tells every process's cache (NOTIFY on Postgres); arms not given are
+    /// left as they are. `NotFound` for an unknown prompt, `Invalid` for a
+    /// version it does not have.
     async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()>;
 }
 
@@ -53,14 +69,47 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
         super::rollups::read_task_rewards(self, prompt, from, until).await
     }
 
-    async fn population(&self, prompt: &PromptName) -> StoreResult<Vec<PopulationArm>> {
-        sql::<D>(
-            "SELECT a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents,
-                    a.rated_until
-             FROM population_arms a JOIN prompts p ON p.id = a.prompt_id
-             WHERE p.name = $1 ORDER BY a.version",
-        )
+    async fn live_arms(&self, prompt: &PromptName, also: &[i64]) -> StoreResult<Vec<PopulationArm>> {
+        let mut c = self.reader.acquire().await?;
+        // `state <> 'retired'` is the condition of the partial index `population_arms_live`.
+        let mut arms = sql::<D>(&format!(
+            "SELECT {ARM_COLUMNS} FROM population_arms a
+             WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND a.state <> 'retired' ORDER BY a.version"
+        ))
         .bind(prompt.as_str())
+        .map(&mut *c, arm_from_row::<D>)
+        .await?;
+        for v in also {
+            if arms.iter().any(|a| a.version == *v) {
+                continue;
+            }
+            let arm = sql::<D>(&format!(
+                "SELECT {ARM_COLUMNS} FROM population_arms a
+                 WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND a.version = $2"
+            ))
+            .bind(prompt.as_str())
+            .bind(*v)
+            .map(&mut *c, arm_from_row::<D>)
+            .await?;
+            arms.extend(arm);
+        }
+        arms.sort_by_key(|a| a.version);
+        Ok(arms)
+    }
+
+    async fn population_page(
+        &self,
+        prompt: &PromptName,
+        after: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<PopulationArm>> {
+        sql::<D>(&format!(
+            "SELECT {ARM_COLUMNS} FROM population_arms a
+             WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND a.version > $2 ORDER BY a.version LIMIT $3"
+        ))
+        .bind(prompt.as_str())
+        .bind(after.unwrap_or(i64::MIN))
+        .bind(i64::from(limit))
         .map(&mut *self.reader.acquire().await?, arm_from_row::<D>)
         .await
     }

@@ -106,8 +106,10 @@ impl Expiring {
     fn candidates(self) -> &'static str {
         match self {
             Self::RoundDetails => {
-                "SELECT r.id FROM rounds r WHERE r.finished_at IS NOT NULL AND r.finished_at < $1
-                   AND NOT EXISTS (SELECT 1 FROM round_summaries s WHERE s.round_id = r.id) ORDER BY r.finished_at"
+                // The condition of the partial index `rounds_detail_to_compact`: rounds
+                // compacted before are not in it, so finding a batch costs the batch.
+                "SELECT r.id FROM rounds r WHERE r.finished_at IS NOT NULL AND r.detail_compacted_at IS NULL
+                   AND r.finished_at < $1 ORDER BY r.finished_at"
             }
             Self::Events => {
                 "SELECT e.id FROM webhook_events e WHERE e.created_at < $1
@@ -271,6 +273,7 @@ impl<D: Backend> Retention for SqlStore<D> {
                     tx.rollback().await?;
                     return Ok(0);
                 }
+                let at = now();
                 sql::<D>(&format!(
                     "INSERT INTO round_summaries (round_id, calls, prompt_tokens, completion_tokens, cost_usd, retries,
                                                   compacted_at)
@@ -281,7 +284,7 @@ impl<D: Backend> Retention for SqlStore<D> {
                     D::any_of("r.id", "$1")
                 ))
                 .bind(Param::Ids(Some(&ids)))
-                .bind(now())
+                .bind(at)
                 .execute(&mut tx)
                 .await?;
                 sql::<D>(&format!("DELETE FROM llm_calls WHERE {}", D::any_of("round_id", "$1")))
@@ -292,10 +295,14 @@ impl<D: Backend> Retention for SqlStore<D> {
                     StoreKind::Postgres => "detail - 'group_outputs'",
                     StoreKind::Sqlite => "json_remove(detail, '$.group_outputs')",
                 };
-                sql::<D>(&format!("UPDATE rounds SET detail = {dropped} WHERE {}", D::any_of("id", "$1")))
-                    .bind(Param::Ids(Some(&ids)))
-                    .execute(&mut tx)
-                    .await?
+                sql::<D>(&format!(
+                    "UPDATE rounds SET detail = {dropped}, detail_compacted_at = $2 WHERE {}",
+                    D::any_of("id", "$1")
+                ))
+                .bind(Param::Ids(Some(&ids)))
+                .bind(at)
+                .execute(&mut tx)
+                .await?
             }
             Expiring::Events => {
                 sql::<D>(&format!("DELETE FROM webhook_events WHERE id IN ({batch})"))

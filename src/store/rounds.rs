@@ -534,15 +534,30 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         before: Option<Uuid>,
         limit: u32,
     ) -> StoreResult<Vec<Round>> {
-        sql::<D>(&format!(
-            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id
-             WHERE ($1 IS NULL OR p.name = $1) AND ($2 IS NULL OR r.id < $2) ORDER BY r.id DESC LIMIT $3"
-        ))
-        .bind(prompt.map(|p| p.as_str()))
-        .bind(before)
-        .bind(i64::from(limit))
-        .map(&mut *self.reader.acquire().await?, round_from_row::<D>)
-        .await
+        // Only the conditions given are in the text (no `$n IS NULL OR …`): one
+        // prompt's rounds come newest first from `rounds_by_prompt_id`, a page
+        // costs its rows however many rounds there are.
+        let mut conditions = Vec::new();
+        if prompt.is_some() {
+            conditions.push(format!("r.prompt_id = (SELECT id FROM prompts WHERE name = ${})", conditions.len() + 1));
+        }
+        if before.is_some() {
+            conditions.push(format!("r.id < ${}", conditions.len() + 1));
+        }
+        let filter = if conditions.is_empty() { String::new() } else { format!("WHERE {}", conditions.join(" AND ")) };
+        let text = format!(
+            "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id {filter}
+             ORDER BY r.id DESC LIMIT ${}",
+            conditions.len() + 1
+        );
+        let mut query = sql::<D>(&text);
+        if let Some(p) = prompt {
+            query = query.bind(p.as_str());
+        }
+        if let Some(id) = before {
+            query = query.bind(id);
+        }
+        query.bind(i64::from(limit)).map(&mut *self.reader.acquire().await?, round_from_row::<D>).await
     }
 
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>> {

@@ -15,7 +15,7 @@ use super::{
 use crate::{
     domain::{
         Feedback, PromptName, Trace,
-        trace::{RequeueFailed, TraceFilter, ValidTrace},
+        trace::{RequeueFailed, TraceFilter, TraceStatus, ValidTrace},
     },
     evaluate::outcomes::OutcomeBucket,
 };
@@ -156,23 +156,53 @@ impl<D: Backend> TraceStore for SqlStore<D> {
     }
 
     async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
-        sql::<D>(&format!(
-            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
-             WHERE ($1 IS NULL OR p.name = $1)
-               AND ($2 IS NULL OR CASE WHEN $2 = 'quarantined' THEN t.quarantined_at IS NOT NULL
-                                       ELSE t.status = $2 AND t.quarantined_at IS NULL END)
-               AND ($3 IS NULL OR t.created_at >= $3) AND ($4 IS NULL OR t.created_at < $4)
-               AND ($5 IS NULL OR t.id < $5)
-             ORDER BY t.id DESC LIMIT $6"
-        ))
-        .bind(f.prompt.as_ref().map(|p| p.as_str()))
-        .bind(f.status.map(|s| s.as_str()))
-        .bind(f.since)
-        .bind(f.until)
-        .bind(f.before_id)
-        .bind(i64::from(limit))
-        .map(&mut *self.reader.acquire().await?, trace_from_row::<D>)
-        .await
+        // Only the filters given are in the text, each in the form an index
+        // serves (`t.status = …` for `traces_by_prompt_status`, the partial
+        // index's own condition for quarantined ones), so a page costs about
+        // its rows, not a walk through every trace kept.
+        let mut conditions: Vec<String> = Vec::new();
+        let mut n = 0;
+        let mut next = || {
+            n += 1;
+            format!("${n}")
+        };
+        if f.prompt.is_some() {
+            conditions.push(format!("t.prompt_id = (SELECT id FROM prompts WHERE name = {})", next()));
+        }
+        match f.status {
+            Some(TraceStatus::Quarantined) => conditions.push("t.quarantined_at IS NOT NULL".into()),
+            Some(_) => conditions.push(format!("t.status = {} AND t.quarantined_at IS NULL", next())),
+            None => {}
+        }
+        if f.since.is_some() {
+            conditions.push(format!("t.created_at >= {}", next()));
+        }
+        if f.until.is_some() {
+            conditions.push(format!("t.created_at < {}", next()));
+        }
+        if f.before_id.is_some() {
+            conditions.push(format!("t.id < {}", next()));
+        }
+        let filter = if conditions.is_empty() { String::new() } else { format!("WHERE {}", conditions.join(" AND ")) };
+        let text = format!(
+            "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id {filter}
+             ORDER BY t.id DESC LIMIT {}",
+            next()
+        );
+        let mut q = sql::<D>(&text);
+        if let Some(p) = &f.prompt {
+            q = q.bind(p.as_str());
+        }
+        if let Some(status) = f.status.filter(|s| *s != TraceStatus::Quarantined) {
+            q = q.bind(status.as_str());
+        }
+        for at in [f.since, f.until].into_iter().flatten() {
+            q = q.bind(at);
+        }
+        if let Some(id) = f.before_id {
+            q = q.bind(id);
+        }
+        q.bind(i64::from(limit)).map(&mut *self.reader.acquire().await?, trace_from_row::<D>).await
     }
 
     async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {

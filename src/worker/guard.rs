@@ -27,7 +27,7 @@ use crate::{
     config::GuardSettings,
     domain::{LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName},
     evaluate::guard::{Comparison, GuardThresholds, WindowRewards, compare},
-    store::{DynStore, LabelMove, StoreError, StoreResult},
+    store::{DynStore, LabelMove, LabelMoveQuery, StoreError, StoreResult},
 };
 
 /// Who the guard's moves are recorded as.
@@ -55,10 +55,25 @@ pub enum GuardOutcome {
     Raced,
 }
 
-/// The part of the production history the rules need: the move that made the
-/// current production, and whether the guard may act on it.
-fn applicable(history: &[LabelHistoryEntry]) -> Result<(&LabelHistoryEntry, i64, i64), &'static str> {
-    let Some(current) = history.first() else { return Err("no recorded production move") };
+/// What the rules need of the production history: the move that made the
+/// current production, and two facts about the guard's own earlier moves
+/// (each read through an index, so a judgement costs the same however long
+/// the history grows).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProductionFacts {
+    /// The newest move of `production`.
+    pub current: LabelHistoryEntry,
+    /// The guard once rolled production back from the current version to the one it came from.
+    pub rolled_back_this_before: bool,
+    /// The guard rolled production back at any time before the current move.
+    pub guard_acted_before: bool,
+}
+
+/// Whether the guard may act on the current production, and if so the move
+/// that made it with the versions it came from and went to.
+fn applicable(facts: Option<&ProductionFacts>) -> Result<(&LabelHistoryEntry, i64, i64), &'static str> {
+    let Some(facts) = facts else { return Err("no recorded production move") };
+    let current = &facts.current;
     let (Some(from), Some(to)) = (current.from_version, current.to_version) else {
         return Err("production has no previous version");
     };
@@ -68,14 +83,10 @@ fn applicable(history: &[LabelHistoryEntry]) -> Result<(&LabelHistoryEntry, i64,
     if current.kind == LabelMoveKind::Rollback {
         return Err("an operator rolled back: going back to what they rolled back from would undo their judgement");
     }
-    if history
-        .iter()
-        .any(|m| m.kind == LabelMoveKind::GuardRollback && m.from_version == Some(to) && m.to_version == Some(from))
-    {
+    if facts.rolled_back_this_before {
         return Err("already rolled back once from this version to that one");
     }
-    let guard_acted_before = history[1..].iter().any(|m| m.kind == LabelMoveKind::GuardRollback);
-    if current.kind.by_operator() && guard_acted_before {
+    if current.kind.by_operator() && facts.guard_acted_before {
         return Err("an operator moved production after the guard's last action");
     }
     Ok((current, from, to))
@@ -122,19 +133,27 @@ impl RegressionGuard {
         }
     }
 
-    /// The whole history of `production`, newest first.
-    async fn production_history(&self, prompt: &PromptName) -> StoreResult<Vec<LabelHistoryEntry>> {
+    /// The facts the rules need (see [`ProductionFacts`]): three indexed
+    /// reads of at most one move each, never the whole history.
+    async fn production_facts(&self, prompt: &PromptName) -> StoreResult<Option<ProductionFacts>> {
         let production = LabelName::production();
-        let mut all = Vec::new();
-        loop {
-            let before = all.last().map(|m: &LabelHistoryEntry| m.id);
-            let page = self.store.label_history(prompt, Some(&production), before, 500).await?;
-            let done = page.len() < 500;
-            all.extend(page);
-            if done {
-                return Ok(all);
+        let newest = LabelMoveQuery { label: Some(production.clone()), ..Default::default() };
+        let Some(current) = self.store.label_moves(prompt, &newest, 1).await?.pop() else { return Ok(None) };
+        let guard_moves = LabelMoveQuery {
+            label: Some(production),
+            kind: Some(LabelMoveKind::GuardRollback),
+            before: Some(current.id),
+            ..Default::default()
+        };
+        let guard_acted_before = !self.store.label_moves(prompt, &guard_moves, 1).await?.is_empty();
+        let rolled_back_this_before = match (guard_acted_before, current.from_version, current.to_version) {
+            (true, Some(from), Some(to)) => {
+                let same = LabelMoveQuery { from_version: Some(to), to_version: Some(from), ..guard_moves };
+                !self.store.label_moves(prompt, &same, 1).await?.is_empty()
             }
-        }
+            _ => false,
+        };
+        Ok(Some(ProductionFacts { current, rolled_back_this_before, guard_acted_before }))
     }
 
     async fn rewards(
@@ -151,8 +170,8 @@ impl RegressionGuard {
 
     /// Judges one prompt at `now`, and rolls it back when the evidence says so.
     pub async fn judge(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<GuardOutcome> {
-        let history = self.production_history(prompt).await?;
-        let (current, previous, production) = match applicable(&history) {
+        let facts = self.production_facts(prompt).await?;
+        let (current, previous, production) = match applicable(facts.as_ref()) {
             Ok(found) => found,
             Err(why) => return Ok(GuardOutcome::NotApplicable(why)),
         };
@@ -235,35 +254,52 @@ mod tests {
         }
     }
 
+    /// The facts as the store's indexed reads give them, from a whole history (newest first).
+    fn facts(history: &[LabelHistoryEntry]) -> Option<ProductionFacts> {
+        let current = history.first()?.clone();
+        let guard = |m: &&LabelHistoryEntry| m.kind == LabelMoveKind::GuardRollback && m.id < current.id;
+        let guard_acted_before = history.iter().any(|m| guard(&m));
+        let rolled_back_this_before = history
+            .iter()
+            .filter(guard)
+            .any(|m| m.from_version == current.to_version && m.to_version == current.from_version);
+        Some(ProductionFacts { current, rolled_back_this_before, guard_acted_before })
+    }
+
+    fn verdict(history: &[LabelHistoryEntry]) -> Result<(i64, i64), &'static str> {
+        let facts = facts(history);
+        applicable(facts.as_ref()).map(|(_, f, t)| (f, t))
+    }
+
     #[test]
     fn the_rules_decide_when_the_guard_may_act() {
         use LabelMoveKind::*;
-        assert!(applicable(&[]).is_err());
-        assert!(applicable(&[entry(1, Create, None, Some(1))]).is_err());
+        assert!(verdict(&[]).is_err());
+        assert!(verdict(&[entry(1, Create, None, Some(1))]).is_err());
         // An automatic publish, and an operator's promotion before the guard ever acted, are guarded.
         let auto = [entry(2, AutoPublish, Some(1), Some(2)), entry(1, Create, None, Some(1))];
-        assert_eq!(applicable(&auto).map(|(_, f, t)| (f, t)), Ok((1, 2)));
+        assert_eq!(verdict(&auto), Ok((1, 2)));
         let manual = [entry(2, Promote, Some(1), Some(2)), entry(1, Create, None, Some(1))];
-        assert!(applicable(&manual).is_ok());
+        assert!(verdict(&manual).is_ok());
         // Never the same rollback twice: v2 came back by auto-publish after the guard took it out once.
         let again = [
             entry(4, AutoPublish, Some(1), Some(2)),
             entry(3, GuardRollback, Some(2), Some(1)),
             entry(2, AutoPublish, Some(1), Some(2)),
         ];
-        assert!(applicable(&again).is_err());
+        assert!(verdict(&again).is_err());
         // Where the guard put production, it stays; an operator's rollback is never undone.
-        assert!(applicable(&again[1..]).is_err());
-        assert!(applicable(&[entry(2, Rollback, Some(2), Some(3)), entry(1, Create, None, Some(1))]).is_err());
+        assert!(verdict(&again[1..]).is_err());
+        assert!(verdict(&[entry(2, Rollback, Some(2), Some(3)), entry(1, Create, None, Some(1))]).is_err());
         // An operator's move after the guard's last action is respected...
         let overridden = [entry(4, Promote, Some(1), Some(3)), entry(3, GuardRollback, Some(2), Some(1))];
-        assert!(applicable(&overridden).is_err());
+        assert!(verdict(&overridden).is_err());
         // ...but a later automatic publish is guarded again.
         let republished = [
             entry(5, AutoPublish, Some(3), Some(4)),
             entry(4, Promote, Some(1), Some(3)),
             entry(3, GuardRollback, Some(2), Some(1)),
         ];
-        assert_eq!(applicable(&republished).map(|(_, f, t)| (f, t)), Ok((3, 4)));
+        assert_eq!(verdict(&republished), Ok((3, 4)));
     }
 }

@@ -103,8 +103,8 @@ pub async fn add_crossover_child(
     .await
 }
 
-/// A new arm joins: its prior from its parents' current ratings (parents no
-/// longer in the population count at the default prior), the weakest
+/// A new arm joins: its prior from its parents' current ratings (a parent
+/// that never was an arm counts at the default prior), the weakest
 /// challenger retired while there are more than `max_arms`, weights saved.
 async fn join(
     store: &DynStore,
@@ -116,7 +116,8 @@ async fn join(
 ) -> StoreResult<Vec<PopulationArm>> {
     let champion = production_version(store, prompt).await?.ok_or(StoreError::NotFound)?;
     let policy = &policy_of(store, prompt, policy).await?;
-    let mut arms = store.population(prompt).await?;
+    let also: Vec<i64> = std::iter::once(champion).chain(parents.iter().copied()).collect();
+    let mut arms = store.live_arms(prompt, &also).await?;
     reconcile(&mut arms, champion, policy);
     let rated: Vec<Rating> =
         parents.iter().map(|p| arms.iter().find(|a| a.version == *p).map_or(Rating::default(), |a| a.rating)).collect();
@@ -232,6 +233,67 @@ pub fn matched_rewards(tasks: &[TaskRewards], versions: &[i64], min_keys: usize)
     Some(versions.iter().map(|v| shared.iter().map(|m| m[v]).sum::<f64>() / shared.len() as f64).collect())
 }
 
+/// Whether a population never rated may have its first window rated in the
+/// tick at `now`: each prompt has a slot among the `window_secs / tick_secs`
+/// ticks of a window (from a hash of its name), so populations that start
+/// together are rated in different ticks, and stay apart (each next window is
+/// due one window after the last).
+pub fn first_window_due(prompt: &PromptName, now: DateTime<Utc>, tick_secs: u64, window_secs: u64) -> bool {
+    let slots = (window_secs / tick_secs.max(1)).max(1);
+    let digest = Sha256::new().chain_update(b"rating slot").chain_update(prompt.as_str().as_bytes()).finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    let tick = now.timestamp().max(0) as u64 / tick_secs.max(1);
+    u64::from_le_bytes(first) % slots == tick % slots
+}
+
+/// Where one rating tick's time went: per phase, summed over its prompts.
+/// `check`: whether a prompt's window is due (its prompt, production, live
+/// arms); `read`: a due window's outcomes, task rewards and production's last
+/// move; `save`: ratings, weights and a gate's move; `crossover`: the attempt
+/// after a rated window, of which `crossover_llm` waited on its LLM call.
+/// Each is O(live arms + the window's buckets) per prompt.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TickPhases {
+    pub list: Duration,
+    pub check: Duration,
+    pub read: Duration,
+    pub save: Duration,
+    pub crossover: Duration,
+    pub crossover_llm: Duration,
+    /// Prompts checked, and windows rated.
+    pub checked: u64,
+    pub rated: u64,
+}
+
+impl TickPhases {
+    /// Into `/metrics` (`combee_rater_phase_seconds{phase}`, `combee_rater_windows_total`) and a debug line.
+    fn record(&self, total: Duration) {
+        for (phase, d) in [
+            ("list", self.list),
+            ("check", self.check),
+            ("read", self.read),
+            ("save", self.save),
+            ("crossover", self.crossover),
+            ("crossover_llm", self.crossover_llm),
+        ] {
+            metrics::histogram!("combee_rater_phase_seconds", "phase" => phase).record(d.as_secs_f64());
+        }
+        metrics::counter!("combee_rater_windows_total").increment(self.rated);
+        tracing::debug!(
+            secs = total.as_secs_f64(),
+            checked = self.checked,
+            rated = self.rated,
+            check = self.check.as_secs_f64(),
+            read = self.read.as_secs_f64(),
+            save = self.save.as_secs_f64(),
+            crossover = self.crossover.as_secs_f64(),
+            crossover_llm = self.crossover_llm.as_secs_f64(),
+            "population rating tick"
+        );
+    }
+}
+
 #[derive(Clone)]
 pub struct PopulationRater {
     store: DynStore,
@@ -332,28 +394,36 @@ impl PopulationRater {
                 _ = tick.tick() => {}
             }
             let started = std::time::Instant::now();
-            if let Err(e) = self.tick(Utc::now()).await {
-                tracing::warn!(error = %e, "population rating tick failed");
+            match self.tick(Utc::now()).await {
+                Ok(phases) => phases.record(started.elapsed()),
+                Err(e) => tracing::warn!(error = %e, "population rating tick failed"),
             }
             metrics::histogram!("combee_rater_tick_seconds").record(started.elapsed().as_secs_f64());
         }
     }
 
-    /// Rates every `evaluated` prompt once.
-    pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<()> {
+    /// Rates every `evaluated` prompt whose window is due, once; where the
+    /// time went. A population never rated before waits for its slot (see
+    /// [`first_window_due`]), so prompts created together are rated in
+    /// different ticks and every tick rates about `tick_secs / window_secs`
+    /// of them.
+    pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<TickPhases> {
+        let mut phases = TickPhases::default();
         let mut after: Option<String> = None;
         loop {
+            let listed = std::time::Instant::now();
             let page = self.store.list_prompts(after.as_deref(), PAGE).await?;
+            phases.list += listed.elapsed();
             for p in &page {
                 if p.prompt.promotion != Promotion::Evaluated {
                     continue;
                 }
-                if let Err(e) = self.rate(&p.prompt.name, now).await {
+                if let Err(e) = self.rate_timed(&p.prompt.name, now, true, &mut phases).await {
                     tracing::warn!(prompt = %p.prompt.name, error = %e, "could not rate the population");
                 }
             }
             if page.len() < PAGE as usize {
-                return Ok(());
+                return Ok(phases);
             }
             after = page.last().map(|p| p.prompt.name.to_string());
         }
@@ -365,10 +435,30 @@ impl PopulationRater {
     /// an LLM) maybe a crossover of the window's winners, whose failure is
     /// logged and counted but does not fail the rating.
     pub async fn rate(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<RatingOutcome> {
-        let outcome = self.rate_window(prompt, now).await?;
-        if outcome != RatingOutcome::WindowOpen && self.breeder.is_some() {
+        self.rate_timed(prompt, now, false, &mut TickPhases::default()).await
+    }
+
+    /// [`Self::rate`], adding where the time went to `phases`; with
+    /// `stagger`, a population never rated waits for its slot.
+    async fn rate_timed(
+        &self,
+        prompt: &PromptName,
+        now: DateTime<Utc>,
+        stagger: bool,
+        phases: &mut TickPhases,
+    ) -> StoreResult<RatingOutcome> {
+        phases.checked += 1;
+        let outcome = self.rate_window(prompt, now, stagger, phases).await?;
+        if outcome == RatingOutcome::WindowOpen {
+            return Ok(outcome);
+        }
+        phases.rated += 1;
+        if self.breeder.is_some() {
             let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
-            match self.cross(prompt, from, now).await {
+            let started = std::time::Instant::now();
+            let crossed = self.cross_timed(prompt, from, now, &mut phases.crossover_llm).await;
+            phases.crossover += started.elapsed();
+            match crossed {
                 Ok(done) => {
                     metrics::counter!("combee_crossover_total", "outcome" => done.label()).increment(1);
                     if let CrossoverOutcome::Bred { version, parents, rating } = &done {
@@ -398,6 +488,18 @@ impl PopulationRater {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> Result<CrossoverOutcome, CrossoverError> {
+        let mut llm = Duration::ZERO;
+        self.cross_timed(prompt, from, until, &mut llm).await
+    }
+
+    /// [`Self::cross`], adding the time of its LLM call to `llm`.
+    async fn cross_timed(
+        &self,
+        prompt: &PromptName,
+        from: DateTime<Utc>,
+        until: DateTime<Utc>,
+        llm: &mut Duration,
+    ) -> Result<CrossoverOutcome, CrossoverError> {
         let Some(breeder) = &self.breeder else { return Ok(CrossoverOutcome::NotDrawn) };
         let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
         let policy = p.settings.population.applied_to(&self.settings.policy());
@@ -408,7 +510,7 @@ impl PopulationRater {
             return Ok(CrossoverOutcome::NotPlaybook);
         }
         let champion = production_version(&self.store, prompt).await?.ok_or(StoreError::NotFound)?;
-        let arms = self.store.population(prompt).await?;
+        let arms = self.store.live_arms(prompt, &[]).await?;
         let mut live: Vec<&PopulationArm> = arms.iter().filter(|a| a.state != ArmState::Retired).collect();
         live.sort_by_key(|a| a.version);
         let versions: Vec<i64> = live.iter().map(|a| a.version).collect();
@@ -434,6 +536,7 @@ impl PopulationRater {
             .map(|v| Winner { version: v.number, content: &v.content, won: won[&v.number].clone() })
             .collect();
         let mut calls = Vec::new();
+        let asked = std::time::Instant::now();
         let selection = crossover::select(
             breeder.backend.as_ref(),
             &breeder.llm,
@@ -442,7 +545,9 @@ impl PopulationRater {
             &winners,
             &mut calls,
         )
-        .await?;
+        .await;
+        *llm += asked.elapsed();
+        let selection = selection?;
         let budget = Budget {
             max_bullets: p.settings.max_bullets,
             max_chars: p.settings.max_chars,
@@ -531,19 +636,33 @@ impl PopulationRater {
             .map(|m| (now - m.at).num_seconds().max(0) as u64 / self.settings.window_secs.max(1)))
     }
 
-    async fn rate_window(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<RatingOutcome> {
+    async fn rate_window(
+        &self,
+        prompt: &PromptName,
+        now: DateTime<Utc>,
+        stagger: bool,
+        phases: &mut TickPhases,
+    ) -> StoreResult<RatingOutcome> {
+        let started = std::time::Instant::now();
         let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
         let policy = own.settings.population.applied_to(&self.settings.policy());
         let Some(champion) = production_version(&self.store, prompt).await? else {
             return Err(StoreError::NotFound);
         };
-        let mut arms = self.store.population(prompt).await?;
+        let mut arms = self.store.live_arms(prompt, &[champion]).await?;
+        phases.check += started.elapsed();
         reconcile(&mut arms, champion, &policy);
         let w = chrono::Duration::seconds(self.settings.window_secs as i64);
         let from = now - w;
-        if arms.iter().filter_map(|a| a.rated_until).any(|t| t > from) {
+        let last_rated = arms.iter().filter_map(|a| a.rated_until).max();
+        if last_rated.is_some_and(|t| t > from)
+            || (stagger
+                && last_rated.is_none()
+                && !first_window_due(prompt, now, self.settings.tick_secs, self.settings.window_secs))
+        {
             return Ok(RatingOutcome::WindowOpen);
         }
+        let started = std::time::Instant::now();
         let buckets = self.store.version_outcomes(prompt, from, now, self.settings.window_secs as i64).await?;
         // Rank the live arms with enough scored traces in this window.
         let mut ranked: Vec<(usize, f64)> = Vec::new();
@@ -585,6 +704,8 @@ impl PopulationRater {
             return Err(StoreError::Corrupt("the champion is not a live arm".into()));
         };
         let since_move = self.windows_since_move(prompt, now).await?;
+        phases.read += started.elapsed();
+        let started = std::time::Instant::now();
         let decision = gate(&champ, &live, &policy, since_move);
         let GateDecision::Promote {
             challenger,
@@ -597,6 +718,7 @@ impl PopulationRater {
         else {
             reconcile(&mut arms, champion, &policy);
             self.store.save_population(prompt, &arms).await?;
+            phases.save += started.elapsed();
             return Ok(RatingOutcome::Rated { ranked: ranked_versions, basis, gate: decision });
         };
         // Save the ratings first: they are the evidence, whatever happens to the move.
@@ -625,7 +747,9 @@ impl PopulationRater {
             by: GATE_ACTOR.to_owned(),
         };
         let cause = MoveCause::new(LabelMoveKind::GatePromote, reason.clone()).with_evidence(evidence);
-        match self.store.move_label_because(prompt, &mv, &cause).await {
+        let moved = self.store.move_label_because(prompt, &mv, &cause).await;
+        phases.save += started.elapsed();
+        match moved {
             Ok(_) => {
                 tracing::info!(%prompt, from = champion, to = challenger, %reason, "promotion gate moved production");
                 reconcile(&mut arms, challenger, &policy);

@@ -65,10 +65,10 @@ async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
     let s = ts.store.clone();
     evaluated_prompt(&s, "p", 4).await;
     assert_eq!(s.get_prompt(&name("p")).await.unwrap().unwrap().promotion, Promotion::Evaluated);
-    assert!(s.population(&name("p")).await.unwrap().is_empty());
+    assert!(s.population_page(&name("p"), None, 1000).await.unwrap().is_empty());
     let policy = PopulationSettings { max_arms: 2, ..Default::default() }.policy();
     add_challenger(&s, &name("p"), 2, Some(1), &policy).await.unwrap();
-    let arms = s.population(&name("p")).await.unwrap();
+    let arms = s.population_page(&name("p"), None, 1000).await.unwrap();
     assert_eq!(arms.len(), 2);
     assert_eq!((arm(&arms, 1).state, arm(&arms, 1).rating), (ArmState::Champion, Rating::default()));
     let child = arm(&arms, 2);
@@ -86,7 +86,7 @@ async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
     weaker.iter_mut().find(|a| a.version == 2).unwrap().rating = Rating { mu: 20.0, sigma: 2.0 };
     s.save_population(&name("p"), &weaker).await.unwrap();
     add_challenger(&s, &name("p"), 3, Some(2), &policy).await.unwrap();
-    let arms = s.population(&name("p")).await.unwrap();
+    let arms = s.population_page(&name("p"), None, 1000).await.unwrap();
     assert_eq!(arm(&arms, 3).rating.mu, 20.0);
     assert!((arm(&arms, 3).rating.sigma - 5f64.sqrt()).abs() < 1e-9);
     // v3 measures well (μ−2σ = 28), v2 badly (16); a third challenger with
@@ -95,7 +95,7 @@ async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
     measured.iter_mut().find(|a| a.version == 3).unwrap().rating = Rating { mu: 30.0, sigma: 1.0 };
     s.save_population(&name("p"), &measured).await.unwrap();
     add_challenger(&s, &name("p"), 4, Some(1), &policy).await.unwrap();
-    let arms = s.population(&name("p")).await.unwrap();
+    let arms = s.population_page(&name("p"), None, 1000).await.unwrap();
     assert_eq!(arm(&arms, 2).state, ArmState::Retired);
     assert_eq!(arm(&arms, 2).weight, 0.0);
     assert_eq!((arm(&arms, 3).state, arm(&arms, 4).state), (ArmState::Challenger, ArmState::Challenger));
@@ -107,7 +107,7 @@ async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
     ghost.version = 99;
     assert!(matches!(s.save_population(&name("p"), &[ghost.clone()]).await, Err(StoreError::Invalid(_))));
     assert!(matches!(s.save_population(&name("nope"), &[ghost]).await, Err(StoreError::NotFound)));
-    assert_eq!(s.population(&name("p")).await.unwrap().len(), 4);
+    assert_eq!(s.population_page(&name("p"), None, 1000).await.unwrap().len(), 4);
 }
 
 /// Sticky assignment over the weights the store holds: the same subject
@@ -120,7 +120,7 @@ async fn sticky_shares_follow_the_stored_weights(b: Backend) {
     let policy = PopulationSettings::default().policy();
     add_challenger(&s, &name("p"), 2, Some(1), &policy).await.unwrap();
     add_challenger(&s, &name("p"), 3, Some(1), &policy).await.unwrap();
-    let weights = live_weights(&s.population(&name("p")).await.unwrap());
+    let weights = live_weights(&s.population_page(&name("p"), None, 1000).await.unwrap());
     assert_eq!(weights.len(), 3);
     // v1 champion 0.8; the challenger with the highest μ+2σ gets the bonus, the other the floor.
     assert!((weights[0].1 - 0.8).abs() < 1e-9, "{weights:?}");
@@ -131,7 +131,7 @@ async fn sticky_shares_follow_the_stored_weights(b: Backend) {
         let first = sticky_arm(&subject, "p", &weights).unwrap();
         // Read again from the store: the same answer.
         if i % 1000 == 0 {
-            let again = live_weights(&s.population(&name("p")).await.unwrap());
+            let again = live_weights(&s.population_page(&name("p"), None, 1000).await.unwrap());
             assert_eq!(sticky_arm(&subject, "p", &again), Some(first));
         }
         counts[first] += 1;
@@ -177,7 +177,7 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     // The three arms ran tasks t0..t11 in common: they are compared on those.
     assert_eq!(basis, Basis::SharedTasks);
     assert!(matches!(gate, GateDecision::ChampionUnderSampled { traces: 30, needed: 50 }), "{gate:?}");
-    let arms = s.population(&name("p")).await.unwrap();
+    let arms = s.population_page(&name("p"), None, 1000).await.unwrap();
     assert!(arm(&arms, 2).rating.mu > 25.0 && arm(&arms, 1).rating.mu < arm(&arms, 2).rating.mu, "{arms:?}");
     assert!(arm(&arms, 3).rating.mu < arm(&arms, 1).rating.mu, "{arms:?}");
     assert_eq!(arm(&arms, 2).scored_traces, 30);
@@ -187,7 +187,7 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     assert_eq!(prod().await, 1, "nothing is promoted before the gate's evidence");
     // The same window is not rated twice.
     assert_eq!(rater.rate(&name("p"), t1).await.unwrap(), RatingOutcome::WindowOpen);
-    assert_eq!(arm(&s.population(&name("p")).await.unwrap(), 2).scored_traces, 30);
+    assert_eq!(arm(&s.population_page(&name("p"), None, 1000).await.unwrap(), 2).scored_traces, 30);
 
     // Window 2: 30 more each: both now have 60 scored traces; v2 is promoted.
     let mut second = batch("p", 1, 30, 0.5);
@@ -197,7 +197,7 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     let out = rater.rate(&name("p"), t2).await.unwrap();
     assert_eq!(out, RatingOutcome::Promoted { from: 1, to: 2 });
     assert_eq!(prod().await, 2);
-    let arms = s.population(&name("p")).await.unwrap();
+    let arms = s.population_page(&name("p"), None, 1000).await.unwrap();
     assert_eq!((arm(&arms, 2).state, arm(&arms, 1).state), (ArmState::Champion, ArmState::Challenger));
     assert!((arm(&arms, 2).weight - 0.8).abs() < 1e-9, "{arms:?}");
     assert_eq!((arm(&arms, 1).scored_traces, arm(&arms, 2).scored_traces), (60, 60));
@@ -260,7 +260,7 @@ async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) 
     let until = chrono::Utc::now() + chrono::Duration::minutes(1);
     let rewards = again.task_rewards(&name("old"), until - chrono::Duration::hours(1), until).await.unwrap();
     assert_eq!(rewards.len(), 3);
-    assert!(again.population(&name("old")).await.unwrap().is_empty());
+    assert!(again.population_page(&name("old"), None, 1000).await.unwrap().is_empty());
     // `evaluated` is accepted now.
     evaluated_prompt(&again, "new", 1).await;
     if b == Backend::Sqlite {
@@ -362,7 +362,7 @@ async fn crossover_makes_a_child_from_two_arms_that_won_different_tasks(b: Backe
     assert_eq!(lessons, ["INSIGHT-units: convert to SI first", "INSIGHT-dates: use ISO 8601 dates"]);
     assert!(child.message.contains("v1, v2"), "{}", child.message);
 
-    let arms = s.population(&name("x")).await.unwrap();
+    let arms = s.population_page(&name("x"), None, 1000).await.unwrap();
     let c = arm(&arms, 3);
     assert_eq!((c.state, c.created_from, c.parents.as_slice()), (ArmState::Challenger, Some(1), [1, 2].as_slice()));
     // μ = precision-weighted mean of the parents' μ (after this window's update), σ = √(1/Σσᵢ⁻² + 1).
@@ -421,7 +421,7 @@ async fn migration_0014_reads_old_arms_parents_and_accepts_crossover_versions(b:
             sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
         }
     }
-    let arms = s.population(&name("old")).await.unwrap();
+    let arms = s.population_page(&name("old"), None, 1000).await.unwrap();
     assert_eq!((arm(&arms, 1).parents.clone(), arm(&arms, 2).parents.clone()), (vec![], vec![1]));
     let crossed = NewVersion { source: VersionSource::Crossover, ..version("v3", Some(1)) };
     let mv = combee::store::LabelMove {
@@ -439,7 +439,63 @@ async fn migration_0014_reads_old_arms_parents_and_accepts_crossover_versions(b:
     assert_eq!(history[0].kind, LabelMoveKind::Crossover);
 }
 
+/// Retired arms stay in the store as history but off the hot path: the live
+/// arms (what the rater, the served arms and a new arm's prior read) are the
+/// champion and the challengers, plus any version asked for by name; the
+/// whole population reads page by page; production moved back to a retired
+/// arm brings it back with the rating it had.
+async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 12).await;
+    let policy = PopulationSettings { max_arms: 2, ..Default::default() }.policy();
+    for v in 2..=12 {
+        add_challenger(&s, &name("p"), v, Some(1), &policy).await.unwrap();
+    }
+    let live = s.live_arms(&name("p"), &[]).await.unwrap();
+    assert_eq!(live.len(), 3, "the champion and max_arms challengers: {live:?}");
+    assert!(live.iter().all(|a| a.state != ArmState::Retired), "{live:?}");
+    assert!(live.iter().any(|a| a.version == 12), "the newest stays: {live:?}");
+    // The whole population, page by page, by version: every arm once.
+    let mut all = Vec::new();
+    let mut after = None;
+    loop {
+        let page = s.population_page(&name("p"), after, 5).await.unwrap();
+        after = page.last().map(|a| a.version);
+        let done = page.len() < 5;
+        all.extend(page);
+        if done {
+            break;
+        }
+    }
+    assert_eq!(all.iter().map(|a| a.version).collect::<Vec<_>>(), (1..=12).collect::<Vec<_>>());
+    let retired: Vec<i64> = all.iter().filter(|a| a.state == ArmState::Retired).map(|a| a.version).collect();
+    assert_eq!(retired.len(), 9);
+    // A retired arm asked for by name comes with the live ones.
+    let with_retired = s.live_arms(&name("p"), &[retired[0], 404]).await.unwrap();
+    assert_eq!(with_retired.len(), 4, "{with_retired:?}");
+    assert_eq!(arm(&with_retired, retired[0]).state, ArmState::Retired);
+    // It measured well once; production goes back to it: it is the champion again, with its rating.
+    let mut old = arm(&with_retired, retired[0]).clone();
+    old.rating = Rating { mu: 31.0, sigma: 1.5 };
+    s.save_population(&name("p"), &[old.clone()]).await.unwrap();
+    let mv = combee::store::LabelMove {
+        label: LabelName::production(),
+        to_version: old.version,
+        expected_current: Some(1),
+        check_current: true,
+        by: "t".into(),
+    };
+    s.move_label(&name("p"), &mv).await.unwrap();
+    combee::service::population::follow_production(&s, &name("p"), &policy).await.unwrap();
+    let live = s.live_arms(&name("p"), &[]).await.unwrap();
+    let back = arm(&live, old.version);
+    assert_eq!((back.state, back.rating), (ArmState::Champion, Rating { mu: 31.0, sigma: 1.5 }));
+    assert_eq!(arm(&live, 1).state, ArmState::Challenger, "the old champion competes on");
+}
+
 on_both_stores!(
+    retired_arms_stay_as_history_off_the_hot_path,
     crossover_makes_a_child_from_two_arms_that_won_different_tasks,
     migration_0014_reads_old_arms_parents_and_accepts_crossover_versions,
     migration_0013_keeps_existing_prompts_and_their_references,
@@ -519,10 +575,18 @@ mod http {
         assert_eq!(arms[1]["created_from"], 1);
         assert!((arms[0]["weight"].as_f64().unwrap() - 0.5).abs() < 1e-9);
         assert!(arms[1]["rating"]["sigma"].as_f64().unwrap() > 25.0 / 3.0);
+        assert!(pop["next_page_token"].is_null(), "{pop}");
         expect_problem(app.get("/v1/prompts/nope/population").send().await.unwrap(), 404).await;
+        // Page by page, by version.
+        let page: Value = app.get("/v1/prompts/p/population?page_size=1").send().await.unwrap().json().await.unwrap();
+        assert_eq!((page["arms"][0]["version"].as_i64(), page["next_page_token"].as_str()), (Some(1), Some("1")));
+        let page: Value =
+            app.get("/v1/prompts/p/population?page_size=1&page_token=1").send().await.unwrap().json().await.unwrap();
+        assert_eq!(page["arms"][0]["version"], 2, "{page}");
+        expect_problem(app.get("/v1/prompts/p/population?page_token=x").send().await.unwrap(), 400).await;
 
         // A weight change in the store reaches the serving cache: v1 retired, v2 gets everything.
-        let mut arms = app.store.population(&name("p")).await.unwrap();
+        let mut arms = app.store.population_page(&name("p"), None, 1000).await.unwrap();
         for a in &mut arms {
             (a.state, a.weight) = if a.version == 2 { (ArmState::Champion, 1.0) } else { (ArmState::Retired, 0.0) };
         }
@@ -717,7 +781,7 @@ mod http {
         let res = app.post("/v1/prompts/p/versions", json!({"base": "You are a careful agent."})).send().await.unwrap();
         assert_eq!(res.status(), 201);
         add_challenger(&app.store, &name("p"), 2, Some(1), &PopulationSettings::default().policy()).await.unwrap();
-        let arms = app.store.population(&name("p")).await.unwrap();
+        let arms = app.store.population_page(&name("p"), None, 1000).await.unwrap();
         assert!((arm(&arms, 1).weight - 0.5).abs() < 1e-9, "{arms:?}");
     }
 
