@@ -42,8 +42,8 @@ pub async fn labelled_outcomes(
 ) -> ServiceResult<Vec<(PromptName, Vec<VersionOutcomes>)>> {
     let from = until - chrono::Duration::seconds(window_secs);
     let mut out = Vec::new();
-    for summary in st.store.list_prompts(None, max_prompts).await? {
-        let name = summary.prompt.name;
+    for prompt in st.store.prompts_page(None, max_prompts).await? {
+        let name = prompt.name;
         let outcomes = version_outcomes(st, &name, from, until, window_secs).await?;
         let labelled: Vec<VersionOutcomes> =
             outcomes.into_iter().filter(|v| v.version.is_some() && !v.labels.is_empty()).collect();

@@ -36,8 +36,13 @@ pub trait PromptStore: Send + Sync {
         expected: &PromptSettings,
         new: &PromptSettings,
     ) -> StoreResult<Option<Prompt>>;
-    /// Prompts ordered by name, starting after `after`.
+    /// Prompts ordered by name, starting after `after`, each with its
+    /// production version and pending traces (what people list them by).
     async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>>;
+    /// Prompts ordered by name, starting after `after`: the prompts alone,
+    /// without counting their traces (what the periodic jobs walk, at a cost
+    /// that does not grow with a backlog).
+    async fn prompts_page(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<Prompt>>;
     /// Appends a version (number = previous + 1, never a gap or a duplicate) and
     /// applies the label moves in the same transaction. A failed CAS rolls all back.
     /// The moves enter the label history as `rollback` when the version's source
@@ -162,6 +167,19 @@ impl<D: Backend> PromptStore for SqlStore<D> {
             })
         })
         .await
+    }
+
+    async fn prompts_page(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<Prompt>> {
+        let (filter, limit_param) = if after.is_some() { ("WHERE name > $1", "$2") } else { ("", "$1") };
+        let text = format!(
+            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts {filter}
+             ORDER BY name LIMIT {limit_param}"
+        );
+        let mut q = sql::<D>(&text);
+        if let Some(after) = after {
+            q = q.bind(after);
+        }
+        q.bind(i64::from(limit)).map(&mut *self.reader.acquire().await?, prompt_from_row::<D>).await
     }
 
     async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {

@@ -117,19 +117,19 @@ impl RegressionGuard {
     pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<()> {
         let mut after: Option<String> = None;
         loop {
-            let page = self.store.list_prompts(after.as_deref(), PAGE).await?;
+            let page = self.store.prompts_page(after.as_deref(), PAGE).await?;
             for p in &page {
-                if !p.prompt.settings.regression_guard {
+                if !p.settings.regression_guard {
                     continue;
                 }
-                if let Err(e) = self.judge(&p.prompt.name, now).await {
-                    tracing::warn!(prompt = %p.prompt.name, error = %e, "regression guard could not judge the prompt");
+                if let Err(e) = self.judge(&p.name, now).await {
+                    tracing::warn!(prompt = %p.name, error = %e, "regression guard could not judge the prompt");
                 }
             }
             if page.len() < PAGE as usize {
                 return Ok(());
             }
-            after = page.last().map(|p| p.prompt.name.to_string());
+            after = page.last().map(|p| p.name.to_string());
         }
     }
 

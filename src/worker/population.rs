@@ -412,20 +412,20 @@ impl PopulationRater {
         let mut after: Option<String> = None;
         loop {
             let listed = std::time::Instant::now();
-            let page = self.store.list_prompts(after.as_deref(), PAGE).await?;
+            let page = self.store.prompts_page(after.as_deref(), PAGE).await?;
             phases.list += listed.elapsed();
             for p in &page {
-                if p.prompt.promotion != Promotion::Evaluated {
+                if p.promotion != Promotion::Evaluated {
                     continue;
                 }
-                if let Err(e) = self.rate_timed(&p.prompt.name, now, true, &mut phases).await {
-                    tracing::warn!(prompt = %p.prompt.name, error = %e, "could not rate the population");
+                if let Err(e) = self.rate_timed(&p.name, now, true, &mut phases).await {
+                    tracing::warn!(prompt = %p.name, error = %e, "could not rate the population");
                 }
             }
             if page.len() < PAGE as usize {
                 return Ok(phases);
             }
-            after = page.last().map(|p| p.prompt.name.to_string());
+            after = page.last().map(|p| p.name.to_string());
         }
     }
 

@@ -116,10 +116,10 @@ impl Pruner {
         let mut all = Vec::new();
         let mut after: Option<String> = None;
         loop {
-            let page = self.store.list_prompts(after.as_deref(), PAGE).await?;
+            let page = self.store.prompts_page(after.as_deref(), PAGE).await?;
             let done = page.len() < PAGE as usize;
-            after = page.last().map(|p| p.prompt.name.to_string());
-            all.extend(page.into_iter().map(|p| p.prompt));
+            after = page.last().map(|p| p.name.to_string());
+            all.extend(page);
             if done {
                 return Ok(all);
             }

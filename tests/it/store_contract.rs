@@ -535,6 +535,12 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
     assert_eq!((page[0].pending_traces, page[0].production_version, page[0].latest_version), (2, Some(1), 1));
     let rest = s.list_prompts(Some("b"), 2).await.unwrap();
     assert_eq!(rest.len(), 1);
+    // The same pages without the counts, for the periodic jobs.
+    let bare = s.prompts_page(None, 2).await.unwrap();
+    assert_eq!(bare.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
+    assert_eq!(bare[0], page[0].prompt);
+    let rest = s.prompts_page(Some("b"), 2).await.unwrap();
+    assert_eq!(rest.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["c"]);
 }
 
 /// The outbox commits with its change (a failed CAS writes no event), fans out
