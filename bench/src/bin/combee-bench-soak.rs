@@ -58,8 +58,9 @@ struct Args {
     periods: u32,
     /// A warm-up before the live periods, in seconds: learning starts, the
     /// controller walks its ladder, populations fill, retention deletes the
-    /// history past its horizon. Printed, labelled, and left out of the ratios.
-    #[arg(long, default_value_t = 300)]
+    /// history past its horizon (about 5 million traces of the default
+    /// history: some 7 minutes). Printed, labelled, and left out of the ratios.
+    #[arg(long, default_value_t = 480)]
     warmup_secs: u64,
     /// Agent runs per second (each: a GET with a subject, then a trace).
     #[arg(long, default_value_t = 50.0)]
