@@ -48,7 +48,13 @@ pub enum PlaybookError {
     BadBulletId(String),
     #[error("bullet content must be non-empty")]
     EmptyBullet,
+    #[error("bullet numbers end at {MAX_BULLET_NUMBER}: next_id and the ids to hand out must stay within it")]
+    BulletNumbersExhausted,
 }
+
+/// The largest bullet number: ids have at most twelve digits (`b-999999999999`), a bound the
+/// OpenAPI document states, so every id the service hands out matches its published pattern.
+pub const MAX_BULLET_NUMBER: u64 = 999_999_999_999;
 
 pub fn format_bullet_id(n: u64) -> String {
     format!("b-{n:04}")
@@ -56,7 +62,7 @@ pub fn format_bullet_id(n: u64) -> String {
 
 pub fn parse_bullet_id(id: &str) -> Option<u64> {
     let digits = id.strip_prefix("b-")?;
-    if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
+    if digits.is_empty() || digits.len() > 12 || !digits.bytes().all(|c| c.is_ascii_digit()) {
         return None;
     }
     digits.parse().ok()
@@ -92,9 +98,15 @@ impl Playbook {
             }
         }
         self.next_id = self.next_id.max(max_id + 1);
+        if self.next_id > MAX_BULLET_NUMBER + 1 {
+            return Err(PlaybookError::BulletNumbersExhausted);
+        }
         for s in &mut self.sections {
             for b in &mut s.bullets {
                 if b.id.is_empty() {
+                    if self.next_id > MAX_BULLET_NUMBER {
+                        return Err(PlaybookError::BulletNumbersExhausted);
+                    }
                     b.id = format_bullet_id(self.next_id);
                     self.next_id += 1;
                 }
@@ -171,6 +183,29 @@ mod tests {
         assert!(matches!(bad.normalized(), Err(PlaybookError::BadBulletId(_))));
         let empty = Playbook { sections: vec![Section { name: "".into(), bullets: vec![] }], next_id: 0 };
         assert_eq!(empty.normalized(), Err(PlaybookError::BadSectionName));
+    }
+
+    #[test]
+    fn bullet_numbers_stay_within_twelve_digits() {
+        let long = Playbook {
+            sections: vec![Section { name: "a".into(), bullets: vec![bullet("b-1000000000000", "x")] }],
+            next_id: 0,
+        };
+        assert!(matches!(long.normalized(), Err(PlaybookError::BadBulletId(_))));
+        let huge = Playbook { sections: vec![], next_id: 163_331_943_305_754 };
+        assert_eq!(huge.normalized(), Err(PlaybookError::BulletNumbersExhausted));
+        let last = Playbook {
+            sections: vec![Section { name: "a".into(), bullets: vec![bullet("", "x"), bullet("", "y")] }],
+            next_id: MAX_BULLET_NUMBER,
+        };
+        assert_eq!(last.normalized(), Err(PlaybookError::BulletNumbersExhausted));
+        let fits = Playbook {
+            sections: vec![Section { name: "a".into(), bullets: vec![bullet("", "x")] }],
+            next_id: MAX_BULLET_NUMBER,
+        }
+        .normalized()
+        .unwrap();
+        assert_eq!(fits.sections[0].bullets[0].id, "b-999999999999");
     }
 
     #[test]

@@ -159,8 +159,29 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
         Query::<T>::from_request_parts(parts, state)
             .await
             .map(|Query(v)| ApiQuery(v))
-            .map_err(|e| ApiError::bad_request(clip(plain_serde_error(&e.body_text()))))
+            .map_err(|e| ApiError::bad_request(clip(query_problem(&e.body_text()))))
     }
+}
+
+/// A query-string rejection in plain words, naming the parameter: axum says
+/// "Failed to deserialize query string: version: invalid digit found in string";
+/// this says "the query parameter `version` must be a whole number".
+fn query_problem(text: &str) -> String {
+    let Some(rest) = text.strip_prefix("Failed to deserialize query string: ") else {
+        return plain_serde_error(text);
+    };
+    let Some((key, why)) = rest.split_once(": ").filter(|(k, _)| !k.is_empty() && !k.contains(' ')) else {
+        return format!("the query string: {}", plain_serde_error(rest));
+    };
+    let why = match why {
+        "invalid digit found in string" | "cannot parse integer from empty string" => "must be a whole number".into(),
+        "number too large to fit in target type" => "is too large".into(),
+        "number too small to fit in target type" => "is too small".into(),
+        "invalid float literal" | "cannot parse float from empty string" => "must be a number".into(),
+        "provided string was not `true` or `false`" => "must be true or false".into(),
+        other => format!("is not valid: {}", plain_serde_error(other)),
+    };
+    format!("the query parameter `{key}` {why}")
 }
 
 /// `axum::extract::Path` with 400 problems that name the path parameter and
@@ -303,5 +324,26 @@ impl FromRequestParts<AppState> for Caller {
         let key =
             keys::authenticate(state, token).await?.ok_or(ApiError::Unauthorized("unknown or revoked API key"))?;
         Ok(Caller(key))
+    }
+}
+
+#[cfg(test)]
+mod query_tests {
+    use super::query_problem;
+
+    #[test]
+    fn query_rejections_name_the_parameter_in_plain_words() {
+        let axum = "Failed to deserialize query string: version: invalid digit found in string";
+        assert_eq!(query_problem(axum), "the query parameter `version` must be a whole number");
+        let variant =
+            "Failed to deserialize query string: format: unknown variant `bogus`, expected one of `combee`, `chat`";
+        assert_eq!(
+            query_problem(variant),
+            "the query parameter `format` is not valid: unknown variant `bogus`, expected one of `combee`, `chat`"
+        );
+        assert_eq!(
+            query_problem("Failed to deserialize query string: missing field `from`"),
+            "the query string: missing field `from`"
+        );
     }
 }

@@ -291,6 +291,7 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
     set("Playbook", "sections", &merge(json!({"uniqueItems": true})));
     set("Section", "name", &merge(json!({"maxLength": 64, "pattern": "^[^\\n]*\\S[^\\n]*$"})));
     set("Bullet", "id", &merge(json!({"pattern": "^(b-[0-9]{1,12})?$"})));
+    set("Playbook", "next_id", &merge(json!({"maximum": crate::domain::playbook::MAX_BULLET_NUMBER + 1})));
     set("Bullet", "content", &merge(json!({"pattern": "\\S"})));
     set("PromptSettings", "reduce", &merge(json!({"enum": ["union", "llm"]})));
     set("PromptSettings", "pinned_bullets", &merge(json!({"items": {"type": "string", "pattern": "^b-[0-9]{1,12}$"}})));

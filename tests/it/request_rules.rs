@@ -1,5 +1,5 @@
 //! What a request must look like where the OpenAPI document alone cannot
-//! make a fuzzer find it out: path parameters of the wrong type are answered
+//! make a fuzzer find it out: path and query parameters of the wrong type are answered
 //! in plain words, an optional body is JSON or nothing, and a bound on a
 //! string holds for the string as sent.
 
@@ -17,6 +17,10 @@ async fn path_parameters_are_explained_in_plain_words(b: Backend) {
         assert!(detail.contains("`number`") && detail.contains("a whole number") && detail.contains(bad), "{detail}");
         assert!(!detail.contains("i64") && !detail.contains("Cannot parse"), "{detail}");
     }
+    // Query parameters likewise: named, in plain words.
+    let res = app.get("/v1/prompts/p?version=abc").send().await.unwrap();
+    let detail = expect_problem(res, 400).await["detail"].as_str().unwrap().to_owned();
+    assert_eq!(detail, "the query parameter `version` must be a whole number");
 }
 
 async fn optional_bodies_are_json_or_nothing(b: Backend) {

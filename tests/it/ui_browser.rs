@@ -84,8 +84,10 @@ impl Browser {
         let shots = target.join("ui-screenshots");
         std::fs::create_dir_all(&shots).unwrap();
         let b = Browser { http, base, session, _driver: driver, _profile: profile, shots, prefix: prefix.to_owned() };
-        // Element look-ups wait (inside the browser) up to 5 s for the element to appear.
-        b.cmd("POST", "/timeouts", Some(json!({"implicit": 5000, "pageLoad": 30000}))).await;
+        // Element look-ups wait (inside the browser) up to 15 s for the element to appear: a
+        // look-up that succeeds returns at once, and a loaded CI machine can take seconds to
+        // answer a form post on the debug build.
+        b.cmd("POST", "/timeouts", Some(json!({"implicit": 15000, "pageLoad": 30000}))).await;
         b
     }
 
@@ -121,7 +123,7 @@ impl Browser {
 
     async fn count(&self, css: &str) -> usize {
         // Counted in the page: a WebDriver element search would wait the whole
-        // implicit timeout (5 s) whenever the answer is none.
+        // implicit timeout (15 s) whenever the answer is none.
         let script = json!({"script": "return document.querySelectorAll(arguments[0]).length", "args": [css]});
         self.cmd("POST", "/execute/sync", Some(script)).await.as_u64().unwrap() as usize
     }
