@@ -249,14 +249,17 @@ impl<D: Backend> PromptStore for SqlStore<D> {
     }
 
     async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
-        sql::<D>(&format!(
+        // The cursor is in the text only when given (no `$2 IS NULL OR …`), so a
+        // page deep in a long history starts at the cursor in the index.
+        let (cursor, limit_param) = if before.is_some() { ("AND v.number < $2", "$3") } else { ("", "$2") };
+        let text = format!(
             "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
-             WHERE p.name = $1 AND ($2 IS NULL OR v.number < $2) ORDER BY v.number DESC LIMIT $3"
-        ))
-        .bind(prompt.as_str())
-        .bind(before)
-        .bind(i64::from(limit))
-        .map(&mut *self.reader.acquire().await?, version_from_row::<D>)
-        .await
+             WHERE p.name = $1 {cursor} ORDER BY v.number DESC LIMIT {limit_param}"
+        );
+        let mut q = sql::<D>(&text).bind(prompt.as_str());
+        if let Some(before) = before {
+            q = q.bind(before);
+        }
+        q.bind(i64::from(limit)).map(&mut *self.reader.acquire().await?, version_from_row::<D>).await
     }
 }
