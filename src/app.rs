@@ -22,7 +22,17 @@ use crate::{
 };
 
 /// The API with the web UI at `/ui`, both behind the API's middleware.
-fn router(state: AppState) -> axum::Router {
+/// The API and the web UI, as served to clients.
+fn api_and_ui(
+    state: AppState,
+) -> impl tower::Service<
+    axum::extract::Request,
+    Response = axum::response::Response,
+    Error = std::convert::Infallible,
+    Future: Send,
+> + Clone
++ Send
++ 'static {
     http::serve(http::routes().nest("/ui", ui::router()), state)
 }
 
@@ -194,12 +204,18 @@ impl Application {
             signal_token.cancel();
         });
         let stopped = shutdown.clone();
-        let router = if role == Role::Worker { http::ops_router(state) } else { router(state) };
-        let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        let stopped = async move {
             stopped.cancelled().await;
             tracing::info!("shutting down: finishing in-flight requests");
-        });
-        let server = tokio::spawn(async move { server.await });
+        };
+        let server = if role == Role::Worker {
+            let server = axum::serve(listener, http::ops_router(state)).with_graceful_shutdown(stopped);
+            tokio::spawn(async move { server.await })
+        } else {
+            let service = axum::ServiceExt::<axum::extract::Request>::into_make_service(api_and_ui(state));
+            let server = axum::serve(listener, service).with_graceful_shutdown(stopped);
+            tokio::spawn(async move { server.await })
+        };
         shutdown.cancelled().await;
         match tokio::time::timeout(grace, server).await {
             Ok(joined) => joined.context("server task failed")?.context("server failed")?,

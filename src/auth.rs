@@ -3,7 +3,6 @@
 //! (`cmb_` + 40 base62 characters), so a plain SHA-256 is a safe hash.
 
 use std::{
-    collections::HashMap,
     sync::{
         Arc, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -15,7 +14,7 @@ use rand::{Rng, distributions::Alphanumeric};
 use sha2::{Digest, Sha256};
 
 use crate::{
-    cache::coarse_now_ms,
+    cache::{FastMap, coarse_now_ms},
     store::{ApiKey, DynStore, Scope, StoreError},
 };
 
@@ -60,7 +59,7 @@ pub async fn create_key(store: &DynStore, name: &str, scopes: &[Scope]) -> Resul
 /// never re-inserts the old key.
 pub struct KeyCache {
     store: DynStore,
-    entries: RwLock<HashMap<KeyDigest, CachedKey>>,
+    entries: RwLock<FastMap<KeyDigest, CachedKey>>,
     max_keys: usize,
     /// Bumped whenever the cache is dropped.
     epoch: AtomicU64,
@@ -91,7 +90,7 @@ impl crate::cache::LastUsed for CachedKey {
 
 impl KeyCache {
     pub fn new(store: DynStore, max_keys: usize) -> Self {
-        Self { store, entries: RwLock::new(HashMap::new()), max_keys: max_keys.max(1), epoch: AtomicU64::new(0) }
+        Self { store, entries: RwLock::default(), max_keys: max_keys.max(1), epoch: AtomicU64::new(0) }
     }
 
     /// The active key for this secret, or `None` when it is unknown or revoked.

@@ -67,8 +67,15 @@ pub fn random_arm(arms: &[(i64, f64)], rng: &mut impl Rng) -> Option<usize> {
     last
 }
 
-/// Either of the above, by whether the request carries a subject.
+/// Either of the above, by whether the request carries a subject. A single
+/// arm with traffic is every subject's arm: nothing to hash or draw.
 pub fn assign(subject: Option<&str>, experiment: &str, arms: &[(i64, f64)], rng: &mut impl Rng) -> Option<usize> {
+    let mut usable = arms.iter().enumerate().filter(|(_, (_, w))| w.is_finite() && *w > 0.0).map(|(i, _)| i);
+    match (usable.next(), usable.next()) {
+        (None, _) => return None,
+        (Some(only), None) => return Some(only),
+        _ => {}
+    }
     match subject {
         Some(s) => sticky_arm(s, experiment, arms),
         None => random_arm(arms, rng),
@@ -180,6 +187,18 @@ mod tests {
         }
         assert_eq!(counts[1], 0);
         assert!((counts[0] as f64 / 10_000.0 - 0.8).abs() < 0.03, "{counts:?}");
+    }
+
+    #[test]
+    fn a_lone_arm_with_traffic_serves_everyone_as_hashing_would() {
+        let arms = [(1, 0.0), (4, 1.0), (5, f64::NAN)];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        for s in 0..100 {
+            let subject = format!("s{s}");
+            assert_eq!(assign(Some(&subject), "e", &arms, &mut rng), sticky_arm(&subject, "e", &arms));
+            assert_eq!(assign(None, "e", &arms, &mut rng), Some(1));
+        }
+        assert_eq!(assign(Some("s"), "e", &[(1, 0.0)], &mut rng), None);
     }
 
     #[test]

@@ -156,6 +156,16 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequestParts<S> for ApiQuery<T> {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        if parts.uri.query().is_none_or(str::is_empty) {
+            // Nothing to decode (the agents' GET, mostly); a failure is explained below.
+            let empty = serde::de::value::MapDeserializer::<_, serde::de::value::Error>::new(std::iter::empty::<(
+                &str,
+                &str,
+            )>());
+            if let Ok(v) = T::deserialize(empty) {
+                return Ok(ApiQuery(v));
+            }
+        }
         Query::<T>::from_request_parts(parts, state)
             .await
             .map(|Query(v)| ApiQuery(v))

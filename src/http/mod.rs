@@ -1,7 +1,8 @@
-//! The HTTP API: its routes and the middleware every request passes through
-//! (request id, tracing span, metrics, timeout, body limit, panics as
-//! problems; one middleware for all but the body limit). One file per resource beside this one; the operations the web
-//! UI shares are in `service/`.
+//! The HTTP API: its routes, and the middleware every request passes through
+//! (`observe.rs`: request id, tracing span, metrics, timeout, panics as
+//! problems; and the body limit), wrapped once around the whole route table.
+//! One file per resource beside this one; the operations the web UI shares
+//! are in `service/`.
 
 pub mod controller;
 pub mod error;
@@ -11,6 +12,7 @@ pub mod keys;
 pub mod label_history;
 pub mod labels;
 pub mod langfuse;
+pub mod observe;
 pub mod openapi;
 pub mod ops;
 pub mod otlp;
@@ -22,28 +24,26 @@ pub mod traces;
 pub mod versions;
 pub mod webhooks;
 
-use std::{sync::Arc, time::Duration};
+use std::{convert::Infallible, time::Duration};
 
 use axum::{
     Router,
-    extract::{DefaultBodyLimit, MatchedPath, Request, State},
-    http::{HeaderName, HeaderValue},
-    middleware::{self, Next},
-    response::{IntoResponse, Response},
+    extract::{DefaultBodyLimit, Request},
+    response::Response,
     routing::{get, post, put},
 };
+use tower::{Layer as _, Service};
 
 use error::ApiError;
+pub use observe::{Observed, RouteTable};
 
 pub use crate::service::{AppState, Shared};
 
-const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
-
 /// The API's routes, without state or middleware: `app.rs` adds the web UI
 /// beside them and hands the whole table to [`serve`].
-pub fn routes() -> Router<AppState> {
+pub fn routes() -> RouteTable {
     // Flat paths rather than `.nest("/v1")`: nesting costs a second routing step per request.
-    Router::new()
+    RouteTable::new()
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
@@ -83,19 +83,20 @@ pub fn routes() -> Router<AppState> {
         .route("/api/public/otel/v1/traces", post(langfuse::export_traces))
 }
 
-/// The route table as served: the API's fallbacks (problem documents) and
-/// the middleware every request passes through, web UI pages included.
-pub fn serve(routes: Router<AppState>, state: AppState) -> Router {
-    let observer = Arc::new(Observer {
-        limit: Duration::from_secs(state.settings.server.request_timeout_secs),
-        ids: SequentialRequestId::default(),
-    });
-    routes
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(state.settings.limits.max_body_bytes))
-        .layer(middleware::from_fn_with_state(observer, observe))
-        .with_state(state)
+/// The route table as served: the API's fallbacks (problem documents), the
+/// body limit, and the middleware every request passes through
+/// ([`Observed`]), web UI pages included; serve it with
+/// `axum::ServiceExt::into_make_service`.
+pub fn serve(
+    routes: RouteTable,
+    state: AppState,
+) -> impl Service<Request, Response = Response, Error = Infallible, Future: Send> + Clone + Send + Sync + 'static {
+    let time_limit = Duration::from_secs(state.settings.server.request_timeout_secs);
+    let body_limit = DefaultBodyLimit::max(state.settings.limits.max_body_bytes);
+    let (router, templates) = routes.into_parts();
+    let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state);
+    // Around the router, not on each route: the limit is a request extension read by the body extractors.
+    Observed::new(body_limit.layer(router.clone()), router, templates, time_limit)
 }
 
 /// A worker-only process serves just liveness, readiness and metrics.
@@ -114,117 +115,4 @@ async fn not_found() -> ApiError {
 
 async fn method_not_allowed() -> ApiError {
     ApiError::MethodNotAllowed
-}
-
-/// Request ids without a system call per request: a random process prefix
-/// (drawn once) and a counter, e.g. `3f9c2a71-000000000042`.
-struct SequentialRequestId {
-    prefix: u32,
-    next: std::sync::atomic::AtomicU64,
-}
-
-impl Default for SequentialRequestId {
-    fn default() -> Self {
-        Self { prefix: rand::random(), next: Default::default() }
-    }
-}
-
-impl SequentialRequestId {
-    fn make(&self) -> Option<HeaderValue> {
-        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // Written in place: this runs on every request.
-        let mut id = [b'0'; 21];
-        for (i, digit) in id[..8].iter_mut().enumerate() {
-            *digit = b"0123456789abcdef"[(self.prefix >> (28 - 4 * i) & 0xf) as usize];
-        }
-        id[8] = b'-';
-        let mut rest = n % 1_000_000_000_000;
-        for digit in id[9..].iter_mut().rev() {
-            *digit = b'0' + (rest % 10) as u8;
-            rest /= 10;
-        }
-        HeaderValue::from_bytes(&id).ok()
-    }
-}
-
-type Handles = (metrics::Counter, metrics::Histogram);
-
-/// Counter and histogram handles per route, then (method, status), registered
-/// once; the hot path borrows the route and builds no label strings.
-fn request_metrics(route: &str, method: &axum::http::Method, status: u16) -> Handles {
-    use std::{collections::HashMap, sync::RwLock};
-    type Table = HashMap<String, HashMap<(axum::http::Method, u16), Handles>>;
-    static HANDLES: std::sync::OnceLock<RwLock<Table>> = std::sync::OnceLock::new();
-    let table = HANDLES.get_or_init(Default::default);
-    if let Some(h) =
-        table.read().unwrap_or_else(|e| e.into_inner()).get(route).and_then(|m| m.get(&(method.clone(), status)))
-    {
-        return h.clone();
-    }
-    let labels = [("method", method.to_string()), ("route", route.to_owned()), ("status", status.to_string())];
-    let h = (
-        metrics::counter!("combee_http_requests_total", &labels),
-        metrics::histogram!("combee_http_request_duration_seconds", &labels),
-    );
-    table
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .entry(route.to_owned())
-        .or_default()
-        .insert((method.clone(), status), h.clone());
-    h
-}
-
-/// What [`observe`] needs: the request time limit and the request id maker.
-struct Observer {
-    limit: Duration,
-    ids: SequentialRequestId,
-}
-
-/// Every request, in one middleware (each layer of its own cost about as
-/// much as a cached prompt's whole answer): an `x-request-id` (the caller's,
-/// or a new one) echoed in the answer; a `request` span carrying method, path
-/// and id for the logs of whatever runs inside; the time limit
-/// (`server.request_timeout_secs`, then 503); a panic answered as a 500
-/// problem; a debug line when answered; and the count and duration in
-/// `/metrics` by route.
-async fn observe(State(o): State<Arc<Observer>>, mut req: Request, next: Next) -> Response {
-    use futures_util::FutureExt as _;
-    use tracing::Instrument as _;
-    let start = std::time::Instant::now();
-    let id = match req.headers().get(REQUEST_ID) {
-        Some(id) => Some(id.clone()),
-        None => {
-            let id = o.ids.make();
-            if let Some(id) = &id {
-                req.headers_mut().insert(REQUEST_ID, id.clone());
-            }
-            id
-        }
-    };
-    let route = req.extensions().get::<MatchedPath>().cloned();
-    let method = req.method().clone();
-    let span = tracing::info_span!(
-        "request",
-        method = %req.method(),
-        path = %req.uri().path(),
-        request_id = %id.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("-"),
-    );
-    let run = std::panic::AssertUnwindSafe(tokio::time::timeout(o.limit, next.run(req))).catch_unwind();
-    let mut res = match run.instrument(span.clone()).await {
-        Ok(Ok(res)) => res,
-        Ok(Err(_)) => ApiError::Timeout.into_response(),
-        Err(_) => ApiError::internal(anyhow::anyhow!("a handler panicked")).into_response(),
-    };
-    if let Some(id) = id {
-        res.headers_mut().insert(REQUEST_ID, id);
-    }
-    let elapsed = start.elapsed();
-    let status = res.status().as_u16();
-    span.in_scope(|| tracing::debug!(status, latency_ms = elapsed.as_secs_f64() * 1e3, "finished processing request"));
-    let route = route.as_ref().map_or("unmatched", |p| p.as_str());
-    let (counter, histogram) = request_metrics(route, &method, status);
-    counter.increment(1);
-    histogram.record(elapsed.as_secs_f64());
-    res
 }

@@ -12,7 +12,6 @@ mod session;
 pub use html::escape;
 
 use axum::{
-    Router,
     extract::Request,
     http::{HeaderValue, StatusCode, header},
     middleware::{self, Next},
@@ -20,11 +19,11 @@ use axum::{
     routing::{get, post},
 };
 
-use crate::service::{AppState, ServiceError};
+use crate::{http::RouteTable, service::ServiceError};
 use html::{Section, page};
 
-pub fn router() -> Router<AppState> {
-    Router::new()
+pub fn router() -> RouteTable {
+    RouteTable::new()
         .route("/", get(|| async { Redirect::to("/ui/prompts") }))
         .route("/login", get(session::login_form).post(session::login))
         .route("/logout", post(session::logout))
@@ -40,8 +39,11 @@ pub fn router() -> Router<AppState> {
         .route("/traces/{id}", get(pages::trace))
         .route("/traces/{id}/{button}", post(actions::trace_button))
         .route("/static/style.css", get(stylesheet))
-        .fallback(|| async { UiError::NotFound("No such page.".into()) })
-        .layer(middleware::from_fn(security_headers))
+        .map_router(|pages| {
+            pages
+                .fallback(|| async { UiError::NotFound("No such page.".into()) })
+                .layer(middleware::from_fn(security_headers))
+        })
 }
 
 /// How a UI request fails: to the sign-in page, or an HTML error page.

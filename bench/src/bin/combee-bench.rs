@@ -9,7 +9,12 @@
 //! low; the report shows how much CPU each side used.
 //!
 //! `combee-bench bare` (hidden) is the comparison server: a bare axum handler
-//! with a fixed JSON body and no middleware.
+//! with a fixed JSON body and no middleware. It answers what combee answers
+//! (the same body size and the same response headers, as in one of combee's
+//! answers) to the same requests, and each GET figure is measured in
+//! slices alternating with it, so both see the same machine: the ratio is
+//! the cost of making the answer, not of sending a longer one, nor of a
+//! neighbour's load that came and went between two figures.
 
 use std::{
     fmt::Write as _,
@@ -44,7 +49,7 @@ struct Cli {
 enum BenchCommand {
     /// Load the HTTP API of a freshly started server and print the report.
     Http(HttpArgs),
-    /// The comparison server: a bare axum handler answering `GET /` with a fixed JSON body.
+    /// The comparison server: a bare axum handler answering `GET /v1/prompts/bench` with a fixed JSON body.
     #[command(hide = true)]
     Bare {
         #[arg(long)]
@@ -52,6 +57,9 @@ enum BenchCommand {
         /// Size of the JSON body, in bytes.
         #[arg(long)]
         body_bytes: usize,
+        /// A response header, `name: value` (repeatable).
+        #[arg(long = "header")]
+        headers: Vec<String>,
     },
 }
 
@@ -119,11 +127,11 @@ struct HttpArgs {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        BenchCommand::Bare { bind, body_bytes } => tokio::runtime::Builder::new_multi_thread()
+        BenchCommand::Bare { bind, body_bytes, headers } => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
             .map_err(anyhow::Error::from)
-            .and_then(|rt| rt.block_on(serve_bare(bind, body_bytes))),
+            .and_then(|rt| rt.block_on(serve_bare(bind, body_bytes, &headers))),
         BenchCommand::Http(args) => {
             let rt = if args.client_threads <= 1 {
                 tokio::runtime::Builder::new_current_thread().enable_all().build()
@@ -153,14 +161,33 @@ fn main() -> std::process::ExitCode {
 // ---------------------------------------------------------------------------
 // The bare comparison server.
 
-async fn serve_bare(bind: SocketAddr, body_bytes: usize) -> anyhow::Result<()> {
-    use axum::{Router, body::Bytes, http::header, routing::get};
+/// The path the bare server answers: the prompt GET's own.
+const BARE_PATH: &str = "/v1/prompts/bench";
+
+async fn serve_bare(bind: SocketAddr, body_bytes: usize, headers: &[String]) -> anyhow::Result<()> {
+    use axum::{
+        Router,
+        body::Bytes,
+        http::{HeaderMap, HeaderName, HeaderValue, header},
+        routing::get,
+    };
     let body = Bytes::from(padded_json(body_bytes));
+    let mut head = HeaderMap::new();
+    head.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    for line in headers {
+        let (name, value) = line.split_once(':').with_context(|| format!("--header {line:?} is not `name: value`"))?;
+        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
+        HeaderName::from_bytes(name.as_bytes())?;
+        HeaderValue::from_str(value)?;
+        // Static, as combee's own fixed headers are: a copy of the map then counts no references.
+        let (name, value): (&'static str, &'static str) = (Box::leak(name.into()), Box::leak(value.into()));
+        head.insert(HeaderName::from_static(name), HeaderValue::from_static(value));
+    }
     let app = Router::new().route(
-        "/",
+        BARE_PATH,
         get(move || {
-            let body = body.clone();
-            async move { ([(header::CONTENT_TYPE, "application/json")], body) }
+            let (head, body) = (head.clone(), body.clone());
+            async move { (head, body) }
         }),
     );
     let listener = tokio::net::TcpListener::bind(bind).await.with_context(|| format!("cannot listen on {bind}"))?;
@@ -277,6 +304,23 @@ async fn request_once(addr: SocketAddr, request: &[u8]) -> io::Result<(u16, Vec<
     Ok((answer.status, conn.body(&answer).to_vec()))
 }
 
+/// The header lines of an answer (`name: value`), but those the server adds
+/// to every answer itself (`content-length`, `date`).
+async fn answer_headers(addr: SocketAddr, request: &[u8]) -> io::Result<Vec<String>> {
+    let mut conn = HttpConn::connect(addr).await?;
+    let answer = conn.roundtrip(request).await?;
+    let head = String::from_utf8_lossy(&conn.buf[..answer.body_start.saturating_sub(4)]).into_owned();
+    Ok(head
+        .split("\r\n")
+        .skip(1)
+        .filter(|line| {
+            let name = line.split(':').next().unwrap_or_default().trim().to_ascii_lowercase();
+            !matches!(name.as_str(), "content-length" | "date" | "content-type")
+        })
+        .map(str::to_owned)
+        .collect())
+}
+
 // ---------------------------------------------------------------------------
 // Load: N connections sending requests back to back (one request, or a rotation of them).
 
@@ -291,6 +335,18 @@ struct LoadResult {
 }
 
 impl LoadResult {
+    /// Adds another window's requests (a later slice of the same figure).
+    fn absorb(&mut self, other: LoadResult) {
+        self.ok += other.ok;
+        self.errors += other.errors;
+        if self.first_error.is_none() {
+            self.first_error = other.first_error;
+        }
+        self.elapsed += other.elapsed;
+        self.latencies_us.extend(other.latencies_us);
+        self.latencies_us.sort_unstable();
+    }
+
     fn per_sec(&self) -> f64 {
         self.ok as f64 / self.elapsed.as_secs_f64()
     }
@@ -562,17 +618,41 @@ struct CpuWindow {
 }
 
 impl CpuWindow {
+    /// Adds another window's ticks (from [`CpuWindow::ticks`]).
+    fn add(&mut self, other: CpuWindow) {
+        self.server += other.server;
+        self.client += other.client;
+        self.machine.0 += other.machine.0;
+        self.machine.1 += other.machine.1;
+    }
+
     fn start(server_pid: u32) -> Self {
         Self { server: process_ticks(&server_pid.to_string()), client: process_ticks("self"), machine: machine_ticks() }
     }
 
-    fn finish(self, server_pid: u32, elapsed: Duration, tck: f64) -> CpuUse {
-        let secs = elapsed.as_secs_f64() * tck / 100.0;
+    /// The ticks used since [`CpuWindow::start`] (server, client, machine busy, machine total).
+    fn ticks(self, server_pid: u32) -> CpuWindow {
         let (busy, total) = machine_ticks();
+        CpuWindow {
+            server: process_ticks(&server_pid.to_string()) - self.server,
+            client: process_ticks("self") - self.client,
+            machine: (busy - self.machine.0, total - self.machine.1),
+        }
+    }
+
+    fn finish(self, server_pid: u32, elapsed: Duration, tck: f64) -> CpuUse {
+        CpuUse::of(&self.ticks(server_pid), elapsed, tck)
+    }
+}
+
+impl CpuUse {
+    /// Shares of one core from the ticks used over `elapsed`.
+    fn of(used: &CpuWindow, elapsed: Duration, tck: f64) -> Self {
+        let secs = elapsed.as_secs_f64() * tck / 100.0;
         CpuUse {
-            server_pct: (process_ticks(&server_pid.to_string()) - self.server) as f64 / secs,
-            client_pct: (process_ticks("self") - self.client) as f64 / secs,
-            machine_busy_pct: 100.0 * (busy - self.machine.0) as f64 / (total - self.machine.1).max(1) as f64,
+            server_pct: used.server as f64 / secs,
+            client_pct: used.client as f64 / secs,
+            machine_busy_pct: 100.0 * used.machine.0 as f64 / used.machine.1.max(1) as f64,
         }
     }
 }
@@ -593,7 +673,18 @@ struct Phase {
     /// Traces per request (1 for GETs and single POSTs).
     items: u64,
     peak_rss_kb: u64,
+    /// The bare server's figure, measured in the slices between this one's (GETs).
+    bare: Option<Box<Phase>>,
 }
+
+/// The comparison server ([`serve_bare`]), running while the GET figures are measured.
+struct BareServer {
+    guard: ChildGuard,
+    addr: SocketAddr,
+}
+
+/// Slices each GET figure and its bare pair are measured in, alternately.
+const GET_SLICES: u32 = 4;
 
 async fn run_http(args: HttpArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.connections > 0 && args.duration > 0, "--connections and --duration must be positive");
@@ -693,29 +784,60 @@ async fn get_phases(
     store: &str,
     pid: u32,
     memory: &MemoryWatch,
+    bare: Option<&BareServer>,
 ) -> anyhow::Result<Vec<Phase>> {
-    let plain = vec![encode_request("GET", "/v1/prompts/bench", addr, key, None)];
-    let subjects: Vec<Vec<u8>> = (0..args.subjects.max(1))
-        .map(|i| encode_get_with_subject("/v1/prompts/bench", addr, key, &format!("user-{i:06}")))
-        .collect();
-    let (status, _) = request_once(addr, &subjects[0]).await?;
+    // The same requests to both servers (but the Host header).
+    let plain = |addr| vec![encode_request("GET", BARE_PATH, addr, key, None)];
+    let subjects = |addr| -> Vec<Vec<u8>> {
+        (0..args.subjects.max(1))
+            .map(|i| encode_get_with_subject(BARE_PATH, addr, key, &format!("user-{i:06}")))
+            .collect()
+    };
+    let (status, _) = request_once(addr, &subjects(addr)[0]).await?;
     anyhow::ensure!(status == 200, "GET with a subject on {store} answered {status}");
     let mut out = Vec::new();
-    for (name, requests) in [
-        (format!("GET /v1/prompts/bench [{store}]"), plain),
-        (format!("GET /v1/prompts/bench with a subject [{store}]"), subjects),
-    ] {
-        eprintln!("combee-bench: {name}: {} s warm-up, {} s measured", args.warmup, args.duration);
-        let requests = Arc::new(requests);
-        if args.warmup > 0 {
-            load(addr, requests.clone(), 200, args.connections, Duration::from_secs(args.warmup), Pace::Flat).await?;
+    let figures: [(String, &dyn Fn(SocketAddr) -> Vec<Vec<u8>>); 2] = [
+        (format!("GET /v1/prompts/bench [{store}]"), &plain),
+        (format!("GET /v1/prompts/bench with a subject [{store}]"), &subjects),
+    ];
+    let (warmup, duration) = (Duration::from_secs(args.warmup), Duration::from_secs(args.duration));
+    let slice = duration / GET_SLICES;
+    let tck = clock_ticks_per_sec();
+    for (name, requests) in figures {
+        let paired =
+            if bare.is_some() { format!(", alternating with the bare server every {slice:?}") } else { String::new() };
+        eprintln!("combee-bench: {name}: {} s warm-up, {} s measured{paired}", args.warmup, args.duration);
+        let ours = Arc::new(requests(addr));
+        let theirs = bare.map(|b| (b, Arc::new(requests(b.addr))));
+        if !warmup.is_zero() {
+            load(addr, ours.clone(), 200, args.connections, warmup, Pace::Flat).await?;
+            if let Some((b, r)) = &theirs {
+                load(b.addr, r.clone(), 200, args.connections, warmup, Pace::Flat).await?;
+            }
         }
         memory.take_phase_peak();
-        let cpu = CpuWindow::start(pid);
-        let result =
-            load(addr, requests, 200, args.connections, Duration::from_secs(args.duration), Pace::Flat).await?;
-        let cpu = cpu.finish(pid, result.elapsed, clock_ticks_per_sec());
-        out.push(Phase { name, result, cpu, items: 1, peak_rss_kb: memory.take_phase_peak() });
+        let (mut result, mut used) = (LoadResult::default(), CpuWindow { server: 0, client: 0, machine: (0, 0) });
+        let (mut bare_result, mut bare_used) =
+            (LoadResult::default(), CpuWindow { server: 0, client: 0, machine: (0, 0) });
+        let slices = if theirs.is_some() { GET_SLICES } else { 1 };
+        for _ in 0..slices {
+            let window = CpuWindow::start(pid);
+            result.absorb(load(addr, ours.clone(), 200, args.connections, duration / slices, Pace::Flat).await?);
+            used.add(window.ticks(pid));
+            if let Some((b, r)) = &theirs {
+                let window = CpuWindow::start(b.guard.pid);
+                bare_result.absorb(load(b.addr, r.clone(), 200, args.connections, slice, Pace::Flat).await?);
+                bare_used.add(window.ticks(b.guard.pid));
+            }
+        }
+        let cpu = CpuUse::of(&used, result.elapsed, tck);
+        let bare_phase = theirs.map(|(b, _)| {
+            let cpu = CpuUse::of(&bare_used, bare_result.elapsed, tck);
+            let peak_rss_kb = memory_kb(b.guard.pid).map_or(0, |m| m.1);
+            let name = format!("bare axum GET, alternating with \"{name}\"");
+            Box::new(Phase { name, result: bare_result, cpu, items: 1, peak_rss_kb, bare: None })
+        });
+        out.push(Phase { name, result, cpu, items: 1, peak_rss_kb: memory.take_phase_peak(), bare: bare_phase });
     }
     Ok(out)
 }
@@ -845,6 +967,9 @@ async fn measure(
     );
 
     let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
+    let bare_addr = free_port()?;
+    // Response headers the bare server sends (combee's, Content-Type included), once known.
+    let mut bare_headers = 0;
     let duration = Duration::from_secs(args.duration);
     let warmup = Duration::from_secs(args.warmup);
     let mut phases = Vec::new();
@@ -867,12 +992,39 @@ async fn measure(
         let cpu = CpuWindow::start(server.pid);
         let result = load(addr, request, expect, args.connections, duration, pace).await?;
         let cpu = cpu.finish(server.pid, result.elapsed, tck);
-        phases.push(Phase { name: name.to_owned(), result, cpu, items, peak_rss_kb: memory.take_phase_peak() });
+        phases.push(Phase {
+            name: name.to_owned(),
+            result,
+            cpu,
+            items,
+            peak_rss_kb: memory.take_phase_peak(),
+            bare: None,
+        });
     }
 
     if wanted("get") {
+        let bare = if wanted("bare") {
+            // Answers what combee answered: the headers of one of its answers, and the body size.
+            let headers = answer_headers(addr, &get).await?;
+            let mut cmd = Command::new(std::env::current_exe()?);
+            cmd.args(["bare", "--bind", &bare_addr.to_string(), "--body-bytes", &prompt_body.len().to_string()]);
+            for h in &headers {
+                cmd.args(["--header", h]);
+            }
+            let mut guard = ChildGuard::spawn(cmd, scratch.join("bare.log"))?;
+            guard.wait_ready(bare_addr, BARE_PATH).await.context("the bare axum server did not start")?;
+            let (_, bare_body) =
+                request_once(bare_addr, &encode_request("GET", BARE_PATH, bare_addr, &key, None)).await?;
+            anyhow::ensure!(bare_body.len() == prompt_body.len(), "the bare body differs in size from the prompt's");
+            let theirs = answer_headers(bare_addr, &encode_request("GET", BARE_PATH, bare_addr, &key, None)).await?;
+            anyhow::ensure!(theirs.len() == headers.len(), "the bare server answers {theirs:?}, combee {headers:?}");
+            bare_headers = headers.len() + 1;
+            Some(BareServer { guard, addr: bare_addr })
+        } else {
+            None
+        };
         let store = args.store.as_str();
-        phases.extend(get_phases(args, addr, &key, store, server.pid, &memory).await?);
+        phases.extend(get_phases(args, addr, &key, store, server.pid, &memory, bare.as_ref()).await?);
         if args.store == StoreKind::Postgres && args.sqlite_get {
             // The embedded store's GET, from a second server of its own.
             let sqlite_addr = free_port()?;
@@ -891,39 +1043,14 @@ async fn measure(
             let (status, _) = request_once(sqlite_addr, &create).await?;
             anyhow::ensure!(status == 201, "creating the prompt on SQLite answered {status}");
             let watch = MemoryWatch::start(sqlite.pid);
-            phases.extend(get_phases(args, sqlite_addr, &key, "sqlite", sqlite.pid, &watch).await?);
+            phases.extend(get_phases(args, sqlite_addr, &key, "sqlite", sqlite.pid, &watch, bare.as_ref()).await?);
             sqlite.stop().await;
+        }
+        if let Some(b) = bare {
+            b.guard.stop().await;
         }
     }
     let memory_probe = if wanted("memory") { Some(memory_figure(args, addr, &key, server.pid).await?) } else { None };
-
-    let mut bare_phase = None;
-    if wanted("bare") {
-        let bare_addr = free_port()?;
-        let mut cmd = Command::new(std::env::current_exe()?);
-        cmd.args(["bare", "--bind", &bare_addr.to_string(), "--body-bytes", &prompt_body.len().to_string()]);
-        let mut bare = ChildGuard::spawn(cmd, scratch.join("bare.log"))?;
-        bare.wait_ready(bare_addr, "/").await.context("the bare axum server did not start")?;
-        let request = Arc::new(vec![encode_request("GET", "/", bare_addr, &key, None)]);
-        let (_, bare_body) = request_once(bare_addr, &request[0]).await?;
-        anyhow::ensure!(bare_body.len() == prompt_body.len(), "the bare body differs in size from the prompt's");
-        eprintln!("combee-bench: bare axum GET /: {} s warm-up, {} s measured", args.warmup, args.duration);
-        if !warmup.is_zero() {
-            load(bare_addr, request.clone(), 200, args.connections, warmup, Pace::Flat).await?;
-        }
-        let cpu = CpuWindow::start(bare.pid);
-        let result = load(bare_addr, request, 200, args.connections, duration, Pace::Flat).await?;
-        let cpu = cpu.finish(bare.pid, result.elapsed, tck);
-        let peak = memory_kb(bare.pid).map_or(0, |m| m.1);
-        bare.stop().await;
-        bare_phase = Some(Phase {
-            name: format!("bare axum GET / (same {} B body, no middleware)", prompt_body.len()),
-            result,
-            cpu,
-            items: 1,
-            peak_rss_kb: peak,
-        });
-    }
 
     // One last sample, then the kernel's own high-water mark covers anything between samples.
     if let Some((rss, hwm)) = memory_kb(server.pid) {
@@ -939,11 +1066,12 @@ async fn measure(
         hwm_kb: memory.hwm_kb.load(Ordering::Relaxed),
         samples: memory.samples.load(Ordering::Relaxed),
         prompt_body_bytes: prompt_body.len(),
+        bare_headers,
         memory_probe,
     };
     drop(memory);
     server.stop().await;
-    Ok(render(&facts, &phases, bare_phase.as_ref()))
+    Ok(render(&facts, &phases))
 }
 
 struct Facts<'a> {
@@ -955,6 +1083,8 @@ struct Facts<'a> {
     hwm_kb: u64,
     samples: u64,
     prompt_body_bytes: usize,
+    /// Response headers the bare server sends besides `content-length` and `date` (0: not run).
+    bare_headers: usize,
     /// The memory figure: (prompts, subjects, RSS after, in kB, VmHWM in kB).
     memory_probe: Option<(usize, usize, u64, u64)>,
 }
@@ -988,7 +1118,7 @@ fn thousands(v: f64) -> String {
     out
 }
 
-fn render(f: &Facts, phases: &[Phase], bare: Option<&Phase>) -> String {
+fn render(f: &Facts, phases: &[Phase]) -> String {
     let a = &f.args;
     let mut o = String::new();
     let find = |prefix: &str| phases.iter().find(|p| p.name.starts_with(prefix));
@@ -1068,10 +1198,10 @@ fn render(f: &Facts, phases: &[Phase], bare: Option<&Phase>) -> String {
             pass(tps >= 5000.0 && p.result.errors == 0)
         );
     }
-    if let Some(b) = bare {
-        for store in ["postgres", "sqlite"] {
-            for (with, label) in [("", "without a subject"), (" with a subject", "with a subject")] {
-                let Some(p) = exact(&format!("GET /v1/prompts/bench{with} [{store}]")) else { continue };
+    for store in ["postgres", "sqlite"] {
+        for (with, label) in [("", "without a subject"), (" with a subject", "with a subject")] {
+            let Some(p) = exact(&format!("GET /v1/prompts/bench{with} [{store}]")) else { continue };
+            if let Some(b) = &p.bare {
                 let share = 100.0 * p.result.per_sec() / b.result.per_sec();
                 let cpu_share = 100.0 * b.cpu.server_pct / b.result.per_sec() / (p.cpu.server_pct / p.result.per_sec());
                 let _ = writeln!(
@@ -1119,7 +1249,8 @@ fn render(f: &Facts, phases: &[Phase], bare: Option<&Phase>) -> String {
         "| figure | requests | errors | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU | server CPU µs/req | client CPU | machine busy | server peak RSS |"
     );
     let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for p in phases.iter().chain(bare) {
+    let rows = phases.iter().flat_map(|p| std::iter::once(p).chain(p.bare.as_deref()));
+    for p in rows.clone() {
         let r = &p.result;
         let _ = writeln!(
             o,
@@ -1139,7 +1270,7 @@ fn render(f: &Facts, phases: &[Phase], bare: Option<&Phase>) -> String {
             p.peak_rss_kb as f64 / 1024.0,
         );
     }
-    for p in phases.iter().chain(bare) {
+    for p in rows {
         if let Some(e) = &p.result.first_error {
             let e: String = e.chars().take(300).collect();
             let _ = writeln!(o, "\nFirst error in \"{}\": {e}", p.name);
@@ -1150,6 +1281,13 @@ fn render(f: &Facts, phases: &[Phase], bare: Option<&Phase>) -> String {
         "\nMemory was sampled from /proc/<pid>/status every 100 ms ({} samples); the prompt body is {} bytes.",
         f.samples, f.prompt_body_bytes
     );
+    if f.bare_headers > 0 {
+        let _ = writeln!(
+            o,
+            "The bare axum handler (no middleware, no extractor) answers the same requests at the same path with the same {}-byte body and the same {} response headers as combee's GET (those of one of its answers, plus `content-length` and `date`); each GET figure is measured in {GET_SLICES} slices alternating with its bare figure, so both see the same machine.",
+            f.prompt_body_bytes, f.bare_headers
+        );
+    }
     o
 }
 
