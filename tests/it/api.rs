@@ -550,6 +550,29 @@ async fn operational_routes(b: Backend) {
     // A given request id is propagated.
     let res = app.http.get(app.url("/healthz")).header("x-request-id", "abc-123").send().await.unwrap();
     assert_eq!(res.headers()["x-request-id"], "abc-123");
+    // Answers are counted by route template (API and web UI alike), unknown paths as one
+    // `unmatched` route and invented methods as one `other` method.
+    let res = app.http.get(app.url("/v1/prompts/p")).bearer_auth(&app.admin_key).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(app.http.get(app.url("/ui/login")).send().await.unwrap().status(), 200);
+    let brew = reqwest::Method::from_bytes(b"BREW").unwrap();
+    let res = app.http.request(brew, app.url("/v1/prompts/p")).bearer_auth(&app.admin_key).send().await.unwrap();
+    expect_problem(res, 405).await;
+    let metrics = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let counted = |method: &str, route: &str, status: u16| {
+        metrics.lines().any(|l| {
+            l.starts_with("combee_http_requests_total{")
+                && l.contains(&format!("method=\"{method}\""))
+                && l.contains(&format!("route=\"{route}\""))
+                && l.contains(&format!("status=\"{status}\""))
+        })
+    };
+    assert!(counted("POST", "/v1/prompts", 201), "{metrics}");
+    assert!(counted("GET", "/v1/prompts/{name}", 200), "{metrics}");
+    assert!(counted("GET", "/ui/login", 200), "{metrics}");
+    assert!(counted("GET", "unmatched", 404), "{metrics}");
+    assert!(counted("other", "/v1/prompts/{name}", 405), "{metrics}");
+    assert!(!metrics.contains("BREW"), "{metrics}");
 }
 
 async fn graceful_shutdown_stops_the_server(b: Backend) {
