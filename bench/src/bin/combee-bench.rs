@@ -683,6 +683,9 @@ struct BareServer {
     addr: SocketAddr,
 }
 
+/// The requests of one GET figure, made for a server's address (its Host header).
+type Requests<'a> = dyn Fn(SocketAddr) -> Vec<Vec<u8>> + 'a;
+
 /// Slices each GET figure and its bare pair are measured in, alternately.
 const GET_SLICES: u32 = 4;
 
@@ -796,7 +799,7 @@ async fn get_phases(
     let (status, _) = request_once(addr, &subjects(addr)[0]).await?;
     anyhow::ensure!(status == 200, "GET with a subject on {store} answered {status}");
     let mut out = Vec::new();
-    let figures: [(String, &dyn Fn(SocketAddr) -> Vec<Vec<u8>>); 2] = [
+    let figures: [(String, &Requests<'_>); 2] = [
         (format!("GET /v1/prompts/bench [{store}]"), &plain),
         (format!("GET /v1/prompts/bench with a subject [{store}]"), &subjects),
     ];
