@@ -832,15 +832,28 @@ fn render(
                 );
             }
         }
-        if f.rater.1 > 0.0 && l.rater.1 > 0.0 {
-            let own = |p: &Period| (p.rater.0 - p.rater_llm) / p.rater.1;
-            let ratio = own(l) / own(f);
+        if f.rater.1 > 0.0 && l.rater.1 > 0.0 && f.rater_windows.1 > 0.0 && l.rater_windows.1 > 0.0 {
+            // A tick's work is the windows that closed before it (each prompt's every window,
+            // staggered), so the comparable figure is per rated window; per tick is shown beside it.
+            let own_per_window = |p: &Period| 1000.0 * (p.rater.0 - p.rater_llm) / p.rater_windows.1;
+            let ratio = own_per_window(l) / own_per_window(f);
             let _ = writeln!(
                 o,
-                "| rater tick, its own work (less the simulated LLM's answer time): last / first ≤ 1.3 | {ratio:.2} ({:.3} / {:.3} s) | {} |",
-                own(l),
-                own(f),
+                "| rater ticks' own work (less the simulated LLM's answer time) per rated window: last / first ≤ 1.3 | {ratio:.2} ({:.1} / {:.1} ms) | {} |",
+                own_per_window(l),
+                own_per_window(f),
                 pass(ratio <= 1.3)
+            );
+            let own = |p: &Period| (p.rater.0 - p.rater_llm) / p.rater.1;
+            let per_tick = |p: &Period| p.rater_windows.1 / p.rater.1;
+            let _ = writeln!(
+                o,
+                "| rater tick, its own work (information: a tick rates the windows due, here {:.1} / {:.1} a tick) | {:.2} ({:.3} / {:.3} s) | — |",
+                per_tick(l),
+                per_tick(f),
+                own(l) / own(f),
+                own(l),
+                own(f)
             );
             let mean = |p: &Period| p.rater.0 / p.rater.1;
             let _ = writeln!(
