@@ -221,6 +221,12 @@ async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrac
     Ok(ids)
 }
 
+/// Each reading connection's own page cache, in KiB (SQLite's default is
+/// 2,000): the readers' pages are also in the operating system's cache, and
+/// sixteen full default caches were a quarter of the server's memory once
+/// many prompts had been read.
+const READER_PAGE_CACHE_KIB: u32 = 256;
+
 impl SqlStore<Sqlite> {
     pub async fn open(path: &Path, readers: u32, acquire_timeout: Duration) -> StoreResult<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -244,7 +250,7 @@ impl SqlStore<Sqlite> {
         let reader = SqlitePoolOptions::new()
             .max_connections(readers.max(1))
             .acquire_timeout(acquire_timeout)
-            .connect_with(options.read_only(true))
+            .connect_with(options.read_only(true).pragma("cache_size", format!("-{READER_PAGE_CACHE_KIB}")))
             .await
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
