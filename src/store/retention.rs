@@ -304,22 +304,13 @@ impl<D: Backend> Retention for SqlStore<D> {
                 .execute(&mut tx)
                 .await?
             }
-            Expiring::Events => {
-                sql::<D>(&format!("DELETE FROM webhook_events WHERE id IN ({batch})"))
-                    .bind(cutoff)
-                    .bind(i64::from(limit))
-                    .execute(&mut tx)
-                    .await?
-            }
-            Expiring::IdempotencyKeys => {
-                sql::<D>(&format!("DELETE FROM idempotency_keys WHERE (owner, key) IN ({batch})"))
-                    .bind(cutoff)
-                    .bind(i64::from(limit))
-                    .execute(&mut tx)
-                    .await?
-            }
-            Expiring::InboundWebhookIds => {
-                sql::<D>(&format!("DELETE FROM inbound_webhooks WHERE id IN ({batch})"))
+            Expiring::Events | Expiring::IdempotencyKeys | Expiring::InboundWebhookIds => {
+                let (table, key) = match what {
+                    Expiring::Events => ("webhook_events", "id"),
+                    Expiring::IdempotencyKeys => ("idempotency_keys", "(owner, key)"),
+                    _ => ("inbound_webhooks", "id"),
+                };
+                sql::<D>(&format!("DELETE FROM {table} WHERE {key} IN ({batch})"))
                     .bind(cutoff)
                     .bind(i64::from(limit))
                     .execute(&mut tx)
