@@ -36,7 +36,7 @@ pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
-pub use population::{PopulationStore, TaskRewards};
+pub use population::{PopulationStore, RatingSlot, TaskRewards};
 pub use prompts::PromptStore;
 pub use retention::Retention;
 pub use rollups::Rollups;

@@ -7,9 +7,12 @@ use chrono::{DateTime, Utc};
 use super::{
     Change, StoreResult,
     backend::{Backend, SqlStore},
-    sql::{arm_from_row, corrupt, json, now, prompt_id, require_version, sql},
+    sql::{Cols, arm_from_row, corrupt, json, now, prompt_id, prompt_name, require_versions, sql},
 };
 use crate::domain::{PromptName, population::PopulationArm};
+
+/// Arms one upsert writes (ten parameters each, well under either backend's limit).
+const ARMS_PER_STATEMENT: usize = 100;
 
 const ARM_COLUMNS: &str =
     "a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until";
@@ -25,9 +28,21 @@ pub struct TaskRewards {
     pub reward_sum: f64,
 }
 
+/// An `evaluated` prompt, and the end of the last window its population was rated in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RatingSlot {
+    pub prompt: PromptName,
+    /// The latest `rated_until` of its live arms; `None` when none was ever rated.
+    pub rated_until: Option<DateTime<Utc>>,
+}
+
 /// The arms of a prompt's population and the rewards they are rated on.
 #[async_trait]
 pub trait PopulationStore: Send + Sync {
+    /// One page of the `evaluated` prompts by name, after `after`, each with the
+    /// end of its last rated window: what a rating tick needs to tell which
+    /// windows are due, in one statement however many prompts there are.
+    async fn rating_schedule(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<RatingSlot>>;
     /// Per (version, `metadata.task_key`) reward sums of the prompt's rewarded,
     /// unquarantined traces created in `[from, until)` (traces without a string
     /// task key or a version are left out), so arms can be compared on matched work.
@@ -60,6 +75,22 @@ pub trait PopulationStore: Send + Sync {
 
 #[async_trait]
 impl<D: Backend> PopulationStore for SqlStore<D> {
+    async fn rating_schedule(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<RatingSlot>> {
+        // `state <> 'retired'` is the condition of the partial index `population_arms_live`.
+        sql::<D>(
+            "SELECT p.name, (SELECT max(a.rated_until) FROM population_arms a
+                             WHERE a.prompt_id = p.id AND a.state <> 'retired') AS rated_until
+             FROM prompts p WHERE p.promotion = 'evaluated' AND p.name > $1 ORDER BY p.name LIMIT $2",
+        )
+        .bind(after.unwrap_or(""))
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok(RatingSlot { prompt: prompt_name(&r.get::<String>("name")?)?, rated_until: r.get("rated_until")? })
+        })
+        .await
+    }
+
     async fn task_rewards(
         &self,
         prompt: &PromptName,
@@ -117,30 +148,45 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
     async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
         let mut tx = self.writer.begin().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
-        for arm in arms {
-            require_version::<D>(&mut tx, id, arm.version).await?;
-            sql::<D>(
+        // A constant number of statements per save, however many arms: the
+        // rater saves every rated window, so its cost must not grow with them.
+        for chunk in arms.chunks(ARMS_PER_STATEMENT) {
+            require_versions::<D>(&mut tx, id, &chunk.iter().map(|a| a.version).collect::<Vec<_>>()).await?;
+            let parents = chunk
+                .iter()
+                .map(|a| serde_json::to_value(&a.parents).map_err(|_| corrupt("arm parents")))
+                .collect::<StoreResult<Vec<_>>>()?;
+            let rows = (0..chunk.len())
+                .map(|i| {
+                    // $1 the prompt, $2 now, then nine per arm in the order bound below.
+                    let p: Vec<String> = (0..9).map(|k| format!("${}", 3 + 9 * i + k)).collect();
+                    format!("($1, {}, $2, $2, {})", p[..8].join(", "), p[8])
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            let text = format!(
                 "INSERT INTO population_arms (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from,
                                               rated_until, created_at, updated_at, parents)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11)
+                 VALUES {rows}
                  ON CONFLICT (prompt_id, version) DO UPDATE SET
                     state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
                     scored_traces = excluded.scored_traces, created_from = excluded.created_from,
-                    rated_until = excluded.rated_until, updated_at = excluded.updated_at, parents = excluded.parents",
-            )
-            .bind(id)
-            .bind(arm.version)
-            .bind(arm.state.as_str())
-            .bind(arm.rating.mu)
-            .bind(arm.rating.sigma)
-            .bind(arm.weight)
-            .bind(arm.scored_traces as i64)
-            .bind(arm.created_from)
-            .bind(arm.rated_until)
-            .bind(now())
-            .bind(json(&serde_json::to_value(&arm.parents).map_err(|_| corrupt("arm parents"))?))
-            .execute(&mut tx)
-            .await?;
+                    rated_until = excluded.rated_until, updated_at = excluded.updated_at, parents = excluded.parents"
+            );
+            let mut q = sql::<D>(&text).bind(id).bind(now());
+            for (arm, parents) in chunk.iter().zip(&parents) {
+                q = q
+                    .bind(arm.version)
+                    .bind(arm.state.as_str())
+                    .bind(arm.rating.mu)
+                    .bind(arm.rating.sigma)
+                    .bind(arm.weight)
+                    .bind(arm.scored_traces as i64)
+                    .bind(arm.created_from)
+                    .bind(arm.rated_until)
+                    .bind(json(parents));
+            }
+            q.execute(&mut tx).await?;
         }
         self.commit(tx, Change::Prompt(prompt.to_string())).await?;
         Ok(())

@@ -128,20 +128,30 @@ pub(crate) async fn account<D: Dialect>(
 /// `[start, end)` in Unix seconds.
 type Span = (i64, i64);
 
+/// `[start, end)`: a partial minute at a window's edge.
+type Edge = (DateTime<Utc>, DateTime<Utc>);
+
 /// The whole minutes inside `[from, until)` (Unix seconds), and the partial
 /// minutes at its edges, which are read from the trace rows (at most two
-/// minutes of one prompt's traces, through `traces_by_prompt_time`).
-fn split_minutes(from: i64, until: i64) -> (Option<Span>, Vec<Span>) {
-    let (a, b) = (ceil_to(from, 60), until.div_euclid(60) * 60);
+/// minutes of one prompt's traces, through `traces_by_prompt_time`), as
+/// times: an edge that is the window's own end keeps its sub-second part.
+fn split_minutes(from: DateTime<Utc>, until: DateTime<Utc>) -> (Option<Span>, Vec<Edge>) {
+    let (f, u) = (from.timestamp(), until.timestamp());
+    let at = |secs: i64| {
+        if secs == f {
+            from
+        } else if secs == u {
+            until
+        } else {
+            DateTime::from_timestamp(secs, 0).unwrap_or_default()
+        }
+    };
+    let (a, b) = (ceil_to(f, 60), u.div_euclid(60) * 60);
     if a >= b {
-        return (None, if from < until { vec![(from, until)] } else { Vec::new() });
+        return (None, if f < u { vec![(from, until)] } else { Vec::new() });
     }
-    let edges = [(from, a), (b, until)].into_iter().filter(|(x, y)| x < y).collect();
+    let edges = [(f, a), (b, u)].into_iter().filter(|(x, y)| x < y).map(|(x, y)| (at(x), at(y))).collect();
     (Some((a, b)), edges)
-}
-
-fn at(secs: i64) -> DateTime<Utc> {
-    DateTime::from_timestamp(secs, 0).unwrap_or_default()
 }
 
 /// [`super::Store::version_outcomes`]: the window as [`rollup_window`] keeps
@@ -155,13 +165,7 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
     bucket_secs: i64,
 ) -> StoreResult<Vec<OutcomeBucket>> {
     let (from, until, bucket) = rollup_window(from, until, bucket_secs, Utc::now());
-    let (whole, edges) = split_minutes(from.timestamp(), until.timestamp());
-    let edges: Vec<(DateTime<Utc>, DateTime<Utc>)> = edges
-        .into_iter()
-        .map(|(x, y)| {
-            (if x == from.timestamp() { from } else { at(x) }, if y == until.timestamp() { until } else { at(y) })
-        })
-        .collect();
+    let (whole, edges) = split_minutes(from, until);
     // One statement: the rollup rows of the whole minutes, then the trace rows
     // of the partial ones, each group summed (one round trip).
     let mut parts = Vec::new();
@@ -262,7 +266,7 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
 }
 
 /// [`super::Store::task_rewards`]: whole minutes from the task rollups, the
-/// partial minutes at the edges from the trace rows.
+/// partial minutes at the edges from the trace rows, in one statement.
 pub(crate) async fn read_task_rewards<D: Backend>(
     s: &SqlStore<D>,
     prompt: &PromptName,
@@ -270,48 +274,72 @@ pub(crate) async fn read_task_rewards<D: Backend>(
     until: DateTime<Utc>,
 ) -> StoreResult<Vec<TaskRewards>> {
     let (from, until, _) = rollup_window(from, until, 60, Utc::now());
-    let (whole, edges) = split_minutes(from.timestamp(), until.timestamp());
-    let mut c = s.reader.acquire().await?;
-    let mut sums: std::collections::BTreeMap<(i64, String), (u64, f64)> = Default::default();
-    let row = |row: &D::Row| -> StoreResult<(i64, String, u64, f64)> {
-        let r = Cols::<D>(row);
-        Ok((r.get("version")?, r.get("task_key")?, r.get::<i64>("n")?.max(0) as u64, r.get("total")?))
+    let (whole, edges) = split_minutes(from, until);
+    let mut parts = Vec::new();
+    let mut n = 1; // $1 the prompt
+    let mut param = || {
+        n += 1;
+        format!("${n}")
     };
-    if let Some((a, b)) = whole {
-        let text = format!(
+    if whole.is_some() {
+        parts.push(format!(
             "SELECT version, task_key, CAST(sum(traces) AS BIGINT) AS n, {total} AS total FROM task_rollups
-             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND start_secs >= $2 AND start_secs < $3
+             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND start_secs >= {a} AND start_secs < {b}
              GROUP BY version, task_key HAVING sum(traces) > 0",
             total = D::real("sum(reward_sum)"),
-        );
-        for (v, k, n, t) in sql::<D>(&text).bind(prompt.as_str()).bind(a).bind(b).map(&mut c, row).await? {
-            let e = sums.entry((v, k)).or_default();
-            *e = (e.0 + n, e.1 + t);
-        }
+            a = param(),
+            b = param(),
+        ));
     }
-    for (x, y) in edges {
-        let (x, y) =
-            (if x == from.timestamp() { from } else { at(x) }, if y == until.timestamp() { until } else { at(y) });
-        let text = format!(
-            "WITH r AS (
-               SELECT t.prompt_version AS version, {task_key} AS task_key,
-                      CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
-               FROM traces t
-               WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND t.created_at >= $2 AND t.created_at < $3
-                 AND t.quarantined_at IS NULL AND t.prompt_version IS NOT NULL AND {keyed})
-             SELECT version, task_key, count(reward) AS n, {total} AS total
-             FROM r WHERE reward IS NOT NULL GROUP BY version, task_key",
+    if !edges.is_empty() {
+        let within = edges
+            .iter()
+            .map(|_| format!("(t.created_at >= {} AND t.created_at < {})", param(), param()))
+            .collect::<Vec<_>>()
+            .join(" OR ");
+        parts.push(format!(
+            "SELECT version, task_key, count(reward) AS n, {total} AS total
+             FROM (SELECT t.prompt_version AS version, {task_key} AS task_key,
+                          CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
+                   FROM traces t
+                   WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({within})
+                     AND t.quarantined_at IS NULL AND t.prompt_version IS NOT NULL AND {keyed}) r
+             WHERE reward IS NOT NULL GROUP BY version, task_key",
             task_key = D::json_text("t.metadata", "task_key"),
             is_flag = D::json_is("t.feedback", "success", "boolean"),
             flag = D::json_flag("t.feedback", "success"),
             score = D::json_number("t.feedback", "score"),
             keyed = D::json_is("t.metadata", "task_key", "string"),
             total = D::real("coalesce(sum(reward), 0)"),
-        );
-        for (v, k, n, t) in sql::<D>(&text).bind(prompt.as_str()).bind(x).bind(y).map(&mut c, row).await? {
-            let e = sums.entry((v, k)).or_default();
-            *e = (e.0 + n, e.1 + t);
-        }
+        ));
+    }
+    if parts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let text = parts.join(" UNION ALL ");
+    let mut query = sql::<D>(&text).bind(prompt.as_str());
+    if let Some((a, b)) = whole {
+        query = query.bind(a).bind(b);
+    }
+    for (x, y) in edges {
+        query = query.bind(x).bind(y);
+    }
+    let rows = query
+        .map(&mut *s.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok((
+                r.get::<i64>("version")?,
+                r.get::<String>("task_key")?,
+                r.get::<i64>("n")?.max(0) as u64,
+                r.get::<f64>("total")?,
+            ))
+        })
+        .await?;
+    // One sum per (version, task key), whatever it was read from.
+    let mut sums: std::collections::BTreeMap<(i64, String), (u64, f64)> = Default::default();
+    for (v, k, n, t) in rows {
+        let e = sums.entry((v, k)).or_default();
+        *e = (e.0 + n, e.1 + t);
     }
     Ok(sums
         .into_iter()

@@ -261,7 +261,7 @@ pub(crate) fn later(at: DateTime<Utc>, d: std::time::Duration) -> DateTime<Utc> 
     chrono::Duration::from_std(d).ok().and_then(|d| at.checked_add_signed(d)).unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
-fn prompt_name(s: &str) -> StoreResult<PromptName> {
+pub(crate) fn prompt_name(s: &str) -> StoreResult<PromptName> {
     PromptName::parse(s).map_err(|_| corrupt("prompt name"))
 }
 
@@ -578,6 +578,30 @@ pub(crate) async fn require_version<D: Dialect>(
         .is_some();
     if exists { Ok(()) } else { Err(StoreError::Invalid(format!("version {number} does not exist"))) }
 }
+
+/// [`require_version`] for several versions in one statement: `Invalid`
+/// naming the first of `numbers` the prompt does not have.
+pub(crate) async fn require_versions<D: Dialect>(
+    c: &mut D::Connection,
+    prompt_id: Uuid,
+    numbers: &[i64],
+) -> StoreResult<()> {
+    if numbers.is_empty() {
+        return Ok(());
+    }
+    let list = (0..numbers.len()).map(|i| format!("${}", i + 2)).collect::<Vec<_>>().join(", ");
+    let text = format!("SELECT number FROM versions WHERE prompt_id = $1 AND number IN ({list})");
+    let mut q = sql::<D>(&text).bind(prompt_id);
+    for n in numbers {
+        q = q.bind(*n);
+    }
+    let found = q.map(c, |row| Cols::<D>(row).get::<i64>("number")).await?;
+    match numbers.iter().find(|n| !found.contains(n)) {
+        Some(missing) => Err(StoreError::Invalid(format!("version {missing} does not exist"))),
+        None => Ok(()),
+    }
+}
+
 /// Moves a label; returns it with the version it pointed at before.
 pub(crate) async fn apply_move<D: Dialect>(
     c: &mut D::Connection,

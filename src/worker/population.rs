@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::PopulationSettings,
-    domain::{LabelMoveKind, LabelName, MoveCause, Promotion, PromptName, Strategy, VersionSource, prompt::NewVersion},
+    domain::{LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource, prompt::NewVersion},
     evaluate::{
         outcomes::OutcomeBucket,
         population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate},
@@ -329,6 +329,21 @@ pub enum CrossoverOutcome {
     Bred { version: i64, parents: Vec<i64>, rating: Rating },
 }
 
+/// What rating a window read, handed on to the crossover after it so the
+/// crossover reads nothing twice.
+struct RatedWindow {
+    prompt: Prompt,
+    policy: PopulationPolicy,
+    /// The version `production` points at after the rating (and the gate).
+    champion: i64,
+    /// The live arms' versions.
+    live: Vec<i64>,
+    /// The window's task rewards, when the rating read them (two or more ranked arms).
+    tasks: Option<Vec<TaskRewards>>,
+    from: DateTime<Utc>,
+    until: DateTime<Utc>,
+}
+
 /// Why a crossover attempt failed (logged and counted; the rater goes on).
 #[derive(Debug, thiserror::Error)]
 pub enum CrossoverError {
@@ -403,29 +418,38 @@ impl PopulationRater {
     }
 
     /// Rates every `evaluated` prompt whose window is due, once; where the
-    /// time went. A population never rated before waits for its slot (see
-    /// [`first_window_due`]), so prompts created together are rated in
-    /// different ticks and every tick rates about `tick_secs / window_secs`
-    /// of them.
+    /// time went. Which windows are due comes from one statement per page of
+    /// prompts ([`crate::store::PopulationStore::rating_schedule`]), so a tick
+    /// costs O(windows due), not O(prompts × reads). A population never rated
+    /// before waits for its slot (see [`first_window_due`]), so prompts created
+    /// together are rated in different ticks and every tick rates about
+    /// `tick_secs / window_secs` of them.
     pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<TickPhases> {
         let mut phases = TickPhases::default();
+        let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
         let mut after: Option<String> = None;
         loop {
             let listed = std::time::Instant::now();
-            let page = self.store.prompts_page(after.as_deref(), PAGE).await?;
+            let page = self.store.rating_schedule(after.as_deref(), PAGE).await?;
             phases.list += listed.elapsed();
-            for p in &page {
-                if p.promotion != Promotion::Evaluated {
+            for slot in &page {
+                phases.checked += 1;
+                // A pre-filter: the rating reads the arms and decides again.
+                let due = match slot.rated_until {
+                    Some(t) => t <= from,
+                    None => first_window_due(&slot.prompt, now, self.settings.tick_secs, self.settings.window_secs),
+                };
+                if !due {
                     continue;
                 }
-                if let Err(e) = self.rate_timed(&p.name, now, true, &mut phases).await {
-                    tracing::warn!(prompt = %p.name, error = %e, "could not rate the population");
+                if let Err(e) = self.rate_timed(&slot.prompt, now, true, &mut phases).await {
+                    tracing::warn!(prompt = %slot.prompt, error = %e, "could not rate the population");
                 }
             }
             if page.len() < PAGE as usize {
                 return Ok(phases);
             }
-            after = page.last().map(|p| p.name.to_string());
+            after = page.last().map(|s| s.prompt.to_string());
         }
     }
 
@@ -447,16 +471,12 @@ impl PopulationRater {
         stagger: bool,
         phases: &mut TickPhases,
     ) -> StoreResult<RatingOutcome> {
-        phases.checked += 1;
-        let outcome = self.rate_window(prompt, now, stagger, phases).await?;
-        if outcome == RatingOutcome::WindowOpen {
-            return Ok(outcome);
-        }
+        let (outcome, rated) = self.rate_window(prompt, now, stagger, phases).await?;
+        let Some(rated) = rated else { return Ok(outcome) };
         phases.rated += 1;
         if self.breeder.is_some() {
-            let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
             let started = std::time::Instant::now();
-            let crossed = self.cross_timed(prompt, from, now, &mut phases.crossover_llm).await;
+            let crossed = self.breed(rated, &mut phases.crossover_llm).await;
             phases.crossover += started.elapsed();
             match crossed {
                 Ok(done) => {
@@ -488,33 +508,36 @@ impl PopulationRater {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> Result<CrossoverOutcome, CrossoverError> {
+        if self.breeder.is_none() {
+            return Ok(CrossoverOutcome::NotDrawn);
+        }
+        let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+        let policy = own.settings.population.applied_to(&self.settings.policy());
+        let champion = production_version(&self.store, prompt).await?.ok_or(StoreError::NotFound)?;
+        let live = self.store.live_arms(prompt, &[]).await?;
+        let live = live.iter().filter(|a| a.state != ArmState::Retired).map(|a| a.version).collect();
+        let rated = RatedWindow { prompt: own, policy, champion, live, tasks: None, from, until };
         let mut llm = Duration::ZERO;
-        self.cross_timed(prompt, from, until, &mut llm).await
+        self.breed(rated, &mut llm).await
     }
 
-    /// [`Self::cross`], adding the time of its LLM call to `llm`.
-    async fn cross_timed(
-        &self,
-        prompt: &PromptName,
-        from: DateTime<Utc>,
-        until: DateTime<Utc>,
-        llm: &mut Duration,
-    ) -> Result<CrossoverOutcome, CrossoverError> {
+    /// [`Self::cross`] on what rating the window read already, adding the time
+    /// of its LLM call to `llm`.
+    async fn breed(&self, rated: RatedWindow, llm: &mut Duration) -> Result<CrossoverOutcome, CrossoverError> {
         let Some(breeder) = &self.breeder else { return Ok(CrossoverOutcome::NotDrawn) };
-        let p = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
-        let policy = p.settings.population.applied_to(&self.settings.policy());
+        let RatedWindow { prompt: p, policy, champion, live: mut versions, tasks, from, until } = rated;
+        let prompt = &p.name;
         if crossover_draw(prompt, until) >= policy.crossover_prob {
             return Ok(CrossoverOutcome::NotDrawn);
         }
         if p.strategy != Strategy::Playbook {
             return Ok(CrossoverOutcome::NotPlaybook);
         }
-        let champion = production_version(&self.store, prompt).await?.ok_or(StoreError::NotFound)?;
-        let arms = self.store.live_arms(prompt, &[]).await?;
-        let mut live: Vec<&PopulationArm> = arms.iter().filter(|a| a.state != ArmState::Retired).collect();
-        live.sort_by_key(|a| a.version);
-        let versions: Vec<i64> = live.iter().map(|a| a.version).collect();
-        let tasks = self.store.task_rewards(prompt, from, until).await?;
+        versions.sort_unstable();
+        let tasks = match tasks {
+            Some(tasks) => tasks,
+            None => self.store.task_rewards(prompt, from, until).await?,
+        };
         let won = task_winners(&tasks, &versions, TIE);
         if won.len() < 2 {
             return Ok(CrossoverOutcome::TooFewWinners { winners: won.into_keys().collect() });
@@ -636,13 +659,15 @@ impl PopulationRater {
             .map(|m| (now - m.at).num_seconds().max(0) as u64 / self.settings.window_secs.max(1)))
     }
 
+    /// Rates the window ending at `now` if it is due; with the outcome, what
+    /// it read (`None` when the window was still open).
     async fn rate_window(
         &self,
         prompt: &PromptName,
         now: DateTime<Utc>,
         stagger: bool,
         phases: &mut TickPhases,
-    ) -> StoreResult<RatingOutcome> {
+    ) -> StoreResult<(RatingOutcome, Option<RatedWindow>)> {
         let started = std::time::Instant::now();
         let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
         let policy = own.settings.population.applied_to(&self.settings.policy());
@@ -660,7 +685,7 @@ impl PopulationRater {
                 && last_rated.is_none()
                 && !first_window_due(prompt, now, self.settings.tick_secs, self.settings.window_secs))
         {
-            return Ok(RatingOutcome::WindowOpen);
+            return Ok((RatingOutcome::WindowOpen, None));
         }
         let started = std::time::Instant::now();
         let buckets = self.store.version_outcomes(prompt, from, now, self.settings.window_secs as i64).await?;
@@ -678,10 +703,11 @@ impl PopulationRater {
             }
         }
         let mut basis = Basis::WindowMeans;
+        let mut window_tasks = None;
         if ranked.len() >= 2 {
             let versions: Vec<i64> = ranked.iter().map(|(i, _)| arms[*i].version).collect();
-            let tasks = self.store.task_rewards(prompt, from, now).await?;
-            if let Some(matched) = matched_rewards(&tasks, &versions, MIN_SHARED_TASKS) {
+            let tasks = window_tasks.insert(self.store.task_rewards(prompt, from, now).await?);
+            if let Some(matched) = matched_rewards(tasks, &versions, MIN_SHARED_TASKS) {
                 basis = Basis::SharedTasks;
                 for ((_, r), m) in ranked.iter_mut().zip(matched) {
                     *r = m;
@@ -705,6 +731,16 @@ impl PopulationRater {
         };
         let since_move = self.windows_since_move(prompt, now).await?;
         phases.read += started.elapsed();
+        let live_versions: Vec<i64> = live.iter().map(|a| a.version).collect();
+        let rated = |champion: i64| RatedWindow {
+            prompt: own.clone(),
+            policy,
+            champion,
+            live: live_versions.clone(),
+            tasks: window_tasks.clone(),
+            from,
+            until: now,
+        };
         let started = std::time::Instant::now();
         let decision = gate(&champ, &live, &policy, since_move);
         let GateDecision::Promote {
@@ -719,7 +755,10 @@ impl PopulationRater {
             reconcile(&mut arms, champion, &policy);
             self.store.save_population(prompt, &arms).await?;
             phases.save += started.elapsed();
-            return Ok(RatingOutcome::Rated { ranked: ranked_versions, basis, gate: decision });
+            return Ok((
+                RatingOutcome::Rated { ranked: ranked_versions, basis, gate: decision },
+                Some(rated(champion)),
+            ));
         };
         // Save the ratings first: they are the evidence, whatever happens to the move.
         reconcile(&mut arms, champion, &policy);
@@ -754,9 +793,13 @@ impl PopulationRater {
                 tracing::info!(%prompt, from = champion, to = challenger, %reason, "promotion gate moved production");
                 reconcile(&mut arms, challenger, &policy);
                 self.store.save_population(prompt, &arms).await?;
-                Ok(RatingOutcome::Promoted { from: champion, to: challenger })
+                Ok((RatingOutcome::Promoted { from: champion, to: challenger }, Some(rated(challenger))))
             }
-            Err(StoreError::Conflict) => Ok(RatingOutcome::Raced),
+            Err(StoreError::Conflict) => {
+                // Someone else moved production: the crossover breeds on theirs.
+                let now_champion = production_version(&self.store, prompt).await?.ok_or(StoreError::NotFound)?;
+                Ok((RatingOutcome::Raced, Some(rated(now_champion))))
+            }
             Err(e) => Err(e),
         }
     }
