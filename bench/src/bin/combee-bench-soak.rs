@@ -426,9 +426,51 @@ struct Period {
     rater_llm: f64,
     /// The store work of the rated windows (reading the window, saving the ratings), and how many windows.
     rater_windows: (f64, f64),
+    /// Of that work, reading the windows and saving the ratings, apart.
+    rater_read_save: (f64, f64),
+    /// Live arms per `evaluated` population at the period's end.
+    live_arms: f64,
+    /// Postgres's own upkeep in the period: autovacuum runs, dead rows at its end, checkpoints.
+    upkeep: Upkeep,
     rounds: Vec<f64>,
     deleted: f64,
     traces: i64,
+}
+
+/// Tables whose upkeep the report follows: the biggest, and the rollups the rater and metrics read.
+const UPKEEP_TABLES: [&str; 3] = ["traces", "outcome_rollups", "task_rollups"];
+
+/// Postgres's background work, as counters to difference between periods.
+#[derive(Default, Clone)]
+struct Upkeep {
+    /// Per table of [`UPKEEP_TABLES`]: autovacuum runs, dead rows now.
+    tables: BTreeMap<String, (i64, i64)>,
+    checkpoints: i64,
+}
+
+impl Upkeep {
+    async fn read(db: &mut PgConnection) -> anyhow::Result<Self> {
+        let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT relname::text, autovacuum_count, n_dead_tup FROM pg_stat_user_tables WHERE relname = ANY($1)",
+        )
+        .bind(UPKEEP_TABLES.map(str::to_owned).to_vec())
+        .fetch_all(&mut *db)
+        .await?;
+        let checkpoints: i64 = sqlx::query_scalar("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter")
+            .fetch_one(&mut *db)
+            .await?;
+        Ok(Self { tables: rows.into_iter().map(|(t, a, d)| (t, (a, d))).collect(), checkpoints })
+    }
+
+    /// Runs and checkpoints since `before`; dead rows as they are now.
+    fn since(&self, before: &Self) -> Self {
+        let tables = self
+            .tables
+            .iter()
+            .map(|(t, (runs, dead))| (t.clone(), (runs - before.tables.get(t).map_or(0, |b| b.0), *dead)))
+            .collect();
+        Self { tables, checkpoints: self.checkpoints - before.checkpoints }
+    }
 }
 
 struct Live {
@@ -527,6 +569,7 @@ async fn live(args: &Args, server: &Server, key: &str, url: &str) -> anyhow::Res
     }
     let mut periods = Vec::new();
     let mut last_scrape = String::new();
+    let mut last_upkeep = Upkeep::read(&mut db).await?;
     for (p, (warmup, length)) in lengths.into_iter().enumerate() {
         let from = chrono::Utc::now();
         tokio::time::sleep(length).await;
@@ -538,6 +581,7 @@ async fn live(args: &Args, server: &Server, key: &str, url: &str) -> anyhow::Res
         let since = |phase_name: &str| phase(&scrape, phase_name) - phase(&last_scrape, phase_name);
         let rater_llm = since("crossover_llm");
         let windows_work = since("read") + since("save");
+        let rater_read_save = (since("read"), since("save"));
         let windows =
             counter(&scrape, "combee_rater_windows_total") - counter(&last_scrape, "combee_rater_windows_total");
         let deleted = counter(&scrape, "combee_retention_deleted_total{what=\"traces\"}")
@@ -551,10 +595,22 @@ async fn live(args: &Args, server: &Server, key: &str, url: &str) -> anyhow::Res
         .fetch_all(&mut db)
         .await?;
         let traces: i64 = sqlx::query_scalar("SELECT count(*) FROM traces").fetch_one(&mut db).await?;
+        let live_arms: f64 = sqlx::query_scalar(
+            "SELECT coalesce(count(*)::float8 / nullif(count(DISTINCT prompt_id), 0), 0) FROM population_arms
+             WHERE state <> 'retired'",
+        )
+        .fetch_one(&mut db)
+        .await?;
+        let now_upkeep = Upkeep::read(&mut db).await?;
+        let upkeep = now_upkeep.since(&last_upkeep);
+        last_upkeep = now_upkeep;
         let period = Period {
             warmup,
             rater_llm,
             rater_windows: (windows_work, windows),
+            rater_read_save,
+            live_arms,
+            upkeep,
             samples,
             sizes: table_sizes(&mut db).await?,
             rss_kb: rss_kb(server.pid),
@@ -788,6 +844,42 @@ fn render(
                 let _ = writeln!(o, "\nFirst error of \"{k}\": {e}");
             }
         }
+    }
+    let _ = writeln!(
+        o,
+        "\n## The rater and Postgres's upkeep, per period\n\nWhere a rated window's store work went (reading the window; saving the ratings), how many arms each `evaluated` population had live at the period's end, and what Postgres did in the background meanwhile (autovacuum runs and dead rows at the period's end per table, checkpoints).\n"
+    );
+    let _ = writeln!(
+        o,
+        "| period | windows | read ms / window | save ms / window | live arms per population | autovacuums ({}) | dead rows at the end ({}) | checkpoints |\n| --- | --- | --- | --- | --- | --- | --- | --- |",
+        UPKEEP_TABLES.join(" / "),
+        UPKEEP_TABLES.join(" / ")
+    );
+    let mut measured = 0;
+    for p in &live.periods {
+        let name = if p.warmup {
+            "warm-up".to_owned()
+        } else {
+            measured += 1;
+            measured.to_string()
+        };
+        let per = |secs: f64| {
+            if p.rater_windows.1 > 0.0 { format!("{:.1}", 1000.0 * secs / p.rater_windows.1) } else { "—".into() }
+        };
+        let column = |pick: fn(&(i64, i64)) -> i64| {
+            UPKEEP_TABLES.map(|t| p.upkeep.tables.get(t).map_or("—".to_owned(), |v| pick(v).to_string())).join(" / ")
+        };
+        let _ = writeln!(
+            o,
+            "| {name} | {} | {} | {} | {:.1} | {} | {} | {} |",
+            p.rater_windows.1,
+            per(p.rater_read_save.0),
+            per(p.rater_read_save.1),
+            p.live_arms,
+            column(|v| v.0),
+            column(|v| v.1),
+            p.upkeep.checkpoints
+        );
     }
     let _ = writeln!(o, "\n## Per-table size (MB): after the load, after each period\n");
     let mut tables: Vec<&String> = end.1.keys().collect();
