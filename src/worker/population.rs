@@ -732,12 +732,13 @@ impl PopulationRater {
         let since_move = self.windows_since_move(prompt, now).await?;
         phases.read += started.elapsed();
         let live_versions: Vec<i64> = live.iter().map(|a| a.version).collect();
-        let rated = |champion: i64| RatedWindow {
-            prompt: own.clone(),
+        // What the crossover after this window needs, made once on whichever path the gate takes.
+        let rated = move |champion: i64| RatedWindow {
+            prompt: own,
             policy,
             champion,
-            live: live_versions.clone(),
-            tasks: window_tasks.clone(),
+            live: live_versions,
+            tasks: window_tasks,
             from,
             until: now,
         };

@@ -494,7 +494,76 @@ async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
     assert_eq!(arm(&live, 1).state, ArmState::Challenger, "the old champion competes on");
 }
 
+async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_window(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "b", 130).await;
+    evaluated_prompt(&s, "a", 2).await;
+    evaluated_prompt(&s, "never", 1).await;
+    let auto = NewPrompt {
+        name: name("auto"),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Auto,
+        settings: PromptSettings::default(),
+        created_by: "test".into(),
+    };
+    s.create_prompt(auto, version("v1", None)).await.unwrap();
+    let t0 = chrono::DateTime::parse_from_rfc3339("2026-11-20T10:00:00Z").unwrap().with_timezone(&chrono::Utc);
+    // More arms than one statement writes, each with its own values: every one reads back as saved.
+    let arms: Vec<PopulationArm> = (1..=130)
+        .map(|v| PopulationArm {
+            version: v,
+            state: match v {
+                1 => ArmState::Champion,
+                v if v % 2 == 0 => ArmState::Challenger,
+                _ => ArmState::Retired,
+            },
+            rating: Rating { mu: 20.0 + v as f64 / 10.0, sigma: 1.0 + v as f64 / 100.0 },
+            weight: if v % 2 == 0 { 0.001 * v as f64 } else { 0.0 },
+            scored_traces: 3 * v as u64,
+            created_from: (v > 1).then_some(v - 1),
+            parents: if v > 2 { vec![v - 1, v - 2] } else { Vec::new() },
+            // A retired arm was rated last: the schedule counts live arms only.
+            rated_until: Some(t0 + chrono::Duration::seconds(if v % 2 == 0 { v } else { 1000 + v })),
+        })
+        .collect();
+    s.save_population(&name("b"), &arms).await.unwrap();
+    let mut back = Vec::new();
+    let mut after = None;
+    loop {
+        let page = s.population_page(&name("b"), after, 50).await.unwrap();
+        after = page.last().map(|a| a.version);
+        let done = page.len() < 50;
+        back.extend(page);
+        if done {
+            break;
+        }
+    }
+    assert_eq!(back, arms);
+    // All or nothing: one unknown version refuses the whole save, naming it.
+    let mut changed = arms[..3].to_vec();
+    changed[0].rating.mu = 40.0;
+    changed.push(PopulationArm { version: 404, ..arms[1].clone() });
+    match s.save_population(&name("b"), &changed).await {
+        Err(StoreError::Invalid(why)) => assert!(why.contains("404"), "{why}"),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    assert_eq!(arm(&s.live_arms(&name("b"), &[]).await.unwrap(), 1).rating, arms[0].rating);
+    s.save_population(&name("a"), &[PopulationArm { rated_until: None, ..arms[0].clone() }]).await.unwrap();
+    // Evaluated prompts only, by name, paged; each with its live arms' last window.
+    let page = s.rating_schedule(None, 2).await.unwrap();
+    let slots: Vec<(String, Option<chrono::DateTime<chrono::Utc>>)> =
+        page.iter().map(|r| (r.prompt.to_string(), r.rated_until)).collect();
+    assert_eq!(slots, [("a".to_owned(), None), ("b".to_owned(), Some(t0 + chrono::Duration::seconds(130)))]);
+    let rest = s.rating_schedule(Some("b"), 2).await.unwrap();
+    assert_eq!(
+        rest.iter().map(|r| (r.prompt.to_string(), r.rated_until)).collect::<Vec<_>>(),
+        [("never".to_owned(), None)]
+    );
+}
+
 on_both_stores!(
+    many_arms_save_at_once_and_the_schedule_names_each_populations_last_window,
     retired_arms_stay_as_history_off_the_hot_path,
     crossover_makes_a_child_from_two_arms_that_won_different_tasks,
     migration_0014_reads_old_arms_parents_and_accepts_crossover_versions,
