@@ -131,27 +131,31 @@ type Span = (i64, i64);
 /// `[start, end)`: a partial minute at a window's edge.
 type Edge = (DateTime<Utc>, DateTime<Utc>);
 
-/// The whole minutes inside `[from, until)` (Unix seconds), and the partial
+/// The whole minutes inside `[from, until)` (as Unix seconds), and the partial
 /// minutes at its edges, which are read from the trace rows (at most two
-/// minutes of one prompt's traces, through `traces_by_prompt_time`), as
-/// times: an edge that is the window's own end keeps its sub-second part.
+/// minutes of one prompt's traces, through `traces_by_prompt_time`). Split
+/// at the microsecond, the precision both stores keep: a window ending a
+/// fraction of a second past a minute has that fraction as an edge, and one
+/// starting a fraction past a minute does not read that whole minute.
 fn split_minutes(from: DateTime<Utc>, until: DateTime<Utc>) -> (Option<Span>, Vec<Edge>) {
-    let (f, u) = (from.timestamp(), until.timestamp());
-    let at = |secs: i64| {
-        if secs == f {
-            from
-        } else if secs == u {
-            until
-        } else {
-            DateTime::from_timestamp(secs, 0).unwrap_or_default()
-        }
-    };
-    let (a, b) = (ceil_to(f, 60), u.div_euclid(60) * 60);
-    if a >= b {
-        return (None, if f < u { vec![(from, until)] } else { Vec::new() });
+    const MINUTE_US: i64 = 60_000_000;
+    let (f, u) = (from.timestamp_micros(), until.timestamp_micros());
+    if f >= u {
+        return (None, Vec::new());
     }
-    let edges = [(f, a), (b, u)].into_iter().filter(|(x, y)| x < y).map(|(x, y)| (at(x), at(y))).collect();
-    (Some((a, b)), edges)
+    let (a, b) = (ceil_to(f, MINUTE_US), u.div_euclid(MINUTE_US) * MINUTE_US);
+    if a >= b {
+        return (None, vec![(from, until)]);
+    }
+    let at = |us: i64| DateTime::from_timestamp_micros(us).unwrap_or_default();
+    let mut edges = Vec::new();
+    if f < a {
+        edges.push((from, at(a)));
+    }
+    if b < u {
+        edges.push((at(b), until));
+    }
+    (Some((a / 1_000_000, b / 1_000_000)), edges)
 }
 
 /// [`super::Store::version_outcomes`]: the window as [`rollup_window`] keeps
@@ -453,5 +457,48 @@ impl<D: Backend> Rollups for SqlStore<D> {
             .await?;
         }
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
+    }
+
+    fn secs(s: &str) -> i64 {
+        t(s).timestamp()
+    }
+
+    #[test]
+    fn a_window_is_whole_minutes_and_its_partial_edges_to_the_microsecond() {
+        // Aligned: whole minutes only.
+        let (whole, edges) = split_minutes(t("2026-11-26T16:40:00Z"), t("2026-11-26T16:50:00Z"));
+        assert_eq!(whole, Some((secs("2026-11-26T16:40:00Z"), secs("2026-11-26T16:50:00Z"))));
+        assert!(edges.is_empty());
+        // Ending a fraction of a second past a minute: that fraction is an edge, not lost.
+        let (whole, edges) = split_minutes(t("2026-11-26T16:37:00Z"), t("2026-11-26T16:47:00.314159Z"));
+        assert_eq!(whole, Some((secs("2026-11-26T16:37:00Z"), secs("2026-11-26T16:47:00Z"))));
+        assert_eq!(edges, [(t("2026-11-26T16:47:00Z"), t("2026-11-26T16:47:00.314159Z"))]);
+        // Starting a fraction past a minute: that minute is an edge, not read whole.
+        let (whole, edges) = split_minutes(t("2026-11-26T16:37:00.5Z"), t("2026-11-26T16:47:30Z"));
+        assert_eq!(whole, Some((secs("2026-11-26T16:38:00Z"), secs("2026-11-26T16:47:00Z"))));
+        assert_eq!(
+            edges,
+            [
+                (t("2026-11-26T16:37:00.5Z"), t("2026-11-26T16:38:00Z")),
+                (t("2026-11-26T16:47:00Z"), t("2026-11-26T16:47:30Z"))
+            ]
+        );
+        // Inside one minute, or across one boundary with no whole minute: one edge, the window.
+        for (a, b) in
+            [("2026-11-26T16:47:00.2Z", "2026-11-26T16:47:00.9Z"), ("2026-11-26T16:46:59.9Z", "2026-11-26T16:47:00.1Z")]
+        {
+            assert_eq!(split_minutes(t(a), t(b)), (None, vec![(t(a), t(b))]));
+        }
+        // Empty.
+        assert_eq!(split_minutes(t("2026-11-26T16:47:00.3Z"), t("2026-11-26T16:47:00.3Z")), (None, Vec::new()));
     }
 }
