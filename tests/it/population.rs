@@ -524,7 +524,7 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
             created_from: (v > 1).then_some(v - 1),
             parents: if v > 2 { vec![v - 1, v - 2] } else { Vec::new() },
             // A retired arm was rated last: the schedule counts live arms only.
-            rated_until: Some(t0 + chrono::Duration::seconds(if v % 2 == 0 { v } else { 1000 + v })),
+            rated_until: Some(t0 + chrono::Duration::seconds(if v == 1 || v % 2 == 0 { v } else { 1000 + v })),
         })
         .collect();
     s.save_population(&name("b"), &arms).await.unwrap();
