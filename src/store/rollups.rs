@@ -158,6 +158,15 @@ fn split_minutes(from: DateTime<Utc>, until: DateTime<Utc>) -> (Option<Span>, Ve
     (Some((a / 1_000_000, b / 1_000_000)), edges)
 }
 
+/// SQL: a trace row's `created_at` in one of `n` edges, each bound as two
+/// parameters named by `param` (in the order the edges are bound).
+fn edges_condition(n: usize, param: &mut impl FnMut() -> String) -> String {
+    (0..n)
+        .map(|_| format!("(t.created_at >= {} AND t.created_at < {})", param(), param()))
+        .collect::<Vec<_>>()
+        .join(" OR ")
+}
+
 /// [`super::Store::version_outcomes`]: the window as [`rollup_window`] keeps
 /// it, its whole minutes from the coarsest rollup rows that fit, its partial
 /// minutes from the trace rows.
@@ -205,11 +214,7 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
         ));
     }
     if !edges.is_empty() {
-        let within = edges
-            .iter()
-            .map(|_| format!("(t.created_at >= {} AND t.created_at < {})", param(), param()))
-            .collect::<Vec<_>>()
-            .join(" OR ");
+        let within = edges_condition(edges.len(), &mut param);
         parts.push(format!(
             "SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
                     count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes, {aggs}
@@ -296,11 +301,7 @@ pub(crate) async fn read_task_rewards<D: Backend>(
         ));
     }
     if !edges.is_empty() {
-        let within = edges
-            .iter()
-            .map(|_| format!("(t.created_at >= {} AND t.created_at < {})", param(), param()))
-            .collect::<Vec<_>>()
-            .join(" OR ");
+        let within = edges_condition(edges.len(), &mut param);
         parts.push(format!(
             "SELECT version, task_key, count(reward) AS n, {total} AS total
              FROM (SELECT t.prompt_version AS version, {task_key} AS task_key,

@@ -791,14 +791,7 @@ fn render(
         "errors | rater tick mean s (ticks) | rater tick own work s | rater per window ms (windows) | rounds (mean wall) | traces deleted | traces stored | database | server RSS |"
     );
     let _ = writeln!(o, "|{}", " --- |".repeat(KINDS.len() + 10));
-    let mut measured = 0;
-    for p in &live.periods {
-        let name = if p.warmup {
-            "warm-up".to_owned()
-        } else {
-            measured += 1;
-            measured.to_string()
-        };
+    for (p, name) in live.periods.iter().zip(period_names(&live.periods)) {
         let _ = write!(o, "| {name} | ");
         for k in KINDS {
             match p.samples.get(k) {
@@ -855,14 +848,7 @@ fn render(
         UPKEEP_TABLES.join(" / "),
         UPKEEP_TABLES.join(" / ")
     );
-    let mut measured = 0;
-    for p in &live.periods {
-        let name = if p.warmup {
-            "warm-up".to_owned()
-        } else {
-            measured += 1;
-            measured.to_string()
-        };
+    for (p, name) in live.periods.iter().zip(period_names(&live.periods)) {
         let per = |secs: f64| {
             if p.rater_windows.1 > 0.0 { format!("{:.1}", 1000.0 * secs / p.rater_windows.1) } else { "—".into() }
         };
@@ -1029,6 +1015,22 @@ fn render(
         );
     }
     o
+}
+
+/// "warm-up", then the measured periods numbered from 1.
+fn period_names(periods: &[Period]) -> Vec<String> {
+    let mut measured = 0;
+    periods
+        .iter()
+        .map(|p| {
+            if p.warmup {
+                "warm-up".to_owned()
+            } else {
+                measured += 1;
+                measured.to_string()
+            }
+        })
+        .collect()
 }
 
 fn pass(ok: bool) -> &'static str {
