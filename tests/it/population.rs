@@ -56,6 +56,20 @@ fn arm(arms: &[PopulationArm], version: i64) -> &PopulationArm {
     arms.iter().find(|a| a.version == version).unwrap_or_else(|| panic!("no arm v{version} in {arms:?}"))
 }
 
+/// The whole population of `prompt`, read page by page (`page` arms a call).
+async fn whole_population(s: &DynStore, prompt: &str, page: u32) -> Vec<PopulationArm> {
+    let (mut all, mut after) = (Vec::new(), None);
+    loop {
+        let got = s.population_page(&name(prompt), after, page).await.unwrap();
+        after = got.last().map(|a| a.version);
+        let done = got.len() < page as usize;
+        all.extend(got);
+        if done {
+            return all;
+        }
+    }
+}
+
 fn live_weights(arms: &[PopulationArm]) -> Vec<(i64, f64)> {
     arms.iter().filter(|a| a.state != ArmState::Retired).map(|a| (a.version, a.weight)).collect()
 }
@@ -457,17 +471,7 @@ async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
     assert!(live.iter().all(|a| a.state != ArmState::Retired), "{live:?}");
     assert!(live.iter().any(|a| a.version == 12), "the newest stays: {live:?}");
     // The whole population, page by page, by version: every arm once.
-    let mut all = Vec::new();
-    let mut after = None;
-    loop {
-        let page = s.population_page(&name("p"), after, 5).await.unwrap();
-        after = page.last().map(|a| a.version);
-        let done = page.len() < 5;
-        all.extend(page);
-        if done {
-            break;
-        }
-    }
+    let all = whole_population(&s, "p", 5).await;
     assert_eq!(all.iter().map(|a| a.version).collect::<Vec<_>>(), (1..=12).collect::<Vec<_>>());
     let retired: Vec<i64> = all.iter().filter(|a| a.state == ArmState::Retired).map(|a| a.version).collect();
     assert_eq!(retired.len(), 9);
@@ -528,17 +532,7 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
         })
         .collect();
     s.save_population(&name("b"), &arms).await.unwrap();
-    let mut back = Vec::new();
-    let mut after = None;
-    loop {
-        let page = s.population_page(&name("b"), after, 50).await.unwrap();
-        after = page.last().map(|a| a.version);
-        let done = page.len() < 50;
-        back.extend(page);
-        if done {
-            break;
-        }
-    }
+    let back = whole_population(&s, "b", 50).await;
     assert_eq!(back, arms);
     // All or nothing: one unknown version refuses the whole save, naming it.
     let mut changed = arms[..3].to_vec();
