@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
 use super::{
-    Change, StoreResult,
+    Change, StoreKind, StoreResult,
     backend::{Backend, SqlStore},
     sql::{Cols, arm_from_row, corrupt, json, now, prompt_id, prompt_name, require_versions, sql},
 };
@@ -71,6 +71,23 @@ pub trait PopulationStore: Send + Sync {
     /// left as they are. `NotFound` for an unknown prompt, `Invalid` for a
     /// version it does not have.
     async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()>;
+    /// [`Self::save_population`] for the rater's own ratings, whose commit
+    /// does not wait for the disk (Postgres `synchronous_commit = off`; the
+    /// change is visible and announced at once, and durable within a fraction
+    /// of a second). A rating lost in a crash is derived data: the arms keep
+    /// their last `rated_until`, so the next tick rates that window again
+    /// from the durable rollups. Any later durable commit (a label move)
+    /// makes it durable first, so nothing that follows it can outlive it.
+    async fn save_ratings(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()>;
+}
+
+/// Whether a save's commit waits for the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    /// The commit returns once the change is on disk.
+    Flushed,
+    /// The commit returns at once; the disk follows within a fraction of a second.
+    Deferred,
 }
 
 #[async_trait]
@@ -146,49 +163,67 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
     }
 
     async fn save_population(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
-        let id = prompt_id::<D>(&mut tx, prompt).await?;
-        // A constant number of statements per save, however many arms: the
-        // rater saves every rated window, so its cost must not grow with them.
-        for chunk in arms.chunks(ARMS_PER_STATEMENT) {
-            require_versions::<D>(&mut tx, id, &chunk.iter().map(|a| a.version).collect::<Vec<_>>()).await?;
-            let parents = chunk
-                .iter()
-                .map(|a| serde_json::to_value(&a.parents).map_err(|_| corrupt("arm parents")))
-                .collect::<StoreResult<Vec<_>>>()?;
-            let rows = (0..chunk.len())
-                .map(|i| {
-                    // $1 the prompt, $2 now, then nine per arm in the order bound below.
-                    let p: Vec<String> = (0..9).map(|k| format!("${}", 3 + 9 * i + k)).collect();
-                    format!("($1, {}, $2, $2, {})", p[..8].join(", "), p[8])
-                })
-                .collect::<Vec<_>>()
-                .join(", ");
-            let text = format!(
-                "INSERT INTO population_arms (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from,
+        save_arms(self, prompt, arms, Durability::Flushed).await
+    }
+
+    async fn save_ratings(&self, prompt: &PromptName, arms: &[PopulationArm]) -> StoreResult<()> {
+        save_arms(self, prompt, arms, Durability::Deferred).await
+    }
+}
+
+async fn save_arms<D: Backend>(
+    s: &SqlStore<D>,
+    prompt: &PromptName,
+    arms: &[PopulationArm],
+    durability: Durability,
+) -> StoreResult<()> {
+    let mut tx = s.writer.begin().await?;
+    if durability == Durability::Deferred && D::KIND == StoreKind::Postgres {
+        // For this transaction only. (SQLite's single writer commits at
+        // the durability its connection was opened with.)
+        sql::<D>("SET LOCAL synchronous_commit = off").execute(&mut tx).await?;
+    }
+    let id = prompt_id::<D>(&mut tx, prompt).await?;
+    // A constant number of statements per save, however many arms: the
+    // rater saves every rated window, so its cost must not grow with them.
+    for chunk in arms.chunks(ARMS_PER_STATEMENT) {
+        require_versions::<D>(&mut tx, id, &chunk.iter().map(|a| a.version).collect::<Vec<_>>()).await?;
+        let parents = chunk
+            .iter()
+            .map(|a| serde_json::to_value(&a.parents).map_err(|_| corrupt("arm parents")))
+            .collect::<StoreResult<Vec<_>>>()?;
+        let rows = (0..chunk.len())
+            .map(|i| {
+                // $1 the prompt, $2 now, then nine per arm in the order bound below.
+                let p: Vec<String> = (0..9).map(|k| format!("${}", 3 + 9 * i + k)).collect();
+                format!("($1, {}, $2, $2, {})", p[..8].join(", "), p[8])
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let text = format!(
+            "INSERT INTO population_arms (prompt_id, version, state, mu, sigma, weight, scored_traces, created_from,
                                               rated_until, created_at, updated_at, parents)
                  VALUES {rows}
                  ON CONFLICT (prompt_id, version) DO UPDATE SET
                     state = excluded.state, mu = excluded.mu, sigma = excluded.sigma, weight = excluded.weight,
                     scored_traces = excluded.scored_traces, created_from = excluded.created_from,
                     rated_until = excluded.rated_until, updated_at = excluded.updated_at, parents = excluded.parents"
-            );
-            let mut q = sql::<D>(&text).bind(id).bind(now());
-            for (arm, parents) in chunk.iter().zip(&parents) {
-                q = q
-                    .bind(arm.version)
-                    .bind(arm.state.as_str())
-                    .bind(arm.rating.mu)
-                    .bind(arm.rating.sigma)
-                    .bind(arm.weight)
-                    .bind(arm.scored_traces as i64)
-                    .bind(arm.created_from)
-                    .bind(arm.rated_until)
-                    .bind(json(parents));
-            }
-            q.execute(&mut tx).await?;
+        );
+        let mut q = sql::<D>(&text).bind(id).bind(now());
+        for (arm, parents) in chunk.iter().zip(&parents) {
+            q = q
+                .bind(arm.version)
+                .bind(arm.state.as_str())
+                .bind(arm.rating.mu)
+                .bind(arm.rating.sigma)
+                .bind(arm.weight)
+                .bind(arm.scored_traces as i64)
+                .bind(arm.created_from)
+                .bind(arm.rated_until)
+                .bind(json(parents));
         }
-        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
-        Ok(())
+        q.execute(&mut tx).await?;
     }
+    s.commit(tx, Change::Prompt(prompt.to_string())).await?;
+    Ok(())
 }

@@ -754,7 +754,7 @@ impl PopulationRater {
         } = decision
         else {
             reconcile(&mut arms, champion, &policy);
-            self.store.save_population(prompt, &arms).await?;
+            self.store.save_ratings(prompt, &arms).await?;
             phases.save += started.elapsed();
             return Ok((
                 RatingOutcome::Rated { ranked: ranked_versions, basis, gate: decision },
@@ -763,7 +763,7 @@ impl PopulationRater {
         };
         // Save the ratings first: they are the evidence, whatever happens to the move.
         reconcile(&mut arms, champion, &policy);
-        self.store.save_population(prompt, &arms).await?;
+        self.store.save_ratings(prompt, &arms).await?;
         let rating_of = |v: i64| arms.iter().find(|a| a.version == v).map(|a| a.rating);
         let reason = format!(
             "promotion gate: v{challenger} μ−2σ = {challenger_lower:.2} ({challenger_traces} scored traces) \

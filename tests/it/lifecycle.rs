@@ -495,3 +495,31 @@ fn prune_dry_run_says_what_would_go_then_prune_deletes_it() {
 }
 
 on_both_stores!(rollups_equal_a_scan_of_the_rows, retention_deletes_what_expired_and_keeps_the_rest);
+
+/// The rollup tables churn by design (delta rows folded every few seconds), so
+/// Postgres vacuums them at 1 % of their rows, not the default 20 %: the dead
+/// rows every windowed read walks stay a few thousand, not hundreds of thousands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_vacuums_the_churning_rollup_tables_early() {
+    use sqlx::Connection;
+    let ts = test_store(Backend::Postgres).await;
+    let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+    for table in ["outcome_rollups", "task_rollups", "traces"] {
+        let options: Option<Vec<String>> = sqlx::query_scalar("SELECT reloptions FROM pg_class WHERE relname = $1")
+            .bind(table)
+            .fetch_one(&mut c)
+            .await
+            .unwrap();
+        let options = options.unwrap_or_default();
+        if table == "traces" {
+            // Retention deletes its oldest rows, far from what the windowed reads touch: the defaults.
+            assert!(options.is_empty(), "{table}: {options:?}");
+        } else {
+            assert_eq!(
+                options,
+                ["autovacuum_vacuum_scale_factor=0.01", "autovacuum_vacuum_threshold=1000"],
+                "{table}"
+            );
+        }
+    }
+}

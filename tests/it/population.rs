@@ -543,6 +543,21 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
         other => panic!("expected Invalid, got {other:?}"),
     }
     assert_eq!(arm(&s.live_arms(&name("b"), &[]).await.unwrap(), 1).rating, arms[0].rating);
+    // The rater's saves (a commit that need not wait for the disk) store the same, by the same rules.
+    let mut rated = arms.clone();
+    for a in &mut rated {
+        a.rating.mu += 1.0;
+        a.rated_until = a.rated_until.map(|t| t + chrono::Duration::seconds(600));
+    }
+    s.save_ratings(&name("b"), &rated).await.unwrap();
+    assert_eq!(whole_population(&s, "b", 50).await, rated);
+    match s.save_ratings(&name("b"), &changed).await {
+        Err(StoreError::Invalid(why)) => assert!(why.contains("404"), "{why}"),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    assert!(matches!(s.save_ratings(&name("nope"), &rated[..1]).await, Err(StoreError::NotFound)));
+    s.save_population(&name("b"), &arms).await.unwrap();
+    assert_eq!(whole_population(&s, "b", 50).await, arms);
     s.save_population(&name("a"), &[PopulationArm { rated_until: None, ..arms[0].clone() }]).await.unwrap();
     // Evaluated prompts only, by name, paged; each with its live arms' last window.
     let page = s.rating_schedule(None, 2).await.unwrap();
