@@ -107,9 +107,10 @@ pub async fn body_bytes(req: Request) -> Result<axum::body::Bytes, ApiError> {
     })
 }
 
-/// An optional JSON body: `None` when the body is empty (or only whitespace)
-/// or JSON `null`; else it must be sent as JSON (415 otherwise) and be a JSON
-/// object (400 when it is not JSON, 422 when it breaks a rule).
+/// An optional JSON body: `None` when there is no body (zero bytes, or only
+/// whitespace sent as something other than JSON) or JSON `null`; else it must
+/// be sent as JSON (415 otherwise) and be a JSON object (400 when it is not
+/// JSON, whitespace alone included; 422 when it breaks a rule).
 pub async fn optional_json<T: DeserializeOwned>(req: Request) -> Result<Option<T>, ApiError> {
     let json_type = req
         .headers()
@@ -119,7 +120,7 @@ pub async fn optional_json<T: DeserializeOwned>(req: Request) -> Result<Option<T
         .map(|v| v.trim().to_ascii_lowercase())
         .is_some_and(|v| v == "application/json" || (v.starts_with("application/") && v.ends_with("+json")));
     let body = body_bytes(req).await?;
-    if body.iter().all(u8::is_ascii_whitespace) {
+    if body.is_empty() || (!json_type && body.iter().all(u8::is_ascii_whitespace)) {
         return Ok(None);
     }
     if !json_type {
@@ -130,9 +131,10 @@ pub async fn optional_json<T: DeserializeOwned>(req: Request) -> Result<Option<T
     optional_json_bytes(&body)
 }
 
-/// [`optional_json`] of a body already read (whatever its content type).
+/// [`optional_json`] of a body already read (whatever its content type):
+/// zero bytes are no body; anything else must be JSON.
 pub fn optional_json_bytes<T: DeserializeOwned>(body: &[u8]) -> Result<Option<T>, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
+    if body.is_empty() {
         return Ok(None);
     }
     let mut value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {

@@ -515,11 +515,7 @@ async fn postgres_vacuums_the_churning_rollup_tables_early() {
             // Retention deletes its oldest rows, far from what the windowed reads touch: the defaults.
             assert!(options.is_empty(), "{table}: {options:?}");
         } else {
-            assert_eq!(
-                options,
-                ["autovacuum_vacuum_scale_factor=0.01", "autovacuum_vacuum_threshold=1000"],
-                "{table}"
-            );
+            assert_eq!(options, ["autovacuum_vacuum_scale_factor=0.01", "autovacuum_vacuum_threshold=1000"], "{table}");
         }
     }
 }

@@ -45,6 +45,9 @@ async fn optional_bodies_are_json_or_nothing(b: Backend) {
     let res = app.post(&quarantine, json!({ "reason": padded })).send().await.unwrap();
     let problem = expect_problem(res, 422).await;
     assert!(problem["detail"].as_str().unwrap().contains("500"), "{problem}");
+    // Whitespace declared as JSON is not JSON (no value in it).
+    let problem = expect_problem(raw(&quarantine, Some("application/json"), "\t").await.unwrap(), 400).await;
+    assert!(problem["detail"].as_str().unwrap().contains("not valid JSON"), "{problem}");
     let res = raw(&quarantine, None, "").await.unwrap();
     assert_eq!(res.status(), 200, "an empty body quarantines with the default reason");
     let res = raw("/v1/prompts/p/rounds", Some("application/json"), "null").await.unwrap();
