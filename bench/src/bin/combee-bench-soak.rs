@@ -166,6 +166,59 @@ fn rss_kb(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU seconds used so far (user + system, with reaped children's) by each of
+/// the processes that share the machine in the live period, to difference
+/// between periods: whatever one of them takes, the others wait for.
+#[derive(Debug, Default, Clone, Copy)]
+struct CpuSecs {
+    server: f64,
+    sim: f64,
+    postgres: f64,
+    load: f64,
+}
+
+impl CpuSecs {
+    fn read(server: u32, sim: u32) -> Self {
+        // Every `postgres` process: backends, autovacuum workers, the checkpointer; an exited
+        // one's time moves into the postmaster's reaped-children counters, so the sum is steady.
+        let postgres = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres"))
+            .map(cpu_secs)
+            .sum();
+        Self { server: cpu_secs(server), sim: cpu_secs(sim), postgres, load: cpu_secs(std::process::id()) }
+    }
+
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            server: self.server - before.server,
+            sim: self.sim - before.sim,
+            postgres: self.postgres - before.postgres,
+            load: self.load - before.load,
+        }
+    }
+}
+
+/// A process's CPU seconds: utime, stime, cutime and cstime of `/proc/<pid>/stat`.
+fn cpu_secs(pid: u32) -> f64 {
+    static TICKS: std::sync::LazyLock<f64> = std::sync::LazyLock::new(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok()?.trim().parse().ok())
+            .unwrap_or(100.0)
+    });
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): state is the first, utime the 12th.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let ticks: f64 = rest.split_whitespace().skip(11).take(4).filter_map(|v| v.parse::<f64>().ok()).sum();
+    ticks / *TICKS
+}
+
 fn prompt_name(i: usize) -> String {
     format!("soak-{i:03}")
 }
@@ -211,7 +264,8 @@ async fn soak(
         .stdout(Stdio::null())
         .stderr(Stdio::from(std::fs::File::create(scratch.join("sim.log"))?))
         .kill_on_drop(true);
-    let _sim = sim.spawn().context("cannot start the simulated LLM")?;
+    let sim = sim.spawn().context("cannot start the simulated LLM")?;
+    let sim_pid = sim.id().context("the simulated LLM exited at once")?;
     let envs = vec![
         ("DATABASE_URL", url.to_owned()),
         ("COMBEE__DATABASE__DATA_DIR", scratch.join("data").display().to_string()),
@@ -243,7 +297,7 @@ async fn soak(
     // 3. Live, on product defaults.
     let server = Server::start(bin, &envs, &["serve"], &scratch.join("server.log")).await?;
     server.wait_ready("/readyz").await?;
-    let live = live(args, &server, &key, url).await?;
+    let live = live(args, &server, sim_pid, &key, url).await?;
     let final_sizes = table_sizes(&mut db).await?;
     let traces_now: i64 = sqlx::query_scalar("SELECT count(*) FROM traces").fetch_one(&mut db).await?;
     let scrape = http.get(format!("http://{}/metrics", server.addr)).send().await?.text().await?;
@@ -432,6 +486,9 @@ struct Period {
     live_arms: f64,
     /// Postgres's own upkeep in the period: autovacuum runs, dead rows at its end, checkpoints.
     upkeep: Upkeep,
+    /// CPU seconds each process used in the period, and the period's length in seconds.
+    cpu: CpuSecs,
+    secs: f64,
     rounds: Vec<f64>,
     deleted: f64,
     traces: i64,
@@ -518,7 +575,7 @@ fn counter(scrape: &str, name: &str) -> f64 {
     scrape.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
 }
 
-async fn live(args: &Args, server: &Server, key: &str, url: &str) -> anyhow::Result<Live> {
+async fn live(args: &Args, server: &Server, sim_pid: u32, key: &str, url: &str) -> anyhow::Result<Live> {
     let base = format!("http://{}", server.addr);
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).timeout(Duration::from_secs(30)).build()?;
     let recorder: Recorder = Arc::default();
@@ -570,9 +627,13 @@ async fn live(args: &Args, server: &Server, key: &str, url: &str) -> anyhow::Res
     let mut periods = Vec::new();
     let mut last_scrape = String::new();
     let mut last_upkeep = Upkeep::read(&mut db).await?;
+    let mut last_cpu = CpuSecs::read(server.pid, sim_pid);
     for (p, (warmup, length)) in lengths.into_iter().enumerate() {
         let from = chrono::Utc::now();
         tokio::time::sleep(length).await;
+        let now_cpu = CpuSecs::read(server.pid, sim_pid);
+        let cpu = now_cpu.since(&last_cpu);
+        last_cpu = now_cpu;
         let samples = std::mem::take(&mut *recorder.lock().unwrap_or_else(|e| e.into_inner()));
         let scrape = http.get(format!("{base}/metrics")).send().await?.text().await?;
         let (rs, rc) = summary(&scrape, "combee_rater_tick_seconds");
@@ -611,6 +672,8 @@ async fn live(args: &Args, server: &Server, key: &str, url: &str) -> anyhow::Res
             rater_read_save,
             live_arms,
             upkeep,
+            cpu,
+            secs: length.as_secs_f64(),
             samples,
             sizes: table_sizes(&mut db).await?,
             rss_kb: rss_kb(server.pid),
@@ -840,11 +903,11 @@ fn render(
     }
     let _ = writeln!(
         o,
-        "\n## The rater and Postgres's upkeep, per period\n\nWhere a rated window's store work went (reading the window; saving the ratings), how many arms each `evaluated` population had live at the period's end, and what Postgres did in the background meanwhile (autovacuum runs and dead rows at the period's end per table, checkpoints).\n"
+        "\n## The rater and Postgres's upkeep, per period\n\nWhere a rated window's store work went (reading the window; saving the ratings), how many arms each `evaluated` population had live at the period's end, what Postgres did in the background meanwhile (autovacuum runs and dead rows at the period's end per table, checkpoints), and the CPU each process sharing the 2 cores used (percent of one core: the server, the simulated LLM, every Postgres process, this load generator).\n"
     );
     let _ = writeln!(
         o,
-        "| period | windows | read ms / window | save ms / window | live arms per population | autovacuums ({}) | dead rows at the end ({}) | checkpoints |\n| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| period | windows | read ms / window | save ms / window | live arms per population | autovacuums ({}) | dead rows at the end ({}) | checkpoints | CPU % (server / simulated LLM / Postgres / load) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         UPKEEP_TABLES.join(" / "),
         UPKEEP_TABLES.join(" / ")
     );
@@ -857,14 +920,17 @@ fn render(
         };
         let _ = writeln!(
             o,
-            "| {name} | {} | {} | {} | {:.1} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {:.1} | {} | {} | {} | {} |",
             p.rater_windows.1,
             per(p.rater_read_save.0),
             per(p.rater_read_save.1),
             p.live_arms,
             column(|v| v.0),
             column(|v| v.1),
-            p.upkeep.checkpoints
+            p.upkeep.checkpoints,
+            [p.cpu.server, p.cpu.sim, p.cpu.postgres, p.cpu.load]
+                .map(|c| format!("{:.0}", 100.0 * c / p.secs.max(1.0)))
+                .join(" / ")
         );
     }
     let _ = writeln!(o, "\n## Per-table size (MB): after the load, after each period\n");
