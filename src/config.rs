@@ -41,7 +41,9 @@ pub struct Settings {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerSettings {
-    /// How often an idle worker looks for due prompts and claimable rounds (ms).
+    /// How often the worker looks for due prompts (it schedules no more often
+    /// than this, however often changes wake it) and, when idle, for
+    /// claimable rounds (ms).
     pub poll_interval_ms: u64,
     /// A claimed round's lease; another process takes the round over when it expires.
     pub lease_secs: u64,

@@ -131,14 +131,26 @@ impl Worker {
 
     /// Runs until `shutdown`; rounds in progress are abandoned to their lease
     /// (another process, or this one after a restart, resumes them).
+    ///
+    /// A wake (a round queued anywhere, a round of this worker done, any other
+    /// change) claims what is claimable at once, but the scheduler, which
+    /// reads every prompt's backlog and batch-size controller, runs at most
+    /// once per poll interval: under steady learning a wake comes several
+    /// times per finished round, and scheduling on each one kept Postgres busy
+    /// with thousands of controller reads a second.
     pub async fn run(self, shutdown: CancellationToken) {
         let mut changes = self.store.changes();
         let mut running: JoinSet<()> = JoinSet::new();
         let poll = Duration::from_millis(self.settings.poll_interval_ms);
+        let mut next_schedule = tokio::time::Instant::now();
         tracing::info!(owner = %self.owner, "learning worker started");
         loop {
-            if let Err(e) = self.schedule().await {
-                tracing::warn!(error = %e, "scheduling rounds failed");
+            if tokio::time::Instant::now() >= next_schedule {
+                if let Err(e) = self.schedule().await {
+                    tracing::warn!(error = %e, "scheduling rounds failed");
+                }
+                metrics::counter!("combee_worker_schedule_passes_total").increment(1);
+                next_schedule = tokio::time::Instant::now() + poll;
             }
             while running.len() < self.settings.max_parallel_rounds {
                 match self.store.claim_round(&self.owner, Duration::from_secs(self.settings.lease_secs)).await {
@@ -156,7 +168,7 @@ impl Worker {
             }
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                _ = tokio::time::sleep(poll) => {}
+                _ = tokio::time::sleep_until(next_schedule) => {}
                 Some(_) = running.join_next(), if !running.is_empty() => {}
                 c = changes.recv() => {
                     if matches!(c, Err(tokio::sync::broadcast::error::RecvError::Closed)) {

@@ -201,6 +201,43 @@ async fn a_full_backlog_starts_a_round_by_itself(b: Backend) {
     assert_eq!(prod["version"], 1, "production stays until an operator promotes");
 }
 
+/// Changes wake the worker (a version made here is a store notification each
+/// time), and a wake claims at once, but the scheduler, which reads every
+/// prompt's backlog and controller, runs at most once per poll interval.
+async fn wakes_do_not_schedule_more_often_than_the_poll_interval(b: Backend) {
+    let sim = spawn_sim(sim()).await;
+    let app = spawn_app_with(b, |s| {
+        learning(s, &sim.url);
+        s.worker.poll_interval_ms = 1000;
+    })
+    .await;
+    create(&app, "wakes", "playbook", json!({})).await;
+    let passes = || async {
+        let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("combee_worker_schedule_passes_total "))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    };
+    let before = passes().await;
+    let started = Instant::now();
+    for i in 0..40 {
+        let res = app
+            .post("/v1/prompts/wakes/versions", json!({"base": format!("You are agent {i}."), "message": "wake"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let during = passes().await - before;
+    // One pass per started second of the loop, one for a pass under way at the start.
+    let allowed = secs.ceil() + 1.0;
+    assert!(during <= allowed, "{during} scheduler passes in {secs:.2} s of 40 wakes (at most {allowed})");
+    // The timer still schedules: passes go on without wakes.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(passes().await - before > during, "no scheduler pass after the wakes stopped");
+}
+
 async fn rounds_survive_injected_faults(b: Backend) {
     let sim = spawn_sim(SimConfig { rate_5xx: 0.2, rate_429: 0.1, retry_after_ms: 20, ..sim() }).await;
     let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
@@ -461,6 +498,7 @@ on_both_stores!(
     playbook_combee_keeps_what_naive_loses,
     rewrite_combee_keeps_what_naive_loses,
     a_full_backlog_starts_a_round_by_itself,
+    wakes_do_not_schedule_more_often_than_the_poll_interval,
     rounds_survive_injected_faults,
     a_dead_backend_fails_cleanly_and_loses_nothing,
     an_unreflected_trace_is_not_consumed,
