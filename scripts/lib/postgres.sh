@@ -5,7 +5,9 @@
 # `start_private_postgres --no-fsync` is for the test suite: the server is
 # thrown away at the end, so it skips flushing to disk (fsync, synchronous
 # commit, full-page writes); every test database and commit is then cheap.
-# Benchmarks start it without, as a deployment would run.
+# Benchmarks start it without, as a deployment would run, and with
+# pg_stat_statements preloaded when the server has it, so a benchmark can say
+# which statements took Postgres's time.
 
 _pg_as_owner() {
   if [ "$(id -u)" = 0 ]; then
@@ -27,11 +29,16 @@ _pg_bin() {
 }
 
 start_private_postgres() {
-  local initdb pg_ctl port durability=""
-  if [ "${1:-}" = --no-fsync ]; then
-    durability="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-  fi
+  local initdb pg_ctl port options="" libdir
   initdb=$(_pg_bin initdb) && pg_ctl=$(_pg_bin pg_ctl) || return 1
+  if [ "${1:-}" = --no-fsync ]; then
+    options="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+  else
+    libdir="$(dirname "$(readlink -f "$initdb")")/../lib"
+    if [ -e "$libdir/pg_stat_statements.so" ]; then
+      options="-c shared_preload_libraries=pg_stat_statements"
+    fi
+  fi
   COMBEE_PG_DIR=$(mktemp -d /tmp/combee-pg.XXXXXX)
   chmod 755 "$COMBEE_PG_DIR"
   if [ "$(id -u)" = 0 ]; then chown postgres "$COMBEE_PG_DIR"; fi
@@ -39,7 +46,7 @@ start_private_postgres() {
   _pg_as_owner "$initdb" -D "$COMBEE_PG_DIR/data" -U postgres --auth=trust -E UTF8 >"$COMBEE_PG_DIR/initdb.log" 2>&1 \
     || { cat "$COMBEE_PG_DIR/initdb.log" >&2; return 1; }
   _pg_as_owner "$pg_ctl" -D "$COMBEE_PG_DIR/data" -l "$COMBEE_PG_DIR/server.log" -w -t 60 \
-    -o "-p $port -k $COMBEE_PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 -c shared_buffers=256MB $durability" \
+    -o "-p $port -k $COMBEE_PG_DIR -c listen_addresses=127.0.0.1 -c max_connections=400 -c shared_buffers=256MB $options" \
     start >/dev/null || { cat "$COMBEE_PG_DIR/server.log" >&2; return 1; }
   export COMBEE_PG_DIR
   export DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"

@@ -35,6 +35,8 @@ use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection};
 use tokio::process::{Child, Command};
 
+mod insight;
+
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "combee-bench-soak",
@@ -202,8 +204,8 @@ impl CpuSecs {
     }
 }
 
-/// A process's CPU seconds: utime, stime, cutime and cstime of `/proc/<pid>/stat`.
-fn cpu_secs(pid: u32) -> f64 {
+/// Clock ticks per second, the unit of `/proc/<pid>/stat`'s CPU times.
+fn clock_ticks() -> f64 {
     static TICKS: std::sync::LazyLock<f64> = std::sync::LazyLock::new(|| {
         std::process::Command::new("getconf")
             .arg("CLK_TCK")
@@ -212,11 +214,16 @@ fn cpu_secs(pid: u32) -> f64 {
             .and_then(|o| String::from_utf8(o.stdout).ok()?.trim().parse().ok())
             .unwrap_or(100.0)
     });
+    *TICKS
+}
+
+/// A process's CPU seconds: utime, stime, cutime and cstime of `/proc/<pid>/stat`.
+fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces): state is the first, utime the 12th.
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
     let ticks: f64 = rest.split_whitespace().skip(11).take(4).filter_map(|v| v.parse::<f64>().ok()).sum();
-    ticks / *TICKS
+    ticks / clock_ticks()
 }
 
 fn prompt_name(i: usize) -> String {
@@ -428,7 +435,7 @@ async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> 
     }
     // Rolled up as migration 0015 does for traces already stored.
     log("rolling up the history");
-    let migration = include_str!("../../../migrations/postgres/0015_outcome_rollups.sql");
+    let migration = include_str!("../../../../migrations/postgres/0015_outcome_rollups.sql");
     let backfill = &migration[migration.find("INSERT INTO outcome_rollups").context("the backfill of 0015")?..];
     sqlx::raw_sql(backfill).execute(&mut *db).await?;
     log("VACUUM ANALYZE");
@@ -488,6 +495,10 @@ struct Period {
     upkeep: Upkeep,
     /// CPU seconds each process used in the period, and the period's length in seconds.
     cpu: CpuSecs,
+    /// Inside Postgres: CPU per kind of process, its backends' waits.
+    inside: insight::Sampled,
+    /// The statements Postgres ran in the period, by query id (empty without `pg_stat_statements`).
+    statements: BTreeMap<i64, insight::Statement>,
     secs: f64,
     rounds: Vec<f64>,
     deleted: f64,
@@ -628,9 +639,15 @@ async fn live(args: &Args, server: &Server, sim_pid: u32, key: &str, url: &str) 
     let mut last_scrape = String::new();
     let mut last_upkeep = Upkeep::read(&mut db).await?;
     let mut last_cpu = CpuSecs::read(server.pid, sim_pid);
+    let statements = insight::Statements::enable(&mut db).await;
+    let sampler = insight::Sampler::start(url).await?;
     for (p, (warmup, length)) in lengths.into_iter().enumerate() {
         let from = chrono::Utc::now();
+        statements.reset(&mut db).await;
+        sampler.take();
         tokio::time::sleep(length).await;
+        let inside = sampler.take();
+        let period_statements = statements.read(&mut db).await;
         let now_cpu = CpuSecs::read(server.pid, sim_pid);
         let cpu = now_cpu.since(&last_cpu);
         last_cpu = now_cpu;
@@ -673,6 +690,8 @@ async fn live(args: &Args, server: &Server, sim_pid: u32, key: &str, url: &str) 
             live_arms,
             upkeep,
             cpu,
+            inside,
+            statements: period_statements,
             secs: length.as_secs_f64(),
             samples,
             sizes: table_sizes(&mut db).await?,
@@ -933,6 +952,7 @@ fn render(
                 .join(" / ")
         );
     }
+    render_inside(&mut o, live);
     let _ = writeln!(o, "\n## Per-table size (MB): after the load, after each period\n");
     let mut tables: Vec<&String> = end.1.keys().collect();
     tables.sort_by_key(|t| -end.1[*t]);
@@ -1081,6 +1101,117 @@ fn render(
         );
     }
     o
+}
+
+/// What Postgres spent its time on per period: CPU per kind of process, the
+/// waits of its active client backends, and its statements (the costliest,
+/// and those whose time per call rose the most from the first measured
+/// period to the last).
+fn render_inside(o: &mut String, live: &Live) {
+    let names = period_names(&live.periods);
+    let _ = writeln!(
+        o,
+        "\n## Inside Postgres, per period\n\nSampled every second: the CPU of each kind of Postgres process (percent of one core; client backends, autovacuum workers, the checkpointer, background writer and WAL writer, the rest), how many client backends were active on average, and what the active ones were waiting on (average backends in each wait; \"on CPU\": running or runnable).\n"
+    );
+    let _ = writeln!(
+        o,
+        "| period | CPU % ({}) | active backends | their waits (average backends) |\n| --- | --- | --- | --- |",
+        insight::KINDS.join(" / ")
+    );
+    for (p, name) in live.periods.iter().zip(&names) {
+        let n = p.inside.samples.max(1) as f64;
+        let mut waits: Vec<(&String, &u64)> = p.inside.waits.iter().collect();
+        waits.sort_by_key(|(_, c)| std::cmp::Reverse(**c));
+        let active: u64 = waits.iter().map(|(_, c)| **c).sum();
+        let _ = writeln!(
+            o,
+            "| {name} | {} | {:.2} | {} |",
+            insight::KINDS
+                .map(|k| format!("{:.0}", 100.0 * p.inside.cpu.get(k).copied().unwrap_or(0.0) / p.secs.max(1.0)))
+                .join(" / "),
+            active as f64 / n,
+            waits.iter().take(5).map(|(w, c)| format!("{w} {:.2}", **c as f64 / n)).collect::<Vec<_>>().join("; ")
+        );
+    }
+    let measured: Vec<(&Period, &String)> = live.periods.iter().zip(&names).filter(|(p, _)| !p.warmup).collect();
+    if measured.iter().all(|(p, _)| p.statements.is_empty()) {
+        let _ = writeln!(o, "\n(No statement figures: the server does not preload `pg_stat_statements`.)");
+        return;
+    }
+    // The costliest statements over the measured periods.
+    let mut total: BTreeMap<i64, f64> = BTreeMap::new();
+    for (p, _) in &measured {
+        for (id, st) in &p.statements {
+            *total.entry(*id).or_default() += st.total_ms;
+        }
+    }
+    let all_ms: f64 = total.values().sum();
+    let mut ranked: Vec<(i64, f64)> = total.into_iter().collect();
+    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let text_of = |id: i64| {
+        live.periods
+            .iter()
+            .find_map(|p| p.statements.get(&id))
+            .map_or(String::new(), |s| insight::one_line(&s.text, 110))
+    };
+    let _ = writeln!(
+        o,
+        "\n### The statements that took the most of Postgres's execution time\n\nFrom `pg_stat_statements`, over the measured periods ({:.0} s of execution in all); per period: mean ms per call × calls per second.\n",
+        all_ms / 1000.0
+    );
+    let _ = write!(o, "| statement | share |");
+    for (_, name) in &measured {
+        let _ = write!(o, " {name} |");
+    }
+    let _ = writeln!(o, "\n|{}", " --- |".repeat(measured.len() + 2));
+    for (id, ms) in ranked.iter().take(15) {
+        let _ = write!(o, "| `{}` | {:.1} % |", text_of(*id), 100.0 * ms / all_ms.max(1e-9));
+        for (p, _) in &measured {
+            match p.statements.get(id) {
+                Some(s) if s.calls > 0 => {
+                    let _ =
+                        write!(o, " {:.2} × {:.1} |", s.total_ms / s.calls as f64, s.calls as f64 / p.secs.max(1.0));
+                }
+                _ => {
+                    let _ = write!(o, " — |");
+                }
+            }
+        }
+        let _ = writeln!(o);
+    }
+    // The statements whose time per call rose the most.
+    let (Some((first, _)), Some((last, _))) = (measured.first(), measured.last()) else { return };
+    let mut rose: Vec<(i64, f64)> = first
+        .statements
+        .iter()
+        .filter_map(|(id, a)| {
+            let b = last.statements.get(id)?;
+            (a.calls >= 10 && b.calls >= 10 && a.total_ms + b.total_ms >= 1000.0)
+                .then(|| (*id, (b.total_ms / b.calls as f64) / (a.total_ms / a.calls as f64)))
+        })
+        .collect();
+    rose.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let _ = writeln!(
+        o,
+        "\n### The statements whose time per call rose the most (last measured period / first; at least 10 calls in each and 1 s in both)\n\n| statement | ratio | mean ms first → last | calls first → last | shared blocks per call, hit + read: first → last |\n| --- | --- | --- | --- | --- |"
+    );
+    for (id, ratio) in rose.iter().take(10) {
+        let (a, b) = (&first.statements[id], &last.statements[id]);
+        let per = |s: &insight::Statement, v: i64| v as f64 / s.calls.max(1) as f64;
+        let _ = writeln!(
+            o,
+            "| `{}` | {ratio:.2} | {:.2} → {:.2} | {} → {} | {:.0} + {:.1} → {:.0} + {:.1} |",
+            text_of(*id),
+            a.total_ms / a.calls as f64,
+            b.total_ms / b.calls as f64,
+            a.calls,
+            b.calls,
+            per(a, a.hit),
+            per(a, a.read),
+            per(b, b.hit),
+            per(b, b.read)
+        );
+    }
 }
 
 /// "warm-up", then the measured periods numbered from 1.
