@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::{
-    Change, PromptStore, StoreError, StoreResult,
+    Change, PromptStore, StoreError, StoreKind, StoreResult,
     backend::{Backend, SqlStore},
     sql::{
         Cols, ROUND_COLUMNS, TRACE_COLUMNS, apply_move, charge_traces, corrupt, enum_str, fence, insert_version, json,
@@ -253,23 +253,33 @@ impl<D: Backend> RoundStore for SqlStore<D> {
     }
 
     async fn backlogs(&self) -> StoreResult<Vec<Backlog>> {
-        sql::<D>(
+        // Count and oldest in one pass over the backlog (the partial index
+        // `traces_backlog`, which holds only what waits): a correlated
+        // `min(created_at)` of its own walked each prompt's traces in time
+        // order, history first. SQLite is told the index: without statistics
+        // it would walk every pending trace, quarantined ones included.
+        let hint = if D::KIND == StoreKind::Sqlite { " INDEXED BY traces_backlog" } else { "" };
+        let text = format!(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS pending,
-                    (SELECT min(t.created_at) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL) AS oldest,
+                    coalesce(b.pending, 0) AS pending, b.oldest,
                     EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
-             FROM prompts p ORDER BY p.name",
-        )
-        .map(&mut *self.reader.acquire().await?, |row| {
-            let r = Cols::<D>(row);
-            Ok(Backlog {
-                prompt: prompt_from_row::<D>(row)?,
-                pending: r.get("pending")?,
-                oldest: r.get("oldest")?,
-                active_round: r.get("active")?,
+             FROM prompts p
+             LEFT JOIN (SELECT t.prompt_id, count(*) AS pending, min(t.created_at) AS oldest FROM traces t{hint}
+                        WHERE t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL
+                        GROUP BY t.prompt_id) b ON b.prompt_id = p.id
+             ORDER BY p.name"
+        );
+        sql::<D>(&text)
+            .map(&mut *self.reader.acquire().await?, |row| {
+                let r = Cols::<D>(row);
+                Ok(Backlog {
+                    prompt: prompt_from_row::<D>(row)?,
+                    pending: r.get("pending")?,
+                    oldest: r.get("oldest")?,
+                    active_round: r.get("active")?,
+                })
             })
-        })
-        .await
+            .await
     }
 
     async fn claim_round(&self, owner: &str, lease: Duration) -> StoreResult<Option<ClaimedRound>> {

@@ -805,6 +805,8 @@ async fn migration_0007_keeps_existing_prompts_on_agent_reflections(b: Backend) 
     let undo = |json_remove: &'static str| {
         [
             "DROP INDEX traces_quarantined",
+            // 0033's backlog index names the column (SQLite refuses to drop it under an index).
+            "DROP INDEX traces_backlog",
             "ALTER TABLE traces DROP COLUMN quarantined_at",
             "ALTER TABLE traces DROP COLUMN quarantine_reason",
             "DELETE FROM _sqlx_migrations WHERE version = 7",
@@ -1632,6 +1634,15 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
             "DROP INDEX rounds_detail_to_compact",
             "ALTER TABLE rounds DROP COLUMN detail_compacted_at",
             "DROP TABLE meter_totals",
+        ]
+        .map(String::from),
+    );
+    // 0033 too.
+    undo.extend(
+        [
+            "DROP INDEX traces_backlog",
+            "DROP INDEX traces_reserved",
+            "CREATE INDEX traces_pending_unreserved ON traces (prompt_id, id) WHERE status = 'pending' AND round_id IS NULL",
         ]
         .map(String::from),
     );
