@@ -5,8 +5,9 @@
 # `start_private_postgres --no-fsync` is for the test suite: the server is
 # thrown away at the end, so it skips flushing to disk (fsync, synchronous
 # commit, full-page writes); every test database and commit is then cheap.
-# Benchmarks start it without, as a deployment would run, and with
-# pg_stat_statements preloaded when the server has it, so a benchmark can say
+# Benchmarks start it without, as a deployment would run.
+# `start_private_postgres --statements` (durable) also preloads
+# pg_stat_statements when the installation has it, so a benchmark can say
 # which statements took Postgres's time.
 
 _pg_as_owner() {
@@ -33,7 +34,7 @@ start_private_postgres() {
   initdb=$(_pg_bin initdb) && pg_ctl=$(_pg_bin pg_ctl) || return 1
   if [ "${1:-}" = --no-fsync ]; then
     options="-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-  else
+  elif [ "${1:-}" = --statements ]; then
     libdir="$(dirname "$(readlink -f "$initdb")")/../lib"
     if [ -e "$libdir/pg_stat_statements.so" ]; then
       options="-c shared_preload_libraries=pg_stat_statements"
