@@ -519,3 +519,81 @@ async fn postgres_vacuums_the_churning_rollup_tables_early() {
         }
     }
 }
+
+/// The scheduler reads every prompt's backlog on each pass, and a round that
+/// gives up returns its reserved traces: both cost what waits or is reserved,
+/// never the history. Here 1,990 older traces (1,970 consumed, 20
+/// quarantined, which stay pending until retention deletes them) sit beside a
+/// backlog of 10; the rows Postgres's own statistics say five backlog reads, a
+/// round's opening, claim and give-up read from `traces` and its indexes stay
+/// a few hundred (a walk through the history reads about 2,000 each time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backlog_reads_cost_the_backlog_not_the_history() {
+    use combee::store::{RoundFailure, TraceCharges};
+    use sqlx::Connection;
+    let crate::common::TestStore { store, url, dir: _dir } = test_store(Backend::Postgres).await;
+    make_prompt(&store, "p", PromptSettings::default()).await;
+    for b in 0..40 {
+        let batch: Vec<ValidTrace> =
+            (0..50).map(|i| valid(json!({"prompt": "p", "input": {"q": b * 50 + i}}))).collect();
+        store.insert_traces(&batch).await.unwrap();
+    }
+    drop(store);
+    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "WITH o AS (SELECT id, row_number() OVER (ORDER BY id) AS n FROM traces)
+         UPDATE traces t SET created_at = t.created_at - interval '30 days',
+                status = CASE WHEN o.n <= 1970 THEN 'consumed' ELSE t.status END,
+                quarantined_at = CASE WHEN o.n > 1970 THEN now() END
+         FROM o WHERE o.id = t.id AND o.n <= 1990",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE traces").execute(&mut c).await.unwrap();
+    let before = traces_rows_read(&mut c).await;
+    let store = combee::store::connect(&url, 4, std::time::Duration::from_secs(10)).await.unwrap();
+    for _ in 0..3 {
+        let backlog = store.backlogs().await.unwrap();
+        let p = backlog.iter().find(|b| b.prompt.name.as_str() == "p").unwrap();
+        assert_eq!(p.pending, 10, "the quarantined and consumed traces are not the backlog");
+        assert!(p.oldest.is_some_and(|t| t > chrono::Utc::now() - chrono::Duration::days(1)), "{:?}", p.oldest);
+    }
+    let req = OpenRound {
+        prompt: name("p"),
+        trigger: combee::domain::round::RoundTrigger::Api,
+        method: combee::learn::grouping::Method::Combee,
+        batch: 1_000,
+        min_traces: 1,
+        seed: 1,
+        inbound_webhook_id: None,
+    };
+    store.open_round(&req).await.unwrap().expect("a round opens");
+    let claimed = store.claim_round("test", std::time::Duration::from_secs(30)).await.unwrap().unwrap();
+    assert_eq!(claimed.traces.len(), 10);
+    let give_up = RoundFailure::GiveUp { charges: TraceCharges::default() };
+    store.fail_round(claimed.round.id, claimed.round.attempt, "test", give_up).await.unwrap();
+    assert_eq!(store.backlogs().await.unwrap()[0].pending, 10, "the round's traces are back");
+    drop(store);
+    let rows = traces_rows_read(&mut c).await - before;
+    assert!(rows <= 400, "the backlog reads read {rows} rows of traces and their indexes for a backlog of 10");
+}
+
+/// Rows read from `traces` and its indexes so far, once every other backend of
+/// the database has exited (a backend's statistics are flushed when it does).
+async fn traces_rows_read(c: &mut sqlx::PgConnection) -> i64 {
+    let others = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()";
+    for _ in 0..100 {
+        if sqlx::query_scalar::<_, i64>(others).fetch_one(&mut *c).await.unwrap() == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    sqlx::query_scalar::<_, i64>(
+        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = 'traces')::bigint
+              + (SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = 'traces')",
+    )
+    .fetch_one(&mut *c)
+    .await
+    .unwrap()
+}
