@@ -23,8 +23,9 @@ use crate::{
     store::{ControllerSample, DynStore, StoreResult},
 };
 
-/// Samples read per prompt: enough for `window` samples at many sizes.
-pub const SAMPLE_LIMIT: u32 = 500;
+/// Samples read per prompt: enough for `window` samples at many sizes (and
+/// all that retention keeps of a prompt's old rounds).
+pub const SAMPLE_LIMIT: u32 = crate::store::CONTROLLER_SAMPLES_KEPT;
 
 pub async fn samples(store: &DynStore, prompt: &PromptName) -> StoreResult<Vec<Sample>> {
     Ok(store

@@ -24,6 +24,10 @@ pub struct ControllerSample {
     pub created_at: DateTime<Utc>,
 }
 
+/// Controller samples a prompt keeps however old its rounds: the controller
+/// reads its newest this many, and retention deletes only older ones.
+pub const CONTROLLER_SAMPLES_KEPT: u32 = 500;
+
 /// Overload-meter counts of one group-size bucket (see `learn::meter`):
 /// copies marked by another covered copy of their reflection, and of them
 /// those their own group covered too.
@@ -56,8 +60,10 @@ pub trait ControllerStore: Send + Sync {
 impl<D: Backend> ControllerStore for SqlStore<D> {
     async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
         let mut samples = sql::<D>(
+            // The prompt's id first, so the index walks back from its newest
+            // sample and stops at the limit, however many it has.
             "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
-             JOIN prompts p ON p.id = s.prompt_id WHERE p.name = $1 ORDER BY s.id DESC LIMIT $2",
+             WHERE s.prompt_id = (SELECT id FROM prompts WHERE name = $1) ORDER BY s.id DESC LIMIT $2",
         )
         .bind(prompt.as_str())
         .bind(i64::from(limit))

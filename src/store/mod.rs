@@ -31,7 +31,7 @@ use async_trait::async_trait;
 use serde::Serialize;
 use tokio::sync::broadcast;
 
-pub use controller::{ControllerSample, ControllerStore, MeterCounts};
+pub use controller::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};

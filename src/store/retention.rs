@@ -12,6 +12,7 @@ use uuid::Uuid;
 use super::{
     StoreKind, StoreResult,
     backend::{Backend, SqlStore},
+    controller::CONTROLLER_SAMPLES_KEPT,
     sql::{Cols, Param, TRACE_COLUMNS, now, sql, trace_from_row},
 };
 use crate::domain::{PromptName, Trace};
@@ -80,7 +81,9 @@ pub struct DeletedTraces {
 #[serde(rename_all = "snake_case")]
 pub enum Expiring {
     /// Finished rounds' group outputs and per-call LLM records (the round and
-    /// its usage totals stay, in `round_summaries`).
+    /// its usage totals stay, in `round_summaries`), their overload-meter
+    /// records (the meter's sums stay) and their batch-size controller samples
+    /// beyond each prompt's newest [`CONTROLLER_SAMPLES_KEPT`].
     RoundDetails,
     /// Outbound webhook events with no delivery pending, with their deliveries and delivery log.
     Events,
@@ -291,6 +294,29 @@ impl<D: Backend> Retention for SqlStore<D> {
                     .bind(Param::Ids(Some(&ids)))
                     .execute(&mut tx)
                     .await?;
+                // The overload meter's per-round record: its sums live on in
+                // `meter_totals`, and a round this old is never recorded again.
+                sql::<D>(&format!("DELETE FROM meter_counts WHERE {}", D::any_of("round_id", "$1")))
+                    .bind(Param::Ids(Some(&ids)))
+                    .execute(&mut tx)
+                    .await?;
+                // The batch-size controller's samples of these rounds, but for a
+                // prompt's newest `CONTROLLER_SAMPLES_KEPT` (all the controller
+                // reads), so a quiet prompt keeps its profile; the cut is found
+                // once per prompt.
+                sql::<D>(&format!(
+                    "WITH cut AS (
+                         SELECT p.prompt_id, (SELECT k.id FROM controller_samples k WHERE k.prompt_id = p.prompt_id
+                                              ORDER BY k.id DESC LIMIT 1 OFFSET {offset}) AS below
+                         FROM (SELECT DISTINCT prompt_id FROM controller_samples WHERE {these}) p)
+                     DELETE FROM controller_samples WHERE {these}
+                       AND id < coalesce((SELECT below FROM cut WHERE cut.prompt_id = controller_samples.prompt_id), 0)",
+                    offset = CONTROLLER_SAMPLES_KEPT - 1,
+                    these = D::any_of("round_id", "$1"),
+                ))
+                .bind(Param::Ids(Some(&ids)))
+                .execute(&mut tx)
+                .await?;
                 let dropped = match D::KIND {
                     StoreKind::Postgres => "detail - 'group_outputs'",
                     StoreKind::Sqlite => "json_remove(detail, '$.group_outputs')",

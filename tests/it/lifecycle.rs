@@ -319,7 +319,7 @@ async fn consume(s: &DynStore, prompt: &str) -> uuid::Uuid {
     let mut v = manual("learned");
     v.source = VersionSource::Learned;
     let detail = json!({"group_outputs": [{"group": 0, "traces": [], "output": {"operations": []}}], "phases": {}});
-    s.publish_round(c.round.id, c.round.attempt, v, LabelName::candidate(), &detail, None, &Default::default())
+    s.publish_round(c.round.id, c.round.attempt, v, LabelName::candidate(), &detail, Some(1.5), &Default::default())
         .await
         .unwrap();
     c.round.id
@@ -354,6 +354,18 @@ async fn retention_deletes_what_expired_and_keeps_the_rest(b: Backend) {
     p_ids.push(otel_trace);
     let q_ids = s.insert_traces(&batch("q", 3)).await.unwrap();
     let round = consume(&s, "p").await;
+    // The round's overload-meter record, and 600 more controller samples of it
+    // (as a busy prompt gathers them): 601 of p's, q's one to come.
+    let counts = combee::store::MeterCounts { size_min: 4, marked: 6, recaptured: 2, rounds: 1 };
+    s.record_meter_counts(&name("p"), round, &[counts]).await.unwrap();
+    exec_raw(
+        b,
+        &ts.url,
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 600)
+         INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
+         SELECT s.prompt_id, s.round_id, 8, 2.0, s.created_at FROM controller_samples s, n",
+    )
+    .await;
     consume(&s, "q").await;
     // Pending (never deleted) and quarantined ones of p.
     let pending = s.insert_traces(&batch("p", 2)).await.unwrap();
@@ -424,6 +436,12 @@ async fn retention_deletes_what_expired_and_keeps_the_rest(b: Backend) {
     assert!(detail.get("group_outputs").is_none() && detail.get("phases").is_some(), "{detail}");
     assert_eq!((history("p").await, history("q").await), history_before);
     assert_eq!((outcomes("p").await, outcomes("q").await), outcomes_before, "outcomes outlive their traces");
+    // The compacted rounds' meter records went, the meter's sums did not; of
+    // their controller samples, each prompt keeps its newest 500.
+    assert_eq!(count_raw(b, &ts.url, "SELECT count(*) FROM meter_counts").await, 0);
+    assert_eq!(s.meter_counts(&name("p")).await.unwrap(), [counts]);
+    assert_eq!(s.controller_samples(&name("p"), 1_000).await.unwrap().len(), 500);
+    assert_eq!(s.controller_samples(&name("q"), 1_000).await.unwrap().len(), 1, "a quiet prompt keeps its profile");
     // A second pass finds nothing; a quarter later the quarantined trace goes too.
     assert_eq!(pruner.pass(later, &CancellationToken::new()).await.unwrap().total_traces(), 0);
     let quarter = pruner.pass(now + chrono::Duration::days(91), &CancellationToken::new()).await.unwrap();
@@ -596,4 +614,32 @@ async fn traces_rows_read(c: &mut sqlx::PgConnection) -> i64 {
     .fetch_one(&mut *c)
     .await
     .unwrap()
+}
+
+/// Runs a statement straight on the database (what the store's API has no call for).
+async fn exec_raw(b: Backend, url: &str, statement: &str) {
+    use sqlx::Connection;
+    match b {
+        Backend::Postgres => {
+            sqlx::raw_sql(statement).execute(&mut sqlx::PgConnection::connect(url).await.unwrap()).await.unwrap();
+        }
+        Backend::Sqlite => {
+            sqlx::raw_sql(statement).execute(&mut sqlx::SqliteConnection::connect(url).await.unwrap()).await.unwrap();
+        }
+    }
+}
+
+/// A count read straight from the database.
+async fn count_raw(b: Backend, url: &str, query: &str) -> i64 {
+    use sqlx::Connection;
+    match b {
+        Backend::Postgres => sqlx::query_scalar::<_, i64>(query)
+            .fetch_one(&mut sqlx::PgConnection::connect(url).await.unwrap())
+            .await
+            .unwrap(),
+        Backend::Sqlite => sqlx::query_scalar::<_, i64>(query)
+            .fetch_one(&mut sqlx::SqliteConnection::connect(url).await.unwrap())
+            .await
+            .unwrap(),
+    }
 }
