@@ -60,10 +60,12 @@ pub trait ControllerStore: Send + Sync {
 impl<D: Backend> ControllerStore for SqlStore<D> {
     async fn controller_samples(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<super::ControllerSample>> {
         let mut samples = sql::<D>(
-            // The prompt's id first, so the index walks back from its newest
-            // sample and stops at the limit, however many it has.
+            // Ordered as `controller_samples_by_prompt` is, so the index walks back
+            // from the prompt's newest sample and stops at the limit. Ordered by
+            // `id` alone, the soak's Postgres walked the primary key back through
+            // every prompt's samples (23,000 blocks a read after 40 minutes).
             "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
-             WHERE s.prompt_id = (SELECT id FROM prompts WHERE name = $1) ORDER BY s.id DESC LIMIT $2",
+             WHERE s.prompt_id = (SELECT id FROM prompts WHERE name = $1) ORDER BY s.prompt_id DESC, s.id DESC LIMIT $2",
         )
         .bind(prompt.as_str())
         .bind(i64::from(limit))
