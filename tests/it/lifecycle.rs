@@ -288,9 +288,9 @@ async fn rollups_equal_a_scan_of_the_rows(b: Backend) {
     }
 }
 
-/// Consumes every pending trace of the prompt through a round.
-async fn consume(s: &DynStore, prompt: &str) -> uuid::Uuid {
-    let req = OpenRound {
+/// A round of the prompt taking its whole backlog.
+fn whole_backlog(prompt: &str) -> OpenRound {
+    OpenRound {
         prompt: name(prompt),
         trigger: combee::domain::round::RoundTrigger::Api,
         method: combee::learn::grouping::Method::Combee,
@@ -298,7 +298,12 @@ async fn consume(s: &DynStore, prompt: &str) -> uuid::Uuid {
         min_traces: 1,
         seed: 1,
         inbound_webhook_id: None,
-    };
+    }
+}
+
+/// Consumes every pending trace of the prompt through a round.
+async fn consume(s: &DynStore, prompt: &str) -> uuid::Uuid {
+    let req = whole_backlog(prompt);
     s.open_round(&req).await.unwrap().expect("a round opens");
     let c = s.claim_round("w", std::time::Duration::from_secs(60)).await.unwrap().expect("a round to claim");
     let reflection: combee::domain::Reflection = serde_json::from_value(json!({"key_insight": "x"})).unwrap();
@@ -577,16 +582,7 @@ async fn the_backlog_reads_cost_the_backlog_not_the_history() {
         assert_eq!(p.pending, 10, "the quarantined and consumed traces are not the backlog");
         assert!(p.oldest.is_some_and(|t| t > chrono::Utc::now() - chrono::Duration::days(1)), "{:?}", p.oldest);
     }
-    let req = OpenRound {
-        prompt: name("p"),
-        trigger: combee::domain::round::RoundTrigger::Api,
-        method: combee::learn::grouping::Method::Combee,
-        batch: 1_000,
-        min_traces: 1,
-        seed: 1,
-        inbound_webhook_id: None,
-    };
-    store.open_round(&req).await.unwrap().expect("a round opens");
+    store.open_round(&whole_backlog("p")).await.unwrap().expect("a round opens");
     let claimed = store.claim_round("test", std::time::Duration::from_secs(30)).await.unwrap().unwrap();
     assert_eq!(claimed.traces.len(), 10);
     let give_up = RoundFailure::GiveUp { charges: TraceCharges::default() };
