@@ -119,10 +119,7 @@ fn sample_cpu(seen: &mut HashMap<u32, f64>) -> BTreeMap<&'static str, f64> {
 
 /// A process's own CPU seconds (utime + stime, not its reaped children's).
 fn own_cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let ticks: f64 = rest.split_whitespace().skip(11).take(2).filter_map(|v| v.parse::<f64>().ok()).sum();
-    ticks / super::clock_ticks()
+    super::stat_cpu_secs(pid, 2)
 }
 
 /// One statement's execution in a period, from `pg_stat_statements`.

@@ -219,10 +219,15 @@ fn clock_ticks() -> f64 {
 
 /// A process's CPU seconds: utime, stime, cutime and cstime of `/proc/<pid>/stat`.
 fn cpu_secs(pid: u32) -> f64 {
+    stat_cpu_secs(pid, 4)
+}
+
+/// The first `fields` of utime, stime, cutime and cstime in `/proc/<pid>/stat`, in seconds.
+fn stat_cpu_secs(pid: u32, fields: usize) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces): state is the first, utime the 12th.
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let ticks: f64 = rest.split_whitespace().skip(11).take(4).filter_map(|v| v.parse::<f64>().ok()).sum();
+    let ticks: f64 = rest.split_whitespace().skip(11).take(fields).filter_map(|v| v.parse::<f64>().ok()).sum();
     ticks / clock_ticks()
 }
 
