@@ -22,6 +22,8 @@ use crate::{
 const MAX_RANGE_SECS: i64 = 366 * 86_400;
 /// Most buckets one request may ask for.
 const MAX_BUCKETS: i64 = 2_000;
+/// Most versions one request may list (besides the labelled ones).
+const MAX_NEWEST: u32 = 1_000;
 /// Bucket widths chosen automatically: the smallest giving at most ~200 points.
 const AUTO_BUCKETS: [i64; 7] = [60, 300, 900, 3_600, 21_600, 86_400, 604_800];
 const AUTO_TARGET: i64 = 200;
@@ -42,6 +44,10 @@ pub struct MetricsQuery {
     /// Widened when it would make more than 2000 buckets (the answer's `bucket_seconds`).
     #[param(pattern = "^[1-9][0-9]{0,5}[mhd]$")]
     pub bucket: Option<String>,
+    /// How many of the newest versions (by number) to list, 1 to 1000 (default 50).
+    /// Labelled versions and traces that named no version are listed as well.
+    #[param(minimum = 1, maximum = 1000)]
+    pub newest: Option<u32>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -54,6 +60,9 @@ pub struct PromptMetrics {
     /// Newest version first; traces that named no version last (`version: null`).
     /// Versions without traces in the window are absent.
     pub versions: Vec<VersionOutcomes>,
+    /// Unlabelled versions numbered below this are not listed (ask for more
+    /// with `newest`); null when every version was.
+    pub omitted_before: Option<i64>,
 }
 
 /// `30m`, `24h`, `7d` → seconds.
@@ -112,7 +121,7 @@ fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, Dat
     params(("name" = String, Path), MetricsQuery),
     responses(
         (status = 200, body = PromptMetrics),
-        (status = 400, description = "`window` or `bucket` is not a number and a unit m, h or d", body = super::error::Problem),
+        (status = 400, description = "`window` or `bucket` is not a number and a unit m, h or d, or `newest` is out of range", body = super::error::Problem),
         (status = 401, body = super::error::Problem),
         (status = 403, body = super::error::Problem),
         (status = 404, description = "No such prompt", body = super::error::Problem),
@@ -126,8 +135,21 @@ pub async fn prompt_metrics(
 ) -> ApiResult<Json<PromptMetrics>> {
     let prompt = existing_prompt(&st, &name).await?;
     let (from, until, bucket_seconds) = window(&q, Utc::now())?;
-    let versions = outcomes::version_outcomes(&st, &prompt.name, from, until, bucket_seconds).await?;
-    Ok(Json(PromptMetrics { prompt: prompt.name.to_string(), from, until, bucket_seconds, versions }))
+    let newest = match q.newest {
+        None => outcomes::DEFAULT_NEWEST,
+        Some(n @ 1..=MAX_NEWEST) => n,
+        Some(n) => return Err(ApiError::bad_request(format!("`newest` must be 1 to {MAX_NEWEST}; got {n}"))),
+    };
+    let listed = outcomes::Listed::Newest(newest);
+    let listing = outcomes::version_outcomes(&st, &prompt.name, from, until, bucket_seconds, listed).await?;
+    Ok(Json(PromptMetrics {
+        prompt: prompt.name.to_string(),
+        from,
+        until,
+        bucket_seconds,
+        versions: listing.versions,
+        omitted_before: listing.omitted_before,
+    }))
 }
 
 /// Gauges are computed over this trailing window.
@@ -198,7 +220,7 @@ mod tests {
     use crate::service::ServiceError;
 
     fn q(window: Option<&str>, since: Option<DateTime<Utc>>, bucket: Option<&str>) -> MetricsQuery {
-        MetricsQuery { window: window.map(Into::into), since, bucket: bucket.map(Into::into) }
+        MetricsQuery { window: window.map(Into::into), since, bucket: bucket.map(Into::into), newest: None }
     }
 
     #[test]

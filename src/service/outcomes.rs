@@ -11,24 +11,71 @@ use crate::{
     evaluate::outcomes::{VersionOutcomes, summarize},
 };
 
+/// Which versions an answer about outcomes lists. A prompt that learns all
+/// day makes thousands of versions a week, so by default an answer lists the
+/// newest and the labelled ones, and what it leaves out costs nothing to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listed {
+    /// The `n` newest versions (by number), every labelled one, and the
+    /// traces that named no version.
+    Newest(u32),
+    /// The labelled versions only.
+    Labelled,
+}
+
+/// How many of the newest versions an answer lists unless asked otherwise.
+pub const DEFAULT_NEWEST: u32 = 50;
+
+/// Per-version outcomes, as listed, and what was left out.
+#[derive(Debug, Clone)]
+pub struct Listing {
+    /// Newest version first, traces that named no version last.
+    pub versions: Vec<VersionOutcomes>,
+    /// Versions numbered below this were not read, except the labelled
+    /// ones; `None` when no version was left out.
+    pub omitted_before: Option<i64>,
+}
+
 /// Per-version outcomes of the prompt's traces received in `[from, until)`,
-/// in buckets `bucket_secs` wide; newest version first, traces that named no
-/// version last. Each version carries its labels, by name.
+/// in buckets `bucket_secs` wide, of the versions `listed`; newest version
+/// first, traces that named no version last. Each version carries its
+/// labels, by name.
 pub async fn version_outcomes(
     st: &AppState,
     prompt: &PromptName,
     from: DateTime<Utc>,
     until: DateTime<Utc>,
     bucket_secs: i64,
-) -> ServiceResult<Vec<VersionOutcomes>> {
-    let buckets = st.store.version_outcomes(prompt, from, until, bucket_secs).await?;
+    listed: Listed,
+) -> ServiceResult<Listing> {
     let labels = st.store.list_labels(prompt).await?;
-    Ok(summarize(&buckets, |v| {
+    let mut wanted: Vec<i64> = labels.iter().map(|l| l.version).collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    let mut omitted_before = None;
+    match listed {
+        Listed::Newest(n) => {
+            let latest = st.store.list_versions(prompt, None, 1).await?.first().map_or(0, |v| v.number);
+            let oldest = (latest - i64::from(n) + 1).max(1);
+            // Left out: the versions below `oldest` that no label points at.
+            let labelled_below = wanted.iter().filter(|v| **v < oldest).count() as i64;
+            omitted_before = (labelled_below < oldest - 1).then_some(oldest);
+            wanted.extend(oldest..=latest);
+            wanted.push(0); // traces that named no version
+            wanted.sort_unstable();
+            wanted.dedup();
+        }
+        Listed::Labelled if wanted.is_empty() => return Ok(Listing { versions: Vec::new(), omitted_before: None }),
+        Listed::Labelled => {}
+    }
+    let buckets = st.store.version_outcomes(prompt, from, until, bucket_secs, Some(&wanted)).await?;
+    let versions = summarize(&buckets, |v| {
         let mut names: Vec<String> =
             labels.iter().filter(|l| l.version == v).map(|l| l.name.as_str().to_owned()).collect();
         names.sort();
         names
-    }))
+    });
+    Ok(Listing { versions, omitted_before })
 }
 
 /// The outcomes over `[until − window, until)`, in one bucket, of the
@@ -44,9 +91,9 @@ pub async fn labelled_outcomes(
     let mut out = Vec::new();
     for prompt in st.store.prompts_page(None, max_prompts).await? {
         let name = prompt.name;
-        let outcomes = version_outcomes(st, &name, from, until, window_secs).await?;
+        let listing = version_outcomes(st, &name, from, until, window_secs, Listed::Labelled).await?;
         let labelled: Vec<VersionOutcomes> =
-            outcomes.into_iter().filter(|v| v.version.is_some() && !v.labels.is_empty()).collect();
+            listing.versions.into_iter().filter(|v| v.version.is_some() && !v.labels.is_empty()).collect();
         if !labelled.is_empty() {
             out.push((name, labelled));
         }
@@ -66,6 +113,7 @@ pub fn chart_bucket(span_secs: i64, max_points: i64) -> i64 {
 /// `max_points` points per line, zoomed to the data: read hourly first, then
 /// again over just the hours that have data, in the finest bucket that keeps
 /// the points within `max_points` (so a run of minutes is drawn by the minute).
+/// The versions listed by default ([`DEFAULT_NEWEST`] and the labelled ones).
 /// The outcomes and their bucket width.
 pub async fn chart_outcomes(
     st: &AppState,
@@ -75,7 +123,8 @@ pub async fn chart_outcomes(
     max_points: i64,
 ) -> ServiceResult<(Vec<VersionOutcomes>, i64)> {
     const HOUR: i64 = 3_600;
-    let hourly = version_outcomes(st, prompt, from, until, HOUR).await?;
+    let listed = Listed::Newest(DEFAULT_NEWEST);
+    let hourly = version_outcomes(st, prompt, from, until, HOUR, listed).await?.versions;
     let starts = hourly.iter().flat_map(|v| v.series.iter().map(|p| p.start));
     let Some((first, last)) = starts.fold(None, |span: Option<(DateTime<Utc>, DateTime<Utc>)>, t| {
         Some(span.map_or((t, t), |(a, b)| (a.min(t), b.max(t))))
@@ -87,7 +136,7 @@ pub async fn chart_outcomes(
     if bucket >= HOUR {
         return Ok((hourly, HOUR));
     }
-    Ok((version_outcomes(st, prompt, first, last, bucket).await?, bucket))
+    Ok((version_outcomes(st, prompt, first, last, bucket, listed).await?.versions, bucket))
 }
 
 #[cfg(test)]

@@ -116,6 +116,7 @@ impl Dialect for Postgres {
             Param::At(v) => q.bind(v),
             Param::Bytes(v) => q.bind(v),
             Param::Ids(v) => q.bind(v),
+            Param::Ints(v) => q.bind(v),
             Param::Json(v) => q.bind(v),
         }
     }

@@ -42,6 +42,8 @@ pub enum Param<'q> {
     Bytes(Option<&'q [u8]>),
     /// A list of ids (a uuid array on Postgres, a JSON array on SQLite); see [`Dialect::any_of`].
     Ids(Option<&'q [Uuid]>),
+    /// A list of integers, bound and matched like [`Param::Ids`].
+    Ints(Option<&'q [i64]>),
 }
 
 macro_rules! params {
@@ -109,7 +111,7 @@ pub trait Dialect: Database + Sized {
 
     /// A row-locking clause (`FOR UPDATE ...`) where the dialect has one; SQLite's single writer needs none.
     fn lock(clause: &'static str) -> &'static str;
-    /// `column` is one of the ids of the [`Param::Ids`] placeholder `param`.
+    /// `column` is one of the values of the [`Param::Ids`] or [`Param::Ints`] placeholder `param`.
     fn any_of(column: &str, param: &str) -> String;
     /// Reserves `traces` for `round`, in this order (`round_traces.position` from 1).
     fn reserve_traces<'c>(

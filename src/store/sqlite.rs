@@ -83,6 +83,7 @@ impl Dialect for Sqlite {
             Param::Ids(v) => {
                 q.bind(v.map(|ids| Value::from(ids.iter().map(Uuid::to_string).collect::<Vec<_>>()).to_string()))
             }
+            Param::Ints(v) => q.bind(v.map(|ns| Value::from(ns.to_vec()).to_string())),
             Param::Json(v) => q.bind(v.map(|j| j.to_string())),
         }
     }

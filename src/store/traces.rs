@@ -117,12 +117,15 @@ pub trait TraceStore: Send + Sync {
     /// partial minutes at the edges from the trace rows), so late feedback
     /// counts at once; windows as [`crate::evaluate::outcomes::rollup_window`] keeps them.
     /// Quarantined traces are left out: their rewards are not trusted.
+    /// `versions`, when given, are the only versions read (0 stands for
+    /// traces that named no version); what is left out costs nothing.
     async fn version_outcomes(
         &self,
         prompt: &PromptName,
         from: DateTime<Utc>,
         until: DateTime<Utc>,
         bucket_secs: i64,
+        versions: Option<&[i64]>,
     ) -> StoreResult<Vec<crate::evaluate::outcomes::OutcomeBucket>>;
     /// Stores traces and remembers the key with their ids in ONE
     /// transaction: an outage at any point leaves either both or neither, so
@@ -338,8 +341,9 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         from: DateTime<Utc>,
         until: DateTime<Utc>,
         bucket_secs: i64,
+        versions: Option<&[i64]>,
     ) -> StoreResult<Vec<OutcomeBucket>> {
-        rollups::read_version_outcomes(self, prompt, from, until, bucket_secs).await
+        rollups::read_version_outcomes(self, prompt, from, until, bucket_secs, versions).await
     }
 
     async fn insert_traces_idempotent(

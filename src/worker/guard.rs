@@ -164,7 +164,7 @@ impl RegressionGuard {
         until: DateTime<Utc>,
     ) -> StoreResult<WindowRewards> {
         let bucket = self.settings.window_secs as i64;
-        let buckets = self.store.version_outcomes(prompt, from, until, bucket).await?;
+        let buckets = self.store.version_outcomes(prompt, from, until, bucket, Some(&[version])).await?;
         Ok(WindowRewards::of_version(&buckets, version))
     }
 

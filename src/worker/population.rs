@@ -688,7 +688,11 @@ impl PopulationRater {
             return Ok((RatingOutcome::WindowOpen, None));
         }
         let started = std::time::Instant::now();
-        let buckets = self.store.version_outcomes(prompt, from, now, self.settings.window_secs as i64).await?;
+        // Only the live arms' outcomes are read: a busy prompt's window may
+        // hold many versions that are no longer in play.
+        let in_play: Vec<i64> = arms.iter().filter(|a| a.state != ArmState::Retired).map(|a| a.version).collect();
+        let buckets =
+            self.store.version_outcomes(prompt, from, now, self.settings.window_secs as i64, Some(&in_play)).await?;
         // Rank the live arms with enough scored traces in this window.
         let mut ranked: Vec<(usize, f64)> = Vec::new();
         for (i, a) in arms.iter_mut().enumerate() {

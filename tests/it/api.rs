@@ -637,6 +637,19 @@ async fn per_version_metrics_reflect_rewards_usage_and_late_feedback(b: Backend)
     assert_eq!((v2["with_feedback"].as_u64(), v2["success"]["successes"].as_u64()), (Some(5), Some(2)));
     assert_eq!(v2["score"]["mean"].as_f64(), Some(0.4));
 
+    // The answer lists the newest versions and the labelled ones; `newest` asks for more or fewer.
+    assert!(m["omitted_before"].is_null(), "{m}");
+    let res = app.post("/v1/prompts/p/versions", json!({"base": "three"})).send().await.unwrap();
+    assert_eq!(res.status(), 201);
+    let listed =
+        |m: &Value| m["versions"].as_array().unwrap().iter().map(|v| v["version"].as_i64()).collect::<Vec<_>>();
+    let few: Value = app.get("/v1/prompts/p/metrics?newest=1").send().await.unwrap().json().await.unwrap();
+    assert_eq!((listed(&few), &few["omitted_before"]), (vec![Some(1)], &json!(3)), "v3 has no traces, v1 is labelled");
+    let more: Value = app.get("/v1/prompts/p/metrics?newest=2").send().await.unwrap().json().await.unwrap();
+    assert_eq!((listed(&more), &more["omitted_before"]), (vec![Some(2), Some(1)], &Value::Null), "v1 is labelled");
+    let all: Value = app.get("/v1/prompts/p/metrics?newest=3").send().await.unwrap().json().await.unwrap();
+    assert_eq!((listed(&all), &all["omitted_before"]), (vec![Some(2), Some(1)], &Value::Null));
+
     // Prometheus: gauges for labelled versions only.
     let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
     assert!(
@@ -658,7 +671,9 @@ async fn per_version_metrics_reflect_rewards_usage_and_late_feedback(b: Backend)
     let old: Value =
         app.get(&format!("/v1/prompts/p/metrics?since={since}&window=1d")).send().await.unwrap().json().await.unwrap();
     assert_eq!(old["versions"], json!([]));
-    for bad in ["window=7", "window=1w", "window=0h", "since=yesterday", "bucket=0m"] {
+    for bad in
+        ["window=7", "window=1w", "window=0h", "since=yesterday", "bucket=0m", "newest=0", "newest=1001", "newest=x"]
+    {
         let body = expect_problem(app.get(&format!("/v1/prompts/p/metrics?{bad}")).send().await.unwrap(), 400).await;
         assert!(!body["detail"].as_str().unwrap().contains("internal"), "{bad}: {body}");
     }

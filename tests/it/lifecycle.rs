@@ -195,6 +195,7 @@ async fn check(s: &DynStore, prompt: &str, step: &str) {
                 now - chrono::Duration::days(2),
                 now + chrono::Duration::minutes(2),
                 bucket,
+                None,
             )
             .await
             .unwrap();
@@ -390,7 +391,7 @@ async fn retention_deletes_what_expired_and_keeps_the_rest(b: Backend) {
     let (from, until) = (hour(now) - chrono::Duration::hours(1), hour(now) + chrono::Duration::hours(2));
     let outcomes = |p: &'static str| {
         let s = s.clone();
-        async move { totals(&s.version_outcomes(&name(p), from, until, 3_600).await.unwrap()) }
+        async move { totals(&s.version_outcomes(&name(p), from, until, 3_600, None).await.unwrap()) }
     };
     let outcomes_before = (outcomes("p").await, outcomes("q").await);
 
@@ -574,7 +575,7 @@ async fn the_backlog_reads_cost_the_backlog_not_the_history() {
     .await
     .unwrap();
     sqlx::raw_sql("VACUUM ANALYZE traces").execute(&mut c).await.unwrap();
-    let before = traces_rows_read(&mut c).await;
+    let before = rows_read(&mut c, "traces").await;
     let store = combee::store::connect(&url, 4, std::time::Duration::from_secs(10)).await.unwrap();
     for _ in 0..3 {
         let backlog = store.backlogs().await.unwrap();
@@ -589,13 +590,64 @@ async fn the_backlog_reads_cost_the_backlog_not_the_history() {
     store.fail_round(claimed.round.id, claimed.round.attempt, "test", give_up).await.unwrap();
     assert_eq!(store.backlogs().await.unwrap()[0].pending, 10, "the round's traces are back");
     drop(store);
-    let rows = traces_rows_read(&mut c).await - before;
+    let rows = rows_read(&mut c, "traces").await - before;
     assert!(rows <= 400, "the backlog reads read {rows} rows of traces and their indexes for a backlog of 10");
 }
 
-/// Rows read from `traces` and its indexes so far, once every other backend of
+/// A prompt that learns all day has thousands of versions in a week's window;
+/// a read of a few of them (the newest, the labelled, a rater's live arms)
+/// skips the others' rollup rows inside the window index. Here 300 versions
+/// have traffic in the last hour: the read of 4 of them reads a few dozen
+/// rollup rows, the read of all of them every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_a_few_versions_skips_the_others_rollups() {
+    use sqlx::Connection;
+    let crate::common::TestStore { store, url, dir: _dir } = test_store(Backend::Postgres).await;
+    make_prompt(&store, "p", PromptSettings::default()).await;
+    for i in 2..=300 {
+        store.create_version(&name("p"), manual(&format!("v{i}")), &[]).await.unwrap();
+    }
+    let traces: Vec<ValidTrace> = (1..=300)
+        .map(|v| valid(json!({"prompt": "p", "prompt_version": v, "input": {"q": v}, "feedback": {"success": true}})))
+        .collect();
+    store.insert_traces(&traces).await.unwrap();
+    make_prompt(&store, "other", PromptSettings::default()).await;
+    drop(store);
+    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+    // Other prompts' history around it, as a real table has (so Postgres plans as it would there).
+    sqlx::raw_sql(
+        "INSERT INTO outcome_rollups (prompt_id, version, width, start_secs, traces, with_feedback, success_trials,
+                                      successes, score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n,
+                                      cost_sum, cost_sq, latency_n, latency_sum, latency_sq)
+         SELECT (SELECT id FROM prompts WHERE name = 'other'), version, width, start_secs - n * width, traces,
+                with_feedback, success_trials, successes, score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq,
+                cost_n, cost_sum, cost_sq, latency_n, latency_sum, latency_sq
+         FROM outcome_rollups, generate_series(1, 100) n",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE outcome_rollups").execute(&mut c).await.unwrap();
+    // Whole minutes and hours from the rollups; the window's last partial minute from the traces.
+    let (until, from) = (chrono::Utc::now(), chrono::Utc::now() - chrono::Duration::days(7));
+    let mut read = async |versions: Option<&[i64]>| {
+        let before = rows_read(&mut c, "outcome_rollups").await;
+        let store = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
+        let got = store.version_outcomes(&name("p"), from, until + chrono::Duration::hours(2), 3_600, versions).await;
+        let traces: u64 = got.unwrap().iter().map(|b| b.traces).sum();
+        drop(store);
+        (traces, rows_read(&mut c, "outcome_rollups").await - before)
+    };
+    let (all, all_rows) = read(None).await;
+    let (few, few_rows) = read(Some(&[1, 298, 299, 300])).await;
+    assert_eq!((all, few), (300, 4));
+    assert!(all_rows >= 300, "every version's rows: {all_rows}");
+    assert!(few_rows <= 40, "four versions' rows: {few_rows} rows read of the rollups and their indexes");
+}
+
+/// Rows read from `table` and its indexes so far, once every other backend of
 /// the database has exited (a backend's statistics are flushed when it does).
-async fn traces_rows_read(c: &mut sqlx::PgConnection) -> i64 {
+async fn rows_read(c: &mut sqlx::PgConnection, table: &str) -> i64 {
     let others = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()";
     for _ in 0..100 {
         if sqlx::query_scalar::<_, i64>(others).fetch_one(&mut *c).await.unwrap() == 0 {
@@ -604,9 +656,10 @@ async fn traces_rows_read(c: &mut sqlx::PgConnection) -> i64 {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     sqlx::query_scalar::<_, i64>(
-        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = 'traces')::bigint
-              + (SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = 'traces')",
+        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = $1)::bigint
+              + (SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = $1)",
     )
+    .bind(table)
     .fetch_one(&mut *c)
     .await
     .unwrap()

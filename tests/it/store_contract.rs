@@ -948,7 +948,7 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
         .unwrap();
     let from = chrono::Utc::now() - chrono::Duration::hours(1);
     let until = chrono::Utc::now() + chrono::Duration::minutes(1);
-    let mut got = s.version_outcomes(&name("p"), from, until, 3600).await.unwrap();
+    let mut got = s.version_outcomes(&name("p"), from, until, 3600, None).await.unwrap();
     got.sort_by_key(|b| b.version);
     assert_eq!(got.iter().map(|b| b.version).collect::<Vec<_>>(), vec![None, Some(1), Some(2)], "{got:?}");
     let v1 = got[1];
@@ -963,20 +963,37 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
 
     // Late feedback on the version-2 trace shows up in the next read.
     s.add_feedback(ids[3], Feedback { success: Some(true), score: Some(0.5), ..Default::default() }).await.unwrap();
-    let got = s.version_outcomes(&name("p"), from, until, 3600).await.unwrap();
+    let got = s.version_outcomes(&name("p"), from, until, 3600, None).await.unwrap();
     let v2 = got.iter().find(|b| b.version == Some(2)).unwrap();
     assert_eq!((v2.with_feedback, v2.successes, v2.score.count, v2.score.sum), (1, 1, 1, 0.5));
 
     // A quarantined trace's reward is not trusted: it leaves the aggregates (until released).
     s.quarantine_trace(ids[4], "suspect").await.unwrap();
-    let got = s.version_outcomes(&name("p"), from, until, 3600).await.unwrap();
+    let got = s.version_outcomes(&name("p"), from, until, 3600, None).await.unwrap();
     assert!(got.iter().all(|b| b.version.is_some()), "{got:?}");
     s.release_trace(ids[4]).await.unwrap();
-    assert_eq!(s.version_outcomes(&name("p"), from, until, 3600).await.unwrap().len(), 3);
+    assert_eq!(s.version_outcomes(&name("p"), from, until, 3600, None).await.unwrap().len(), 3);
+
+    // Only the versions asked for are read (0: traces that named none), from
+    // the rollups and from the trace rows at the window's edges alike.
+    let versions =
+        |got: Vec<combee::evaluate::outcomes::OutcomeBucket>| got.iter().map(|b| b.version).collect::<Vec<_>>();
+    let p = name("p");
+    let only = |v: &'static [i64]| s.version_outcomes(&p, from, until, 3600, Some(v));
+    assert_eq!(versions(only(&[2]).await.unwrap()), vec![Some(2)]);
+    let mut got = only(&[0, 1, 7]).await.unwrap();
+    got.sort_by_key(|b| b.version);
+    assert_eq!(versions(got.clone()), vec![None, Some(1)]);
+    assert_eq!((got[1].traces, got[1].successes, got[0].traces), (3, 1, 1), "the same sums as unfiltered");
+    assert!(only(&[]).await.unwrap().is_empty());
+    let edge = s.version_outcomes(&p, from, chrono::Utc::now(), 60, Some(&[1])).await.unwrap();
+    assert_eq!(edge.iter().map(|b| b.traces).sum::<u64>(), 3, "{edge:?}");
 
     // The window is half-open and per prompt.
-    assert!(s.version_outcomes(&name("p"), until, until + chrono::Duration::hours(1), 60).await.unwrap().is_empty());
-    assert!(s.version_outcomes(&name("nope"), from, until, 60).await.unwrap().is_empty());
+    assert!(
+        s.version_outcomes(&name("p"), until, until + chrono::Duration::hours(1), 60, None).await.unwrap().is_empty()
+    );
+    assert!(s.version_outcomes(&name("nope"), from, until, 60, None).await.unwrap().is_empty());
 }
 
 /// Every kind of label change lands in the label history in the same
