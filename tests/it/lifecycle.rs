@@ -594,6 +594,46 @@ async fn the_backlog_reads_cost_the_backlog_not_the_history() {
     assert!(rows <= 400, "the backlog reads read {rows} rows of traces and their indexes for a backlog of 10");
 }
 
+/// The batch-size controller reads a prompt's newest samples on every
+/// scheduling pass: that read walks the prompt's own samples back and stops
+/// at its limit, however many samples other prompts hold. Here a quiet
+/// prompt's one sample is older than a busy prompt's 20,000; a walk back
+/// through every prompt's samples (as Postgres's generic plan for a prepared
+/// statement once did) reads them all on each call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_read_costs_its_prompts_samples_not_every_prompts() {
+    use sqlx::Connection;
+    let crate::common::TestStore { store, url, dir: _dir } = test_store(Backend::Postgres).await;
+    for p in ["quiet", "busy"] {
+        make_prompt(&store, p, PromptSettings::default()).await;
+        store.insert_traces(&[valid(json!({"prompt": p, "input": {"q": 1}}))]).await.unwrap();
+        consume(&store, p).await;
+    }
+    drop(store);
+    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
+         SELECT s.prompt_id, s.round_id, 8, 2.0, s.created_at FROM controller_samples s, generate_series(1, 20000)
+         WHERE s.prompt_id = (SELECT id FROM prompts WHERE name = 'busy')",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE controller_samples").execute(&mut c).await.unwrap();
+    let before = rows_read(&mut c, "controller_samples").await;
+    // Two connections, one of them the store's change listener: every read on
+    // the other, so its prepared statement runs often enough for Postgres to
+    // try its generic plan.
+    let store = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
+    for _ in 0..12 {
+        assert_eq!(store.controller_samples(&name("quiet"), 500).await.unwrap().len(), 1);
+    }
+    assert_eq!(store.controller_samples(&name("busy"), 500).await.unwrap().len(), 500);
+    drop(store);
+    let rows = rows_read(&mut c, "controller_samples").await - before;
+    assert!(rows <= 12 * 5 + 600, "13 reads of at most 500 samples read {rows} rows of samples and their indexes");
+}
+
 /// A prompt that learns all day has thousands of versions in a week's window;
 /// a read of a few of them (the newest, the labelled, a rater's live arms)
 /// skips the others' rollup rows inside the window index. Here 300 versions
