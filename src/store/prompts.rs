@@ -251,10 +251,15 @@ impl<D: Backend> PromptStore for SqlStore<D> {
     async fn list_versions(&self, prompt: &PromptName, before: Option<i64>, limit: u32) -> StoreResult<Vec<Version>> {
         // The cursor is in the text only when given (no `$2 IS NULL OR …`), so a
         // page deep in a long history starts at the cursor in the index.
+        // The prompt is matched on `versions` itself, so Postgres walks its key
+        // back from the newest and stops at the limit; matched by the joined
+        // name, it sorted every version of the prompt for each page (the newest
+        // version: 334 blocks with 408 versions, 7 this way).
         let (cursor, limit_param) = if before.is_some() { ("AND v.number < $2", "$3") } else { ("", "$2") };
         let text = format!(
             "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
-             WHERE p.name = $1 {cursor} ORDER BY v.number DESC LIMIT {limit_param}"
+             WHERE v.prompt_id = (SELECT id FROM prompts WHERE name = $1) {cursor}
+             ORDER BY v.number DESC LIMIT {limit_param}"
         );
         let mut q = sql::<D>(&text).bind(prompt.as_str());
         if let Some(before) = before {

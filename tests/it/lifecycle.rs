@@ -644,7 +644,7 @@ async fn a_read_of_a_few_versions_skips_the_others_rollups() {
     use sqlx::Connection;
     let crate::common::TestStore { store, url, dir: _dir } = test_store(Backend::Postgres).await;
     make_prompt(&store, "p", PromptSettings::default()).await;
-    for i in 2..=300 {
+    for i in 3..=300 {
         store.create_version(&name("p"), manual(&format!("v{i}")), &[]).await.unwrap();
     }
     let traces: Vec<ValidTrace> = (1..=300)
@@ -683,6 +683,36 @@ async fn a_read_of_a_few_versions_skips_the_others_rollups() {
     assert_eq!((all, few), (300, 4));
     assert!(all_rows >= 300, "every version's rows: {all_rows}");
     assert!(few_rows <= 40, "four versions' rows: {few_rows} rows read of the rollups and their indexes");
+}
+
+/// A page of a prompt's versions, newest first, walks the prompt's versions
+/// back from the newest and stops at the page: the metrics answer reads the
+/// newest version on every request, and a prompt that learns all day has
+/// thousands. Here 400 versions; a sort of all of them reads each one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_of_versions_costs_the_page_not_the_history() {
+    use sqlx::Connection;
+    let crate::common::TestStore { store, url, dir: _dir } = test_store(Backend::Postgres).await;
+    for p in ["p", "other"] {
+        make_prompt(&store, p, PromptSettings::default()).await;
+        for i in 3..=400 {
+            store.create_version(&name(p), manual(&format!("v{i}")), &[]).await.unwrap();
+        }
+    }
+    drop(store);
+    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE versions").execute(&mut c).await.unwrap();
+    let before = rows_read(&mut c, "versions").await;
+    let store = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
+    for _ in 0..12 {
+        let newest = store.list_versions(&name("p"), None, 1).await.unwrap();
+        assert_eq!(newest.iter().map(|v| v.number).collect::<Vec<_>>(), [400]);
+    }
+    let page = store.list_versions(&name("p"), Some(100), 10).await.unwrap();
+    assert_eq!(page.iter().map(|v| v.number).collect::<Vec<_>>(), (90..100).rev().collect::<Vec<_>>());
+    drop(store);
+    let rows = rows_read(&mut c, "versions").await - before;
+    assert!(rows <= 13 * 12, "13 pages of at most 10 versions read {rows} rows of versions and their indexes");
 }
 
 /// Rows read from `table` and its indexes so far, once every other backend of
