@@ -62,8 +62,6 @@ pub async fn version_outcomes(
             omitted_before = (labelled_below < oldest - 1).then_some(oldest);
             wanted.extend(oldest..=latest);
             wanted.push(0); // traces that named no version
-            wanted.sort_unstable();
-            wanted.dedup();
         }
         Listed::Labelled if wanted.is_empty() => return Ok(Listing { versions: Vec::new(), omitted_before: None }),
         Listed::Labelled => {}
@@ -91,9 +89,7 @@ pub async fn labelled_outcomes(
     let mut out = Vec::new();
     for prompt in st.store.prompts_page(None, max_prompts).await? {
         let name = prompt.name;
-        let listing = version_outcomes(st, &name, from, until, window_secs, Listed::Labelled).await?;
-        let labelled: Vec<VersionOutcomes> =
-            listing.versions.into_iter().filter(|v| v.version.is_some() && !v.labels.is_empty()).collect();
+        let labelled = version_outcomes(st, &name, from, until, window_secs, Listed::Labelled).await?.versions;
         if !labelled.is_empty() {
             out.push((name, labelled));
         }

@@ -620,17 +620,13 @@ async fn the_controller_read_costs_its_prompts_samples_not_every_prompts() {
     .await
     .unwrap();
     sqlx::raw_sql("VACUUM ANALYZE controller_samples").execute(&mut c).await.unwrap();
-    let before = rows_read(&mut c, "controller_samples").await;
-    // Two connections, one of them the store's change listener: every read on
-    // the other, so its prepared statement runs often enough for Postgres to
-    // try its generic plan.
-    let store = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
-    for _ in 0..12 {
-        assert_eq!(store.controller_samples(&name("quiet"), 500).await.unwrap().len(), 1);
-    }
-    assert_eq!(store.controller_samples(&name("busy"), 500).await.unwrap().len(), 500);
-    drop(store);
-    let rows = rows_read(&mut c, "controller_samples").await - before;
+    let ((), rows) = rows_read_by(&mut c, &url, "controller_samples", async |store| {
+        for _ in 0..12 {
+            assert_eq!(store.controller_samples(&name("quiet"), 500).await.unwrap().len(), 1);
+        }
+        assert_eq!(store.controller_samples(&name("busy"), 500).await.unwrap().len(), 500);
+    })
+    .await;
     assert!(rows <= 12 * 5 + 600, "13 reads of at most 500 samples read {rows} rows of samples and their indexes");
 }
 
@@ -670,16 +666,16 @@ async fn a_read_of_a_few_versions_skips_the_others_rollups() {
     sqlx::raw_sql("VACUUM ANALYZE outcome_rollups").execute(&mut c).await.unwrap();
     // Whole minutes and hours from the rollups; the window's last partial minute from the traces.
     let (until, from) = (chrono::Utc::now(), chrono::Utc::now() - chrono::Duration::days(7));
-    let mut read = async |versions: Option<&[i64]>| {
-        let before = rows_read(&mut c, "outcome_rollups").await;
-        let store = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
-        let got = store.version_outcomes(&name("p"), from, until + chrono::Duration::hours(2), 3_600, versions).await;
-        let traces: u64 = got.unwrap().iter().map(|b| b.traces).sum();
-        drop(store);
-        (traces, rows_read(&mut c, "outcome_rollups").await - before)
-    };
-    let (all, all_rows) = read(None).await;
-    let (few, few_rows) = read(Some(&[1, 298, 299, 300])).await;
+    let until = until + chrono::Duration::hours(2);
+    let traces = |got: Vec<OutcomeBucket>| got.iter().map(|b| b.traces).sum::<u64>();
+    let (all, all_rows) = rows_read_by(&mut c, &url, "outcome_rollups", async |store| {
+        traces(store.version_outcomes(&name("p"), from, until, 3_600, None).await.unwrap())
+    })
+    .await;
+    let (few, few_rows) = rows_read_by(&mut c, &url, "outcome_rollups", async |store| {
+        traces(store.version_outcomes(&name("p"), from, until, 3_600, Some(&[1, 298, 299, 300])).await.unwrap())
+    })
+    .await;
     assert_eq!((all, few), (300, 4));
     assert!(all_rows >= 300, "every version's rows: {all_rows}");
     assert!(few_rows <= 40, "four versions' rows: {few_rows} rows read of the rollups and their indexes");
@@ -702,17 +698,34 @@ async fn a_page_of_versions_costs_the_page_not_the_history() {
     drop(store);
     let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
     sqlx::raw_sql("VACUUM ANALYZE versions").execute(&mut c).await.unwrap();
-    let before = rows_read(&mut c, "versions").await;
-    let store = combee::store::connect(&url, 2, std::time::Duration::from_secs(10)).await.unwrap();
-    for _ in 0..12 {
-        let newest = store.list_versions(&name("p"), None, 1).await.unwrap();
-        assert_eq!(newest.iter().map(|v| v.number).collect::<Vec<_>>(), [400]);
-    }
-    let page = store.list_versions(&name("p"), Some(100), 10).await.unwrap();
-    assert_eq!(page.iter().map(|v| v.number).collect::<Vec<_>>(), (90..100).rev().collect::<Vec<_>>());
-    drop(store);
-    let rows = rows_read(&mut c, "versions").await - before;
+    let ((), rows) = rows_read_by(&mut c, &url, "versions", async |store| {
+        for _ in 0..12 {
+            let newest = store.list_versions(&name("p"), None, 1).await.unwrap();
+            assert_eq!(newest.iter().map(|v| v.number).collect::<Vec<_>>(), [400]);
+        }
+        let page = store.list_versions(&name("p"), Some(100), 10).await.unwrap();
+        assert_eq!(page.iter().map(|v| v.number).collect::<Vec<_>>(), (90..100).rev().collect::<Vec<_>>());
+    })
+    .await;
     assert!(rows <= 13 * 12, "13 pages of at most 10 versions read {rows} rows of versions and their indexes");
+}
+
+/// What `reads` return, and the rows of `table` and its indexes they read, as
+/// Postgres's own statistics count them. The reads run on a store of their
+/// own with two connections, one of them its change listener: every read on
+/// the other, so a prepared statement repeats there often enough for
+/// Postgres to try its generic plan.
+async fn rows_read_by<T>(
+    c: &mut sqlx::PgConnection,
+    url: &str,
+    table: &str,
+    reads: impl AsyncFnOnce(&DynStore) -> T,
+) -> (T, i64) {
+    let before = rows_read(c, table).await;
+    let store = combee::store::connect(url, 2, std::time::Duration::from_secs(10)).await.unwrap();
+    let out = reads(&store).await;
+    drop(store);
+    (out, rows_read(c, table).await - before)
 }
 
 /// Rows read from `table` and its indexes so far, once every other backend of
