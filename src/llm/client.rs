@@ -245,6 +245,8 @@ impl LlmBackend for OpenAiClient {
                         usage,
                         latency_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
                         retries,
+                        output_format: None,
+                        concurrency_limit: None,
                     });
                 }
                 Err(Failure { err, retry_after }) => {

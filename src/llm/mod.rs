@@ -89,6 +89,10 @@ pub struct ChatResponse {
     pub latency_ms: u64,
     /// Attempts beyond the first.
     pub retries: u32,
+    /// The structured-output form the answering request carried.
+    pub output_format: Option<OutputFormat>,
+    /// The adaptive concurrency limit when the answering attempt was sent.
+    pub concurrency_limit: Option<u32>,
 }
 
 /// Which part of a round made a call.
@@ -110,6 +114,93 @@ pub struct LlmCall {
     pub latency_ms: u64,
     pub retries: u32,
     pub error: Option<String>,
+    /// How the answer was read (`schema`, `text`, `repaired`, `refused`); absent
+    /// for a call that got no answer and for calls recorded before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read: Option<AnswerRead>,
+    /// The text of a refused answer, cut to [`REFUSED_ANSWER_CHARS`]: untrusted
+    /// model output, kept so an operator can see what the model wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused_answer: Option<String>,
+    /// The structured-output form the request asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_format: Option<OutputFormat>,
+    /// The adaptive concurrency limit of the backend when the call was sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency_limit: Option<u32>,
+}
+
+/// Most characters of a refused answer a round record keeps.
+pub const REFUSED_ANSWER_CHARS: usize = 2_000;
+
+/// How an answer was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AnswerRead {
+    /// The backend was held to the answer's JSON schema and the answer was exactly that object.
+    Schema,
+    /// No schema was enforced (the backend refuses one); the answer was exactly the object.
+    Text,
+    /// The object had to be dug out of prose, fences or think blocks, or took the corrective retry.
+    Repaired,
+    /// The answer could not be used.
+    Refused,
+}
+
+impl AnswerRead {
+    pub const ALL: [AnswerRead; 4] = [Self::Schema, Self::Text, Self::Repaired, Self::Refused];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Schema => "schema",
+            Self::Text => "text",
+            Self::Repaired => "repaired",
+            Self::Refused => "refused",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+/// The `response_format` a request carries. Backends differ: OpenAI, vLLM and
+/// Ollama take OpenAI's `json_schema` shape; llama-cpp-python's server refuses
+/// it and takes `json_object` with a `schema`; some take only `json_object`,
+/// some nothing at all. The client walks down this list once per backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutputFormat {
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
+    JsonSchema,
+    /// `{"type": "json_object", "schema": {...}}`.
+    JsonObjectSchema,
+    /// `{"type": "json_object"}`: valid JSON, shape unenforced.
+    JsonObject,
+    /// No `response_format`: the answer is read from its text.
+    Plain,
+}
+
+impl OutputFormat {
+    pub const ALL: [OutputFormat; 4] = [Self::JsonSchema, Self::JsonObjectSchema, Self::JsonObject, Self::Plain];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::JsonSchema => "json_schema",
+            Self::JsonObjectSchema => "json_object_schema",
+            Self::JsonObject => "json_object",
+            Self::Plain => "plain",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.as_str() == s)
+    }
+
+    /// Whether the backend holds the answer to the schema in this form.
+    pub fn enforces_schema(self) -> bool {
+        matches!(self, Self::JsonSchema | Self::JsonObjectSchema)
+    }
 }
 
 impl LlmCall {
@@ -123,6 +214,10 @@ impl LlmCall {
             latency_ms: resp.latency_ms,
             retries: resp.retries,
             error: None,
+            read: None,
+            refused_answer: None,
+            output_format: resp.output_format,
+            concurrency_limit: resp.concurrency_limit,
         }
     }
 
@@ -136,6 +231,10 @@ impl LlmCall {
             latency_ms: u64::try_from(latency.as_millis()).unwrap_or(u64::MAX),
             retries: err.retries(),
             error: Some(err.to_string()),
+            read: None,
+            refused_answer: None,
+            output_format: None,
+            concurrency_limit: None,
         }
     }
 }

@@ -393,6 +393,10 @@ impl<D: Backend> RoundStore for SqlStore<D> {
                     latency_ms: r.get::<i64>("latency_ms")? as u64,
                     retries: r.get::<i32>("retries")? as u32,
                     error: r.get("error")?,
+                    read: None,
+                    refused_answer: None,
+                    output_format: None,
+                    concurrency_limit: None,
                 },
                 created_at: r.get("created_at")?,
             })

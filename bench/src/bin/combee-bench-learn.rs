@@ -237,6 +237,8 @@ impl LlmBackend for Replay {
             cost_usd: 0.0,
             latency_ms: latency.round() as u64,
             retries: 0,
+            output_format: None,
+            concurrency_limit: None,
         })
     }
 }
