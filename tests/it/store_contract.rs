@@ -1177,6 +1177,10 @@ fn llm_call(model: &str) -> combee::llm::LlmCall {
         latency_ms: 7,
         retries: 0,
         error: None,
+        read: None,
+        refused_answer: None,
+        output_format: None,
+        concurrency_limit: None,
     }
 }
 
