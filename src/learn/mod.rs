@@ -22,6 +22,7 @@ pub mod protocol;
 pub mod record;
 mod reduce;
 pub mod round;
+pub mod schema;
 pub mod shuffle;
 pub mod sizing;
 pub mod spec;

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::answer::{self, AnswerNotes};
+use super::schema::answer_schema;
 use crate::domain::playbook::parse_bullet_id;
 use crate::domain::{BulletTag, DeltaOp, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::delta::MergedOp;
@@ -128,6 +129,101 @@ fn current_prompt(current: &VersionContent) -> String {
     fence("current-prompt", "", &current.render())
 }
 
+/// How many characters of a call's parts fit the backend's context window:
+/// `None` while the window is unknown (everything is sent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Fit {
+    /// For the current prompt (its base text, then its best bullets).
+    pub prompt: Option<usize>,
+    /// For the data (a trace, or a group's reflections together).
+    pub data: Option<usize>,
+}
+
+impl Fit {
+    /// Everything is sent.
+    pub const ALL: Fit = Fit { prompt: None, data: None };
+
+    /// Shares `budget` characters between a prompt part of `prompt` characters
+    /// and a data part of `data`, beside `fixed` characters that cannot shrink:
+    /// each gets at least half of what is left, and what one does not need
+    /// goes to the other.
+    fn share(budget: Option<usize>, fixed: usize, prompt: usize, data: usize) -> Fit {
+        let Some(budget) = budget else { return Fit::ALL };
+        if fixed + prompt + data <= budget {
+            return Fit::ALL;
+        }
+        let avail = budget.saturating_sub(fixed);
+        let half = avail / 2;
+        let (p, d) = if prompt <= half {
+            (prompt, avail - prompt)
+        } else if data <= half {
+            (avail - data, data)
+        } else {
+            (half, avail - half)
+        };
+        Fit { prompt: Some(p), data: Some(d) }
+    }
+}
+
+/// The current prompt shown within `chars` characters: the base text (cut in
+/// the middle if it alone is too long), then as many playbook bullets as fit,
+/// the most helpful first (net of harmful), in their sections' order.
+pub fn within(current: &VersionContent, chars: Option<usize>) -> VersionContent {
+    let Some(chars) = chars else { return current.clone() };
+    if current.render().chars().count() <= chars {
+        return current.clone();
+    }
+    let base = cut_middle(&current.base, chars);
+    let Some(playbook) = &current.playbook else { return VersionContent { base, playbook: None } };
+    let mut ranked: Vec<(&str, i64, usize)> = playbook
+        .bullets()
+        .map(|(_, b)| (b.id.as_str(), i64::from(b.helpful) - i64::from(b.harmful), b.content.chars().count() + 32))
+        .collect();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1));
+    let mut room = chars.saturating_sub(base.chars().count() + 16);
+    let mut keep = HashSet::new();
+    for (id, _, len) in ranked {
+        if len > room {
+            continue;
+        }
+        room -= len;
+        keep.insert(id.to_owned());
+    }
+    let mut shown = playbook.clone();
+    for section in &mut shown.sections {
+        section.bullets.retain(|b| keep.contains(&b.id));
+    }
+    VersionContent { base, playbook: Some(shown) }
+}
+
+/// `text` cut to `max` characters by leaving out its middle, with a marker
+/// that says how much was left out.
+pub fn cut_middle(text: &str, max: usize) -> String {
+    let n = text.chars().count();
+    if n <= max {
+        return text.to_owned();
+    }
+    let marker = format!("\n[… {} characters left out …]\n", n - max);
+    let keep = max.saturating_sub(marker.chars().count());
+    let head: String = text.chars().take(keep - keep / 3).collect();
+    let tail: String = text.chars().skip(n - keep / 3).collect();
+    format!("{head}{marker}{tail}")
+}
+
+fn chars_of(messages: &[ChatMessage]) -> usize {
+    messages.iter().map(|m| m.content.chars().count()).sum()
+}
+
+/// How many characters a call of `role` may send: the backend's context window
+/// less the role's completion limit and a margin, at three characters a token
+/// (small models' tokenizers cut finer than the usual four). `None` while the
+/// window is unknown.
+pub fn char_budget(backend: &dyn LlmBackend, cfg: &LlmConfig, role: LlmRole) -> Option<usize> {
+    let window = backend.context_window()? as usize;
+    let answer = (cfg.max_tokens_for(role) as usize).min(window / 2);
+    Some(window.saturating_sub(answer + 64) * 3)
+}
+
 /// A JSON value as prompt text: strings raw (with their line breaks), the rest pretty-printed.
 fn show(v: &Value) -> String {
     match v {
@@ -139,6 +235,10 @@ fn show(v: &Value) -> String {
 
 /// The trace as fenced data, in labelled parts (`--- trajectory ---`, …).
 pub fn render_trace(trace: &Trace) -> String {
+    fence("untrusted-trace-data", "", &trace_body(trace))
+}
+
+fn trace_body(trace: &Trace) -> String {
     let feedback = serde_json::to_value(&trace.feedback).unwrap_or(Value::Null);
     let mut body = format!(
         "--- task input ---\n{}\n--- trajectory ---\n{}\n--- final output ---\n{}\n--- feedback ---\n{}\n",
@@ -150,7 +250,7 @@ pub fn render_trace(trace: &Trace) -> String {
     if let Some(r) = &trace.reflection {
         body.push_str(&format!("--- the agent's own reflection ---\n{}\n", show(r)));
     }
-    fence("untrusted-trace-data", "", &body)
+    body
 }
 
 fn render_reflection(i: usize, r: &Reflection) -> String {
@@ -183,13 +283,49 @@ fn render_reflection(i: usize, r: &Reflection) -> String {
 }
 
 fn render_reflections(reflections: &[Reflection]) -> String {
-    let body: String =
-        reflections.iter().enumerate().map(|(i, r)| render_reflection(i, r)).collect::<Vec<_>>().join("\n");
+    render_reflections_within(reflections, None)
+}
+
+/// The group's reflections, each cut to an equal share of `max` characters.
+fn render_reflections_within(reflections: &[Reflection], max: Option<usize>) -> String {
+    let each = max.map(|m| m / reflections.len().max(1));
+    let body: String = reflections
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let text = render_reflection(i, r);
+            each.map_or(text.clone(), |e| cut_middle(&text, e.max(80)))
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
     fence("untrusted-reflections", &format!(" count=\"{}\"", reflections.len()), &body)
 }
 
 /// Messages for one reflector call on `trace`.
 pub fn reflect_messages(trace: &Trace, current: &VersionContent, strategy: Strategy) -> Vec<ChatMessage> {
+    reflect_messages_within(trace, current, strategy, None)
+}
+
+/// [`reflect_messages`] within `budget` characters: the current prompt and the
+/// trace share what the template leaves (see [`Fit`]).
+pub fn reflect_messages_within(
+    trace: &Trace,
+    current: &VersionContent,
+    strategy: Strategy,
+    budget: Option<usize>,
+) -> Vec<ChatMessage> {
+    let full = reflect_messages_fitted(trace, current, strategy, Fit::ALL);
+    let (prompt, data) = (current.render().chars().count(), render_trace(trace).chars().count());
+    let fit = Fit::share(budget, chars_of(&full).saturating_sub(prompt + data), prompt, data);
+    if fit == Fit::ALL { full } else { reflect_messages_fitted(trace, current, strategy, fit) }
+}
+
+fn reflect_messages_fitted(trace: &Trace, current: &VersionContent, strategy: Strategy, fit: Fit) -> Vec<ChatMessage> {
+    let current = &within(current, fit.prompt);
+    let trace_text = match fit.data {
+        Some(max) => fence("untrusted-trace-data", "", &cut_middle(&trace_body(trace), max.saturating_sub(64))),
+        None => render_trace(trace),
+    };
     let note = match (strategy, current.playbook.as_ref().filter(|p| !p.is_empty())) {
         (Strategy::Playbook, Some(_)) => {
             "- bullet_tags: for every playbook bullet the agent used (its id such as b-0001 appears in the \
@@ -199,24 +335,41 @@ pub fn reflect_messages(trace: &Trace, current: &VersionContent, strategy: Strat
     };
     build(
         Task::Reflect,
-        &[("strategy_note", note), ("current_prompt", &current_prompt(current)), ("trace", &render_trace(trace))],
+        &[("strategy_note", note), ("current_prompt", &current_prompt(current)), ("trace", &trace_text)],
     )
 }
 
 /// Messages for one playbook aggregator call; the answer is [`OperationsAnswer`].
 pub fn aggregate_playbook_messages(current: &VersionContent, reflections: &[Reflection]) -> Vec<ChatMessage> {
-    build(
-        Task::AggregatePlaybook,
-        &[("current_prompt", &current_prompt(current)), ("reflections", &render_reflections(reflections))],
-    )
+    aggregate_messages_within(Task::AggregatePlaybook, current, reflections, None)
 }
 
 /// Messages for one rewrite aggregator call; the answer is [`InstructionAnswer`].
 pub fn aggregate_rewrite_messages(current: &VersionContent, reflections: &[Reflection]) -> Vec<ChatMessage> {
-    build(
-        Task::AggregateRewrite,
-        &[("current_prompt", &current_prompt(current)), ("reflections", &render_reflections(reflections))],
-    )
+    aggregate_messages_within(Task::AggregateRewrite, current, reflections, None)
+}
+
+/// An aggregator call's messages within `budget` characters: the current
+/// prompt and the group's reflections share what the template leaves.
+pub fn aggregate_messages_within(
+    task: Task,
+    current: &VersionContent,
+    reflections: &[Reflection],
+    budget: Option<usize>,
+) -> Vec<ChatMessage> {
+    let messages = |fit: Fit| {
+        build(
+            task,
+            &[
+                ("current_prompt", &current_prompt(&within(current, fit.prompt))),
+                ("reflections", &render_reflections_within(reflections, fit.data)),
+            ],
+        )
+    };
+    let full = messages(Fit::ALL);
+    let (prompt, data) = (current.render().chars().count(), render_reflections(reflections).chars().count());
+    let fit = Fit::share(budget, chars_of(&full).saturating_sub(prompt + data), prompt, data);
+    if fit == Fit::ALL { full } else { messages(fit) }
 }
 
 /// Messages for the level-2 merge of the groups' versions of one conflicting
@@ -586,6 +739,37 @@ fn short(s: &str) -> String {
     s.chars().take(40).collect()
 }
 
+/// Sends `task`'s call built by `messages` (given the characters the backend's
+/// context window leaves, `None` while unknown) with the task's answer schema,
+/// and reads the answer with `decode` (one corrective retry). A backend that
+/// answers "context length exceeded" has taught the client its window: the
+/// call is built again to fit it and sent once more, never as it was.
+async fn ask<T, F>(
+    backend: &dyn LlmBackend,
+    cfg: &LlmConfig,
+    task: Task,
+    calls: &mut Vec<LlmCall>,
+    messages: impl Fn(Option<usize>) -> Vec<ChatMessage>,
+    decode: F,
+) -> Result<T, LlmError>
+where
+    T: Send,
+    F: Fn(&str) -> Result<T, String> + Send + Sync,
+{
+    let role = task.role();
+    let request = |budget| cfg.request(role, messages(budget), true).with_schema(answer_schema(task));
+    let budget = char_budget(backend, cfg, role);
+    match chat_decoded(backend, role, request(budget), calls, &decode).await {
+        Err(LlmError::ContextExceeded { window, message }) => match char_budget(backend, cfg, role) {
+            Some(fitted) if budget.is_none_or(|b| fitted < b) => {
+                chat_decoded(backend, role, request(Some(fitted)), calls, &decode).await
+            }
+            _ => Err(LlmError::ContextExceeded { window, message }),
+        },
+        other => other,
+    }
+}
+
 /// One reflector call: build, send, read tolerantly, validate (one corrective retry).
 pub async fn reflect_noted(
     backend: &dyn LlmBackend,
@@ -595,8 +779,8 @@ pub async fn reflect_noted(
     strategy: Strategy,
     calls: &mut Vec<LlmCall>,
 ) -> Result<Noted<Reflection>, LlmError> {
-    let req = cfg.request(LlmRole::Reflector, reflect_messages(trace, current, strategy), true);
-    chat_decoded(backend, LlmRole::Reflector, req, calls, |t| decode_reflection(t, current)).await
+    let messages = |budget| reflect_messages_within(trace, current, strategy, budget);
+    ask(backend, cfg, Task::Reflect, calls, messages, |t| decode_reflection(t, current)).await
 }
 
 /// One playbook aggregator call over a group of reflections.
@@ -607,9 +791,10 @@ pub async fn aggregate_playbook_noted(
     reflections: &[Reflection],
     calls: &mut Vec<LlmCall>,
 ) -> Result<Noted<Vec<SourcedOp>>, LlmError> {
-    let req = cfg.request(LlmRole::Aggregator, aggregate_playbook_messages(current, reflections), true);
     let n = reflections.len();
-    chat_decoded(backend, LlmRole::Aggregator, req, calls, |t| decode_operations(t, current, n)).await
+    let task = Task::AggregatePlaybook;
+    let messages = |budget| aggregate_messages_within(task, current, reflections, budget);
+    ask(backend, cfg, task, calls, messages, |t| decode_operations(t, current, n)).await
 }
 
 /// One rewrite aggregator call over a group of reflections.
@@ -620,8 +805,9 @@ pub async fn aggregate_rewrite_noted(
     reflections: &[Reflection],
     calls: &mut Vec<LlmCall>,
 ) -> Result<Noted<String>, LlmError> {
-    let req = cfg.request(LlmRole::Aggregator, aggregate_rewrite_messages(current, reflections), true);
-    chat_decoded(backend, LlmRole::Aggregator, req, calls, |t| decode_instruction(t, current)).await
+    let task = Task::AggregateRewrite;
+    let messages = |budget| aggregate_messages_within(task, current, reflections, budget);
+    ask(backend, cfg, task, calls, messages, |t| decode_instruction(t, current)).await
 }
 
 /// The level-2 merge of the groups' versions of one conflicting passage (rewrite mode).
@@ -632,12 +818,13 @@ pub async fn merge_rewrite(
     proposals: &[String],
     calls: &mut Vec<LlmCall>,
 ) -> Result<String, LlmError> {
-    let req = cfg.request(LlmRole::Aggregator, merge_rewrite_messages(current, proposals), true);
-    Ok(chat_decoded(backend, LlmRole::Aggregator, req, calls, |t| decode_instruction(t, current)).await?.value)
+    let messages = |_| merge_rewrite_messages(current, proposals);
+    Ok(ask(backend, cfg, Task::MergeRewrite, calls, messages, |t| decode_instruction(t, current)).await?.value)
 }
 
 /// One level-2 consolidation call (playbook mode, `reduce = "llm"`): the
-/// decisions on the numbered `ops` (see [`crate::learn::level2`]).
+/// decisions on the numbered `ops` (see [`crate::learn::level2`]). Within a
+/// known context window the current prompt shrinks to what the operations leave.
 pub async fn consolidate_playbook(
     backend: &dyn LlmBackend,
     cfg: &LlmConfig,
@@ -646,8 +833,18 @@ pub async fn consolidate_playbook(
     calls: &mut Vec<LlmCall>,
 ) -> Result<Vec<Decision>, LlmError> {
     let plain: Vec<DeltaOp> = ops.iter().map(|m| m.op.clone()).collect();
-    let req = cfg.request(LlmRole::Aggregator, consolidate_playbook_messages(current, &plain), true);
-    Ok(chat_decoded(backend, LlmRole::Aggregator, req, calls, |t| decode_decisions(t, ops)).await?.value)
+    let messages = |budget: Option<usize>| {
+        let full = consolidate_playbook_messages(current, &plain);
+        let prompt = current.render().chars().count();
+        match budget {
+            Some(b) if chars_of(&full) > b => {
+                let room = b.saturating_sub(chars_of(&full) - prompt);
+                consolidate_playbook_messages(&within(current, Some(room)), &plain)
+            }
+            _ => full,
+        }
+    };
+    Ok(ask(backend, cfg, Task::ConsolidatePlaybook, calls, messages, |t| decode_decisions(t, ops)).await?.value)
 }
 
 #[cfg(test)]

@@ -1,22 +1,28 @@
 //! The OpenAI-compatible chat-completions client (OpenAI, DeepSeek, vLLM, Ollama,
 //! llama.cpp, OpenRouter, LiteLLM, combee's simulated LLM). It owns everything that
-//! makes calls robust and polite: per-attempt timeouts, retries with jittered
-//! exponential backoff honouring `Retry-After`, a client-side requests/tokens per
-//! minute limiter, a process-wide concurrency limit, and usage/cost accounting.
-//! [`chat_json`] adds strict JSON parsing with one corrective retry.
+//! makes calls robust and polite: per-attempt timeouts fitted to the backend's
+//! observed speed, retries with jittered exponential backoff honouring
+//! `Retry-After`, a client-side requests/tokens per minute limiter, a concurrency
+//! limit that adapts to the backend ([`super::limit`]), the structured-output shape
+//! and context window the backend takes ([`super::format`]), and usage/cost
+//! accounting. [`chat_decoded`] adds strict reading with one corrective retry and
+//! records how each answer was read.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::config::LlmConfig;
+use super::format::{self, ContextWindow, FormatLadder};
+use super::limit::{AdaptiveLimit, Sample};
+use super::{
+    AnswerRead, ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, OutputFormat,
+    REFUSED_ANSWER_CHARS, TimeoutKind, Usage,
+};
+use crate::retry_after::parse_retry_after;
 use async_trait::async_trait;
 use rand::Rng;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tokio::sync::Semaphore;
-
-use super::config::LlmConfig;
-use super::{ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, TimeoutKind, Usage};
-use crate::retry_after::parse_retry_after;
 
 /// The client-side token estimate: one token per four characters, rounded up.
 pub fn estimate_tokens(chars: usize) -> u64 {
@@ -33,8 +39,10 @@ struct Inner {
     http: reqwest::Client,
     cfg: LlmConfig,
     url: String,
-    permits: Semaphore,
+    limit: AdaptiveLimit,
     limiter: RateLimiter,
+    formats: FormatLadder,
+    window: ContextWindow,
 }
 
 impl std::fmt::Debug for OpenAiClient {
@@ -53,8 +61,9 @@ impl OpenAiClient {
             .map_err(|e| LlmError::Config(format!("cannot build HTTP client: {e}")))?;
         let url = format!("{}/chat/completions", cfg.base_url.trim_end_matches('/'));
         let limiter = RateLimiter::new(cfg.requests_per_minute, cfg.tokens_per_minute);
-        let permits = Semaphore::new(cfg.max_concurrency);
-        Ok(Self { inner: Arc::new(Inner { http, cfg, url, permits, limiter }) })
+        let limit = AdaptiveLimit::new(cfg.max_concurrency);
+        let window = ContextWindow::new(cfg.context_tokens);
+        Ok(Self { inner: Arc::new(Inner { http, cfg, url, limit, limiter, formats: FormatLadder::default(), window }) })
     }
 
     pub fn config(&self) -> &LlmConfig {
@@ -66,8 +75,19 @@ impl OpenAiClient {
         self.inner.cfg.request(role, messages, json)
     }
 
-    fn timeout(&self) -> Duration {
+    /// The least time an attempt gets (`llm.request_timeout_secs`).
+    fn timeout_floor(&self) -> Duration {
         Duration::try_from_secs_f64(self.inner.cfg.request_timeout_secs).unwrap_or(Duration::from_secs(120))
+    }
+
+    /// The adaptive concurrency limit this backend has now.
+    pub fn concurrency_limit(&self) -> u32 {
+        self.inner.limit.limit()
+    }
+
+    /// The `response_format` shape this backend has not refused.
+    pub fn output_format(&self) -> OutputFormat {
+        self.inner.formats.current()
     }
 
     /// Removes the API key from any text that may end up in a log or an error.
@@ -77,8 +97,11 @@ impl OpenAiClient {
         if key.len() >= 4 { text.replace(key, "[redacted]") } else { text }
     }
 
-    async fn attempt(&self, wire: &WireRequest<'_>) -> Result<(String, Option<String>, Option<Usage>), Failure> {
-        let timeout = self.timeout();
+    async fn attempt(
+        &self,
+        wire: &WireRequest<'_>,
+        timeout: Duration,
+    ) -> Result<(String, Option<String>, Option<Usage>), Failure> {
         let mut rb = self.inner.http.post(&self.inner.url).timeout(timeout).json(wire);
         let key = self.inner.cfg.api_key.expose();
         if !key.is_empty() {
@@ -161,13 +184,7 @@ struct WireRequest<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    response_format: Option<ResponseFormat>,
-}
-
-#[derive(Serialize)]
-struct ResponseFormat {
-    #[serde(rename = "type")]
-    kind: &'static str,
+    response_format: Option<serde_json::Value>,
 }
 
 // The envelope is read leniently: providers add fields freely. The *answer*
@@ -204,66 +221,161 @@ struct WireUsage {
 #[async_trait]
 impl LlmBackend for OpenAiClient {
     async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+        let inner = &self.inner;
         let started = Instant::now();
-        let wire = WireRequest {
-            model: &req.model,
-            messages: &req.messages,
-            temperature: req.temperature,
-            max_tokens: req.max_tokens,
-            response_format: req.json.then_some(ResponseFormat { kind: "json_object" }),
-        };
         let estimate = estimate_tokens(req.chars());
+        let max_tokens = self.fit_max_tokens(&req)?;
         let mut retries = 0u32;
+        // A timed-out attempt's retry gets twice as long: the backend is slower than it looked.
+        let mut timeout_scale = 1u32;
         loop {
-            let outcome = {
-                let _permit = self
-                    .inner
-                    .permits
-                    .acquire()
-                    .await
-                    .map_err(|_| LlmError::Config("concurrency limiter closed".into()))?;
-                self.inner.limiter.acquire(estimate).await;
-                let outcome = self.attempt(&wire).await;
+            let format = inner.formats.format_for(req.schema.as_deref(), req.json);
+            let wire = WireRequest {
+                model: &req.model,
+                messages: &req.messages,
+                temperature: req.temperature,
+                max_tokens,
+                response_format: format::response_format(format, req.schema.as_deref()),
+            };
+            let (outcome, limit_at_send) = {
+                let slot = inner.limit.acquire().await;
+                inner.limiter.acquire(estimate).await;
+                let timeout = inner.limit.attempt_timeout(
+                    req.role,
+                    estimate,
+                    u64::from(max_tokens.unwrap_or(inner.cfg.max_tokens)),
+                    slot.in_flight_at_send,
+                    self.timeout_floor(),
+                ) * timeout_scale;
+                let sent = Instant::now();
+                let outcome = self.attempt(&wire, timeout).await;
+                inner.limit.record(&slot, sample_of(req.role, &outcome, sent.elapsed(), estimate));
                 // Settle the estimate with what the call really used; failed attempts refund it.
                 let used = match &outcome {
                     Ok((_, _, usage)) => usage.map_or(estimate, |u| u.total()),
                     Err(_) => 0,
                 };
-                self.inner.limiter.settle(estimate, used);
-                outcome
+                inner.limiter.settle(estimate, used);
+                (outcome, slot.limit_at_send)
             };
-            match outcome {
+            let Failure { err, retry_after } = match outcome {
                 Ok((content, model, usage)) => {
                     let usage = usage.unwrap_or(Usage {
                         prompt_tokens: estimate,
                         completion_tokens: estimate_tokens(content.chars().count()),
                     });
                     return Ok(ChatResponse {
-                        cost_usd: self.inner.cfg.cost_usd(usage),
+                        cost_usd: inner.cfg.cost_usd(usage),
                         model: model.unwrap_or_else(|| req.model.clone()),
                         content,
                         usage,
                         latency_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
                         retries,
-                        output_format: None,
-                        concurrency_limit: None,
+                        output_format: Some(format),
+                        concurrency_limit: Some(limit_at_send),
                     });
                 }
-                Err(Failure { err, retry_after }) => {
-                    if !err.is_retryable() || retries >= self.inner.cfg.max_retries {
-                        return Err(if retries == 0 {
-                            err
-                        } else {
-                            LlmError::RetriesExhausted { retries, last: Box::new(err) }
-                        });
-                    }
-                    let wait = self.backoff(retries, retry_after);
-                    tracing::warn!(error = %err, retry = retries + 1, wait_ms = wait.as_millis() as u64, "LLM call failed; retrying");
-                    tokio::time::sleep(wait).await;
-                    retries += 1;
+                Err(failure) => failure,
+            };
+            if let LlmError::Rejected { status, message } = &err
+                && format != OutputFormat::Plain
+                && format::refuses_response_format(*status, message)
+                && inner.formats.refused(format)
+            {
+                // Not a retry: the same request in the next shape the backend may take.
+                continue;
+            }
+            if let LlmError::Rejected { status, message } | LlmError::Server { status, message } = &err
+                && let Some(window) = format::context_exceeded(*status, message)
+            {
+                match window {
+                    Some(tokens) => inner.window.learn(tokens),
+                    None => inner.window.learn_below(estimate),
                 }
+                return Err(LlmError::ContextExceeded { window: inner.window.get(), message: message.clone() });
+            }
+            if !err.is_retryable() || retries >= inner.cfg.max_retries {
+                return Err(if retries == 0 {
+                    err
+                } else {
+                    LlmError::RetriesExhausted { retries, last: Box::new(err) }
+                });
+            }
+            if matches!(err, LlmError::Timeout { which: TimeoutKind::Request, .. }) {
+                timeout_scale = timeout_scale.saturating_mul(2).min(16);
+            }
+            let wait = self.backoff(retries, retry_after);
+            tracing::warn!(error = %err, retry = retries + 1, wait_ms = wait.as_millis() as u64, "LLM call failed; retrying");
+            tokio::time::sleep(wait).await;
+            retries += 1;
+        }
+    }
+
+    fn context_window(&self) -> Option<u32> {
+        self.inner.window.get()
+    }
+}
+
+impl OpenAiClient {
+    /// The request's completion limit, lowered to what a known context window
+    /// leaves after the prompt; a prompt that leaves no room is not sent.
+    fn fit_max_tokens(&self, req: &ChatRequest) -> Result<Option<u32>, LlmError> {
+        let Some(window) = self.inner.window.get() else { return Ok(req.max_tokens) };
+        // Small models' tokenizers cut finer than four characters a token: count three.
+        let prompt = u32::try_from(req.chars().div_ceil(3)).unwrap_or(u32::MAX);
+        let room = window.saturating_sub(prompt);
+        if room < MIN_ANSWER_TOKENS {
+            return Err(LlmError::ContextExceeded {
+                window: Some(window),
+                message: format!("the request's about {prompt} tokens leave no room for an answer"),
+            });
+        }
+        Ok(Some(req.max_tokens.map_or(room, |m| m.min(room))))
+    }
+}
+
+/// The fewest completion tokens worth sending a request for.
+const MIN_ANSWER_TOKENS: u32 = 128;
+
+/// What an attempt tells the concurrency limit.
+fn sample_of(
+    role: LlmRole,
+    outcome: &Result<(String, Option<String>, Option<Usage>), Failure>,
+    latency: Duration,
+    estimate: u64,
+) -> Sample {
+    match outcome {
+        Ok((content, _, usage)) => {
+            let usage = usage.unwrap_or(Usage {
+                prompt_tokens: estimate,
+                completion_tokens: estimate_tokens(content.chars().count()),
+            });
+            Sample::Answered {
+                role,
+                latency,
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
             }
         }
+        Err(Failure { err, .. }) => match err {
+            LlmError::RateLimited { .. }
+            | LlmError::Server { status: 503, .. }
+            | LlmError::Timeout { which: TimeoutKind::Request, .. } => Sample::Overloaded,
+            _ => Sample::Neutral,
+        },
+    }
+}
+
+/// How an accepted answer was read: exactly the object asked for (held to its
+/// schema by the backend, or not), or dug out of its wrapping or fixed by the
+/// corrective retry.
+fn read_of(resp: &ChatResponse, attempt: u32) -> AnswerRead {
+    let exact =
+        matches!(serde_json::from_str::<serde_json::Value>(resp.content.trim()), Ok(serde_json::Value::Object(_)));
+    match (attempt, exact) {
+        (0, true) if resp.output_format.is_some_and(OutputFormat::enforces_schema) => AnswerRead::Schema,
+        (0, true) => AnswerRead::Text,
+        _ => AnswerRead::Repaired,
     }
 }
 
@@ -412,7 +524,7 @@ where
 {
     const ATTEMPTS: u32 = 2;
     let mut detail = String::new();
-    for _ in 0..ATTEMPTS {
+    for attempt in 0..ATTEMPTS {
         let started = Instant::now();
         let resp = match backend.chat(req.clone()).await {
             Ok(resp) => resp,
@@ -425,12 +537,15 @@ where
         let mut call = LlmCall::succeeded(role, &resp);
         match parsed {
             Ok(v) => {
+                call.read = Some(read_of(&resp, attempt));
                 calls.push(call);
                 return Ok(v);
             }
             Err(why) => {
                 detail = truncate_chars(&why, 500);
                 call.error = Some(format!("invalid answer: {detail}"));
+                call.read = Some(AnswerRead::Refused);
+                call.refused_answer = Some(truncate_chars(&resp.content, REFUSED_ANSWER_CHARS));
                 calls.push(call);
                 req.messages.push(ChatMessage::assistant(truncate_chars(&resp.content, 8000)));
                 req.messages.push(ChatMessage::user(format!(
@@ -750,6 +865,168 @@ mod tests {
         let check = |a: &Answer| if a.instruction.is_empty() { Err("empty instruction".to_owned()) } else { Ok(()) };
         let a: Answer = chat_json_checked(&c, LlmRole::Aggregator, req(&c), &mut calls, check).await.unwrap();
         assert_eq!(a.instruction, "z");
+    }
+
+    fn schema_req(c: &OpenAiClient) -> ChatRequest {
+        let schema = crate::llm::AnswerSchema::new(
+            "answer",
+            json!({"type": "object", "properties": {"instruction": {"type": "string"}}, "required": ["instruction"]}),
+        );
+        req(c).with_schema(Arc::new(schema))
+    }
+
+    #[tokio::test]
+    async fn a_refused_response_format_is_detected_once_and_remembered() {
+        // llama-cpp-python's server: OpenAI's shape is refused, `json_object` with a schema is taken.
+        let (url, server) = spawn(|_, body, _| {
+            if body["response_format"]["type"] == "json_schema" {
+                fail(422, r#"{"detail":[{"loc":["body","response_format","type"],"msg":"Input should be 'text' or 'json_object'"}]}"#)
+            } else {
+                ok(r#"{"instruction": "y"}"#)
+            }
+        })
+        .await;
+        let c = client(&url, |_| {});
+        assert_eq!(c.output_format(), OutputFormat::JsonSchema);
+        let mut calls = vec![];
+        let a: Answer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
+        assert_eq!(a.instruction, "y");
+        assert_eq!(c.output_format(), OutputFormat::JsonObjectSchema);
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].retries, 0, "a refused shape is not a retry");
+        assert_eq!(calls[0].output_format, Some(OutputFormat::JsonObjectSchema));
+        assert_eq!(calls[0].read, Some(AnswerRead::Schema));
+        let bodies = server.bodies.lock().unwrap().clone();
+        assert_eq!(bodies.len(), 2);
+        assert_eq!(bodies[1]["response_format"]["type"], "json_object");
+        assert_eq!(bodies[1]["response_format"]["schema"]["required"], json!(["instruction"]));
+        // The next call asks in the remembered shape straight away.
+        let _: Answer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
+        assert_eq!(server.hits.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_backend_that_refuses_every_format_is_read_from_its_text() {
+        let (url, server) = spawn(|_, body, _| {
+            if body.get("response_format").is_some() {
+                fail(400, r#"{"error":{"message":"response_format is not supported"}}"#)
+            } else {
+                ok("Sure! ```json\n{\"instruction\": \"y\"}\n```")
+            }
+        })
+        .await;
+        let c = client(&url, |_| {});
+        let mut calls = vec![];
+        let decode = |t: &str| {
+            let mut notes = crate::learn::answer::AnswerNotes::default();
+            crate::learn::answer::extract_object(t, &mut notes).map(|m| m["instruction"].clone())
+        };
+        let v = chat_decoded(&c, LlmRole::Aggregator, schema_req(&c), &mut calls, decode).await.unwrap();
+        assert_eq!(v, json!("y"));
+        assert_eq!(c.output_format(), OutputFormat::Plain);
+        assert_eq!(server.hits.load(Ordering::SeqCst), 4, "three shapes refused, then plain");
+        assert_eq!((calls[0].output_format, calls[0].read), (Some(OutputFormat::Plain), Some(AnswerRead::Repaired)));
+    }
+
+    #[tokio::test]
+    async fn a_refused_answer_keeps_its_text_bounded() {
+        let long = format!("{{\"error\": \"x\", \"note\": \"{}\"", "z".repeat(5000));
+        let (url, _) = spawn(move |_, _, _| ok(&long)).await;
+        let c = client(&url, |_| {});
+        let mut calls = vec![];
+        let err = chat_json::<Answer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
+        assert!(matches!(err, LlmError::InvalidAnswer { .. }));
+        assert_eq!(calls.len(), 2);
+        for call in &calls {
+            assert_eq!(call.read, Some(AnswerRead::Refused));
+            let text = call.refused_answer.as_deref().unwrap();
+            assert!(text.starts_with("{\"error\": \"x\""), "{text}");
+            assert_eq!(text.chars().count(), REFUSED_ANSWER_CHARS + 1, "cut, with an ellipsis");
+        }
+    }
+
+    #[tokio::test]
+    async fn context_exceeded_is_learned_and_never_sent_again_as_it_was() {
+        let (url, server) = spawn(|_, body, _| {
+            let chars: usize =
+                body["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap().len()).sum();
+            if chars > 3000 {
+                fail(400, r#"{"error":{"message":"Requested tokens (3100) exceed context window of 2048"}}"#)
+            } else {
+                ok(r#"{"instruction": "y"}"#)
+            }
+        })
+        .await;
+        let c = client(&url, |_| {});
+        assert_eq!(c.context_window(), None);
+        let big = c.request(LlmRole::Reflector, vec![ChatMessage::user("w".repeat(4000))], true);
+        let err = c.chat(big.clone()).await.unwrap_err();
+        assert_eq!(
+            err,
+            LlmError::ContextExceeded {
+                window: Some(2048),
+                message: r#"{"error":{"message":"Requested tokens (3100) exceed context window of 2048"}}"#.into()
+            }
+        );
+        assert!(!err.is_retryable());
+        assert_eq!(server.hits.load(Ordering::SeqCst), 1, "not retried");
+        assert_eq!(c.context_window(), Some(2048));
+        // Sent again, it is not what it was: its completion limit is the room its prompt leaves.
+        assert!(matches!(c.chat(big).await, Err(LlmError::ContextExceeded { .. })));
+        let sent = server.bodies.lock().unwrap().last().cloned().unwrap();
+        assert_eq!(sent["max_tokens"], json!(2048 - 4000 / 3 - 1));
+        // A prompt that leaves no room for an answer is not sent at all.
+        let huge = c.request(LlmRole::Reflector, vec![ChatMessage::user("w".repeat(6000))], true);
+        assert!(matches!(c.chat(huge).await, Err(LlmError::ContextExceeded { window: Some(2048), .. })));
+        assert_eq!(server.hits.load(Ordering::SeqCst), 2);
+        c.chat(c.request(LlmRole::Reflector, vec![ChatMessage::user("w".repeat(1500))], true)).await.unwrap();
+        let sent = server.bodies.lock().unwrap().last().cloned().unwrap();
+        assert_eq!(sent["max_tokens"], json!(1024), "1024 fits beside a 500-token prompt");
+        c.chat(c.request(LlmRole::Aggregator, vec![ChatMessage::user("w".repeat(2700))], true)).await.unwrap();
+        let sent = server.bodies.lock().unwrap().last().cloned().unwrap();
+        assert_eq!(sent["max_tokens"], json!(2048 - 900), "lowered to the room the prompt leaves");
+    }
+
+    #[tokio::test]
+    async fn a_one_slot_server_is_not_flooded_and_nothing_times_out() {
+        // One slot, as llama.cpp's server: a request waits behind the one being served.
+        #[derive(Clone, Default)]
+        struct OneSlot {
+            slot: Arc<tokio::sync::Mutex<()>>,
+            waiting: Arc<AtomicUsize>,
+            most_waiting: Arc<AtomicUsize>,
+        }
+        async fn serve(State(s): State<OneSlot>) -> Response {
+            let now = s.waiting.fetch_add(1, Ordering::SeqCst) + 1;
+            s.most_waiting.fetch_max(now, Ordering::SeqCst);
+            let _served = s.slot.lock().await;
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            s.waiting.fetch_sub(1, Ordering::SeqCst);
+            let body = json!({"model": "m", "choices": [{"message": {"content": "{}"}}],
+                              "usage": {"prompt_tokens": 100, "completion_tokens": 20}});
+            axum::Json(body).into_response()
+        }
+        let state = OneSlot::default();
+        let app = Router::new().route("/v1/chat/completions", post(serve)).with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        // A floor far below a queue's wait: only the fitted limit keeps attempts alive.
+        let c = client(&format!("http://{addr}/v1"), |c| c.request_timeout_secs = 0.15);
+        let calls: Vec<_> = (0..24)
+            .map(|_| {
+                let c = c.clone();
+                tokio::spawn(async move { c.chat(req(&c)).await })
+            })
+            .collect();
+        let mut limits = vec![];
+        for call in calls {
+            let resp = call.await.unwrap().unwrap();
+            assert_eq!(resp.retries, 0, "no attempt timed out");
+            limits.push(resp.concurrency_limit.unwrap());
+        }
+        assert!(state.most_waiting.load(Ordering::SeqCst) <= 3, "{limits:?}");
+        assert!(limits[12..].iter().all(|&l| l <= 2), "{limits:?}");
     }
 
     #[test]

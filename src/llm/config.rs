@@ -22,9 +22,21 @@ pub struct LlmConfig {
     pub aggregator_model: String,
     /// Sampling temperature sent with every call. Default 0.2.
     pub temperature: f32,
-    /// Maximum completion tokens per call. Default 4096.
+    /// Most completion tokens of any call: the ceiling over the per-role limits below. Default 4096.
     pub max_tokens: u32,
-    /// Timeout of one HTTP attempt in seconds (fractions allowed), connection included. Default 120.
+    /// Most completion tokens of a reflector call: a reflection is four short fields and a few
+    /// bullet tags. Default 1024.
+    pub reflector_max_tokens: u32,
+    /// Most completion tokens of an aggregator call (a group's operations, a rewritten
+    /// instruction, a merge). Default 2048.
+    pub aggregator_max_tokens: u32,
+    /// The model's context window in tokens; 0 (the default) = unknown: combee learns it from
+    /// the backend's first "context length exceeded" answer and fits later calls into it.
+    pub context_tokens: u32,
+    /// The least time one HTTP attempt gets, in seconds (fractions allowed), connection
+    /// included. An attempt gets longer where the backend's observed speed says it needs it
+    /// (the tokens it asks for, the calls in flight ahead of it); a timed-out attempt's retry
+    /// gets twice as long. Waiting for a free slot inside combee is not part of it. Default 120.
     pub request_timeout_secs: f64,
     /// Timeout of establishing the TCP/TLS connection of one attempt, in seconds. Default 10.
     pub connect_timeout_secs: f64,
@@ -40,7 +52,9 @@ pub struct LlmConfig {
     /// Client-side limit of tokens per minute (estimated as characters/4 before a call, settled
     /// with the real usage after it); 0 = unlimited. Default 0.
     pub tokens_per_minute: u64,
-    /// Most LLM requests in flight at once across the whole process. Default 64.
+    /// Most LLM requests in flight at once across the whole process: the ceiling of the
+    /// adaptive limit, which starts at 2 and grows while the backend's latency holds (a
+    /// one-slot local server settles near one or two, a cloud API at dozens). Default 64.
     pub max_concurrency: usize,
     /// Price in USD per million prompt tokens, for cost accounting. Default 0 (unknown).
     pub price_prompt_per_million: f64,
@@ -59,6 +73,9 @@ impl Default for LlmConfig {
             aggregator_model: "gpt-4o-mini".to_owned(),
             temperature: 0.2,
             max_tokens: 4096,
+            reflector_max_tokens: 1024,
+            aggregator_max_tokens: 2048,
+            context_tokens: 0,
             request_timeout_secs: 120.0,
             connect_timeout_secs: 10.0,
             max_retries: 5,
@@ -129,6 +146,15 @@ impl LlmConfig {
         if self.max_tokens == 0 {
             return err("max_tokens", "must be at least 1");
         }
+        if self.reflector_max_tokens == 0 {
+            return err("reflector_max_tokens", "must be at least 1");
+        }
+        if self.aggregator_max_tokens == 0 {
+            return err("aggregator_max_tokens", "must be at least 1");
+        }
+        if self.context_tokens != 0 && self.context_tokens < 512 {
+            return err("context_tokens", "must be 0 (learn it) or at least 512");
+        }
         if self.backoff_max_ms < self.backoff_base_ms {
             return err("backoff_max_ms", "must be at least backoff_base_ms");
         }
@@ -150,12 +176,23 @@ impl LlmConfig {
             super::LlmRole::Aggregator => &self.aggregator_model,
         };
         super::ChatRequest {
+            role,
             model: model.clone(),
             messages,
             temperature: Some(self.temperature),
-            max_tokens: Some(self.max_tokens),
+            max_tokens: Some(self.max_tokens_for(role)),
             json,
+            schema: None,
         }
+    }
+
+    /// The completion-token limit of a call of `role`.
+    pub fn max_tokens_for(&self, role: super::LlmRole) -> u32 {
+        let per_role = match role {
+            super::LlmRole::Reflector => self.reflector_max_tokens,
+            super::LlmRole::Aggregator => self.aggregator_max_tokens,
+        };
+        per_role.min(self.max_tokens)
     }
 
     /// Cost in USD of one call with these prices.

@@ -10,11 +10,15 @@
 
 pub mod client;
 pub mod config;
+pub mod format;
+pub mod limit;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 pub use client::{OpenAiClient, chat_decoded, chat_json, chat_json_checked};
 pub use config::LlmConfig;
@@ -49,15 +53,67 @@ impl ChatMessage {
 /// One chat completion request, backend-neutral.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatRequest {
+    /// Which part of a round asks (the backend learns each role's speed apart).
+    pub role: LlmRole,
     pub model: String,
     pub messages: Vec<ChatMessage>,
     pub temperature: Option<f32>,
     pub max_tokens: Option<u32>,
     /// Ask for a JSON object answer (`response_format: {"type": "json_object"}`).
     pub json: bool,
+    /// The JSON schema the answer must follow, asked for in whichever
+    /// `response_format` shape the backend takes (see [`format`]).
+    pub schema: Option<Arc<AnswerSchema>>,
+}
+
+/// The JSON schema of an answer, with the name OpenAI's shape wants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerSchema {
+    pub name: &'static str,
+    pub schema: Value,
+}
+
+impl AnswerSchema {
+    pub fn new(name: &'static str, schema: Value) -> Self {
+        Self { name, schema }
+    }
+
+    /// The schema as OpenAI's strict mode takes it: every object closed with
+    /// every property required, and no length keywords (strict mode refuses
+    /// them; the answer's reader enforces lengths anyway).
+    pub fn strict_schema(&self) -> Value {
+        fn strict(v: &Value) -> Value {
+            match v {
+                Value::Object(m) => {
+                    let mut out = serde_json::Map::new();
+                    for (k, v) in m {
+                        if !matches!(k.as_str(), "maxLength" | "minLength" | "maxItems" | "minItems") {
+                            out.insert(k.clone(), strict(v));
+                        }
+                    }
+                    if let Some(Value::Object(props)) = out.get("properties") {
+                        let all: Vec<Value> = props.keys().map(|k| Value::String(k.clone())).collect();
+                        out.insert("required".into(), Value::Array(all));
+                        out.insert("additionalProperties".into(), Value::Bool(false));
+                    }
+                    Value::Object(out)
+                }
+                Value::Array(items) => Value::Array(items.iter().map(strict).collect()),
+                other => other.clone(),
+            }
+        }
+        strict(&self.schema)
+    }
 }
 
 impl ChatRequest {
+    /// The same request, asking for an answer in `schema`.
+    pub fn with_schema(mut self, schema: Arc<AnswerSchema>) -> Self {
+        self.json = true;
+        self.schema = Some(schema);
+        self
+    }
+
     /// Total characters of all messages; the basis of client-side token estimates.
     pub fn chars(&self) -> usize {
         self.messages.iter().map(|m| m.content.chars().count()).sum()
@@ -262,6 +318,10 @@ pub enum LlmError {
     InvalidAnswer { attempts: u32, detail: String },
     #[error("LLM client misconfigured: {0}")]
     Config(String),
+    /// The request does not fit the backend's context window. Never retried as
+    /// it was: the caller fits the next request into the window it now knows.
+    #[error("the request does not fit the LLM's context window{}: {message}", window.map(|w| format!(" of {w} tokens")).unwrap_or_default())]
+    ContextExceeded { window: Option<u32>, message: String },
     #[error("{last} (gave up after {retries} retries)")]
     RetriesExhausted { retries: u32, last: Box<LlmError> },
 }
@@ -276,7 +336,9 @@ impl LlmError {
             | Self::Server { .. }
             | Self::Connection(_)
             | Self::BadResponse(_) => true,
-            Self::Rejected { .. } | Self::InvalidAnswer { .. } | Self::Config(_) => false,
+            Self::Rejected { .. } | Self::InvalidAnswer { .. } | Self::Config(_) | Self::ContextExceeded { .. } => {
+                false
+            }
             Self::RetriesExhausted { last, .. } => last.is_retryable(),
         }
     }
@@ -295,7 +357,8 @@ impl LlmError {
 pub enum TimeoutKind {
     /// Establishing the connection (`llm.connect_timeout_secs`).
     Connect,
-    /// The whole HTTP attempt (`llm.request_timeout_secs`).
+    /// The whole HTTP attempt: `llm.request_timeout_secs`, or longer where the
+    /// backend's observed speed says the call needs it.
     Request,
 }
 
@@ -317,4 +380,10 @@ fn show_secs(d: Duration) -> String {
 #[async_trait]
 pub trait LlmBackend: Send + Sync {
     async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError>;
+
+    /// The backend's context window in tokens, where it is configured or was
+    /// learned; callers fit their requests into it.
+    fn context_window(&self) -> Option<u32> {
+        None
+    }
 }

@@ -1,0 +1,325 @@
+//! How many calls one LLM backend gets at once, learned from what it shows.
+//!
+//! A cloud API serves dozens of calls in parallel at the same speed; a local
+//! llama.cpp server has one slot and makes every extra call wait behind the
+//! others. A fixed limit is wrong for one of them, so the client adapts it per
+//! backend, in the manner of TCP Vegas and Netflix's concurrency-limits:
+//!
+//! - each answered call gives a *normalised latency*: milliseconds per unit of
+//!   work (completion tokens, plus prompt tokens at a sixteenth, plus a fixed
+//!   overhead), so calls of different sizes compare;
+//! - the *baseline* is the least normalised latency seen for that role (it
+//!   drifts up slowly so a backend that got slower for good is relearnt);
+//! - a call close to the baseline while the limit was in use grows the limit:
+//!   by one per call at first (doubling per round trip, TCP's slow start), by
+//!   one per limit's worth of calls once the backend has queued a call; a call
+//!   far above the baseline (it waited in the backend's queue) shrinks the
+//!   limit twice as fast as unqueued calls grow it, so the limit settles where
+//!   about one call in three waits; a 429, a 503 or a timeout halves it.
+//!
+//! `llm.max_concurrency` stays the ceiling. Waiting here for a slot is not part
+//! of any attempt's time limit. The same baselines give each attempt a time
+//! limit that fits what it asks for ([`AdaptiveLimit::attempt_timeout`]).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::LlmRole;
+
+/// Where the limit starts: low, so a one-slot server is not flooded before the first answers.
+pub const INITIAL_LIMIT: f64 = 2.0;
+/// A call within this factor of the baseline counts as unqueued.
+const GROW_BELOW: f64 = 1.5;
+/// A call beyond this factor of the baseline shows the backend queueing calls.
+const SHRINK_ABOVE: f64 = 1.8;
+/// How much the baseline may rise per sample (so a lasting slowdown is relearnt).
+const BASELINE_DRIFT: f64 = 1.005;
+/// Work units of a call's fixed overhead (connection, scheduling, the first token).
+const OVERHEAD_UNITS: f64 = 8.0;
+/// How many times the expected duration an attempt gets before it times out.
+const TIMEOUT_HEADROOM: f64 = 4.0;
+
+/// The work of a call in units comparable across sizes.
+pub fn work_units(prompt_tokens: u64, completion_tokens: u64) -> f64 {
+    completion_tokens as f64 + prompt_tokens as f64 / 16.0 + OVERHEAD_UNITS
+}
+
+/// The adaptive limit of one backend. Shared by every clone of its client.
+#[derive(Debug)]
+pub struct AdaptiveLimit {
+    ceiling: usize,
+    state: Mutex<State>,
+    freed: Notify,
+}
+
+#[derive(Debug, Clone)]
+struct State {
+    limit: f64,
+    /// Until the backend first shows a queue, every unqueued call grows the limit by one.
+    slow_start: bool,
+    in_flight: usize,
+    /// Least normalised latency (ms per work unit) per role: reflector, aggregator.
+    baseline: [Option<f64>; 2],
+}
+
+fn slot(role: LlmRole) -> usize {
+    match role {
+        LlmRole::Reflector => 0,
+        LlmRole::Aggregator => 1,
+    }
+}
+
+/// What one attempt showed about the backend.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Sample {
+    /// Answered (successfully or with an error that is no sign of overload) in `latency`.
+    Answered { role: LlmRole, latency: Duration, prompt_tokens: u64, completion_tokens: u64 },
+    /// 429, 503 or a timeout: the backend is overloaded.
+    Overloaded,
+    /// A failure that says nothing about load (a rejected request, a broken connection).
+    Neutral,
+}
+
+/// A held slot; dropping it frees the slot.
+#[derive(Debug)]
+pub struct Slot<'a> {
+    owner: &'a AdaptiveLimit,
+    /// The limit when the slot was granted, for the call record.
+    pub limit_at_send: u32,
+    /// Calls in flight when this one was sent, itself included.
+    pub in_flight_at_send: usize,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.owner.state.lock() {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+        self.owner.freed.notify_waiters();
+        self.owner.publish();
+    }
+}
+
+impl AdaptiveLimit {
+    pub fn new(ceiling: usize) -> Self {
+        let ceiling = ceiling.max(1);
+        Self {
+            ceiling,
+            state: Mutex::new(State {
+                limit: INITIAL_LIMIT.min(ceiling as f64),
+                slow_start: true,
+                in_flight: 0,
+                baseline: [None; 2],
+            }),
+            freed: Notify::new(),
+        }
+    }
+
+    /// The current limit, as a whole number of calls.
+    pub fn limit(&self) -> u32 {
+        self.state.lock().map_or(1, |s| s.limit.floor().max(1.0) as u32)
+    }
+
+    /// Waits for a free slot under the current limit.
+    pub async fn acquire(&self) -> Slot<'_> {
+        loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Ok(mut s) = self.state.lock() {
+                let limit = s.limit.floor().max(1.0) as usize;
+                if s.in_flight < limit {
+                    s.in_flight += 1;
+                    let slot = Slot { owner: self, limit_at_send: limit as u32, in_flight_at_send: s.in_flight };
+                    drop(s);
+                    self.publish();
+                    return slot;
+                }
+            } else {
+                // A panic elsewhere poisoned the state: fall back to one call at a time.
+                return Slot { owner: self, limit_at_send: 1, in_flight_at_send: 1 };
+            }
+            notified.await;
+        }
+    }
+
+    /// Learns from one attempt made in `slot`.
+    pub fn record(&self, slot: &Slot<'_>, sample: Sample) {
+        let Ok(mut s) = self.state.lock() else { return };
+        let before = s.limit;
+        match sample {
+            Sample::Overloaded => {
+                s.slow_start = false;
+                s.limit = (s.limit / 2.0).max(1.0);
+            }
+            Sample::Neutral => {}
+            Sample::Answered { role, latency, prompt_tokens, completion_tokens } => {
+                let norm = latency.as_secs_f64() * 1000.0 / work_units(prompt_tokens, completion_tokens);
+                let base = &mut s.baseline[slot_index(role)];
+                let baseline = match *base {
+                    None => norm,
+                    Some(b) => norm.min(b * BASELINE_DRIFT),
+                };
+                *base = Some(baseline);
+                let ratio = if baseline > 0.0 { norm / baseline } else { 1.0 };
+                // Grow only when the limit was in use: an idle limit proves nothing.
+                let in_use = slot.in_flight_at_send as f64 >= (s.limit / 2.0).floor().max(1.0);
+                if ratio > SHRINK_ABOVE {
+                    s.slow_start = false;
+                    s.limit = (s.limit - 2.0 / s.limit).max(1.0);
+                } else if ratio < GROW_BELOW && in_use {
+                    let step = if s.slow_start { 1.0 } else { 1.0 / s.limit };
+                    s.limit = (s.limit + step).min(self.ceiling as f64);
+                }
+            }
+        }
+        if s.limit.floor() > before.floor() {
+            drop(s);
+            self.freed.notify_waiters();
+        }
+    }
+
+    /// The time limit of one attempt of `role` with about `prompt_tokens` in and
+    /// at most `max_tokens` out: `TIMEOUT_HEADROOM` times what the backend's
+    /// baseline says it takes, times the calls in flight ahead of it (a backend
+    /// that queues serves them first), and never less than `floor`.
+    pub fn attempt_timeout(
+        &self,
+        role: LlmRole,
+        prompt_tokens: u64,
+        max_tokens: u64,
+        in_flight: usize,
+        floor: Duration,
+    ) -> Duration {
+        let Some(baseline) = self.state.lock().ok().and_then(|s| s.baseline[slot_index(role)]) else { return floor };
+        let expected_ms = baseline * work_units(prompt_tokens, max_tokens) * in_flight.max(1) as f64;
+        let fitted = Duration::try_from_secs_f64(expected_ms * TIMEOUT_HEADROOM / 1000.0).unwrap_or(floor);
+        fitted.max(floor)
+    }
+
+    /// The gauges `/metrics` shows for this backend.
+    fn publish(&self) {
+        if let Ok(s) = self.state.lock() {
+            metrics::gauge!("combee_llm_concurrency_limit").set(s.limit.floor());
+            metrics::gauge!("combee_llm_in_flight").set(s.in_flight as f64);
+        }
+    }
+}
+
+fn slot_index(role: LlmRole) -> usize {
+    slot(role)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answered(ms: u64) -> Sample {
+        Sample::Answered {
+            role: LlmRole::Reflector,
+            latency: Duration::from_millis(ms),
+            prompt_tokens: 1600,
+            completion_tokens: 92,
+        }
+    }
+
+    /// Drives the limit with a backend that serves `slots` calls at once, each
+    /// taking `ms` of its own time: a call waits behind the others beyond the
+    /// slots, as a local server's queue makes it.
+    async fn settle(limit: &AdaptiveLimit, slots: usize, ms: u64, rounds: usize) -> Vec<u32> {
+        let mut seen = Vec::new();
+        for _ in 0..rounds {
+            let n = limit.limit() as usize;
+            let mut held = Vec::new();
+            for _ in 0..n {
+                held.push(limit.acquire().await);
+            }
+            // The i-th call waits for the waves of calls ahead of it.
+            for (i, slot) in held.iter().enumerate() {
+                limit.record(slot, answered(ms * (i / slots + 1) as u64));
+            }
+            seen.push(limit.limit());
+        }
+        seen
+    }
+
+    #[tokio::test]
+    async fn a_one_slot_server_settles_near_one_call_in_flight() {
+        let limit = AdaptiveLimit::new(64);
+        let seen = settle(&limit, 1, 400, 40).await;
+        let tail = &seen[20..];
+        assert!(tail.iter().all(|&l| l <= 2), "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_parallel_backend_grows_to_the_ceiling() {
+        let limit = AdaptiveLimit::new(32);
+        let seen = settle(&limit, 1000, 400, 40).await;
+        assert_eq!(*seen.last().unwrap(), 32, "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_backend_with_eight_slots_settles_near_eight() {
+        let limit = AdaptiveLimit::new(64);
+        let seen = settle(&limit, 8, 400, 80).await;
+        let tail = &seen[40..];
+        assert!(tail.iter().all(|&l| (8..=16).contains(&l)), "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn overload_halves_the_limit_and_never_goes_below_one() {
+        let limit = AdaptiveLimit::new(64);
+        settle(&limit, 1000, 100, 10).await;
+        let before = limit.limit();
+        let slot = limit.acquire().await;
+        limit.record(&slot, Sample::Overloaded);
+        assert_eq!(limit.limit(), before / 2);
+        for _ in 0..10 {
+            limit.record(&slot, Sample::Overloaded);
+        }
+        assert_eq!(limit.limit(), 1);
+    }
+
+    #[tokio::test]
+    async fn waiting_calls_get_a_slot_when_one_frees() {
+        let limit = std::sync::Arc::new(AdaptiveLimit::new(1));
+        let first = limit.acquire().await;
+        let l2 = limit.clone();
+        let waiter = tokio::spawn(async move {
+            let s = l2.acquire().await;
+            s.in_flight_at_send
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        drop(first);
+        assert_eq!(waiter.await.unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn the_attempt_timeout_fits_the_call_and_the_queue() {
+        let limit = AdaptiveLimit::new(4);
+        let floor = Duration::from_secs(10);
+        assert_eq!(limit.attempt_timeout(LlmRole::Reflector, 2000, 1024, 1, floor), floor, "no baseline yet");
+        let slot = limit.acquire().await;
+        // 1 s for 108 units (100 of prompt, 8 of overhead): a 1024-token answer to the same
+        // prompt is 1132 units, about 10.5 s.
+        limit.record(
+            &slot,
+            Sample::Answered {
+                role: LlmRole::Reflector,
+                latency: Duration::from_millis(1000),
+                prompt_tokens: 1600,
+                completion_tokens: 0,
+            },
+        );
+        drop(slot);
+        let one = limit.attempt_timeout(LlmRole::Reflector, 1600, 1024, 1, floor);
+        assert!((one.as_secs_f64() - 4.0 * 1132.0 / 108.0).abs() < 0.1, "{one:?}");
+        let queued = limit.attempt_timeout(LlmRole::Reflector, 1600, 1024, 3, floor);
+        assert!((queued.as_secs_f64() - 3.0 * one.as_secs_f64()).abs() < 0.5, "{queued:?}");
+        // The aggregator has no baseline of its own yet.
+        assert_eq!(limit.attempt_timeout(LlmRole::Aggregator, 1600, 1024, 1, floor), floor);
+    }
+}
