@@ -152,7 +152,9 @@ impl Fit {
         if fixed + prompt + data <= budget {
             return Fit::ALL;
         }
-        let avail = budget.saturating_sub(fixed);
+        // Headings, fences and bullet labels the parts' own lengths do not count.
+        let slack = 256 + budget / 100;
+        let avail = budget.saturating_sub(fixed + slack);
         let half = avail / 2;
         let (p, d) = if prompt <= half {
             (prompt, avail - prompt)
@@ -181,19 +183,27 @@ pub fn within(current: &VersionContent, chars: Option<usize>) -> VersionContent 
         .collect();
     ranked.sort_by(|a, b| b.1.cmp(&a.1));
     let mut room = chars.saturating_sub(base.chars().count() + 16);
-    let mut keep = HashSet::new();
+    let mut kept = Vec::new();
     for (id, _, len) in ranked {
         if len > room {
             continue;
         }
         room -= len;
-        keep.insert(id.to_owned());
+        kept.push(id.to_owned());
     }
-    let mut shown = playbook.clone();
-    for section in &mut shown.sections {
-        section.bullets.retain(|b| keep.contains(&b.id));
+    // The estimate above leaves out headings: drop the least helpful until the text fits.
+    loop {
+        let keep: HashSet<&str> = kept.iter().map(String::as_str).collect();
+        let mut shown = playbook.clone();
+        for section in &mut shown.sections {
+            section.bullets.retain(|b| keep.contains(b.id.as_str()));
+        }
+        let out = VersionContent { base: base.clone(), playbook: Some(shown) };
+        if kept.is_empty() || out.render().chars().count() <= chars {
+            return out;
+        }
+        kept.pop();
     }
-    VersionContent { base, playbook: Some(shown) }
 }
 
 /// `text` cut to `max` characters by leaving out its middle, with a marker
@@ -885,6 +895,123 @@ pub(crate) mod tests {
             key_insight: insight.into(),
             bullet_tags: vec![],
         }
+    }
+
+    fn big_playbook(n: usize) -> VersionContent {
+        let bullets = (0..n)
+            .map(|i| Bullet {
+                id: format!("b-{i:04}"),
+                content: format!("lesson number {i} with some words to take room"),
+                helpful: (i % 7) as u32,
+                harmful: 0,
+            })
+            .collect();
+        VersionContent {
+            base: "You answer {question} for {user}.".into(),
+            playbook: Some(Playbook { sections: vec![Section { name: "s".into(), bullets }], next_id: n as u64 + 1 }),
+        }
+    }
+
+    #[test]
+    fn within_a_budget_the_prompt_keeps_its_base_and_its_best_bullets() {
+        let current = big_playbook(200);
+        assert_eq!(within(&current, None), current);
+        let shown = within(&current, Some(2_000));
+        assert!(shown.render().chars().count() <= 2_000, "{}", shown.render().len());
+        assert_eq!(shown.base, current.base);
+        let kept: Vec<&Bullet> = shown.playbook.as_ref().unwrap().bullets().map(|(_, b)| b).collect();
+        assert!(!kept.is_empty());
+        // Only the most helpful made it (6 is the highest count), in their original order.
+        assert!(kept.iter().all(|b| b.helpful >= 5), "{kept:?}");
+        assert!(kept.windows(2).all(|w| w[0].id < w[1].id));
+    }
+
+    #[test]
+    fn cutting_the_middle_says_how_much_was_left_out() {
+        let text = format!("{}{}", "a".repeat(600), "z".repeat(600));
+        let cut = cut_middle(&text, 300);
+        assert!(cut.chars().count() <= 300);
+        assert!(cut.starts_with("aaa") && cut.ends_with("zzz"));
+        assert!(cut.contains("[… 900 characters left out …]"), "{cut}");
+        assert_eq!(cut_middle("short", 300), "short");
+    }
+
+    #[test]
+    fn a_call_within_a_budget_fits_it_and_keeps_its_fences() {
+        let current = big_playbook(400);
+        let long = json!([{"role": "assistant", "content": "x".repeat(30_000)}]);
+        let t = trace(long, false);
+        let full = reflect_messages(&t, &current, Strategy::Playbook);
+        assert!(chars_of(&full) > 40_000);
+        let fitted = reflect_messages_within(&t, &current, Strategy::Playbook, Some(18_000));
+        assert!(chars_of(&fitted) <= 18_000, "{}", chars_of(&fitted));
+        let user = &fitted[1].content;
+        assert!(user.contains("<untrusted-trace-data>") && user.contains("</untrusted-trace-data>"));
+        assert!(user.contains("characters left out"));
+        assert!(user.contains("--- feedback ---") || user.contains("characters left out"));
+        let reflections: Vec<Reflection> = (0..24).map(|i| reflection(&"insight ".repeat(50 + i))).collect();
+        let fitted = aggregate_messages_within(Task::AggregatePlaybook, &current, &reflections, Some(18_000));
+        assert!(chars_of(&fitted) <= 18_000, "{}", chars_of(&fitted));
+        // Every reflection is still there, each cut to its share.
+        assert!(fitted[1].content.contains("[reflection 24]"));
+        assert_eq!(
+            aggregate_messages_within(Task::AggregatePlaybook, &current, &reflections, None),
+            aggregate_playbook_messages(&current, &reflections)
+        );
+    }
+
+    /// A backend with an 8 k window that refuses what does not fit, as llama.cpp's server does.
+    struct SmallWindow {
+        window: std::sync::Mutex<Option<u32>>,
+        sent: std::sync::Mutex<Vec<usize>>,
+    }
+
+    #[async_trait::async_trait]
+    impl LlmBackend for SmallWindow {
+        async fn chat(&self, req: crate::llm::ChatRequest) -> Result<crate::llm::ChatResponse, LlmError> {
+            let chars = req.chars();
+            self.sent.lock().unwrap().push(chars);
+            assert!(req.schema.is_some(), "every call asks for its schema");
+            if chars / 4 > 8192 {
+                *self.window.lock().unwrap() = Some(8192);
+                return Err(LlmError::ContextExceeded {
+                    window: Some(8192),
+                    message: "exceed context window of 8192".into(),
+                });
+            }
+            Ok(crate::llm::ChatResponse {
+                content:
+                    r#"{"error": "", "root_cause": "", "correct_approach": "", "key_insight": "k", "bullet_tags": []}"#
+                        .into(),
+                model: "m".into(),
+                usage: Default::default(),
+                cost_usd: 0.0,
+                latency_ms: 1,
+                retries: 0,
+                output_format: Some(crate::llm::OutputFormat::JsonObjectSchema),
+                concurrency_limit: Some(1),
+            })
+        }
+        fn context_window(&self) -> Option<u32> {
+            *self.window.lock().unwrap()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_refused_for_its_length_is_built_again_to_fit() {
+        let backend = SmallWindow { window: Default::default(), sent: Default::default() };
+        let current = big_playbook(1_500);
+        let t = trace(json!("a short run"), false);
+        let cfg = LlmConfig::default();
+        let mut calls = vec![];
+        let r = reflect_noted(&backend, &cfg, &t, &current, Strategy::Playbook, &mut calls).await.unwrap();
+        assert_eq!(r.value.key_insight, "k");
+        let sent = backend.sent.lock().unwrap().clone();
+        assert_eq!(sent.len(), 2, "{sent:?}");
+        assert!(sent[1] < sent[0] && sent[1] <= (8192 - 1024 - 64) * 3, "{sent:?}");
+        assert_eq!(calls.len(), 2);
+        assert!(calls[0].error.as_deref().unwrap().contains("context window"));
+        assert_eq!(calls[1].read, Some(crate::llm::AnswerRead::Schema));
     }
 
     #[test]
