@@ -184,7 +184,8 @@ impl AdaptiveLimit {
     /// The time limit of one attempt of `role` with about `prompt_tokens` in and
     /// at most `max_tokens` out: `TIMEOUT_HEADROOM` times what the backend's
     /// baseline says it takes, times the calls in flight ahead of it (a backend
-    /// that queues serves them first), and never less than `floor`.
+    /// that queues serves them first), and never less than `floor` (before any
+    /// baseline: `floor` per call in flight).
     pub fn attempt_timeout(
         &self,
         role: LlmRole,
@@ -193,7 +194,10 @@ impl AdaptiveLimit {
         in_flight: usize,
         floor: Duration,
     ) -> Duration {
-        let Some(baseline) = self.state.lock().ok().and_then(|s| s.baseline[slot_index(role)]) else { return floor };
+        let Some(baseline) = self.state.lock().ok().and_then(|s| s.baseline[slot_index(role)]) else {
+            // Nothing measured yet: the floor for each call that may be served before this one.
+            return floor * u32::try_from(in_flight.max(1)).unwrap_or(u32::MAX);
+        };
         let expected_ms = baseline * work_units(prompt_tokens, max_tokens) * in_flight.max(1) as f64;
         let fitted = Duration::try_from_secs_f64(expected_ms * TIMEOUT_HEADROOM / 1000.0).unwrap_or(floor);
         fitted.max(floor)
@@ -302,6 +306,7 @@ mod tests {
         let limit = AdaptiveLimit::new(4);
         let floor = Duration::from_secs(10);
         assert_eq!(limit.attempt_timeout(LlmRole::Reflector, 2000, 1024, 1, floor), floor, "no baseline yet");
+        assert_eq!(limit.attempt_timeout(LlmRole::Reflector, 2000, 1024, 2, floor), floor * 2, "one call ahead");
         let slot = limit.acquire().await;
         // 1 s for 108 units (100 of prompt, 8 of overhead): a 1024-token answer to the same
         // prompt is 1132 units, about 10.5 s.
