@@ -181,7 +181,7 @@ pub fn within(current: &VersionContent, chars: Option<usize>) -> VersionContent 
         .bullets()
         .map(|(_, b)| (b.id.as_str(), i64::from(b.helpful) - i64::from(b.harmful), b.content.chars().count() + 32))
         .collect();
-    ranked.sort_by(|a, b| b.1.cmp(&a.1));
+    ranked.sort_by_key(|b| std::cmp::Reverse(b.1));
     let mut room = chars.saturating_sub(base.chars().count() + 16);
     let mut kept = Vec::new();
     for (id, _, len) in ranked {
