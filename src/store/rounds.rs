@@ -26,7 +26,7 @@ use crate::{
         prompt::NewVersion,
         round::{self, Method, Round, RoundTrigger},
     },
-    llm::LlmCall,
+    llm::{AnswerRead, LlmCall, OutputFormat, REFUSED_ANSWER_CHARS},
 };
 
 /// A request to open a round over a prompt's oldest pending traces.
@@ -173,6 +173,11 @@ pub trait RoundStore: Send + Sync {
     ) -> StoreResult<Vec<Round>>;
     /// The trace ids a round reserved, in batch order.
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
+}
+
+/// `text` cut to at most `max` characters.
+fn bounded(text: &str, max: usize) -> &str {
+    text.char_indices().nth(max).map_or(text, |(i, _)| &text[..i])
 }
 
 #[async_trait]
@@ -355,8 +360,8 @@ impl<D: Backend> RoundStore for SqlStore<D> {
     async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
         sql::<D>(
             "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms,
-                                    retries, error, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                                    retries, error, created_at, read_as, refused_answer, output_format, concurrency_limit)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
         )
         .bind(round)
         .bind(attempt)
@@ -369,6 +374,11 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         .bind(call.retries as i32)
         .bind(call.error.as_deref())
         .bind(now())
+        .bind(call.read.map(AnswerRead::as_str))
+        // Untrusted model output: bounded here too, whatever the caller cut.
+        .bind(call.refused_answer.as_deref().map(|a| bounded(a, REFUSED_ANSWER_CHARS)))
+        .bind(call.output_format.map(OutputFormat::as_str))
+        .bind(call.concurrency_limit.map(|n| i64::from(n.min(i32::MAX as u32)) as i32))
         .execute(&mut *self.writer.acquire().await?)
         .await?;
         Ok(())
@@ -376,7 +386,8 @@ impl<D: Backend> RoundStore for SqlStore<D> {
 
     async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
         sql::<D>(
-            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
+            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at,
+                    read_as, refused_answer, output_format, concurrency_limit
              FROM llm_calls WHERE round_id = $1 ORDER BY id",
         )
         .bind(round)
@@ -393,10 +404,11 @@ impl<D: Backend> RoundStore for SqlStore<D> {
                     latency_ms: r.get::<i64>("latency_ms")? as u64,
                     retries: r.get::<i32>("retries")? as u32,
                     error: r.get("error")?,
-                    read: None,
-                    refused_answer: None,
-                    output_format: None,
-                    concurrency_limit: None,
+                    // A value a newer binary wrote and this one does not know reads as absent.
+                    read: r.get::<Option<String>>("read_as")?.as_deref().and_then(AnswerRead::parse),
+                    refused_answer: r.get("refused_answer")?,
+                    output_format: r.get::<Option<String>>("output_format")?.as_deref().and_then(OutputFormat::parse),
+                    concurrency_limit: r.get::<Option<i32>>("concurrency_limit")?.map(|n| n.max(0) as u32),
                 },
                 created_at: r.get("created_at")?,
             })

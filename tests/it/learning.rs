@@ -1164,5 +1164,71 @@ mod stored_detail {
         assert!(page.contains("from group one"), "group 1's output: {page}");
     }
 
-    on_both_stores!(a_round_recorded_by_an_earlier_version_still_shows);
+    /// A refused answer's text, as the LLM client records it, reaches the round's
+    /// API answer as it is and the round page escaped, beside why it was refused.
+    async fn a_refused_answer_shows_its_text_in_the_api_and_the_page(b: Backend) {
+        use combee::llm::{AnswerRead, LlmCall, LlmRole, OutputFormat};
+        let app = crate::common::spawn_app(b).await;
+        create(&app, "refused", "playbook", json!({})).await;
+        send_traces(&app, "refused", 1).await;
+        let round = trigger(&app, "refused", json!({})).await;
+        let id: uuid::Uuid = round["id"].as_str().unwrap().parse().unwrap();
+        let claimed = app.store.claim_round("refusal-test", Duration::from_secs(60)).await.unwrap().expect("claimable");
+        let answer = "Sure! <script>alert(1)</script> {\"bullets\": [";
+        let call = |read, refused_answer: Option<&str>, error: Option<&str>| LlmCall {
+            role: LlmRole::Reflector,
+            model: "smollm2-135m".into(),
+            prompt_tokens: 900,
+            completion_tokens: 40,
+            cost_usd: 0.0,
+            latency_ms: 61_000,
+            retries: 0,
+            error: error.map(str::to_owned),
+            read: Some(read),
+            refused_answer: refused_answer.map(str::to_owned),
+            output_format: Some(OutputFormat::JsonObjectSchema),
+            concurrency_limit: Some(1),
+        };
+        let why = "the reflector's answer did not parse: expected a JSON object";
+        for c in [call(AnswerRead::Refused, Some(answer), Some(why)), call(AnswerRead::Repaired, None, None)] {
+            app.store.record_llm_call(id, claimed.round.attempt, &c).await.unwrap();
+        }
+
+        let got: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        let calls = got["llm_calls"].as_array().unwrap();
+        assert_eq!(
+            (&calls[0]["read"], &calls[0]["refused_answer"], &calls[0]["error"]),
+            (&json!("refused"), &json!(answer), &json!(why)),
+            "{got}"
+        );
+        assert_eq!(
+            (&calls[0]["output_format"], &calls[0]["concurrency_limit"]),
+            (&json!("json_object_schema"), &json!(1))
+        );
+        assert_eq!((&calls[1]["read"], calls[1].get("refused_answer")), (&json!("repaired"), None));
+
+        let signed_in = crate::ui_browser::sign_in(&app, &app.key_with(&["prompts:read"]).await).await;
+        let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
+        let res = crate::ui_browser::plain_client()
+            .get(app.url(&format!("/ui/rounds/{id}")))
+            .header("cookie", format!("combee_session={session}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        let page = res.text().await.unwrap();
+        assert!(!page.contains("<script>alert(1)</script>"), "the model's text is escaped: {page}");
+        assert!(page.contains("Sure! &lt;script&gt;alert(1)&lt;/script&gt;"), "the refused text: {page}");
+        assert!(page.contains("The model&#39;s answer (untrusted") || page.contains("The model's answer (untrusted"));
+        assert!(page.contains("expected a JSON object"), "why it was refused: {page}");
+        assert!(page.contains(r#"id="answer-reads""#), "{page}");
+        assert!(page.contains(r#"<strong id="answers-refused">1</strong>"#), "{page}");
+        assert!(page.contains(r#"<strong id="answers-repaired">1</strong>"#), "{page}");
+        assert!(page.contains("json_object_schema"), "{page}");
+    }
+
+    on_both_stores!(
+        a_round_recorded_by_an_earlier_version_still_shows,
+        a_refused_answer_shows_its_text_in_the_api_and_the_page
+    );
 }

@@ -320,6 +320,10 @@ async fn consume(s: &DynStore, prompt: &str) -> uuid::Uuid {
         latency_ms: 3,
         retries: 1,
         error: None,
+        read: None,
+        refused_answer: None,
+        output_format: None,
+        concurrency_limit: None,
     };
     s.record_llm_call(c.round.id, c.round.attempt, &call).await.unwrap();
     let mut v = manual("learned");

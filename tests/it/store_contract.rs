@@ -1177,6 +1177,10 @@ fn llm_call(model: &str) -> combee::llm::LlmCall {
         latency_ms: 7,
         retries: 0,
         error: None,
+        read: None,
+        refused_answer: None,
+        output_format: None,
+        concurrency_limit: None,
     }
 }
 
@@ -1471,6 +1475,40 @@ async fn failed_rounds_retry_later_or_give_their_traces_back(b: Backend) {
     assert_eq!((backlog.pending, backlog.active_round), (2, false));
 }
 
+/// A call's answer is kept as read: how, in which output format, under which
+/// concurrency limit, and a refused answer's text, bounded however long it was.
+async fn llm_calls_keep_how_their_answer_was_read(b: Backend) {
+    use combee::llm::{AnswerRead, OutputFormat, REFUSED_ANSWER_CHARS};
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    s.insert_traces(&[trace("p", None)]).await.unwrap();
+    let c = open_and_claim(&s, "p").await;
+    let long: String = "<script>é</script>".chars().cycle().take(REFUSED_ANSWER_CHARS + 500).collect();
+    let refused = combee::llm::LlmCall {
+        read: Some(AnswerRead::Refused),
+        refused_answer: Some(long.clone()),
+        output_format: Some(OutputFormat::JsonObjectSchema),
+        concurrency_limit: Some(1),
+        error: Some("the reflector's answer is not JSON".into()),
+        ..llm_call("small")
+    };
+    let read = combee::llm::LlmCall {
+        read: Some(AnswerRead::Repaired),
+        output_format: Some(OutputFormat::Plain),
+        concurrency_limit: Some(64),
+        ..llm_call("small")
+    };
+    for call in [&refused, &read, &llm_call("older")] {
+        s.record_llm_call(c.round.id, c.round.attempt, call).await.unwrap();
+    }
+    let calls: Vec<_> = s.round_calls(c.round.id).await.unwrap().into_iter().map(|c| c.call).collect();
+    let kept: String = long.chars().take(REFUSED_ANSWER_CHARS).collect();
+    assert_eq!(calls[0], combee::llm::LlmCall { refused_answer: Some(kept), ..refused });
+    assert_eq!(calls[1], read);
+    assert_eq!(calls[2], llm_call("older"), "a call that says nothing of its answer reads back as such");
+}
+
 /// The overload meter sums each round's counts once per bucket, per prompt.
 async fn meter_counts_sum_rounds_once_per_prompt(b: Backend) {
     let ts = test_store(b).await;
@@ -1663,6 +1701,11 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
         ]
         .map(String::from),
     );
+    // 0035 too.
+    undo.extend(
+        ["read_as", "refused_answer", "output_format", "concurrency_limit"]
+            .map(|c| format!("ALTER TABLE llm_calls DROP COLUMN {c}")),
+    );
     undo.extend(old_bookkeeping(b, None));
     run_raw(b, &ts.url, &undo).await;
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");
@@ -1694,6 +1737,7 @@ on_both_stores!(
     a_live_lease_makes_a_round_claimable_exactly_once,
     concurrent_claimers_take_each_round_once,
     a_lost_lease_fences_the_old_attempt,
+    llm_calls_keep_how_their_answer_was_read,
     failed_rounds_retry_later_or_give_their_traces_back,
     rounds_charge_traces_only_for_their_own_failures,
     migration_0007_keeps_existing_prompts_on_agent_reflections,
