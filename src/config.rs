@@ -61,6 +61,14 @@ pub struct WorkerSettings {
     pub max_trace_attempts: i32,
     /// Delay before a round that failed retryably is tried again (seconds).
     pub retry_delay_secs: u64,
+    /// After a prompt's round fails, no round is scheduled for it for this long
+    /// (seconds), doubling with each further failure in a row; a success or an
+    /// operator's trigger or clear resets it.
+    #[serde(default = "default_failure_backoff_secs")]
+    pub failure_backoff_secs: u64,
+    /// The longest that backoff grows (seconds).
+    #[serde(default = "default_failure_backoff_max_secs")]
+    pub failure_backoff_max_secs: u64,
     /// Learned content adding a line that contains one of these (case-insensitive)
     /// is not published; the round fails and says which entry matched.
     #[serde(default)]
@@ -68,6 +76,24 @@ pub struct WorkerSettings {
     /// The same with regular expressions (Rust `regex` syntax, case-insensitive).
     #[serde(default)]
     pub denylist_patterns: Vec<String>,
+}
+
+fn default_failure_backoff_secs() -> u64 {
+    60
+}
+
+fn default_failure_backoff_max_secs() -> u64 {
+    3600
+}
+
+impl WorkerSettings {
+    /// The failing prompts' backoff policy.
+    pub fn failure_backoff(&self) -> crate::domain::backoff::FailureBackoff {
+        crate::domain::backoff::FailureBackoff {
+            base_secs: self.failure_backoff_secs,
+            max_secs: self.failure_backoff_max_secs,
+        }
+    }
 }
 
 /// The regression guard: rolls production back when its reward falls
@@ -376,6 +402,8 @@ impl Default for Settings {
                 max_round_attempts: 3,
                 max_trace_attempts: 3,
                 retry_delay_secs: 5,
+                failure_backoff_secs: default_failure_backoff_secs(),
+                failure_backoff_max_secs: default_failure_backoff_max_secs(),
                 denylist_substrings: Vec::new(),
                 denylist_patterns: Vec::new(),
             },
@@ -465,6 +493,11 @@ impl Settings {
         }
         if w.max_round_attempts < 1 || w.max_trace_attempts < 1 {
             return Err(ConfigError("worker.max_round_attempts and max_trace_attempts must be at least 1".into()));
+        }
+        if w.failure_backoff_max_secs < w.failure_backoff_secs {
+            return Err(ConfigError(
+                "worker.failure_backoff_max_secs must be at least worker.failure_backoff_secs".into(),
+            ));
         }
         crate::learn::denylist::ContentDenylist::new(&w.denylist_substrings, &w.denylist_patterns)
             .map_err(|e| ConfigError(e.to_string()))?;

@@ -72,6 +72,12 @@ pub enum RoundTrigger {
 }
 
 impl RoundTrigger {
+    /// An operator asked for the round (by API key or inbound webhook): it
+    /// ends a failing prompt's backoff (see [`crate::domain::backoff`]).
+    pub fn is_operator(self) -> bool {
+        matches!(self, Self::Api | Self::Webhook)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Backlog => "backlog",

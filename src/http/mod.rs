@@ -60,6 +60,8 @@ pub fn routes() -> RouteTable {
         .route("/v1/prompts/{name}/rollback", post(labels::rollback))
         .route("/v1/prompts/{name}/rounds", post(rounds::trigger_round).get(rounds::list_rounds))
         .route("/v1/rounds/{id}", get(rounds::get_round))
+        .route("/v1/prompts/{name}/learning", get(rounds::get_learning))
+        .route("/v1/prompts/{name}/backoff", axum::routing::delete(rounds::clear_backoff))
         .route("/v1/prompts/{name}/controller", get(controller::get_controller))
         .route("/v1/prompts/{name}/metrics", get(outcomes::prompt_metrics))
         .route("/v1/hooks/rounds/{name}", post(rounds::webhook_round))

@@ -386,6 +386,7 @@ impl utoipa::Modify for BearerAuth {
         super::traces::quarantine_trace, super::traces::release_trace, super::traces::delete_trace, super::traces::quarantine_traces,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
         super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
+        super::rounds::get_learning, super::rounds::clear_backoff,
         super::controller::get_controller, super::outcomes::prompt_metrics,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,

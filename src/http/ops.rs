@@ -1,5 +1,6 @@
 //! Operational routes: liveness, readiness (the store answers) and Prometheus
-//! metrics. The OpenAPI document has its own file.
+//! metrics (with gauges read from the store at scrape time: outcomes, and the
+//! prompts backing off after failed rounds). The OpenAPI document has its own file.
 
 use axum::{
     Json,
@@ -31,7 +32,49 @@ pub async fn metrics(State(st): State<AppState>) -> Response {
         text.push('\n');
     }
     text.push_str(&super::outcomes::outcome_gauges(&st).await);
+    text.push_str(&backoff_gauges(&st).await);
     let mut res = text.into_response();
     res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     res
+}
+
+/// At most this many prompts in a failure streak get series, so a scrape stays cheap.
+const BACKOFF_MAX_PROMPTS: u32 = 1000;
+
+/// Prometheus text for the prompts in a failure streak: how many back off now
+/// (`combee_prompts_backing_off`), and per prompt the seconds left before the
+/// scheduler may open its next round (`combee_prompt_backoff_seconds`, 0 once
+/// the wait is over) and the failed rounds in a row (`combee_prompt_failure_streak`).
+/// A prompt whose streak ends (a success, an operator's reset) drops out.
+async fn backoff_gauges(st: &AppState) -> String {
+    use std::fmt::Write;
+    let read = service::rounds::failing_prompts(st, BACKOFF_MAX_PROMPTS);
+    let prompts = match tokio::time::timeout(std::time::Duration::from_secs(2), read).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "backoff gauges left out of this scrape");
+            return String::new();
+        }
+        Err(_) => {
+            tracing::warn!("backoff gauges took too long; left out of this scrape");
+            return String::new();
+        }
+    };
+    let now = chrono::Utc::now();
+    let (mut seconds, mut streak, mut backing_off) = (String::new(), String::new(), 0);
+    for (name, state) in &prompts {
+        let series = format!("{{prompt=\"{}\"}}", super::outcomes::escape(name.as_str()));
+        let left = state.backoff_until.map_or(0.0, |t| (t - now).num_milliseconds().max(0) as f64 / 1000.0);
+        backing_off += usize::from(state.state == crate::domain::backoff::LearningStatus::BackingOff);
+        let _ = writeln!(seconds, "combee_prompt_backoff_seconds{series} {left}");
+        let _ = writeln!(streak, "combee_prompt_failure_streak{series} {}", state.failure_streak);
+    }
+    format!(
+        "# HELP combee_prompts_backing_off Prompts whose next round waits out a backoff after failed rounds.\n\
+         # TYPE combee_prompts_backing_off gauge\ncombee_prompts_backing_off {backing_off}\n\
+         # HELP combee_prompt_backoff_seconds Seconds before the scheduler may open the prompt's next round.\n\
+         # TYPE combee_prompt_backoff_seconds gauge\n{seconds}\
+         # HELP combee_prompt_failure_streak Rounds of the prompt that failed in a row.\n\
+         # TYPE combee_prompt_failure_streak gauge\n{streak}"
+    )
 }

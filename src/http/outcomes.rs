@@ -210,7 +210,7 @@ async fn render_gauges(st: &AppState) -> ServiceResult<String> {
 }
 
 /// Prometheus label-value escaping.
-fn escape(s: &str) -> String {
+pub(super) fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 

@@ -1,6 +1,7 @@
 //! Round routes: trigger a round by API key or by a Standard Webhooks–signed
-//! inbound webhook, and inspect rounds (phases, reflections, every LLM call,
-//! group outputs, operations, the resulting version or the error).
+//! inbound webhook, inspect rounds (phases, reflections, every LLM call,
+//! group outputs, operations, the resulting version or the error), and a
+//! prompt's learning state: the backoff after failed rounds and its clear.
 
 use axum::{
     Json,
@@ -18,7 +19,10 @@ use super::{
     extract::{ApiPath, ApiQuery, Authorized, body_bytes, optional_json, optional_json_bytes, scope},
 };
 use crate::{
-    domain::round::{Round, RoundTrigger},
+    domain::{
+        backoff::LearningState,
+        round::{Round, RoundTrigger},
+    },
     service::{
         pagination::{PageParams, next_token},
         prompts::{existing_prompt, parse_name},
@@ -149,4 +153,32 @@ pub async fn list_rounds(
     let rounds = rounds::list_rounds(&st, &name, before, size).await?;
     let next_page_token = next_token(&rounds, size, |r| r.id.simple().to_string());
     Ok(Json(RoundPage { rounds, next_page_token }))
+}
+
+#[utoipa::path(get, path = "/v1/prompts/{name}/learning", tag = "rounds", params(("name" = String, Path)),
+    responses((status = 200, body = LearningState), (status = 404, body = super::error::Problem)),
+    security(("bearer" = ["prompts:read"])))]
+/// The prompt's learning state: `backing_off` while failed rounds in a row hold
+/// its next round back (`worker.failure_backoff_secs`, doubling per failure), else `ok`.
+pub async fn get_learning(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::PromptsRead>,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<LearningState>> {
+    Ok(Json(rounds::learning_state(&st, &parse_name(&name)?).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/prompts/{name}/backoff", tag = "rounds", params(("name" = String, Path)),
+    responses((status = 200, description = "the state after the reset", body = LearningState), (status = 404, body = super::error::Problem)),
+    security(("bearer" = ["rounds:trigger"])))]
+/// Ends the prompt's failure streak and its backoff: the scheduler opens a
+/// round as soon as the backlog asks for one. (A manual trigger does the same.)
+pub async fn clear_backoff(
+    State(st): State<AppState>,
+    caller: Authorized<scope::RoundsTrigger>,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<Json<LearningState>> {
+    let name = parse_name(&name)?;
+    tracing::info!(prompt = %name, by = %caller.actor(), "clearing the failure backoff");
+    Ok(Json(rounds::clear_backoff(&st, &name).await?))
 }

@@ -415,6 +415,35 @@ mod tests {
     }
 
     #[test]
+    fn minute_long_rounds_are_learned_as_rounds_of_seconds() {
+        // A one-slot server: R grows about linearly, 1 to 10 minutes per round.
+        let minutes = rounds(&[5, 8, 16, 32, 40], 15.0, 0.95);
+        assert!(minutes.iter().all(|s| (60.0..=600.0).contains(&s.round_secs)), "{minutes:?}");
+        let seconds: Vec<Sample> =
+            minutes.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs / 60.0 }).collect();
+        let fit_min = fit_round_time(&profile(&minutes, 5)).unwrap();
+        let fit_sec = fit_round_time(&profile(&seconds, 5)).unwrap();
+        // Only A carries the unit: the exponent and the fit's quality do not.
+        assert!(close(fit_min.alpha, -0.95, 1e-9) && close(fit_min.alpha, fit_sec.alpha, 1e-9), "{fit_min:?}");
+        assert!(close(fit_min.a, 60.0 * fit_sec.a, 1e-9) && close(fit_min.r2, fit_sec.r2, 1e-9));
+        // The same bound in the same units gives the same batch.
+        for limit in [300.0, 600.0, 1800.0] {
+            let slow = ControllerConfig { max_round_secs: limit, max_batch: 10_000, ..ControllerConfig::default() };
+            let fast = ControllerConfig { max_round_secs: limit / 60.0, ..slow.clone() };
+            let (c_min, c_sec) = (choose(&minutes, 5000, &holds(), &slow), choose(&seconds, 5000, &holds(), &fast));
+            assert_eq!(c_min.cap, c_sec.cap, "max_round_secs = {limit}");
+            assert!(matches!(c_min.reason, Reason::RoundTime { .. }), "{}", c_min.reason);
+            // 15·bs^0.95 = limit.
+            let expected = (limit / 15.0_f64).powf(1.0 / 0.95).floor() as u32;
+            assert!(c_min.cap.abs_diff(expected) <= 1, "{} vs {expected}", c_min.cap);
+            assert!(c_min.predicted_round_secs.unwrap() <= limit * (1.0 + 1e-9));
+        }
+        // One ten-minute round alone, over a five-minute bound: proportionally smaller.
+        let one = [Sample { batch_size: 40, round_secs: 600.0 }];
+        assert_eq!(choose(&one, 5000, &holds(), &ControllerConfig::default()).cap, 20);
+    }
+
+    #[test]
     fn profile_keeps_the_recent_window_per_size_by_median() {
         let s = |bs, r| Sample { batch_size: bs, round_secs: r };
         let samples = [s(4, 100.0), s(4, 1.0), s(4, 2.0), s(4, 3.0), s(8, 5.0), s(8, -1.0), s(0, 1.0)];

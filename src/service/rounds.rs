@@ -1,7 +1,8 @@
 //! Round operations both front ends call: open a round (by API key or by
 //! inbound webhook) with the controller's default batch and a fresh seed,
-//! list a prompt's rounds, and one round as it is shown, with its traces,
-//! reflections, calls and usage.
+//! list a prompt's rounds, one round as it is shown, with its traces,
+//! reflections, calls and usage, and a prompt's learning state (the backoff
+//! after failed rounds) with the operator's clear.
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -11,6 +12,7 @@ use super::{AppState, ServiceError, ServiceResult, controller::default_batch};
 use crate::{
     domain::{
         Method, PromptName, Reflection,
+        backoff::LearningState,
         round::{Round, RoundTrigger, random_seed},
     },
     store::{OpenRound, RoundCall, StoreError},
@@ -139,4 +141,26 @@ pub async fn round_view(st: &AppState, id: Uuid) -> ServiceResult<RoundView> {
         .map(|(trace_id, reflection, from_trace)| RoundReflection { trace_id, from_trace, reflection })
         .collect();
     Ok(RoundView { round, trace_ids, reflections, llm_calls, usage, compacted_at: summary.map(|s| s.compacted_at) })
+}
+
+/// The prompt's learning state: whether failed rounds hold its scheduling back.
+pub async fn learning_state(st: &AppState, name: &PromptName) -> ServiceResult<LearningState> {
+    let streak =
+        st.store.failure_streak(name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
+    Ok(streak.state(&st.settings.worker.failure_backoff(), chrono::Utc::now()))
+}
+
+/// Ends the prompt's failure streak and its backoff (an operator's reset): the
+/// scheduler opens a round as soon as the backlog asks for one.
+pub async fn clear_backoff(st: &AppState, name: &PromptName) -> ServiceResult<LearningState> {
+    if !st.store.clear_failure_streak(name).await? {
+        return Err(ServiceError::not_found(format_args!("prompt {name:?}")));
+    }
+    learning_state(st, name).await
+}
+
+/// Up to `limit` prompts in a failure streak, by name, with their state (for the metrics).
+pub async fn failing_prompts(st: &AppState, limit: u32) -> ServiceResult<Vec<(PromptName, LearningState)>> {
+    let (policy, now) = (st.settings.worker.failure_backoff(), chrono::Utc::now());
+    Ok(st.store.failing_prompts(limit).await?.into_iter().map(|(name, s)| (name, s.state(&policy, now))).collect())
 }

@@ -21,13 +21,17 @@ use super::{
 use crate::{
     domain::{
         LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings, Reflection, Trace, Version,
+        backoff::FailureStreak,
         event::OutboxEvent,
         label::{LabelMove, Selector},
         prompt::NewVersion,
         round::{self, Method, Round, RoundTrigger},
     },
-    llm::LlmCall,
+    llm::{AnswerRead, LlmCall, OutputFormat, REFUSED_ANSWER_CHARS},
 };
+
+/// Most characters of a failed round's error kept as a prompt's `last_failure`.
+pub const LAST_FAILURE_CHARS: usize = 2_000;
 
 /// A request to open a round over a prompt's oldest pending traces.
 #[derive(Debug, Clone)]
@@ -54,6 +58,9 @@ pub struct Backlog {
     pub oldest: Option<DateTime<Utc>>,
     /// A round is queued or running.
     pub active_round: bool,
+    /// The prompt's failing rounds (the scheduler waits out their backoff);
+    /// `last_failure` is not read here.
+    pub failures: FailureStreak,
 }
 
 /// A round a worker now holds the lease of, with everything needed to run it.
@@ -173,6 +180,38 @@ pub trait RoundStore: Send + Sync {
     ) -> StoreResult<Vec<Round>>;
     /// The trace ids a round reserved, in batch order.
     async fn round_trace_ids(&self, round: Uuid) -> StoreResult<Vec<Uuid>>;
+    /// The prompt's failing rounds; `None` when there is no such prompt.
+    async fn failure_streak(&self, prompt: &PromptName) -> StoreResult<Option<FailureStreak>>;
+    /// Ends the prompt's failure streak (an operator's reset); false when there is no such prompt.
+    async fn clear_failure_streak(&self, prompt: &PromptName) -> StoreResult<bool>;
+    /// Up to `limit` prompts in a failure streak, by name.
+    async fn failing_prompts(&self, limit: u32) -> StoreResult<Vec<(PromptName, FailureStreak)>>;
+}
+
+/// Resets a prompt's failure streak inside the caller's transaction.
+async fn reset_failures<D: Backend>(c: &mut D::Connection, prompt_id: Uuid) -> StoreResult<()> {
+    sql::<D>(
+        "UPDATE prompts SET failure_streak = 0, last_failed_at = NULL, last_failure = NULL
+         WHERE id = $1 AND failure_streak <> 0",
+    )
+    .bind(prompt_id)
+    .execute(c)
+    .await?;
+    Ok(())
+}
+
+fn failures_from_row<D: Backend>(row: &D::Row, with_reason: bool) -> StoreResult<FailureStreak> {
+    let r = Cols::<D>(row);
+    Ok(FailureStreak {
+        failures: r.get::<i32>("failure_streak")?.max(0) as u32,
+        last_failed_at: r.get("last_failed_at")?,
+        last_failure: if with_reason { r.get("last_failure")? } else { None },
+    })
+}
+
+/// `text` cut to at most `max` characters.
+fn bounded(text: &str, max: usize) -> &str {
+    text.char_indices().nth(max).map_or(text, |(i, _)| &text[..i])
 }
 
 #[async_trait]
@@ -210,6 +249,11 @@ impl<D: Backend> RoundStore for SqlStore<D> {
             .await?;
         if active.is_some() {
             return Err(StoreError::AlreadyExists);
+        }
+        // An operator's round ends a failing prompt's backoff (rolled back with
+        // the round when nothing is pending).
+        if req.trigger.is_operator() {
+            reset_failures::<D>(&mut tx, prompt_id).await?;
         }
         let text = format!(
             "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL
@@ -261,7 +305,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         let hint = if D::KIND == StoreKind::Sqlite { " INDEXED BY traces_backlog" } else { "" };
         let text = format!(
             "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
-                    coalesce(b.pending, 0) AS pending, b.oldest,
+                    p.failure_streak, p.last_failed_at, coalesce(b.pending, 0) AS pending, b.oldest,
                     EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
              FROM prompts p
              LEFT JOIN (SELECT t.prompt_id, count(*) AS pending, min(t.created_at) AS oldest FROM traces t{hint}
@@ -277,6 +321,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
                     pending: r.get("pending")?,
                     oldest: r.get("oldest")?,
                     active_round: r.get("active")?,
+                    failures: failures_from_row::<D>(row, false)?,
                 })
             })
             .await
@@ -355,8 +400,8 @@ impl<D: Backend> RoundStore for SqlStore<D> {
     async fn record_llm_call(&self, round: Uuid, attempt: i32, call: &LlmCall) -> StoreResult<()> {
         sql::<D>(
             "INSERT INTO llm_calls (round_id, attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms,
-                                    retries, error, created_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                                    retries, error, created_at, read_as, refused_answer, output_format, concurrency_limit)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
         )
         .bind(round)
         .bind(attempt)
@@ -369,6 +414,11 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         .bind(call.retries as i32)
         .bind(call.error.as_deref())
         .bind(now())
+        .bind(call.read.map(AnswerRead::as_str))
+        // Untrusted model output: bounded here too, whatever the caller cut.
+        .bind(call.refused_answer.as_deref().map(|a| bounded(a, REFUSED_ANSWER_CHARS)))
+        .bind(call.output_format.map(OutputFormat::as_str))
+        .bind(call.concurrency_limit.map(|n| i64::from(n.min(i32::MAX as u32)) as i32))
         .execute(&mut *self.writer.acquire().await?)
         .await?;
         Ok(())
@@ -376,7 +426,8 @@ impl<D: Backend> RoundStore for SqlStore<D> {
 
     async fn round_calls(&self, round: Uuid) -> StoreResult<Vec<RoundCall>> {
         sql::<D>(
-            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at
+            "SELECT attempt, role, model, prompt_tokens, completion_tokens, cost_usd, latency_ms, retries, error, created_at,
+                    read_as, refused_answer, output_format, concurrency_limit
              FROM llm_calls WHERE round_id = $1 ORDER BY id",
         )
         .bind(round)
@@ -393,10 +444,11 @@ impl<D: Backend> RoundStore for SqlStore<D> {
                     latency_ms: r.get::<i64>("latency_ms")? as u64,
                     retries: r.get::<i32>("retries")? as u32,
                     error: r.get("error")?,
-                    read: None,
-                    refused_answer: None,
-                    output_format: None,
-                    concurrency_limit: None,
+                    // A value a newer binary wrote and this one does not know reads as absent.
+                    read: r.get::<Option<String>>("read_as")?.as_deref().and_then(AnswerRead::parse),
+                    refused_answer: r.get("refused_answer")?,
+                    output_format: r.get::<Option<String>>("output_format")?.as_deref().and_then(OutputFormat::parse),
+                    concurrency_limit: r.get::<Option<i32>>("concurrency_limit")?.map(|n| n.max(0) as u32),
                 },
                 created_at: r.get("created_at")?,
             })
@@ -446,7 +498,11 @@ impl<D: Backend> RoundStore for SqlStore<D> {
             .await?;
         }
         let number: i64 =
-            sql::<D>("UPDATE prompts SET version_count = version_count + 1 WHERE id = $1 RETURNING version_count")
+            // A round that publishes ends the prompt's failure streak.
+            sql::<D>(
+                "UPDATE prompts SET version_count = version_count + 1, failure_streak = 0, last_failed_at = NULL,
+                        last_failure = NULL WHERE id = $1 RETURNING version_count",
+            )
                 .bind(prompt_id)
                 .value(&mut tx, "version_count")
                 .await?
@@ -491,7 +547,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
         let now = now();
         let mut tx = self.writer.begin().await?;
-        let (_, name) = fence::<D>(&mut tx, round, attempt).await?;
+        let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
         let mut queued = false;
         let requeued = match how {
             RoundFailure::Retry { after } => {
@@ -519,7 +575,22 @@ impl<D: Backend> RoundStore for SqlStore<D> {
                 .bind(round)
                 .execute(&mut tx)
                 .await?;
-                queued = record_event::<D>(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
+                // The round's end starts or extends the prompt's failure streak;
+                // subscribers hear of the streak's first failure only (the
+                // prompt's state says how it goes on).
+                let prior: Option<i32> = sql::<D>(
+                    "UPDATE prompts SET failure_streak = failure_streak + 1, last_failed_at = $1, last_failure = $2
+                     WHERE id = $3 RETURNING failure_streak - 1 AS prior",
+                )
+                .bind(now)
+                .bind(bounded(error, LAST_FAILURE_CHARS))
+                .bind(prompt_id)
+                .value(&mut tx, "prior")
+                .await?;
+                if prior.unwrap_or(0) == 0 {
+                    queued =
+                        record_event::<D>(&mut tx, &OutboxEvent::round_failed(&name, round, attempt, error)).await?;
+                }
                 false
             }
         };
@@ -579,5 +650,38 @@ impl<D: Backend> RoundStore for SqlStore<D> {
             .bind(round)
             .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("trace_id"))
             .await
+    }
+
+    async fn failure_streak(&self, prompt: &PromptName) -> StoreResult<Option<FailureStreak>> {
+        sql::<D>("SELECT failure_streak, last_failed_at, last_failure FROM prompts WHERE name = $1")
+            .bind(prompt.as_str())
+            .fetch_optional(&mut *self.reader.acquire().await?)
+            .await?
+            .as_ref()
+            .map(|row| failures_from_row::<D>(row, true))
+            .transpose()
+    }
+
+    async fn clear_failure_streak(&self, prompt: &PromptName) -> StoreResult<bool> {
+        let mut tx = self.writer.begin().await?;
+        let id: Option<Uuid> =
+            sql::<D>("SELECT id FROM prompts WHERE name = $1").bind(prompt.as_str()).value(&mut tx, "id").await?;
+        let Some(id) = id else { return Ok(false) };
+        reset_failures::<D>(&mut tx, id).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn failing_prompts(&self, limit: u32) -> StoreResult<Vec<(PromptName, FailureStreak)>> {
+        sql::<D>(
+            "SELECT name, failure_streak, last_failed_at, last_failure FROM prompts WHERE failure_streak > 0
+             ORDER BY name LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, |row| {
+            let name = PromptName::parse(&Cols::<D>(row).get::<String>("name")?).map_err(|_| corrupt("prompt name"))?;
+            Ok((name, failures_from_row::<D>(row, true)?))
+        })
+        .await
     }
 }

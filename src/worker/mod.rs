@@ -61,7 +61,8 @@ pub struct RoundStart {
 /// A round starts when the backlog reaches `target` (the fixed batch size, or
 /// the controller's start threshold), or when the oldest pending trace has
 /// waited `max_wait` and at least `min_batch` are pending; it takes up to
-/// `batch` traces (the fixed size, or the controller's bound).
+/// `batch` traces (the fixed size, or the controller's bound). None starts
+/// while the prompt backs off after failed rounds (`failure_backoff_secs`).
 pub fn decide(
     b: &Backlog,
     target: u32,
@@ -69,7 +70,7 @@ pub fn decide(
     s: &WorkerSettings,
     now: chrono::DateTime<chrono::Utc>,
 ) -> Option<RoundStart> {
-    if b.active_round || b.pending == 0 {
+    if b.active_round || b.pending == 0 || b.failures.backing_off(&s.failure_backoff(), now) {
         return None;
     }
     let target = target.max(1);
@@ -184,7 +185,12 @@ impl Worker {
     /// Opens rounds for prompts whose backlog is due.
     pub async fn schedule(&self) -> Result<(), StoreError> {
         let now = chrono::Utc::now();
+        let backoff = self.settings.failure_backoff();
         for backlog in self.store.backlogs().await? {
+            // Before the controller's reads: a prompt backing off costs nothing more.
+            if backlog.failures.backing_off(&backoff, now) {
+                continue;
+            }
             if backlog.active_round || backlog.pending == 0 {
                 continue;
             }
@@ -412,6 +418,7 @@ mod tests {
             pending,
             oldest: Some(Utc::now() - chrono::Duration::seconds(waited_secs)),
             active_round: false,
+            failures: Default::default(),
         }
     }
 
@@ -443,5 +450,20 @@ mod tests {
         b.active_round = true;
         assert_eq!(decide(&b, 32, 32, &settings(), Utc::now()), None);
         assert_eq!(decide(&backlog(0, 1000), 32, 32, &settings(), Utc::now()), None);
+    }
+
+    #[test]
+    fn nothing_starts_while_the_prompt_backs_off_after_failed_rounds() {
+        let now = Utc::now();
+        let mut b = backlog(100, 1000);
+        // Two failures in a row: 60 s, then 120 s after the last one.
+        b.failures = crate::domain::backoff::FailureStreak {
+            failures: 2,
+            last_failed_at: Some(now - chrono::Duration::seconds(100)),
+            last_failure: None,
+        };
+        assert_eq!(decide(&b, 32, 32, &settings(), now), None);
+        let d = decide(&b, 32, 32, &settings(), now + chrono::Duration::seconds(20)).unwrap();
+        assert_eq!(d.trigger, RoundTrigger::Backlog);
     }
 }

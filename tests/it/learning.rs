@@ -1164,5 +1164,290 @@ mod stored_detail {
         assert!(page.contains("from group one"), "group 1's output: {page}");
     }
 
-    on_both_stores!(a_round_recorded_by_an_earlier_version_still_shows);
+    /// A refused answer's text, as the LLM client records it, reaches the round's
+    /// API answer as it is and the round page escaped, beside why it was refused.
+    async fn a_refused_answer_shows_its_text_in_the_api_and_the_page(b: Backend) {
+        use combee::llm::{AnswerRead, LlmCall, LlmRole, OutputFormat};
+        let app = crate::common::spawn_app(b).await;
+        create(&app, "refused", "playbook", json!({})).await;
+        send_traces(&app, "refused", 1).await;
+        let round = trigger(&app, "refused", json!({})).await;
+        let id: uuid::Uuid = round["id"].as_str().unwrap().parse().unwrap();
+        let claimed = app.store.claim_round("refusal-test", Duration::from_secs(60)).await.unwrap().expect("claimable");
+        let answer = "Sure! <script>alert(1)</script> {\"bullets\": [";
+        let call = |read, refused_answer: Option<&str>, error: Option<&str>| LlmCall {
+            role: LlmRole::Reflector,
+            model: "smollm2-135m".into(),
+            prompt_tokens: 900,
+            completion_tokens: 40,
+            cost_usd: 0.0,
+            latency_ms: 61_000,
+            retries: 0,
+            error: error.map(str::to_owned),
+            read: Some(read),
+            refused_answer: refused_answer.map(str::to_owned),
+            output_format: Some(OutputFormat::JsonObjectSchema),
+            concurrency_limit: Some(1),
+        };
+        let why = "the reflector's answer did not parse: expected a JSON object";
+        for c in [call(AnswerRead::Refused, Some(answer), Some(why)), call(AnswerRead::Repaired, None, None)] {
+            app.store.record_llm_call(id, claimed.round.attempt, &c).await.unwrap();
+        }
+
+        let got: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        let calls = got["llm_calls"].as_array().unwrap();
+        assert_eq!(
+            (&calls[0]["read"], &calls[0]["refused_answer"], &calls[0]["error"]),
+            (&json!("refused"), &json!(answer), &json!(why)),
+            "{got}"
+        );
+        assert_eq!(
+            (&calls[0]["output_format"], &calls[0]["concurrency_limit"]),
+            (&json!("json_object_schema"), &json!(1))
+        );
+        assert_eq!((&calls[1]["read"], calls[1].get("refused_answer")), (&json!("repaired"), None));
+
+        let signed_in = crate::ui_browser::sign_in(&app, &app.key_with(&["prompts:read"]).await).await;
+        let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
+        let res = crate::ui_browser::plain_client()
+            .get(app.url(&format!("/ui/rounds/{id}")))
+            .header("cookie", format!("combee_session={session}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        let page = res.text().await.unwrap();
+        assert!(!page.contains("<script>alert(1)</script>"), "the model's text is escaped: {page}");
+        assert!(page.contains("Sure! &lt;script&gt;alert(1)&lt;/script&gt;"), "the refused text: {page}");
+        assert!(page.contains("The model&#39;s answer (untrusted") || page.contains("The model's answer (untrusted"));
+        assert!(page.contains("expected a JSON object"), "why it was refused: {page}");
+        assert!(page.contains(r#"id="answer-reads""#), "{page}");
+        assert!(page.contains(r#"<strong id="answers-refused">1</strong>"#), "{page}");
+        assert!(page.contains(r#"<strong id="answers-repaired">1</strong>"#), "{page}");
+        assert!(page.contains("json_object_schema"), "{page}");
+    }
+
+    on_both_stores!(
+        a_round_recorded_by_an_earlier_version_still_shows,
+        a_refused_answer_shows_its_text_in_the_api_and_the_page
+    );
+}
+
+/// A prompt whose rounds fail backs off: the scheduler waits an exponential
+/// delay after each failed round, subscribers hear of a streak once, and an
+/// operator or a round that publishes ends it.
+mod backoff {
+    use std::sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    };
+
+    use super::*;
+
+    /// An OpenAI-compatible endpoint in front of the simulator that, while
+    /// `confused` is set, answers every call with prose (no JSON), as a small
+    /// model that cannot follow the format would. Returns its base URL.
+    async fn sometimes_confused(sim_url: String, confused: Arc<AtomicBool>) -> String {
+        type Relay = (String, Arc<AtomicBool>);
+        async fn relay(
+            axum::extract::State((sim_url, confused)): axum::extract::State<Relay>,
+            body: axum::body::Bytes,
+        ) -> axum::response::Response {
+            use axum::response::IntoResponse;
+            let res = reqwest::Client::new()
+                .post(format!("{sim_url}/chat/completions"))
+                .header("content-type", "application/json")
+                .body(body.to_vec())
+                .send()
+                .await
+                .unwrap();
+            let mut answer: Value = res.json().await.unwrap();
+            if confused.load(Ordering::SeqCst) {
+                answer["choices"][0]["message"]["content"] = json!("Here is what I learned: be careful.");
+            }
+            axum::Json(answer).into_response()
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let router = axum::Router::new()
+            .route("/v1/chat/completions", axum::routing::post(relay))
+            .with_state((sim_url, confused));
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        url
+    }
+
+    /// A webhook receiver keeping the `round.failed` events' round ids. Returns its URL.
+    async fn failed_rounds_receiver(got: Arc<Mutex<Vec<String>>>) -> String {
+        async fn receive(axum::extract::State(got): axum::extract::State<Arc<Mutex<Vec<String>>>>, body: String) {
+            let event: Value = serde_json::from_str(&body).unwrap();
+            if event["type"] == "round.failed" {
+                got.lock().unwrap().push(event["data"]["round_id"].as_str().unwrap().to_owned());
+            }
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        let router = axum::Router::new().route("/hook", axum::routing::post(receive)).with_state(got);
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        url
+    }
+
+    /// The prompt's rounds, oldest first.
+    async fn rounds_of(app: &TestApp, name: &str) -> Vec<Value> {
+        let list: Value =
+            app.get(&format!("/v1/prompts/{name}/rounds?page_size=100")).send().await.unwrap().json().await.unwrap();
+        let mut rounds = list["rounds"].as_array().unwrap().clone();
+        rounds.reverse();
+        rounds
+    }
+
+    /// Polls until the prompt has `n` rounds, all ended; oldest first.
+    async fn ended_rounds(app: &TestApp, name: &str, n: usize) -> Vec<Value> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let rounds = rounds_of(app, name).await;
+            if rounds.len() >= n && rounds.iter().all(|r| r["status"] == "succeeded" || r["status"] == "failed") {
+                assert_eq!(rounds.len(), n, "{rounds:?}");
+                return rounds;
+            }
+            assert!(Instant::now() < deadline, "{n} ended rounds expected: {rounds:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn learning_state(app: &TestApp, name: &str) -> Value {
+        let res = app.get(&format!("/v1/prompts/{name}/learning")).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        res.json().await.unwrap()
+    }
+
+    fn at(v: &Value) -> chrono::DateTime<chrono::Utc> {
+        v.as_str().unwrap().parse().unwrap()
+    }
+
+    /// The scheduler's passes so far, from `/metrics`.
+    async fn schedule_passes(app: &TestApp) -> f64 {
+        let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("combee_worker_schedule_passes_total "))
+            .map_or(0.0, |v| v.trim().parse::<f64>().unwrap())
+    }
+
+    const DELAY: i64 = 5;
+
+    async fn a_failing_prompt_backs_off_until_an_operator_or_a_success_ends_it(b: Backend) {
+        let sim = spawn_sim(sim()).await;
+        let confused = Arc::new(AtomicBool::new(true));
+        let llm = sometimes_confused(sim.url.clone(), confused.clone()).await;
+        let app = spawn_app_with(b, |s| {
+            learning(s, &llm);
+            s.worker.failure_backoff_secs = DELAY as u64;
+            s.worker.failure_backoff_max_secs = DELAY as u64;
+            s.worker.max_trace_attempts = 100;
+            s.webhooks.allow_private_targets = true;
+            s.webhooks.poll_interval_ms = 50;
+        })
+        .await;
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let hook = failed_rounds_receiver(told.clone()).await;
+        let res = app.post("/v1/webhooks", json!({"url": hook, "events": ["round.failed"]})).send().await.unwrap();
+        assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+        create(&app, "b", "playbook", json!({"batch_size": 2, "duplication": 1})).await;
+        assert_eq!(learning_state(&app, "b").await["state"], "ok");
+        send_traces(&app, "b", 2).await;
+
+        // The scheduler's round fails: the prompt backs off, and says why.
+        let first = ended_rounds(&app, "b", 1).await;
+        assert_eq!((&first[0]["status"], &first[0]["trigger"]), (&json!("failed"), &json!("backlog")));
+        let state = learning_state(&app, "b").await;
+        assert_eq!((&state["state"], &state["failure_streak"]), (&json!("backing_off"), &json!(1)), "{state}");
+        assert_eq!(state["last_failure"], first[0]["error"], "{state}");
+        let until = at(&state["backoff_until"]);
+        assert_eq!(until, at(&state["last_failed_at"]) + chrono::Duration::seconds(DELAY), "{state}");
+        let metrics = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("combee_prompts_backing_off 1\n"), "{metrics}");
+        assert!(metrics.contains("combee_prompt_failure_streak{prompt=\"b\"} 1\n"), "{metrics}");
+
+        // No round before the backoff ends, though the scheduler passes; then the next one, which fails too.
+        let passes = schedule_passes(&app).await;
+        let second = ended_rounds(&app, "b", 2).await;
+        assert!(schedule_passes(&app).await - passes >= 3.0, "the scheduler kept passing while it waited");
+        let waited = at(&second[1]["created_at"]) - at(&second[0]["finished_at"]);
+        assert!(waited >= chrono::Duration::seconds(DELAY), "the second round came {waited} after the first failed");
+        let state = learning_state(&app, "b").await;
+        assert_eq!((&state["state"], &state["failure_streak"]), (&json!("backing_off"), &json!(2)), "{state}");
+
+        // An operator's clear ends the streak: the scheduler runs a round at once (it fails: a new streak).
+        let res = app.http.delete(app.url("/v1/prompts/b/backoff")).bearer_auth(&app.admin_key).send().await.unwrap();
+        assert_eq!(res.status(), 200);
+        let cleared: Value = res.json().await.unwrap();
+        assert_eq!((&cleared["state"], &cleared["failure_streak"]), (&json!("ok"), &json!(0)), "{cleared}");
+        let third = ended_rounds(&app, "b", 3).await;
+        assert_eq!(third[2]["status"], "failed");
+        assert_eq!(learning_state(&app, "b").await["failure_streak"], 1);
+
+        // Subscribers heard of each streak once: its first failed round.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while told.lock().unwrap().len() < 2 {
+            assert!(Instant::now() < deadline, "round.failed events: {:?}", told.lock().unwrap());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let ids: Vec<&Value> = [&third[0]["id"], &third[2]["id"]].into();
+        let heard: Vec<Value> = told.lock().unwrap().iter().map(|id| json!(id)).collect();
+        assert_eq!(heard.iter().collect::<Vec<_>>(), ids, "one round.failed per streak");
+
+        // A manual round runs at once in a backoff, and publishing ends the streak.
+        confused.store(false, Ordering::SeqCst);
+        assert_eq!(learning_state(&app, "b").await["state"], "backing_off");
+        let round = trigger(&app, "b", json!({})).await;
+        let done = finished(&app, round["id"].as_str().unwrap(), Duration::from_secs(60)).await;
+        assert_eq!(done["status"], "succeeded", "{done}");
+        let state = learning_state(&app, "b").await;
+        assert_eq!(
+            (&state["state"], &state["failure_streak"], &state["last_failure"]),
+            (&json!("ok"), &json!(0), &Value::Null),
+            "{state}"
+        );
+        let missing = app.get("/v1/prompts/nope/learning").send().await.unwrap();
+        assert_eq!(missing.status(), 404);
+    }
+
+    /// A model that never answers usably: each round charges the traces whose
+    /// reflection it refused, so after `max_trace_attempts` rounds they are
+    /// `failed` with the reason, and the scheduler stops (nothing is pending).
+    async fn traces_refused_every_time_end_failed_and_rounds_stop(b: Backend) {
+        let sim = spawn_sim(sim()).await;
+        let llm = sometimes_confused(sim.url.clone(), Arc::new(AtomicBool::new(true))).await;
+        let app = spawn_app_with(b, |s| {
+            learning(s, &llm);
+            s.worker.failure_backoff_secs = 0;
+            s.worker.max_trace_attempts = 2;
+        })
+        .await;
+        create(&app, "never", "playbook", json!({"batch_size": 3, "duplication": 1})).await;
+        send_traces(&app, "never", 3).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while traces_with(&app, "never", "failed").await.len() < 3 {
+            assert!(Instant::now() < deadline, "traces still: {:?}", traces_with(&app, "never", "pending").await);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for t in traces_with(&app, "never", "failed").await {
+            assert_eq!(t["attempts"], 2, "{t}");
+            assert!(t["failure_reason"].as_str().unwrap().contains("reflection"), "{t}");
+        }
+        let rounds = ended_rounds(&app, "never", 2).await;
+        assert!(rounds.iter().all(|r| r["status"] == "failed"), "{rounds:?}");
+        // The scheduler goes on passing and opens nothing more.
+        let passes = schedule_passes(&app).await;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while schedule_passes(&app).await - passes < 5.0 {
+            assert!(Instant::now() < deadline, "the scheduler stopped passing");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(rounds_of(&app, "never").await.len(), 2);
+    }
+
+    on_both_stores!(
+        a_failing_prompt_backs_off_until_an_operator_or_a_success_ends_it,
+        traces_refused_every_time_end_failed_and_rounds_stop
+    );
 }

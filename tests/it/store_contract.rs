@@ -1475,6 +1475,112 @@ async fn failed_rounds_retry_later_or_give_their_traces_back(b: Backend) {
     assert_eq!((backlog.pending, backlog.active_round), (2, false));
 }
 
+/// A call's answer is kept as read: how, in which output format, under which
+/// concurrency limit, and a refused answer's text, bounded however long it was.
+async fn llm_calls_keep_how_their_answer_was_read(b: Backend) {
+    use combee::llm::{AnswerRead, OutputFormat, REFUSED_ANSWER_CHARS};
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    s.insert_traces(&[trace("p", None)]).await.unwrap();
+    let c = open_and_claim(&s, "p").await;
+    let long: String = "<script>é</script>".chars().cycle().take(REFUSED_ANSWER_CHARS + 500).collect();
+    let refused = combee::llm::LlmCall {
+        read: Some(AnswerRead::Refused),
+        refused_answer: Some(long.clone()),
+        output_format: Some(OutputFormat::JsonObjectSchema),
+        concurrency_limit: Some(1),
+        error: Some("the reflector's answer is not JSON".into()),
+        ..llm_call("small")
+    };
+    let read = combee::llm::LlmCall {
+        read: Some(AnswerRead::Repaired),
+        output_format: Some(OutputFormat::Plain),
+        concurrency_limit: Some(64),
+        ..llm_call("small")
+    };
+    for call in [&refused, &read, &llm_call("older")] {
+        s.record_llm_call(c.round.id, c.round.attempt, call).await.unwrap();
+    }
+    let calls: Vec<_> = s.round_calls(c.round.id).await.unwrap().into_iter().map(|c| c.call).collect();
+    let kept: String = long.chars().take(REFUSED_ANSWER_CHARS).collect();
+    assert_eq!(calls[0], combee::llm::LlmCall { refused_answer: Some(kept), ..refused });
+    assert_eq!(calls[1], read);
+    assert_eq!(calls[2], llm_call("older"), "a call that says nothing of its answer reads back as such");
+}
+
+/// A prompt's failed rounds make a streak: counted in the round's own
+/// transaction, `round.failed` told once per streak, ended by a round that
+/// publishes or by an operator (a clear, or a round an operator triggers).
+async fn a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator(b: Backend) {
+    use combee::{domain::event::EventType, secret::Secret, store::NewWebhook};
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let hook = NewWebhook {
+        url: "https://example.com/hook".into(),
+        events: vec![EventType::RoundFailed],
+        description: None,
+        secret: Secret::new("whsec_c2VjcmV0"),
+    };
+    s.create_webhook(&hook).await.unwrap();
+    make_prompt(&s, "f").await;
+    s.insert_traces(&[trace("f", None), trace("f", None)]).await.unwrap();
+    let by_scheduler = OpenRound { trigger: RoundTrigger::Backlog, ..open_req("f") };
+    let fail = |error: &'static str| {
+        let (s, by_scheduler) = (s.clone(), by_scheduler.clone());
+        async move {
+            let r = s.open_round(&by_scheduler).await.unwrap().expect("a round opens");
+            let c = s.claim_round("w", MINUTE).await.unwrap().expect("a round to claim");
+            assert_eq!(c.round.id, r.id);
+            let how = RoundFailure::GiveUp { charges: TraceCharges::default() };
+            s.fail_round(r.id, c.round.attempt, error, how).await.unwrap();
+        }
+    };
+    let streak = || async { s.failure_streak(&name("f")).await.unwrap().unwrap() };
+    assert_eq!(streak().await, Default::default());
+    let before = chrono::Utc::now() - chrono::Duration::seconds(1);
+    fail("the model's answer is not JSON").await;
+    fail("again not JSON").await;
+    let st = streak().await;
+    assert_eq!((st.failures, st.last_failure.as_deref()), (2, Some("again not JSON")));
+    assert!(st.last_failed_at.is_some_and(|t| t > before), "{st:?}");
+    let backlog = s.backlogs().await.unwrap().into_iter().find(|b| b.prompt.name.as_str() == "f").unwrap();
+    assert_eq!((backlog.failures.failures, backlog.failures.last_failed_at), (2, st.last_failed_at));
+    assert_eq!(s.failing_prompts(10).await.unwrap(), vec![(name("f"), st)]);
+    let told = s.claim_deliveries("d", MINUTE, 10).await.unwrap();
+    assert_eq!(told.len(), 1, "round.failed once per streak: {told:?}");
+    let body: serde_json::Value = serde_json::from_str(&told[0].body).unwrap();
+    assert_eq!(body["data"]["error"], "the model's answer is not JSON");
+
+    // An operator's clear ends the streak; the next failure starts a new one, told again.
+    assert!(s.clear_failure_streak(&name("f")).await.unwrap());
+    assert!(!s.clear_failure_streak(&name("nope")).await.unwrap());
+    assert_eq!(streak().await, Default::default());
+    assert!(s.failing_prompts(10).await.unwrap().is_empty());
+    fail("third").await;
+    assert_eq!(streak().await.failures, 1);
+    assert_eq!(s.claim_deliveries("d", MINUTE, 10).await.unwrap().len(), 1, "a new streak is told");
+
+    // A round an operator triggers ends it as it opens; a round that publishes too.
+    let r = s.open_round(&open_req("f")).await.unwrap().unwrap();
+    assert_eq!(streak().await, Default::default());
+    let c = s.claim_round("w", MINUTE).await.unwrap().unwrap();
+    s.fail_round(r.id, c.round.attempt, "fourth", RoundFailure::GiveUp { charges: TraceCharges::default() })
+        .await
+        .unwrap();
+    fail("fifth").await;
+    assert_eq!(streak().await.failures, 2);
+    s.open_round(&by_scheduler).await.unwrap().unwrap();
+    let c = s.claim_round("w", MINUTE).await.unwrap().unwrap();
+    let mut v = version("learned");
+    v.source = VersionSource::Learned;
+    s.publish_round(c.round.id, c.round.attempt, v, LabelName::production(), &json!({}), None, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(streak().await, Default::default(), "a success ends the streak");
+    assert!(s.failure_streak(&name("nope")).await.unwrap().is_none());
+}
+
 /// The overload meter sums each round's counts once per bucket, per prompt.
 async fn meter_counts_sum_rounds_once_per_prompt(b: Backend) {
     let ts = test_store(b).await;
@@ -1667,6 +1773,14 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
         ]
         .map(String::from),
     );
+    // 0035 and 0036 too.
+    undo.extend(
+        ["read_as", "refused_answer", "output_format", "concurrency_limit"]
+            .map(|c| format!("ALTER TABLE llm_calls DROP COLUMN {c}")),
+    );
+    undo.extend(
+        ["failure_streak", "last_failed_at", "last_failure"].map(|c| format!("ALTER TABLE prompts DROP COLUMN {c}")),
+    );
     undo.extend(old_bookkeeping(b, None));
     run_raw(b, &ts.url, &undo).await;
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");
@@ -1698,6 +1812,8 @@ on_both_stores!(
     a_live_lease_makes_a_round_claimable_exactly_once,
     concurrent_claimers_take_each_round_once,
     a_lost_lease_fences_the_old_attempt,
+    llm_calls_keep_how_their_answer_was_read,
+    a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator,
     failed_rounds_retry_later_or_give_their_traces_back,
     rounds_charge_traces_only_for_their_own_failures,
     migration_0007_keeps_existing_prompts_on_agent_reflections,

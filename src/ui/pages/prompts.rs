@@ -1,7 +1,8 @@
 //! The prompt list and one prompt's page: text, labels, label history,
-//! promote / roll back forms.
+//! promote / roll back forms, and whether failed rounds hold learning back.
 
 use super::*;
+use crate::domain::backoff::{LearningState, LearningStatus};
 
 #[derive(Deserialize)]
 pub struct AfterQuery {
@@ -113,6 +114,7 @@ pub async fn prompt(
         }
         _ => String::new(),
     };
+    let learning = learning_notice(&service::rounds::learning_state(&st, &prompt.name).await?);
 
     let mut label_list = String::new();
     for l in &labels {
@@ -265,7 +267,7 @@ pub async fn prompt(
     };
     let body = format!(
         r#"<h1>{name} <span class="muted small">{strategy} · promotion {promotion}</span></h1>
-{tabs}{notice}
+{tabs}{notice}{learning}
 <div class="split"><div class="main-col">{text}</div>
 <aside class="card"><h2>Labels</h2><ul class="labels" id="labels">{label_list}</ul></aside></div>
 {diff_form}
@@ -280,4 +282,29 @@ pub async fn prompt(
         buckets = bucket_words(bucket),
     );
     Ok(page(prompt.name.as_str(), Some(&op.who()), Section::Prompts, &body))
+}
+
+/// Failed rounds in a row: whether the scheduler waits, until when, and why
+/// the last one failed; nothing outside a failure streak.
+fn learning_notice(l: &LearningState) -> String {
+    if l.failure_streak == 0 {
+        return String::new();
+    }
+    let wait = match (l.state, l.backoff_until) {
+        (LearningStatus::BackingOff, Some(until)) => format!(
+            "no round is scheduled before {} (<code>worker.failure_backoff_secs</code>, doubling per failure); a manual round or <code>DELETE /v1/prompts/{{name}}/backoff</code> ends the wait",
+            time(until)
+        ),
+        _ => "the backoff is over; the next round is scheduled as the backlog asks".to_owned(),
+    };
+    let why = l.last_failure.as_deref().map_or_else(String::new, |e| format!(": {}", clip(e, 300)));
+    format!(
+        r#"<p class="notice bad" id="learning-state">{} <strong id="failure-streak">{}</strong> rounds failed in a row, the last one {}{why}. {wait}.</p>"#,
+        badge(match l.state {
+            LearningStatus::BackingOff => "backing_off",
+            LearningStatus::Ok => "ok",
+        }),
+        l.failure_streak,
+        l.last_failed_at.map_or_else(|| "—".to_owned(), time),
+    )
 }

@@ -2,6 +2,7 @@
 //! operations, group outputs and reflections.
 
 use super::*;
+use crate::llm::{AnswerRead, LlmCall};
 
 #[derive(Deserialize)]
 pub struct BeforeIdQuery {
@@ -166,7 +167,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     for c in &view.llm_calls {
         let _ = write!(
             calls,
-            r#"<tr><td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">${:.5}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>"#,
+            r#"<tr><td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">${:.5}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td><td>{}</td><td class="num">{}</td><td>{}</td></tr>"#,
             escape(&word(&c.call.role)),
             escape(&c.call.model),
             c.attempt,
@@ -175,14 +176,15 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
             c.call.cost_usd,
             escape(&duration_ms(c.call.latency_ms as f64)),
             c.call.retries,
-            c.call
-                .error
-                .as_deref()
-                .map_or_else(String::new, |e| format!(r#"<span class="bad-text">{}</span>"#, clip(e, 120)))
+            c.call.read.map_or_else(|| "—".to_owned(), |r| badge(r.as_str())),
+            c.call.output_format.map_or("—", |f| f.as_str()),
+            c.call.concurrency_limit.map_or_else(|| "—".to_owned(), |n| n.to_string()),
+            call_error(&c.call)
         );
     }
     let calls = format!(
-        r#"<details class="card" id="llm-calls-box"><summary>LLM calls ({})</summary><table class="compact" id="llm-calls"><thead><tr><th>Role</th><th>Model</th><th class="num">Attempt</th><th class="num">Prompt tok</th><th class="num">Completion tok</th><th class="num">Cost</th><th class="num">Latency</th><th class="num">Retries</th><th>Error</th></tr></thead><tbody>{calls}</tbody></table></details>"#,
+        r#"{}<details class="card" id="llm-calls-box"><summary>LLM calls ({})</summary><table class="compact" id="llm-calls"><thead><tr><th>Role</th><th>Model</th><th class="num">Attempt</th><th class="num">Prompt tok</th><th class="num">Completion tok</th><th class="num">Cost</th><th class="num">Latency</th><th class="num">Retries</th><th>Read</th><th>Format</th><th class="num">Limit</th><th>Error</th></tr></thead><tbody>{calls}</tbody></table></details>"#,
+        reads_summary(view.llm_calls.iter().map(|c| &c.call)),
         view.llm_calls.len()
     );
 
@@ -277,6 +279,39 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
         prompt_tabs(r.prompt.as_str(), "rounds"),
     );
     Ok(page(&format!("Round {}", short_id(r.id)), Some(&op.who()), Section::Prompts, &body))
+}
+
+/// How many of the round's answers were read each way (none when no call says).
+fn reads_summary<'a>(calls: impl Iterator<Item = &'a LlmCall> + Clone) -> String {
+    if calls.clone().all(|c| c.read.is_none()) {
+        return String::new();
+    }
+    let counts: Vec<String> = AnswerRead::ALL
+        .iter()
+        .map(|&read| {
+            let n = calls.clone().filter(|c| c.read == Some(read)).count();
+            format!(r#"<strong id="answers-{}">{n}</strong> {}"#, read.as_str(), read.as_str())
+        })
+        .collect();
+    format!(r#"<p class="usage" id="answer-reads">Answers read: {}</p>"#, counts.join(" · "))
+}
+
+/// A call's error; for a refused answer, also the model's text (untrusted,
+/// escaped, folded away) so an operator sees what was refused and why.
+fn call_error(call: &LlmCall) -> String {
+    let mut cell = call
+        .error
+        .as_deref()
+        .map_or_else(String::new, |e| format!(r#"<span class="bad-text">{}</span>"#, clip(e, 120)));
+    if let Some(answer) = &call.refused_answer {
+        let _ = write!(
+            cell,
+            r#"<details class="refused-answer"><summary>The model's answer (untrusted, {} characters shown)</summary><pre>{}</pre></details>"#,
+            answer.chars().count(),
+            escape(answer)
+        );
+    }
+    cell
 }
 
 /// The round's answer report (`outcome.answers`, `outcome.coverage`): what
