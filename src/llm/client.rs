@@ -1025,8 +1025,10 @@ mod tests {
             assert_eq!(resp.retries, 0, "no attempt timed out");
             limits.push(resp.concurrency_limit.unwrap());
         }
-        assert!(state.most_waiting.load(Ordering::SeqCst) <= 3, "{limits:?}");
-        assert!(limits[12..].iter().all(|&l| l <= 2), "{limits:?}");
+        // Never a flood of the 24 (the limit starts at 2 and feels its way), and once the
+        // queue has shown, one or two in flight.
+        assert!(state.most_waiting.load(Ordering::SeqCst) <= 6, "{limits:?}");
+        assert!(limits[16..].iter().all(|&l| l <= 2), "{limits:?}");
     }
 
     #[test]
