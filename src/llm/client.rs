@@ -260,6 +260,8 @@ impl LlmBackend for OpenAiClient {
             };
             let Failure { err, retry_after } = match outcome {
                 Ok((content, model, usage)) => {
+                    inner.formats.publish();
+                    inner.window.publish();
                     let usage = usage.unwrap_or(Usage {
                         prompt_tokens: estimate,
                         completion_tokens: estimate_tokens(content.chars().count()),
@@ -277,7 +279,7 @@ impl LlmBackend for OpenAiClient {
                 }
                 Err(failure) => failure,
             };
-            if let LlmError::Rejected { status, message } = &err
+            if let LlmError::Rejected { status, message } | LlmError::Server { status, message } = &err
                 && format != OutputFormat::Plain
                 && format::refuses_response_format(*status, message)
                 && inner.formats.refused(format)
@@ -880,7 +882,7 @@ mod tests {
         // llama-cpp-python's server: OpenAI's shape is refused, `json_object` with a schema is taken.
         let (url, server) = spawn(|_, body, _| {
             if body["response_format"]["type"] == "json_schema" {
-                fail(422, r#"{"detail":[{"loc":["body","response_format","type"],"msg":"Input should be 'text' or 'json_object'"}]}"#)
+                fail(500, r#"{"error":{"message":"1 validation error: ('body', 'response_format', 'type') Input should be 'text' or 'json_object'","type":"internal_server_error"}}"#)
             } else {
                 ok(r#"{"instruction": "y"}"#)
             }

@@ -71,7 +71,9 @@ impl FormatLadder {
         true
     }
 
-    fn publish(&self) {
+    /// Shows the current shape in `/metrics` (also after a metrics recorder
+    /// was installed later than the client was built).
+    pub fn publish(&self) {
         let current = self.current();
         for f in OutputFormat::ALL {
             metrics::gauge!("combee_llm_output_format", "format" => f.as_str()).set(if f == current {
@@ -96,16 +98,20 @@ pub fn response_format(format: OutputFormat, schema: Option<&AnswerSchema>) -> O
     }
 }
 
-/// Whether an error answer (400 or 422) refuses the `response_format` itself,
-/// not the rest of the request.
+/// Whether an error answer refuses the `response_format` itself, not the rest
+/// of the request: a 400 or 422 that names it, or a 500 that quotes the
+/// validation of it (llama-cpp-python's server answers OpenAI's shape with
+/// `500 … Input should be 'text' or 'json_object'`).
 pub fn refuses_response_format(status: u16, message: &str) -> bool {
-    if !matches!(status, 400 | 415 | 422 | 501) {
-        return false;
-    }
     let m = message.to_ascii_lowercase();
-    ["response_format", "json_schema", "json_object", "'text' or", "structured output", "schema"]
-        .iter()
-        .any(|needle| m.contains(needle))
+    let names = |needles: &[&str]| needles.iter().any(|needle| m.contains(needle));
+    match status {
+        400 | 415 | 422 | 501 => {
+            names(&["response_format", "json_schema", "json_object", "'text' or", "structured output", "schema"])
+        }
+        500 => names(&["response_format", "json_schema", "'text' or 'json_object'"]),
+        _ => false,
+    }
 }
 
 /// The context window an error answer names, when it says the request was too
@@ -180,7 +186,7 @@ impl ContextWindow {
         self.learn(guess);
     }
 
-    fn publish(&self) {
+    pub fn publish(&self) {
         metrics::gauge!("combee_llm_context_tokens").set(f64::from(self.0.load(Ordering::Relaxed)));
     }
 }
@@ -240,6 +246,11 @@ mod tests {
         ));
         assert!(!refuses_response_format(400, "Requested tokens (9000) exceed context window of 8192"));
         assert!(!refuses_response_format(401, "response_format"));
+        // llama-cpp-python 0.3.36 answers OpenAI's shape with a 500.
+        let llama500 = r#"{"error":{"message":"1 validation error: {'type': 'literal_error', 'loc': ('body', 'response_format', 'type'), 'msg': "Input should be 'text' or 'json_object'"}","type":"internal_server_error"}}"#;
+        assert!(refuses_response_format(500, llama500));
+        assert!(!refuses_response_format(500, "CUDA out of memory while computing the schema"));
+        assert!(!refuses_response_format(503, "response_format"));
         assert!(!refuses_response_format(404, "model not found"));
     }
 

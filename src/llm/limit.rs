@@ -5,11 +5,12 @@
 //! others. A fixed limit is wrong for one of them, so the client adapts it per
 //! backend, in the manner of TCP Vegas and Netflix's concurrency-limits:
 //!
-//! - each answered call gives a *normalised latency*: milliseconds per unit of
-//!   work (completion tokens, plus prompt tokens at a sixteenth, plus a fixed
-//!   overhead), so calls of different sizes compare;
-//! - the *baseline* is the least normalised latency seen for that role (it
-//!   drifts up slowly so a backend that got slower for good is relearnt);
+//! - each answered call is compared with the fastest call seen of its role and
+//!   of about its size (prompt and completion tokens each in bands a fifth
+//!   wide), because a backend's latency is part fixed, part per prompt token,
+//!   part per completion token, in proportions nobody configures; that fastest
+//!   call is the *baseline* (it drifts up slowly so a backend that got slower
+//!   for good is relearnt);
 //! - a call close to the baseline while the limit was in use grows the limit:
 //!   by one per call at first (doubling per round trip, TCP's slow start), by
 //!   one per limit's worth of calls once the backend has queued a call; a call
@@ -21,6 +22,7 @@
 //! of any attempt's time limit. The same baselines give each attempt a time
 //! limit that fits what it asks for ([`AdaptiveLimit::attempt_timeout`]).
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -40,6 +42,8 @@ const BASELINE_DRIFT: f64 = 1.005;
 const OVERHEAD_UNITS: f64 = 8.0;
 /// How many times the expected duration an attempt gets before it times out.
 const TIMEOUT_HEADROOM: f64 = 4.0;
+/// Calls whose prompt and completion sizes each differ by less than this factor share a baseline.
+const BAND_WIDTH: f64 = 1.2;
 
 /// The work of a call in units comparable across sizes.
 pub fn work_units(prompt_tokens: u64, completion_tokens: u64) -> f64 {
@@ -60,8 +64,18 @@ struct State {
     /// Until the backend first shows a queue, every unqueued call grows the limit by one.
     slow_start: bool,
     in_flight: usize,
-    /// Least normalised latency (ms per work unit) per role: reflector, aggregator.
-    baseline: [Option<f64>; 2],
+    /// The fastest latency seen (ms) per role and band of prompt and completion tokens.
+    baseline: HashMap<(usize, i32, i32), f64>,
+}
+
+/// The least token count of a band.
+fn band_floor(band: i32) -> f64 {
+    BAND_WIDTH.powi(band).max(1.0)
+}
+
+/// The band a token count falls in.
+fn band(tokens: u64) -> i32 {
+    ((tokens.max(1) as f64).ln() / BAND_WIDTH.ln()).floor() as i32
 }
 
 fn slot(role: LlmRole) -> usize {
@@ -111,7 +125,7 @@ impl AdaptiveLimit {
                 limit: INITIAL_LIMIT.min(ceiling as f64),
                 slow_start: true,
                 in_flight: 0,
-                baseline: [None; 2],
+                baseline: HashMap::new(),
             }),
             freed: Notify::new(),
         }
@@ -156,14 +170,15 @@ impl AdaptiveLimit {
             }
             Sample::Neutral => {}
             Sample::Answered { role, latency, prompt_tokens, completion_tokens } => {
-                let norm = latency.as_secs_f64() * 1000.0 / work_units(prompt_tokens, completion_tokens);
-                let base = &mut s.baseline[slot_index(role)];
-                let baseline = match *base {
-                    None => norm,
-                    Some(b) => norm.min(b * BASELINE_DRIFT),
+                let ms = latency.as_secs_f64() * 1000.0;
+                let key = (slot_index(role), band(prompt_tokens), band(completion_tokens));
+                let (ratio, baseline) = match s.baseline.get(&key) {
+                    // The first call of its size: nothing to compare it with yet.
+                    None => (None, ms),
+                    Some(&b) => (Some(if b > 0.0 { ms / b } else { 1.0 }), ms.min(b * BASELINE_DRIFT)),
                 };
-                *base = Some(baseline);
-                let ratio = if baseline > 0.0 { norm / baseline } else { 1.0 };
+                s.baseline.insert(key, baseline);
+                let Some(ratio) = ratio else { return };
                 // Grow only when the limit was in use: an idle limit proves nothing.
                 let in_use = slot.in_flight_at_send as f64 >= (s.limit / 2.0).floor().max(1.0);
                 if ratio > SHRINK_ABOVE {
@@ -194,11 +209,22 @@ impl AdaptiveLimit {
         in_flight: usize,
         floor: Duration,
     ) -> Duration {
-        let Some(baseline) = self.state.lock().ok().and_then(|s| s.baseline[slot_index(role)]) else {
+        // The slowest rate of any band (ms per work unit): generous, as a time limit should be.
+        let rate = self.state.lock().ok().and_then(|s| {
+            let mut rates = s.baseline.iter().filter(|((r, _, _), _)| *r == slot_index(role)).map(
+                |((_, prompt, completion), ms)| {
+                    // The band's least work: its calls' latency spread over no more units than that.
+                    ms / work_units(band_floor(*prompt) as u64, band_floor(*completion) as u64)
+                },
+            );
+            let first = rates.next()?;
+            Some(rates.fold(first, f64::max))
+        });
+        let Some(rate) = rate else {
             // Nothing measured yet: the floor for each call that may be served before this one.
             return floor * u32::try_from(in_flight.max(1)).unwrap_or(u32::MAX);
         };
-        let expected_ms = baseline * work_units(prompt_tokens, max_tokens) * in_flight.max(1) as f64;
+        let expected_ms = rate * work_units(prompt_tokens, max_tokens) * in_flight.max(1) as f64;
         let fitted = Duration::try_from_secs_f64(expected_ms * TIMEOUT_HEADROOM / 1000.0).unwrap_or(floor);
         fitted.max(floor)
     }
@@ -309,7 +335,7 @@ mod tests {
         assert_eq!(limit.attempt_timeout(LlmRole::Reflector, 2000, 1024, 2, floor), floor * 2, "one call ahead");
         let slot = limit.acquire().await;
         // 1 s for 108 units (100 of prompt, 8 of overhead): a 1024-token answer to the same
-        // prompt is 1132 units, about 10.5 s.
+        // prompt is 1132 units, at least 10.5 s (the band's rate is counted over its least work).
         limit.record(
             &slot,
             Sample::Answered {
@@ -321,7 +347,9 @@ mod tests {
         );
         drop(slot);
         let one = limit.attempt_timeout(LlmRole::Reflector, 1600, 1024, 1, floor);
-        assert!((one.as_secs_f64() - 4.0 * 1132.0 / 108.0).abs() < 0.1, "{one:?}");
+        let rate_ms = 1000.0 / work_units(band_floor(band(1600)) as u64, band_floor(band(0)) as u64);
+        assert!((one.as_secs_f64() - 4.0 * 1132.0 * rate_ms / 1000.0).abs() < 0.1, "{one:?}");
+        assert!(one.as_secs_f64() > 4.0 * 1132.0 / 108.0, "never less than the measured rate gives");
         let queued = limit.attempt_timeout(LlmRole::Reflector, 1600, 1024, 3, floor);
         assert!((queued.as_secs_f64() - 3.0 * one.as_secs_f64()).abs() < 0.5, "{queued:?}");
         // The aggregator has no baseline of its own yet.

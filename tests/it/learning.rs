@@ -704,6 +704,15 @@ mod controller {
         assert!(kept >= 147, "retention {kept}/150");
         let metrics = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
         assert!(metrics.contains("combee_controller_batch_size{prompt=\"auto\"}"), "{metrics}");
+        // The LLM client's view of the backend: the simulator takes OpenAI's schema shape,
+        // and the adaptive limit is shown (how far it grows depends on this machine's load).
+        assert!(metrics.contains("combee_llm_output_format{format=\"json_schema\"} 1"), "{metrics}");
+        let limit = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("combee_llm_concurrency_limit "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or_default();
+        assert!((1.0..=64.0).contains(&limit), "{metrics}");
     }
 
     /// A model that never cites its sources (many small and local models ignore
