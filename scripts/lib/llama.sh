@@ -105,7 +105,15 @@ start_llama_server() {
 
 stop_llama_server() {
   [ -n "${COMBEE_LLAMA_PID:-}" ] || return 0
+  local waited=0
   kill "$COMBEE_LLAMA_PID" 2>/dev/null || true
+  # The server finishes the answer it is generating before it exits, which
+  # can take minutes: after 10 s it is killed.
+  while kill -0 "$COMBEE_LLAMA_PID" 2>/dev/null && [ "$waited" -lt 20 ]; do
+    sleep 0.5
+    waited=$((waited + 1))
+  done
+  kill -9 "$COMBEE_LLAMA_PID" 2>/dev/null || true
   wait "$COMBEE_LLAMA_PID" 2>/dev/null || true
   rm -f "${COMBEE_LLAMA_LOG:-}"
   unset COMBEE_LLAMA_PID COMBEE_LLAMA_LOG COMBEE_REAL_LLM_URL COMBEE_REAL_LLM_MODEL
