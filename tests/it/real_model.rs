@@ -269,13 +269,8 @@ async fn refuse_response_format(State(proxy): State<Arc<Proxy>>, method: Method,
     proxy.seen.forwarded.fetch_add(1, Ordering::Relaxed);
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     let target = format!("{}{}", proxy.upstream, path.strip_prefix("/v1").unwrap_or(path));
-    let forwarded = proxy
-        .http
-        .request(method, target)
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await;
+    let forwarded =
+        proxy.http.request(method, target).header("content-type", "application/json").body(body).send().await;
     match forwarded {
         Ok(res) => {
             let status = StatusCode::from_u16(res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -318,7 +313,10 @@ async fn a_backend_that_refuses_response_format_is_read_the_old_way(b: Backend) 
     let answered: Vec<&Value> = calls.iter().filter(|c| c["error"].is_null()).collect();
     assert!(!answered.is_empty(), "{calls:?}");
     for call in &answered {
-        assert_eq!(call["output_format"], "plain", "an answered call through a backend without response_format: {call}");
+        assert_eq!(
+            call["output_format"], "plain",
+            "an answered call through a backend without response_format: {call}"
+        );
         let read = call["read"].as_str().unwrap_or_else(|| panic!("an answer with no `read`: {call}"));
         assert_ne!(read, "schema", "no schema was enforced: {call}");
     }
