@@ -538,7 +538,7 @@ def report(args):
             w(f"- rounds: {rounds}; learning wall time {m['wall_s'] / 60:.1f} min (agent runs on the training "
               f"tasks included), rounds alone {m['round_wall_s'] / 60:.1f} min")
             w(f"- training-task success while learning: {pct(m['train_success'])}")
-            w(f"- per learned trace: {m['prompt_tokens_per_trace']:.0f} prompt + "
+            w(f"- per training trace: {m['prompt_tokens_per_trace']:.0f} prompt + "
               f"{m['completion_tokens_per_trace']:.0f} completion tokens ({m['calls']} LLM calls in all)")
             w(f"- how each answer was read (`read` of each call): {reads or 'no calls recorded'}")
             w(f"- output format asked for: {formats or 'no calls recorded'}")
