@@ -21,6 +21,7 @@ mod poisoning;
 mod population;
 mod postgres_outage;
 mod postgres_processes;
+mod real_model;
 mod request_rules;
 mod store_contract;
 mod ui_browser;

