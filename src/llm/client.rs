@@ -229,17 +229,18 @@ impl LlmBackend for OpenAiClient {
         // A timed-out attempt's retry gets twice as long: the backend is slower than it looked.
         let mut timeout_scale = 1u32;
         loop {
-            let format = inner.formats.format_for(req.schema.as_deref(), req.json);
-            let wire = WireRequest {
-                model: &req.model,
-                messages: &req.messages,
-                temperature: req.temperature,
-                max_tokens,
-                response_format: format::response_format(format, req.schema.as_deref()),
-            };
-            let (outcome, limit_at_send) = {
+            let (outcome, limit_at_send, format) = {
                 let slot = inner.limit.acquire().await;
                 inner.limiter.acquire(estimate).await;
+                // Chosen once the slot is held: a refusal seen while this call waited counts.
+                let format = inner.formats.format_for(req.schema.as_deref(), req.json);
+                let wire = WireRequest {
+                    model: &req.model,
+                    messages: &req.messages,
+                    temperature: req.temperature,
+                    max_tokens,
+                    response_format: format::response_format(format, req.schema.as_deref()),
+                };
                 let timeout = inner.limit.attempt_timeout(
                     req.role,
                     estimate,
@@ -256,7 +257,7 @@ impl LlmBackend for OpenAiClient {
                     Err(_) => 0,
                 };
                 inner.limiter.settle(estimate, used);
-                (outcome, slot.limit_at_send)
+                (outcome, slot.limit_at_send, format)
             };
             let Failure { err, retry_after } = match outcome {
                 Ok((content, model, usage)) => {
