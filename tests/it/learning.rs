@@ -1157,16 +1157,7 @@ mod stored_detail {
         let got: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
         assert_eq!(got["detail"], old, "the API shows the stored record as it is");
 
-        let signed_in = crate::ui_browser::sign_in(&app, &app.key_with(&["prompts:read"]).await).await;
-        let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
-        let res = crate::ui_browser::plain_client()
-            .get(app.url(&format!("/ui/rounds/{id}")))
-            .header("cookie", format!("combee_session={session}"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(res.status(), 200);
-        let page = res.text().await.unwrap();
+        let page = round_page(&app, id).await;
         assert!(page.contains(r#"id="phases""#) && page.contains("<td>map</td>"), "the finished phase: {page}");
         assert!(page.contains("verify the order id first") && page.contains("s-00001"), "the applied op: {page}");
         assert!(page.contains("Group 0 · 1 reflections") && page.contains("Group 1 · 1 reflections"), "{page}");
@@ -1216,16 +1207,7 @@ mod stored_detail {
         );
         assert_eq!((&calls[1]["read"], calls[1].get("refused_answer")), (&json!("repaired"), None));
 
-        let signed_in = crate::ui_browser::sign_in(&app, &app.key_with(&["prompts:read"]).await).await;
-        let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
-        let res = crate::ui_browser::plain_client()
-            .get(app.url(&format!("/ui/rounds/{id}")))
-            .header("cookie", format!("combee_session={session}"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(res.status(), 200);
-        let page = res.text().await.unwrap();
+        let page = round_page(&app, id).await;
         assert!(!page.contains("<script>alert(1)</script>"), "the model's text is escaped: {page}");
         assert!(page.contains("Sure! &lt;script&gt;alert(1)&lt;/script&gt;"), "the refused text: {page}");
         assert!(page.contains("The model&#39;s answer (untrusted") || page.contains("The model's answer (untrusted"));
@@ -1459,4 +1441,18 @@ mod backoff {
         a_failing_prompt_backs_off_until_an_operator_or_a_success_ends_it,
         traces_refused_every_time_end_failed_and_rounds_stop
     );
+}
+
+/// The web UI's page of round `id`, as a reader with `prompts:read` sees it.
+async fn round_page(app: &crate::common::TestApp, id: uuid::Uuid) -> String {
+    let signed_in = crate::ui_browser::sign_in(app, &app.key_with(&["prompts:read"]).await).await;
+    let session = crate::ui_browser::set_cookie(&signed_in, "combee_session").expect("a session");
+    let res = crate::ui_browser::plain_client()
+        .get(app.url(&format!("/ui/rounds/{id}")))
+        .header("cookie", format!("combee_session={session}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    res.text().await.unwrap()
 }
