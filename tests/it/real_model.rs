@@ -226,6 +226,9 @@ async fn a_round_with_a_real_model_publishes_and_says_how_it_read(b: Backend) {
     assert_eq!(v["source"], "learned", "{v}");
     assert!(!v["text"].as_str().unwrap().trim().is_empty());
     eprintln!("REAL MODEL learned version {version}:\n{}", v["text"].as_str().unwrap());
+    // What the aggregators proposed and what level 2 did with it, for whoever reads the log.
+    eprintln!("REAL MODEL group outputs: {}", round["detail"]["group_outputs"]);
+    eprintln!("REAL MODEL reduce: {}", round["detail"]["outcome"]);
 
     // (b) Every call records the output format it asked for, every answer how
     // it was read, and at least one answer was read from what the model wrote.
