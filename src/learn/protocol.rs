@@ -757,7 +757,7 @@ fn short(s: &str) -> String {
 async fn ask<T, F>(
     backend: &dyn LlmBackend,
     cfg: &LlmConfig,
-    task: Task,
+    (task, current): (Task, &VersionContent),
     calls: &mut Vec<LlmCall>,
     messages: impl Fn(Option<usize>) -> Vec<ChatMessage>,
     decode: F,
@@ -767,7 +767,8 @@ where
     F: Fn(&str) -> Result<T, String> + Send + Sync,
 {
     let role = task.role();
-    let request = |budget| cfg.request(role, messages(budget), true).with_schema(answer_schema(task));
+    let schema = answer_schema(task, current);
+    let request = |budget| cfg.request(role, messages(budget), true).with_schema(schema.clone());
     let budget = char_budget(backend, cfg, role);
     match chat_decoded(backend, role, request(budget), calls, &decode).await {
         Err(LlmError::ContextExceeded { window, message }) => match char_budget(backend, cfg, role) {
@@ -790,7 +791,7 @@ pub async fn reflect_noted(
     calls: &mut Vec<LlmCall>,
 ) -> Result<Noted<Reflection>, LlmError> {
     let messages = |budget| reflect_messages_within(trace, current, strategy, budget);
-    ask(backend, cfg, Task::Reflect, calls, messages, |t| decode_reflection(t, current)).await
+    ask(backend, cfg, (Task::Reflect, current), calls, messages, |t| decode_reflection(t, current)).await
 }
 
 /// One playbook aggregator call over a group of reflections.
@@ -804,7 +805,7 @@ pub async fn aggregate_playbook_noted(
     let n = reflections.len();
     let task = Task::AggregatePlaybook;
     let messages = |budget| aggregate_messages_within(task, current, reflections, budget);
-    ask(backend, cfg, task, calls, messages, |t| decode_operations(t, current, n)).await
+    ask(backend, cfg, (task, current), calls, messages, |t| decode_operations(t, current, n)).await
 }
 
 /// One rewrite aggregator call over a group of reflections.
@@ -817,7 +818,7 @@ pub async fn aggregate_rewrite_noted(
 ) -> Result<Noted<String>, LlmError> {
     let task = Task::AggregateRewrite;
     let messages = |budget| aggregate_messages_within(task, current, reflections, budget);
-    ask(backend, cfg, task, calls, messages, |t| decode_instruction(t, current)).await
+    ask(backend, cfg, (task, current), calls, messages, |t| decode_instruction(t, current)).await
 }
 
 /// The level-2 merge of the groups' versions of one conflicting passage (rewrite mode).
@@ -829,7 +830,9 @@ pub async fn merge_rewrite(
     calls: &mut Vec<LlmCall>,
 ) -> Result<String, LlmError> {
     let messages = |_| merge_rewrite_messages(current, proposals);
-    Ok(ask(backend, cfg, Task::MergeRewrite, calls, messages, |t| decode_instruction(t, current)).await?.value)
+    Ok(ask(backend, cfg, (Task::MergeRewrite, current), calls, messages, |t| decode_instruction(t, current))
+        .await?
+        .value)
 }
 
 /// One level-2 consolidation call (playbook mode, `reduce = "llm"`): the
@@ -854,7 +857,9 @@ pub async fn consolidate_playbook(
             _ => full,
         }
     };
-    Ok(ask(backend, cfg, Task::ConsolidatePlaybook, calls, messages, |t| decode_decisions(t, ops)).await?.value)
+    Ok(ask(backend, cfg, (Task::ConsolidatePlaybook, current), calls, messages, |t| decode_decisions(t, ops))
+        .await?
+        .value)
 }
 
 #[cfg(test)]

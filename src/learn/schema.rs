@@ -10,7 +10,11 @@ use std::sync::{Arc, LazyLock};
 use serde_json::{Value, json};
 
 use super::protocol::{MAX_SECTION_CHARS, Task};
+use crate::domain::VersionContent;
 use crate::llm::AnswerSchema;
+
+/// Most bullet ids a schema lists by name; a larger playbook's ids are left to the reader.
+const MAX_LISTED_IDS: usize = 1_000;
 
 /// Longest reflection field a schema asks for: four of them and the tags fit
 /// `llm.reflector_max_tokens` (1024 by default) with room to spare.
@@ -36,14 +40,21 @@ fn sources() -> Value {
     json!({"type": "array", "items": {"type": "integer", "minimum": 1}, "maxItems": 20})
 }
 
-static REFLECTION: LazyLock<Arc<AnswerSchema>> = LazyLock::new(|| {
+/// A bullet id the schema accepts: one of `ids` where they are few enough to list.
+fn bullet_id(ids: &[&str]) -> Value {
+    if (1..=MAX_LISTED_IDS).contains(&ids.len()) { json!({"type": "string", "enum": ids}) } else { text(16) }
+}
+
+fn reflection(ids: &[&str]) -> AnswerSchema {
     let field = text(REFLECTION_FIELD_CHARS);
     let insight = json!({"type": "string", "minLength": 1, "maxLength": REFLECTION_FIELD_CHARS});
     let tag = object(
-        json!({"id": {"type": "string", "maxLength": 16}, "tag": {"type": "string", "enum": ["helpful", "harmful", "neutral"]}}),
+        json!({"id": bullet_id(ids), "tag": {"type": "string", "enum": ["helpful", "harmful", "neutral"]}}),
         &["id", "tag"],
     );
-    Arc::new(AnswerSchema::new(
+    // No bullets: nothing to tag, so the list must stay empty.
+    let most = if ids.is_empty() { 0 } else { SCHEMA_BULLET_TAGS.min(ids.len()) };
+    AnswerSchema::new(
         "reflection",
         object(
             json!({
@@ -51,37 +62,40 @@ static REFLECTION: LazyLock<Arc<AnswerSchema>> = LazyLock::new(|| {
                 "root_cause": field,
                 "correct_approach": field,
                 "key_insight": insight,
-                "bullet_tags": {"type": "array", "items": tag, "maxItems": SCHEMA_BULLET_TAGS},
+                "bullet_tags": {"type": "array", "items": tag, "maxItems": most},
             }),
             &["error", "root_cause", "correct_approach", "key_insight", "bullet_tags"],
         ),
-    ))
-});
+    )
+}
 
-static OPERATIONS: LazyLock<Arc<AnswerSchema>> = LazyLock::new(|| {
+fn operations(ids: &[&str]) -> AnswerSchema {
     let kind = |k: &str| json!({"type": "string", "enum": [k]});
     let add = object(
         json!({"op": kind("ADD"), "section": text(MAX_SECTION_CHARS), "content": text(OP_CONTENT_CHARS),
                "reason": text(OP_REASON_CHARS), "sources": sources()}),
         &["op", "section", "content", "reason", "sources"],
     );
-    let update = object(
-        json!({"op": kind("UPDATE"), "id": text(16), "content": text(OP_CONTENT_CHARS),
-               "reason": text(OP_REASON_CHARS), "sources": sources()}),
-        &["op", "id", "content", "reason", "sources"],
-    );
-    let remove = object(
-        json!({"op": kind("REMOVE"), "id": text(16), "reason": text(OP_REASON_CHARS), "sources": sources()}),
-        &["op", "id", "reason", "sources"],
-    );
-    Arc::new(AnswerSchema::new(
+    // UPDATE and REMOVE name a bullet of the current playbook; with none, only ADD is possible.
+    let item = if ids.is_empty() {
+        add
+    } else {
+        let update = object(
+            json!({"op": kind("UPDATE"), "id": bullet_id(ids), "content": text(OP_CONTENT_CHARS),
+                   "reason": text(OP_REASON_CHARS), "sources": sources()}),
+            &["op", "id", "content", "reason", "sources"],
+        );
+        let remove = object(
+            json!({"op": kind("REMOVE"), "id": bullet_id(ids), "reason": text(OP_REASON_CHARS), "sources": sources()}),
+            &["op", "id", "reason", "sources"],
+        );
+        json!({"anyOf": [add, update, remove]})
+    };
+    AnswerSchema::new(
         "playbook_operations",
-        object(
-            json!({"operations": {"type": "array", "items": {"anyOf": [add, update, remove]}, "maxItems": SCHEMA_OPERATIONS}}),
-            &["operations"],
-        ),
-    ))
-});
+        object(json!({"operations": {"type": "array", "items": item, "maxItems": SCHEMA_OPERATIONS}}), &["operations"]),
+    )
+}
 
 static INSTRUCTION: LazyLock<Arc<AnswerSchema>> = LazyLock::new(|| {
     Arc::new(AnswerSchema::new(
@@ -106,11 +120,13 @@ static DECISIONS: LazyLock<Arc<AnswerSchema>> = LazyLock::new(|| {
     ))
 });
 
-/// The schema of `task`'s answer.
-pub fn answer_schema(task: Task) -> Arc<AnswerSchema> {
+/// The schema of `task`'s answer about `current`: bullet ids are those of its
+/// playbook, so a model held to the schema cannot name one that does not exist.
+pub fn answer_schema(task: Task, current: &VersionContent) -> Arc<AnswerSchema> {
+    let ids: Vec<&str> = current.playbook.iter().flat_map(|p| p.bullets().map(|(_, b)| b.id.as_str())).collect();
     match task {
-        Task::Reflect => REFLECTION.clone(),
-        Task::AggregatePlaybook => OPERATIONS.clone(),
+        Task::Reflect => Arc::new(reflection(&ids)),
+        Task::AggregatePlaybook => Arc::new(operations(&ids)),
         Task::AggregateRewrite | Task::MergeRewrite => INSTRUCTION.clone(),
         Task::ConsolidatePlaybook => DECISIONS.clone(),
     }
@@ -159,26 +175,27 @@ mod tests {
         let reflection = json!({"error": "gave no order id", "root_cause": "skipped the lookup",
             "correct_approach": "look the order up", "key_insight": "always quote the order id",
             "bullet_tags": [{"id": "b-0001", "tag": "helpful"}]});
-        assert!(fits(&reflection, &answer_schema(Task::Reflect).schema));
+        assert!(fits(&reflection, &answer_schema(Task::Reflect, &current).schema));
         assert!(protocol::decode_reflection(&reflection.to_string(), &current).is_ok());
 
         let ops = json!({"operations": [
             {"op": "ADD", "section": "strategies", "content": "Quote the order id.", "reason": "r", "sources": [1]},
             {"op": "UPDATE", "id": "b-0001", "content": "Check units twice.", "reason": "r", "sources": [1]},
             {"op": "REMOVE", "id": "b-0001", "reason": "harmful", "sources": [1]}]});
-        assert!(fits(&ops, &answer_schema(Task::AggregatePlaybook).schema));
+        assert!(fits(&ops, &answer_schema(Task::AggregatePlaybook, &current).schema));
         let read = protocol::decode_operations(&ops.to_string(), &current, 1).unwrap();
         assert_eq!(read.value.len(), 3);
         assert!(read.notes.is_empty(), "{:?}", read.notes);
 
         let instruction = json!({"instruction": "You answer {question} for {user}. Quote ids."});
-        assert!(fits(&instruction, &answer_schema(Task::AggregateRewrite).schema));
+        assert!(fits(&instruction, &answer_schema(Task::AggregateRewrite, &current).schema));
         assert!(protocol::decode_instruction(&instruction.to_string(), &current).is_ok());
     }
 
     #[test]
     fn what_the_readers_refuse_the_schemas_refuse_too() {
-        let schema = answer_schema(Task::Reflect).schema.clone();
+        let current = content_with_playbook();
+        let schema = answer_schema(Task::Reflect, &current).schema.clone();
         // The very answer a small model gave without a schema: no key insight.
         assert!(!fits(&json!({"error": "x", "root_cause": "y", "correct_approach": "z"}), &schema));
         assert!(!fits(
@@ -186,12 +203,29 @@ mod tests {
                                "bullet_tags": []}),
             &schema
         ));
-        let ops = answer_schema(Task::AggregatePlaybook).schema.clone();
+        let ops = answer_schema(Task::AggregatePlaybook, &current).schema.clone();
         assert!(!fits(
             &json!({"operations": [{"op": "ADD", "content": "no section", "reason": "", "sources": []}]}),
             &ops
         ));
         assert!(!fits(&json!({"operations": [{"op": "MOVE", "id": "b-0001", "reason": "", "sources": []}]}), &ops));
+        // Ids the playbook does not have, as a small model wrote them.
+        let update =
+            |id: &str| json!({"operations": [{"op": "UPDATE", "id": id, "content": "c", "reason": "", "sources": []}]});
+        assert!(fits(&update("b-0001"), &ops));
+        assert!(!fits(&update("}{"), &ops));
+        let tags = |id: &str| {
+            json!({"error": "", "root_cause": "", "correct_approach": "", "key_insight": "k",
+                   "bullet_tags": [{"id": id, "tag": "helpful"}]})
+        };
+        assert!(fits(&tags("b-0001"), &schema));
+        assert!(!fits(&tags("b-012E"), &schema));
+        // An empty playbook: nothing to tag, nothing to update or remove.
+        let empty = VersionContent { base: "b".into(), playbook: None };
+        assert!(!fits(&tags("b-0001"), &answer_schema(Task::Reflect, &empty).schema));
+        assert!(!fits(&update("b-0001"), &answer_schema(Task::AggregatePlaybook, &empty).schema));
+        let add = json!({"operations": [{"op": "ADD", "section": "s", "content": "c", "reason": "", "sources": [1]}]});
+        assert!(fits(&add, &answer_schema(Task::AggregatePlaybook, &empty).schema));
     }
 
     #[test]
@@ -210,7 +244,9 @@ mod tests {
             }
         }
         for task in Task::ALL {
-            assert!(closed(&answer_schema(task).strict_schema()), "{task:?}");
+            for current in [content_with_playbook(), VersionContent { base: "b".into(), playbook: None }] {
+                assert!(closed(&answer_schema(task, &current).strict_schema()), "{task:?}");
+            }
         }
     }
 }
