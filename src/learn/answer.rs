@@ -103,8 +103,50 @@ pub fn extract_object(text: &str, notes: &mut AnswerNotes) -> Result<Map<String,
     }
     match serde_json::from_str::<Value>(t) {
         Ok(_) => Err("the answer is JSON but not an object".into()),
+        Err(e) if e.to_string().contains("control character") => {
+            // A raw line break or tab inside a string (small models under a grammar write
+            // them): escaped, the text is the object it meant to be.
+            let escaped = escape_controls_in_strings(t);
+            match serde_json::from_str::<Value>(&escaped) {
+                Ok(Value::Object(m)) => {
+                    notes.wrapping.push("control characters in strings".into());
+                    Ok(m)
+                }
+                _ => Err(format!("no JSON object found in the answer: {e}")),
+            }
+        }
         Err(e) => Err(format!("no JSON object found in the answer: {e}")),
     }
+}
+
+/// `text` with every control character inside a JSON string escaped.
+fn escape_controls_in_strings(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 16);
+    let (mut in_string, mut escaped) = (false, false);
+    for c in text.chars() {
+        if in_string && !escaped && c.is_control() {
+            match c {
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                other => out.push_str(&format!("\\u{:04x}", u32::from(other))),
+            }
+            continue;
+        }
+        out.push(c);
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == '\\' {
+                escaped = true;
+            } else if c == '"' {
+                in_string = false;
+            }
+        } else if c == '"' {
+            in_string = true;
+        }
+    }
+    out
 }
 
 /// The text with every `<think>…</think>` block removed; an unclosed `<think>`
@@ -183,6 +225,19 @@ pub fn keep_known(obj: &mut Map<String, Value>, known: &[&str], at: &str, notes:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn raw_line_breaks_inside_strings_are_escaped_and_noted() {
+        let mut notes = AnswerNotes::default();
+        let text = "{ \"operations\": [ { \"op\": \"ADD\", \"content\": \"line one\nline\ttwo\" } ] }";
+        let m = extract_object(text, &mut notes).unwrap();
+        assert_eq!(m["operations"][0]["content"], "line one\nline\ttwo");
+        assert_eq!(notes.wrapping, vec!["control characters in strings".to_owned()]);
+        // A line break between tokens is plain JSON and needs no note.
+        let mut notes = AnswerNotes::default();
+        extract_object("{\n\"a\": 1\n}", &mut notes).unwrap();
+        assert!(notes.is_empty());
+    }
     use serde_json::json;
 
     fn obj(text: &str) -> (Value, AnswerNotes) {
