@@ -56,6 +56,9 @@ pub enum PlaybookError {
 /// OpenAPI document states, so every id the service hands out matches its published pattern.
 pub const MAX_BULLET_NUMBER: u64 = 999_999_999_999;
 
+/// Longest section name, in characters.
+pub const MAX_SECTION_CHARS: usize = 64;
+
 pub fn format_bullet_id(n: u64) -> String {
     format!("b-{n:04}")
 }

@@ -78,7 +78,8 @@ fn band(tokens: u64) -> i32 {
     ((tokens.max(1) as f64).ln() / BAND_WIDTH.ln()).floor() as i32
 }
 
-fn slot(role: LlmRole) -> usize {
+/// Where a role's baselines are kept.
+fn role_index(role: LlmRole) -> usize {
     match role {
         LlmRole::Reflector => 0,
         LlmRole::Aggregator => 1,
@@ -171,7 +172,7 @@ impl AdaptiveLimit {
             Sample::Neutral => {}
             Sample::Answered { role, latency, prompt_tokens, completion_tokens } => {
                 let ms = latency.as_secs_f64() * 1000.0;
-                let key = (slot_index(role), band(prompt_tokens), band(completion_tokens));
+                let key = (role_index(role), band(prompt_tokens), band(completion_tokens));
                 let (ratio, baseline) = match s.baseline.get(&key) {
                     // The first call of its size: nothing to compare it with yet.
                     None => (None, ms),
@@ -211,7 +212,7 @@ impl AdaptiveLimit {
     ) -> Duration {
         // The slowest rate of any band (ms per work unit): generous, as a time limit should be.
         let rate = self.state.lock().ok().and_then(|s| {
-            let mut rates = s.baseline.iter().filter(|((r, _, _), _)| *r == slot_index(role)).map(
+            let mut rates = s.baseline.iter().filter(|((r, _, _), _)| *r == role_index(role)).map(
                 |((_, prompt, completion), ms)| {
                     // The band's least work: its calls' latency spread over no more units than that.
                     ms / work_units(band_floor(*prompt) as u64, band_floor(*completion) as u64)
@@ -236,10 +237,6 @@ impl AdaptiveLimit {
             metrics::gauge!("combee_llm_in_flight").set(s.in_flight as f64);
         }
     }
-}
-
-fn slot_index(role: LlmRole) -> usize {
-    slot(role)
 }
 
 #[cfg(test)]
