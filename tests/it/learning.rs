@@ -342,14 +342,7 @@ async fn aggregator_answers_prose(sim_url: String) -> String {
     ) -> axum::response::Response {
         use axum::response::IntoResponse;
         let aggregate = String::from_utf8_lossy(&body).contains("combee-task: aggregate-playbook");
-        let res = reqwest::Client::new()
-            .post(format!("{sim_url}/chat/completions"))
-            .header("content-type", "application/json")
-            .body(body.to_vec())
-            .send()
-            .await
-            .unwrap();
-        let mut answer: Value = res.json().await.unwrap();
+        let mut answer = simulated_answer(&sim_url, &body).await;
         if aggregate {
             answer["choices"][0]["message"]["content"] = json!("I would rather not change the playbook today.");
         }
@@ -1245,14 +1238,7 @@ mod backoff {
             body: axum::body::Bytes,
         ) -> axum::response::Response {
             use axum::response::IntoResponse;
-            let res = reqwest::Client::new()
-                .post(format!("{sim_url}/chat/completions"))
-                .header("content-type", "application/json")
-                .body(body.to_vec())
-                .send()
-                .await
-                .unwrap();
-            let mut answer: Value = res.json().await.unwrap();
+            let mut answer = simulated_answer(&sim_url, &body).await;
             if confused.load(Ordering::SeqCst) {
                 answer["choices"][0]["message"]["content"] = json!("Here is what I learned: be careful.");
             }
@@ -1455,4 +1441,16 @@ async fn round_page(app: &crate::common::TestApp, id: uuid::Uuid) -> String {
         .unwrap();
     assert_eq!(res.status(), 200);
     res.text().await.unwrap()
+}
+
+/// The simulator's answer to a chat request, for relays that change what it says.
+async fn simulated_answer(sim_url: &str, body: &[u8]) -> Value {
+    let res = reqwest::Client::new()
+        .post(format!("{sim_url}/chat/completions"))
+        .header("content-type", "application/json")
+        .body(body.to_vec())
+        .send()
+        .await
+        .unwrap();
+    res.json().await.unwrap()
 }
