@@ -10,12 +10,12 @@ use std::{
     io::{Read, Write},
     path::PathBuf,
     process::Stdio,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use base64::Engine;
 use combee::simulation::llm::SimConfig;
-use common::{Backend, TestApp, learning, spawn_app, spawn_app_with, spawn_sim};
+use common::{Backend, TestApp, eventually, learning, round_end, spawn_app, spawn_app_with, spawn_sim};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -177,16 +177,16 @@ impl Browser {
 
     /// Waits (in the browser) until the page at a URL containing `part` is loaded.
     async fn wait_url(&self, part: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        eventually(&format!("a page at {part}"), Duration::from_secs(10), async || {
             let url = self.url().await;
             if url.contains(part) {
-                return;
+                return Ok(());
             }
-            assert!(Instant::now() < deadline, "still at {url}, expected {part}");
             // The next look-up blocks on the loading page itself.
             let _ = self.try_cmd("POST", "/element", Some(json!({"using": "css selector", "value": "main"}))).await;
-        }
+            Err(format!("still at {url}"))
+        })
+        .await
     }
 
     async fn screenshot(&self, name: &str) -> PathBuf {
@@ -227,15 +227,9 @@ async fn run_round(app: &TestApp, name: &str, batch: u32) -> String {
     let res = app.post(&format!("/v1/prompts/{name}/rounds"), json!({"batch_size": batch})).send().await.unwrap();
     assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
     let id = res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
-        if r["status"] == "succeeded" {
-            return id;
-        }
-        assert!(r["status"] != "failed" && Instant::now() < deadline, "round did not succeed: {r}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let r = round_end(app, &id, Duration::from_secs(60)).await;
+    assert_eq!(r["status"], "succeeded", "{r}");
+    id
 }
 
 async fn api_prompt(app: &TestApp, name: &str) -> Value {
