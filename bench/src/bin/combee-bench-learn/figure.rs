@@ -6,7 +6,7 @@ use crate::runs::{Family, Row, Sizing};
 use crate::svg::{Axis, BOTTOM, H, LEFT, RIGHT, Rect, Shape, Svg, TOP, W, legend_size, log_bounds, place_label};
 use crate::sweep::model_name;
 
-pub(crate) fn style(family: Family) -> (Shape, &'static str, bool) {
+fn style(family: Family) -> (Shape, &'static str, bool) {
     match family {
         Family::Sequential => (Shape::Square, "#222222", true),
         Family::SequentialOneRound => (Shape::Square, "#777777", false),

@@ -25,11 +25,11 @@ use crate::runs::{Replay, insight_tokens, traces};
 
 /// One level-2 configuration of the section.
 struct Level2Row {
-    pub(crate) label: &'static str,
-    pub(crate) strategy: Strategy,
-    pub(crate) reduce: ReduceMode,
+    label: &'static str,
+    strategy: Strategy,
+    reduce: ReduceMode,
     /// Per seed: insights kept, LLM calls, level-2 calls, wall seconds.
-    pub(crate) runs: Vec<(usize, usize, usize, f64)>,
+    runs: Vec<(usize, usize, usize, f64)>,
 }
 
 /// One Combee round of `n` traces at p = 2 per configuration and seed, against a

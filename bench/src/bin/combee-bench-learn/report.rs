@@ -53,11 +53,11 @@ impl Report<'_> {
         self.args.n
     }
 
-    pub(crate) fn row(&self, family: Family) -> Option<&Row> {
+    fn row(&self, family: Family) -> Option<&Row> {
         self.rows.iter().find(|r| r.setup.family == family)
     }
 
-    pub(crate) fn fixed(&self, family: Family, bs: usize) -> Option<&Row> {
+    fn fixed(&self, family: Family, bs: usize) -> Option<&Row> {
         self.rows.iter().find(|r| r.setup.family == family && matches!(r.setup.sizing, Sizing::Fixed(b) if b == bs))
     }
 

@@ -59,7 +59,7 @@ impl HttpConn {
     }
 }
 
-pub(crate) fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 

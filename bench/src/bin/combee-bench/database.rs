@@ -6,8 +6,8 @@ use sqlx::Connection;
 
 /// A fresh database next to the admin URL's, dropped after the run.
 pub(crate) struct BenchDatabase {
-    pub(crate) admin: String,
-    pub(crate) name: String,
+    admin: String,
+    name: String,
     pub(crate) url: String,
     pub(crate) synchronous_commit: String,
     pub(crate) fsync: String,

@@ -33,8 +33,8 @@ pub(crate) struct Phase {
 
 /// The comparison server ([`serve_bare`]), running while the GET figures are measured.
 struct BareServer {
-    pub(crate) guard: ChildGuard,
-    pub(crate) addr: SocketAddr,
+    guard: ChildGuard,
+    addr: SocketAddr,
 }
 
 /// The requests of one GET figure, made for a server's address (its Host header).

@@ -19,9 +19,9 @@ use crate::client::request_once;
 
 /// A child process killed when dropped (normal return, error, panic or ctrl-c).
 pub(crate) struct ChildGuard {
-    pub(crate) child: Child,
+    child: Child,
     pub(crate) pid: u32,
-    pub(crate) log: PathBuf,
+    log: PathBuf,
 }
 
 impl ChildGuard {
@@ -103,7 +103,7 @@ pub(crate) struct MemoryWatch {
     phase_peak_kb: Arc<AtomicU64>,
     pub(crate) hwm_kb: Arc<AtomicU64>,
     pub(crate) samples: Arc<AtomicU64>,
-    pub(crate) task: tokio::task::JoinHandle<()>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl MemoryWatch {
