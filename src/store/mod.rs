@@ -23,6 +23,7 @@ mod sessions;
 mod sql;
 pub mod sqlite;
 mod traces;
+mod versions;
 mod webhooks;
 
 use std::sync::Arc;
@@ -43,7 +44,6 @@ pub use rollups::Rollups;
 pub use rounds::{Backlog, ClaimedRound, OpenRound, RoundCall, RoundFailure, RoundStore, TraceCharges, TraceFault};
 pub use sessions::SessionStore;
 pub use traces::{IdempotencyKey, IdempotentIngest, TraceAction, TraceStore};
-pub(crate) use traces::{prompt_reference_problem, trace_action_refusal};
 pub use webhooks::{AttemptRecord, ClaimedDelivery, DeliveryOutcome, WebhookStore};
 
 /// The domain records the store reads and writes, where callers of the store name them.

@@ -20,7 +20,8 @@ use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
 use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors, reference_problem};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
+use super::traces::reference_problem;
 use super::{Change, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
 use crate::domain::trace::ValidTrace;
 

@@ -13,7 +13,8 @@ use super::{
     StoreKind, StoreResult,
     backend::{Backend, SqlStore},
     controller::CONTROLLER_SAMPLES_KEPT,
-    sql::{Cols, Param, TRACE_COLUMNS, now, sql, trace_from_row},
+    sql::{Cols, Param, now, sql},
+    traces::{TRACE_COLUMNS, trace_from_row},
 };
 use crate::domain::{PromptName, Trace};
 

@@ -18,13 +18,14 @@ use uuid::Uuid;
 use super::{
     StoreKind, StoreResult, TaskRewards,
     backend::{Backend, SqlStore},
-    sql::{Cols, Dialect, Param, outcome_bucket_from_row, sql},
+    sql::{Cols, Dialect, Param, sql},
 };
 use crate::{
     domain::PromptName,
     evaluate::outcomes::{
         COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, TOKENS_KEY, ceil_to, rollup_reads, rollup_window,
     },
+    evaluate::stats::Moments,
 };
 
 /// Whether a delta adds a trace's contribution or takes it back.
@@ -511,6 +512,31 @@ impl<D: Backend> Rollups for SqlStore<D> {
         }
         Ok(n)
     }
+}
+
+/// One row of the outcome aggregate query.
+pub(super) fn outcome_bucket_from_row<D: Dialect>(row: &D::Row) -> StoreResult<OutcomeBucket> {
+    let r = Cols::<D>(row);
+    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(r.get::<i64>(c)?).unwrap_or(0)) };
+    let moments = |p: &str| -> StoreResult<Moments> {
+        Ok(Moments {
+            count: count(&format!("{p}_n"))?,
+            sum: r.get(&format!("{p}_sum"))?,
+            sum_sq: r.get(&format!("{p}_sq"))?,
+        })
+    };
+    Ok(OutcomeBucket {
+        version: r.get("version")?,
+        start: r.get("start")?,
+        traces: count("traces")?,
+        with_feedback: count("with_feedback")?,
+        success_trials: count("success_trials")?,
+        successes: count("successes")?,
+        score: moments("score")?,
+        tokens: moments("tokens")?,
+        cost_usd: moments("cost")?,
+        latency_ms: moments("latency")?,
+    })
 }
 
 #[cfg(test)]
