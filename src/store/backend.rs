@@ -12,10 +12,10 @@ use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use super::{
-    Change, IdempotencyKey, IdempotentIngest, Store, StoreKind, StoreResult,
+    Change, Store, StoreKind, StoreResult,
     sql::{Dialect, sql},
 };
-use crate::domain::trace::ValidTrace;
+use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
 
 /// A SQL store: `writer` takes every write (SQLite: one connection, so writers
 /// queue in-process), `reader` the reads (on Postgres the same pool).

@@ -37,25 +37,14 @@ pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
-pub use population::{PopulationStore, RatingSlot, TaskRewards};
+pub use population::{PopulationStore, RatingSlot};
 pub use prompts::PromptStore;
 pub use retention::Retention;
-pub use rollups::Rollups;
+pub use rollups::{Rollups, TaskRewards};
 pub use rounds::{Backlog, ClaimedRound, OpenRound, RoundCall, RoundFailure, RoundStore, TraceCharges, TraceFault};
 pub use sessions::SessionStore;
-pub use traces::{IdempotencyKey, IdempotentIngest, TraceAction, TraceStore};
+pub use traces::{TraceAction, TraceStore};
 pub use webhooks::{AttemptRecord, ClaimedDelivery, DeliveryOutcome, WebhookStore};
-
-/// The domain records the store reads and writes, where callers of the store name them.
-pub use crate::domain::{
-    access::{ApiKey, NewUiSession, Scope, UiSession},
-    label::{Label, LabelMove, Resolved, Selector},
-    population::{ArmState, PopulationArm},
-    prompt::{NewPrompt, PromptSummary},
-    span::{OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan},
-    trace::{RequeueFailed, TraceFilter},
-    webhook::{DeliveryAttempt, NewWebhook, Webhook},
-};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -8,6 +8,7 @@ use serde_json::Value;
 use super::{
     Change, StoreKind, StoreResult,
     backend::{Backend, SqlStore},
+    rollups::TaskRewards,
     sql::{Cols, Dialect, corrupt, json, now, sql},
     versions::{prompt_id, prompt_name, require_versions},
 };
@@ -21,17 +22,6 @@ const ARMS_PER_STATEMENT: usize = 100;
 
 const ARM_COLUMNS: &str =
     "a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until";
-
-/// The rewards of one version on one task (traces carrying `metadata.task_key`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct TaskRewards {
-    pub version: i64,
-    pub task_key: String,
-    /// Rewarded traces of this version on this task.
-    pub traces: u64,
-    /// Sum of their rewards: 1/0 for `feedback.success`, else `feedback.score`.
-    pub reward_sum: f64,
-}
 
 /// An `evaluated` prompt, and the end of the last window its population was rated in.
 #[derive(Debug, Clone, PartialEq)]

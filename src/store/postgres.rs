@@ -22,8 +22,8 @@ use super::backend::{Backend, SqlStore};
 use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
 use super::traces::reference_problem;
-use super::{Change, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
-use crate::domain::trace::ValidTrace;
+use super::{Change, StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
 
 const CHANNEL: &str = "combee_changes";
 

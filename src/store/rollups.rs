@@ -16,7 +16,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::{
-    StoreKind, StoreResult, TaskRewards,
+    StoreKind, StoreResult,
     backend::{Backend, SqlStore},
     sql::{Cols, Dialect, Param, sql},
 };
@@ -43,6 +43,17 @@ pub(crate) enum Counted {
     /// All of them, quarantined or not (what they contributed before a
     /// quarantine just set, or contribute after one just lifted).
     All,
+}
+
+/// The rewards of one version on one task (traces carrying `metadata.task_key`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRewards {
+    pub version: i64,
+    pub task_key: String,
+    /// Rewarded traces of this version on this task.
+    pub traces: u64,
+    /// Sum of their rewards: 1/0 for `feedback.success`, else `feedback.score`.
+    pub reward_sum: f64,
 }
 
 const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, with_feedback, success_trials, successes, \

@@ -22,8 +22,8 @@ use super::backend::{Backend, SqlStore};
 use super::rollups::{Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
 use super::traces::reference_problem;
-use super::{IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
-use crate::domain::trace::ValidTrace;
+use super::{StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
 
 pub type SqliteStore = SqlStore<Sqlite>;
 

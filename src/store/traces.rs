@@ -16,7 +16,7 @@ use super::{
 use crate::{
     domain::{
         Feedback, PromptName, Trace,
-        trace::{RequeueFailed, TraceFilter, TraceStatus, ValidTrace},
+        trace::{IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceStatus, ValidTrace},
     },
     evaluate::outcomes::OutcomeBucket,
 };
@@ -51,27 +51,6 @@ pub(crate) fn trace_action_refusal(delete: bool, status: &str, round_id: Option<
     round_id.map(|r| {
         format!("the trace is reserved by round {r}, which is in flight; it can be {verb} once the round ends")
     })
-}
-
-/// An `Idempotency-Key` as the store keeps it: per caller, bound to the hash
-/// of the request it first came with.
-#[derive(Debug, Clone, Copy)]
-pub struct IdempotencyKey<'a> {
-    pub owner: Uuid,
-    pub key: &'a str,
-    pub request_hash: &'a str,
-}
-
-/// How an ingest under an `Idempotency-Key` ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum IdempotentIngest {
-    /// First sighting: the traces and the key were committed together.
-    Stored { ids: Vec<Uuid> },
-    /// The same request was stored before: these are its traces, in request
-    /// order (nothing stored now).
-    Replay { ids: Vec<Uuid> },
-    /// The same key was used with another payload (nothing stored).
-    Mismatch,
 }
 
 /// Why a trace (posted, or re-mapped from OTLP spans) cannot be stored, or `None`: `version_count` is

@@ -954,7 +954,7 @@ mod resume {
     use combee::{
         domain::{
             Promotion, PromptName, PromptSettings, RoundDetail, Strategy, VersionContent, VersionSource,
-            prompt::NewVersion,
+            prompt::{NewPrompt, NewVersion},
             round::RoundTrigger,
             trace::{NewTrace, TraceLimits},
         },
@@ -964,7 +964,7 @@ mod resume {
             round::{ReduceMode, RoundSpec, run_round},
         },
         llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},
-        store::{DynStore, NewPrompt, OpenRound, RoundFailure},
+        store::{DynStore, OpenRound, RoundFailure},
         worker::StoreJournal,
     };
 
