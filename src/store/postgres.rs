@@ -52,7 +52,7 @@ impl SqlStore<Postgres> {
         migrate::postgres(&pool).await?;
         let (changes, _) = broadcast::channel(1024);
         let listener = Listener(tokio::spawn(listen(pool.clone(), changes.clone())));
-        Ok(Self { writer: pool.clone(), reader: pool, changes, extra: listener })
+        Ok(Self { writer: pool.clone(), reader: pool, changes, watch: listener })
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -247,7 +247,7 @@ async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
 impl Backend for Postgres {
     const KIND: StoreKind = StoreKind::Postgres;
     const ANNOUNCE_LOCALLY: bool = false;
-    type Extra = Listener;
+    type Watch = Listener;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
