@@ -6,14 +6,14 @@
 //! [`connect`]. Every SQL statement lives next to the store function that runs
 //! it. The store knows nothing of HTTP: it takes and returns plain data.
 
+mod arms;
 mod backend;
-mod controller;
+mod controller_state;
 pub mod export;
 mod keys;
 mod labels;
 mod migrate;
 mod otlp;
-mod population;
 pub mod postgres;
 mod prompts;
 pub mod retention;
@@ -32,12 +32,12 @@ use async_trait::async_trait;
 use serde::Serialize;
 use tokio::sync::broadcast;
 
-pub use controller::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
+pub use arms::{PopulationStore, RatingSlot};
+pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
-pub use population::{PopulationStore, RatingSlot};
 pub use prompts::PromptStore;
 pub use retention::Retention;
 pub use rollups::{Rollups, TaskRewards};

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use super::{
     StoreKind, StoreResult,
     backend::{Backend, SqlStore},
-    controller::CONTROLLER_SAMPLES_KEPT,
+    controller_state::CONTROLLER_SAMPLES_KEPT,
     sql::{Cols, Param, now, sql},
     traces::{TRACE_COLUMNS, trace_from_row},
 };
