@@ -13,10 +13,11 @@ use crate::{
     cache::PromptCache,
     config::{Role, Settings},
     delivery::Deliverer,
+    domain::access::Scope,
     http,
     llm::{LlmBackend, client::OpenAiClient},
     service::{AppState, Shared},
-    store::{self, Change, DynStore, Scope, retention::Expiring},
+    store::{self, Change, DynStore, retention::Expiring},
     telemetry, ui,
     worker::{Worker, guard::RegressionGuard, population::PopulationRater, retention::Pruner},
 };

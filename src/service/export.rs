@@ -23,8 +23,8 @@ use uuid::Uuid;
 
 use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
 use crate::{
-    domain::{Feedback, LabelName, Trace},
-    store::{Selector, export::ExportQuery},
+    domain::{Feedback, LabelName, Trace, label::Selector},
+    store::export::ExportQuery,
 };
 
 /// Traces read from the store per page.

@@ -13,9 +13,9 @@ use crate::{
     domain::{
         Feedback, PromptName, Trace,
         span::{OtlpMerge, OtlpRemapFn, OtlpSpan},
-        trace::{RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
+        trace::{IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
     },
-    store::{IdempotencyKey, IdempotentIngest, StoreError, TraceAction},
+    store::{StoreError, TraceAction},
 };
 
 /// Longest quarantine reason, in characters.

@@ -23,7 +23,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::PopulationSettings,
-    domain::{LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource, prompt::NewVersion},
+    domain::{
+        LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource,
+        label::{LabelMove, Selector},
+        population::{ArmState, PopulationArm},
+        prompt::NewVersion,
+    },
     evaluate::{
         outcomes::OutcomeBucket,
         population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate},
@@ -36,7 +41,7 @@ use crate::{
     },
     llm::{LlmBackend, LlmError, config::LlmConfig},
     service::population::reconcile,
-    store::{ArmState, DynStore, LabelMove, PopulationArm, Selector, StoreError, StoreResult, TaskRewards},
+    store::{DynStore, StoreError, StoreResult, TaskRewards},
 };
 
 /// Who the gate's moves are recorded as.

@@ -931,7 +931,7 @@ mod resume {
     use combee::{
         domain::{
             Promotion, PromptName, PromptSettings, RoundDetail, Strategy, VersionContent, VersionSource,
-            prompt::NewVersion,
+            prompt::{NewPrompt, NewVersion},
             round::RoundTrigger,
             trace::{NewTrace, TraceLimits},
         },
@@ -941,7 +941,7 @@ mod resume {
             round::{ReduceMode, RoundSpec, run_round},
         },
         llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},
-        store::{DynStore, NewPrompt, OpenRound, RoundFailure},
+        store::{DynStore, OpenRound, RoundFailure},
         worker::StoreJournal,
     };
 

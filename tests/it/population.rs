@@ -10,13 +10,15 @@ use combee::{
     domain::{
         Bullet, LabelMoveKind, LabelName, Playbook, Promotion, PromptName, PromptSettings, Section, Strategy,
         VersionContent, VersionSource,
-        prompt::NewVersion,
+        label::Selector,
+        population::{ArmState, PopulationArm},
+        prompt::{NewPrompt, NewVersion},
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
     evaluate::{assign::sticky_arm, population::GateDecision, trueskill::Rating},
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, OpenAiClient, config::LlmConfig},
-    store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
+    store::{DynStore, StoreError},
     worker::population::{Basis, CrossoverOutcome, PopulationRater, RatingOutcome, add_challenger},
 };
 use common::{Backend, test_store};
@@ -438,7 +440,7 @@ async fn migration_0014_reads_old_arms_parents_and_accepts_crossover_versions(b:
     let arms = s.population_page(&name("old"), None, 1000).await.unwrap();
     assert_eq!((arm(&arms, 1).parents.clone(), arm(&arms, 2).parents.clone()), (vec![], vec![1]));
     let crossed = NewVersion { source: VersionSource::Crossover, ..version("v3", Some(1)) };
-    let mv = combee::store::LabelMove {
+    let mv = combee::domain::label::LabelMove {
         label: LabelName::candidate(),
         to_version: 0,
         expected_current: None,
@@ -483,7 +485,7 @@ async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
     let mut old = arm(&with_retired, retired[0]).clone();
     old.rating = Rating { mu: 31.0, sigma: 1.5 };
     s.save_population(&name("p"), &[old.clone()]).await.unwrap();
-    let mv = combee::store::LabelMove {
+    let mv = combee::domain::label::LabelMove {
         label: LabelName::production(),
         to_version: old.version,
         expected_current: Some(1),

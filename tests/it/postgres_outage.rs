@@ -16,10 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use combee::{
-    app::Application,
-    store::{self, TraceFilter},
-};
+use combee::{app::Application, domain::trace::TraceFilter, store};
 use serde_json::{Value, json};
 
 /// A private PostgreSQL server in a temp dir, stopped and removed on drop.

@@ -12,9 +12,11 @@ use std::{
 };
 
 use combee::{
-    domain::PromptName,
+    domain::{
+        PromptName,
+        population::{ArmState, PopulationArm},
+    },
     evaluate::{assign::sticky_arm, trueskill::Rating},
-    store::{ArmState, PopulationArm},
 };
 use common::{Backend, eventually, spawn_app};
 use futures_util::{StreamExt, stream};

@@ -8,15 +8,16 @@ use combee::{
     domain::{
         AgentReflections, Feedback, LabelName, Promotion, PromptName, PromptSettings, Strategy, TraceStatus,
         VersionContent, VersionSource,
-        prompt::NewVersion,
+        access::{NewUiSession, Scope},
+        label::{LabelMove, Selector},
+        prompt::{NewPrompt, NewVersion},
         round::RoundTrigger,
-        trace::{NewTrace, TraceLimits, ValidTrace},
+        span::{OtlpMerge, OtlpRemap, OtlpSpan},
+        trace::{IdempotencyKey, IdempotentIngest, NewTrace, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
     },
     learn::grouping::Method,
     store::{
-        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, MeterCounts, NewPrompt, NewUiSession, OpenRound,
-        OtlpMerge, OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceAction,
-        TraceCharges, TraceFault, TraceFilter,
+        Change, DynStore, MeterCounts, OpenRound, RoundFailure, StoreError, TraceAction, TraceCharges, TraceFault,
     },
 };
 use common::{Backend, eventually, test_store};
@@ -553,9 +554,9 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
 /// only to matching subscriptions, and deliveries are leased and fenced.
 async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Backend) {
     use combee::{
-        domain::event::EventType,
+        domain::{event::EventType, webhook::NewWebhook},
         secret::Secret,
-        store::{AttemptRecord, DeliveryOutcome, NewWebhook},
+        store::{AttemptRecord, DeliveryOutcome},
     };
     use std::time::Duration;
     let ts = test_store(b).await;
@@ -994,9 +995,8 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
 /// transaction, newest first, with its actor; a refused or empty move records nothing.
 async fn label_history_records_every_move_in_order(b: Backend) {
     use combee::{
-        domain::{LabelMoveKind, MoveCause, event::EventType},
+        domain::{LabelMoveKind, MoveCause, event::EventType, webhook::NewWebhook},
         secret::Secret,
-        store::NewWebhook,
     };
     let ts = test_store(b).await;
     let s = ts.store.clone();
@@ -1500,7 +1500,10 @@ async fn llm_calls_keep_how_their_answer_was_read(b: Backend) {
 /// transaction, `round.failed` told once per streak, ended by a round that
 /// publishes or by an operator (a clear, or a round an operator triggers).
 async fn a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator(b: Backend) {
-    use combee::{domain::event::EventType, secret::Secret, store::NewWebhook};
+    use combee::{
+        domain::{event::EventType, webhook::NewWebhook},
+        secret::Secret,
+    };
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let hook = NewWebhook {
