@@ -33,8 +33,8 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use super::delta::{self, MergedOp, Overruled};
-use super::grouping::split_contiguous;
 use crate::domain::DeltaOp;
+use crate::learn::shuffle::grouping::split_contiguous;
 
 /// Most operations one consolidation call is shown.
 pub const CONSOLIDATE_MAX_OPS: usize = 80;

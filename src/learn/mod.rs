@@ -8,21 +8,18 @@
 //! `crossover` breeds a child of a population's winners (the `evaluated` policy).
 
 pub mod answer;
-pub mod controller;
+pub mod capacity;
 pub mod crossover;
 pub mod delta;
 pub mod denylist;
 pub mod fence;
-pub mod grouping;
 pub mod journal;
 pub mod level2;
 mod map;
-pub mod meter;
 pub mod protocol;
 pub mod record;
 mod reduce;
 pub mod round;
 pub mod schema;
 pub mod shuffle;
-pub mod sizing;
 pub mod spec;

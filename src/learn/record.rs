@@ -10,12 +10,12 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::delta::{Applied, Evicted, Skipped};
-use super::grouping::Method;
 use super::level2;
 use super::protocol::Task;
-use super::sizing::GroupSize;
+use crate::domain::Method;
 use crate::domain::{Strategy, VersionContent};
 use crate::learn::answer::AnswerNotes;
+use crate::learn::capacity::sizing::GroupSize;
 use crate::llm::LlmCall;
 
 /// One level-1 aggregator call, as the round's record keeps it.
@@ -125,7 +125,7 @@ pub struct OutcomeRecord {
     /// What this round tells the overload meter (playbook Combee rounds at p ≥ 2):
     /// capture–recapture counts per group size, and how the answers were read.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub meter: Option<super::meter::MeterReading>,
+    pub meter: Option<crate::learn::capacity::meter::MeterReading>,
 }
 
 /// A round's record as the learning engine reads and writes it.

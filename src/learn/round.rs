@@ -37,15 +37,16 @@ use std::collections::HashSet;
 use uuid::Uuid;
 
 use super::delta::{self, Protection};
-use super::grouping::{self, Execution, Method};
 use super::journal::{Phase, RoundJournal};
 use super::map::map_phase;
-use super::meter;
 use super::reduce::Reduce;
 use super::spec::PhaseClock;
 pub use super::spec::{MAX_LEFT_OUT_SHARE, ReduceMode, RoundError, RoundSpec, group_key};
+use crate::domain::Method;
 use crate::domain::{Playbook, Reflection, Strategy, Trace, VersionContent};
+use crate::learn::capacity::meter;
 use crate::learn::protocol::placeholders;
+use crate::learn::shuffle::grouping::{self, Execution};
 use crate::llm::{LlmBackend, LlmConfig};
 
 pub use super::record::{

@@ -697,7 +697,10 @@ async fn unreadable_level_2_answers_degrade_to_the_union() {
     let plain = Sim::start(hard(), |_| {}).await;
     let ts = traces(24);
     let union = RoundSpec {
-        group_size: crate::learn::sizing::GroupSize::bounded(4, crate::learn::sizing::SizeSource::Start),
+        group_size: crate::learn::capacity::sizing::GroupSize::bounded(
+            4,
+            crate::learn::capacity::sizing::SizeSource::Start,
+        ),
         ..spec(Method::Combee, Strategy::Playbook, 2, 5)
     };
     let llm = RoundSpec { reduce: ReduceMode::Llm, ..union.clone() };

@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::delta::Budget;
-use super::grouping::Method;
 use super::journal::{JournalError, Phase, PhaseEvent, RoundJournal};
-use super::sizing::GroupSize;
+use crate::domain::Method;
 use crate::domain::{AgentReflections, Strategy, VersionContent};
+use crate::learn::capacity::sizing::GroupSize;
 use crate::llm::LlmError;
 
 /// Most level-1 groups a round may leave out (invalid answers after the
@@ -42,7 +42,7 @@ pub struct RoundSpec {
     #[serde(skip)]
     pub denylist: std::sync::Arc<super::denylist::ContentDenylist>,
     /// Most reflections one level-1 call may be given (Combee), and why — from
-    /// the overload meter ([`super::sizing`]); it also bounds level 2's fan-in.
+    /// the overload meter ([`crate::learn::capacity::sizing`]); it also bounds level 2's fan-in.
     #[serde(default)]
     pub group_size: GroupSize,
 }

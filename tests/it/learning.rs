@@ -617,7 +617,7 @@ mod webhooks {
 
 mod controller {
     use super::*;
-    use combee::learn::controller::ControllerConfig;
+    use combee::learn::capacity::batch_size::ControllerConfig;
 
     /// Polls until the prompt's rounds have consumed `n` traces, all succeeded; oldest first.
     async fn rounds_until_consumed(app: &TestApp, name: &str, n: u64) -> Vec<Value> {
@@ -844,7 +844,7 @@ mod meter {
     use std::collections::{BTreeMap, HashMap};
 
     use super::*;
-    use combee::learn::meter::bucket_of;
+    use combee::learn::capacity::meter::bucket_of;
 
     /// Sends `rounds` batches of `batch` traces with fresh insights and runs a Combee round on each.
     async fn run_rounds(app: &TestApp, name: &str, batch: usize, rounds: usize) -> Vec<Value> {
@@ -955,12 +955,11 @@ mod resume {
         domain::{
             Promotion, PromptName, PromptSettings, RoundDetail, Strategy, VersionContent, VersionSource,
             prompt::NewVersion,
-            round::RoundTrigger,
+            round::{Method, RoundTrigger},
             trace::{NewTrace, TraceLimits},
         },
         learn::{
             delta::Budget,
-            grouping::Method,
             round::{ReduceMode, RoundSpec, run_round},
         },
         llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},

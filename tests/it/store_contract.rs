@@ -9,10 +9,9 @@ use combee::{
         AgentReflections, Feedback, LabelName, Promotion, PromptName, PromptSettings, Strategy, TraceStatus,
         VersionContent, VersionSource,
         prompt::NewVersion,
-        round::RoundTrigger,
+        round::{Method, RoundTrigger},
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
-    learn::grouping::Method,
     store::{
         Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, MeterCounts, NewPrompt, NewUiSession, OpenRound,
         OtlpMerge, OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceAction,
@@ -633,7 +632,7 @@ async fn open_and_claim(s: &DynStore, prompt: &str) -> combee::store::ClaimedRou
     let req = OpenRound {
         prompt: name(prompt),
         trigger: combee::domain::round::RoundTrigger::Api,
-        method: combee::learn::grouping::Method::Combee,
+        method: combee::domain::Method::Combee,
         batch: 100,
         min_traces: 1,
         seed: 1,

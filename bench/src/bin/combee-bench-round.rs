@@ -9,10 +9,9 @@ use std::{sync::Arc, time::Instant};
 
 use clap::Parser;
 use combee::{
-    domain::{Feedback, PromptName, Strategy, Trace, VersionContent},
+    domain::{Feedback, Method, PromptName, Strategy, Trace, VersionContent},
     learn::{
         delta::Budget,
-        grouping::Method,
         journal::{MemoryJournal, RoundJournal},
         round::{ReduceMode, RoundSpec, run_round},
     },
