@@ -19,8 +19,12 @@ use serde_json::Value;
 use crate::{
     domain::{DeltaOp, VersionContent},
     learn::answer::{self, AnswerNotes},
-    learn::delta::{ApplyOutcome, Budget, MergedOp, apply_ops},
     learn::fence::fence,
+    learn::merge::{
+        apply::{ApplyOutcome, apply_ops},
+        budget::Budget,
+        dedupe::MergedOp,
+    },
     llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded, config::LlmConfig},
 };
 

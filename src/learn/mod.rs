@@ -10,12 +10,11 @@
 pub mod answer;
 pub mod capacity;
 pub mod crossover;
-pub mod delta;
 pub mod denylist;
 pub mod fence;
 pub mod journal;
-pub mod level2;
 mod map;
+pub mod merge;
 pub mod protocol;
 pub mod record;
 mod reduce;

@@ -15,8 +15,8 @@ use super::answer::{self, AnswerNotes};
 use super::schema;
 use crate::domain::playbook::parse_bullet_id;
 use crate::domain::{BulletTag, DeltaOp, Reflection, Strategy, Trace, VersionContent};
-use crate::learn::delta::MergedOp;
-use crate::learn::level2::{self, Decision, DecisionsAnswer};
+use crate::learn::merge::dedupe::MergedOp;
+use crate::learn::merge::level2::{self, Decision, DecisionsAnswer};
 use crate::llm::AnswerSchema;
 use crate::llm::config::LlmConfig;
 use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded};
@@ -846,7 +846,7 @@ pub async fn merge_rewrite(
 }
 
 /// One level-2 consolidation call (playbook mode, `reduce = "llm"`): the
-/// decisions on the numbered `ops` (see [`crate::learn::level2`]). Within a
+/// decisions on the numbered `ops` (see [`crate::learn::merge::level2`]). Within a
 /// known context window the current prompt shrinks to what the operations leave.
 pub async fn consolidate_playbook(
     backend: &dyn LlmBackend,

@@ -2,7 +2,7 @@
 //! against the same frozen version, journaled as each answers, resumed from the
 //! journal) and level 2 (the deterministic union of playbook operations, or a
 //! consolidation / structural merge in a scan tree of bounded fan-in — see
-//! [`super::level2`]); and the sequential baseline, where each group is applied
+//! [`crate::learn::merge::level2`]); and the sequential baseline, where each group is applied
 //! before the next.
 
 use std::collections::{HashMap, HashSet};
@@ -12,14 +12,16 @@ use futures_util::stream;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::delta::{self, Applied, Evicted, MergedOp, Protection, Skipped};
 use super::journal::{JournalError, Phase, RoundJournal};
-use super::level2;
 use super::protocol::{self, SourcedOp, Task};
 use super::record::{AnswerReport, GroupLeftOut, GroupOutput, Level2Summary, PhaseTimings};
 use super::spec::{MAX_LEFT_OUT_SHARE, PhaseClock, RoundError, RoundSpec, group_key};
 use crate::domain::{DeltaOp, Reflection, Strategy, VersionContent};
 use crate::learn::answer::AnswerNotes;
+use crate::learn::merge::apply::{self, Applied, Evicted, Skipped};
+use crate::learn::merge::budget::Protection;
+use crate::learn::merge::dedupe::{self, MergedOp};
+use crate::learn::merge::level2;
 use crate::learn::spec::ReduceMode;
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
@@ -277,7 +279,7 @@ impl Reduce<'_> {
         let merged = if self.spec.reduce == ReduceMode::Llm && tree.len() > 1 {
             // More group outputs than one call may take: a scan tree of consolidations.
             let mut nodes: Vec<Vec<MergedOp>> =
-                proposals.into_iter().map(|(g, p)| delta::normalize_sourced_ops(p.round_ops(g, &groups[g]))).collect();
+                proposals.into_iter().map(|(g, p)| dedupe::normalize_sourced_ops(p.round_ops(g, &groups[g]))).collect();
             for level in &tree {
                 let mut inputs: Vec<Option<Vec<MergedOp>>> = std::mem::take(&mut nodes).into_iter().map(Some).collect();
                 let node_inputs: Vec<Vec<Vec<MergedOp>>> =
@@ -304,7 +306,7 @@ impl Reduce<'_> {
             nodes.pop().unwrap_or_default()
         } else {
             let union = proposals.into_iter().flat_map(|(g, p)| p.round_ops(g, &groups[g]));
-            let mut merged = delta::normalize_sourced_ops(union.collect());
+            let mut merged = dedupe::normalize_sourced_ops(union.collect());
             if self.spec.reduce == ReduceMode::Llm && merged.len() > 1 {
                 let mut made = Vec::new();
                 let consolidated = self.consolidate(frozen, &merged, &mut made).await?;
@@ -319,7 +321,7 @@ impl Reduce<'_> {
             merged
         };
         let playbook = frozen.playbook.clone().unwrap_or_default();
-        let outcome = delta::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut self.protection.clone());
+        let outcome = apply::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut self.protection.clone());
         Ok(Reduced {
             content: VersionContent { base: frozen.base.clone(), playbook: Some(outcome.playbook) },
             applied: outcome.applied,
@@ -568,9 +570,9 @@ impl Reduce<'_> {
             };
             match proposal {
                 p @ Proposal::Ops(_) => {
-                    let merged = delta::normalize_sourced_ops(p.round_ops(g, group));
+                    let merged = dedupe::normalize_sourced_ops(p.round_ops(g, group));
                     let playbook = current.playbook.clone().unwrap_or_default();
-                    let outcome = delta::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut protection);
+                    let outcome = apply::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut protection);
                     current.playbook = Some(outcome.playbook);
                     reduced.applied.extend(outcome.applied);
                     reduced.skipped.extend(outcome.skipped);

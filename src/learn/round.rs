@@ -8,7 +8,7 @@
 //! Level 2 departs from a single merge call on purpose: no call is ever asked to
 //! restate the union of what the groups learned (playbook `reduce = "llm"`
 //! consolidates by decisions on numbered ops; rewrite merges the group
-//! instructions structurally against the base) — see [`super::level2`].
+//! instructions structurally against the base) — see [`crate::learn::merge::level2`].
 //!
 //! Two choices the design leaves open:
 //! - A reflection that lands twice in the *same* group is sent to that group's
@@ -36,7 +36,6 @@ use std::collections::HashSet;
 
 use uuid::Uuid;
 
-use super::delta::{self, Protection};
 use super::journal::{Phase, RoundJournal};
 use super::map::map_phase;
 use super::reduce::Reduce;
@@ -45,6 +44,8 @@ pub use super::spec::{MAX_LEFT_OUT_SHARE, ReduceMode, RoundError, RoundSpec, gro
 use crate::domain::Method;
 use crate::domain::{Playbook, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::capacity::meter;
+use crate::learn::merge::apply;
+use crate::learn::merge::budget::Protection;
 use crate::learn::protocol::placeholders;
 use crate::learn::shuffle::grouping::{self, Execution};
 use crate::llm::{LlmBackend, LlmConfig};
@@ -80,7 +81,7 @@ pub async fn run_round(
     let frozen = match spec.strategy {
         Strategy::Playbook => VersionContent {
             base: base.base.clone(),
-            playbook: Some(delta::apply_bullet_tags(&base.playbook.clone().unwrap_or_default(), &reflections)),
+            playbook: Some(apply::apply_bullet_tags(&base.playbook.clone().unwrap_or_default(), &reflections)),
         },
         Strategy::Rewrite => base.clone(),
     };
@@ -190,9 +191,9 @@ fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec
                 return Err(format!("{} bullets; the budget is {max}", pb.bullet_count()));
             }
             if let Some(max) = budget.max_chars
-                && delta::rendered_chars(&pb) > max
+                && apply::rendered_chars(&pb) > max
             {
-                return Err(format!("playbook is {} characters; the budget is {max}", delta::rendered_chars(&pb)));
+                return Err(format!("playbook is {} characters; the budget is {max}", apply::rendered_chars(&pb)));
             }
         }
         Strategy::Rewrite => {

@@ -8,8 +8,8 @@ use serde_json::{Value, json};
 
 use super::*;
 use crate::domain::AgentReflections;
-use crate::learn::delta::{Budget, Protection};
 use crate::learn::journal::{MemoryJournal, ReflectionSource};
+use crate::learn::merge::budget::{Budget, Protection};
 use crate::learn::protocol::tests::{reflection, trace};
 use crate::learn::reduce::{Proposal, Reduce, too_many_left_out};
 use crate::llm::LlmError;

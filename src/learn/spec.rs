@@ -8,11 +8,11 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::delta::Budget;
 use super::journal::{JournalError, Phase, PhaseEvent, RoundJournal};
 use crate::domain::Method;
 use crate::domain::{AgentReflections, Strategy, VersionContent};
 use crate::learn::capacity::sizing::GroupSize;
+use crate::learn::merge::budget::Budget;
 use crate::llm::LlmError;
 
 /// Most level-1 groups a round may leave out (invalid answers after the

@@ -319,7 +319,7 @@ pub(crate) mod tests {
     use crate::domain::playbook::{Bullet, Playbook, Section};
     use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
     use crate::domain::{Strategy, Trace};
-    use crate::learn::delta::MergedOp;
+    use crate::learn::merge::dedupe::MergedOp;
     use crate::learn::protocol::{
         self,
         tests::{reflection, trace},
@@ -683,7 +683,7 @@ pub(crate) mod tests {
         let decisions =
             protocol::consolidate_playbook(&sim.client, &sim.cfg, &current, &pooled, &mut calls).await.unwrap();
         assert_eq!(decisions.len(), 2, "{decisions:?}");
-        let out = crate::learn::level2::apply_decisions(&pooled, &decisions).unwrap();
+        let out = crate::learn::merge::level2::apply_decisions(&pooled, &decisions).unwrap();
         let ops: Vec<DeltaOp> = out.ops.iter().map(|m| m.op.clone()).collect();
         assert_eq!(tokens(&ops), ["i0", "i1", "i2"]);
         assert_eq!(out.ops[1].groups, vec![1, 2]);

@@ -26,8 +26,8 @@ use crate::{
     domain::{BatchSize, Method, RoundDetail, round::RoundTrigger},
     learn::{
         capacity::batch_size::ControllerConfig,
-        delta::Budget,
         denylist::ContentDenylist,
+        merge::budget::Budget,
         round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, config::LlmConfig},

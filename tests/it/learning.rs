@@ -959,7 +959,7 @@ mod resume {
             trace::{NewTrace, TraceLimits},
         },
         learn::{
-            delta::Budget,
+            merge::budget::Budget,
             round::{ReduceMode, RoundSpec, run_round},
         },
         llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},

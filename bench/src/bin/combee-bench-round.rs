@@ -11,8 +11,8 @@ use clap::Parser;
 use combee::{
     domain::{Feedback, Method, PromptName, Strategy, Trace, VersionContent},
     learn::{
-        delta::Budget,
         journal::{MemoryJournal, RoundJournal},
+        merge::budget::Budget,
         round::{ReduceMode, RoundSpec, run_round},
     },
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
