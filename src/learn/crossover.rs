@@ -18,12 +18,15 @@ use serde_json::Value;
 
 use crate::{
     domain::{DeltaOp, VersionContent},
-    learn::answer::{self, AnswerNotes},
-    learn::fence::fence,
     learn::merge::{
         apply::{ApplyOutcome, apply_ops},
         budget::Budget,
         dedupe::MergedOp,
+    },
+    learn::prompts::{
+        answer::{self, AnswerNotes},
+        fence::fence,
+        messages::fill,
     },
     llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded, config::LlmConfig},
 };
@@ -123,10 +126,7 @@ pub fn messages(champion: i64, champion_content: &VersionContent, winners: &[Win
     let current = fence("current-prompt", "", &champion_content.render());
     let arms = render_arms(champion, winners);
     let vars = [("current_prompt", current.as_str()), ("arms", arms.as_str())];
-    vec![
-        ChatMessage::system(crate::learn::protocol::fill(&system, &vars)),
-        ChatMessage::user(crate::learn::protocol::fill(user, &vars)),
-    ]
+    vec![ChatMessage::system(fill(&system, &vars)), ChatMessage::user(fill(user, &vars))]
 }
 
 /// The string items of `key` (a list); anything else in it is dropped and counted.

@@ -7,18 +7,15 @@
 //! `sizing` turns that estimate into the group size a round uses;
 //! `crossover` breeds a child of a population's winners (the `evaluated` policy).
 
-pub mod answer;
 pub mod capacity;
 pub mod crossover;
 pub mod denylist;
-pub mod fence;
 pub mod journal;
 mod map;
 pub mod merge;
-pub mod protocol;
+pub mod prompts;
 pub mod record;
 mod reduce;
 pub mod round;
-pub mod schema;
 pub mod shuffle;
 pub mod spec;

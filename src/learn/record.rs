@@ -9,13 +9,13 @@ use std::collections::HashSet;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::protocol::Task;
 use crate::domain::Method;
 use crate::domain::{Strategy, VersionContent};
-use crate::learn::answer::AnswerNotes;
 use crate::learn::capacity::sizing::GroupSize;
 use crate::learn::merge::apply::{Applied, Evicted, Skipped};
 use crate::learn::merge::level2;
+use crate::learn::prompts::answer::AnswerNotes;
+use crate::learn::prompts::task::Task;
 use crate::llm::LlmCall;
 
 /// One level-1 aggregator call, as the round's record keeps it.

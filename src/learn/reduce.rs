@@ -13,15 +13,17 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::journal::{JournalError, Phase, RoundJournal};
-use super::protocol::{self, SourcedOp, Task};
 use super::record::{AnswerReport, GroupLeftOut, GroupOutput, Level2Summary, PhaseTimings};
 use super::spec::{MAX_LEFT_OUT_SHARE, PhaseClock, RoundError, RoundSpec, group_key};
 use crate::domain::{DeltaOp, Reflection, Strategy, VersionContent};
-use crate::learn::answer::AnswerNotes;
 use crate::learn::merge::apply::{self, Applied, Evicted, Skipped};
 use crate::learn::merge::budget::Protection;
 use crate::learn::merge::dedupe::{self, MergedOp};
 use crate::learn::merge::level2;
+use crate::learn::prompts::answer::AnswerNotes;
+use crate::learn::prompts::calls;
+use crate::learn::prompts::decode::SourcedOp;
+use crate::learn::prompts::task::Task;
 use crate::learn::spec::ReduceMode;
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
@@ -110,10 +112,10 @@ impl Reduce<'_> {
     ) -> Result<(Proposal, AnswerNotes), LlmError> {
         let rs: Vec<Reflection> = group.iter().map(|&i| self.reflections[i].clone()).collect();
         match self.spec.strategy {
-            Strategy::Playbook => protocol::aggregate_playbook_noted(self.backend, self.llm, current, &rs, calls)
+            Strategy::Playbook => calls::aggregate_playbook(self.backend, self.llm, current, &rs, calls)
                 .await
                 .map(|a| (Proposal::Ops(a.value), a.notes)),
-            Strategy::Rewrite => protocol::aggregate_rewrite_noted(self.backend, self.llm, current, &rs, calls)
+            Strategy::Rewrite => calls::aggregate_rewrite(self.backend, self.llm, current, &rs, calls)
                 .await
                 .map(|a| (Proposal::Instruction(a.value), a.notes)),
         }
@@ -350,7 +352,7 @@ impl Reduce<'_> {
             .map(|idx| async move {
                 let part: Vec<MergedOp> = idx.iter().map(|&i| ops[i].clone()).collect();
                 let mut made = Vec::new();
-                let r = protocol::consolidate_playbook(self.backend, self.llm, frozen, &part, &mut made).await;
+                let r = calls::consolidate_playbook(self.backend, self.llm, frozen, &part, &mut made).await;
                 (idx, part, r, made)
             })
             .collect();
@@ -503,7 +505,7 @@ impl Reduce<'_> {
                     next.push(chunk[0].clone());
                     continue;
                 }
-                match protocol::merge_rewrite(self.backend, self.llm, &passage, chunk, calls).await {
+                match calls::merge_rewrite(self.backend, self.llm, &passage, chunk, calls).await {
                     Ok(text) => next.push(text),
                     Err(e) if unreadable(&e) => {
                         tracing::warn!(versions = chunk.len(), error = %e, "level 2 degraded to the union for one passage");

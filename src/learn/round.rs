@@ -26,7 +26,7 @@
 //!   than failing the round, unless more than [`MAX_LEFT_OUT_SHARE`] of the
 //!   groups (or all of them) are: then the round fails as before. With p ≥ 2
 //!   its reflections usually still reach the reduce through their other group.
-//! - Answers are read tolerantly ([`super::answer`]); everything ignored or
+//! - Answers are read tolerantly ([`crate::learn::prompts::answer`]); everything ignored or
 //!   dropped is counted per call in [`RoundOutcome::answers`].
 //! - Provenance: aggregator operations cite the reflections of their group they
 //!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an
@@ -42,11 +42,11 @@ use super::reduce::Reduce;
 use super::spec::PhaseClock;
 pub use super::spec::{MAX_LEFT_OUT_SHARE, ReduceMode, RoundError, RoundSpec, group_key};
 use crate::domain::Method;
+use crate::domain::prompt::placeholders;
 use crate::domain::{Playbook, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::capacity::meter;
 use crate::learn::merge::apply;
 use crate::learn::merge::budget::Protection;
-use crate::learn::protocol::placeholders;
 use crate::learn::shuffle::grouping::{self, Execution};
 use crate::llm::{LlmBackend, LlmConfig};
 

@@ -10,7 +10,7 @@ use super::*;
 use crate::domain::AgentReflections;
 use crate::learn::journal::{MemoryJournal, ReflectionSource};
 use crate::learn::merge::budget::{Budget, Protection};
-use crate::learn::protocol::tests::{reflection, trace};
+use crate::learn::prompts::tests::{reflection, trace};
 use crate::learn::reduce::{Proposal, Reduce, too_many_left_out};
 use crate::llm::LlmError;
 use crate::llm::{ChatRequest, ChatResponse, OpenAiClient};

@@ -1,4 +1,5 @@
-//! Fencing of untrusted text inside LLM prompts. Data (traces, reflections,
+//! Fencing of untrusted text inside the prompts of the map and the reduce (and
+//! of crossover). Data (traces, reflections,
 //! proposals, learned content) is wrapped in `<tag>…</tag>` fences; a fence is only
 //! worth anything if the data cannot close it or open another one, including with
 //! text a model would *read* as the same tag: `< /tag>`, `</ tag>`, case variants,
