@@ -1,15 +1,15 @@
-//! Crossover, the population's second way to make a new version (E-SPL's
-//! operator beside mutation): when several arms of an `evaluated` prompt each
-//! *won* some task keys in a rating window, one LLM call (template
-//! `prompts/crossover.md`) breeds a child that keeps the champion's helpful
-//! bullets and imports the winners' bullets, given the evidence of which keys
-//! each arm won and by how much. The model only *chooses* bullets (which
-//! champion bullets to drop, which winners' bullets to import, by id); it
-//! writes no text, so the child holds only content that was already learned
-//! and served. Its answer is read like every other answer (tolerant
-//! extraction, unknown keys ignored, unknown ids dropped and counted), then the
-//! choice is applied as delta operations under the prompt's budget (pinned
-//! bullets, removal share, size caps), as a round's would be.
+//! Crossover, outside the map–shuffle–reduce round: the population's second way
+//! to make a new version (E-SPL's operator beside mutation): when several arms
+//! of an `evaluated` prompt each *won* some task keys in a rating window, one
+//! LLM call (template `prompts/crossover.md`) breeds a child that keeps the
+//! champion's helpful bullets and imports the winners' bullets, given the
+//! evidence of which keys each arm won and by how much. The model only
+//! *chooses* bullets (which champion bullets to drop, which winners' bullets to
+//! import, by id); it writes no text, so the child holds only content that was
+//! already learned and served. Its answer is read like every other answer
+//! (tolerant extraction, unknown keys ignored, unknown ids dropped and
+//! counted), then the choice is applied as delta operations under the prompt's
+//! budget (pinned bullets, removal share, size caps), as a round's would be.
 
 use std::collections::HashSet;
 

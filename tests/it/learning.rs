@@ -953,14 +953,14 @@ mod resume {
     use async_trait::async_trait;
     use combee::{
         domain::{
-            Promotion, PromptName, PromptSettings, RoundDetail, Strategy, VersionContent, VersionSource,
+            Promotion, PromptName, PromptSettings, ReduceMode, RoundDetail, Strategy, VersionContent, VersionSource,
             prompt::NewVersion,
             round::{Method, RoundTrigger},
             trace::{NewTrace, TraceLimits},
         },
         learn::{
             merge::budget::Budget,
-            round::{ReduceMode, RoundSpec, run_round},
+            round::{RoundSpec, run_round},
         },
         llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},
         store::{DynStore, NewPrompt, OpenRound, RoundFailure},

@@ -28,14 +28,14 @@ use anyhow::Context as _;
 use async_trait::async_trait;
 use clap::Parser;
 use combee::{
-    domain::{Feedback, Method, PromptName, Strategy, Trace, VersionContent},
+    domain::{Feedback, Method, PromptName, ReduceMode, Strategy, Trace, VersionContent},
     learn::{
         capacity::batch_size::{self, ControllerConfig, Quality, Sample},
         capacity::meter::{self, BucketCounts, MeterBucket},
         capacity::sizing::{GroupSize, choose_group_size},
-        journal::MemoryJournal,
         merge::budget::Budget,
-        round::{ReduceMode, RoundSpec, run_round},
+        round::journal::MemoryJournal,
+        round::{RoundSpec, run_round},
         shuffle::grouping::{self, Execution},
     },
     llm::{

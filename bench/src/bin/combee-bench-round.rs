@@ -9,11 +9,11 @@ use std::{sync::Arc, time::Instant};
 
 use clap::Parser;
 use combee::{
-    domain::{Feedback, Method, PromptName, Strategy, Trace, VersionContent},
+    domain::{Feedback, Method, PromptName, ReduceMode, Strategy, Trace, VersionContent},
     learn::{
-        journal::{MemoryJournal, RoundJournal},
         merge::budget::Budget,
-        round::{ReduceMode, RoundSpec, run_round},
+        round::journal::{MemoryJournal, RoundJournal},
+        round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
     simulation::llm::SimConfig,

@@ -1,7 +1,8 @@
 //! The shuffle step's second half: which reflections go to which level-1
-//! aggregator call. Combee cuts the augmented, shuffled list into k = ⌊√n⌋ contiguous groups that run in parallel; the
-//! `naive` and `sequential` baselines use the same code path with a different
-//! grouping, so a benchmark compares methods and nothing else.
+//! aggregator call. Combee cuts the augmented, shuffled list into k = ⌊√n⌋
+//! contiguous groups that run in parallel; the `naive` and `sequential`
+//! baselines use the same code path with a different grouping, so a benchmark
+//! compares methods and nothing else.
 
 use std::ops::Range;
 

@@ -1,7 +1,9 @@
-//! The round executor: one learning step for one prompt over a batch of traces —
-//! map (one reflector call per trace), augmented shuffle, level-1 reduce (one
-//! aggregator call per group against the same frozen version), level-2 reduce,
-//! validation — as `docs/design.md` (The round, step by step) describes. It knows no store: everything it
+//! The round executor, which runs every step of the method in order for one
+//! prompt over a batch of traces — map (one reflector call per trace, [`map`]),
+//! augmented shuffle ([`crate::learn::shuffle`]), level-1 reduce (one
+//! aggregator call per group against the same frozen version) and level-2
+//! reduce ([`reduce`]), validation — as `docs/design.md` (The round, step by
+//! step) describes. It knows no store: everything it
 //! must not lose goes through a [`RoundJournal`], so a crashed round resumes from
 //! its saved reflections and only the missing ones are paid for again.
 //!
@@ -32,15 +34,16 @@
 //!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an
 //!   applied operation cites it — the retention figure a real model gives.
 
+pub mod journal;
+mod map;
+mod record;
+mod reduce;
+mod spec;
+
 use std::collections::HashSet;
 
 use uuid::Uuid;
 
-use super::journal::{Phase, RoundJournal};
-use super::map::map_phase;
-use super::reduce::Reduce;
-use super::spec::PhaseClock;
-pub use super::spec::{MAX_LEFT_OUT_SHARE, ReduceMode, RoundError, RoundSpec, group_key};
 use crate::domain::Method;
 use crate::domain::prompt::placeholders;
 use crate::domain::{Playbook, Reflection, Strategy, Trace, VersionContent};
@@ -49,8 +52,13 @@ use crate::learn::merge::apply;
 use crate::learn::merge::budget::Protection;
 use crate::learn::shuffle::grouping::{self, Execution};
 use crate::llm::{LlmBackend, LlmConfig};
+use journal::{Phase, RoundJournal};
+use map::map_phase;
+use reduce::RoundReducer;
+use spec::PhaseClock;
+pub use spec::{MAX_LEFT_OUT_SHARE, RoundError, RoundSpec, group_key};
 
-pub use super::record::{
+pub use record::{
     AnswerReport, CallNotes, Coverage, GroupLeftOut, GroupOutput, GroupingRecord, LearnedRoundDetail, Level2Summary,
     MAX_CALL_NOTES, MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
 };
@@ -105,7 +113,7 @@ pub async fn run_round(
 
     // What this round may not take away is judged on the counters before its own tags.
     let protection = Protection::for_round(&base.playbook.clone().unwrap_or_default(), &spec.budget);
-    let ctx = Reduce {
+    let ctx = RoundReducer {
         backend,
         llm,
         journal,

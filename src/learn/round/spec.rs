@@ -1,5 +1,5 @@
-//! What a round is asked to do and how it can fail — shared by the round
-//! executor ([`super::round`]) and its phases ([`super::map`],
+//! What a round is asked to do and how it can fail, for every step — shared by
+//! the round executor ([`super`]) and its phases ([`super::map`],
 //! [`super::reduce`]), which sit below it: the round's spec, its error, the
 //! journal key of a level-1 call and the clock that journals each phase.
 
@@ -20,8 +20,7 @@ use crate::llm::LlmError;
 /// fails, the round fails.
 pub const MAX_LEFT_OUT_SHARE: f64 = 1.0 / 3.0;
 
-/// A prompt setting; defined in `domain` so the domain need not import the learning engine.
-pub use crate::domain::prompt::ReduceMode;
+use crate::domain::ReduceMode;
 
 /// What a round is asked to do; fixed when the round is created, so a resumed
 /// round regroups identically.
@@ -40,7 +39,7 @@ pub struct RoundSpec {
     pub agent_reflections: AgentReflections,
     /// Lines learned content must not add (from the configuration, not stored with the round).
     #[serde(skip)]
-    pub denylist: std::sync::Arc<super::denylist::ContentDenylist>,
+    pub denylist: std::sync::Arc<crate::learn::denylist::ContentDenylist>,
     /// Most reflections one level-1 call may be given (Combee), and why — from
     /// the overload meter ([`crate::learn::capacity::sizing`]); it also bounds level 2's fan-in.
     #[serde(default)]

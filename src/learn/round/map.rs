@@ -1,4 +1,4 @@
-//! The map phase of a round: one reflector call per trace, all in parallel
+//! The map step of a round: one reflector call per trace, all in parallel
 //! under the client's concurrency limit, each reflection journaled as it
 //! arrives (a resumed round does not pay twice). An agent's own reflection
 //! replaces the call when the prompt's settings say to use it; a trace whose
