@@ -1,8 +1,8 @@
-//! What a round leaves on record once all its steps have run: its outcome (the new content and every
-//! call), and the part of it the round's record keeps (`detail.outcome`) —
-//! grouping, timings, what reading the answers tolerated, provenance coverage,
-//! what level 2 did. Plain serialisable data, read back by the UI and the
-//! worker; every part defaults so an older record still reads.
+//! What a round leaves on record once all its steps have run: its outcome (the
+//! new content and every call), and the part of it the round's record keeps
+//! (`detail.outcome`) — grouping, timings, what reading the answers tolerated,
+//! provenance coverage, what level 2 did. Plain serialisable data, read back by
+//! the UI and the worker; every part defaults so an older record still reads.
 
 use std::collections::HashSet;
 
