@@ -22,7 +22,7 @@ pub struct Settings {
     pub cache: CacheSettings,
     pub worker: WorkerSettings,
     /// The dynamic batch-size controller for prompts with `batch_size = "auto"`.
-    pub controller: crate::learn::controller::ControllerConfig,
+    pub controller: crate::learn::capacity::batch_size::ControllerConfig,
     pub webhooks: WebhookSettings,
     /// The regression guard (see `worker::guard`).
     #[serde(default)]

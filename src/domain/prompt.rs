@@ -439,6 +439,35 @@ pub struct PromptSummary {
     pub pending_traces: i64,
 }
 
+/// Where each `{name}` placeholder of a prompt text is, braces included: a name
+/// of identifier characters (ASCII letters, digits, `_`) between single braces;
+/// `{{` opens none. The one scanner behind the placeholders a learned version
+/// must keep and their Langfuse spelling.
+pub fn placeholder_spans(text: &str) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let b = text.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'{' && b.get(i + 1) != Some(&b'{') && (i == 0 || b[i - 1] != b'{') {
+            let end = b[i + 1..].iter().position(|c| !(c.is_ascii_alphanumeric() || *c == b'_')).map(|p| i + 1 + p);
+            if let Some(end) = end
+                && end > i + 1
+                && b[end] == b'}'
+            {
+                out.push(i..end + 1);
+                i = end;
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The names of a text's `{name}` placeholders (see [`placeholder_spans`]).
+pub fn placeholders(text: &str) -> std::collections::BTreeSet<String> {
+    placeholder_spans(text).into_iter().map(|s| text[s.start + 1..s.end - 1].to_owned()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

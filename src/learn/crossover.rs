@@ -1,15 +1,15 @@
-//! Crossover, the population's second way to make a new version (E-SPL's
-//! operator beside mutation): when several arms of an `evaluated` prompt each
-//! *won* some task keys in a rating window, one LLM call (template
-//! `prompts/crossover.md`) breeds a child that keeps the champion's helpful
-//! bullets and imports the winners' bullets, given the evidence of which keys
-//! each arm won and by how much. The model only *chooses* bullets (which
-//! champion bullets to drop, which winners' bullets to import, by id); it
-//! writes no text, so the child holds only content that was already learned
-//! and served. Its answer is read like every other answer (tolerant
-//! extraction, unknown keys ignored, unknown ids dropped and counted), then the
-//! choice is applied as delta operations under the prompt's budget (pinned
-//! bullets, removal share, size caps), as a round's would be.
+//! Crossover, outside the map–shuffle–reduce round: the population's second way
+//! to make a new version (E-SPL's operator beside mutation): when several arms
+//! of an `evaluated` prompt each *won* some task keys in a rating window, one
+//! LLM call (template `prompts/crossover.md`) breeds a child that keeps the
+//! champion's helpful bullets and imports the winners' bullets, given the
+//! evidence of which keys each arm won and by how much. The model only
+//! *chooses* bullets (which champion bullets to drop, which winners' bullets to
+//! import, by id); it writes no text, so the child holds only content that was
+//! already learned and served. Its answer is read like every other answer
+//! (tolerant extraction, unknown keys ignored, unknown ids dropped and
+//! counted), then the choice is applied as delta operations under the prompt's
+//! budget (pinned bullets, removal share, size caps), as a round's would be.
 
 use std::collections::HashSet;
 
@@ -18,9 +18,16 @@ use serde_json::Value;
 
 use crate::{
     domain::{DeltaOp, VersionContent},
-    learn::answer::{self, AnswerNotes},
-    learn::delta::{ApplyOutcome, Budget, MergedOp, apply_ops},
-    learn::fence::fence,
+    learn::merge::{
+        apply::{ApplyOutcome, apply_ops},
+        budget::Budget,
+        dedupe::MergedOp,
+    },
+    learn::prompts::{
+        answer::{self, AnswerNotes},
+        fence::fence,
+        messages::fill,
+    },
     llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded, config::LlmConfig},
 };
 
@@ -119,10 +126,7 @@ pub fn messages(champion: i64, champion_content: &VersionContent, winners: &[Win
     let current = fence("current-prompt", "", &champion_content.render());
     let arms = render_arms(champion, winners);
     let vars = [("current_prompt", current.as_str()), ("arms", arms.as_str())];
-    vec![
-        ChatMessage::system(crate::learn::protocol::fill(&system, &vars)),
-        ChatMessage::user(crate::learn::protocol::fill(user, &vars)),
-    ]
+    vec![ChatMessage::system(fill(&system, &vars)), ChatMessage::user(fill(user, &vars))]
 }
 
 /// The string items of `key` (a list); anything else in it is dropped and counted.

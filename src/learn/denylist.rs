@@ -1,4 +1,5 @@
-//! The operator's denylist for learned content: substrings (case-insensitive)
+//! The operator's denylist for learned content, checked when a round validates
+//! its result and when crossover breeds a child: substrings (case-insensitive)
 //! and regular expressions from the configuration (`worker.denylist_substrings`,
 //! `worker.denylist_patterns`). A round whose result adds a line matching any of
 //! them is not published; the round fails with the entry and the offending

@@ -1,28 +1,29 @@
-//! The learning engine: augmented shuffle, grouping for the Combee/naive/sequential
-//! reduce, the level-2 merge of playbook delta operations and the dynamic
-//! batch-size controller's math are pure functions (and so is the level-2 plan:
-//! consolidation by decisions, the structural rewrite merge); `round` runs one learning
-//! round over an LLM backend, recording what it must not lose in a journal; `meter`
-//! estimates per-group retention by group size from the rounds' own provenance;
-//! `sizing` turns that estimate into the group size a round uses;
-//! `crossover` breeds a child of a population's winners (the `evaluated` policy).
+//! The learning engine: Combee's map–shuffle–reduce over a prompt's traces,
+//! in wings named for the step of the method each holds.
+//!
+//! - [`round`]: the round executor — it runs the map step (one reflector call
+//!   per trace), the shuffle and the reduce step (level-1 aggregator calls, the
+//!   level-2 merge) against an LLM backend, recording what it must not lose in
+//!   a journal, and validates the result.
+//! - [`shuffle`]: the shuffle step as pure functions — the augmented shuffle and
+//!   the grouping of reflections into level-1 calls.
+//! - [`merge`]: level 2 of the reduce as pure functions — de-duplicating the
+//!   groups' playbook operations, the removal budget, applying and evicting,
+//!   and the plans of the LLM-assisted merges.
+//! - [`prompts`]: the prompt protocol of the map and reduce calls — templates,
+//!   messages, context fitting, tolerant readers and checks of the answers.
+//! - [`capacity`]: capacity control — the overload meter, the group size it
+//!   gives a round and the batch-size controller.
+//! - [`crossover`] breeds a child of a population's winners (the `evaluated`
+//!   policy, outside the round); [`denylist`] guards what both may add.
+//!
+//! Callers import from the wing that holds a name (`learn::round::RoundSpec`,
+//! `learn::merge::budget::Budget`); nothing is re-exported here.
 
-pub mod answer;
-pub mod controller;
+pub mod capacity;
 pub mod crossover;
-pub mod delta;
 pub mod denylist;
-pub mod fence;
-pub mod grouping;
-pub mod journal;
-pub mod level2;
-mod map;
-pub mod meter;
-pub mod protocol;
-pub mod record;
-mod reduce;
+pub mod merge;
+pub mod prompts;
 pub mod round;
-pub mod schema;
 pub mod shuffle;
-pub mod sizing;
-pub mod spec;

@@ -510,7 +510,7 @@ where
 }
 
 /// Sends `req` and reads the answer with `decode` (which parses and validates;
-/// combee's own tolerant readers are in `learn::answer`). When it fails, asks ONCE
+/// combee's own tolerant readers are in `learn::prompts::answer`). When it fails, asks ONCE
 /// more with the bad answer and the reason appended to the conversation; a
 /// second failure is [`LlmError::InvalidAnswer`]. Every call made, failed or
 /// not, is pushed onto `calls`.
@@ -921,8 +921,8 @@ mod tests {
         let c = client(&url, |_| {});
         let mut calls = vec![];
         let decode = |t: &str| {
-            let mut notes = crate::learn::answer::AnswerNotes::default();
-            crate::learn::answer::extract_object(t, &mut notes).map(|m| m["instruction"].clone())
+            let mut notes = crate::learn::prompts::answer::AnswerNotes::default();
+            crate::learn::prompts::answer::extract_object(t, &mut notes).map(|m| m["instruction"].clone())
         };
         let v = chat_decoded(&c, LlmRole::Aggregator, schema_req(&c), &mut calls, decode).await.unwrap();
         assert_eq!(v, json!("y"));

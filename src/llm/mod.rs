@@ -1,7 +1,7 @@
 //! The LLM transport: the one narrow trait the learning engine calls for chat
 //! completions, the plain request/response types it speaks, and the per-call
 //! record (usage, cost, latency, retries) a round stores. It knows nothing of
-//! combee's prompts or answers (those are `learn::protocol`), so it imports no
+//! combee's prompts or answers (those are `learn::prompts`), so it imports no
 //! higher layer.
 //!
 //! Implementation: [`client::OpenAiClient`] for any OpenAI-compatible server,

@@ -4,7 +4,7 @@
 //! and the view operators see of it — the per-size profile, the fitted round
 //! time R(bs) = A·bs^(−α), the chosen batch and the bound that set it, and the
 //! overload meter (the estimated per-group retention by group size, see
-//! [`crate::learn::meter`]) with the group size it gives the next round. The
+//! [`crate::learn::capacity::meter`]) with the group size it gives the next round. The
 //! API and the web UI show the same view.
 
 use chrono::{DateTime, Utc};
@@ -16,9 +16,9 @@ use super::{AppState, ServiceError, ServiceResult};
 use crate::{
     domain::{BatchSize, Prompt, PromptName, Strategy},
     learn::{
-        controller::{self, Choice, ControllerConfig, Quality, Sample, choose},
-        meter::{BucketCounts, MeterBucket},
-        sizing::{GroupSize, choose_group_size},
+        capacity::batch_size::{self, Choice, ControllerConfig, Quality, Sample, choose},
+        capacity::meter::{BucketCounts, MeterBucket},
+        capacity::sizing::{GroupSize, choose_group_size},
     },
     store::{ControllerSample, DynStore, StoreResult},
 };
@@ -149,8 +149,8 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
         samples.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs }).collect();
     let n = backlog.pending.max(0) as u64;
     let quality = quality(&st.store, &backlog.prompt, cfg).await?;
-    let choice = controller::choose(&plain, n, &quality, cfg);
-    let curve = controller::profile(&plain, cfg.window)
+    let choice = batch_size::choose(&plain, n, &quality, cfg);
+    let curve = batch_size::profile(&plain, cfg.window)
         .into_iter()
         .map(|(bs, secs)| CurvePoint {
             batch_size: bs,

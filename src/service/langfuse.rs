@@ -14,7 +14,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
-use crate::domain::{LabelName, label::Selector};
+use crate::domain::{LabelName, label::Selector, prompt::placeholder_spans};
 
 /// A prompt as Langfuse's API returns it (`GET /api/public/v2/prompts/{name}`).
 #[derive(Debug, Serialize, ToSchema, PartialEq)]
@@ -97,26 +97,14 @@ pub async fn prompt(
 /// combee's `{name}` placeholders (identifier characters, not part of `{{`)
 /// written as Langfuse's `{{name}}`; every other brace stays as it is.
 pub fn mustache(text: &str) -> String {
-    let b = text.as_bytes();
     let mut out = String::with_capacity(text.len() + 8);
     let mut copied = 0;
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'{' && b.get(i + 1) != Some(&b'{') && (i == 0 || b[i - 1] != b'{') {
-            let end = b[i + 1..].iter().position(|c| !(c.is_ascii_alphanumeric() || *c == b'_')).map(|p| i + 1 + p);
-            if let Some(end) = end
-                && end > i + 1
-                && b[end] == b'}'
-            {
-                out.push_str(&text[copied..i]);
-                out.push_str("{{");
-                out.push_str(&text[i + 1..end]);
-                out.push_str("}}");
-                copied = end + 1;
-                i = end;
-            }
-        }
-        i += 1;
+    for span in placeholder_spans(text) {
+        out.push_str(&text[copied..span.start]);
+        out.push_str("{{");
+        out.push_str(&text[span.start + 1..span.end - 1]);
+        out.push_str("}}");
+        copied = span.end;
     }
     out.push_str(&text[copied..]);
     out

@@ -12,8 +12,8 @@ use sha2::{Digest, Sha256};
 
 use super::model::{CapacityModel, SimConfig, expected_kept};
 use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
-use crate::learn::level2::{Action, Decision, DecisionsAnswer};
-use crate::learn::protocol::{InstructionAnswer, Task};
+use crate::learn::merge::level2::{Action, Decision, DecisionsAnswer};
+use crate::learn::prompts::{checks::InstructionAnswer, task::Task};
 
 #[derive(Deserialize)]
 pub(super) struct SimRequest {

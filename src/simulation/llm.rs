@@ -89,7 +89,7 @@ use serde_json::json;
 use super::answers::{CROSSOVER_TASK, SimRequest, answer, hash_u64, is_crossover, shape_answer, unit};
 pub use super::answers::{capacity, combine_capacity, latency_ms, simulated_answer};
 pub use super::model::{CapacityModel, SimConfig, expected_kept};
-use crate::learn::protocol::Task;
+use crate::learn::prompts::task::Task;
 use crate::llm::client::estimate_tokens;
 
 /// `combee sim-llm`: run the simulated LLM server.
@@ -319,9 +319,9 @@ pub(crate) mod tests {
     use crate::domain::playbook::{Bullet, Playbook, Section};
     use crate::domain::{BulletTag, BulletTagKind, DeltaOp, Reflection};
     use crate::domain::{Strategy, Trace};
-    use crate::learn::delta::MergedOp;
-    use crate::learn::protocol::{
-        self,
+    use crate::learn::merge::dedupe::MergedOp;
+    use crate::learn::prompts::{
+        calls, messages,
         tests::{reflection, trace},
     };
     use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmConfig, LlmError, LlmRole, OpenAiClient};
@@ -351,7 +351,7 @@ pub(crate) mod tests {
         current: &VersionContent,
         calls: &mut Vec<LlmCall>,
     ) -> Result<Reflection, LlmError> {
-        Ok(protocol::reflect_noted(&sim.client, &sim.cfg, trace, current, Strategy::Playbook, calls).await?.value)
+        Ok(calls::reflect(&sim.client, &sim.cfg, trace, current, Strategy::Playbook, calls).await?.value)
     }
 
     /// A playbook aggregator call's operations, without notes and sources.
@@ -361,7 +361,7 @@ pub(crate) mod tests {
         reflections: &[Reflection],
         calls: &mut Vec<LlmCall>,
     ) -> Result<Vec<DeltaOp>, LlmError> {
-        let noted = protocol::aggregate_playbook_noted(&sim.client, &sim.cfg, current, reflections, calls).await?;
+        let noted = calls::aggregate_playbook(&sim.client, &sim.cfg, current, reflections, calls).await?;
         Ok(noted.value.into_iter().map(|s| s.op).collect())
     }
 
@@ -372,7 +372,7 @@ pub(crate) mod tests {
         reflections: &[Reflection],
         calls: &mut Vec<LlmCall>,
     ) -> Result<String, LlmError> {
-        Ok(protocol::aggregate_rewrite_noted(&sim.client, &sim.cfg, current, reflections, calls).await?.value)
+        Ok(calls::aggregate_rewrite(&sim.client, &sim.cfg, current, reflections, calls).await?.value)
     }
 
     pub(crate) async fn start(sim: SimConfig, tweak: impl FnOnce(&mut LlmConfig)) -> Running {
@@ -654,12 +654,12 @@ pub(crate) mod tests {
 
         let proposals: Vec<String> =
             [0..10, 5..20].into_iter().map(|r| format!("You solve {{task}}.\n{}", marker_lines(r))).collect();
-        let merged = protocol::merge_rewrite(&sim.client, &sim.cfg, &current, &proposals, &mut calls).await.unwrap();
+        let merged = calls::merge_rewrite(&sim.client, &sim.cfg, &current, &proposals, &mut calls).await.unwrap();
         assert!(merged.starts_with("You solve {task}."));
         assert_eq!(insights(&merged).len(), 20, "20 distinct insights in 2 proposals, K per proposal");
         let proposals: Vec<String> =
             (0..20).map(|p| format!("You solve {{task}}.\n{}", marker_lines(p * 10..p * 10 + 10))).collect();
-        let merged = protocol::merge_rewrite(&sim.client, &sim.cfg, &current, &proposals, &mut calls).await.unwrap();
+        let merged = calls::merge_rewrite(&sim.client, &sim.cfg, &current, &proposals, &mut calls).await.unwrap();
         assert_eq!(insights(&merged).len(), 86, "20 proposals > D = 12: floor(12·12·12/20)");
 
         let add = |i: usize| DeltaOp::Add {
@@ -681,9 +681,9 @@ pub(crate) mod tests {
             .collect();
         let current = playbook(&["INSIGHT-i7: lesson number 7"]);
         let decisions =
-            protocol::consolidate_playbook(&sim.client, &sim.cfg, &current, &pooled, &mut calls).await.unwrap();
+            calls::consolidate_playbook(&sim.client, &sim.cfg, &current, &pooled, &mut calls).await.unwrap();
         assert_eq!(decisions.len(), 2, "{decisions:?}");
-        let out = crate::learn::level2::apply_decisions(&pooled, &decisions).unwrap();
+        let out = crate::learn::merge::level2::apply_decisions(&pooled, &decisions).unwrap();
         let ops: Vec<DeltaOp> = out.ops.iter().map(|m| m.op.clone()).collect();
         assert_eq!(tokens(&ops), ["i0", "i1", "i2"]);
         assert_eq!(out.ops[1].groups, vec![1, 2]);
@@ -705,7 +705,7 @@ pub(crate) mod tests {
         let sim = start(sim_cfg, |_| {}).await;
         let req = sim.client.request(
             LlmRole::Aggregator,
-            protocol::aggregate_playbook_messages(&playbook(&[]), &numbered(0..10)),
+            messages::aggregate_playbook_messages(&playbook(&[]), &numbered(0..10)),
             true,
         );
         let started = std::time::Instant::now();
@@ -786,8 +786,7 @@ pub(crate) mod tests {
         let mut group = numbered(0..4);
         // Reflection 4 repeats the lesson of reflection 1: one op, both cited.
         group[3].key_insight = "INSIGHT-i0: lesson number 0, seen again".into();
-        let got =
-            protocol::aggregate_playbook_noted(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await.unwrap();
+        let got = calls::aggregate_playbook(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await.unwrap();
         let cited: Vec<(String, Vec<usize>)> =
             got.value.iter().map(|s| (tokens(std::slice::from_ref(&s.op)).join(""), s.sources.clone())).collect();
         assert_eq!(cited, [("i0".to_owned(), vec![0, 3]), ("i2".to_owned(), vec![2])]);
@@ -807,10 +806,8 @@ pub(crate) mod tests {
         let (sim, clean) = (start(shaped, |_| {}).await, start(hard(), |_| {}).await);
         let current = playbook(&["Check units"]);
         let group = numbered(0..3);
-        let got =
-            protocol::aggregate_playbook_noted(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await.unwrap();
-        let want =
-            protocol::aggregate_playbook_noted(&clean.client, &clean.cfg, &current, &group, &mut vec![]).await.unwrap();
+        let got = calls::aggregate_playbook(&sim.client, &sim.cfg, &current, &group, &mut vec![]).await.unwrap();
+        let want = calls::aggregate_playbook(&clean.client, &clean.cfg, &current, &group, &mut vec![]).await.unwrap();
         assert_eq!(got.value, want.value, "the same operations and sources once the shapes are read through");
         assert_eq!(got.notes.wrapping, ["think block", "code fence"]);
         assert!(got.notes.unknown_keys.contains(&"confidence".to_owned()), "{:?}", got.notes);
@@ -821,9 +818,7 @@ pub(crate) mod tests {
         assert!(reasons.iter().any(|r| r.contains("\"b-9999\" is not a bullet")), "{reasons:?}");
         assert!(reasons.iter().any(|r| r.contains("999 is not a reflection of this group")), "{reasons:?}");
         let t = with_trajectory("Used [b-0001].\nINSIGHT-units: convert to SI first", true);
-        let r = protocol::reflect_noted(&sim.client, &sim.cfg, &t, &current, Strategy::Playbook, &mut vec![])
-            .await
-            .unwrap();
+        let r = calls::reflect(&sim.client, &sim.cfg, &t, &current, Strategy::Playbook, &mut vec![]).await.unwrap();
         assert_eq!(r.value.key_insight, "INSIGHT-units: convert to SI first");
         assert_eq!(r.value.bullet_tags.len(), 1);
         assert_eq!(r.notes.dropped_count, 1);

@@ -28,7 +28,7 @@ pub struct ControllerSample {
 /// reads its newest this many, and retention deletes only older ones.
 pub const CONTROLLER_SAMPLES_KEPT: u32 = 500;
 
-/// Overload-meter counts of one group-size bucket (see `learn::meter`):
+/// Overload-meter counts of one group-size bucket (see `learn::capacity::meter`):
 /// copies marked by another covered copy of their reflection, and of them
 /// those their own group covered too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]

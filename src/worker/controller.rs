@@ -8,7 +8,7 @@ use std::{collections::HashMap, sync::Mutex};
 pub use crate::service::controller::{SAMPLE_LIMIT, current, default_batch, group_size, meter, quality, samples};
 use crate::{
     domain::PromptName,
-    learn::controller::Choice,
+    learn::capacity::batch_size::Choice,
     store::{DynStore, StoreResult},
 };
 

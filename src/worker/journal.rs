@@ -10,7 +10,7 @@ use uuid::Uuid;
 
 use crate::{
     domain::{GroupOutput, Reflection, RoundDetail, round_detail::PhaseSpan},
-    learn::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal},
+    learn::round::journal::{JournalError, Phase, PhaseEvent, ReflectionSource, RoundJournal},
     llm::LlmCall,
     store::{DynStore, TraceFault},
 };

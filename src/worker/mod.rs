@@ -23,12 +23,11 @@ pub use journal::{StoreJournal, unreflected_faults};
 
 use crate::{
     config::WorkerSettings,
-    domain::{BatchSize, RoundDetail, round::RoundTrigger},
+    domain::{BatchSize, Method, RoundDetail, round::RoundTrigger},
     learn::{
-        controller::ControllerConfig,
-        delta::Budget,
+        capacity::batch_size::ControllerConfig,
         denylist::ContentDenylist,
-        grouping::Method,
+        merge::budget::Budget,
         round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, config::LlmConfig},
@@ -338,7 +337,7 @@ impl Worker {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");
-                crate::learn::sizing::GroupSize::default_because("the overload meter could not be read")
+                crate::learn::capacity::sizing::GroupSize::default_because("the overload meter could not be read")
             }
         };
         RoundSpec {

@@ -36,8 +36,8 @@ use crate::{
     },
     learn::{
         crossover::{self, Winner, WonTask},
-        delta::Budget,
         denylist::ContentDenylist,
+        merge::budget::Budget,
     },
     llm::{LlmBackend, LlmError, config::LlmConfig},
     service::population::reconcile,

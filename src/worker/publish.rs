@@ -7,9 +7,9 @@
 //! plain data, [`publish`] carries it out against the store.
 
 use crate::{
-    domain::{LabelName, Promotion, Prompt, VersionSource, prompt::NewVersion},
+    domain::{LabelName, Method, Promotion, Prompt, VersionSource, prompt::NewVersion},
     evaluate::population::PopulationPolicy,
-    learn::{grouping::Method, round::RoundOutcome},
+    learn::round::RoundOutcome,
     store::{DynStore, MeterCounts, StoreError, TraceCharges, TraceFault},
 };
 
@@ -148,7 +148,7 @@ mod tests {
     use super::*;
     use crate::domain::{PromptName, PromptSettings, Strategy, VersionContent};
     use crate::learn::{
-        meter::{BucketCounts, MeterReading},
+        capacity::meter::{BucketCounts, MeterReading},
         round::{OutcomeRecord, Unreflected},
     };
 

@@ -595,7 +595,7 @@ mod webhooks {
 
 mod controller {
     use super::*;
-    use combee::learn::controller::ControllerConfig;
+    use combee::learn::capacity::batch_size::ControllerConfig;
 
     /// Polls until the prompt's rounds have consumed `n` traces, all succeeded; oldest first.
     async fn rounds_until_consumed(app: &TestApp, name: &str, n: u64) -> Vec<Value> {
@@ -821,7 +821,7 @@ mod meter {
     use std::collections::{BTreeMap, HashMap};
 
     use super::*;
-    use combee::learn::meter::bucket_of;
+    use combee::learn::capacity::meter::bucket_of;
 
     /// Sends `rounds` batches of `batch` traces with fresh insights and runs a Combee round on each.
     async fn run_rounds(app: &TestApp, name: &str, batch: usize, rounds: usize) -> Vec<Value> {
@@ -930,15 +930,14 @@ mod resume {
     use async_trait::async_trait;
     use combee::{
         domain::{
-            Promotion, PromptName, PromptSettings, RoundDetail, Strategy, VersionContent, VersionSource,
+            Promotion, PromptName, PromptSettings, ReduceMode, RoundDetail, Strategy, VersionContent, VersionSource,
             prompt::{NewPrompt, NewVersion},
-            round::RoundTrigger,
+            round::{Method, RoundTrigger},
             trace::{NewTrace, TraceLimits},
         },
         learn::{
-            delta::Budget,
-            grouping::Method,
-            round::{ReduceMode, RoundSpec, run_round},
+            merge::budget::Budget,
+            round::{RoundSpec, run_round},
         },
         llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},
         store::{DynStore, OpenRound, RoundFailure},

@@ -295,7 +295,7 @@ fn whole_backlog(prompt: &str) -> OpenRound {
     OpenRound {
         prompt: name(prompt),
         trigger: combee::domain::round::RoundTrigger::Api,
-        method: combee::learn::grouping::Method::Combee,
+        method: combee::domain::Method::Combee,
         batch: 1_000,
         min_traces: 1,
         seed: 1,

@@ -11,11 +11,10 @@ use combee::{
         access::{NewUiSession, Scope},
         label::{LabelMove, Selector},
         prompt::{NewPrompt, NewVersion},
-        round::RoundTrigger,
+        round::{Method, RoundTrigger},
         span::{OtlpMerge, OtlpRemap, OtlpSpan},
         trace::{IdempotencyKey, IdempotentIngest, NewTrace, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
     },
-    learn::grouping::Method,
     store::{
         Change, DynStore, MeterCounts, OpenRound, RoundFailure, StoreError, TraceAction, TraceCharges, TraceFault,
     },
@@ -628,7 +627,7 @@ async fn open_and_claim(s: &DynStore, prompt: &str) -> combee::store::ClaimedRou
     let req = OpenRound {
         prompt: name(prompt),
         trigger: combee::domain::round::RoundTrigger::Api,
-        method: combee::learn::grouping::Method::Combee,
+        method: combee::domain::Method::Combee,
         batch: 100,
         min_traces: 1,
         seed: 1,

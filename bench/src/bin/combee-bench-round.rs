@@ -9,12 +9,11 @@ use std::{sync::Arc, time::Instant};
 
 use clap::Parser;
 use combee::{
-    domain::{Feedback, PromptName, Strategy, Trace, VersionContent},
+    domain::{Feedback, Method, PromptName, ReduceMode, Strategy, Trace, VersionContent},
     learn::{
-        delta::Budget,
-        grouping::Method,
-        journal::{MemoryJournal, RoundJournal},
-        round::{ReduceMode, RoundSpec, run_round},
+        merge::budget::Budget,
+        round::journal::{MemoryJournal, RoundJournal},
+        round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
     simulation::llm::SimConfig,

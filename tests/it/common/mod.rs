@@ -253,8 +253,10 @@ pub async fn restart_app_with(prev: &TestApp, tweak: impl FnOnce(&mut Settings))
 /// attempt allowed per trace, each charged for a failure of its own. Returns the failed traces' ids.
 pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uuid> {
     use combee::{
-        domain::{PromptName, round::RoundTrigger},
-        learn::grouping::Method,
+        domain::{
+            PromptName,
+            round::{Method, RoundTrigger},
+        },
         store::{OpenRound, RoundFailure, TraceCharges, TraceFault},
     };
     let open = OpenRound {

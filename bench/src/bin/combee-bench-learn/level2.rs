@@ -7,12 +7,12 @@ use std::time::Instant;
 
 use anyhow::Context as _;
 use combee::{
-    domain::{Strategy, VersionContent},
+    domain::{Method, ReduceMode, Strategy, VersionContent},
     learn::{
-        delta::Budget,
-        grouping::{self, Method},
-        journal::MemoryJournal,
-        round::{ReduceMode, RoundSpec, run_round},
+        merge::budget::Budget,
+        round::journal::MemoryJournal,
+        round::{RoundSpec, run_round},
+        shuffle::grouping,
     },
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
     simulation::llm::{self as sim, CapacityModel, SimConfig},

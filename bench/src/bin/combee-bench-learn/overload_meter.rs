@@ -6,14 +6,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
 use combee::{
-    domain::Strategy,
+    domain::{Method, ReduceMode, Strategy},
     learn::{
-        delta::Budget,
-        grouping::Method,
-        journal::MemoryJournal,
-        meter::{self, BucketCounts},
-        round::{ReduceMode, RoundSpec, run_round},
-        sizing::GroupSize,
+        capacity::meter::{self, BucketCounts},
+        capacity::sizing::GroupSize,
+        merge::budget::Budget,
+        round::journal::MemoryJournal,
+        round::{RoundSpec, run_round},
     },
 };
 use uuid::Uuid;

@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 
 use combee::{
-    learn::controller::ControllerConfig,
+    learn::capacity::batch_size::ControllerConfig,
     simulation::llm::{CapacityModel, SimConfig},
 };
 

@@ -9,15 +9,15 @@ use std::time::Instant;
 use anyhow::Context as _;
 use async_trait::async_trait;
 use combee::{
-    domain::{Feedback, PromptName, Strategy, Trace, VersionContent},
+    domain::{Feedback, Method, PromptName, ReduceMode, Strategy, Trace, VersionContent},
     learn::{
-        controller::{self, ControllerConfig, Quality, Sample},
-        delta::Budget,
-        grouping::{self, Execution, Method},
-        journal::MemoryJournal,
-        meter::{BucketCounts, MeterBucket},
-        round::{ReduceMode, RoundSpec, run_round},
-        sizing::{GroupSize, choose_group_size},
+        capacity::batch_size::{self, ControllerConfig, Quality, Sample},
+        capacity::meter::{BucketCounts, MeterBucket},
+        capacity::sizing::{GroupSize, choose_group_size},
+        merge::budget::Budget,
+        round::journal::MemoryJournal,
+        round::{RoundSpec, run_round},
+        shuffle::grouping::{self, Execution},
     },
     llm::{
         ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, Usage, client::estimate_tokens,
@@ -178,7 +178,7 @@ pub(crate) fn insight_tokens(text: &str) -> BTreeSet<String> {
 /// Learns from the whole backlog with `setup`, round after round. Combee-auto
 /// does what the worker does: the overload meter accumulates the rounds' own
 /// readings (`outcome.meter`), the group size comes from it
-/// (`sizing::choose_group_size`), and the controller (`controller::choose`)
+/// (`sizing::choose_group_size`), and the controller (`batch_size::choose`)
 /// picks each batch from the round times so far — all on the product defaults.
 pub(crate) async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult> {
     learn_from(env, mode, setup, &env.traces, env.llm.max_concurrency).await
@@ -212,7 +212,7 @@ pub(crate) async fn learn_from(
             Sizing::Auto(cfg) => {
                 let group_size = choose_group_size(&buckets, cfg.target_retention, setup.p >= 2);
                 let quality = Quality::of(group_size.clone(), setup.p, true);
-                let choice = controller::choose(&samples, backlog as u64, &quality, cfg);
+                let choice = batch_size::choose(&samples, backlog as u64, &quality, cfg);
                 largest = largest.max(Some(choice.batch_size));
                 let why = format!("{}; groups: {}", choice.reason.message(), group_size.message());
                 (choice.batch_size.max(1) as usize, Some(why), group_size)

@@ -7,11 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use combee::{
-    domain::VersionContent,
-    learn::{
-        controller::ControllerConfig,
-        grouping::{self, Method},
-    },
+    domain::{Method, VersionContent},
+    learn::{capacity::batch_size::ControllerConfig, shuffle::grouping},
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
     simulation::llm::{self as sim, CapacityModel, SimConfig},
 };

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from .errors import MissingVariable
 
-# The server's own rule (src/learn/protocol.rs `placeholders`): `{` + one or more
+# The server's own rule (src/domain/prompt.rs `placeholder_spans`): `{` + one or more
 # ASCII letters, digits or `_` + `}`, not part of a `{{…}}` pair. Anything else
 # in braces (JSON examples, `{{escaped}}`) is left alone.
 _PLACEHOLDER = re.compile(r"(?<!\{)\{([A-Za-z0-9_]+)\}")

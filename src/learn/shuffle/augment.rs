@@ -1,4 +1,5 @@
-//! Augmented shuffle (the Combee paper's, see `docs/learning.md`): every reflection appears p times and the
+//! The shuffle step's first half, the augmented shuffle (the Combee paper's,
+//! see `docs/learning.md`): every reflection appears p times and the
 //! augmented list is shuffled with the round's seed, so each insight gets
 //! several chances to land in a group and a resumed round regroups identically.
 

@@ -2,7 +2,7 @@
 //! reflections, the reduce's operations, instructions and decisions), sent as
 //! `response_format` so a backend that can hold a model to a schema does:
 //! a small model then writes every field it must, within the lengths its
-//! token limit leaves room for. The reader in [`super::protocol`] still checks
+//! token limit leaves room for. The readers in [`super::decode`] still check
 //! every answer: a schema is a request, not a guarantee.
 
 use std::sync::{Arc, LazyLock};

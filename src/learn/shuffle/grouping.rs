@@ -1,20 +1,19 @@
-//! Which reflections go to which aggregator call. Combee cuts the augmented,
-//! shuffled list into k = ⌊√n⌋ contiguous groups that run in parallel; the
-//! `naive` and `sequential` baselines use the same code path with a different
-//! grouping, so a benchmark compares methods and nothing else.
+//! The shuffle step's second half: which reflections go to which level-1
+//! aggregator call. Combee cuts the augmented, shuffled list into k = ⌊√n⌋
+//! contiguous groups that run in parallel; the `naive` and `sequential`
+//! baselines use the same code path with a different grouping, so a benchmark
+//! compares methods and nothing else.
 
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use super::shuffle::augmented_indices;
+use super::augment::augmented_indices;
 
 /// Size of a sequential (GEPA-default) minibatch.
 pub const SEQUENTIAL_BATCH: usize = 3;
 
-/// Vocabulary of the round record; defined in `domain` so the domain and the
-/// store need not import the learning engine.
-pub use crate::domain::round::Method;
+use crate::domain::Method;
 
 /// Whether the groups of a plan are aggregated against the same frozen version
 /// and merged once, or applied one after another.

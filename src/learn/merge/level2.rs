@@ -1,4 +1,5 @@
-//! Level 2 of the reduce, built so that no LLM call ever has to restate the
+//! Level 2 of the reduce, its LLM-assisted merges planned as pure functions
+//! (the calls are made by the round's reduce step), built so that no LLM call ever has to restate the
 //! union of what the groups learned. A model keeps only so many new lessons per
 //! answer (the "context overload" the Combee paper measures); a level 2 that asks
 //! one call to rewrite all k group results therefore loses most of them again,
@@ -32,9 +33,9 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use super::delta::{self, MergedOp, Overruled};
-use super::grouping::split_contiguous;
+use super::dedupe::{self, MergedOp, Overruled};
 use crate::domain::DeltaOp;
+use crate::learn::shuffle::grouping::split_contiguous;
 
 /// Most operations one consolidation call is shown.
 pub const CONSOLIDATE_MAX_OPS: usize = 80;
@@ -284,7 +285,7 @@ pub fn union_of_nodes(children: Vec<Vec<MergedOp>>) -> Vec<MergedOp> {
     let groups_of = |idx: &[usize]| -> Vec<usize> {
         idx.iter().flat_map(|&i| flat[i].groups.iter().copied()).collect::<BTreeSet<usize>>().into_iter().collect()
     };
-    delta::normalize_sourced_ops(raw)
+    dedupe::normalize_sourced_ops(raw)
         .into_iter()
         .map(|m| {
             let mut overruled: Vec<Overruled> =

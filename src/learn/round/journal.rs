@@ -1,8 +1,9 @@
-//! What a round writes down while it runs, so a crashed round resumes without
-//! paying for its reflections twice and an operator can see every phase, call and
-//! group output (a resumed round reuses the level-1 outputs it already paid
-//! for, too). The store implements [`RoundJournal`] for one round row; the
-//! round executor never sees a database. [`MemoryJournal`] serves tests and benches.
+//! What a round writes down while it runs, in every step (map, level 1, level
+//! 2), so a crashed round resumes without paying for its reflections twice and
+//! an operator can see every phase, call and group output (a resumed round
+//! reuses the level-1 outputs it already paid for, too). The store implements
+//! [`RoundJournal`] for one round row; the round executor never sees a
+//! database. [`MemoryJournal`] serves tests and benches.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

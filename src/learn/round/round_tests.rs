@@ -6,12 +6,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use async_trait::async_trait;
 use serde_json::{Value, json};
 
+use super::journal::{MemoryJournal, ReflectionSource};
+use super::reduce::{GroupAnswer, RoundReducer, too_many_left_out};
 use super::*;
-use crate::domain::AgentReflections;
-use crate::learn::delta::{Budget, Protection};
-use crate::learn::journal::{MemoryJournal, ReflectionSource};
-use crate::learn::protocol::tests::{reflection, trace};
-use crate::learn::reduce::{Proposal, Reduce, too_many_left_out};
+use crate::domain::{AgentReflections, ReduceMode};
+use crate::learn::merge::budget::{Budget, Protection};
+use crate::learn::prompts::tests::{reflection, trace};
 use crate::llm::LlmError;
 use crate::llm::{ChatRequest, ChatResponse, OpenAiClient};
 use crate::simulation::llm::SimConfig;
@@ -408,15 +408,17 @@ async fn under_the_soft_model_level_2_keeps_what_the_groups_learned() {
 async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
     let sim = Sim::start(hard(), |_| {}).await;
     let base = VersionContent { base: "You solve {task}.\nRule A.\nEnd.".into(), playbook: None };
-    let mut proposals: Vec<Proposal> = (1..=5)
+    let mut proposals: Vec<GroupAnswer> = (1..=5)
         .map(|i| {
-            Proposal::Instruction(format!("You solve {{task}}.\nRule A, per group {i}: INSIGHT-r{i}: case {i}.\nEnd."))
+            GroupAnswer::Instruction(format!(
+                "You solve {{task}}.\nRule A, per group {i}: INSIGHT-r{i}: case {i}.\nEnd."
+            ))
         })
         .collect();
-    proposals.push(Proposal::Instruction("You solve {task}.\nRule A.\nEnd.\n- INSIGHT-tail: appended".into()));
+    proposals.push(GroupAnswer::Instruction("You solve {task}.\nRule A.\nEnd.\n- INSIGHT-tail: appended".into()));
     let journal = MemoryJournal::new();
     let s = spec(Method::Combee, Strategy::Rewrite, 1, 1);
-    let reduce = Reduce {
+    let reduce = RoundReducer {
         backend: &sim.client,
         llm: &sim.cfg,
         journal: &journal,
@@ -697,7 +699,10 @@ async fn unreadable_level_2_answers_degrade_to_the_union() {
     let plain = Sim::start(hard(), |_| {}).await;
     let ts = traces(24);
     let union = RoundSpec {
-        group_size: crate::learn::sizing::GroupSize::bounded(4, crate::learn::sizing::SizeSource::Start),
+        group_size: crate::learn::capacity::sizing::GroupSize::bounded(
+            4,
+            crate::learn::capacity::sizing::SizeSource::Start,
+        ),
         ..spec(Method::Combee, Strategy::Playbook, 2, 5)
     };
     let llm = RoundSpec { reduce: ReduceMode::Llm, ..union.clone() };
@@ -711,14 +716,16 @@ async fn unreadable_level_2_answers_degrade_to_the_union() {
     // Rewrite: five groups rewrite the same line differently, so the passage
     // goes to merge calls; unreadable, its versions are kept side by side.
     let base = VersionContent { base: "You solve {task}.\nRule A.\nEnd.".into(), playbook: None };
-    let proposals: Vec<Proposal> = (1..=5)
+    let proposals: Vec<GroupAnswer> = (1..=5)
         .map(|i| {
-            Proposal::Instruction(format!("You solve {{task}}.\nRule A, per group {i}: INSIGHT-r{i}: case {i}.\nEnd."))
+            GroupAnswer::Instruction(format!(
+                "You solve {{task}}.\nRule A, per group {i}: INSIGHT-r{i}: case {i}.\nEnd."
+            ))
         })
         .collect();
     let journal = MemoryJournal::new();
     let s = spec(Method::Combee, Strategy::Rewrite, 1, 1);
-    let reduce = Reduce {
+    let reduce = RoundReducer {
         backend: &garbled.client,
         llm: &garbled.cfg,
         journal: &journal,

@@ -1,14 +1,16 @@
-//! The round executor: one learning step for one prompt over a batch of traces —
-//! map (one reflector call per trace), augmented shuffle, level-1 reduce (one
-//! aggregator call per group against the same frozen version), level-2 reduce,
-//! validation — as `docs/design.md` (The round, step by step) describes. It knows no store: everything it
+//! The round executor, which runs every step of the method in order for one
+//! prompt over a batch of traces — map (one reflector call per trace, [`map`]),
+//! augmented shuffle ([`crate::learn::shuffle`]), level-1 reduce (one
+//! aggregator call per group against the same frozen version) and level-2
+//! reduce ([`reduce`]), validation — as `docs/design.md` (The round, step by
+//! step) describes. It knows no store: everything it
 //! must not lose goes through a [`RoundJournal`], so a crashed round resumes from
 //! its saved reflections and only the missing ones are paid for again.
 //!
 //! Level 2 departs from a single merge call on purpose: no call is ever asked to
 //! restate the union of what the groups learned (playbook `reduce = "llm"`
 //! consolidates by decisions on numbered ops; rewrite merges the group
-//! instructions structurally against the base) — see [`super::level2`].
+//! instructions structurally against the base) — see [`crate::learn::merge::level2`].
 //!
 //! Two choices the design leaves open:
 //! - A reflection that lands twice in the *same* group is sent to that group's
@@ -26,29 +28,37 @@
 //!   than failing the round, unless more than [`MAX_LEFT_OUT_SHARE`] of the
 //!   groups (or all of them) are: then the round fails as before. With p ≥ 2
 //!   its reflections usually still reach the reduce through their other group.
-//! - Answers are read tolerantly ([`super::answer`]); everything ignored or
+//! - Answers are read tolerantly ([`crate::learn::prompts::answer`]); everything ignored or
 //!   dropped is counted per call in [`RoundOutcome::answers`].
 //! - Provenance: aggregator operations cite the reflections of their group they
 //!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an
 //!   applied operation cites it — the retention figure a real model gives.
 
+pub mod journal;
+mod map;
+mod record;
+mod reduce;
+mod spec;
+
 use std::collections::HashSet;
 
 use uuid::Uuid;
 
-use super::delta::{self, Protection};
-use super::grouping::{self, Execution, Method};
-use super::journal::{Phase, RoundJournal};
-use super::map::map_phase;
-use super::meter;
-use super::reduce::Reduce;
-use super::spec::PhaseClock;
-pub use super::spec::{MAX_LEFT_OUT_SHARE, ReduceMode, RoundError, RoundSpec, group_key};
+use crate::domain::Method;
+use crate::domain::prompt::placeholders;
 use crate::domain::{Playbook, Reflection, Strategy, Trace, VersionContent};
-use crate::learn::protocol::placeholders;
+use crate::learn::capacity::meter;
+use crate::learn::merge::apply;
+use crate::learn::merge::budget::Protection;
+use crate::learn::shuffle::grouping::{self, Execution};
 use crate::llm::{LlmBackend, LlmConfig};
+use journal::{Phase, RoundJournal};
+use map::map_phase;
+use reduce::RoundReducer;
+use spec::PhaseClock;
+pub use spec::{MAX_LEFT_OUT_SHARE, RoundError, RoundSpec, group_key};
 
-pub use super::record::{
+pub use record::{
     AnswerReport, CallNotes, Coverage, GroupLeftOut, GroupOutput, GroupingRecord, LearnedRoundDetail, Level2Summary,
     MAX_CALL_NOTES, MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
 };
@@ -79,7 +89,7 @@ pub async fn run_round(
     let frozen = match spec.strategy {
         Strategy::Playbook => VersionContent {
             base: base.base.clone(),
-            playbook: Some(delta::apply_bullet_tags(&base.playbook.clone().unwrap_or_default(), &reflections)),
+            playbook: Some(apply::apply_bullet_tags(&base.playbook.clone().unwrap_or_default(), &reflections)),
         },
         Strategy::Rewrite => base.clone(),
     };
@@ -103,7 +113,7 @@ pub async fn run_round(
 
     // What this round may not take away is judged on the counters before its own tags.
     let protection = Protection::for_round(&base.playbook.clone().unwrap_or_default(), &spec.budget);
-    let ctx = Reduce {
+    let ctx = RoundReducer {
         backend,
         llm,
         journal,
@@ -189,9 +199,9 @@ fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec
                 return Err(format!("{} bullets; the budget is {max}", pb.bullet_count()));
             }
             if let Some(max) = budget.max_chars
-                && delta::rendered_chars(&pb) > max
+                && apply::rendered_chars(&pb) > max
             {
-                return Err(format!("playbook is {} characters; the budget is {max}", delta::rendered_chars(&pb)));
+                return Err(format!("playbook is {} characters; the budget is {max}", apply::rendered_chars(&pb)));
             }
         }
         Strategy::Rewrite => {

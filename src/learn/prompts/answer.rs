@@ -1,11 +1,12 @@
-//! Reading a model's answer tolerantly but safely. Real models wrap the JSON they
-//! were asked for in code fences, put prose or a `<think>…</think>` block before
-//! it, add keys nobody asked for and sometimes cite ids that do not exist. This
-//! module finds the one JSON object in such an answer and lets decoders set
-//! aside what they do not know, *counting* everything set aside
-//! ([`AnswerNotes`]) so a round record can show what was ignored or dropped and
-//! why. It never loosens what is accepted: the object found still goes through
-//! the strict types and the size and id checks of [`super::protocol`].
+//! Reading a model's answer to a map or reduce call tolerantly but safely. Real
+//! models wrap the JSON they were asked for in code fences, put prose or a
+//! `<think>…</think>` block before it, add keys nobody asked for and sometimes
+//! cite ids that do not exist. This module finds the one JSON object in such an
+//! answer and lets decoders set aside what they do not know, *counting*
+//! everything set aside ([`AnswerNotes`]) so a round record can show what was
+//! ignored or dropped and why. It never loosens what is accepted: the object
+//! found still goes through the strict types and the size and id checks of
+//! [`super::decode`] and [`super::checks`].
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};

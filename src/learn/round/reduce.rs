@@ -1,8 +1,9 @@
-//! The reduce phases of a round: level 1 (one aggregator call per group
-//! against the same frozen version, journaled as each answers, resumed from the
-//! journal) and level 2 (the deterministic union of playbook operations, or a
-//! consolidation / structural merge in a scan tree of bounded fan-in — see
-//! [`super::level2`]); and the sequential baseline, where each group is applied
+//! The reduce step of a round, the part that calls the backend: level 1 (one
+//! aggregator call per group against the same frozen version, journaled as
+//! each answers, resumed from the journal) and level 2, which runs what
+//! [`crate::learn::merge`] plans as pure functions — the deterministic union
+//! of playbook operations, or a consolidation / structural merge in a scan tree
+//! of bounded fan-in; and the sequential baseline, where each group is applied
 //! before the next.
 
 use std::collections::{HashMap, HashSet};
@@ -12,19 +13,23 @@ use futures_util::stream;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::delta::{self, Applied, Evicted, MergedOp, Protection, Skipped};
 use super::journal::{JournalError, Phase, RoundJournal};
-use super::level2;
-use super::protocol::{self, SourcedOp, Task};
 use super::record::{AnswerReport, GroupLeftOut, GroupOutput, Level2Summary, PhaseTimings};
 use super::spec::{MAX_LEFT_OUT_SHARE, PhaseClock, RoundError, RoundSpec, group_key};
-use crate::domain::{DeltaOp, Reflection, Strategy, VersionContent};
-use crate::learn::answer::AnswerNotes;
-use crate::learn::spec::ReduceMode;
+use crate::domain::{DeltaOp, ReduceMode, Reflection, Strategy, VersionContent};
+use crate::learn::merge::apply::{self, Applied, Evicted, Skipped};
+use crate::learn::merge::budget::Protection;
+use crate::learn::merge::dedupe::{self, MergedOp};
+use crate::learn::merge::level2;
+use crate::learn::prompts::answer::AnswerNotes;
+use crate::learn::prompts::calls;
+use crate::learn::prompts::decode::SourcedOp;
+use crate::learn::prompts::task::Task;
+
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
-/// What the reduce phases produce.
-pub(super) struct Reduced {
+/// What the reduce step produces: the new content and what went into it.
+pub(super) struct ReduceOutcome {
     pub(super) content: VersionContent,
     pub(super) applied: Vec<Applied>,
     pub(super) skipped: Vec<Skipped>,
@@ -37,14 +42,14 @@ pub(super) struct Reduced {
     pub(super) levels: Vec<usize>,
 }
 
-/// One level-1 answer.
-pub(super) enum Proposal {
+/// One group's level-1 aggregator answer: playbook operations or a rewritten instruction.
+pub(super) enum GroupAnswer {
     /// Operations with their sources as positions in the group.
     Ops(Vec<SourcedOp>),
     Instruction(String),
 }
 
-impl Proposal {
+impl GroupAnswer {
     fn to_json(&self) -> Value {
         match self {
             Self::Ops(ops) => json!({ "operations": ops }),
@@ -52,7 +57,7 @@ impl Proposal {
         }
     }
 
-    /// Reads back what [`Proposal::to_json`] wrote (a journaled group output);
+    /// Reads back what [`GroupAnswer::to_json`] wrote (a journaled group output);
     /// `None` when it is not that shape.
     fn from_json(v: &Value) -> Option<Self> {
         if let Some(text) = v.get("instruction").and_then(Value::as_str) {
@@ -85,7 +90,9 @@ impl Proposal {
     }
 }
 
-pub(super) struct Reduce<'a> {
+/// The reduce step of one round: its inputs, the backend it calls and the
+/// round's removal protection; its methods run level 1 and level 2.
+pub(super) struct RoundReducer<'a> {
     pub(super) backend: &'a dyn LlmBackend,
     pub(super) llm: &'a LlmConfig,
     pub(super) journal: &'a dyn RoundJournal,
@@ -98,22 +105,22 @@ pub(super) struct Reduce<'a> {
     pub(super) fan_in: usize,
 }
 
-impl Reduce<'_> {
+impl RoundReducer<'_> {
     /// One aggregator call for `group` against `current`.
     async fn aggregate(
         &self,
         current: &VersionContent,
         group: &[usize],
         calls: &mut Vec<LlmCall>,
-    ) -> Result<(Proposal, AnswerNotes), LlmError> {
+    ) -> Result<(GroupAnswer, AnswerNotes), LlmError> {
         let rs: Vec<Reflection> = group.iter().map(|&i| self.reflections[i].clone()).collect();
         match self.spec.strategy {
-            Strategy::Playbook => protocol::aggregate_playbook_noted(self.backend, self.llm, current, &rs, calls)
+            Strategy::Playbook => calls::aggregate_playbook(self.backend, self.llm, current, &rs, calls)
                 .await
-                .map(|a| (Proposal::Ops(a.value), a.notes)),
-            Strategy::Rewrite => protocol::aggregate_rewrite_noted(self.backend, self.llm, current, &rs, calls)
+                .map(|a| (GroupAnswer::Ops(a.value), a.notes)),
+            Strategy::Rewrite => calls::aggregate_rewrite(self.backend, self.llm, current, &rs, calls)
                 .await
-                .map(|a| (Proposal::Instruction(a.value), a.notes)),
+                .map(|a| (GroupAnswer::Instruction(a.value), a.notes)),
         }
     }
 
@@ -144,7 +151,7 @@ impl Reduce<'_> {
         current: &VersionContent,
         g: usize,
         group: &[usize],
-        proposal: &Proposal,
+        proposal: &GroupAnswer,
         made: Vec<LlmCall>,
         calls: &mut Vec<LlmCall>,
     ) -> Result<GroupOutput, JournalError> {
@@ -176,10 +183,10 @@ impl Reduce<'_> {
         current: &VersionContent,
         g: usize,
         group: &[usize],
-    ) -> Option<(Proposal, GroupOutput)> {
+    ) -> Option<(GroupAnswer, GroupOutput)> {
         let traces: Vec<Uuid> = group.iter().map(|&i| self.trace_ids[i]).collect();
         let out = journaled.get(&group_key(self.spec.seed, self.spec.strategy, current, &traces))?;
-        let proposal = Proposal::from_json(&out.output)?;
+        let proposal = GroupAnswer::from_json(&out.output)?;
         Some((proposal, GroupOutput { group: g, ..out.clone() }))
     }
 
@@ -190,7 +197,7 @@ impl Reduce<'_> {
         groups: &[Vec<usize>],
         calls: &mut Vec<LlmCall>,
         report: &mut AnswerReport,
-    ) -> Result<Reduced, RoundError> {
+    ) -> Result<ReduceOutcome, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
         let journaled = self.journaled_outputs().await?;
         let mut proposals = Vec::with_capacity(groups.len());
@@ -268,16 +275,16 @@ impl Reduce<'_> {
         &self,
         frozen: &VersionContent,
         groups: &[Vec<usize>],
-        proposals: Vec<(usize, Proposal)>,
+        proposals: Vec<(usize, GroupAnswer)>,
         calls: &mut Vec<LlmCall>,
-    ) -> Result<Reduced, RoundError> {
+    ) -> Result<ReduceOutcome, RoundError> {
         let mut summary = Level2Summary::default();
         let mut levels = Vec::new();
         let tree = level2::scan_tree(proposals.len(), self.fan_in);
         let merged = if self.spec.reduce == ReduceMode::Llm && tree.len() > 1 {
             // More group outputs than one call may take: a scan tree of consolidations.
             let mut nodes: Vec<Vec<MergedOp>> =
-                proposals.into_iter().map(|(g, p)| delta::normalize_sourced_ops(p.round_ops(g, &groups[g]))).collect();
+                proposals.into_iter().map(|(g, p)| dedupe::normalize_sourced_ops(p.round_ops(g, &groups[g]))).collect();
             for level in &tree {
                 let mut inputs: Vec<Option<Vec<MergedOp>>> = std::mem::take(&mut nodes).into_iter().map(Some).collect();
                 let node_inputs: Vec<Vec<Vec<MergedOp>>> =
@@ -304,7 +311,7 @@ impl Reduce<'_> {
             nodes.pop().unwrap_or_default()
         } else {
             let union = proposals.into_iter().flat_map(|(g, p)| p.round_ops(g, &groups[g]));
-            let mut merged = delta::normalize_sourced_ops(union.collect());
+            let mut merged = dedupe::normalize_sourced_ops(union.collect());
             if self.spec.reduce == ReduceMode::Llm && merged.len() > 1 {
                 let mut made = Vec::new();
                 let consolidated = self.consolidate(frozen, &merged, &mut made).await?;
@@ -319,8 +326,8 @@ impl Reduce<'_> {
             merged
         };
         let playbook = frozen.playbook.clone().unwrap_or_default();
-        let outcome = delta::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut self.protection.clone());
-        Ok(Reduced {
+        let outcome = apply::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut self.protection.clone());
+        Ok(ReduceOutcome {
             content: VersionContent { base: frozen.base.clone(), playbook: Some(outcome.playbook) },
             applied: outcome.applied,
             skipped: outcome.skipped,
@@ -348,7 +355,7 @@ impl Reduce<'_> {
             .map(|idx| async move {
                 let part: Vec<MergedOp> = idx.iter().map(|&i| ops[i].clone()).collect();
                 let mut made = Vec::new();
-                let r = protocol::consolidate_playbook(self.backend, self.llm, frozen, &part, &mut made).await;
+                let r = calls::consolidate_playbook(self.backend, self.llm, frozen, &part, &mut made).await;
                 (idx, part, r, made)
             })
             .collect();
@@ -389,14 +396,14 @@ impl Reduce<'_> {
     pub(super) async fn level2_rewrite(
         &self,
         frozen: &VersionContent,
-        proposals: Vec<Proposal>,
+        proposals: Vec<GroupAnswer>,
         calls: &mut Vec<LlmCall>,
-    ) -> Result<Reduced, RoundError> {
+    ) -> Result<ReduceOutcome, RoundError> {
         let mut nodes: Vec<String> = proposals
             .into_iter()
             .filter_map(|p| match p {
-                Proposal::Instruction(t) => Some(t),
-                Proposal::Ops(_) => None,
+                GroupAnswer::Instruction(t) => Some(t),
+                GroupAnswer::Ops(_) => None,
             })
             .collect();
         let mut summary = Level2Summary::default();
@@ -419,7 +426,7 @@ impl Reduce<'_> {
                 levels.push(level.len());
             }
         }
-        Ok(Reduced {
+        Ok(ReduceOutcome {
             content: VersionContent { base: nodes.pop().unwrap_or_default(), playbook: frozen.playbook.clone() },
             applied: Vec::new(),
             skipped: Vec::new(),
@@ -501,7 +508,7 @@ impl Reduce<'_> {
                     next.push(chunk[0].clone());
                     continue;
                 }
-                match protocol::merge_rewrite(self.backend, self.llm, &passage, chunk, calls).await {
+                match calls::merge_rewrite(self.backend, self.llm, &passage, chunk, calls).await {
                     Ok(text) => next.push(text),
                     Err(e) if unreadable(&e) => {
                         tracing::warn!(versions = chunk.len(), error = %e, "level 2 degraded to the union for one passage");
@@ -524,11 +531,11 @@ impl Reduce<'_> {
         groups: &[Vec<usize>],
         calls: &mut Vec<LlmCall>,
         report: &mut AnswerReport,
-    ) -> Result<Reduced, RoundError> {
+    ) -> Result<ReduceOutcome, RoundError> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
         let mut current = frozen.clone();
         let mut protection = self.protection.clone();
-        let mut reduced = Reduced {
+        let mut reduced = ReduceOutcome {
             content: frozen.clone(),
             applied: Vec::new(),
             skipped: Vec::new(),
@@ -567,16 +574,16 @@ impl Reduce<'_> {
                 proposal
             };
             match proposal {
-                p @ Proposal::Ops(_) => {
-                    let merged = delta::normalize_sourced_ops(p.round_ops(g, group));
+                p @ GroupAnswer::Ops(_) => {
+                    let merged = dedupe::normalize_sourced_ops(p.round_ops(g, group));
                     let playbook = current.playbook.clone().unwrap_or_default();
-                    let outcome = delta::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut protection);
+                    let outcome = apply::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut protection);
                     current.playbook = Some(outcome.playbook);
                     reduced.applied.extend(outcome.applied);
                     reduced.skipped.extend(outcome.skipped);
                     reduced.evicted.extend(outcome.evicted);
                 }
-                Proposal::Instruction(text) => current.base = text,
+                GroupAnswer::Instruction(text) => current.base = text,
             }
         }
         reduced.timings.reduce1_ms = clock.finish().await?;

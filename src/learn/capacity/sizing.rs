@@ -1,7 +1,8 @@
-//! Capacity-aware group size: how many reflections one level-1 aggregator call
-//! may be given, chosen from the overload meter ([`super::meter`]) instead of
-//! the paper's fixed ⌊√n⌋ groups — a model keeps only so much of what one call
-//! is given, and the meter measures how much, per group size, for this prompt.
+//! Capacity control for the shuffle step: the capacity-aware group size, how
+//! many reflections one level-1 aggregator call may be given, chosen from the
+//! overload meter ([`super::meter`]) instead of the paper's fixed ⌊√n⌋ groups —
+//! a model keeps only so much of what one call is given, and the meter measures
+//! how much, per group size, for this prompt.
 //!
 //! The rule ([`choose_group_size`]), over the meter's size buckets that have
 //! *enough* samples (at least [`MIN_METER_SAMPLES`] marked copies):
@@ -178,8 +179,8 @@ pub fn choose_group_size(buckets: &[MeterBucket], target_retention: f64, measura
 
 #[cfg(test)]
 mod tests {
+    use super::super::meter::BucketCounts;
     use super::*;
-    use crate::learn::meter::BucketCounts;
 
     fn bucket(size_min: u32, marked: u64, recaptured: u64) -> MeterBucket {
         MeterBucket::new(size_min, BucketCounts { marked, recaptured }, 1)

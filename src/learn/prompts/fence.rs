@@ -1,9 +1,10 @@
-//! Fencing of untrusted text inside LLM prompts. Data (traces, reflections,
-//! proposals, learned content) is wrapped in `<tag>…</tag>` fences; a fence is only
-//! worth anything if the data cannot close it or open another one, including with
-//! text a model would *read* as the same tag: `< /tag>`, `</ tag>`, case variants,
-//! full-width or other look-alike brackets (`＜`, `‹`), HTML entities (`&lt;`,
-//! `&#60;`, `&#x3c;`), and zero-width characters hidden inside the tag.
+//! Fencing of untrusted text inside the prompts of the map and the reduce (and
+//! of crossover). Data (traces, reflections, proposals, learned content) is
+//! wrapped in `<tag>…</tag>` fences; a fence is only worth anything if the data
+//! cannot close it or open another one, including with text a model would
+//! *read* as the same tag: `< /tag>`, `</ tag>`, case variants, full-width or
+//! other look-alike brackets (`＜`, `‹`), HTML entities (`&lt;`, `&#60;`,
+//! `&#x3c;`), and zero-width characters hidden inside the tag.
 
 /// The tag names that fence data inside prompts. Inside fenced data, anything a
 /// model could read as one of them is neutralised.

@@ -1,21 +1,21 @@
-//! What a round leaves on record: its outcome (the new content and every
-//! call), and the part of it the round's record keeps (`detail.outcome`) —
-//! grouping, timings, what reading the answers tolerated, provenance coverage,
-//! what level 2 did. Plain serialisable data, read back by the UI and the
-//! worker; every part defaults so an older record still reads.
+//! What a round leaves on record once all its steps have run: its outcome (the
+//! new content and every call), and the part of it the round's record keeps
+//! (`detail.outcome`) — grouping, timings, what reading the answers tolerated,
+//! provenance coverage, what level 2 did. Plain serialisable data, read back by
+//! the UI and the worker; every part defaults so an older record still reads.
 
 use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::delta::{Applied, Evicted, Skipped};
-use super::grouping::Method;
-use super::level2;
-use super::protocol::Task;
-use super::sizing::GroupSize;
+use crate::domain::Method;
 use crate::domain::{Strategy, VersionContent};
-use crate::learn::answer::AnswerNotes;
+use crate::learn::capacity::sizing::GroupSize;
+use crate::learn::merge::apply::{Applied, Evicted, Skipped};
+use crate::learn::merge::level2;
+use crate::learn::prompts::answer::AnswerNotes;
+use crate::learn::prompts::task::Task;
 use crate::llm::LlmCall;
 
 /// One level-1 aggregator call, as the round's record keeps it.
@@ -125,7 +125,7 @@ pub struct OutcomeRecord {
     /// What this round tells the overload meter (playbook Combee rounds at p ≥ 2):
     /// capture–recapture counts per group size, and how the answers were read.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub meter: Option<super::meter::MeterReading>,
+    pub meter: Option<crate::learn::capacity::meter::MeterReading>,
 }
 
 /// A round's record as the learning engine reads and writes it.

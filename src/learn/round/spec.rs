@@ -1,5 +1,5 @@
-//! What a round is asked to do and how it can fail — shared by the round
-//! executor ([`super::round`]) and its phases ([`super::map`],
+//! What a round is asked to do and how it can fail, for every step — shared by
+//! the round executor ([`super`]) and its phases ([`super::map`],
 //! [`super::reduce`]), which sit below it: the round's spec, its error, the
 //! journal key of a level-1 call and the clock that journals each phase.
 
@@ -8,11 +8,11 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-use super::delta::Budget;
-use super::grouping::Method;
 use super::journal::{JournalError, Phase, PhaseEvent, RoundJournal};
-use super::sizing::GroupSize;
+use crate::domain::Method;
 use crate::domain::{AgentReflections, Strategy, VersionContent};
+use crate::learn::capacity::sizing::GroupSize;
+use crate::learn::merge::budget::Budget;
 use crate::llm::LlmError;
 
 /// Most level-1 groups a round may leave out (invalid answers after the
@@ -20,8 +20,7 @@ use crate::llm::LlmError;
 /// fails, the round fails.
 pub const MAX_LEFT_OUT_SHARE: f64 = 1.0 / 3.0;
 
-/// A prompt setting; defined in `domain` so the domain need not import the learning engine.
-pub use crate::domain::prompt::ReduceMode;
+use crate::domain::ReduceMode;
 
 /// What a round is asked to do; fixed when the round is created, so a resumed
 /// round regroups identically.
@@ -40,9 +39,9 @@ pub struct RoundSpec {
     pub agent_reflections: AgentReflections,
     /// Lines learned content must not add (from the configuration, not stored with the round).
     #[serde(skip)]
-    pub denylist: std::sync::Arc<super::denylist::ContentDenylist>,
+    pub denylist: std::sync::Arc<crate::learn::denylist::ContentDenylist>,
     /// Most reflections one level-1 call may be given (Combee), and why — from
-    /// the overload meter ([`super::sizing`]); it also bounds level 2's fan-in.
+    /// the overload meter ([`crate::learn::capacity::sizing`]); it also bounds level 2's fan-in.
     #[serde(default)]
     pub group_size: GroupSize,
 }

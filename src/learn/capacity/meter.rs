@@ -1,6 +1,6 @@
-//! The overload meter: how much of what a level-1 aggregator call is given it
-//! keeps, as a function of the call's group size — measured from the round's
-//! own answers, without knowing which reflections held an insight.
+//! Capacity control, measured after the level-1 reduce: the overload meter —
+//! how much of what a level-1 aggregator call is given it keeps, as a function
+//! of the call's group size — measured from the round's own answers, without knowing which reflections held an insight.
 //!
 //! With duplication p ≥ 2 every reflection sits in at least two groups, and each
 //! copy is either *covered* by its group's answer (the answer kept its lesson)

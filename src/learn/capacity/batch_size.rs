@@ -1,5 +1,6 @@
-//! The batch-size controller (`docs/learning-controller.md`), as plain functions over plain data: how many
-//! pending traces the next round of a prompt takes. The worker keeps and
+//! Capacity control between rounds: the batch-size controller
+//! (`docs/learning-controller.md`), as plain functions over plain data — how
+//! many pending traces the next round of a prompt takes. The worker keeps and
 //! persists the samples and the meter; this module only decides.
 //!
 //! # The rule
@@ -315,9 +316,9 @@ pub fn choose(samples: &[Sample], backlog: u64, quality: &Quality, cfg: &Control
 
 #[cfg(test)]
 mod tests {
+    use super::super::meter::{BucketCounts, MeterBucket};
+    use super::super::sizing::choose_group_size;
     use super::*;
-    use crate::learn::meter::{BucketCounts, MeterBucket};
-    use crate::learn::sizing::choose_group_size;
 
     fn close(actual: f64, expected: f64, rel: f64) -> bool {
         ((actual - expected) / expected).abs() <= rel

@@ -1,4 +1,4 @@
-//! The map phase of a round: one reflector call per trace, all in parallel
+//! The map step of a round: one reflector call per trace, all in parallel
 //! under the client's concurrency limit, each reflection journaled as it
 //! arrives (a resumed round does not pay twice). An agent's own reflection
 //! replaces the call when the prompt's settings say to use it; a trace whose
@@ -12,10 +12,10 @@ use futures_util::stream;
 use uuid::Uuid;
 
 use super::journal::{ReflectionSource, RoundJournal};
-use super::protocol::{self, Task, validate_reflection};
 use super::record::{AnswerReport, MapCounts, Unreflected};
 use super::spec::{RoundError, RoundSpec};
 use crate::domain::{AgentReflections, Reflection, Trace, VersionContent};
+use crate::learn::prompts::{calls, checks::validate_reflection, task::Task};
 use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
 
 /// The agent's own reflection, when it parses strictly and validates against `base`.
@@ -82,7 +82,7 @@ pub(super) async fn map_phase(
                 }
                 _ => std::borrow::Cow::Borrowed(&traces[i]),
             };
-            let r = protocol::reflect_noted(backend, llm, &shown, base, spec.strategy, &mut calls).await;
+            let r = calls::reflect(backend, llm, &shown, base, spec.strategy, &mut calls).await;
             if r.as_ref().is_err_and(LlmError::is_retryable) {
                 abort.store(true, Ordering::Relaxed);
             }
