@@ -18,7 +18,7 @@ use crate::{
     service::{AppState, Shared},
     store::{self, Change, DynStore, Scope, retention::Expiring},
     telemetry, ui,
-    worker::{Worker, guard::RegressionGuard, population::PopulationRater, retention::Pruner},
+    worker::{Worker, guard::RegressionGuard, rater::PopulationRater, retention::Pruner},
 };
 
 /// The API with the web UI at `/ui`, both behind the API's middleware.
@@ -134,9 +134,10 @@ impl Application {
         };
         // The regression guard runs wherever the learning worker may run, LLM or not.
         let guard = match settings.server.role {
-            Role::All | Role::Worker if settings.guard.enabled => {
-                Some(RegressionGuard::new(store.clone(), settings.guard.clone()))
-            }
+            Role::All | Role::Worker if settings.guard.enabled => Some(
+                RegressionGuard::new(store.clone(), settings.guard.clone())
+                    .with_population(settings.population.policy()),
+            ),
             _ => None,
         };
         // So does the population rater (ratings, weights, promotion gate of `evaluated` prompts).

@@ -13,6 +13,7 @@ pub mod langfuse;
 pub mod outcomes;
 pub mod pagination;
 pub mod population;
+pub mod production;
 pub mod prompts;
 pub mod rounds;
 pub mod sessions;

@@ -17,16 +17,7 @@ const ARMS_PER_STATEMENT: usize = 100;
 const ARM_COLUMNS: &str =
     "a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until";
 
-/// The rewards of one version on one task (traces carrying `metadata.task_key`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct TaskRewards {
-    pub version: i64,
-    pub task_key: String,
-    /// Rewarded traces of this version on this task.
-    pub traces: u64,
-    /// Sum of their rewards: 1/0 for `feedback.success`, else `feedback.score`.
-    pub reward_sum: f64,
-}
+pub use crate::evaluate::rater::TaskRewards;
 
 /// An `evaluated` prompt, and the end of the last window its population was rated in.
 #[derive(Debug, Clone, PartialEq)]

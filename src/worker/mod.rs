@@ -5,11 +5,11 @@
 //! fails it. A crashed process's rounds are resumed by whoever claims them
 //! after the lease expires, from the reflections already stored.
 
-pub mod controller;
+pub mod choices;
 pub mod guard;
 mod journal;
-pub mod population;
 pub mod publish;
+pub mod rater;
 pub mod retention;
 pub mod rollups;
 
@@ -32,6 +32,7 @@ use crate::{
         round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, config::LlmConfig},
+    service,
     store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError, TraceCharges, TraceFault},
 };
 
@@ -43,7 +44,7 @@ pub struct Worker {
     settings: Arc<WorkerSettings>,
     denylist: Arc<ContentDenylist>,
     controller: Arc<ControllerConfig>,
-    choices: Arc<controller::ChoiceLog>,
+    choices: Arc<choices::ChoiceLog>,
     /// Population knobs for prompts under the `evaluated` policy.
     population: crate::evaluate::population::PopulationPolicy,
     /// Names this process in leases (`host:pid:random`).
@@ -198,9 +199,13 @@ impl Worker {
             let (target, batch) = match backlog.prompt.settings.batch_size {
                 BatchSize::Fixed(n) => (n, n),
                 BatchSize::Auto => {
-                    let choice =
-                        controller::current(&self.store, &backlog.prompt, backlog.pending as u64, &self.controller)
-                            .await?;
+                    let choice = service::controller::current(
+                        &self.store,
+                        &backlog.prompt,
+                        backlog.pending as u64,
+                        &self.controller,
+                    )
+                    .await?;
                     self.choices.record(&self.store, name, &choice).await?;
                     (choice.target, choice.cap)
                 }
@@ -334,7 +339,7 @@ impl Worker {
     /// gives it now (the meter changes only when a round of this prompt
     /// publishes, so a retried attempt regroups as the first did).
     async fn spec_for(&self, round: &crate::domain::round::Round, prompt: &crate::domain::Prompt) -> RoundSpec {
-        let group_size = match controller::group_size(&self.store, prompt, &self.controller).await {
+        let group_size = match service::controller::group_size(&self.store, prompt, &self.controller).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");

@@ -13,11 +13,11 @@ use combee::{
         prompt::NewVersion,
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
-    evaluate::{assign::sticky_arm, population::GateDecision, trueskill::Rating},
+    evaluate::{assign::sticky_arm, population::GateDecision, rater::Basis, trueskill::Rating},
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, OpenAiClient, config::LlmConfig},
     store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
-    worker::population::{Basis, CrossoverOutcome, PopulationRater, RatingOutcome, add_challenger},
+    worker::rater::{CrossoverOutcome, PopulationRater, RatingOutcome, add_challenger},
 };
 use common::{Backend, test_store};
 use serde_json::json;
@@ -491,7 +491,7 @@ async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
         by: "t".into(),
     };
     s.move_label(&name("p"), &mv).await.unwrap();
-    combee::service::population::follow_production(&s, &name("p"), &policy).await.unwrap();
+    combee::service::production::follow_production(&s, &name("p"), &policy).await.unwrap();
     let live = s.live_arms(&name("p"), &[]).await.unwrap();
     let back = arm(&live, old.version);
     assert_eq!((back.state, back.rating), (ArmState::Champion, Rating { mu: 31.0, sigma: 1.5 }));

@@ -1,13 +1,13 @@
-//! The population of a prompt under the `evaluated` policy, kept by worker
-//! processes: a learned version joins as a challenger (mutation: the parent's
-//! μ, σ = √(σ_parent² + 1)) instead of moving `production`; periodically the
-//! rater ranks the live arms on their rewards in the last rating window
-//! (TrueSkill, one multi-player ranking, rewards within 0.01 tied), recomputes
-//! the LUCB traffic weights, and lets the promotion gate move `production` to
-//! a challenger whose μ−2σ beats the champion's with enough scored traces on
-//! both sides — a `gate-promote` in the label history with the numbers.
-//! The champion is always the version `production` points at: an operator's
-//! promote or the regression guard's rollback is followed on the next tick.
+//! The population rater's loop, run by worker processes, and how arms join:
+//! a learned version joins as a challenger (mutation: the parent's μ,
+//! σ = √(σ_parent² + 1)) instead of moving `production`; periodically the
+//! rater reads each due prompt's last rating window, hands it to the pure
+//! rater ([`crate::evaluate::rater`]: ranking, TrueSkill, the promotion gate),
+//! saves the ratings and weights, and moves `production` where the gate says
+//! so through its one door ([`crate::service::production::Mover`]) — a
+//! `gate-promote` in the label history with the numbers. The champion is
+//! always the version `production` points at; any move of it is reconciled
+//! here again on the next tick.
 //! After a rated window, with probability `crossover_prob` and when at least
 //! two arms each won some task keys, one LLM call crosses the winners into a
 //! child (source `crossover`, see [`crate::learn::crossover`]) that joins as a
@@ -25,17 +25,20 @@ use crate::{
     config::PopulationSettings,
     domain::{LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource, prompt::NewVersion},
     evaluate::{
-        outcomes::OutcomeBucket,
-        population::{Arm, GateDecision, PopulationPolicy, arm_to_retire, gate},
-        trueskill::{Rating, TrueSkill, ranks_from_rewards},
+        population::{Arm, GateDecision, PopulationPolicy, arm_to_retire},
+        rater::{self, Basis, TIE, first_window_due, task_winners},
+        trueskill::{Rating, TrueSkill},
     },
     learn::{
-        crossover::{self, Winner, WonTask},
+        crossover::{self, Winner},
         delta::Budget,
         denylist::ContentDenylist,
     },
     llm::{LlmBackend, LlmError, config::LlmConfig},
-    service::population::reconcile,
+    service::{
+        population::{effective_policy, reconcile},
+        production::{Mover, production_version},
+    },
     store::{ArmState, DynStore, LabelMove, PopulationArm, Selector, StoreError, StoreResult, TaskRewards},
 };
 
@@ -45,30 +48,11 @@ pub const GATE_ACTOR: &str = "gate";
 /// Who crossover children are made and labelled by.
 pub const CROSSOVER_ACTOR: &str = "crossover";
 
-/// E-SPL's tie rule: rewards within this of each other share a rank.
-pub const TIE: f64 = 0.01;
-
-/// Task keys every ranked arm must have run before arms are compared on
-/// matched work instead of on their window means.
-pub const MIN_SHARED_TASKS: usize = 5;
-
 /// Most prompts one list call returns.
 const PAGE: u32 = 200;
 
 fn as_arm(a: &PopulationArm) -> Arm {
     Arm { version: a.version, rating: a.rating, scored_traces: a.scored_traces }
-}
-
-/// The version `production` points at.
-async fn production_version(store: &DynStore, prompt: &PromptName) -> StoreResult<Option<i64>> {
-    Ok(store.resolve(prompt, &Selector::Label(LabelName::production())).await?.map(|r| r.version.number))
-}
-
-/// The population policy of `prompt`: the server's, with the prompt's own
-/// `settings.population` knobs in place.
-async fn policy_of(store: &DynStore, prompt: &PromptName, server: &PopulationPolicy) -> StoreResult<PopulationPolicy> {
-    let own = store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
-    Ok(own.settings.population.applied_to(server))
 }
 
 /// Mutation: `version`, learned from `parent`, joins the population of
@@ -115,7 +99,7 @@ async fn join(
     prior: impl FnOnce(&[Rating]) -> Rating,
 ) -> StoreResult<Vec<PopulationArm>> {
     let champion = production_version(store, prompt).await?.ok_or(StoreError::NotFound)?;
-    let policy = &policy_of(store, prompt, policy).await?;
+    let (_, policy) = &effective_policy(store, prompt, policy).await?;
     let also: Vec<i64> = std::iter::once(champion).chain(parents.iter().copied()).collect();
     let mut arms = store.live_arms(prompt, &also).await?;
     reconcile(&mut arms, champion, policy);
@@ -147,28 +131,6 @@ async fn join(
     Ok(arms)
 }
 
-/// The task keys each of `versions` *won* in a window: keys that at least two
-/// of them ran, where its mean reward beats every other's by more than `tie`.
-/// Keys within `tie` of the runner-up have no winner.
-pub fn task_winners(tasks: &[TaskRewards], versions: &[i64], tie: f64) -> BTreeMap<i64, Vec<WonTask>> {
-    let mut per_key: BTreeMap<&str, Vec<(i64, f64)>> = BTreeMap::new();
-    for t in tasks.iter().filter(|t| t.traces > 0 && versions.contains(&t.version)) {
-        per_key.entry(&t.task_key).or_default().push((t.version, t.reward_sum / t.traces as f64));
-    }
-    let mut out: BTreeMap<i64, Vec<WonTask>> = BTreeMap::new();
-    for (key, mut means) in per_key {
-        if means.len() < 2 {
-            continue;
-        }
-        means.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let ((best, reward), runner_up) = (means[0], means[1].1);
-        if reward - runner_up > tie {
-            out.entry(best).or_default().push(WonTask { task_key: key.to_owned(), reward, runner_up });
-        }
-    }
-    out
-}
-
 /// What one rating tick did for one prompt (for logs and tests).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RatingOutcome {
@@ -180,71 +142,6 @@ pub enum RatingOutcome {
     Promoted { from: i64, to: i64 },
     /// Production moved meanwhile; judged again next tick.
     Raced,
-}
-
-/// One arm's reward in a window: success rate when its traces report
-/// success, mean score otherwise; with how many traces carried it.
-fn window_reward(buckets: &[OutcomeBucket], version: i64) -> (u64, Option<f64>) {
-    let mine = buckets.iter().filter(|b| b.version == Some(version));
-    let (mut trials, mut successes, mut scored, mut score_sum, mut with_feedback) = (0u64, 0u64, 0u64, 0.0, 0u64);
-    for b in mine {
-        trials += b.success_trials;
-        successes += b.successes;
-        scored += b.score.count;
-        score_sum += b.score.sum;
-        with_feedback += b.with_feedback;
-    }
-    let reward = if trials > 0 {
-        Some(successes as f64 / trials as f64)
-    } else if scored > 0 {
-        Some(score_sum / scored as f64)
-    } else {
-        None
-    };
-    (with_feedback, reward)
-}
-
-/// How the arms of a window were compared.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Basis {
-    /// On the task keys all ranked arms ran: each arm's mean reward per shared
-    /// key, averaged over the keys (arms in an online split see different work).
-    SharedTasks,
-    /// On each arm's mean reward over the window (too few shared task keys).
-    WindowMeans,
-}
-
-/// Each of `versions`' reward on the task keys all of them ran (the mean of
-/// its per-key mean rewards), in the order of `versions`; `None` when they
-/// share fewer than `min_keys` keys.
-pub fn matched_rewards(tasks: &[TaskRewards], versions: &[i64], min_keys: usize) -> Option<Vec<f64>> {
-    use std::collections::{BTreeMap, BTreeSet};
-    let mut per_key: BTreeMap<&str, BTreeMap<i64, f64>> = BTreeMap::new();
-    for t in tasks.iter().filter(|t| t.traces > 0 && versions.contains(&t.version)) {
-        per_key.entry(&t.task_key).or_default().insert(t.version, t.reward_sum / t.traces as f64);
-    }
-    let wanted: BTreeSet<i64> = versions.iter().copied().collect();
-    let shared: Vec<&BTreeMap<i64, f64>> =
-        per_key.values().filter(|by_version| by_version.keys().copied().collect::<BTreeSet<_>>() == wanted).collect();
-    if shared.len() < min_keys.max(1) {
-        return None;
-    }
-    Some(versions.iter().map(|v| shared.iter().map(|m| m[v]).sum::<f64>() / shared.len() as f64).collect())
-}
-
-/// Whether a population never rated may have its first window rated in the
-/// tick at `now`: each prompt has a slot among the `window_secs / tick_secs`
-/// ticks of a window (from a hash of its name), so populations that start
-/// together are rated in different ticks, and stay apart (each next window is
-/// due one window after the last).
-pub fn first_window_due(prompt: &PromptName, now: DateTime<Utc>, tick_secs: u64, window_secs: u64) -> bool {
-    let slots = (window_secs / tick_secs.max(1)).max(1);
-    let digest = Sha256::new().chain_update(b"rating slot").chain_update(prompt.as_str().as_bytes()).finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    let tick = now.timestamp().max(0) as u64 / tick_secs.max(1);
-    u64::from_le_bytes(first) % slots == tick % slots
 }
 
 /// Where one rating tick's time went: per phase, summed over its prompts.
@@ -437,7 +334,9 @@ impl PopulationRater {
                 // A pre-filter: the rating reads the arms and decides again.
                 let due = match slot.rated_until {
                     Some(t) => t <= from,
-                    None => first_window_due(&slot.prompt, now, self.settings.tick_secs, self.settings.window_secs),
+                    None => {
+                        first_window_due(slot.prompt.as_str(), now, self.settings.tick_secs, self.settings.window_secs)
+                    }
                 };
                 if !due {
                     continue;
@@ -511,8 +410,7 @@ impl PopulationRater {
         if self.breeder.is_none() {
             return Ok(CrossoverOutcome::NotDrawn);
         }
-        let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
-        let policy = own.settings.population.applied_to(&self.settings.policy());
+        let (own, policy) = effective_policy(&self.store, prompt, &self.settings.policy()).await?;
         let champion = production_version(&self.store, prompt).await?.ok_or(StoreError::NotFound)?;
         let live = self.store.live_arms(prompt, &[]).await?;
         let live = live.iter().filter(|a| a.state != ArmState::Retired).map(|a| a.version).collect();
@@ -660,7 +558,9 @@ impl PopulationRater {
     }
 
     /// Rates the window ending at `now` if it is due; with the outcome, what
-    /// it read (`None` when the window was still open).
+    /// it read (`None` when the window was still open). Reads the window,
+    /// lets [`rater::rate`] judge it, saves the ratings, and applies a
+    /// promotion through [`Mover::move_production`].
     async fn rate_window(
         &self,
         prompt: &PromptName,
@@ -669,136 +569,82 @@ impl PopulationRater {
         phases: &mut TickPhases,
     ) -> StoreResult<(RatingOutcome, Option<RatedWindow>)> {
         let started = std::time::Instant::now();
-        let own = self.store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
-        let policy = own.settings.population.applied_to(&self.settings.policy());
+        let (own, policy) = effective_policy(&self.store, prompt, &self.settings.policy()).await?;
         let Some(champion) = production_version(&self.store, prompt).await? else {
             return Err(StoreError::NotFound);
         };
         let mut arms = self.store.live_arms(prompt, &[champion]).await?;
         phases.check += started.elapsed();
         reconcile(&mut arms, champion, &policy);
-        let w = chrono::Duration::seconds(self.settings.window_secs as i64);
-        let from = now - w;
+        let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
         let last_rated = arms.iter().filter_map(|a| a.rated_until).max();
         if last_rated.is_some_and(|t| t > from)
             || (stagger
                 && last_rated.is_none()
-                && !first_window_due(prompt, now, self.settings.tick_secs, self.settings.window_secs))
+                && !first_window_due(prompt.as_str(), now, self.settings.tick_secs, self.settings.window_secs))
         {
             return Ok((RatingOutcome::WindowOpen, None));
         }
         let started = std::time::Instant::now();
         // Only the live arms' outcomes are read: a busy prompt's window may
         // hold many versions that are no longer in play.
-        let in_play: Vec<i64> = arms.iter().filter(|a| a.state != ArmState::Retired).map(|a| a.version).collect();
+        let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
+        let in_play: Vec<i64> = live.iter().map(|a| a.version).collect();
         let buckets =
             self.store.version_outcomes(prompt, from, now, self.settings.window_secs as i64, Some(&in_play)).await?;
-        // Rank the live arms with enough scored traces in this window.
-        let mut ranked: Vec<(usize, f64)> = Vec::new();
-        for (i, a) in arms.iter_mut().enumerate() {
-            if a.state == ArmState::Retired {
-                continue;
-            }
-            let (scored, reward) = window_reward(&buckets, a.version);
-            a.rated_until = Some(now);
-            if let Some(r) = reward.filter(|_| scored >= self.settings.min_window_traces) {
-                a.scored_traces += scored;
-                ranked.push((i, r));
-            }
-        }
-        let mut basis = Basis::WindowMeans;
-        let mut window_tasks = None;
-        if ranked.len() >= 2 {
-            let versions: Vec<i64> = ranked.iter().map(|(i, _)| arms[*i].version).collect();
-            let tasks = window_tasks.insert(self.store.task_rewards(prompt, from, now).await?);
-            if let Some(matched) = matched_rewards(tasks, &versions, MIN_SHARED_TASKS) {
-                basis = Basis::SharedTasks;
-                for ((_, r), m) in ranked.iter_mut().zip(matched) {
-                    *r = m;
-                }
-            }
-            let rewards: Vec<f64> = ranked.iter().map(|(_, r)| *r).collect();
-            let ranks = ranks_from_rewards(&rewards, TIE);
-            let ratings: Vec<Rating> = ranked.iter().map(|(i, _)| arms[*i].rating).collect();
-            if let Some(new) = self.trueskill.rate_ranking(&ratings, &ranks) {
-                for ((i, _), r) in ranked.iter().zip(new) {
-                    arms[*i].rating = r;
-                }
-            }
-        }
-        let ranked_versions: Vec<i64> = ranked.iter().map(|(i, _)| arms[*i].version).collect();
-        let window_rewards: Vec<serde_json::Value> =
-            ranked.iter().map(|(i, r)| json!({"version": arms[*i].version, "reward": r})).collect();
-        let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
-        let Some(champ) = live.iter().find(|a| a.version == champion).copied() else {
-            return Err(StoreError::Corrupt("the champion is not a live arm".into()));
+        let tasks = if rater::needs_tasks(&live, &buckets, self.settings.min_window_traces) {
+            Some(self.store.task_rewards(prompt, from, now).await?)
+        } else {
+            None
         };
         let since_move = self.windows_since_move(prompt, now).await?;
         phases.read += started.elapsed();
-        let live_versions: Vec<i64> = live.iter().map(|a| a.version).collect();
-        // What the crossover after this window needs, made once on whichever path the gate takes.
-        let rated = move |champion: i64| RatedWindow {
-            prompt: own,
-            policy,
+        let window = rater::Window {
+            arms: &live,
             champion,
-            live: live_versions,
-            tasks: window_tasks,
+            buckets: &buckets,
+            tasks: tasks.as_deref(),
+            min_window_traces: self.settings.min_window_traces,
+            windows_since_move: since_move,
+            policy: &policy,
             from,
             until: now,
         };
+        let plan = rater::rate(&window, &self.trueskill).map_err(|e| StoreError::Corrupt(e.to_string()))?;
+        for a in arms.iter_mut().filter(|a| a.state != ArmState::Retired) {
+            a.rated_until = Some(now);
+            if let Some(rated) = plan.arms.iter().find(|r| r.version == a.version) {
+                (a.rating, a.scored_traces) = (rated.rating, rated.scored_traces);
+            }
+        }
+        // What the crossover after this window needs, made once on whichever path the gate takes.
+        let rated =
+            move |champion: i64| RatedWindow { prompt: own, policy, champion, live: in_play, tasks, from, until: now };
         let started = std::time::Instant::now();
-        let decision = gate(&champ, &live, &policy, since_move);
-        let GateDecision::Promote {
-            challenger,
-            challenger_lower,
-            champion_lower,
-            challenger_traces,
-            champion_traces,
-            margin,
-        } = decision
-        else {
-            reconcile(&mut arms, champion, &policy);
-            self.store.save_ratings(prompt, &arms).await?;
-            phases.save += started.elapsed();
-            return Ok((
-                RatingOutcome::Rated { ranked: ranked_versions, basis, gate: decision },
-                Some(rated(champion)),
-            ));
-        };
-        // Save the ratings first: they are the evidence, whatever happens to the move.
+        // Save the ratings first: they are the evidence, whatever happens to a move.
         reconcile(&mut arms, champion, &policy);
         self.store.save_ratings(prompt, &arms).await?;
-        let rating_of = |v: i64| arms.iter().find(|a| a.version == v).map(|a| a.rating);
-        let reason = format!(
-            "promotion gate: v{challenger} μ−2σ = {challenger_lower:.2} ({challenger_traces} scored traces) \
-             exceeds champion v{champion} μ−2σ = {champion_lower:.2} ({champion_traces} scored traces) by more \
-             than the margin {margin}"
-        );
-        let evidence = json!({
-            "champion": {"version": champion, "rating": rating_of(champion), "lower": champion_lower, "scored_traces": champion_traces},
-            "challenger": {"version": challenger, "rating": rating_of(challenger), "lower": challenger_lower, "scored_traces": challenger_traces},
-            "min_traces": policy.min_traces,
-            "margin": margin,
-            "cooldown_windows": policy.cooldown_windows,
-            "windows_since_last_move": since_move,
-            "window": {"from": from, "until": now, "basis": basis, "rewards": window_rewards},
-        });
+        let Some(promotion) = plan.promotion else {
+            phases.save += started.elapsed();
+            let outcome = RatingOutcome::Rated { ranked: plan.ranked, basis: plan.basis, gate: plan.gate };
+            return Ok((outcome, Some(rated(champion))));
+        };
         let mv = LabelMove {
             label: LabelName::production(),
-            to_version: challenger,
-            expected_current: Some(champion),
+            to_version: promotion.to,
+            expected_current: Some(promotion.from),
             check_current: true,
             by: GATE_ACTOR.to_owned(),
         };
-        let cause = MoveCause::new(LabelMoveKind::GatePromote, reason.clone()).with_evidence(evidence);
-        let moved = self.store.move_label_because(prompt, &mv, &cause).await;
+        let cause =
+            MoveCause::new(LabelMoveKind::GatePromote, promotion.reason.clone()).with_evidence(promotion.evidence);
+        let moved = Mover::background(&self.store, self.settings.policy()).move_production(prompt, &mv, &cause).await;
         phases.save += started.elapsed();
+        let (from, to) = (promotion.from, promotion.to);
         match moved {
             Ok(_) => {
-                tracing::info!(%prompt, from = champion, to = challenger, %reason, "promotion gate moved production");
-                reconcile(&mut arms, challenger, &policy);
-                self.store.save_population(prompt, &arms).await?;
-                Ok((RatingOutcome::Promoted { from: champion, to: challenger }, Some(rated(challenger))))
+                tracing::info!(%prompt, from, to, reason = %promotion.reason, "promotion gate moved production");
+                Ok((RatingOutcome::Promoted { from, to }, Some(rated(to))))
             }
             Err(StoreError::Conflict) => {
                 // Someone else moved production: the crossover breeds on theirs.
@@ -813,46 +659,6 @@ impl PopulationRater {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn task(version: i64, key: &str, traces: u64, reward_sum: f64) -> TaskRewards {
-        TaskRewards { version, task_key: key.into(), traces, reward_sum }
-    }
-
-    #[test]
-    fn arms_are_compared_on_the_tasks_they_share() {
-        // v1 ran easy and hard tasks; v2 only hard ones: on window means v1
-        // looks better, on the shared (hard) keys v2 is.
-        let mut tasks = Vec::new();
-        for k in 0..5 {
-            tasks.push(task(1, &format!("hard-{k}"), 2, 0.0));
-            tasks.push(task(2, &format!("hard-{k}"), 2, 1.0));
-            tasks.push(task(1, &format!("easy-{k}"), 4, 4.0));
-        }
-        assert_eq!(matched_rewards(&tasks, &[1, 2], 5), Some(vec![0.0, 0.5]));
-        assert_eq!(matched_rewards(&tasks, &[2, 1], 5), Some(vec![0.5, 0.0]));
-        assert_eq!(matched_rewards(&tasks, &[1, 2], 6), None, "five shared keys are not six");
-        // A key counts only when every arm ran it.
-        assert_eq!(matched_rewards(&tasks, &[1, 2, 3], 1), None);
-    }
-
-    #[test]
-    fn a_task_key_is_won_only_by_a_clear_best_among_two_or_more() {
-        let tasks = vec![
-            task(1, "a", 2, 2.0), // v1 1.0 vs v2 0.0: v1 wins
-            task(2, "a", 2, 0.0),
-            task(1, "b", 4, 1.0), // v1 0.25 vs v2 0.75 vs v3 0.5: v2 wins
-            task(2, "b", 4, 3.0),
-            task(3, "b", 2, 1.0),
-            task(1, "c", 1, 1.0), // a tie within 0.01: nobody
-            task(2, "c", 200, 199.0),
-            task(3, "d", 3, 3.0), // only v3 ran it: nobody
-            task(9, "a", 5, 5.0), // not a live arm: ignored
-        ];
-        let won = task_winners(&tasks, &[1, 2, 3], TIE);
-        assert_eq!(won.keys().copied().collect::<Vec<_>>(), [1, 2]);
-        assert_eq!(won[&1], [WonTask { task_key: "a".into(), reward: 1.0, runner_up: 0.0 }]);
-        assert_eq!(won[&2], [WonTask { task_key: "b".into(), reward: 0.75, runner_up: 0.5 }]);
-    }
 
     #[test]
     fn the_crossover_draw_is_seeded_by_prompt_and_window() {
