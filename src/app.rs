@@ -15,7 +15,7 @@ use crate::{
     delivery::Deliverer,
     http,
     llm::{LlmBackend, client::OpenAiClient},
-    service::{AppState, Shared},
+    service::{AppParts, AppState},
     store::{self, Change, DynStore, Scope, retention::Expiring},
     telemetry, ui,
     worker::{Worker, guard::RegressionGuard, rater::PopulationRater, retention::Pruner},
@@ -157,7 +157,7 @@ impl Application {
             }
             Role::Api => None,
         };
-        let state = AppState::new(Shared {
+        let state = AppState::new(AppParts {
             cache: Arc::new(PromptCache::new(
                 Duration::from_secs(settings.cache.max_age_secs),
                 settings.cache.max_prompts,

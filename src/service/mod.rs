@@ -36,9 +36,11 @@ pub use error::{ServiceError, ServiceResult};
 /// Shared by every request; one `Arc`, so the per-request clone axum makes
 /// is a single reference-count bump.
 #[derive(Clone)]
-pub struct AppState(Arc<Shared>);
+pub struct AppState(Arc<AppParts>);
 
-pub struct Shared {
+/// What the application state holds: the store, the settings, the served
+/// prompts' and API keys' caches, and the metrics exporter.
+pub struct AppParts {
     pub store: DynStore,
     pub settings: Arc<Settings>,
     pub cache: Arc<PromptCache>,
@@ -47,14 +49,14 @@ pub struct Shared {
 }
 
 impl AppState {
-    pub fn new(shared: Shared) -> Self {
-        Self(Arc::new(shared))
+    pub fn new(parts: AppParts) -> Self {
+        Self(Arc::new(parts))
     }
 }
 
 impl std::ops::Deref for AppState {
-    type Target = Shared;
-    fn deref(&self) -> &Shared {
+    type Target = AppParts;
+    fn deref(&self) -> &AppParts {
         &self.0
     }
 }
