@@ -9,15 +9,14 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    auth::{self, KeyCache},
-    cache::PromptCache,
+    auth,
     config::{Role, Settings},
     delivery::Deliverer,
     http,
     llm::{LlmBackend, client::OpenAiClient},
-    service::{AppParts, AppState},
+    service::AppState,
     store::{self, Change, DynStore, Scope, retention::Expiring},
-    telemetry, ui,
+    ui,
     worker::{Worker, guard::RegressionGuard, rater::PopulationRater, retention::Pruner},
 };
 
@@ -103,6 +102,8 @@ impl Application {
         let listener = TcpListener::bind(settings.server.bind)
             .await
             .with_context(|| format!("cannot listen on {}", settings.server.bind))?;
+        let state = AppState::build(store.clone(), settings);
+        let settings = state.settings.clone();
         let worker = match settings.server.role {
             Role::Api => None,
             Role::All | Role::Worker if !llm_configured(&settings.llm.clone().with_env_fallbacks()) => {
@@ -117,7 +118,7 @@ impl Application {
                 let backend: Arc<dyn LlmBackend> =
                     Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?);
                 Some(
-                    Worker::new(store.clone(), backend, llm, settings.worker.clone(), settings.controller.clone())
+                    Worker::new(state.clone(), backend, llm, settings.worker.clone(), settings.controller.clone())
                         .with_population(settings.population.policy()),
                 )
             }
@@ -157,16 +158,6 @@ impl Application {
             }
             Role::Api => None,
         };
-        let state = AppState::new(AppParts {
-            cache: Arc::new(PromptCache::new(
-                Duration::from_secs(settings.cache.max_age_secs),
-                settings.cache.max_prompts,
-            )),
-            keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
-            metrics: telemetry::metrics_handle(),
-            settings: Arc::new(settings),
-            store,
-        });
         Ok(Self { listener, state, worker, deliverer, guard, rater, pruner, shutdown: CancellationToken::new() })
     }
 

@@ -52,6 +52,21 @@ impl AppState {
     pub fn new(parts: AppParts) -> Self {
         Self(Arc::new(parts))
     }
+
+    /// The state of a process on `store` with `settings`: empty caches sized
+    /// by `settings.cache`, and the process's metrics exporter.
+    pub fn build(store: DynStore, settings: Settings) -> Self {
+        Self::new(AppParts {
+            cache: Arc::new(PromptCache::new(
+                std::time::Duration::from_secs(settings.cache.max_age_secs),
+                settings.cache.max_prompts,
+            )),
+            keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
+            metrics: crate::telemetry::metrics_handle(),
+            settings: Arc::new(settings),
+            store,
+        })
+    }
 }
 
 impl std::ops::Deref for AppState {

@@ -72,7 +72,7 @@ impl<'a> Mover<'a> {
 /// no arm), the old champion competes on as a challenger, weights are
 /// recomputed under the prompt's policy in effect. Nothing to do for a prompt
 /// without a population, or when production is the champion already.
-pub async fn follow_production(store: &DynStore, prompt: &PromptName, server: &PopulationPolicy) -> StoreResult<()> {
+async fn follow_production(store: &DynStore, prompt: &PromptName, server: &PopulationPolicy) -> StoreResult<()> {
     let Some(champion) = production_version(store, prompt).await? else { return Ok(()) };
     let mut arms = store.live_arms(prompt, &[champion]).await?;
     if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {

@@ -32,12 +32,14 @@ use crate::{
         round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, config::LlmConfig},
-    service,
+    service::{self, AppState, ServiceResult},
     store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError, TraceCharges, TraceFault},
 };
 
 #[derive(Clone)]
 pub struct Worker {
+    /// The process's state: the service calls (the controller's reads) take it.
+    state: AppState,
     store: DynStore,
     backend: Arc<dyn LlmBackend>,
     llm: Arc<LlmConfig>,
@@ -92,7 +94,7 @@ pub use crate::domain::round::random_seed;
 
 impl Worker {
     pub fn new(
-        store: DynStore,
+        state: AppState,
         backend: Arc<dyn LlmBackend>,
         llm: LlmConfig,
         settings: WorkerSettings,
@@ -108,7 +110,8 @@ impl Worker {
                 ContentDenylist::new(&[], &["(?s).".to_owned()]).unwrap_or_default()
             });
         Self {
-            store,
+            store: state.store.clone(),
+            state,
             backend,
             denylist: Arc::new(denylist),
             llm: Arc::new(llm),
@@ -184,7 +187,7 @@ impl Worker {
     }
 
     /// Opens rounds for prompts whose backlog is due.
-    pub async fn schedule(&self) -> Result<(), StoreError> {
+    pub async fn schedule(&self) -> ServiceResult<()> {
         let now = chrono::Utc::now();
         let backoff = self.settings.failure_backoff();
         for backlog in self.store.backlogs().await? {
@@ -200,7 +203,7 @@ impl Worker {
                 BatchSize::Fixed(n) => (n, n),
                 BatchSize::Auto => {
                     let choice = service::controller::current(
-                        &self.store,
+                        &self.state,
                         &backlog.prompt,
                         backlog.pending as u64,
                         &self.controller,
@@ -225,7 +228,7 @@ impl Worker {
                     tracing::info!(round = %r.id, prompt = %r.prompt, n = r.n, trigger = ?d.trigger, "round queued")
                 }
                 Ok(None) | Err(StoreError::AlreadyExists) => {}
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
         Ok(())
@@ -339,7 +342,7 @@ impl Worker {
     /// gives it now (the meter changes only when a round of this prompt
     /// publishes, so a retried attempt regroups as the first did).
     async fn spec_for(&self, round: &crate::domain::round::Round, prompt: &crate::domain::Prompt) -> RoundSpec {
-        let group_size = match service::controller::group_size(&self.store, prompt, &self.controller).await {
+        let group_size = match service::controller::group_size(&self.state, prompt, &self.controller).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");
