@@ -51,10 +51,6 @@ pub const CROSSOVER_ACTOR: &str = "crossover";
 /// Most prompts one list call returns.
 const PAGE: u32 = 200;
 
-fn as_arm(a: &PopulationArm) -> Arm {
-    Arm { version: a.version, rating: a.rating, scored_traces: a.scored_traces }
-}
-
 /// Mutation: `version`, learned from `parent`, joins the population of
 /// `prompt` as a challenger with the parent's μ and σ = √(σ_parent² + 1);
 /// the weakest challenger is retired when there are more than `max_arms`.
@@ -117,7 +113,7 @@ async fn join(
         rated_until: None,
     });
     // `max_arms` counts challengers; retire until there is room (the newest stays).
-    let mut live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
+    let mut live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(Arm::from).collect();
     while let Some(weakest) =
         arm_to_retire(&live, champion, Some(version), &PopulationPolicy { max_arms: policy.max_arms + 1, ..*policy })
     {
@@ -588,7 +584,7 @@ impl PopulationRater {
         let started = std::time::Instant::now();
         // Only the live arms' outcomes are read: a busy prompt's window may
         // hold many versions that are no longer in play.
-        let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(as_arm).collect();
+        let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(Arm::from).collect();
         let in_play: Vec<i64> = live.iter().map(|a| a.version).collect();
         let buckets =
             self.store.version_outcomes(prompt, from, now, self.settings.window_secs as i64, Some(&in_play)).await?;
