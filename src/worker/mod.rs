@@ -5,6 +5,8 @@
 //! fails it. A crashed process's rounds are resumed by whoever claims them
 //! after the lease expires, from the reflections already stored.
 
+pub mod arms;
+pub mod breeder;
 pub mod choices;
 pub mod guard;
 mod journal;

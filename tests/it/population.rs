@@ -17,7 +17,11 @@ use combee::{
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, OpenAiClient, config::LlmConfig},
     store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
-    worker::rater::{CrossoverOutcome, PopulationRater, RatingOutcome, add_challenger},
+    worker::{
+        arms::add_challenger,
+        breeder::CrossoverOutcome,
+        rater::{PopulationRater, RatingOutcome},
+    },
 };
 use common::{Backend, test_store};
 use serde_json::json;
