@@ -9,7 +9,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY bench/Cargo.toml ./bench/
 RUN mkdir -p src bench/src/bin && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
-    && for b in $(sed -n 's/^path = "\(src\/bin\/.*\)"/\1/p' bench/Cargo.toml); do echo 'fn main() {}' > "bench/$b"; done \
+    && for b in $(sed -n 's/^path = "\(src\/bin\/.*\)"/\1/p' bench/Cargo.toml); do mkdir -p "$(dirname "bench/$b")" && echo 'fn main() {}' > "bench/$b"; done \
     && cargo build --release --locked --bin combee \
     && rm -rf src
 COPY build.rs ./

@@ -12,10 +12,11 @@ use crate::{
     auth,
     config::{Role, Settings},
     delivery::Deliverer,
+    domain::access::Scope,
     http,
     llm::{LlmBackend, client::OpenAiClient},
     service::AppState,
-    store::{self, Change, DynStore, Scope, retention::Expiring},
+    store::{self, Change, DynStore, retention::Expiring},
     ui,
     worker::{Worker, guard::RegressionGuard, rater::PopulationRater, retention::Pruner},
 };

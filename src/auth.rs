@@ -15,7 +15,8 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     cache::{FastMap, coarse_now_ms},
-    store::{ApiKey, DynStore, Scope, StoreError},
+    domain::access::{ApiKey, Scope},
+    store::{DynStore, StoreError},
 };
 
 pub const KEY_PREFIX: &str = "cmb_";

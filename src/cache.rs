@@ -20,7 +20,7 @@ use axum::{
     http::{HeaderMap, HeaderValue, header},
 };
 
-use crate::store::{ArmState, Selector};
+use crate::domain::{label::Selector, population::ArmState};
 
 /// The caches' maps: hashed with foldhash (seeded per map), several times
 /// cheaper than the standard SipHash on the hottest route. Keys are prompt

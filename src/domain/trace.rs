@@ -335,6 +335,27 @@ pub struct RequeueFailed {
     pub since: Option<DateTime<Utc>>,
 }
 
+/// An `Idempotency-Key` as the store keeps it: per caller, bound to the hash
+/// of the request it first came with.
+#[derive(Debug, Clone, Copy)]
+pub struct IdempotencyKey<'a> {
+    pub owner: Uuid,
+    pub key: &'a str,
+    pub request_hash: &'a str,
+}
+
+/// How an ingest under an `Idempotency-Key` ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IdempotentIngest {
+    /// First sighting: the traces and the key were committed together.
+    Stored { ids: Vec<Uuid> },
+    /// The same request was stored before: these are its traces, in request
+    /// order (nothing stored now).
+    Replay { ids: Vec<Uuid> },
+    /// The same key was used with another payload (nothing stored).
+    Mismatch,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,39 +8,13 @@ use axum::{
     http::{HeaderValue, header},
     response::{IntoResponse, Response},
 };
-use chrono::{DateTime, Utc};
-use serde::Deserialize;
-use utoipa::IntoParams;
 
 use super::{
     AppState,
     error::ApiResult,
     extract::{ApiPath, ApiQuery, Authorized, scope},
 };
-use crate::service::export::{self, ExportFormat, ExportRequest};
-
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-pub struct ExportQueryParams {
-    /// `combee` (default): trace records with their `reward`; `chat`: `{"messages": […]}`
-    /// for chat fine-tuning; `reward`: `{"prompt", "completion", "reward", …}` for RL and
-    /// preference tuning.
-    #[param(inline)]
-    pub format: Option<ExportFormat>,
-    /// Only traces that ran with this version.
-    pub version: Option<i64>,
-    /// Only traces that ran with the version this label points at now; with
-    /// `version` too, that version only while the label points at it (else 404).
-    pub label: Option<String>,
-    /// Only traces received at or after this time (RFC 3339).
-    pub since: Option<DateTime<Utc>>,
-    /// Only traces received before this time (RFC 3339).
-    pub until: Option<DateTime<Utc>>,
-    /// Only traces with a reward of at least this.
-    pub min_reward: Option<f64>,
-    /// Only traces with a reward of at most this.
-    pub max_reward: Option<f64>,
-}
+use crate::service::export::{self, ExportRequest};
 
 /// A prompt's traces as JSON Lines, for fine-tuning and RL.
 ///
@@ -55,7 +29,7 @@ pub struct ExportQueryParams {
 /// never exported. An export that fails part-way ends the download early
 /// (the last line is then missing or cut): run it again.
 #[utoipa::path(get, path = "/v1/prompts/{name}/export", tag = "traces",
-    params(("name" = String, Path), ExportQueryParams),
+    params(("name" = String, Path), ExportRequest),
     responses(
         (status = 200, description = "JSON Lines, one record per line", content_type = "application/x-ndjson", body = String),
         (status = 400, body = super::error::Problem, description = "a bad filter (a malformed time, number, label or format)"),
@@ -66,17 +40,8 @@ pub async fn export_traces(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
     ApiPath(name): ApiPath<String>,
-    ApiQuery(q): ApiQuery<ExportQueryParams>,
+    ApiQuery(req): ApiQuery<ExportRequest>,
 ) -> ApiResult<Response> {
-    let req = ExportRequest {
-        format: q.format.unwrap_or_default(),
-        version: q.version,
-        label: q.label,
-        since: q.since,
-        until: q.until,
-        min_reward: q.min_reward,
-        max_reward: q.max_reward,
-    };
     let mut exporter = export::start(&st, &name, req).await?;
     let first = exporter.next_chunk().await?;
     let mut res = Body::from_stream(exporter.into_stream(first)).into_response();

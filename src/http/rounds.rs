@@ -19,14 +19,11 @@ use super::{
     extract::{ApiPath, ApiQuery, Authorized, body_bytes, optional_json, optional_json_bytes, scope},
 };
 use crate::{
-    domain::{
-        backoff::LearningState,
-        round::{Round, RoundTrigger},
-    },
+    domain::{backoff::LearningState, round::Round},
     service::{
         pagination::{PageParams, next_token},
         prompts::{existing_prompt, parse_name},
-        rounds::{self, RoundView, TriggerRound, open_round, round_view},
+        rounds::{self, RoundView, TriggerRound, WebhookTrigger, open_round, open_round_for_webhook, round_view},
     },
     webhooks,
 };
@@ -43,9 +40,7 @@ pub async fn trigger_round(
     let name = parse_name(&name)?;
     // An empty body means all defaults.
     let body = optional_json::<TriggerRound>(req).await?.unwrap_or_default();
-    let round = open_round(&st, &name, body, RoundTrigger::Api, None)
-        .await?
-        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("a round without a webhook id was taken for a duplicate")))?;
+    let round = open_round(&st, &name, body).await?;
     Ok((StatusCode::ACCEPTED, Json(round)).into_response())
 }
 
@@ -92,11 +87,13 @@ pub async fn webhook_round(
     }
     // The id is remembered only together with the round it opens: a trigger
     // refused here (404, 409) is processed again when the sender retries it.
-    match open_round(&st, &name, trigger, RoundTrigger::Webhook, Some(id.to_owned())).await? {
-        Some(round) => {
+    match open_round_for_webhook(&st, &name, trigger, id.to_owned()).await? {
+        WebhookTrigger::Opened(round) => {
             Ok((StatusCode::ACCEPTED, Json(WebhookAccepted { status: "queued", round: Some(round) })).into_response())
         }
-        None => Ok((StatusCode::OK, Json(WebhookAccepted { status: "duplicate", round: None })).into_response()),
+        WebhookTrigger::Duplicate => {
+            Ok((StatusCode::OK, Json(WebhookAccepted { status: "duplicate", round: None })).into_response())
+        }
     }
 }
 

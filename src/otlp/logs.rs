@@ -19,7 +19,7 @@ use opentelemetry_proto::tonic::{
 use sha2::{Digest, Sha256};
 
 use super::mapping::{Rejection, SpanGroup, group_by_trace, records, valid_trace_id};
-use crate::store::OtlpSpan;
+use crate::domain::span::OtlpSpan;
 
 /// Whether a log record speaks the GenAI (or combee) conventions: an event
 /// named `gen_ai.*`, or an attribute `gen_ai.*` / `combee.*`. Other log

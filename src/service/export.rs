@@ -18,13 +18,13 @@ use chrono::{DateTime, Utc};
 use futures_util::{Stream, StreamExt, stream};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
 use crate::{
-    domain::{Feedback, LabelName, Trace},
-    store::{Selector, export::ExportQuery},
+    domain::{Feedback, LabelName, Trace, label::Selector},
+    store::export::ExportQuery,
 };
 
 /// Traces read from the store per page.
@@ -46,15 +46,27 @@ pub enum ExportFormat {
     Reward,
 }
 
-/// What to export.
-#[derive(Debug, Clone, Default)]
+/// What to export: the export route's query parameters, as they are.
+#[derive(Debug, Clone, Default, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ExportRequest {
-    pub format: ExportFormat,
+    /// `combee` (default): trace records with their `reward`; `chat`: `{"messages": […]}`
+    /// for chat fine-tuning; `reward`: `{"prompt", "completion", "reward", …}` for RL and
+    /// preference tuning.
+    #[param(inline)]
+    pub format: Option<ExportFormat>,
+    /// Only traces that ran with this version.
     pub version: Option<i64>,
+    /// Only traces that ran with the version this label points at now; with
+    /// `version` too, that version only while the label points at it (else 404).
     pub label: Option<String>,
+    /// Only traces received at or after this time (RFC 3339).
     pub since: Option<DateTime<Utc>>,
+    /// Only traces received before this time (RFC 3339).
     pub until: Option<DateTime<Utc>>,
+    /// Only traces with a reward of at least this.
     pub min_reward: Option<f64>,
+    /// Only traces with a reward of at most this.
     pub max_reward: Option<f64>,
 }
 
@@ -113,7 +125,7 @@ pub async fn start(st: &AppState, prompt: &str, req: ExportRequest) -> ServiceRe
     Ok(Exporter {
         st: st.clone(),
         query: ExportQuery { prompt: name, version, since: req.since, until: req.until },
-        format: req.format,
+        format: req.format.unwrap_or_default(),
         rewards: (req.min_reward, req.max_reward),
         after: None,
         done: false,

@@ -14,7 +14,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
-use crate::{domain::LabelName, store::Selector};
+use crate::domain::{LabelName, label::Selector};
 
 /// A prompt as Langfuse's API returns it (`GET /api/public/v2/prompts/{name}`).
 #[derive(Debug, Serialize, ToSchema, PartialEq)]

@@ -32,14 +32,43 @@ pub struct TriggerRound {
 
 pub const MAX_BATCH: u32 = 10_000;
 
-/// Opens a round; `Ok(None)` only for a webhook id that already opened one.
-pub async fn open_round(
+/// Opens a round an operator asked for.
+pub async fn open_round(st: &AppState, name: &PromptName, req: TriggerRound) -> ServiceResult<Round> {
+    let open = round_request(st, name, req, RoundTrigger::Api, None).await?;
+    opened(name, st.store.open_round(&open).await)
+}
+
+/// What a signed webhook's trigger did.
+#[derive(Debug)]
+pub enum WebhookTrigger {
+    Opened(Round),
+    /// Its `webhook-id` opened a round already: nothing was started.
+    Duplicate,
+}
+
+/// Opens a round for a signed webhook, once per `webhook-id`: the id is kept
+/// with the round it opens, so a retried delivery finds it.
+pub async fn open_round_for_webhook(
+    st: &AppState,
+    name: &PromptName,
+    req: TriggerRound,
+    webhook_id: String,
+) -> ServiceResult<WebhookTrigger> {
+    let open = round_request(st, name, req, RoundTrigger::Webhook, Some(webhook_id)).await?;
+    match st.store.open_round(&open).await {
+        Err(StoreError::Duplicate) => Ok(WebhookTrigger::Duplicate),
+        result => opened(name, result).map(WebhookTrigger::Opened),
+    }
+}
+
+/// The store's request for a round, with the batch size checked or chosen.
+async fn round_request(
     st: &AppState,
     name: &PromptName,
     req: TriggerRound,
     trigger: RoundTrigger,
     inbound_webhook_id: Option<String>,
-) -> ServiceResult<Option<Round>> {
+) -> ServiceResult<OpenRound> {
     let prompt =
         st.store.get_prompt(name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
     let batch = match req.batch_size {
@@ -49,7 +78,7 @@ pub async fn open_round(
     if !(1..=MAX_BATCH).contains(&batch) {
         return Err(ServiceError::Unprocessable(format!("`batch_size` must be between 1 and {MAX_BATCH}")));
     }
-    let open = OpenRound {
+    Ok(OpenRound {
         prompt: name.clone(),
         trigger,
         method: req.method.unwrap_or_default(),
@@ -57,10 +86,13 @@ pub async fn open_round(
         min_traces: 1,
         seed: random_seed(),
         inbound_webhook_id,
-    };
-    match st.store.open_round(&open).await {
-        Ok(Some(round)) => Ok(Some(round)),
-        Err(StoreError::Duplicate) => Ok(None),
+    })
+}
+
+/// The opened round, or why none was: 409 for no pending traces or a round in flight.
+fn opened(name: &PromptName, result: Result<Option<Round>, StoreError>) -> ServiceResult<Round> {
+    match result {
+        Ok(Some(round)) => Ok(round),
         Ok(None) => Err(ServiceError::Conflict(format!("prompt {name:?} has no pending traces to learn from"))),
         Err(StoreError::AlreadyExists) => Err(ServiceError::Conflict(format!(
             "prompt {name:?} already has a round in flight; at most one runs at a time"

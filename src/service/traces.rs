@@ -14,13 +14,13 @@ use crate::{
     domain::{
         Feedback, PromptName, Trace,
         span::OtlpMerge,
-        trace::{RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
+        trace::{IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
     },
     otlp::{
         Signal,
         mapping::{self, Mapping, Rejection, SpanGroup},
     },
-    store::{IdempotencyKey, IdempotentIngest, StoreError, TraceAction},
+    store::{StoreError, TraceAction},
 };
 
 /// Longest quarantine reason, in characters.

@@ -12,10 +12,10 @@ use tokio::sync::broadcast;
 use uuid::Uuid;
 
 use super::{
-    Change, IdempotencyKey, IdempotentIngest, Store, StoreKind, StoreResult,
+    Change, Store, StoreKind, StoreResult,
     sql::{Dialect, sql},
 };
-use crate::domain::trace::ValidTrace;
+use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
 
 /// A SQL store: `writer` takes every write (SQLite: one connection, so writers
 /// queue in-process), `reader` the reads (on Postgres the same pool).
@@ -23,8 +23,8 @@ pub struct SqlStore<D: Backend> {
     pub(super) writer: Pool<D>,
     pub(super) reader: Pool<D>,
     pub(super) changes: broadcast::Sender<Change>,
-    /// What only this backend keeps (Postgres: its listener; SQLite: the key generation cache).
-    pub(super) extra: D::Extra,
+    /// How this process learns of other processes' writes (see [`Backend::Watch`]).
+    pub(super) watch: D::Watch,
 }
 
 impl<D: Backend> SqlStore<D> {
@@ -64,7 +64,10 @@ pub trait Backend: Dialect {
     const KIND: StoreKind;
     /// True when changes are announced in-process after commit rather than by NOTIFY.
     const ANNOUNCE_LOCALLY: bool;
-    type Extra: Send + Sync + 'static;
+    /// What this backend keeps to learn of other processes' writes: on
+    /// Postgres the task listening for their NOTIFY, on SQLite the cache of
+    /// the API key generation, checked against the WAL index.
+    type Watch: Send + Sync + 'static;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64>;
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>>;

@@ -11,7 +11,8 @@ use uuid::Uuid;
 use super::{
     StoreResult,
     backend::{Backend, SqlStore},
-    sql::{TRACE_COLUMNS, sql, trace_from_row},
+    sql::sql,
+    traces::{TRACE_COLUMNS, trace_from_row},
 };
 use crate::domain::{PromptName, Trace};
 

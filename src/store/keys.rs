@@ -7,7 +7,7 @@ use uuid::Uuid;
 use super::{
     Change, StoreError, StoreResult,
     backend::{Backend, SqlStore},
-    sql::{key_from_row, now, sql},
+    sql::{Cols, Dialect, now, sql},
 };
 use crate::domain::access::{ApiKey, Scope};
 
@@ -93,4 +93,17 @@ impl<D: Backend> KeyStore for SqlStore<D> {
     async fn api_key_generation(&self) -> StoreResult<i64> {
         D::api_key_generation(self).await
     }
+}
+
+pub(super) fn key_from_row<D: Dialect>(row: &D::Row) -> StoreResult<ApiKey> {
+    let r = Cols::<D>(row);
+    Ok(ApiKey {
+        id: r.get("id")?,
+        name: r.get("name")?,
+        prefix: r.get("prefix")?,
+        hash: r.get("hash")?,
+        scopes: scopes_from_string(&r.get::<String>("scopes")?)?,
+        created_at: r.get("created_at")?,
+        revoked_at: r.get("revoked_at")?,
+    })
 }

@@ -2,14 +2,18 @@
 //! itself.
 
 use async_trait::async_trait;
+use uuid::Uuid;
 
 use super::{
-    Change, StoreResult,
+    Change, StoreError, StoreResult,
     backend::{Backend, SqlStore},
-    sql::{apply_move, history_from_row, label_from_row, prompt_id, record_history, record_move, sql},
+    sql::{Cols, Dialect, corrupt, now, opt_json, sql},
+    versions::{prompt_id, require_version},
+    webhooks::record_event,
 };
 use crate::domain::{
     LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName, VersionSource,
+    event::OutboxEvent,
     label::{Label, LabelMove},
 };
 
@@ -149,4 +153,119 @@ impl<D: Backend> LabelStore for SqlStore<D> {
         }
         q.map(&mut *self.reader.acquire().await?, history_from_row::<D>).await
     }
+}
+
+fn label_name(s: &str) -> StoreResult<LabelName> {
+    LabelName::parse(s).map_err(|_| corrupt("label name"))
+}
+
+pub(super) fn label_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Label> {
+    let r = Cols::<D>(row);
+    Ok(Label {
+        name: label_name(&r.get::<String>("name")?)?,
+        version: r.get("version")?,
+        updated_at: r.get("updated_at")?,
+        updated_by: r.get("updated_by")?,
+    })
+}
+
+pub(super) fn history_from_row<D: Dialect>(row: &D::Row) -> StoreResult<LabelHistoryEntry> {
+    let r = Cols::<D>(row);
+    let kind: String = r.get("kind")?;
+    Ok(LabelHistoryEntry {
+        id: r.get("id")?,
+        label: label_name(&r.get::<String>("label")?)?,
+        from_version: r.get("from_version")?,
+        to_version: r.get("to_version")?,
+        kind: LabelMoveKind::parse(&kind).ok_or_else(|| corrupt("label move kind"))?,
+        actor: r.get("actor")?,
+        reason: r.get("reason")?,
+        evidence: r.get("evidence")?,
+        at: r.get("at")?,
+    })
+}
+
+/// Appends one entry to the label history (inside the caller's transaction).
+// The columns of one history row; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn record_history<D: Dialect>(
+    c: &mut D::Connection,
+    prompt_id: Uuid,
+    label: &LabelName,
+    from: Option<i64>,
+    to: Option<i64>,
+    actor: &str,
+    cause: &MoveCause,
+) -> StoreResult<()> {
+    sql::<D>(
+        "INSERT INTO label_moves (prompt_id, label, from_version, to_version, kind, actor, reason, evidence, at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+    )
+    .bind(prompt_id)
+    .bind(label.as_str())
+    .bind(from)
+    .bind(to)
+    .bind(cause.kind.as_str())
+    .bind(actor)
+    .bind(&cause.reason)
+    .bind(opt_json(cause.evidence.as_ref()))
+    .bind(now())
+    .execute(c)
+    .await?;
+    Ok(())
+}
+
+/// The history entry and outbox events of one label move (none when it did
+/// not change anything). True when a delivery was queued.
+pub(super) async fn record_move<D: Dialect>(
+    c: &mut D::Connection,
+    prompt_id: Uuid,
+    prompt: &PromptName,
+    label: &Label,
+    previous: Option<i64>,
+    cause: &MoveCause,
+) -> StoreResult<bool> {
+    if previous == Some(label.version) {
+        return Ok(false);
+    }
+    record_history::<D>(c, prompt_id, &label.name, previous, Some(label.version), &label.updated_by, cause).await?;
+    let moved = OutboxEvent::label_moved(prompt, &label.name, label.version, previous, &label.updated_by);
+    let mut queued = record_event::<D>(c, &moved).await?;
+    if matches!(cause.kind, LabelMoveKind::Rollback | LabelMoveKind::GuardRollback) {
+        let e = OutboxEvent::rolled_back(prompt, &label.name, label.version, previous, &label.updated_by, cause);
+        queued |= record_event::<D>(c, &e).await?;
+    }
+    Ok(queued)
+}
+
+/// Moves a label; returns it with the version it pointed at before.
+pub(super) async fn apply_move<D: Dialect>(
+    c: &mut D::Connection,
+    prompt_id: Uuid,
+    mv: &LabelMove,
+) -> StoreResult<(Label, Option<i64>)> {
+    let current: Option<i64> =
+        sql::<D>(&format!("SELECT version FROM labels WHERE prompt_id = $1 AND name = $2{}", D::lock(" FOR UPDATE")))
+            .bind(prompt_id)
+            .bind(mv.label.as_str())
+            .value(c, "version")
+            .await?;
+    if mv.check_current && current != mv.expected_current {
+        return Err(StoreError::Conflict);
+    }
+    require_version::<D>(c, prompt_id, mv.to_version).await?;
+    let row = sql::<D>(
+        "INSERT INTO labels (prompt_id, name, version, updated_at, updated_by) VALUES ($1, $2, $3, $4, $5)
+         ON CONFLICT (prompt_id, name) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at,
+             updated_by = excluded.updated_by
+         RETURNING name, version, updated_at, updated_by",
+    )
+    .bind(prompt_id)
+    .bind(mv.label.as_str())
+    .bind(mv.to_version)
+    .bind(now())
+    .bind(&mv.by)
+    .fetch_one(c)
+    .await?;
+    Ok((label_from_row::<D>(&row)?, current))
 }

@@ -6,14 +6,14 @@
 //! [`connect`]. Every SQL statement lives next to the store function that runs
 //! it. The store knows nothing of HTTP: it takes and returns plain data.
 
+mod arms;
 mod backend;
-mod controller;
+mod controller_state;
 pub mod export;
 mod keys;
 mod labels;
 mod migrate;
 mod otlp;
-mod population;
 pub mod postgres;
 mod prompts;
 pub mod retention;
@@ -23,6 +23,7 @@ mod sessions;
 mod sql;
 pub mod sqlite;
 mod traces;
+mod versions;
 mod webhooks;
 
 use std::sync::Arc;
@@ -31,31 +32,19 @@ use async_trait::async_trait;
 use serde::Serialize;
 use tokio::sync::broadcast;
 
-pub use controller::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
+pub use arms::{PopulationStore, RatingSlot};
+pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
-pub use population::{PopulationStore, RatingSlot, TaskRewards};
 pub use prompts::PromptStore;
 pub use retention::Retention;
-pub use rollups::Rollups;
+pub use rollups::{Rollups, TaskRewards};
 pub use rounds::{Backlog, ClaimedRound, OpenRound, RoundCall, RoundFailure, RoundStore, TraceCharges, TraceFault};
 pub use sessions::SessionStore;
-pub use traces::{IdempotencyKey, IdempotentIngest, TraceAction, TraceStore};
-pub(crate) use traces::{prompt_reference_problem, trace_action_refusal};
+pub use traces::{TraceAction, TraceStore};
 pub use webhooks::{AttemptRecord, ClaimedDelivery, DeliveryOutcome, WebhookStore};
-
-/// The domain records the store reads and writes, where callers of the store name them.
-pub use crate::domain::{
-    access::{ApiKey, NewUiSession, Scope, UiSession},
-    label::{Label, LabelMove, Resolved, Selector},
-    population::{ArmState, PopulationArm},
-    prompt::{NewPrompt, PromptSummary},
-    span::{OtlpMerge, OtlpRemap, OtlpRemapFn, OtlpSpan},
-    trace::{RequeueFailed, TraceFilter},
-    webhook::{DeliveryAttempt, NewWebhook, Webhook},
-};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

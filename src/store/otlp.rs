@@ -10,7 +10,7 @@ use super::{
     StoreError, StoreResult,
     backend::{Backend, SqlStore},
     rollups::{self, Counted, Sign},
-    sql::{Cols, corrupt, insert_otlp_spans, json, now, opt_json, sql},
+    sql::{Cols, Dialect, corrupt, json, now, opt_json, sql},
     traces::prompt_reference_problem,
 };
 use crate::domain::{
@@ -191,4 +191,27 @@ impl<D: Backend> OtlpStore for SqlStore<D> {
         .execute(&mut *self.writer.acquire().await?)
         .await
     }
+}
+
+/// Stores new spans of `otel_trace_id`, attached to `trace` or held (`None`).
+pub(super) async fn insert_otlp_spans<D: Dialect>(
+    c: &mut D::Connection,
+    otel_trace_id: &str,
+    trace: Option<Uuid>,
+    spans: &[&OtlpSpan],
+) -> StoreResult<()> {
+    let now = now();
+    for span in spans {
+        sql::<D>(
+            "INSERT INTO otlp_spans (otel_trace_id, span_id, trace_id, body, received_at) VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(otel_trace_id)
+        .bind(&span.span_id)
+        .bind(trace)
+        .bind(span.body.as_slice())
+        .bind(now)
+        .execute(c)
+        .await?;
+    }
+    Ok(())
 }

@@ -20,9 +20,10 @@ use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
 use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors, reference_problem};
-use super::{Change, IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
-use crate::domain::trace::ValidTrace;
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
+use super::traces::reference_problem;
+use super::{Change, StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
 
 const CHANNEL: &str = "combee_changes";
 
@@ -51,7 +52,7 @@ impl SqlStore<Postgres> {
         migrate::postgres(&pool).await?;
         let (changes, _) = broadcast::channel(1024);
         let listener = Listener(tokio::spawn(listen(pool.clone(), changes.clone())));
-        Ok(Self { writer: pool.clone(), reader: pool, changes, extra: listener })
+        Ok(Self { writer: pool.clone(), reader: pool, changes, watch: listener })
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -246,7 +247,7 @@ async fn listen(pool: PgPool, tx: broadcast::Sender<Change>) {
 impl Backend for Postgres {
     const KIND: StoreKind = StoreKind::Postgres;
     const ANNOUNCE_LOCALLY: bool = false;
-    type Extra = Listener;
+    type Watch = Listener;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)

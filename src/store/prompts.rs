@@ -8,11 +8,10 @@ use uuid::Uuid;
 use super::{
     Change, StoreError, StoreResult,
     backend::{Backend, SqlStore},
-    labels::version_move_kind,
-    sql::{
-        Cols, VERSION_COLUMNS, apply_move, corrupt, enum_str, insert_version, json, now, prompt_from_row, record_event,
-        record_history, record_move, sql, version_from_row,
-    },
+    labels::{apply_move, record_history, record_move, version_move_kind},
+    sql::{Cols, Dialect, corrupt, enum_str, json, now, sql},
+    versions::{VERSION_COLUMNS, insert_version, prompt_name, version_from_row},
+    webhooks::record_event,
 };
 use crate::domain::{
     LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, PromptSettings, Version,
@@ -267,4 +266,17 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         }
         q.bind(i64::from(limit)).map(&mut *self.reader.acquire().await?, version_from_row::<D>).await
     }
+}
+
+pub(super) fn prompt_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Prompt> {
+    let r = Cols::<D>(row);
+    Ok(Prompt {
+        id: r.get("id")?,
+        name: prompt_name(&r.get::<String>("name")?)?,
+        strategy: serde_json::from_value(Value::String(r.get("strategy")?)).map_err(|_| corrupt("strategy"))?,
+        promotion: serde_json::from_value(Value::String(r.get("promotion")?)).map_err(|_| corrupt("promotion"))?,
+        settings: serde_json::from_value(r.get("settings")?).map_err(|_| corrupt("settings"))?,
+        created_at: r.get("created_at")?,
+        created_by: r.get("created_by")?,
+    })
 }

@@ -12,8 +12,9 @@ use uuid::Uuid;
 use super::{
     StoreKind, StoreResult,
     backend::{Backend, SqlStore},
-    controller::CONTROLLER_SAMPLES_KEPT,
-    sql::{Cols, Param, TRACE_COLUMNS, now, sql, trace_from_row},
+    controller_state::CONTROLLER_SAMPLES_KEPT,
+    sql::{Cols, Param, now, sql},
+    traces::{TRACE_COLUMNS, trace_from_row},
 };
 use crate::domain::{PromptName, Trace};
 

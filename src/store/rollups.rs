@@ -16,15 +16,16 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::{
-    StoreKind, StoreResult, TaskRewards,
+    StoreKind, StoreResult,
     backend::{Backend, SqlStore},
-    sql::{Cols, Dialect, Param, outcome_bucket_from_row, sql},
+    sql::{Cols, Dialect, Param, sql},
 };
 use crate::{
     domain::PromptName,
     evaluate::outcomes::{
         COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, TOKENS_KEY, ceil_to, rollup_reads, rollup_window,
     },
+    evaluate::stats::Moments,
 };
 
 /// Whether a delta adds a trace's contribution or takes it back.
@@ -44,36 +45,24 @@ pub(crate) enum Counted {
     All,
 }
 
+/// The rewards of one version on one task, as the rater compares arms on them.
+pub use crate::evaluate::rater::TaskRewards;
+
 const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, with_feedback, success_trials, successes, \
      score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq, latency_n, latency_sum, \
      latency_sq";
 
 const TIER_WIDTHS: &str = "(SELECT 60 AS width UNION ALL SELECT 3600 UNION ALL SELECT 86400) w";
 
-/// An `INSERT … SELECT` appending the outcome deltas of the rows of `source`
-/// (aliased `t`, with `prompt_id`, `prompt_version`, `feedback`, `metadata`,
-/// `created_at`) that match `cond`: one row per tier and (version, bucket).
-pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
-    let s = if sign == Sign::Retract { "-" } else { "" };
-    let moments = ["score", "tokens", "cost", "latency"]
-        .map(|c| {
-            format!(
-                "{s}count({c}), {s}{sum}, {s}{sq}",
-                sum = D::real(&format!("coalesce(sum({c}), 0)")),
-                sq = D::real(&format!("coalesce(sum({c} * {c}), 0)"))
-            )
-        })
-        .join(", ");
+/// SQL: the outcome columns of one trace row `t`, read from its feedback and
+/// metadata: `success` (1.0 / 0.0, or NULL), `rewarded` (it carries a
+/// success flag or a numeric score), `score`, and the usage `tokens`, `cost`
+/// and `latency`. What the outcome rollups sum, and the partial minutes at a
+/// window's edges are read from.
+fn outcome_columns<D: Dialect>() -> String {
     format!(
-        "INSERT INTO outcome_rollups ({OUTCOME_COLUMNS})
-         SELECT prompt_id, version, width, start_secs, {s}count(*), {s}count(CASE WHEN rewarded THEN 1 END),
-                {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}
-         FROM (SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, w.width, {start} AS start_secs,
-                      {success} AS success, ({is_flag} OR {is_number}) AS rewarded, {score} AS score,
-                      {tokens} AS tokens, {cost} AS cost, {latency} AS latency
-               FROM {source} CROSS JOIN {TIER_WIDTHS} WHERE {cond}) v
-         GROUP BY prompt_id, version, width, start_secs",
-        start = D::bucket_start("w.width"),
+        "{success} AS success, ({is_flag} OR {is_number}) AS rewarded, {score} AS score, {tokens} AS tokens, \
+         {cost} AS cost, {latency} AS latency",
         success = D::json_flag("t.feedback", "success"),
         is_flag = D::json_is("t.feedback", "success", "boolean"),
         is_number = D::json_is("t.feedback", "score", "number"),
@@ -84,24 +73,75 @@ pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign
     )
 }
 
+/// The moments (count, sum, sum of squares) of each of [`MOMENTS`] over the
+/// rows of [`outcome_columns`], each term prefixed by `sign` (`-` to
+/// retract); named `score_n`, `score_sum`, `score_sq`… when `named`.
+fn moment_sums<D: Dialect>(sign: &str, named: bool) -> String {
+    MOMENTS
+        .map(|c| {
+            let (n, sum, sq) = if named {
+                (format!(" AS {c}_n"), format!(" AS {c}_sum"), format!(" AS {c}_sq"))
+            } else {
+                Default::default()
+            };
+            format!(
+                "{sign}count({c}){n}, {sign}{}{sum}, {sign}{}{sq}",
+                D::real(&format!("coalesce(sum({c}), 0)")),
+                D::real(&format!("coalesce(sum({c} * {c}), 0)"))
+            )
+        })
+        .join(", ")
+}
+
+/// The outcomes kept as moments, as [`outcome_columns`] names them.
+const MOMENTS: [&str; 4] = ["score", "tokens", "cost", "latency"];
+
+/// SQL: the `task_key` and `reward` columns of one trace row `t` (the reward:
+/// 1.0 / 0.0 for `feedback.success`, else `feedback.score`), what the task
+/// rollups sum; `keyed` is true when the trace names a task.
+fn task_reward_columns<D: Dialect>() -> (String, String) {
+    let columns = format!(
+        "{task_key} AS task_key, CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward",
+        task_key = D::json_text("t.metadata", "task_key"),
+        is_flag = D::json_is("t.feedback", "success", "boolean"),
+        flag = D::json_flag("t.feedback", "success"),
+        score = D::json_number("t.feedback", "score"),
+    );
+    (columns, D::json_is("t.metadata", "task_key", "string"))
+}
+
+/// An `INSERT … SELECT` appending the outcome deltas of the rows of `source`
+/// (aliased `t`, with `prompt_id`, `prompt_version`, `feedback`, `metadata`,
+/// `created_at`) that match `cond`: one row per tier and (version, bucket).
+pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
+    let s = if sign == Sign::Retract { "-" } else { "" };
+    let moments = moment_sums::<D>(s, false);
+    format!(
+        "INSERT INTO outcome_rollups ({OUTCOME_COLUMNS})
+         SELECT prompt_id, version, width, start_secs, {s}count(*), {s}count(CASE WHEN rewarded THEN 1 END),
+                {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}
+         FROM (SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, w.width, {start} AS start_secs,
+                      {outcome}
+               FROM {source} CROSS JOIN {TIER_WIDTHS} WHERE {cond}) v
+         GROUP BY prompt_id, version, width, start_secs",
+        start = D::bucket_start("w.width"),
+        outcome = outcome_columns::<D>(),
+    )
+}
+
 /// The same for the per-task reward rows: rewarded traces that name a
 /// version and carry a string `metadata.task_key`, per minute.
 pub(crate) fn task_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
+    let (reward, keyed) = task_reward_columns::<D>();
     format!(
         "INSERT INTO task_rollups (prompt_id, version, task_key, start_secs, traces, reward_sum)
          SELECT prompt_id, version, task_key, start_secs, {s}count(*), {s}{total}
-         FROM (SELECT t.prompt_id, t.prompt_version AS version, {task_key} AS task_key, {start} AS start_secs,
-                      CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
+         FROM (SELECT t.prompt_id, t.prompt_version AS version, {start} AS start_secs, {reward}
                FROM {source} WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed}) r
          WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, start_secs",
         total = D::real("sum(reward)"),
-        task_key = D::json_text("t.metadata", "task_key"),
         start = D::bucket_start("60"),
-        is_flag = D::json_is("t.feedback", "success", "boolean"),
-        flag = D::json_flag("t.feedback", "success"),
-        score = D::json_number("t.feedback", "score"),
-        keyed = D::json_is("t.metadata", "task_key", "string"),
     )
 }
 
@@ -238,7 +278,7 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
         let counts = ["traces", "with_feedback", "success_trials", "successes"]
             .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
             .join(", ");
-        let moments = ["score", "tokens", "cost", "latency"]
+        let moments = MOMENTS
             .map(|c| {
                 format!(
                     "CAST(sum({c}_n) AS BIGINT) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
@@ -262,28 +302,14 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
         parts.push(format!(
             "SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
                     count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes, {aggs}
-             FROM (SELECT t.prompt_version AS version, {start} AS start, {success} AS success,
-                          ({is_flag} OR {is_number}) AS rewarded,
-                          {score} AS score, {tokens} AS tokens, {cost} AS cost, {latency} AS latency
+             FROM (SELECT t.prompt_version AS version, {start} AS start, {outcome}
                    FROM traces t
                    WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({within})
                      AND t.quarantined_at IS NULL{trace_versions}) v
              GROUP BY version, start",
             start = D::bucket_start("$2"),
-            success = D::json_flag("t.feedback", "success"),
-            is_flag = D::json_is("t.feedback", "success", "boolean"),
-            is_number = D::json_is("t.feedback", "score", "number"),
-            score = D::json_number("t.feedback", "score"),
-            tokens = D::json_number("t.metadata", TOKENS_KEY),
-            cost = D::json_number("t.metadata", COST_KEY),
-            latency = D::json_number("t.metadata", LATENCY_KEY),
-            aggs = ["score", "tokens", "cost", "latency"]
-                .map(|c| format!(
-                    "count({c}) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
-                    D::real(&format!("coalesce(sum({c}), 0)")),
-                    D::real(&format!("coalesce(sum({c} * {c}), 0)"))
-                ))
-                .join(", "),
+            outcome = outcome_columns::<D>(),
+            aggs = moment_sums::<D>("", true),
         ));
     }
     if parts.is_empty() {
@@ -354,19 +380,14 @@ pub(crate) async fn read_task_rewards<D: Backend>(
     }
     if !edges.is_empty() {
         let within = edges_condition(edges.len(), &mut param);
+        let (reward, keyed) = task_reward_columns::<D>();
         parts.push(format!(
             "SELECT version, task_key, count(reward) AS n, {total} AS total
-             FROM (SELECT t.prompt_version AS version, {task_key} AS task_key,
-                          CASE WHEN {is_flag} THEN {flag} ELSE {score} END AS reward
+             FROM (SELECT t.prompt_version AS version, {reward}
                    FROM traces t
                    WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({within})
                      AND t.quarantined_at IS NULL AND t.prompt_version IS NOT NULL AND {keyed}) r
              WHERE reward IS NOT NULL GROUP BY version, task_key",
-            task_key = D::json_text("t.metadata", "task_key"),
-            is_flag = D::json_is("t.feedback", "success", "boolean"),
-            flag = D::json_flag("t.feedback", "success"),
-            score = D::json_number("t.feedback", "score"),
-            keyed = D::json_is("t.metadata", "task_key", "string"),
             total = D::real("coalesce(sum(reward), 0)"),
         ));
     }
@@ -511,6 +532,31 @@ impl<D: Backend> Rollups for SqlStore<D> {
         }
         Ok(n)
     }
+}
+
+/// One row of the outcome aggregate query.
+pub(super) fn outcome_bucket_from_row<D: Dialect>(row: &D::Row) -> StoreResult<OutcomeBucket> {
+    let r = Cols::<D>(row);
+    let count = |c: &str| -> StoreResult<u64> { Ok(u64::try_from(r.get::<i64>(c)?).unwrap_or(0)) };
+    let moments = |p: &str| -> StoreResult<Moments> {
+        Ok(Moments {
+            count: count(&format!("{p}_n"))?,
+            sum: r.get(&format!("{p}_sum"))?,
+            sum_sq: r.get(&format!("{p}_sq"))?,
+        })
+    };
+    Ok(OutcomeBucket {
+        version: r.get("version")?,
+        start: r.get("start")?,
+        traces: count("traces")?,
+        with_feedback: count("with_feedback")?,
+        success_trials: count("success_trials")?,
+        successes: count("successes")?,
+        score: moments("score")?,
+        tokens: moments("tokens")?,
+        cost_usd: moments("cost")?,
+        latency_ms: moments("latency")?,
+    })
 }
 
 #[cfg(test)]

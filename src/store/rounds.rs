@@ -13,10 +13,12 @@ use uuid::Uuid;
 use super::{
     Change, PromptStore, StoreError, StoreKind, StoreResult,
     backend::{Backend, SqlStore},
-    sql::{
-        Cols, ROUND_COLUMNS, TRACE_COLUMNS, apply_move, charge_traces, corrupt, enum_str, fence, insert_version, json,
-        later, now, prompt_from_row, record_event, record_move, release_traces, round_from_row, sql, trace_from_row,
-    },
+    labels::{apply_move, record_move},
+    prompts::prompt_from_row,
+    sql::{Cols, Dialect, corrupt, enum_str, json, later, now, sql},
+    traces::{TRACE_COLUMNS, trace_from_row},
+    versions::{insert_version, prompt_name},
+    webhooks::record_event,
 };
 use crate::{
     domain::{
@@ -25,7 +27,7 @@ use crate::{
         event::OutboxEvent,
         label::{LabelMove, Selector},
         prompt::NewVersion,
-        round::{self, Method, Round, RoundTrigger},
+        round::{self, Method, Round, RoundStatus, RoundTrigger},
     },
     llm::{AnswerRead, LlmCall, OutputFormat, REFUSED_ANSWER_CHARS},
 };
@@ -684,4 +686,88 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         })
         .await
     }
+}
+
+pub(super) const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, \
+     r.seed, r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
+     r.started_at, r.finished_at, r.updated_at";
+
+pub(super) fn round_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Round> {
+    let r = Cols::<D>(row);
+    let (status, trigger): (String, String) = (r.get("status")?, r.get("trigger")?);
+    let (method, strategy): (String, String) = (r.get("method")?, r.get("strategy")?);
+    Ok(Round {
+        id: r.get("id")?,
+        prompt: prompt_name(&r.get::<String>("prompt_name")?)?,
+        status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
+        trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
+        method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
+        strategy: round::parse_strategy(&strategy).ok_or_else(|| corrupt("round strategy"))?,
+        seed: r.get("seed")?,
+        duplication: r.get("duplication")?,
+        n: r.get("n")?,
+        k: r.get("k")?,
+        base_version: r.get("base_version")?,
+        result_version: r.get("result_version")?,
+        attempt: r.get("attempt")?,
+        error: r.get("error")?,
+        detail: r.get("detail")?,
+        created_at: r.get("created_at")?,
+        started_at: r.get("started_at")?,
+        finished_at: r.get("finished_at")?,
+        updated_at: r.get("updated_at")?,
+    })
+}
+
+/// Checks that `attempt` still holds the round's lease (locking the round row
+/// on Postgres; SQLite's single writer makes check-then-write atomic).
+/// Returns the round's prompt id and name.
+pub(super) async fn fence<D: Dialect>(c: &mut D::Connection, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
+    let row = sql::<D>(&format!(
+        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id
+         WHERE r.id = $1{}",
+        D::lock(" FOR UPDATE OF r")
+    ))
+    .bind(round)
+    .fetch_optional(c)
+    .await?
+    .ok_or(StoreError::NotFound)?;
+    let r = Cols::<D>(&row);
+    if r.get::<String>("status")? != "running" || r.get::<i32>("attempt")? != attempt {
+        return Err(StoreError::Conflict);
+    }
+    Ok((r.get("prompt_id")?, r.get("name")?))
+}
+
+/// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).
+pub(super) async fn charge_traces<D: Dialect>(
+    c: &mut D::Connection,
+    round: Uuid,
+    charges: &TraceCharges,
+) -> StoreResult<()> {
+    for fault in &charges.faults {
+        sql::<D>(
+            "UPDATE traces SET round_id = NULL, attempts = attempts + 1, updated_at = $5, failure_reason = $3,
+                    status = CASE WHEN attempts + 1 >= $4 THEN 'failed' ELSE 'pending' END
+             WHERE id = $1 AND round_id = $2 AND status = 'pending'",
+        )
+        .bind(fault.trace_id)
+        .bind(round)
+        .bind(&fault.reason)
+        .bind(charges.max_trace_attempts)
+        .bind(now())
+        .execute(c)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Returns the round's still-reserved pending traces to the backlog, uncharged.
+pub(super) async fn release_traces<D: Dialect>(c: &mut D::Connection, round: Uuid) -> StoreResult<()> {
+    sql::<D>("UPDATE traces SET round_id = NULL, updated_at = $2 WHERE round_id = $1 AND status = 'pending'")
+        .bind(round)
+        .bind(now())
+        .execute(c)
+        .await?;
+    Ok(())
 }

@@ -5,7 +5,8 @@ use async_trait::async_trait;
 use super::{
     StoreResult,
     backend::{Backend, SqlStore},
-    sql::{Cols, key_from_row, now, sql},
+    keys::key_from_row,
+    sql::{Cols, now, sql},
 };
 use crate::domain::access::{ApiKey, NewUiSession, UiSession};
 

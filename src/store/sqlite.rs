@@ -20,9 +20,10 @@ use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
 use super::rollups::{Counted, Sign};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors, reference_problem};
-use super::{IdempotencyKey, IdempotentIngest, StoreError, StoreKind, StoreResult, migrate};
-use crate::domain::trace::ValidTrace;
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
+use super::traces::reference_problem;
+use super::{StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
 
 pub type SqliteStore = SqlStore<Sqlite>;
 
@@ -255,7 +256,7 @@ impl SqlStore<Sqlite> {
             .await
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
-        Ok(Self { writer, reader, changes, extra: KeyGenerationCache::open(path) })
+        Ok(Self { writer, reader, changes, watch: KeyGenerationCache::open(path) })
     }
 }
 
@@ -267,19 +268,19 @@ fn micros(d: Duration) -> i64 {
 impl Backend for Sqlite {
     const KIND: StoreKind = StoreKind::Sqlite;
     const ANNOUNCE_LOCALLY: bool = true;
-    type Extra = KeyGenerationCache;
+    type Watch = KeyGenerationCache;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         // The header is read before the query: a commit landing in between
         // changes it, so the next call queries again.
-        let header = s.extra.header();
-        if let Some(generation) = header.as_ref().and_then(|h| s.extra.lookup(h)) {
+        let header = s.watch.header();
+        if let Some(generation) = header.as_ref().and_then(|h| s.watch.lookup(h)) {
             return Ok(generation);
         }
         let generation: i64 =
             sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.reader).await?;
         if let Some(header) = header {
-            s.extra.remember(header, generation);
+            s.watch.remember(header, generation);
         }
         Ok(generation)
     }

@@ -10,12 +10,13 @@ use super::{
     Change, StoreResult,
     backend::{Backend, SqlStore},
     rollups::{self, Counted, Sign},
-    sql::{Cols, Param, TRACE_COLUMNS, corrupt, json, lock_for_action, now, prompt_id, sql, trace_from_row},
+    sql::{Cols, Dialect, Param, corrupt, json, now, sql},
+    versions::{prompt_id, prompt_name},
 };
 use crate::{
     domain::{
         Feedback, PromptName, Trace,
-        trace::{RequeueFailed, TraceFilter, TraceStatus, ValidTrace},
+        trace::{IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceStatus, ValidTrace},
     },
     evaluate::outcomes::OutcomeBucket,
 };
@@ -50,27 +51,6 @@ pub(crate) fn trace_action_refusal(delete: bool, status: &str, round_id: Option<
     round_id.map(|r| {
         format!("the trace is reserved by round {r}, which is in flight; it can be {verb} once the round ends")
     })
-}
-
-/// An `Idempotency-Key` as the store keeps it: per caller, bound to the hash
-/// of the request it first came with.
-#[derive(Debug, Clone, Copy)]
-pub struct IdempotencyKey<'a> {
-    pub owner: Uuid,
-    pub key: &'a str,
-    pub request_hash: &'a str,
-}
-
-/// How an ingest under an `Idempotency-Key` ended.
-#[derive(Debug, Clone, PartialEq)]
-pub enum IdempotentIngest {
-    /// First sighting: the traces and the key were committed together.
-    Stored { ids: Vec<Uuid> },
-    /// The same request was stored before: these are its traces, in request
-    /// order (nothing stored now).
-    Replay { ids: Vec<Uuid> },
-    /// The same key was used with another payload (nothing stored).
-    Mismatch,
 }
 
 /// Why a trace (posted, or re-mapped from OTLP spans) cannot be stored, or `None`: `version_count` is
@@ -360,4 +340,65 @@ impl<D: Backend> TraceStore for SqlStore<D> {
             .execute(&mut *self.writer.acquire().await?)
             .await
     }
+}
+
+pub(super) const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, \
+     t.trajectory, t.output, t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, \
+     t.round_id, t.created_at, t.updated_at, t.quarantined_at, t.quarantine_reason";
+
+pub(super) fn trace_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Trace> {
+    let r = Cols::<D>(row);
+    let status: String = r.get("status")?;
+    let reflection: Option<Value> = r.get("reflection")?;
+    let quarantined_at: Option<DateTime<Utc>> = r.get("quarantined_at")?;
+    Ok(Trace {
+        id: r.get("id")?,
+        prompt: prompt_name(&r.get::<String>("prompt_name")?)?,
+        prompt_version: r.get("prompt_version")?,
+        status: match quarantined_at {
+            Some(_) => TraceStatus::Quarantined,
+            None => TraceStatus::parse(&status).ok_or_else(|| corrupt("trace status"))?,
+        },
+        input: r.get("input")?,
+        trajectory: r.get("trajectory")?,
+        output: r.get("output")?,
+        feedback: serde_json::from_value(r.get("feedback")?).map_err(|_| corrupt("feedback"))?,
+        reflection: reflection.filter(|r| !r.is_null()),
+        external_id: r.get("external_id")?,
+        metadata: r.get("metadata")?,
+        attempts: r.get("attempts")?,
+        failure_reason: r.get("failure_reason")?,
+        round_id: r.get("round_id")?,
+        quarantined_at,
+        quarantine_reason: r.get("quarantine_reason")?,
+        created_at: r.get("created_at")?,
+        updated_at: r.get("updated_at")?,
+    })
+}
+
+/// Why `trace` cannot be stored, or `None` when its prompt and version exist.
+pub(super) async fn reference_problem<D: Dialect>(
+    c: &mut D::Connection,
+    trace: &ValidTrace,
+) -> StoreResult<Option<String>> {
+    let count = sql::<D>("SELECT version_count FROM prompts WHERE name = $1")
+        .bind(trace.prompt.as_str())
+        .value(c, "version_count")
+        .await?;
+    Ok(prompt_reference_problem(trace, count))
+}
+
+/// Locks trace `id` for an operator action (`delete` or quarantine); the
+/// answer to give instead when it is missing or in a state that refuses it.
+pub(super) async fn lock_for_action<D: Dialect>(
+    c: &mut D::Connection,
+    id: Uuid,
+    delete: bool,
+) -> StoreResult<Option<TraceAction>> {
+    let text = format!("SELECT status, round_id FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE"));
+    let Some(row) = sql::<D>(&text).bind(id).fetch_optional(c).await? else {
+        return Ok(Some(TraceAction::NotFound));
+    };
+    let r = Cols::<D>(&row);
+    Ok(trace_action_refusal(delete, &r.get::<String>("status")?, r.get("round_id")?).map(TraceAction::Refused))
 }

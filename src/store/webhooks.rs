@@ -10,11 +10,11 @@ use uuid::Uuid;
 use super::{
     StoreResult,
     backend::{Backend, SqlStore},
-    sql::{Cols, Param, WEBHOOK_COLUMNS, now, sql, webhook_from_row},
+    sql::{Cols, Dialect, Param, corrupt, now, sql},
 };
 use crate::{
     domain::{
-        event::events_to_column,
+        event::{OutboxEvent, events_from_column, events_pattern, events_to_column},
         webhook::{DeliveryAttempt, NewWebhook, Webhook},
     },
     secret::Secret,
@@ -237,4 +237,55 @@ impl<D: Backend> WebhookStore for SqlStore<D> {
         tx.commit().await?;
         Ok(true)
     }
+}
+
+pub(super) const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
+
+pub(super) fn webhook_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Webhook> {
+    let r = Cols::<D>(row);
+    Ok(Webhook {
+        id: r.get("id")?,
+        url: r.get("url")?,
+        events: events_from_column(&r.get::<String>("events")?).ok_or_else(|| corrupt("webhook events"))?,
+        description: r.get("description")?,
+        enabled: r.get("enabled")?,
+        disabled_reason: r.get("disabled_reason")?,
+        created_at: r.get("created_at")?,
+        secret: Secret::new(r.get::<String>("secret")?),
+    })
+}
+
+/// Writes an event into the outbox and fans it out to every enabled
+/// subscription that asked for its type — inside the caller's transaction, so
+/// the event exists exactly when the change it announces does. True when a
+/// delivery was queued (other processes are told at commit).
+pub(super) async fn record_event<D: Dialect>(c: &mut D::Connection, e: &OutboxEvent) -> StoreResult<bool> {
+    let now = now();
+    sql::<D>("INSERT INTO webhook_events (id, type, body, created_at) VALUES ($1, $2, $3, $4)")
+        .bind(&e.id)
+        .bind(e.kind.as_str())
+        .bind(&e.body)
+        .bind(e.created_at)
+        .execute(c)
+        .await?;
+    let subscribers = sql::<D>("SELECT id FROM webhook_subscriptions WHERE enabled = TRUE AND events LIKE $1")
+        .bind(events_pattern(e.kind))
+        .map(c, |row| Cols::<D>(row).get::<Uuid>("id"))
+        .await?;
+    for sub in &subscribers {
+        sql::<D>(
+            "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status, next_attempt_at, created_at, updated_at)
+             VALUES ($1, $2, $3, 'pending', $4, $4, $4)",
+        )
+        .bind(Uuid::now_v7())
+        .bind(&e.id)
+        .bind(*sub)
+        .bind(now)
+        .execute(c)
+        .await?;
+    }
+    if !subscribers.is_empty() {
+        D::notify(c, "outbox").await?;
+    }
+    Ok(!subscribers.is_empty())
 }

@@ -4,7 +4,10 @@
 //! of its parents' ratings; the weakest challenger retires to make room.
 
 use crate::{
-    domain::PromptName,
+    domain::{
+        PromptName,
+        population::{ArmState, PopulationArm},
+    },
     evaluate::{
         population::{Arm, PopulationPolicy, arm_to_retire},
         trueskill::Rating,
@@ -13,7 +16,7 @@ use crate::{
         population::{effective_policy, reconcile},
         production::production_version,
     },
-    store::{ArmState, DynStore, PopulationArm, StoreError, StoreResult},
+    store::{DynStore, StoreError, StoreResult},
 };
 
 /// Mutation: `version`, learned from `parent`, joins the population of

@@ -14,7 +14,11 @@ use sha2::{Digest, Sha256};
 
 use super::arms::add_crossover_child;
 use crate::{
-    domain::{LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource, prompt::NewVersion},
+    domain::{
+        LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource,
+        label::{LabelMove, Selector},
+        prompt::NewVersion,
+    },
     evaluate::{
         population::PopulationPolicy,
         rater::{TIE, task_winners},
@@ -26,7 +30,7 @@ use crate::{
         denylist::ContentDenylist,
     },
     llm::{LlmBackend, LlmError, config::LlmConfig},
-    store::{DynStore, LabelMove, Selector, StoreError, TaskRewards},
+    store::{DynStore, StoreError, TaskRewards},
 };
 
 /// Who crossover children are made and labelled by.

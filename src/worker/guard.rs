@@ -25,13 +25,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::GuardSettings,
-    domain::{LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName},
+    domain::{LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName, label::LabelMove},
     evaluate::{
         guard::{Comparison, GuardThresholds, WindowRewards, compare},
         population::PopulationPolicy,
     },
     service::production::Mover,
-    store::{DynStore, LabelMove, LabelMoveQuery, StoreError, StoreResult},
+    store::{DynStore, LabelMoveQuery, StoreError, StoreResult},
 };
 
 /// Who the guard's moves are recorded as.

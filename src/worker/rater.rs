@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::breeder::{Breeder, CrossoverError, CrossoverOutcome, RatedWindow};
 use crate::{
     config::PopulationSettings,
-    domain::{LabelMoveKind, LabelName, MoveCause, PromptName},
+    domain::{LabelMoveKind, LabelName, MoveCause, PromptName, label::LabelMove, population::ArmState},
     evaluate::{
         population::{Arm, GateDecision},
         rater::{self, Basis, first_window_due},
@@ -28,7 +28,7 @@ use crate::{
         population::{effective_policy, reconcile},
         production::{Mover, production_version},
     },
-    store::{ArmState, DynStore, LabelMove, StoreError, StoreResult},
+    store::{DynStore, StoreError, StoreResult},
 };
 
 /// Who the gate's moves are recorded as.

@@ -10,11 +10,12 @@ use combee::{
     domain::{
         Feedback, LabelName, NewTrace, Promotion, PromptName, PromptSettings, RetentionOverride, Strategy, Trace,
         VersionContent, VersionSource,
-        prompt::NewVersion,
-        trace::{TraceLimits, ValidTrace},
+        prompt::{NewPrompt, NewVersion},
+        span::{OtlpRemap, OtlpSpan},
+        trace::{TraceFilter, TraceLimits, ValidTrace},
     },
     evaluate::outcomes::OutcomeBucket,
-    store::{DynStore, NewPrompt, OpenRound, OtlpRemap, OtlpSpan, TraceFilter},
+    store::{DynStore, OpenRound},
     worker::retention::Pruner,
 };
 use rand::{Rng, SeedableRng, seq::SliceRandom};
@@ -360,7 +361,7 @@ async fn retention_deletes_what_expired_and_keeps_the_rest(b: Backend) {
     let body = serde_json::to_vec(&json!({"prompt": "p", "prompt_version": 2, "input": {"otel": 1}})).unwrap();
     let merged =
         s.merge_otlp_spans(&"a".repeat(32), &[OtlpSpan { span_id: "1".repeat(16), body }], &remap).await.unwrap();
-    let combee::store::OtlpMerge::Created { trace: otel_trace, .. } = merged else { panic!("{merged:?}") };
+    let combee::domain::span::OtlpMerge::Created { trace: otel_trace, .. } = merged else { panic!("{merged:?}") };
     p_ids.push(otel_trace);
     let q_ids = s.insert_traces(&batch("q", 3)).await.unwrap();
     let round = consume(&s, "p").await;
@@ -380,7 +381,7 @@ async fn retention_deletes_what_expired_and_keeps_the_rest(b: Backend) {
     // Pending (never deleted) and quarantined ones of p.
     let pending = s.insert_traces(&batch("p", 2)).await.unwrap();
     s.quarantine_trace(pending[1], "suspect").await.unwrap();
-    let key = combee::store::IdempotencyKey { owner: uuid::Uuid::nil(), key: "k", request_hash: "h" };
+    let key = combee::domain::trace::IdempotencyKey { owner: uuid::Uuid::nil(), key: "k", request_hash: "h" };
     s.insert_traces_idempotent(key, &batch("p", 1)).await.unwrap();
 
     let history = |p: &'static str| {

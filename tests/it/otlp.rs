@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{Backend, TestApp, expect_problem, learning, spawn_app, spawn_app_with, spawn_sim};
+use common::{Backend, TestApp, expect_problem, learning, round_end, spawn_app, spawn_app_with, spawn_sim};
 use opentelemetry_proto::tonic::{
     collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse},
     common::v1::{AnyValue, KeyValue, any_value::Value as Any},
@@ -383,11 +383,7 @@ async fn spans_after_a_round_took_the_trace_are_rejected(b: Backend) {
     let res = app.post("/v1/prompts/late-agent/rounds", json!({"batch_size": 1})).send().await.unwrap();
     assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
     let id = res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
-    let done = poll("the round", Duration::from_secs(60), async || {
-        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
-        (r["status"] == "succeeded" || r["status"] == "failed").then_some(r)
-    })
-    .await;
+    let done = round_end(&app, &id, Duration::from_secs(60)).await;
     assert_eq!(done["status"], "succeeded", "{done}");
 
     // A new span of the consumed trace is rejected with the reason; a re-sent one is not.
@@ -503,17 +499,6 @@ async fn bad_bodies_are_problems(b: Backend) {
     assert_eq!(traces(&app, "p").await.len(), 1);
 }
 
-async fn poll<T>(what: &str, within: Duration, mut f: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{what} did not happen within {within:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// The OTLP acceptance test: the real OpenTelemetry Python SDK and its
 /// OTLP/HTTP exporter send spans; the traces are found with the right
 /// version, pending, and a round learns from them.
@@ -592,11 +577,7 @@ async fn the_python_sdk_exporter_feeds_a_round(b: Backend) {
     assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
     let round: Value = res.json().await.unwrap();
     let id = round["id"].as_str().unwrap().to_owned();
-    let done = poll("the round", Duration::from_secs(60), async || {
-        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
-        (r["status"] == "succeeded" || r["status"] == "failed").then_some(r)
-    })
-    .await;
+    let done = round_end(&app, &id, Duration::from_secs(60)).await;
     assert_eq!(done["status"], "succeeded", "{done}");
     assert_eq!(done["trace_ids"].as_array().unwrap().len(), n);
     let left: Value =

@@ -10,13 +10,15 @@ use combee::{
     domain::{
         Bullet, LabelMoveKind, LabelName, Playbook, Promotion, PromptName, PromptSettings, Section, Strategy,
         VersionContent, VersionSource,
-        prompt::NewVersion,
+        label::Selector,
+        population::{ArmState, PopulationArm},
+        prompt::{NewPrompt, NewVersion},
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
     evaluate::{assign::sticky_arm, population::GateDecision, rater::Basis, trueskill::Rating},
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, OpenAiClient, config::LlmConfig},
-    store::{ArmState, DynStore, NewPrompt, PopulationArm, Selector, StoreError},
+    store::{DynStore, StoreError},
     worker::{
         arms::add_challenger,
         breeder::CrossoverOutcome,
@@ -442,7 +444,7 @@ async fn migration_0014_reads_old_arms_parents_and_accepts_crossover_versions(b:
     let arms = s.population_page(&name("old"), None, 1000).await.unwrap();
     assert_eq!((arm(&arms, 1).parents.clone(), arm(&arms, 2).parents.clone()), (vec![], vec![1]));
     let crossed = NewVersion { source: VersionSource::Crossover, ..version("v3", Some(1)) };
-    let mv = combee::store::LabelMove {
+    let mv = combee::domain::label::LabelMove {
         label: LabelName::candidate(),
         to_version: 0,
         expected_current: None,
@@ -487,7 +489,7 @@ async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
     let mut old = arm(&with_retired, retired[0]).clone();
     old.rating = Rating { mu: 31.0, sigma: 1.5 };
     s.save_population(&name("p"), &[old.clone()]).await.unwrap();
-    let mv = combee::store::LabelMove {
+    let mv = combee::domain::label::LabelMove {
         label: LabelName::production(),
         to_version: old.version,
         expected_current: Some(1),
@@ -591,9 +593,9 @@ mod http {
     //! the arm named in the answer, ETag/304, `Vary`, the population route.
 
     use super::*;
-    use crate::common::{expect_problem, spawn_app};
+    use crate::common::{eventually, expect_problem, spawn_app};
     use serde_json::Value;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     async fn served(app: &crate::common::TestApp, subject: &str) -> (i64, String, String) {
         let res = app.get("/v1/prompts/p").header("Combee-Subject", subject).send().await.unwrap();
@@ -673,20 +675,14 @@ mod http {
             (a.state, a.weight) = if a.version == 2 { (ArmState::Champion, 1.0) } else { (ArmState::Retired, 0.0) };
         }
         app.store.save_population(&name("p"), &arms).await.unwrap();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut moved = false;
-        while Instant::now() < deadline {
-            let mut all_v2 = true;
+        eventually("the served arms following the stored weights", Duration::from_secs(5), async || {
+            let mut served_versions = Vec::new();
             for i in 0..10 {
-                all_v2 &= served(&app, &format!("agent-{i}")).await.0 == 2;
+                served_versions.push(served(&app, &format!("agent-{i}")).await.0);
             }
-            if all_v2 {
-                moved = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert!(moved, "the served arms did not follow the stored weights");
+            if served_versions.iter().all(|v| *v == 2) { Ok(()) } else { Err(format!("served {served_versions:?}")) }
+        })
+        .await;
     }
 
     /// New prompts are `evaluated` by default, and their population exists
@@ -783,8 +779,7 @@ mod http {
             json!({"prompt": "p", "prompt_version": v, "input": key, "feedback": {"success": success},
                    "metadata": {"task_key": key}})
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let arm = loop {
+        let arm = eventually("a crossover child", Duration::from_secs(30), async || {
             // Traces keep arriving, so every rating window holds some.
             let mut batch = Vec::new();
             for k in 0..6 {
@@ -804,12 +799,11 @@ mod http {
                 .iter()
                 .find(|a| a["parents"].as_array().is_some_and(|p| p.len() == 2))
                 .cloned();
-            if let Some(arm) = crossed {
-                break arm;
-            }
-            assert!(Instant::now() < deadline, "no crossover child within 30 s: {pop}");
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        };
+            // A batch every 300 ms or so.
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            crossed.ok_or_else(|| pop.to_string())
+        })
+        .await;
         assert_eq!(arm["parents"], json!([1, 2]), "{arm}");
         assert!(sim.calls("crossover").await >= 1);
         let n = arm["version"].as_i64().unwrap();

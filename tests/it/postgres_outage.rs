@@ -16,10 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use combee::{
-    app::Application,
-    store::{self, TraceFilter},
-};
+use combee::{app::Application, domain::trace::TraceFilter, store};
 use serde_json::{Value, json};
 
 /// A private PostgreSQL server in a temp dir, stopped and removed on drop.
@@ -221,11 +218,11 @@ async fn idempotent_ingest_survives_a_postgres_restart_exactly_once() {
     let wait_for = |n: usize, what: &'static str| {
         let done = done.clone();
         async move {
-            let deadline = Instant::now() + Duration::from_secs(60);
-            while done.load(Ordering::Relaxed) < n {
-                assert!(Instant::now() < deadline, "{what}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            common::eventually(what, Duration::from_secs(60), async || {
+                let now = done.load(Ordering::Relaxed);
+                if now >= n { Ok(()) } else { Err(format!("{now} requests done")) }
+            })
+            .await
         }
     };
     wait_for(40, "clients made no progress before the restart").await;

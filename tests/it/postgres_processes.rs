@@ -12,11 +12,13 @@ use std::{
 };
 
 use combee::{
-    domain::PromptName,
+    domain::{
+        PromptName,
+        population::{ArmState, PopulationArm},
+    },
     evaluate::{assign::sticky_arm, trueskill::Rating},
-    store::{ArmState, PopulationArm},
 };
-use common::{Backend, spawn_app};
+use common::{Backend, eventually, spawn_app};
 use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 
@@ -84,11 +86,7 @@ async fn a_label_move_reaches_a_second_process_within_a_second() {
         .expect("start a second combee process");
     let _child = ChildServer(child);
     let other = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while app.http.get(format!("{other}/readyz")).send().await.map(|r| r.status() != 200).unwrap_or(true) {
-        assert!(Instant::now() < deadline, "second process did not become ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    ready(&app.http, &other).await;
     let get_other = || app.http.get(format!("{other}/v1/prompts/shared")).bearer_auth(&app.admin_key).send();
     // The second process serves (and caches) version 1.
     for _ in 0..3 {
@@ -126,12 +124,20 @@ async fn api_process(http: &reqwest::Client, db: &str, data: &std::path::Path) -
         .expect("start an API process");
     let child = ChildServer(child);
     let base = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while http.get(format!("{base}/readyz")).send().await.map(|r| r.status() != 200).unwrap_or(true) {
-        assert!(Instant::now() < deadline, "API process on {base} did not become ready");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    ready(http, &base).await;
     (child, base)
+}
+
+/// Waits for the process at `base` to answer `/readyz` with 200.
+async fn ready(http: &reqwest::Client, base: &str) {
+    eventually(&format!("{base} ready"), Duration::from_secs(30), async || {
+        match http.get(format!("{base}/readyz")).send().await {
+            Ok(r) if r.status() == 200 => Ok(()),
+            Ok(r) => Err(r.status().to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await
 }
 
 fn arm(version: i64, state: ArmState, weight: f64) -> PopulationArm {
@@ -279,17 +285,12 @@ async fn a_round_killed_mid_map_is_finished_by_another_process_without_paying_tw
     let round_view =
         || async { app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json::<Value>().await.unwrap() };
     let mut first = worker_process(&app.url, &sim.url, data.path());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    let r = eventually("six stored reflections", Duration::from_secs(30), async || {
         let r = round_view().await;
-        let stored = r["reflections"].as_array().unwrap().len();
-        if stored >= 6 {
-            assert_eq!(r["status"], "running");
-            break;
-        }
-        assert!(Instant::now() < deadline, "the first worker made no progress: {r}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        if r["reflections"].as_array().unwrap().len() >= 6 { Ok(r) } else { Err(r.to_string()) }
+    })
+    .await;
+    assert_eq!(r["status"], "running");
     first.0.kill().expect("kill -9 the worker running the round");
     first.0.wait().unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -298,15 +299,7 @@ async fn a_round_killed_mid_map_is_finished_by_another_process_without_paying_tw
     assert!(stored_before < n, "the crash happened during the map phase");
 
     let _second = worker_process(&app.url, &sim.url, data.path());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let done = loop {
-        let r = round_view().await;
-        if r["status"] == "succeeded" || r["status"] == "failed" {
-            break r;
-        }
-        assert!(Instant::now() < deadline, "the second worker did not finish the round: {r}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let done = common::round_end(&app, &id, Duration::from_secs(60)).await;
     assert_eq!(done["status"], "succeeded", "{done}");
     assert_eq!(done["attempt"], 2, "claimed once by each process");
     let asked_after = sim.calls("reflect").await;

@@ -25,7 +25,7 @@ use axum::{
     http::{Method, StatusCode, Uri},
     response::{IntoResponse, Response},
 };
-use common::{Backend, TestApp, spawn_app_with};
+use common::{Backend, TestApp, eventually, spawn_app_with};
 use serde_json::{Value, json};
 
 /// The llama.cpp server to learn with, or `None` when `COMBEE_REAL_LLM=0` says
@@ -175,16 +175,14 @@ async fn learn_from(app: &TestApp, name: &str, traces: Vec<Value>) -> Value {
     let started = Instant::now();
     // A one-slot server on two shared cores: a round of ten traces takes minutes.
     let within = Duration::from_secs(900);
-    let deadline = started + within;
-    loop {
+    let r = eventually("the round's end", within, async || {
         let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
-        if r["status"] == "succeeded" || r["status"] == "failed" {
-            eprintln!("{}", summary(&r, started.elapsed()));
-            return r;
-        }
-        assert!(Instant::now() < deadline, "round still {} after {within:?}: {}", r["status"], summary(&r, within));
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+        let ended = r["status"] == "succeeded" || r["status"] == "failed";
+        if ended { Ok(r) } else { Err(format!("still {}: {}", r["status"], summary(&r, started.elapsed()))) }
+    })
+    .await;
+    eprintln!("{}", summary(&r, started.elapsed()));
+    r
 }
 
 /// One line on a round: how it ended, its calls, how their answers were read.

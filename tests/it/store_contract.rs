@@ -8,18 +8,19 @@ use combee::{
     domain::{
         AgentReflections, Feedback, LabelName, Promotion, PromptName, PromptSettings, Strategy, TraceStatus,
         VersionContent, VersionSource,
-        prompt::NewVersion,
+        access::{NewUiSession, Scope},
+        label::{LabelMove, Selector},
+        prompt::{NewPrompt, NewVersion},
         round::RoundTrigger,
-        trace::{NewTrace, TraceLimits, ValidTrace},
+        span::{OtlpMerge, OtlpRemap, OtlpSpan},
+        trace::{IdempotencyKey, IdempotentIngest, NewTrace, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
     },
     learn::grouping::Method,
     store::{
-        Change, DynStore, IdempotencyKey, IdempotentIngest, LabelMove, MeterCounts, NewPrompt, NewUiSession, OpenRound,
-        OtlpMerge, OtlpRemap, OtlpSpan, RequeueFailed, RoundFailure, Scope, Selector, StoreError, TraceAction,
-        TraceCharges, TraceFault, TraceFilter,
+        Change, DynStore, MeterCounts, OpenRound, RoundFailure, StoreError, TraceAction, TraceCharges, TraceFault,
     },
 };
-use common::{Backend, test_store};
+use common::{Backend, eventually, test_store};
 use serde_json::json;
 
 fn name(s: &str) -> PromptName {
@@ -506,21 +507,27 @@ async fn writes_announce_changes(b: Backend) {
     let ts = test_store(b).await;
     let s: Arc<_> = ts.store.clone();
     let mut rx = s.changes();
-    // On Postgres the listener may still be connecting when the test starts
-    // (a write before LISTEN is covered by the resync it then sends, not
-    // announced), so write until one write is announced, within 10 s.
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    for i in 0.. {
-        let name = format!("p{i}");
-        make_prompt(&s, &name).await;
-        let wait = (tokio::time::Instant::now() + std::time::Duration::from_millis(500)).min(deadline);
+    write_until_announced(&s, &mut rx).await;
+}
+
+/// Writes prompts until one write is announced, within 10 s. On Postgres the
+/// listener may still be connecting when a test starts: a write before LISTEN
+/// is covered by the resync it then sends, not announced.
+async fn write_until_announced(s: &DynStore, rx: &mut tokio::sync::broadcast::Receiver<Change>) {
+    let mut written = 0;
+    eventually("an announced write", std::time::Duration::from_secs(10), async || {
+        let name = format!("probe{written}");
+        written += 1;
+        make_prompt(s, &name).await;
+        let wait = tokio::time::Instant::now() + std::time::Duration::from_millis(500);
         while let Ok(change) = tokio::time::timeout_at(wait, rx.recv()).await {
             if matches!(change.unwrap(), Change::Prompt(n) if n == name) {
-                return;
+                return Ok(());
             }
         }
-        assert!(tokio::time::Instant::now() < deadline, "no write announced within 10 s");
-    }
+        Err(format!("{written} writes, none announced"))
+    })
+    .await
 }
 
 async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
@@ -547,29 +554,17 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
 /// only to matching subscriptions, and deliveries are leased and fenced.
 async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Backend) {
     use combee::{
-        domain::event::EventType,
+        domain::{event::EventType, webhook::NewWebhook},
         secret::Secret,
-        store::{AttemptRecord, DeliveryOutcome, NewWebhook},
+        store::{AttemptRecord, DeliveryOutcome},
     };
     use std::time::Duration;
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let mut rx = s.changes();
-    // A wake-up is only announced once the Postgres listener is LISTENing (a
-    // write before is covered by its resync, not announced): wait for that,
-    // with writes that make no delivery (no subscription exists yet).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    'listening: for i in 0.. {
-        let probe = format!("probe{i}");
-        make_prompt(&s, &probe).await;
-        let wait = (tokio::time::Instant::now() + Duration::from_millis(500)).min(deadline);
-        while let Ok(change) = tokio::time::timeout_at(wait, rx.recv()).await {
-            if matches!(change.unwrap(), Change::Prompt(n) if n == probe) {
-                break 'listening;
-            }
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no write announced within 10 s");
-    }
+    // A wake-up is only announced once the Postgres listener is LISTENing:
+    // wait for that, with writes that make no delivery (no subscription exists yet).
+    write_until_announced(&s, &mut rx).await;
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
         events: vec![EventType::LabelMoved],
@@ -1000,9 +995,8 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
 /// transaction, newest first, with its actor; a refused or empty move records nothing.
 async fn label_history_records_every_move_in_order(b: Backend) {
     use combee::{
-        domain::{LabelMoveKind, MoveCause, event::EventType},
+        domain::{LabelMoveKind, MoveCause, event::EventType, webhook::NewWebhook},
         secret::Secret,
-        store::NewWebhook,
     };
     let ts = test_store(b).await;
     let s = ts.store.clone();
@@ -1157,14 +1151,10 @@ fn open_req(prompt: &str) -> OpenRound {
 /// Claims until a round comes back, for up to 5 s: a lease that ended "now"
 /// is claimable once the store's clock has moved past it.
 async fn claim_within_deadline(s: &DynStore, owner: &str) -> combee::store::ClaimedRound {
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        if let Some(c) = s.claim_round(owner, MINUTE).await.unwrap() {
-            return c;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no round became claimable within 5 s");
-        tokio::task::yield_now().await;
-    }
+    eventually("a claimable round", std::time::Duration::from_secs(5), async || {
+        s.claim_round(owner, MINUTE).await.unwrap().ok_or_else(|| "none yet".into())
+    })
+    .await
 }
 
 fn llm_call(model: &str) -> combee::llm::LlmCall {
@@ -1250,8 +1240,7 @@ async fn concurrent_claimers_take_each_round_once(b: Backend) {
     // One lease lapses: of eight workers reclaiming at once, exactly one gets it, with attempt 2.
     let lapsed = opened[1];
     assert!(s.heartbeat_round(lapsed, 1, std::time::Duration::ZERO).await.unwrap());
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
-    let reclaimed = loop {
+    let reclaimed = eventually("the lapsed lease's reclaim", std::time::Duration::from_secs(5), async || {
         let claimers: Vec<_> = (0..8)
             .map(|i| {
                 let s = s.clone();
@@ -1263,11 +1252,9 @@ async fn concurrent_claimers_take_each_round_once(b: Backend) {
             got.extend(c.await.unwrap().map(|c| (c.round.id, c.round.attempt)));
         }
         assert!(got.len() <= 1, "a lapsed lease was reclaimed twice: {got:?}");
-        if let Some(one) = got.pop() {
-            break one;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "the lapsed lease was not reclaimed within 5 s");
-    };
+        got.pop().ok_or_else(|| "not reclaimed yet".into())
+    })
+    .await;
     assert_eq!(reclaimed, (lapsed, 2));
     assert!(s.claim_round("late", MINUTE).await.unwrap().is_none());
 }
@@ -1513,7 +1500,10 @@ async fn llm_calls_keep_how_their_answer_was_read(b: Backend) {
 /// transaction, `round.failed` told once per streak, ended by a round that
 /// publishes or by an operator (a clear, or a round an operator triggers).
 async fn a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator(b: Backend) {
-    use combee::{domain::event::EventType, secret::Secret, store::NewWebhook};
+    use combee::{
+        domain::{event::EventType, webhook::NewWebhook},
+        secret::Secret,
+    };
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let hook = NewWebhook {

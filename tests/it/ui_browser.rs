@@ -10,12 +10,12 @@ use std::{
     io::{Read, Write},
     path::PathBuf,
     process::Stdio,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use base64::Engine;
 use combee::simulation::llm::SimConfig;
-use common::{Backend, TestApp, learning, spawn_app, spawn_app_with, spawn_sim};
+use common::{Backend, TestApp, eventually, learning, round_end, spawn_app, spawn_app_with, spawn_sim};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -177,16 +177,16 @@ impl Browser {
 
     /// Waits (in the browser) until the page at a URL containing `part` is loaded.
     async fn wait_url(&self, part: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        eventually(&format!("a page at {part}"), Duration::from_secs(10), async || {
             let url = self.url().await;
             if url.contains(part) {
-                return;
+                return Ok(());
             }
-            assert!(Instant::now() < deadline, "still at {url}, expected {part}");
             // The next look-up blocks on the loading page itself.
             let _ = self.try_cmd("POST", "/element", Some(json!({"using": "css selector", "value": "main"}))).await;
-        }
+            Err(format!("still at {url}"))
+        })
+        .await
     }
 
     async fn screenshot(&self, name: &str) -> PathBuf {
@@ -227,15 +227,9 @@ async fn run_round(app: &TestApp, name: &str, batch: u32) -> String {
     let res = app.post(&format!("/v1/prompts/{name}/rounds"), json!({"batch_size": batch})).send().await.unwrap();
     assert_eq!(res.status(), 202, "{}", res.text().await.unwrap());
     let id = res.json::<Value>().await.unwrap()["id"].as_str().unwrap().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
-        if r["status"] == "succeeded" {
-            return id;
-        }
-        assert!(r["status"] != "failed" && Instant::now() < deadline, "round did not succeed: {r}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let r = round_end(app, &id, Duration::from_secs(60)).await;
+    assert_eq!(r["status"], "succeeded", "{r}");
+    id
 }
 
 async fn api_prompt(app: &TestApp, name: &str) -> Value {
@@ -620,10 +614,11 @@ async fn reward_chart_marks_promotions_and_rollbacks(b: Backend) {
     br.screenshot("reward-markers").await;
 }
 
-/// At 1280 px wide (the browser's window), a prompt's version table fits:
-/// every Promote and Roll back button is inside the table and the window,
-/// and nothing scrolls sideways — with long messages, several labels per
-/// version and actors named by key.
+/// At 1280 px wide (the browser's window) and a few widths above, a prompt's
+/// version table fits: every Promote and Roll back button is inside the table
+/// and the window, no one-word label chip breaks inside its word, and nothing
+/// scrolls sideways — with long messages, several labels per version and
+/// actors named by key.
 async fn version_table_fits_a_1280_pixel_window(b: Backend) {
     let app = spawn_app(b).await;
     let res = app
@@ -663,17 +658,41 @@ async fn version_table_fits_a_1280_pixel_window(b: Backend) {
             .map(b => [b.id, b.getBoundingClientRect()])
             .filter(([, r]) => r.right > table.right + 0.5 || r.right > window.innerWidth || r.width < 10)
             .map(([id]) => id);
+        // A label chip of one word (no hyphen to break at) stays on one line.
+        const chips = [...document.querySelectorAll('#versions .badge')];
+        const line = Math.min(...chips.map(c => c.getBoundingClientRect().height));
+        const broken = chips.filter(c => !c.textContent.includes('-') && c.getBoundingClientRect().height > line + 1)
+            .map(c => c.textContent);
         document.querySelector('#versions').scrollIntoView();
-        return {cut, inner: window.innerWidth, page: document.documentElement.scrollWidth,
+        return {cut, broken, inner: window.innerWidth, page: document.documentElement.scrollWidth,
                 table: document.querySelector('#versions').scrollWidth,
                 shown: document.querySelector('#versions').clientWidth};
     "#, "args": []});
-    let fit = br.cmd("POST", "/execute/sync", Some(script)).await;
-    br.screenshot("versions-1280").await;
-    assert_eq!(fit["inner"], 1280, "the window is 1280 px wide: {fit}");
-    assert_eq!(fit["cut"], json!([]), "buttons outside the table or the window: {fit}");
-    assert!(fit["page"].as_u64() <= fit["inner"].as_u64(), "the page scrolls sideways: {fit}");
-    assert!(fit["table"].as_u64() <= fit["shown"].as_u64(), "the table overflows its box: {fit}");
+    // A second prompt whose labels are all short words: nothing holds the
+    // labels column open but the chips themselves.
+    assert_eq!(
+        app.post("/v1/prompts", json!({"name": "plain", "base": "You answer."})).send().await.unwrap().status(),
+        201
+    );
+    for message in [words, link, words] {
+        let body = json!({"base": format!("You answer: {message}"), "message": message, "labels": ["candidate"]});
+        let res = app.post("/v1/prompts/plain/versions", body).send().await.unwrap();
+        assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    }
+    // 1280 px, then the widths where the table's columns settle differently.
+    for (page, width) in [name, "plain"].into_iter().flat_map(|p| [1280, 1300, 1366, 1440].map(|w| (p, w))) {
+        br.cmd("POST", "/window/rect", Some(json!({"width": width, "height": 900}))).await;
+        if page == "plain" {
+            br.goto(&app.url("/ui/prompts/plain")).await;
+        }
+        let fit = br.cmd("POST", "/execute/sync", Some(script.clone())).await;
+        br.screenshot(&format!("versions-{}-{width}", if page == "plain" { "plain" } else { "long" })).await;
+        assert_eq!(fit["inner"], width, "the window is {width} px wide: {fit}");
+        assert_eq!(fit["cut"], json!([]), "buttons outside the table or the window: {fit}");
+        assert_eq!(fit["broken"], json!([]), "label chips broken inside a word: {fit}");
+        assert!(fit["page"].as_u64() <= fit["inner"].as_u64(), "the page scrolls sideways: {fit}");
+        assert!(fit["table"].as_u64() <= fit["shown"].as_u64(), "the table overflows its box: {fit}");
+    }
 }
 
 on_both_stores!(sessions_follow_their_key);

@@ -19,7 +19,7 @@ use axum::{
     routing::post,
 };
 use combee::config::{Role, Settings};
-use common::{Backend, TestApp, expect_problem, restart_app_with, spawn_app, spawn_app_with};
+use common::{Backend, TestApp, eventually, expect_problem, restart_app_with, spawn_app, spawn_app_with};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -113,16 +113,12 @@ async fn subscribe(app: &TestApp, url: &str, events: &[&str]) -> Value {
 
 /// The subscription's delivery log once it has at least `n` attempts.
 async fn log_with(app: &TestApp, id: &str, n: usize) -> Vec<Value> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
+    eventually(&format!("{n} delivery attempts"), Duration::from_secs(30), async || {
         let log: Value = app.get(&format!("/v1/webhooks/{id}/deliveries")).send().await.unwrap().json().await.unwrap();
         let rows = log["deliveries"].as_array().cloned().unwrap_or_default();
-        if rows.len() >= n {
-            return rows;
-        }
-        assert!(std::time::Instant::now() < deadline, "delivery log still has {} attempts: {log}", rows.len());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        if rows.len() >= n { Ok(rows) } else { Err(log.to_string()) }
+    })
+    .await
 }
 
 const VERIFY_PY: &str = r#"
@@ -416,11 +412,11 @@ async fn an_injected_regression_is_rolled_back_within_one_guard_tick(b: Backend)
     let v2 = promote_new_version(&app, "guarded", "You are a careless agent.").await;
     post_rewarded(&app, "guarded", v2, 24, 60).await; // 40 %
     let started = std::time::Instant::now();
-    let deadline = started + Duration::from_secs(10);
-    while production_of(&app, "guarded").await != 1 {
-        assert!(std::time::Instant::now() < deadline, "the guard did not roll back within 10 s");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the guard's roll-back", Duration::from_secs(10), async || {
+        let production = production_of(&app, "guarded").await;
+        if production == 1 { Ok(()) } else { Err(format!("production is v{production}")) }
+    })
+    .await;
     let took = started.elapsed();
     eprintln!("regression guard: production rolled back {took:?} after the regression was posted (tick 1 s)");
     assert!(took < Duration::from_secs(3), "more than one tick (1 s) plus slack: {took:?}");

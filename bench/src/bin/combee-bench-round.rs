@@ -86,7 +86,7 @@ async fn main() -> anyhow::Result<()> {
     let store = combee::store::connect(&store_url, 32, std::time::Duration::from_secs(10)).await?;
     let key = format!("bench-{}", Uuid::now_v7().simple());
     let name = PromptName::parse(&key)?;
-    let prompt = combee::store::NewPrompt {
+    let prompt = combee::domain::prompt::NewPrompt {
         name: name.clone(),
         strategy: Strategy::Playbook,
         promotion: Default::default(),

@@ -32,12 +32,10 @@ use opentelemetry_proto::tonic::{
 use prost::Message;
 use serde_json::{Map, Value, json};
 
-use crate::{
-    domain::{
-        Feedback, NewTrace,
-        trace::{TraceLimits, ValidTrace},
-    },
-    store::{OtlpRemap, OtlpSpan},
+use crate::domain::{
+    Feedback, NewTrace,
+    span::{OtlpRemap, OtlpSpan},
+    trace::{TraceLimits, ValidTrace},
 };
 use records::Record;
 use values::{any_to_json, clip, get, parse_version, string_attr, structured};

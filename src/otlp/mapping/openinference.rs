@@ -90,16 +90,8 @@ fn unwrap(v: Value) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry_proto::tonic::common::v1::AnyValue;
+    use crate::otlp::mapping::values::string_kv as s;
     use serde_json::json;
-
-    fn s(key: &str, v: &str) -> KeyValue {
-        KeyValue {
-            key: key.into(),
-            value: Some(AnyValue { value: Some(Any::StringValue(v.into())) }),
-            ..Default::default()
-        }
-    }
 
     #[test]
     fn flattened_messages_become_chat_messages() {

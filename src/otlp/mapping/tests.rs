@@ -1,7 +1,7 @@
 //! The mapping's tests: one trace per trace id across conventions, exports
 //! and signals.
 
-use super::*;
+use super::{values::string_kv as s, *};
 use opentelemetry_proto::tonic::{
     common::v1::{AnyValue, ArrayValue, KeyValueList},
     logs::v1::{LogRecord, ResourceLogs, ScopeLogs},
@@ -13,9 +13,6 @@ const LIMITS: TraceLimits = TraceLimits { max_field_bytes: 4096, max_trace_bytes
 
 fn kv(key: &str, v: Any) -> KeyValue {
     KeyValue { key: key.into(), value: Some(AnyValue { value: Some(v) }), ..Default::default() }
-}
-fn s(key: &str, v: &str) -> KeyValue {
-    kv(key, Any::StringValue(v.into()))
 }
 fn i(key: &str, v: i64) -> KeyValue {
     kv(key, Any::IntValue(v))

@@ -156,18 +156,20 @@ pub(super) fn clip(mut s: String, max: usize) -> String {
     s
 }
 
+/// A string attribute, as the mapping's tests write them.
+#[cfg(test)]
+pub(super) fn string_kv(key: &str, v: &str) -> KeyValue {
+    KeyValue {
+        key: key.into(),
+        value: Some(AnyValue { value: Some(Any::StringValue(v.into())) }),
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use opentelemetry_proto::tonic::common::v1::{ArrayValue, any_value};
-
-    fn kv(key: &str, v: &str) -> KeyValue {
-        KeyValue {
-            key: key.into(),
-            value: Some(AnyValue { value: Some(Any::StringValue(v.into())) }),
-            ..Default::default()
-        }
-    }
 
     #[test]
     fn attribute_values_convert_to_json() {
@@ -188,11 +190,11 @@ mod tests {
     #[test]
     fn flattened_attributes_nest_with_arrays_in_index_order() {
         let attrs = vec![
-            kv("llm.input_messages.10.message.role", "user"),
-            kv("llm.input_messages.2.message.role", "system"),
-            kv("llm.input_messages.2.message.content", "{\"json\": \"text stays text\"}"),
-            kv("llm.input_messages.10.message.tool_calls.0.tool_call.function.name", "lookup"),
-            kv("llm.input_messages_other", "not under the prefix"),
+            string_kv("llm.input_messages.10.message.role", "user"),
+            string_kv("llm.input_messages.2.message.role", "system"),
+            string_kv("llm.input_messages.2.message.content", "{\"json\": \"text stays text\"}"),
+            string_kv("llm.input_messages.10.message.tool_calls.0.tool_call.function.name", "lookup"),
+            string_kv("llm.input_messages_other", "not under the prefix"),
         ];
         assert_eq!(
             unflatten(&attrs, "llm.input_messages").unwrap(),

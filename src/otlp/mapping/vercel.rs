@@ -85,15 +85,7 @@ fn prompt_messages(v: Value) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value::Value as Any};
-
-    fn s(key: &str, v: &str) -> KeyValue {
-        KeyValue {
-            key: key.into(),
-            value: Some(AnyValue { value: Some(Any::StringValue(v.into())) }),
-            ..Default::default()
-        }
-    }
+    use crate::otlp::mapping::values::string_kv as s;
 
     #[test]
     fn prompt_and_response_become_messages() {

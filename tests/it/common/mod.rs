@@ -292,3 +292,28 @@ pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uu
         .unwrap();
     ids
 }
+
+/// The suite's one deadline loop: calls `probe` every 50 ms until it answers
+/// `Ok`, and returns that value. After `within` the test fails, naming `what`
+/// and the last `Err` (the state it was still waiting on).
+pub async fn eventually<T>(what: &str, within: Duration, mut probe: impl AsyncFnMut() -> Result<T, String>) -> T {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let last = match probe().await {
+            Ok(value) => return value,
+            Err(state) => state,
+        };
+        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen within {within:?}: {last}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The round once it has ended (`succeeded` or `failed`): the worker runs it in
+/// the background.
+pub async fn round_end(app: &TestApp, id: &str, within: Duration) -> Value {
+    eventually(&format!("the end of round {id}"), within, async || {
+        let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
+        if r["status"] == "succeeded" || r["status"] == "failed" { Ok(r) } else { Err(r.to_string()) }
+    })
+    .await
+}

@@ -119,7 +119,7 @@ fn sample_cpu(seen: &mut HashMap<u32, f64>) -> BTreeMap<&'static str, f64> {
 
 /// A process's own CPU seconds (utime + stime, not its reaped children's).
 fn own_cpu_secs(pid: u32) -> f64 {
-    super::stat_cpu_secs(pid, 2)
+    crate::processes::stat_cpu_secs(pid, 2)
 }
 
 /// One statement's execution in a period, from `pg_stat_statements`.

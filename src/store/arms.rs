@@ -3,21 +3,25 @@
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use serde_json::Value;
 
 use super::{
     Change, StoreKind, StoreResult,
     backend::{Backend, SqlStore},
-    sql::{Cols, arm_from_row, corrupt, json, now, prompt_id, prompt_name, require_versions, sql},
+    rollups::TaskRewards,
+    sql::{Cols, Dialect, corrupt, json, now, sql},
+    versions::{prompt_id, prompt_name, require_versions},
 };
-use crate::domain::{PromptName, population::PopulationArm};
+use crate::domain::{
+    PromptName,
+    population::{ArmState, PopulationArm},
+};
 
 /// Arms one upsert writes (ten parameters each, well under either backend's limit).
 const ARMS_PER_STATEMENT: usize = 100;
 
 const ARM_COLUMNS: &str =
     "a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until";
-
-pub use crate::evaluate::rater::TaskRewards;
 
 /// An `evaluated` prompt, and the end of the last window its population was rated in.
 #[derive(Debug, Clone, PartialEq)]
@@ -217,4 +221,23 @@ async fn save_arms<D: Backend>(
     }
     s.commit(tx, Change::Prompt(prompt.to_string())).await?;
     Ok(())
+}
+
+pub(super) fn arm_from_row<D: Dialect>(row: &D::Row) -> StoreResult<PopulationArm> {
+    let r = Cols::<D>(row);
+    let state: String = r.get("state")?;
+    Ok(PopulationArm {
+        version: r.get("version")?,
+        state: ArmState::parse(&state).ok_or_else(|| corrupt("arm state"))?,
+        rating: crate::evaluate::trueskill::Rating { mu: r.get("mu")?, sigma: r.get("sigma")? },
+        weight: r.get("weight")?,
+        scored_traces: r.get::<i64>("scored_traces")?.max(0) as u64,
+        // Arms written before crossover (migration 0014) name one parent, in `created_from`.
+        parents: match r.get::<Option<Value>>("parents")? {
+            Some(v) => serde_json::from_value(v).map_err(|_| corrupt("arm parents"))?,
+            None => r.get::<Option<i64>>("created_from")?.into_iter().collect(),
+        },
+        created_from: r.get("created_from")?,
+        rated_until: r.get("rated_until")?,
+    })
 }

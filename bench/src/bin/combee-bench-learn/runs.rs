@@ -1,0 +1,303 @@
+//! The configurations compared (sequential, naive, Combee at fixed sizes,
+//! combee-auto) and how one learns from the whole backlog, round after round,
+//! measured against the simulator or modelled from its latency formula.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use async_trait::async_trait;
+use combee::{
+    domain::{Feedback, PromptName, Strategy, Trace, VersionContent},
+    learn::{
+        controller::{self, ControllerConfig, Quality, Sample},
+        delta::Budget,
+        grouping::{self, Execution, Method},
+        journal::MemoryJournal,
+        meter::{BucketCounts, MeterBucket},
+        round::{ReduceMode, RoundSpec, run_round},
+        sizing::{GroupSize, choose_group_size},
+    },
+    llm::{
+        ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, Usage, client::estimate_tokens,
+        config::LlmConfig,
+    },
+    simulation::llm::{self as sim, SimConfig},
+};
+use serde_json::json;
+use uuid::Uuid;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Family {
+    Sequential,
+    SequentialOneRound,
+    Naive,
+    Combee,
+    CombeeTuned,
+    CombeeAuto,
+}
+
+impl Family {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Sequential => "sequential",
+            Self::SequentialOneRound => "sequential, one round",
+            Self::Naive => "naive",
+            Self::Combee => "combee",
+            Self::CombeeTuned => "combee p=1 (tuned)",
+            Self::CombeeAuto => "combee-auto",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) enum Sizing {
+    Fixed(usize),
+    Auto(ControllerConfig),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Setup {
+    pub(crate) family: Family,
+    pub(crate) method: Method,
+    pub(crate) p: u32,
+    pub(crate) sizing: Sizing,
+}
+
+impl Setup {
+    pub(crate) fn label(&self) -> String {
+        match (&self.sizing, self.family) {
+            (Sizing::Fixed(bs), Family::Sequential) => format!("sequential (rounds of {bs})"),
+            (Sizing::Fixed(bs), Family::Naive | Family::Combee | Family::CombeeTuned) => {
+                format!("{} bs={bs}", self.family.name())
+            }
+            _ => self.family.name().to_owned(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct RoundLog {
+    pub(crate) bs: usize,
+    pub(crate) secs: f64,
+    pub(crate) reason: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct RunResult {
+    pub(crate) rounds: Vec<RoundLog>,
+    pub(crate) total_secs: f64,
+    pub(crate) kept: usize,
+    pub(crate) calls: usize,
+    /// Combee-auto: the largest batch it took.
+    pub(crate) largest: Option<u32>,
+    /// Bytes of the largest round's record (outcome and group outputs, as JSON).
+    pub(crate) largest_record: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Against the simulator over HTTP, timed with a wall clock.
+    Measured,
+    /// Against the in-process replay; times from the latency formula.
+    Modelled,
+}
+
+pub(crate) struct Env {
+    pub(crate) llm: LlmConfig,
+    pub(crate) sim: SimConfig,
+    pub(crate) http: Arc<dyn LlmBackend>,
+    pub(crate) replay: Arc<dyn LlmBackend>,
+    pub(crate) base: VersionContent,
+    pub(crate) traces: Vec<Trace>,
+}
+
+/// The simulator's answers in process, at once; the latency it would have slept is only reported.
+pub(crate) struct Replay {
+    pub(crate) sim: SimConfig,
+}
+
+#[async_trait]
+impl LlmBackend for Replay {
+    async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+        let (_, content) = sim::simulated_answer(&self.sim, &req.messages);
+        let usage = Usage {
+            prompt_tokens: estimate_tokens(req.chars()),
+            completion_tokens: estimate_tokens(content.chars().count()),
+        };
+        let latency = sim::latency_ms(&self.sim, usage.prompt_tokens, usage.completion_tokens);
+        Ok(ChatResponse {
+            content,
+            model: "combee-sim-replay".into(),
+            usage,
+            cost_usd: 0.0,
+            latency_ms: latency.round() as u64,
+            retries: 0,
+            output_format: None,
+            concurrency_limit: None,
+        })
+    }
+}
+
+/// A round's critical path under the latency model: the reflector calls (the
+/// map), then the level-1 aggregator calls (parallel) or every batch in turn
+/// (sequential), each phase scheduled on `concurrency` slots (a call starts when
+/// a slot frees; with at least as many slots as calls a phase is one wave, its
+/// slowest call). Level 2 is a union here: no call.
+fn modelled_round_secs(sim: &SimConfig, calls: &[LlmCall], execution: Execution, concurrency: usize) -> f64 {
+    let latency = |c: &LlmCall| sim::latency_ms(sim, c.prompt_tokens, c.completion_tokens);
+    let of = |role| calls.iter().filter(move |c| c.role == role).map(latency).collect::<Vec<f64>>();
+    let map = makespan(&of(LlmRole::Reflector), concurrency);
+    let reduce = match execution {
+        Execution::Parallel => makespan(&of(LlmRole::Aggregator), concurrency),
+        Execution::Sequential => of(LlmRole::Aggregator).iter().sum(),
+    };
+    (map + reduce) / 1000.0
+}
+
+/// When the last of `latencies` (in order) finishes on `slots` parallel slots.
+fn makespan(latencies: &[f64], slots: usize) -> f64 {
+    let mut free = vec![0.0f64; slots.clamp(1, latencies.len().max(1))];
+    for &l in latencies {
+        let (i, start) = free.iter().copied().enumerate().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap_or((0, 0.0));
+        free[i] = start + l;
+    }
+    free.into_iter().fold(0.0, f64::max)
+}
+
+pub(crate) fn insight_tokens(text: &str) -> BTreeSet<String> {
+    text.split("INSIGHT-")
+        .skip(1)
+        .filter_map(|rest| rest.split(':').next())
+        .filter(|t| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Learns from the whole backlog with `setup`, round after round. Combee-auto
+/// does what the worker does: the overload meter accumulates the rounds' own
+/// readings (`outcome.meter`), the group size comes from it
+/// (`sizing::choose_group_size`), and the controller (`controller::choose`)
+/// picks each batch from the round times so far — all on the product defaults.
+pub(crate) async fn learn(env: &Env, mode: Mode, setup: &Setup) -> anyhow::Result<RunResult> {
+    learn_from(env, mode, setup, &env.traces, env.llm.max_concurrency).await
+}
+
+/// [`learn`] over `traces`, modelled round times scheduled on `concurrency` slots.
+pub(crate) async fn learn_from(
+    env: &Env,
+    mode: Mode,
+    setup: &Setup,
+    traces: &[Trace],
+    concurrency: usize,
+) -> anyhow::Result<RunResult> {
+    let backend = match mode {
+        Mode::Measured => env.http.as_ref(),
+        Mode::Modelled => env.replay.as_ref(),
+    };
+    let execution = grouping::plan(setup.method, 4, setup.p, 0).execution;
+    let mut content = env.base.clone();
+    let mut samples: Vec<Sample> = Vec::new();
+    let mut meter: BTreeMap<u32, (BucketCounts, u64)> = BTreeMap::new();
+    let mut rounds = Vec::new();
+    let (mut calls, mut largest, mut largest_record) = (0, None, 0);
+    let mut pos = 0;
+    let started = Instant::now();
+    while pos < traces.len() {
+        let backlog = traces.len() - pos;
+        let buckets: Vec<MeterBucket> = meter.iter().map(|(&s, &(c, r))| MeterBucket::new(s, c, r)).collect();
+        let (bs, reason, group_size) = match &setup.sizing {
+            Sizing::Fixed(bs) => ((*bs).clamp(1, backlog), None, GroupSize::default()),
+            Sizing::Auto(cfg) => {
+                let group_size = choose_group_size(&buckets, cfg.target_retention, setup.p >= 2);
+                let quality = Quality::of(group_size.clone(), setup.p, true);
+                let choice = controller::choose(&samples, backlog as u64, &quality, cfg);
+                largest = largest.max(Some(choice.batch_size));
+                let why = format!("{}; groups: {}", choice.reason.message(), group_size.message());
+                (choice.batch_size.max(1) as usize, Some(why), group_size)
+            }
+        };
+        let spec = RoundSpec {
+            round_id: Uuid::now_v7(),
+            seed: rounds.len() as u64 + 1,
+            method: setup.method,
+            strategy: Strategy::Playbook,
+            duplication: setup.p,
+            reduce: ReduceMode::Union,
+            budget: Budget::default(),
+            agent_reflections: combee::domain::AgentReflections::Use,
+            denylist: Default::default(),
+            group_size,
+        };
+        let journal = MemoryJournal::new();
+        let t = Instant::now();
+        let outcome = run_round(backend, &env.llm, &spec, &content, &traces[pos..pos + bs], &journal)
+            .await
+            .with_context(|| format!("{} round {} (bs {bs})", setup.label(), rounds.len() + 1))?;
+        let secs = match mode {
+            Mode::Measured => t.elapsed().as_secs_f64(),
+            Mode::Modelled => modelled_round_secs(&env.sim, &outcome.calls, execution, concurrency),
+        };
+        calls += outcome.calls.len();
+        if let Some(reading) = &outcome.record.meter {
+            for &(bucket, c) in &reading.buckets {
+                let e = meter.entry(bucket).or_default();
+                e.0.marked += c.marked;
+                e.0.recaptured += c.recaptured;
+                e.1 += 1;
+            }
+        }
+        // What the round's record (`detail`) holds: the outcome and the group outputs.
+        let record = serde_json::to_vec(&outcome.record).map_or(0, |v| v.len())
+            + serde_json::to_vec(&outcome.group_outputs).map_or(0, |v| v.len());
+        largest_record = largest_record.max(record);
+        samples.push(Sample { batch_size: bs as u32, round_secs: secs });
+        let groups = format!("k = {}, groups ≤ {}", outcome.k, outcome.grouping.largest_group);
+        rounds.push(RoundLog { bs, secs, reason: reason.map(|r| format!("{groups} — {r}")) });
+        content = outcome.content;
+        pos += bs;
+    }
+    let total_secs = match mode {
+        Mode::Measured => started.elapsed().as_secs_f64(),
+        Mode::Modelled => rounds.iter().map(|r| r.secs).sum(),
+    };
+    let tokens: BTreeSet<String> =
+        traces.iter().flat_map(|t| insight_tokens(&t.feedback.comment.clone().unwrap_or_default())).collect();
+    let kept = insight_tokens(&content.render()).intersection(&tokens).count();
+    Ok(RunResult { rounds, total_secs, kept, calls, largest, largest_record })
+}
+
+pub(crate) fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
+    let prompt = PromptName::parse("bench-learn")?;
+    let traces: Vec<Trace> = (0..n)
+        .map(|i| {
+            let feedback = Feedback {
+                success: Some(!i.is_multiple_of(3)),
+                comment: Some(format!("INSIGHT-t{i:03}: check field {i} before answering")),
+                ..Default::default()
+            };
+            Trace::pending(
+                prompt.clone(),
+                json!({"task": format!("task {i}")}),
+                json!([{"role": "assistant", "content": format!("worked on task {i}")}]),
+                json!(format!("answer {i}")),
+                feedback,
+            )
+        })
+        .collect();
+    let tokens = (0..n).map(|i| format!("t{i:03}")).collect();
+    Ok((traces, tokens))
+}
+
+pub(crate) struct Row {
+    pub(crate) setup: Setup,
+    pub(crate) measured: Option<RunResult>,
+    pub(crate) modelled: RunResult,
+}
+
+impl Row {
+    pub(crate) fn result(&self) -> &RunResult {
+        self.measured.as_ref().unwrap_or(&self.modelled)
+    }
+}

@@ -1,0 +1,191 @@
+//! The sweeps: every configuration under one simulated model (the main table,
+//! the controller's choices, the overload meter), and the time to learn by
+//! `controller.max_batch`; and how a simulated model is named in headings.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Instant;
+
+use combee::{
+    domain::VersionContent,
+    learn::{
+        controller::ControllerConfig,
+        grouping::{self, Method},
+    },
+    llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
+    simulation::llm::{self as sim, CapacityModel, SimConfig},
+};
+
+use crate::Args;
+use crate::overload_meter::meter_section;
+use crate::report::Report;
+use crate::runs::{Env, Family, Mode, Replay, Row, Setup, Sizing, learn, learn_from, traces};
+
+pub(crate) fn model_name(m: CapacityModel) -> &'static str {
+    match m {
+        CapacityModel::Hard => "hard",
+        CapacityModel::Soft => "soft",
+    }
+}
+
+/// The model's name in headings: its capacity model, and whether it cites its sources.
+pub(crate) fn model_label(sim: &SimConfig) -> String {
+    if non_citing(sim) {
+        format!(
+            "{}, non-citing ({:.0}% of answers without sources, {:.0}% citing the wrong reflections)",
+            model_name(sim.capacity_model),
+            100.0 * sim.rate_no_sources,
+            100.0 * sim.rate_wrong_sources
+        )
+    } else {
+        model_name(sim.capacity_model).to_owned()
+    }
+}
+
+/// Whether this simulated model never cites its sources right.
+pub(crate) fn non_citing(sim: &SimConfig) -> bool {
+    sim.rate_no_sources + sim.rate_wrong_sources >= 1.0 - 1e-9
+}
+
+/// Every configuration under one capacity model: the Markdown section, CSV rows,
+/// SVG. A model that does not cite (`citing` false: its aggregator answers carry
+/// no `sources`) runs only sequential, combee-auto and the meter's reading.
+pub(crate) async fn one_model(
+    args: &Args,
+    model: CapacityModel,
+    citing: bool,
+) -> anyhow::Result<(String, String, String)> {
+    let sim_cfg = SimConfig {
+        rate_no_sources: if citing { 0.0 } else { args.non_citing_absent },
+        rate_wrong_sources: if citing { 0.0 } else { args.non_citing_wrong },
+        capacity_model: model,
+        capacity_k: args.capacity_k,
+        digest_reflections: args.digest,
+        fixed_ms: args.fixed_ms,
+        per_input_token_ms: args.per_input_token_ms,
+        per_output_token_ms: args.per_output_token_ms,
+        ..SimConfig::default()
+    };
+    let local_sim = sim::LocalSim::start(sim_cfg.clone()).await?;
+    let llm = LlmConfig {
+        base_url: local_sim.base_url.clone(),
+        max_concurrency: args.concurrency.max(2 * args.n),
+        ..LlmConfig::default()
+    };
+    let (traces, _) = traces(args.n)?;
+    let env = Env {
+        http: Arc::new(OpenAiClient::new(llm.clone())?),
+        replay: Arc::new(Replay { sim: sim_cfg.clone() }),
+        llm,
+        sim: sim_cfg.clone(),
+        base: VersionContent { base: "You are a benchmark agent. Answer the task.".into(), playbook: None },
+        traces,
+    };
+    // The product defaults: p = 2 (the prompt default) and `ControllerConfig::default()`.
+    let p = 2;
+    let auto_cfg = ControllerConfig::default();
+    let fixed = |family, method, p, bs| Setup { family, method, p, sizing: Sizing::Fixed(bs) };
+    let mut setups = vec![
+        fixed(Family::Sequential, Method::Sequential, 1, grouping::SEQUENTIAL_BATCH),
+        Setup { family: Family::CombeeAuto, method: Method::Combee, p, sizing: Sizing::Auto(auto_cfg.clone()) },
+    ];
+    if args.with_one_round_sequential {
+        setups.push(fixed(Family::SequentialOneRound, Method::Sequential, 1, args.n));
+    }
+    let mut rows: Vec<Row> = Vec::new();
+    let started = Instant::now();
+    let name = model_label(&sim_cfg);
+    let run = |setup: Setup| {
+        let name = name.clone();
+        let env = &env;
+        let model_only = args.model_only;
+        async move {
+            let modelled = learn(env, Mode::Modelled, &setup).await?;
+            let measured = if model_only {
+                None
+            } else {
+                eprintln!("  [{name}] running {} …", setup.label());
+                Some(learn(env, Mode::Measured, &setup).await?)
+            };
+            anyhow::Ok(Row { setup, measured, modelled })
+        }
+    };
+    for setup in setups {
+        rows.push(run(setup).await?);
+    }
+    // Naive at the largest batch combee-auto took, too (a citing model's full sweep).
+    let auto_largest = citing.then_some(()).and_then(|()| {
+        rows.iter().find(|r| r.setup.family == Family::CombeeAuto).and_then(|r| r.result().largest).map(|t| t as usize)
+    });
+    let mut sizes = if citing { args.sizes.clone() } else { Vec::new() };
+    sizes.extend(auto_largest);
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes.retain(|&bs| bs >= 1 && bs <= args.n);
+    for &bs in &sizes {
+        rows.push(run(fixed(Family::Naive, Method::Naive, 1, bs)).await?);
+    }
+    for &bs in &sizes {
+        rows.push(run(fixed(Family::Combee, Method::Combee, p, bs)).await?);
+    }
+    for &bs in args.tuned_sizes.iter().filter(|_| citing) {
+        rows.push(run(fixed(Family::CombeeTuned, Method::Combee, 1, bs)).await?);
+    }
+    eprintln!("  [{name}] overload meter vs markers …");
+    let meter = meter_section(&env, args.meter_n.min(args.n), args.meter_seeds).await?;
+    let bench_secs = started.elapsed().as_secs_f64();
+    let report = Report { args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, bench_secs, meter };
+    Ok((report.markdown(), report.csv(), report.quality_delay_svg()))
+}
+
+/// Why `controller.max_batch` is what it is, measured (modelled: the replay of
+/// the soft simulator, no waiting): the time to learn a backlog of
+/// `--max-batch-n` traces with combee-auto on the product defaults but for the
+/// ceiling, at the product's client concurrency (`llm.max_concurrency` = 64)
+/// and at a large one, with the largest round's record size (what the store
+/// keeps and `GET /v1/rounds/{id}` returns).
+pub(crate) async fn max_batch_section(args: &Args) -> anyhow::Result<String> {
+    let sim_cfg = SimConfig {
+        capacity_model: CapacityModel::Soft,
+        capacity_k: args.capacity_k,
+        fixed_ms: args.fixed_ms,
+        per_input_token_ms: args.per_input_token_ms,
+        per_output_token_ms: args.per_output_token_ms,
+        ..SimConfig::default()
+    };
+    let (traces, _) = traces(args.max_batch_n)?;
+    let replay: Arc<dyn LlmBackend> = Arc::new(Replay { sim: sim_cfg.clone() });
+    let llm = LlmConfig { max_concurrency: 4096, ..LlmConfig::default() };
+    let env = Env {
+        http: replay.clone(),
+        replay,
+        llm,
+        sim: sim_cfg,
+        base: VersionContent { base: "You are a benchmark agent. Answer the task.".into(), playbook: None },
+        traces,
+    };
+    let mut out = format!(
+        "## max_batch: time to learn N = {} traces by the ceiling (modelled, soft capacity model, simulated LLM)\n\n\
+         combee-auto on the product defaults except `max_batch`; round times from the latency formula with each \
+         phase's calls scheduled on the client's concurrency limit (64 is `llm.max_concurrency`'s default). \
+         Record = the largest round's `detail` (outcome and group outputs) as JSON.\n\n\
+         | max_batch | concurrency | rounds | time to learn (s) | retention | largest round record (KiB) |\n|---|---|---|---|---|---|\n",
+        args.max_batch_n
+    );
+    for &concurrency in &args.max_batch_concurrency {
+        for &max_batch in &args.max_batches {
+            let cfg = ControllerConfig { max_batch, ..ControllerConfig::default() };
+            let setup = Setup { family: Family::CombeeAuto, method: Method::Combee, p: 2, sizing: Sizing::Auto(cfg) };
+            let r = learn_from(&env, Mode::Modelled, &setup, &env.traces, concurrency).await?;
+            let _ = writeln!(
+                out,
+                "| {max_batch} | {concurrency} | {} | {:.1} | {:.1}% | {:.0} |",
+                r.rounds.len(),
+                r.total_secs,
+                100.0 * r.kept as f64 / args.max_batch_n as f64,
+                r.largest_record as f64 / 1024.0
+            );
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,225 @@
+//! The Markdown report: the machine and settings, the targets table, and
+//! per figure its throughput, latencies, CPU and memory.
+
+use std::fmt::Write as _;
+
+use crate::HttpArgs;
+use crate::database::BenchDatabase;
+use crate::figures::{GET_SLICES, Phase};
+
+pub(crate) struct Facts<'a> {
+    pub(crate) args: HttpArgs,
+    pub(crate) loadavg: String,
+    pub(crate) database: Option<&'a BenchDatabase>,
+    pub(crate) idle_rss_kb: u64,
+    pub(crate) peak_rss_kb: u64,
+    pub(crate) hwm_kb: u64,
+    pub(crate) samples: u64,
+    pub(crate) prompt_body_bytes: usize,
+    /// Response headers the bare server sends besides `content-length` and `date` (0: not run).
+    pub(crate) bare_headers: usize,
+    /// The memory figure: (prompts, subjects, RSS after, in kB, VmHWM in kB).
+    pub(crate) memory_probe: Option<(usize, usize, u64, u64)>,
+}
+
+fn nproc() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").and_then(|v| v.split_once(':')).map(|(_, m)| m.trim().to_owned()))
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
+fn pass(ok: bool) -> &'static str {
+    if ok { "PASS" } else { "FAIL" }
+}
+
+pub(crate) fn thousands(v: f64) -> String {
+    let n = v.round() as u64;
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
+    let a = &f.args;
+    let mut o = String::new();
+    let find = |prefix: &str| phases.iter().find(|p| p.name.starts_with(prefix));
+    let exact = |name: &str| phases.iter().find(|p| p.name == name);
+    let _ = writeln!(o, "# combee foundation benchmark (HTTP)\n");
+    let _ = writeln!(
+        o,
+        "- machine: {} CPUs (nproc) — {}; load average before the run: {}",
+        nproc(),
+        cpu_model(),
+        f.loadavg
+    );
+    let load1: f64 = f.loadavg.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    if load1 > nproc() as f64 * 0.5 {
+        let _ = writeln!(
+            o,
+            "- **warning: the machine was already busy before the run** (1-minute load average {load1:.1} on {} CPUs); the figures below are pessimistic — compare runs made on a quiet machine",
+            nproc()
+        );
+    }
+    let store = match f.database {
+        Some(db) => format!(
+            "postgres (fresh database, `synchronous_commit = {}`, `fsync = {}`)",
+            db.synchronous_commit, db.fsync
+        ),
+        None => format!("{} (embedded, temp data dir)", a.store.as_str()),
+    };
+    let _ = writeln!(o, "- store: {store}");
+    let pool = a.db_connections.map_or("the default".to_owned(), |n| n.to_string());
+    let _ =
+        writeln!(o, "- server: `combee serve` (release build), log level warn, `database.max_connections` = {pool}");
+    let _ = writeln!(
+        o,
+        "- load: {} concurrent keep-alive connections, {} s measured per figure after {} s warm-up; batches of {} traces",
+        a.connections, a.duration, a.warmup, a.batch
+    );
+    let _ = writeln!(
+        o,
+        "- client: combee-bench's own minimal HTTP/1.1 client (pre-encoded requests, Content-Length framing, no pool layer) on {} tokio thread(s). **Client, server and Postgres share this machine**: the client's CPU is taken from the server's budget (see the CPU columns).",
+        a.client_threads
+    );
+    let _ = writeln!(o, "\n| figure | measured | target | result |\n| --- | --- | --- | --- |");
+    if let Some(p) = exact("single-trace POST /v1/traces") {
+        let (rps, p50, p99) = (p.result.per_sec(), p.result.quantile_ms(0.50), p.result.quantile_ms(0.99));
+        let _ = writeln!(
+            o,
+            "| single-trace POST throughput | {} req/s | ≥ 1,500 req/s | {} |",
+            thousands(rps),
+            pass(rps >= 1500.0 && p.result.errors == 0)
+        );
+        let _ = writeln!(
+            o,
+            "| single-trace POST latency at full load ({} connections, closed loop) | p50 {p50:.1} ms, p99 {p99:.1} ms | p99 ≤ 25 ms | {} |",
+            a.connections,
+            pass(p99 <= 25.0)
+        );
+    }
+    if let Some(p) = find("single-trace POST /v1/traces, paced") {
+        let (p50, p99) = (p.result.quantile_ms(0.50), p.result.quantile_ms(0.99));
+        let _ = writeln!(
+            o,
+            "| single-trace POST latency at {} req/s offered | p50 {p50:.1} ms, p99 {p99:.1} ms ({} req/s served) | p99 ≤ 25 ms | {} |",
+            thousands(a.paced_rate),
+            thousands(p.result.per_sec()),
+            pass(p99 <= 25.0 && p.result.errors == 0 && p.result.per_sec() >= 0.97 * a.paced_rate)
+        );
+    }
+    if let Some(p) = exact("batched POST /v1/traces") {
+        let tps = p.result.per_sec() * p.items as f64;
+        let _ = writeln!(
+            o,
+            "| batched ingest ({} traces/request) | {} traces/s ({} req/s, p99 {:.1} ms) | ≥ 5,000 traces/s | {} |",
+            p.items,
+            thousands(tps),
+            thousands(p.result.per_sec()),
+            p.result.quantile_ms(0.99),
+            pass(tps >= 5000.0 && p.result.errors == 0)
+        );
+    }
+    for store in ["postgres", "sqlite"] {
+        for (with, label) in [("", "without a subject"), (" with a subject", "with a subject")] {
+            let Some(p) = exact(&format!("GET /v1/prompts/bench{with} [{store}]")) else { continue };
+            if let Some(b) = &p.bare {
+                let share = 100.0 * p.result.per_sec() / b.result.per_sec();
+                let cpu_share = 100.0 * b.cpu.server_pct / b.result.per_sec() / (p.cpu.server_pct / p.result.per_sec());
+                let _ = writeln!(
+                    o,
+                    "| prompt GET vs bare axum handler, {store}, {label} | {share:.0} % ({} vs {} req/s; p99 {:.1} vs {:.1} ms; server CPU per request: bare {:.0} % of combee's) | ≥ 85 % | {} |",
+                    thousands(p.result.per_sec()),
+                    thousands(b.result.per_sec()),
+                    p.result.quantile_ms(0.99),
+                    b.result.quantile_ms(0.99),
+                    cpu_share,
+                    pass(share >= 85.0 && p.result.errors == 0)
+                );
+            }
+        }
+    }
+    if let Some((prompts, subjects, rss, hwm)) = f.memory_probe {
+        let mb = rss.max(hwm) as f64 / 1024.0;
+        let _ = writeln!(
+            o,
+            "| server RSS after {} prompts fetched by {} distinct subjects | {mb:.1} MB (RSS {:.1} MB, VmHWM {:.1} MB) | ≤ 150 MB | {} |",
+            thousands(prompts as f64),
+            thousands(subjects as f64),
+            rss as f64 / 1024.0,
+            hwm as f64 / 1024.0,
+            pass(mb <= 150.0)
+        );
+    }
+    let peak_mb = f.peak_rss_kb.max(f.hwm_kb) as f64 / 1024.0;
+    let _ = writeln!(
+        o,
+        "| server RSS, peak over the run | {peak_mb:.1} MB (sampled max {:.1} MB, VmHWM {:.1} MB, idle {:.1} MB) | ≤ 150 MB | {} |",
+        f.peak_rss_kb as f64 / 1024.0,
+        f.hwm_kb as f64 / 1024.0,
+        f.idle_rss_kb as f64 / 1024.0,
+        pass(peak_mb <= 150.0)
+    );
+
+    let _ = writeln!(o, "\n## Per figure\n");
+    let _ = writeln!(
+        o,
+        "CPU is a share of one core over the measured window (200 % = both cores); \"machine\" is all CPUs busy, including Postgres and anything else running.\n"
+    );
+    let _ = writeln!(
+        o,
+        "| figure | requests | errors | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU | server CPU µs/req | client CPU | machine busy | server peak RSS |"
+    );
+    let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let rows = phases.iter().flat_map(|p| std::iter::once(p).chain(p.bare.as_deref()));
+    for p in rows.clone() {
+        let r = &p.result;
+        let _ = writeln!(
+            o,
+            "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} % | {:.0} | {:.0} % | {:.0} % | {:.1} MB |",
+            p.name,
+            r.ok,
+            r.errors,
+            thousands(r.per_sec()),
+            r.quantile_ms(0.50),
+            r.quantile_ms(0.90),
+            r.quantile_ms(0.99),
+            r.latencies_us.last().map_or(f64::NAN, |v| f64::from(*v) / 1000.0),
+            p.cpu.server_pct,
+            p.cpu.server_pct / 100.0 * 1e6 / r.per_sec(),
+            p.cpu.client_pct,
+            p.cpu.machine_busy_pct,
+            p.peak_rss_kb as f64 / 1024.0,
+        );
+    }
+    for p in rows {
+        if let Some(e) = &p.result.first_error {
+            let e: String = e.chars().take(300).collect();
+            let _ = writeln!(o, "\nFirst error in \"{}\": {e}", p.name);
+        }
+    }
+    let _ = writeln!(
+        o,
+        "\nMemory was sampled from /proc/<pid>/status every 100 ms ({} samples); the prompt body is {} bytes.",
+        f.samples, f.prompt_body_bytes
+    );
+    if f.bare_headers > 0 {
+        let _ = writeln!(
+            o,
+            "The bare axum handler (no middleware, no extractor) answers the same requests at the same path with the same {}-byte body and the same {} response headers as combee's GET (those of one of its answers, plus `content-length` and `date`); each GET figure is measured in {GET_SLICES} slices alternating with its bare figure, so both see the same machine.",
+            f.prompt_body_bytes, f.bare_headers
+        );
+    }
+    o
+}
