@@ -9,17 +9,16 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    auth::{self, KeyCache},
-    cache::PromptCache,
+    auth,
     config::{Role, Settings},
     delivery::Deliverer,
     domain::access::Scope,
     http,
     llm::{LlmBackend, client::OpenAiClient},
-    service::{AppState, Shared},
+    service::AppState,
     store::{self, Change, DynStore, retention::Expiring},
-    telemetry, ui,
-    worker::{Worker, guard::RegressionGuard, population::PopulationRater, retention::Pruner},
+    ui,
+    worker::{Worker, guard::RegressionGuard, rater::PopulationRater, retention::Pruner},
 };
 
 /// The API with the web UI at `/ui`, both behind the API's middleware.
@@ -104,6 +103,8 @@ impl Application {
         let listener = TcpListener::bind(settings.server.bind)
             .await
             .with_context(|| format!("cannot listen on {}", settings.server.bind))?;
+        let state = AppState::build(store.clone(), settings);
+        let settings = state.settings.clone();
         let worker = match settings.server.role {
             Role::Api => None,
             Role::All | Role::Worker if !llm_configured(&settings.llm.clone().with_env_fallbacks()) => {
@@ -118,7 +119,7 @@ impl Application {
                 let backend: Arc<dyn LlmBackend> =
                     Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?);
                 Some(
-                    Worker::new(store.clone(), backend, llm, settings.worker.clone(), settings.controller.clone())
+                    Worker::new(state.clone(), backend, llm, settings.worker.clone(), settings.controller.clone())
                         .with_population(settings.population.policy()),
                 )
             }
@@ -135,9 +136,10 @@ impl Application {
         };
         // The regression guard runs wherever the learning worker may run, LLM or not.
         let guard = match settings.server.role {
-            Role::All | Role::Worker if settings.guard.enabled => {
-                Some(RegressionGuard::new(store.clone(), settings.guard.clone()))
-            }
+            Role::All | Role::Worker if settings.guard.enabled => Some(
+                RegressionGuard::new(store.clone(), settings.guard.clone())
+                    .with_population(settings.population.policy()),
+            ),
             _ => None,
         };
         // So does the population rater (ratings, weights, promotion gate of `evaluated` prompts).
@@ -157,16 +159,6 @@ impl Application {
             }
             Role::Api => None,
         };
-        let state = AppState::new(Shared {
-            cache: Arc::new(PromptCache::new(
-                Duration::from_secs(settings.cache.max_age_secs),
-                settings.cache.max_prompts,
-            )),
-            keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
-            metrics: telemetry::metrics_handle(),
-            settings: Arc::new(settings),
-            store,
-        });
         Ok(Self { listener, state, worker, deliverer, guard, rater, pruner, shutdown: CancellationToken::new() })
     }
 

@@ -27,7 +27,7 @@ pub struct Settings {
     /// The regression guard (see `worker::guard`).
     #[serde(default)]
     pub guard: GuardSettings,
-    /// The population of prompts under the `evaluated` policy (see `worker::population`).
+    /// The population of prompts under the `evaluated` policy (see `worker::rater`).
     #[serde(default)]
     pub population: PopulationSettings,
     /// What is deleted when (see `worker::retention`).
@@ -123,7 +123,7 @@ impl Default for GuardSettings {
 
 /// The population of a prompt under the `evaluated` policy: how traffic is
 /// split between the champion and its challengers, how often arms are rated,
-/// and the promotion gate's evidence (see `worker::population`).
+/// and the promotion gate's evidence (see `worker::rater`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PopulationSettings {

@@ -237,26 +237,26 @@ async fn sim_world(client: &client::ClientArgs, cfg: crate::simulation::world::W
 }
 
 async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {
-    let store = app::open_store(&settings).await?;
+    let st = service::AppState::build(app::open_store(&settings).await?, settings);
     match cmd {
         KeysCommand::Create { name, scopes } => {
             let scopes = scopes
                 .iter()
                 .map(|s| Scope::parse(s.trim()).with_context(|| format!("unknown scope {s:?}")))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let (key, secret) = service::keys::create_key(&store, &name, &scopes).await?;
+            let (key, secret) = service::keys::create(&st, &name, &scopes).await?;
             eprintln!("created key {} ({}) with scopes {:?}", key.prefix, key.id, scopes_str(&key.scopes));
             println!("{secret}");
         }
         KeysCommand::List => {
             println!("{:<38} {:<14} {:<8} {:<20} SCOPES", "ID", "PREFIX", "STATE", "NAME");
-            for k in service::keys::list_keys(&store).await? {
+            for k in service::keys::list(&st).await? {
                 let state = if k.revoked_at.is_some() { "revoked" } else { "active" };
                 println!("{:<38} {:<14} {:<8} {:<20} {}", k.id, k.prefix, state, k.name, scopes_str(&k.scopes));
             }
         }
         KeysCommand::Revoke { id } => {
-            match service::keys::revoke_key(&store, &id).await {
+            match service::keys::revoke(&st, &id).await {
                 Err(ServiceError::NotFound(_)) => anyhow::bail!("no active key with id or prefix {id:?}"),
                 other => other?,
             }

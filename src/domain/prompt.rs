@@ -32,7 +32,7 @@ pub enum Promotion {
     /// The default for new prompts: learned (and crossover) versions join the
     /// prompt's population as challengers, get a share of live traffic, and
     /// replace `production` only when the promotion gate's evidence says they
-    /// are better (see `worker::population`).
+    /// are better (see `worker::rater`).
     #[default]
     Evaluated,
 }

@@ -37,7 +37,7 @@ use tower::{Layer as _, Service};
 use error::ApiError;
 pub use observe::{Observed, RouteTable};
 
-pub use crate::service::{AppState, Shared};
+pub use crate::service::{AppParts, AppState};
 
 /// The API's routes, without state or middleware: `app.rs` adds the web UI
 /// beside them and hands the whole table to [`serve`].

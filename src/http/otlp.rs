@@ -3,7 +3,8 @@
 //! and log events become traces like those of `POST /v1/traces`, one per
 //! trace id even when its records come in several exports. Same key scope,
 //! same body limit; records that cannot be mapped are counted in
-//! `partial_success`.
+//! `partial_success`. This file decodes the export and renders the answer;
+//! the merge and its accounting are `service::traces::ingest_otlp`.
 
 use super::{
     AppState,
@@ -11,12 +12,8 @@ use super::{
     extract::{Authorized, body_bytes, scope},
 };
 use crate::{
-    domain::span::OtlpMerge,
-    otlp::{
-        self, DecodeError, Encoding, Signal,
-        mapping::{self, Mapping, Rejection, SpanGroup},
-    },
-    service::traces::{self, limits},
+    otlp::{self, DecodeError, Encoding, Signal, mapping},
+    service::traces,
 };
 use axum::{
     extract::{Request, State},
@@ -135,91 +132,6 @@ pub(super) async fn handle_export(st: &AppState, signal: Signal, req: Request) -
     // Exporters retry a failed export with the same bytes, and may re-batch
     // records: every record is stored once per (trace id, record key), so a
     // retry after any failure stores nothing twice and needs no idempotency key.
-    let answer = ingest(st, signal, groups, rejected).await?;
-    Ok(otlp_response(encoding, StatusCode::OK, otlp::encode_answer(signal, encoding, answer.0, &answer.1)))
-}
-
-/// Merges each trace id's records into its pending trace (one store
-/// transaction per trace id; see [`crate::store::OtlpStore::merge_otlp_spans`]),
-/// and says how many records were rejected and why (or which are held).
-/// A failure part-way is safe to retry: records stored already are ignored.
-async fn ingest(
-    st: &AppState,
-    signal: Signal,
-    groups: Vec<SpanGroup>,
-    rejected: Vec<Rejection>,
-) -> ApiResult<(usize, String)> {
-    let max = st.settings.limits.max_traces_per_batch;
-    if groups.len() > max {
-        return Err(ApiError::payload_too_large(format!(
-            "the export holds {} traces (trace ids); the limit is {max} (`limits.max_traces_per_batch`)",
-            groups.len()
-        )));
-    }
-    let limits = limits(st);
-    let mut answer = Mapping { traces: Vec::new(), rejected };
-    let mut held = Mapping::default();
-    let (mut created, mut accepted, mut duplicate) = (0_u64, 0, 0);
-    for group in groups {
-        let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
-        let trace_id = Some(group.trace_id.clone());
-        // How many of the group's records were new; the rest were stored before.
-        let new = match traces::merge_spans(st, &group.trace_id, &group.spans, &remap).await? {
-            OtlpMerge::Created { added, .. } => {
-                created += 1;
-                accepted += added;
-                added
-            }
-            OtlpMerge::Extended { added, .. } => {
-                accepted += added;
-                added
-            }
-            OtlpMerge::Held { added, reason } => {
-                held.rejected.push(Rejection { trace_id, spans: added, reason });
-                added
-            }
-            OtlpMerge::Duplicate => 0,
-            OtlpMerge::Closed { trace, spans } => {
-                answer.rejected.push(Rejection {
-                    trace_id,
-                    spans,
-                    reason: format!(
-                        "its trace {trace} was already taken by a learning round; records that arrive after that are not added"
-                    ),
-                });
-                spans
-            }
-            OtlpMerge::Rejected { spans, reason } => {
-                answer.rejected.push(Rejection { trace_id, spans, reason });
-                spans
-            }
-        };
-        duplicate += group.spans.len().saturating_sub(new);
-    }
-    let rejected = answer.rejected_spans();
-    let held_count = held.rejected_spans();
-    metrics::counter!("combee_traces_ingested_total").increment(created);
-    let counter = match signal {
-        Signal::Traces => "combee_otlp_spans_total",
-        Signal::Logs => "combee_otlp_log_records_total",
-    };
-    for (outcome, n) in [("accepted", accepted), ("rejected", rejected), ("held", held_count), ("duplicate", duplicate)]
-    {
-        metrics::counter!(counter, "outcome" => outcome).increment(n as u64);
-    }
-    if rejected > 0 {
-        tracing::info!(created, rejected, signal = signal.request(), "OTLP export partly rejected");
-    }
-    // Held records are not rejected: the answer only warns (OTLP's partial
-    // success with 0 rejected and a message).
-    let unit = signal.unit();
-    let mut message = answer.summary("rejected", unit);
-    if held_count > 0 {
-        let warning = format!(
-            "{}. Held records become a trace once the rest of their trace arrives (within `limits.idempotency_ttl_hours`)",
-            held.summary("held", unit)
-        );
-        message = if message.is_empty() { warning } else { format!("{message}. {warning}") };
-    }
-    Ok((rejected, message))
+    let answer = traces::ingest_otlp(st, signal, groups, rejected).await?;
+    Ok(otlp_response(encoding, StatusCode::OK, otlp::encode_answer(signal, encoding, answer.rejected, &answer.message)))
 }

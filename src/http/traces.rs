@@ -65,13 +65,7 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
         v @ Value::Object(_) => (vec![v], false),
         _ => return Err(ApiError::unprocessable("send one trace object or `{\"traces\": [...]}`".into())),
     };
-    let max = st.settings.limits.max_traces_per_batch;
-    if items.len() > max {
-        return Err(ApiError::payload_too_large(format!(
-            "the batch holds {} traces; the limit is {max} (`limits.max_traces_per_batch`)",
-            items.len()
-        )));
-    }
+    traces::check_batch(st, "the batch", items.len(), "traces")?;
     if items.is_empty() {
         return Err(ApiError::unprocessable("the batch holds no traces".into()));
     }

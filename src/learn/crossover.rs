@@ -39,13 +39,7 @@ pub const TASK: &str = "crossover";
 /// Most task keys listed per arm in the prompt (the count is always exact).
 const MAX_KEYS_SHOWN: usize = 50;
 
-/// A task key an arm won: its mean reward there, and the best other arm's.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WonTask {
-    pub task_key: String,
-    pub reward: f64,
-    pub runner_up: f64,
-}
+pub use crate::evaluate::rater::WonTask;
 
 /// One arm that won some task keys, with its content.
 #[derive(Debug, Clone)]

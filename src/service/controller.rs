@@ -20,15 +20,16 @@ use crate::{
         capacity::meter::{BucketCounts, MeterBucket},
         capacity::sizing::{GroupSize, choose_group_size},
     },
-    store::{ControllerSample, DynStore, StoreResult},
+    store::ControllerSample,
 };
 
 /// Samples read per prompt: enough for `window` samples at many sizes (and
 /// all that retention keeps of a prompt's old rounds).
 pub const SAMPLE_LIMIT: u32 = crate::store::CONTROLLER_SAMPLES_KEPT;
 
-pub async fn samples(store: &DynStore, prompt: &PromptName) -> StoreResult<Vec<Sample>> {
-    Ok(store
+pub async fn samples(st: &AppState, prompt: &PromptName) -> ServiceResult<Vec<Sample>> {
+    Ok(st
+        .store
         .controller_samples(prompt, SAMPLE_LIMIT)
         .await?
         .into_iter()
@@ -37,8 +38,9 @@ pub async fn samples(store: &DynStore, prompt: &PromptName) -> StoreResult<Vec<S
 }
 
 /// The prompt's overload meter, bucket by bucket.
-pub async fn meter(store: &DynStore, prompt: &PromptName) -> StoreResult<Vec<MeterBucket>> {
-    Ok(store
+pub async fn meter(st: &AppState, prompt: &PromptName) -> ServiceResult<Vec<MeterBucket>> {
+    Ok(st
+        .store
         .meter_counts(prompt)
         .await?
         .into_iter()
@@ -53,28 +55,28 @@ pub fn measurable(prompt: &Prompt) -> bool {
 }
 
 /// The level-1 group size a round of this prompt uses now, from its meter.
-pub async fn group_size(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<GroupSize> {
-    Ok(choose_group_size(&meter(store, &prompt.name).await?, cfg.target_retention, measurable(prompt)))
+pub async fn group_size(st: &AppState, prompt: &Prompt, cfg: &ControllerConfig) -> ServiceResult<GroupSize> {
+    Ok(choose_group_size(&meter(st, &prompt.name).await?, cfg.target_retention, measurable(prompt)))
 }
 
 /// What the meter says about quality for this prompt (see [`Quality`]).
-pub async fn quality(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<Quality> {
-    Ok(Quality::of(group_size(store, prompt, cfg).await?, prompt.settings.duplication, measurable(prompt)))
+pub async fn quality(st: &AppState, prompt: &Prompt, cfg: &ControllerConfig) -> ServiceResult<Quality> {
+    Ok(Quality::of(group_size(st, prompt, cfg).await?, prompt.settings.duplication, measurable(prompt)))
 }
 
 /// The batch a round of this prompt should take now, and why.
-pub async fn current(store: &DynStore, prompt: &Prompt, backlog: u64, cfg: &ControllerConfig) -> StoreResult<Choice> {
-    let quality = quality(store, prompt, cfg).await?;
-    Ok(choose(&samples(store, &prompt.name).await?, backlog, &quality, cfg))
+pub async fn current(st: &AppState, prompt: &Prompt, backlog: u64, cfg: &ControllerConfig) -> ServiceResult<Choice> {
+    let quality = quality(st, prompt, cfg).await?;
+    Ok(choose(&samples(st, &prompt.name).await?, backlog, &quality, cfg))
 }
 
 /// The batch a trigger without an explicit size takes: the fixed size, or
 /// the controller's latest bound, or its default before it has chosen.
-pub async fn default_batch(store: &DynStore, prompt: &Prompt, cfg: &ControllerConfig) -> StoreResult<u32> {
+pub async fn default_batch(st: &AppState, prompt: &Prompt, cfg: &ControllerConfig) -> ServiceResult<u32> {
     if let BatchSize::Fixed(n) = prompt.settings.batch_size {
         return Ok(n);
     }
-    let stored = store.controller_choice(&prompt.name).await?;
+    let stored = st.store.controller_choice(&prompt.name).await?;
     Ok(stored.and_then(|(v, _)| serde_json::from_value::<Choice>(v).ok()).map_or(cfg.default_batch, |c| c.cap.max(1)))
 }
 
@@ -148,7 +150,7 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
     let plain: Vec<Sample> =
         samples.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs }).collect();
     let n = backlog.pending.max(0) as u64;
-    let quality = quality(&st.store, &backlog.prompt, cfg).await?;
+    let quality = quality(st, &backlog.prompt, cfg).await?;
     let choice = batch_size::choose(&plain, n, &quality, cfg);
     let curve = batch_size::profile(&plain, cfg.window)
         .into_iter()
@@ -160,7 +162,7 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
         })
         .collect();
     let last = st.store.controller_choice(&name).await?;
-    let buckets = meter(&st.store, &name).await?;
+    let buckets = meter(st, &name).await?;
     let group_size = choose_group_size(&buckets, cfg.target_retention, measurable(&backlog.prompt));
     let group_size = serde_json::json!({
         "max_group": group_size.max_group,

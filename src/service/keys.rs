@@ -9,7 +9,6 @@ use super::{AppState, ServiceError, ServiceResult};
 use crate::{
     auth,
     domain::access::{ApiKey, Scope},
-    store::DynStore,
 };
 
 /// Longest key name, in characters.
@@ -22,7 +21,7 @@ pub async fn authenticate(st: &AppState, secret: &str) -> ServiceResult<Option<A
 
 /// Creates a key named `name` (trimmed, 1 to 100 characters) with at least
 /// one scope; the key and its secret, which is never shown again.
-pub async fn create_key(store: &DynStore, name: &str, scopes: &[Scope]) -> ServiceResult<(ApiKey, String)> {
+pub async fn create(st: &AppState, name: &str, scopes: &[Scope]) -> ServiceResult<(ApiKey, String)> {
     let name = name.trim();
     if name.is_empty() || name.chars().count() > MAX_KEY_NAME_CHARS {
         return Err(ServiceError::Unprocessable(format!("`name` must be 1..={MAX_KEY_NAME_CHARS} characters")));
@@ -30,34 +29,19 @@ pub async fn create_key(store: &DynStore, name: &str, scopes: &[Scope]) -> Servi
     if scopes.is_empty() {
         return Err(ServiceError::Unprocessable("give at least one scope".into()));
     }
-    Ok(auth::create_key(store, name, scopes).await?)
+    Ok(auth::create_key(&st.store, name, scopes).await?)
 }
 
-pub async fn list_keys(store: &DynStore) -> ServiceResult<Vec<ApiKey>> {
-    Ok(store.list_api_keys().await?)
+pub async fn list(st: &AppState) -> ServiceResult<Vec<ApiKey>> {
+    Ok(st.store.list_api_keys().await?)
 }
 
-/// Revokes the active key with this id or visible prefix (404 when none).
-pub async fn revoke_key(store: &DynStore, id_or_prefix: &str) -> ServiceResult<()> {
-    if !store.revoke_api_key(id_or_prefix).await? {
+/// Revokes the active key with this id or visible prefix (404 when none),
+/// dropping this process's cached keys at once.
+pub async fn revoke(st: &AppState, id_or_prefix: &str) -> ServiceResult<()> {
+    if !st.store.revoke_api_key(id_or_prefix).await? {
         return Err(ServiceError::not_found("active key"));
     }
-    Ok(())
-}
-
-/// [`create_key`] for a request served by this process.
-pub async fn create(st: &AppState, name: &str, scopes: &[Scope]) -> ServiceResult<(ApiKey, String)> {
-    create_key(&st.store, name, scopes).await
-}
-
-/// [`list_keys`] for a request served by this process.
-pub async fn list(st: &AppState) -> ServiceResult<Vec<ApiKey>> {
-    list_keys(&st.store).await
-}
-
-/// [`revoke_key`], dropping this process's cached keys at once.
-pub async fn revoke(st: &AppState, id_or_prefix: &str) -> ServiceResult<()> {
-    revoke_key(&st.store, id_or_prefix).await?;
     st.keys.clear();
     Ok(())
 }

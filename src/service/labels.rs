@@ -5,7 +5,8 @@
 
 use super::{
     AppState, ServiceError, ServiceResult,
-    prompts::{MAX_MESSAGE_CHARS, check_message, production_moved, resolve},
+    production::Mover,
+    prompts::{MAX_MESSAGE_CHARS, check_message, resolve},
 };
 use crate::{
     domain::{
@@ -52,19 +53,19 @@ pub(super) fn store_move_error(e: StoreError, label: &LabelName) -> ServiceError
 }
 
 /// Applies a label move, recording `cause` in the label history, and drops
-/// the cached views; shared with the web UI.
+/// the cached views; a move of `production` goes through its one door
+/// ([`Mover::move_production`]). Shared with the web UI.
 pub async fn move_label_to(
     st: &AppState,
     name: &PromptName,
     mv: &LabelMove,
     cause: &MoveCause,
 ) -> ServiceResult<Label> {
-    let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
     if mv.label == LabelName::production() {
-        production_moved(st, name).await; // invalidates after the population followed
-    } else {
-        st.cache.invalidate(name.as_str());
+        return Mover::of(st).move_production(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label));
     }
+    let label = st.store.move_label_because(name, mv, cause).await.map_err(|e| store_move_error(e, &mv.label))?;
+    st.cache.invalidate(name.as_str());
     Ok(label)
 }
 
@@ -118,7 +119,7 @@ pub async fn roll_back(
     };
     let created =
         st.store.create_version(&prompt.name, version, &[mv]).await.map_err(|e| store_move_error(e, &production))?;
-    production_moved(st, &prompt.name).await;
+    Mover::of(st).followed(&prompt.name).await;
     Ok(created)
 }
 

@@ -13,6 +13,7 @@ pub mod langfuse;
 pub mod outcomes;
 pub mod pagination;
 pub mod population;
+pub mod production;
 pub mod prompts;
 pub mod rounds;
 pub mod sessions;
@@ -35,9 +36,11 @@ pub use error::{ServiceError, ServiceResult};
 /// Shared by every request; one `Arc`, so the per-request clone axum makes
 /// is a single reference-count bump.
 #[derive(Clone)]
-pub struct AppState(Arc<Shared>);
+pub struct AppState(Arc<AppParts>);
 
-pub struct Shared {
+/// What the application state holds: the store, the settings, the served
+/// prompts' and API keys' caches, and the metrics exporter.
+pub struct AppParts {
     pub store: DynStore,
     pub settings: Arc<Settings>,
     pub cache: Arc<PromptCache>,
@@ -46,14 +49,29 @@ pub struct Shared {
 }
 
 impl AppState {
-    pub fn new(shared: Shared) -> Self {
-        Self(Arc::new(shared))
+    pub fn new(parts: AppParts) -> Self {
+        Self(Arc::new(parts))
+    }
+
+    /// The state of a process on `store` with `settings`: empty caches sized
+    /// by `settings.cache`, and the process's metrics exporter.
+    pub fn build(store: DynStore, settings: Settings) -> Self {
+        Self::new(AppParts {
+            cache: Arc::new(PromptCache::new(
+                std::time::Duration::from_secs(settings.cache.max_age_secs),
+                settings.cache.max_prompts,
+            )),
+            keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
+            metrics: crate::telemetry::metrics_handle(),
+            settings: Arc::new(settings),
+            store,
+        })
     }
 }
 
 impl std::ops::Deref for AppState {
-    type Target = Shared;
-    fn deref(&self) -> &Shared {
+    type Target = AppParts;
+    fn deref(&self) -> &AppParts {
         &self.0
     }
 }

@@ -1,8 +1,7 @@
-//! The population of a prompt under the `evaluated` policy, where both the
-//! worker's rater and the operators' moves keep it in step with `production`:
-//! its first champion, how arms follow a moved `production` (the rater on its
-//! ticks, an operator's promote or rollback at once), and the arms as
-//! operators see them. The arms agents are served from are read in
+//! The population of a prompt under the `evaluated` policy, shared by the
+//! worker's rater and the operators' moves: its first champion, how arms are
+//! reconciled with `production` (see `production.rs` for when), the policy in
+//! effect for one prompt, and the arms as operators see them. The arms agents are served from are read in
 //! `prompts.rs`, beside the prompt's text.
 
 use serde::Serialize;
@@ -11,15 +10,14 @@ use utoipa::ToSchema;
 use super::{AppState, ServiceResult};
 use crate::{
     domain::{
-        LabelName, Prompt, PromptName,
-        label::Selector,
+        Prompt, PromptName,
         population::{ArmState, PopulationArm},
     },
     evaluate::{
         population::{Arm, PopulationPolicy, traffic_weights},
         trueskill::Rating,
     },
-    store::{DynStore, StoreResult},
+    store::{DynStore, StoreError, StoreResult},
 };
 
 /// A population's first arm: `version` as champion at the prior (μ0, σ0)
@@ -58,23 +56,16 @@ pub fn reconcile(arms: &mut Vec<PopulationArm>, champion: i64, policy: &Populati
     }
 }
 
-/// Makes a stored population follow `production` at once after a move the
-/// rater did not make (an operator's promote or rollback, a new version
-/// labelled production): the version production points at becomes the
-/// champion (joining at the prior if it was no arm), the old champion
-/// competes on as a challenger, weights are recomputed. Nothing to do for a
-/// prompt without a population, or when production is the champion already.
-pub async fn follow_production(store: &DynStore, prompt: &PromptName, policy: &PopulationPolicy) -> StoreResult<()> {
-    let production = store.resolve(prompt, &Selector::Label(LabelName::production())).await?;
-    let Some(champion) = production.map(|r| r.version.number) else { return Ok(()) };
-    let mut arms = store.live_arms(prompt, &[champion]).await?;
-    if arms.is_empty() || arms.iter().any(|a| a.version == champion && a.state == ArmState::Champion) {
-        return Ok(());
-    }
-    // The prompt's own population knobs (`settings.population`) in place of the server's.
-    let own = store.get_prompt(prompt).await?.ok_or(crate::store::StoreError::NotFound)?;
-    reconcile(&mut arms, champion, &own.settings.population.applied_to(policy));
-    store.save_population(prompt, &arms).await
+/// The population policy of `prompt` in effect: the server's, with the
+/// prompt's own `settings.population` knobs in place; with the prompt read.
+pub async fn effective_policy(
+    store: &DynStore,
+    prompt: &PromptName,
+    server: &PopulationPolicy,
+) -> StoreResult<(Prompt, PopulationPolicy)> {
+    let own = store.get_prompt(prompt).await?.ok_or(StoreError::NotFound)?;
+    let policy = own.settings.population.applied_to(server);
+    Ok((own, policy))
 }
 
 /// Starts the population of a new `evaluated` prompt: version 1 as champion.

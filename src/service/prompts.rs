@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{AppState, ServiceError, ServiceResult, error::plain_serde_error, population};
+use super::{AppState, ServiceError, ServiceResult, error::plain_serde_error, population, production::Mover};
 use crate::{
     cache::ServedArms,
     domain::{
@@ -218,22 +218,11 @@ pub(super) async fn add_version(
 ) -> ServiceResult<Version> {
     let created = st.store.create_version(name, version, moves).await?;
     if moves.iter().any(|m| m.label == LabelName::production()) {
-        production_moved(st, name).await; // invalidates after the population followed
+        Mover::of(st).followed(name).await; // invalidates after the population followed
     } else {
         st.cache.invalidate(name.as_str());
     }
     Ok(created)
-}
-
-/// After `production` of `name` moved by an operator's hand: the population
-/// (if the prompt has one) follows at once, so the new production version is
-/// what agents are served as the champion; a failure here is logged (the
-/// move stands and the rater reconciles on its next tick).
-pub(super) async fn production_moved(st: &AppState, name: &PromptName) {
-    if let Err(e) = population::follow_production(&st.store, name, &st.settings.population.policy()).await {
-        tracing::warn!(prompt = %name, error = %e, "the population did not follow production yet");
-    }
-    st.cache.invalidate(name.as_str());
 }
 
 /// The live arms of an `evaluated` prompt (empty for other prompts), cached

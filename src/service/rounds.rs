@@ -73,7 +73,7 @@ async fn round_request(
         st.store.get_prompt(name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
     let batch = match req.batch_size {
         Some(n) => n,
-        None => default_batch(&st.store, &prompt, &st.settings.controller).await?,
+        None => default_batch(st, &prompt, &st.settings.controller).await?,
     };
     if !(1..=MAX_BATCH).contains(&batch) {
         return Err(ServiceError::Unprocessable(format!("`batch_size` must be between 1 and {MAX_BATCH}")));

@@ -1,5 +1,6 @@
 //! Trace operations both front ends call: durable ingest (with an
-//! `Idempotency-Key` when the caller sends one), reads, late feedback, the
+//! `Idempotency-Key` when the caller sends one), the OTLP ingest that merges
+//! each trace id's records into its pending trace, reads, late feedback, the
 //! requeue of failed traces, and the operator's containment of a poisoned
 //! stream: quarantine (one trace, or a prompt's pending backlog in a time
 //! window), release and delete. Their limits live here, once.
@@ -12,8 +13,12 @@ use super::{AppState, ServiceError, ServiceResult, prompts::existing_prompt};
 use crate::{
     domain::{
         Feedback, PromptName, Trace,
-        span::{OtlpMerge, OtlpRemapFn, OtlpSpan},
+        span::OtlpMerge,
         trace::{IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
+    },
+    otlp::{
+        Signal,
+        mapping::{self, Mapping, Rejection, SpanGroup},
     },
     store::{StoreError, TraceAction},
 };
@@ -29,6 +34,23 @@ pub fn limits(st: &AppState) -> TraceLimits {
         max_field_bytes: st.settings.limits.max_field_bytes,
         max_trace_bytes: st.settings.limits.max_trace_bytes,
     }
+}
+
+/// Refuses a batch of more than `limits.max_traces_per_batch` traces (413):
+/// "`what` holds `count` `unit`".
+pub fn check_batch(st: &AppState, what: &str, count: usize, unit: &str) -> ServiceResult<()> {
+    let max = st.settings.limits.max_traces_per_batch;
+    if count > max {
+        return Err(ServiceError::PayloadTooLarge(format!(
+            "{what} holds {count} {unit}; the limit is {max} (`limits.max_traces_per_batch`)"
+        )));
+    }
+    Ok(())
+}
+
+/// Counts traces created by either ingest (`combee_traces_ingested_total`).
+fn count_ingested(n: u64) {
+    metrics::counter!("combee_traces_ingested_total").increment(n);
 }
 
 /// A request sent with an `Idempotency-Key`: who sent it, the key, and the
@@ -73,20 +95,99 @@ pub async fn ingest(
         }
     };
     if let Ingested::Stored(ids) = &ingested {
-        metrics::counter!("combee_traces_ingested_total").increment(ids.len() as u64);
+        count_ingested(ids.len() as u64);
     }
     Ok(ingested)
 }
 
-/// Adds the spans of one OpenTelemetry trace id to its pending trace (see
-/// [`crate::store::OtlpStore::merge_otlp_spans`]).
-pub async fn merge_spans(
+/// The answer to an OTLP export: how many records were rejected, and the
+/// `partial_success` message (why, and which records are held).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OtlpAnswer {
+    pub rejected: usize,
+    pub message: String,
+}
+
+/// Merges each trace id's records of an OTLP export into its pending trace
+/// (one store transaction per trace id; see
+/// [`crate::store::OtlpStore::merge_otlp_spans`]), at most
+/// `limits.max_traces_per_batch` trace ids; `rejected` are the records the
+/// decoding could not map. Says how many records were rejected and why (or
+/// which are held). A failure part-way is safe to retry: records stored
+/// already are ignored.
+pub async fn ingest_otlp(
     st: &AppState,
-    otel_trace_id: &str,
-    spans: &[OtlpSpan],
-    remap: &OtlpRemapFn<'_>,
-) -> ServiceResult<OtlpMerge> {
-    Ok(st.store.merge_otlp_spans(otel_trace_id, spans, remap).await?)
+    signal: Signal,
+    groups: Vec<SpanGroup>,
+    rejected: Vec<Rejection>,
+) -> ServiceResult<OtlpAnswer> {
+    check_batch(st, "the export", groups.len(), "traces (trace ids)")?;
+    let limits = limits(st);
+    let mut answer = Mapping { traces: Vec::new(), rejected };
+    let mut held = Mapping::default();
+    let (mut created, mut accepted, mut duplicate) = (0_u64, 0, 0);
+    for group in groups {
+        let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
+        let trace_id = Some(group.trace_id.clone());
+        // How many of the group's records were new; the rest were stored before.
+        let new = match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
+            OtlpMerge::Created { added, .. } => {
+                created += 1;
+                accepted += added;
+                added
+            }
+            OtlpMerge::Extended { added, .. } => {
+                accepted += added;
+                added
+            }
+            OtlpMerge::Held { added, reason } => {
+                held.rejected.push(Rejection { trace_id, spans: added, reason });
+                added
+            }
+            OtlpMerge::Duplicate => 0,
+            OtlpMerge::Closed { trace, spans } => {
+                answer.rejected.push(Rejection {
+                    trace_id,
+                    spans,
+                    reason: format!(
+                        "its trace {trace} was already taken by a learning round; records that arrive after that are not added"
+                    ),
+                });
+                spans
+            }
+            OtlpMerge::Rejected { spans, reason } => {
+                answer.rejected.push(Rejection { trace_id, spans, reason });
+                spans
+            }
+        };
+        duplicate += group.spans.len().saturating_sub(new);
+    }
+    let rejected = answer.rejected_spans();
+    let held_count = held.rejected_spans();
+    count_ingested(created);
+    let counter = match signal {
+        Signal::Traces => "combee_otlp_spans_total",
+        Signal::Logs => "combee_otlp_log_records_total",
+    };
+    for (outcome, n) in [("accepted", accepted), ("rejected", rejected), ("held", held_count), ("duplicate", duplicate)]
+    {
+        metrics::counter!(counter, "outcome" => outcome).increment(n as u64);
+    }
+    if rejected > 0 {
+        tracing::info!(created, rejected, signal = signal.request(), "OTLP export partly rejected");
+    }
+    // Held records are not rejected: the answer only warns (OTLP's partial
+    // success with 0 rejected and a message).
+    let unit = signal.unit();
+    let mut message = answer.summary("rejected", unit);
+    if held_count > 0 {
+        let warning = format!(
+            "{}. Held records become a trace once the rest of their trace arrives (within `limits.idempotency_ttl_hours`)",
+            held.summary("held", unit)
+        );
+        message = if message.is_empty() { warning } else { format!("{message}. {warning}") };
+    }
+    Ok(OtlpAnswer { rejected, message })
 }
 
 /// Traces matching `filter`, newest first.

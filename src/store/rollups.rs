@@ -45,16 +45,8 @@ pub(crate) enum Counted {
     All,
 }
 
-/// The rewards of one version on one task (traces carrying `metadata.task_key`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct TaskRewards {
-    pub version: i64,
-    pub task_key: String,
-    /// Rewarded traces of this version on this task.
-    pub traces: u64,
-    /// Sum of their rewards: 1/0 for `feedback.success`, else `feedback.score`.
-    pub reward_sum: f64,
-}
+/// The rewards of one version on one task, as the rater compares arms on them.
+pub use crate::evaluate::rater::TaskRewards;
 
 const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, with_feedback, success_trials, successes, \
      score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq, latency_n, latency_sum, \

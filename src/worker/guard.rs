@@ -3,9 +3,9 @@
 //! in the current window with (i) its own previous window and (ii) the previous
 //! production version's last window before the change, and when
 //! `evaluate::guard::compare` finds a significant drop it moves `production`
-//! back to the previous production version — a `guard-rollback` in the label
-//! history with the test's numbers, a `prompt.rolled_back` webhook event, a log
-//! line. Rules that keep it from fighting people or itself:
+//! back to the previous production version through its one door (see
+//! [`crate::service::production`]) — a `guard-rollback` in the label history
+//! with the test's numbers, a `prompt.rolled_back` webhook event, a log line. Rules that keep it from fighting people or itself:
 //! - it only acts when the label history says which version production came
 //!   from (moves before label history existed are unknown: no rollback);
 //! - it never makes the same rollback (from V to P) twice;
@@ -26,7 +26,11 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::GuardSettings,
     domain::{LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName, label::LabelMove},
-    evaluate::guard::{Comparison, GuardThresholds, WindowRewards, compare},
+    evaluate::{
+        guard::{Comparison, GuardThresholds, WindowRewards, compare},
+        population::PopulationPolicy,
+    },
+    service::production::Mover,
     store::{DynStore, LabelMoveQuery, StoreError, StoreResult},
 };
 
@@ -40,6 +44,8 @@ const PAGE: u32 = 200;
 pub struct RegressionGuard {
     store: DynStore,
     settings: GuardSettings,
+    /// The server's population policy, which a population follows a rollback under.
+    population: PopulationPolicy,
 }
 
 /// What the guard did for one prompt (for logs and tests).
@@ -94,7 +100,13 @@ fn applicable(facts: Option<&ProductionFacts>) -> Result<(&LabelHistoryEntry, i6
 
 impl RegressionGuard {
     pub fn new(store: DynStore, settings: GuardSettings) -> Self {
-        Self { store, settings }
+        Self { store, settings, population: PopulationPolicy::default() }
+    }
+
+    /// Uses these population knobs (from `[population]`) when a population follows a rollback.
+    pub fn with_population(mut self, policy: PopulationPolicy) -> Self {
+        self.population = policy;
+        self
     }
 
     /// Runs a tick every `tick_secs` until `shutdown`.
@@ -225,7 +237,7 @@ impl RegressionGuard {
             by: GUARD_ACTOR.to_owned(),
         };
         let cause = MoveCause::new(LabelMoveKind::GuardRollback, reason.clone()).with_evidence(evidence);
-        match self.store.move_label_because(prompt, &mv, &cause).await {
+        match Mover::background(&self.store, self.population).move_production(prompt, &mv, &cause).await {
             Ok(_) => {
                 tracing::warn!(%prompt, from = production, to = previous, %reason, "regression guard rolled production back");
                 Ok(GuardOutcome::RolledBack { from: production, to: previous })

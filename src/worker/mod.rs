@@ -5,11 +5,13 @@
 //! fails it. A crashed process's rounds are resumed by whoever claims them
 //! after the lease expires, from the reflections already stored.
 
-pub mod controller;
+pub mod arms;
+pub mod breeder;
+pub mod choices;
 pub mod guard;
 mod journal;
-pub mod population;
 pub mod publish;
+pub mod rater;
 pub mod retention;
 pub mod rollups;
 
@@ -31,18 +33,21 @@ use crate::{
         round::{RoundSpec, run_round},
     },
     llm::{LlmBackend, config::LlmConfig},
+    service::{self, AppState, ServiceResult},
     store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError, TraceCharges, TraceFault},
 };
 
 #[derive(Clone)]
 pub struct Worker {
+    /// The process's state: the service calls (the controller's reads) take it.
+    state: AppState,
     store: DynStore,
     backend: Arc<dyn LlmBackend>,
     llm: Arc<LlmConfig>,
     settings: Arc<WorkerSettings>,
     denylist: Arc<ContentDenylist>,
     controller: Arc<ControllerConfig>,
-    choices: Arc<controller::ChoiceLog>,
+    choices: Arc<choices::ChoiceLog>,
     /// Population knobs for prompts under the `evaluated` policy.
     population: crate::evaluate::population::PopulationPolicy,
     /// Names this process in leases (`host:pid:random`).
@@ -90,7 +95,7 @@ pub use crate::domain::round::random_seed;
 
 impl Worker {
     pub fn new(
-        store: DynStore,
+        state: AppState,
         backend: Arc<dyn LlmBackend>,
         llm: LlmConfig,
         settings: WorkerSettings,
@@ -106,7 +111,8 @@ impl Worker {
                 ContentDenylist::new(&[], &["(?s).".to_owned()]).unwrap_or_default()
             });
         Self {
-            store,
+            store: state.store.clone(),
+            state,
             backend,
             denylist: Arc::new(denylist),
             llm: Arc::new(llm),
@@ -182,7 +188,7 @@ impl Worker {
     }
 
     /// Opens rounds for prompts whose backlog is due.
-    pub async fn schedule(&self) -> Result<(), StoreError> {
+    pub async fn schedule(&self) -> ServiceResult<()> {
         let now = chrono::Utc::now();
         let backoff = self.settings.failure_backoff();
         for backlog in self.store.backlogs().await? {
@@ -197,9 +203,13 @@ impl Worker {
             let (target, batch) = match backlog.prompt.settings.batch_size {
                 BatchSize::Fixed(n) => (n, n),
                 BatchSize::Auto => {
-                    let choice =
-                        controller::current(&self.store, &backlog.prompt, backlog.pending as u64, &self.controller)
-                            .await?;
+                    let choice = service::controller::current(
+                        &self.state,
+                        &backlog.prompt,
+                        backlog.pending as u64,
+                        &self.controller,
+                    )
+                    .await?;
                     self.choices.record(&self.store, name, &choice).await?;
                     (choice.target, choice.cap)
                 }
@@ -219,7 +229,7 @@ impl Worker {
                     tracing::info!(round = %r.id, prompt = %r.prompt, n = r.n, trigger = ?d.trigger, "round queued")
                 }
                 Ok(None) | Err(StoreError::AlreadyExists) => {}
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
         Ok(())
@@ -333,7 +343,7 @@ impl Worker {
     /// gives it now (the meter changes only when a round of this prompt
     /// publishes, so a retried attempt regroups as the first did).
     async fn spec_for(&self, round: &crate::domain::round::Round, prompt: &crate::domain::Prompt) -> RoundSpec {
-        let group_size = match controller::group_size(&self.store, prompt, &self.controller).await {
+        let group_size = match service::controller::group_size(&self.state, prompt, &self.controller).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(error = %e, "the overload meter could not be read; using the paper's default groups");

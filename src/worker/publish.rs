@@ -136,7 +136,7 @@ pub async fn publish(
     tracing::info!(version = version.number, label = %label, "round published");
     if publication.joins_population
         && let Err(e) =
-            super::population::add_challenger(store, &prompt.name, version.number, version.parent, population).await
+            super::arms::add_challenger(store, &prompt.name, version.number, version.parent, population).await
     {
         tracing::error!(version = version.number, error = %e, "the learned version could not join the population");
     }

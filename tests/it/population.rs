@@ -15,11 +15,15 @@ use combee::{
         prompt::{NewPrompt, NewVersion},
         trace::{NewTrace, TraceLimits, ValidTrace},
     },
-    evaluate::{assign::sticky_arm, population::GateDecision, trueskill::Rating},
+    evaluate::{assign::sticky_arm, population::GateDecision, rater::Basis, trueskill::Rating},
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, OpenAiClient, config::LlmConfig},
     store::{DynStore, StoreError},
-    worker::population::{Basis, CrossoverOutcome, PopulationRater, RatingOutcome, add_challenger},
+    worker::{
+        arms::add_challenger,
+        breeder::CrossoverOutcome,
+        rater::{PopulationRater, RatingOutcome},
+    },
 };
 use common::{Backend, test_store};
 use serde_json::json;
@@ -492,8 +496,8 @@ async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
         check_current: true,
         by: "t".into(),
     };
-    s.move_label(&name("p"), &mv).await.unwrap();
-    combee::service::population::follow_production(&s, &name("p"), &policy).await.unwrap();
+    let cause = combee::domain::MoveCause::new(LabelMoveKind::Promote, "t".to_owned());
+    combee::service::production::Mover::background(&s, policy).move_production(&name("p"), &mv, &cause).await.unwrap();
     let live = s.live_arms(&name("p"), &[]).await.unwrap();
     let back = arm(&live, old.version);
     assert_eq!((back.state, back.rating), (ArmState::Champion, Rating { mu: 31.0, sigma: 1.5 }));

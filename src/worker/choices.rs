@@ -1,11 +1,10 @@
-//! The worker's side of the batch-size controller: persists a prompt's
-//! choice when it changes and exports it as metrics. What the controller
-//! reads (samples, meter, the choice for a backlog) is in
+//! The batch-size controller's choices as the worker keeps them: persists a
+//! prompt's choice when it changes and exports it as metrics. What the
+//! controller reads (samples, meter, the choice for a backlog) is in
 //! `service::controller`, shared with the operators' view.
 
 use std::{collections::HashMap, sync::Mutex};
 
-pub use crate::service::controller::{SAMPLE_LIMIT, current, default_batch, group_size, meter, quality, samples};
 use crate::{
     domain::PromptName,
     learn::capacity::batch_size::Choice,
