@@ -16,7 +16,7 @@ use crate::{
     http,
     llm::{LlmBackend, client::OpenAiClient},
     service::AppState,
-    store::{self, Change, DynStore, retention::Expiring},
+    store::{self, Change, DynStore, Expiring},
     ui,
     worker::{Worker, guard::RegressionGuard, rater::PopulationRater, retention::Pruner},
 };

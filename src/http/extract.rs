@@ -16,7 +16,7 @@ use axum::{
 use serde::de::DeserializeOwned;
 
 use super::{AppState, error::ApiError};
-pub use crate::service::error::plain_serde_error;
+use crate::service::plain_serde_error;
 use crate::{
     domain::access::{ApiKey, Scope},
     service::keys,

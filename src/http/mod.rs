@@ -12,7 +12,7 @@ pub mod keys;
 pub mod label_history;
 pub mod labels;
 pub mod langfuse;
-pub mod observe;
+mod observe;
 pub mod openapi;
 pub mod ops;
 pub mod otlp;
@@ -37,7 +37,7 @@ use tower::{Layer as _, Service};
 use error::ApiError;
 pub use observe::{Observed, RouteTable};
 
-pub use crate::service::{AppParts, AppState};
+use crate::service::AppState;
 
 /// The API's routes, without state or middleware: `app.rs` adds the web UI
 /// beside them and hands the whole table to [`serve`].

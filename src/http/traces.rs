@@ -51,7 +51,7 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
         if e.is_syntax() || e.is_eof() {
             ApiError::bad_request(format!("the body is not valid JSON: {e}"))
         } else {
-            ApiError::unprocessable(super::extract::plain_serde_error(&e.to_string()))
+            ApiError::unprocessable(crate::service::plain_serde_error(&e.to_string()))
         }
     })?;
     let (items, batch) = match value {
@@ -83,7 +83,7 @@ fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
             }
             let t: NewTrace = serde_path_to_error::deserialize(item).map_err(|e| {
                 let path = e.path().to_string();
-                let inner = super::extract::plain_serde_error(&e.inner().to_string());
+                let inner = crate::service::plain_serde_error(&e.inner().to_string());
                 let msg = if path == "." { inner } else { format!("{path}: {inner}") };
                 ApiError::unprocessable(at(msg))
             })?;

@@ -28,7 +28,7 @@ use crate::{
         fence::fence,
         messages::fill,
     },
-    llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, chat_decoded, config::LlmConfig},
+    llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, client::chat_decoded, config::LlmConfig},
 };
 
 const TEMPLATE: &str = include_str!("../../prompts/crossover.md");
@@ -39,7 +39,7 @@ pub const TASK: &str = "crossover";
 /// Most task keys listed per arm in the prompt (the count is always exact).
 const MAX_KEYS_SHOWN: usize = 50;
 
-pub use crate::evaluate::rater::WonTask;
+use crate::evaluate::rater::WonTask;
 
 /// One arm that won some task keys, with its content.
 #[derive(Debug, Clone)]

@@ -20,9 +20,6 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use client::{OpenAiClient, chat_decoded, chat_json, chat_json_checked};
-pub use config::LlmConfig;
-
 /// Who wrote a chat message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

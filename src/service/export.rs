@@ -24,7 +24,7 @@ use uuid::Uuid;
 use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
 use crate::{
     domain::{Feedback, LabelName, Trace, label::Selector},
-    store::export::ExportQuery,
+    store::ExportQuery,
 };
 
 /// Traces read from the store per page.

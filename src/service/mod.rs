@@ -5,7 +5,7 @@
 //! file per resource.
 
 pub mod controller;
-pub mod error;
+mod error;
 pub mod export;
 pub mod keys;
 pub mod labels;
@@ -31,7 +31,7 @@ use crate::{
     store::{DynStore, StoreKind},
 };
 
-pub use error::{ServiceError, ServiceResult};
+pub use error::{ServiceError, ServiceResult, plain_serde_error};
 
 /// Shared by every request; one `Arc`, so the per-request clone axum makes
 /// is a single reference-count bump.

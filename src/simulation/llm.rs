@@ -324,7 +324,7 @@ pub(crate) mod tests {
         calls, messages,
         tests::{reflection, trace},
     };
-    use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmConfig, LlmError, LlmRole, OpenAiClient};
+    use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmError, LlmRole, client::OpenAiClient, config::LlmConfig};
 
     /// The hard capacity model, for tests that count exactly what survives.
     pub(crate) fn hard() -> SimConfig {

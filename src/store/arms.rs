@@ -8,13 +8,15 @@ use serde_json::Value;
 use super::{
     Change, StoreKind, StoreResult,
     backend::{Backend, SqlStore},
-    rollups::TaskRewards,
     sql::{Cols, Dialect, corrupt, json, now, sql},
     versions::{prompt_id, prompt_name, require_versions},
 };
-use crate::domain::{
-    PromptName,
-    population::{ArmState, PopulationArm},
+use crate::{
+    domain::{
+        PromptName,
+        population::{ArmState, PopulationArm},
+    },
+    evaluate::rater::TaskRewards,
 };
 
 /// Arms one upsert writes (ten parameters each, well under either backend's limit).

@@ -46,7 +46,7 @@ pub(crate) enum Counted {
 }
 
 /// The rewards of one version on one task, as the rater compares arms on them.
-pub use crate::evaluate::rater::TaskRewards;
+use crate::evaluate::rater::TaskRewards;
 
 const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, with_feedback, success_trials, successes, \
      score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq, latency_n, latency_sum, \

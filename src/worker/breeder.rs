@@ -21,7 +21,7 @@ use crate::{
     },
     evaluate::{
         population::PopulationPolicy,
-        rater::{TIE, task_winners},
+        rater::{TIE, TaskRewards, task_winners},
         trueskill::Rating,
     },
     learn::{
@@ -30,7 +30,7 @@ use crate::{
         merge::budget::Budget,
     },
     llm::{LlmBackend, LlmError, config::LlmConfig},
-    store::{DynStore, StoreError, TaskRewards},
+    store::{DynStore, StoreError},
 };
 
 /// Who crossover children are made and labelled by.

@@ -91,7 +91,7 @@ pub fn decide(
     })
 }
 
-pub use crate::domain::round::random_seed;
+use crate::domain::round::random_seed;
 
 impl Worker {
     pub fn new(

@@ -26,11 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::RetentionSettings,
     domain::{Prompt, Trace},
-    store::{
-        DynStore, StoreError,
-        retention::{Expiring, TraceExpiry},
-        rollups::minute_rollup_cutoff,
-    },
+    store::{DynStore, Expiring, StoreError, TraceExpiry, minute_rollup_cutoff},
 };
 
 /// Inbound webhook ids are kept this long: far past the signature tolerance,

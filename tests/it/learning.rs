@@ -939,7 +939,7 @@ mod resume {
             merge::budget::Budget,
             round::{RoundSpec, run_round},
         },
-        llm::{ChatRequest, ChatResponse, LlmBackend, LlmConfig, LlmError, OpenAiClient},
+        llm::{ChatRequest, ChatResponse, LlmBackend, LlmError, client::OpenAiClient, config::LlmConfig},
         store::{DynStore, OpenRound, RoundFailure},
         worker::StoreJournal,
     };

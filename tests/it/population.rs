@@ -17,7 +17,7 @@ use combee::{
     },
     evaluate::{assign::sticky_arm, population::GateDecision, rater::Basis, trueskill::Rating},
     learn::denylist::ContentDenylist,
-    llm::{LlmBackend, OpenAiClient, config::LlmConfig},
+    llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
     store::{DynStore, StoreError},
     worker::{
         arms::add_challenger,

@@ -15,7 +15,7 @@ use crate::domain::{DeltaOp, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::merge::dedupe::MergedOp;
 use crate::learn::merge::level2::Decision;
 use crate::llm::config::LlmConfig;
-use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmError, chat_decoded};
+use crate::llm::{ChatMessage, LlmBackend, LlmCall, LlmError, client::chat_decoded};
 
 /// Sends `task`'s call built by `messages` (given the characters the backend's
 /// context window leaves, `None` while unknown) with the task's answer schema,

@@ -10,7 +10,7 @@ use crate::domain::playbook::{Bullet, Playbook, Section};
 use crate::domain::prompt::placeholders;
 use crate::domain::{BulletTag, BulletTagKind, Feedback, PromptName};
 use crate::domain::{DeltaOp, Reflection, Strategy, Trace, VersionContent};
-use crate::llm::{LlmBackend, LlmConfig, LlmError};
+use crate::llm::{LlmBackend, LlmError, config::LlmConfig};
 use serde_json::Value;
 use serde_json::json;
 use std::collections::BTreeSet;

@@ -16,7 +16,7 @@ use super::record::{AnswerReport, MapCounts, Unreflected};
 use super::spec::{RoundError, RoundSpec};
 use crate::domain::{AgentReflections, Reflection, Trace, VersionContent};
 use crate::learn::prompts::{calls, checks::validate_reflection, task::Task};
-use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
+use crate::llm::{LlmBackend, LlmCall, LlmError, config::LlmConfig};
 
 /// The agent's own reflection, when it parses strictly and validates against `base`.
 fn own_reflection(trace: &Trace, base: &VersionContent) -> Option<Reflection> {

@@ -51,7 +51,7 @@ use crate::learn::capacity::meter;
 use crate::learn::merge::apply;
 use crate::learn::merge::budget::Protection;
 use crate::learn::shuffle::grouping::{self, Execution};
-use crate::llm::{LlmBackend, LlmConfig};
+use crate::llm::{LlmBackend, config::LlmConfig};
 use journal::{Phase, RoundJournal};
 use map::map_phase;
 use reduce::RoundReducer;
@@ -59,8 +59,8 @@ use spec::PhaseClock;
 pub use spec::{MAX_LEFT_OUT_SHARE, RoundError, RoundSpec, group_key};
 
 pub use record::{
-    AnswerReport, CallNotes, Coverage, GroupLeftOut, GroupOutput, GroupingRecord, LearnedRoundDetail, Level2Summary,
-    MAX_CALL_NOTES, MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
+    AnswerReport, CallNotes, Coverage, GroupLeftOut, GroupingRecord, LearnedRoundDetail, Level2Summary, MAX_CALL_NOTES,
+    MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
 };
 
 /// Runs one round (`docs/design.md`, The round, step by step) over `traces` against the frozen `base` version.

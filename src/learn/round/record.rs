@@ -19,7 +19,7 @@ use crate::learn::prompts::task::Task;
 use crate::llm::LlmCall;
 
 /// One level-1 aggregator call, as the round's record keeps it.
-pub use crate::domain::GroupOutput;
+use crate::domain::GroupOutput;
 
 /// Most answers whose notes a round record lists one by one (it stays small on a
 /// round of thousands of traces).

@@ -14,8 +14,9 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::journal::{JournalError, Phase, RoundJournal};
-use super::record::{AnswerReport, GroupLeftOut, GroupOutput, Level2Summary, PhaseTimings};
+use super::record::{AnswerReport, GroupLeftOut, Level2Summary, PhaseTimings};
 use super::spec::{MAX_LEFT_OUT_SHARE, PhaseClock, RoundError, RoundSpec, group_key};
+use crate::domain::GroupOutput;
 use crate::domain::{DeltaOp, ReduceMode, Reflection, Strategy, VersionContent};
 use crate::learn::merge::apply::{self, Applied, Evicted, Skipped};
 use crate::learn::merge::budget::Protection;
@@ -26,7 +27,7 @@ use crate::learn::prompts::calls;
 use crate::learn::prompts::decode::SourcedOp;
 use crate::learn::prompts::task::Task;
 
-use crate::llm::{LlmBackend, LlmCall, LlmConfig, LlmError};
+use crate::llm::{LlmBackend, LlmCall, LlmError, config::LlmConfig};
 
 /// What the reduce step produces: the new content and what went into it.
 pub(super) struct ReduceOutcome {

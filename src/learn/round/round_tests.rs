@@ -13,7 +13,7 @@ use crate::domain::{AgentReflections, ReduceMode};
 use crate::learn::merge::budget::{Budget, Protection};
 use crate::learn::prompts::tests::{reflection, trace};
 use crate::llm::LlmError;
-use crate::llm::{ChatRequest, ChatResponse, OpenAiClient};
+use crate::llm::{ChatRequest, ChatResponse, client::OpenAiClient};
 use crate::simulation::llm::SimConfig;
 use crate::simulation::llm::tests::{Running, hard, start};
 
