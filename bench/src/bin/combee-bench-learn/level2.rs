@@ -15,7 +15,7 @@ use combee::{
         shuffle::grouping,
     },
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
-    simulation::llm::{self as sim, CapacityModel, SimConfig},
+    simulation::llm::{self as sim, CapacityModel},
 };
 use uuid::Uuid;
 
@@ -38,15 +38,7 @@ struct Level2Row {
 /// consolidates by decisions; rewrite merges the groups' instructions against
 /// the base. Returns the Markdown section and whether the target holds.
 pub(crate) async fn level2_section(args: &Args) -> anyhow::Result<(String, bool)> {
-    let sim_cfg = SimConfig {
-        capacity_model: CapacityModel::Soft,
-        capacity_k: args.capacity_k,
-        digest_reflections: args.digest,
-        fixed_ms: args.fixed_ms,
-        per_input_token_ms: args.per_input_token_ms,
-        per_output_token_ms: args.per_output_token_ms,
-        ..SimConfig::default()
-    };
+    let sim_cfg = args.sim_config(CapacityModel::Soft);
     let local = sim::LocalSim::start(sim_cfg.clone()).await?;
     let llm = LlmConfig {
         base_url: local.base_url.clone(),

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use combee::simulation::llm::CapacityModel;
+use combee::simulation::llm::{CapacityModel, SimConfig};
 
 use crate::level2::level2_section;
 use crate::sweep::{max_batch_section, model_name, one_model};
@@ -114,6 +114,21 @@ struct Args {
     /// Where learn.md, learn.csv and the SVGs go.
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
+}
+
+impl Args {
+    /// The simulator as the flags set it, with capacity model `model` (sources always cited).
+    fn sim_config(&self, model: CapacityModel) -> SimConfig {
+        SimConfig {
+            capacity_model: model,
+            capacity_k: self.capacity_k,
+            digest_reflections: self.digest,
+            fixed_ms: self.fixed_ms,
+            per_input_token_ms: self.per_input_token_ms,
+            per_output_token_ms: self.per_output_token_ms,
+            ..SimConfig::default()
+        }
+    }
 }
 
 #[tokio::main]

@@ -55,13 +55,7 @@ pub(crate) async fn one_model(
     let sim_cfg = SimConfig {
         rate_no_sources: if citing { 0.0 } else { args.non_citing_absent },
         rate_wrong_sources: if citing { 0.0 } else { args.non_citing_wrong },
-        capacity_model: model,
-        capacity_k: args.capacity_k,
-        digest_reflections: args.digest,
-        fixed_ms: args.fixed_ms,
-        per_input_token_ms: args.per_input_token_ms,
-        per_output_token_ms: args.per_output_token_ms,
-        ..SimConfig::default()
+        ..args.sim_config(model)
     };
     let local_sim = sim::LocalSim::start(sim_cfg.clone()).await?;
     let llm = LlmConfig {
