@@ -15,7 +15,10 @@ use super::{
     Change, Store, StoreKind, StoreResult,
     sql::{Dialect, sql},
 };
-use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
+use crate::domain::{
+    Feedback,
+    trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
+};
 
 /// A SQL store: `writer` takes every write (SQLite: one connection, so writers
 /// queue in-process), `reader` the reads (on Postgres the same pool).
@@ -25,6 +28,8 @@ pub struct SqlStore<D: Backend> {
     pub(super) changes: broadcast::Sender<Change>,
     /// How this process learns of other processes' writes (see [`Backend::Watch`]).
     pub(super) watch: D::Watch,
+    /// The lanes that commit trace writes in groups (see [`Backend::Writes`]).
+    pub(super) writes: D::Writes,
 }
 
 impl<D: Backend> SqlStore<D> {
@@ -68,6 +73,8 @@ pub trait Backend: Dialect {
     /// Postgres the task listening for their NOTIFY, on SQLite the cache of
     /// the API key generation, checked against the WAL index.
     type Watch: Send + Sync + 'static;
+    /// The group-commit lanes of trace writes (see `group_commit.rs`).
+    type Writes: Send + Sync + 'static;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64>;
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>>;
@@ -76,6 +83,9 @@ pub trait Backend: Dialect {
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
     ) -> StoreResult<IdempotentIngest>;
+    /// Merges late feedback into a trace, durably (see
+    /// [`merge_feedback`](super::traces::merge_feedback)); false when there is no such trace.
+    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<bool>;
     /// Takes the lease of the oldest claimable round (see [`RoundStore::claim_round`](super::RoundStore::claim_round)); its id.
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>>;
     async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool>;

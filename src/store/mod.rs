@@ -10,6 +10,7 @@ mod arms;
 mod backend;
 mod controller_state;
 mod export;
+mod group_commit;
 mod keys;
 mod labels;
 mod migrate;

@@ -112,7 +112,7 @@ impl<D: Backend> OtlpStore for SqlStore<D> {
             .fetch_optional(&mut tx)
             .await?;
         let count = prompt.as_ref().map(|r| Cols::<D>(r).get::<i64>("version_count")).transpose()?;
-        if let Some(reason) = prompt_reference_problem(&mapped, count) {
+        if let Some(reason) = prompt_reference_problem(&mapped.prompt, mapped.prompt_version, count) {
             tx.rollback().await?;
             return Ok(OtlpMerge::Rejected { spans: new.len(), reason });
         }

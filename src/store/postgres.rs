@@ -13,17 +13,24 @@ use sqlx::{
     PgConnection, PgPool, Postgres, Row,
     postgres::{PgListener, PgPoolOptions, PgRow},
 };
-use tokio::{sync::broadcast, task::JoinHandle};
+use tokio::{
+    sync::{broadcast, oneshot},
+    task::JoinHandle,
+};
 use uuid::Uuid;
 
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
+use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
 use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
-use super::traces::reference_problem;
+use super::traces::{merge_feedback, reference_problem};
 use super::{Change, StoreError, StoreKind, StoreResult, migrate};
-use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
+use crate::domain::{
+    Feedback, PromptName,
+    trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
+};
 
 const CHANNEL: &str = "combee_changes";
 
@@ -52,7 +59,11 @@ impl SqlStore<Postgres> {
         migrate::postgres(&pool).await?;
         let (changes, _) = broadcast::channel(1024);
         let listener = Listener(tokio::spawn(listen(pool.clone(), changes.clone())));
-        Ok(Self { writer: pool.clone(), reader: pool, changes, watch: listener })
+        let writes = GroupCommit::start(lanes(max_connections), GROUP_ROWS, {
+            let pool = pool.clone();
+            move |group| commit_group(pool.clone(), group)
+        });
+        Ok(Self { writer: pool.clone(), reader: pool, changes, watch: listener, writes })
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -60,47 +71,131 @@ impl SqlStore<Postgres> {
     }
 }
 
-/// Inserts a batch of traces with the given ids in one statement: rows whose
-/// prompt or version is unknown fall out of the join, and then nothing is
-/// inserted at all. Returns how many rows were inserted (all or zero).
-async fn insert_trace_rows<'e>(
-    exec: impl sqlx::PgExecutor<'e>,
-    traces: &[ValidTrace],
-    ids: &[Uuid],
-) -> StoreResult<u64> {
-    let rows: Vec<Value> = traces
-        .iter()
-        .zip(ids)
-        .map(|(t, id)| {
-            serde_json::json!({
-                "id": id, "prompt": t.prompt.as_str(), "prompt_version": t.prompt_version,
-                "input": t.input, "trajectory": t.trajectory, "output": t.output,
-                "feedback": t.feedback, "reflection": t.reflection, "external_id": t.external_id,
-                "metadata": t.metadata,
-            })
-        })
-        .collect();
+/// The JSON row of one trace for [`insert_trace_rows`], serialised by the
+/// request's own task; `req` names the request (its first trace's id), so a
+/// group's statement keeps each request all or nothing.
+fn trace_row(t: &ValidTrace, id: Uuid, req: Uuid) -> StoreResult<String> {
+    serde_json::to_string(&serde_json::json!({
+        "req": req, "id": id, "prompt": t.prompt.as_str(), "prompt_version": t.prompt_version,
+        "input": t.input, "trajectory": t.trajectory, "output": t.output,
+        "feedback": t.feedback, "reflection": t.reflection, "external_id": t.external_id,
+        "metadata": t.metadata,
+    }))
+    .map_err(|_| corrupt("trace"))
+}
+
+/// Inserts the traces of several requests in one statement, `rows` being a
+/// JSON array of [`trace_row`]s: a request whose traces do not all match a
+/// prompt and version falls out whole (its rows and its rollup deltas), the
+/// others are stored. Returns the ids stored.
+async fn insert_trace_rows<'e>(exec: impl sqlx::PgExecutor<'e>, rows: String) -> StoreResult<Vec<Uuid>> {
     // The rollups' deltas are written by the same statement: one snapshot, all or nothing.
-    let all = "(SELECT count(*) FROM matched) = $2";
     let text = format!(
-        "WITH matched AS (
-             SELECT t.id, p.id AS prompt_id, t.prompt_version, t.input, COALESCE(t.trajectory, 'null'::jsonb) AS trajectory,
-                    COALESCE(t.output, 'null'::jsonb) AS output, t.feedback, t.reflection, t.external_id, t.metadata,
-                    now() AS created_at
-             FROM jsonb_to_recordset($1) AS t(id uuid, prompt text, prompt_version bigint, input jsonb, trajectory jsonb,
-                  output jsonb, feedback jsonb, reflection jsonb, external_id text, metadata jsonb)
+        "WITH input AS (
+             SELECT * FROM jsonb_to_recordset($1::jsonb) AS t(req uuid, id uuid, prompt text, prompt_version bigint,
+                  input jsonb, trajectory jsonb, output jsonb, feedback jsonb, reflection jsonb, external_id text,
+                  metadata jsonb)),
+         matched AS (
+             SELECT t.req, t.id, p.id AS prompt_id, t.prompt_version, t.input,
+                    COALESCE(t.trajectory, 'null'::jsonb) AS trajectory, COALESCE(t.output, 'null'::jsonb) AS output,
+                    t.feedback, t.reflection, t.external_id, t.metadata, now() AS created_at
+             FROM input t
              JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)),
+         complete AS (
+             SELECT m.req FROM matched m GROUP BY m.req
+             HAVING count(*) = (SELECT count(*) FROM input i WHERE i.req = m.req)),
+         kept AS (SELECT * FROM matched WHERE req IN (SELECT req FROM complete)),
          outcomes AS ({outcomes}),
          tasks AS ({tasks})
          INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id,
                              metadata, created_at)
          SELECT id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata,
                 created_at
-         FROM matched WHERE {all}",
-        outcomes = outcome_delta_sql::<Postgres>("matched t", all, Sign::Credit),
-        tasks = task_delta_sql::<Postgres>("matched t", all, Sign::Credit),
+         FROM kept RETURNING id",
+        outcomes = outcome_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
+        tasks = task_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
     );
-    Ok(sqlx::query(&text).bind(Value::Array(rows)).bind(traces.len() as i64).execute(exec).await?.rows_affected())
+    Ok(sqlx::query_scalar(&text).bind(rows).fetch_all(exec).await?)
+}
+
+/// One request's traces waiting for a group: their rows, ids, and what to
+/// name if they cannot be stored.
+pub struct Insert {
+    rows: String,
+    ids: Vec<Uuid>,
+    references: Vec<(PromptName, Option<i64>)>,
+    reply: oneshot::Sender<StoreResult<Vec<Uuid>>>,
+}
+
+impl Weighed for Insert {
+    fn weight(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+/// How many trace rows one group's statement may carry (a larger batch is a
+/// group of its own).
+const GROUP_ROWS: usize = 4096;
+
+/// How many groups may commit at once: Postgres flushes concurrent commits
+/// together, so a few lanes keep its cores and the disk busy while each
+/// group still gathers what arrived during the commit before it.
+fn lanes(max_connections: u32) -> usize {
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    cores.clamp(2, 16).min((max_connections as usize / 2).max(1))
+}
+
+/// Commits one group with one statement (one commit, one WAL flush). A
+/// statement that fails on its data (not an outage) is retried one request
+/// at a time, so one bad request fails alone.
+async fn commit_group(pool: PgPool, group: Vec<Insert>) {
+    let rows = format!("[{}]", group.iter().map(|job| job.rows.as_str()).collect::<Vec<_>>().join(","));
+    match insert_trace_rows(&pool, rows).await {
+        Ok(stored) => {
+            let stored: std::collections::HashSet<Uuid> = stored.into_iter().collect();
+            for job in group {
+                let answer = if job.ids.first().is_some_and(|id| stored.contains(id)) {
+                    Ok(job.ids)
+                } else {
+                    Err(first_unknown_reference(&pool, &job.references).await.unwrap_or_else(|e| e))
+                };
+                let _ = job.reply.send(answer);
+            }
+        }
+        Err(e) if group.len() > 1 && !matches!(e, StoreError::Unavailable(_)) => {
+            for job in group {
+                Box::pin(commit_group(pool.clone(), vec![job])).await;
+            }
+        }
+        Err(e) => {
+            let mut jobs = group.into_iter();
+            if let Some(first) = jobs.next() {
+                jobs.for_each(|job| drop(job.reply.send(Err(shared_failure(&e)))));
+                let _ = first.reply.send(Err(e));
+            }
+        }
+    }
+}
+
+/// Why a request's traces were not stored: the first unknown prompt or version.
+async fn first_unknown_reference(pool: &PgPool, references: &[(PromptName, Option<i64>)]) -> StoreResult<StoreError> {
+    let mut c = pool.acquire().await?;
+    for (i, (prompt, version)) in references.iter().enumerate() {
+        if let Some(problem) = reference_problem::<Postgres>(&mut c, prompt, *version).await? {
+            return Ok(StoreError::Invalid(format!("traces[{i}]: {problem}")));
+        }
+    }
+    Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
+}
+
+/// A request's traces as a group job: fresh ids, the rows serialised here.
+fn insert_job(traces: &[ValidTrace]) -> StoreResult<(Insert, oneshot::Receiver<StoreResult<Vec<Uuid>>>)> {
+    let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
+    let req = ids.first().copied().unwrap_or_else(Uuid::now_v7);
+    let rows = traces.iter().zip(&ids).map(|(t, id)| trace_row(t, *id, req)).collect::<StoreResult<Vec<_>>>()?;
+    let references = traces.iter().map(|t| (t.prompt.clone(), t.prompt_version)).collect();
+    let (reply, answer) = oneshot::channel();
+    Ok((Insert { rows: rows.join(","), ids, references, reply }, answer))
 }
 
 /// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).
@@ -248,18 +343,27 @@ impl Backend for Postgres {
     const KIND: StoreKind = StoreKind::Postgres;
     const ANNOUNCE_LOCALLY: bool = false;
     type Watch = Listener;
+    type Writes = GroupCommit<Insert>;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
     }
 
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
-        // One statement for the whole batch, atomic on its own (no BEGIN/COMMIT round trips).
-        if insert_trace_rows(&s.writer, traces, &ids).await? != traces.len() as u64 {
-            return Err(s.first_unknown_reference(traces).await?);
+        if traces.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(ids)
+        let (job, answer) = insert_job(traces)?;
+        s.writes.submit(job).await?;
+        group_commit::answer(answer).await
+    }
+
+    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<bool> {
+        // Its own transaction: Postgres flushes concurrent commits together.
+        let mut tx = s.writer.begin().await?;
+        let found = merge_feedback::<Postgres>(&mut tx, id, feedback).await?;
+        tx.commit().await?;
+        Ok(found)
     }
 
     async fn insert_traces_idempotent(
@@ -267,7 +371,10 @@ impl Backend for Postgres {
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
     ) -> StoreResult<IdempotentIngest> {
-        let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
+        // Its own transaction, not a group's: a request with the same key
+        // waits on this one's key row until it commits.
+        let (Insert { rows, ids, references, .. }, _) = insert_job(traces)?;
+        let rows = format!("[{rows}]");
         let remembered = serde_json::to_value(&ids).map_err(|_| corrupt("trace ids"))?;
         for _ in 0..3 {
             let mut tx = s.writer.begin().await?;
@@ -290,9 +397,9 @@ impl Backend for Postgres {
             .await?
             .rows_affected();
             if claimed == 1 {
-                if insert_trace_rows(&mut *tx, traces, &ids).await? != traces.len() as u64 {
+                if insert_trace_rows(&mut *tx, rows.clone()).await?.len() != traces.len() {
                     tx.rollback().await?;
-                    return Err(s.first_unknown_reference(traces).await?);
+                    return Err(first_unknown_reference(&s.writer, &references).await?);
                 }
                 tx.commit().await?;
                 return Ok(IdempotentIngest::Stored { ids });
@@ -371,19 +478,5 @@ impl Backend for Postgres {
         .fetch_all(&s.writer)
         .await?;
         Ok(ids)
-    }
-}
-
-impl SqlStore<Postgres> {
-    /// Explains why a batch did not fully insert: the first trace whose prompt
-    /// or version does not exist.
-    async fn first_unknown_reference(&self, traces: &[ValidTrace]) -> StoreResult<StoreError> {
-        let mut c = self.writer.acquire().await?;
-        for (i, t) in traces.iter().enumerate() {
-            if let Some(problem) = reference_problem::<Postgres>(&mut c, t).await? {
-                return Ok(StoreError::Invalid(format!("traces[{i}]: {problem}")));
-            }
-        }
-        Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
     }
 }

@@ -10,20 +10,24 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    Row, Sqlite, SqliteConnection, Transaction,
+    Row, Sqlite, SqliteConnection, SqlitePool,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous},
 };
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
+use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
 use super::rollups::{Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
-use super::traces::reference_problem;
+use super::traces::{merge_feedback, reference_problem};
 use super::{StoreError, StoreKind, StoreResult, migrate};
-use crate::domain::trace::{IdempotencyKey, IdempotentIngest, ValidTrace};
+use crate::domain::{
+    Feedback, PromptName,
+    trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
+};
 
 pub type SqliteStore = SqlStore<Sqlite>;
 
@@ -185,9 +189,43 @@ fn to_json<T: serde::Serialize>(v: &T) -> StoreResult<String> {
     serde_json::to_string(v).map_err(|_| corrupt("json"))
 }
 
+/// A trace as its row stores it, serialised by the request's own task before
+/// it joins a group (the writer's lane only runs SQL).
+struct TraceRow {
+    prompt: PromptName,
+    version: Option<i64>,
+    input: String,
+    trajectory: String,
+    output: String,
+    feedback: String,
+    reflection: Option<String>,
+    external_id: Option<String>,
+    metadata: String,
+}
+
+impl TraceRow {
+    fn of(t: &ValidTrace) -> StoreResult<Self> {
+        Ok(Self {
+            prompt: t.prompt.clone(),
+            version: t.prompt_version,
+            input: to_json(&t.input)?,
+            trajectory: to_json(&t.trajectory)?,
+            output: to_json(&t.output)?,
+            feedback: to_json(&t.feedback)?,
+            reflection: t.reflection.as_ref().map(to_json).transpose()?,
+            external_id: t.external_id.clone(),
+            metadata: to_json(&t.metadata)?,
+        })
+    }
+
+    fn all(traces: &[ValidTrace]) -> StoreResult<Vec<Self>> {
+        traces.iter().map(Self::of).collect()
+    }
+}
+
 /// Inserts a batch of traces inside the caller's transaction; `Invalid` names
 /// the first trace whose prompt or version is unknown (roll back then).
-async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+async fn insert_trace_rows(c: &mut SqliteConnection, traces: &[TraceRow]) -> StoreResult<Vec<Uuid>> {
     let now = now_us();
     let mut ids = Vec::with_capacity(traces.len());
     for (i, t) in traces.iter().enumerate() {
@@ -200,27 +238,169 @@ async fn insert_trace_rows(tx: &mut Transaction<'_, Sqlite>, traces: &[ValidTrac
         )
         .bind(id.to_string())
         .bind(t.prompt.as_str())
-        .bind(t.prompt_version)
-        .bind(to_json(&t.input)?)
-        .bind(to_json(&t.trajectory)?)
-        .bind(to_json(&t.output)?)
-        .bind(to_json(&t.feedback)?)
-        .bind(t.reflection.as_ref().map(to_json).transpose()?)
+        .bind(t.version)
+        .bind(&t.input)
+        .bind(&t.trajectory)
+        .bind(&t.output)
+        .bind(&t.feedback)
+        .bind(&t.reflection)
         .bind(&t.external_id)
-        .bind(to_json(&t.metadata)?)
+        .bind(&t.metadata)
         .bind(now)
-        .execute(&mut **tx)
+        .execute(&mut *c)
         .await?
         .rows_affected();
         if n == 0 {
-            let what = reference_problem::<Sqlite>(&mut **tx, t).await?;
+            let what = reference_problem::<Sqlite>(&mut *c, &t.prompt, t.version).await?;
             let what = what.unwrap_or_else(|| "a referenced prompt changed during the request; retry".into());
             return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
         }
         ids.push(id);
     }
-    super::rollups::account::<Sqlite>(&mut **tx, &ids, Sign::Credit, Counted::All).await?;
+    super::rollups::account::<Sqlite>(&mut *c, &ids, Sign::Credit, Counted::All).await?;
     Ok(ids)
+}
+
+/// Stores traces under an idempotency key inside the caller's transaction
+/// (the single writer serialises requests with the same key, and a key
+/// stored earlier in the same group is seen by the next job).
+async fn insert_idempotent(
+    c: &mut SqliteConnection,
+    owner: &str,
+    key: &str,
+    request_hash: &str,
+    traces: &[TraceRow],
+) -> StoreResult<IdempotentIngest> {
+    let row = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = ? AND key = ?")
+        .bind(owner)
+        .bind(key)
+        .fetch_optional(&mut *c)
+        .await?;
+    if let Some(row) = row {
+        let stored: Option<String> = row.try_get("trace_ids")?;
+        // A row without ids can only be left by an older combee that
+        // remembered keys before storing: it is taken over below.
+        if let Some(stored) = stored {
+            if row.try_get::<String, _>("request_hash")? != request_hash {
+                return Ok(IdempotentIngest::Mismatch);
+            }
+            let ids = serde_json::from_str(&stored).map_err(|_| corrupt("idempotency ids"))?;
+            return Ok(IdempotentIngest::Replay { ids });
+        }
+    }
+    let ids = insert_trace_rows(&mut *c, traces).await?;
+    sqlx::query(
+        "INSERT INTO idempotency_keys (owner, key, request_hash, trace_ids, created_at) VALUES (?, ?, ?, ?, ?)
+         ON CONFLICT (owner, key) DO UPDATE SET request_hash = excluded.request_hash,
+             trace_ids = excluded.trace_ids, created_at = excluded.created_at",
+    )
+    .bind(owner)
+    .bind(key)
+    .bind(request_hash)
+    .bind(to_json(&ids)?)
+    .bind(now_us())
+    .execute(&mut *c)
+    .await?;
+    Ok(IdempotentIngest::Stored { ids })
+}
+
+/// How many rows one group of the writer may write (a larger batch is a
+/// group of its own): bounds how long the group's transaction holds the
+/// writer, and so how long another write waits behind it.
+const GROUP_ROWS: usize = 2048;
+
+/// One trace write in the writer's group: its work, run inside the group's
+/// transaction under a savepoint of its own, so a job that fails (an unknown
+/// prompt) is undone alone and its neighbours commit.
+pub struct Write {
+    rows: usize,
+    run: Work,
+}
+
+/// A job's work on the group's connection.
+type Work = Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Finish> + Send>;
+
+/// What a job left to do once its work ran.
+enum Finish {
+    /// Its work stands: answer with the group's commit.
+    Kept(Box<dyn FnOnce(StoreResult<()>) + Send>),
+    /// Its work failed and was rolled back: answer with its own error.
+    Undone(Box<dyn FnOnce() + Send>),
+}
+
+impl Weighed for Write {
+    fn weight(&self) -> usize {
+        self.rows
+    }
+}
+
+impl Write {
+    /// A job running `work` and the receiver of its answer.
+    fn new<T, F>(rows: usize, work: F) -> (Self, oneshot::Receiver<StoreResult<T>>)
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, StoreResult<T>> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let run = work_of(move |c| {
+            Box::pin(async move {
+                match work(c).await {
+                    Ok(value) => Finish::Kept(Box::new(move |committed: StoreResult<()>| {
+                        let _ = reply.send(committed.map(|()| value));
+                    })),
+                    Err(e) => Finish::Undone(Box::new(move || {
+                        let _ = reply.send(Err(e));
+                    })),
+                }
+            })
+        });
+        (Self { rows, run }, answer)
+    }
+}
+
+/// Boxes a job's work (a function, so the closure is typed for every lifetime).
+fn work_of<F>(f: F) -> Work
+where
+    F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Finish> + Send + 'static,
+{
+    Box::new(f)
+}
+
+/// Commits one group: every job under its own savepoint, then one commit
+/// (one WAL flush) for all; each job is answered after it.
+async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
+    let mut kept: Vec<Box<dyn FnOnce(StoreResult<()>) + Send>> = Vec::with_capacity(group.len());
+    let mut jobs = group.into_iter();
+    let outcome: StoreResult<()> = async {
+        let mut tx = writer.begin().await?;
+        for job in jobs.by_ref() {
+            sqlx::query("SAVEPOINT job").execute(&mut *tx).await?;
+            match (job.run)(&mut tx).await {
+                Finish::Kept(answer) => kept.push(answer),
+                Finish::Undone(answer) => {
+                    // Answered even if the rollback fails: the group then fails below.
+                    let undone = sqlx::query("ROLLBACK TO job").execute(&mut *tx).await;
+                    answer();
+                    undone?;
+                }
+            }
+            sqlx::query("RELEASE job").execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+    .await;
+    match outcome {
+        Ok(()) => kept.into_iter().for_each(|answer| answer(Ok(()))),
+        Err(e) => {
+            // Jobs not yet run are dropped unanswered, which their callers
+            // read as the store being unavailable, as the group's failure is.
+            drop(jobs);
+            for answer in kept {
+                answer(Err(shared_failure(&e)));
+            }
+        }
+    }
 }
 
 /// Each reading connection's own page cache, in KiB (SQLite's default is
@@ -256,7 +436,12 @@ impl SqlStore<Sqlite> {
             .await
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
-        Ok(Self { writer, reader, changes, watch: KeyGenerationCache::open(path) })
+        // One lane: SQLite has one writer, and the lane's groups are its commits.
+        let writes = GroupCommit::start(1, GROUP_ROWS, {
+            let writer = writer.clone();
+            move |group| commit_group(writer.clone(), group)
+        });
+        Ok(Self { writer, reader, changes, watch: KeyGenerationCache::open(path), writes })
     }
 }
 
@@ -269,6 +454,7 @@ impl Backend for Sqlite {
     const KIND: StoreKind = StoreKind::Sqlite;
     const ANNOUNCE_LOCALLY: bool = true;
     type Watch = KeyGenerationCache;
+    type Writes = GroupCommit<Write>;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
         // The header is read before the query: a commit landing in between
@@ -286,10 +472,10 @@ impl Backend for Sqlite {
     }
 
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        let mut tx = s.writer.begin().await?;
-        let ids = insert_trace_rows(&mut tx, traces).await?;
-        tx.commit().await?;
-        Ok(ids)
+        let rows = TraceRow::all(traces)?;
+        let (job, answer) = Write::new(rows.len(), move |c| Box::pin(async move { insert_trace_rows(c, &rows).await }));
+        s.writes.submit(job).await?;
+        group_commit::answer(answer).await
     }
 
     async fn insert_traces_idempotent(
@@ -297,40 +483,20 @@ impl Backend for Sqlite {
         key: IdempotencyKey<'_>,
         traces: &[ValidTrace],
     ) -> StoreResult<IdempotentIngest> {
-        // The single writer connection serialises requests with the same key.
-        let mut tx = s.writer.begin().await?;
-        let row = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = ? AND key = ?")
-            .bind(key.owner.to_string())
-            .bind(key.key)
-            .fetch_optional(&mut *tx)
-            .await?;
-        if let Some(row) = row {
-            let stored: Option<String> = row.try_get("trace_ids")?;
-            // A row without ids can only be left by an older combee that
-            // remembered keys before storing: it is taken over below.
-            if let Some(stored) = stored {
-                if row.try_get::<String, _>("request_hash")? != key.request_hash {
-                    return Ok(IdempotentIngest::Mismatch);
-                }
-                let ids = serde_json::from_str(&stored).map_err(|_| corrupt("idempotency ids"))?;
-                return Ok(IdempotentIngest::Replay { ids });
-            }
-        }
-        let ids = insert_trace_rows(&mut tx, traces).await?;
-        sqlx::query(
-            "INSERT INTO idempotency_keys (owner, key, request_hash, trace_ids, created_at) VALUES (?, ?, ?, ?, ?)
-             ON CONFLICT (owner, key) DO UPDATE SET request_hash = excluded.request_hash,
-                 trace_ids = excluded.trace_ids, created_at = excluded.created_at",
-        )
-        .bind(key.owner.to_string())
-        .bind(key.key)
-        .bind(key.request_hash)
-        .bind(to_json(&ids)?)
-        .bind(now_us())
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(IdempotentIngest::Stored { ids })
+        let rows = TraceRow::all(traces)?;
+        let (owner, key, hash) = (key.owner.to_string(), key.key.to_owned(), key.request_hash.to_owned());
+        let (job, answer) = Write::new(rows.len(), move |c| {
+            Box::pin(async move { insert_idempotent(c, &owner, &key, &hash, &rows).await })
+        });
+        s.writes.submit(job).await?;
+        group_commit::answer(answer).await
+    }
+
+    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<bool> {
+        let (job, answer) =
+            Write::new(1, move |c| Box::pin(async move { merge_feedback::<Sqlite>(c, id, feedback).await }));
+        s.writes.submit(job).await?;
+        group_commit::answer(answer).await
     }
 
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {

@@ -55,9 +55,13 @@ pub(crate) fn trace_action_refusal(delete: bool, status: &str, round_id: Option<
 
 /// Why a trace (posted, or re-mapped from OTLP spans) cannot be stored, or `None`: `version_count` is
 /// the prompt's, `None` when it does not exist. Shared by both backends.
-pub(crate) fn prompt_reference_problem(trace: &ValidTrace, version_count: Option<i64>) -> Option<String> {
-    let prompt = trace.prompt.as_str();
-    match (version_count, trace.prompt_version) {
+pub(crate) fn prompt_reference_problem(
+    prompt: &PromptName,
+    version: Option<i64>,
+    version_count: Option<i64>,
+) -> Option<String> {
+    let prompt = prompt.as_str();
+    match (version_count, version) {
         (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),
         (Some(last), Some(v)) if v > last => {
             Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})"))
@@ -189,25 +193,9 @@ impl<D: Backend> TraceStore for SqlStore<D> {
     }
 
     async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
-        let mut tx = self.writer.begin().await?;
-        let current: Option<Value> =
-            sql::<D>(&format!("SELECT feedback FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE")))
-                .bind(id)
-                .value(&mut tx, "feedback")
-                .await?;
-        let Some(current) = current else { return Ok(None) };
-        let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
-        let merged = serde_json::to_value(current.merged(feedback)).map_err(|_| corrupt("feedback"))?;
-        // Under the row lock: the old contribution out, the new one in, once.
-        rollups::account::<D>(&mut tx, &[id], Sign::Retract, Counted::Unquarantined).await?;
-        sql::<D>("UPDATE traces SET feedback = $1, updated_at = $2 WHERE id = $3")
-            .bind(json(&merged))
-            .bind(now())
-            .bind(id)
-            .execute(&mut tx)
-            .await?;
-        rollups::account::<D>(&mut tx, &[id], Sign::Credit, Counted::Unquarantined).await?;
-        tx.commit().await?;
+        if !D::add_feedback(self, id, feedback).await? {
+            return Ok(None);
+        }
         self.get_trace(id).await
     }
 
@@ -379,13 +367,41 @@ pub(super) fn trace_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Trace> {
 /// Why `trace` cannot be stored, or `None` when its prompt and version exist.
 pub(super) async fn reference_problem<D: Dialect>(
     c: &mut D::Connection,
-    trace: &ValidTrace,
+    prompt: &PromptName,
+    version: Option<i64>,
 ) -> StoreResult<Option<String>> {
     let count = sql::<D>("SELECT version_count FROM prompts WHERE name = $1")
-        .bind(trace.prompt.as_str())
+        .bind(prompt.as_str())
         .value(c, "version_count")
         .await?;
-    Ok(prompt_reference_problem(trace, count))
+    Ok(prompt_reference_problem(prompt, version, count))
+}
+
+/// Merges `feedback` into trace `id`'s, inside the caller's transaction:
+/// under the row lock its old contribution to the rollups is taken back and
+/// the new one added, once. False when there is no such trace.
+pub(super) async fn merge_feedback<D: Dialect>(
+    c: &mut D::Connection,
+    id: Uuid,
+    feedback: Feedback,
+) -> StoreResult<bool> {
+    let current: Option<Value> =
+        sql::<D>(&format!("SELECT feedback FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE")))
+            .bind(id)
+            .value(&mut *c, "feedback")
+            .await?;
+    let Some(current) = current else { return Ok(false) };
+    let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
+    let merged = serde_json::to_value(current.merged(feedback)).map_err(|_| corrupt("feedback"))?;
+    rollups::account::<D>(&mut *c, &[id], Sign::Retract, Counted::Unquarantined).await?;
+    sql::<D>("UPDATE traces SET feedback = $1, updated_at = $2 WHERE id = $3")
+        .bind(json(&merged))
+        .bind(now())
+        .bind(id)
+        .execute(&mut *c)
+        .await?;
+    rollups::account::<D>(&mut *c, &[id], Sign::Credit, Counted::Unquarantined).await?;
+    Ok(true)
 }
 
 /// Locks trace `id` for an operator action (`delete` or quarantine); the

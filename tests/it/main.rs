@@ -10,6 +10,7 @@ mod api;
 mod authorization;
 mod cli;
 mod cli_client;
+mod durability;
 mod export;
 mod key_revocation;
 mod langfuse;

@@ -189,6 +189,58 @@ async fn late_feedback_merges(b: Backend) {
     assert!(s.add_feedback(uuid::Uuid::now_v7(), Feedback::default()).await.unwrap().is_none());
 }
 
+/// Concurrent writes are committed in groups, yet each request stands alone:
+/// one naming an unknown prompt fails by itself, late feedback lands once,
+/// and the rollups count every stored trace exactly once.
+async fn grouped_writes_fail_alone_and_count_once(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    let early = s.insert_traces(&[trace("p", Some(1))]).await.unwrap()[0];
+    let writes = (0..120).map(|i| {
+        let s = s.clone();
+        tokio::spawn(async move {
+            match i % 12 {
+                0 => (i, s.insert_traces(&[trace("p", None), trace("ghost", None)]).await.map(|ids| ids.len())),
+                1 => (i, s.insert_traces(&[trace("p", Some(9))]).await.map(|ids| ids.len())),
+                2 => {
+                    let fb = Feedback { score: Some(0.5), ..Default::default() };
+                    (i, s.add_feedback(early, fb).await.map(|t| usize::from(t.is_some()) * 100))
+                }
+                3 => (
+                    i,
+                    s.insert_traces(&[trace("p", Some(1)), trace("p", None), trace("p", None)]).await.map(|v| v.len()),
+                ),
+                _ => (i, s.insert_traces(&[trace("p", Some(1))]).await.map(|ids| ids.len())),
+            }
+        })
+    });
+    let mut stored = 1;
+    for w in futures_util::future::join_all(writes).await {
+        let (i, result) = w.unwrap();
+        match (i % 12, result) {
+            (0, Err(StoreError::Invalid(m))) => assert!(m.contains("traces[1]") && m.contains("ghost"), "{m}"),
+            (1, Err(StoreError::Invalid(m))) => assert!(m.contains("no version 9"), "{m}"),
+            (2, Ok(100)) => {}
+            (3, Ok(3)) => stored += 3,
+            (k, Ok(1)) if k > 3 => stored += 1,
+            (k, other) => panic!("write {i} (kind {k}) answered {other:?}"),
+        }
+    }
+    let all = s.list_traces(&TraceFilter::default(), 1000).await.unwrap();
+    assert_eq!(all.len(), stored, "the failed requests left nothing behind, the others everything");
+    assert_eq!(s.get_trace(early).await.unwrap().unwrap().feedback.score, Some(0.5));
+    let now = chrono::Utc::now();
+    let buckets = s
+        .version_outcomes(&name("p"), now - chrono::Duration::hours(1), now + chrono::Duration::minutes(1), 3600, None)
+        .await
+        .unwrap();
+    let counted: u64 = buckets.iter().map(|b| b.traces).sum();
+    let rewarded: u64 = buckets.iter().map(|b| b.with_feedback).sum();
+    assert_eq!(counted, stored as u64, "each stored trace counted once: {buckets:?}");
+    assert_eq!(rewarded, 1, "the late feedback counted once: {buckets:?}");
+}
+
 fn otlp_span(id: &str) -> OtlpSpan {
     OtlpSpan { span_id: id.into(), body: id.as_bytes().to_vec() }
 }
@@ -1816,6 +1868,7 @@ on_both_stores!(
     traces_are_all_or_nothing,
     trace_filters_and_cursor,
     late_feedback_merges,
+    grouped_writes_fail_alone_and_count_once,
     idempotent_ingest_commits_traces_and_key_together,
     concurrent_idempotent_ingests_store_once,
     api_keys_are_stored_hashed_and_revocable,

@@ -2,6 +2,8 @@
 //! SQLite file per test) and the real server on port 0.
 #![allow(dead_code)]
 
+pub mod private_postgres;
+
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use combee::{
