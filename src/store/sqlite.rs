@@ -20,7 +20,7 @@ use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
 use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
-use super::rollups::{Counted, Sign};
+use super::rollups::{self, Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
 use super::traces::{merge_feedback, reference_problem};
 use super::{StoreError, StoreKind, StoreResult, migrate};
@@ -224,7 +224,8 @@ impl TraceRow {
 }
 
 /// Inserts a batch of traces inside the caller's transaction; `Invalid` names
-/// the first trace whose prompt or version is unknown (roll back then).
+/// the first trace whose prompt or version is unknown (roll back then). Their
+/// rollup credit is the caller's to write (a group writes its jobs' at once).
 async fn insert_trace_rows(c: &mut SqliteConnection, traces: &[TraceRow]) -> StoreResult<Vec<Uuid>> {
     let now = now_us();
     let mut ids = Vec::with_capacity(traces.len());
@@ -257,7 +258,6 @@ async fn insert_trace_rows(c: &mut SqliteConnection, traces: &[TraceRow]) -> Sto
         }
         ids.push(id);
     }
-    super::rollups::account::<Sqlite>(&mut *c, &ids, Sign::Credit, Counted::All).await?;
     Ok(ids)
 }
 
@@ -270,7 +270,7 @@ async fn insert_idempotent(
     key: &str,
     request_hash: &str,
     traces: &[TraceRow],
-) -> StoreResult<IdempotentIngest> {
+) -> StoreResult<(IdempotentIngest, Vec<Uuid>)> {
     let row = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = ? AND key = ?")
         .bind(owner)
         .bind(key)
@@ -282,10 +282,10 @@ async fn insert_idempotent(
         // remembered keys before storing: it is taken over below.
         if let Some(stored) = stored {
             if row.try_get::<String, _>("request_hash")? != request_hash {
-                return Ok(IdempotentIngest::Mismatch);
+                return Ok((IdempotentIngest::Mismatch, Vec::new()));
             }
             let ids = serde_json::from_str(&stored).map_err(|_| corrupt("idempotency ids"))?;
-            return Ok(IdempotentIngest::Replay { ids });
+            return Ok((IdempotentIngest::Replay { ids }, Vec::new()));
         }
     }
     let ids = insert_trace_rows(&mut *c, traces).await?;
@@ -301,7 +301,7 @@ async fn insert_idempotent(
     .bind(now_us())
     .execute(&mut *c)
     .await?;
-    Ok(IdempotentIngest::Stored { ids })
+    Ok((IdempotentIngest::Stored { ids: ids.clone() }, ids))
 }
 
 /// How many rows one group of the writer may write (a larger batch is a
@@ -314,6 +314,9 @@ const GROUP_ROWS: usize = 2048;
 /// prompt) is undone alone and its neighbours commit.
 pub struct Write {
     rows: usize,
+    /// It reads or retracts rollup credit, so the group's pending credit is
+    /// written before it runs (late feedback on a trace of the same group).
+    settles: bool,
     run: Work,
 }
 
@@ -322,8 +325,9 @@ type Work = Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Fi
 
 /// What a job left to do once its work ran.
 enum Finish {
-    /// Its work stands: answer with the group's commit.
-    Kept(Box<dyn FnOnce(StoreResult<()>) + Send>),
+    /// Its work stands: answer with the group's commit; the traces it
+    /// stored, whose rollup credit the group writes for all its jobs at once.
+    Kept(Box<dyn FnOnce(StoreResult<()>) + Send>, Vec<Uuid>),
     /// Its work failed and was rolled back: answer with its own error.
     Undone(Box<dyn FnOnce() + Send>),
 }
@@ -335,26 +339,30 @@ impl Weighed for Write {
 }
 
 impl Write {
-    /// A job running `work` and the receiver of its answer.
-    fn new<T, F>(rows: usize, work: F) -> (Self, oneshot::Receiver<StoreResult<T>>)
+    /// A job running `work`, which answers with its value and the traces it
+    /// stored (to credit), and the receiver of its answer.
+    fn new<T, F>(rows: usize, settles: bool, work: F) -> (Self, oneshot::Receiver<StoreResult<T>>)
     where
         T: Send + 'static,
-        F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, StoreResult<T>> + Send + 'static,
+        F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, StoreResult<(T, Vec<Uuid>)>> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let run = work_of(move |c| {
             Box::pin(async move {
                 match work(c).await {
-                    Ok(value) => Finish::Kept(Box::new(move |committed: StoreResult<()>| {
-                        let _ = reply.send(committed.map(|()| value));
-                    })),
+                    Ok((value, credit)) => Finish::Kept(
+                        Box::new(move |committed: StoreResult<()>| {
+                            let _ = reply.send(committed.map(|()| value));
+                        }),
+                        credit,
+                    ),
                     Err(e) => Finish::Undone(Box::new(move || {
                         let _ = reply.send(Err(e));
                     })),
                 }
             })
         });
-        (Self { rows, run }, answer)
+        (Self { rows, settles, run }, answer)
     }
 }
 
@@ -366,17 +374,25 @@ where
     Box::new(f)
 }
 
-/// Commits one group: every job under its own savepoint, then one commit
-/// (one WAL flush) for all; each job is answered after it.
+/// Commits one group: every job under its own savepoint, the rollup credit
+/// of the traces stored written once for all of them, then one commit (one
+/// WAL flush); each job is answered after it.
 async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
     let mut kept: Vec<Box<dyn FnOnce(StoreResult<()>) + Send>> = Vec::with_capacity(group.len());
     let mut jobs = group.into_iter();
     let outcome: StoreResult<()> = async {
         let mut tx = writer.begin().await?;
+        let mut credit: Vec<Uuid> = Vec::new();
         for job in jobs.by_ref() {
+            if job.settles && !credit.is_empty() {
+                rollups::account::<Sqlite>(&mut tx, &std::mem::take(&mut credit), Sign::Credit, Counted::All).await?;
+            }
             sqlx::query("SAVEPOINT job").execute(&mut *tx).await?;
             match (job.run)(&mut tx).await {
-                Finish::Kept(answer) => kept.push(answer),
+                Finish::Kept(answer, stored) => {
+                    kept.push(answer);
+                    credit.extend(stored);
+                }
                 Finish::Undone(answer) => {
                     // Answered even if the rollback fails: the group then fails below.
                     let undone = sqlx::query("ROLLBACK TO job").execute(&mut *tx).await;
@@ -386,6 +402,7 @@ async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
             }
             sqlx::query("RELEASE job").execute(&mut *tx).await?;
         }
+        rollups::account::<Sqlite>(&mut tx, &credit, Sign::Credit, Counted::All).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -473,7 +490,9 @@ impl Backend for Sqlite {
 
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
         let rows = TraceRow::all(traces)?;
-        let (job, answer) = Write::new(rows.len(), move |c| Box::pin(async move { insert_trace_rows(c, &rows).await }));
+        let (job, answer) = Write::new(rows.len(), false, move |c| {
+            Box::pin(async move { insert_trace_rows(c, &rows).await.map(|ids| (ids.clone(), ids)) })
+        });
         s.writes.submit(job).await?;
         group_commit::answer(answer).await
     }
@@ -485,7 +504,7 @@ impl Backend for Sqlite {
     ) -> StoreResult<IdempotentIngest> {
         let rows = TraceRow::all(traces)?;
         let (owner, key, hash) = (key.owner.to_string(), key.key.to_owned(), key.request_hash.to_owned());
-        let (job, answer) = Write::new(rows.len(), move |c| {
+        let (job, answer) = Write::new(rows.len(), false, move |c| {
             Box::pin(async move { insert_idempotent(c, &owner, &key, &hash, &rows).await })
         });
         s.writes.submit(job).await?;
@@ -493,8 +512,9 @@ impl Backend for Sqlite {
     }
 
     async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<bool> {
-        let (job, answer) =
-            Write::new(1, move |c| Box::pin(async move { merge_feedback::<Sqlite>(c, id, feedback).await }));
+        let (job, answer) = Write::new(1, true, move |c| {
+            Box::pin(async move { Ok((merge_feedback::<Sqlite>(c, id, feedback).await?, Vec::new())) })
+        });
         s.writes.submit(job).await?;
         group_commit::answer(answer).await
     }
