@@ -95,7 +95,7 @@ struct HttpArgs {
     #[arg(long)]
     db_connections: Option<u32>,
     /// Offered load of the paced single-trace figure, in req/s (0 skips it).
-    #[arg(long, default_value_t = 1500.0)]
+    #[arg(long, default_value_t = 5000.0)]
     paced_rate: f64,
     /// Tokio worker threads for the load generator.
     #[arg(long, default_value_t = 1)]

@@ -94,13 +94,16 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
         a.client_threads
     );
     let _ = writeln!(o, "\n| figure | measured | target | result |\n| --- | --- | --- | --- |");
+    // Durable single-trace writes on 2 cores: group commit makes one flush carry many requests.
+    let post_target = if a.store.as_str() == "sqlite" { 10_000.0 } else { 12_000.0 };
     if let Some(p) = exact("single-trace POST /v1/traces") {
         let (rps, p50, p99) = (p.result.per_sec(), p.result.quantile_ms(0.50), p.result.quantile_ms(0.99));
         let _ = writeln!(
             o,
-            "| single-trace POST throughput | {} req/s | ≥ 1,500 req/s | {} |",
+            "| single-trace POST throughput | {} req/s | ≥ {} req/s | {} |",
             thousands(rps),
-            pass(rps >= 1500.0 && p.result.errors == 0)
+            thousands(post_target),
+            pass(rps >= post_target && p.result.errors == 0)
         );
         let _ = writeln!(
             o,
@@ -113,22 +116,25 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
         let (p50, p99) = (p.result.quantile_ms(0.50), p.result.quantile_ms(0.99));
         let _ = writeln!(
             o,
-            "| single-trace POST latency at {} req/s offered | p50 {p50:.1} ms, p99 {p99:.1} ms ({} req/s served) | p99 ≤ 25 ms | {} |",
+            "| single-trace POST latency at {} req/s offered | p50 {p50:.1} ms, p99 {p99:.1} ms ({} req/s served) | p99 ≤ 10 ms | {} |",
             thousands(a.paced_rate),
             thousands(p.result.per_sec()),
-            pass(p99 <= 25.0 && p.result.errors == 0 && p.result.per_sec() >= 0.97 * a.paced_rate)
+            pass(p99 <= 10.0 && p.result.errors == 0 && p.result.per_sec() >= 0.97 * a.paced_rate)
         );
     }
+    // On Postgres; the embedded store's one writer is held to the old bar.
+    let batch_target = if a.store.as_str() == "sqlite" { 5_000.0 } else { 100_000.0 };
     if let Some(p) = exact("batched POST /v1/traces") {
         let tps = p.result.per_sec() * p.items as f64;
         let _ = writeln!(
             o,
-            "| batched ingest ({} traces/request) | {} traces/s ({} req/s, p99 {:.1} ms) | ≥ 5,000 traces/s | {} |",
+            "| batched ingest ({} traces/request) | {} traces/s ({} req/s, p99 {:.1} ms) | ≥ {} traces/s | {} |",
             p.items,
             thousands(tps),
             thousands(p.result.per_sec()),
             p.result.quantile_ms(0.99),
-            pass(tps >= 5000.0 && p.result.errors == 0)
+            thousands(batch_target),
+            pass(tps >= batch_target && p.result.errors == 0)
         );
     }
     for store in ["postgres", "sqlite"] {
