@@ -147,7 +147,8 @@ impl LlmBackend for SmallWindow {
 async fn a_call_refused_for_its_length_is_built_again_to_fit() {
     let backend = SmallWindow { window: Default::default(), sent: Default::default() };
     let current = big_playbook(1_500);
-    let t = trace(json!("a short run"), false);
+    // The call is shown only the bullets it needs, so the trace is what makes it too long.
+    let t = trace(json!("a long run ".repeat(4_000)), false);
     let cfg = LlmConfig::default();
     let mut calls = vec![];
     let r = reflect(&backend, &cfg, &t, &current, Strategy::Playbook, &mut calls).await.unwrap();
