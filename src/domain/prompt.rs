@@ -58,10 +58,12 @@ pub struct PromptSettings {
     #[serde(default)]
     #[schema(value_type = String)]
     pub reduce: ReduceMode,
-    /// Playbook size budget: most bullets (oldest, least helpful dropped first).
+    /// Playbook size budget: most bullets (oldest, least helpful dropped first);
+    /// unset, a playbook prompt gets the default budget (100).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_bullets: Option<usize>,
-    /// Playbook size budget: most characters of the rendered playbook.
+    /// Playbook size budget: most characters of the rendered playbook; unset, a
+    /// playbook prompt gets the default budget (12,000).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_chars: Option<usize>,
     /// Whether a `reflection` sent by an agent with its trace is used (`use`) or

@@ -171,12 +171,7 @@ impl Breeder {
         .await;
         *llm += asked.elapsed();
         let selection = selection?;
-        let budget = Budget {
-            max_bullets: p.settings.max_bullets,
-            max_chars: p.settings.max_chars,
-            pinned: p.settings.pinned_bullets.clone(),
-            max_removal_share: Some(p.settings.max_removal_share),
-        };
+        let budget = Budget::for_prompt(&p.settings, p.strategy);
         let Some((child, applied)) = crossover::breed(&champion_version.content, &selection, &budget) else {
             return Ok(CrossoverOutcome::NothingImported);
         };

@@ -357,12 +357,7 @@ impl Worker {
             strategy: round.strategy,
             duplication: round.duplication.max(1) as u32,
             reduce: prompt.settings.reduce,
-            budget: Budget {
-                max_bullets: prompt.settings.max_bullets,
-                max_chars: prompt.settings.max_chars,
-                pinned: prompt.settings.pinned_bullets.clone(),
-                max_removal_share: Some(prompt.settings.max_removal_share),
-            },
+            budget: Budget::for_prompt(&prompt.settings, round.strategy),
             agent_reflections: prompt.settings.agent_reflections,
             denylist: self.denylist.clone(),
             group_size,

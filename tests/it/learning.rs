@@ -640,7 +640,14 @@ mod controller {
             s.worker.max_wait_secs = 1;
         })
         .await;
-        create(&app, "auto", "playbook", json!({"batch_size": "auto", "duplication": 2})).await;
+        // Every lesson's retention is measured: no playbook budget (the default keeps 100 bullets).
+        create(
+            &app,
+            "auto",
+            "playbook",
+            json!({"batch_size": "auto", "duplication": 2, "max_bullets": 100_000, "max_chars": 10_000_000}),
+        )
+        .await;
         send_traces_at_once(&app, "auto", 0, 150).await;
         let rounds = rounds_until_consumed(&app, "auto", 150).await;
         let sizes: Vec<u64> = rounds.iter().map(|r| r["n"].as_u64().unwrap()).collect();
@@ -698,7 +705,14 @@ mod controller {
             s.worker.max_wait_secs = 1;
         })
         .await;
-        create(&app, "mute", "playbook", json!({"batch_size": "auto", "duplication": 2})).await;
+        // Every lesson's retention is measured: no playbook budget (the default keeps 100 bullets).
+        create(
+            &app,
+            "mute",
+            "playbook",
+            json!({"batch_size": "auto", "duplication": 2, "max_bullets": 100_000, "max_chars": 10_000_000}),
+        )
+        .await;
         send_traces_at_once(&app, "mute", 0, 100).await;
         let first = rounds_until_consumed(&app, "mute", 100).await;
         send_traces_at_once(&app, "mute", 100, 200).await;
@@ -756,7 +770,14 @@ mod controller {
     async fn a_consolidating_round_with_many_small_groups_runs_a_three_level_tree(b: Backend) {
         let sim = spawn_sim(SimConfig { fixed_ms: 5.0, ..sim() }).await;
         let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
-        create(&app, "tree", "playbook", json!({"duplication": 2, "reduce": "llm"})).await;
+        // Every lesson's retention is measured: no playbook budget (the default keeps 100 bullets).
+        create(
+            &app,
+            "tree",
+            "playbook",
+            json!({"duplication": 2, "reduce": "llm", "max_bullets": 100_000, "max_chars": 10_000_000}),
+        )
+        .await;
         let app = &app;
         let post = |from: usize, to: usize| {
             let traces: Vec<Value> = (from..to).map(|i| insight_trace("tree", i)).collect();

@@ -25,8 +25,15 @@
 //!    reflection keeps a copy in a group of the vouched size, and the meter
 //!    learns whether larger (cheaper) groups would hold the target as well;
 //! 5. every measured bucket misses the target: half the smallest one, to be
-//!    measured next ([`SizeSource::Probe`]); when that is already size 1 no size
-//!    holds the target ([`SizeSource::NoSizeHolds`]), groups of one;
+//!    measured next ([`SizeSource::Probe`]), but never below
+//!    [`MIN_GROUP_SIZE`]; when the smallest is already that size no size holds
+//!    the target ([`SizeSource::NoSizeHolds`]) and groups stay at
+//!    [`MIN_GROUP_SIZE`]. A group of one reflection only restates it: at p = 2
+//!    it costs two aggregator calls per trace (the sequential baseline makes
+//!    one per three), and a single noisy reading of size 2 would otherwise
+//!    lock a prompt into such groups for good (a measured miss is not probed
+//!    again). Under the simulator's default capacity (K = 12) a size-2 call
+//!    keeps ≈ 92 %, a size-1 call ≈ 96 %: the floor costs little retention;
 //! 6. some rounds marked something, but no bucket has enough samples yet: the
 //!    start size again.
 //!
@@ -41,6 +48,9 @@ use super::meter::MeterBucket;
 /// The binomial error at 20 samples and r = 0.9 is ±7 points; a round of a few
 /// dozen traces at p = 2 gives it.
 pub const MIN_METER_SAMPLES: u64 = 20;
+
+/// The smallest group the meter's rule chooses (module doc, rule 5).
+pub const MIN_GROUP_SIZE: usize = 2;
 
 /// The group size of a prompt's first round, before the meter has observed one.
 pub const START_GROUP_SIZE: usize = 4;
@@ -63,7 +73,7 @@ pub enum SizeSource {
     Meter { bucket_min: u32, retention: f64, samples: u64 },
     /// Every measured bucket misses the target: trying a smaller size.
     Probe { below_target_at: u32, retention: f64 },
-    /// Even groups of one reflection miss the target.
+    /// Even the smallest groups the rule chooses ([`MIN_GROUP_SIZE`]) miss the target.
     NoSizeHolds { retention: f64 },
 }
 
@@ -88,7 +98,8 @@ impl SizeSource {
                 100.0 * retention
             ),
             Self::NoSizeHolds { retention } => format!(
-                "overload meter: even single-reflection calls keep only {:.0}%; no group size holds the target",
+                "overload meter: even groups of {MIN_GROUP_SIZE} keep only {:.0}%; no group size holds the target \
+                 (smaller groups would only restate single reflections)",
                 100.0 * retention
             ),
         }
@@ -166,15 +177,17 @@ pub fn choose_group_size(buckets: &[MeterBucket], target_retention: f64, measura
     if let Some(&(bucket_min, retention, samples)) = holding.last() {
         let next = bucket_min.saturating_mul(2);
         let next_measured = measured.iter().any(|b| b.0 == next);
-        let mut size = GroupSize::bounded(bucket_min as usize, SizeSource::Meter { bucket_min, retention, samples });
+        let at_least = (bucket_min as usize).max(MIN_GROUP_SIZE);
+        let mut size = GroupSize::bounded(at_least, SizeSource::Meter { bucket_min, retention, samples });
         size.probe_group = (!next_measured).then_some(next as usize);
         return size;
     }
     let (smallest, retention, _) = measured[0];
-    if smallest <= 1 {
-        return GroupSize::bounded(1, SizeSource::NoSizeHolds { retention });
+    if smallest as usize <= MIN_GROUP_SIZE {
+        return GroupSize::bounded(MIN_GROUP_SIZE, SizeSource::NoSizeHolds { retention });
     }
-    GroupSize::bounded((smallest / 2).max(1) as usize, SizeSource::Probe { below_target_at: smallest, retention })
+    let half = (smallest as usize / 2).max(MIN_GROUP_SIZE);
+    GroupSize::bounded(half, SizeSource::Probe { below_target_at: smallest, retention })
 }
 
 #[cfg(test)]
@@ -236,9 +249,22 @@ mod tests {
         let g = choose_group_size(&[bucket(8, 30, 21), bucket(16, 30, 12)], 0.9, true);
         assert_eq!(g.max_group, Some(4));
         assert!(matches!(g.source, SizeSource::Probe { below_target_at: 8, .. }));
-        let g = choose_group_size(&[bucket(1, 30, 20)], 0.9, true);
-        assert_eq!(g.max_group, Some(1));
+        let g = choose_group_size(&[bucket(2, 30, 20)], 0.9, true);
+        assert_eq!(g.max_group, Some(MIN_GROUP_SIZE));
         assert!(matches!(g.source, SizeSource::NoSizeHolds { .. }));
         assert!(g.source.message().contains("no group size"));
+    }
+
+    #[test]
+    fn groups_never_shrink_to_single_reflections() {
+        // A noisy miss at 2 (and an old reading at 1) must not lock the prompt into groups of one.
+        for meter in [vec![bucket(2, 40, 34)], vec![bucket(1, 40, 39), bucket(2, 40, 34)], vec![bucket(4, 40, 30)]] {
+            let g = choose_group_size(&meter, 0.9, true);
+            assert_eq!(g.max_group, Some(MIN_GROUP_SIZE), "{meter:?}");
+        }
+        // A small round at that size: 20 traces at p = 2 give groups of two distinct reflections.
+        let plan = crate::learn::shuffle::grouping::plan_sized(crate::domain::Method::Combee, 20, 2, 1, Some(2), None);
+        assert!(plan.groups.iter().all(|g| g.len() == 2 && g[0] != g[1]), "{:?}", plan.groups);
+        assert_eq!(plan.groups.len(), 20);
     }
 }

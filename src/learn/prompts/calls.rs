@@ -1,7 +1,8 @@
 //! One call of the map or the reduce, end to end: build its messages, send
 //! them with the answer's schema, read the answer tolerantly and check it (one
 //! corrective retry), and build it again to fit when the backend says its
-//! context window was exceeded.
+//! context window was exceeded. Each call is shown the part of the playbook
+//! it needs ([`super::select`]) and its answer is checked against that part.
 
 use super::decode::{
     DecodedAnswer, SourcedOp, decode_decisions, decode_instruction, decode_operations, decode_reflection,
@@ -10,6 +11,7 @@ use super::fit::{char_budget, chars_of, within};
 use super::messages::{
     aggregate_messages_within, consolidate_playbook_messages, merge_rewrite_messages, reflect_messages_within,
 };
+use super::select::View;
 use super::task::{Task, answer_schema};
 use crate::domain::{DeltaOp, Reflection, Strategy, Trace, VersionContent};
 use crate::learn::merge::dedupe::MergedOp;
@@ -49,7 +51,8 @@ where
     }
 }
 
-/// One reflector call: build, send, read tolerantly, validate (one corrective retry).
+/// One reflector call: build, send, read tolerantly, validate (one corrective
+/// retry). The reflection may only tag bullets the call was shown.
 pub async fn reflect(
     backend: &dyn LlmBackend,
     cfg: &LlmConfig,
@@ -58,11 +61,14 @@ pub async fn reflect(
     strategy: Strategy,
     calls: &mut Vec<LlmCall>,
 ) -> Result<DecodedAnswer<Reflection>, LlmError> {
-    let messages = |budget| reflect_messages_within(trace, current, strategy, budget);
-    ask(backend, cfg, (Task::Reflect, current), calls, messages, |t| decode_reflection(t, current)).await
+    let view = View::for_trace(current, trace);
+    let shown = &view.content;
+    let messages = |budget| reflect_messages_within(trace, (shown, view.outline.as_deref()), strategy, budget);
+    ask(backend, cfg, (Task::Reflect, shown), calls, messages, |t| decode_reflection(t, shown)).await
 }
 
-/// One playbook aggregator call over a group of reflections.
+/// One playbook aggregator call over a group of reflections. Its UPDATEs and
+/// REMOVEs may only name bullets the call was shown.
 pub async fn aggregate_playbook(
     backend: &dyn LlmBackend,
     cfg: &LlmConfig,
@@ -72,8 +78,10 @@ pub async fn aggregate_playbook(
 ) -> Result<DecodedAnswer<Vec<SourcedOp>>, LlmError> {
     let n = reflections.len();
     let task = Task::AggregatePlaybook;
-    let messages = |budget| aggregate_messages_within(task, current, reflections, budget);
-    ask(backend, cfg, (task, current), calls, messages, |t| decode_operations(t, current, n)).await
+    let view = View::for_reflections(current, reflections);
+    let shown = &view.content;
+    let messages = |budget| aggregate_messages_within(task, (shown, view.outline.as_deref()), reflections, budget);
+    ask(backend, cfg, (task, shown), calls, messages, |t| decode_operations(t, shown, n)).await
 }
 
 /// One rewrite aggregator call over a group of reflections.
@@ -85,7 +93,7 @@ pub async fn aggregate_rewrite(
     calls: &mut Vec<LlmCall>,
 ) -> Result<DecodedAnswer<String>, LlmError> {
     let task = Task::AggregateRewrite;
-    let messages = |budget| aggregate_messages_within(task, current, reflections, budget);
+    let messages = |budget| aggregate_messages_within(task, (current, None), reflections, budget);
     ask(backend, cfg, (task, current), calls, messages, |t| decode_instruction(t, current)).await
 }
 
@@ -104,8 +112,9 @@ pub async fn merge_rewrite(
 }
 
 /// One level-2 consolidation call (playbook mode, `reduce = "llm"`): the
-/// decisions on the numbered `ops` (see [`crate::learn::merge::level2`]). Within a
-/// known context window the current prompt shrinks to what the operations leave.
+/// decisions on the numbered `ops` (see [`crate::learn::merge::level2`]), shown
+/// the bullets the operations name or are related to. Within a known context
+/// window the current prompt shrinks to what the operations leave.
 pub async fn consolidate_playbook(
     backend: &dyn LlmBackend,
     cfg: &LlmConfig,
@@ -114,18 +123,20 @@ pub async fn consolidate_playbook(
     calls: &mut Vec<LlmCall>,
 ) -> Result<Vec<Decision>, LlmError> {
     let plain: Vec<DeltaOp> = ops.iter().map(|m| m.op.clone()).collect();
+    let view = View::for_ops(current, &plain);
+    let (shown, outline) = (&view.content, view.outline.as_deref());
     let messages = |budget: Option<usize>| {
-        let full = consolidate_playbook_messages(current, &plain);
-        let prompt = current.render().chars().count();
+        let full = consolidate_playbook_messages((shown, outline), &plain);
+        let prompt = shown.render().chars().count();
         match budget {
             Some(b) if chars_of(&full) > b => {
                 let room = b.saturating_sub(chars_of(&full) - prompt);
-                consolidate_playbook_messages(&within(current, Some(room)), &plain)
+                consolidate_playbook_messages((&within(shown, Some(room)), outline), &plain)
             }
             _ => full,
         }
     };
-    Ok(ask(backend, cfg, (Task::ConsolidatePlaybook, current), calls, messages, |t| decode_decisions(t, ops))
+    Ok(ask(backend, cfg, (Task::ConsolidatePlaybook, shown), calls, messages, |t| decode_decisions(t, ops))
         .await?
         .value)
 }

@@ -44,8 +44,13 @@ pub(crate) fn fill(template: &str, vars: &[(&str, &str)]) -> String {
     out
 }
 
-fn current_prompt(current: &VersionContent) -> String {
-    fence("current-prompt", "", &current.render())
+/// The current prompt as a call is shown it: the view's rendering, then the
+/// outline of what it leaves out ([`super::select`]) when it leaves something out.
+fn current_prompt(current: &VersionContent, outline: Option<&str>) -> String {
+    match outline {
+        Some(o) => fence("current-prompt", "", &format!("{}\n\n{o}", current.render())),
+        None => fence("current-prompt", "", &current.render()),
+    }
 }
 
 /// A JSON value as prompt text: strings raw (with their line breaks), the rest pretty-printed.
@@ -127,24 +132,31 @@ fn render_reflections_within(reflections: &[Reflection], max: Option<usize>) -> 
 
 /// Messages for one reflector call on `trace`.
 pub fn reflect_messages(trace: &Trace, current: &VersionContent, strategy: Strategy) -> Vec<ChatMessage> {
-    reflect_messages_within(trace, current, strategy, None)
+    reflect_messages_within(trace, (current, None), strategy, None)
 }
 
-/// [`reflect_messages`] within `budget` characters: the current prompt and the
-/// trace share what the template leaves (see [`Fit`]).
+/// [`reflect_messages`] for the current prompt as the call is shown it (the
+/// content and the outline of what it leaves out, see [`super::select`]),
+/// within `budget` characters: the current prompt and the trace share what
+/// the template leaves (see [`Fit`]).
 pub fn reflect_messages_within(
     trace: &Trace,
-    current: &VersionContent,
+    (current, outline): (&VersionContent, Option<&str>),
     strategy: Strategy,
     budget: Option<usize>,
 ) -> Vec<ChatMessage> {
-    let full = reflect_messages_fitted(trace, current, strategy, Fit::ALL);
+    let full = reflect_messages_fitted(trace, (current, outline), strategy, Fit::ALL);
     let (prompt, data) = (current.render().chars().count(), render_trace(trace).chars().count());
     let fit = Fit::share(budget, chars_of(&full).saturating_sub(prompt + data), prompt, data);
-    if fit == Fit::ALL { full } else { reflect_messages_fitted(trace, current, strategy, fit) }
+    if fit == Fit::ALL { full } else { reflect_messages_fitted(trace, (current, outline), strategy, fit) }
 }
 
-fn reflect_messages_fitted(trace: &Trace, current: &VersionContent, strategy: Strategy, fit: Fit) -> Vec<ChatMessage> {
+fn reflect_messages_fitted(
+    trace: &Trace,
+    (current, outline): (&VersionContent, Option<&str>),
+    strategy: Strategy,
+    fit: Fit,
+) -> Vec<ChatMessage> {
     let current = &within(current, fit.prompt);
     let trace_text = match fit.data {
         Some(max) => fence("untrusted-trace-data", "", &cut_middle(&trace_body(trace), max.saturating_sub(64))),
@@ -159,25 +171,26 @@ fn reflect_messages_fitted(trace: &Trace, current: &VersionContent, strategy: St
     };
     build(
         Task::Reflect,
-        &[("strategy_note", note), ("current_prompt", &current_prompt(current)), ("trace", &trace_text)],
+        &[("strategy_note", note), ("current_prompt", &current_prompt(current, outline)), ("trace", &trace_text)],
     )
 }
 
 /// Messages for one playbook aggregator call; the answer is [`OperationsAnswer`].
 pub fn aggregate_playbook_messages(current: &VersionContent, reflections: &[Reflection]) -> Vec<ChatMessage> {
-    aggregate_messages_within(Task::AggregatePlaybook, current, reflections, None)
+    aggregate_messages_within(Task::AggregatePlaybook, (current, None), reflections, None)
 }
 
 /// Messages for one rewrite aggregator call; the answer is [`InstructionAnswer`].
 pub fn aggregate_rewrite_messages(current: &VersionContent, reflections: &[Reflection]) -> Vec<ChatMessage> {
-    aggregate_messages_within(Task::AggregateRewrite, current, reflections, None)
+    aggregate_messages_within(Task::AggregateRewrite, (current, None), reflections, None)
 }
 
-/// An aggregator call's messages within `budget` characters: the current
-/// prompt and the group's reflections share what the template leaves.
+/// An aggregator call's messages for the current prompt as the call is shown
+/// it (content and outline), within `budget` characters: the current prompt
+/// and the group's reflections share what the template leaves.
 pub fn aggregate_messages_within(
     task: Task,
-    current: &VersionContent,
+    (current, outline): (&VersionContent, Option<&str>),
     reflections: &[Reflection],
     budget: Option<usize>,
 ) -> Vec<ChatMessage> {
@@ -185,7 +198,7 @@ pub fn aggregate_messages_within(
         build(
             task,
             &[
-                ("current_prompt", &current_prompt(&within(current, fit.prompt))),
+                ("current_prompt", &current_prompt(&within(current, fit.prompt), outline)),
                 ("reflections", &render_reflections_within(reflections, fit.data)),
             ],
         )
@@ -206,7 +219,7 @@ pub fn merge_rewrite_messages(current: &VersionContent, proposals: &[String]) ->
         .collect::<Vec<_>>()
         .join("\n");
     let proposals = fence("untrusted-proposals", &format!(" count=\"{}\"", proposals.len()), &body);
-    build(Task::MergeRewrite, &[("current_prompt", &current_prompt(current)), ("proposals", &proposals)])
+    build(Task::MergeRewrite, &[("current_prompt", &current_prompt(current, None)), ("proposals", &proposals)])
 }
 
 /// One pooled operation as a line of the consolidation prompt: `o3 | ADD | section | content`.
@@ -220,9 +233,16 @@ pub fn render_pooled_op(i: usize, op: &DeltaOp) -> String {
 }
 
 /// Messages for one level-2 consolidation call (`reduce = "llm"`) over pooled,
-/// numbered operations; the answer is a [`DecisionsAnswer`].
-pub fn consolidate_playbook_messages(current: &VersionContent, ops: &[DeltaOp]) -> Vec<ChatMessage> {
+/// numbered operations, for the current prompt as the call is shown it
+/// (content and outline); the answer is a [`DecisionsAnswer`].
+pub fn consolidate_playbook_messages(
+    (current, outline): (&VersionContent, Option<&str>),
+    ops: &[DeltaOp],
+) -> Vec<ChatMessage> {
     let body = ops.iter().enumerate().map(|(i, op)| render_pooled_op(i, op)).collect::<Vec<_>>().join("\n");
     let operations = fence("untrusted-operations", &format!(" count=\"{}\"", ops.len()), &body);
-    build(Task::ConsolidatePlaybook, &[("current_prompt", &current_prompt(current)), ("operations", &operations)])
+    build(
+        Task::ConsolidatePlaybook,
+        &[("current_prompt", &current_prompt(current, outline)), ("operations", &operations)],
+    )
 }

@@ -3,8 +3,9 @@
 //! versioned template files in `prompts/` ([`task`]); untrusted content is
 //! fenced as data ([`fence`]); every answer is asked to follow a schema
 //! ([`schema`]), read tolerantly ([`answer`], [`decode`]) and then checked
-//! ([`checks`]), because an LLM answer is untrusted input too. [`calls`] makes
-//! one call end to end.
+//! ([`checks`]), because an LLM answer is untrusted input too. [`select`]
+//! bounds what of the playbook one call is shown; [`calls`] makes one call end
+//! to end.
 
 pub mod answer;
 pub mod calls;
@@ -14,6 +15,7 @@ pub mod fence;
 pub mod fit;
 pub mod messages;
 pub mod schema;
+pub mod select;
 pub mod task;
 
 #[cfg(test)]

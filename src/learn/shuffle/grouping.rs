@@ -13,6 +13,10 @@ use super::augment::augmented_indices;
 /// Size of a sequential (GEPA-default) minibatch.
 pub const SEQUENTIAL_BATCH: usize = 3;
 
+/// Largest group bound under which Combee's copies are laid out in layers
+/// (see [`plan_sized`]), so that no group holds a reflection twice.
+pub const LAYERED_BELOW: usize = 3;
+
 use crate::domain::Method;
 
 /// Whether the groups of a plan are aggregated against the same frozen version
@@ -84,7 +88,10 @@ pub fn capacity_group_count(n: usize, p: u32, max_group: Option<usize>) -> usize
 /// (see [`capacity_group_count`]); the baselines ignore the bound. With a
 /// `probe_group` (and p ≥ 2) the copies are cut in layers instead
 /// ([`layered_groups`]): p − 1 copies of every reflection in groups of at most
-/// `max_group`, the last copy in groups of at most `probe_group`.
+/// `max_group`, the last copy in groups of at most `probe_group`. So are they
+/// when `max_group` is at most [`LAYERED_BELOW`] without a probe: cut from one
+/// shuffled list, such small groups would often hold two copies of one
+/// reflection, a group of one in disguise.
 pub fn plan_sized(
     method: Method,
     n: usize,
@@ -99,6 +106,9 @@ pub fn plan_sized(
                 (Some(base), Some(probe)) if p >= 2 && n > 0 => {
                     let sizes: Vec<usize> = (0..p).map(|c| if c + 1 == p { probe } else { base }).collect();
                     layered_groups(n, &sizes, seed)
+                }
+                (Some(base), None) if p >= 2 && n > 0 && base <= LAYERED_BELOW => {
+                    layered_groups(n, &vec![base; p as usize], seed)
                 }
                 _ => {
                     let augmented = augmented_indices(n, p.max(1), seed);

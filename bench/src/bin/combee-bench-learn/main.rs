@@ -16,9 +16,11 @@
 //! critical path (modelled: no timing, no overhead). The controller sees
 //! measured round times in the first and modelled ones in the second.
 //!
-//!     scripts/bench-learn            # builds --release, writes bench/results/learn.*
+//!     scripts/bench-learn            # builds --release, writes bench/results/learn.* and growth.md
+//!     scripts/bench-learn --growth-only   # only the growing-playbook section (growth.rs)
 
 mod figure;
+mod growth;
 mod level2;
 mod overload_meter;
 mod report;
@@ -111,7 +113,16 @@ struct Args {
     /// Only compute the modelled figures (no waiting, no files).
     #[arg(long)]
     model_only: bool,
-    /// Where learn.md, learn.csv and the SVGs go.
+    /// Growing-playbook section: consecutive rounds on one prompt.
+    #[arg(long, default_value_t = 10)]
+    growth_rounds: usize,
+    /// Growing-playbook section: traces per round.
+    #[arg(long, default_value_t = 300)]
+    growth_n: usize,
+    /// Only run the growing-playbook section, written to growth.md.
+    #[arg(long)]
+    growth_only: bool,
+    /// Where learn.md, learn.csv, growth.md and the SVGs go.
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
 }
@@ -136,6 +147,9 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.n >= 3, "--n must be at least 3");
     anyhow::ensure!(args.level2_n >= 4, "--level2-n must be at least 4");
+    if args.growth_only {
+        return growth(&args).await;
+    }
     eprintln!("  level 2 under the soft capacity model …");
     let (level2, _) = level2_section(&args).await?;
     if args.level2_only {
@@ -177,6 +191,18 @@ async fn main() -> anyhow::Result<()> {
             std::fs::write(args.out_dir.join(format!("learn-quality-delay-{}.svg", model_name(model))), svg)?;
         }
         eprintln!("wrote {}/learn.{{md,csv}}, learn-quality-delay-{{hard,soft}}.svg", args.out_dir.display());
+    }
+    growth(&args).await
+}
+
+/// The growing-playbook section ([`growth`]), printed and written to growth.md.
+async fn growth(args: &Args) -> anyhow::Result<()> {
+    let md = growth::growth_section(args).await?;
+    print!("{md}");
+    if !args.model_only {
+        std::fs::create_dir_all(&args.out_dir)?;
+        std::fs::write(args.out_dir.join("growth.md"), &md)?;
+        eprintln!("wrote {}/growth.md", args.out_dir.display());
     }
     Ok(())
 }
