@@ -29,22 +29,25 @@ _pgbouncer_bin() {
 
 # start_private_pgbouncer DATABASE_URL: the server URL (postgres://user@host:port/db).
 start_private_pgbouncer() {
-  local server="$1" bin hostport host pgport port user
+  local server="$1" bin hostport host pgport port user userinfo password=""
   bin=$(_pgbouncer_bin) || { echo "scripts: pgbouncer is not installed" >&2; return 1; }
   hostport=${server#*@}
   hostport=${hostport%%/*}
   host=${hostport%:*}
   pgport=${hostport##*:}
-  user=${server#*://}
-  user=${user%%@*}
-  user=${user%%:*}
+  userinfo=${server#*://}
+  userinfo=${userinfo%%@*}
+  user=${userinfo%%:*}
+  [ "$userinfo" = "$user" ] || password=" password=${userinfo#*:}"
   COMBEE_PGBOUNCER_DIR=$(mktemp -d /tmp/combee-pgbouncer.XXXXXX)
   chmod 755 "$COMBEE_PGBOUNCER_DIR"
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   printf '"%s" ""\n' "$user" >"$COMBEE_PGBOUNCER_DIR/users.txt"
+  touch "$COMBEE_PGBOUNCER_DIR/pgbouncer.ini"
+  chmod 600 "$COMBEE_PGBOUNCER_DIR/pgbouncer.ini"
   cat >"$COMBEE_PGBOUNCER_DIR/pgbouncer.ini" <<EOF
 [databases]
-* = host=$host port=$pgport user=$user
+* = host=$host port=$pgport user=$user$password
 
 [pgbouncer]
 listen_addr = 127.0.0.1
