@@ -621,10 +621,10 @@ mod tests {
             s.database.url = Secret::new(url);
             s.database.direct_url = Secret::new(direct);
             s.database.pooler = pooler;
-            s.check().map_err(|e| e.to_string())
+            s.check_database().map_err(|e| e.to_string())
         };
         let (bouncer, pg) = ("postgres://u@bouncer:6432/db", "postgresql://u@db:5432/db");
-        assert!(with(bouncer, pg, Pooler::Transaction).is_ok());
+        assert_eq!(with(bouncer, pg, Pooler::Transaction), Ok(()));
         assert!(with(bouncer, pg, Pooler::None).is_ok(), "a direct URL alone is allowed");
         assert!(with(pg, "", Pooler::None).is_ok());
         let no_direct = with(bouncer, "", Pooler::Transaction).unwrap_err();
