@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     auth,
-    config::{Role, Settings},
+    config::{Pooler, Role, Settings},
     delivery::Deliverer,
     domain::access::Scope,
     http,
@@ -59,7 +59,12 @@ pub struct Application {
 
 pub async fn open_store(settings: &Settings) -> anyhow::Result<DynStore> {
     let url = settings.database_url();
-    store::connect(&url, settings.database.max_connections, Duration::from_secs(settings.database.acquire_timeout_secs))
+    let d = &settings.database;
+    let route = store::postgres::Route {
+        direct_url: (!d.direct_url.is_empty()).then(|| d.direct_url.expose().to_owned()),
+        transaction_pooler: d.pooler == Pooler::Transaction,
+    };
+    store::connect_via(&url, &route, d.max_connections, Duration::from_secs(d.acquire_timeout_secs))
         .await
         .context("cannot open the store (check DATABASE_URL / database.url)")
 }

@@ -247,6 +247,27 @@ pub struct DatabaseSettings {
     pub max_connections: u32,
     /// How long a request waits for a free connection before failing with 503.
     pub acquire_timeout_secs: u64,
+    /// What `url` reaches: Postgres itself (`none`) or a pooler in transaction
+    /// mode (`transaction`, e.g. PgBouncer's `pool_mode = transaction`); see
+    /// `store::postgres::Route`.
+    #[serde(default)]
+    pub pooler: Pooler,
+    /// Postgres itself, bypassing the pooler, for the statements that need a
+    /// session of their own (LISTEN, the migrations' advisory locks). Needed
+    /// with `pooler = "transaction"`; empty: `url`.
+    #[serde(default)]
+    pub direct_url: Secret,
+}
+
+/// What stands between combee and Postgres at `database.url`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooler {
+    /// Nothing (or a pooler in session mode): a connection is a session.
+    #[default]
+    None,
+    /// A pooler in transaction mode: a server connection is lent per transaction.
+    Transaction,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -376,6 +397,8 @@ impl Default for Settings {
                 data_dir: PathBuf::from("data"),
                 max_connections: 16,
                 acquire_timeout_secs: 5,
+                pooler: Pooler::None,
+                direct_url: Secret::default(),
             },
             limits: LimitSettings {
                 max_body_bytes: 8 * 1024 * 1024,
@@ -534,8 +557,31 @@ impl Settings {
         if !(0.0..=1.0).contains(&p.crossover_prob) {
             return Err(ConfigError(format!("population.crossover_prob must be in [0, 1], got {}", p.crossover_prob)));
         }
+        self.check_database()?;
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
         self.controller.validate().map_err(|e| ConfigError(format!("controller: {e}")))?;
+        Ok(())
+    }
+
+    /// A direct URL and a pooler only mean something for Postgres, and a
+    /// transaction pooler needs the direct URL.
+    fn check_database(&self) -> Result<(), ConfigError> {
+        let d = &self.database;
+        let postgres = crate::store::is_postgres(d.url.expose());
+        let direct_ok = d.direct_url.is_empty() || (postgres && crate::store::is_postgres(d.direct_url.expose()));
+        if !direct_ok {
+            return Err(ConfigError(
+                "database.direct_url is for Postgres: it and database.url must both start with postgres:// or postgresql://"
+                    .into(),
+            ));
+        }
+        if d.pooler == Pooler::Transaction && (!postgres || d.direct_url.is_empty()) {
+            return Err(ConfigError(
+                "database.pooler = \"transaction\" needs a Postgres database.url (the pooler) and database.direct_url \
+                 (Postgres itself, for LISTEN and the migrations' advisory locks)"
+                    .into(),
+            ));
+        }
         Ok(())
     }
 
@@ -566,5 +612,25 @@ mod tests {
     fn empty_url_means_embedded_sqlite_in_data_dir() {
         let s = Settings::default();
         assert_eq!(s.database_url(), "sqlite://data/combee.db");
+    }
+
+    #[test]
+    fn a_transaction_pooler_needs_postgres_on_both_urls() {
+        let with = |url: &str, direct: &str, pooler: Pooler| {
+            let mut s = Settings::default();
+            s.database.url = Secret::new(url);
+            s.database.direct_url = Secret::new(direct);
+            s.database.pooler = pooler;
+            s.check_database().map_err(|e| e.to_string())
+        };
+        let (bouncer, pg) = ("postgres://u@bouncer:6432/db", "postgresql://u@db:5432/db");
+        assert_eq!(with(bouncer, pg, Pooler::Transaction), Ok(()));
+        assert!(with(bouncer, pg, Pooler::None).is_ok(), "a direct URL alone is allowed");
+        assert!(with(pg, "", Pooler::None).is_ok());
+        let no_direct = with(bouncer, "", Pooler::Transaction).unwrap_err();
+        assert!(no_direct.contains("database.direct_url"), "{no_direct}");
+        assert!(with("", pg, Pooler::Transaction).unwrap_err().contains("database.direct_url"));
+        assert!(with("sqlite://x.db", pg, Pooler::None).unwrap_err().contains("database.direct_url"));
+        assert!(with(bouncer, "mysql://db/x", Pooler::Transaction).unwrap_err().contains("database.direct_url"));
     }
 }

@@ -153,13 +153,29 @@ pub type DynStore = Arc<dyn Store>;
 
 /// Opens the store the URL names, creating and migrating it as needed.
 pub async fn connect(url: &str, max_connections: u32, acquire_timeout: std::time::Duration) -> StoreResult<DynStore> {
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        Ok(Arc::new(postgres::PgStore::connect(url, max_connections, acquire_timeout).await?))
+    connect_via(url, &postgres::Route::default(), max_connections, acquire_timeout).await
+}
+
+/// [`connect`], with Postgres reached the way `route` says (a transaction
+/// pooler in front, a direct URL for the session-scoped statements).
+pub async fn connect_via(
+    url: &str,
+    route: &postgres::Route,
+    max_connections: u32,
+    acquire_timeout: std::time::Duration,
+) -> StoreResult<DynStore> {
+    if is_postgres(url) {
+        Ok(Arc::new(postgres::PgStore::connect(url, route, max_connections, acquire_timeout).await?))
     } else if let Some(path) = url.strip_prefix("sqlite://") {
         Ok(Arc::new(sqlite::SqliteStore::open(std::path::Path::new(path), max_connections, acquire_timeout).await?))
     } else {
         Err(StoreError::Invalid("database url must start with postgres://, postgresql:// or sqlite://".into()))
     }
+}
+
+/// Whether `url` names a Postgres server (`postgres://` or `postgresql://`).
+pub fn is_postgres(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
 }
 
 #[cfg(test)]

@@ -2,8 +2,18 @@
 //! Version numbers are assigned under the prompt's row lock; label moves are
 //! compare-and-set; every change is announced with `NOTIFY combee_changes` in
 //! the same transaction so other processes drop their caches at commit.
+//!
+//! Postgres may sit behind a pooler in transaction mode (PgBouncer's
+//! `pool_mode = transaction`), which hands a server connection to a client
+//! only until its transaction ends: see [`Route`]. What needs a session of its
+//! own (the LISTEN of the change listener, the migrations' advisory locks)
+//! then goes to Postgres directly.
 
-use std::time::Duration;
+use std::{
+    str::FromStr,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -11,7 +21,7 @@ use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
     PgConnection, PgPool, Postgres, Row,
-    postgres::{PgListener, PgPoolOptions, PgRow},
+    postgres::{PgConnectOptions, PgListener, PgPoolOptions, PgRow},
 };
 use tokio::{
     sync::{broadcast, oneshot},
@@ -24,7 +34,7 @@ use crate::evaluate::outcomes::MAX_ABS_VALUE;
 use super::backend::{Backend, SqlStore};
 use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
 use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
+use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
 use super::traces::{merge_feedback, reference_problem};
 use super::{Change, StoreError, StoreKind, StoreResult, migrate};
 use crate::domain::{
@@ -36,6 +46,62 @@ const CHANNEL: &str = "combee_changes";
 
 pub type PgStore = SqlStore<Postgres>;
 
+/// How this process reaches Postgres.
+///
+/// Through a transaction pooler a statement may not outlive its transaction
+/// on the server connection: the pooler gives the connection to another
+/// client at the next idle `ReadyForQuery`. sqlx 0.8 runs a statement with
+/// parameters in two round trips (Parse and Describe, Sync; then Bind and
+/// Execute, Sync), and names it (`sqlx_s_N`, per client connection) even with
+/// its statement cache off. So, through a pooler, every statement is unnamed
+/// (`persistent(false)`, nothing cached) and one that is not already in a
+/// transaction runs inside its own `BEGIN`/`COMMIT`, which keeps both round
+/// trips on one server connection. Session-scoped statements never go
+/// through the pooler: the LISTEN of the change listener and the advisory
+/// locks of the migrations use [`Route::direct_url`].
+#[derive(Debug, Clone, Default)]
+pub struct Route {
+    /// Postgres itself, for what needs a session of its own; `None`: the main URL.
+    pub direct_url: Option<String>,
+    /// The main URL is a pooler in transaction mode.
+    pub transaction_pooler: bool,
+}
+
+/// Set once a store of this process talks to Postgres through a transaction
+/// pooler: from then on every statement of the process's Postgres stores runs
+/// pooler-safe (see [`Route`]). A process serves one store; a test that opens
+/// a direct store beside a pooled one only pays the pooled way's round trips.
+static THROUGH_POOLER: AtomicBool = AtomicBool::new(false);
+
+/// Runs `$run`, an async block over the query `$q` and the connection `$c`,
+/// as [`Route`] needs: as written, or (through a transaction pooler) unnamed
+/// and inside a transaction of its own unless one is open already.
+macro_rules! pooler_safe {
+    ($query:expr, $conn:expr, |$q:ident, $c:ident| $run:expr) => {{
+        let (query, conn) = ($query, $conn);
+        if !THROUGH_POOLER.load(Ordering::Relaxed) {
+            let ($q, $c) = (query, conn);
+            $run.await
+        } else if sqlx::Connection::is_in_transaction(&*conn) {
+            let ($q, $c) = (query.persistent(false), conn);
+            $run.await
+        } else {
+            let mut tx = sqlx::Connection::begin(conn).await?;
+            let ($q, $c) = (query.persistent(false), &mut *tx);
+            match $run.await {
+                Ok(v) => {
+                    tx.commit().await?;
+                    Ok(v)
+                }
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    Err(e)
+                }
+            }
+        }
+    }};
+}
+
 /// The NOTIFY listener task, stopped with the store.
 pub struct Listener(JoinHandle<()>);
 
@@ -46,19 +112,49 @@ impl Drop for Listener {
 }
 
 impl SqlStore<Postgres> {
-    pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration) -> StoreResult<Self> {
+    pub async fn connect(
+        url: &str,
+        route: &Route,
+        max_connections: u32,
+        acquire_timeout: Duration,
+    ) -> StoreResult<Self> {
+        let mut options = PgConnectOptions::from_str(url).map_err(StoreError::Unavailable)?;
+        if route.transaction_pooler {
+            if route.direct_url.is_none() {
+                return Err(StoreError::Invalid(
+                    "a transaction pooler needs a direct URL to Postgres (database.direct_url) for LISTEN and \
+                     the migrations' advisory locks"
+                        .into(),
+                ));
+            }
+            THROUGH_POOLER.store(true, Ordering::Relaxed);
+            // Nothing cached, and no startup parameter PgBouncer does not know by default.
+            options = options.statement_cache_capacity(0).extra_float_digits(None);
+        }
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(acquire_timeout)
             // No ping before every checkout (it was 12% of server CPU on trace ingest);
             // a dead connection fails its statement instead, and the pool replaces it.
             .test_before_acquire(false)
-            .connect(url)
+            .connect_with(options)
             .await
             .map_err(StoreError::Unavailable)?;
-        migrate::postgres(&pool).await?;
+        let direct = match &route.direct_url {
+            // The listener's connection and one for the migrations.
+            Some(direct) => PgPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(acquire_timeout)
+                .test_before_acquire(false)
+                .connect(direct)
+                .await
+                .map_err(StoreError::Unavailable)?,
+            None => pool.clone(),
+        };
+        migrate::postgres(&direct).await?;
         let (changes, _) = broadcast::channel(1024);
-        let listener = Listener(tokio::spawn(listen(pool.clone(), changes.clone())));
+        let listener = Listener(tokio::spawn(listen(direct, changes.clone())));
+
         let writes = GroupCommit::start(lanes(max_connections), GROUP_ROWS, {
             let pool = pool.clone();
             move |group| commit_group(pool.clone(), group)
@@ -88,7 +184,7 @@ fn trace_row(t: &ValidTrace, id: Uuid, req: Uuid) -> StoreResult<String> {
 /// JSON array of [`trace_row`]s: a request whose traces do not all match a
 /// prompt and version falls out whole (its rows and its rollup deltas), the
 /// others are stored. Returns the ids stored.
-async fn insert_trace_rows<'e>(exec: impl sqlx::PgExecutor<'e>, rows: String) -> StoreResult<Vec<Uuid>> {
+async fn insert_trace_rows(c: &mut PgConnection, rows: String) -> StoreResult<Vec<Uuid>> {
     // The rollups' deltas are written by the same statement: one snapshot, all or nothing.
     let text = format!(
         "WITH input AS (
@@ -115,7 +211,8 @@ async fn insert_trace_rows<'e>(exec: impl sqlx::PgExecutor<'e>, rows: String) ->
         outcomes = outcome_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
         tasks = task_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
     );
-    Ok(sqlx::query_scalar(&text).bind(rows).fetch_all(exec).await?)
+    let stored = Postgres::fetch_all(sqlx::query(&text).bind(rows), c).await?;
+    Ok(stored.iter().map(|r| r.try_get("id")).collect::<Result<_, _>>()?)
 }
 
 /// One request's traces waiting for a group: their rows, ids, and what to
@@ -150,7 +247,11 @@ fn lanes(max_connections: u32) -> usize {
 /// at a time, so one bad request fails alone.
 async fn commit_group(pool: PgPool, group: Vec<Insert>) {
     let rows = format!("[{}]", group.iter().map(|job| job.rows.as_str()).collect::<Vec<_>>().join(","));
-    match insert_trace_rows(&pool, rows).await {
+    let inserted = match pool.acquire().await {
+        Ok(mut c) => insert_trace_rows(&mut c, rows).await,
+        Err(e) => Err(e.into()),
+    };
+    match inserted {
         Ok(stored) => {
             let stored: std::collections::HashSet<Uuid> = stored.into_iter().collect();
             for job in group {
@@ -216,13 +317,22 @@ impl Dialect for Postgres {
             Param::Json(v) => q.bind(v),
         }
     }
-    executors!(PgConnection, PgRow);
+    fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<u64>> {
+        Box::pin(async move { pooler_safe!(q, c, |q, c| async move { Ok(q.execute(c).await?.rows_affected()) }) })
+    }
+    fn fetch_all<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut PgConnection) -> BoxFuture<'c, sqlx::Result<Vec<PgRow>>> {
+        Box::pin(async move { pooler_safe!(q, c, |q, c| q.fetch_all(c)) })
+    }
+    fn fetch_optional<'c, 'q: 'c>(
+        q: Query<'q, Self>,
+        c: &'c mut PgConnection,
+    ) -> BoxFuture<'c, sqlx::Result<Option<PgRow>>> {
+        Box::pin(async move { pooler_safe!(q, c, |q, c| q.fetch_optional(c)) })
+    }
     fn serialize_otlp<'c>(c: &'c mut PgConnection, otel_trace_id: &'c str) -> BoxFuture<'c, StoreResult<()>> {
         Box::pin(async move {
-            sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))")
-                .bind(otel_trace_id)
-                .execute(c)
-                .await?;
+            let q = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))").bind(otel_trace_id);
+            Self::execute(q, c).await?;
             Ok(())
         })
     }
@@ -236,20 +346,13 @@ impl Dialect for Postgres {
         at: DateTime<Utc>,
     ) -> BoxFuture<'c, StoreResult<()>> {
         Box::pin(async move {
-            sqlx::query(
+            let q = sqlx::query(
                 "INSERT INTO round_traces (round_id, trace_id, position)
                  SELECT $1, t.id, t.ord FROM unnest($2::uuid[]) WITH ORDINALITY AS t(id, ord)",
-            )
-            .bind(round)
-            .bind(traces)
-            .execute(&mut *c)
-            .await?;
-            sqlx::query("UPDATE traces SET round_id = $1, updated_at = $3 WHERE id = ANY($2)")
-                .bind(round)
-                .bind(traces)
-                .bind(at)
-                .execute(&mut *c)
-                .await?;
+            );
+            Self::execute(q.bind(round).bind(traces), &mut *c).await?;
+            let q = sqlx::query("UPDATE traces SET round_id = $1, updated_at = $3 WHERE id = ANY($2)");
+            Self::execute(q.bind(round).bind(traces).bind(at), &mut *c).await?;
             Ok(())
         })
     }
@@ -286,7 +389,7 @@ impl Dialect for Postgres {
     }
     fn notify<'c>(c: &'c mut PgConnection, payload: &'c str) -> BoxFuture<'c, StoreResult<()>> {
         Box::pin(async move {
-            sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload).execute(c).await?;
+            Self::execute(sqlx::query("SELECT pg_notify($1, $2)").bind(CHANNEL).bind(payload), c).await?;
             Ok(())
         })
     }
@@ -346,7 +449,9 @@ impl Backend for Postgres {
     type Writes = GroupCommit<Insert>;
 
     async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
-        Ok(sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.writer).await?)
+        let mut c = s.writer.acquire().await?;
+        let row = Postgres::fetch_optional(sqlx::query("SELECT generation FROM api_key_generation"), &mut c).await?;
+        Ok(row.ok_or(StoreError::NotFound)?.try_get("generation")?)
     }
 
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
@@ -383,32 +488,24 @@ impl Backend for Postgres {
             // commits (then nothing is inserted: replay) or rolls back (then
             // this one runs). A row without ids can only be left by an older
             // combee that remembered keys before storing: it is taken over.
-            let claimed = sqlx::query(
+            let claim = sqlx::query(
                 "INSERT INTO idempotency_keys (owner, key, request_hash, trace_ids) VALUES ($1, $2, $3, $4)
                  ON CONFLICT (owner, key) DO UPDATE
                    SET request_hash = EXCLUDED.request_hash, trace_ids = EXCLUDED.trace_ids, created_at = now()
                    WHERE idempotency_keys.trace_ids IS NULL",
-            )
-            .bind(key.owner)
-            .bind(key.key)
-            .bind(key.request_hash)
-            .bind(&remembered)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+            );
+            let claim = claim.bind(key.owner).bind(key.key).bind(key.request_hash).bind(&remembered);
+            let claimed = Postgres::execute(claim, &mut tx).await?;
             if claimed == 1 {
-                if insert_trace_rows(&mut *tx, rows.clone()).await?.len() != traces.len() {
+                if insert_trace_rows(&mut tx, rows.clone()).await?.len() != traces.len() {
                     tx.rollback().await?;
                     return Err(first_unknown_reference(&s.writer, &references).await?);
                 }
                 tx.commit().await?;
                 return Ok(IdempotentIngest::Stored { ids });
             }
-            let row = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = $1 AND key = $2")
-                .bind(key.owner)
-                .bind(key.key)
-                .fetch_optional(&mut *tx)
-                .await?;
+            let q = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = $1 AND key = $2");
+            let row = Postgres::fetch_optional(q.bind(key.owner).bind(key.key), &mut tx).await?;
             tx.rollback().await?;
             let Some(row) = row else {
                 continue; // purged meanwhile: claim it again
@@ -424,7 +521,7 @@ impl Backend for Postgres {
     }
 
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {
-        let id: Option<Uuid> = sqlx::query_scalar(
+        let q = sqlx::query(
             "WITH c AS (
                  SELECT id FROM rounds
                  WHERE (status = 'queued' AND not_before <= now()) OR (status = 'running' AND lease_expires_at < now())
@@ -433,25 +530,19 @@ impl Backend for Postgres {
                     lease_expires_at = now() + make_interval(secs => $2), started_at = COALESCE(r.started_at, now()),
                     updated_at = now()
              FROM c WHERE r.id = c.id RETURNING r.id",
-        )
-        .bind(owner)
-        .bind(lease.as_secs_f64())
-        .fetch_optional(&s.writer)
-        .await?;
-        Ok(id)
+        );
+        let row =
+            Postgres::fetch_optional(q.bind(owner).bind(lease.as_secs_f64()), &mut *s.writer.acquire().await?).await?;
+        Ok(row.map(|r| r.try_get("id")).transpose()?)
     }
 
     async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
-        let n = sqlx::query(
+        let q = sqlx::query(
             "UPDATE rounds SET lease_expires_at = now() + make_interval(secs => $3), updated_at = now()
              WHERE id = $1 AND attempt = $2 AND status = 'running'",
-        )
-        .bind(round)
-        .bind(attempt)
-        .bind(lease.as_secs_f64())
-        .execute(&s.writer)
-        .await?
-        .rows_affected();
+        );
+        let q = q.bind(round).bind(attempt).bind(lease.as_secs_f64());
+        let n = Postgres::execute(q, &mut *s.writer.acquire().await?).await?;
         Ok(n == 1)
     }
 
@@ -462,7 +553,7 @@ impl Backend for Postgres {
         limit: u32,
     ) -> StoreResult<Vec<Uuid>> {
         // The lease is the due time itself: a crashed attempt becomes due again when it expires.
-        let ids = sqlx::query_scalar(
+        let q = sqlx::query(
             "WITH c AS (
                  SELECT d.id FROM webhook_deliveries d
                  JOIN webhook_subscriptions s ON s.id = d.subscription_id AND s.enabled
@@ -471,12 +562,9 @@ impl Backend for Postgres {
              UPDATE webhook_deliveries d SET attempts = d.attempts + 1, lease_owner = $1,
                     next_attempt_at = now() + make_interval(secs => $2), updated_at = now()
              FROM c WHERE d.id = c.id RETURNING d.id",
-        )
-        .bind(owner)
-        .bind(lease.as_secs_f64())
-        .bind(i64::from(limit))
-        .fetch_all(&s.writer)
-        .await?;
-        Ok(ids)
+        );
+        let q = q.bind(owner).bind(lease.as_secs_f64()).bind(i64::from(limit));
+        let rows = Postgres::fetch_all(q, &mut *s.writer.acquire().await?).await?;
+        Ok(rows.iter().map(|r| r.try_get("id")).collect::<Result<_, _>>()?)
     }
 }

@@ -140,7 +140,8 @@ macro_rules! direct_getters {
 }
 pub(crate) use direct_getters;
 
-/// The three ways a statement runs, the same on every backend but for its types.
+/// The three ways a statement runs, as the driver runs it (SQLite; Postgres
+/// writes its own, to run through a transaction pooler).
 macro_rules! executors {
     ($conn:ty, $row:ty) => {
         fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut $conn) -> BoxFuture<'c, sqlx::Result<u64>> {

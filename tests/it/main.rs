@@ -19,6 +19,7 @@ mod lifecycle;
 mod otlp;
 mod otlp_logs;
 mod poisoning;
+mod pooler;
 mod population;
 mod postgres_outage;
 mod postgres_processes;

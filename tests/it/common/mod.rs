@@ -51,8 +51,29 @@ pub async fn test_store(backend: Backend) -> TestStore {
         Backend::Postgres => fresh_pg_database().await,
         Backend::Sqlite => format!("sqlite://{}", dir.path().join("combee.db").display()),
     };
-    let store = store::connect(&url, 16, Duration::from_secs(10)).await.expect("open store");
-    TestStore { store, url, dir }
+    let store = match (backend, through_pgbouncer()) {
+        (Backend::Postgres, Some(bouncer)) => {
+            let (base, _) = bouncer.rsplit_once('/').expect("a database URL has a path");
+            let pooled = format!("{base}/{}", url.rsplit_once('/').expect("a database URL has a path").1);
+            let route = store::postgres::Route { direct_url: Some(url.clone()), transaction_pooler: true };
+            store::connect_via(&pooled, &route, 16, Duration::from_secs(10)).await
+        }
+        _ => store::connect(&url, 16, Duration::from_secs(10)).await,
+    };
+    TestStore { store: store.expect("open store"), url, dir }
+}
+
+/// With `COMBEE_TEST_THROUGH_PGBOUNCER=1`, the Postgres store of [`test_store`]
+/// (and so of [`spawn_app`]) talks through the suite's PgBouncer in
+/// transaction mode, as `database.pooler = "transaction"` does; `url` stays
+/// the direct one. The address of PgBouncer, then.
+fn through_pgbouncer() -> Option<String> {
+    if std::env::var("COMBEE_TEST_THROUGH_PGBOUNCER").is_ok_and(|v| v == "1") {
+        let url = std::env::var("COMBEE_TEST_PGBOUNCER_URL");
+        Some(url.expect("COMBEE_TEST_THROUGH_PGBOUNCER=1 needs the suite's PgBouncer: run `scripts/test`"))
+    } else {
+        None
+    }
 }
 
 pub struct TestApp {
