@@ -483,28 +483,41 @@ impl<D: Backend> Rollups for SqlStore<D> {
                     sql::<D>(&text).bind(i64::from(limit)).value::<i64>(&mut *self.writer.acquire().await?, "n").await?
                 }
                 // The single writer: nothing else writes between these statements.
-                // Rows up to the `limit`-th uncompacted one, of the keys among them.
+                // The keys among the rows up to the `limit`-th uncompacted one, each
+                // folded whole: every row it has (compacted ones of earlier passes
+                // too), so a key whose rows are all gone is dropped, never a part of
+                // one that sums to no traces (late feedback's take-back and re-add)
+                // while its other columns do not.
                 StoreKind::Sqlite => {
                     let mut tx = self.writer.begin().await?;
-                    let bound: Option<i64> = sql::<D>(&format!(
-                        "SELECT max(id) AS m FROM (SELECT id FROM {table} WHERE compacted = 0 ORDER BY id LIMIT $1)"
+                    let bounds = sql::<D>(&format!(
+                        "SELECT (SELECT max(id) FROM (SELECT id FROM {table} WHERE compacted = 0 ORDER BY id LIMIT $1))
+                                    AS bound,
+                                (SELECT max(id) FROM {table}) AS top"
                     ))
                     .bind(i64::from(limit))
-                    .value::<Option<i64>>(&mut tx, "m")
-                    .await?
-                    .flatten();
-                    let Some(bound) = bound else { continue };
-                    let keyed = format!(
-                        "r.id <= $1 AND EXISTS (SELECT 1 FROM {table} k WHERE k.compacted = 0 AND k.id <= $1 AND {matches})"
-                    );
+                    .map(&mut tx, |row| {
+                        let r = Cols::<D>(row);
+                        Ok((r.get::<Option<i64>>("bound")?, r.get::<Option<i64>>("top")?))
+                    })
+                    .await?;
+                    let Some(&(Some(bound), Some(top))) = bounds.first() else { continue };
+                    let keys = format!("WITH k AS (SELECT DISTINCT {key} FROM {table} WHERE compacted = 0 AND id <= $1)");
+                    let rows = format!("{table} r JOIN k ON {matches} WHERE r.id <= $2");
                     sql::<D>(&format!(
-                        "INSERT INTO {table} ({columns}, compacted)
-                         SELECT {key}, {sums}, 1 FROM {table} r WHERE {keyed} GROUP BY {key} HAVING sum(traces) <> 0"
+                        "{keys} INSERT INTO {table} ({columns}, compacted)
+                         SELECT {r_key}, {sums}, 1 FROM {rows} GROUP BY {r_key} HAVING sum(traces) <> 0",
+                        r_key = key.split(", ").map(|k| format!("r.{k}")).collect::<Vec<_>>().join(", "),
                     ))
                     .bind(bound)
+                    .bind(top)
                     .execute(&mut tx)
                     .await?;
-                    let n = sql::<D>(&format!("DELETE FROM {table} AS r WHERE {keyed}")).bind(bound).execute(&mut tx).await?;
+                    let n = sql::<D>(&format!("{keys} DELETE FROM {table} WHERE id IN (SELECT r.id FROM {rows})"))
+                        .bind(bound)
+                        .bind(top)
+                        .execute(&mut tx)
+                        .await?;
                     tx.commit().await?;
                     Some(n as i64)
                 }
