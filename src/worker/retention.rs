@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::RetentionSettings,
     domain::{Prompt, Trace},
-    store::{DynStore, Expiring, StoreError, TraceExpiry, minute_rollup_cutoff},
+    store::{DynStore, Expiring, StoreError, TraceExpiry, minute_rollup_cutoff, second_rollup_cutoff},
 };
 
 /// Inbound webhook ids are kept this long: far past the signature tolerance,
@@ -181,17 +181,20 @@ impl Pruner {
                     }
                 }
             }
-            let before = minute_rollup_cutoff(now);
-            loop {
-                let started = Instant::now();
-                let n = self.store.prune_minute_rollups(&prompt.name, before, limit).await?;
-                batch_done(started);
-                *report.other.entry("minute_rollups").or_default() += n;
-                count("minute_rollups", n);
-                if n < u64::from(limit) || stop.is_cancelled() {
-                    break;
+            for (what, width, before) in
+                [("minute_rollups", 60, minute_rollup_cutoff(now)), ("second_rollups", 1, second_rollup_cutoff(now))]
+            {
+                loop {
+                    let started = Instant::now();
+                    let n = self.store.prune_rollups(&prompt.name, width, before, limit).await?;
+                    batch_done(started);
+                    *report.other.entry(what).or_default() += n;
+                    count(what, n);
+                    if n < u64::from(limit) || stop.is_cancelled() {
+                        break;
+                    }
+                    self.pause().await;
                 }
-                self.pause().await;
             }
         }
         for (what, cutoff) in self.other_cutoffs(now) {
