@@ -3,8 +3,8 @@
 //! their OTLP spans, reflections and round links) by each prompt's own
 //! retention or the server's, finished rounds' bulky detail (kept: the round
 //! and its usage totals), outbound events with their deliveries, idempotency
-//! keys past their TTL, inbound webhook ids, and minute rollups past the
-//! horizon readers use — in batches of `retention.batch_size` rows, each its
+//! keys past their TTL, inbound webhook ids, and minute and second rollups
+//! past the horizons readers use — in batches of `retention.batch_size` rows, each its
 //! own short transaction, with a pause between batches. Consumed traces are
 //! first appended to the archive when `retention.archive_dir` is set; if that
 //! fails nothing is deleted. The label history and the outcome rollups of
@@ -55,7 +55,7 @@ pub struct PruneReport {
     /// Consumed traces appended to the archive first.
     pub archived: u64,
     /// Other rows: `round_details` (rounds compacted), `webhook_events`,
-    /// `idempotency_keys`, `inbound_webhook_ids`, `minute_rollups`.
+    /// `idempotency_keys`, `inbound_webhook_ids`, `minute_rollups`, `second_rollups`.
     pub other: BTreeMap<&'static str, u64>,
 }
 
@@ -122,7 +122,7 @@ impl Pruner {
         }
     }
 
-    /// What a pass at `now` would delete (minute rollups are not counted).
+    /// What a pass at `now` would delete (minute and second rollups are not counted).
     pub async fn dry_run(&self, now: DateTime<Utc>) -> Result<PruneReport, PruneError> {
         let mut report = PruneReport::default();
         for prompt in self.prompts().await? {
