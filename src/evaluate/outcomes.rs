@@ -5,7 +5,8 @@
 //! means, and a bucketed series for charts). The store keeps the buckets as
 //! rollups maintained with every trace write (late feedback replaces its old
 //! contribution at once); [`rollup_window`] and [`rollup_reads`] say which
-//! rollup rows answer a window, whose partial minutes come from trace rows.
+//! rollup rows answer a window: only rollup rows are read, never the traces,
+//! so a read costs the same however many traces arrived in its window.
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -27,33 +28,45 @@ pub const MAX_ABS_VALUE: f64 = 1e12;
 /// read at hour resolution (see [`rollup_window`]).
 pub const MINUTE_ROLLUP_DAYS: i64 = 8;
 
+/// Second rollups are kept this many hours; a window edge within them is read
+/// to the second, an older one to the minute (see [`rollup_window`]).
+pub const SECOND_ROLLUP_HOURS: i64 = 2;
+
 /// Widths of the rollup tiers in seconds, coarsest first.
-pub const ROLLUP_TIERS: [i64; 3] = [86_400, 3_600, 60];
+pub const ROLLUP_TIERS: [i64; 4] = [86_400, 3_600, 60, 1];
 
 /// The window and bucket width read for a request of `[from, until)` with
-/// series buckets `bucket_secs` wide, at `now`: edges within the last
-/// [`MINUTE_ROLLUP_DAYS`] are exact (their partial minutes are read from the
-/// trace rows), older ones are rounded up to the hour (only hour rows are kept
-/// that long); the bucket width is rounded up to whole minutes (whole hours
-/// when the window starts before that horizon). Applying it twice changes
-/// nothing, so the HTTP layer reports exactly what the store reads.
+/// series buckets `bucket_secs` wide, at `now`: each edge rounded up to the
+/// second when it is within the last [`SECOND_ROLLUP_HOURS`], to the minute
+/// when within the last [`MINUTE_ROLLUP_DAYS`], else to the hour (the finest
+/// rollup rows kept that long); the bucket width rounded up to whole minutes
+/// (whole hours when the window starts before the minute horizon). Every
+/// edge then falls on a rollup bucket, so the window is read from rollup rows
+/// alone: a window ending now holds the current second's rows, and no trace
+/// is newer than now. Applying it twice changes nothing, so the HTTP layer
+/// reports exactly what the store reads.
 pub fn rollup_window(
     from: DateTime<Utc>,
     until: DateTime<Utc>,
     bucket_secs: i64,
     now: DateTime<Utc>,
 ) -> (DateTime<Utc>, DateTime<Utc>, i64) {
-    let horizon = now.timestamp() - MINUTE_ROLLUP_DAYS * 86_400;
+    let seconds = now.timestamp() - SECOND_ROLLUP_HOURS * 3_600;
+    let minutes = now.timestamp() - MINUTE_ROLLUP_DAYS * 86_400;
     let edge = |t: DateTime<Utc>| {
-        if t.timestamp() >= horizon {
-            t
+        let s = t.timestamp() + i64::from(t.timestamp_subsec_nanos() > 0);
+        let step = if s >= seconds {
+            1
+        } else if s >= minutes {
+            60
         } else {
-            DateTime::from_timestamp(ceil_to(t.timestamp(), 3_600), 0).unwrap_or(t)
-        }
+            3_600
+        };
+        DateTime::from_timestamp(ceil_to(s, step), 0).unwrap_or(t)
     };
     let until = edge(until);
     let from = edge(from).min(until);
-    let bucket = ceil_to(bucket_secs.max(60), if from.timestamp() < horizon { 3_600 } else { 60 });
+    let bucket = ceil_to(bucket_secs.max(60), if from.timestamp() < minutes { 3_600 } else { 60 });
     (from, until, bucket)
 }
 
@@ -67,7 +80,6 @@ pub fn ceil_to(t: i64, step: i64) -> i64 {
 /// from the coarsest tier that fits inside the window without crossing a
 /// series bucket's edge (a tier qualifies when it divides `bucket_secs`).
 pub fn rollup_reads(from: i64, until: i64, bucket_secs: i64) -> Vec<(i64, i64, i64)> {
-    debug_assert!(from % 60 == 0 && until % 60 == 0, "rollup rows are read in whole minutes");
     let tiers: Vec<i64> = ROLLUP_TIERS.into_iter().filter(|w| bucket_secs % w == 0).collect();
     let mut out = Vec::new();
     split(from, until, &tiers, &mut out);
@@ -249,24 +261,39 @@ mod tests {
     }
 
     #[test]
-    fn rollup_windows_keep_recent_edges_and_round_old_ones_and_are_stable() {
+    fn rollup_windows_round_edges_up_to_the_rows_kept_and_are_stable() {
         let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
         let at = |s: i64| DateTime::from_timestamp(s, 0).unwrap();
-        let (f, u, b) = rollup_window(at(1_799_996_401), at(1_800_000_000), 90, now);
-        assert_eq!((f, u, b), (at(1_799_996_401), now, 120));
+        let us = |s: i64, us: i64| DateTime::from_timestamp_micros(s * 1_000_000 + us).unwrap();
+        // Within the second horizon: a fraction of a second rounds up, a whole second stays.
+        let (f, u, b) = rollup_window(us(1_799_996_401, 300_000), us(1_800_000_000, 1), 90, now);
+        assert_eq!((f, u, b), (at(1_799_996_402), at(1_800_000_001), 120));
+        assert_eq!(rollup_window(f, u, b, now), (f, u, b), "stable");
+        assert_eq!(rollup_window(at(1_799_996_401), now, 60, now), (at(1_799_996_401), now, 60));
+        // Past it, to the minute: there are no second rows to read there.
+        let early = 1_800_000_000 - SECOND_ROLLUP_HOURS * 3_600 - 61;
+        let (f, u, b) = rollup_window(us(early, 5), now, 60, now);
+        assert_eq!((f, u, b), (at(ceil_to(early, 60)), now, 60));
         assert_eq!(rollup_window(f, u, b, now), (f, u, b), "stable");
         // A window starting before the minute horizon: that edge and the bucket go to hours.
         let old = now - chrono::Duration::days(MINUTE_ROLLUP_DAYS + 2);
         let (f, u, b) = rollup_window(old + chrono::Duration::seconds(61), now, 900, now);
         assert_eq!((f.timestamp() % 3_600, u, b), (0, now, 3_600));
         assert_eq!(rollup_window(f, u, b, now), (f, u, b));
+        // An empty window stays empty.
+        let (f, u, _) = rollup_window(us(1_799_999_000, 10), us(1_799_999_000, 20), 60, now);
+        assert_eq!((f, u), (at(1_799_999_001), at(1_799_999_001)));
     }
 
     #[test]
     fn rollup_reads_cover_the_window_once_from_the_coarsest_rows() {
-        for (from, until, bucket) in
-            [(60, 200_000 * 60, 3_600), (86_400 * 3 + 120, 86_400 * 9 + 3_660, 86_400), (0, 60, 60)]
-        {
+        for (from, until, bucket) in [
+            (60, 200_000 * 60, 3_600),
+            (86_400 * 3 + 120, 86_400 * 9 + 3_660, 86_400),
+            (0, 60, 60),
+            (86_400 * 3 + 17, 86_400 * 9 + 3_661, 3_600),
+            (59, 61, 60),
+        ] {
             let reads = rollup_reads(from, until, bucket);
             let mut at = from;
             for (w, a, b) in &reads {
@@ -275,10 +302,11 @@ mod tests {
                 at = *b;
             }
             assert_eq!(at, until, "{reads:?}");
-            assert!(reads.len() <= 5, "{reads:?}");
+            assert!(reads.len() <= 7, "{reads:?}");
         }
-        // 900-second buckets cannot use hour rows.
+        // 900-second buckets cannot use hour rows; second rows only for partial minutes.
         assert!(rollup_reads(0, 86_400, 900).iter().all(|(w, _, _)| *w == 60));
+        assert_eq!(rollup_reads(30, 150, 60), vec![(1, 30, 60), (60, 60, 120), (1, 120, 150)]);
     }
 
     #[test]

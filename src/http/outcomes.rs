@@ -112,8 +112,8 @@ fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, Dat
         Some(b) => parse_span("bucket", b)?.max((range + MAX_BUCKETS - 1) / MAX_BUCKETS),
         None => AUTO_BUCKETS.into_iter().find(|b| range / b <= AUTO_TARGET).unwrap_or(604_800),
     };
-    // What the rollups answer exactly: edges to the minute (the hour, past their
-    // minute horizon), buckets of whole minutes. The answer says what was read.
+    // What the rollups answer exactly: ends to the second (the minute, the hour,
+    // past those horizons), buckets of whole minutes. The answer says what was read.
     Ok(rollup_window(from, until, bucket, now))
 }
 

@@ -41,7 +41,7 @@ pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
 pub use prompts::PromptStore;
 pub use retention::{Expiring, Retention, TraceExpiry};
-pub use rollups::{Rollups, minute_rollup_cutoff};
+pub use rollups::{Rollups, minute_rollup_cutoff, second_rollup_cutoff};
 pub use rounds::{Backlog, ClaimedRound, OpenRound, RoundCall, RoundFailure, RoundStore, TraceCharges, TraceFault};
 pub use sessions::SessionStore;
 pub use traces::{TraceAction, TraceStore};

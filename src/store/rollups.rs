@@ -1,7 +1,10 @@
 //! Outcome rollups: per (prompt, version, time bucket) sums of what traces
-//! count for (rewards, scores, usage), and per (version, task key, minute)
-//! reward sums, so every read of outcomes costs O(buckets), not O(traces),
-//! and outcomes outlive the traces retention deletes.
+//! count for (rewards, scores, usage), and per (version, task key, minute or
+//! second) reward sums, so every read of outcomes costs O(buckets), not
+//! O(traces), and outcomes outlive the traces retention deletes. Reads never
+//! touch the trace rows: a window's edges fall on rollup buckets (second rows
+//! for recent edges, see [`rollup_window`]), so a read costs the same however
+//! many traces arrived in it, the current second included.
 //!
 //! Writes only ever append signed delta rows, inside the transaction of the
 //! trace write they account for: a trace's contribution *as it is now* is
@@ -23,7 +26,8 @@ use super::{
 use crate::{
     domain::PromptName,
     evaluate::outcomes::{
-        COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, TOKENS_KEY, ceil_to, rollup_reads, rollup_window,
+        COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, SECOND_ROLLUP_HOURS, TOKENS_KEY, rollup_reads,
+        rollup_window,
     },
     evaluate::stats::Moments,
 };
@@ -52,13 +56,18 @@ const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, wi
      score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq, latency_n, latency_sum, \
      latency_sq";
 
-const TIER_WIDTHS: &str = "(SELECT 60 AS width UNION ALL SELECT 3600 UNION ALL SELECT 86400) w";
+const TIER_WIDTHS: &str = "(SELECT 1 AS width UNION ALL SELECT 60 UNION ALL SELECT 3600 UNION ALL SELECT 86400) w";
+
+/// The task rollups' tiers: seconds for the edges, minutes for the rest.
+const TASK_WIDTHS: &str = "(SELECT 1 AS width UNION ALL SELECT 60) w";
+
+/// Widths the task rollups keep, coarsest first.
+const TASK_TIERS: [i64; 2] = [60, 1];
 
 /// SQL: the outcome columns of one trace row `t`, read from its feedback and
 /// metadata: `success` (1.0 / 0.0, or NULL), `rewarded` (it carries a
 /// success flag or a numeric score), `score`, and the usage `tokens`, `cost`
-/// and `latency`. What the outcome rollups sum, and the partial minutes at a
-/// window's edges are read from.
+/// and `latency`: what the outcome rollups sum.
 fn outcome_columns<D: Dialect>() -> String {
     format!(
         "{success} AS success, ({is_flag} OR {is_number}) AS rewarded, {score} AS score, {tokens} AS tokens, \
@@ -130,18 +139,19 @@ pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign
 }
 
 /// The same for the per-task reward rows: rewarded traces that name a
-/// version and carry a string `metadata.task_key`, per minute.
+/// version and carry a string `metadata.task_key`, per minute and per second.
 pub(crate) fn task_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
     let (reward, keyed) = task_reward_columns::<D>();
     format!(
-        "INSERT INTO task_rollups (prompt_id, version, task_key, start_secs, traces, reward_sum)
-         SELECT prompt_id, version, task_key, start_secs, {s}count(*), {s}{total}
-         FROM (SELECT t.prompt_id, t.prompt_version AS version, {start} AS start_secs, {reward}
-               FROM {source} WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed}) r
-         WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, start_secs",
+        "INSERT INTO task_rollups (prompt_id, version, task_key, width, start_secs, traces, reward_sum)
+         SELECT prompt_id, version, task_key, width, start_secs, {s}count(*), {s}{total}
+         FROM (SELECT t.prompt_id, t.prompt_version AS version, w.width, {start} AS start_secs, {reward}
+               FROM {source} CROSS JOIN {TASK_WIDTHS}
+               WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed}) r
+         WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, width, start_secs",
         total = D::real("sum(reward)"),
-        start = D::bucket_start("60"),
+        start = D::bucket_start("w.width"),
     )
 }
 
@@ -165,48 +175,6 @@ pub(crate) async fn account<D: Dialect>(
     Ok(())
 }
 
-/// `[start, end)` in Unix seconds.
-type Span = (i64, i64);
-
-/// `[start, end)`: a partial minute at a window's edge.
-type Edge = (DateTime<Utc>, DateTime<Utc>);
-
-/// The whole minutes inside `[from, until)` (as Unix seconds), and the partial
-/// minutes at its edges, which are read from the trace rows (at most two
-/// minutes of one prompt's traces, through `traces_by_prompt_time`). Split
-/// at the microsecond, the precision both stores keep: a window ending a
-/// fraction of a second past a minute has that fraction as an edge, and one
-/// starting a fraction past a minute does not read that whole minute.
-fn split_minutes(from: DateTime<Utc>, until: DateTime<Utc>) -> (Option<Span>, Vec<Edge>) {
-    const MINUTE_US: i64 = 60_000_000;
-    let (f, u) = (from.timestamp_micros(), until.timestamp_micros());
-    if f >= u {
-        return (None, Vec::new());
-    }
-    let (a, b) = (ceil_to(f, MINUTE_US), u.div_euclid(MINUTE_US) * MINUTE_US);
-    if a >= b {
-        return (None, vec![(from, until)]);
-    }
-    let at = |us: i64| DateTime::from_timestamp_micros(us).unwrap_or_default();
-    let mut edges = Vec::new();
-    if f < a {
-        edges.push((from, at(a)));
-    }
-    if b < u {
-        edges.push((at(b), until));
-    }
-    (Some((a / 1_000_000, b / 1_000_000)), edges)
-}
-
-/// SQL: a trace row's `created_at` in one of `n` edges, each bound as two
-/// parameters named by `param` (in the order the edges are bound).
-fn edges_condition(n: usize, param: &mut impl FnMut() -> String) -> String {
-    (0..n)
-        .map(|_| format!("(t.created_at >= {} AND t.created_at < {})", param(), param()))
-        .collect::<Vec<_>>()
-        .join(" OR ")
-}
-
 /// `versions` as runs of consecutive numbers, `(first, last)`, ascending.
 fn version_runs(versions: &[i64]) -> Vec<(i64, i64)> {
     let mut sorted = versions.to_vec();
@@ -223,9 +191,9 @@ fn version_runs(versions: &[i64]) -> Vec<(i64, i64)> {
 }
 
 /// [`super::Store::version_outcomes`]: the window as [`rollup_window`] keeps
-/// it, its whole minutes from the coarsest rollup rows that fit, its partial
-/// minutes from the trace rows; only the `versions` given (0: traces that
-/// named none), when given.
+/// it, read from the coarsest rollup rows that fit (whole days, hours and
+/// minutes; seconds at a recent window's partial minutes); only the
+/// `versions` given (0: traces that named none), when given.
 ///
 /// The version is the last column of the rollups' window index, and each
 /// run of consecutive versions is its own range condition next to the
@@ -245,115 +213,63 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
         return Ok(Vec::new());
     }
     let (from, until, bucket) = rollup_window(from, until, bucket_secs, Utc::now());
-    let (whole, edges) = split_minutes(from, until);
-    // One statement: the rollup rows of the whole minutes, then the trace rows
-    // of the partial ones, each group summed (one round trip). Parameters are
-    // numbered in the order they are bound.
-    let mut parts = Vec::new();
+    let reads = rollup_reads(from.timestamp(), until.timestamp(), bucket);
+    if reads.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Parameters are numbered in the order they are bound.
     let mut n = 2; // $1 the prompt, $2 the bucket width
     let mut param = || {
         n += 1;
         format!("${n}")
     };
-    let reads = whole.map(|(a, b)| rollup_reads(a, b, bucket)).unwrap_or_default();
+    let ranges: Vec<String> = reads
+        .iter()
+        .map(|_| format!("width = {} AND start_secs >= {} AND start_secs < {}", param(), param(), param()))
+        .collect();
     let runs = versions.map(version_runs).unwrap_or_default();
-    if !reads.is_empty() {
-        let ranges: Vec<String> = reads
-            .iter()
-            .map(|_| format!("width = {} AND start_secs >= {} AND start_secs < {}", param(), param(), param()))
-            .collect();
-        let ranges = match versions {
-            None => ranges.iter().map(|r| format!("({r})")).collect::<Vec<_>>().join(" OR "),
-            Some(_) => {
-                let runs: Vec<String> =
-                    runs.iter().map(|_| format!("version >= {} AND version <= {}", param(), param())).collect();
-                ranges
-                    .iter()
-                    .flat_map(|r| runs.iter().map(move |v| format!("({r} AND {v})")))
-                    .collect::<Vec<_>>()
-                    .join(" OR ")
-            }
-        };
-        // Columns in the order of the trace-row part below (UNION ALL matches by position).
-        let counts = ["traces", "with_feedback", "success_trials", "successes"]
-            .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
-            .join(", ");
-        let moments = MOMENTS
-            .map(|c| {
-                format!(
-                    "CAST(sum({c}_n) AS BIGINT) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
-                    D::real(&format!("sum({c}_sum)")),
-                    D::real(&format!("sum({c}_sq)"))
-                )
-            })
-            .join(", ");
-        parts.push(format!(
-            "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {counts}, {moments}
-             FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
-             GROUP BY 1, 2 HAVING sum(traces) > 0"
-        ));
-    }
-    if !edges.is_empty() {
-        let trace_versions = match versions {
-            Some(_) => format!(" AND {}", D::any_of("coalesce(t.prompt_version, 0)", &param())),
-            None => String::new(),
-        };
-        let within = edges_condition(edges.len(), &mut param);
-        parts.push(format!(
-            "SELECT version, start, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
-                    count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes, {aggs}
-             FROM (SELECT t.prompt_version AS version, {start} AS start, {outcome}
-                   FROM traces t
-                   WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({within})
-                     AND t.quarantined_at IS NULL{trace_versions}) v
-             GROUP BY version, start",
-            start = D::bucket_start("$2"),
-            outcome = outcome_columns::<D>(),
-            aggs = moment_sums::<D>("", true),
-        ));
-    }
-    if parts.is_empty() {
-        return Ok(Vec::new());
-    }
-    let text = parts.join(" UNION ALL ");
+    let ranges = match versions {
+        None => ranges.iter().map(|r| format!("({r})")).collect::<Vec<_>>().join(" OR "),
+        Some(_) => {
+            let runs: Vec<String> =
+                runs.iter().map(|_| format!("version >= {} AND version <= {}", param(), param())).collect();
+            ranges
+                .iter()
+                .flat_map(|r| runs.iter().map(move |v| format!("({r} AND {v})")))
+                .collect::<Vec<_>>()
+                .join(" OR ")
+        }
+    };
+    let counts = ["traces", "with_feedback", "success_trials", "successes"]
+        .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
+        .join(", ");
+    let moments = MOMENTS
+        .map(|c| {
+            format!(
+                "CAST(sum({c}_n) AS BIGINT) AS {c}_n, {} AS {c}_sum, {} AS {c}_sq",
+                D::real(&format!("sum({c}_sum)")),
+                D::real(&format!("sum({c}_sq)"))
+            )
+        })
+        .join(", ");
+    let text = format!(
+        "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {counts}, {moments}
+         FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
+         GROUP BY 1, 2 HAVING sum(traces) > 0"
+    );
     let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(bucket);
-    if !reads.is_empty() {
-        for (w, a, b) in reads {
-            query = query.bind(w).bind(a).bind(b);
-        }
-        for (first, last) in runs {
-            query = query.bind(first).bind(last);
-        }
+    for (w, a, b) in reads {
+        query = query.bind(w).bind(a).bind(b);
     }
-    if let Some(versions) = versions.filter(|_| !edges.is_empty()) {
-        query = query.bind(Param::Ints(Some(versions)));
+    for (first, last) in runs {
+        query = query.bind(first).bind(last);
     }
-    for (x, y) in edges {
-        query = query.bind(x).bind(y);
-    }
-    let out = query.map(&mut *s.reader.acquire().await?, outcome_bucket_from_row::<D>).await?;
-    // One bucket per (version, start), whatever it was read from.
-    let mut merged: std::collections::BTreeMap<(Option<i64>, i64), OutcomeBucket> = Default::default();
-    for b in out {
-        let m = merged.entry((b.version, b.start)).or_insert(OutcomeBucket {
-            version: b.version,
-            start: b.start,
-            ..Default::default()
-        });
-        m.traces += b.traces;
-        m.with_feedback += b.with_feedback;
-        m.success_trials += b.success_trials;
-        m.successes += b.successes;
-        m.score = m.score.combined(&b.score);
-        m.tokens = m.tokens.combined(&b.tokens);
-        m.cost_usd = m.cost_usd.combined(&b.cost_usd);
-        m.latency_ms = m.latency_ms.combined(&b.latency_ms);
-    }
-    Ok(merged.into_values().collect())
+    query.map(&mut *s.reader.acquire().await?, outcome_bucket_from_row::<D>).await
 }
 
-/// [`super::Store::task_rewards`]: whole minutes from the task rollups, the
-/// partial minutes at the edges from the trace rows, in one statement.
+/// [`super::Store::task_rewards`]: the window as [`rollup_window`] keeps it,
+/// from the task rollups' minute rows, and their second rows at a recent
+/// window's partial minutes.
 pub(crate) async fn read_task_rewards<D: Backend>(
     s: &SqlStore<D>,
     prompt: &PromptName,
@@ -361,69 +277,48 @@ pub(crate) async fn read_task_rewards<D: Backend>(
     until: DateTime<Utc>,
 ) -> StoreResult<Vec<TaskRewards>> {
     let (from, until, _) = rollup_window(from, until, 60, Utc::now());
-    let (whole, edges) = split_minutes(from, until);
-    let mut parts = Vec::new();
+    // Minute rows for whole minutes, second rows for the rest (the tiers that divide a minute).
+    let reads: Vec<(i64, i64, i64)> = rollup_reads(from.timestamp(), until.timestamp(), 60)
+        .into_iter()
+        .inspect(|(w, _, _)| debug_assert!(TASK_TIERS.contains(w)))
+        .collect();
+    if reads.is_empty() {
+        return Ok(Vec::new());
+    }
     let mut n = 1; // $1 the prompt
     let mut param = || {
         n += 1;
         format!("${n}")
     };
-    if whole.is_some() {
-        parts.push(format!(
-            "SELECT version, task_key, CAST(sum(traces) AS BIGINT) AS n, {total} AS total FROM task_rollups
-             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND start_secs >= {a} AND start_secs < {b}
-             GROUP BY version, task_key HAVING sum(traces) > 0",
-            total = D::real("sum(reward_sum)"),
-            a = param(),
-            b = param(),
-        ));
-    }
-    if !edges.is_empty() {
-        let within = edges_condition(edges.len(), &mut param);
-        let (reward, keyed) = task_reward_columns::<D>();
-        parts.push(format!(
-            "SELECT version, task_key, count(reward) AS n, {total} AS total
-             FROM (SELECT t.prompt_version AS version, {reward}
-                   FROM traces t
-                   WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({within})
-                     AND t.quarantined_at IS NULL AND t.prompt_version IS NOT NULL AND {keyed}) r
-             WHERE reward IS NOT NULL GROUP BY version, task_key",
-            total = D::real("coalesce(sum(reward), 0)"),
-        ));
-    }
-    if parts.is_empty() {
-        return Ok(Vec::new());
-    }
-    let text = parts.join(" UNION ALL ");
+    let ranges = reads
+        .iter()
+        .map(|_| format!("(width = {} AND start_secs >= {} AND start_secs < {})", param(), param(), param()))
+        .collect::<Vec<_>>()
+        .join(" OR ");
+    let text = format!(
+        "SELECT version, task_key, CAST(sum(traces) AS BIGINT) AS n, {total} AS total FROM task_rollups
+         WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
+         GROUP BY version, task_key HAVING sum(traces) > 0",
+        total = D::real("sum(reward_sum)"),
+    );
     let mut query = sql::<D>(&text).bind(prompt.as_str());
-    if let Some((a, b)) = whole {
-        query = query.bind(a).bind(b);
+    for (w, a, b) in reads {
+        query = query.bind(w).bind(a).bind(b);
     }
-    for (x, y) in edges {
-        query = query.bind(x).bind(y);
-    }
-    let rows = query
+    let mut rows = query
         .map(&mut *s.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
-            Ok((
-                r.get::<i64>("version")?,
-                r.get::<String>("task_key")?,
-                r.get::<i64>("n")?.max(0) as u64,
-                r.get::<f64>("total")?,
-            ))
+            Ok(TaskRewards {
+                version: r.get::<i64>("version")?,
+                task_key: r.get::<String>("task_key")?,
+                traces: r.get::<i64>("n")?.max(0) as u64,
+                reward_sum: r.get::<f64>("total")?,
+            })
         })
         .await?;
-    // One sum per (version, task key), whatever it was read from.
-    let mut sums: std::collections::BTreeMap<(i64, String), (u64, f64)> = Default::default();
-    for (v, k, n, t) in rows {
-        let e = sums.entry((v, k)).or_default();
-        *e = (e.0 + n, e.1 + t);
-    }
-    Ok(sums
-        .into_iter()
-        .filter(|(_, (n, _))| *n > 0)
-        .map(|((version, task_key), (traces, reward_sum))| TaskRewards { version, task_key, traces, reward_sum })
-        .collect())
+    // By version, then task key as bytes (not as the database collates text).
+    rows.sort_by(|a, b| (a.version, &a.task_key).cmp(&(b.version, &b.task_key)));
+    Ok(rows)
 }
 
 /// Upkeep of the rollups, run by the worker.
@@ -433,9 +328,16 @@ pub trait Rollups: Send + Sync {
     /// row per key (a key whose traces all went is dropped); how many rows
     /// were folded. Sums are unchanged, whatever writes run meanwhile.
     async fn compact_rollups(&self, limit: u32) -> StoreResult<u64>;
-    /// Deletes up to `limit` of the prompt's minute rows (outcome and task
-    /// rollups) that start before `before`; how many.
-    async fn prune_minute_rollups(&self, prompt: &PromptName, before: DateTime<Utc>, limit: u32) -> StoreResult<u64>;
+    /// Deletes up to `limit` of the prompt's rows of one pruned tier (`width`
+    /// 60: minute rows, 1: second rows; outcome and task rollups) that start
+    /// before `before`; how many.
+    async fn prune_rollups(
+        &self,
+        prompt: &PromptName,
+        width: i64,
+        before: DateTime<Utc>,
+        limit: u32,
+    ) -> StoreResult<u64>;
 }
 
 /// Minute rows start this long before now at the latest when they are pruned
@@ -444,8 +346,14 @@ pub fn minute_rollup_cutoff(now: DateTime<Utc>) -> DateTime<Utc> {
     now - chrono::Duration::days(MINUTE_ROLLUP_DAYS + 1)
 }
 
+/// Second rows start this long before now at the latest when they are pruned
+/// (an hour more than readers use them, see [`SECOND_ROLLUP_HOURS`]).
+pub fn second_rollup_cutoff(now: DateTime<Utc>) -> DateTime<Utc> {
+    now - chrono::Duration::hours(SECOND_ROLLUP_HOURS + 1)
+}
+
 const OUTCOME_KEY: &str = "prompt_id, version, width, start_secs";
-const TASK_KEY: &str = "prompt_id, version, task_key, start_secs";
+const TASK_KEY: &str = "prompt_id, version, task_key, width, start_secs";
 
 fn folded_sums(table: &str) -> &'static str {
     if table == "outcome_rollups" {
@@ -463,7 +371,7 @@ impl<D: Backend> Rollups for SqlStore<D> {
         let mut folded = 0;
         for (table, key, columns) in [
             ("outcome_rollups", OUTCOME_KEY, OUTCOME_COLUMNS),
-            ("task_rollups", TASK_KEY, "prompt_id, version, task_key, start_secs, traces, reward_sum"),
+            ("task_rollups", TASK_KEY, "prompt_id, version, task_key, width, start_secs, traces, reward_sum"),
         ] {
             let sums = folded_sums(table);
             let matches = key.split(", ").map(|k| format!("r.{k} = k.{k}")).collect::<Vec<_>>().join(" AND ");
@@ -483,28 +391,42 @@ impl<D: Backend> Rollups for SqlStore<D> {
                     sql::<D>(&text).bind(i64::from(limit)).value::<i64>(&mut *self.writer.acquire().await?, "n").await?
                 }
                 // The single writer: nothing else writes between these statements.
-                // Rows up to the `limit`-th uncompacted one, of the keys among them.
+                // The keys among the rows up to the `limit`-th uncompacted one, each
+                // folded whole: every row it has (compacted ones of earlier passes
+                // too), so a key whose rows are all gone is dropped, never a part of
+                // one that sums to no traces (late feedback's take-back and re-add)
+                // while its other columns do not.
                 StoreKind::Sqlite => {
                     let mut tx = self.writer.begin().await?;
-                    let bound: Option<i64> = sql::<D>(&format!(
-                        "SELECT max(id) AS m FROM (SELECT id FROM {table} WHERE compacted = 0 ORDER BY id LIMIT $1)"
+                    let bounds = sql::<D>(&format!(
+                        "SELECT (SELECT max(id) FROM (SELECT id FROM {table} WHERE compacted = 0 ORDER BY id LIMIT $1))
+                                    AS bound,
+                                (SELECT max(id) FROM {table}) AS top"
                     ))
                     .bind(i64::from(limit))
-                    .value::<Option<i64>>(&mut tx, "m")
-                    .await?
-                    .flatten();
-                    let Some(bound) = bound else { continue };
-                    let keyed = format!(
-                        "r.id <= $1 AND EXISTS (SELECT 1 FROM {table} k WHERE k.compacted = 0 AND k.id <= $1 AND {matches})"
-                    );
+                    .map(&mut tx, |row| {
+                        let r = Cols::<D>(row);
+                        Ok((r.get::<Option<i64>>("bound")?, r.get::<Option<i64>>("top")?))
+                    })
+                    .await?;
+                    let Some(&(Some(bound), Some(top))) = bounds.first() else { continue };
+                    let keys =
+                        format!("WITH k AS (SELECT DISTINCT {key} FROM {table} WHERE compacted = 0 AND id <= $1)");
+                    let rows = format!("{table} r JOIN k ON {matches} WHERE r.id <= $2");
                     sql::<D>(&format!(
-                        "INSERT INTO {table} ({columns}, compacted)
-                         SELECT {key}, {sums}, 1 FROM {table} r WHERE {keyed} GROUP BY {key} HAVING sum(traces) <> 0"
+                        "{keys} INSERT INTO {table} ({columns}, compacted)
+                         SELECT {r_key}, {sums}, 1 FROM {rows} GROUP BY {r_key} HAVING sum(traces) <> 0",
+                        r_key = key.split(", ").map(|k| format!("r.{k}")).collect::<Vec<_>>().join(", "),
                     ))
                     .bind(bound)
+                    .bind(top)
                     .execute(&mut tx)
                     .await?;
-                    let n = sql::<D>(&format!("DELETE FROM {table} AS r WHERE {keyed}")).bind(bound).execute(&mut tx).await?;
+                    let n = sql::<D>(&format!("{keys} DELETE FROM {table} WHERE id IN (SELECT r.id FROM {rows})"))
+                        .bind(bound)
+                        .bind(top)
+                        .execute(&mut tx)
+                        .await?;
                     tx.commit().await?;
                     Some(n as i64)
                 }
@@ -515,18 +437,25 @@ impl<D: Backend> Rollups for SqlStore<D> {
         Ok(folded)
     }
 
-    async fn prune_minute_rollups(&self, prompt: &PromptName, before: DateTime<Utc>, limit: u32) -> StoreResult<u64> {
+    async fn prune_rollups(
+        &self,
+        prompt: &PromptName,
+        width: i64,
+        before: DateTime<Utc>,
+        limit: u32,
+    ) -> StoreResult<u64> {
         let before = before.timestamp();
         let mut n = 0;
-        for (table, minute) in [("outcome_rollups", "width = 60 AND "), ("task_rollups", "")] {
+        for table in ["outcome_rollups", "task_rollups"] {
             n += sql::<D>(&format!(
                 "DELETE FROM {table} WHERE id IN (
                      SELECT id FROM {table} WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3)
-                       AND {minute}start_secs < $1 LIMIT $2)"
+                       AND width = $4 AND start_secs < $1 LIMIT $2)"
             ))
             .bind(before)
             .bind(i64::from(limit))
             .bind(prompt.as_str())
+            .bind(width)
             .execute(&mut *self.writer.acquire().await?)
             .await?;
         }
@@ -563,48 +492,10 @@ pub(super) fn outcome_bucket_from_row<D: Dialect>(row: &D::Row) -> StoreResult<O
 mod tests {
     use super::*;
 
-    fn t(s: &str) -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339(s).unwrap().with_timezone(&Utc)
-    }
-
     #[test]
     fn versions_are_read_as_runs_of_consecutive_numbers() {
         assert_eq!(version_runs(&[7, 0, 5, 6, 1, 9, 6]), vec![(0, 1), (5, 7), (9, 9)]);
         assert_eq!(version_runs(&[3]), vec![(3, 3)]);
         assert!(version_runs(&[]).is_empty());
-    }
-
-    fn secs(s: &str) -> i64 {
-        t(s).timestamp()
-    }
-
-    #[test]
-    fn a_window_is_whole_minutes_and_its_partial_edges_to_the_microsecond() {
-        // Aligned: whole minutes only.
-        let (whole, edges) = split_minutes(t("2026-11-26T16:40:00Z"), t("2026-11-26T16:50:00Z"));
-        assert_eq!(whole, Some((secs("2026-11-26T16:40:00Z"), secs("2026-11-26T16:50:00Z"))));
-        assert!(edges.is_empty());
-        // Ending a fraction of a second past a minute: that fraction is an edge, not lost.
-        let (whole, edges) = split_minutes(t("2026-11-26T16:37:00Z"), t("2026-11-26T16:47:00.314159Z"));
-        assert_eq!(whole, Some((secs("2026-11-26T16:37:00Z"), secs("2026-11-26T16:47:00Z"))));
-        assert_eq!(edges, [(t("2026-11-26T16:47:00Z"), t("2026-11-26T16:47:00.314159Z"))]);
-        // Starting a fraction past a minute: that minute is an edge, not read whole.
-        let (whole, edges) = split_minutes(t("2026-11-26T16:37:00.5Z"), t("2026-11-26T16:47:30Z"));
-        assert_eq!(whole, Some((secs("2026-11-26T16:38:00Z"), secs("2026-11-26T16:47:00Z"))));
-        assert_eq!(
-            edges,
-            [
-                (t("2026-11-26T16:37:00.5Z"), t("2026-11-26T16:38:00Z")),
-                (t("2026-11-26T16:47:00Z"), t("2026-11-26T16:47:30Z"))
-            ]
-        );
-        // Inside one minute, or across one boundary with no whole minute: one edge, the window.
-        for (a, b) in
-            [("2026-11-26T16:47:00.2Z", "2026-11-26T16:47:00.9Z"), ("2026-11-26T16:46:59.9Z", "2026-11-26T16:47:00.1Z")]
-        {
-            assert_eq!(split_minutes(t(a), t(b)), (None, vec![(t(a), t(b))]));
-        }
-        // Empty.
-        assert_eq!(split_minutes(t("2026-11-26T16:47:00.3Z"), t("2026-11-26T16:47:00.3Z")), (None, Vec::new()));
     }
 }

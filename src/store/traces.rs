@@ -97,9 +97,11 @@ pub trait TraceStore: Send + Sync {
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction>;
     /// Per (version, time bucket) outcome aggregates of the prompt's traces
     /// created in `[from, until)`; buckets are `bucket_secs` wide, aligned to
-    /// the Unix epoch. Read from the rollups every trace write maintains (the
-    /// partial minutes at the edges from the trace rows), so late feedback
-    /// counts at once; windows as [`crate::evaluate::outcomes::rollup_window`] keeps them.
+    /// the Unix epoch. Read from the rollups every trace write maintains, and
+    /// only from them (never the trace rows), so late feedback counts at once
+    /// and a read costs the same however many traces arrived in the window;
+    /// windows as [`crate::evaluate::outcomes::rollup_window`] keeps them (ends
+    /// to the second when recent).
     /// Quarantined traces are left out: their rewards are not trusted.
     /// `versions`, when given, are the only versions read (0 stands for
     /// traces that named no version); what is left out costs nothing.

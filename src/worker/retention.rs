@@ -3,8 +3,8 @@
 //! their OTLP spans, reflections and round links) by each prompt's own
 //! retention or the server's, finished rounds' bulky detail (kept: the round
 //! and its usage totals), outbound events with their deliveries, idempotency
-//! keys past their TTL, inbound webhook ids, and minute rollups past the
-//! horizon readers use — in batches of `retention.batch_size` rows, each its
+//! keys past their TTL, inbound webhook ids, and minute and second rollups
+//! past the horizons readers use — in batches of `retention.batch_size` rows, each its
 //! own short transaction, with a pause between batches. Consumed traces are
 //! first appended to the archive when `retention.archive_dir` is set; if that
 //! fails nothing is deleted. The label history and the outcome rollups of
@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::RetentionSettings,
     domain::{Prompt, Trace},
-    store::{DynStore, Expiring, StoreError, TraceExpiry, minute_rollup_cutoff},
+    store::{DynStore, Expiring, StoreError, TraceExpiry, minute_rollup_cutoff, second_rollup_cutoff},
 };
 
 /// Inbound webhook ids are kept this long: far past the signature tolerance,
@@ -55,7 +55,7 @@ pub struct PruneReport {
     /// Consumed traces appended to the archive first.
     pub archived: u64,
     /// Other rows: `round_details` (rounds compacted), `webhook_events`,
-    /// `idempotency_keys`, `inbound_webhook_ids`, `minute_rollups`.
+    /// `idempotency_keys`, `inbound_webhook_ids`, `minute_rollups`, `second_rollups`.
     pub other: BTreeMap<&'static str, u64>,
 }
 
@@ -122,7 +122,7 @@ impl Pruner {
         }
     }
 
-    /// What a pass at `now` would delete (minute rollups are not counted).
+    /// What a pass at `now` would delete (minute and second rollups are not counted).
     pub async fn dry_run(&self, now: DateTime<Utc>) -> Result<PruneReport, PruneError> {
         let mut report = PruneReport::default();
         for prompt in self.prompts().await? {
@@ -181,17 +181,20 @@ impl Pruner {
                     }
                 }
             }
-            let before = minute_rollup_cutoff(now);
-            loop {
-                let started = Instant::now();
-                let n = self.store.prune_minute_rollups(&prompt.name, before, limit).await?;
-                batch_done(started);
-                *report.other.entry("minute_rollups").or_default() += n;
-                count("minute_rollups", n);
-                if n < u64::from(limit) || stop.is_cancelled() {
-                    break;
+            for (what, width, before) in
+                [("minute_rollups", 60, minute_rollup_cutoff(now)), ("second_rollups", 1, second_rollup_cutoff(now))]
+            {
+                loop {
+                    let started = Instant::now();
+                    let n = self.store.prune_rollups(&prompt.name, width, before, limit).await?;
+                    batch_done(started);
+                    *report.other.entry(what).or_default() += n;
+                    count(what, n);
+                    if n < u64::from(limit) || stop.is_cancelled() {
+                        break;
+                    }
+                    self.pause().await;
                 }
-                self.pause().await;
             }
         }
         for (what, cutoff) in self.other_cutoffs(now) {

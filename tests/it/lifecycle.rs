@@ -6,6 +6,7 @@
 
 use std::{collections::BTreeMap, io::Read as _};
 
+use chrono::{DateTime, Utc};
 use combee::{
     domain::{
         Feedback, LabelName, NewTrace, Promotion, PromptName, PromptSettings, RetentionOverride, Strategy, Trace,
@@ -290,6 +291,82 @@ async fn rollups_equal_a_scan_of_the_rows(b: Backend) {
     }
 }
 
+/// The totals of `traces` in `[from, until)` by a scan, and what the rollups
+/// answer for the same window (series buckets of a minute and of an hour,
+/// and the per-task rewards) are the same.
+async fn window_is_exact(s: &DynStore, traces: &[Trace], from: DateTime<Utc>, until: DateTime<Utc>, what: &str) {
+    let inside: Vec<Trace> = traces.iter().filter(|t| t.created_at >= from && t.created_at < until).cloned().collect();
+    let want = scan(&inside);
+    for bucket in [60, 3_600] {
+        let got = totals(&s.version_outcomes(&name("p"), from, until, bucket, None).await.unwrap());
+        assert!(same(&got, &want), "{what}, bucket {bucket}:\n rollups {got:?}\n scan    {want:?}");
+    }
+    let got: BTreeMap<(i64, String), (u64, f64)> = s
+        .task_rewards(&name("p"), from, until)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| ((t.version, t.task_key), (t.traces, t.reward_sum)))
+        .collect();
+    let want = scan_tasks(&inside);
+    let ok = got.len() == want.len()
+        && got.iter().zip(&want).all(|((ka, a), (kb, b))| ka == kb && a.0 == b.0 && (a.1 - b.1).abs() < 1e-9);
+    assert!(ok, "{what}: task rewards\n rollups {got:?}\n scan    {want:?}");
+}
+
+/// A burst of the last few seconds is counted exactly from rollup rows alone
+/// (no partial minute is read from the traces): 2,000 random traces in
+/// batches on both sides of a window edge at a whole second, late feedback
+/// on some, quarantines on others and one released. Before and after
+/// compaction, the whole burst, its part before the edge, its part from the
+/// edge and a window ending now each answer what a scan of the rows says.
+async fn a_burst_of_the_last_seconds_is_counted_exactly(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p", PromptSettings::default()).await;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20_261_127);
+    let started = chrono::Utc::now();
+    let mut ids: Vec<uuid::Uuid> = Vec::new();
+    let mut burst = async |rng: &mut rand_chacha::ChaCha8Rng| {
+        for _ in 0..10 {
+            let batch: Vec<ValidTrace> = (0..100).map(|_| valid(random_trace(rng, "p"))).collect();
+            ids.extend(s.insert_traces(&batch).await.unwrap());
+        }
+    };
+    burst(&mut rng).await;
+    // The edge: the next whole second.
+    let now = chrono::Utc::now();
+    let edge = DateTime::from_timestamp(now.timestamp() + 1, 0).unwrap();
+    tokio::time::sleep((edge - now).to_std().unwrap() + std::time::Duration::from_millis(5)).await;
+    burst(&mut rng).await;
+    let (late, quarantined): (Vec<_>, Vec<_>) = {
+        let picked: Vec<uuid::Uuid> = ids.choose_multiple(&mut rng, 250).copied().collect();
+        (picked[..200].to_vec(), picked[200..].to_vec())
+    };
+    for id in &late {
+        s.add_feedback(*id, random_feedback(&mut rng)).await.unwrap();
+    }
+    for id in &quarantined {
+        s.quarantine_trace(*id, "suspect").await.unwrap();
+    }
+    s.release_trace(quarantined[0]).await.unwrap();
+    let traces = all_traces(&s, "p").await;
+    assert_eq!(traces.len(), 2_000);
+    assert!(traces.iter().any(|t| t.created_at < edge) && traces.iter().any(|t| t.created_at >= edge));
+    for step in ["delta rows", "compacted"] {
+        if step == "compacted" {
+            while s.compact_rollups(1_000).await.unwrap() > 0 {}
+        }
+        let hour_ago = started - chrono::Duration::hours(1);
+        window_is_exact(&s, &traces, hour_ago, chrono::Utc::now(), &format!("{step}: ending now")).await;
+        window_is_exact(&s, &traces, hour_ago, edge, &format!("{step}: before the edge")).await;
+        let later = edge + chrono::Duration::minutes(5);
+        window_is_exact(&s, &traces, edge, later, &format!("{step}: from the edge")).await;
+        window_is_exact(&s, &traces, edge - chrono::Duration::seconds(1), edge, &format!("{step}: the second before"))
+            .await;
+    }
+}
+
 /// A round of the prompt taking its whole backlog.
 fn whole_backlog(prompt: &str) -> OpenRound {
     OpenRound {
@@ -523,7 +600,11 @@ fn prune_dry_run_says_what_would_go_then_prune_deletes_it() {
     });
 }
 
-on_both_stores!(rollups_equal_a_scan_of_the_rows, retention_deletes_what_expired_and_keeps_the_rest);
+on_both_stores!(
+    rollups_equal_a_scan_of_the_rows,
+    a_burst_of_the_last_seconds_is_counted_exactly,
+    retention_deletes_what_expired_and_keeps_the_rest
+);
 
 /// The rollup tables churn by design (delta rows folded every few seconds), so
 /// Postgres vacuums them at 1 % of their rows, not the default 20 %: the dead
@@ -684,6 +765,43 @@ async fn a_read_of_a_few_versions_skips_the_others_rollups() {
     assert_eq!((all, few), (300, 4));
     assert!(all_rows >= 300, "every version's rows: {all_rows}");
     assert!(few_rows <= 40, "four versions' rows: {few_rows} rows read of the rollups and their indexes");
+}
+
+/// Outcome reads never read the trace rows, however many traces arrived in
+/// the minutes at a window's edges: here 5,000 in the last seconds, read by a
+/// window ending now (as the metrics answer's and the rater's do), one of a
+/// few versions, the per-task rewards, and one starting a fraction of a
+/// second into a second. (Partial minutes read from the traces, as before,
+/// read each of them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outcome_reads_never_read_the_trace_rows() {
+    use sqlx::Connection;
+    let crate::common::TestStore { store, url, dir: _dir } = test_store(Backend::Postgres).await;
+    make_prompt(&store, "p", PromptSettings::default()).await;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    for _ in 0..50 {
+        let batch: Vec<ValidTrace> = (0..100).map(|_| valid(random_trace(&mut rng, "p"))).collect();
+        store.insert_traces(&batch).await.unwrap();
+    }
+    drop(store);
+    let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE traces").execute(&mut c).await.unwrap();
+    let (counted, rows) = rows_read_by(&mut c, &url, "traces", async |store| {
+        let (p, now) = (name("p"), chrono::Utc::now());
+        let traces = |got: Vec<OutcomeBucket>| got.iter().map(|b| b.traces).sum::<u64>();
+        let hour = chrono::Duration::hours(1);
+        let all = traces(store.version_outcomes(&p, now - hour, now, 60, None).await.unwrap());
+        let some = traces(store.version_outcomes(&p, now - hour, now, 600, Some(&[1, 2])).await.unwrap());
+        let tasks: u64 = store.task_rewards(&p, now - hour, now).await.unwrap().iter().map(|t| t.traces).sum();
+        let odd = now - chrono::Duration::microseconds(2_500_000);
+        let recent = traces(store.version_outcomes(&p, odd, now, 60, None).await.unwrap());
+        (all, some, tasks, recent)
+    })
+    .await;
+    assert_eq!(counted.0, 5_000, "{counted:?}");
+    assert!(counted.1 > 0 && counted.1 < 5_000 && counted.2 > 0, "{counted:?}");
+    assert!(counted.3 <= 5_000, "{counted:?}");
+    assert_eq!(rows, 0, "the outcome reads read {rows} rows of traces and their indexes");
 }
 
 /// A page of a prompt's versions, newest first, walks the prompt's versions

@@ -210,6 +210,10 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     assert_eq!(arm(&s.population_page(&name("p"), None, 1000).await.unwrap(), 2).scored_traces, 30);
 
     // Window 2: 30 more each: both now have 60 scored traces; v2 is promoted.
+    // Windows are read to the second (their ends rounded up to one): the
+    // window from t1 holds what arrives from t1's next second on.
+    let next_second = chrono::DateTime::from_timestamp(t1.timestamp() + 1, 0).unwrap();
+    tokio::time::sleep((next_second - chrono::Utc::now()).to_std().unwrap_or_default()).await;
     let mut second = batch("p", 1, 30, 0.5);
     second.extend(batch("p", 2, 30, 0.9));
     s.insert_traces(&second).await.unwrap();

@@ -15,8 +15,13 @@
 //! slices alternating with it, so both see the same machine: the ratio is
 //! the cost of making the answer, not of sending a longer one, nor of a
 //! neighbour's load that came and went between two figures.
+//!
+//! `combee-bench burst` is a section of its own: the cost of an outcome read
+//! (`GET /v1/prompts/{name}/metrics`) right after a burst of traces, on both
+//! stores (see `burst.rs`).
 
 mod bare;
+mod burst;
 mod client;
 mod database;
 mod figures;
@@ -45,6 +50,8 @@ struct Cli {
 enum BenchCommand {
     /// Load the HTTP API of a freshly started server and print the report.
     Http(HttpArgs),
+    /// Post a burst of traces to a fresh server, then time the metrics read over a window holding them.
+    Burst(burst::BurstArgs),
     /// The comparison server: a bare axum handler answering `GET /v1/prompts/bench` with a fixed JSON body.
     #[command(hide = true)]
     Bare {
@@ -128,6 +135,19 @@ fn main() -> std::process::ExitCode {
             .build()
             .map_err(anyhow::Error::from)
             .and_then(|rt| rt.block_on(serve_bare(bind, body_bytes, &headers))),
+        BenchCommand::Burst(args) => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(anyhow::Error::from)
+            .and_then(|rt| {
+                rt.block_on(async {
+                    tokio::select! {
+                        r = burst::run_burst(args) => r,
+                        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+                    }
+                })
+            }),
         BenchCommand::Http(args) => {
             let rt = if args.client_threads <= 1 {
                 tokio::runtime::Builder::new_current_thread().enable_all().build()
