@@ -2,7 +2,9 @@
 //! gapless version numbers under 100 concurrent API writers, and a label move
 //! made through one server process seen by another within about a second,
 //! and two API processes serving the same `evaluated` traffic weights (the same
-//! arm for every subject) within about a second of a weight change.
+//! arm for every subject) within about a second of a weight change; and rounds
+//! whose worker process is killed (kill -9) during the map or during level 1 of
+//! the reduce, finished by another worker process without paying twice.
 
 use crate::common;
 
@@ -245,8 +247,14 @@ async fn two_api_processes_serve_the_same_arms_within_a_second_of_a_weight_chang
 }
 
 fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
+    worker_process_on(free_port(), db, llm, data)
+}
+
+/// A `combee serve --role worker` process whose ops endpoints listen on `port`,
+/// with a short lease (2 s) so a killed process's round is claimed again soon.
+fn worker_process_on(port: u16, db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
     let child = Command::new(env!("CARGO_BIN_EXE_combee"))
-        .args(["serve", "--role", "worker", "--bind", &format!("127.0.0.1:{}", free_port())])
+        .args(["serve", "--role", "worker", "--bind", &format!("127.0.0.1:{port}")])
         .env("DATABASE_URL", db)
         .env("COMBEE_CONFIG_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/config"))
         .env("COMBEE__DATABASE__DATA_DIR", data)
@@ -322,5 +330,203 @@ async fn a_round_killed_mid_map_is_finished_by_another_process_without_paying_tw
     eprintln!(
         "kill -9 after {stored_before} of {n} reflections: the second process asked for {} more (simulated LLM)",
         asked_after - asked_before
+    );
+}
+
+/// Bullets in the playbook of the level-1 resume test's base version.
+const STANDING_BULLETS: usize = 320;
+/// Traces (each its own lesson) in the level-1 resume test's round.
+const RESUME_TRACES: usize = 64;
+
+/// A prompt `name` whose production version (2, made through the API) carries a
+/// playbook of [`STANDING_BULLETS`] bullets, with [`RESUME_TRACES`] pending traces of
+/// distinct lessons; level 2 consolidates through the model (`reduce = "llm"`).
+async fn crowded_prompt(app: &common::TestApp, name: &str) {
+    let settings = json!({"batch_size": 1000, "reduce": "llm"});
+    let res = app
+        .post("/v1/prompts", json!({"name": name, "base": "Answer the user.", "settings": settings}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201);
+    let bullets: Vec<Value> = (0..STANDING_BULLETS)
+        .map(|i| json!({"content": format!("Standing rule {i}: check case {i} of the input before answering.")}))
+        .collect();
+    let playbook = json!({"sections": [{"name": "strategies", "bullets": bullets}]});
+    let res = app
+        .post(&format!("/v1/prompts/{name}/versions"), json!({"playbook": playbook, "labels": ["production"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let traces: Vec<Value> = (0..RESUME_TRACES)
+        .map(|i| json!({"prompt": name, "input": i, "feedback": {"comment": format!("INSIGHT-{name}-{i:03}: lesson {i}")}}))
+        .collect();
+    for batch in traces.chunks(32) {
+        assert_eq!(app.post("/v1/traces", json!({"traces": batch})).send().await.unwrap().status(), 201);
+    }
+}
+
+/// A ready worker process (its own data dir) on `db` learning through `llm`.
+async fn ready_worker(http: &reqwest::Client, db: &str, llm: &str) -> (ChildServer, tempfile::TempDir) {
+    let data = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let child = worker_process_on(port, db, llm, data.path());
+    ready(http, &format!("http://127.0.0.1:{port}")).await;
+    (child, data)
+}
+
+/// The level-1 groups a round's record holds journaled outputs for.
+fn journaled_groups(round: &Value) -> usize {
+    round["detail"]["group_outputs"].as_array().map_or(0, Vec::len)
+}
+
+/// A round's phases as `phase started_at +elapsed_ms`, for the test's figures.
+fn phase_figures(round: &Value) -> String {
+    let phases = round["detail"]["phases"].as_object().cloned().unwrap_or_default();
+    let mut spans: Vec<(String, String)> = phases
+        .iter()
+        .map(|(name, span)| {
+            let at = span["started_at"].as_str().unwrap_or("?").to_owned();
+            (at.clone(), format!("{name} {at} +{}ms", span["elapsed_ms"]))
+        })
+        .collect();
+    spans.sort();
+    spans.into_iter().map(|(_, s)| s).collect::<Vec<_>>().join(", ")
+}
+
+/// The pid in a worker's lease owner (`host:pid:random`).
+fn owner_pid(owner: &str) -> u32 {
+    let mut parts = owner.rsplitn(3, ':');
+    let (_tag, pid) = (parts.next(), parts.next());
+    pid.and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("a lease owner names its pid: {owner:?}"))
+}
+
+/// A round killed (kill -9 of the worker process holding its lease) while level 1
+/// of the reduce has journaled some of its group outputs is finished by another of
+/// several worker processes, which asks the aggregator only for the groups not yet
+/// journaled and no reflection again, in less than twice the time of the same round
+/// run without a crash (measured from the kill, the wait for the lease included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_killed_during_level_one_is_finished_by_another_worker_without_paying_twice() {
+    let sim_config = || combee::simulation::llm::SimConfig { seed: 5, fixed_ms: 150.0, ..Default::default() };
+    let app = spawn_app(Backend::Postgres).await; // API only: the rounds run in the child processes
+    let round_view = |id: String| {
+        let req = app.get(&format!("/v1/rounds/{id}"));
+        async move { req.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+
+    // The same round once without a crash: its wall time is the yardstick.
+    let steady_sim = common::spawn_sim(sim_config()).await;
+    crowded_prompt(&app, "steady").await;
+    let (steady_worker, _steady_data) = ready_worker(&app.http, &app.url, &steady_sim.url).await;
+    let started = Instant::now();
+    let round: Value = app.post("/v1/prompts/steady/rounds", json!({})).send().await.unwrap().json().await.unwrap();
+    let steady = common::round_end(&app, round["id"].as_str().unwrap(), Duration::from_secs(120)).await;
+    let uninterrupted = started.elapsed();
+    drop(steady_worker);
+    assert_eq!(steady["status"], "succeeded", "{steady}");
+    assert_eq!(steady["attempt"], 1);
+    assert_eq!(steady["base_version"], 2, "the round learns from the version with the long playbook");
+    let k = steady["k"].as_u64().expect("the round's level-1 groups");
+    assert!(k >= 16, "many level-1 groups, so a crash can land between them: {k}");
+    assert_eq!(steady_sim.calls("aggregate-playbook").await, k, "one aggregator call per group without a crash");
+
+    // The same round again, on several worker processes, one of them killed during level 1.
+    let sim = common::spawn_sim(sim_config()).await;
+    crowded_prompt(&app, "crashy-reduce").await;
+    let mut workers = Vec::new();
+    for _ in 0..3 {
+        workers.push(ready_worker(&app.http, &app.url, &sim.url).await);
+    }
+    let round: Value =
+        app.post("/v1/prompts/crashy-reduce/rounds", json!({})).send().await.unwrap().json().await.unwrap();
+    let id = round["id"].as_str().unwrap().to_owned();
+    eventually("level 1 journals a few group outputs", Duration::from_secs(60), async || {
+        let r = round_view(id.clone()).await;
+        if journaled_groups(&r) >= 4 { Ok(()) } else { Err(format!("{} group outputs", journaled_groups(&r))) }
+    })
+    .await;
+    let owner: String = {
+        use sqlx::Connection;
+        let mut c = sqlx::PgConnection::connect(&app.url).await.unwrap();
+        sqlx::query_scalar("SELECT lease_owner FROM rounds WHERE id = $1::uuid")
+            .bind(&id)
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+    };
+    let pid = owner_pid(&owner);
+    let holder = workers.iter().position(|(w, _)| w.0.id() == pid).expect("the lease owner is one of the workers");
+    let (mut killed, _data) = workers.remove(holder);
+    killed.0.kill().expect("kill -9 the worker holding the round's lease");
+    let (killed_at, killed_utc) = (Instant::now(), chrono::Utc::now());
+    killed.0.wait().unwrap();
+    // Whatever the dead process had sent the database has landed by now.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = round_view(id.clone()).await;
+    let journaled_before = journaled_groups(&before) as u64;
+    let aggregated_before = sim.calls("aggregate-playbook").await;
+    let reflected_before = sim.calls("reflect").await;
+    assert_eq!(before["status"], "running", "{before}");
+    assert!(before["detail"]["phases"]["reduce1"]["finished_at"].is_null(), "the crash came during level 1: {before}");
+    assert_eq!(reflected_before, RESUME_TRACES as u64, "the map was over, every reflection asked once");
+
+    let done = common::round_end(&app, &id, Duration::from_secs(120)).await;
+    let resumed = killed_at.elapsed();
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["attempt"], 2, "claimed once by the killed process and once by another");
+    assert_eq!(done["k"].as_u64(), Some(k), "the same grouping as the uninterrupted round");
+    assert!(
+        journaled_before > 0 && journaled_before < k,
+        "some but not all groups journaled: {journaled_before} of {k}"
+    );
+    let aggregated_after = sim.calls("aggregate-playbook").await - aggregated_before;
+    assert!(
+        aggregated_after <= k - journaled_before,
+        "the resumed attempt asked the aggregator {aggregated_after} times; {} groups were not journaled",
+        k - journaled_before
+    );
+    assert_eq!(
+        done["detail"]["outcome"]["resumed_groups"].as_u64(),
+        Some(journaled_before),
+        "every journaled group output reused"
+    );
+    assert_eq!(sim.calls("reflect").await, RESUME_TRACES as u64, "no reflection asked twice");
+    assert_eq!(done["reflections"].as_array().unwrap().len(), RESUME_TRACES);
+    let versions: Value = app.get("/v1/prompts/crashy-reduce/versions").send().await.unwrap().json().await.unwrap();
+    assert_eq!(versions["versions"].as_array().unwrap().len(), 3, "one learned version, published once");
+    let consolidations = sim.calls("consolidate-playbook").await;
+    eprintln!(
+        "uninterrupted round: {uninterrupted:?} ({k} level-1 groups, {} consolidations); kill -9 after {journaled_before} of \
+         {k} group outputs were journaled ({aggregated_before} aggregator calls asked by then); the resumed attempt asked \
+         {aggregated_after} aggregator calls and {consolidations} consolidations (all attempts) and finished {resumed:?} \
+         after the kill ({:.2}× the uninterrupted round)",
+        steady_sim.calls("consolidate-playbook").await,
+        resumed.as_secs_f64() / uninterrupted.as_secs_f64()
+    );
+    eprintln!("uninterrupted round's phases: {}", phase_figures(&steady));
+    // (count, mean latency in ms) of one attempt's calls in one role.
+    let latencies = |round: &Value, attempt: i64, role: &str| -> (usize, u64) {
+        let calls = round["llm_calls"].as_array().unwrap();
+        let ms: Vec<u64> = calls
+            .iter()
+            .filter(|c| c["role"] == role && c["attempt"] == attempt)
+            .filter_map(|c| c["latency_ms"].as_u64())
+            .collect();
+        (ms.len(), ms.iter().sum::<u64>() / ms.len().max(1) as u64)
+    };
+    eprintln!(
+        "calls (count, mean latency ms): uninterrupted reflector {:?}, aggregator {:?}; resumed attempt reflector {:?}, \
+         aggregator {:?}",
+        latencies(&steady, 1, "reflector"),
+        latencies(&steady, 1, "aggregator"),
+        latencies(&done, 2, "reflector"),
+        latencies(&done, 2, "aggregator")
+    );
+    eprintln!("killed at {}; the resumed attempt's phases: {}", killed_utc.to_rfc3339(), phase_figures(&done));
+    assert!(
+        resumed < uninterrupted * 2,
+        "the resumed attempt took {resumed:?} after the kill; the uninterrupted round {uninterrupted:?}"
     );
 }
