@@ -314,10 +314,29 @@ const GROUP_ROWS: usize = 2048;
 /// prompt) is undone alone and its neighbours commit.
 pub struct Write {
     rows: usize,
-    /// It reads or retracts rollup credit, so the group's pending credit is
-    /// written before it runs (late feedback on a trace of the same group).
-    settles: bool,
-    run: Work,
+    job: Job,
+}
+
+/// What a job does in its group.
+enum Job {
+    /// Plain inserts (no idempotency key): all of a group's are written by
+    /// one statement that keeps each request all or nothing.
+    Insert(Insert),
+    /// Anything else, run under a savepoint of its own.
+    Work {
+        /// It reads or retracts rollup credit, so the group's pending credit
+        /// is written before it runs (late feedback on a trace of the group).
+        settles: bool,
+        run: Work,
+    },
+}
+
+/// One request's plain insert: its rows, their ids (made by the request's
+/// task), and where its answer goes.
+struct Insert {
+    traces: Vec<TraceRow>,
+    ids: Vec<Uuid>,
+    reply: oneshot::Sender<StoreResult<Vec<Uuid>>>,
 }
 
 /// A job's work on the group's connection.
@@ -362,8 +381,87 @@ impl Write {
                 }
             })
         });
-        (Self { rows, settles, run }, answer)
+        (Self { rows, job: Job::Work { settles, run } }, answer)
     }
+}
+
+/// Bound parameters per trace row of the group insert; SQLite takes at most
+/// 32,766 in one statement.
+const INSERT_PARAMS: usize = 11;
+const INSERT_CHUNK_ROWS: usize = 32_766 / INSERT_PARAMS - 1;
+
+/// Writes the plain inserts of a group with one statement per chunk of
+/// requests: a request whose traces do not all match a prompt and version
+/// is left out whole. Answers the requests left out (there is nothing of
+/// theirs to undo); returns the others, with the ids to credit.
+async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreResult<(Vec<Insert>, Vec<Uuid>)> {
+    let now = now_us();
+    let mut stored: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut start = 0;
+    while start < inserts.len() {
+        let mut end = start;
+        let mut rows = 0;
+        while end < inserts.len() && (end == start || rows + inserts[end].traces.len() <= INSERT_CHUNK_ROWS) {
+            rows += inserts[end].traces.len();
+            end += 1;
+        }
+        let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", ");
+        let text = format!(
+            "WITH input(req, id, prompt, version, input, trajectory, output, feedback, reflection, external_id,
+                        metadata) AS (VALUES {values}),
+             matched AS (SELECT i.*, p.id AS prompt_id FROM input i JOIN prompts p
+                         ON p.name = i.prompt AND (i.version IS NULL OR i.version <= p.version_count)),
+             counts AS (SELECT req, count(*) AS n FROM input GROUP BY req),
+             complete AS (SELECT m.req FROM matched m JOIN counts k ON k.req = m.req
+                          GROUP BY m.req, k.n HAVING count(*) = k.n)
+             INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
+                                 external_id, metadata, created_at, updated_at)
+             SELECT id, prompt_id, version, input, trajectory, output, feedback, reflection, external_id, metadata,
+                    {now}, {now}
+             FROM matched WHERE req IN (SELECT req FROM complete)
+             RETURNING id"
+        );
+        let mut q = sqlx::query_scalar::<_, String>(&text);
+        for (req, insert) in inserts[start..end].iter().enumerate() {
+            for (t, id) in insert.traces.iter().zip(&insert.ids) {
+                q = q
+                    .bind(req as i64)
+                    .bind(id.to_string())
+                    .bind(t.prompt.as_str())
+                    .bind(t.version)
+                    .bind(&t.input)
+                    .bind(&t.trajectory)
+                    .bind(&t.output)
+                    .bind(&t.feedback)
+                    .bind(&t.reflection)
+                    .bind(&t.external_id)
+                    .bind(&t.metadata);
+            }
+        }
+        stored.extend(q.fetch_all(&mut *c).await?);
+        start = end;
+    }
+    let (mut kept, mut credit) = (Vec::with_capacity(inserts.len()), Vec::new());
+    for insert in inserts {
+        if insert.ids.first().is_some_and(|id| stored.contains(&id.to_string())) {
+            credit.extend(insert.ids.iter().copied());
+            kept.push(insert);
+        } else {
+            let problem = unknown_reference(&mut *c, &insert.traces).await;
+            let _ = insert.reply.send(problem.and_then(Err));
+        }
+    }
+    Ok((kept, credit))
+}
+
+/// Why a request's traces were not stored: the first unknown prompt or version.
+async fn unknown_reference(c: &mut SqliteConnection, traces: &[TraceRow]) -> StoreResult<StoreError> {
+    for (i, t) in traces.iter().enumerate() {
+        if let Some(what) = reference_problem::<Sqlite>(&mut *c, &t.prompt, t.version).await? {
+            return Ok(StoreError::Invalid(format!("traces[{i}]: {what}")));
+        }
+    }
+    Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
 }
 
 /// Boxes a job's work (a function, so the closure is typed for every lifetime).
@@ -374,23 +472,36 @@ where
     Box::new(f)
 }
 
-/// Commits one group: every job under its own savepoint, the rollup credit
-/// of the traces stored written once for all of them, then one commit (one
-/// WAL flush); each job is answered after it.
+/// Commits one group: its plain inserts with one statement, every other job
+/// under its own savepoint, the rollup credit of the traces stored written
+/// once for all of them, then one commit (one WAL flush); each job is
+/// answered after it.
 async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
-    let mut kept: Vec<Box<dyn FnOnce(StoreResult<()>) + Send>> = Vec::with_capacity(group.len());
-    let mut jobs = group.into_iter();
+    let mut answers: Vec<Box<dyn FnOnce(StoreResult<()>) + Send>> = Vec::with_capacity(group.len());
+    let (mut inserts, mut others) = (Vec::new(), Vec::new());
+    for write in group {
+        match write.job {
+            Job::Insert(insert) => inserts.push(insert),
+            Job::Work { settles, run } => others.push((settles, run)),
+        }
+    }
+    let mut kept_inserts: Vec<Insert> = Vec::new();
     let outcome: StoreResult<()> = async {
         let mut tx = writer.begin().await?;
         let mut credit: Vec<Uuid> = Vec::new();
-        for job in jobs.by_ref() {
-            if job.settles && !credit.is_empty() {
+        if !inserts.is_empty() {
+            let (kept, stored) = insert_group(&mut tx, std::mem::take(&mut inserts)).await?;
+            kept_inserts = kept;
+            credit = stored;
+        }
+        for (settles, run) in others.drain(..) {
+            if settles && !credit.is_empty() {
                 rollups::account::<Sqlite>(&mut tx, &std::mem::take(&mut credit), Sign::Credit, Counted::All).await?;
             }
             sqlx::query("SAVEPOINT job").execute(&mut *tx).await?;
-            match (job.run)(&mut tx).await {
+            match run(&mut tx).await {
                 Finish::Kept(answer, stored) => {
-                    kept.push(answer);
+                    answers.push(answer);
                     credit.extend(stored);
                 }
                 Finish::Undone(answer) => {
@@ -408,12 +519,21 @@ async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
     }
     .await;
     match outcome {
-        Ok(()) => kept.into_iter().for_each(|answer| answer(Ok(()))),
+        Ok(()) => {
+            for insert in kept_inserts {
+                let _ = insert.reply.send(Ok(insert.ids));
+            }
+            answers.into_iter().for_each(|answer| answer(Ok(())));
+        }
         Err(e) => {
-            // Jobs not yet run are dropped unanswered, which their callers
-            // read as the store being unavailable, as the group's failure is.
-            drop(jobs);
-            for answer in kept {
+            // Jobs not yet run (and inserts not yet written) are dropped
+            // unanswered, which their callers read as the store being
+            // unavailable, as the group's failure is.
+            drop((inserts, others));
+            for insert in kept_inserts {
+                let _ = insert.reply.send(Err(shared_failure(&e)));
+            }
+            for answer in answers {
                 answer(Err(shared_failure(&e)));
             }
         }
@@ -489,11 +609,13 @@ impl Backend for Sqlite {
     }
 
     async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        let rows = TraceRow::all(traces)?;
-        let (job, answer) = Write::new(rows.len(), false, move |c| {
-            Box::pin(async move { insert_trace_rows(c, &rows).await.map(|ids| (ids.clone(), ids)) })
-        });
-        s.writes.submit(job).await?;
+        if traces.is_empty() {
+            return Ok(Vec::new());
+        }
+        let traces = TraceRow::all(traces)?;
+        let ids = traces.iter().map(|_| Uuid::now_v7()).collect();
+        let (reply, answer) = oneshot::channel();
+        s.writes.submit(Write { rows: traces.len(), job: Job::Insert(Insert { traces, ids, reply }) }).await?;
         group_commit::answer(answer).await
     }
 
