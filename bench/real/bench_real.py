@@ -441,6 +441,7 @@ def summarize_rounds(records, traces):
     reads, formats, statuses = {}, {}, {}
     prompt_tokens = completion_tokens = calls = 0
     by_role = {}
+    retries = 0
     wall = 0.0
     for r in records:
         statuses[r["status"]] = statuses.get(r["status"], 0) + 1
@@ -454,6 +455,8 @@ def summarize_rounds(records, traces):
             role["calls"] += 1
             role["prompt_tokens"] += c.get("prompt_tokens", 0)
             role["completion_tokens"] += c.get("completion_tokens", 0)
+            # Attempts combee gave up on and sent again: their tokens are in the server's count only.
+            retries += c.get("retries", 0)
             read = c.get("read") or ("error" if c.get("error") else "not recorded")
             reads[read] = reads.get(read, 0) + 1
             fmt = c.get("output_format") or "not recorded"
@@ -466,6 +469,7 @@ def summarize_rounds(records, traces):
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "by_role": by_role,
+        "retries": retries,
         "prompt_tokens_per_trace": prompt_tokens / max(1, traces),
         "completion_tokens_per_trace": completion_tokens / max(1, traces),
         "reads": reads,
