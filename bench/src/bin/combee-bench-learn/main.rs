@@ -19,12 +19,14 @@
 //!     scripts/bench-learn            # builds --release, writes bench/results/learn.* and growth.md
 //!     scripts/bench-learn --growth-only   # only the growing-playbook section (growth.rs)
 
+mod bill;
 mod figure;
 mod growth;
 mod level2;
 mod overload_meter;
 mod report;
 mod runs;
+mod second;
 mod svg;
 mod sweep;
 
@@ -110,6 +112,11 @@ struct Args {
     /// The max_batch section: client concurrency limits compared (64 is `llm.max_concurrency`'s default).
     #[arg(long, value_delimiter = ',', default_value = "64,1024")]
     max_batch_concurrency: Vec<usize>,
+    /// Also learn a second backlog of N new traces on top of the playbook combee-auto
+    /// learned from the first (citing models): sequential, combee-auto and
+    /// combee-auto at p = 1 (tuned), with their token bill.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    second_backlog: bool,
     /// Only compute the modelled figures (no waiting, no files).
     #[arg(long)]
     model_only: bool,

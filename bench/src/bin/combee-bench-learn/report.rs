@@ -9,6 +9,7 @@ use combee::{
     simulation::llm::{CapacityModel, SimConfig},
 };
 
+use crate::bill::{bill_section, per_trace};
 use crate::runs::{Family, Row, RunResult, Sizing};
 use crate::sweep::{model_label, non_citing};
 use crate::{Args, cores};
@@ -21,6 +22,8 @@ pub(crate) struct Report<'a> {
     pub(crate) bench_secs: f64,
     /// The overload meter against the markers: the table and whether every judged size is within ±10 points.
     pub(crate) meter: (String, bool),
+    /// The second backlog's section (a citing model with `--second-backlog`).
+    pub(crate) second: Option<String>,
 }
 
 pub(crate) fn pass(ok: bool) -> &'static str {
@@ -124,11 +127,13 @@ impl Report<'_> {
              reflecting on its 3 traces and applying one aggregator update before the next round starts (the \
              controller's T(3)). Modelled = the simulator's latency formula over the token counts of each round's \
              critical path (slowest reflector call + slowest level-1 group, or every batch in turn for sequential), \
-             from an in-process replay of the simulator's answers — no timing, no overhead.\n\n",
+             from an in-process replay of the simulator's answers — no timing, no overhead. Tokens: what combee \
+             recorded of each call (the `usage` the simulated LLM reported: characters / 4, not a real tokenizer), \
+             per trace of the backlog, total in brackets; the token bill below says where they went.\n\n",
         );
         out.push_str(
-            "| configuration | batch sizes | rounds | LLM calls | time to learn (s) | modelled (s) | measured / modelled | speed-up vs sequential | retention |\n\
-             |---|---|---|---|---|---|---|---|---|\n",
+            "| configuration | batch sizes | rounds | LLM calls | time to learn (s) | modelled (s) | measured / modelled | speed-up vs sequential | retention | prompt tokens per trace (total), simulated | completion tokens per trace (total), simulated |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         let seq = self.seq_secs(true);
         for row in self.rows {
@@ -140,7 +145,7 @@ impl Report<'_> {
                 .map_or("—".to_owned(), |m| format!("{:.3}", m.total_secs / row.modelled.total_secs));
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {:.2} | {} | {:.1}× | {:.1}% ({}/{}) |",
+                "| {} | {} | {} | {} | {} | {:.2} | {} | {:.1}× | {:.1}% ({}/{}) | {} | {} |",
                 row.setup.label(),
                 sizes_text(r),
                 r.rounds.len(),
@@ -151,7 +156,9 @@ impl Report<'_> {
                 seq / r.total_secs,
                 100.0 * self.retention(r),
                 r.kept,
-                n
+                n,
+                per_trace(r.bill.total().prompt, n),
+                per_trace(r.bill.total().completion, n),
             );
         }
         out.push('\n');
@@ -198,8 +205,17 @@ impl Report<'_> {
         out.push_str(&self.meter.0);
         out.push('\n');
 
-        // Targets.
+        // Targets, then the token bill.
         out.push_str(&self.targets());
+        let title = format!("### Token bill ({} capacity model)", model_label(self.sim));
+        if let Some((bill, _)) = bill_section(self.rows, n, &title) {
+            out.push('\n');
+            out.push_str(&bill);
+        }
+        if let Some(second) = &self.second {
+            out.push('\n');
+            out.push_str(second);
+        }
         out
     }
 
@@ -255,7 +271,7 @@ impl Report<'_> {
 
     pub(crate) fn csv(&self) -> String {
         let mut out = String::from(
-            "configuration,family,method,p,batch_sizes,rounds,llm_calls,time_to_learn_s,modelled_s,speedup_vs_sequential,kept,n,retention\n",
+            "configuration,family,method,p,batch_sizes,rounds,llm_calls,time_to_learn_s,modelled_s,speedup_vs_sequential,kept,n,retention,prompt_tokens,completion_tokens\n",
         );
         let seq = self.seq_secs(true);
         for row in self.rows {
@@ -263,7 +279,7 @@ impl Report<'_> {
             let sizes: Vec<String> = r.rounds.iter().map(|x| x.bs.to_string()).collect();
             let _ = writeln!(
                 out,
-                "\"{}\",{},{},{},\"{}\",{},{},{:.4},{:.4},{:.3},{},{},{:.4}",
+                "\"{}\",{},{},{},\"{}\",{},{},{:.4},{:.4},{:.3},{},{},{:.4},{},{}",
                 row.setup.label(),
                 row.setup.family.name(),
                 serde_json::to_value(row.setup.method)
@@ -279,7 +295,9 @@ impl Report<'_> {
                 seq / r.total_secs,
                 r.kept,
                 self.n(),
-                self.retention(r)
+                self.retention(r),
+                r.bill.total().prompt,
+                r.bill.total().completion,
             );
         }
         out

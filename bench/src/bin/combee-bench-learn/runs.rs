@@ -28,6 +28,8 @@ use combee::{
 use serde_json::json;
 use uuid::Uuid;
 
+use crate::bill::{Bill, served};
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Family {
     Sequential,
@@ -36,6 +38,8 @@ pub(crate) enum Family {
     Combee,
     CombeeTuned,
     CombeeAuto,
+    /// Combee-auto at p = 1: a tuned setting (one copy of each reflection, half the aggregator calls).
+    CombeeAutoTuned,
 }
 
 impl Family {
@@ -47,6 +51,7 @@ impl Family {
             Self::Combee => "combee",
             Self::CombeeTuned => "combee p=1 (tuned)",
             Self::CombeeAuto => "combee-auto",
+            Self::CombeeAutoTuned => "combee-auto p=1 (tuned)",
         }
     }
 }
@@ -94,6 +99,10 @@ pub(crate) struct RunResult {
     pub(crate) largest: Option<u32>,
     /// Bytes of the largest round's record (outcome and group outputs, as JSON).
     pub(crate) largest_record: usize,
+    /// Tokens of every call, as combee recorded them in the rounds' journals.
+    pub(crate) bill: Bill,
+    /// The prompt the last round published.
+    pub(crate) content: VersionContent,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,6 +211,7 @@ pub(crate) async fn learn_from(
     let mut meter: BTreeMap<u32, (BucketCounts, u64)> = BTreeMap::new();
     let mut rounds = Vec::new();
     let (mut calls, mut largest, mut largest_record) = (0, None, 0);
+    let mut bill = Bill::default();
     let mut pos = 0;
     let started = Instant::now();
     while pos < traces.len() {
@@ -240,6 +250,8 @@ pub(crate) async fn learn_from(
             Mode::Modelled => modelled_round_secs(&env.sim, &outcome.calls, execution, concurrency),
         };
         calls += outcome.calls.len();
+        // The token bill from what combee recorded of the calls (the journal), not from the outcome.
+        bill.add(&journal.snapshot().calls);
         if let Some(reading) = &outcome.record.meter {
             for &(bucket, c) in &reading.buckets {
                 let e = meter.entry(bucket).or_default();
@@ -265,12 +277,17 @@ pub(crate) async fn learn_from(
     let tokens: BTreeSet<String> =
         traces.iter().flat_map(|t| insight_tokens(&t.feedback.comment.clone().unwrap_or_default())).collect();
     let kept = insight_tokens(&content.render()).intersection(&tokens).count();
-    Ok(RunResult { rounds, total_secs, kept, calls, largest, largest_record })
+    Ok(RunResult { rounds, total_secs, kept, calls, largest, largest_record, bill, content })
 }
 
 pub(crate) fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
+    traces_from(0, n)
+}
+
+/// `n` traces numbered from `start`, each with its own marker (`INSIGHT-t<number>`).
+pub(crate) fn traces_from(start: usize, n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
     let prompt = PromptName::parse("bench-learn")?;
-    let traces: Vec<Trace> = (0..n)
+    let traces: Vec<Trace> = (start..start + n)
         .map(|i| {
             let feedback = Feedback {
                 success: Some(!i.is_multiple_of(3)),
@@ -286,7 +303,7 @@ pub(crate) fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)>
             )
         })
         .collect();
-    let tokens = (0..n).map(|i| format!("t{i:03}")).collect();
+    let tokens = (start..start + n).map(|i| format!("t{i:03}")).collect();
     Ok((traces, tokens))
 }
 
@@ -294,10 +311,35 @@ pub(crate) struct Row {
     pub(crate) setup: Setup,
     pub(crate) measured: Option<RunResult>,
     pub(crate) modelled: RunResult,
+    /// Prompt and completion tokens the simulator counted as served during the measured run.
+    pub(crate) served: Option<(u64, u64)>,
 }
 
 impl Row {
     pub(crate) fn result(&self) -> &RunResult {
         self.measured.as_ref().unwrap_or(&self.modelled)
     }
+}
+
+/// One configuration's row: modelled, then (unless `model_only`) measured
+/// against the simulator at `base_url`, with the tokens the simulator counted
+/// as served meanwhile.
+pub(crate) async fn run_setup(
+    env: &Env,
+    base_url: &str,
+    model_only: bool,
+    name: &str,
+    setup: Setup,
+) -> anyhow::Result<Row> {
+    let modelled = learn(env, Mode::Modelled, &setup).await?;
+    let (measured, served) = if model_only {
+        (None, None)
+    } else {
+        eprintln!("  [{name}] running {} …", setup.label());
+        let before = served(base_url).await?;
+        let measured = learn(env, Mode::Measured, &setup).await?;
+        let after = served(base_url).await?;
+        (Some(measured), Some((after.0 - before.0, after.1 - before.1)))
+    };
+    Ok(Row { setup, measured, modelled, served })
 }

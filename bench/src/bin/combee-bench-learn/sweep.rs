@@ -16,7 +16,8 @@ use combee::{
 use crate::Args;
 use crate::overload_meter::meter_section;
 use crate::report::Report;
-use crate::runs::{Env, Family, Mode, Replay, Row, Setup, Sizing, learn, learn_from, traces};
+use crate::runs::{Env, Family, Mode, Replay, Row, Setup, Sizing, learn_from, run_setup, traces};
+use crate::second::second_backlog_section;
 
 pub(crate) fn model_name(m: CapacityModel) -> &'static str {
     match m {
@@ -86,21 +87,7 @@ pub(crate) async fn one_model(
     let mut rows: Vec<Row> = Vec::new();
     let started = Instant::now();
     let name = model_label(&sim_cfg);
-    let run = |setup: Setup| {
-        let name = name.clone();
-        let env = &env;
-        let model_only = args.model_only;
-        async move {
-            let modelled = learn(env, Mode::Modelled, &setup).await?;
-            let measured = if model_only {
-                None
-            } else {
-                eprintln!("  [{name}] running {} …", setup.label());
-                Some(learn(env, Mode::Measured, &setup).await?)
-            };
-            anyhow::Ok(Row { setup, measured, modelled })
-        }
-    };
+    let run = |setup: Setup| run_setup(&env, &local_sim.base_url, args.model_only, &name, setup);
     for setup in setups {
         rows.push(run(setup).await?);
     }
@@ -122,10 +109,16 @@ pub(crate) async fn one_model(
     for &bs in args.tuned_sizes.iter().filter(|_| citing) {
         rows.push(run(fixed(Family::CombeeTuned, Method::Combee, 1, bs)).await?);
     }
+    let second = match rows.iter().find(|r| r.setup.family == Family::CombeeAuto) {
+        Some(auto) if citing && args.second_backlog => {
+            Some(second_backlog_section(&env, &local_sim.base_url, args.model_only, &name, auto).await?)
+        }
+        _ => None,
+    };
     eprintln!("  [{name}] overload meter vs markers …");
     let meter = meter_section(&env, args.meter_n.min(args.n), args.meter_seeds).await?;
     let bench_secs = started.elapsed().as_secs_f64();
-    let report = Report { args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, bench_secs, meter };
+    let report = Report { args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, bench_secs, meter, second };
     Ok((report.markdown(), report.csv(), report.quality_delay_svg()))
 }
 
