@@ -33,8 +33,11 @@
 //!   skipped ([`SkipReason::RemovalBound`]) and eviction takes this round's new
 //!   bullets instead. So however many hostile traces tag bullets harmful or
 //!   propose new ones under a bullet cap, a round takes away at most that share
-//!   of what was learned before it. If only protected bullets are left over the
-//!   budget, the round's result is over budget and is refused at validation.
+//!   of what was learned before it. A playbook already over its budget before
+//!   a round (a budget lowered, or the default one met by a playbook learned
+//!   without it) shrinks toward it by at most that share a round, and a
+//!   round's result may not be larger than the playbook before it; a playbook
+//!   within its budget before the round must stay within it.
 
 use std::collections::HashSet;
 

@@ -185,6 +185,10 @@ fn distinct_in_order(group: &[usize]) -> Vec<usize> {
 }
 
 /// The publication checks (`docs/design.md`, Publish): not empty, within the budget, every `{placeholder}` of the base kept.
+/// A playbook already over its budget before the round (a budget lowered, or
+/// the default one met by a playbook learned without it) may only shrink
+/// toward it: one round removes at most its removal quota, so holding it to
+/// the budget at once would refuse every round.
 fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec) -> Result<(), String> {
     if new.render().trim().is_empty() {
         return Err("the new prompt is empty".into());
@@ -193,13 +197,14 @@ fn validate_result(base: &VersionContent, new: &VersionContent, spec: &RoundSpec
     match spec.strategy {
         Strategy::Playbook => {
             let pb = new.playbook.as_ref().map_or_else(Playbook::default, Clone::clone);
+            let before = base.playbook.as_ref().map_or_else(Playbook::default, Clone::clone);
             if let Some(max) = budget.max_bullets
-                && pb.bullet_count() > max
+                && pb.bullet_count() > max.max(before.bullet_count())
             {
                 return Err(format!("{} bullets; the budget is {max}", pb.bullet_count()));
             }
             if let Some(max) = budget.max_chars
-                && apply::rendered_chars(&pb) > max
+                && apply::rendered_chars(&pb) > max.max(apply::rendered_chars(&before))
             {
                 return Err(format!("playbook is {} characters; the budget is {max}", apply::rendered_chars(&pb)));
             }

@@ -442,6 +442,36 @@ async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
     assert_eq!(journal.snapshot().calls.len(), 3, "level-2 calls are journaled");
 }
 
+/// A playbook learned before its budget existed (or before the operator
+/// lowered it) is over it: a round may shrink it toward the budget, never
+/// grow it, and one within its budget must stay within it.
+#[test]
+fn a_playbook_over_its_budget_may_only_shrink_toward_it() {
+    let playbook = |n: u64| Playbook {
+        sections: vec![crate::domain::Section {
+            name: "rules".into(),
+            bullets: (1..=n)
+                .map(|i| crate::domain::Bullet {
+                    id: format!("b-{i:04}"),
+                    content: format!("rule {i}"),
+                    helpful: 0,
+                    harmful: 0,
+                })
+                .collect(),
+        }],
+        next_id: n + 1,
+    };
+    let content = |n: u64| VersionContent { base: "Solve {task} for {user}.".into(), playbook: Some(playbook(n)) };
+    let s = RoundSpec {
+        budget: Budget { max_bullets: Some(10), max_chars: None, ..Default::default() },
+        ..spec(Method::Naive, Strategy::Playbook, 1, 1)
+    };
+    assert!(validate_result(&content(30), &content(24), &s).is_ok(), "shrinking toward the budget");
+    assert!(validate_result(&content(30), &content(30), &s).is_ok(), "nothing removable this round");
+    assert!(validate_result(&content(30), &content(31), &s).unwrap_err().contains("budget"), "growing");
+    assert!(validate_result(&content(8), &content(11), &s).unwrap_err().contains("budget"), "within, then over");
+}
+
 /// Poisoning: four hostile traces under `max_bullets = 4` used to evict every
 /// proven bullet (their harmful tags and their ADDs come from the same
 /// untrusted traces). With the removal bound at 25 % only one may go; a pinned
