@@ -197,9 +197,10 @@ async fn insert_trace_rows(c: &mut PgConnection, rows: String) -> StoreResult<Ve
                     t.feedback, t.reflection, t.external_id, t.metadata, now() AS created_at
              FROM input t
              JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)),
+         counts AS (SELECT req, count(*) AS n FROM input GROUP BY req),
          complete AS (
-             SELECT m.req FROM matched m GROUP BY m.req
-             HAVING count(*) = (SELECT count(*) FROM input i WHERE i.req = m.req)),
+             SELECT m.req FROM matched m JOIN counts k ON k.req = m.req GROUP BY m.req, k.n
+             HAVING count(*) = k.n),
          kept AS (SELECT * FROM matched WHERE req IN (SELECT req FROM complete)),
          outcomes AS ({outcomes}),
          tasks AS ({tasks})
@@ -230,16 +231,23 @@ impl Weighed for Insert {
     }
 }
 
-/// How many trace rows one group's statement may carry (a larger batch is a
-/// group of its own).
-const GROUP_ROWS: usize = 4096;
+/// How many trace rows one group's statement may carry: one statement runs
+/// on one Postgres backend, so a group too large would keep the other cores
+/// idle while it runs.
+const GROUP_ROWS: usize = 1024;
+
+/// A request with at least this many traces commits with a statement of its
+/// own, beside the lanes: one flush is already shared by many rows, and
+/// batches then run on as many backends as there are connections.
+const ALONE_ROWS: usize = 32;
 
 /// How many groups may commit at once: Postgres flushes concurrent commits
-/// together, so a few lanes keep its cores and the disk busy while each
-/// group still gathers what arrived during the commit before it.
+/// together, so a few lanes per core keep its cores and the disk busy (one
+/// lane's group runs while another's waits on its flush), and each group
+/// still gathers what arrived during the commit before it.
 fn lanes(max_connections: u32) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, usize::from);
-    cores.clamp(2, 16).min((max_connections as usize / 2).max(1))
+    (2 * cores).clamp(4, 32).min((max_connections as usize / 2).max(1))
 }
 
 /// Commits one group with one statement (one commit, one WAL flush). A
@@ -459,7 +467,11 @@ impl Backend for Postgres {
             return Ok(Vec::new());
         }
         let (job, answer) = insert_job(traces)?;
-        s.writes.submit(job).await?;
+        if traces.len() >= ALONE_ROWS {
+            commit_group(s.writer.clone(), vec![job]).await;
+        } else {
+            s.writes.submit(job).await?;
+        }
         group_commit::answer(answer).await
     }
 
