@@ -1029,9 +1029,11 @@ mod tests {
             limits.push(resp.concurrency_limit.unwrap());
         }
         // Never a flood of the 24 (the limit starts at 2 and feels its way), and once the
-        // queue has shown, one or two in flight.
+        // queue has shown, one or two in flight: a probe above that (latency noise on a
+        // loaded machine reads as room to grow) is taken back within a few calls.
         assert!(state.most_waiting.load(Ordering::SeqCst) <= 6, "{limits:?}");
-        assert!(limits[16..].iter().all(|&l| l <= 2), "{limits:?}");
+        assert!(limits[16..].iter().filter(|&&l| l > 2).count() <= 2, "{limits:?}");
+        assert!(limits[20..].iter().all(|&l| l <= 2), "{limits:?}");
     }
 
     #[test]
