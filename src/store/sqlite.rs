@@ -223,40 +223,17 @@ impl TraceRow {
     }
 }
 
-/// Inserts a batch of traces inside the caller's transaction; `Invalid` names
-/// the first trace whose prompt or version is unknown (roll back then). Their
-/// rollup credit is the caller's to write (a group writes its jobs' at once).
+/// Inserts a batch of traces inside the caller's transaction, all or none,
+/// with the group insert's statement; `Invalid` names the first trace whose
+/// prompt or version is unknown. Their rollup credit is the caller's to
+/// write (a group writes its jobs' at once).
 async fn insert_trace_rows(c: &mut SqliteConnection, traces: &[TraceRow]) -> StoreResult<Vec<Uuid>> {
-    let now = now_us();
-    let mut ids = Vec::with_capacity(traces.len());
-    for (i, t) in traces.iter().enumerate() {
-        let id = Uuid::now_v7();
-        let n = sqlx::query(
-            "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
-                                 external_id, metadata, created_at, updated_at)
-             SELECT ?1, p.id, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?11 FROM prompts p
-             WHERE p.name = ?2 AND (?3 IS NULL OR ?3 <= p.version_count)",
-        )
-        .bind(id.to_string())
-        .bind(t.prompt.as_str())
-        .bind(t.version)
-        .bind(&t.input)
-        .bind(&t.trajectory)
-        .bind(&t.output)
-        .bind(&t.feedback)
-        .bind(&t.reflection)
-        .bind(&t.external_id)
-        .bind(&t.metadata)
-        .bind(now)
-        .execute(&mut *c)
-        .await?
-        .rows_affected();
-        if n == 0 {
-            let what = reference_problem::<Sqlite>(&mut *c, &t.prompt, t.version).await?;
-            let what = what.unwrap_or_else(|| "a referenced prompt changed during the request; retry".into());
-            return Err(StoreError::Invalid(format!("traces[{i}]: {what}")));
-        }
-        ids.push(id);
+    if traces.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
+    if insert_rows(&mut *c, &[(traces, &ids)]).await?.is_empty() {
+        return Err(unknown_reference(&mut *c, traces).await?);
     }
     Ok(ids)
 }
@@ -395,14 +372,36 @@ const INSERT_CHUNK_ROWS: usize = 32_766 / INSERT_PARAMS - 1;
 /// is left out whole. Answers the requests left out (there is nothing of
 /// theirs to undo); returns the others, with the ids to credit.
 async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreResult<(Vec<Insert>, Vec<Uuid>)> {
+    let requests: Vec<(&[TraceRow], &[Uuid])> = inserts.iter().map(|i| (&i.traces[..], &i.ids[..])).collect();
+    let stored = insert_rows(&mut *c, &requests).await?;
+    drop(requests);
+    let (mut kept, mut credit) = (Vec::with_capacity(inserts.len()), Vec::new());
+    for insert in inserts {
+        if insert.ids.first().is_some_and(|id| stored.contains(&id.to_string())) {
+            credit.extend(insert.ids.iter().copied());
+            kept.push(insert);
+        } else {
+            let problem = unknown_reference(&mut *c, &insert.traces).await;
+            let _ = insert.reply.send(problem.and_then(Err));
+        }
+    }
+    Ok((kept, credit))
+}
+
+/// Inserts the traces of `requests` (each its rows and their ids) with one
+/// statement per chunk, each request all or nothing; the ids stored.
+async fn insert_rows(
+    c: &mut SqliteConnection,
+    requests: &[(&[TraceRow], &[Uuid])],
+) -> StoreResult<std::collections::HashSet<String>> {
     let now = now_us();
-    let mut stored: std::collections::HashSet<String> = std::collections::HashSet::new();
+    let mut stored = std::collections::HashSet::new();
     let mut start = 0;
-    while start < inserts.len() {
+    while start < requests.len() {
         let mut end = start;
         let mut rows = 0;
-        while end < inserts.len() && (end == start || rows + inserts[end].traces.len() <= INSERT_CHUNK_ROWS) {
-            rows += inserts[end].traces.len();
+        while end < requests.len() && (end == start || rows + requests[end].0.len() <= INSERT_CHUNK_ROWS) {
+            rows += requests[end].0.len();
             end += 1;
         }
         let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", ");
@@ -422,8 +421,8 @@ async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreRe
              RETURNING id"
         );
         let mut q = sqlx::query_scalar::<_, String>(&text);
-        for (req, insert) in inserts[start..end].iter().enumerate() {
-            for (t, id) in insert.traces.iter().zip(&insert.ids) {
+        for (req, (traces, ids)) in requests[start..end].iter().enumerate() {
+            for (t, id) in traces.iter().zip(ids.iter()) {
                 q = q
                     .bind(req as i64)
                     .bind(id.to_string())
@@ -441,17 +440,7 @@ async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreRe
         stored.extend(q.fetch_all(&mut *c).await?);
         start = end;
     }
-    let (mut kept, mut credit) = (Vec::with_capacity(inserts.len()), Vec::new());
-    for insert in inserts {
-        if insert.ids.first().is_some_and(|id| stored.contains(&id.to_string())) {
-            credit.extend(insert.ids.iter().copied());
-            kept.push(insert);
-        } else {
-            let problem = unknown_reference(&mut *c, &insert.traces).await;
-            let _ = insert.reply.send(problem.and_then(Err));
-        }
-    }
-    Ok((kept, credit))
+    Ok(stored)
 }
 
 /// Why a request's traces were not stored: the first unknown prompt or version.
