@@ -6,6 +6,7 @@
 //! HTTP layers feed it numbers.
 
 pub mod assign;
+pub mod checks;
 pub mod guard;
 pub mod outcomes;
 pub mod population;
