@@ -59,6 +59,27 @@ fn bad_configuration_is_reported_without_secrets() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("max_page_size must be greater than 0"));
 }
 
+/// A key the reader does not know stops start-up, named, from a file or an
+/// environment variable alike: how a previous release meets a key added since,
+/// so during a rolling upgrade each process keeps the configuration it was
+/// started with (docs/operations.md).
+#[test]
+fn an_unknown_key_stops_start_up_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("default.toml"), "[database]\nadded_later = \"postgres://u:hunter2@h/d\"\n")
+        .unwrap();
+    let out = combee(dir.path()).arg("config").output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("added_later") && !err.contains("hunter2"), "{err}");
+
+    std::fs::write(dir.path().join("default.toml"), "").unwrap();
+    assert!(combee(dir.path()).arg("config").output().unwrap().status.success());
+    let out = combee(dir.path()).arg("config").env("COMBEE__WORKER__ADDED_LATER", "1").output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("added_later"));
+}
+
 #[test]
 fn keys_create_list_revoke_on_the_embedded_store() {
     let dir = tempfile::tempdir().unwrap();

@@ -27,5 +27,6 @@ mod real_model;
 mod request_rules;
 mod store_contract;
 mod ui_browser;
+mod upgrade;
 mod webhooks;
 mod world;

@@ -12,13 +12,16 @@ use crate::common;
 
 use std::{
     collections::BTreeSet,
-    process::{Child, Command, Stdio},
     str::FromStr,
     time::{Duration, Instant},
 };
 
 use combee::simulation::llm::{CapacityModel, SimConfig};
-use common::{eventually, fresh_pg_database, spawn_sim};
+use common::{
+    eventually, fresh_pg_database,
+    processes::{Build, Process, free_port, ready},
+    spawn_sim,
+};
 use serde_json::{Value, json};
 use sqlx::{Connection, Row};
 
@@ -51,19 +54,6 @@ fn with_database(url: &str, db: &str) -> String {
     format!("{base}/{db}")
 }
 
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// Where the five processes find the database: the pooler, and Postgres itself.
 struct Route<'a> {
     pooled: &'a str,
@@ -73,31 +63,13 @@ struct Route<'a> {
 /// A `combee serve --role <role>` process through the pooler; its base URL.
 fn combee(role: &str, route: &Route, data: &std::path::Path, env: &[(&str, &str)]) -> (Process, String) {
     let port = free_port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_combee"));
-    cmd.args(["serve", "--role", role, "--bind", &format!("127.0.0.1:{port}")])
-        .env("DATABASE_URL", route.pooled)
-        .env("COMBEE__DATABASE__POOLER", "transaction")
-        .env("COMBEE__DATABASE__DIRECT_URL", route.direct)
-        .env("COMBEE_CONFIG_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/config"))
-        .env("COMBEE__DATABASE__DATA_DIR", data)
-        .env("COMBEE__LOG__LEVEL", "warn")
-        .stdout(Stdio::null());
+    let mut cmd = Build::this().serve(role, port, route.pooled, data);
+    cmd.env("COMBEE__DATABASE__POOLER", "transaction").env("COMBEE__DATABASE__DIRECT_URL", route.direct);
     for (k, v) in env {
         cmd.env(k, v);
     }
     let child = cmd.spawn().unwrap_or_else(|e| panic!("start a combee {role} process: {e}"));
     (Process(child), format!("http://127.0.0.1:{port}"))
-}
-
-async fn ready(http: &reqwest::Client, base: &str) {
-    eventually(&format!("{base} ready"), Duration::from_secs(30), async || {
-        match http.get(format!("{base}/readyz")).send().await {
-            Ok(r) if r.status() == 200 => Ok(()),
-            Ok(r) => Err(r.status().to_string()),
-            Err(e) => Err(e.to_string()),
-        }
-    })
-    .await
 }
 
 fn insight_trace(i: usize) -> Value {

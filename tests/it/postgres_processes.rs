@@ -8,10 +8,7 @@
 
 use crate::common;
 
-use std::{
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use combee::{
     domain::{
@@ -20,7 +17,11 @@ use combee::{
     },
     evaluate::{assign::sticky_arm, trueskill::Rating},
 };
-use common::{Backend, eventually, spawn_app};
+use common::{
+    Backend, eventually,
+    processes::{Build, Process, free_port, ready},
+    spawn_app,
+};
 use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 
@@ -55,19 +56,6 @@ async fn hundred_concurrent_version_creations_give_versions_one_to_101() {
     assert_eq!(numbers, (1..=101).collect::<Vec<_>>(), "exactly 1..=101, no gap, no duplicate");
 }
 
-struct ChildServer(Child);
-
-impl Drop for ChildServer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_label_move_reaches_a_second_process_within_a_second() {
     let app = spawn_app(Backend::Postgres).await;
@@ -77,16 +65,8 @@ async fn a_label_move_reaches_a_second_process_within_a_second() {
 
     let port = free_port();
     let data = tempfile::tempdir().unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_combee"))
-        .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
-        .env("DATABASE_URL", &app.url)
-        .env("COMBEE_CONFIG_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/config"))
-        .env("COMBEE__DATABASE__DATA_DIR", data.path())
-        .env("COMBEE__LOG__LEVEL", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start a second combee process");
-    let _child = ChildServer(child);
+    let child = Build::this().serve("all", port, &app.url, data.path()).spawn().expect("start a second combee process");
+    let _child = Process(child);
     let other = format!("http://127.0.0.1:{port}");
     ready(&app.http, &other).await;
     let get_other = || app.http.get(format!("{other}/v1/prompts/shared")).bearer_auth(&app.admin_key).send();
@@ -113,33 +93,12 @@ async fn a_label_move_reaches_a_second_process_within_a_second() {
 
 /// A `combee serve --role api` process on `db` (no worker, so no rater moves
 /// the weights behind the test's back), ready to answer.
-async fn api_process(http: &reqwest::Client, db: &str, data: &std::path::Path) -> (ChildServer, String) {
+async fn api_process(http: &reqwest::Client, db: &str, data: &std::path::Path) -> (Process, String) {
     let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_combee"))
-        .args(["serve", "--role", "api", "--bind", &format!("127.0.0.1:{port}")])
-        .env("DATABASE_URL", db)
-        .env("COMBEE_CONFIG_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/config"))
-        .env("COMBEE__DATABASE__DATA_DIR", data)
-        .env("COMBEE__LOG__LEVEL", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("start an API process");
-    let child = ChildServer(child);
+    let child = Process(Build::this().serve("api", port, db, data).spawn().expect("start an API process"));
     let base = format!("http://127.0.0.1:{port}");
     ready(http, &base).await;
     (child, base)
-}
-
-/// Waits for the process at `base` to answer `/readyz` with 200.
-async fn ready(http: &reqwest::Client, base: &str) {
-    eventually(&format!("{base} ready"), Duration::from_secs(30), async || {
-        match http.get(format!("{base}/readyz")).send().await {
-            Ok(r) if r.status() == 200 => Ok(()),
-            Ok(r) => Err(r.status().to_string()),
-            Err(e) => Err(e.to_string()),
-        }
-    })
-    .await
 }
 
 fn arm(version: i64, state: ArmState, weight: f64) -> PopulationArm {
@@ -246,28 +205,23 @@ async fn two_api_processes_serve_the_same_arms_within_a_second_of_a_weight_chang
     assert_eq!(served_b, served_a, "both processes give every subject the same arm after the change");
 }
 
-fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
+fn worker_process(db: &str, llm: &str, data: &std::path::Path) -> Process {
     worker_process_on(free_port(), db, llm, data)
 }
 
 /// A `combee serve --role worker` process whose ops endpoints listen on `port`,
 /// with a short lease (2 s) so a killed process's round is claimed again soon.
-fn worker_process_on(port: u16, db: &str, llm: &str, data: &std::path::Path) -> ChildServer {
-    let child = Command::new(env!("CARGO_BIN_EXE_combee"))
-        .args(["serve", "--role", "worker", "--bind", &format!("127.0.0.1:{port}")])
-        .env("DATABASE_URL", db)
-        .env("COMBEE_CONFIG_DIR", concat!(env!("CARGO_MANIFEST_DIR"), "/config"))
-        .env("COMBEE__DATABASE__DATA_DIR", data)
-        .env("COMBEE__LOG__LEVEL", "warn")
+fn worker_process_on(port: u16, db: &str, llm: &str, data: &std::path::Path) -> Process {
+    let child = Build::this()
+        .serve("worker", port, db, data)
         .env("COMBEE__LLM__BASE_URL", llm)
         .env("COMBEE__LLM__MAX_CONCURRENCY", "2")
         .env("COMBEE__WORKER__LEASE_SECS", "2")
         .env("COMBEE__WORKER__HEARTBEAT_SECS", "1")
         .env("COMBEE__WORKER__POLL_INTERVAL_MS", "50")
-        .stdout(Stdio::null())
         .spawn()
         .expect("start a worker process");
-    ChildServer(child)
+    Process(child)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -368,7 +322,7 @@ async fn crowded_prompt(app: &common::TestApp, name: &str) {
 }
 
 /// A ready worker process (its own data dir) on `db` learning through `llm`.
-async fn ready_worker(http: &reqwest::Client, db: &str, llm: &str) -> (ChildServer, tempfile::TempDir) {
+async fn ready_worker(http: &reqwest::Client, db: &str, llm: &str) -> (Process, tempfile::TempDir) {
     let data = tempfile::tempdir().unwrap();
     let port = free_port();
     let child = worker_process_on(port, db, llm, data.path());

@@ -1759,6 +1759,54 @@ async fn run_raw(b: Backend, url: &str, statements: &[String]) {
     }
 }
 
+/// A database a newer release migrated — a migration this binary does not
+/// have, which only adds (a table, a nullable column, a column with a default,
+/// an index), as during a rolling upgrade — still opens, and this binary reads
+/// and writes on it.
+async fn a_database_migrated_by_a_newer_release_opens_and_serves(b: Backend) {
+    let ts = test_store(b).await;
+    make_prompt(&ts.store, "before").await;
+    let checksum = if b == Backend::Postgres { "'\\x00'::bytea" } else { "X'00'" };
+    let newer = [
+        "CREATE TABLE from_a_newer_release (id integer PRIMARY KEY, note text)".to_owned(),
+        "ALTER TABLE traces ADD COLUMN added_later text".to_owned(),
+        "ALTER TABLE prompts ADD COLUMN added_with_default integer NOT NULL DEFAULT 7".to_owned(),
+        "CREATE INDEX traces_added_later ON traces (added_later)".to_owned(),
+        format!(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES (99999, 'from a newer release', TRUE, {checksum}, 0)"
+        ),
+    ];
+    run_raw(b, &ts.url, &newer).await;
+    drop(ts.store);
+    let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10))
+        .await
+        .expect("a database with a newer migration opens");
+    make_prompt(&again, "after").await;
+    assert_eq!(again.list_prompts(None, 10).await.unwrap().len(), 2);
+    let ids = again.insert_traces(&[trace("before", Some(1)), trace("after", Some(1))]).await.unwrap();
+    for id in ids {
+        assert!(again.get_trace(id).await.unwrap().is_some(), "trace {id} is read back");
+    }
+    // The newer migration is still recorded, its table still there.
+    let (recorded, rows): (i64, i64) = {
+        use sqlx::Connection;
+        const COUNT: &str = "SELECT (SELECT count(*) FROM _sqlx_migrations WHERE version = 99999),
+                                    (SELECT count(*) FROM from_a_newer_release)";
+        match b {
+            Backend::Postgres => {
+                let mut c = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+                sqlx::query_as(COUNT).fetch_one(&mut c).await.unwrap()
+            }
+            Backend::Sqlite => {
+                let mut c = sqlx::SqliteConnection::connect(&ts.url).await.unwrap();
+                sqlx::query_as(COUNT).fetch_one(&mut c).await.unwrap()
+            }
+        }
+    };
+    assert_eq!((recorded, rows), (1, 0));
+}
+
 /// A database the hand-written migrator made (its `schema_migrations`, no
 /// `_sqlx_migrations`) opens: the applied migrations are adopted, not run
 /// again, the missing one runs, and the data is all there. One whose applied
@@ -1847,6 +1895,7 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
 
 on_both_stores!(
     a_database_from_the_old_migrator_upgrades_in_place,
+    a_database_migrated_by_a_newer_release_opens_and_serves,
     meter_counts_sum_rounds_once_per_prompt,
     task_rewards_group_by_version_and_task_key,
     label_history_records_every_move_in_order,

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod private_postgres;
+pub mod processes;
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
