@@ -321,7 +321,14 @@ impl<F: Future<Output = Result<Response, Infallible>>> Future for ObservedAnswer
                     *this.recording = Some(Box::pin(recording.instrument(this.span.clone())));
                 }
                 _ => {
-                    return Poll::Ready(Ok(finish(this.span, this.start, this.observer, *this.route, this.method, res)));
+                    return Poll::Ready(Ok(finish(
+                        this.span,
+                        this.start,
+                        this.observer,
+                        *this.route,
+                        this.method,
+                        res,
+                    )));
                 }
             }
         }
