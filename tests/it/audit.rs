@@ -365,6 +365,25 @@ async fn the_command_line_reads_and_writes_the_log(b: Backend) {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let secret = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    // A retention pass run by hand is recorded even when it deleted nothing.
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_combee"));
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("COMBEE__")) {
+        cmd.env_remove(k);
+    }
+    let out = cmd
+        .args(["prune", "--json"])
+        .env("COMBEE_CONFIG_DIR", config.path())
+        .env("COMBEE__DATABASE__URL", &app.url)
+        .env_remove("DATABASE_URL")
+        .env("USER", "pruner")
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let pruned: Value = app.get("/v1/audit?action=retention.run").send().await.unwrap().json().await.unwrap();
+    let run = &pruned["entries"][0];
+    assert_eq!((run["actor_type"].as_str(), run["actor_name"].as_str()), (Some("cli"), Some("pruner")), "{pruned}");
+    assert!(run["after"]["other"].is_object(), "the report is the entry's after: {run}");
 
     let audit = |args: &[&str]| {
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_combee"));
@@ -384,12 +403,18 @@ async fn the_command_line_reads_and_writes_the_log(b: Backend) {
     let out = audit(&["--limit", "1"]).await.unwrap();
     assert!(out.status.success());
     let table = String::from_utf8(out.stdout).unwrap();
-    assert!(table.starts_with("ID") && table.contains("key.create") && table.contains("cli:auditor"), "{table}");
+    assert!(table.starts_with("ID") && table.contains("retention.run") && table.contains("cli:pruner"), "{table}");
     let more = String::from_utf8(out.stderr).unwrap();
     let token = more.trim().strip_prefix("more entries: --page-token ").unwrap_or_else(|| panic!("{more}"));
     let out = audit(&["--json", "--page-token", token]).await.unwrap();
     let rest: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rest["entries"][0]["actor_type"], "system", "then the first admin key, made at start-up: {rest}");
+    let older: Vec<(&str, &str)> = rest["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["actor_type"].as_str().unwrap(), e["action"].as_str().unwrap()))
+        .collect();
+    assert_eq!(older, [("cli", "key.create"), ("system", "key.create")], "then the first admin key, made at start-up");
 
     // A reader's key gets exit code 3.
     let reader = app.key_with(&["prompts:read"]).await;
