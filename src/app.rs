@@ -12,7 +12,10 @@ use crate::{
     auth,
     config::{Pooler, Role, Settings},
     delivery::Deliverer,
-    domain::access::Scope,
+    domain::{
+        access::Scope,
+        audit::{Actor, NewAuditEntry, RequestOrigin},
+    },
     http,
     llm::{LlmBackend, client::OpenAiClient},
     service::AppState,
@@ -76,6 +79,16 @@ pub async fn ensure_admin_key(store: &DynStore, data_dir: &Path) -> anyhow::Resu
         return Ok(None);
     }
     let (key, secret) = auth::create_key(store, "bootstrap admin", &[Scope::Admin]).await?;
+    let created = NewAuditEntry::new(
+        Actor::System,
+        RequestOrigin::default(),
+        "key.create",
+        Some("key".into()),
+        Some(key.id.to_string()),
+        None,
+        serde_json::to_value(&key).ok(),
+    );
+    crate::service::audit::record(store, &created).await;
     std::fs::create_dir_all(data_dir).with_context(|| format!("cannot create {}", data_dir.display()))?;
     let path = data_dir.join(ADMIN_KEY_FILE);
     write_private(&path, &format!("{secret}\n")).with_context(|| format!("cannot write {}", path.display()))?;
@@ -210,7 +223,10 @@ impl Application {
             let server = axum::serve(listener, http::ops_router(state)).with_graceful_shutdown(stopped);
             tokio::spawn(async move { server.await })
         } else {
-            let service = axum::ServiceExt::<axum::extract::Request>::into_make_service(api_and_ui(state));
+            // The client's address reaches the audit log through `ConnectInfo`.
+            let service = axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<SocketAddr>(
+                api_and_ui(state),
+            );
             let server = axum::serve(listener, service).with_graceful_shutdown(stopped);
             tokio::spawn(async move { server.await })
         };

@@ -351,6 +351,8 @@ pub struct RetentionSettings {
     pub round_detail_days: u32,
     /// Outbound webhook events with their deliveries and delivery log after this many days.
     pub events_days: u32,
+    /// Audit log entries after this many days; 0 (the default) keeps them forever.
+    pub audit_days: u32,
     /// Rows per batch (one transaction each).
     pub batch_size: u32,
     /// Pause between two batches, so deletion never crowds out live traffic (milliseconds).
@@ -372,6 +374,7 @@ impl Default for RetentionSettings {
             quarantined_days: 90,
             round_detail_days: 30,
             events_days: 30,
+            audit_days: 0,
             batch_size: 500,
             batch_pause_ms: 20,
             interval_secs: 300,
@@ -500,6 +503,11 @@ impl Settings {
         ];
         if let Some((k, _)) = days.iter().find(|(_, d)| !(1..=MAX_RETENTION_DAYS).contains(d)) {
             return Err(ConfigError(format!("{k} must be from 1 to {MAX_RETENTION_DAYS}")));
+        }
+        if r.audit_days > MAX_RETENTION_DAYS {
+            return Err(ConfigError(format!(
+                "retention.audit_days must be from 0 (keep forever) to {MAX_RETENTION_DAYS}"
+            )));
         }
         if r.batch_size == 0 || r.interval_secs == 0 {
             return Err(ConfigError("retention.batch_size and retention.interval_secs must be greater than 0".into()));

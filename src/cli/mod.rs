@@ -3,6 +3,7 @@
 //! talks to a running server over its API. Parsing lives here so `main`
 //! stays a few lines.
 
+pub mod audit;
 pub mod client;
 pub mod export;
 pub mod prompts;
@@ -18,14 +19,17 @@ use clap::{Args, Parser, Subcommand};
 use crate::{
     app::{self, Application},
     config::{Role, Settings},
-    domain::access::Scope,
+    domain::{
+        access::{ApiKey, Scope},
+        audit::{NewAuditEntry, RequestOrigin},
+    },
     service::{self, ServiceError},
     telemetry,
 };
 
 /// The exit codes of the client commands, shown in `--help`.
 pub const EXIT_CODES: &str = "\
-Exit codes (prompts, traces, rounds):
+Exit codes (prompts, traces, rounds, audit):
   0  ok
   1  usage or local error (bad arguments, unreadable file)
   2  not found (HTTP 404)
@@ -96,6 +100,14 @@ pub enum Command {
         #[command(subcommand)]
         command: traces::TracesCommand,
     },
+    /// The audit log of a running server (admin key): who changed what, when, from where; newest first.
+    #[command(after_help = EXIT_CODES)]
+    Audit {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(flatten)]
+        args: audit::AuditArgs,
+    },
     /// Learning rounds on a running server: trigger, list, show.
     #[command(after_help = EXIT_CODES)]
     Rounds {
@@ -147,6 +159,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Rounds { client, command } => {
             let api = client::ApiClient::new(&client)?;
             return Ok(rounds::run(&api, client.json, command).await?);
+        }
+        Command::Audit { client, args } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(audit::run(&api, client.json, args).await?);
         }
         Command::SimWorld { client, world } => return sim_world(&client, world).await,
         other => other,
@@ -203,7 +219,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             crate::simulation::llm::serve_simulator(listener, args.sim, shutdown).await?;
             Ok(())
         }
-        Command::Prompts { .. } | Command::Traces { .. } | Command::Rounds { .. } | Command::SimWorld { .. } => {
+        Command::Prompts { .. }
+        | Command::Traces { .. }
+        | Command::Rounds { .. }
+        | Command::Audit { .. }
+        | Command::SimWorld { .. } => {
             unreachable!("client commands return above")
         }
     }
@@ -245,6 +265,7 @@ async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {
                 .map(|s| Scope::parse(s.trim()).with_context(|| format!("unknown scope {s:?}")))
                 .collect::<anyhow::Result<Vec<_>>>()?;
             let (key, secret) = service::keys::create(&st, &name, &scopes).await?;
+            service::audit::record(&st.store, &audit_entry("key.create", key.id, None, Some(&key))).await;
             eprintln!("created key {} ({}) with scopes {:?}", key.prefix, key.id, scopes_str(&key.scopes));
             println!("{secret}");
         }
@@ -256,14 +277,30 @@ async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {
             }
         }
         KeysCommand::Revoke { id } => {
-            match service::keys::revoke(&st, &id).await {
+            let key = match service::keys::revoke(&st, &id).await {
                 Err(ServiceError::NotFound(_)) => anyhow::bail!("no active key with id or prefix {id:?}"),
                 other => other?,
-            }
+            };
+            let entry = audit_entry("key.revoke", key.id, Some(&key), None);
+            service::audit::record(&st.store, &entry).await;
             println!("revoked {id}");
         }
     }
     Ok(())
+}
+
+/// The audit entry of a key change made on the command line, by its OS user.
+fn audit_entry(action: &str, key: uuid::Uuid, before: Option<&ApiKey>, after: Option<&ApiKey>) -> NewAuditEntry {
+    let value = |k: Option<&ApiKey>| k.and_then(|k| serde_json::to_value(k).ok());
+    NewAuditEntry::new(
+        service::audit::cli_actor(),
+        RequestOrigin::default(),
+        action,
+        Some("key".into()),
+        Some(key.to_string()),
+        value(before),
+        value(after),
+    )
 }
 
 fn scopes_str(scopes: &[Scope]) -> String {

@@ -29,8 +29,14 @@ pub async fn run(settings: Settings, args: PruneArgs) -> anyhow::Result<()> {
     let store = app::open_store(&settings).await?;
     let pruner = Pruner::new(store, settings.retention.clone(), settings.limits.idempotency_ttl_hours);
     let now = chrono::Utc::now();
-    let report =
-        if args.dry_run { pruner.dry_run(now).await? } else { pruner.pass(now, &CancellationToken::new()).await? };
+    let report = if args.dry_run {
+        pruner.dry_run(now).await?
+    } else {
+        let report = pruner.pass(now, &CancellationToken::new()).await?;
+        // Run by hand, a pass is an operator's act: recorded even when it deleted nothing.
+        pruner.record(crate::service::audit::cli_actor(), &report).await;
+        report
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({"dry_run": args.dry_run, "report": report}))?);
     } else {

@@ -3,6 +3,7 @@
 //! or the network, so every rule can be unit-tested on its own.
 
 pub mod access;
+pub mod audit;
 pub mod backoff;
 pub mod diff;
 pub mod event;

@@ -18,8 +18,11 @@ use serde::de::DeserializeOwned;
 use super::{AppState, error::ApiError};
 use crate::service::plain_serde_error;
 use crate::{
-    domain::access::{ApiKey, Scope},
-    service::keys,
+    domain::{
+        access::{ApiKey, Scope},
+        audit::Actor,
+    },
+    service::{audit::AuditSlot, keys},
 };
 
 /// Shortens an attacker-influenced message before it goes into an answer.
@@ -335,6 +338,10 @@ impl FromRequestParts<AppState> for Caller {
             .ok_or(ApiError::Unauthorized("the Authorization header must be `Bearer cmb_…`"))?;
         let key =
             keys::authenticate(state, token).await?.ok_or(ApiError::Unauthorized("unknown or revoked API key"))?;
+        // A write request's audit entry names the key (see `http/audit.rs`).
+        if let Some(slot) = parts.extensions.get::<AuditSlot>() {
+            slot.set_actor(Actor::Key { id: key.id, name: key.name.clone() });
+        }
         Ok(Caller(key))
     }
 }

@@ -1,5 +1,6 @@
 //! API key administration over HTTP (scope `admin`); the same as `combee keys`.
 
+use crate::service::audit::Audit;
 use axum::{Json, extract::State, http::StatusCode, response::IntoResponse};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -42,7 +43,9 @@ pub async fn create_key(
     ApiJson(req): ApiJson<CreateKey>,
 ) -> ApiResult<impl IntoResponse> {
     let (key, secret) = keys::create(&st, &req.name, &req.scopes).await?;
-    Ok((StatusCode::CREATED, Json(KeyCreated { key, secret })))
+    // The key without its secret: the answer shows the secret once, the log never.
+    let audit = Audit::new("key.create", "key", key.id).after(&key);
+    Ok((StatusCode::CREATED, audit, Json(KeyCreated { key, secret })))
 }
 
 #[utoipa::path(get, path = "/v1/keys", tag = "keys", responses((status = 200, body = KeyList)), security(("bearer" = ["admin"])))]
@@ -56,7 +59,7 @@ pub async fn revoke_key(
     State(st): State<AppState>,
     _caller: Authorized<scope::Admin>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<StatusCode> {
-    keys::revoke(&st, &id).await?;
-    Ok(StatusCode::NO_CONTENT)
+) -> ApiResult<(StatusCode, Audit)> {
+    let before = keys::revoke(&st, &id).await?;
+    Ok((StatusCode::NO_CONTENT, Audit::new("key.revoke", "key", before.id).before(before)))
 }

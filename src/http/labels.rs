@@ -1,6 +1,7 @@
 //! Label routes: list a prompt's labels, move or delete one (guarded by
 //! `If-Match` on the label's current text), and roll production back.
 
+use crate::service::audit::Audit;
 use axum::{
     Json,
     extract::State,
@@ -119,8 +120,17 @@ pub async fn move_label(
         check_current,
         by: caller.actor(),
     };
+    let before = label_now(&st, &prompt.name, &label).await?;
     let moved_label = move_label_to(&st, &prompt.name, &mv, &MoveCause::new(LabelMoveKind::Promote, reason)).await?;
-    moved(&st, &prompt.name, moved_label).await
+    let audit = Audit::new("label.move", "label", format!("{}/{label}", prompt.name)).before(before);
+    let mut res = moved(&st, &prompt.name, moved_label).await?;
+    res.extensions_mut().insert(audit);
+    Ok(res)
+}
+
+/// The label as it is now, for an audit entry's `before`.
+async fn label_now(st: &AppState, prompt: &PromptName, label: &LabelName) -> ApiResult<Option<Label>> {
+    Ok(labels::list_labels(st, prompt).await?.into_iter().find(|l| &l.name == label))
 }
 
 #[utoipa::path(delete, path = "/v1/prompts/{name}/labels/{label}", tag = "labels",
@@ -131,11 +141,12 @@ pub async fn delete_label(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsPromote>,
     ApiPath((name, label)): ApiPath<(String, String)>,
-) -> ApiResult<StatusCode> {
+) -> ApiResult<(StatusCode, Audit)> {
     let prompt = existing_prompt(&st, &name).await?;
     let label = LabelName::parse(&label).map_err(|e| ApiError::unprocessable(e.to_string()))?;
+    let before = label_now(&st, &prompt.name, &label).await?;
     labels::delete_label(&st, &prompt, &label, &caller.actor()).await?;
-    Ok(StatusCode::NO_CONTENT)
+    Ok((StatusCode::NO_CONTENT, Audit::new("label.delete", "label", format!("{}/{label}", prompt.name)).before(before)))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -164,11 +175,13 @@ pub async fn rollback(
     let production = LabelName::production();
     check_version_number("to", req.to)?;
     let (expected, checked) = check_if_match(&st, &prompt.name, &production, &headers).await?;
+    let before = label_now(&st, &prompt.name, &production).await?;
     let created = roll_back(&st, &prompt, req.to, req.message, expected.filter(|_| checked), &caller.actor()).await?;
     let view = prompts::resolved(&st, &prompt.name, &Selector::Version(created.number)).await?;
     // The new version is production: its ETag is the one `GET ?label=production` answers.
     let etag = HeaderValue::from_str(&etag(&view)).map_err(|e| ApiError::internal(e.into()))?;
-    let mut res = (StatusCode::CREATED, Json(VersionView::from(view))).into_response();
+    let audit = Audit::new("prompt.rollback", "prompt", &prompt.name).before(before);
+    let mut res = (StatusCode::CREATED, audit, Json(VersionView::from(view))).into_response();
     res.headers_mut().insert(header::ETAG, etag);
     Ok(res)
 }

@@ -4,6 +4,7 @@
 //! One file per resource beside this one; the operations the web UI shares
 //! are in `service/`.
 
+pub mod audit;
 pub mod controller;
 pub mod error;
 pub mod export;
@@ -29,6 +30,7 @@ use std::{convert::Infallible, time::Duration};
 use axum::{
     Router,
     extract::{DefaultBodyLimit, Request},
+    http::Method,
     response::Response,
     routing::{get, post, put},
 };
@@ -79,11 +81,22 @@ pub fn routes() -> RouteTable {
         .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
+        .route("/v1/audit", get(audit::audit_log))
         .route("/v1/openapi.json", get(openapi::openapi))
         // For Langfuse SDKs pointed at combee (see http/langfuse.rs).
         .route("/api/public/v2/prompts/{name}", get(langfuse::get_prompt))
         .route("/api/public/otel/v1/traces", post(langfuse::export_traces))
+        // Every other write operation appends one audit entry when it succeeds (see `observe.rs`).
+        .not_audited(Method::POST, "/v1/traces", INGEST)
+        .not_audited(Method::POST, "/v1/traces/{id}/feedback", INGEST)
+        .not_audited(Method::POST, "/v1/otlp/v1/traces", INGEST)
+        .not_audited(Method::POST, "/v1/otlp/v1/logs", INGEST)
+        .not_audited(Method::POST, "/api/public/otel/v1/traces", INGEST)
 }
+
+/// Why trace ingest appends no audit entry.
+const INGEST: &str = "traces and their feedback are data the agents send, at high volume, not an operator's \
+                      change; what operators do to traces (quarantine, release, delete, requeue) is audited";
 
 /// The route table as served: the API's fallbacks (problem documents), the
 /// body limit, and the middleware every request passes through
@@ -95,10 +108,10 @@ pub fn serve(
 ) -> impl Service<Request, Response = Response, Error = Infallible, Future: Send> + Clone + Send + Sync + 'static {
     let time_limit = Duration::from_secs(state.settings.server.request_timeout_secs);
     let body_limit = DefaultBodyLimit::max(state.settings.limits.max_body_bytes);
-    let (router, templates) = routes.into_parts();
-    let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state);
+    let (router, templates, unaudited) = routes.into_parts();
+    let router = router.fallback(not_found).method_not_allowed_fallback(method_not_allowed).with_state(state.clone());
     // Around the router, not on each route: the limit is a request extension read by the body extractors.
-    Observed::new(body_limit.layer(router.clone()), router, templates, time_limit)
+    Observed::new(body_limit.layer(router.clone()), router, (templates, unaudited), time_limit, state)
 }
 
 /// A worker-only process serves just liveness, readiness and metrics.

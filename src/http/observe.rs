@@ -6,6 +6,12 @@
 //! as much as a cached prompt's whole answer. So that the route is still
 //! known out here, [`RouteTable`] registers every route twice: in the axum
 //! router and in a matcher of the same kind that names its template.
+//!
+//! It also keeps the audit log true by construction: every write request
+//! (POST, PUT, PATCH, DELETE) on a route not declared exempt
+//! ([`RouteTable::not_audited`]) that succeeds (status below 400) appends
+//! exactly one entry before it is answered (`http/audit.rs`); a failed one
+//! appends none.
 
 use std::{
     cell::RefCell,
@@ -35,7 +41,7 @@ use tokio::time::Timeout;
 use tower::Service;
 use tracing::{Instrument as _, instrument::Instrumented};
 
-use super::{AppState, error::ApiError};
+use super::{AppState, audit, error::ApiError};
 
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -49,6 +55,8 @@ const UNMATCHED: &str = "unmatched";
 pub struct RouteTable {
     router: Router<AppState>,
     templates: Vec<String>,
+    /// Write operations (method, template) that append no audit entry.
+    unaudited: Vec<(Method, String)>,
 }
 
 impl RouteTable {
@@ -62,14 +70,25 @@ impl RouteTable {
         self
     }
 
+    /// Declares that `method` on the route `path` appends no audit entry,
+    /// and why (`why` is for the reader: say it where the route is added).
+    /// Every other write operation is audited.
+    pub fn not_audited(mut self, method: Method, path: &str, why: &'static str) -> Self {
+        let _ = why;
+        self.unaudited.push((method, path.to_owned()));
+        self
+    }
+
     /// `other`'s routes under `prefix`, with the templates axum gives them.
     pub fn nest(mut self, prefix: &str, other: RouteTable) -> Self {
         self.router = self.router.nest(prefix, other.router);
         // As axum names a nested route (`Router::nest`): the prefix alone for `/`.
-        self.templates.extend(other.templates.iter().map(|path| match path.as_str() {
+        let nested = |path: &str| match path {
             "/" => prefix.to_owned(),
             _ => format!("{}{path}", prefix.trim_end_matches('/')),
-        }));
+        };
+        self.templates.extend(other.templates.iter().map(|path| nested(path)));
+        self.unaudited.extend(other.unaudited.iter().map(|(method, path)| (method.clone(), nested(path))));
         self
     }
 
@@ -79,8 +98,9 @@ impl RouteTable {
         self
     }
 
-    pub fn into_parts(self) -> (Router<AppState>, Vec<String>) {
-        (self.router, self.templates)
+    /// The router, the templates, and the write operations not audited.
+    pub fn into_parts(self) -> (Router<AppState>, Vec<String>, Vec<(Method, String)>) {
+        (self.router, self.templates, self.unaudited)
     }
 }
 
@@ -127,6 +147,15 @@ struct Observer {
     /// Route template → its index in `labels`.
     matcher: matchit::Router<u16>,
     labels: Vec<String>,
+    /// Per route, the write methods that append no audit entry.
+    unaudited: Vec<Vec<Method>>,
+    /// Where audit entries are appended.
+    state: AppState,
+}
+
+/// The methods that change something.
+fn is_write(method: &Method) -> bool {
+    matches!(*method, Method::POST | Method::PUT | Method::PATCH | Method::DELETE)
 }
 
 /// The service every request enters by: an `x-request-id` (the caller's, or
@@ -148,8 +177,15 @@ pub struct Observed<S, B> {
 
 impl<S, B> Observed<S, B> {
     /// `inner` and `bodiless` are the same routes, `templates` their templates
+    /// and `unaudited` their write operations without audit entries
     /// ([`RouteTable::into_parts`]); `inner` is what requests with a body go to.
-    pub fn new(inner: S, bodiless: B, templates: Vec<String>, time_limit: Duration) -> Self {
+    pub fn new(
+        inner: S,
+        bodiless: B,
+        (templates, unaudited): (Vec<String>, Vec<(Method, String)>),
+        time_limit: Duration,
+        state: AppState,
+    ) -> Self {
         static SERIAL: AtomicU64 = AtomicU64::new(0);
         let mut matcher = matchit::Router::new();
         let mut labels = Vec::with_capacity(templates.len());
@@ -159,12 +195,18 @@ impl<S, B> Observed<S, B> {
                 labels.push(template);
             }
         }
+        let unaudited = labels
+            .iter()
+            .map(|label| unaudited.iter().filter(|(_, path)| path == label).map(|(m, _)| m.clone()).collect())
+            .collect();
         let observer = Observer {
             serial: SERIAL.fetch_add(1, Ordering::Relaxed),
             time_limit,
             ids: SequentialRequestId::default(),
             matcher,
             labels,
+            unaudited,
+            state,
         };
         Self { inner, bodiless, observer: Arc::new(observer) }
     }
@@ -184,7 +226,7 @@ where
         self.bodiless.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request) -> Self::Future {
+    fn call(&mut self, mut req: Request) -> Self::Future {
         let start = Instant::now();
         let o = &self.observer;
         let id = match req.headers().get(REQUEST_ID) {
@@ -193,6 +235,12 @@ where
         };
         let route = o.matcher.at(req.uri().path()).ok().map(|m| *m.value);
         let method = req.method().clone();
+        let audit = match route {
+            Some(r) if is_write(&method) && !o.unaudited[usize::from(r)].contains(&method) => {
+                Some(Box::new(audit::Pending::start(&mut req, o.labels[usize::from(r)].clone())))
+            }
+            _ => None,
+        };
         let span = tracing::info_span!(
             "request",
             method = %req.method(),
@@ -208,7 +256,17 @@ where
             AssertUnwindSafe(tokio::time::timeout_at(deadline, answer)).catch_unwind()
         }))
         .ok();
-        ObservedAnswer { running, span, start, id, route, method, observer: self.observer.clone() }
+        ObservedAnswer {
+            running,
+            recording: None,
+            audit,
+            span,
+            start,
+            id,
+            route,
+            method,
+            observer: self.observer.clone(),
+        }
     }
 }
 
@@ -220,6 +278,9 @@ pin_project_lite::pin_project! {
         // `None` when routing panicked.
         #[pin]
         running: Option<Guarded<F>>,
+        // Appending the audit entry of a successful write, once answered.
+        recording: Option<Pin<Box<dyn Future<Output = Response> + Send>>>,
+        audit: Option<Box<audit::Pending>>,
         span: tracing::Span,
         start: Instant,
         id: Option<HeaderValue>,
@@ -234,29 +295,63 @@ impl<F: Future<Output = Result<Response, Infallible>>> Future for ObservedAnswer
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let panicked = || ApiError::internal(anyhow::anyhow!("a handler panicked")).into_response();
-        let mut res = match this.running.as_pin_mut() {
-            None => panicked(),
-            Some(running) => match ready!(running.poll(cx)) {
-                Ok(Ok(Ok(res))) => res,
-                Ok(Ok(Err(never))) => match never {},
-                Ok(Err(_elapsed)) => ApiError::Timeout.into_response(),
-                Err(_panic) => panicked(),
-            },
-        };
-        match this.id.take() {
-            Some(id) => res.headers_mut().insert(REQUEST_ID, id),
-            // Never without an id; but no empty place left for one either.
-            None => res.headers_mut().remove(REQUEST_ID),
-        };
-        let elapsed = this.start.elapsed();
-        let status = res.status().as_u16();
-        this.span.in_scope(|| {
-            tracing::debug!(status, latency_ms = elapsed.as_secs_f64() * 1e3, "finished processing request")
-        });
-        this.observer.count(*this.route, this.method, status, elapsed);
-        Poll::Ready(Ok(res))
+        if this.recording.is_none() {
+            let panicked = || ApiError::internal(anyhow::anyhow!("a handler panicked")).into_response();
+            let mut res = match this.running.as_pin_mut() {
+                None => panicked(),
+                Some(running) => match ready!(running.poll(cx)) {
+                    Ok(Ok(Ok(res))) => res,
+                    Ok(Ok(Err(never))) => match never {},
+                    Ok(Err(_elapsed)) => ApiError::Timeout.into_response(),
+                    Err(_panic) => panicked(),
+                },
+            };
+            let id = this.id.take();
+            match &id {
+                Some(id) => res.headers_mut().insert(REQUEST_ID, id.clone()),
+                // Never without an id; but no empty place left for one either.
+                None => res.headers_mut().remove(REQUEST_ID),
+            };
+            match this.audit.take() {
+                // Only a success is a change; the answer waits for its entry.
+                Some(pending) if audit::Pending::succeeded(&res) => {
+                    let request_id = id.and_then(|v| v.to_str().ok().map(str::to_owned));
+                    let recording =
+                        pending.record(this.observer.state.clone(), this.method.to_string(), request_id, res);
+                    *this.recording = Some(Box::pin(recording.instrument(this.span.clone())));
+                }
+                _ => {
+                    return Poll::Ready(Ok(finish(
+                        this.span,
+                        this.start,
+                        this.observer,
+                        *this.route,
+                        this.method,
+                        res,
+                    )));
+                }
+            }
+        }
+        let Some(recording) = this.recording.as_mut() else { unreachable!("set above") };
+        let res = ready!(recording.as_mut().poll(cx));
+        Poll::Ready(Ok(finish(this.span, this.start, this.observer, *this.route, this.method, res)))
     }
+}
+
+/// Logs and counts an answer.
+fn finish(
+    span: &tracing::Span,
+    start: &Instant,
+    observer: &Observer,
+    route: Option<u16>,
+    method: &Method,
+    res: Response,
+) -> Response {
+    let elapsed = start.elapsed();
+    let status = res.status().as_u16();
+    span.in_scope(|| tracing::debug!(status, latency_ms = elapsed.as_secs_f64() * 1e3, "finished processing request"));
+    observer.count(route, method, status, elapsed);
+    res
 }
 
 /// The request count and duration of one (observer, route, method, status).

@@ -165,7 +165,8 @@ fn page_token_pattern(path: &str) -> &'static str {
         "/v1/prompts/{name}/versions"
         | "/v1/webhooks/{id}/deliveries"
         | "/v1/prompts/{name}/labels/history"
-        | "/v1/prompts/{name}/population" => "^[0-9]{1,18}$",
+        | "/v1/prompts/{name}/population"
+        | "/v1/audit" => "^[0-9]{1,18}$",
         _ => "^[0-9a-f]{32}$",
     }
 }
@@ -194,6 +195,10 @@ fn finish_parameter(path: &str, p: &mut Value) {
         ("query", "prompt") | ("path", "name") | ("query", "label") => schema["pattern"] = json!(NAME_PATTERN),
         ("query", "version") | ("path", "number") | ("query", "from") | ("query", "to") => schema["minimum"] = json!(1),
         ("header", "Idempotency-Key") => schema["pattern"] = json!("^[!-~]{1,255}$"),
+        ("query", "actor" | "action" | "resource_type" | "resource_id") if path == "/v1/audit" => {
+            schema["minLength"] = json!(1);
+            schema["maxLength"] = json!(200);
+        }
         _ => {}
     }
 }
@@ -391,6 +396,7 @@ impl utoipa::Modify for BearerAuth {
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
         super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
+        super::audit::audit_log,
     ),
     modifiers(&BearerAuth)
 )]

@@ -2,6 +2,7 @@
 //! text (cached, with a strong ETag) and the population it is served from.
 //! Settings, versions and labels have their own files.
 
+use crate::service::audit::Audit;
 use std::sync::Arc;
 
 use axum::{
@@ -97,8 +98,9 @@ pub async fn create_prompt(
     };
     let (prompt, version) = prompts::create_prompt(&st, new, first).await?;
     let location = HeaderValue::from_str(&format!("/v1/prompts/{name}")).ok();
-    let mut res = (StatusCode::CREATED, Json(PromptCreated { prompt, version, labels: vec![LabelName::production()] }))
-        .into_response();
+    let created = PromptCreated { prompt, version, labels: vec![LabelName::production()] };
+    let audit = Audit::new("prompt.create", "prompt", &name);
+    let mut res = (StatusCode::CREATED, audit, Json(created)).into_response();
     if let Some(l) = location {
         res.headers_mut().insert(header::LOCATION, l);
     }

@@ -3,6 +3,7 @@
 //! group outputs, operations, the resulting version or the error), and a
 //! prompt's learning state: the backoff after failed rounds and its clear.
 
+use crate::service::audit::Audit;
 use axum::{
     Json,
     extract::{Request, State},
@@ -19,7 +20,7 @@ use super::{
     extract::{ApiPath, ApiQuery, Authorized, body_bytes, optional_json, optional_json_bytes, scope},
 };
 use crate::{
-    domain::{backoff::LearningState, round::Round},
+    domain::{audit::Actor, backoff::LearningState, round::Round},
     service::{
         pagination::{PageParams, next_token},
         prompts::{existing_prompt, parse_name},
@@ -41,7 +42,7 @@ pub async fn trigger_round(
     // An empty body means all defaults.
     let body = optional_json::<TriggerRound>(req).await?.unwrap_or_default();
     let round = open_round(&st, &name, body).await?;
-    Ok((StatusCode::ACCEPTED, Json(round)).into_response())
+    Ok((StatusCode::ACCEPTED, Audit::new("round.trigger", "round", round.id), Json(round)).into_response())
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -89,10 +90,14 @@ pub async fn webhook_round(
     // refused here (404, 409) is processed again when the sender retries it.
     match open_round_for_webhook(&st, &name, trigger, id.to_owned()).await? {
         WebhookTrigger::Opened(round) => {
-            Ok((StatusCode::ACCEPTED, Json(WebhookAccepted { status: "queued", round: Some(round) })).into_response())
+            let audit = Audit::new("round.trigger", "round", round.id).by(Actor::Webhook { id: id.to_owned() });
+            Ok((StatusCode::ACCEPTED, audit, Json(WebhookAccepted { status: "queued", round: Some(round) }))
+                .into_response())
         }
+        // A redelivery: nothing changed, but the request is recorded like any other.
         WebhookTrigger::Duplicate => {
-            Ok((StatusCode::OK, Json(WebhookAccepted { status: "duplicate", round: None })).into_response())
+            let audit = Audit::new("round.trigger.duplicate", "prompt", &name).by(Actor::Webhook { id: id.to_owned() });
+            Ok((StatusCode::OK, audit, Json(WebhookAccepted { status: "duplicate", round: None })).into_response())
         }
     }
 }
@@ -174,8 +179,10 @@ pub async fn clear_backoff(
     State(st): State<AppState>,
     caller: Authorized<scope::RoundsTrigger>,
     ApiPath(name): ApiPath<String>,
-) -> ApiResult<Json<LearningState>> {
+) -> ApiResult<(Audit, Json<LearningState>)> {
     let name = parse_name(&name)?;
     tracing::info!(prompt = %name, by = %caller.actor(), "clearing the failure backoff");
-    Ok(Json(rounds::clear_backoff(&st, &name).await?))
+    let before = rounds::learning_state(&st, &name).await?;
+    let after = rounds::clear_backoff(&st, &name).await?;
+    Ok((Audit::new("prompt.backoff.clear", "prompt", &name).before(before), Json(after)))
 }

@@ -1,6 +1,7 @@
 //! The prompt settings route: an RFC 7396 merge patch of a prompt's settings
 //! (applied and validated as a whole by `service::prompts`).
 
+use crate::service::audit::Audit;
 use axum::{Json, extract::State};
 use serde::Deserialize;
 use utoipa::ToSchema;
@@ -85,6 +86,10 @@ pub async fn update_settings(
     _caller: Authorized<scope::PromptsWrite>,
     ApiPath(name): ApiPath<String>,
     ApiJson(patch): ApiJson<SettingsPatch>,
-) -> ApiResult<Json<Prompt>> {
-    Ok(Json(prompts::update_settings(&st, &name, patch.0).await?))
+) -> ApiResult<(Audit, Json<Prompt>)> {
+    let before = prompts::existing_prompt(&st, &name).await?;
+    let after = prompts::update_settings(&st, &name, patch.0).await?;
+    let audit =
+        Audit::new("prompt.settings.update", "prompt", &after.name).before(&before.settings).after(&after.settings);
+    Ok((audit, Json(after)))
 }

@@ -2,6 +2,7 @@
 //! `Idempotency-Key` honoured), a filtered listing, late feedback, and the
 //! operator's containment of a poisoned stream: quarantine and delete.
 
+use crate::service::audit::{self, Audit};
 use axum::{
     Json,
     extract::{Request, State},
@@ -248,9 +249,9 @@ pub async fn requeue_failed(
     caller: Authorized<scope::TracesWrite>,
     ApiPath(name): ApiPath<String>,
     ApiJson(req): ApiJson<RequeueRequest>,
-) -> ApiResult<Json<Requeued>> {
+) -> ApiResult<(Audit, Json<Requeued>)> {
     let ids = traces::requeue_failed(&st, &name, req.ids, req.all, req.since, &caller.actor()).await?;
-    Ok(Json(Requeued { count: ids.len(), ids }))
+    Ok((Audit::new("traces.requeue", "prompt", &name), Json(Requeued { count: ids.len(), ids })))
 }
 
 /// Why an operator holds traces back.
@@ -275,10 +276,12 @@ pub async fn quarantine_trace(
     caller: Authorized<scope::PromptsWrite>,
     ApiPath(id): ApiPath<String>,
     req: Request,
-) -> ApiResult<Json<Trace>> {
+) -> ApiResult<(Audit, Json<Trace>)> {
     let id = trace_id(&id)?;
     let q = optional_json::<QuarantineRequest>(req).await?.unwrap_or_default();
-    Ok(Json(traces::quarantine_trace(&st, id, q.reason, &caller.actor()).await?))
+    let before = traces::get_trace(&st, id).await?;
+    let after = traces::quarantine_trace(&st, id, q.reason, &caller.actor()).await?;
+    Ok((audit::trace_change("trace.quarantine", &before, Some(&after)), Json(after)))
 }
 
 /// Lifts a trace's quarantine: it is learned from again (a pending trace
@@ -291,8 +294,10 @@ pub async fn release_trace(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsWrite>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<Json<Trace>> {
-    Ok(Json(traces::release_trace(&st, trace_id(&id)?, &caller.actor()).await?))
+) -> ApiResult<(Audit, Json<Trace>)> {
+    let before = traces::get_trace(&st, trace_id(&id)?).await?;
+    let after = traces::release_trace(&st, before.id, &caller.actor()).await?;
+    Ok((audit::trace_change("trace.release", &before, Some(&after)), Json(after)))
 }
 
 /// Deletes a trace no version was learned from (pending, quarantined or failed).
@@ -304,9 +309,10 @@ pub async fn delete_trace(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsWrite>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<StatusCode> {
-    traces::delete_trace(&st, trace_id(&id)?, &caller.actor()).await?;
-    Ok(StatusCode::NO_CONTENT)
+) -> ApiResult<(StatusCode, Audit)> {
+    let before = traces::get_trace(&st, trace_id(&id)?).await?;
+    traces::delete_trace(&st, before.id, &caller.actor()).await?;
+    Ok((StatusCode::NO_CONTENT, audit::trace_change("trace.delete", &before, None)))
 }
 
 /// Which traces a bulk quarantine holds back: the unreserved pending traces of
@@ -341,7 +347,7 @@ pub async fn quarantine_traces(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsWrite>,
     ApiJson(q): ApiJson<BulkQuarantine>,
-) -> ApiResult<Json<Quarantined>> {
+) -> ApiResult<(Audit, Json<Quarantined>)> {
     let quarantined = traces::quarantine_backlog(&st, &q.prompt, q.since, q.until, q.reason, &caller.actor()).await?;
-    Ok(Json(Quarantined { quarantined }))
+    Ok((Audit::new("traces.quarantine", "prompt", &q.prompt), Json(Quarantined { quarantined })))
 }

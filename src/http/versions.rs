@@ -1,6 +1,7 @@
 //! Version routes: create a version by hand, list and read versions, and diff
 //! two of them.
 
+use crate::service::audit::Audit;
 use axum::{
     Json,
     extract::State,
@@ -82,7 +83,8 @@ pub async fn create_version(
     }
     let edit = VersionEdit { base: req.base, playbook: req.playbook, message: req.message, parent: req.parent, labels };
     let view = prompts::create_version(&st, &prompt, edit, &caller.actor()).await?;
-    Ok((StatusCode::CREATED, Json(VersionView::from(view))).into_response())
+    let audit = Audit::new("version.create", "version", format!("{}/{}", prompt.name, view.version.number));
+    Ok((StatusCode::CREATED, audit, Json(VersionView::from(view))).into_response())
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -2,6 +2,7 @@
 //! `whsec_` signing secret is shown once), list, inspect, delete, and read its
 //! delivery log. Targets are checked here before anything is stored.
 
+use crate::service::audit::Audit;
 use axum::{Json, extract::State, http::StatusCode, response::IntoResponse};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
@@ -58,7 +59,9 @@ pub async fn create_webhook(
     ApiJson(req): ApiJson<CreateWebhook>,
 ) -> ApiResult<impl IntoResponse> {
     let (webhook, secret) = webhooks::create_webhook(&st, &req.url, &req.events, req.description).await?;
-    Ok((StatusCode::CREATED, Json(WebhookCreated { webhook, secret: secret.expose().to_owned() })))
+    // The webhook without its signing secret: the answer shows it once, the log never.
+    let audit = Audit::new("webhook.create", "webhook", webhook.id).after(&webhook);
+    Ok((StatusCode::CREATED, audit, Json(WebhookCreated { webhook, secret: secret.expose().to_owned() })))
 }
 
 #[utoipa::path(get, path = "/v1/webhooks", tag = "webhooks", responses((status = 200, body = WebhookList)),
@@ -87,9 +90,11 @@ pub async fn delete_webhook(
     State(st): State<AppState>,
     _caller: Authorized<scope::Admin>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<StatusCode> {
-    webhooks::delete_webhook(&st, parse_id(&id)?).await?;
-    Ok(StatusCode::NO_CONTENT)
+) -> ApiResult<(StatusCode, Audit)> {
+    let id = parse_id(&id)?;
+    let before = webhooks::get_webhook(&st, id).await?;
+    webhooks::delete_webhook(&st, id).await?;
+    Ok((StatusCode::NO_CONTENT, Audit::new("webhook.delete", "webhook", id).before(before)))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

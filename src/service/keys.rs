@@ -37,11 +37,15 @@ pub async fn list(st: &AppState) -> ServiceResult<Vec<ApiKey>> {
 }
 
 /// Revokes the active key with this id or visible prefix (404 when none),
-/// dropping this process's cached keys at once.
-pub async fn revoke(st: &AppState, id_or_prefix: &str) -> ServiceResult<()> {
+/// dropping this process's cached keys at once; the key as it was.
+pub async fn revoke(st: &AppState, id_or_prefix: &str) -> ServiceResult<ApiKey> {
+    let active = st.store.list_api_keys().await?.into_iter().find(|k| {
+        k.revoked_at.is_none() && (uuid::Uuid::parse_str(id_or_prefix).ok() == Some(k.id) || k.prefix == id_or_prefix)
+    });
+    let Some(key) = active else { return Err(ServiceError::not_found("active key")) };
     if !st.store.revoke_api_key(id_or_prefix).await? {
         return Err(ServiceError::not_found("active key"));
     }
     st.keys.clear();
-    Ok(())
+    Ok(key)
 }

@@ -4,6 +4,7 @@
 //! neither front end imports the other: `app.rs` composes their routers. One
 //! file per resource.
 
+pub mod audit;
 pub mod controller;
 mod error;
 pub mod export;

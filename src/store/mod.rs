@@ -7,6 +7,7 @@
 //! it. The store knows nothing of HTTP: it takes and returns plain data.
 
 mod arms;
+mod audit;
 mod backend;
 mod controller_state;
 mod export;
@@ -34,6 +35,7 @@ use serde::Serialize;
 use tokio::sync::broadcast;
 
 pub use arms::{PopulationStore, RatingSlot};
+pub use audit::AuditStore;
 pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
@@ -126,6 +128,7 @@ pub enum Change {
 #[async_trait]
 pub trait Store:
     KeyStore
+    + AuditStore
     + SessionStore
     + PromptStore
     + LabelStore

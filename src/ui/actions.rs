@@ -14,7 +14,11 @@ use serde::Deserialize;
 use super::{UiError, session::Operator};
 use crate::{
     domain::{LabelMoveKind, LabelName, MoveCause, access::Scope, label::LabelMove},
-    service::{AppState, ServiceError, labels, prompts, traces},
+    service::{
+        AppState, ServiceError,
+        audit::{Audit, trace_change},
+        labels, prompts, traces,
+    },
 };
 
 #[derive(Deserialize)]
@@ -61,9 +65,12 @@ pub async fn promote(
         by: op.actor(),
     };
     let cause = MoveCause::new(LabelMoveKind::Promote, "promoted in the web UI");
-    labels::move_label_to(&st, &prompt.name, &mv, &cause).await?;
+    let moved = labels::move_label_to(&st, &prompt.name, &mv, &cause).await?;
     tracing::info!(prompt = %prompt.name, version, by = %op.actor(), "promoted from the web UI");
-    Ok(back(prompt.name.as_str(), "promoted", version))
+    let audit = Audit::new("label.move", "label", format!("{}/production", prompt.name))
+        .before(serde_json::json!({"name": "production", "version": expected}))
+        .after(moved);
+    Ok((audit, back(prompt.name.as_str(), "promoted", version)).into_response())
 }
 
 pub async fn rollback(
@@ -76,7 +83,10 @@ pub async fn rollback(
     let prompt = prompts::existing_prompt(&st, &name).await?;
     let created = labels::roll_back(&st, &prompt, to, None, Some(expected), &op.actor()).await?;
     tracing::info!(prompt = %prompt.name, to, new_version = created.number, by = %op.actor(), "rolled back from the web UI");
-    Ok(back(prompt.name.as_str(), "rolled_back", created.number))
+    let audit = Audit::new("prompt.rollback", "prompt", &prompt.name)
+        .before(serde_json::json!({"name": "production", "version": expected}))
+        .after(serde_json::json!({"name": "production", "version": created.number, "content_of": to}));
+    Ok((audit, back(prompt.name.as_str(), "rolled_back", created.number)).into_response())
 }
 
 #[derive(Deserialize)]
@@ -117,19 +127,20 @@ pub async fn trace_button(
         ServiceError::NotFound(_) => UiError::NotFound(format!("Trace {id} not found.")),
         other => other.into(),
     };
-    let to = match button.as_str() {
+    let before = traces::get_trace(&st, id).await.map_err(not_found)?;
+    let (to, audit) = match button.as_str() {
         "quarantine" => {
-            traces::quarantine_trace(&st, id, form.reason, &op.actor()).await.map_err(not_found)?;
-            format!("/ui/traces/{id}?notice=quarantined")
+            let after = traces::quarantine_trace(&st, id, form.reason, &op.actor()).await.map_err(not_found)?;
+            (format!("/ui/traces/{id}?notice=quarantined"), trace_change("trace.quarantine", &before, Some(&after)))
         }
         "release" => {
-            traces::release_trace(&st, id, &op.actor()).await.map_err(not_found)?;
-            format!("/ui/traces/{id}?notice=released")
+            let after = traces::release_trace(&st, id, &op.actor()).await.map_err(not_found)?;
+            (format!("/ui/traces/{id}?notice=released"), trace_change("trace.release", &before, Some(&after)))
         }
         _ => {
             traces::delete_trace(&st, id, &op.actor()).await.map_err(not_found)?;
-            "/ui/traces?notice=deleted".to_owned()
+            ("/ui/traces?notice=deleted".to_owned(), trace_change("trace.delete", &before, None))
         }
     };
-    Ok(Redirect::to(&to).into_response())
+    Ok((audit, Redirect::to(&to)).into_response())
 }

@@ -81,6 +81,8 @@ pub struct Who<'a> {
     pub key_name: &'a str,
     pub key_prefix: &'a str,
     pub csrf: &'a str,
+    /// An admin key: the navigation links the audit log.
+    pub admin: bool,
 }
 
 /// Which top-level section is current.
@@ -88,6 +90,7 @@ pub struct Who<'a> {
 pub enum Section {
     Prompts,
     Traces,
+    Audit,
     None,
 }
 
@@ -98,11 +101,16 @@ pub fn page(title: &str, who: Option<&Who<'_>>, section: Section, body: &str) ->
         let cur = |s: Section| if s == section { r#" class="current""# } else { "" };
         let _ = write!(
             nav,
-            r#"<nav><a href="/ui/prompts"{}>Prompts</a><a href="/ui/traces"{}>Traces</a></nav>
+            r#"<nav><a href="/ui/prompts"{}>Prompts</a><a href="/ui/traces"{}>Traces</a>{}</nav>
 <div class="who"><span title="API key">{} <code>{}…</code></span>
 <form method="post" action="/ui/logout" class="inline"><input type="hidden" name="csrf" value="{}"><button type="submit" class="link" id="sign-out">Sign out</button></form></div>"#,
             cur(Section::Prompts),
             cur(Section::Traces),
+            if w.admin {
+                format!(r#"<a href="/ui/audit" id="nav-audit"{}>Audit</a>"#, cur(Section::Audit))
+            } else {
+                String::new()
+            },
             escape(w.key_name),
             escape(w.key_prefix),
             escape(w.csrf),

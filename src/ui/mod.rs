@@ -36,6 +36,7 @@ pub fn router() -> RouteTable {
         .route("/prompts/{name}/rollback", post(actions::rollback))
         .route("/rounds/{id}", get(pages::round))
         .route("/traces", get(pages::traces))
+        .route("/audit", get(pages::audit))
         .route("/traces/{id}", get(pages::trace))
         .route("/traces/{id}/{button}", post(actions::trace_button))
         .route("/static/style.css", get(stylesheet))
@@ -74,6 +75,8 @@ impl IntoResponse for UiError {
                     header::SET_COOKIE,
                     HeaderValue::from_static("combee_session=; Path=/ui; HttpOnly; SameSite=Strict; Max-Age=0"),
                 );
+                // A redirect, but a refusal: no audit entry.
+                res.extensions_mut().insert(crate::service::audit::Refused);
                 return res;
             }
             UiError::Forbidden(m) => (StatusCode::FORBIDDEN, m),

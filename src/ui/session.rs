@@ -21,8 +21,15 @@ use super::{
 };
 use crate::{
     auth::hash_key,
-    domain::access::{ApiKey, NewUiSession, Scope, UiSession},
-    service::{AppState, keys, sessions},
+    domain::{
+        access::{ApiKey, NewUiSession, Scope, UiSession},
+        audit::Actor,
+    },
+    service::{
+        AppState,
+        audit::{Audit, AuditSlot},
+        keys, sessions,
+    },
 };
 
 pub const SESSION_COOKIE: &str = "combee_session";
@@ -99,7 +106,12 @@ impl Operator {
     }
 
     pub fn who(&self) -> super::html::Who<'_> {
-        super::html::Who { key_name: &self.key.name, key_prefix: &self.key.prefix, csrf: &self.session.csrf_token }
+        super::html::Who {
+            key_name: &self.key.name,
+            key_prefix: &self.key.prefix,
+            csrf: &self.session.csrf_token,
+            admin: self.can(Scope::Admin),
+        }
     }
 
     pub fn actor(&self) -> String {
@@ -115,6 +127,10 @@ impl FromRequestParts<AppState> for Operator {
         let hash = hash_key(token);
         // A session whose key was revoked after sign-in ends with it.
         let (session, key) = sessions::find(st, &hash).await?.ok_or(UiError::SignIn)?;
+        // A form's audit entry names the session's key (see `service/audit.rs`).
+        if let Some(slot) = parts.extensions.get::<AuditSlot>() {
+            slot.set_actor(Actor::Ui { key_id: key.id, key_name: key.name.clone() });
+        }
         Ok(Operator { session, key })
     }
 }
@@ -191,6 +207,9 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
     }
     tracing::info!(key = %key.prefix, "web UI sign-in");
     let mut res = Redirect::to("/ui/prompts").into_response();
+    let opened = serde_json::json!({"key_id": key.id, "key_prefix": key.prefix, "expires_at": session.expires_at});
+    let actor = Actor::Ui { key_id: key.id, key_name: key.name.clone() };
+    res.extensions_mut().insert(Audit::new("ui.sign_in", "ui_session", key.id).by(actor).after(opened));
     let h = res.headers_mut();
     h.append(header::SET_COOKIE, cookie(&headers, SESSION_COOKIE, &token, SESSION_HOURS * 3600));
     h.append(header::SET_COOKIE, cookie(&headers, LOGIN_COOKIE, "", 0));
@@ -213,7 +232,9 @@ pub async fn logout(
     if let Some(token) = cookie_value(&headers, SESSION_COOKIE) {
         sessions::close(&st, &hash_key(token)).await?;
     }
-    Ok(signed_out(&headers))
+    let open =
+        serde_json::json!({"key_id": op.key.id, "key_prefix": op.key.prefix, "expires_at": op.session.expires_at});
+    Ok((Audit::new("ui.sign_out", "ui_session", op.key.id).before(open), signed_out(&headers)).into_response())
 }
 
 /// Back to the sign-in page with the session cookie cleared.

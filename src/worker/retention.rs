@@ -8,8 +8,10 @@
 //! own short transaction, with a pause between batches. Consumed traces are
 //! first appended to the archive when `retention.archive_dir` is set; if that
 //! fails nothing is deleted. The label history and the outcome rollups of
-//! hours and days are never deleted. Every deleted row is counted in
-//! `/metrics` (`combee_retention_deleted_total{what}`).
+//! hours and days are never deleted. Audit log entries are deleted only when
+//! `retention.audit_days` is set (by the store's one guarded path), and a pass
+//! that deleted anything appends its own `retention.run` audit entry. Every
+//! deleted row is counted in `/metrics` (`combee_retention_deleted_total{what}`).
 //! `combee prune --dry-run` reports what a pass would delete.
 
 use std::{
@@ -25,7 +27,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::RetentionSettings,
-    domain::{Prompt, Trace},
+    domain::{
+        Prompt, Trace,
+        audit::{Actor, NewAuditEntry, RequestOrigin},
+    },
     store::{DynStore, Expiring, StoreError, TraceExpiry, minute_rollup_cutoff, second_rollup_cutoff},
 };
 
@@ -34,6 +39,8 @@ use crate::{
 const INBOUND_ID_DAYS: i64 = 7;
 /// Most prompts one list call returns.
 const PAGE: u32 = 200;
+/// The audit log's name in a report and in `combee_retention_deleted_total`.
+const AUDIT: &str = "audit_log";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PruneError {
@@ -135,6 +142,9 @@ impl Pruner {
         for (what, cutoff) in self.other_cutoffs(now) {
             report.other.insert(what.as_str(), self.store.count_expiring(what, cutoff).await?);
         }
+        if let Some(cutoff) = self.audit_cutoff(now) {
+            report.other.insert(AUDIT, self.store.count_audit_before(cutoff).await?);
+        }
         Ok(report)
     }
 
@@ -213,7 +223,41 @@ impl Pruner {
                 self.pause().await;
             }
         }
+        // The audit log, only when `audit_days` is set: through the one path its triggers let by.
+        while let Some(cutoff) = self.audit_cutoff(now) {
+            if stop.is_cancelled() {
+                break;
+            }
+            let started = Instant::now();
+            let n = self.store.prune_audit(cutoff, limit).await?;
+            batch_done(started);
+            *report.other.entry(AUDIT).or_default() += n;
+            count(AUDIT, n);
+            if n < u64::from(limit) {
+                break;
+            }
+            self.pause().await;
+        }
         Ok(report)
+    }
+
+    /// Audit entries made before this expire (none while `audit_days` is 0).
+    fn audit_cutoff(&self, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        (self.settings.audit_days > 0).then(|| now - chrono::Duration::days(i64::from(self.settings.audit_days)))
+    }
+
+    /// Appends a pass's audit entry (`retention.run`): what it deleted, by whom.
+    pub async fn record(&self, actor: Actor, report: &PruneReport) {
+        let entry = NewAuditEntry::new(
+            actor,
+            RequestOrigin::default(),
+            "retention.run",
+            Some("retention".into()),
+            None,
+            None,
+            serde_json::to_value(report).ok(),
+        );
+        crate::service::audit::record(&self.store, &entry).await;
     }
 
     async fn pause(&self) {
@@ -242,6 +286,8 @@ impl Pruner {
                 Ok(r) => {
                     let other: u64 = r.other.values().sum();
                     if r.total_traces() + other > 0 {
+                        // A pass that deleted nothing changed nothing: no entry every few minutes.
+                        self.record(Actor::Worker { name: "retention".into() }, &r).await;
                         tracing::info!(
                             traces = r.total_traces(),
                             archived = r.archived,

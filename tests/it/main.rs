@@ -7,6 +7,7 @@
 mod common;
 
 mod api;
+mod audit;
 mod authorization;
 mod cli;
 mod cli_client;

@@ -1870,6 +1870,12 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     undo.extend(
         ["failure_streak", "last_failed_at", "last_failure"].map(|c| format!("ALTER TABLE prompts DROP COLUMN {c}")),
     );
+    // 0041 too (its indexes and triggers go with the tables).
+    undo.push("DROP TABLE audit_log".to_owned());
+    undo.push(match b {
+        Backend::Postgres => "DROP FUNCTION audit_log_append_only()".to_owned(),
+        Backend::Sqlite => "DROP TABLE audit_prune_permits".to_owned(),
+    });
     undo.extend(old_bookkeeping(b, None));
     run_raw(b, &ts.url, &undo).await;
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");

@@ -1,6 +1,6 @@
 //! The UI's read-only pages: prompts, one prompt (text, labels, history,
 //! promote / roll back forms), a diff, rounds, one round, the batch-size
-//! controller, and the trace browser, one file per page; the small helpers
+//! controller, the trace browser, and the audit log, one file per page; the small helpers
 //! they share are here. GET handlers never change state.
 
 use std::fmt::Write;
@@ -36,12 +36,14 @@ use crate::{
     },
 };
 
+mod audit;
 mod controller;
 mod diff;
 mod prompts;
 mod rounds;
 mod traces;
 
+pub use audit::audit;
 pub use controller::controller;
 pub use diff::diff;
 pub use prompts::{prompt, prompts};
