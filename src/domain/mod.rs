@@ -4,6 +4,8 @@
 
 pub mod access;
 pub mod backoff;
+pub mod budget;
+pub mod clock;
 pub mod diff;
 pub mod event;
 pub mod label;

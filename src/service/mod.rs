@@ -4,6 +4,7 @@
 //! neither front end imports the other: `app.rs` composes their routers. One
 //! file per resource.
 
+pub mod budget;
 pub mod controller;
 mod error;
 pub mod export;
@@ -46,6 +47,8 @@ pub struct AppParts {
     pub cache: Arc<PromptCache>,
     pub keys: Arc<KeyCache>,
     pub metrics: PrometheusHandle,
+    /// The time the worker and the budget read (a test moves it to end a day).
+    pub clock: crate::domain::clock::Clock,
 }
 
 impl AppState {
@@ -63,6 +66,7 @@ impl AppState {
             )),
             keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
             metrics: crate::telemetry::metrics_handle(),
+            clock: Default::default(),
             settings: Arc::new(settings),
             store,
         })

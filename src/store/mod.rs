@@ -8,6 +8,7 @@
 
 mod arms;
 mod backend;
+mod budget;
 mod controller_state;
 mod export;
 mod group_commit;
@@ -34,6 +35,7 @@ use serde::Serialize;
 use tokio::sync::broadcast;
 
 pub use arms::{PopulationStore, RatingSlot};
+pub use budget::{BudgetStore, HoldOutcome, HoldRequest, Settlement};
 pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
@@ -138,6 +140,7 @@ pub trait Store:
     + ExportStore
     + Rollups
     + Retention
+    + BudgetStore
     + Send
     + Sync
     + 'static

@@ -36,6 +36,7 @@ use crate::{
     },
 };
 
+mod budget;
 mod controller;
 mod diff;
 mod prompts;
