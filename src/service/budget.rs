@@ -46,54 +46,66 @@ fn spent(s: Spend) -> Spent {
     Spent { tokens: s.tokens, usd: s.usd, calls: 1 }
 }
 
+// The store's work runs in tasks of its own: a caller (the map step's
+// stream of calls) may stop polling a call while it writes its journal, and
+// with SQLite's one writer connection a reservation waiting in that call
+// would hold the connection the journal needs.
 #[async_trait]
 impl SpendMeter for StoreMeter {
     async fn reserve(&self, tag: &CallTag, kind: &'static str, estimate: Spend) -> Result<Hold, Refusal> {
         let now = self.clock.now();
         let (day, until) = (now.date_naive(), next_day(now));
-        let req = HoldRequest {
-            id: Uuid::now_v7(),
-            day,
-            prompt: tag.prompt.as_deref().unwrap_or(""),
-            round: tag.round,
-            estimate: spent(estimate),
-            server: self.server,
-            until,
-            // The store's clock, not the worker's: a hold expires in real time.
-            expires_at: chrono::Utc::now() + self.hold_for,
-        };
-        match self.store.hold_spend(&req).await {
-            Ok(HoldOutcome::Held) => Ok(Hold { id: req.id, day, tag: tag.clone(), kind, estimate }),
-            Ok(HoldOutcome::Refused { scope, daily }) => {
+        let (id, store, server) = (Uuid::now_v7(), self.store.clone(), self.server);
+        let (prompt, round) = (tag.prompt.clone().unwrap_or_default(), tag.round);
+        // The store's clock, not the worker's: a hold expires in real time.
+        let expires_at = chrono::Utc::now() + self.hold_for;
+        let held = tokio::spawn(async move {
+            let req =
+                HoldRequest { id, day, prompt: &prompt, round, estimate: spent(estimate), server, until, expires_at };
+            store.hold_spend(&req).await
+        })
+        .await;
+        match held {
+            Ok(Ok(HoldOutcome::Held)) => Ok(Hold { id, day, tag: tag.clone(), kind, estimate }),
+            Ok(Ok(HoldOutcome::Refused { scope, daily })) => {
                 metrics::counter!("combee_llm_budget_refusals_total", "scope" => scope.clone()).increment(1);
                 Err(Refusal { scope, until: daily.then_some(until) })
             }
             // Fail closed: an uncounted call could pass a cap. The work waits and looks again.
-            Err(e) => {
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "the budget could not be checked; the call waits");
+                Err(Refusal { scope: "the budget could not be checked".into(), until: None })
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the budget check stopped; the call waits");
                 Err(Refusal { scope: "the budget could not be checked".into(), until: None })
             }
         }
     }
 
     async fn settle(&self, hold: Hold, used: Spend) {
-        let s = Settlement {
-            hold: hold.id,
-            day: hold.day,
-            prompt: hold.tag.prompt.as_deref().unwrap_or(""),
-            kind: hold.kind,
-            round: hold.tag.round,
-            used: spent(used),
-        };
         metrics::counter!("combee_llm_spend_tokens_total", "kind" => hold.kind).increment(used.tokens);
-        for delay in [0, 200, 1000] {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-            match self.store.settle_spend(&s).await {
-                Ok(()) => return,
-                Err(e) => tracing::warn!(error = %e, "an LLM call's spend could not be recorded yet"),
+        let store = self.store.clone();
+        // Recorded even when the caller is dropped meanwhile.
+        let task = tokio::spawn(async move {
+            let s = Settlement {
+                hold: hold.id,
+                day: hold.day,
+                prompt: hold.tag.prompt.as_deref().unwrap_or(""),
+                kind: hold.kind,
+                round: hold.tag.round,
+                used: spent(used),
+            };
+            for delay in [0, 200, 1000] {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+                match store.settle_spend(&s).await {
+                    Ok(()) => return,
+                    Err(e) => tracing::warn!(error = %e, "an LLM call's spend could not be recorded yet"),
+                }
             }
-        }
-        tracing::error!(hold = %hold.id, tokens = used.tokens, "an LLM call's spend was not recorded; its hold counts until it expires");
+            tracing::error!(hold = %hold.id, tokens = used.tokens, "an LLM call's spend was not recorded; its hold counts until it expires");
+        });
+        let _ = task.await;
     }
 }
 

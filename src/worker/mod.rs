@@ -289,7 +289,7 @@ impl Worker {
         let outcome = match result {
             Ok(outcome) => outcome,
             Err(RoundError::Llm(e)) if e.budget_reached().is_some() => {
-                self.wait_for_budget(id, attempt, &e).await;
+                self.wait_for_budget(id, attempt, &prompt.name, &e).await;
                 return;
             }
             Err(e) => {
@@ -391,8 +391,19 @@ impl Worker {
     /// Puts the round back in the queue without charging the attempt: its
     /// journal keeps what it paid for, and it looks again after
     /// `budget.recheck_secs` (or at once when the prompt's cap is raised).
-    async fn wait_for_budget(&self, id: uuid::Uuid, attempt: i32, e: &crate::llm::LlmError) {
-        let after = Duration::from_secs(self.state.settings.budget.recheck_secs);
+    async fn wait_for_budget(
+        &self,
+        id: uuid::Uuid,
+        attempt: i32,
+        prompt: &crate::domain::PromptName,
+        e: &crate::llm::LlmError,
+    ) {
+        let mut after = Duration::from_secs(self.state.settings.budget.recheck_secs);
+        // A daily cap raised while this pass's last calls finished: look again at once.
+        let daily = e.budget_reached().is_some_and(|(_, until)| until.is_some());
+        if daily && matches!(service::budget::reached(&self.state, prompt).await, Ok(None)) {
+            after = Duration::ZERO;
+        }
         tracing::info!(error = %e, recheck_secs = after.as_secs(), "the budget holds the round back; it waits");
         metrics::counter!("combee_rounds_budget_waits_total").increment(1);
         match self.store.wait_round(id, attempt, &e.to_string(), after).await {

@@ -8,6 +8,7 @@ mod common;
 
 mod api;
 mod authorization;
+mod budget;
 mod cli;
 mod cli_client;
 mod durability;
