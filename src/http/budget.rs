@@ -11,7 +11,10 @@ use super::{
     error::{ApiError, ApiResult},
     extract::{ApiPath, ApiQuery, Authorized, scope},
 };
-use crate::service::budget::{self, MAX_SPEND_DAYS, SpendReport};
+use crate::service::{
+    budget::{self, MAX_SPEND_DAYS, SpendReport},
+    prompts::existing_prompt,
+};
 
 #[derive(Debug, Default, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -44,5 +47,6 @@ pub async fn get_spend(
     if !(1..=MAX_SPEND_DAYS).contains(&days) {
         return Err(ApiError::bad_request(format!("`days` must be 1 to {MAX_SPEND_DAYS}; got {days}")));
     }
-    Ok(Json(budget::spend(&st, &name, days).await?))
+    let prompt = existing_prompt(&st, &name).await?;
+    Ok(Json(budget::spend(&st, &prompt, days).await?))
 }

@@ -124,11 +124,10 @@ pub struct SpendReport {
 }
 
 /// The prompt's spend over the last `days` UTC days (today included).
-pub async fn spend(st: &AppState, name: &str, days: u32) -> ServiceResult<SpendReport> {
+pub async fn spend(st: &AppState, prompt: &Prompt, days: u32) -> ServiceResult<SpendReport> {
     if !(1..=MAX_SPEND_DAYS).contains(&days) {
         return Err(ServiceError::Unprocessable(format!("days must be from 1 to {MAX_SPEND_DAYS}, got {days}")));
     }
-    let prompt = super::prompts::existing_prompt(st, name).await?;
     let today = st.clock.now().date_naive();
     let from = today - chrono::Days::new(u64::from(days - 1));
     Ok(SpendReport {
@@ -158,10 +157,20 @@ pub async fn reached_all(st: &AppState) -> ServiceResult<Vec<(String, BudgetReac
 /// The prompt's caps after the merge patch `patch` (the `budget` member of a
 /// settings patch), validated; `null` clears them all.
 pub fn patched_caps(current: &BudgetCaps, patch: &serde_json::Value) -> ServiceResult<BudgetCaps> {
+    // RFC 7396 on a flat object: members replace, `null` removes; anything else replaces the whole.
     let mut doc = serde_json::to_value(current).map_err(|e| ServiceError::Internal(e.into()))?;
-    super::prompts::merge_patch(&mut doc, patch);
-    if doc.is_null() {
-        return Ok(BudgetCaps::default());
+    match (doc.as_object_mut(), patch) {
+        (Some(caps), serde_json::Value::Object(members)) => {
+            for (k, v) in members {
+                if v.is_null() {
+                    caps.remove(k);
+                } else {
+                    caps.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        (_, serde_json::Value::Null) => return Ok(BudgetCaps::default()),
+        _ => doc = patch.clone(),
     }
     let caps: BudgetCaps = serde_path_to_error::deserialize(doc).map_err(|e| {
         let inner = super::plain_serde_error(&e.inner().to_string());

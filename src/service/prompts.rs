@@ -278,7 +278,7 @@ pub async fn version_diff(st: &AppState, prompt: &Prompt, from: i64, to: i64) ->
 
 /// RFC 7396 JSON merge patch: members of `patch` replace those of `target`,
 /// objects merge recursively, `null` removes a member (its default applies).
-pub(super) fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
+fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
     let serde_json::Value::Object(patch) = patch else {
         *target = patch.clone();
         return;
@@ -319,7 +319,7 @@ pub async fn update_settings(
         Some(budget_patch) => {
             let prompt = existing_prompt(st, name).await?;
             let before = super::budget::caps(st, &prompt).await?;
-            Some((prompt, before.clone(), super::budget::patched_caps(&before, &budget_patch)?))
+            Some((prompt, before, super::budget::patched_caps(&before, &budget_patch)?))
         }
         None => None,
     };

@@ -30,7 +30,7 @@ fn trace(prompt: &str, i: usize) -> Value {
         "input": {"task": format!("task {i}")},
         "trajectory": [{"role": "assistant", "content": format!("worked on task {i}")}],
         "output": format!("answer {i}"),
-        "feedback": {"success": i % 3 != 0, "comment": format!("INSIGHT-b{i:03}: check field {i} first")}
+        "feedback": {"success": !i.is_multiple_of(3), "comment": format!("INSIGHT-b{i:03}: check field {i} first")}
     })
 }
 

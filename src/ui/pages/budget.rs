@@ -38,8 +38,11 @@ pub(super) fn budget_notice(reached: Option<&BudgetReached>) -> String {
 }
 
 /// The section itself.
-pub(super) async fn budget_section(st: &AppState, name: &str) -> Result<(String, SpendReport), UiError> {
-    let report = service::budget::spend(st, name, SPEND_DAYS_SHOWN).await?;
+pub(super) async fn budget_section(
+    st: &AppState,
+    prompt: &crate::domain::Prompt,
+) -> Result<(String, SpendReport), UiError> {
+    let report = service::budget::spend(st, prompt, SPEND_DAYS_SHOWN).await?;
     let mut rows = String::new();
     for d in &report.days {
         let kinds =

@@ -115,7 +115,7 @@ pub async fn prompt(
         }
         _ => String::new(),
     };
-    let (budget, spend) = super::budget::budget_section(&st, prompt.name.as_str()).await?;
+    let (budget, spend) = super::budget::budget_section(&st, &prompt).await?;
     let learning = learning_notice(&service::rounds::learning_state(&st, &prompt.name).await?)
         + &super::budget::budget_notice(spend.reached.as_ref());
 
