@@ -134,8 +134,10 @@ impl Application {
             }
             Role::All | Role::Worker => {
                 let llm = settings.llm.clone().with_env_fallbacks();
+                // Every attempt of every call this process makes counts against the learning budget.
+                let meter = crate::service::budget::StoreMeter::new(&state);
                 let backend: Arc<dyn LlmBackend> =
-                    Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?);
+                    Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?.with_meter(meter));
                 Some(
                     Worker::new(state.clone(), backend, llm, settings.worker.clone(), settings.controller.clone())
                         .with_population(settings.population.policy()),

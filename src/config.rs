@@ -33,6 +33,9 @@ pub struct Settings {
     /// What is deleted when (see `worker::retention`).
     #[serde(default)]
     pub retention: RetentionSettings,
+    /// Caps on what combee's own LLM calls spend, for the whole server (see `service::budget`).
+    #[serde(default)]
+    pub budget: BudgetSettings,
     /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
     #[serde(default, skip_serializing)]
     pub llm: crate::llm::config::LlmConfig,
@@ -383,6 +386,45 @@ impl Default for RetentionSettings {
     }
 }
 
+/// The server's learning budget: caps on the tokens and US dollars combee's
+/// own LLM calls (reflection, aggregation, crossover, …) spend, over all
+/// prompts per UTC day, and per pass of any round; a prompt's own caps
+/// (`PATCH /v1/prompts/{name}/settings`, `budget`) hold beside them. Unset
+/// caps do not hold. Dollars come from `llm.price_*` and `[llm.prices."model"]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BudgetSettings {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_day: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usd_per_day: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_round: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usd_per_round: Option<f64>,
+    /// How often a round waiting for the budget looks again (seconds): it
+    /// makes no LLM call while a cap still holds, and is due at once when a
+    /// prompt's cap is raised.
+    pub recheck_secs: u64,
+}
+
+impl Default for BudgetSettings {
+    fn default() -> Self {
+        Self { tokens_per_day: None, usd_per_day: None, tokens_per_round: None, usd_per_round: None, recheck_secs: 60 }
+    }
+}
+
+impl BudgetSettings {
+    pub fn caps(&self) -> crate::domain::budget::BudgetCaps {
+        crate::domain::budget::BudgetCaps {
+            tokens_per_day: self.tokens_per_day,
+            usd_per_day: self.usd_per_day,
+            tokens_per_round: self.tokens_per_round,
+            usd_per_round: self.usd_per_round,
+        }
+    }
+}
+
 /// Longest retention a setting may name, in days (100 years).
 pub const MAX_RETENTION_DAYS: u32 = 36_500;
 
@@ -447,6 +489,7 @@ impl Default for Settings {
             guard: GuardSettings::default(),
             population: PopulationSettings::default(),
             retention: RetentionSettings::default(),
+            budget: BudgetSettings::default(),
             llm: Default::default(),
         }
     }
@@ -564,6 +607,10 @@ impl Settings {
         p.policy().validate().map_err(|e| ConfigError(format!("population: {e}")))?;
         if !(0.0..=1.0).contains(&p.crossover_prob) {
             return Err(ConfigError(format!("population.crossover_prob must be in [0, 1], got {}", p.crossover_prob)));
+        }
+        self.budget.caps().validate().map_err(ConfigError)?;
+        if self.budget.recheck_secs == 0 {
+            return Err(ConfigError("budget.recheck_secs must be greater than 0".into()));
         }
         self.check_database()?;
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;

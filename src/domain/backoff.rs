@@ -68,6 +68,7 @@ impl FailureStreak {
             backoff_until: self.backoff_until(policy).filter(|_| backing_off),
             last_failed_at: self.last_failed_at,
             last_failure: self.last_failure.clone(),
+            budget: None,
         }
     }
 }
@@ -79,6 +80,9 @@ pub enum LearningStatus {
     Ok,
     /// Rounds failed; no round is scheduled before `backoff_until`.
     BackingOff,
+    /// A daily spending cap holds learning back until `budget.until`: traces
+    /// stay pending, no round calls the LLM.
+    BudgetReached,
 }
 
 /// A prompt's learning state.
@@ -93,6 +97,8 @@ pub struct LearningState {
     pub last_failed_at: Option<DateTime<Utc>>,
     /// Why it failed (the round's error).
     pub last_failure: Option<String>,
+    /// While a daily spending cap holds learning back: which, and until when.
+    pub budget: Option<crate::domain::budget::BudgetReached>,
 }
 
 #[cfg(test)]

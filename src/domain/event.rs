@@ -1,4 +1,4 @@
-//! Outbound webhook events: the five kinds a subscription can ask for and the
+//! Outbound webhook events: the six kinds a subscription can ask for and the
 //! JSON body each one carries (`{"type", "timestamp", "data"}`). The store
 //! writes these bodies into its outbox in the same transaction as the change
 //! they announce; the delivery worker sends the stored bytes unchanged.
@@ -24,15 +24,19 @@ pub enum EventType {
     /// `production` went back to an earlier version: an operator's rollback or the regression guard's.
     #[serde(rename = "prompt.rolled_back")]
     PromptRolledBack,
+    /// A daily spending cap holds the prompt's learning back (at most once per prompt per UTC day).
+    #[serde(rename = "budget.reached")]
+    BudgetReached,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 5] = [
+    pub const ALL: [EventType; 6] = [
         EventType::VersionCreated,
         EventType::LabelMoved,
         EventType::RoundCompleted,
         EventType::RoundFailed,
         EventType::PromptRolledBack,
+        EventType::BudgetReached,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -42,6 +46,7 @@ impl EventType {
             EventType::RoundCompleted => "round.completed",
             EventType::RoundFailed => "round.failed",
             EventType::PromptRolledBack => "prompt.rolled_back",
+            EventType::BudgetReached => "budget.reached",
         }
     }
 
@@ -138,6 +143,15 @@ impl OutboxEvent {
         Self::new(
             EventType::RoundCompleted,
             json!({"prompt": prompt.as_str(), "round_id": round, "version": version, "label": label.as_str()}),
+        )
+    }
+
+    /// `prompt`'s learning waits for a daily cap (`scope`) until `until`; `day` is the UTC day it counts.
+    pub fn budget_reached(prompt: &str, scope: &str, day: &str, until: DateTime<Utc>) -> Self {
+        Self::new(
+            EventType::BudgetReached,
+            json!({"prompt": prompt, "scope": scope, "day": day,
+                   "until": until.to_rfc3339_opts(SecondsFormat::Secs, true)}),
         )
     }
 

@@ -5,6 +5,8 @@
 pub mod access;
 pub mod audit;
 pub mod backoff;
+pub mod budget;
+pub mod clock;
 pub mod diff;
 pub mod event;
 pub mod label;

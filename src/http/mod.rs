@@ -5,6 +5,7 @@
 //! are in `service/`.
 
 pub mod audit;
+pub mod budget;
 pub mod controller;
 pub mod error;
 pub mod export;
@@ -66,6 +67,7 @@ pub fn routes() -> RouteTable {
         .route("/v1/prompts/{name}/backoff", axum::routing::delete(rounds::clear_backoff))
         .route("/v1/prompts/{name}/controller", get(controller::get_controller))
         .route("/v1/prompts/{name}/metrics", get(outcomes::prompt_metrics))
+        .route("/v1/prompts/{name}/spend", get(budget::get_spend))
         .route("/v1/hooks/rounds/{name}", post(rounds::webhook_round))
         .route("/v1/traces", post(traces::post_traces).get(traces::list_traces))
         .route("/v1/traces/quarantine", post(traces::quarantine_traces))

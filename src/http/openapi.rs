@@ -392,7 +392,7 @@ impl utoipa::Modify for BearerAuth {
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
         super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
         super::rounds::get_learning, super::rounds::clear_backoff,
-        super::controller::get_controller, super::outcomes::prompt_metrics,
+        super::controller::get_controller, super::outcomes::prompt_metrics, super::budget::get_spend,
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
         super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,

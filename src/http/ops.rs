@@ -33,6 +33,7 @@ pub async fn metrics(State(st): State<AppState>) -> Response {
     }
     text.push_str(&super::outcomes::outcome_gauges(&st).await);
     text.push_str(&backoff_gauges(&st).await);
+    text.push_str(&budget_gauges(&st).await);
     let mut res = text.into_response();
     res.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     res
@@ -76,5 +77,46 @@ async fn backoff_gauges(st: &AppState) -> String {
          # TYPE combee_prompt_backoff_seconds gauge\n{seconds}\
          # HELP combee_prompt_failure_streak Rounds of the prompt that failed in a row.\n\
          # TYPE combee_prompt_failure_streak gauge\n{streak}"
+    )
+}
+
+/// Prometheus text for the daily spending caps holding learning back today:
+/// per prompt held back, the seconds until its cap lifts by itself
+/// (`combee_prompt_budget_reached_seconds`; the prompt drops out when the cap
+/// is raised or the day ends), and whether the server's own cap holds every
+/// prompt back (`combee_budget_reached`, 0 or 1).
+async fn budget_gauges(st: &AppState) -> String {
+    use std::fmt::Write;
+    let read = service::budget::reached_all(st);
+    let held = match tokio::time::timeout(std::time::Duration::from_secs(2), read).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "budget gauges left out of this scrape");
+            return String::new();
+        }
+        Err(_) => {
+            tracing::warn!("budget gauges took too long; left out of this scrape");
+            return String::new();
+        }
+    };
+    let now = st.clock.now();
+    let (mut seconds, mut server) = (String::new(), 0);
+    for (name, reached) in &held {
+        if name.is_empty() {
+            server = 1;
+            continue;
+        }
+        let left = (reached.until - now).num_milliseconds().max(0) as f64 / 1000.0;
+        let _ = writeln!(
+            seconds,
+            "combee_prompt_budget_reached_seconds{{prompt=\"{}\"}} {left}",
+            super::outcomes::escape(name)
+        );
+    }
+    format!(
+        "# HELP combee_budget_reached Whether the server's daily spending cap holds all learning back (1) or not (0).\n\
+         # TYPE combee_budget_reached gauge\ncombee_budget_reached {server}\n\
+         # HELP combee_prompt_budget_reached_seconds Seconds until the daily spending cap holding the prompt's learning back lifts.\n\
+         # TYPE combee_prompt_budget_reached_seconds gauge\n{seconds}"
     )
 }

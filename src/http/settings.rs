@@ -65,6 +65,17 @@ impl utoipa::PartialSchema for SettingsPatch {
                         "cooldown_windows": nullable_int(0, Some(crate::domain::population_settings::MAX_EVIDENCE)),
                     },
                 },
+                "budget": {
+                    "type": ["object", "null"],
+                    "description": "This prompt's caps on what combee's LLM calls spend for it (merge patch; `null` clears one, or all): per UTC day, and per pass of a round. Kept beside the settings (the prompt's answer does not show them; `GET /v1/prompts/{name}/spend` does). A change lifts today's hold at once.",
+                    "additionalProperties": false,
+                    "properties": {
+                        "tokens_per_day": nullable_int(0, Some(crate::domain::budget::MAX_TOKENS_CAP)),
+                        "usd_per_day": {"type": ["number", "null"], "minimum": 0, "maximum": crate::domain::budget::MAX_USD_CAP},
+                        "tokens_per_round": nullable_int(0, Some(crate::domain::budget::MAX_TOKENS_CAP)),
+                        "usd_per_round": {"type": ["number", "null"], "minimum": 0, "maximum": crate::domain::budget::MAX_USD_CAP},
+                    },
+                },
             },
             "example": {"agent_reflections": "ignore", "pinned_bullets": ["b-0001"], "max_removal_share": 0.25},
         });
@@ -75,7 +86,8 @@ impl utoipa::PartialSchema for SettingsPatch {
 impl ToSchema for SettingsPatch {}
 
 /// Changes a prompt's learning settings (agent reflections, pinned bullets,
-/// budgets, …). The next round uses them; versions are not touched.
+/// playbook budgets, spending caps in `budget`, …). The next round uses them;
+/// versions are not touched.
 #[utoipa::path(patch, path = "/v1/prompts/{name}/settings", tag = "prompts", params(("name" = String, Path)),
     request_body(content = SettingsPatch, content_type = "application/merge-patch+json"),
     responses((status = 200, body = Prompt), (status = 404, body = super::error::Problem),

@@ -241,7 +241,8 @@ pub async fn select(
     winners: &[Winner<'_>],
     calls: &mut Vec<LlmCall>,
 ) -> Result<Selection, LlmError> {
-    let req = cfg.request(LlmRole::Aggregator, messages(champion, champion_content, winners), true);
+    let mut req = cfg.request(LlmRole::Aggregator, messages(champion, champion_content, winners), true);
+    req.tag.kind = Some("crossover");
     chat_decoded(backend, LlmRole::Aggregator, req, calls, |t| decode(t, champion, champion_content, winners)).await
 }
 

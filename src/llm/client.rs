@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use super::config::LlmConfig;
 use super::format::{self, ContextWindow, FormatLadder};
 use super::limit::{AdaptiveLimit, Sample};
+use super::meter::{Spend, SpendMeter};
 use super::{
     AnswerRead, ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, OutputFormat,
     REFUSED_ANSWER_CHARS, TimeoutKind, Usage,
@@ -33,6 +34,8 @@ pub fn estimate_tokens(chars: usize) -> u64 {
 #[derive(Clone)]
 pub struct OpenAiClient {
     inner: Arc<Inner>,
+    /// Reserves each attempt's estimated cost and settles what it used; none, nothing is capped.
+    meter: Option<Arc<dyn SpendMeter>>,
 }
 
 struct Inner {
@@ -63,7 +66,14 @@ impl OpenAiClient {
         let limiter = RateLimiter::new(cfg.requests_per_minute, cfg.tokens_per_minute);
         let limit = AdaptiveLimit::new(cfg.max_concurrency);
         let window = ContextWindow::new(cfg.context_tokens);
-        Ok(Self { inner: Arc::new(Inner { http, cfg, url, limit, limiter, formats: FormatLadder::default(), window }) })
+        let inner = Inner { http, cfg, url, limit, limiter, formats: FormatLadder::default(), window };
+        Ok(Self { inner: Arc::new(inner), meter: None })
+    }
+
+    /// The same client, every attempt of every call counted by `meter` (and refused where it says so).
+    pub fn with_meter(mut self, meter: Arc<dyn SpendMeter>) -> Self {
+        self.meter = Some(meter);
+        self
     }
 
     pub fn config(&self) -> &LlmConfig {
@@ -121,19 +131,21 @@ impl OpenAiClient {
                 500..=599 => LlmError::Server { status: code, message },
                 _ => LlmError::Rejected { status: code, message },
             };
-            return Err(Failure { err, retry_after });
+            // A failed answer that still reports usage was billed: it counts.
+            let usage = serde_json::from_slice::<WireResponse>(&body).ok().and_then(|w| w.usage).map(Usage::from);
+            return Err(Failure { err, retry_after, usage });
         }
         let parsed: WireResponse = serde_json::from_slice(&body).map_err(|e| Failure {
             err: LlmError::BadResponse(self.scrub(&format!("not a chat completion: {e}"))),
             retry_after: None,
+            usage: None,
         })?;
-        let content =
-            parsed.choices.into_iter().next().and_then(|c| c.message.content).ok_or_else(|| Failure {
-                err: LlmError::BadResponse("no message content".into()),
-                retry_after: None,
-            })?;
-        let usage =
-            parsed.usage.map(|u| Usage { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens });
+        let usage = parsed.usage.map(Usage::from);
+        let content = parsed.choices.into_iter().next().and_then(|c| c.message.content).ok_or_else(|| Failure {
+            err: LlmError::BadResponse("no message content".into()),
+            retry_after: None,
+            usage,
+        })?;
         Ok((content, parsed.model, usage))
     }
 
@@ -154,7 +166,7 @@ impl OpenAiClient {
             }
             LlmError::Connection(self.scrub(&msg))
         };
-        Failure { err, retry_after: None }
+        Failure { err, retry_after: None, usage: None }
     }
 
     /// Delay before retry number `retry` (0-based): the server's `Retry-After` when it
@@ -173,6 +185,8 @@ impl OpenAiClient {
 struct Failure {
     err: LlmError,
     retry_after: Option<Duration>,
+    /// What the failed attempt reported it used, if it did.
+    usage: Option<Usage>,
 }
 
 #[derive(Serialize)]
@@ -218,6 +232,12 @@ struct WireUsage {
     completion_tokens: u64,
 }
 
+impl From<WireUsage> for Usage {
+    fn from(u: WireUsage) -> Self {
+        Usage { prompt_tokens: u.prompt_tokens, completion_tokens: u.completion_tokens }
+    }
+}
+
 #[async_trait]
 impl LlmBackend for OpenAiClient {
     async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
@@ -228,7 +248,22 @@ impl LlmBackend for OpenAiClient {
         let mut retries = 0u32;
         // A timed-out attempt's retry gets twice as long: the backend is slower than it looked.
         let mut timeout_scale = 1u32;
+        // What every attempt so far reported it used: the bill counts retried attempts too.
+        let mut billed = Usage::default();
+        let kind = req.tag.kind_for(req.role);
+        let most = u64::from(max_tokens.unwrap_or(inner.cfg.max_tokens));
+        let reserve = Usage { prompt_tokens: estimate, completion_tokens: most };
         loop {
+            // Reserved before the slot is awaited: calls waiting for a slot hold their share of a cap.
+            let hold = match &self.meter {
+                Some(meter) => match meter.reserve(&req.tag, kind, self.spend(&req.model, reserve)).await {
+                    Ok(hold) => Some(hold),
+                    Err(refusal) => {
+                        return Err(LlmError::BudgetReached { scope: refusal.scope, until: refusal.until });
+                    }
+                },
+                None => None,
+            };
             let (outcome, limit_at_send, format) = {
                 let slot = inner.limit.acquire().await;
                 inner.limiter.acquire(estimate).await;
@@ -259,19 +294,23 @@ impl LlmBackend for OpenAiClient {
                 inner.limiter.settle(estimate, used);
                 (outcome, slot.limit_at_send, format)
             };
-            let Failure { err, retry_after } = match outcome {
-                Ok((content, model, usage)) => {
+            let spent = attempt_usage(&outcome, estimate, reserve);
+            if let Some(reported) = reported_usage(&outcome, estimate) {
+                billed.prompt_tokens += reported.prompt_tokens;
+                billed.completion_tokens += reported.completion_tokens;
+            }
+            if let (Some(meter), Some(hold)) = (&self.meter, hold) {
+                meter.settle(hold, self.spend(&req.model, spent)).await;
+            }
+            let Failure { err, retry_after, .. } = match outcome {
+                Ok((content, model, _)) => {
                     inner.formats.publish();
                     inner.window.publish();
-                    let usage = usage.unwrap_or(Usage {
-                        prompt_tokens: estimate,
-                        completion_tokens: estimate_tokens(content.chars().count()),
-                    });
                     return Ok(ChatResponse {
-                        cost_usd: inner.cfg.cost_usd(usage),
+                        cost_usd: inner.cfg.cost_usd(&req.model, billed),
                         model: model.unwrap_or_else(|| req.model.clone()),
                         content,
-                        usage,
+                        usage: billed,
                         latency_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
                         retries,
                         output_format: Some(format),
@@ -319,7 +358,41 @@ impl LlmBackend for OpenAiClient {
     }
 }
 
+/// The usage an attempt reported, or, for an answer without a usage report,
+/// the estimate of its prompt and answer.
+fn reported_usage(outcome: &Result<(String, Option<String>, Option<Usage>), Failure>, estimate: u64) -> Option<Usage> {
+    match outcome {
+        Ok((content, _, usage)) => {
+            Some(usage.unwrap_or(Usage {
+                prompt_tokens: estimate,
+                completion_tokens: estimate_tokens(content.chars().count()),
+            }))
+        }
+        Err(f) => f.usage,
+    }
+}
+
+/// What an attempt is charged against the budget: what it reported (or its
+/// estimate, answered without a report); a timed-out request, whose bill is
+/// unknown but may come, keeps its whole reservation; an attempt the server
+/// refused or never got costs nothing.
+fn attempt_usage(
+    outcome: &Result<(String, Option<String>, Option<Usage>), Failure>,
+    estimate: u64,
+    reserved: Usage,
+) -> Usage {
+    match outcome {
+        Err(Failure { err: LlmError::Timeout { which: TimeoutKind::Request, .. }, usage: None, .. }) => reserved,
+        _ => reported_usage(outcome, estimate).unwrap_or_default(),
+    }
+}
+
 impl OpenAiClient {
+    /// `usage` by `model` in tokens and dollars.
+    fn spend(&self, model: &str, usage: Usage) -> Spend {
+        Spend { tokens: usage.total(), usd: self.inner.cfg.cost_usd(model, usage) }
+    }
+
     /// The request's completion limit, lowered to what a known context window
     /// leaves after the prompt; a prompt that leaves no room is not sent.
     fn fit_max_tokens(&self, req: &ChatRequest) -> Result<Option<u32>, LlmError> {
@@ -703,6 +776,88 @@ mod tests {
         let started = Instant::now();
         c.chat(req(&c)).await.unwrap();
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A meter that records every reservation and settlement, and refuses
+    /// once `cap` tokens are spent or held.
+    #[derive(Default)]
+    struct Recording {
+        cap: Option<u64>,
+        log: Mutex<Vec<(&'static str, u64)>>,
+        held: Mutex<u64>,
+    }
+
+    #[async_trait]
+    impl SpendMeter for Recording {
+        async fn reserve(
+            &self,
+            tag: &crate::llm::meter::CallTag,
+            kind: &'static str,
+            estimate: Spend,
+        ) -> Result<crate::llm::meter::Hold, crate::llm::meter::Refusal> {
+            let mut held = self.held.lock().unwrap();
+            if self.cap.is_some_and(|c| *held + estimate.tokens > c) {
+                return Err(crate::llm::meter::Refusal { scope: "test cap".into(), until: None });
+            }
+            *held += estimate.tokens;
+            self.log.lock().unwrap().push(("reserve", estimate.tokens));
+            let day = chrono::NaiveDate::from_ymd_opt(2026, 1, 1).unwrap();
+            Ok(crate::llm::meter::Hold { id: uuid::Uuid::nil(), day, tag: tag.clone(), kind, estimate })
+        }
+
+        async fn settle(&self, hold: crate::llm::meter::Hold, used: Spend) {
+            *self.held.lock().unwrap() -= hold.estimate.tokens;
+            *self.held.lock().unwrap() += used.tokens;
+            self.log.lock().unwrap().push(("settle", used.tokens));
+        }
+    }
+
+    #[tokio::test]
+    async fn every_retried_attempt_is_billed_and_metered() {
+        // An answer without content that reports usage, then a 500 that reports usage, then the answer.
+        let (url, server) = spawn(|n, _, _| match n {
+            0 => Step {
+                status: 200,
+                headers: vec![],
+                body: json!({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 7}}).to_string(),
+                delay: Duration::ZERO,
+            },
+            1 => fail(
+                500,
+                &json!({"error": "overloaded", "usage": {"prompt_tokens": 100, "completion_tokens": 0}}).to_string(),
+            ),
+            _ => ok("{}"),
+        })
+        .await;
+        let meter = Arc::new(Recording::default());
+        let c = client(&url, |c| {
+            c.price_prompt_per_million = 1.0;
+            c.price_completion_per_million = 2.0;
+        })
+        .with_meter(meter.clone());
+        let resp = c.chat(req(&c)).await.unwrap();
+        assert_eq!((resp.retries, server.hits.load(Ordering::SeqCst)), (2, 3));
+        // All three attempts are on the bill, not only the last one.
+        assert_eq!(resp.usage, Usage { prompt_tokens: 300, completion_tokens: 27 });
+        assert!((resp.cost_usd - (300.0 + 54.0) / 1_000_000.0).abs() < 1e-12);
+        let log = meter.log.lock().unwrap().clone();
+        let settled: Vec<u64> = log.iter().filter(|(what, _)| *what == "settle").map(|(_, t)| *t).collect();
+        assert_eq!(settled, [107, 100, 120]);
+        // Each attempt reserved its prompt estimate plus the request's max_tokens first.
+        let reserved: Vec<u64> = log.iter().filter(|(what, _)| *what == "reserve").map(|(_, t)| *t).collect();
+        assert_eq!(reserved.len(), 3);
+        assert!(reserved.iter().all(|t| *t == estimate_tokens(req(&c).chars()) + 2048), "{reserved:?}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_reservation_sends_nothing() {
+        let (url, server) = spawn(|_, _, _| ok("{}")).await;
+        let meter = Arc::new(Recording { cap: Some(100), ..Default::default() });
+        let c = client(&url, |_| {}).with_meter(meter);
+        let err = c.chat(req(&c)).await.unwrap_err();
+        assert!(matches!(&err, LlmError::BudgetReached { scope, until: None } if scope == "test cap"), "{err}");
+        assert!(err.is_retryable() && err.budget_reached().is_some());
+        assert_eq!(server.hits.load(Ordering::SeqCst), 0);
     }
 
     #[tokio::test]

@@ -60,6 +60,18 @@ pub struct LlmConfig {
     pub price_prompt_per_million: f64,
     /// Price in USD per million completion tokens, for cost accounting. Default 0 (unknown).
     pub price_completion_per_million: f64,
+    /// Prices of particular models (`[llm.prices."model-name"]`), by the model a call asks
+    /// for; a model not named here is priced with `price_prompt_per_million` /
+    /// `price_completion_per_million`.
+    pub prices: std::collections::BTreeMap<String, ModelPrice>,
+}
+
+/// One model's prices, USD per million tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelPrice {
+    pub prompt_per_million: f64,
+    pub completion_per_million: f64,
 }
 
 pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
@@ -86,6 +98,7 @@ impl Default for LlmConfig {
             max_concurrency: 64,
             price_prompt_per_million: 0.0,
             price_completion_per_million: 0.0,
+            prices: Default::default(),
         }
     }
 }
@@ -166,6 +179,11 @@ impl LlmConfig {
                 return err(field, "must be a non-negative number");
             }
         }
+        for p in self.prices.values() {
+            if ![p.prompt_per_million, p.completion_per_million].iter().all(|x| x.is_finite() && *x >= 0.0) {
+                return err("prices", "every model's prices must be non-negative numbers");
+            }
+        }
         Ok(())
     }
 
@@ -183,6 +201,7 @@ impl LlmConfig {
             max_tokens: Some(self.max_tokens_for(role)),
             json,
             schema: None,
+            tag: super::meter::CallTag::default(),
         }
     }
 
@@ -195,10 +214,18 @@ impl LlmConfig {
         per_role.min(self.max_tokens)
     }
 
-    /// Cost in USD of one call with these prices.
-    pub fn cost_usd(&self, usage: super::Usage) -> f64 {
-        (usage.prompt_tokens as f64 * self.price_prompt_per_million
-            + usage.completion_tokens as f64 * self.price_completion_per_million)
+    /// The prices of `model`: its own `[llm.prices."model"]`, else the default prices.
+    pub fn price_of(&self, model: &str) -> ModelPrice {
+        self.prices.get(model).copied().unwrap_or(ModelPrice {
+            prompt_per_million: self.price_prompt_per_million,
+            completion_per_million: self.price_completion_per_million,
+        })
+    }
+
+    /// Cost in USD of `usage` by `model`.
+    pub fn cost_usd(&self, model: &str, usage: super::Usage) -> f64 {
+        let p = self.price_of(model);
+        (usage.prompt_tokens as f64 * p.prompt_per_million + usage.completion_tokens as f64 * p.completion_per_million)
             / 1_000_000.0
     }
 }
@@ -218,6 +245,23 @@ mod tests {
         assert!(serde_json::from_str::<LlmConfig>(r#"{"max_retry": 3}"#).is_err());
         let c: LlmConfig = serde_json::from_str(r#"{"request_timeout_secs": 2}"#).unwrap();
         assert_eq!(c.request_timeout_secs, 2.0);
+    }
+
+    #[test]
+    fn a_model_of_its_own_price_costs_that_and_others_the_default() {
+        let c: LlmConfig = serde_json::from_str(
+            r#"{"price_prompt_per_million": 1.0, "price_completion_per_million": 2.0,
+                "prices": {"big-model": {"prompt_per_million": 10.0, "completion_per_million": 30.0}}}"#,
+        )
+        .unwrap();
+        let usage = super::super::Usage { prompt_tokens: 1_000_000, completion_tokens: 500_000 };
+        assert!((c.cost_usd("big-model", usage) - 25.0).abs() < 1e-9);
+        assert!((c.cost_usd("small-model", usage) - 2.0).abs() < 1e-9);
+        let bad = LlmConfig {
+            prices: [("m".to_owned(), ModelPrice { prompt_per_million: -1.0, completion_per_million: 0.0 })].into(),
+            ..LlmConfig::default().with_fallbacks(|_| None)
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "prices");
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod client;
 pub mod config;
 pub mod format;
 pub mod limit;
+pub mod meter;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,6 +62,8 @@ pub struct ChatRequest {
     /// The JSON schema the answer must follow, asked for in whichever
     /// `response_format` shape the backend takes (see [`format`]).
     pub schema: Option<Arc<AnswerSchema>>,
+    /// What the call is for (prompt, kind, round), as the spending meter counts it.
+    pub tag: meter::CallTag,
 }
 
 /// The JSON schema of an answer, with the name OpenAI's shape wants.
@@ -321,6 +324,18 @@ pub enum LlmError {
     ContextExceeded { window: Option<u32>, message: String },
     #[error("{last} (gave up after {retries} retries)")]
     RetriesExhausted { retries: u32, last: Box<LlmError> },
+    /// The spending meter refused the call: it would pass a cap. Nothing was
+    /// sent; the work waits for the cap to lift (`until`, the next UTC day for a
+    /// daily cap) or to be raised.
+    #[error("{}", budget_message(scope, *until))]
+    BudgetReached { scope: String, until: Option<chrono::DateTime<chrono::Utc>> },
+}
+
+fn budget_message(scope: &str, until: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    match until {
+        Some(t) => format!("budget reached until {} ({scope})", t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+        None => format!("budget reached ({scope})"),
+    }
 }
 
 impl LlmError {
@@ -332,11 +347,21 @@ impl LlmError {
             | Self::RateLimited { .. }
             | Self::Server { .. }
             | Self::Connection(_)
-            | Self::BadResponse(_) => true,
+            | Self::BadResponse(_)
+            | Self::BudgetReached { .. } => true,
             Self::Rejected { .. } | Self::InvalidAnswer { .. } | Self::Config(_) | Self::ContextExceeded { .. } => {
                 false
             }
             Self::RetriesExhausted { last, .. } => last.is_retryable(),
+        }
+    }
+
+    /// The cap's scope and when it lifts, when the spending meter refused the call.
+    pub fn budget_reached(&self) -> Option<(&str, Option<chrono::DateTime<chrono::Utc>>)> {
+        match self {
+            Self::BudgetReached { scope, until } => Some((scope, *until)),
+            Self::RetriesExhausted { last, .. } => last.budget_reached(),
+            _ => None,
         }
     }
 

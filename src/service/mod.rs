@@ -5,6 +5,7 @@
 //! file per resource.
 
 pub mod audit;
+pub mod budget;
 pub mod controller;
 mod error;
 pub mod export;
@@ -47,6 +48,8 @@ pub struct AppParts {
     pub cache: Arc<PromptCache>,
     pub keys: Arc<KeyCache>,
     pub metrics: PrometheusHandle,
+    /// The time the worker and the budget read (a test moves it to end a day).
+    pub clock: crate::domain::clock::Clock,
 }
 
 impl AppState {
@@ -64,6 +67,7 @@ impl AppState {
             )),
             keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
             metrics: crate::telemetry::metrics_handle(),
+            clock: Default::default(),
             settings: Arc::new(settings),
             store,
         })

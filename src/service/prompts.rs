@@ -302,18 +302,36 @@ fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
 pub async fn update_settings(
     st: &AppState,
     name: &str,
-    patch: serde_json::Map<String, serde_json::Value>,
+    mut patch: serde_json::Map<String, serde_json::Value>,
 ) -> ServiceResult<Prompt> {
     // `null` removes a member before the settings are read back, so an unknown
     // name would pass unnoticed there: refuse it here.
-    if let Some(unknown) = patch.keys().find(|k| !PromptSettings::FIELDS.contains(&k.as_str())) {
+    if let Some(unknown) = patch.keys().find(|k| !PromptSettings::FIELDS.contains(&k.as_str()) && *k != "budget") {
         return Err(ServiceError::Unprocessable(format!(
-            "`{}` is not a setting; the settings are {}",
+            "`{}` is not a setting; the settings are {}, budget",
             unknown.chars().take(64).collect::<String>(),
             PromptSettings::FIELDS.join(", ")
         )));
     }
-    let patch = serde_json::Value::Object(patch);
+    // The caps are kept beside the settings document (an older release reads
+    // that document strictly); checked before anything is written.
+    let budget = match patch.remove("budget") {
+        Some(budget_patch) => {
+            let prompt = existing_prompt(st, name).await?;
+            let before = super::budget::caps(st, &prompt).await?;
+            Some((prompt, before, super::budget::patched_caps(&before, &budget_patch)?))
+        }
+        None => None,
+    };
+    let updated = update_document(st, name, serde_json::Value::Object(patch)).await?;
+    if let Some((prompt, before, caps)) = budget {
+        super::budget::set_caps(st, &prompt, &before, &caps).await?;
+    }
+    Ok(updated)
+}
+
+/// [`update_settings`] of the settings document.
+async fn update_document(st: &AppState, name: &str, patch: serde_json::Value) -> ServiceResult<Prompt> {
     // Optimistic: re-read and re-apply when another change landed in between.
     for _ in 0..5 {
         let prompt = existing_prompt(st, name).await?;

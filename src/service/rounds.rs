@@ -12,7 +12,7 @@ use super::{AppState, ServiceError, ServiceResult, controller::default_batch};
 use crate::{
     domain::{
         Method, PromptName, Reflection,
-        backoff::LearningState,
+        backoff::{LearningState, LearningStatus},
         round::{Round, RoundTrigger, random_seed},
     },
     store::{OpenRound, RoundCall, StoreError},
@@ -179,7 +179,12 @@ pub async fn round_view(st: &AppState, id: Uuid) -> ServiceResult<RoundView> {
 pub async fn learning_state(st: &AppState, name: &PromptName) -> ServiceResult<LearningState> {
     let streak =
         st.store.failure_streak(name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
-    Ok(streak.state(&st.settings.worker.failure_backoff(), chrono::Utc::now()))
+    let mut state = streak.state(&st.settings.worker.failure_backoff(), st.clock.now());
+    state.budget = super::budget::reached(st, name).await?;
+    if state.budget.is_some() {
+        state.state = LearningStatus::BudgetReached;
+    }
+    Ok(state)
 }
 
 /// Ends the prompt's failure streak and its backoff (an operator's reset): the

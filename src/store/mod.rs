@@ -9,6 +9,7 @@
 mod arms;
 mod audit;
 mod backend;
+mod budget;
 mod controller_state;
 mod export;
 mod group_commit;
@@ -36,6 +37,7 @@ use tokio::sync::broadcast;
 
 pub use arms::{PopulationStore, RatingSlot};
 pub use audit::AuditStore;
+pub use budget::{BudgetStore, HoldOutcome, HoldRequest, Settlement};
 pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
@@ -141,6 +143,7 @@ pub trait Store:
     + ExportStore
     + Rollups
     + Retention
+    + BudgetStore
     + Send
     + Sync
     + 'static

@@ -337,6 +337,12 @@ impl Dialect for Postgres {
     ) -> BoxFuture<'c, sqlx::Result<Option<PgRow>>> {
         Box::pin(async move { pooler_safe!(q, c, |q, c| q.fetch_optional(c)) })
     }
+    fn serialize_budget<'c>(c: &'c mut PgConnection) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async move {
+            Self::execute(sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('combee:budget', 0))"), c).await?;
+            Ok(())
+        })
+    }
     fn serialize_otlp<'c>(c: &'c mut PgConnection, otel_trace_id: &'c str) -> BoxFuture<'c, StoreResult<()>> {
         Box::pin(async move {
             let q = sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('otlp:' || $1, 0))").bind(otel_trace_id);

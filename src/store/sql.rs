@@ -123,6 +123,9 @@ pub trait Dialect: Database + Sized {
     fn real(expr: &str) -> String;
     /// An aggregate joining `expr` of every row with commas.
     fn string_agg(expr: &str) -> String;
+    /// Serialises every spending reservation of every process until the
+    /// transaction ends (an advisory lock on Postgres; SQLite's single writer already does).
+    fn serialize_budget<'c>(c: &'c mut Self::Connection) -> BoxFuture<'c, StoreResult<()>>;
     /// Serialises OTLP merges of one trace id until the transaction ends
     /// (an advisory lock on Postgres; SQLite's single writer already does).
     fn serialize_otlp<'c>(c: &'c mut Self::Connection, otel_trace_id: &'c str) -> BoxFuture<'c, StoreResult<()>>;

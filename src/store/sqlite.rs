@@ -102,6 +102,9 @@ impl Dialect for Sqlite {
     fn get_json(row: &SqliteRow, col: &str) -> StoreResult<Option<Value>> {
         row.try_get::<Option<&str>, _>(col)?.map(json).transpose()
     }
+    fn serialize_budget<'c>(_: &'c mut SqliteConnection) -> BoxFuture<'c, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
     fn serialize_otlp<'c>(_: &'c mut SqliteConnection, _: &'c str) -> BoxFuture<'c, StoreResult<()>> {
         Box::pin(async { Ok(()) })
     }

@@ -69,7 +69,7 @@ pub fn clip(s: &str, max: usize) -> String {
 pub fn badge(word: &str) -> String {
     let class = match word {
         "succeeded" | "consumed" | "production" => "ok",
-        "failed" | "refused" | "backing_off" => "bad",
+        "failed" | "refused" | "backing_off" | "budget_reached" => "bad",
         "running" | "queued" | "pending" | "candidate" => "busy",
         _ => "plain",
     };

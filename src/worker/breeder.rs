@@ -29,7 +29,11 @@ use crate::{
         denylist::ContentDenylist,
         merge::budget::Budget,
     },
-    llm::{LlmBackend, LlmError, config::LlmConfig},
+    llm::{
+        LlmBackend, LlmError,
+        config::LlmConfig,
+        meter::{CallTag, Tagged},
+    },
     store::{DynStore, StoreError},
 };
 
@@ -160,15 +164,10 @@ impl Breeder {
             .collect();
         let mut calls = Vec::new();
         let asked = std::time::Instant::now();
-        let selection = crossover::select(
-            self.backend.as_ref(),
-            &self.llm,
-            champion,
-            &champion_version.content,
-            &winners,
-            &mut calls,
-        )
-        .await;
+        // Counted against the prompt's budget like its rounds' calls.
+        let tagged = Tagged::new(self.backend.clone(), CallTag::prompt(p.name.as_str(), "crossover"));
+        let selection =
+            crossover::select(&tagged, &self.llm, champion, &champion_version.content, &winners, &mut calls).await;
         *llm += asked.elapsed();
         let selection = selection?;
         let budget = Budget::for_prompt(&p.settings, p.strategy);

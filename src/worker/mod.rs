@@ -30,9 +30,13 @@ use crate::{
         capacity::batch_size::ControllerConfig,
         denylist::ContentDenylist,
         merge::budget::Budget,
-        round::{RoundSpec, run_round},
+        round::{RoundError, RoundSpec, run_round},
     },
-    llm::{LlmBackend, config::LlmConfig},
+    llm::{
+        LlmBackend,
+        config::LlmConfig,
+        meter::{CallTag, Tagged},
+    },
     service::{self, AppState, ServiceResult},
     store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError, TraceCharges, TraceFault},
 };
@@ -150,6 +154,10 @@ impl Worker {
         let poll = Duration::from_millis(self.settings.poll_interval_ms);
         let mut next_schedule = tokio::time::Instant::now();
         tracing::info!(owner = %self.owner, "learning worker started");
+        // The server's caps may have been raised with this start: rounds waiting for them look again now.
+        if let Err(e) = self.store.lift_server_budget(self.state.clock.now().date_naive()).await {
+            tracing::warn!(error = %e, "rounds waiting for the budget could not be woken");
+        }
         loop {
             if tokio::time::Instant::now() >= next_schedule {
                 if let Err(e) = self.schedule().await {
@@ -189,9 +197,18 @@ impl Worker {
 
     /// Opens rounds for prompts whose backlog is due.
     pub async fn schedule(&self) -> ServiceResult<()> {
-        let now = chrono::Utc::now();
+        let now = self.state.clock.now();
         let backoff = self.settings.failure_backoff();
+        // A prompt a daily cap holds back opens no round: its traces stay pending until the cap lifts.
+        let held: std::collections::HashSet<String> =
+            service::budget::reached_all(&self.state).await?.into_iter().map(|(name, _)| name).collect();
+        if held.contains("") {
+            return Ok(());
+        }
         for backlog in self.store.backlogs().await? {
+            if held.contains(backlog.prompt.name.as_str()) {
+                continue;
+            }
             // Before the controller's reads: a prompt backing off costs nothing more.
             if backlog.failures.backing_off(&backoff, now) {
                 continue;
@@ -257,8 +274,11 @@ impl Worker {
         let journal = StoreJournal::new(self.store.clone(), id, attempt, recorded);
         let spec = self.spec_for(&round, &prompt).await;
         let started = std::time::Instant::now();
+        // Every call of this pass counts against the prompt's budget and the round's.
+        let pass: i32 = rand::thread_rng().r#gen();
+        let backend = Tagged::new(self.backend.clone(), CallTag::round(prompt.name.as_str(), id, pass));
         let result = tokio::select! {
-            r = run_round(self.backend.as_ref(), &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
+            r = run_round(&backend, &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
             _ = lost.cancelled() => None,
         };
         lost.cancel();
@@ -268,6 +288,10 @@ impl Worker {
         metrics::histogram!("combee_round_duration_seconds").record(elapsed);
         let outcome = match result {
             Ok(outcome) => outcome,
+            Err(RoundError::Llm(e)) if e.budget_reached().is_some() => {
+                self.wait_for_budget(id, attempt, &prompt.name, &e).await;
+                return;
+            }
             Err(e) => {
                 tracing::warn!(error = %e, retryable = e.is_retryable(), "round attempt failed");
                 let faults = unreflected_faults(&journal.detail());
@@ -361,6 +385,31 @@ impl Worker {
             agent_reflections: prompt.settings.agent_reflections,
             denylist: self.denylist.clone(),
             group_size,
+        }
+    }
+
+    /// Puts the round back in the queue without charging the attempt: its
+    /// journal keeps what it paid for, and it looks again after
+    /// `budget.recheck_secs` (or at once when the prompt's cap is raised).
+    async fn wait_for_budget(
+        &self,
+        id: uuid::Uuid,
+        attempt: i32,
+        prompt: &crate::domain::PromptName,
+        e: &crate::llm::LlmError,
+    ) {
+        let mut after = Duration::from_secs(self.state.settings.budget.recheck_secs);
+        // A daily cap raised while this pass's last calls finished: look again at once.
+        let daily = e.budget_reached().is_some_and(|(_, until)| until.is_some());
+        if daily && matches!(service::budget::reached(&self.state, prompt).await, Ok(None)) {
+            after = Duration::ZERO;
+        }
+        tracing::info!(error = %e, recheck_secs = after.as_secs(), "the budget holds the round back; it waits");
+        metrics::counter!("combee_rounds_budget_waits_total").increment(1);
+        match self.store.wait_round(id, attempt, &e.to_string(), after).await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!("lease lost before the round could wait; another worker owns it"),
+            Err(e) => tracing::warn!(error = %e, "could not put the round back to wait; its lease will expire"),
         }
     }
 

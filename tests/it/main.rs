@@ -9,6 +9,7 @@ mod common;
 mod api;
 mod audit;
 mod authorization;
+mod budget;
 mod cli;
 mod cli_client;
 mod durability;

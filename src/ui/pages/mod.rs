@@ -37,6 +37,7 @@ use crate::{
 };
 
 mod audit;
+mod budget;
 mod controller;
 mod diff;
 mod prompts;

@@ -1,5 +1,6 @@
 //! The prompt list and one prompt's page: text, labels, label history,
-//! promote / roll back forms, and whether failed rounds hold learning back.
+//! promote / roll back forms, whether failed rounds or a spending cap hold
+//! learning back, and the prompt's LLM spend.
 
 use super::*;
 use crate::domain::backoff::{LearningState, LearningStatus};
@@ -114,7 +115,9 @@ pub async fn prompt(
         }
         _ => String::new(),
     };
-    let learning = learning_notice(&service::rounds::learning_state(&st, &prompt.name).await?);
+    let (budget, spend) = super::budget::budget_section(&st, &prompt).await?;
+    let learning = learning_notice(&service::rounds::learning_state(&st, &prompt.name).await?)
+        + &super::budget::budget_notice(spend.reached.as_ref());
 
     let mut label_list = String::new();
     for l in &labels {
@@ -274,6 +277,7 @@ pub async fn prompt(
 <h2>Version history</h2>{promote_note}
 <table id="versions"><thead><tr><th class="num">Version</th><th>Labels</th><th>Source</th><th>Round</th><th>Message</th><th>By</th><th>Time</th><th></th></tr></thead><tbody>{rows}</tbody></table>{older}
 <h2>Reward by version <span class="muted small" id="reward-span">last 7 days, {buckets}</span></h2>{reward_chart}
+{budget}
 <h2>Label history <span class="muted small">newest {LABEL_MOVES_SHOWN}; all of them: <code>combee prompts label-history</code></span></h2>{label_history}"#,
         name = escape(prompt.name.as_str()),
         strategy = escape(strategy_str(prompt.strategy)),
@@ -302,6 +306,7 @@ fn learning_notice(l: &LearningState) -> String {
         r#"<p class="notice bad" id="learning-state">{} <strong id="failure-streak">{}</strong> rounds failed in a row, the last one {}{why}. {wait}.</p>"#,
         badge(match l.state {
             LearningStatus::BackingOff => "backing_off",
+            LearningStatus::BudgetReached => "budget_reached",
             LearningStatus::Ok => "ok",
         }),
         l.failure_streak,

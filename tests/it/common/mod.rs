@@ -87,6 +87,8 @@ pub struct TestApp {
     pub data_dir: PathBuf,
     pub shutdown: CancellationToken,
     pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
+    /// The server's state: its clock can be moved (`state.clock.advance`).
+    pub state: combee::service::AppState,
     _dir: tempfile::TempDir,
 }
 
@@ -150,6 +152,7 @@ pub async fn spawn_app_with(backend: Backend, tweak: impl FnOnce(&mut Settings))
     let app = Application::build_with_store(settings, store.clone()).await.expect("build app");
     let addr = app.local_addr();
     let shutdown = app.shutdown_token();
+    let state = app.state().clone();
     let server = tokio::spawn(app.run_until_stopped());
     let admin_key = std::fs::read_to_string(data_dir.join("admin-key")).expect("admin key file").trim().to_owned();
     TestApp {
@@ -162,6 +165,7 @@ pub async fn spawn_app_with(backend: Backend, tweak: impl FnOnce(&mut Settings))
         data_dir,
         shutdown,
         server,
+        state,
         _dir: dir,
     }
 }
@@ -257,6 +261,7 @@ pub async fn restart_app_with(prev: &TestApp, tweak: impl FnOnce(&mut Settings))
     let app = Application::build_with_store(settings, store.clone()).await.expect("build app");
     let addr = app.local_addr();
     let shutdown = app.shutdown_token();
+    let state = app.state().clone();
     let server = tokio::spawn(app.run_until_stopped());
     TestApp {
         addr,
@@ -268,6 +273,7 @@ pub async fn restart_app_with(prev: &TestApp, tweak: impl FnOnce(&mut Settings))
         data_dir: prev.data_dir.clone(),
         shutdown,
         server,
+        state,
         _dir: tempfile::tempdir().expect("temp dir"),
     }
 }
