@@ -133,7 +133,10 @@ fn finish_operation(path: &str, op: &mut Map<String, Value>) {
     // A version named in the body that does not exist (yet) conflicts with the prompt's state.
     if matches!(
         path,
-        "/v1/prompts/{name}/versions" | "/v1/prompts/{name}/rollback" | "/v1/prompts/{name}/labels/{label}"
+        "/v1/prompts/{name}/versions"
+            | "/v1/prompts/{name}/rollback"
+            | "/v1/prompts/{name}/labels/{label}"
+            | "/v1/prompts/{name}/versions/{number}/evaluation"
     ) && has_body
     {
         codes.push("409");
@@ -391,6 +394,9 @@ impl utoipa::Modify for BearerAuth {
         super::webhooks::create_webhook, super::webhooks::list_webhooks, super::webhooks::get_webhook,
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
         super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
+        super::regression::add_case, super::regression::list_cases, super::regression::delete_case,
+        super::regression::import_cases, super::regression::pin_trace, super::regression::get_gate_settings,
+        super::regression::put_gate_settings, super::regression::get_version_gate, super::regression::post_evaluation,
     ),
     modifiers(&BearerAuth)
 )]

@@ -4,9 +4,11 @@
 //! neither front end imports the other: `app.rs` composes their routers. One
 //! file per resource.
 
+pub mod arms;
 pub mod controller;
 mod error;
 pub mod export;
+pub mod gate;
 pub mod keys;
 pub mod labels;
 pub mod langfuse;
@@ -15,6 +17,7 @@ pub mod pagination;
 pub mod population;
 pub mod production;
 pub mod prompts;
+pub mod regression;
 pub mod rounds;
 pub mod sessions;
 pub mod traces;

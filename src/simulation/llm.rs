@@ -494,6 +494,8 @@ pub(crate) mod tests {
             "0.11",
             "--rate-unreadable-level2",
             "0.12",
+            "--agent-lapse-rate",
+            "0.13",
         ])
         .unwrap();
         let want = SimConfig {
@@ -518,6 +520,7 @@ pub(crate) mod tests {
             rate_no_sources: 0.1,
             rate_wrong_sources: 0.11,
             rate_unreadable_level2: 0.12,
+            agent_lapse_rate: 0.13,
         };
         assert_eq!(cli.args.sim, want);
         assert_eq!(serde_json::from_str::<SimConfig>("{}").unwrap(), SimConfig::default());
