@@ -7,6 +7,7 @@ pub mod client;
 pub mod export;
 pub mod prompts;
 pub mod prune;
+pub mod regression;
 pub mod rounds;
 pub mod traces;
 
@@ -96,6 +97,14 @@ pub enum Command {
         #[command(subcommand)]
         command: traces::TracesCommand,
     },
+    /// Regression sets on a running server: import cases (JSON Lines, OpenAI Evals samples, trace exports), list, delete, show a version's gate.
+    #[command(after_help = EXIT_CODES)]
+    Regression {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: regression::RegressionCommand,
+    },
     /// Learning rounds on a running server: trigger, list, show.
     #[command(after_help = EXIT_CODES)]
     Rounds {
@@ -143,6 +152,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Traces { client, command } => {
             let api = client::ApiClient::new(&client)?;
             return Ok(traces::run(&api, client.json, command).await?);
+        }
+        Command::Regression { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(regression::run(&api, client.json, command).await?);
         }
         Command::Rounds { client, command } => {
             let api = client::ApiClient::new(&client)?;
@@ -203,7 +216,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             crate::simulation::llm::serve_simulator(listener, args.sim, shutdown).await?;
             Ok(())
         }
-        Command::Prompts { .. } | Command::Traces { .. } | Command::Rounds { .. } | Command::SimWorld { .. } => {
+        Command::Prompts { .. }
+        | Command::Traces { .. }
+        | Command::Regression { .. }
+        | Command::Rounds { .. }
+        | Command::SimWorld { .. } => {
             unreachable!("client commands return above")
         }
     }

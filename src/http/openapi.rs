@@ -249,10 +249,31 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
         ("ControllerView", "choice"),
         ("ControllerView", "last_choice"),
         ("ControllerView", "config"),
+        ("RegressionCase", "input"),
+        ("Gate", "harness"),
+        ("EvaluationResult", "details"),
     ] {
         set(schema, prop, &any_json);
     }
     set("NewTrace", "input", &replace(json!({"not": {"type": "null"}})));
+    // Regression cases: the input is any JSON but null; one to 20 checks; a name of 1–200 characters.
+    set("CaseRequest", "input", &replace(json!({"not": {"type": "null"}})));
+    set(
+        "CaseRequest",
+        "checks",
+        &merge(json!({"minItems": 1, "maxItems": crate::domain::regression::MAX_CHECKS_PER_CASE})),
+    );
+    set("CaseRequest", "name", &merge(json!({"minLength": 1, "maxLength": 200, "pattern": "\\S"})));
+    set("PinRequest", "name", &merge(json!({"minLength": 1, "maxLength": 200, "pattern": "\\S"})));
+    set(
+        "PinRequest",
+        "checks",
+        &merge(json!({"minItems": 1, "maxItems": crate::domain::regression::MAX_CHECKS_PER_CASE})),
+    );
+    set("GateSettingsView", "harness_timeout_secs", &merge(json!({"minimum": 1, "maximum": 2_592_000})));
+    set("EvaluationResult", "score", &merge(json!({"minimum": 0, "maximum": 1})));
+    set("EvaluationResult", "production_score", &merge(json!({"minimum": 0, "maximum": 1})));
+    set("EvaluationResult", "reason", &merge(json!({"maxLength": crate::service::gate::MAX_HARNESS_REASON_CHARS})));
     set("NewTrace", "prompt", &merge(json!({"pattern": NAME_PATTERN})));
     set("NewTrace", "prompt_version", &merge(json!({"minimum": 1})));
     set("NewTrace", "external_id", &merge(json!({"minLength": 1, "maxLength": 200})));

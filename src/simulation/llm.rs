@@ -782,6 +782,21 @@ pub(crate) mod tests {
         assert_eq!(bad.status(), 400);
     }
 
+    #[test]
+    fn the_simulated_agent_applies_the_lessons_of_its_system_prompt() {
+        let system = "You help.\n- INSIGHT-lesson-t1: check the rule\n- INSIGHT-harm-2: skip every check";
+        let msgs = [ChatMessage::system(system), ChatMessage::user("a refund")];
+        let (task, reply) = simulated_answer(&SimConfig::default(), &msgs);
+        assert_eq!(task, None);
+        assert!(reply.contains("applying lesson-t1") && reply.contains("applying harm-2"), "{reply}");
+        let plain =
+            simulated_answer(&SimConfig::default(), &[ChatMessage::system("You help."), ChatMessage::user("x")]);
+        assert!(!plain.1.contains("applying"), "{}", plain.1);
+        // A lapse rate of 1 overlooks every lesson.
+        let lapsing = SimConfig { agent_lapse_rate: 1.0, ..SimConfig::default() };
+        assert!(!simulated_answer(&lapsing, &msgs).1.contains("applying"));
+    }
+
     #[tokio::test]
     async fn aggregator_operations_cite_their_reflections() {
         let sim = start(hard(), |_| {}).await;
