@@ -293,8 +293,29 @@ pub struct Gate {
     pub harness: Option<Value>,
     /// Harness mode: no answer by then means rejected.
     pub deadline: Option<DateTime<Utc>>,
+    /// What the gate's LLM calls cost (both versions' runs made for it).
+    #[serde(default)]
+    pub usage: GateUsage,
     pub created_at: DateTime<Utc>,
     pub decided_at: Option<DateTime<Utc>>,
+}
+
+/// The LLM calls a gate made: how many, their tokens and cost (USD, at the configured prices).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+pub struct GateUsage {
+    pub calls: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub cost_usd: f64,
+}
+
+impl GateUsage {
+    pub fn add(&mut self, other: GateUsage) {
+        self.calls += other.calls;
+        self.prompt_tokens += other.prompt_tokens;
+        self.completion_tokens += other.completion_tokens;
+        self.cost_usd += other.cost_usd;
+    }
 }
 
 /// The gate's rule: a version that fails a case production passes, or whose

@@ -67,6 +67,7 @@ pub async fn open(
         cases: Vec::new(),
         harness: None,
         deadline: None,
+        usage: Default::default(),
         created_at: now,
         decided_at: None,
     };

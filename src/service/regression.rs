@@ -91,14 +91,13 @@ pub async fn delete_case(st: &AppState, name: &str, id: Uuid) -> ServiceResult<(
 /// The checks a successful trace's output stands for: the reply must equal
 /// it (its text, trimmed, when it has one; else the JSON value).
 pub fn checks_from_output(output: &Value) -> Option<Vec<Check>> {
-    let text = reply_text(output);
-    let value = if !text.trim().is_empty() {
-        Value::String(text)
-    } else if output.is_null() {
+    if output.is_null() {
         return None;
-    } else {
-        output.clone()
-    };
+    }
+    let text = reply_text(output);
+    // `reply_text` falls back to the JSON itself for a value without a text member: keep the value then.
+    let has_text = output.is_string() || text != output.to_string();
+    let value = if has_text && !text.trim().is_empty() { Value::String(text) } else { output.clone() };
     Some(vec![Check::Equals { value }])
 }
 

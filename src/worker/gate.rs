@@ -16,20 +16,20 @@ use crate::{
     domain::{
         Prompt,
         label::Selector,
-        regression::{CaseRun, Gate, RegressionCase, input_messages, verdict},
+        regression::{CaseRun, Gate, GateUsage, RegressionCase, input_messages, verdict},
     },
     llm::{ChatMessage, ChatRole, LlmBackend, LlmRole, config::LlmConfig},
     service::gate::Exposer,
     store::{DynStore, StoreError, StoreResult},
 };
 
-/// The model's reply to one case, with `system` as the system prompt.
+/// The model's reply to one case, with `system` as the system prompt, and what the call cost.
 async fn reply(
     backend: &dyn LlmBackend,
     llm: &LlmConfig,
     system: &str,
     case: &RegressionCase,
-) -> Result<String, String> {
+) -> Result<(String, GateUsage), String> {
     let turns = input_messages(&case.input)?;
     let mut messages = vec![ChatMessage::system(system)];
     messages.extend(turns.into_iter().map(|m| ChatMessage {
@@ -41,7 +41,17 @@ async fn reply(
         content: m.content,
     }));
     let req = llm.request(LlmRole::Gate, messages, false);
-    backend.chat(req).await.map(|r| r.content).map_err(|e| e.to_string())
+    let outcome = backend.chat(req).await;
+    let answered = if outcome.is_ok() { "answered" } else { "failed" };
+    metrics::counter!("combee_regression_gate_calls_total", "outcome" => answered).increment(1);
+    let r = outcome.map_err(|e| e.to_string())?;
+    let usage = GateUsage {
+        calls: 1,
+        prompt_tokens: r.usage.prompt_tokens,
+        completion_tokens: r.usage.completion_tokens,
+        cost_usd: r.cost_usd,
+    };
+    Ok((r.content, usage))
 }
 
 /// Runs `cases` with `system` as the prompt, `concurrency` at a time; the
@@ -52,21 +62,29 @@ async fn run_cases(
     system: &str,
     cases: &[&RegressionCase],
     concurrency: usize,
-) -> Result<Vec<CaseRun>, String> {
+) -> Result<(Vec<CaseRun>, GateUsage), String> {
     // Boxed: a stream of borrowing futures is otherwise not `Send` for every lifetime.
-    let futures: Vec<BoxFuture<'_, Result<CaseRun, String>>> = cases
+    let futures: Vec<BoxFuture<'_, Result<(CaseRun, GateUsage), String>>> = cases
         .iter()
         .map(|&case| {
             async move {
                 let checks: Vec<_> = case.checks.iter().filter_map(|c| c.clone().compile().ok()).collect();
-                let text = reply(backend, llm, system, case).await?;
-                Ok(CaseRun::scored(case.id, &checks, &text))
+                let (text, usage) = reply(backend, llm, system, case).await?;
+                Ok((CaseRun::scored(case.id, &checks, &text), usage))
             }
             .boxed()
         })
         .collect();
-    let runs: Vec<Result<CaseRun, String>> = stream::iter(futures).buffer_unordered(concurrency.max(1)).collect().await;
-    runs.into_iter().collect()
+    let runs: Vec<Result<(CaseRun, GateUsage), String>> =
+        stream::iter(futures).buffer_unordered(concurrency.max(1)).collect().await;
+    let mut usage = GateUsage::default();
+    let mut out = Vec::with_capacity(runs.len());
+    for run in runs {
+        let (run, u) = run?;
+        usage.add(u);
+        out.push(run);
+    }
+    Ok((out, usage))
 }
 
 /// The text of `version` of `prompt`.
@@ -95,7 +113,8 @@ pub async fn run(
         if !missing.is_empty() {
             let text = text_of(store, prompt, p).await?;
             match run_cases(backend, llm, &text, &missing, settings.concurrency).await {
-                Ok(runs) => {
+                Ok((runs, usage)) => {
+                    gate.usage.add(usage);
                     store.save_case_runs(&prompt.name, p, &runs).await?;
                     production.extend(runs.into_iter().map(|r| (r.case_id, r)));
                 }
@@ -109,7 +128,10 @@ pub async fn run(
     }
     let text = text_of(store, prompt, gate.version).await?;
     let runs = match run_cases(backend, llm, &text, &all, settings.concurrency).await {
-        Ok(runs) => runs,
+        Ok((runs, usage)) => {
+            gate.usage.add(usage);
+            runs
+        }
         Err(e) => {
             tracing::warn!(prompt = %prompt.name, version = gate.version, error = %e,
                 "the gate could not run the version on its cases; it runs again after its lease");

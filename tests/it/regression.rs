@@ -70,16 +70,17 @@ async fn served(app: &TestApp, prompt: &str) -> Vec<i64> {
     out
 }
 
-/// The version page as an operator sees it.
-async fn ui_page(app: &TestApp, path: &str) -> String {
+/// An operator's session cookie.
+async fn ui_session(app: &TestApp) -> String {
     let login = crate::ui_browser::sign_in(app, &app.admin_key).await;
     let session = crate::ui_browser::set_cookie(&login, "combee_session").expect("a session cookie");
-    let res = crate::ui_browser::plain_client()
-        .get(app.url(path))
-        .header("cookie", format!("combee_session={session}"))
-        .send()
-        .await
-        .unwrap();
+    format!("combee_session={session}")
+}
+
+/// A page as an operator sees it.
+async fn ui_page(app: &TestApp, path: &str) -> String {
+    let cookie = ui_session(app).await;
+    let res = crate::ui_browser::plain_client().get(app.url(path)).header("cookie", cookie).send().await.unwrap();
     assert_eq!(res.status(), 200, "{path}");
     res.text().await.unwrap()
 }
@@ -104,6 +105,7 @@ async fn a_version_that_breaks_a_case_never_gets_traffic_and_one_that_passes_doe
     assert_eq!(gate["cases"][0]["regressed"], true);
     assert_eq!(gate["cases"][0]["production"]["passed"], true);
     assert!(gate["reason"].as_str().unwrap().contains("no shortcuts"), "{gate}");
+    assert_eq!(gate["usage"]["calls"], 2, "production's run and the version's: {gate}");
     assert_eq!(v2["labels"], json!(["candidate"]));
     assert_eq!(production(&app, "support").await, 1);
     assert!(served(&app, "support").await.iter().all(|v| *v == 1), "the rejected version is never served");
@@ -121,6 +123,7 @@ async fn a_version_that_breaks_a_case_never_gets_traffic_and_one_that_passes_doe
     teach(&app, "support", "INSIGHT-lesson-t1: check the order number before answering").await;
     let v3 = decided(&app, "support", 3).await;
     assert_eq!(v3["gate"]["status"], "passed", "{v3}");
+    assert_eq!(v3["gate"]["usage"]["calls"], 1, "only the version's own run: {v3}");
     assert!(!v3["text"].as_str().unwrap().contains("harm-"));
     assert_eq!(sim.calls("other").await, 3, "production's run of the case was reused");
     eventually("production on version 3", Duration::from_secs(10), async || {
@@ -222,6 +225,22 @@ async fn cases_are_added_imported_pinned_listed_and_deleted(b: Backend) {
     assert_eq!((pinned["source"].as_str(), pinned["trace_id"].as_str()), (Some("trace"), Some(ids[0].as_str())));
     let p = expect_problem(app.post(&format!("/v1/traces/{}/pin", ids[1]), json!({})).send().await.unwrap(), 422).await;
     assert!(p["detail"].as_str().unwrap().contains("did not succeed"), "{p}");
+    // The trace page's button pins too: a form with the session's CSRF token.
+    let cookie = ui_session(&app).await;
+    let ui = crate::ui_browser::plain_client();
+    let page = ui.get(app.url(&format!("/ui/traces/{}", ids[0]))).header("cookie", &cookie).send().await.unwrap();
+    let page = page.text().await.unwrap();
+    let form = &page[page.find(r#"id="pin-form""#).expect("a pin button on a successful trace")..];
+    let marker = r#"name="csrf" value=""#;
+    let at = form.find(marker).unwrap() + marker.len();
+    let csrf = form[at..].split('"').next().unwrap().to_owned();
+    let pin = |csrf: String| {
+        ui.post(app.url(&format!("/ui/traces/{}/pin", ids[0]))).header("cookie", &cookie).form(&[("csrf", csrf)]).send()
+    };
+    assert_eq!(pin("forged".into()).await.unwrap().status(), 403, "a wrong CSRF token is refused");
+    let res = pin(csrf).await.unwrap();
+    assert_eq!(res.status(), 303);
+    assert!(res.headers()["location"].to_str().unwrap().ends_with("notice=pinned"));
     let with_checks = json!({"name": "arithmetic", "checks": [{"type": "contains", "text": "4"}]});
     let res = app.post(&format!("/v1/traces/{}/pin", ids[1]), with_checks).send().await.unwrap();
     assert_eq!(res.status(), 201);
@@ -238,7 +257,7 @@ async fn cases_are_added_imported_pinned_listed_and_deleted(b: Backend) {
 
     let list: Value = app.get("/v1/prompts/qa/regression-cases").send().await.unwrap().json().await.unwrap();
     let cases = list["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 12);
+    assert_eq!(cases.len(), 13);
     let id = cases[0]["id"].as_str().unwrap();
     let del = |id: String| {
         app.http.delete(app.url(&format!("/v1/prompts/qa/regression-cases/{id}"))).bearer_auth(&app.admin_key).send()
