@@ -96,7 +96,8 @@ pub fn checks_from_output(output: &Value) -> Option<Vec<Check>> {
     }
     let text = reply_text(output);
     // `reply_text` falls back to the JSON itself for a value without a text member: keep the value then.
-    let has_text = output.is_string() || text != output.to_string();
+    let fallback = output.to_string();
+    let has_text = output.is_string() || text != fallback;
     let value = if has_text && !text.trim().is_empty() { Value::String(text) } else { output.clone() };
     Some(vec![Check::Equals { value }])
 }

@@ -184,7 +184,7 @@ pub async fn trace(
 <dt>Prompt</dt><dd>{}</dd><dt>Version</dt><dd>{}</dd><dt>Status</dt><dd>{}</dd><dt>Round</dt><dd>{}</dd>
 <dt>Attempts</dt><dd>{}</dd><dt>Failure</dt><dd>{}</dd><dt>External id</dt><dd>{}</dd>
 <dt>Received</dt><dd>{}</dd><dt>Updated</dt><dd>{}</dd><dt>Quarantine</dt><dd id="quarantine-info">{}</dd></dl></div>
-{}{}
+{}{}{}
 <p class="muted">Trace content is shown as the agent sent it (untrusted data).</p>
 {}{}{}{}{}{}"#,
         t.id,
@@ -210,7 +210,8 @@ pub async fn trace(
             }
             _ => "",
         },
-        format!("{}{}", trace_actions(&op, &t), pin_form(&op, &t)),
+        trace_actions(&op, &t),
+        pin_form(&op, &t),
         section("Input", &t.input),
         section("Trajectory", &t.trajectory),
         section("Output", &t.output),
