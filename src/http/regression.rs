@@ -94,7 +94,7 @@ pub struct ImportQuery {
 /// The first bad line is named by its number (422).
 #[utoipa::path(post, path = "/v1/prompts/{name}/regression-cases/import", tag = "regression",
     params(("name" = String, Path), ImportQuery),
-    request_body(content = String, content_type = "application/x-ndjson", description = "JSON Lines, one case per line"),
+    request_body(content = String, content_type = "text/plain", description = "JSON Lines, one case per line (any content type: `application/x-ndjson`, `text/plain`)"),
     responses((status = 201, body = CaseList), (status = 404, body = super::error::Problem),
         (status = 422, body = super::error::Problem, description = "a bad line (named by its number), or the set is full")),
     security(("bearer" = ["prompts:write"])))]
