@@ -36,6 +36,9 @@ pub struct Settings {
     /// Caps on what combee's own LLM calls spend, for the whole server (see `service::budget`).
     #[serde(default)]
     pub budget: BudgetSettings,
+    /// Regression sets and the gate a learned version passes before live traffic (see `worker::gate`).
+    #[serde(default)]
+    pub regression: RegressionSettings,
     /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
     #[serde(default, skip_serializing)]
     pub llm: crate::llm::config::LlmConfig,
@@ -425,6 +428,36 @@ impl BudgetSettings {
     }
 }
 
+/// Regression sets and their gate: how far below production's mean score a
+/// version may fall, how long an operator's harness is awaited, and the
+/// limits on a set (see `domain::regression`, `worker::gate`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RegressionSettings {
+    /// A version whose mean case score is below production's by more than this is rejected (0–1).
+    pub margin: f64,
+    /// How long a gate in `harness` mode waits for the harness's result before rejecting (seconds).
+    pub harness_timeout_secs: u64,
+    /// Most cases in one prompt's set.
+    pub max_cases: usize,
+    /// Largest case input, as JSON, in bytes.
+    pub max_case_input_bytes: usize,
+    /// Cases of one gate run at once (each one LLM call per version).
+    pub concurrency: usize,
+}
+
+impl Default for RegressionSettings {
+    fn default() -> Self {
+        Self {
+            margin: 0.05,
+            harness_timeout_secs: 3600,
+            max_cases: 200,
+            max_case_input_bytes: 32 * 1024,
+            concurrency: 4,
+        }
+    }
+}
+
 /// Longest retention a setting may name, in days (100 years).
 pub const MAX_RETENTION_DAYS: u32 = 36_500;
 
@@ -490,6 +523,7 @@ impl Default for Settings {
             population: PopulationSettings::default(),
             retention: RetentionSettings::default(),
             budget: BudgetSettings::default(),
+            regression: RegressionSettings::default(),
             llm: Default::default(),
         }
     }
@@ -589,6 +623,13 @@ impl Settings {
         if h.request_timeout_secs == 0 || h.poll_interval_ms == 0 || h.max_concurrency == 0 {
             return Err(ConfigError(
                 "webhooks.request_timeout_secs, poll_interval_ms and max_concurrency must be greater than 0".into(),
+            ));
+        }
+        let r = &self.regression;
+        if !(0.0..=1.0).contains(&r.margin) || r.harness_timeout_secs == 0 || r.max_cases == 0 || r.concurrency == 0 {
+            return Err(ConfigError(
+                "regression.margin must be in [0, 1]; harness_timeout_secs, max_cases and concurrency greater than 0"
+                    .into(),
             ));
         }
         let g = &self.guard;

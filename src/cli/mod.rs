@@ -8,6 +8,7 @@ pub mod client;
 pub mod export;
 pub mod prompts;
 pub mod prune;
+pub mod regression;
 pub mod rounds;
 pub mod traces;
 
@@ -108,6 +109,14 @@ pub enum Command {
         #[command(flatten)]
         args: audit::AuditArgs,
     },
+    /// Regression sets on a running server: import cases (JSON Lines, OpenAI Evals samples, trace exports), list, delete, show a version's gate.
+    #[command(after_help = EXIT_CODES)]
+    Regression {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: regression::RegressionCommand,
+    },
     /// Learning rounds on a running server: trigger, list, show.
     #[command(after_help = EXIT_CODES)]
     Rounds {
@@ -155,6 +164,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Traces { client, command } => {
             let api = client::ApiClient::new(&client)?;
             return Ok(traces::run(&api, client.json, command).await?);
+        }
+        Command::Regression { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(regression::run(&api, client.json, command).await?);
         }
         Command::Rounds { client, command } => {
             let api = client::ApiClient::new(&client)?;
@@ -223,6 +236,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         | Command::Traces { .. }
         | Command::Rounds { .. }
         | Command::Audit { .. }
+        | Command::Regression { .. }
         | Command::SimWorld { .. } => {
             unreachable!("client commands return above")
         }

@@ -1,4 +1,4 @@
-//! Outbound webhook events: the six kinds a subscription can ask for and the
+//! Outbound webhook events: the nine kinds a subscription can ask for and the
 //! JSON body each one carries (`{"type", "timestamp", "data"}`). The store
 //! writes these bodies into its outbox in the same transaction as the change
 //! they announce; the delivery worker sends the stored bytes unchanged.
@@ -9,7 +9,10 @@ use serde_json::{Value, json};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{LabelName, MoveCause, PromptName, Version};
+use super::{
+    LabelName, MoveCause, PromptName, Version,
+    regression::{CaseComparison, Gate, GateStatus},
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, ToSchema)]
 pub enum EventType {
@@ -27,16 +30,28 @@ pub enum EventType {
     /// A daily spending cap holds the prompt's learning back (at most once per prompt per UTC day).
     #[serde(rename = "budget.reached")]
     BudgetReached,
+    /// A learned version waits for the operator's harness to evaluate it (a prompt's gate in `harness` mode).
+    #[serde(rename = "version.evaluation_requested")]
+    VersionEvaluationRequested,
+    /// A learned version passed its regression gate (it may now be exposed).
+    #[serde(rename = "version.gate_passed")]
+    VersionGatePassed,
+    /// A learned version failed its regression gate: it gets no live traffic.
+    #[serde(rename = "version.rejected")]
+    VersionRejected,
 }
 
 impl EventType {
-    pub const ALL: [EventType; 6] = [
+    pub const ALL: [EventType; 9] = [
         EventType::VersionCreated,
         EventType::LabelMoved,
         EventType::RoundCompleted,
         EventType::RoundFailed,
         EventType::PromptRolledBack,
         EventType::BudgetReached,
+        EventType::VersionEvaluationRequested,
+        EventType::VersionGatePassed,
+        EventType::VersionRejected,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -47,6 +62,9 @@ impl EventType {
             EventType::RoundFailed => "round.failed",
             EventType::PromptRolledBack => "prompt.rolled_back",
             EventType::BudgetReached => "budget.reached",
+            EventType::VersionEvaluationRequested => "version.evaluation_requested",
+            EventType::VersionGatePassed => "version.gate_passed",
+            EventType::VersionRejected => "version.rejected",
         }
     }
 
@@ -152,6 +170,36 @@ impl OutboxEvent {
             EventType::BudgetReached,
             json!({"prompt": prompt, "scope": scope, "day": day,
                    "until": until.to_rfc3339_opts(SecondsFormat::Secs, true)}),
+        )
+    }
+
+    /// A version's gate awaits the operator's harness: what to evaluate, and
+    /// where and until when to post the result.
+    pub fn evaluation_requested(prompt: &PromptName, version: &Version, text: &str, gate: &Gate) -> Self {
+        Self::new(
+            EventType::VersionEvaluationRequested,
+            json!({
+                "prompt": prompt.as_str(), "version": version.number, "parent": version.parent,
+                "text": text, "production_version": gate.production_version,
+                "deadline": gate.deadline.map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true)),
+                "result_path": format!("/v1/prompts/{}/versions/{}/evaluation", prompt.as_str(), version.number),
+            }),
+        )
+    }
+
+    /// A version's gate was decided: `version.gate_passed` or `version.rejected`, with the verdict.
+    pub fn gate_decided(prompt: &PromptName, gate: &Gate) -> Self {
+        let kind =
+            if gate.status == GateStatus::Passed { EventType::VersionGatePassed } else { EventType::VersionRejected };
+        let failing: Vec<&CaseComparison> = gate.cases.iter().filter(|c| c.regressed || !c.candidate.passed).collect();
+        Self::new(
+            kind,
+            json!({
+                "prompt": prompt.as_str(), "version": gate.version, "status": gate.status.as_str(),
+                "mode": gate.mode.as_str(), "reason": gate.reason, "production_version": gate.production_version,
+                "candidate_mean": gate.candidate_mean, "production_mean": gate.production_mean,
+                "failing_cases": failing, "harness": gate.harness,
+            }),
         )
     }
 

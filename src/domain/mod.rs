@@ -17,6 +17,7 @@ pub mod playbook;
 pub mod population;
 pub mod population_settings;
 pub mod prompt;
+pub mod regression;
 pub mod round;
 pub mod round_detail;
 pub mod span;

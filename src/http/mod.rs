@@ -20,6 +20,7 @@ pub mod ops;
 pub mod otlp;
 pub mod outcomes;
 pub mod prompts;
+pub mod regression;
 pub mod rounds;
 pub mod settings;
 pub mod traces;
@@ -56,6 +57,12 @@ pub fn routes() -> RouteTable {
         .route("/v1/prompts/{name}/settings", axum::routing::patch(settings::update_settings))
         .route("/v1/prompts/{name}/versions", post(versions::create_version).get(versions::list_versions))
         .route("/v1/prompts/{name}/versions/{number}", get(versions::get_version))
+        .route("/v1/prompts/{name}/versions/{number}/gate", get(regression::get_version_gate))
+        .route("/v1/prompts/{name}/versions/{number}/evaluation", post(regression::post_evaluation))
+        .route("/v1/prompts/{name}/regression-cases", post(regression::add_case).get(regression::list_cases))
+        .route("/v1/prompts/{name}/regression-cases/import", post(regression::import_cases))
+        .route("/v1/prompts/{name}/regression-cases/{id}", axum::routing::delete(regression::delete_case))
+        .route("/v1/prompts/{name}/gate", get(regression::get_gate_settings).put(regression::put_gate_settings))
         .route("/v1/prompts/{name}/diff", get(versions::diff_versions))
         .route("/v1/prompts/{name}/labels", get(labels::list_labels))
         .route("/v1/prompts/{name}/labels/history", get(label_history::label_history))
@@ -74,6 +81,7 @@ pub fn routes() -> RouteTable {
         .route("/v1/traces/{id}", get(traces::get_trace).delete(traces::delete_trace))
         .route("/v1/traces/{id}/quarantine", post(traces::quarantine_trace).delete(traces::release_trace))
         .route("/v1/traces/{id}/feedback", post(traces::add_feedback))
+        .route("/v1/traces/{id}/pin", post(regression::pin_trace))
         .route("/v1/otlp/v1/traces", post(otlp::export_traces))
         .route("/v1/otlp/v1/logs", post(otlp::export_logs))
         .route("/v1/prompts/{name}/traces/requeue", post(traces::requeue_failed))

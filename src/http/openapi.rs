@@ -133,7 +133,10 @@ fn finish_operation(path: &str, op: &mut Map<String, Value>) {
     // A version named in the body that does not exist (yet) conflicts with the prompt's state.
     if matches!(
         path,
-        "/v1/prompts/{name}/versions" | "/v1/prompts/{name}/rollback" | "/v1/prompts/{name}/labels/{label}"
+        "/v1/prompts/{name}/versions"
+            | "/v1/prompts/{name}/rollback"
+            | "/v1/prompts/{name}/labels/{label}"
+            | "/v1/prompts/{name}/versions/{number}/evaluation"
     ) && has_body
     {
         codes.push("409");
@@ -251,10 +254,31 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
         ("ControllerView", "choice"),
         ("ControllerView", "last_choice"),
         ("ControllerView", "config"),
+        ("RegressionCase", "input"),
+        ("Gate", "harness"),
+        ("EvaluationResult", "details"),
     ] {
         set(schema, prop, &any_json);
     }
     set("NewTrace", "input", &replace(json!({"not": {"type": "null"}})));
+    // Regression cases: the input is any JSON but null; one to 20 checks; a name of 1–200 characters.
+    set("CaseRequest", "input", &replace(json!({"not": {"type": "null"}})));
+    set(
+        "CaseRequest",
+        "checks",
+        &merge(json!({"minItems": 1, "maxItems": crate::domain::regression::MAX_CHECKS_PER_CASE})),
+    );
+    set("CaseRequest", "name", &merge(json!({"minLength": 1, "maxLength": 200, "pattern": "\\S"})));
+    set("PinRequest", "name", &merge(json!({"minLength": 1, "maxLength": 200, "pattern": "\\S"})));
+    set(
+        "PinRequest",
+        "checks",
+        &merge(json!({"minItems": 1, "maxItems": crate::domain::regression::MAX_CHECKS_PER_CASE})),
+    );
+    set("GateSettingsView", "harness_timeout_secs", &merge(json!({"minimum": 1, "maximum": 2_592_000})));
+    set("EvaluationResult", "score", &merge(json!({"minimum": 0, "maximum": 1})));
+    set("EvaluationResult", "production_score", &merge(json!({"minimum": 0, "maximum": 1})));
+    set("EvaluationResult", "reason", &merge(json!({"maxLength": crate::service::gate::MAX_HARNESS_REASON_CHARS})));
     set("NewTrace", "prompt", &merge(json!({"pattern": NAME_PATTERN})));
     set("NewTrace", "prompt_version", &merge(json!({"minimum": 1})));
     set("NewTrace", "external_id", &merge(json!({"minLength": 1, "maxLength": 200})));
@@ -397,6 +421,9 @@ impl utoipa::Modify for BearerAuth {
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
         super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
         super::audit::audit_log,
+        super::regression::add_case, super::regression::list_cases, super::regression::delete_case,
+        super::regression::import_cases, super::regression::pin_trace, super::regression::get_gate_settings,
+        super::regression::put_gate_settings, super::regression::get_version_gate, super::regression::post_evaluation,
     ),
     modifiers(&BearerAuth)
 )]

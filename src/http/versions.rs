@@ -21,8 +21,10 @@ use crate::{
         LabelName, Playbook, Version,
         access::Scope,
         label::{Resolved, Selector},
+        regression::Gate,
     },
     service::{
+        gate,
         pagination::{PageParams, next_token},
         prompts::{self, VersionDiff, VersionEdit, existing_prompt, version_diff},
     },
@@ -55,11 +57,15 @@ pub struct VersionView {
     pub text: String,
     #[schema(value_type = Vec<String>)]
     pub labels: Vec<LabelName>,
+    /// The version's regression gate, when it was gated (learned versions of a
+    /// prompt with a regression set or a harness).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gate: Option<Gate>,
 }
 
 impl From<Resolved> for VersionView {
     fn from(r: Resolved) -> Self {
-        Self { text: r.version.content.render(), version: r.version, labels: r.labels }
+        Self { text: r.version.content.render(), version: r.version, labels: r.labels, gate: None }
     }
 }
 
@@ -121,7 +127,9 @@ pub async fn get_version(
     ApiPath((name, number)): ApiPath<(String, i64)>,
 ) -> ApiResult<Json<VersionView>> {
     let prompt = existing_prompt(&st, &name).await?;
-    Ok(Json(prompts::resolved(&st, &prompt.name, &Selector::Version(number)).await?.into()))
+    let mut view = VersionView::from(prompts::resolved(&st, &prompt.name, &Selector::Version(number)).await?);
+    view.gate = gate::version_gate(&st, &prompt.name, number).await?;
+    Ok(Json(view))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -20,6 +20,9 @@ pub struct LlmConfig {
     pub reflector_model: String,
     /// Model for aggregator calls (group updates, merges). Default `gpt-4o-mini`.
     pub aggregator_model: String,
+    /// Model that answers a regression gate's cases in the agent's place (the version under test is
+    /// its system prompt); empty (the default) = `aggregator_model`.
+    pub gate_model: String,
     /// Sampling temperature sent with every call. Default 0.2.
     pub temperature: f32,
     /// Most completion tokens of any call: the ceiling over the per-role limits below. Default 4096.
@@ -83,6 +86,7 @@ impl Default for LlmConfig {
             api_key: Secret::default(),
             reflector_model: "gpt-4o-mini".to_owned(),
             aggregator_model: "gpt-4o-mini".to_owned(),
+            gate_model: String::new(),
             temperature: 0.2,
             max_tokens: 4096,
             reflector_max_tokens: 1024,
@@ -192,6 +196,8 @@ impl LlmConfig {
         let model = match role {
             super::LlmRole::Reflector => &self.reflector_model,
             super::LlmRole::Aggregator => &self.aggregator_model,
+            super::LlmRole::Gate if !self.gate_model.trim().is_empty() => &self.gate_model,
+            super::LlmRole::Gate => &self.aggregator_model,
         };
         super::ChatRequest {
             role,
@@ -209,7 +215,7 @@ impl LlmConfig {
     pub fn max_tokens_for(&self, role: super::LlmRole) -> u32 {
         let per_role = match role {
             super::LlmRole::Reflector => self.reflector_max_tokens,
-            super::LlmRole::Aggregator => self.aggregator_max_tokens,
+            super::LlmRole::Aggregator | super::LlmRole::Gate => self.aggregator_max_tokens,
         };
         per_role.min(self.max_tokens)
     }

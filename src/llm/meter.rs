@@ -48,6 +48,7 @@ impl CallTag {
         self.kind.unwrap_or(match role {
             LlmRole::Reflector => "reflection",
             LlmRole::Aggregator => "aggregation",
+            LlmRole::Gate => "gate",
         })
     }
 

@@ -157,6 +157,8 @@ pub struct ChatResponse {
 pub enum LlmRole {
     Reflector,
     Aggregator,
+    /// A regression gate running a version on a case: the version is the system prompt.
+    Gate,
 }
 
 /// The record a round keeps of every LLM call, failed ones included.

@@ -4,11 +4,13 @@
 //! neither front end imports the other: `app.rs` composes their routers. One
 //! file per resource.
 
+pub mod arms;
 pub mod audit;
 pub mod budget;
 pub mod controller;
 mod error;
 pub mod export;
+pub mod gate;
 pub mod keys;
 pub mod labels;
 pub mod langfuse;
@@ -17,6 +19,7 @@ pub mod pagination;
 pub mod population;
 pub mod production;
 pub mod prompts;
+pub mod regression;
 pub mod rounds;
 pub mod sessions;
 pub mod traces;

@@ -434,9 +434,35 @@ pub(super) fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String
         Some(Task::MergeRewrite) => {
             serde_json::to_string(&InstructionAnswer { instruction: with_bullets(kept("untrusted-proposals")) })
         }
+        None if req.messages.iter().any(|m| m.role == "system") => Ok(agent_reply(cfg, req)),
         None => Ok(r#"{"simulated": true, "note": "not a combee prompt"}"#.to_owned()),
     };
     (task, text.unwrap_or_default())
+}
+
+/// The simulated agent's reply: it applies each `INSIGHT-` lesson of its
+/// system prompt and names it (`applying <token>`), overlooking a share
+/// `agent_lapse_rate` of them (drawn per lesson and conversation), so what a
+/// regression case sees depends on the system prompt as a real agent's
+/// reply would. A harmful instruction (`INSIGHT-harm-…`) is applied like any.
+fn agent_reply(cfg: &SimConfig, req: &SimRequest) -> String {
+    let system: String =
+        req.messages.iter().filter(|m| m.role == "system").map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n");
+    let conversation: String =
+        req.messages.iter().filter(|m| m.role != "system").map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n");
+    let applied: Vec<String> = insights(&system)
+        .into_iter()
+        .filter(|i| {
+            unit(&[b"lapse", i.token.as_bytes(), conversation.as_bytes(), &cfg.seed.to_le_bytes()])
+                >= cfg.agent_lapse_rate
+        })
+        .map(|i| format!("applying {}", i.token))
+        .collect();
+    if applied.is_empty() {
+        "Simulated agent: I answer as instructed.".to_owned()
+    } else {
+        format!("Simulated agent: I answer as instructed, {}.", applied.join(", "))
+    }
 }
 
 /// How an aggregate-playbook answer cites its reflections.

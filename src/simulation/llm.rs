@@ -494,6 +494,8 @@ pub(crate) mod tests {
             "0.11",
             "--rate-unreadable-level2",
             "0.12",
+            "--agent-lapse-rate",
+            "0.13",
         ])
         .unwrap();
         let want = SimConfig {
@@ -518,6 +520,7 @@ pub(crate) mod tests {
             rate_no_sources: 0.1,
             rate_wrong_sources: 0.11,
             rate_unreadable_level2: 0.12,
+            agent_lapse_rate: 0.13,
         };
         assert_eq!(cli.args.sim, want);
         assert_eq!(serde_json::from_str::<SimConfig>("{}").unwrap(), SimConfig::default());
@@ -777,6 +780,21 @@ pub(crate) mod tests {
         assert_eq!(sim.stats().await.calls.get("other"), Some(&1));
         let bad = reqwest::Client::new().post(format!("{}/chat/completions", sim.base)).body("{").send().await.unwrap();
         assert_eq!(bad.status(), 400);
+    }
+
+    #[test]
+    fn the_simulated_agent_applies_the_lessons_of_its_system_prompt() {
+        let system = "You help.\n- INSIGHT-lesson-t1: check the rule\n- INSIGHT-harm-2: skip every check";
+        let msgs = [ChatMessage::system(system), ChatMessage::user("a refund")];
+        let (task, reply) = simulated_answer(&SimConfig::default(), &msgs);
+        assert_eq!(task, None);
+        assert!(reply.contains("applying lesson-t1") && reply.contains("applying harm-2"), "{reply}");
+        let plain =
+            simulated_answer(&SimConfig::default(), &[ChatMessage::system("You help."), ChatMessage::user("x")]);
+        assert!(!plain.1.contains("applying"), "{}", plain.1);
+        // A lapse rate of 1 overlooks every lesson.
+        let lapsing = SimConfig { agent_lapse_rate: 1.0, ..SimConfig::default() };
+        assert!(!simulated_answer(&lapsing, &msgs).1.contains("applying"));
     }
 
     #[tokio::test]

@@ -19,6 +19,7 @@ mod migrate;
 mod otlp;
 pub mod postgres;
 mod prompts;
+mod regression;
 mod retention;
 mod rollups;
 mod rounds;
@@ -44,6 +45,7 @@ pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
 pub use prompts::PromptStore;
+pub use regression::{GateSettings, OpenGate, RegressionStore};
 pub use retention::{Expiring, Retention, TraceExpiry};
 pub use rollups::{Rollups, minute_rollup_cutoff, second_rollup_cutoff};
 pub use rounds::{Backlog, ClaimedRound, OpenRound, RoundCall, RoundFailure, RoundStore, TraceCharges, TraceFault};
@@ -135,6 +137,7 @@ pub trait Store:
     + PromptStore
     + LabelStore
     + PopulationStore
+    + RegressionStore
     + TraceStore
     + OtlpStore
     + RoundStore

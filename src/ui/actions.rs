@@ -2,7 +2,8 @@
 //! back to a version. Both are POSTs carrying the session's CSRF token and the
 //! production version the page showed, so a stale page cannot undo someone
 //! else's change (it gets a 412 page instead). Quarantine, release and delete
-//! of a trace (containing a poisoned stream) are POSTs with the CSRF token too.
+//! of a trace (containing a poisoned stream), and pinning it as a regression
+//! case, are POSTs with the CSRF token too.
 
 use axum::{
     Form,
@@ -17,7 +18,7 @@ use crate::{
     service::{
         AppState, ServiceError,
         audit::{Audit, trace_change},
-        labels, prompts, traces,
+        labels, prompts, regression, traces,
     },
 };
 
@@ -110,14 +111,15 @@ fn trace_form(op: &Operator, form: &TraceForm, id: &str) -> Result<uuid::Uuid, U
 
 /// The trace page's buttons: Quarantine holds the trace back from learning
 /// (with the operator's reason, if given), Release lifts that, Delete removes
-/// the trace and goes back to the trace list.
+/// the trace and goes back to the trace list, Pin keeps its input as a
+/// regression case of its prompt.
 pub async fn trace_button(
     State(st): State<AppState>,
     op: Operator,
     Path((id, button)): Path<(String, String)>,
     Form(form): Form<TraceForm>,
 ) -> Result<Response, UiError> {
-    if !["quarantine", "release", "delete"].contains(&button.as_str()) {
+    if !["quarantine", "release", "delete", "pin"].contains(&button.as_str()) {
         return Err(UiError::NotFound("No such page.".into()));
     }
     let id = trace_form(&op, &form, &id)?;
@@ -136,6 +138,13 @@ pub async fn trace_button(
         "release" => {
             let after = traces::release_trace(&st, id, &op.actor()).await.map_err(not_found)?;
             (format!("/ui/traces/{id}?notice=released"), trace_change("trace.release", &before, Some(&after)))
+        }
+        "pin" => {
+            let case = regression::pin_trace(&st, id, regression::PinRequest::default(), &op.actor())
+                .await
+                .map_err(not_found)?;
+            let audit = Audit::new("regression_case.pin", "regression_case", case.id).after(&case);
+            (format!("/ui/traces/{id}?notice=pinned"), audit)
         }
         _ => {
             traces::delete_trace(&st, id, &op.actor()).await.map_err(not_found)?;

@@ -30,6 +30,7 @@ pub fn router() -> RouteTable {
         .route("/prompts", get(pages::prompts))
         .route("/prompts/{name}", get(pages::prompt))
         .route("/prompts/{name}/diff", get(pages::diff))
+        .route("/prompts/{name}/versions/{number}", get(pages::version))
         .route("/prompts/{name}/rounds", get(pages::rounds))
         .route("/prompts/{name}/controller", get(pages::controller))
         .route("/prompts/{name}/promote", post(actions::promote))

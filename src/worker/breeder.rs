@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::arms::add_crossover_child;
+use crate::service::arms::add_crossover_child;
 use crate::{
     domain::{
         LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource,

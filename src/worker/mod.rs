@@ -5,9 +5,9 @@
 //! fails it. A crashed process's rounds are resumed by whoever claims them
 //! after the lease expires, from the reflections already stored.
 
-pub mod arms;
 pub mod breeder;
 pub mod choices;
+pub mod gate;
 pub mod guard;
 mod journal;
 pub mod publish;
@@ -151,6 +151,7 @@ impl Worker {
     pub async fn run(self, shutdown: CancellationToken) {
         let mut changes = self.store.changes();
         let mut running: JoinSet<()> = JoinSet::new();
+        let mut gates: JoinSet<()> = JoinSet::new();
         let poll = Duration::from_millis(self.settings.poll_interval_ms);
         let mut next_schedule = tokio::time::Instant::now();
         tracing::info!(owner = %self.owner, "learning worker started");
@@ -164,6 +165,7 @@ impl Worker {
                     tracing::warn!(error = %e, "scheduling rounds failed");
                 }
                 metrics::counter!("combee_worker_schedule_passes_total").increment(1);
+                self.gates(&mut gates).await;
                 next_schedule = tokio::time::Instant::now() + poll;
             }
             while running.len() < self.settings.max_parallel_rounds {
@@ -192,7 +194,46 @@ impl Worker {
             }
         }
         running.abort_all();
+        gates.abort_all();
         tracing::info!("learning worker stopped");
+    }
+
+    /// Regression gates: rejects those whose harness did not answer in time,
+    /// and runs pending ones (at most `max_parallel_rounds` at once) under a
+    /// lease, so a gate whose worker died runs again elsewhere.
+    async fn gates(&self, running: &mut JoinSet<()>) {
+        while running.try_join_next().is_some() {}
+        let exposer = service::gate::Exposer::of(&self.state);
+        if let Err(e) = service::gate::expire_overdue(&exposer).await {
+            tracing::warn!(error = %e, "expiring overdue regression gates failed");
+        }
+        let room = self.settings.max_parallel_rounds.saturating_sub(running.len());
+        if room == 0 {
+            return;
+        }
+        let lease = Duration::from_secs(self.settings.lease_secs.saturating_mul(10));
+        let claimed = match self.store.claim_gates(lease, room as u32).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "claiming regression gates failed");
+                return;
+            }
+        };
+        for open in claimed {
+            let worker = self.clone();
+            running.spawn(async move {
+                let Ok(Some(prompt)) = worker.store.get_prompt(&open.prompt).await else { return };
+                let exposer = service::gate::Exposer::of(&worker.state);
+                let settings = &worker.state.settings.regression;
+                let version = open.gate.version;
+                if let Err(e) =
+                    gate::run(&worker.store, worker.backend.as_ref(), &worker.llm, settings, &exposer, &prompt, open.gate)
+                        .await
+                {
+                    tracing::warn!(prompt = %prompt.name, version, error = %e, "a regression gate failed; it runs again");
+                }
+            });
+        }
     }
 
     /// Opens rounds for prompts whose backlog is due.
@@ -312,7 +353,15 @@ impl Worker {
             Err(e) => tracing::warn!(error = %e, "the round's record could not be written before publishing"),
         }
         let by = format!("worker:{}", self.owner);
-        let publication = publish::Publication::of(&prompt, base.number, id, &outcome, elapsed, &by);
+        // A prompt with a regression set (or a harness) holds its learned version back until the gate decides.
+        let gated = match service::gate::mode_for(&self.store, &prompt.name).await {
+            Ok(mode) => mode,
+            Err(e) => {
+                tracing::warn!(error = %e, "the regression set could not be read; the version is gated");
+                Some(crate::domain::regression::GateMode::Cases)
+            }
+        };
+        let publication = publish::Publication::of(&prompt, base.number, id, &outcome, elapsed, &by, gated.is_some());
         let degraded = outcome.record.level2.is_degraded();
         let max_trace_attempts = self.settings.max_trace_attempts;
         let published = publish::publish(
@@ -328,7 +377,11 @@ impl Worker {
         )
         .await;
         match published {
-            publish::Published::Version(_) => {}
+            publish::Published::Version(number) => {
+                if let Some(mode) = gated {
+                    self.open_gate(&prompt.name, number, mode).await;
+                }
+            }
             publish::Published::LeaseLost => {
                 tracing::warn!("lease lost before publishing; another worker owns the round")
             }
@@ -337,6 +390,29 @@ impl Worker {
                 let faults = unreflected_faults(&journal.detail());
                 self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
             }
+        }
+    }
+
+    /// Opens the regression gate of a version just published (held back from traffic).
+    async fn open_gate(
+        &self,
+        prompt: &crate::domain::PromptName,
+        number: i64,
+        mode: crate::domain::regression::GateMode,
+    ) {
+        let version = match self.store.resolve(prompt, &crate::domain::label::Selector::Version(number)).await {
+            Ok(Some(r)) => r.version,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::error!(version = number, error = %e, "the version's regression gate could not be opened");
+                return;
+            }
+        };
+        let settings = &self.state.settings.regression;
+        match service::gate::open(&self.store, settings, prompt, &version, mode).await {
+            Ok(()) => tracing::info!(version = number, mode = mode.as_str(), "regression gate opened"),
+            Err(e) => tracing::error!(version = number, error = %e,
+                "the version's regression gate could not be opened; it stays candidate, unexposed"),
         }
     }
 

@@ -29,6 +29,10 @@ pub struct Publication {
     pub joins_population: bool,
 }
 
+// A gated version (the prompt has a regression set or a harness) is published
+// as `candidate` whatever the policy and joins no population: the gate
+// exposes it once it passed (`service::gate`).
+
 /// What became of a publication.
 #[derive(Debug)]
 pub enum Published {
@@ -49,9 +53,11 @@ impl Publication {
         outcome: &RoundOutcome,
         elapsed_secs: f64,
         by: &str,
+        gated: bool,
     ) -> Self {
         let label = match prompt.promotion {
-            Promotion::Auto => LabelName::production(),
+            Promotion::Auto if !gated => LabelName::production(),
+            Promotion::Auto => LabelName::candidate(),
             // A learned child is measured (evaluated) or reviewed (manual) before it may serve production.
             Promotion::Manual | Promotion::Evaluated => LabelName::candidate(),
         };
@@ -88,7 +94,7 @@ impl Publication {
             sample_secs: (outcome.method == Method::Combee && record.n > 0).then_some(elapsed_secs),
             meter,
             faults,
-            joins_population: prompt.promotion == Promotion::Evaluated,
+            joins_population: prompt.promotion == Promotion::Evaluated && !gated,
         }
     }
 }
@@ -136,7 +142,7 @@ pub async fn publish(
     tracing::info!(version = version.number, label = %label, "round published");
     if publication.joins_population
         && let Err(e) =
-            super::arms::add_challenger(store, &prompt.name, version.number, version.parent, population).await
+            crate::service::arms::add_challenger(store, &prompt.name, version.number, version.parent, population).await
     {
         tracing::error!(version = version.number, error = %e, "the learned version could not join the population");
     }
@@ -188,16 +194,24 @@ mod tests {
     #[test]
     fn the_promotion_policy_picks_the_label_and_evaluated_versions_join_the_population() {
         let round = uuid::Uuid::from_u128(1);
-        let auto = Publication::of(&prompt(Promotion::Auto), 3, round, &outcome(Method::Combee), 2.5, "worker:x");
+        let auto =
+            Publication::of(&prompt(Promotion::Auto), 3, round, &outcome(Method::Combee), 2.5, "worker:x", false);
         assert_eq!((auto.label, auto.joins_population), (LabelName::production(), false));
         assert_eq!((auto.version.parent, auto.version.round_id), (Some(3), Some(round)));
         assert_eq!(auto.version.message, "learned from 20 traces (combee round, k = 10, p = 2)");
         assert_eq!(auto.sample_secs, Some(2.5));
         assert_eq!(auto.meter, vec![MeterCounts { size_min: 4, marked: 30, recaptured: 27, rounds: 1 }]);
         assert_eq!(auto.faults.len(), 1);
-        let evaluated = Publication::of(&prompt(Promotion::Evaluated), 3, round, &outcome(Method::Combee), 1.0, "w");
+        let evaluated =
+            Publication::of(&prompt(Promotion::Evaluated), 3, round, &outcome(Method::Combee), 1.0, "w", false);
         assert_eq!((evaluated.label, evaluated.joins_population), (LabelName::candidate(), true));
-        let manual = Publication::of(&prompt(Promotion::Manual), 3, round, &outcome(Method::Sequential), 1.0, "w");
+        let manual =
+            Publication::of(&prompt(Promotion::Manual), 3, round, &outcome(Method::Sequential), 1.0, "w", false);
         assert_eq!((manual.label, manual.joins_population, manual.sample_secs), (LabelName::candidate(), false, None));
+        // A gated version waits as candidate under every policy and joins no population yet.
+        for promotion in [Promotion::Auto, Promotion::Evaluated, Promotion::Manual] {
+            let gated = Publication::of(&prompt(promotion), 3, round, &outcome(Method::Combee), 1.0, "w", true);
+            assert_eq!((gated.label, gated.joins_population), (LabelName::candidate(), false), "{promotion:?}");
+        }
     }
 }

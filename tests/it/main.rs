@@ -26,6 +26,7 @@ mod population;
 mod postgres_outage;
 mod postgres_processes;
 mod real_model;
+mod regression;
 mod request_rules;
 mod store_contract;
 mod ui_browser;

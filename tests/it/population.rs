@@ -18,9 +18,9 @@ use combee::{
     evaluate::{assign::sticky_arm, population::GateDecision, rater::Basis, trueskill::Rating},
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
+    service::arms::add_challenger,
     store::{DynStore, StoreError},
     worker::{
-        arms::add_challenger,
         breeder::CrossoverOutcome,
         rater::{PopulationRater, RatingOutcome},
     },

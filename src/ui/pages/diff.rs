@@ -37,6 +37,11 @@ pub async fn diff(
         return Err(UiError::Service(ServiceError::BadRequest("choose two versions (`from` and `to`)".into())));
     };
     let d = version_diff(&st, &prompt, from, to).await?;
+    // The gate's verdict on the newer version, for the operator's decision (`manual` prompts).
+    let gate = service::gate::version_gate(&st, &prompt.name, to)
+        .await?
+        .as_ref()
+        .map_or_else(String::new, super::versions::gate_card);
     let latest = service::prompts::latest_number(&st, &prompt.name).await?;
     let n = escape(&url_encode(prompt.name.as_str()));
     let options = |selected: i64| {
@@ -137,6 +142,7 @@ pub async fn diff(
 <label>from <select name="from" id="diff-from">{}</select></label>
 <label>to <select name="to" id="diff-to">{}</select></label>
 <button type="submit" id="diff-submit">Show diff</button></form>
+{gate}
 <p class="diff-stats" id="diff-stats"><span class="ins-count">+{added}</span> <span class="del-count">−{removed}</span> lines</p>
 {playbook}
 <h2>Rendered text</h2>

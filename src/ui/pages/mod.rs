@@ -1,5 +1,6 @@
 //! The UI's read-only pages: prompts, one prompt (text, labels, history,
-//! promote / roll back forms), a diff, rounds, one round, the batch-size
+//! promote / roll back forms, the regression set), a version with its
+//! regression gate, a diff, rounds, one round, the batch-size
 //! controller, the trace browser, and the audit log, one file per page; the small helpers
 //! they share are here. GET handlers never change state.
 
@@ -43,6 +44,7 @@ mod diff;
 mod prompts;
 mod rounds;
 mod traces;
+mod versions;
 
 pub use audit::audit;
 pub use controller::controller;
@@ -50,6 +52,7 @@ pub use diff::diff;
 pub use prompts::{prompt, prompts};
 pub use rounds::{round, rounds};
 pub use traces::{trace, traces};
+pub use versions::version;
 
 type PageResult = Result<Html<String>, UiError>;
 

@@ -185,7 +185,7 @@ pub async fn prompt(
         }
         let _ = write!(
             rows,
-            r#"<tr id="version-{}"><td class="num"><strong>v{}</strong></td><td class="labels">{}</td><td>{}</td><td>{}</td><td class="message">{}</td><td class="by">{}</td><td class="when">{}</td><td class="actions">{}</td></tr>"#,
+            r#"<tr id="version-{}"><td class="num"><a href="/ui/prompts/{n}/versions/{1}"><strong>v{}</strong></a></td><td class="labels">{}</td><td>{}</td><td>{}</td><td class="message">{}</td><td class="by">{}</td><td class="when">{}</td><td class="actions">{}</td></tr>"#,
             v.number,
             v.number,
             vlabels,
@@ -263,6 +263,8 @@ pub async fn prompt(
             r#"<table id="label-history" class="compact"><thead><tr><th>Time</th><th>Label</th><th>Move</th><th>Kind</th><th>By</th><th>Why</th></tr></thead><tbody>{move_rows}</tbody></table>"#
         )
     };
+    let cases = service::regression::list_cases(&st, prompt.name.as_str()).await?;
+    let (case_count, regression) = (cases.len(), super::versions::cases_table(&cases));
     let promote_note = if can_promote {
         ""
     } else {
@@ -276,6 +278,7 @@ pub async fn prompt(
 {diff_form}
 <h2>Version history</h2>{promote_note}
 <table id="versions"><thead><tr><th class="num">Version</th><th>Labels</th><th>Source</th><th>Round</th><th>Message</th><th>By</th><th>Time</th><th></th></tr></thead><tbody>{rows}</tbody></table>{older}
+<h2>Regression set <span class="muted small">{case_count} cases; a learned version must pass them before it gets traffic</span></h2>{regression}
 <h2>Reward by version <span class="muted small" id="reward-span">last 7 days, {buckets}</span></h2>{reward_chart}
 {budget}
 <h2>Label history <span class="muted small">newest {LABEL_MOVES_SHOWN}; all of them: <code>combee prompts label-history</code></span></h2>{label_history}"#,

@@ -149,6 +149,20 @@ fn trace_actions(op: &Operator, t: &crate::domain::Trace) -> String {
     )
 }
 
+/// "Pin as regression case", for a key with `prompts:write` and a trace that
+/// succeeded (its output is the example the case keeps); any trace can be
+/// pinned with checks of the operator's through the API.
+fn pin_form(op: &Operator, t: &crate::domain::Trace) -> String {
+    if !op.can(Scope::PromptsWrite) || t.feedback.success != Some(true) {
+        return String::new();
+    }
+    format!(
+        r#"<div class="card" id="pin-actions"><form method="post" action="/ui/traces/{id}/pin" class="inline" id="pin-form"><input type="hidden" name="csrf" value="{}"><button type="submit" class="small" id="pin" title="Keep this input as a regression case: a learned version's reply must equal this output">Pin as regression case</button></form></div>"#,
+        escape(&op.session.csrf_token),
+        id = t.id
+    )
+}
+
 pub async fn trace(
     State(st): State<AppState>,
     op: Operator,
@@ -170,7 +184,7 @@ pub async fn trace(
 <dt>Prompt</dt><dd>{}</dd><dt>Version</dt><dd>{}</dd><dt>Status</dt><dd>{}</dd><dt>Round</dt><dd>{}</dd>
 <dt>Attempts</dt><dd>{}</dd><dt>Failure</dt><dd>{}</dd><dt>External id</dt><dd>{}</dd>
 <dt>Received</dt><dd>{}</dd><dt>Updated</dt><dd>{}</dd><dt>Quarantine</dt><dd id="quarantine-info">{}</dd></dl></div>
-{}{}
+{}{}{}
 <p class="muted">Trace content is shown as the agent sent it (untrusted data).</p>
 {}{}{}{}{}{}"#,
         t.id,
@@ -191,9 +205,13 @@ pub async fn trace(
             Some("quarantined") =>
                 r#"<p class="notice ok" id="notice">Quarantined: no round will learn from this trace.</p>"#,
             Some("released") => r#"<p class="notice ok" id="notice">Released: rounds learn from this trace again.</p>"#,
+            Some("pinned") => {
+                r#"<p class="notice ok" id="notice">Pinned: this trace's input is now a regression case of its prompt.</p>"#
+            }
             _ => "",
         },
         trace_actions(&op, &t),
+        pin_form(&op, &t),
         section("Input", &t.input),
         section("Trajectory", &t.trajectory),
         section("Output", &t.output),

@@ -49,7 +49,8 @@ impl Bill {
         for c in calls {
             match c.role {
                 LlmRole::Reflector => self.reflector.add(c),
-                LlmRole::Aggregator => self.aggregator.add(c),
+                // A round makes no gate calls (a regression gate runs after publication, outside it).
+                LlmRole::Aggregator | LlmRole::Gate => self.aggregator.add(c),
             }
         }
     }
