@@ -173,7 +173,7 @@ impl LlmConfig {
     pub fn request(&self, role: super::LlmRole, messages: Vec<super::ChatMessage>, json: bool) -> super::ChatRequest {
         let model = match role {
             super::LlmRole::Reflector => &self.reflector_model,
-            super::LlmRole::Aggregator => &self.aggregator_model,
+            super::LlmRole::Aggregator | super::LlmRole::Judge => &self.aggregator_model,
         };
         super::ChatRequest {
             role,
@@ -190,7 +190,7 @@ impl LlmConfig {
     pub fn max_tokens_for(&self, role: super::LlmRole) -> u32 {
         let per_role = match role {
             super::LlmRole::Reflector => self.reflector_max_tokens,
-            super::LlmRole::Aggregator => self.aggregator_max_tokens,
+            super::LlmRole::Aggregator | super::LlmRole::Judge => self.aggregator_max_tokens,
         };
         per_role.min(self.max_tokens)
     }

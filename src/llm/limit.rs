@@ -83,6 +83,7 @@ fn role_index(role: LlmRole) -> usize {
     match role {
         LlmRole::Reflector => 0,
         LlmRole::Aggregator => 1,
+        LlmRole::Judge => 2,
     }
 }
 

@@ -154,6 +154,8 @@ pub struct ChatResponse {
 pub enum LlmRole {
     Reflector,
     Aggregator,
+    /// A prompt's LLM judge scoring a trace no one scored (the aggregator's model).
+    Judge,
 }
 
 /// The record a round keeps of every LLM call, failed ones included.

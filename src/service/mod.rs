@@ -6,6 +6,7 @@
 
 pub mod controller;
 mod error;
+pub mod evaluators;
 pub mod export;
 pub mod keys;
 pub mod labels;

@@ -108,6 +108,13 @@ pub struct SimConfig {
     /// its content, so the corrective retry fails the same way. [simulation]
     #[arg(long, default_value_t = 0.0)]
     pub rate_unreadable_level2: f64,
+    /// The simulated LLM judge's accuracy: the probability that its verdict on
+    /// a reply is right (drawn per request from its content). Right means: the
+    /// reply passes when, trimmed, it equals one of the double-quoted texts of
+    /// the rubric (score 1, no critique), and fails otherwise (score 0, a
+    /// critique naming what it should have been). [simulation]
+    #[arg(long, default_value_t = 0.9)]
+    pub judge_accuracy: f64,
 }
 
 impl Default for SimConfig {
@@ -134,6 +141,7 @@ impl Default for SimConfig {
             rate_no_sources: 0.0,
             rate_wrong_sources: 0.0,
             rate_unreadable_level2: 0.0,
+            judge_accuracy: 0.9,
         }
     }
 }

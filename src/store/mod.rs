@@ -9,6 +9,7 @@
 mod arms;
 mod backend;
 mod controller_state;
+mod evaluators;
 mod export;
 mod group_commit;
 mod keys;
@@ -35,6 +36,7 @@ use tokio::sync::broadcast;
 
 pub use arms::{PopulationStore, RatingSlot};
 pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
+pub use evaluators::{Calibrating, EvaluatorStore, JudgedFeedback, Unjudged};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
@@ -136,6 +138,7 @@ pub trait Store:
     + WebhookStore
     + ControllerStore
     + ExportStore
+    + EvaluatorStore
     + Rollups
     + Retention
     + Send

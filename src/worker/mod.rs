@@ -10,6 +10,7 @@ pub mod breeder;
 pub mod choices;
 pub mod guard;
 mod journal;
+pub mod judge;
 pub mod publish;
 pub mod rater;
 pub mod retention;
@@ -223,6 +224,7 @@ impl Worker {
                 min_traces: d.min_traces,
                 seed: random_seed(),
                 inbound_webhook_id: None,
+                judge_wait: Some(Duration::from_secs(self.settings.judge_wait_secs)),
             };
             match self.store.open_round(&req).await {
                 Ok(Some(r)) => {

@@ -11,6 +11,7 @@ mod authorization;
 mod cli;
 mod cli_client;
 mod durability;
+mod evaluators;
 mod export;
 mod key_revocation;
 mod langfuse;
