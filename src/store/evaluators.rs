@@ -4,7 +4,6 @@
 //! exact as late feedback keeps them.
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -12,7 +11,7 @@ use super::{
     StoreResult,
     backend::{Backend, SqlStore},
     rollups::{self, Counted, Sign},
-    sql::{Cols, corrupt, json, now, sql},
+    sql::{Cols, Param, corrupt, json, now, sql},
     versions::{prompt_id, prompt_name},
 };
 use crate::{
@@ -41,6 +40,14 @@ pub struct JudgedFeedback {
     pub by: String,
 }
 
+/// The evaluators' verdicts on one trace, to save.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JudgedTrace {
+    pub id: Uuid,
+    pub judgements: Vec<Judgement>,
+    pub feedback: Option<JudgedFeedback>,
+}
+
 /// One trace an agent or an operator scored, with what the evaluators said
 /// of it: calibration data.
 #[derive(Debug, Clone)]
@@ -62,16 +69,12 @@ pub trait EvaluatorStore: Send + Sync {
     /// Up to `limit` pending, unquarantined traces of prompts with evaluators
     /// that no evaluator has looked at yet, oldest first.
     async fn unjudged_traces(&self, limit: u32) -> StoreResult<Vec<Unjudged>>;
-    /// Records the evaluators' `judgements` on trace `id` (once: false when it
-    /// was judged already or is gone) and, when `feedback` is given and the
-    /// trace carries no reward yet, writes it as the trace's feedback (source
-    /// `judge`), the rollups taking it in as late feedback does.
-    async fn save_judgement(
-        &self,
-        id: Uuid,
-        judgements: &[Judgement],
-        feedback: Option<&JudgedFeedback>,
-    ) -> StoreResult<bool>;
+    /// Records the evaluators' judgements on each trace of `batch` (once:
+    /// traces judged already or gone are skipped) and, when a judged
+    /// feedback is given and the trace carries no reward yet, writes it as the
+    /// trace's feedback (source `judge`), the rollups taking it in as late
+    /// feedback does. One transaction; how many traces were recorded.
+    async fn save_judgements(&self, batch: &[JudgedTrace]) -> StoreResult<u64>;
     /// The newest `limit` traces of the prompt that were judged and carry a
     /// reward from the agent or an operator.
     async fn calibration_data(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<Calibrating>>;
@@ -131,46 +134,71 @@ impl<D: Backend> EvaluatorStore for SqlStore<D> {
         .await
     }
 
-    async fn save_judgement(
-        &self,
-        id: Uuid,
-        judgements: &[Judgement],
-        feedback: Option<&JudgedFeedback>,
-    ) -> StoreResult<bool> {
+    async fn save_judgements(&self, batch: &[JudgedTrace]) -> StoreResult<u64> {
+        if batch.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<Uuid> = batch.iter().map(|j| j.id).collect();
         let mut tx = self.writer.begin().await?;
-        let text = format!("SELECT feedback, judged_at FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE"));
-        let Some(row) = sql::<D>(&text).bind(id).fetch_optional(&mut tx).await? else { return Ok(false) };
-        let r = Cols::<D>(&row);
-        if r.get::<Option<DateTime<Utc>>>("judged_at")?.is_some() {
-            return Ok(false);
-        }
-        let current: Feedback = serde_json::from_value(r.get("feedback")?).map_err(|_| corrupt("feedback"))?;
-        let list = serde_json::to_value(judgements).map_err(|_| corrupt("judgements"))?;
-        sql::<D>("UPDATE traces SET judged_at = $1, judgements = $2 WHERE id = $3")
-            .bind(now())
-            .bind(json(&list))
-            .bind(id)
-            .execute(&mut tx)
+        // Locked in id order, so concurrent judges never wait on each other in a circle.
+        let text = format!(
+            "SELECT id, feedback FROM traces WHERE {} AND judged_at IS NULL ORDER BY id{}",
+            D::any_of("id", "$1"),
+            D::lock(" FOR UPDATE")
+        );
+        let open: Vec<(Uuid, Feedback)> = sql::<D>(&text)
+            .bind(Param::Ids(Some(&ids)))
+            .map(&mut tx, |row| {
+                let r = Cols::<D>(row);
+                Ok((r.get("id")?, serde_json::from_value(r.get("feedback")?).map_err(|_| corrupt("feedback"))?))
+            })
             .await?;
-        if let Some(j) = feedback.filter(|_| !current.rewarded()) {
-            let critique = (!j.critique.is_empty()).then(|| j.critique.clone());
-            let merged = Feedback { score: Some(j.score), comment: current.comment.clone().or(critique), ..current };
-            let merged = serde_json::to_value(merged).map_err(|_| corrupt("feedback"))?;
-            rollups::account::<D>(&mut tx, &[id], Sign::Retract, Counted::Unquarantined).await?;
-            sql::<D>(
-                "UPDATE traces SET feedback = $1, feedback_source = $2, judged_by = $3, updated_at = $4 WHERE id = $5",
-            )
-            .bind(json(&merged))
-            .bind(FeedbackSource::Judge.column())
-            .bind(j.by.as_str())
-            .bind(now())
-            .bind(id)
-            .execute(&mut tx)
-            .await?;
-            rollups::account::<D>(&mut tx, &[id], Sign::Credit, Counted::Unquarantined).await?;
+        let fills: Vec<(&JudgedTrace, Option<Feedback>)> = open
+            .into_iter()
+            .filter_map(|(id, current)| {
+                let j = batch.iter().find(|j| j.id == id)?;
+                let filled = j.feedback.as_ref().filter(|_| !current.rewarded()).map(|f| Feedback {
+                    score: Some(f.score),
+                    comment: current.comment.clone().or_else(|| (!f.critique.is_empty()).then(|| f.critique.clone())),
+                    ..current
+                });
+                Some((j, filled))
+            })
+            .collect();
+        let filled: Vec<Uuid> = fills.iter().filter(|(_, f)| f.is_some()).map(|(j, _)| j.id).collect();
+        rollups::account::<D>(&mut tx, &filled, Sign::Retract, Counted::Unquarantined).await?;
+        let at = now();
+        for (j, feedback) in &fills {
+            let list = serde_json::to_value(&j.judgements).map_err(|_| corrupt("judgements"))?;
+            match (feedback, &j.feedback) {
+                (Some(feedback), Some(by)) => {
+                    let feedback = serde_json::to_value(feedback).map_err(|_| corrupt("feedback"))?;
+                    sql::<D>(
+                        "UPDATE traces SET judged_at = $1, judgements = $2, feedback = $3, feedback_source = $4,
+                                judged_by = $5, updated_at = $1 WHERE id = $6",
+                    )
+                    .bind(at)
+                    .bind(json(&list))
+                    .bind(json(&feedback))
+                    .bind(FeedbackSource::Judge.column())
+                    .bind(by.by.as_str())
+                    .bind(j.id)
+                    .execute(&mut tx)
+                    .await?;
+                }
+                _ => {
+                    sql::<D>("UPDATE traces SET judged_at = $1, judgements = $2 WHERE id = $3")
+                        .bind(at)
+                        .bind(json(&list))
+                        .bind(j.id)
+                        .execute(&mut tx)
+                        .await?;
+                }
+            }
         }
+        rollups::account::<D>(&mut tx, &filled, Sign::Credit, Counted::Unquarantined).await?;
         tx.commit().await?;
-        Ok(true)
+        Ok(fills.len() as u64)
     }
 
     async fn calibration_data(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<Calibrating>> {

@@ -36,7 +36,7 @@ use tokio::sync::broadcast;
 
 pub use arms::{PopulationStore, RatingSlot};
 pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
-pub use evaluators::{Calibrating, EvaluatorStore, JudgedFeedback, Unjudged};
+pub use evaluators::{Calibrating, EvaluatorStore, JudgedFeedback, JudgedTrace, Unjudged};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};

@@ -18,7 +18,7 @@ use crate::{
     },
     learn::judge,
     llm::{LlmBackend, LlmCall, config::LlmConfig},
-    store::{DynStore, JudgedFeedback, StoreResult, Unjudged},
+    store::{DynStore, JudgedFeedback, JudgedTrace, StoreResult, Unjudged},
 };
 
 /// Traces read per pass.
@@ -66,15 +66,13 @@ impl TraceJudge {
     pub async fn judge_pending(&self) -> StoreResult<usize> {
         let traces = self.store.unjudged_traces(BATCH).await?;
         let n = traces.len();
-        let results: Vec<StoreResult<bool>> =
+        let judged: Vec<JudgedTrace> =
             stream::iter(traces).map(|t| self.judge_one(t)).buffer_unordered(PARALLEL).collect().await;
-        for r in results {
-            r?;
-        }
+        self.store.save_judgements(&judged).await?;
         Ok(n)
     }
 
-    async fn judge_one(&self, t: Unjudged) -> StoreResult<bool> {
+    async fn judge_one(&self, t: Unjudged) -> JudgedTrace {
         let judgements = match evaluators::compile(&t.evaluators) {
             Ok(list) => {
                 let mut out = Vec::with_capacity(list.len());
@@ -91,7 +89,7 @@ impl TraceJudge {
         }
         let feedback =
             evaluators::combine(&judgements).map(|(score, critique, by)| JudgedFeedback { score, critique, by });
-        self.store.save_judgement(t.id, &judgements, feedback.as_ref()).await
+        JudgedTrace { id: t.id, judgements, feedback }
     }
 
     async fn run_one(&self, e: &CompiledEvaluator, t: &Unjudged) -> Judgement {

@@ -276,7 +276,7 @@ async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Opt
         }
         s.worker.poll_interval_ms = 50;
         s.population.tick_secs = 1;
-        s.population.window_secs = 2;
+        s.population.window_secs = 3;
         s.population.crossover_prob = 0.0;
     })
     .await;
@@ -303,7 +303,7 @@ async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Opt
     assert_eq!(app.put("/v1/prompts/w/evaluators", list).send().await.unwrap().status(), 200);
 
     let mut chunk = 0u64;
-    let promoted = eventually("the better version promoted", Duration::from_secs(240), async || {
+    let promoted = eventually("the better version promoted", Duration::from_secs(120), async || {
         chunk += 1;
         let cfg = WorldConfig {
             prompt: "w".into(),
@@ -311,7 +311,7 @@ async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Opt
             tasks_per_type: 10,
             runs: 200,
             window: 200,
-            agents: 8,
+            agents: 4,
             subjects: 1000,
             poison_share: 0.0,
             base_success: 0.3,
@@ -326,13 +326,18 @@ async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Opt
             app.get("/v1/prompts/w/labels/history?label=production").send().await.unwrap().json().await.unwrap();
         let moves = history["moves"].as_array().cloned().unwrap_or_default();
         assert!(moves.iter().all(|m| m["to_version"] != 3), "the worse version is never promoted: {history}");
-        moves.into_iter().find(|m| m["kind"] == "gate-promote").ok_or_else(|| format!("chunk {chunk}: {history}"))
+        let pop: Value = app.get("/v1/prompts/w/population").send().await.unwrap().json().await.unwrap();
+        let metrics: Value = app.get("/v1/prompts/w/metrics").send().await.unwrap().json().await.unwrap();
+        moves
+            .into_iter()
+            .find(|m| m["kind"] == "gate-promote")
+            .ok_or_else(|| format!("chunk {chunk}: {history}\npopulation: {pop}\nmetrics: {metrics}"))
     })
     .await;
     assert_eq!(promoted["to_version"], 2, "{promoted}");
     assert_eq!(promoted["evidence"]["window"]["rewards_used"]["used"], "judged", "{promoted}");
-    // No agent sent feedback: every reward the server holds was judged.
-    let traces: Value = app.get("/v1/traces?prompt=w&page_size=20").send().await.unwrap().json().await.unwrap();
+    // No agent sent feedback: the rewards the server holds were judged.
+    let traces: Value = app.get("/v1/traces?prompt=w&page_size=200").send().await.unwrap().json().await.unwrap();
     let judged = traces["traces"].as_array().unwrap().iter().filter(|t| t["feedback_source"] == "judge").count();
     assert!(judged > 0, "{traces}");
     if let Some(sim) = &sim {
