@@ -4,6 +4,7 @@
 //! stays a few lines.
 
 pub mod client;
+pub mod evaluators;
 pub mod export;
 pub mod prompts;
 pub mod prune;
@@ -96,6 +97,14 @@ pub enum Command {
         #[command(subcommand)]
         command: traces::TracesCommand,
     },
+    /// A prompt's evaluators on a running server: get, set, calibrate.
+    #[command(after_help = EXIT_CODES)]
+    Evaluators {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: evaluators::EvaluatorsCommand,
+    },
     /// Learning rounds on a running server: trigger, list, show.
     #[command(after_help = EXIT_CODES)]
     Rounds {
@@ -147,6 +156,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Rounds { client, command } => {
             let api = client::ApiClient::new(&client)?;
             return Ok(rounds::run(&api, client.json, command).await?);
+        }
+        Command::Evaluators { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(evaluators::run(&api, client.json, command).await?);
         }
         Command::SimWorld { client, world } => return sim_world(&client, world).await,
         other => other,
@@ -203,7 +216,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             crate::simulation::llm::serve_simulator(listener, args.sim, shutdown).await?;
             Ok(())
         }
-        Command::Prompts { .. } | Command::Traces { .. } | Command::Rounds { .. } | Command::SimWorld { .. } => {
+        Command::Prompts { .. }
+        | Command::Traces { .. }
+        | Command::Rounds { .. }
+        | Command::Evaluators { .. }
+        | Command::SimWorld { .. } => {
             unreachable!("client commands return above")
         }
     }

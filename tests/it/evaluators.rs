@@ -378,7 +378,59 @@ async fn calibration_compares_the_evaluators_with_reported_rewards(b: Backend) {
     expect_problem(app.get("/v1/prompts/nope/evaluators/calibration").send().await.unwrap(), 404).await;
 }
 
+/// An operator labels a judged trace on its web page (a form with the CSRF
+/// token): the label replaces the judged reward as human feedback and counts
+/// for calibration; the prompt's page shows its evaluators.
+async fn an_operator_labels_a_judged_trace_in_the_web_ui(b: Backend) {
+    use crate::ui_browser::{hidden, plain_client, set_cookie, sign_in};
+    let app = spawn_app_with(b, |s| s.server.role = combee::config::Role::All).await;
+    app.create_prompt("u").await;
+    let list = json!({"evaluators": solved_check()});
+    assert_eq!(app.put("/v1/prompts/u/evaluators", list).send().await.unwrap().status(), 200);
+    let res = app.post("/v1/traces", json!({"prompt": "u", "input": "q", "output": "not solved"})).send().await;
+    let id = res.unwrap().json::<Value>().await.unwrap()["ids"][0].as_str().unwrap().to_owned();
+    eventually("judged", Duration::from_secs(20), async || {
+        let t: Value = app.get(&format!("/v1/traces/{id}")).send().await.unwrap().json().await.unwrap();
+        if t["feedback_source"] == "judge" { Ok(()) } else { Err(t.to_string()) }
+    })
+    .await;
+    let session = set_cookie(&sign_in(&app, &app.admin_key).await, "combee_session").unwrap();
+    let http = plain_client();
+    let cookie = format!("combee_session={session}");
+    let page = http.get(app.url(&format!("/ui/traces/{id}"))).header("cookie", &cookie).send().await.unwrap();
+    let page = page.text().await.unwrap();
+    assert!(
+        page.contains("judged by the prompt&#39;s evaluators") || page.contains("judged by the prompt's evaluators")
+    );
+    assert!(page.contains(r#"id="judgements""#) && page.contains("the reply must match"), "{page}");
+    let csrf = hidden(&page, "csrf");
+    let label = |fields: Vec<(&'static str, String)>| {
+        http.post(app.url(&format!("/ui/traces/{id}/label"))).header("cookie", &cookie).form(&fields).send()
+    };
+    let fields = vec![("score", "0.8".to_owned()), ("comment", "fine by me".to_owned())];
+    assert_eq!(label(fields.clone()).await.unwrap().status(), 403, "no CSRF token, no label");
+    let mut bad = vec![("score", "2".to_owned()), ("csrf", csrf.clone())];
+    assert_eq!(label(bad.clone()).await.unwrap().status(), 422);
+    bad[0].1 = "high".into();
+    assert_eq!(label(bad).await.unwrap().status(), 400);
+    let mut good = fields;
+    good.push(("csrf", csrf));
+    let res = label(good).await.unwrap();
+    assert_eq!(res.status(), 303);
+    assert!(res.headers()["location"].to_str().unwrap().ends_with("notice=labelled"));
+    let t: Value = app.get(&format!("/v1/traces/{id}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(t["feedback_source"], "human");
+    assert_eq!((t["feedback"]["score"].as_f64(), t["feedback"]["comment"].as_str()), (Some(0.8), Some("fine by me")));
+    // The label is calibration data: the operator passed what the check failed.
+    let cal: Value = app.get("/v1/prompts/u/evaluators/calibration").send().await.unwrap().json().await.unwrap();
+    assert_eq!((cal["traces"].as_u64(), cal["evaluators"][0]["accuracy"].as_f64()), (Some(1), Some(0.0)), "{cal}");
+    let page = http.get(app.url("/ui/prompts/u")).header("cookie", &cookie).send().await.unwrap();
+    let page = page.text().await.unwrap();
+    assert!(page.contains(r#"id="evaluator-solved""#), "{page}");
+}
+
 on_both_stores!(
+    an_operator_labels_a_judged_trace_in_the_web_ui,
     the_list_is_validated_at_the_edge_stored_and_shown,
     judged_feedback_never_overrides_the_agent_and_late_feedback_replaces_it,
     rounds_wait_for_judgement_within_a_limit,
