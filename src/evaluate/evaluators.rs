@@ -303,7 +303,7 @@ mod tests {
         assert_eq!(j.score, Some(0.5));
         assert!(j.critique.as_deref().unwrap().contains("at most 20"));
         let ok = run_checks(&list[0], &json!("ANSWER: 4"), &json!({})).unwrap();
-        assert_eq!((ok.score, ok.critique), (Some(1.0), None));
+        assert_eq!((ok.score, ok.critique.as_deref()), (Some(1.0), None));
         let (score, critique, by) = combine(&[j, ok, Judgement::failed("judge", "timeout")]).unwrap();
         assert_eq!(score, 0.75);
         assert!(critique.starts_with("fmt: the reply must be at most 20"));

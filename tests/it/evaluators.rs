@@ -149,8 +149,7 @@ async fn judged_feedback_never_overrides_the_agent_and_late_feedback_replaces_it
     let outcomes = |s: DynStore| async move {
         let now = chrono::Utc::now();
         let b = s.version_outcomes(&name("p"), now - chrono::Duration::hours(1), now, 7200, None).await.unwrap();
-        let total = b.iter().fold((0, 0, 0.0), |(w, j, sum), b| (w + b.with_feedback, j + b.judged, sum + b.score.sum));
-        total
+        b.iter().fold((0, 0, 0.0), |(w, j, sum), b| (w + b.with_feedback, j + b.judged, sum + b.score.sum))
     };
     assert_eq!(outcomes(s.clone()).await, (3, 2, 1.0), "three rewarded, two by the judge (scores 0 and 1)");
     // Late agent feedback replaces the judged reward whole.

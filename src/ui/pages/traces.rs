@@ -242,7 +242,7 @@ pub async fn trace(
         section("Input", &t.input),
         section("Trajectory", &t.trajectory),
         section("Output", &t.output),
-        format!("{}{}{}", section(feedback_title(t.feedback_source), &feedback), judgements(&t), label_form(&op, &t)),
+        section(feedback_title(t.feedback_source), &feedback) + &judgements(&t) + &label_form(&op, &t),
         t.reflection.as_ref().map_or_else(String::new, |r| section("Agent's reflection", r)),
         section("Metadata", &t.metadata),
     );

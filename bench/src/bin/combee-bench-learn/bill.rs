@@ -49,7 +49,8 @@ impl Bill {
         for c in calls {
             match c.role {
                 LlmRole::Reflector => self.reflector.add(c),
-                LlmRole::Aggregator => self.aggregator.add(c),
+                // Rounds make no judge calls; a judge's would be the aggregator model's.
+                LlmRole::Aggregator | LlmRole::Judge => self.aggregator.add(c),
             }
         }
     }
