@@ -1826,6 +1826,12 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     undo.extend(
         ["failure_streak", "last_failed_at", "last_failure"].map(|c| format!("ALTER TABLE prompts DROP COLUMN {c}")),
     );
+    // 0038 too (its rollup column went with the table above).
+    undo.extend(["DROP INDEX traces_unjudged".to_owned(), "DROP TABLE prompt_evaluators".to_owned()]);
+    undo.extend(
+        ["judged_at", "judgements", "feedback_source", "judged_by"]
+            .map(|c| format!("ALTER TABLE traces DROP COLUMN {c}")),
+    );
     undo.extend(old_bookkeeping(b, None));
     run_raw(b, &ts.url, &undo).await;
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");
