@@ -30,15 +30,19 @@ pub enum Evaluator {
     /// the failed checks' critiques.
     Checks {
         /// `[a-z0-9][a-z0-9._-]{0,63}`, unique within the prompt.
+        #[schema(pattern = r"^[a-z0-9][a-z0-9._-]{0,63}$")]
         name: String,
+        #[schema(min_items = 1, max_items = 32)]
         checks: Vec<Check>,
     },
     /// An LLM judge: the configured model reads the rubric, the input and the
     /// reply and answers a score in [0, 1] and a critique.
     Judge {
         /// `[a-z0-9][a-z0-9._-]{0,63}`, unique within the prompt.
+        #[schema(pattern = r"^[a-z0-9][a-z0-9._-]{0,63}$")]
         name: String,
-        /// What a good reply is, in the operator's words.
+        /// What a good reply is, in the operator's words (at most 8,192 bytes).
+        #[schema(min_length = 1, max_length = 2048, pattern = r"\S")]
         rubric: String,
     },
 }
