@@ -21,7 +21,7 @@ use crate::{
     service::AppState,
     store::{self, Change, DynStore, Expiring},
     ui,
-    worker::{Worker, guard::RegressionGuard, rater::PopulationRater, retention::Pruner},
+    worker::{Worker, guard::RegressionGuard, judge::TraceJudge, rater::PopulationRater, retention::Pruner},
 };
 
 /// The API with the web UI at `/ui`, both behind the API's middleware.
@@ -57,6 +57,8 @@ pub struct Application {
     rater: Option<PopulationRater>,
     /// Retention and rollup upkeep, wherever the learning worker may run.
     pruner: Option<Pruner>,
+    /// Scores traces of prompts with evaluators, wherever the learning worker may run.
+    judge: Option<TraceJudge>,
     shutdown: CancellationToken,
 }
 
@@ -146,6 +148,15 @@ impl Application {
         };
         // Crossover needs the worker's LLM and its content denylist.
         let breeder = worker.as_ref().map(|w| w.llm_parts());
+        // The judge runs its code checks without an LLM; its LLM judges use the worker's.
+        let judge = match settings.server.role {
+            Role::Api => None,
+            Role::All | Role::Worker => Some(TraceJudge::new(
+                store.clone(),
+                breeder.as_ref().map(|(backend, llm, _)| (backend.clone(), llm.clone())),
+                Duration::from_millis(settings.worker.poll_interval_ms),
+            )),
+        };
         // Webhook deliveries go out from wherever the learning worker runs.
         let deliverer = match settings.server.role {
             Role::Api => None,
@@ -179,7 +190,7 @@ impl Application {
             }
             Role::Api => None,
         };
-        Ok(Self { listener, state, worker, deliverer, guard, rater, pruner, shutdown: CancellationToken::new() })
+        Ok(Self { listener, state, worker, deliverer, guard, rater, pruner, judge, shutdown: CancellationToken::new() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -196,13 +207,14 @@ impl Application {
     }
 
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        let Application { listener, state, worker, deliverer, guard, rater, pruner, shutdown } = self;
+        let Application { listener, state, worker, deliverer, guard, rater, pruner, judge, shutdown } = self;
         let compactor = pruner
             .is_some()
             .then(|| tokio::spawn(crate::worker::rollups::compact_forever(state.store.clone(), shutdown.clone())));
         let pruner = pruner.map(|p| tokio::spawn(p.run(shutdown.clone())));
         let guard = guard.map(|g| tokio::spawn(g.run(shutdown.clone())));
         let rater = rater.map(|r| tokio::spawn(r.run(shutdown.clone())));
+        let judge = judge.map(|j| tokio::spawn(j.run(shutdown.clone())));
         let invalidator = tokio::spawn(forward_changes(state.clone(), shutdown.clone()));
         let key_watch = tokio::spawn(state.keys.clone().watch(shutdown.clone()));
         let worker = worker.map(|w| tokio::spawn(w.run(shutdown.clone())));
@@ -240,7 +252,7 @@ impl Application {
         invalidator.abort();
         key_watch.abort();
         housekeeping.abort();
-        for task in [compactor, pruner].into_iter().flatten() {
+        for task in [compactor, pruner, judge].into_iter().flatten() {
             let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
         }
         if let Some(w) = worker {

@@ -82,6 +82,15 @@ pub struct WorkerSettings {
     /// The same with regular expressions (Rust `regex` syntax, case-insensitive).
     #[serde(default)]
     pub denylist_patterns: Vec<String>,
+    /// A prompt with evaluators: its rounds leave out pending traces the
+    /// evaluators have not judged yet, up to this many seconds after they
+    /// arrived (a broken judge delays learning, never stops it).
+    #[serde(default = "default_judge_wait_secs")]
+    pub judge_wait_secs: u64,
+}
+
+fn default_judge_wait_secs() -> u64 {
+    60
 }
 
 fn default_failure_backoff_secs() -> u64 {
@@ -507,6 +516,7 @@ impl Default for Settings {
                 failure_backoff_max_secs: default_failure_backoff_max_secs(),
                 denylist_substrings: Vec::new(),
                 denylist_patterns: Vec::new(),
+                judge_wait_secs: default_judge_wait_secs(),
             },
             controller: Default::default(),
             webhooks: WebhookSettings {

@@ -5,6 +5,7 @@
 
 pub mod audit;
 pub mod client;
+pub mod evaluators;
 pub mod export;
 pub mod prompts;
 pub mod prune;
@@ -117,6 +118,14 @@ pub enum Command {
         #[command(subcommand)]
         command: regression::RegressionCommand,
     },
+    /// A prompt's evaluators on a running server: get, set, calibrate.
+    #[command(after_help = EXIT_CODES)]
+    Evaluators {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: evaluators::EvaluatorsCommand,
+    },
     /// Learning rounds on a running server: trigger, list, show.
     #[command(after_help = EXIT_CODES)]
     Rounds {
@@ -176,6 +185,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Audit { client, args } => {
             let api = client::ApiClient::new(&client)?;
             return Ok(audit::run(&api, client.json, args).await?);
+        }
+        Command::Evaluators { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(evaluators::run(&api, client.json, command).await?);
         }
         Command::SimWorld { client, world } => return sim_world(&client, world).await,
         other => other,
@@ -237,6 +250,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         | Command::Rounds { .. }
         | Command::Audit { .. }
         | Command::Regression { .. }
+        | Command::Evaluators { .. }
         | Command::SimWorld { .. } => {
             unreachable!("client commands return above")
         }

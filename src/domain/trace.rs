@@ -62,6 +62,11 @@ pub struct Feedback {
 }
 
 impl Feedback {
+    /// Whether the feedback carries a reward (a success flag or a score).
+    pub fn rewarded(&self) -> bool {
+        self.success.is_some() || self.score.is_some()
+    }
+
     /// Late feedback: fields present in `later` replace the earlier ones.
     pub fn merged(self, later: Feedback) -> Feedback {
         Feedback {
@@ -281,8 +286,56 @@ pub struct Trace {
     /// The operator's reason for the quarantine.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quarantine_reason: Option<String>,
+    /// Who wrote `feedback`: absent for the agent (reported), `judge` (the
+    /// prompt's evaluators, named in `judged.by`) or `human` (an operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feedback_source: Option<FeedbackSource>,
+    /// What the prompt's evaluators made of the trace, once they looked at it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judged: Option<Judged>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+/// Who wrote a trace's feedback, when not the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum FeedbackSource {
+    /// The agent (reported); stored as no source at all.
+    Agent,
+    /// The prompt's evaluators, on a trace the agent did not score.
+    Judge,
+    /// An operator's label: wins over a judge, counts as calibration data.
+    Human,
+}
+
+impl FeedbackSource {
+    /// The stored column: NULL for the agent.
+    pub fn column(self) -> Option<&'static str> {
+        match self {
+            Self::Agent => None,
+            Self::Judge => Some("judge"),
+            Self::Human => Some("human"),
+        }
+    }
+    pub fn from_column(s: Option<&str>) -> Self {
+        match s {
+            Some("judge") => Self::Judge,
+            Some("human") => Self::Human,
+            _ => Self::Agent,
+        }
+    }
+}
+
+/// The evaluators' verdicts on one trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Judged {
+    pub at: DateTime<Utc>,
+    /// The evaluators whose scores make the judged feedback, when it is the
+    /// trace's feedback (comma-separated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    pub judgements: Vec<crate::evaluate::evaluators::Judgement>,
 }
 
 impl Trace {
@@ -308,6 +361,8 @@ impl Trace {
             round_id: None,
             quarantined_at: None,
             quarantine_reason: None,
+            feedback_source: None,
+            judged: None,
             created_at: now,
             updated_at: now,
         }

@@ -10,7 +10,7 @@
 use serde::Serialize;
 
 use super::{
-    outcomes::OutcomeBucket,
+    outcomes::{OutcomeBucket, RewardSources},
     stats::{Moments, drop_z, normal_cdf},
 };
 
@@ -28,6 +28,8 @@ pub struct WindowRewards {
     pub success_trials: u64,
     pub successes: u64,
     pub score: Moments,
+    /// Which rewards these are: reported by agents and operators, or judged.
+    pub sources: RewardSources,
 }
 
 impl WindowRewards {
@@ -37,6 +39,10 @@ impl WindowRewards {
             success_trials: acc.success_trials + b.success_trials,
             successes: acc.successes + b.successes,
             score: acc.score.combined(&b.score),
+            sources: RewardSources {
+                reported: acc.sources.reported + b.with_feedback.saturating_sub(b.judged),
+                judged: acc.sources.judged + b.judged,
+            },
         })
     }
 }
@@ -111,7 +117,7 @@ mod tests {
     const T: GuardThresholds = GuardThresholds { alpha: 0.01, min_drop: 0.05, min_traces: 50 };
 
     fn rate(successes: u64, trials: u64) -> WindowRewards {
-        WindowRewards { success_trials: trials, successes, score: Moments::default() }
+        WindowRewards { success_trials: trials, successes, ..Default::default() }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 pub mod assign;
 pub mod checks;
+pub mod evaluators;
 pub mod guard;
 pub mod outcomes;
 pub mod population;

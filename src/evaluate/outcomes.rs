@@ -117,6 +117,9 @@ pub struct OutcomeBucket {
     /// Traces with `feedback.success` set, and how many of them are `true`.
     pub success_trials: u64,
     pub successes: u64,
+    /// Of `with_feedback`, the traces whose reward the prompt's evaluators
+    /// gave (no reward reported by the agent or an operator).
+    pub judged: u64,
     pub score: Moments,
     pub tokens: Moments,
     pub cost_usd: Moments,
@@ -127,6 +130,38 @@ impl Moments {
     /// Sum of two aggregates over disjoint sets.
     pub fn combined(&self, other: &Moments) -> Moments {
         Moments { count: self.count + other.count, sum: self.sum + other.sum, sum_sq: self.sum_sq + other.sum_sq }
+    }
+}
+
+/// Which rewards a decision was made on: those agents and operators
+/// reported, those the prompt's evaluators judged, or both.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, ToSchema)]
+pub struct RewardSources {
+    pub reported: u64,
+    pub judged: u64,
+}
+
+impl RewardSources {
+    /// The rewarded traces of `versions` (all, when `None`) in `buckets`.
+    pub fn of(buckets: &[OutcomeBucket], versions: Option<&[i64]>) -> Self {
+        let mine = buckets.iter().filter(|b| versions.is_none_or(|v| b.version.is_some_and(|x| v.contains(&x))));
+        let (rewarded, judged) = mine.fold((0, 0), |(r, j), b| (r + b.with_feedback, j + b.judged));
+        Self { reported: rewarded.saturating_sub(judged), judged }
+    }
+
+    /// `reported`, `judged`, `both` or `none`.
+    pub fn used(&self) -> &'static str {
+        match (self.reported > 0, self.judged > 0) {
+            (true, true) => "both",
+            (true, false) => "reported",
+            (false, true) => "judged",
+            (false, false) => "none",
+        }
+    }
+
+    /// As label-history evidence shows it.
+    pub fn evidence(&self) -> serde_json::Value {
+        serde_json::json!({"used": self.used(), "reported": self.reported, "judged": self.judged})
     }
 }
 
@@ -150,6 +185,8 @@ pub struct VersionOutcomes {
     pub labels: Vec<String>,
     pub traces: u64,
     pub with_feedback: u64,
+    /// Of `with_feedback`, rewards the prompt's evaluators gave (judged).
+    pub judged: u64,
     /// Share of `feedback.success == true` with a 95% Wilson interval.
     pub success: Option<Rate>,
     /// Mean `feedback.score` with a 95% Student-t interval.
@@ -180,6 +217,7 @@ pub fn summarize(buckets: &[OutcomeBucket], labels_of: impl Fn(i64) -> Vec<Strin
                 with_feedback: acc.with_feedback + b.with_feedback,
                 success_trials: acc.success_trials + b.success_trials,
                 successes: acc.successes + b.successes,
+                judged: acc.judged + b.judged,
                 score: acc.score.combined(&b.score),
                 tokens: acc.tokens.combined(&b.tokens),
                 cost_usd: acc.cost_usd.combined(&b.cost_usd),
@@ -190,6 +228,7 @@ pub fn summarize(buckets: &[OutcomeBucket], labels_of: impl Fn(i64) -> Vec<Strin
                 labels: version.map(&labels_of).unwrap_or_default(),
                 traces: total.traces,
                 with_feedback: total.with_feedback,
+                judged: total.judged,
                 success: wilson(total.successes, total.success_trials),
                 score: mean_interval(&total.score),
                 tokens: mean_interval(&total.tokens),

@@ -15,7 +15,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use super::{
-    outcomes::OutcomeBucket,
+    outcomes::{OutcomeBucket, RewardSources},
     population::{Arm, GateDecision, PopulationPolicy, gate},
     trueskill::{TrueSkill, ranks_from_rewards},
 };
@@ -89,6 +89,8 @@ pub struct Plan {
     /// The ranked arms' versions, in the order given.
     pub ranked: Vec<i64>,
     pub basis: Basis,
+    /// Which rewards the ranked arms' were: reported, judged or both.
+    pub rewards: RewardSources,
     pub gate: GateDecision,
     pub promotion: Option<Promotion>,
 }
@@ -176,14 +178,17 @@ pub fn rate(w: &Window<'_>, trueskill: &TrueSkill) -> Result<Plan, ChampionNotLi
     }
     let champion = arms.iter().find(|a| a.version == w.champion).copied().ok_or(ChampionNotLive)?;
     let decision = gate(&champion, &arms, w.policy, w.windows_since_move);
+    let ranked_versions: Vec<i64> = ranked.iter().map(|(i, _, _)| arms[*i].version).collect();
+    let sources = RewardSources::of(w.buckets, Some(&ranked_versions));
     let promotion = match decision {
-        GateDecision::Promote { .. } => Some(promotion(w, &arms, &ranked, basis, &decision)),
+        GateDecision::Promote { .. } => Some(promotion(w, &arms, &ranked, (basis, sources), &decision)),
         _ => None,
     };
     Ok(Plan {
         ranked: ranked.iter().map(|(i, _, _)| arms[*i].version).collect(),
         arms,
         basis,
+        rewards: sources,
         gate: decision,
         promotion,
     })
@@ -194,7 +199,7 @@ fn promotion(
     w: &Window<'_>,
     arms: &[Arm],
     ranked: &[(usize, u64, f64)],
-    basis: Basis,
+    (basis, sources): (Basis, RewardSources),
     decision: &GateDecision,
 ) -> Promotion {
     let GateDecision::Promote {
@@ -224,7 +229,8 @@ fn promotion(
         "margin": margin,
         "cooldown_windows": w.policy.cooldown_windows,
         "windows_since_last_move": w.windows_since_move,
-        "window": {"from": w.from, "until": w.until, "basis": basis, "rewards": rewards},
+        "window": {"from": w.from, "until": w.until, "basis": basis, "rewards": rewards,
+                   "rewards_used": sources.evidence()},
     });
     Promotion { from: champion, to: challenger, reason, evidence }
 }

@@ -8,6 +8,7 @@ pub mod audit;
 pub mod budget;
 pub mod controller;
 pub mod error;
+pub mod evaluators;
 pub mod export;
 pub mod extract;
 pub mod keys;
@@ -55,6 +56,8 @@ pub fn routes() -> RouteTable {
         .route("/v1/prompts/{name}", get(prompts::get_prompt))
         .route("/v1/prompts/{name}/population", get(prompts::get_population))
         .route("/v1/prompts/{name}/settings", axum::routing::patch(settings::update_settings))
+        .route("/v1/prompts/{name}/evaluators", get(evaluators::get_evaluators).put(evaluators::put_evaluators))
+        .route("/v1/prompts/{name}/evaluators/calibration", get(evaluators::get_calibration))
         .route("/v1/prompts/{name}/versions", post(versions::create_version).get(versions::list_versions))
         .route("/v1/prompts/{name}/versions/{number}", get(versions::get_version))
         .route("/v1/prompts/{name}/versions/{number}/gate", get(regression::get_version_gate))

@@ -316,6 +316,7 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
     set("PromptSettings", "max_chars", &merge(json!({"minimum": 0, "maximum": MAX_CHARS})));
     set("PromptSettings", "max_removal_share", &merge(json!({"minimum": 0, "maximum": 1})));
     set("PromptSettings", "pinned_bullets", &merge(json!({"maxItems": 1000})));
+    set("EvaluatorList", "evaluators", &merge(json!({"maxItems": crate::evaluate::evaluators::MAX_EVALUATORS})));
     // Playbook::normalized's rules.
     set("Playbook", "sections", &merge(json!({"uniqueItems": true})));
     set("Section", "name", &merge(json!({"maxLength": 64, "pattern": "^[^\\n]*\\S[^\\n]*$"})));
@@ -406,6 +407,7 @@ impl utoipa::Modify for BearerAuth {
         super::ops::healthz, super::ops::readyz, super::ops::metrics,
         super::prompts::create_prompt, super::prompts::list_prompts, super::prompts::get_prompt,
         super::settings::update_settings,
+        super::evaluators::get_evaluators, super::evaluators::put_evaluators, super::evaluators::get_calibration,
         super::versions::create_version, super::versions::list_versions, super::versions::get_version,
         super::versions::diff_versions, super::labels::list_labels, super::labels::move_label,
         super::labels::delete_label, super::labels::rollback, super::label_history::label_history, super::prompts::get_population,

@@ -23,6 +23,7 @@
 pub mod capacity;
 pub mod crossover;
 pub mod denylist;
+pub mod judge;
 pub mod merge;
 pub mod prompts;
 pub mod round;

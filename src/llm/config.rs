@@ -195,7 +195,7 @@ impl LlmConfig {
     pub fn request(&self, role: super::LlmRole, messages: Vec<super::ChatMessage>, json: bool) -> super::ChatRequest {
         let model = match role {
             super::LlmRole::Reflector => &self.reflector_model,
-            super::LlmRole::Aggregator => &self.aggregator_model,
+            super::LlmRole::Aggregator | super::LlmRole::Judge => &self.aggregator_model,
             super::LlmRole::Gate if !self.gate_model.trim().is_empty() => &self.gate_model,
             super::LlmRole::Gate => &self.aggregator_model,
         };
@@ -215,7 +215,7 @@ impl LlmConfig {
     pub fn max_tokens_for(&self, role: super::LlmRole) -> u32 {
         let per_role = match role {
             super::LlmRole::Reflector => self.reflector_max_tokens,
-            super::LlmRole::Aggregator | super::LlmRole::Gate => self.aggregator_max_tokens,
+            super::LlmRole::Aggregator | super::LlmRole::Gate | super::LlmRole::Judge => self.aggregator_max_tokens,
         };
         per_role.min(self.max_tokens)
     }

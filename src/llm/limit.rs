@@ -84,6 +84,7 @@ fn role_index(role: LlmRole) -> usize {
         LlmRole::Reflector => 0,
         LlmRole::Aggregator => 1,
         LlmRole::Gate => 2,
+        LlmRole::Judge => 2,
     }
 }
 

@@ -49,6 +49,7 @@ impl CallTag {
             LlmRole::Reflector => "reflection",
             LlmRole::Aggregator => "aggregation",
             LlmRole::Gate => "gate",
+            LlmRole::Judge => "judge",
         })
     }
 

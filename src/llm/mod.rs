@@ -159,6 +159,8 @@ pub enum LlmRole {
     Aggregator,
     /// A regression gate running a version on a case: the version is the system prompt.
     Gate,
+    /// A prompt's LLM judge scoring a trace no one scored (the aggregator's model).
+    Judge,
 }
 
 /// The record a round keeps of every LLM call, failed ones included.

@@ -9,6 +9,7 @@ pub mod audit;
 pub mod budget;
 pub mod controller;
 mod error;
+pub mod evaluators;
 pub mod export;
 pub mod gate;
 pub mod keys;

@@ -86,6 +86,7 @@ async fn round_request(
         min_traces: 1,
         seed: random_seed(),
         inbound_webhook_id,
+        judge_wait: None,
     })
 }
 

@@ -14,7 +14,9 @@ use crate::{
     domain::{
         Feedback, PromptName, Trace,
         span::OtlpMerge,
-        trace::{IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
+        trace::{
+            FeedbackSource, IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceLimits, ValidTrace,
+        },
     },
     otlp::{
         Signal,
@@ -198,6 +200,29 @@ pub async fn list_traces(st: &AppState, filter: &TraceFilter, limit: u32) -> Ser
 pub async fn get_trace(st: &AppState, id: Uuid) -> ServiceResult<Trace> {
     st.store.get_trace(id).await?.ok_or_else(|| ServiceError::not_found(format_args!("trace {id}")))
 }
+
+/// An operator's label on a trace: a score in [0, 1] and an optional
+/// comment, stored as human feedback (it replaces a judged reward, and
+/// calibration counts it).
+pub async fn label_trace(st: &AppState, id: Uuid, score: f64, comment: Option<String>) -> ServiceResult<Trace> {
+    if !(0.0..=1.0).contains(&score) {
+        return Err(ServiceError::Unprocessable("the score must be a number from 0 to 1".into()));
+    }
+    let comment = comment.map(|c| c.trim().to_owned()).filter(|c| !c.is_empty());
+    if comment.as_ref().is_some_and(|c| c.chars().count() > MAX_LABEL_COMMENT_CHARS) {
+        return Err(ServiceError::PayloadTooLarge(format!(
+            "the comment is longer than {MAX_LABEL_COMMENT_CHARS} characters"
+        )));
+    }
+    let feedback = Feedback { score: Some(score), comment, ..Default::default() };
+    st.store
+        .add_feedback_from(id, feedback, FeedbackSource::Human)
+        .await?
+        .ok_or_else(|| ServiceError::not_found(format_args!("trace {id}")))
+}
+
+/// Longest comment of an operator's label, in characters.
+pub const MAX_LABEL_COMMENT_CHARS: usize = 2_000;
 
 /// Attaches late feedback: the fields given replace the earlier ones.
 pub async fn add_feedback(st: &AppState, id: Uuid, feedback: Feedback) -> ServiceResult<Trace> {

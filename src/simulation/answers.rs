@@ -178,6 +178,38 @@ pub(super) fn is_crossover(req: &SimRequest) -> bool {
         .any(|l| l.strip_prefix("combee-task:").is_some_and(|t| t.trim() == CROSSOVER_TASK))
 }
 
+/// The `combee-task:` name of the judge template (not one of the round's [`Task`]s).
+pub(super) const JUDGE_TASK: &str = "judge";
+
+pub(super) fn is_judge(req: &SimRequest) -> bool {
+    req.messages
+        .iter()
+        .filter(|m| m.role == "system")
+        .flat_map(|m| m.content.lines())
+        .any(|l| l.strip_prefix("combee-task:").is_some_and(|t| t.trim() == JUDGE_TASK))
+}
+
+/// The simulated judge's answer (see `SimConfig::judge_accuracy`): the
+/// reply is the text after "The agent's reply:" in the fenced trace; the
+/// right verdict is whether it equals one of the rubric's quoted texts; the
+/// verdict given is right with probability `judge_accuracy`, drawn from the
+/// request's content.
+pub(super) fn judge_answer(cfg: &SimConfig, system: &str, user: &str) -> serde_json::Value {
+    let rubric = fenced(system, "rubric").map_or("", |(_, body)| body);
+    let wanted: Vec<&str> = rubric.split('"').skip(1).step_by(2).filter(|q| !q.is_empty()).collect();
+    let body = fenced(user, "untrusted-trace-data").map_or("", |(_, body)| body);
+    let reply = body.split_once("The agent's reply:").map_or("", |(_, r)| r).trim();
+    let right = wanted.contains(&reply);
+    let correct = unit(&[b"judge", &cfg.seed.to_le_bytes(), user.as_bytes()]) < cfg.judge_accuracy;
+    let pass = right == correct;
+    let critique = if pass {
+        String::new()
+    } else {
+        format!("simulated judge: the reply should have been {}", wanted.first().map_or("different", |w| w))
+    };
+    serde_json::json!({"score": if pass { 1.0 } else { 0.0 }, "critique": critique})
+}
+
 /// The crossover answer: import each winner bullet whose insight the champion
 /// lacks (the first bullet per insight), drop nothing.
 pub(super) fn crossover_selection(user: &str, present: &HashSet<String>) -> serde_json::Value {
@@ -370,6 +402,10 @@ pub(super) fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String
     let task = task_of(req);
     if task.is_none() && is_crossover(req) {
         return (None, crossover_selection(user, &present).to_string());
+    }
+    if task.is_none() && is_judge(req) {
+        let system = req.messages.iter().find(|m| m.role == "system").map_or("", |m| m.content.as_str());
+        return (None, judge_answer(cfg, system, user).to_string());
     }
     // Citation and level-2 faults of a model that does not follow every instruction,
     // drawn from the request's content (a corrective retry draws the same).

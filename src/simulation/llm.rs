@@ -86,7 +86,9 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::answers::{CROSSOVER_TASK, SimRequest, answer, hash_u64, is_crossover, shape_answer, unit};
+use super::answers::{
+    CROSSOVER_TASK, JUDGE_TASK, SimRequest, answer, hash_u64, is_crossover, is_judge, shape_answer, unit,
+};
 pub use super::answers::{capacity, combine_capacity, latency_ms, simulated_answer};
 pub use super::model::{CapacityModel, SimConfig, expected_kept};
 use crate::learn::prompts::task::Task;
@@ -243,7 +245,16 @@ async fn chat(State(sim): State<Arc<Sim>>, body: Bytes) -> Response {
     let fault = draw_fault(cfg, n);
     sim.record(|s| {
         s.requests += 1;
-        let name = task.map_or(if is_crossover(&req) { CROSSOVER_TASK } else { "other" }, Task::as_str);
+        let name = task.map_or(
+            if is_crossover(&req) {
+                CROSSOVER_TASK
+            } else if is_judge(&req) {
+                JUDGE_TASK
+            } else {
+                "other"
+            },
+            Task::as_str,
+        );
         *s.calls.entry(name.to_owned()).or_default() += 1;
         for shape in &shapes {
             *s.shapes.entry((*shape).to_owned()).or_default() += 1;
@@ -521,6 +532,7 @@ pub(crate) mod tests {
             rate_wrong_sources: 0.11,
             rate_unreadable_level2: 0.12,
             agent_lapse_rate: 0.13,
+            judge_accuracy: 0.9,
         };
         assert_eq!(cli.args.sim, want);
         assert_eq!(serde_json::from_str::<SimConfig>("{}").unwrap(), SimConfig::default());

@@ -114,6 +114,13 @@ pub struct SimConfig {
     /// share of lessons it overlooks instead, drawn per lesson and conversation. [simulation]
     #[arg(long, default_value_t = 0.0)]
     pub agent_lapse_rate: f64,
+    /// The simulated LLM judge's accuracy: the probability that its verdict on
+    /// a reply is right (drawn per request from its content). Right means: the
+    /// reply passes when, trimmed, it equals one of the double-quoted texts of
+    /// the rubric (score 1, no critique), and fails otherwise (score 0, a
+    /// critique naming what it should have been). [simulation]
+    #[arg(long, default_value_t = 0.9)]
+    pub judge_accuracy: f64,
 }
 
 impl Default for SimConfig {
@@ -141,6 +148,7 @@ impl Default for SimConfig {
             rate_wrong_sources: 0.0,
             rate_unreadable_level2: 0.0,
             agent_lapse_rate: 0.0,
+            judge_accuracy: 0.9,
         }
     }
 }

@@ -73,6 +73,12 @@ pub struct WorldConfig {
     /// Seed of every random choice (tasks, outcomes, poison).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Agents send no feedback at all (no reward, no comment), as most
+    /// production agents do: rewards then come only from the prompt's
+    /// evaluators, which can check the reply (`solved` when the run
+    /// succeeded, `not solved` otherwise).
+    #[arg(long)]
+    pub no_feedback: bool,
 }
 
 impl WorldConfig {
@@ -242,7 +248,11 @@ impl World {
             "input": {"task": format!("task {task} of type {task_type}")},
             "trajectory": [{"step": "answer", "task_type": task_type}],
             "output": if success { "solved" } else { "not solved" },
-            "feedback": {"success": success, "score": if success { 1.0 } else { 0.0 }, "comment": comment},
+            "feedback": if cfg.no_feedback {
+                json!({})
+            } else {
+                json!({"success": success, "score": if success { 1.0 } else { 0.0 }, "comment": comment})
+            },
             "metadata": {"task_key": format!("t{task_type}-{task}"), "world": "simulation", "subject": subject},
         });
         let res = self
@@ -362,6 +372,7 @@ mod tests {
             harm_drop: 0.4,
             settle_secs: 0.0,
             seed: 1,
+            no_feedback: false,
         };
         assert!(World::new("http://x", "k", cfg(0.2)).is_ok());
         let err = World::new("http://x", "k", cfg(1.5)).err().unwrap().to_string();

@@ -17,7 +17,7 @@ use super::{
 };
 use crate::domain::{
     Feedback,
-    trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
+    trace::{FeedbackSource, IdempotencyKey, IdempotentIngest, ValidTrace},
 };
 
 /// A SQL store: `writer` takes every write (SQLite: one connection, so writers
@@ -85,7 +85,12 @@ pub trait Backend: Dialect {
     ) -> StoreResult<IdempotentIngest>;
     /// Merges late feedback into a trace, durably (see
     /// [`merge_feedback`](super::traces::merge_feedback)); false when there is no such trace.
-    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<bool>;
+    async fn add_feedback(
+        s: &SqlStore<Self>,
+        id: Uuid,
+        feedback: Feedback,
+        source: FeedbackSource,
+    ) -> StoreResult<bool>;
     /// Takes the lease of the oldest claimable round (see [`RoundStore::claim_round`](super::RoundStore::claim_round)); its id.
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>>;
     async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool>;

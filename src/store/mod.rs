@@ -11,6 +11,7 @@ mod audit;
 mod backend;
 mod budget;
 mod controller_state;
+mod evaluators;
 mod export;
 mod group_commit;
 mod keys;
@@ -40,6 +41,7 @@ pub use arms::{PopulationStore, RatingSlot};
 pub use audit::AuditStore;
 pub use budget::{BudgetStore, HoldOutcome, HoldRequest, Settlement};
 pub use controller_state::{CONTROLLER_SAMPLES_KEPT, ControllerSample, ControllerStore, MeterCounts};
+pub use evaluators::{Calibrating, EvaluatorStore, JudgedFeedback, JudgedTrace, Unjudged};
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
@@ -144,6 +146,7 @@ pub trait Store:
     + WebhookStore
     + ControllerStore
     + ExportStore
+    + EvaluatorStore
     + Rollups
     + Retention
     + BudgetStore

@@ -37,6 +37,7 @@ use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
 use super::traces::{merge_feedback, reference_problem};
 use super::{Change, StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::FeedbackSource;
 use crate::domain::{
     Feedback, PromptName,
     trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
@@ -194,7 +195,8 @@ async fn insert_trace_rows(c: &mut PgConnection, rows: String) -> StoreResult<Ve
          matched AS (
              SELECT t.req, t.id, p.id AS prompt_id, t.prompt_version, t.input,
                     COALESCE(t.trajectory, 'null'::jsonb) AS trajectory, COALESCE(t.output, 'null'::jsonb) AS output,
-                    t.feedback, t.reflection, t.external_id, t.metadata, now() AS created_at
+                    t.feedback, t.reflection, t.external_id, t.metadata, now() AS created_at,
+                    NULL::text AS feedback_source
              FROM input t
              JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)),
          counts AS (SELECT req, count(*) AS n FROM input GROUP BY req),
@@ -481,10 +483,15 @@ impl Backend for Postgres {
         group_commit::answer(answer).await
     }
 
-    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<bool> {
+    async fn add_feedback(
+        s: &SqlStore<Self>,
+        id: Uuid,
+        feedback: Feedback,
+        source: FeedbackSource,
+    ) -> StoreResult<bool> {
         // Its own transaction: Postgres flushes concurrent commits together.
         let mut tx = s.writer.begin().await?;
-        let found = merge_feedback::<Postgres>(&mut tx, id, feedback).await?;
+        let found = merge_feedback::<Postgres>(&mut tx, id, feedback, source).await?;
         tx.commit().await?;
         Ok(found)
     }

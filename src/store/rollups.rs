@@ -54,7 +54,7 @@ use crate::evaluate::rater::TaskRewards;
 
 const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, with_feedback, success_trials, successes, \
      score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq, latency_n, latency_sum, \
-     latency_sq";
+     latency_sq, judged";
 
 const TIER_WIDTHS: &str = "(SELECT 1 AS width UNION ALL SELECT 60 UNION ALL SELECT 3600 UNION ALL SELECT 86400) w";
 
@@ -71,7 +71,7 @@ const TASK_TIERS: [i64; 2] = [60, 1];
 fn outcome_columns<D: Dialect>() -> String {
     format!(
         "{success} AS success, ({is_flag} OR {is_number}) AS rewarded, {score} AS score, {tokens} AS tokens, \
-         {cost} AS cost, {latency} AS latency",
+         {cost} AS cost, {latency} AS latency, CASE WHEN t.feedback_source = 'judge' THEN 1 END AS judged",
         success = D::json_flag("t.feedback", "success"),
         is_flag = D::json_is("t.feedback", "success", "boolean"),
         is_number = D::json_is("t.feedback", "score", "number"),
@@ -120,15 +120,15 @@ fn task_reward_columns<D: Dialect>() -> (String, String) {
 }
 
 /// An `INSERT … SELECT` appending the outcome deltas of the rows of `source`
-/// (aliased `t`, with `prompt_id`, `prompt_version`, `feedback`, `metadata`,
-/// `created_at`) that match `cond`: one row per tier and (version, bucket).
+/// (aliased `t`, with `prompt_id`, `prompt_version`, `feedback`, `feedback_source`,
+/// `metadata`, `created_at`) that match `cond`: one row per tier and (version, bucket).
 pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
     let moments = moment_sums::<D>(s, false);
     format!(
         "INSERT INTO outcome_rollups ({OUTCOME_COLUMNS})
          SELECT prompt_id, version, width, start_secs, {s}count(*), {s}count(CASE WHEN rewarded THEN 1 END),
-                {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}
+                {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}, {s}count(judged)
          FROM (SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, w.width, {start} AS start_secs,
                       {outcome}
                FROM {source} CROSS JOIN {TIER_WIDTHS} WHERE {cond}) v
@@ -240,7 +240,7 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
                 .join(" OR ")
         }
     };
-    let counts = ["traces", "with_feedback", "success_trials", "successes"]
+    let counts = ["traces", "with_feedback", "success_trials", "successes", "judged"]
         .map(|c| format!("CAST(sum({c}) AS BIGINT) AS {c}"))
         .join(", ");
     let moments = MOMENTS
@@ -359,7 +359,7 @@ fn folded_sums(table: &str) -> &'static str {
     if table == "outcome_rollups" {
         "sum(traces), sum(with_feedback), sum(success_trials), sum(successes), sum(score_n), sum(score_sum), \
          sum(score_sq), sum(tokens_n), sum(tokens_sum), sum(tokens_sq), sum(cost_n), sum(cost_sum), sum(cost_sq), \
-         sum(latency_n), sum(latency_sum), sum(latency_sq)"
+         sum(latency_n), sum(latency_sum), sum(latency_sq), sum(judged)"
     } else {
         "sum(traces), sum(reward_sum)"
     }
@@ -481,6 +481,7 @@ pub(super) fn outcome_bucket_from_row<D: Dialect>(row: &D::Row) -> StoreResult<O
         with_feedback: count("with_feedback")?,
         success_trials: count("success_trials")?,
         successes: count("successes")?,
+        judged: count("judged")?,
         score: moments("score")?,
         tokens: moments("tokens")?,
         cost_usd: moments("cost")?,

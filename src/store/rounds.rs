@@ -49,6 +49,10 @@ pub struct OpenRound {
     /// The `webhook-id` of the inbound trigger asking for this round: it is
     /// remembered in the round's transaction, so only with a round opened.
     pub inbound_webhook_id: Option<String>,
+    /// When the prompt has evaluators, leave out pending traces they have not
+    /// judged yet unless they arrived longer ago than this (a broken judge
+    /// delays learning by this much, never stops it); `None` takes them all.
+    pub judge_wait: Option<std::time::Duration>,
 }
 
 /// A prompt's learning backlog, for the scheduler.
@@ -257,14 +261,27 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         if req.trigger.is_operator() {
             reset_failures::<D>(&mut tx, prompt_id).await?;
         }
+        // Unjudged traces wait for the evaluators, up to `judge_wait`.
+        let judged_since = match req.judge_wait {
+            Some(wait) => {
+                let has = sql::<D>("SELECT prompt_id FROM prompt_evaluators WHERE prompt_id = $1")
+                    .bind(prompt_id)
+                    .fetch_optional(&mut tx)
+                    .await?;
+                has.map(|_| now - chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::MAX))
+            }
+            None => None,
+        };
         let text = format!(
             "SELECT id FROM traces WHERE prompt_id = $1 AND status = 'pending' AND round_id IS NULL
-               AND quarantined_at IS NULL ORDER BY id LIMIT $2{}",
+               AND quarantined_at IS NULL AND ($3 IS NULL OR judged_at IS NOT NULL OR created_at < $3)
+             ORDER BY id LIMIT $2{}",
             D::lock(" FOR UPDATE SKIP LOCKED")
         );
         let ids: Vec<Uuid> = sql::<D>(&text)
             .bind(prompt_id)
             .bind(i64::from(req.batch))
+            .bind(judged_since)
             .map(&mut tx, |row| Cols::<D>(row).get("id"))
             .await?;
         if ids.is_empty() || (ids.len() as u32) < req.min_traces {

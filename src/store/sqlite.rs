@@ -24,6 +24,7 @@ use super::rollups::{self, Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
 use super::traces::{merge_feedback, reference_problem};
 use super::{StoreError, StoreKind, StoreResult, migrate};
+use crate::domain::trace::FeedbackSource;
 use crate::domain::{
     Feedback, PromptName,
     trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
@@ -625,9 +626,14 @@ impl Backend for Sqlite {
         group_commit::answer(answer).await
     }
 
-    async fn add_feedback(s: &SqlStore<Self>, id: Uuid, feedback: Feedback) -> StoreResult<bool> {
+    async fn add_feedback(
+        s: &SqlStore<Self>,
+        id: Uuid,
+        feedback: Feedback,
+        source: FeedbackSource,
+    ) -> StoreResult<bool> {
         let (job, answer) = Write::new(1, true, move |c| {
-            Box::pin(async move { Ok((merge_feedback::<Sqlite>(c, id, feedback).await?, Vec::new())) })
+            Box::pin(async move { Ok((merge_feedback::<Sqlite>(c, id, feedback, source).await?, Vec::new())) })
         });
         s.writes.submit(job).await?;
         group_commit::answer(answer).await

@@ -16,7 +16,10 @@ use super::{
 use crate::{
     domain::{
         Feedback, PromptName, Trace,
-        trace::{IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceStatus, ValidTrace},
+        trace::{
+            FeedbackSource, IdempotencyKey, IdempotentIngest, Judged, RequeueFailed, TraceFilter, TraceStatus,
+            ValidTrace,
+        },
     },
     evaluate::outcomes::OutcomeBucket,
 };
@@ -78,7 +81,20 @@ pub trait TraceStore: Send + Sync {
     async fn get_trace(&self, id: Uuid) -> StoreResult<Option<Trace>>;
     /// Newest first.
     async fn list_traces(&self, filter: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>>;
-    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>>;
+    /// Late feedback from the agent (see [`TraceStore::add_feedback_from`]).
+    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
+        self.add_feedback_from(id, feedback, FeedbackSource::Agent).await
+    }
+    /// Merges late feedback from the agent or an operator into a trace's: the
+    /// fields sent replace the earlier ones. A reward (score or success) sent
+    /// replaces a judged one whole (its score and critique go), and the trace's
+    /// feedback is then the sender's.
+    async fn add_feedback_from(
+        &self,
+        id: Uuid,
+        feedback: Feedback,
+        source: FeedbackSource,
+    ) -> StoreResult<Option<Trace>>;
     /// Puts the prompt's matching `failed` traces back to `pending` with their
     /// attempts reset and failure reason cleared; returns their ids, oldest
     /// first. `NotFound` when the prompt does not exist.
@@ -194,8 +210,13 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         q.bind(i64::from(limit)).map(&mut *self.reader.acquire().await?, trace_from_row::<D>).await
     }
 
-    async fn add_feedback(&self, id: Uuid, feedback: Feedback) -> StoreResult<Option<Trace>> {
-        if !D::add_feedback(self, id, feedback).await? {
+    async fn add_feedback_from(
+        &self,
+        id: Uuid,
+        feedback: Feedback,
+        source: FeedbackSource,
+    ) -> StoreResult<Option<Trace>> {
+        if !D::add_feedback(self, id, feedback, source).await? {
             return Ok(None);
         }
         self.get_trace(id).await
@@ -334,7 +355,8 @@ impl<D: Backend> TraceStore for SqlStore<D> {
 
 pub(super) const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, \
      t.trajectory, t.output, t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, \
-     t.round_id, t.created_at, t.updated_at, t.quarantined_at, t.quarantine_reason";
+     t.round_id, t.created_at, t.updated_at, t.quarantined_at, t.quarantine_reason, t.feedback_source, \
+     t.judged_at, t.judged_by, t.judgements";
 
 pub(super) fn trace_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Trace> {
     let r = Cols::<D>(row);
@@ -361,6 +383,18 @@ pub(super) fn trace_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Trace> {
         round_id: r.get("round_id")?,
         quarantined_at,
         quarantine_reason: r.get("quarantine_reason")?,
+        feedback_source: r.get::<Option<String>>("feedback_source")?.map(|s| FeedbackSource::from_column(Some(&s))),
+        judged: match r.get::<Option<DateTime<Utc>>>("judged_at")? {
+            None => None,
+            Some(at) => Some(Judged {
+                at,
+                by: r.get("judged_by")?,
+                judgements: match r.get::<Option<Value>>("judgements")? {
+                    Some(v) => serde_json::from_value(v).map_err(|_| corrupt("judgements"))?,
+                    None => Vec::new(),
+                },
+            }),
+        },
         created_at: r.get("created_at")?,
         updated_at: r.get("updated_at")?,
     })
@@ -379,26 +413,32 @@ pub(super) async fn reference_problem<D: Dialect>(
     Ok(prompt_reference_problem(prompt, version, count))
 }
 
-/// Merges `feedback` into trace `id`'s, inside the caller's transaction:
-/// under the row lock its old contribution to the rollups is taken back and
-/// the new one added, once. False when there is no such trace.
+/// Merges `feedback` from `source` into trace `id`'s, inside the caller's
+/// transaction: under the row lock its old contribution to the rollups is
+/// taken back and the new one added, once. A reward sent over a judged one
+/// replaces it whole (see [`merged_over`]). False when there is no such trace.
 pub(super) async fn merge_feedback<D: Dialect>(
     c: &mut D::Connection,
     id: Uuid,
     feedback: Feedback,
+    source: FeedbackSource,
 ) -> StoreResult<bool> {
-    let current: Option<Value> =
-        sql::<D>(&format!("SELECT feedback FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE")))
-            .bind(id)
-            .value(&mut *c, "feedback")
-            .await?;
-    let Some(current) = current else { return Ok(false) };
-    let current: Feedback = serde_json::from_value(current).map_err(|_| corrupt("feedback"))?;
-    let merged = serde_json::to_value(current.merged(feedback)).map_err(|_| corrupt("feedback"))?;
+    let text =
+        format!("SELECT feedback, feedback_source, judged_by FROM traces WHERE id = $1{}", D::lock(" FOR UPDATE"));
+    let Some(row) = sql::<D>(&text).bind(id).fetch_optional(&mut *c).await? else { return Ok(false) };
+    let r = Cols::<D>(&row);
+    let current: Feedback = serde_json::from_value(r.get("feedback")?).map_err(|_| corrupt("feedback"))?;
+    let was = FeedbackSource::from_column(r.get::<Option<String>>("feedback_source")?.as_deref());
+    let judged_by: Option<String> = r.get("judged_by")?;
+    let (merged, now_source) = merged_over(current, was, feedback, source);
+    let judged_by = judged_by.filter(|_| now_source == FeedbackSource::Judge);
+    let merged = serde_json::to_value(merged).map_err(|_| corrupt("feedback"))?;
     rollups::account::<D>(&mut *c, &[id], Sign::Retract, Counted::Unquarantined).await?;
-    sql::<D>("UPDATE traces SET feedback = $1, updated_at = $2 WHERE id = $3")
+    sql::<D>("UPDATE traces SET feedback = $1, updated_at = $2, feedback_source = $3, judged_by = $4 WHERE id = $5")
         .bind(json(&merged))
         .bind(now())
+        .bind(now_source.column())
+        .bind(judged_by)
         .bind(id)
         .execute(&mut *c)
         .await?;
@@ -419,4 +459,25 @@ pub(super) async fn lock_for_action<D: Dialect>(
     };
     let r = Cols::<D>(&row);
     Ok(trace_action_refusal(delete, &r.get::<String>("status")?, r.get("round_id")?).map(TraceAction::Refused))
+}
+
+/// Late feedback `later` from `source` over `current` (written by `was`):
+/// the merged feedback and who wrote it now. A reward sent over a judged
+/// one takes its place whole (the judged score and critique go: the agent or
+/// the operator knows better); a sender without a reward leaves the source.
+pub(crate) fn merged_over(
+    current: Feedback,
+    was: FeedbackSource,
+    later: Feedback,
+    source: FeedbackSource,
+) -> (Feedback, FeedbackSource) {
+    if !later.rewarded() {
+        return (current.merged(later), was);
+    }
+    let current = if was == FeedbackSource::Judge {
+        Feedback { score: None, success: None, comment: None, ..current }
+    } else {
+        current
+    };
+    (current.merged(later), source)
 }

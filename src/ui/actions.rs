@@ -2,8 +2,9 @@
 //! back to a version. Both are POSTs carrying the session's CSRF token and the
 //! production version the page showed, so a stale page cannot undo someone
 //! else's change (it gets a 412 page instead). Quarantine, release and delete
-//! of a trace (containing a poisoned stream), and pinning it as a regression
-//! case, are POSTs with the CSRF token too.
+//! of a trace (containing a poisoned stream), pinning it as a regression case,
+//! and an operator's label of a trace (a score and a comment) are POSTs with
+//! the CSRF token too.
 
 use axum::{
     Form,
@@ -152,4 +153,40 @@ pub async fn trace_button(
         }
     };
     Ok((audit, Redirect::to(&to)).into_response())
+}
+
+#[derive(Deserialize)]
+pub struct LabelForm {
+    #[serde(default)]
+    csrf: Option<String>,
+    #[serde(default)]
+    score: Option<String>,
+    #[serde(default)]
+    comment: Option<String>,
+}
+
+/// The trace page's label form: the operator's score (0 to 1) and comment,
+/// stored as human feedback: it replaces a judged reward, and calibration
+/// counts it.
+pub async fn label_trace(
+    State(st): State<AppState>,
+    op: Operator,
+    Path(id): Path<String>,
+    Form(form): Form<LabelForm>,
+) -> Result<Response, UiError> {
+    op.check_csrf(form.csrf.as_deref())?;
+    op.require(Scope::PromptsWrite)?;
+    let id = trace_id(&id)?;
+    let score =
+        form.score.as_deref().and_then(|s| s.trim().parse::<f64>().ok()).filter(|s| s.is_finite()).ok_or_else(
+            || UiError::Service(ServiceError::BadRequest("the score must be a number from 0 to 1".into())),
+        )?;
+    let label = serde_json::json!({"score": score, "comment": form.comment});
+    traces::label_trace(&st, id, score, form.comment).await.map_err(|e| match e {
+        ServiceError::NotFound(_) => UiError::NotFound(format!("Trace {id} not found.")),
+        other => other.into(),
+    })?;
+    tracing::info!(trace = %id, score, by = %op.actor(), "labelled in the web UI");
+    let audit = Audit::new("trace.label", "trace", id).after(label);
+    Ok((audit, Redirect::to(&format!("/ui/traces/{id}?notice=labelled"))).into_response())
 }

@@ -39,6 +39,7 @@ pub fn router() -> RouteTable {
         .route("/traces", get(pages::traces))
         .route("/audit", get(pages::audit))
         .route("/traces/{id}", get(pages::trace))
+        .route("/traces/{id}/label", post(actions::label_trace))
         .route("/traces/{id}/{button}", post(actions::trace_button))
         .route("/static/style.css", get(stylesheet))
         .map_router(|pages| {

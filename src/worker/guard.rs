@@ -28,6 +28,7 @@ use crate::{
     domain::{LabelHistoryEntry, LabelMoveKind, LabelName, MoveCause, PromptName, label::LabelMove},
     evaluate::{
         guard::{Comparison, GuardThresholds, WindowRewards, compare},
+        outcomes::RewardSources,
         population::PopulationPolicy,
     },
     service::production::Mover,
@@ -228,6 +229,11 @@ impl RegressionGuard {
             "previous_version": previous,
             "previous_production": vs_previous,
             "previous_window": vs_own,
+            "rewards_used": RewardSources {
+                reported: now_rewards.sources.reported,
+                judged: now_rewards.sources.judged,
+            }
+            .evidence(),
         });
         let mv = LabelMove {
             label: LabelName::production(),

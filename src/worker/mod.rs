@@ -10,6 +10,7 @@ pub mod choices;
 pub mod gate;
 pub mod guard;
 mod journal;
+pub mod judge;
 pub mod publish;
 pub mod rater;
 pub mod retention;
@@ -226,9 +227,9 @@ impl Worker {
                 let exposer = service::gate::Exposer::of(&worker.state);
                 let settings = &worker.state.settings.regression;
                 let version = open.gate.version;
-                if let Err(e) =
-                    gate::run(&worker.store, worker.backend.as_ref(), &worker.llm, settings, &exposer, &prompt, open.gate)
-                        .await
+                // The gate's calls count in the prompt's learning budget.
+                let tagged = Tagged::new(worker.backend.clone(), CallTag::prompt(prompt.name.as_str(), "gate"));
+                if let Err(e) = gate::run(&worker.store, &tagged, &worker.llm, settings, &exposer, &prompt, open.gate).await
                 {
                     tracing::warn!(prompt = %prompt.name, version, error = %e, "a regression gate failed; it runs again");
                 }
@@ -281,6 +282,7 @@ impl Worker {
                 min_traces: d.min_traces,
                 seed: random_seed(),
                 inbound_webhook_id: None,
+                judge_wait: Some(Duration::from_secs(self.settings.judge_wait_secs)),
             };
             match self.store.open_round(&req).await {
                 Ok(Some(r)) => {

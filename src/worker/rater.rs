@@ -17,6 +17,7 @@ use super::breeder::{Breeder, CrossoverError, CrossoverOutcome, RatedWindow};
 use crate::{
     config::PopulationSettings,
     domain::{LabelMoveKind, LabelName, MoveCause, PromptName, label::LabelMove, population::ArmState},
+    evaluate::outcomes::RewardSources,
     evaluate::{
         population::{Arm, GateDecision},
         rater::{self, Basis, first_window_due},
@@ -43,7 +44,8 @@ pub enum RatingOutcome {
     /// The last window is not over yet.
     WindowOpen,
     /// Arms rated (those with enough traces); the gate held.
-    Rated { ranked: Vec<i64>, basis: Basis, gate: GateDecision },
+    /// `rewards`: which rewards the ranking stood on (reported, judged, both).
+    Rated { ranked: Vec<i64>, basis: Basis, rewards: RewardSources, gate: GateDecision },
     /// The gate moved production from `from` to `to`.
     Promoted { from: i64, to: i64 },
     /// Production moved meanwhile; judged again next tick.
@@ -330,7 +332,8 @@ impl PopulationRater {
         self.store.save_ratings(prompt, &arms).await?;
         let Some(promotion) = plan.promotion else {
             phases.save += started.elapsed();
-            let outcome = RatingOutcome::Rated { ranked: plan.ranked, basis: plan.basis, gate: plan.gate };
+            let outcome =
+                RatingOutcome::Rated { ranked: plan.ranked, basis: plan.basis, rewards: plan.rewards, gate: plan.gate };
             return Ok((outcome, Some(rated(champion))));
         };
         let mv = LabelMove {

@@ -235,6 +235,11 @@ async fn every_write_operation_appends_exactly_one_entry(b: Backend) {
     let req = delete(&app, &format!("/v1/webhooks/{}", hook["id"].as_str().unwrap()));
     run.op("DELETE", "/v1/webhooks/{id}", req, expect("webhook.delete", "webhook", true, false)).await;
 
+    // Evaluators.
+    let evaluators = json!({"evaluators": [{"name": "mentions", "kind": "checks", "checks": [{"type": "contains", "text": "answer"}]}]});
+    let req = app.put("/v1/prompts/audited/evaluators", evaluators);
+    run.op("PUT", "/v1/prompts/{name}/evaluators", req, expect("prompt.evaluators.update", "prompt", true, true)).await;
+
     // Regression sets.
     let checks = json!([{"type": "contains", "text": "answer"}]);
     let req = app.post("/v1/prompts/audited/regression-cases", json!({"input": "hi", "checks": checks}));

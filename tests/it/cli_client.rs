@@ -330,7 +330,30 @@ async fn traces_requeue_puts_failed_traces_back(b: Backend) {
     assert!(denied.stderr.contains("traces:write"), "{}", denied.stderr);
 }
 
+/// `combee evaluators set|get|calibrate`: a file in, the server's checks
+/// answered with exit code 5 and its reason, calibration as a table.
+async fn evaluators_set_get_calibrate(b: Backend) {
+    let app = spawn_app(b).await;
+    app.create_prompt("graded").await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("evaluators.json");
+    let list = json!([{"kind": "checks", "name": "format",
+        "checks": [{"type": "contains", "text": "ANSWER:", "case_sensitive": false}]}]);
+    std::fs::write(&file, list.to_string()).unwrap();
+    let set = ok(&app, &["evaluators", "set", "graded", file.to_str().unwrap()]).await;
+    assert!(set.stdout.contains("1 evaluator(s) saved"), "{}", set.stdout);
+    let got = ok(&app, &["evaluators", "get", "graded"]).await.json();
+    assert_eq!(got["evaluators"], list);
+    std::fs::write(&file, json!({"evaluators": [{"kind": "judge", "name": "j", "rubric": ""}]}).to_string()).unwrap();
+    let bad = fails(&app, &["evaluators", "set", "graded", file.to_str().unwrap()], 5).await;
+    assert!(bad.stderr.contains("rubric"), "{}", bad.stderr);
+    let cal = ok(&app, &["evaluators", "calibrate", "graded"]).await;
+    assert!(cal.stdout.contains("EVALUATOR") && cal.stdout.contains("format"), "{}", cal.stdout);
+    fails(&app, &["evaluators", "get", "nope"], 2).await;
+}
+
 on_both_stores!(
+    evaluators_set_get_calibrate,
     traces_requeue_puts_failed_traces_back,
     import_reports_bad_lines_by_number_and_never_imports_twice,
     prompts_round_trip_with_exit_codes,

@@ -1046,6 +1046,7 @@ mod resume {
             min_traces: 1,
             seed: 3,
             inbound_webhook_id: None,
+            judge_wait: None,
         };
         s.open_round(&open).await.unwrap().expect("a round opens");
         let llm = LlmConfig { base_url: sim.url.clone(), max_concurrency: 1, backoff_base_ms: 1, ..Default::default() };

@@ -377,6 +377,7 @@ fn whole_backlog(prompt: &str) -> OpenRound {
         min_traces: 1,
         seed: 1,
         inbound_webhook_id: None,
+        judge_wait: None,
     }
 }
 

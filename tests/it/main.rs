@@ -13,6 +13,7 @@ mod budget;
 mod cli;
 mod cli_client;
 mod durability;
+mod evaluators;
 mod export;
 mod key_revocation;
 mod langfuse;

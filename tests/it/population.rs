@@ -29,7 +29,7 @@ use common::{Backend, test_store};
 use serde_json::json;
 use std::sync::Arc;
 
-fn name(s: &str) -> PromptName {
+pub(crate) fn name(s: &str) -> PromptName {
     PromptName::parse(s).unwrap()
 }
 
@@ -44,7 +44,7 @@ fn version(base: &str, parent: Option<i64>) -> NewVersion {
     }
 }
 
-async fn evaluated_prompt(store: &DynStore, n: &str, versions: i64) {
+pub(crate) async fn evaluated_prompt(store: &DynStore, n: &str, versions: i64) {
     let p = NewPrompt {
         name: name(n),
         strategy: Strategy::Playbook,
@@ -58,7 +58,7 @@ async fn evaluated_prompt(store: &DynStore, n: &str, versions: i64) {
     }
 }
 
-fn arm(arms: &[PopulationArm], version: i64) -> &PopulationArm {
+pub(crate) fn arm(arms: &[PopulationArm], version: i64) -> &PopulationArm {
     arms.iter().find(|a| a.version == version).unwrap_or_else(|| panic!("no arm v{version} in {arms:?}"))
 }
 
@@ -192,7 +192,7 @@ async fn the_gate_waits_for_evidence_then_promotes_a_clearly_better_challenger(b
     s.insert_traces(&first).await.unwrap();
     let t1 = chrono::Utc::now();
     let out = rater.rate(&name("p"), t1).await.unwrap();
-    let RatingOutcome::Rated { ranked, gate, basis } = out else { panic!("{out:?}") };
+    let RatingOutcome::Rated { ranked, gate, basis, .. } = out else { panic!("{out:?}") };
     assert_eq!(ranked.len(), 3);
     // The three arms ran tasks t0..t11 in common: they are compared on those.
     assert_eq!(basis, Basis::SharedTasks);

@@ -327,6 +327,7 @@ async fn otlp_spans_merge_into_one_pending_trace(b: Backend) {
         min_traces: 1,
         seed: 1,
         inbound_webhook_id: None,
+        judge_wait: None,
     };
     let round = s.open_round(&round).await.unwrap().expect("a round opens");
     assert_eq!(s.round_trace_ids(round.id).await.unwrap(), vec![id]);
@@ -684,6 +685,7 @@ async fn open_and_claim(s: &DynStore, prompt: &str) -> combee::store::ClaimedRou
         min_traces: 1,
         seed: 1,
         inbound_webhook_id: None,
+        judge_wait: None,
     };
     s.open_round(&req).await.unwrap().expect("a round opens");
     s.claim_round("w", std::time::Duration::from_secs(60)).await.unwrap().expect("a round to claim")
@@ -801,6 +803,7 @@ async fn quarantined_traces_are_never_reserved_and_delete_keeps_provenance(b: Ba
         min_traces: 1,
         seed: 1,
         inbound_webhook_id: None,
+        judge_wait: None,
     };
     let round = s.open_round(&open).await.unwrap().expect("a round over the fresh trace");
     assert_eq!(s.round_trace_ids(round.id).await.unwrap(), vec![fresh]);
@@ -1196,6 +1199,7 @@ fn open_req(prompt: &str) -> OpenRound {
         min_traces: 1,
         seed: 42,
         inbound_webhook_id: None,
+        judge_wait: None,
     }
 }
 
@@ -1876,6 +1880,12 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
         Backend::Postgres => "DROP FUNCTION audit_log_append_only()".to_owned(),
         Backend::Sqlite => "DROP TABLE audit_prune_permits".to_owned(),
     });
+    // 0038 too (its rollup column went with the table above).
+    undo.extend(["DROP INDEX traces_unjudged".to_owned(), "DROP TABLE prompt_evaluators".to_owned()]);
+    undo.extend(
+        ["judged_at", "judgements", "feedback_source", "judged_by"]
+            .map(|c| format!("ALTER TABLE traces DROP COLUMN {c}")),
+    );
     undo.extend(old_bookkeeping(b, None));
     run_raw(b, &ts.url, &undo).await;
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("upgrade");

@@ -249,7 +249,7 @@ pub(crate) fn set_cookie(res: &reqwest::Response, name: &str) -> Option<String> 
         .find_map(|c| c.strip_prefix(&format!("{name}=")).map(|rest| rest.split(';').next().unwrap_or("").to_owned()))
 }
 
-fn hidden(html: &str, name: &str) -> String {
+pub(crate) fn hidden(html: &str, name: &str) -> String {
     let marker = format!(r#"name="{name}" value=""#);
     let start = html.find(&marker).unwrap_or_else(|| panic!("no hidden {name} in page")) + marker.len();
     html[start..].split('"').next().unwrap().to_owned()

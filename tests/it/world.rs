@@ -23,6 +23,7 @@ fn world(prompt: &str, runs: u32, poison_share: f64) -> WorldConfig {
         harm_drop: 0.4,
         settle_secs: 30.0,
         seed: 3,
+        no_feedback: false,
     }
 }
 

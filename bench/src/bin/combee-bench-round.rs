@@ -141,6 +141,7 @@ async fn main() -> anyhow::Result<()> {
                             min_traces: 1,
                             seed: 42,
                             inbound_webhook_id: None,
+                            judge_wait: None,
                         })
                         .await?
                         .ok_or_else(|| anyhow::anyhow!("no round opened"))?;

@@ -341,6 +341,7 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
             settle_secs: args.settle_secs,
             // Every window draws new tasks; window w is the same in every configuration.
             seed: args.seed.wrapping_add(u64::from(w) << 40),
+            no_feedback: false,
         };
         let report = World::new(&client.base, &client.key, world_cfg)?.run(|_| {}).await?;
         let wr = report.windows.into_iter().next().context("the world reported no window")?;

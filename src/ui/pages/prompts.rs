@@ -265,6 +265,7 @@ pub async fn prompt(
     };
     let cases = service::regression::list_cases(&st, prompt.name.as_str()).await?;
     let (case_count, regression) = (cases.len(), super::versions::cases_table(&cases));
+    let evaluators = evaluators_section(&st, prompt.name.as_str()).await?;
     let promote_note = if can_promote {
         ""
     } else {
@@ -281,6 +282,7 @@ pub async fn prompt(
 <h2>Regression set <span class="muted small">{case_count} cases; a learned version must pass them before it gets traffic</span></h2>{regression}
 <h2>Reward by version <span class="muted small" id="reward-span">last 7 days, {buckets}</span></h2>{reward_chart}
 {budget}
+{evaluators}
 <h2>Label history <span class="muted small">newest {LABEL_MOVES_SHOWN}; all of them: <code>combee prompts label-history</code></span></h2>{label_history}"#,
         name = escape(prompt.name.as_str()),
         strategy = escape(strategy_str(prompt.strategy)),
@@ -289,6 +291,42 @@ pub async fn prompt(
         buckets = bucket_words(bucket),
     );
     Ok(page(prompt.name.as_str(), Some(&op.who()), Section::Prompts, &body))
+}
+
+/// The prompt's evaluators, each with its agreement with the rewards agents
+/// and operators gave (calibration).
+async fn evaluators_section(st: &AppState, name: &str) -> Result<String, UiError> {
+    let list = service::evaluators::get(st, name).await?.evaluators;
+    if list.is_empty() {
+        return Ok(r#"<h2>Evaluators</h2><p class="muted" id="evaluators-empty">None: only the rewards agents report count. Set them with <code>combee evaluators set</code> or <code>PUT /v1/prompts/{name}/evaluators</code>.</p>"#.to_owned());
+    }
+    let cal = service::evaluators::calibration(st, name).await?;
+    let num = |v: Option<f64>| v.map_or_else(|| "—".to_owned(), |x| format!("{x:.2}"));
+    let mut rows = String::new();
+    for e in &list {
+        let what = match e {
+            crate::evaluate::evaluators::Evaluator::Checks { checks, .. } => {
+                format!("{} code check(s)", checks.len())
+            }
+            crate::evaluate::evaluators::Evaluator::Judge { rubric, .. } => format!("LLM judge: {}", clip(rubric, 200)),
+        };
+        let agreement = cal.evaluators.iter().find(|a| a.evaluator == e.name());
+        let _ = write!(
+            rows,
+            r#"<tr id="evaluator-{}"><td><strong>{}</strong></td><td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td></tr>"#,
+            escape(e.name()),
+            escape(e.name()),
+            escape(e.kind()),
+            what,
+            agreement.map_or(0, |a| a.n),
+            num(agreement.and_then(|a| a.accuracy)),
+            num(agreement.and_then(|a| a.kappa)),
+        );
+    }
+    Ok(format!(
+        r#"<h2>Evaluators <span class="muted small">agreement with the {} traces agents or operators scored</span></h2><table id="evaluators" class="compact"><thead><tr><th>Name</th><th>Kind</th><th>What</th><th class="num">n</th><th class="num">Accuracy</th><th class="num">Kappa</th></tr></thead><tbody>{rows}</tbody></table>"#,
+        cal.traces
+    ))
 }
 
 /// Failed rounds in a row: whether the scheduler waits, until when, and why

@@ -125,6 +125,39 @@ pub struct TraceNotice {
     notice: Option<String>,
 }
 
+/// The operator's label form (a score from 0 to 1 and a comment), for a key with `prompts:write`.
+fn label_form(op: &Operator, t: &crate::domain::Trace) -> String {
+    if !op.can(Scope::PromptsWrite) {
+        return String::new();
+    }
+    format!(
+        r#"<div class="card" id="label"><form method="post" action="/ui/traces/{id}/label" class="inline" id="label-form"><input type="hidden" name="csrf" value="{csrf}"><label>Your score <input type="number" name="score" min="0" max="1" step="0.01" required id="label-score"></label> <input type="text" name="comment" maxlength="2000" placeholder="what went wrong (optional)" id="label-comment"> <button type="submit" class="small" id="label-submit" title="Store as human feedback: it replaces a judged score and counts for calibration">Label</button></form></div>"#,
+        id = t.id,
+        csrf = escape(&op.session.csrf_token)
+    )
+}
+
+/// What the prompt's evaluators said of the trace, one row each.
+fn judgements(t: &crate::domain::Trace) -> String {
+    let Some(j) = &t.judged else { return String::new() };
+    let rows: String = j
+        .judgements
+        .iter()
+        .map(|j| {
+            format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&j.evaluator),
+                j.score.map_or_else(|| "—".to_owned(), |s| format!("{s:.2}")),
+                escape(j.critique.as_deref().or(j.error.as_deref()).unwrap_or(""))
+            )
+        })
+        .collect();
+    format!(
+        r#"<h2>Evaluators</h2><table id="judgements"><tr><th>Evaluator</th><th>Score</th><th>Critique</th></tr>{rows}</table><p class="muted">Judged {}.</p>"#,
+        time(j.at)
+    )
+}
+
 /// The Quarantine (or Release) and Delete forms, for a key with `prompts:write` and a trace they apply to.
 fn trace_actions(op: &Operator, t: &crate::domain::Trace) -> String {
     use crate::domain::TraceStatus;
@@ -161,6 +194,16 @@ fn pin_form(op: &Operator, t: &crate::domain::Trace) -> String {
         escape(&op.session.csrf_token),
         id = t.id
     )
+}
+
+/// Who wrote the feedback shown.
+fn feedback_title(source: Option<crate::domain::trace::FeedbackSource>) -> &'static str {
+    use crate::domain::trace::FeedbackSource;
+    match source {
+        Some(FeedbackSource::Judge) => "Feedback (judged by the prompt's evaluators)",
+        Some(FeedbackSource::Human) => "Feedback (an operator's label)",
+        _ => "Feedback",
+    }
 }
 
 pub async fn trace(
@@ -208,6 +251,8 @@ pub async fn trace(
             Some("pinned") => {
                 r#"<p class="notice ok" id="notice">Pinned: this trace's input is now a regression case of its prompt.</p>"#
             }
+            Some("labelled") =>
+                r#"<p class="notice ok" id="notice">Labelled: your score is the trace's feedback now.</p>"#,
             _ => "",
         },
         trace_actions(&op, &t),
@@ -215,7 +260,7 @@ pub async fn trace(
         section("Input", &t.input),
         section("Trajectory", &t.trajectory),
         section("Output", &t.output),
-        section("Feedback", &feedback),
+        section(feedback_title(t.feedback_source), &feedback) + &judgements(&t) + &label_form(&op, &t),
         t.reflection.as_ref().map_or_else(String::new, |r| section("Agent's reflection", r)),
         section("Metadata", &t.metadata),
     );

@@ -297,6 +297,7 @@ pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uu
         min_traces: 1,
         seed: 1,
         inbound_webhook_id: None,
+        judge_wait: None,
     };
     let round = store.open_round(&open).await.unwrap().expect("pending traces to fail");
     let claimed = store.claim_round("test", Duration::from_secs(60)).await.unwrap().expect("the round is claimable");

@@ -49,8 +49,9 @@ impl Bill {
         for c in calls {
             match c.role {
                 LlmRole::Reflector => self.reflector.add(c),
-                // A round makes no gate calls (a regression gate runs after publication, outside it).
-                LlmRole::Aggregator | LlmRole::Gate => self.aggregator.add(c),
+                // Rounds make no gate or judge calls (a regression gate runs after publication, a judge
+                // before a round; either would be billed as the aggregator model's).
+                LlmRole::Aggregator | LlmRole::Gate | LlmRole::Judge => self.aggregator.add(c),
             }
         }
     }

@@ -1,0 +1,224 @@
+//! Evaluators: each prompt's list (one row, replaced whole), the pending
+//! traces they have not judged yet, and their verdicts written onto a trace —
+//! as its feedback only when no one else scored it, with the rollups kept
+//! exact as late feedback keeps them.
+
+use async_trait::async_trait;
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::{
+    StoreResult,
+    backend::{Backend, SqlStore},
+    rollups::{self, Counted, Sign},
+    sql::{Cols, Param, corrupt, json, now, sql},
+    versions::{prompt_id, prompt_name},
+};
+use crate::{
+    domain::{Feedback, PromptName, trace::FeedbackSource},
+    evaluate::evaluators::{Evaluator, Judgement},
+};
+
+/// A pending trace the prompt's evaluators have not judged yet.
+#[derive(Debug, Clone)]
+pub struct Unjudged {
+    pub id: Uuid,
+    pub prompt: PromptName,
+    pub input: Value,
+    pub output: Value,
+    pub metadata: Value,
+    pub evaluators: Vec<Evaluator>,
+}
+
+/// The evaluators' combined verdict, written as the trace's feedback when
+/// no one else scored it: `score`, `critique` (the comment) and `by` (the
+/// evaluators behind it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JudgedFeedback {
+    pub score: f64,
+    pub critique: String,
+    pub by: String,
+}
+
+/// The evaluators' verdicts on one trace, to save.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JudgedTrace {
+    pub id: Uuid,
+    pub judgements: Vec<Judgement>,
+    pub feedback: Option<JudgedFeedback>,
+}
+
+/// One trace an agent or an operator scored, with what the evaluators said
+/// of it: calibration data.
+#[derive(Debug, Clone)]
+pub struct Calibrating {
+    pub feedback: Feedback,
+    pub judgements: Vec<Judgement>,
+}
+
+/// Evaluators and their judgements.
+#[async_trait]
+pub trait EvaluatorStore: Send + Sync {
+    /// The prompt's evaluators (empty when it has none); `NotFound` when the
+    /// prompt does not exist.
+    async fn evaluators(&self, prompt: &PromptName) -> StoreResult<Vec<Evaluator>>;
+    /// Replaces the prompt's evaluators (an empty list removes them: its
+    /// rounds stop waiting for judgements); `NotFound` when the prompt does
+    /// not exist.
+    async fn set_evaluators(&self, prompt: &PromptName, evaluators: &[Evaluator]) -> StoreResult<()>;
+    /// Up to `limit` pending, unquarantined traces of prompts with evaluators
+    /// that no evaluator has looked at yet, oldest first.
+    async fn unjudged_traces(&self, limit: u32) -> StoreResult<Vec<Unjudged>>;
+    /// Records the evaluators' judgements on each trace of `batch` (once:
+    /// traces judged already or gone are skipped) and, when a judged
+    /// feedback is given and the trace carries no reward yet, writes it as the
+    /// trace's feedback (source `judge`), the rollups taking it in as late
+    /// feedback does. One transaction; how many traces were recorded.
+    async fn save_judgements(&self, batch: &[JudgedTrace]) -> StoreResult<u64>;
+    /// The newest `limit` traces of the prompt that were judged and carry a
+    /// reward from the agent or an operator.
+    async fn calibration_data(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<Calibrating>>;
+}
+
+#[async_trait]
+impl<D: Backend> EvaluatorStore for SqlStore<D> {
+    async fn evaluators(&self, prompt: &PromptName) -> StoreResult<Vec<Evaluator>> {
+        let mut c = self.reader.acquire().await?;
+        let id = prompt_id::<D>(&mut c, prompt).await?;
+        let list: Option<Value> = sql::<D>("SELECT evaluators FROM prompt_evaluators WHERE prompt_id = $1")
+            .bind(id)
+            .value(&mut c, "evaluators")
+            .await?;
+        match list {
+            None => Ok(Vec::new()),
+            Some(v) => serde_json::from_value(v).map_err(|_| corrupt("evaluators")),
+        }
+    }
+
+    async fn set_evaluators(&self, prompt: &PromptName, evaluators: &[Evaluator]) -> StoreResult<()> {
+        let mut tx = self.writer.begin().await?;
+        let id = prompt_id::<D>(&mut tx, prompt).await?;
+        sql::<D>("DELETE FROM prompt_evaluators WHERE prompt_id = $1").bind(id).execute(&mut tx).await?;
+        if !evaluators.is_empty() {
+            let list = serde_json::to_value(evaluators).map_err(|_| corrupt("evaluators"))?;
+            sql::<D>("INSERT INTO prompt_evaluators (prompt_id, evaluators, updated_at) VALUES ($1, $2, $3)")
+                .bind(id)
+                .bind(json(&list))
+                .bind(now())
+                .execute(&mut tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn unjudged_traces(&self, limit: u32) -> StoreResult<Vec<Unjudged>> {
+        sql::<D>(
+            "SELECT t.id, p.name, t.input, t.output, t.metadata, e.evaluators
+             FROM prompt_evaluators e JOIN traces t ON t.prompt_id = e.prompt_id JOIN prompts p ON p.id = e.prompt_id
+             WHERE t.judged_at IS NULL AND t.status = 'pending' AND t.quarantined_at IS NULL
+             ORDER BY t.id LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .map(&mut *self.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok(Unjudged {
+                id: r.get("id")?,
+                prompt: prompt_name(&r.get::<String>("name")?)?,
+                input: r.get("input")?,
+                output: r.get("output")?,
+                metadata: r.get("metadata")?,
+                evaluators: serde_json::from_value(r.get("evaluators")?).map_err(|_| corrupt("evaluators"))?,
+            })
+        })
+        .await
+    }
+
+    async fn save_judgements(&self, batch: &[JudgedTrace]) -> StoreResult<u64> {
+        if batch.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<Uuid> = batch.iter().map(|j| j.id).collect();
+        let mut tx = self.writer.begin().await?;
+        // Locked in id order, so concurrent judges never wait on each other in a circle.
+        let text = format!(
+            "SELECT id, feedback FROM traces WHERE {} AND judged_at IS NULL ORDER BY id{}",
+            D::any_of("id", "$1"),
+            D::lock(" FOR UPDATE")
+        );
+        let open: Vec<(Uuid, Feedback)> = sql::<D>(&text)
+            .bind(Param::Ids(Some(&ids)))
+            .map(&mut tx, |row| {
+                let r = Cols::<D>(row);
+                Ok((r.get("id")?, serde_json::from_value(r.get("feedback")?).map_err(|_| corrupt("feedback"))?))
+            })
+            .await?;
+        let fills: Vec<(&JudgedTrace, Option<Feedback>)> = open
+            .into_iter()
+            .filter_map(|(id, current)| {
+                let j = batch.iter().find(|j| j.id == id)?;
+                let filled = j.feedback.as_ref().filter(|_| !current.rewarded()).map(|f| Feedback {
+                    score: Some(f.score),
+                    comment: current.comment.clone().or_else(|| (!f.critique.is_empty()).then(|| f.critique.clone())),
+                    ..current
+                });
+                Some((j, filled))
+            })
+            .collect();
+        let filled: Vec<Uuid> = fills.iter().filter(|(_, f)| f.is_some()).map(|(j, _)| j.id).collect();
+        rollups::account::<D>(&mut tx, &filled, Sign::Retract, Counted::Unquarantined).await?;
+        let at = now();
+        for (j, feedback) in &fills {
+            let list = serde_json::to_value(&j.judgements).map_err(|_| corrupt("judgements"))?;
+            match (feedback, &j.feedback) {
+                (Some(feedback), Some(by)) => {
+                    let feedback = serde_json::to_value(feedback).map_err(|_| corrupt("feedback"))?;
+                    sql::<D>(
+                        "UPDATE traces SET judged_at = $1, judgements = $2, feedback = $3, feedback_source = $4,
+                                judged_by = $5, updated_at = $1 WHERE id = $6",
+                    )
+                    .bind(at)
+                    .bind(json(&list))
+                    .bind(json(&feedback))
+                    .bind(FeedbackSource::Judge.column())
+                    .bind(by.by.as_str())
+                    .bind(j.id)
+                    .execute(&mut tx)
+                    .await?;
+                }
+                _ => {
+                    sql::<D>("UPDATE traces SET judged_at = $1, judgements = $2 WHERE id = $3")
+                        .bind(at)
+                        .bind(json(&list))
+                        .bind(j.id)
+                        .execute(&mut tx)
+                        .await?;
+                }
+            }
+        }
+        rollups::account::<D>(&mut tx, &filled, Sign::Credit, Counted::Unquarantined).await?;
+        tx.commit().await?;
+        Ok(fills.len() as u64)
+    }
+
+    async fn calibration_data(&self, prompt: &PromptName, limit: u32) -> StoreResult<Vec<Calibrating>> {
+        let mut c = self.reader.acquire().await?;
+        let id = prompt_id::<D>(&mut c, prompt).await?;
+        sql::<D>(
+            "SELECT feedback, judgements FROM traces
+             WHERE prompt_id = $1 AND judgements IS NOT NULL AND (feedback_source IS NULL OR feedback_source = 'human')
+             ORDER BY id DESC LIMIT $2",
+        )
+        .bind(id)
+        .bind(i64::from(limit))
+        .map(&mut c, |row| {
+            let r = Cols::<D>(row);
+            Ok(Calibrating {
+                feedback: serde_json::from_value(r.get("feedback")?).map_err(|_| corrupt("feedback"))?,
+                judgements: serde_json::from_value(r.get("judgements")?).map_err(|_| corrupt("judgements"))?,
+            })
+        })
+        .await
+        .map(|all| all.into_iter().filter(|t| t.feedback.rewarded()).collect())
+    }
+}
