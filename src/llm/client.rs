@@ -264,7 +264,7 @@ impl LlmBackend for OpenAiClient {
                 },
                 None => None,
             };
-            let (outcome, limit_at_send, format) = {
+            let (outcome, limit_at_send, format, shape_refused) = {
                 let slot = inner.limit.acquire().await;
                 inner.limiter.acquire(estimate).await;
                 // Chosen once the slot is held: a refusal seen while this call waited counts.
@@ -292,7 +292,20 @@ impl LlmBackend for OpenAiClient {
                     Err(_) => 0,
                 };
                 inner.limiter.settle(estimate, used);
-                (outcome, slot.limit_at_send, format)
+                // Stepped down while the slot is still held: a call that takes the
+                // slot next must not ask in the shape just refused.
+                let shape_refused = match &outcome {
+                    Err(Failure {
+                        err: LlmError::Rejected { status, message } | LlmError::Server { status, message },
+                        ..
+                    }) => {
+                        format != OutputFormat::Plain
+                            && format::refuses_response_format(*status, message)
+                            && inner.formats.refused(format)
+                    }
+                    _ => false,
+                };
+                (outcome, slot.limit_at_send, format, shape_refused)
             };
             let spent = attempt_usage(&outcome, estimate, reserve);
             if let Some(reported) = reported_usage(&outcome, estimate) {
@@ -319,11 +332,7 @@ impl LlmBackend for OpenAiClient {
                 }
                 Err(failure) => failure,
             };
-            if let LlmError::Rejected { status, message } | LlmError::Server { status, message } = &err
-                && format != OutputFormat::Plain
-                && format::refuses_response_format(*status, message)
-                && inner.formats.refused(format)
-            {
+            if shape_refused {
                 // Not a retry: the same request in the next shape the backend may take.
                 continue;
             }

@@ -862,6 +862,10 @@ async fn rows_read(c: &mut sqlx::PgConnection, table: &str) -> i64 {
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    // This connection's own reads (the set-up's) are counted only once it
+    // flushes them, which a backend may put off for up to a second after its
+    // last flush: force it now, so that none lands in a later reading.
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *c).await.unwrap();
     sqlx::query_scalar::<_, i64>(
         "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes WHERE relname = $1)::bigint
               + (SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = $1)",
