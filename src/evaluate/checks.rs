@@ -37,13 +37,13 @@ pub enum Check {
     /// The reply is JSON (the whole reply, or one fenced ```json block) that
     /// matches a JSON Schema.
     JsonSchema {
-        #[schema(value_type = Object)]
+        #[schema(value_type = serde_json::Value)]
         schema: Value,
     },
     /// The reply equals `value` (strings compared after trimming whitespace;
     /// other JSON values compared with the reply parsed as JSON).
     Equals {
-        #[schema(value_type = Object)]
+        #[schema(value_type = serde_json::Value)]
         value: Value,
     },
     /// The reply equals the value at `key` in the trace's metadata; a trace

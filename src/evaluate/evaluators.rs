@@ -42,7 +42,7 @@ pub enum Evaluator {
         #[schema(pattern = r"^[a-z0-9][a-z0-9._-]{0,63}$")]
         name: String,
         /// What a good reply is, in the operator's words (at most 8,192 bytes).
-        #[schema(min_length = 1, max_length = 2048, pattern = r"\S")]
+        #[schema(min_length = 1, max_length = 8192, pattern = r"\S")]
         rubric: String,
     },
 }

@@ -170,7 +170,9 @@ pub fn patched_caps(current: &BudgetCaps, patch: &serde_json::Value) -> ServiceR
             }
         }
         (_, serde_json::Value::Null) => return Ok(BudgetCaps::default()),
-        _ => doc = patch.clone(),
+        (_, serde_json::Value::Object(_)) => doc = patch.clone(),
+        // A sequence would fill the caps by position: only an object names them.
+        _ => return Err(ServiceError::Unprocessable("`settings.budget` must be an object or null".into())),
     }
     let caps: BudgetCaps = serde_path_to_error::deserialize(doc).map_err(|e| {
         let inner = super::plain_serde_error(&e.inner().to_string());

@@ -495,9 +495,9 @@ fn agent_reply(cfg: &SimConfig, req: &SimRequest) -> String {
         .map(|i| format!("applying {}", i.token))
         .collect();
     if applied.is_empty() {
-        "Simulated agent: I answer as instructed.".to_owned()
+        "A simulated agent: I answer as instructed.".to_owned()
     } else {
-        format!("Simulated agent: I answer as instructed, {}.", applied.join(", "))
+        format!("A simulated agent: I answer as instructed, {}.", applied.join(", "))
     }
 }
 
