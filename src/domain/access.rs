@@ -77,3 +77,85 @@ pub struct NewUiSession {
     pub csrf_token: String,
     pub expires_at: DateTime<Utc>,
 }
+
+/// Where a caller may act: every project (server-wide keys and people), or one
+/// project. A resource of a project out of reach is answered as absent (404),
+/// so its existence is not revealed.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Reach {
+    Server,
+    Project(String),
+}
+
+impl Reach {
+    /// Whether a resource of `project` is within reach.
+    pub fn allows(&self, project: &str) -> bool {
+        match self {
+            Reach::Server => true,
+            Reach::Project(p) => p == project,
+        }
+    }
+
+    /// The one project this caller is bound to, if any.
+    pub fn project(&self) -> Option<&str> {
+        match self {
+            Reach::Server => None,
+            Reach::Project(p) => Some(p),
+        }
+    }
+}
+
+/// What a person may do, in one project or server-wide: given by single
+/// sign-on (a mapped group claim) or by an admin. API keys keep their scopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, serde::Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Reads everything in reach.
+    Viewer,
+    /// Also promotes, rolls back, quarantines and requeues traces, triggers rounds.
+    Operator,
+    /// Also keys, webhooks, settings and members.
+    Admin,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Viewer, Role::Operator, Role::Admin];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Operator => "operator",
+            Role::Admin => "admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+
+    /// The API scopes a role stands for, so one check serves keys and people.
+    pub fn scopes(self) -> &'static [Scope] {
+        match self {
+            Role::Viewer => &[Scope::PromptsRead],
+            Role::Operator => &[Scope::PromptsRead, Scope::PromptsPromote, Scope::RoundsTrigger],
+            Role::Admin => &[Scope::Admin],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_project_reach_allows_only_its_project_and_roles_name_their_scopes() {
+        assert!(Reach::Server.allows("a"));
+        assert!(Reach::Project("a".into()).allows("a"));
+        assert!(!Reach::Project("a".into()).allows("b"));
+        assert_eq!(Role::parse("operator"), Some(Role::Operator));
+        assert_eq!(Role::parse("owner"), None);
+        assert!(!Role::Viewer.scopes().contains(&Scope::PromptsPromote));
+        assert!(Role::Operator.scopes().contains(&Scope::PromptsPromote));
+        assert_eq!(Role::Admin.scopes(), &[Scope::Admin]);
+    }
+}
