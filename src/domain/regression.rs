@@ -300,6 +300,19 @@ pub struct Gate {
     pub decided_at: Option<DateTime<Utc>>,
 }
 
+impl Gate {
+    /// The verdict in short, as label-history evidence: every move of
+    /// `production` to a gated version carries it, whoever made the move.
+    pub fn evidence(&self) -> Value {
+        serde_json::json!({
+            "status": self.status.as_str(), "mode": self.mode.as_str(), "reason": self.reason,
+            "production_version": self.production_version, "candidate_mean": self.candidate_mean,
+            "production_mean": self.production_mean, "margin": self.margin, "cases": self.cases.len(),
+            "failed_cases": self.cases.iter().filter(|c| !c.candidate.passed).count(),
+        })
+    }
+}
+
 /// The LLM calls a gate made: how many, their tokens and cost (USD, at the configured prices).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize, ToSchema)]
 pub struct GateUsage {

@@ -117,8 +117,8 @@ impl<'a> Exposer<'a> {
                     check_current: gate.production_version.is_some(),
                     by: "regression-gate".into(),
                 };
-                let cause = MoveCause::new(LabelMoveKind::AutoPublish, "passed its regression gate")
-                    .with_evidence(evidence(gate));
+                // The one door adds the gate's verdict to the evidence.
+                let cause = MoveCause::new(LabelMoveKind::AutoPublish, "passed its regression gate");
                 match self.mover.move_production(&prompt.name, &mv, &cause).await {
                     Ok(_) => Ok(()),
                     Err(StoreError::Conflict) => {
@@ -142,18 +142,6 @@ impl<'a> Exposer<'a> {
             Promotion::Manual => Ok(()),
         }
     }
-}
-
-/// The verdict in short, as label-history evidence.
-pub fn evidence(gate: &Gate) -> Value {
-    json!({
-        "regression_gate": {
-            "status": gate.status.as_str(), "mode": gate.mode.as_str(), "reason": gate.reason,
-            "production_version": gate.production_version, "candidate_mean": gate.candidate_mean,
-            "production_mean": gate.production_mean, "margin": gate.margin, "cases": gate.cases.len(),
-            "failed_cases": gate.cases.iter().filter(|c| !c.candidate.passed).count(),
-        }
-    })
 }
 
 /// A version's gate (none: it was not gated).

@@ -5,6 +5,8 @@
 //! the served prompts' cache drops the prompt. A rule about "after production
 //! moved" is written here once.
 
+use serde_json::{Map, Value};
+
 use super::{AppState, population};
 use crate::{
     cache::PromptCache,
@@ -46,7 +48,8 @@ impl<'a> Mover<'a> {
         if mv.label != LabelName::production() {
             return Err(StoreError::Invalid(format!("label {:?} is not production", mv.label)));
         }
-        let label = self.store.move_label_because(prompt, mv, cause).await?;
+        let cause = with_gate_evidence(self.store, prompt, mv.to_version, cause).await?;
+        let label = self.store.move_label_because(prompt, mv, &cause).await?;
         self.followed(prompt).await;
         Ok(label)
     }
@@ -65,6 +68,29 @@ impl<'a> Mover<'a> {
             cache.invalidate(prompt.as_str());
         }
     }
+}
+
+/// `cause`, with the regression gate's verdict on `version` added to its
+/// evidence (as `regression_gate`) when the version was gated: the record of
+/// a move says what the version passed, whether the gate, the rater or an
+/// operator moved it.
+async fn with_gate_evidence(
+    store: &DynStore,
+    prompt: &PromptName,
+    version: i64,
+    cause: &MoveCause,
+) -> StoreResult<MoveCause> {
+    let mut cause = cause.clone();
+    let Some(gate) = store.gate(prompt, version).await? else { return Ok(cause) };
+    let mut evidence = match cause.evidence.take() {
+        Some(Value::Object(map)) => map,
+        None => Map::new(),
+        // Evidence that is not an object is kept beside the verdict.
+        Some(other) => Map::from_iter([("evidence".to_string(), other)]),
+    };
+    evidence.insert("regression_gate".into(), gate.evidence());
+    cause.evidence = Some(Value::Object(evidence));
+    Ok(cause)
 }
 
 /// Makes a stored population follow `production` at once: the version

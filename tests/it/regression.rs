@@ -377,6 +377,33 @@ async fn a_harness_is_asked_by_signed_webhook_and_its_answer_or_silence_decides(
     assert_eq!(rejected["data"]["version"], 3);
 }
 
+/// A manual prompt's gated version waits for the operator; when the operator
+/// promotes it, the label history carries the gate's verdict as evidence.
+async fn an_operators_promotion_of_a_gated_version_records_the_verdict(b: Backend) {
+    let sim = spawn_sim(SimConfig::default()).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    create(&app, "desk", "manual").await;
+    let case = json!({"input": "Where is my parcel?", "checks": [{"type": "not_contains", "text": "harm-"}]});
+    assert_eq!(app.post("/v1/prompts/desk/regression-cases", case).send().await.unwrap().status(), 201);
+    teach(&app, "desk", "INSIGHT-lesson-t5: quote the tracking number").await;
+    assert_eq!(decided(&app, "desk", 2).await["gate"]["status"], "passed");
+    assert_eq!(production(&app, "desk").await, 1, "a manual prompt waits for the operator");
+    let res = app.put("/v1/prompts/desk/labels/production", json!({"version": 2})).send().await.unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    let history: Value =
+        app.get("/v1/prompts/desk/labels/history?label=production").send().await.unwrap().json().await.unwrap();
+    let moved = &history["moves"][0];
+    assert_eq!(moved["to_version"], 2, "{history}");
+    assert_eq!(moved["evidence"]["regression_gate"]["status"], "passed", "{moved}");
+    assert_eq!(moved["evidence"]["regression_gate"]["failed_cases"], 0, "{moved}");
+    // A move to a version that was never gated carries no verdict.
+    let res = app.put("/v1/prompts/desk/labels/production", json!({"version": 1})).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let history: Value =
+        app.get("/v1/prompts/desk/labels/history?label=production").send().await.unwrap().json().await.unwrap();
+    assert!(history["moves"][0]["evidence"].get("regression_gate").is_none(), "{history}");
+}
+
 on_both_stores!(
     a_version_that_breaks_a_case_never_gets_traffic_and_one_that_passes_does,
     cases_are_added_imported_pinned_listed_and_deleted,
@@ -385,4 +412,5 @@ on_both_stores!(
 on_one_store!(
     evaluated_population_waits_for_the_gate: an_evaluated_prompts_version_joins_the_population_only_after_its_gate(Sqlite),
     harness_webhook_path: a_harness_is_asked_by_signed_webhook_and_its_answer_or_silence_decides(Postgres),
+    operator_promotion_carries_the_verdict: an_operators_promotion_of_a_gated_version_records_the_verdict(Postgres),
 );
