@@ -155,6 +155,8 @@ impl Application {
                 store.clone(),
                 breeder.as_ref().map(|(backend, llm, _)| (backend.clone(), llm.clone())),
                 Duration::from_millis(settings.worker.poll_interval_ms),
+                // A batch waits on the LLM judge: as long as a gate's claim.
+                Duration::from_secs(settings.worker.lease_secs.saturating_mul(10)),
             )),
         };
         // Webhook deliveries go out from wherever the learning worker runs.

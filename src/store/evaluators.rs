@@ -3,6 +3,8 @@
 //! as its feedback only when no one else scored it, with the rollups kept
 //! exact as late feedback keeps them.
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use serde_json::Value;
 use uuid::Uuid;
@@ -11,7 +13,7 @@ use super::{
     StoreResult,
     backend::{Backend, SqlStore},
     rollups::{self, Counted, Sign},
-    sql::{Cols, Param, corrupt, json, now, sql},
+    sql::{Cols, Param, corrupt, json, later, now, sql},
     versions::{prompt_id, prompt_name},
 };
 use crate::{
@@ -66,9 +68,12 @@ pub trait EvaluatorStore: Send + Sync {
     /// rounds stop waiting for judgements); `NotFound` when the prompt does
     /// not exist.
     async fn set_evaluators(&self, prompt: &PromptName, evaluators: &[Evaluator]) -> StoreResult<()>;
-    /// Up to `limit` pending, unquarantined traces of prompts with evaluators
-    /// that no evaluator has looked at yet, oldest first.
-    async fn unjudged_traces(&self, limit: u32) -> StoreResult<Vec<Unjudged>>;
+    /// Claims, for `lease`, up to `limit` pending, unquarantined traces of
+    /// prompts with evaluators that no evaluator has looked at yet and no
+    /// other judge holds, oldest first: several worker processes judge
+    /// disjoint batches, and a dead worker's batch is claimed again once its
+    /// lease runs out.
+    async fn claim_unjudged(&self, lease: Duration, limit: u32) -> StoreResult<Vec<Unjudged>>;
     /// Records the evaluators' judgements on each trace of `batch` (once:
     /// traces judged already or gone are skipped) and, when a judged
     /// feedback is given and the trace carries no reward yet, writes it as the
@@ -112,26 +117,42 @@ impl<D: Backend> EvaluatorStore for SqlStore<D> {
         Ok(())
     }
 
-    async fn unjudged_traces(&self, limit: u32) -> StoreResult<Vec<Unjudged>> {
-        sql::<D>(
+    async fn claim_unjudged(&self, lease: Duration, limit: u32) -> StoreResult<Vec<Unjudged>> {
+        let mut tx = self.writer.begin().await?;
+        let at = now();
+        let text = format!(
             "SELECT t.id, p.name, t.input, t.output, t.metadata, e.evaluators
              FROM prompt_evaluators e JOIN traces t ON t.prompt_id = e.prompt_id JOIN prompts p ON p.id = e.prompt_id
              WHERE t.judged_at IS NULL AND t.status = 'pending' AND t.quarantined_at IS NULL
-             ORDER BY t.id LIMIT $1",
-        )
-        .bind(i64::from(limit))
-        .map(&mut *self.reader.acquire().await?, |row| {
-            let r = Cols::<D>(row);
-            Ok(Unjudged {
-                id: r.get("id")?,
-                prompt: prompt_name(&r.get::<String>("name")?)?,
-                input: r.get("input")?,
-                output: r.get("output")?,
-                metadata: r.get("metadata")?,
-                evaluators: serde_json::from_value(r.get("evaluators")?).map_err(|_| corrupt("evaluators"))?,
+               AND (t.judge_claimed_until IS NULL OR t.judge_claimed_until < $1)
+             ORDER BY t.id LIMIT $2{}",
+            D::lock(" FOR UPDATE OF t SKIP LOCKED")
+        );
+        let claimed = sql::<D>(&text)
+            .bind(at)
+            .bind(i64::from(limit))
+            .map(&mut tx, |row| {
+                let r = Cols::<D>(row);
+                Ok(Unjudged {
+                    id: r.get("id")?,
+                    prompt: prompt_name(&r.get::<String>("name")?)?,
+                    input: r.get("input")?,
+                    output: r.get("output")?,
+                    metadata: r.get("metadata")?,
+                    evaluators: serde_json::from_value(r.get("evaluators")?).map_err(|_| corrupt("evaluators"))?,
+                })
             })
-        })
-        .await
+            .await?;
+        if !claimed.is_empty() {
+            let ids: Vec<Uuid> = claimed.iter().map(|t| t.id).collect();
+            sql::<D>(&format!("UPDATE traces SET judge_claimed_until = $1 WHERE {}", D::any_of("id", "$2")))
+                .bind(later(at, lease))
+                .bind(Param::Ids(Some(&ids)))
+                .execute(&mut tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(claimed)
     }
 
     async fn save_judgements(&self, batch: &[JudgedTrace]) -> StoreResult<u64> {

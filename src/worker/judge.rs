@@ -38,11 +38,18 @@ pub struct TraceJudge {
     /// The LLM the `judge` evaluators ask; without one they fail (unjudged).
     llm: Option<(Arc<dyn LlmBackend>, Arc<LlmConfig>)>,
     poll: Duration,
+    /// How long a claimed batch is this process's to judge.
+    lease: Duration,
 }
 
 impl TraceJudge {
-    pub fn new(store: DynStore, llm: Option<(Arc<dyn LlmBackend>, LlmConfig)>, poll: Duration) -> Self {
-        Self { store, llm: llm.map(|(b, c)| (b, Arc::new(c))), poll }
+    pub fn new(
+        store: DynStore,
+        llm: Option<(Arc<dyn LlmBackend>, LlmConfig)>,
+        poll: Duration,
+        lease: Duration,
+    ) -> Self {
+        Self { store, llm: llm.map(|(b, c)| (b, Arc::new(c))), poll, lease }
     }
 
     /// Judges until `shutdown`: a full batch is followed at once by the next.
@@ -65,10 +72,12 @@ impl TraceJudge {
         }
     }
 
-    /// One pass: judges up to a batch of unjudged pending traces; how many
-    /// were judged (each once, even when another process judged beside it).
+    /// One pass: claims up to a batch of unjudged pending traces (other
+    /// processes judge other batches) and judges them; how many were judged
+    /// (each recorded once, even when a claim ran out and another process
+    /// judged beside it).
     pub async fn judge_pending(&self) -> StoreResult<usize> {
-        let traces = self.store.unjudged_traces(BATCH).await?;
+        let traces = self.store.claim_unjudged(self.lease, BATCH).await?;
         let n = traces.len();
         let judged: Vec<JudgedTrace> =
             stream::iter(traces).map(|t| self.judge_one(t)).buffer_unordered(PARALLEL).collect().await;

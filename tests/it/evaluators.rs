@@ -131,7 +131,7 @@ async fn judged_feedback_never_overrides_the_agent_and_late_feedback_replaces_it
     let mut reported = unscored("p", 1, true, 0);
     reported.feedback = Feedback { success: Some(false), ..Default::default() };
     let ids = s.insert_traces(&[unscored("p", 1, false, 1), reported, unscored("p", 1, true, 2)]).await.unwrap();
-    let judge = TraceJudge::new(s.clone(), None, Duration::from_millis(10));
+    let judge = TraceJudge::new(s.clone(), None, Duration::from_millis(10), Duration::from_secs(60));
     assert_eq!(judge_all(&judge).await, 3);
 
     let t = s.get_trace(ids[0]).await.unwrap().unwrap();
@@ -169,6 +169,35 @@ async fn judged_feedback_never_overrides_the_agent_and_late_feedback_replaces_it
     assert_eq!(outcomes(s.clone()).await, (3, 0, 0.75));
 }
 
+/// Judges in several processes take disjoint batches (no trace judged, or
+/// paid for, twice), and a batch whose judge died is claimed again once its
+/// lease runs out.
+async fn judges_claim_disjoint_batches_and_a_dead_judges_batch_returns(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    evaluated_prompt(&s, "p", 1).await;
+    s.set_evaluators(&name("p"), &solved_check()).await.unwrap();
+    s.insert_traces(&batch("p", 1, 40, 0.5)).await.unwrap();
+    let lease = Duration::from_secs(60);
+    let claims = futures_util::future::join_all((0..4).map(|_| s.claim_unjudged(lease, 12))).await;
+    let mut ids: Vec<uuid::Uuid> = claims.into_iter().flat_map(|c| c.unwrap()).map(|t| t.id).collect();
+    let claimed = ids.len();
+    ids.sort();
+    ids.dedup();
+    assert_eq!((claimed, ids.len()), (40, 40), "every trace claimed once by four concurrent judges");
+    assert!(s.claim_unjudged(lease, 12).await.unwrap().is_empty(), "all are held");
+
+    // A judge that claimed and died: its lease runs out, the batch returns.
+    evaluated_prompt(&s, "q", 1).await;
+    s.set_evaluators(&name("q"), &solved_check()).await.unwrap();
+    s.insert_traces(&batch("q", 1, 3, 0.5)).await.unwrap();
+    assert_eq!(s.claim_unjudged(Duration::from_millis(1), 12).await.unwrap().len(), 3);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let again = s.claim_unjudged(lease, 12).await.unwrap();
+    assert_eq!(again.len(), 3, "the dead judge's batch is claimed again");
+    assert!(again.iter().all(|t| t.prompt.as_str() == "q"));
+}
+
 /// A round of a prompt with evaluators leaves unjudged traces out until they
 /// are judged, or older than the wait.
 async fn rounds_wait_for_judgement_within_a_limit(b: Backend) {
@@ -197,7 +226,7 @@ async fn rounds_wait_for_judgement_within_a_limit(b: Backend) {
     evaluated_prompt(&s, "q", 1).await;
     s.set_evaluators(&name("q"), &solved_check()).await.unwrap();
     s.insert_traces(&batch("q", 1, 3, 0.5)).await.unwrap();
-    judge_all(&TraceJudge::new(s.clone(), None, Duration::from_millis(10))).await;
+    judge_all(&TraceJudge::new(s.clone(), None, Duration::from_millis(10), Duration::from_secs(60))).await;
     let round = s.open_round(&OpenRound { prompt: name("q"), ..open(3600) }).await.unwrap().expect("judged");
     assert_eq!(round.n, 3);
 }
@@ -214,7 +243,7 @@ async fn with_no_feedback_at_all_judged_rewards_rate_and_promote(b: Backend) {
     add_challenger(&s, &name("p"), 2, Some(1), &settings.policy()).await.unwrap();
     add_challenger(&s, &name("p"), 3, Some(1), &settings.policy()).await.unwrap();
     let rater = PopulationRater::new(s.clone(), settings);
-    let judge = TraceJudge::new(s.clone(), None, Duration::from_millis(10));
+    let judge = TraceJudge::new(s.clone(), None, Duration::from_millis(10), Duration::from_secs(60));
 
     let window = |_: ()| {
         let mut w = batch("p", 1, 30, 0.5);
@@ -433,6 +462,7 @@ on_both_stores!(
     the_list_is_validated_at_the_edge_stored_and_shown,
     judged_feedback_never_overrides_the_agent_and_late_feedback_replaces_it,
     rounds_wait_for_judgement_within_a_limit,
+    judges_claim_disjoint_batches_and_a_dead_judges_batch_returns,
     with_no_feedback_at_all_judged_rewards_rate_and_promote,
     calibration_compares_the_evaluators_with_reported_rewards,
 );

@@ -1874,6 +1874,8 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     undo.extend(
         ["failure_streak", "last_failed_at", "last_failure"].map(|c| format!("ALTER TABLE prompts DROP COLUMN {c}")),
     );
+    // 0044 too.
+    undo.push("ALTER TABLE traces DROP COLUMN judge_claimed_until".to_owned());
     // 0041 too (its indexes and triggers go with the tables).
     undo.push("DROP TABLE audit_log".to_owned());
     undo.push(match b {
