@@ -125,13 +125,17 @@ fn task_reward_columns<D: Dialect>() -> (String, String) {
 pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
     let moments = moment_sums::<D>(s, false);
+    // Each trace's outcome columns are read from its JSON once, then joined
+    // to the tiers: computed after the join, every JSON read ran once per
+    // tier (4×; SQLite parses the text at each read).
     format!(
         "INSERT INTO outcome_rollups ({OUTCOME_COLUMNS})
+         WITH outcome_rows AS MATERIALIZED (
+             SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, t.created_at, {outcome}
+             FROM {source} WHERE {cond})
          SELECT prompt_id, version, width, start_secs, {s}count(*), {s}count(CASE WHEN rewarded THEN 1 END),
                 {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}, {s}count(judged)
-         FROM (SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, w.width, {start} AS start_secs,
-                      {outcome}
-               FROM {source} CROSS JOIN {TIER_WIDTHS} WHERE {cond}) v
+         FROM (SELECT t.*, w.width, {start} AS start_secs FROM outcome_rows t CROSS JOIN {TIER_WIDTHS}) v
          GROUP BY prompt_id, version, width, start_secs",
         start = D::bucket_start("w.width"),
         outcome = outcome_columns::<D>(),
@@ -143,12 +147,14 @@ pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign
 pub(crate) fn task_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
     let (reward, keyed) = task_reward_columns::<D>();
+    // Read once per trace, then joined to the tiers (as the outcome deltas).
     format!(
         "INSERT INTO task_rollups (prompt_id, version, task_key, width, start_secs, traces, reward_sum)
+         WITH task_rows AS MATERIALIZED (
+             SELECT t.prompt_id, t.prompt_version AS version, t.created_at, {reward}
+             FROM {source} WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed})
          SELECT prompt_id, version, task_key, width, start_secs, {s}count(*), {s}{total}
-         FROM (SELECT t.prompt_id, t.prompt_version AS version, w.width, {start} AS start_secs, {reward}
-               FROM {source} CROSS JOIN {TASK_WIDTHS}
-               WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed}) r
+         FROM (SELECT t.*, w.width, {start} AS start_secs FROM task_rows t CROSS JOIN {TASK_WIDTHS}) r
          WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, width, start_secs",
         total = D::real("sum(reward)"),
         start = D::bucket_start("w.width"),
