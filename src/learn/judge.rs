@@ -94,7 +94,9 @@ pub async fn judge(
     reply: &str,
     calls: &mut Vec<LlmCall>,
 ) -> Judgement {
-    let req = cfg.request(LlmRole::Judge, messages(rubric, input, reply), true).with_schema(schema());
+    let mut req = cfg.request(LlmRole::Judge, messages(rubric, input, reply), true).with_schema(schema());
+    // Counted as judge spend wherever the call is made (a trace's evaluator, a gate's rubric case).
+    req.tag.kind = Some(TASK);
     match chat_decoded(backend, LlmRole::Judge, req, calls, decode).await {
         Ok((score, critique)) => Judgement::scored(name, score, &critique),
         Err(e) => Judgement::failed(name, format!("the judge gave no usable answer: {e}")),
