@@ -468,6 +468,18 @@ async fn a_rubric_case_is_judged_and_a_version_that_fails_it_never_gets_traffic(
     assert_eq!(kinds, vec![("judge", 0.7), ("judge", 0.5)], "{list}");
     let page = ui_page(&app, "/ui/prompts/helpdesk").await;
     assert!(page.contains("judge, passes at 0.7: The agent follows its playbook"), "{page}");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_combee"))
+        .args(["regression", "list", "helpdesk"])
+        .env("COMBEE_URL", &app.base)
+        .env("COMBEE_API_KEY", &app.admin_key)
+        .env_remove("COMBEE_CONFIG_DIR")
+        .output()
+        .await
+        .unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(table.contains("MUST HOLD") && table.contains("judge ≥ 0.7: The agent follows its playbook"), "{table}");
+    assert!(table.contains("judge ≥ 0.5: The reply is polite."), "{table}");
 }
 
 on_both_stores!(
