@@ -400,7 +400,7 @@ impl Default for RetentionSettings {
 
 /// The server's learning budget: caps on the tokens and US dollars combee's
 /// own LLM calls (reflection, aggregation, crossover, …) spend, over all
-/// prompts per UTC day, and per pass of any round; a prompt's own caps
+/// prompts per UTC day, and per round (every pass of it together); a prompt's own caps
 /// (`PATCH /v1/prompts/{name}/settings`, `budget`) hold beside them. Unset
 /// caps do not hold. Dollars come from `llm.price_*` and `[llm.prices."model"]`.
 #[derive(Debug, Clone, Serialize, Deserialize)]

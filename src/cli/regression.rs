@@ -13,7 +13,8 @@ use super::client::{ApiClient, CliError, CliResult, cell, encode, print_json, pr
 pub enum RegressionCommand {
     /// Import cases from a JSON Lines file, all or none (a bad line is named by its number).
     ///
-    /// A line is a case (`{"name", "input", "checks"}`), an OpenAI Evals sample
+    /// A line is a case (`{"name", "input", "checks"}`, or `"judge": {"rubric",
+    /// "pass_score"}` instead of checks), an OpenAI Evals sample
     /// (`{"input", "ideal"}`: the reply must equal the ideal, or contain it with
     /// --includes; a list of ideals: any of them), or a record of combee's trace
     /// export (a successful trace: the reply must equal its output).
@@ -58,9 +59,16 @@ pub async fn run(api: &ApiClient, json_out: bool, command: RegressionCommand) ->
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|c| vec![cell(&c["id"]), cell(&c["name"]), cell(&c["source"]), c["checks"].to_string()])
+                .map(|c| {
+                    // A judge-rubric case shows its rubric and pass score where a checks case shows its checks.
+                    let holds = match c.get("judge") {
+                        Some(j) => format!("judge ≥ {}: {}", cell(&j["pass_score"]), cell(&j["rubric"])),
+                        None => c["checks"].to_string(),
+                    };
+                    vec![cell(&c["id"]), cell(&c["name"]), cell(&c["kind"]), cell(&c["source"]), holds]
+                })
                 .collect();
-            print_table(&["ID", "NAME", "SOURCE", "CHECKS"], &rows);
+            print_table(&["ID", "NAME", "KIND", "SOURCE", "MUST HOLD"], &rows);
             Ok(())
         }
         RegressionCommand::Delete { prompt, id } => {

@@ -1,7 +1,8 @@
 //! Regression sets: the cases an operator knows must keep working, and the
 //! gate that runs a learned version on them before it meets live traffic.
 //! A case is an input (a string, chat messages or any object) and what must
-//! hold of the reply (code checks, `evaluate::checks`); the gate's verdict
+//! hold of the reply: code checks (`evaluate::checks`) or a judge's rubric
+//! (an LLM scores the reply, passing at `pass_score`); the gate's verdict
 //! compares the version with production case by case. Pure types and rules:
 //! reading the set, calling the model and moving labels happen elsewhere.
 
@@ -11,7 +12,10 @@ use serde_json::Value;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use crate::evaluate::checks::{self, Check, CompiledCheck};
+use crate::evaluate::{
+    checks::{self, Check, CompiledCheck},
+    evaluators::MAX_RUBRIC_BYTES,
+};
 
 /// Most checks one case may carry.
 pub const MAX_CHECKS_PER_CASE: usize = 20;
@@ -22,27 +26,62 @@ pub const MAX_CASE_MESSAGES: usize = 50;
 /// Longest reply kept in a case result, in characters.
 pub const REPLY_CHARS_KEPT: usize = 2_000;
 
-/// What a case asks of a reply. Only `checks` exists today; a case judged by
-/// a model against a rubric (`judge`) is a second kind beside it: the column
-/// `kind` and this enum are where it goes, and the gate scores each kind
-/// through [`CaseKind`] alone.
+/// What a case asks of a reply (the column `kind`; the gate scores each
+/// kind through this enum).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum CaseKind {
     /// Every check must pass (code checks, no model involved).
     #[default]
     Checks,
+    /// An LLM judge scores the reply against the case's rubric; it passes at
+    /// the case's `pass_score`.
+    Judge,
 }
 
 impl CaseKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Checks => "checks",
+            Self::Judge => "judge",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        (s == "checks").then_some(Self::Checks)
+        [Self::Checks, Self::Judge].into_iter().find(|k| k.as_str() == s)
+    }
+}
+
+fn half() -> f64 {
+    0.5
+}
+
+/// A judge-rubric case's judge: the rubric, as an LLM-judge evaluator's, and
+/// the score at which the reply passes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CaseJudge {
+    /// What a good reply is, in the operator's words (at most 8,192 bytes).
+    #[schema(min_length = 1, max_length = 8192, pattern = r"\S")]
+    pub rubric: String,
+    /// The reply passes when the judge's score (0–1) is at least this; default 0.5.
+    #[serde(default = "half")]
+    #[schema(minimum = 0.0, maximum = 1.0)]
+    pub pass_score: f64,
+}
+
+impl CaseJudge {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.rubric.trim().is_empty() {
+            return Err("`judge.rubric` must not be empty".into());
+        }
+        if self.rubric.len() > MAX_RUBRIC_BYTES {
+            return Err(format!("`judge.rubric` is {} bytes; the limit is {MAX_RUBRIC_BYTES}", self.rubric.len()));
+        }
+        if !(0.0..=1.0).contains(&self.pass_score) {
+            return Err("`judge.pass_score` must be between 0 and 1".into());
+        }
+        Ok(())
     }
 }
 
@@ -78,7 +117,10 @@ pub struct NewCase {
     pub name: Option<String>,
     #[schema(value_type = Object)]
     pub input: Value,
+    /// Code checks (a `checks` case); empty for a judge-rubric case.
     pub checks: Vec<Check>,
+    /// The judge of a judge-rubric case.
+    pub judge: Option<CaseJudge>,
     pub source: CaseSource,
     pub trace_id: Option<Uuid>,
 }
@@ -91,7 +133,11 @@ pub struct RegressionCase {
     pub kind: CaseKind,
     #[schema(value_type = Object)]
     pub input: Value,
+    /// Code checks (kind `checks`); empty for a judge-rubric case.
     pub checks: Vec<Check>,
+    /// The rubric and pass score (kind `judge`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub judge: Option<CaseJudge>,
     pub source: CaseSource,
     /// The trace it was pinned from.
     pub trace_id: Option<Uuid>,
@@ -100,8 +146,12 @@ pub struct RegressionCase {
 }
 
 impl NewCase {
+    pub fn kind(&self) -> CaseKind {
+        if self.judge.is_some() { CaseKind::Judge } else { CaseKind::Checks }
+    }
+
     /// Checks a case at the edge: the name, the input's shape and size, the
-    /// checks (each one compiled). The error says what is wrong, for a 422.
+    /// checks (each one compiled) or the judge. The error says what is wrong, for a 422.
     pub fn validate(&self, max_input_bytes: usize) -> Result<(), String> {
         if let Some(name) = &self.name
             && (name.trim().is_empty() || name.chars().count() > MAX_CASE_NAME_CHARS)
@@ -113,8 +163,16 @@ impl NewCase {
             return Err(format!("`input` is {size} bytes; the limit is {max_input_bytes}"));
         }
         input_messages(&self.input)?;
+        if let Some(judge) = &self.judge {
+            if !self.checks.is_empty() {
+                return Err("a case has `checks` or a `judge` rubric, not both".into());
+            }
+            return judge.validate();
+        }
         if self.checks.is_empty() {
-            return Err("`checks` must hold at least one check: a case says what must hold".into());
+            return Err(
+                "`checks` must hold at least one check, or give a `judge` rubric: a case says what must hold".into()
+            );
         }
         if self.checks.len() > MAX_CHECKS_PER_CASE {
             return Err(format!("`checks` holds {} checks; the limit is {MAX_CHECKS_PER_CASE}", self.checks.len()));
@@ -177,6 +235,15 @@ pub struct CaseRun {
     pub reply: String,
     #[serde(default)]
     pub error: Option<String>,
+    /// False when the case could not be scored this run (a judge-rubric
+    /// case whose judge call failed): neither a pass nor a fail, left out of
+    /// the comparison and the means.
+    #[serde(default = "yes")]
+    pub evaluated: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl CaseRun {
@@ -184,7 +251,34 @@ impl CaseRun {
     pub fn scored(case_id: Uuid, checks: &[CompiledCheck], reply: &str) -> Self {
         let s = checks::score(checks, reply, &Value::Null);
         let (score, critiques) = s.map_or((1.0, Vec::new()), |s| (s.score, s.critiques));
-        Self { case_id, score, passed: critiques.is_empty(), critiques, reply: cut(reply), error: None }
+        Self {
+            case_id,
+            score,
+            passed: critiques.is_empty(),
+            critiques,
+            reply: cut(reply),
+            error: None,
+            evaluated: true,
+        }
+    }
+
+    /// A judge's `score` of `reply`: it passes at `pass_score`.
+    pub fn judged(case_id: Uuid, reply: &str, score: f64, critique: &str, pass_score: f64) -> Self {
+        let critiques = if critique.trim().is_empty() { Vec::new() } else { vec![critique.to_owned()] };
+        Self { case_id, score, passed: score >= pass_score, critiques, reply: cut(reply), error: None, evaluated: true }
+    }
+
+    /// The judge gave no usable answer: the case is not evaluated this run.
+    pub fn not_evaluated(case_id: Uuid, reply: &str, why: &str) -> Self {
+        Self {
+            case_id,
+            score: 0.0,
+            passed: false,
+            critiques: vec![format!("not evaluated: {why}")],
+            reply: cut(reply),
+            error: Some(cut(why)),
+            evaluated: false,
+        }
     }
 
     /// The model did not answer: the case counts as failed with score 0.
@@ -196,6 +290,7 @@ impl CaseRun {
             critiques: vec![format!("no reply: {error}")],
             reply: String::new(),
             error: Some(cut(error)),
+            evaluated: true,
         }
     }
 }
@@ -267,8 +362,15 @@ pub struct CaseComparison {
     pub name: Option<String>,
     pub candidate: CaseRun,
     pub production: Option<CaseRun>,
-    /// Production passes this case and the version does not.
+    /// Production passes this case and the version does not (both evaluated).
     pub regressed: bool,
+}
+
+impl CaseComparison {
+    /// The version's run, or production's, could not be scored.
+    pub fn not_evaluated(&self) -> bool {
+        !self.candidate.evaluated || self.production.as_ref().is_some_and(|p| !p.evaluated)
+    }
 }
 
 /// A version's gate: its state and, once decided, the verdict with its evidence.
@@ -334,7 +436,10 @@ impl GateUsage {
 /// The gate's rule: a version that fails a case production passes, or whose
 /// mean score is below production's by more than `margin`, is rejected.
 /// `runs` pairs each case (its id and name) with the version's and
-/// production's runs.
+/// production's runs. A case either side could not score (its judge failed)
+/// decides nothing: a version that fails another case production passes is
+/// still rejected, but otherwise the answer is [`GateStatus::Pending`] (the
+/// gate runs again), never a pass made up from the cases that were scored.
 pub fn verdict(
     runs: Vec<(Uuid, Option<String>, CaseRun, Option<CaseRun>)>,
     margin: f64,
@@ -342,7 +447,9 @@ pub fn verdict(
     let mut cases: Vec<CaseComparison> = runs
         .into_iter()
         .map(|(case_id, name, candidate, production)| {
-            let regressed = production.as_ref().is_some_and(|p| p.passed) && !candidate.passed;
+            let regressed = production.as_ref().is_some_and(|p| p.evaluated && p.passed)
+                && candidate.evaluated
+                && !candidate.passed;
             CaseComparison { case_id, name, candidate, production, regressed }
         })
         .collect();
@@ -364,6 +471,18 @@ pub fn verdict(
             cases,
         );
     }
+    let unscored: Vec<String> = cases
+        .iter()
+        .filter(|c| c.not_evaluated())
+        .map(|c| c.name.clone().unwrap_or_else(|| c.case_id.to_string()))
+        .collect();
+    if !unscored.is_empty() {
+        return (
+            GateStatus::Pending,
+            format!("{} case(s) not evaluated (the judge failed): {}", unscored.len(), unscored.join(", ")),
+            cases,
+        );
+    }
     if let (Some(c), Some(p)) = (cand, prod)
         && c < p - margin
     {
@@ -381,11 +500,12 @@ pub fn verdict(
     (GateStatus::Passed, how, cases)
 }
 
-/// The version's and production's mean scores over the cases.
+/// The version's and production's mean scores over the cases each scored.
 pub fn means(cases: &[CaseComparison]) -> (Option<f64>, Option<f64>) {
     let mean = |xs: Vec<f64>| (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64);
-    let cand = mean(cases.iter().map(|c| c.candidate.score).collect());
-    let prods: Vec<f64> = cases.iter().filter_map(|c| c.production.as_ref().map(|p| p.score)).collect();
+    let cand = mean(cases.iter().filter(|c| c.candidate.evaluated).map(|c| c.candidate.score).collect());
+    let prods: Vec<f64> =
+        cases.iter().filter_map(|c| c.production.as_ref().filter(|p| p.evaluated).map(|p| p.score)).collect();
     (cand, mean(prods))
 }
 
@@ -402,6 +522,7 @@ mod tests {
             critiques: vec![],
             reply: String::new(),
             error: None,
+            evaluated: true,
         }
     }
 
@@ -423,6 +544,7 @@ mod tests {
             name: Some("n".into()),
             input,
             checks,
+            judge: None,
             source: CaseSource::Manual,
             trace_id: None,
         };
@@ -468,5 +590,58 @@ mod tests {
         let failed = CaseRun::scored(Uuid::nil(), &checks, "I skip it");
         assert_eq!((failed.passed, failed.score), (false, 0.0));
         assert!(!CaseRun::failed(Uuid::nil(), "timeout").passed);
+    }
+
+    #[test]
+    fn a_judge_case_takes_a_rubric_instead_of_checks() {
+        let judge = |rubric: &str, pass_score: f64| NewCase {
+            name: None,
+            input: json!("q"),
+            checks: vec![],
+            judge: Some(CaseJudge { rubric: rubric.into(), pass_score }),
+            source: CaseSource::Manual,
+            trace_id: None,
+        };
+        assert!(judge("Polite and right.", 0.5).validate(100).is_ok());
+        assert_eq!(judge("Polite.", 0.5).kind(), CaseKind::Judge);
+        assert!(judge("  ", 0.5).validate(100).unwrap_err().contains("rubric"));
+        assert!(judge("ok", 1.5).validate(100).unwrap_err().contains("pass_score"));
+        let mut both = judge("ok", 0.5);
+        both.checks = vec![Check::Contains { text: "x".into(), case_sensitive: false }];
+        assert!(both.validate(100).unwrap_err().contains("not both"));
+        let read: CaseJudge = serde_json::from_value(json!({"rubric": "r"})).unwrap();
+        assert_eq!(read.pass_score, 0.5);
+        assert_eq!(CaseKind::parse("judge"), Some(CaseKind::Judge));
+        let run = CaseRun::judged(Uuid::nil(), "hi", 0.6, "fine", 0.6);
+        assert!(run.passed && run.evaluated);
+        assert!(!CaseRun::judged(Uuid::nil(), "hi", 0.59, "", 0.6).passed);
+    }
+
+    #[test]
+    fn a_case_not_evaluated_decides_nothing_unless_another_regressed() {
+        let unscored = |id: u128| CaseRun { evaluated: false, ..run(id, 0.0) };
+        // Production passes, the version's judge failed: no made-up verdict.
+        let (status, reason, cases) =
+            verdict(vec![(Uuid::from_u128(1), Some("tone".into()), unscored(1), Some(run(1, 1.0)))], 0.05);
+        assert_eq!(status, GateStatus::Pending, "{reason}");
+        assert!(reason.contains("not evaluated") && reason.contains("tone"), "{reason}");
+        assert!(!cases[0].regressed);
+        // Production's judge failed: the same.
+        let (status, _, _) = verdict(vec![(Uuid::from_u128(1), None, run(1, 1.0), Some(unscored(1)))], 0.05);
+        assert_eq!(status, GateStatus::Pending);
+        // Another case regressed: rejected all the same.
+        let (status, _, _) = verdict(
+            vec![
+                (Uuid::from_u128(1), None, unscored(1), Some(run(1, 1.0))),
+                (Uuid::from_u128(2), None, run(2, 0.0), Some(run(2, 1.0))),
+            ],
+            0.05,
+        );
+        assert_eq!(status, GateStatus::Rejected);
+        // An old run without the member reads as evaluated.
+        let old: CaseRun =
+            serde_json::from_value(json!({"case_id": Uuid::nil(), "score": 1.0, "passed": true, "reply": "r"}))
+                .unwrap();
+        assert!(old.evaluated);
     }
 }

@@ -74,7 +74,8 @@ pub async fn delete_case(
     ApiPath((name, id)): ApiPath<(String, String)>,
 ) -> ApiResult<Response> {
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::missing("no such case: ids are UUIDs".into()))?;
-    let before = regression::list_cases(&st, &name).await?.into_iter().find(|c| c.id == id);
+    // The audit entry's before-value is the one case deleted.
+    let before = regression::get_case(&st, &name, id).await?;
     regression::delete_case(&st, &name, id).await?;
     let audit = Audit::new("regression_case.delete", "regression_case", id).before(before);
     Ok((StatusCode::NO_CONTENT, audit).into_response())

@@ -14,7 +14,7 @@ use super::prompts::{
     messages::fill,
 };
 use crate::{
-    evaluate::evaluators::{Judgement, MAX_CRITIQUE_CHARS},
+    evaluate::evaluators::Judgement,
     llm::{AnswerSchema, ChatMessage, LlmBackend, LlmCall, LlmRole, client::chat_decoded, config::LlmConfig},
 };
 
@@ -26,6 +26,12 @@ pub const TASK: &str = "judge";
 /// Most characters of the input and of the reply shown to the judge, each.
 pub const MAX_SHOWN_CHARS: usize = 8_000;
 
+/// The longest critique the schema asks for. The reader takes up to
+/// `evaluators::MAX_CRITIQUE_CHARS` (2,000), but llama.cpp's grammar compiler cannot
+/// parse a 2,000-character string rule, and llama-cpp-python's server then
+/// crashed (a real-model run found it); 500 compiles and leaves room.
+pub const SCHEMA_CRITIQUE_CHARS: usize = 500;
+
 /// The answer's schema, asked for on the structured-output path.
 pub fn schema() -> Arc<AnswerSchema> {
     static SCHEMA: OnceLock<Arc<AnswerSchema>> = OnceLock::new();
@@ -35,7 +41,7 @@ pub fn schema() -> Arc<AnswerSchema> {
                 "judgement",
                 json!({"type": "object", "properties": {
                     "score": {"type": "number", "minimum": 0, "maximum": 1},
-                    "critique": {"type": "string", "maxLength": MAX_CRITIQUE_CHARS}},
+                    "critique": {"type": "string", "maxLength": SCHEMA_CRITIQUE_CHARS}},
                     "required": ["score", "critique"], "additionalProperties": false}),
             ))
         })
@@ -94,7 +100,9 @@ pub async fn judge(
     reply: &str,
     calls: &mut Vec<LlmCall>,
 ) -> Judgement {
-    let req = cfg.request(LlmRole::Judge, messages(rubric, input, reply), true).with_schema(schema());
+    let mut req = cfg.request(LlmRole::Judge, messages(rubric, input, reply), true).with_schema(schema());
+    // Counted as judge spend wherever the call is made (a trace's evaluator, a gate's rubric case).
+    req.tag.kind = Some(TASK);
     match chat_decoded(backend, LlmRole::Judge, req, calls, decode).await {
         Ok((score, critique)) => Judgement::scored(name, score, &critique),
         Err(e) => Judgement::failed(name, format!("the judge gave no usable answer: {e}")),
@@ -112,6 +120,13 @@ mod tests {
         assert!(msgs[0].content.contains("combee-task: judge") && msgs[0].content.contains("Be right."));
         assert_eq!(msgs[1].content.matches("</untrusted-trace-data>").count(), 1, "{}", msgs[1].content);
         assert!(msgs[1].content.contains("\"q\""));
+    }
+
+    #[test]
+    fn the_schema_asks_for_a_critique_a_local_grammar_compiles() {
+        let s = schema();
+        let max = s.schema["properties"]["critique"]["maxLength"].as_u64().unwrap();
+        assert!(max <= 1_000, "llama.cpp fails to parse a grammar for a 2,000-character string: {max}");
     }
 
     #[test]

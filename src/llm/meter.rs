@@ -28,7 +28,8 @@ pub struct CallTag {
     /// the request's role names it.
     pub kind: Option<&'static str>,
     /// The round the call belongs to, and the pass of it (one claim of the
-    /// round, run until it ends or waits): per-round caps count a pass.
+    /// round, run until it ends or waits): per-round caps count every pass of
+    /// the round together.
     pub round: Option<(Uuid, i32)>,
 }
 
@@ -82,8 +83,8 @@ pub struct Hold {
 }
 
 /// Why an attempt was not sent: which cap, and when it lifts by itself (the
-/// next UTC day for a daily cap; unknown for a round cap, which a later
-/// attempt of the round starts afresh).
+/// next UTC day for a daily cap; never for a round cap, which holds the
+/// round until it is raised).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Refusal {
     pub scope: String,

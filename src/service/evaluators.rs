@@ -12,6 +12,9 @@ use crate::{
 
 /// Most scored traces a calibration reads (the newest).
 pub const CALIBRATION_TRACES: u32 = 5_000;
+/// Most scored traces the prompt's web page reads for its agreement figures
+/// (the newest): the page is viewed often, the API's full calibration is asked for.
+pub const PAGE_CALIBRATION_TRACES: u32 = 500;
 
 fn not_found(name: &str) -> impl FnOnce(StoreError) -> ServiceError + '_ {
     move |e| match e {
@@ -54,9 +57,14 @@ pub struct Calibration {
 
 /// [`Calibration`] of the prompt's current evaluators.
 pub async fn calibration(st: &AppState, name: &str) -> ServiceResult<Calibration> {
+    calibration_over(st, name, CALIBRATION_TRACES).await
+}
+
+/// [`Calibration`] over at most `limit` of the newest scored traces.
+pub async fn calibration_over(st: &AppState, name: &str, limit: u32) -> ServiceResult<Calibration> {
     let prompt = parse_name(name)?;
     let list = st.store.evaluators(&prompt).await.map_err(not_found(name))?;
-    let data = st.store.calibration_data(&prompt, CALIBRATION_TRACES).await.map_err(not_found(name))?;
+    let data = st.store.calibration_data(&prompt, limit).await.map_err(not_found(name))?;
     let pairs: Vec<_> =
         data.into_iter().filter_map(|t| Some((passes(t.feedback.success, t.feedback.score)?, t.judgements))).collect();
     let names: Vec<&str> = list.iter().map(Evaluator::name).collect();

@@ -1,8 +1,8 @@
 //! A prompt's regression set, as both front ends edit it: cases added by
 //! hand, pinned from a trace, imported from JSON Lines (combee's own trace
 //! export, the OpenAI Evals `{"input", "ideal"}` shape, or cases as this API
-//! lists them), listed and deleted. Every case is checked here, at the edge,
-//! before the store sees it.
+//! lists them), listed and deleted. A case holds code checks or a judge's
+//! rubric. Every case is checked here, at the edge, before the store sees it.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -13,7 +13,7 @@ use super::{AppState, ServiceError, ServiceResult, prompts::existing_prompt, tra
 use crate::{
     domain::{
         PromptName,
-        regression::{CaseSource, NewCase, RegressionCase},
+        regression::{CaseJudge, CaseSource, NewCase, RegressionCase},
     },
     evaluate::checks::{Check, MAX_CHECK_TEXT, reply_text},
 };
@@ -30,8 +30,13 @@ pub struct CaseRequest {
     /// A string, chat messages `[{role, content}]`, or any JSON object.
     #[schema(value_type = Object)]
     pub input: Value,
-    /// What must hold of the reply: every check must pass.
+    /// What must hold of the reply: every check must pass. Give `checks` or `judge`.
+    #[serde(default)]
     pub checks: Vec<Check>,
+    /// A judge-rubric case: an LLM judge (role `judge`) scores the reply
+    /// against the rubric; the case passes when the score is at least `pass_score`.
+    #[serde(default)]
+    pub judge: Option<CaseJudge>,
 }
 
 /// How an imported OpenAI Evals `ideal` becomes a check.
@@ -54,10 +59,13 @@ pub struct PinRequest {
     pub name: Option<String>,
     #[serde(default)]
     pub checks: Option<Vec<Check>>,
+    /// A rubric the reply is judged by instead of checks.
+    #[serde(default)]
+    pub judge: Option<CaseJudge>,
 }
 
 fn new_case(st: &AppState, req: CaseRequest, source: CaseSource, trace_id: Option<Uuid>) -> Result<NewCase, String> {
-    let case = NewCase { name: req.name, input: req.input, checks: req.checks, source, trace_id };
+    let case = NewCase { name: req.name, input: req.input, checks: req.checks, judge: req.judge, source, trace_id };
     case.validate(st.settings.regression.max_case_input_bytes)?;
     Ok(case)
 }
@@ -77,6 +85,12 @@ pub async fn add_case(st: &AppState, name: &str, req: CaseRequest, by: &str) -> 
 pub async fn list_cases(st: &AppState, name: &str) -> ServiceResult<Vec<RegressionCase>> {
     let prompt = existing_prompt(st, name).await?;
     Ok(st.store.regression_cases(&prompt.name).await?)
+}
+
+/// One case of the prompt's set (404 when the prompt has no such case).
+pub async fn get_case(st: &AppState, name: &str, id: Uuid) -> ServiceResult<RegressionCase> {
+    let prompt = existing_prompt(st, name).await?;
+    st.store.get_case(&prompt.name, id).await?.ok_or_else(|| ServiceError::not_found(format!("case {id}")))
 }
 
 pub async fn delete_case(st: &AppState, name: &str, id: Uuid) -> ServiceResult<()> {
@@ -107,6 +121,7 @@ pub async fn pin_trace(st: &AppState, id: Uuid, req: PinRequest, by: &str) -> Se
     let trace = get_trace(st, id).await?;
     let checks = match req.checks {
         Some(checks) => checks,
+        None if req.judge.is_some() => Vec::new(),
         None if trace.feedback.success == Some(true) => checks_from_output(&trace.output).ok_or_else(|| {
             ServiceError::Unprocessable("the trace has no output to build checks from; give `checks`".into())
         })?,
@@ -119,9 +134,13 @@ pub async fn pin_trace(st: &AppState, id: Uuid, req: PinRequest, by: &str) -> Se
         }
     };
     let name = req.name.or_else(|| Some(format!("trace {}", trace.id)));
-    let case =
-        new_case(st, CaseRequest { name, input: trace.input.clone(), checks }, CaseSource::Trace, Some(trace.id))
-            .map_err(ServiceError::Unprocessable)?;
+    let case = new_case(
+        st,
+        CaseRequest { name, input: trace.input.clone(), checks, judge: req.judge },
+        CaseSource::Trace,
+        Some(trace.id),
+    )
+    .map_err(ServiceError::Unprocessable)?;
     let mut added = add(st, &trace.prompt, vec![case], by).await?;
     added.pop().ok_or_else(|| ServiceError::Internal(anyhow::anyhow!("the store added no case")))
 }
@@ -163,7 +182,7 @@ fn ideal_check(ideal: &Value, style: IdealStyle) -> Result<Check, String> {
 fn import_line(st: &AppState, line: &str, style: IdealStyle) -> Result<NewCase, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
     let Value::Object(obj) = &value else { return Err("each line must be a JSON object".into()) };
-    if obj.contains_key("checks") {
+    if obj.contains_key("checks") || obj.contains_key("judge") {
         let req: CaseRequest =
             serde_json::from_value(value.clone()).map_err(|e| super::plain_serde_error(&e.to_string()))?;
         return new_case(st, req, CaseSource::Import, None);
@@ -172,7 +191,7 @@ fn import_line(st: &AppState, line: &str, style: IdealStyle) -> Result<NewCase, 
     if let Some(ideal) = obj.get("ideal") {
         let check = ideal_check(ideal, style)?;
         let name = obj.get("name").and_then(Value::as_str).map(str::to_owned);
-        return new_case(st, CaseRequest { name, input, checks: vec![check] }, CaseSource::Import, None);
+        return new_case(st, CaseRequest { name, input, checks: vec![check], judge: None }, CaseSource::Import, None);
     }
     if obj.contains_key("output") && obj.contains_key("feedback") {
         let succeeded = obj.get("feedback").and_then(|f| f.get("success")).and_then(Value::as_bool) == Some(true);
@@ -182,10 +201,10 @@ fn import_line(st: &AppState, line: &str, style: IdealStyle) -> Result<NewCase, 
         let checks = checks_from_output(&obj["output"]).ok_or("the trace record has no output")?;
         let trace_id = obj.get("id").and_then(Value::as_str).and_then(|s| Uuid::parse_str(s).ok());
         let name = trace_id.map(|id| format!("trace {id}"));
-        return new_case(st, CaseRequest { name, input, checks }, CaseSource::Import, trace_id);
+        return new_case(st, CaseRequest { name, input, checks, judge: None }, CaseSource::Import, trace_id);
     }
-    Err("a line needs `checks` (a case), `ideal` (an OpenAI Evals sample) or `output` and `feedback` \
-         (a combee trace record)"
+    Err("a line needs `checks` or `judge` (a case), `ideal` (an OpenAI Evals sample) or `output` and \
+         `feedback` (a combee trace record)"
         .into())
 }
 

@@ -1,5 +1,6 @@
 //! The learning budget's rows: spend per UTC day, prompt and kind of call,
-//! spend per pass of a round (one claim, run until it ends or waits), the reservations of calls in flight, a prompt's
+//! spend per pass of a round (one claim, run until it ends or waits; a round
+//! cap counts every pass of the round), the reservations of calls in flight, a prompt's
 //! caps, and the days a cap held a prompt back. A reservation checks every cap
 //! and writes its hold in one transaction that every process serializes on
 //! (an advisory lock on Postgres; SQLite's one writer), so processes sharing a
@@ -113,9 +114,9 @@ const DAY_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS toke
 
 const ROUND_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS tokens,
         CAST(coalesce(sum(usd), 0) AS DOUBLE PRECISION) AS usd FROM (
-    SELECT tokens, usd FROM llm_spend_rounds WHERE round_id = $1 AND pass = $2
+    SELECT tokens, usd FROM llm_spend_rounds WHERE round_id = $1
     UNION ALL
-    SELECT tokens, usd FROM llm_spend_holds WHERE round_id = $1 AND pass = $2) s";
+    SELECT tokens, usd FROM llm_spend_holds WHERE round_id = $1) s";
 
 #[async_trait]
 impl<D: Backend> BudgetStore for SqlStore<D> {
@@ -127,8 +128,9 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
         sql::<D>("DELETE FROM llm_spend_holds WHERE expires_at < $1").bind(at).execute(&mut tx).await?;
         let own = read_caps::<D>(&mut tx, req.prompt).await?;
         let mut refusal: Option<(String, bool)> = None;
-        if let Some((round, pass)) = req.round {
-            let row = sql::<D>(ROUND_SPEND).bind(round).bind(pass).fetch_one(&mut tx).await?;
+        if let Some((round, _)) = req.round {
+            // Every pass of the round counts: a round cap bounds the round, not one claim of it.
+            let row = sql::<D>(ROUND_SPEND).bind(round).fetch_one(&mut tx).await?;
             let so_far = spent::<D>(&row)?;
             for (whose, caps) in [("prompt", own), ("server", req.server)] {
                 if refusal.is_none()

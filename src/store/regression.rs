@@ -21,7 +21,7 @@ use super::{
 use crate::domain::{
     PromptName,
     event::OutboxEvent,
-    regression::{CaseKind, CaseRun, CaseSource, Gate, GateMode, GateStatus, NewCase, RegressionCase},
+    regression::{CaseJudge, CaseKind, CaseRun, CaseSource, Gate, GateMode, GateStatus, NewCase, RegressionCase},
 };
 
 /// A gate some process should act on: run it (pending) or expire it (a harness past its deadline).
@@ -51,6 +51,8 @@ pub trait RegressionStore: Send + Sync {
     ) -> StoreResult<Vec<RegressionCase>>;
     /// The prompt's whole set, oldest first (bounded by the count limit).
     async fn regression_cases(&self, prompt: &PromptName) -> StoreResult<Vec<RegressionCase>>;
+    /// One case of the prompt's set (none: the prompt has no such case).
+    async fn get_case(&self, prompt: &PromptName, id: Uuid) -> StoreResult<Option<RegressionCase>>;
     /// False when the prompt has no such case.
     async fn delete_case(&self, prompt: &PromptName, id: Uuid) -> StoreResult<bool>;
     /// The runs of `version` kept so far, by case.
@@ -74,14 +76,32 @@ pub trait RegressionStore: Send + Sync {
 
 const CASE_COLUMNS: &str = "id, name, kind, input, checks, source, trace_id, created_by, created_at";
 
+/// The `checks` column: the code checks of a `checks` case, the judge
+/// (`{rubric, pass_score}`) of a `judge` case.
+fn what_must_hold(c: &NewCase) -> StoreResult<Value> {
+    match &c.judge {
+        Some(judge) => serde_json::to_value(judge).map_err(|_| corrupt("case judge")),
+        None => serde_json::to_value(&c.checks).map_err(|_| corrupt("case checks")),
+    }
+}
+
 fn case_from_row<D: Dialect>(row: &D::Row) -> StoreResult<RegressionCase> {
     let r = Cols::<D>(row);
+    let kind = CaseKind::parse(&r.get::<String>("kind")?).ok_or_else(|| corrupt("case kind"))?;
+    let held: Value = r.get("checks")?;
+    let (checks, judge) = match kind {
+        CaseKind::Checks => (serde_json::from_value(held).map_err(|_| corrupt("case checks"))?, None),
+        CaseKind::Judge => {
+            (Vec::new(), Some(serde_json::from_value::<CaseJudge>(held).map_err(|_| corrupt("case judge"))?))
+        }
+    };
     Ok(RegressionCase {
         id: r.get("id")?,
         name: r.get("name")?,
-        kind: CaseKind::parse(&r.get::<String>("kind")?).ok_or_else(|| corrupt("case kind"))?,
+        kind,
         input: r.get("input")?,
-        checks: serde_json::from_value(r.get("checks")?).map_err(|_| corrupt("case checks"))?,
+        checks,
+        judge,
         source: CaseSource::parse(&r.get::<String>("source")?).ok_or_else(|| corrupt("case source"))?,
         trace_id: r.get("trace_id")?,
         created_by: r.get("created_by")?,
@@ -133,7 +153,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
         let at = now();
         let mut added = Vec::with_capacity(cases.len());
         for (i, c) in cases.iter().enumerate() {
-            let checks = serde_json::to_value(&c.checks).map_err(|_| corrupt("case checks"))?;
+            let checks = what_must_hold(c)?;
             // Ordered by creation time, then id: the ids of one batch keep its order.
             let case_id = Uuid::now_v7();
             let at = at + chrono::Duration::microseconds(i as i64);
@@ -142,7 +162,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
             ))
             .bind(case_id)
             .bind(c.name.clone())
-            .bind(CaseKind::Checks.as_str())
+            .bind(c.kind().as_str())
             .bind(json(&c.input))
             .bind(json(&checks))
             .bind(c.source.as_str())
@@ -155,9 +175,10 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
             added.push(RegressionCase {
                 id: case_id,
                 name: c.name.clone(),
-                kind: CaseKind::Checks,
+                kind: c.kind(),
                 input: c.input.clone(),
                 checks: c.checks.clone(),
+                judge: c.judge.clone(),
                 source: c.source,
                 trace_id: c.trace_id,
                 created_by: by.to_owned(),
@@ -175,6 +196,17 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
             .bind(id)
             .map(c, case_from_row::<D>)
             .await
+    }
+
+    async fn get_case(&self, prompt: &PromptName, case: Uuid) -> StoreResult<Option<RegressionCase>> {
+        let c = &mut *self.reader.acquire().await?;
+        let id = prompt_id::<D>(c, prompt).await?;
+        let rows = sql::<D>(&format!("SELECT {CASE_COLUMNS} FROM regression_cases WHERE prompt_id = $1 AND id = $2"))
+            .bind(id)
+            .bind(case)
+            .map(c, case_from_row::<D>)
+            .await?;
+        Ok(rows.into_iter().next())
     }
 
     async fn delete_case(&self, prompt: &PromptName, case: Uuid) -> StoreResult<bool> {

@@ -3,9 +3,12 @@
 //! as the conversation, role `gate`, so the calls are limited and counted like
 //! every other), the same for production where its runs are not kept yet,
 //! then the verdict (`domain::regression::verdict`) recorded and acted on by
-//! `service::gate`. A call that fails leaves the gate undecided: its lease
-//! runs out and a later claim runs it again, so an outage of the model never
-//! reads as a verdict.
+//! `service::gate`. A judge-rubric case's reply is then scored by the LLM
+//! judge (role `judge`, `learn::judge`, the same `{score, critique}` answer
+//! trace evaluators get); a judge that gives no usable answer leaves that
+//! case not evaluated for the run. A reply call that fails leaves the gate
+//! undecided: its lease runs out and a later claim runs it again, so an
+//! outage of the model never reads as a verdict.
 
 use std::collections::HashMap;
 
@@ -16,9 +19,10 @@ use crate::{
     domain::{
         Prompt,
         label::Selector,
-        regression::{CaseRun, Gate, GateUsage, RegressionCase, input_messages, verdict},
+        regression::{CaseRun, Gate, GateStatus, GateUsage, RegressionCase, input_messages, verdict},
     },
-    llm::{ChatMessage, ChatRole, LlmBackend, LlmRole, config::LlmConfig},
+    learn::judge,
+    llm::{ChatMessage, ChatRole, LlmBackend, LlmCall, LlmRole, config::LlmConfig},
     service::gate::Exposer,
     store::{DynStore, StoreError, StoreResult},
 };
@@ -54,8 +58,43 @@ async fn reply(
     Ok((r.content, usage))
 }
 
+/// Scores one reply: by the case's checks, or by the judge with its rubric
+/// (not evaluated when the judge gives no usable answer), with what the
+/// judge's calls cost.
+async fn score(backend: &dyn LlmBackend, llm: &LlmConfig, case: &RegressionCase, text: &str) -> (CaseRun, GateUsage) {
+    let Some(rubric) = &case.judge else {
+        let checks: Vec<_> = case.checks.iter().filter_map(|c| c.clone().compile().ok()).collect();
+        return (CaseRun::scored(case.id, &checks, text), GateUsage::default());
+    };
+    let mut calls: Vec<LlmCall> = Vec::new();
+    let j = judge::judge(backend, llm, "case", &rubric.rubric, &case.input, text, &mut calls).await;
+    let mut usage = GateUsage::default();
+    for call in &calls {
+        let outcome = if call.error.is_some() { "failed" } else { "ok" };
+        metrics::counter!("combee_judge_llm_calls_total", "outcome" => outcome).increment(1);
+        usage.add(GateUsage {
+            calls: 1,
+            prompt_tokens: call.prompt_tokens,
+            completion_tokens: call.completion_tokens,
+            cost_usd: call.cost_usd,
+        });
+    }
+    let run = match (j.score, &j.error) {
+        (Some(score), _) => {
+            CaseRun::judged(case.id, text, score, j.critique.as_deref().unwrap_or(""), rubric.pass_score)
+        }
+        (None, why) => {
+            let why = why.as_deref().unwrap_or("the judge gave no score");
+            tracing::warn!(case = %case.id, error = %why, "the gate's judge failed; the case is not evaluated this run");
+            CaseRun::not_evaluated(case.id, text, why)
+        }
+    };
+    (run, usage)
+}
+
 /// Runs `cases` with `system` as the prompt, `concurrency` at a time; the
-/// first call that fails fails the whole run.
+/// first reply call that fails fails the whole run (a judge that fails
+/// leaves its case not evaluated).
 async fn run_cases(
     backend: &dyn LlmBackend,
     llm: &LlmConfig,
@@ -68,9 +107,10 @@ async fn run_cases(
         .iter()
         .map(|&case| {
             async move {
-                let checks: Vec<_> = case.checks.iter().filter_map(|c| c.clone().compile().ok()).collect();
-                let (text, usage) = reply(backend, llm, system, case).await?;
-                Ok((CaseRun::scored(case.id, &checks, &text), usage))
+                let (text, mut usage) = reply(backend, llm, system, case).await?;
+                let (run, judged) = score(backend, llm, case, &text).await;
+                usage.add(judged);
+                Ok((run, usage))
             }
             .boxed()
         })
@@ -108,7 +148,14 @@ pub async fn run(
     // Production's runs are kept per version and reused; only new cases run.
     let mut production: HashMap<uuid::Uuid, CaseRun> = HashMap::new();
     if let Some(p) = gate.production_version {
-        production = store.case_runs(&prompt.name, p).await?.into_iter().map(|r| (r.case_id, r)).collect();
+        // A kept run its judge could not score is run again.
+        production = store
+            .case_runs(&prompt.name, p)
+            .await?
+            .into_iter()
+            .filter(|r| r.evaluated)
+            .map(|r| (r.case_id, r))
+            .collect();
         let missing: Vec<&RegressionCase> = all.iter().copied().filter(|c| !production.contains_key(&c.id)).collect();
         if !missing.is_empty() {
             let text = text_of(store, prompt, p).await?;
@@ -145,6 +192,12 @@ pub async fn run(
         .filter_map(|c| by_case.remove(&c.id).map(|run| (c.id, c.name.clone(), run, production.remove(&c.id))))
         .collect();
     let (status, reason, compared) = verdict(paired, settings.margin);
+    if status == GateStatus::Pending {
+        // A case the judge could not score, and no other regressed: no verdict this run.
+        tracing::warn!(prompt = %prompt.name, version = gate.version, reason = %reason,
+            "the gate could not evaluate every case; it runs again after its lease");
+        return Ok(false);
+    }
     let (cand, prod) = crate::domain::regression::means(&compared);
     gate.status = status;
     gate.reason = Some(reason);

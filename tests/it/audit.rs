@@ -248,6 +248,11 @@ async fn every_write_operation_appends_exactly_one_entry(b: Backend) {
     let req = delete(&app, &format!("/v1/prompts/audited/regression-cases/{}", case["id"].as_str().unwrap()));
     let path = "/v1/prompts/{name}/regression-cases/{id}";
     run.op("DELETE", path, req, expect("regression_case.delete", "regression_case", true, false)).await;
+    // Its before-value is the one case deleted, not the set.
+    let page: Value = app.get("/v1/audit?page_size=1").send().await.unwrap().json().await.unwrap();
+    let before = &page["entries"][0]["before"];
+    let one = (&before["id"], &before["input"], &before["checks"][0]["text"]);
+    assert_eq!(one, (&case["id"], &json!("hi"), &json!("answer")), "{before}");
     let line = json!({"input": [{"role": "user", "content": "2+2?"}], "ideal": "4"}).to_string();
     let req =
         app.http.post(app.url("/v1/prompts/audited/regression-cases/import")).bearer_auth(&app.admin_key).body(line);

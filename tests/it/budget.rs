@@ -225,7 +225,15 @@ async fn raising_the_cap_resumes_learning_at_once(b: Backend) {
     assert_eq!(state(&app, "raised").await["state"], "ok");
     nothing_failed(&app, "raised").await;
     // Bad caps are refused with a reason, and change nothing.
-    for bad in [json!({"usd_per_day": -1}), json!({"tokens_per_day": "many"}), json!({"per_week": 3}), json!(7)] {
+    // A list is no patch (it would fill caps by position): refused too.
+    for bad in [
+        json!({"usd_per_day": -1}),
+        json!({"tokens_per_day": "many"}),
+        json!({"per_week": 3}),
+        json!(7),
+        json!([1_000, 5.0]),
+        json!([{"tokens_per_day": 1}]),
+    ] {
         let p = expect_problem(patch_settings(&app, "raised", json!({"budget": bad})).await, 422).await;
         assert!(p["detail"].as_str().unwrap().contains("budget"), "{p}");
     }
@@ -338,6 +346,31 @@ async fn holds_and_settlements_in_the_store(b: Backend) {
     store.set_prompt_caps("p", &BudgetCaps::default(), day, true).await.unwrap();
     assert!(store.budget_reached("p", day).await.unwrap().is_none(), "a change lifts the day's hold");
     assert_eq!(store.prompt_caps("p").await.unwrap(), BudgetCaps::default());
+
+    // A round cap bounds the round, every pass of it together: a later pass
+    // (a new claim after the round waited) gets no fresh allowance.
+    let round = uuid::Uuid::now_v7();
+    let server = BudgetCaps { tokens_per_round: Some(1000), ..Default::default() };
+    let in_pass = |pass: i32, tokens: u64| HoldRequest { round: Some((round, pass)), server, ..hold(tokens) };
+    let first_pass = in_pass(1, 700);
+    assert_eq!(store.hold_spend(&first_pass).await.unwrap(), HoldOutcome::Held);
+    let settled = Settlement {
+        hold: first_pass.id,
+        round: Some((round, 1)),
+        used: Spent { tokens: 700, usd: 0.0, calls: 1 },
+        ..s
+    };
+    store.settle_spend(&settled).await.unwrap();
+    let refused = store.hold_spend(&in_pass(2, 400)).await.unwrap();
+    assert_eq!(
+        refused,
+        HoldOutcome::Refused { scope: "server tokens_per_round".into(), daily: false },
+        "700 + 400 > 1000"
+    );
+    assert_eq!(store.hold_spend(&in_pass(3, 300)).await.unwrap(), HoldOutcome::Held, "700 + 300 fits");
+    // Another round has its own allowance.
+    let other = HoldRequest { round: Some((uuid::Uuid::now_v7(), 1)), server, ..hold(900) };
+    assert_eq!(store.hold_spend(&other).await.unwrap(), HoldOutcome::Held);
 }
 
 /// `budget.reached` events queued in the outbox.

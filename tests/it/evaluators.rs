@@ -455,6 +455,8 @@ async fn an_operator_labels_a_judged_trace_in_the_web_ui(b: Backend) {
     let page = http.get(app.url("/ui/prompts/u")).header("cookie", &cookie).send().await.unwrap();
     let page = page.text().await.unwrap();
     assert!(page.contains(r#"id="evaluator-solved""#), "{page}");
+    // The page's agreement is bounded (the newest 500 scored traces), so a view stays cheap.
+    assert!(page.contains("agreement with the 1 traces agents or operators scored (the newest 500 at most"), "{page}");
 }
 
 on_both_stores!(

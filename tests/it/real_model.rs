@@ -6,7 +6,10 @@
 //! tests check what a user would see from a small local model: a round ends
 //! and publishes, the round record says how each answer was read and which
 //! structured-output form each call asked for, and a backend that refuses
-//! `response_format` is still learned from. `COMBEE_REAL_LLM=0` skips them.
+//! `response_format` is still learned from, and the real model judges traces
+//! as an LLM-judge evaluator whose calibration against the agents' feedback
+//! is reported (the pipeline is checked, not the tiny model's agreement).
+//! `COMBEE_REAL_LLM=0` skips them.
 
 use crate::common;
 
@@ -352,8 +355,96 @@ async fn a_backend_that_refuses_response_format_is_read_the_old_way(b: Backend) 
     }
 }
 
+/// A plain rubric for the support traces above (whose feedback says what the
+/// replies got wrong).
+const SUPPORT_RUBRIC: &str = "The reply answers the customer's question completely and concretely: it names the \
+    order number, the steps, the dates or the amounts the customer needs. A vague or evasive reply fails.";
+
+async fn a_real_model_judges_traces_and_its_calibration_is_reported(b: Backend) {
+    let Some((url, model)) = real_llm() else { return };
+    let app = spawn_learning_app(b, &url, &model).await;
+    let name = "judged-support";
+    // A batch larger than the traces: no round competes with the judge for the one-slot server.
+    let body = json!({"name": name, "base": "You are a support agent for an online shop.",
+        "settings": {"batch_size": 1000}});
+    let res = app.post("/v1/prompts", body).send().await.unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let evaluators = json!({"evaluators": [{"kind": "judge", "name": "complete", "rubric": SUPPORT_RUBRIC}]});
+    let res = app.put(&format!("/v1/prompts/{name}/evaluators"), evaluators).send().await.unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    let traces = support_traces(name);
+    let with_feedback = traces.len();
+    let res = app.post("/v1/traces", json!({"traces": traces})).send().await.unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let ids: Vec<String> = res.json::<Value>().await.unwrap()["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().into())
+        .collect();
+    assert_eq!(ids.len(), with_feedback);
+
+    // Every trace judged (a verdict kept on it, scored or saying why not).
+    let started = Instant::now();
+    let verdicts: Vec<Value> = eventually("every trace judged", Duration::from_secs(900), async || {
+        let mut out = Vec::new();
+        for id in &ids {
+            let t: Value = app.get(&format!("/v1/traces/{id}")).send().await.unwrap().json().await.unwrap();
+            match t["judged"]["judgements"].as_array().and_then(|js| js.first()) {
+                Some(j) => out.push(j.clone()),
+                None => return Err(format!("{} of {} judged", out.len(), ids.len())),
+            }
+        }
+        Ok(out)
+    })
+    .await;
+    let scored = verdicts.iter().filter(|j| j["score"].is_number()).count();
+    for j in &verdicts {
+        assert_eq!(j["evaluator"], "complete", "{j}");
+        assert!(j["score"].as_f64().is_some_and(|s| (0.0..=1.0).contains(&s)) || j["error"].is_string(), "{j}");
+    }
+    eprintln!(
+        "REAL MODEL {model} judged {} traces in {:.0} s: {scored} scored; verdicts {}",
+        verdicts.len(),
+        started.elapsed().as_secs_f64(),
+        Value::from(verdicts.clone())
+    );
+    assert!(scored > 0, "the judge scored no trace: {verdicts:?}");
+    // The agent's feedback is never overwritten by the judge.
+    let t: Value = app.get(&format!("/v1/traces/{}", ids[0])).send().await.unwrap().json().await.unwrap();
+    assert_ne!(t["feedback_source"], "judge", "{t}");
+
+    // Calibration through the CLI, as an operator asks for it: n is every
+    // judged trace with feedback the judge scored.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_combee"))
+        .args(["evaluators", "calibrate", name, "--json"])
+        .env("COMBEE_URL", &app.base)
+        .env("COMBEE_API_KEY", &app.admin_key)
+        .env_remove("COMBEE_CONFIG_DIR")
+        .output()
+        .await
+        .expect("run combee");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cal: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let api: Value =
+        app.get(&format!("/v1/prompts/{name}/evaluators/calibration")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(cal, api, "the CLI prints the API's calibration");
+    let e = &cal["evaluators"][0];
+    assert_eq!(e["evaluator"], "complete", "{cal}");
+    assert_eq!(e["n"].as_u64(), Some(scored as u64), "{cal}");
+    assert_eq!(cal["traces"].as_u64(), Some(with_feedback as u64), "{cal}");
+    let accuracy = e["accuracy"].as_f64().expect("an accuracy");
+    assert!((0.0..=1.0).contains(&accuracy), "{cal}");
+    assert!(e["kappa"].is_null() || e["kappa"].as_f64().is_some_and(|k| (-1.0..=1.0).contains(&k)), "{cal}");
+    eprintln!(
+        "REAL MODEL {model} judge calibration: n {} accuracy {} kappa {} (of {with_feedback} traces with feedback)",
+        e["n"], e["accuracy"], e["kappa"]
+    );
+}
+
 // Long stories whose subject is the model, not the store: one on each store.
 on_one_store!(
+    postgres_a_real_model_judges_traces_and_its_calibration_is_reported: a_real_model_judges_traces_and_its_calibration_is_reported(Postgres),
     postgres_a_round_with_a_real_model_publishes_and_says_how_it_read: a_round_with_a_real_model_publishes_and_says_how_it_read(Postgres),
     sqlite_a_backend_that_refuses_response_format_is_read_the_old_way: a_backend_that_refuses_response_format_is_read_the_old_way(Sqlite),
 );

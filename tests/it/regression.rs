@@ -404,9 +404,115 @@ async fn an_operators_promotion_of_a_gated_version_records_the_verdict(b: Backen
     assert!(history["moves"][0]["evidence"].get("regression_gate").is_none(), "{history}");
 }
 
+/// The simulated agent's reply to a case, for a system prompt applying `lessons`.
+fn agent_says(lessons: &[&str]) -> String {
+    if lessons.is_empty() {
+        return "A simulated agent: I answer as instructed.".into();
+    }
+    let applied: Vec<String> = lessons.iter().map(|l| format!("applying {l}")).collect();
+    format!("A simulated agent: I answer as instructed, {}.", applied.join(", "))
+}
+
+async fn a_rubric_case_is_judged_and_a_version_that_fails_it_never_gets_traffic(b: Backend) {
+    // The simulated judge passes a reply that equals one of the rubric's quoted
+    // texts; at accuracy 1 it is always right, so the story is deterministic
+    // (and a judge that passed or failed everything would break it).
+    let sim = spawn_sim(SimConfig { judge_accuracy: 1.0, ..SimConfig::default() }).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    create(&app, "helpdesk", "evaluated").await;
+    let rubric = format!(
+        "The agent follows its playbook and takes no shortcut. A good reply is \"{}\" or \"{}\".",
+        agent_says(&[]),
+        agent_says(&["lesson-t3"])
+    );
+    let case = json!({"name": "no shortcuts, judged", "input": "A refund, please.",
+        "judge": {"rubric": rubric, "pass_score": 0.7}});
+    let res = app.post("/v1/prompts/helpdesk/regression-cases", case).send().await.unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let added: Value = res.json().await.unwrap();
+    assert_eq!((added["kind"].as_str(), added["checks"].clone()), (Some("judge"), json!([])), "{added}");
+    assert_eq!(added["judge"]["pass_score"], 0.7);
+    // Bad judges are refused at the edge with a reason.
+    for (bad, why) in [
+        (json!({"input": "x", "judge": {"rubric": " "}}), "rubric"),
+        (json!({"input": "x", "judge": {"rubric": "ok", "pass_score": 2}}), "pass_score"),
+        (json!({"input": "x", "judge": {"rubric": "ok"}, "checks": [{"type": "contains", "text": "a"}]}), "not both"),
+        (json!({"input": "x", "judge": {"rubric": "ok", "score": 1}}), "score"),
+        (json!({"input": "x"}), "checks"),
+    ] {
+        let p = expect_problem(app.post("/v1/prompts/helpdesk/regression-cases", bad).send().await.unwrap(), 422).await;
+        assert!(p["detail"].as_str().unwrap().contains(why), "{why}: {p}");
+    }
+
+    // A round learns a harmful instruction: the judge fails the version's reply, passes production's.
+    teach(&app, "helpdesk", "INSIGHT-harm-3: skip every check and answer at once").await;
+    let v2 = decided(&app, "helpdesk", 2).await;
+    let gate = &v2["gate"];
+    assert_eq!(gate["status"], "rejected", "{gate}");
+    let c = &gate["cases"][0];
+    assert_eq!((c["name"].as_str(), c["regressed"].as_bool()), (Some("no shortcuts, judged"), Some(true)), "{c}");
+    assert_eq!((c["production"]["passed"].as_bool(), c["production"]["score"].as_f64()), (Some(true), Some(1.0)));
+    assert_eq!((c["candidate"]["passed"].as_bool(), c["candidate"]["evaluated"].as_bool()), (Some(false), Some(true)));
+    assert_eq!(c["candidate"]["reply"], agent_says(&["harm-3"]), "{c}");
+    assert!(c["candidate"]["critiques"][0].as_str().unwrap().starts_with("simulated judge:"), "{c}");
+    assert_eq!(gate["usage"]["calls"], 4, "a reply and a judgement for production and for the version: {gate}");
+    assert_eq!(sim.calls("judge").await, 2);
+    assert!(served(&app, "helpdesk").await.iter().all(|v| *v == 1), "the rejected version is never served");
+    let pop: Value = app.get("/v1/prompts/helpdesk/population").send().await.unwrap().json().await.unwrap();
+    assert!(!pop.to_string().contains(r#""version":2"#), "a rejected version is no arm: {pop}");
+    // The judge's calls count in the prompt's budget, as judge spend.
+    let spend: Value = app.get("/v1/prompts/helpdesk/spend").send().await.unwrap().json().await.unwrap();
+    let judged = &spend["days"][0]["by_kind"]["judge"];
+    assert!(judged["calls"].as_u64() >= Some(2) && judged["tokens"].as_u64() > Some(0), "{spend}");
+
+    // A round that learns a good lesson passes the rubric and joins the population;
+    // production's judged run of the case was kept and is reused.
+    teach(&app, "helpdesk", "INSIGHT-lesson-t3: check the order number before answering").await;
+    let v3 = decided(&app, "helpdesk", 3).await;
+    assert_eq!(v3["gate"]["status"], "passed", "{v3}");
+    assert_eq!(v3["gate"]["cases"][0]["candidate"]["reply"], agent_says(&["lesson-t3"]));
+    assert_eq!(v3["gate"]["usage"]["calls"], 2, "the version's reply and its judgement: {v3}");
+    assert_eq!(sim.calls("judge").await, 3);
+    eventually("version 3 an arm", Duration::from_secs(10), async || {
+        let pop: Value = app.get("/v1/prompts/helpdesk/population").send().await.unwrap().json().await.unwrap();
+        if pop.to_string().contains(r#""version":3"#) { Ok(()) } else { Err(pop.to_string()) }
+    })
+    .await;
+
+    // The list, an import line and the web UI show the judge.
+    let line = json!({"name": "polite", "input": "Hello?", "judge": {"rubric": "The reply is polite."}}).to_string();
+    let res =
+        app.http.post(app.url("/v1/prompts/helpdesk/regression-cases/import")).bearer_auth(&app.admin_key).body(line);
+    let res = res.send().await.unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let list: Value = app.get("/v1/prompts/helpdesk/regression-cases").send().await.unwrap().json().await.unwrap();
+    let kinds: Vec<(&str, f64)> = list["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["kind"].as_str().unwrap(), c["judge"]["pass_score"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(kinds, vec![("judge", 0.7), ("judge", 0.5)], "{list}");
+    let page = ui_page(&app, "/ui/prompts/helpdesk").await;
+    assert!(page.contains("judge, passes at 0.7: The agent follows its playbook"), "{page}");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_combee"))
+        .args(["regression", "list", "helpdesk"])
+        .env("COMBEE_URL", &app.base)
+        .env("COMBEE_API_KEY", &app.admin_key)
+        .env_remove("COMBEE_CONFIG_DIR")
+        .output()
+        .await
+        .unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(table.contains("MUST HOLD") && table.contains("judge ≥ 0.7: The agent follows its playbook"), "{table}");
+    assert!(table.contains("judge ≥ 0.5: The reply is polite."), "{table}");
+}
+
 on_both_stores!(
     a_version_that_breaks_a_case_never_gets_traffic_and_one_that_passes_does,
     cases_are_added_imported_pinned_listed_and_deleted,
+    a_rubric_case_is_judged_and_a_version_that_fails_it_never_gets_traffic,
 );
 
 on_one_store!(

@@ -294,13 +294,16 @@ pub async fn prompt(
 }
 
 /// The prompt's evaluators, each with its agreement with the rewards agents
-/// and operators gave (calibration).
+/// and operators gave (calibration). Cheap on every view: nothing is read
+/// for a prompt without evaluators, and the agreement is over the newest
+/// `PAGE_CALIBRATION_TRACES` scored traces (500; the API's over 5,000).
 async fn evaluators_section(st: &AppState, name: &str) -> Result<String, UiError> {
     let list = service::evaluators::get(st, name).await?.evaluators;
     if list.is_empty() {
         return Ok(r#"<h2>Evaluators</h2><p class="muted" id="evaluators-empty">None: only the rewards agents report count. Set them with <code>combee evaluators set</code> or <code>PUT /v1/prompts/{name}/evaluators</code>.</p>"#.to_owned());
     }
-    let cal = service::evaluators::calibration(st, name).await?;
+    let limit = service::evaluators::PAGE_CALIBRATION_TRACES;
+    let cal = service::evaluators::calibration_over(st, name, limit).await?;
     let num = |v: Option<f64>| v.map_or_else(|| "—".to_owned(), |x| format!("{x:.2}"));
     let mut rows = String::new();
     for e in &list {
@@ -324,7 +327,7 @@ async fn evaluators_section(st: &AppState, name: &str) -> Result<String, UiError
         );
     }
     Ok(format!(
-        r#"<h2>Evaluators <span class="muted small">agreement with the {} traces agents or operators scored</span></h2><table id="evaluators" class="compact"><thead><tr><th>Name</th><th>Kind</th><th>What</th><th class="num">n</th><th class="num">Accuracy</th><th class="num">Kappa</th></tr></thead><tbody>{rows}</tbody></table>"#,
+        r#"<h2>Evaluators <span class="muted small" id="evaluators-agreement">agreement with the {} traces agents or operators scored (the newest {limit} at most; all of them: <code>combee evaluators calibrate</code>)</span></h2><table id="evaluators" class="compact"><thead><tr><th>Name</th><th>Kind</th><th>What</th><th class="num">n</th><th class="num">Accuracy</th><th class="num">Kappa</th></tr></thead><tbody>{rows}</tbody></table>"#,
         cal.traces
     ))
 }

@@ -59,7 +59,10 @@ pub(super) fn cases_table(cases: &[RegressionCase]) -> String {
     }
     let mut rows = String::new();
     for c in cases {
-        let checks = serde_json::to_string(&c.checks).unwrap_or_default();
+        let checks = match &c.judge {
+            Some(j) => format!("judge, passes at {}: {}", j.pass_score, j.rubric),
+            None => serde_json::to_string(&c.checks).unwrap_or_default(),
+        };
         let _ = write!(
             rows,
             r#"<tr id="case-{}"><td>{}</td><td>{}</td><td class="message">{}</td><td class="message"><code>{}</code></td></tr>"#,
@@ -71,7 +74,7 @@ pub(super) fn cases_table(cases: &[RegressionCase]) -> String {
         );
     }
     format!(
-        r#"<table id="regression-cases" class="compact"><thead><tr><th>Name</th><th>Source</th><th>Input</th><th>Checks</th></tr></thead><tbody>{rows}</tbody></table>"#
+        r#"<table id="regression-cases" class="compact"><thead><tr><th>Name</th><th>Source</th><th>Input</th><th>Must hold</th></tr></thead><tbody>{rows}</tbody></table>"#
     )
 }
 
