@@ -33,7 +33,10 @@ pub struct SetMember {
 
 #[utoipa::path(get, path = "/v1/members", tag = "members", responses((status = 200, body = MemberList)),
     security(("bearer" = ["admin"])))]
-pub async fn list_members(State(st): State<AppState>, _caller: Authorized<scope::Admin>) -> ApiResult<Json<MemberList>> {
+pub async fn list_members(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::Admin>,
+) -> ApiResult<Json<MemberList>> {
     Ok(Json(MemberList { members: people::list_members(&st).await? }))
 }
 

@@ -81,8 +81,9 @@ impl AuthSettings {
     pub fn validate(&self) -> Result<(), String> {
         let Some(o) = &self.oidc else {
             if !self.key_sign_in {
-                return Err("auth.key_sign_in = false needs [auth.oidc]: otherwise nobody can sign in to the web UI"
-                    .into());
+                return Err(
+                    "auth.key_sign_in = false needs [auth.oidc]: otherwise nobody can sign in to the web UI".into()
+                );
             }
             return Ok(());
         };
@@ -96,8 +97,9 @@ impl AuthSettings {
             return Err("auth.oidc.client_id must be set".into());
         }
         if o.client_secret.expose().trim().is_empty() {
-            return Err("auth.oidc.client_secret must be set (COMBEE__AUTH__OIDC__CLIENT_SECRET keeps it out of files)"
-                .into());
+            return Err(
+                "auth.oidc.client_secret must be set (COMBEE__AUTH__OIDC__CLIENT_SECRET keeps it out of files)".into(),
+            );
         }
         if !web_url(&o.redirect_url).is_some_and(|u| u.path().ends_with("/ui/oidc/callback")) {
             return Err(format!(
@@ -177,6 +179,7 @@ mod tests {
 
     #[test]
     fn mappings_read_from_toml() {
+        use figment::providers::Format;
         let s: AuthSettings = figment::Figment::from(figment::providers::Toml::string(
             r#"
 key_sign_in = false

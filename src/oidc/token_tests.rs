@@ -11,14 +11,14 @@ const NOW: i64 = 1_800_000_000;
 
 fn jwk(der: &[u8], kid: &str) -> Jwk {
     let pair = RsaKeyPair::from_pkcs8(der).unwrap();
-    let public = pair.public();
+    let public = ring::signature::RsaPublicKeyComponents::<Vec<u8>>::from(pair.public());
     Jwk {
         kty: "RSA".into(),
         kid: Some(kid.into()),
         alg: Some("RS256".into()),
         usage: Some("sig".into()),
-        n: Some(URL_SAFE_NO_PAD.encode(public.modulus().big_endian_without_leading_zero())),
-        e: Some(URL_SAFE_NO_PAD.encode(public.exponent().big_endian_without_leading_zero())),
+        n: Some(URL_SAFE_NO_PAD.encode(&public.n)),
+        e: Some(URL_SAFE_NO_PAD.encode(&public.e)),
     }
 }
 
@@ -103,7 +103,7 @@ fn issuer_audience_expiry_and_nonce_are_checked() {
 fn pkce_challenge_is_the_rfc_example() {
     // RFC 7636, appendix B.
     assert_eq!(
-        pkce_challenge("dBjftJeZ4CVP-1mB0K1uhbMrVOu0X6vFw5SsjJ0o3MM"),
-        "E9Melhoa2OwvFX8WFQiwV3gb9Rd1VE69ZdeDHdMSdM4"
+        pkce_challenge("dBjftJeZ4CVP-mB92K27uhbUJU1p1r_wW1gFWFOEjXk"),
+        "E9Melhoa2OwvFrEMTJguCHaoeK1t8URWbuGJSstw-cM"
     );
 }

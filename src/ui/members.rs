@@ -34,8 +34,7 @@ pub async fn page(State(st): State<AppState>, op: Operator) -> Result<Response, 
             escape(&m.subject),
         ));
     }
-    let roles: String =
-        Role::ALL.iter().map(|r| format!(r#"<option value="{0}">{0}</option>"#, r.as_str())).collect();
+    let roles: String = Role::ALL.iter().map(|r| format!(r#"<option value="{0}">{0}</option>"#, r.as_str())).collect();
     let body = format!(
         r#"<section class="card"><h1>Members</h1>
 <p class="muted">Explicit grants, beside those the single sign-on groups give. A member is named by the provider's subject or an email address.</p>

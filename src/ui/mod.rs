@@ -5,9 +5,9 @@
 
 mod actions;
 mod html;
+mod members;
 mod pages;
 mod plot;
-mod members;
 mod session;
 mod sso;
 

@@ -348,8 +348,9 @@ pub async fn logout(
         SignedIn::Key(key) => Audit::new("ui.sign_out", "ui_session", key.id).before(
             serde_json::json!({"key_id": key.id, "key_prefix": key.prefix, "expires_at": op.session.expires_at}),
         ),
-        SignedIn::Person { person, grant, .. } => Audit::new("ui.sign_out", "person_session", &person.subject)
-            .before(serde_json::json!({"subject": person.subject, "grant": grant, "expires_at": op.session.expires_at})),
+        SignedIn::Person { person, grant, .. } => Audit::new("ui.sign_out", "person_session", &person.subject).before(
+            serde_json::json!({"subject": person.subject, "grant": grant, "expires_at": op.session.expires_at}),
+        ),
     };
     Ok((audit, signed_out(&headers)).into_response())
 }

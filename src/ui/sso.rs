@@ -232,7 +232,11 @@ pub struct PickForm {
     grant: Option<String>,
 }
 
-pub async fn pick(State(st): State<AppState>, headers: HeaderMap, Form(form): Form<PickForm>) -> Result<Response, UiError> {
+pub async fn pick(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    Form(form): Form<PickForm>,
+) -> Result<Response, UiError> {
     let (hash, s) = person_session(&st, &headers).await?;
     if !form.csrf.as_deref().is_some_and(|t| tokens_match(t, &s.csrf_token)) {
         return Err(UiError::Forbidden(
