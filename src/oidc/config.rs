@@ -155,7 +155,8 @@ mod tests {
         assert!(AuthSettings::default().validate().is_ok());
         let off = AuthSettings { key_sign_in: false, oidc: None }.validate().unwrap_err();
         assert!(off.contains("auth.key_sign_in"), "{off}");
-        let cases: [(fn(&mut OidcSettings), &str); 7] = [
+        type Change = fn(&mut OidcSettings);
+        let cases: [(Change, &str); 7] = [
             (|o| o.issuer = "http://id.example.com".into(), "auth.oidc.issuer"),
             (|o| o.issuer = "not a url".into(), "auth.oidc.issuer"),
             (|o| o.client_id = " ".into(), "auth.oidc.client_id"),
@@ -171,6 +172,8 @@ mod tests {
             assert!(e.contains(want), "{e} should name {want}");
             assert!(!e.contains("s3cret"), "{e}");
         }
+        let printed = format!("{:?}", AuthSettings { key_sign_in: true, oidc: Some(oidc()) });
+        assert!(printed.contains("client_secret: [redacted]") && !printed.contains("s3cret"), "{printed}");
         let mut local = oidc();
         local.issuer = "http://127.0.0.1:9400".into();
         local.redirect_url = "http://127.0.0.1:8080/ui/oidc/callback".into();

@@ -166,6 +166,21 @@ async fn sign_in_in_the_browser(b: Backend) {
     seed(&app).await;
     let br = Browser::start("sso").await;
 
+    // A state changed on the way to the provider comes back refused, and opens no session.
+    br.goto(&app.url("/ui/login")).await;
+    br.click("#sso-sign-in").await;
+    br.wait_url(&provider.url).await;
+    let authorize = br.url().await;
+    let state = authorize.split("state=").nth(1).unwrap().split('&').next().unwrap().to_owned();
+    br.goto(&authorize.replace(&format!("state={state}"), "state=tampered")).await;
+    br.type_into("input[name=sub]", "ann").await;
+    br.click("button[type=submit]").await;
+    br.wait_url("/ui/oidc/callback").await;
+    assert!(br.text("#bad-state").await.contains("not valid"));
+    br.screenshot("00-tampered-state").await;
+    br.goto(&app.url("/ui/prompts")).await;
+    br.wait_url("/ui/login").await;
+
     // Ann (team-x) signs in on the provider's own page and lands in project x as an operator.
     br.goto(&app.url("/ui/login")).await;
     br.click("#sso-sign-in").await;
@@ -284,6 +299,11 @@ async fn each_role_sees_and_may_post_what_it_allows(b: Backend) {
         assert_eq!(prompt.contains(r#"id="nav-members""#), admin, "{role}: members link");
         let (status, trace_html) = page(&app, &s, &trace_page).await;
         assert_eq!(status, 200);
+        if !operates {
+            // Sign-out is a viewer's one form.
+            let forms = |html: &str| html.matches(r#"method="post""#).count();
+            assert_eq!((forms(&prompt), forms(&trace_html)), (1, 1), "a viewer sees no action form");
+        }
         assert_eq!(trace_html.contains(r#"id="quarantine""#), operates, "{role}: quarantine form");
         assert_eq!(page(&app, &s, "/ui/audit").await.0, if admin { 200 } else { 403 }, "{role}: audit page");
         let (status, members) = page(&app, &s, "/ui/members").await;
