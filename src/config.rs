@@ -39,6 +39,9 @@ pub struct Settings {
     /// Regression sets and the gate a learned version passes before live traffic (see `worker::gate`).
     #[serde(default)]
     pub regression: RegressionSettings,
+    /// How people sign in to the web UI: API keys and single sign-on (see `src/oidc/config.rs`).
+    #[serde(default)]
+    pub auth: crate::oidc::config::AuthSettings,
     /// The OpenAI-compatible backend for learning rounds (see `src/llm/config.rs`).
     #[serde(default, skip_serializing)]
     pub llm: crate::llm::config::LlmConfig,
@@ -534,6 +537,7 @@ impl Default for Settings {
             retention: RetentionSettings::default(),
             budget: BudgetSettings::default(),
             regression: RegressionSettings::default(),
+            auth: Default::default(),
             llm: Default::default(),
         }
     }
@@ -664,6 +668,7 @@ impl Settings {
             return Err(ConfigError("budget.recheck_secs must be greater than 0".into()));
         }
         self.check_database()?;
+        self.auth.validate().map_err(ConfigError)?;
         self.llm.validate().map_err(|e| ConfigError(e.to_string()))?;
         self.controller.validate().map_err(|e| ConfigError(format!("controller: {e}")))?;
         Ok(())

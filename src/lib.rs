@@ -12,6 +12,7 @@ pub mod evaluate;
 pub mod http;
 pub mod learn;
 pub mod llm;
+pub mod oidc;
 pub mod otlp;
 pub mod retry_after;
 pub mod secret;

@@ -7,6 +7,7 @@ pub mod audit;
 pub mod client;
 pub mod evaluators;
 pub mod export;
+pub mod members;
 pub mod prompts;
 pub mod prune;
 pub mod regression;
@@ -70,6 +71,9 @@ pub enum Command {
     /// Manage API keys directly in the store.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// Manage people's explicit web UI grants (single sign-on) directly in the store.
+    #[command(subcommand)]
+    Members(members::MembersCommand),
     /// Delete what expired under `[retention]` and the prompts' own retention, once, directly in
     /// the store (worker processes do this every `retention.interval_secs`); `--dry-run` only says
     /// what would go.
@@ -212,6 +216,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Keys(cmd) => keys(settings, cmd).await,
+        Command::Members(cmd) => members::run(settings, cmd).await,
         Command::Prune(args) => prune::run(settings, args).await,
         Command::Health { url } => {
             let res = reqwest::Client::builder()

@@ -137,7 +137,7 @@ impl Role {
     pub fn scopes(self) -> &'static [Scope] {
         match self {
             Role::Viewer => &[Scope::PromptsRead],
-            Role::Operator => &[Scope::PromptsRead, Scope::PromptsPromote, Scope::RoundsTrigger],
+            Role::Operator => &[Scope::PromptsRead, Scope::PromptsWrite, Scope::PromptsPromote, Scope::RoundsTrigger],
             Role::Admin => &[Scope::Admin],
         }
     }

@@ -16,6 +16,9 @@ pub enum Actor {
     Key { id: Uuid, name: String },
     /// An operator's web UI session, opened with this key.
     Ui { key_id: Uuid, key_name: String },
+    /// A person signed in to the web UI through single sign-on: the provider's
+    /// subject and the name it gave.
+    Person { subject: String, name: String },
     /// A signed inbound webhook (no key), named by its `webhook-id`.
     Webhook { id: String },
     /// A background job of a worker process (the retention job).
@@ -34,6 +37,7 @@ impl Actor {
         match self {
             Actor::Key { .. } => "key",
             Actor::Ui { .. } => "ui",
+            Actor::Person { .. } => "person",
             Actor::Webhook { .. } => "webhook",
             Actor::Worker { .. } => "worker",
             Actor::Cli { .. } => "cli",
@@ -46,6 +50,7 @@ impl Actor {
     pub fn id(&self) -> Option<String> {
         match self {
             Actor::Key { id, .. } | Actor::Ui { key_id: id, .. } => Some(id.to_string()),
+            Actor::Person { subject, .. } => Some(subject.clone()),
             _ => None,
         }
     }
@@ -53,7 +58,7 @@ impl Actor {
     /// The `actor_name` column.
     pub fn name(&self) -> String {
         match self {
-            Actor::Key { name, .. } | Actor::Ui { key_name: name, .. } => name.clone(),
+            Actor::Key { name, .. } | Actor::Ui { key_name: name, .. } | Actor::Person { name, .. } => name.clone(),
             Actor::Webhook { id } => id.clone(),
             Actor::Worker { name } => name.clone(),
             Actor::Cli { user } => user.clone(),
@@ -115,11 +120,12 @@ pub struct AuditEntry {
     /// Increasing; the page cursor.
     pub id: i64,
     pub at: DateTime<Utc>,
-    /// `key`, `ui`, `webhook`, `worker`, `cli` or `system`.
+    /// `key`, `ui`, `person`, `webhook`, `worker`, `cli` or `system`.
     pub actor_type: String,
-    /// The API key's id, when a key (or a web UI session opened with one) acted.
+    /// The API key's id, when a key (or a web UI session opened with one) acted;
+    /// a person's subject at the single sign-on provider.
     pub actor_id: Option<String>,
-    /// The key's name, the webhook id, the worker's job, or the OS user of the command line.
+    /// The key's name, a person's name, the webhook id, the worker's job, or the OS user of the command line.
     pub actor_name: String,
     /// The request's `x-request-id`.
     pub request_id: Option<String>,

@@ -13,6 +13,7 @@ pub mod label;
 pub mod label_history;
 pub mod learning;
 pub mod names;
+pub mod people;
 pub mod playbook;
 pub mod population;
 pub mod population_settings;

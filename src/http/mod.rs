@@ -15,6 +15,7 @@ pub mod keys;
 pub mod label_history;
 pub mod labels;
 pub mod langfuse;
+pub mod members;
 mod observe;
 pub mod openapi;
 pub mod ops;
@@ -91,6 +92,8 @@ pub fn routes() -> RouteTable {
         .route("/v1/prompts/{name}/export", get(export::export_traces))
         .route("/v1/keys", post(keys::create_key).get(keys::list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(keys::revoke_key))
+        .route("/v1/members", get(members::list_members))
+        .route("/v1/members/{subject}", axum::routing::put(members::set_member).delete(members::remove_member))
         .route("/v1/webhooks", post(webhooks::create_webhook).get(webhooks::list_webhooks))
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))

@@ -416,6 +416,7 @@ impl utoipa::Modify for BearerAuth {
         super::traces::requeue_failed,
         super::traces::quarantine_trace, super::traces::release_trace, super::traces::delete_trace, super::traces::quarantine_traces,
         super::keys::create_key, super::keys::list_keys, super::keys::revoke_key,
+        super::members::list_members, super::members::set_member, super::members::remove_member,
         super::rounds::trigger_round, super::rounds::webhook_round, super::rounds::get_round, super::rounds::list_rounds,
         super::rounds::get_learning, super::rounds::clear_backoff,
         super::controller::get_controller, super::outcomes::prompt_metrics, super::budget::get_spend,

@@ -153,6 +153,12 @@ pub async fn record(store: &DynStore, entry: &NewAuditEntry) {
     }
 }
 
+/// Appends an entry a handler built itself (a change made by a GET, such as
+/// a single sign-on callback, which the write middleware does not see).
+pub async fn record_entry(st: &AppState, entry: &NewAuditEntry) {
+    record(&st.store, entry).await;
+}
+
 /// Entries matching `query`, newest first.
 pub async fn list(st: &AppState, query: &AuditQuery, limit: u32) -> ServiceResult<Vec<AuditEntry>> {
     Ok(st.store.audit_entries(query, limit).await?)

@@ -17,6 +17,7 @@ pub mod labels;
 pub mod langfuse;
 pub mod outcomes;
 pub mod pagination;
+pub mod people;
 pub mod population;
 pub mod production;
 pub mod prompts;
@@ -54,6 +55,8 @@ pub struct AppParts {
     pub metrics: PrometheusHandle,
     /// The time the worker and the budget read (a test moves it to end a day).
     pub clock: crate::domain::clock::Clock,
+    /// The single sign-on provider's client, when `[auth.oidc]` is set.
+    pub oidc: Option<Arc<crate::oidc::Client>>,
 }
 
 impl AppState {
@@ -72,6 +75,7 @@ impl AppState {
             keys: Arc::new(KeyCache::new(store.clone(), settings.cache.max_keys)),
             metrics: crate::telemetry::metrics_handle(),
             clock: Default::default(),
+            oidc: settings.auth.oidc.clone().map(|o| Arc::new(crate::oidc::Client::new(o))),
             settings: Arc::new(settings),
             store,
         })

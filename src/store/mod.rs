@@ -18,6 +18,7 @@ mod keys;
 mod labels;
 mod migrate;
 mod otlp;
+mod people;
 pub mod postgres;
 mod prompts;
 mod regression;
@@ -46,6 +47,7 @@ pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
+pub use people::PeopleStore;
 pub use prompts::PromptStore;
 pub use regression::{GateSettings, OpenGate, RegressionStore};
 pub use retention::{Expiring, Retention, TraceExpiry};
@@ -136,6 +138,7 @@ pub trait Store:
     KeyStore
     + AuditStore
     + SessionStore
+    + PeopleStore
     + PromptStore
     + LabelStore
     + PopulationStore

@@ -78,11 +78,17 @@ pub fn badge(word: &str) -> String {
 
 /// The signed-in operator, as the page header shows them.
 pub struct Who<'a> {
-    pub key_name: &'a str,
-    pub key_prefix: &'a str,
+    /// The key's or the person's name.
+    pub name: &'a str,
+    /// The key's visible prefix, or the person's role and where it holds.
+    pub detail: String,
+    /// What `detail` is, as a tooltip.
+    pub title: &'static str,
     pub csrf: &'a str,
-    /// An admin key: the navigation links the audit log.
+    /// An admin key or person: the navigation links the audit log and the members.
     pub admin: bool,
+    /// A person with several grants: a link to switch.
+    pub switch: bool,
 }
 
 /// Which top-level section is current.
@@ -91,6 +97,7 @@ pub enum Section {
     Prompts,
     Traces,
     Audit,
+    Members,
     None,
 }
 
@@ -102,17 +109,23 @@ pub fn page(title: &str, who: Option<&Who<'_>>, section: Section, body: &str) ->
         let _ = write!(
             nav,
             r#"<nav><a href="/ui/prompts"{}>Prompts</a><a href="/ui/traces"{}>Traces</a>{}</nav>
-<div class="who"><span title="API key">{} <code>{}…</code></span>
+<div class="who"><span title="{}" id="who">{} <code id="who-detail">{}</code></span>{}
 <form method="post" action="/ui/logout" class="inline"><input type="hidden" name="csrf" value="{}"><button type="submit" class="link" id="sign-out">Sign out</button></form></div>"#,
             cur(Section::Prompts),
             cur(Section::Traces),
             if w.admin {
-                format!(r#"<a href="/ui/audit" id="nav-audit"{}>Audit</a>"#, cur(Section::Audit))
+                format!(
+                    r#"<a href="/ui/audit" id="nav-audit"{}>Audit</a><a href="/ui/members" id="nav-members"{}>Members</a>"#,
+                    cur(Section::Audit),
+                    cur(Section::Members)
+                )
             } else {
                 String::new()
             },
-            escape(w.key_name),
-            escape(w.key_prefix),
+            w.title,
+            escape(w.name),
+            escape(&w.detail),
+            if w.switch { r#" <a href="/ui/pick" id="switch-grant">switch</a>"# } else { "" },
             escape(w.csrf),
         );
     }

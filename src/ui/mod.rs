@@ -5,9 +5,11 @@
 
 mod actions;
 mod html;
+mod members;
 mod pages;
 mod plot;
 mod session;
+mod sso;
 
 pub use html::escape;
 
@@ -27,6 +29,11 @@ pub fn router() -> RouteTable {
         .route("/", get(|| async { Redirect::to("/ui/prompts") }))
         .route("/login", get(session::login_form).post(session::login))
         .route("/logout", post(session::logout))
+        .route("/oidc/start", get(sso::start))
+        .route("/oidc/callback", get(sso::callback))
+        .route("/pick", get(sso::pick_page).post(sso::pick))
+        .route("/members", get(members::page).post(members::set))
+        .route("/members/remove", post(members::remove))
         .route("/prompts", get(pages::prompts))
         .route("/prompts/{name}", get(pages::prompt))
         .route("/prompts/{name}/diff", get(pages::diff))
@@ -54,6 +61,8 @@ pub fn router() -> RouteTable {
 pub enum UiError {
     /// No valid session (none, expired, or its key was revoked).
     SignIn,
+    /// A person with several grants has not picked the one to use yet.
+    PickGrant,
     Forbidden(String),
     NotFound(String),
     Service(ServiceError),
@@ -81,6 +90,7 @@ impl IntoResponse for UiError {
                 res.extensions_mut().insert(crate::service::audit::Refused);
                 return res;
             }
+            UiError::PickGrant => return Redirect::to("/ui/pick").into_response(),
             UiError::Forbidden(m) => (StatusCode::FORBIDDEN, m),
             UiError::NotFound(m) => (StatusCode::NOT_FOUND, m),
             UiError::Service(e) => {

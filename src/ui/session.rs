@@ -22,13 +22,14 @@ use super::{
 use crate::{
     auth::hash_key,
     domain::{
-        access::{ApiKey, NewUiSession, Scope, UiSession},
+        access::{ApiKey, NewUiSession, Reach, Role, Scope},
         audit::Actor,
+        people::{Grant, Person},
     },
     service::{
         AppState,
         audit::{Audit, AuditSlot},
-        keys, sessions,
+        keys, people, sessions,
     },
 };
 
@@ -38,7 +39,7 @@ const LOGIN_COOKIE: &str = "combee_login";
 pub const SESSION_HOURS: i64 = 12;
 const LOGIN_FORM_SECS: i64 = 600;
 
-fn random_token() -> String {
+pub(super) fn random_token() -> String {
     let mut bytes = [0u8; 32];
     rand::thread_rng().fill_bytes(&mut bytes);
     URL_SAFE_NO_PAD.encode(bytes)
@@ -49,7 +50,7 @@ pub fn tokens_match(given: &str, expected: &str) -> bool {
     !expected.is_empty() && bool::from(given.as_bytes().ct_eq(expected.as_bytes()))
 }
 
-fn cookie_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+pub(super) fn cookie_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers
         .get_all(header::COOKIE)
         .iter()
@@ -62,37 +63,77 @@ fn cookie_value<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// `Secure` when the request reached the proxy over https: combee itself speaks
 /// plain HTTP behind a TLS-terminating proxy, which sets `X-Forwarded-Proto`.
-fn over_https(headers: &HeaderMap) -> bool {
+pub(super) fn over_https(headers: &HeaderMap) -> bool {
     headers
         .get("x-forwarded-proto")
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.split(',').next().is_some_and(|p| p.trim().eq_ignore_ascii_case("https")))
 }
 
-fn cookie(headers: &HeaderMap, name: &str, value: &str, max_age: i64) -> HeaderValue {
+pub(super) fn cookie(headers: &HeaderMap, name: &str, value: &str, max_age: i64) -> HeaderValue {
     let secure = if over_https(headers) { "; Secure" } else { "" };
     HeaderValue::from_str(&format!("{name}={value}; Path=/ui; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"))
         .unwrap_or_else(|_| HeaderValue::from_static("combee_invalid=; Path=/ui; Max-Age=0"))
 }
 
-/// A signed-in operator: the session and the (unrevoked) key it was opened with.
+/// What a session's page needs of it, whoever opened it.
+pub struct SessionInfo {
+    /// Rendered into every state-changing form and checked on POST.
+    pub csrf_token: String,
+    pub expires_at: chrono::DateTime<Utc>,
+}
+
+/// Who opened the session: an API key, or a person through single sign-on
+/// with the grant (role, and project or server-wide) in use.
+pub enum SignedIn {
+    Key(ApiKey),
+    Person { person: Person, grant: Grant, grants: usize },
+}
+
+/// A signed-in operator: the session and who opened it (an unrevoked key, or a person).
 pub struct Operator {
-    pub session: UiSession,
-    pub key: ApiKey,
+    pub session: SessionInfo,
+    pub by: SignedIn,
 }
 
 impl Operator {
-    /// A 403 page unless the key has the scope (or `admin`).
+    /// A 403 page unless the key has the scope (or `admin`), or the person's role stands for it.
     pub fn require(&self, scope: Scope) -> Result<(), UiError> {
         if self.can(scope) {
-            Ok(())
-        } else {
-            Err(UiError::Forbidden(format!("This API key lacks the `{}` scope.", scope.as_str())))
+            return Ok(());
+        }
+        Err(UiError::Forbidden(match &self.by {
+            SignedIn::Key(_) => format!("This API key lacks the `{}` scope.", scope.as_str()),
+            SignedIn::Person { grant, .. } => {
+                format!("Your role ({}) does not allow this: it needs `{}`.", grant.describe(), scope.as_str())
+            }
+        }))
+    }
+
+    /// Whether this session may act with `scope`: a key's scopes, a person's role's.
+    pub fn can(&self, scope: Scope) -> bool {
+        let scopes = match &self.by {
+            SignedIn::Key(key) => key.scopes.as_slice(),
+            SignedIn::Person { grant, .. } => grant.role.scopes(),
+        };
+        scopes.contains(&scope) || scopes.contains(&Scope::Admin)
+    }
+
+    /// Where this session may act: a key's reach (server-wide until keys are
+    /// bound to projects), or the project of the person's grant in use.
+    pub fn reach(&self) -> Reach {
+        match &self.by {
+            SignedIn::Key(_) => Reach::Server,
+            SignedIn::Person { grant, .. } => grant.reach(),
         }
     }
 
-    pub fn can(&self, scope: Scope) -> bool {
-        self.key.scopes.contains(&scope) || self.key.scopes.contains(&Scope::Admin)
+    /// A person's role; `None` for a key session.
+    pub fn role(&self) -> Option<Role> {
+        match &self.by {
+            SignedIn::Key(_) => None,
+            SignedIn::Person { grant, .. } => Some(grant.role),
+        }
     }
 
     /// A 403 page unless the form carried this session's CSRF token.
@@ -106,16 +147,36 @@ impl Operator {
     }
 
     pub fn who(&self) -> super::html::Who<'_> {
-        super::html::Who {
-            key_name: &self.key.name,
-            key_prefix: &self.key.prefix,
-            csrf: &self.session.csrf_token,
-            admin: self.can(Scope::Admin),
+        let (name, detail, title, switch) = match &self.by {
+            SignedIn::Key(key) => (key.name.as_str(), format!("{}…", key.prefix), "API key", false),
+            SignedIn::Person { person, grants, .. } => {
+                let role = self.role().map_or("", Role::as_str);
+                let place = match self.reach() {
+                    Reach::Server => "on the whole server".to_owned(),
+                    Reach::Project(p) => format!("in {p}"),
+                };
+                (person.name.as_str(), format!("{role} {place}"), "signed in through single sign-on", *grants > 1)
+            }
+        };
+        super::html::Who { name, detail, title, csrf: &self.session.csrf_token, admin: self.can(Scope::Admin), switch }
+    }
+
+    /// The `by` of what this session changes.
+    pub fn actor(&self) -> String {
+        match &self.by {
+            SignedIn::Key(key) => format!("key:{} (web UI)", key.prefix),
+            SignedIn::Person { person, .. } => format!("person:{} (web UI)", person.subject),
         }
     }
 
-    pub fn actor(&self) -> String {
-        format!("key:{} (web UI)", self.key.prefix)
+    /// The audit log's actor for this session.
+    pub fn audit_actor(&self) -> Actor {
+        match &self.by {
+            SignedIn::Key(key) => Actor::Ui { key_id: key.id, key_name: key.name.clone() },
+            SignedIn::Person { person, .. } => {
+                Actor::Person { subject: person.subject.clone(), name: person.name.clone() }
+            }
+        }
     }
 }
 
@@ -126,12 +187,25 @@ impl FromRequestParts<AppState> for Operator {
         let token = cookie_value(&parts.headers, SESSION_COOKIE).ok_or(UiError::SignIn)?;
         let hash = hash_key(token);
         // A session whose key was revoked after sign-in ends with it.
-        let (session, key) = sessions::find(st, &hash).await?.ok_or(UiError::SignIn)?;
-        // A form's audit entry names the session's key (see `service/audit.rs`).
+        let op = if let Some((session, key)) = sessions::find(st, &hash).await? {
+            Operator {
+                session: SessionInfo { csrf_token: session.csrf_token, expires_at: session.expires_at },
+                by: SignedIn::Key(key),
+            }
+        } else {
+            let p = people::find_session(st, &hash).await?.ok_or(UiError::SignIn)?;
+            // A person with several grants picks one before any page.
+            let grant = p.current.ok_or(UiError::PickGrant)?;
+            Operator {
+                session: SessionInfo { csrf_token: p.csrf_token, expires_at: p.expires_at },
+                by: SignedIn::Person { person: p.person, grant, grants: p.grants.len() },
+            }
+        };
+        // A form's audit entry names the session's key or person (see `service/audit.rs`).
         if let Some(slot) = parts.extensions.get::<AuditSlot>() {
-            slot.set_actor(Actor::Ui { key_id: key.id, key_name: key.name.clone() });
+            slot.set_actor(op.audit_actor());
         }
-        Ok(Operator { session, key })
+        Ok(op)
     }
 }
 
@@ -141,36 +215,64 @@ pub struct LoginQuery {
     error: Option<String>,
 }
 
-fn login_page(headers: &HeaderMap, message: Option<&str>, status: StatusCode) -> Response {
+/// What the sign-in page offers: single sign-on, the API key form, or both.
+#[derive(Clone, Copy)]
+struct Offer {
+    sso: bool,
+    keys: bool,
+}
+
+fn offer(st: &AppState) -> Offer {
+    Offer { sso: st.oidc.is_some(), keys: st.settings.auth.key_sign_in }
+}
+
+fn login_page(headers: &HeaderMap, offer: Offer, message: Option<&str>, status: StatusCode) -> Response {
     let token = random_token();
     let notice =
         message.map_or_else(String::new, |m| format!(r#"<p class="notice bad" id="login-error">{}</p>"#, escape(m)));
-    let body = format!(
-        r#"<section class="login card">
-<h1>Sign in</h1>
-<p class="muted">Paste an API key with the <code>prompts:read</code> scope (<code>prompts:promote</code> to promote and roll back). The key is checked once; the browser then holds a session cookie, never the key.</p>
-{notice}
+    let sso = if offer.sso {
+        r#"<p><a class="button" href="/ui/oidc/start" id="sso-sign-in">Sign in with single sign-on</a></p>"#
+    } else {
+        ""
+    };
+    let form = if offer.keys {
+        format!(
+            r#"<p class="muted">Paste an API key with the <code>prompts:read</code> scope (<code>prompts:promote</code> to promote and roll back). The key is checked once; the browser then holds a session cookie, never the key.</p>
 <form method="post" action="/ui/login" autocomplete="off">
 <input type="hidden" name="login_token" value="{}">
 <label for="key">API key</label>
 <input type="password" id="key" name="key" placeholder="cmb_…" required autofocus spellcheck="false">
 <button type="submit" id="sign-in">Sign in</button>
-</form>
-</section>"#,
-        escape(&token)
+</form>"#,
+            escape(&token)
+        )
+    } else {
+        String::new()
+    };
+    let body = format!(
+        r#"<section class="login card">
+<h1>Sign in</h1>
+{notice}
+{sso}
+{form}
+</section>"#
     );
     let mut res = (status, page("Sign in", None, Section::None, &body)).into_response();
     res.headers_mut().insert(header::SET_COOKIE, cookie(headers, LOGIN_COOKIE, &token, LOGIN_FORM_SECS));
     res
 }
 
-pub async fn login_form(headers: HeaderMap, axum::extract::Query(q): axum::extract::Query<LoginQuery>) -> Response {
+pub async fn login_form(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<LoginQuery>,
+) -> Response {
     // Only fixed messages: the query string never reaches the page.
     let message = match q.error.as_deref() {
         Some("expired") => Some("Your session ended. Sign in again."),
         _ => None,
     };
-    login_page(&headers, message, StatusCode::OK)
+    login_page(&headers, offer(&st), message, StatusCode::OK)
 }
 
 #[derive(Deserialize)]
@@ -182,6 +284,10 @@ pub struct LoginForm {
 }
 
 pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): Form<LoginForm>) -> Response {
+    if !st.settings.auth.key_sign_in {
+        return UiError::Forbidden("Signing in with an API key is switched off here: use single sign-on.".into())
+            .into_response();
+    }
     let expected = cookie_value(&headers, LOGIN_COOKIE).unwrap_or_default();
     if !form.login_token.as_deref().is_some_and(|t| tokens_match(t, expected)) {
         return UiError::Forbidden("The sign-in form expired or did not come from this site. Reload it.".into())
@@ -189,11 +295,14 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
     }
     let key = match keys::authenticate(&st, form.key.trim()).await {
         Ok(Some(key)) => key,
-        Ok(None) => return login_page(&headers, Some("Unknown or revoked API key."), StatusCode::UNAUTHORIZED),
+        Ok(None) => {
+            return login_page(&headers, offer(&st), Some("Unknown or revoked API key."), StatusCode::UNAUTHORIZED);
+        }
         Err(e) => return UiError::from(e).into_response(),
     };
     if !(key.scopes.contains(&Scope::PromptsRead) || key.scopes.contains(&Scope::Admin)) {
-        return login_page(&headers, Some("This key lacks the prompts:read scope."), StatusCode::FORBIDDEN);
+        let why = Some("This key lacks the prompts:read scope.");
+        return login_page(&headers, offer(&st), why, StatusCode::FORBIDDEN);
     }
     let token = random_token();
     let session = NewUiSession {
@@ -230,11 +339,20 @@ pub async fn logout(
 ) -> Result<Response, UiError> {
     op.check_csrf(form.csrf.as_deref())?;
     if let Some(token) = cookie_value(&headers, SESSION_COOKIE) {
-        sessions::close(&st, &hash_key(token)).await?;
+        match op.by {
+            SignedIn::Key(_) => sessions::close(&st, &hash_key(token)).await?,
+            SignedIn::Person { .. } => people::close_session(&st, &hash_key(token)).await?,
+        }
     }
-    let open =
-        serde_json::json!({"key_id": op.key.id, "key_prefix": op.key.prefix, "expires_at": op.session.expires_at});
-    Ok((Audit::new("ui.sign_out", "ui_session", op.key.id).before(open), signed_out(&headers)).into_response())
+    let audit = match &op.by {
+        SignedIn::Key(key) => Audit::new("ui.sign_out", "ui_session", key.id).before(
+            serde_json::json!({"key_id": key.id, "key_prefix": key.prefix, "expires_at": op.session.expires_at}),
+        ),
+        SignedIn::Person { person, grant, .. } => Audit::new("ui.sign_out", "person_session", &person.subject).before(
+            serde_json::json!({"subject": person.subject, "grant": grant, "expires_at": op.session.expires_at}),
+        ),
+    };
+    Ok((audit, signed_out(&headers)).into_response())
 }
 
 /// Back to the sign-in page with the session cookie cleared.

@@ -235,6 +235,14 @@ async fn every_write_operation_appends_exactly_one_entry(b: Backend) {
     let req = delete(&app, &format!("/v1/webhooks/{}", hook["id"].as_str().unwrap()));
     run.op("DELETE", "/v1/webhooks/{id}", req, expect("webhook.delete", "webhook", true, false)).await;
 
+    // Members: a person's explicit grant, set (again: then it has a before) and removed.
+    let req = app.put("/v1/members/ann@example.com", json!({"project": "x", "role": "viewer"}));
+    run.op("PUT", "/v1/members/{subject}", req, expect("member.set", "member", false, true)).await;
+    let req = app.put("/v1/members/ann@example.com", json!({"role": "admin"}));
+    run.op("PUT", "/v1/members/{subject}", req, expect("member.set", "member", true, true)).await;
+    let req = delete(&app, "/v1/members/ann@example.com");
+    run.op("DELETE", "/v1/members/{subject}", req, expect("member.remove", "member", true, false)).await;
+
     // Evaluators.
     let evaluators = json!({"evaluators": [{"name": "mentions", "kind": "checks", "checks": [{"type": "contains", "text": "answer"}]}]});
     let req = app.put("/v1/prompts/audited/evaluators", evaluators);

@@ -103,3 +103,45 @@ fn keys_create_list_revoke_on_the_embedded_store() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown scope"));
     assert!(run(&["migrate"]).status.success());
 }
+
+#[test]
+fn members_set_list_remove_on_the_embedded_store_and_the_client_secret_never_prints() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let run = |args: &[&str]| {
+        let mut cmd = combee(dir.path());
+        cmd.args(args).env("COMBEE__DATABASE__DATA_DIR", &data);
+        cmd.output().unwrap()
+    };
+    let out = run(&["members", "set", "ann@example.com", "--project", "x", "--role", "operator"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ann@example.com is operator in x");
+    assert!(run(&["members", "set", "sre-lead", "--role", "admin"]).status.success());
+    let list = String::from_utf8(run(&["members", "list"]).stdout).unwrap();
+    assert!(list.contains("ann@example.com") && list.contains("operator"), "{list}");
+    assert!(list.contains("sre-lead") && list.contains("(every project)"), "{list}");
+    let bad = run(&["members", "set", "ann@example.com", "--role", "owner"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("unknown role"));
+    let bad = run(&["members", "set", "ann@example.com", "--project", "Not A Project", "--role", "viewer"]);
+    assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("not a project name"));
+    assert!(run(&["members", "remove", "ann@example.com"]).status.success());
+    let gone = run(&["members", "remove", "ann@example.com"]);
+    assert!(!gone.status.success() && String::from_utf8_lossy(&gone.stderr).contains("no member"));
+    assert!(!String::from_utf8(run(&["members", "list"]).stdout).unwrap().contains("ann@example.com"));
+
+    // Single sign-on settings are checked at start-up, and the client secret never prints.
+    let oidc = [
+        ("COMBEE__AUTH__OIDC__ISSUER", "https://id.example.com"),
+        ("COMBEE__AUTH__OIDC__CLIENT_ID", "combee"),
+        ("COMBEE__AUTH__OIDC__CLIENT_SECRET", "hunter2-oidc"),
+        ("COMBEE__AUTH__OIDC__REDIRECT_URL", "https://combee.example.com/ui/oidc/callback"),
+    ];
+    let out = stdout(combee(dir.path()).arg("config").envs(oidc));
+    assert!(out.contains("https://id.example.com") && !out.contains("hunter2-oidc"), "{out}");
+    let out =
+        combee(dir.path()).arg("config").envs(oidc).env("COMBEE__AUTH__OIDC__REDIRECT_URL", "https://x/").output();
+    let out = out.unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("auth.oidc.redirect_url") && !err.contains("hunter2-oidc"), "{err}");
+}

@@ -29,6 +29,7 @@ mod postgres_processes;
 mod real_model;
 mod regression;
 mod request_rules;
+mod sso;
 mod store_contract;
 mod ui_browser;
 mod upgrade;

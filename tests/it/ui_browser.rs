@@ -22,7 +22,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 const ELEMENT: &str = "element-6066-11e4-a52e-4f735466cecf";
 
 /// One chromedriver process with one browser session.
-struct Browser {
+pub(crate) struct Browser {
     http: reqwest::Client,
     base: String,
     session: String,
@@ -33,7 +33,7 @@ struct Browser {
 }
 
 impl Browser {
-    async fn start(prefix: &str) -> Browser {
+    pub(crate) async fn start(prefix: &str) -> Browser {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let mut driver = tokio::process::Command::new("chromedriver")
             .arg(format!("--port={port}"))
@@ -104,15 +104,15 @@ impl Browser {
         if ok { Ok(v["value"].clone()) } else { Err(v["value"].clone()) }
     }
 
-    async fn cmd(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+    pub(crate) async fn cmd(&self, method: &str, path: &str, body: Option<Value>) -> Value {
         self.try_cmd(method, path, body).await.unwrap_or_else(|e| panic!("WebDriver {method} {path}: {e}"))
     }
 
-    async fn goto(&self, url: &str) {
+    pub(crate) async fn goto(&self, url: &str) {
         self.cmd("POST", "/url", Some(json!({"url": url}))).await;
     }
 
-    async fn url(&self) -> String {
+    pub(crate) async fn url(&self) -> String {
         self.cmd("GET", "/url", None).await.as_str().unwrap().to_owned()
     }
 
@@ -121,7 +121,7 @@ impl Browser {
         v[ELEMENT].as_str().unwrap().to_owned()
     }
 
-    async fn count(&self, css: &str) -> usize {
+    pub(crate) async fn count(&self, css: &str) -> usize {
         // Counted in the page: a WebDriver element search would wait the whole
         // implicit timeout (15 s) whenever the answer is none.
         let script = json!({"script": "return document.querySelectorAll(arguments[0]).length", "args": [css]});
@@ -145,16 +145,16 @@ impl Browser {
         panic!("{css} stayed stale");
     }
 
-    async fn click(&self, css: &str) {
+    pub(crate) async fn click(&self, css: &str) {
         self.on_element(css, "POST", "/click", None).await;
     }
 
-    async fn type_into(&self, css: &str, text: &str) {
+    pub(crate) async fn type_into(&self, css: &str, text: &str) {
         self.on_element(css, "POST", "/clear", None).await;
         self.on_element(css, "POST", "/value", Some(json!({"text": text}))).await;
     }
 
-    async fn text(&self, css: &str) -> String {
+    pub(crate) async fn text(&self, css: &str) -> String {
         self.on_element(css, "GET", "/text", None).await.as_str().unwrap().to_owned()
     }
 
@@ -163,20 +163,20 @@ impl Browser {
         self.on_element(css, "GET", "/property/textContent", None).await.as_str().unwrap().to_owned()
     }
 
-    async fn value(&self, css: &str) -> String {
+    pub(crate) async fn value(&self, css: &str) -> String {
         self.on_element(css, "GET", "/property/value", None).await.as_str().unwrap().to_owned()
     }
 
-    async fn source(&self) -> String {
+    pub(crate) async fn source(&self) -> String {
         self.cmd("GET", "/source", None).await.as_str().unwrap().to_owned()
     }
 
-    async fn cookie(&self, name: &str) -> Value {
+    pub(crate) async fn cookie(&self, name: &str) -> Value {
         self.cmd("GET", &format!("/cookie/{name}"), None).await
     }
 
     /// Waits (in the browser) until the page at a URL containing `part` is loaded.
-    async fn wait_url(&self, part: &str) {
+    pub(crate) async fn wait_url(&self, part: &str) {
         eventually(&format!("a page at {part}"), Duration::from_secs(10), async || {
             let url = self.url().await;
             if url.contains(part) {
@@ -189,7 +189,7 @@ impl Browser {
         .await
     }
 
-    async fn screenshot(&self, name: &str) -> PathBuf {
+    pub(crate) async fn screenshot(&self, name: &str) -> PathBuf {
         let b64 = self.cmd("GET", "/screenshot", None).await;
         let png = base64::engine::general_purpose::STANDARD.decode(b64.as_str().unwrap()).unwrap();
         let path = self.shots.join(format!("{}-{name}.png", self.prefix));

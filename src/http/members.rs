@@ -1,0 +1,68 @@
+//! People's explicit grants over HTTP (scope `admin`): who, named by the
+//! single sign-on provider's subject or an email address, holds which role
+//! where, beside the grants their mapped groups give. The same as
+//! `combee members` and the web UI's members page.
+
+use axum::{Json, extract::State, http::StatusCode};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::{
+    AppState,
+    error::ApiResult,
+    extract::{ApiJson, ApiPath, Authorized, scope},
+};
+use crate::{
+    domain::{access::Role, people::Member},
+    service::{audit::Audit, people},
+};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MemberList {
+    pub members: Vec<Member>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetMember {
+    /// The project the role holds in; absent or null: every project.
+    #[serde(default)]
+    pub project: Option<String>,
+    pub role: Role,
+}
+
+#[utoipa::path(get, path = "/v1/members", tag = "members", responses((status = 200, body = MemberList)),
+    security(("bearer" = ["admin"])))]
+pub async fn list_members(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::Admin>,
+) -> ApiResult<Json<MemberList>> {
+    Ok(Json(MemberList { members: people::list_members(&st).await? }))
+}
+
+#[utoipa::path(put, path = "/v1/members/{subject}", tag = "members", request_body = SetMember,
+    params(("subject" = String, Path, description = "the provider's subject (`sub`) or an email address")),
+    responses((status = 200, body = Member), (status = 422, body = super::error::Problem)),
+    security(("bearer" = ["admin"])))]
+pub async fn set_member(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::Admin>,
+    ApiPath(subject): ApiPath<String>,
+    ApiJson(req): ApiJson<SetMember>,
+) -> ApiResult<(Audit, Json<Member>)> {
+    let (member, before) = people::set_member(&st, &subject, req.project.as_deref(), req.role).await?;
+    let audit = Audit::new("member.set", "member", &member.subject).before(before);
+    Ok((audit, Json(member)))
+}
+
+#[utoipa::path(delete, path = "/v1/members/{subject}", tag = "members",
+    params(("subject" = String, Path, description = "the provider's subject (`sub`) or an email address")),
+    responses((status = 204), (status = 404, body = super::error::Problem)), security(("bearer" = ["admin"])))]
+pub async fn remove_member(
+    State(st): State<AppState>,
+    _caller: Authorized<scope::Admin>,
+    ApiPath(subject): ApiPath<String>,
+) -> ApiResult<(StatusCode, Audit)> {
+    let before = people::remove_member(&st, &subject).await?;
+    Ok((StatusCode::NO_CONTENT, Audit::new("member.remove", "member", &before.subject).before(before)))
+}
