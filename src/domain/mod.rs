@@ -16,6 +16,7 @@ pub mod names;
 pub mod playbook;
 pub mod population;
 pub mod population_settings;
+pub mod project;
 pub mod prompt;
 pub mod regression;
 pub mod round;

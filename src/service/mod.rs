@@ -19,6 +19,7 @@ pub mod outcomes;
 pub mod pagination;
 pub mod population;
 pub mod production;
+pub mod projects;
 pub mod prompts;
 pub mod regression;
 pub mod rounds;

@@ -18,6 +18,7 @@ mod keys;
 mod labels;
 mod migrate;
 mod otlp;
+mod projects;
 pub mod postgres;
 mod prompts;
 mod regression;
@@ -46,6 +47,7 @@ pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
+pub use projects::ProjectStore;
 pub use prompts::PromptStore;
 pub use regression::{GateSettings, OpenGate, RegressionStore};
 pub use retention::{Expiring, Retention, TraceExpiry};
@@ -137,6 +139,7 @@ pub trait Store:
     + AuditStore
     + SessionStore
     + PromptStore
+    + ProjectStore
     + LabelStore
     + PopulationStore
     + RegressionStore

@@ -28,7 +28,7 @@ use crate::{
     service::{
         AppState,
         audit::{Audit, AuditSlot},
-        keys, sessions,
+        keys, projects, sessions,
     },
 };
 
@@ -131,6 +131,8 @@ impl FromRequestParts<AppState> for Operator {
         if let Some(slot) = parts.extensions.get::<AuditSlot>() {
             slot.set_actor(Actor::Ui { key_id: key.id, key_name: key.name.clone() });
         }
+        // Another project's pages answer 404, as the API does.
+        projects::guard_request(st, &key.reach(), parts).await?;
         Ok(Operator { session, key })
     }
 }

@@ -680,7 +680,7 @@ mod controller {
         let kept = insights(prompt["text"].as_str().unwrap()).len();
         assert!(kept >= 147, "retention {kept}/150");
         let metrics = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        assert!(metrics.contains("combee_controller_batch_size{prompt=\"auto\"}"), "{metrics}");
+        assert!(metrics.contains("combee_controller_batch_size{prompt=\"auto\",project=\"default\"}"), "{metrics}");
         // The LLM client's view of the backend: the simulator takes OpenAI's schema shape,
         // and the adaptive limit is shown (how far it grows depends on this machine's load).
         assert!(metrics.contains("combee_llm_output_format{format=\"json_schema\"} 1"), "{metrics}");
@@ -1017,6 +1017,7 @@ mod resume {
         let settings = PromptSettings { duplication: 2, ..PromptSettings::default() };
         let prompt = NewPrompt {
             name: name.clone(),
+            project: "default".into(),
             strategy: Strategy::Playbook,
             promotion: Promotion::Auto,
             settings,

@@ -40,6 +40,7 @@ fn version(base: &str) -> NewVersion {
 async fn make_prompt(store: &DynStore, n: &str) {
     let p = NewPrompt {
         name: name(n),
+        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings: PromptSettings::default(),
@@ -64,6 +65,7 @@ async fn prompts_start_at_version_one_labelled_production(b: Backend) {
     assert!(r.version.content_hash.starts_with("sha256:"));
     let again = NewPrompt {
         name: name("p"),
+        project: "default".into(),
         strategy: Strategy::Rewrite,
         promotion: Promotion::Manual,
         settings: PromptSettings::default(),
@@ -459,7 +461,7 @@ async fn key_generation_grows_with_every_revocation(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let start = s.api_key_generation().await.unwrap();
-    let key = s.create_api_key("k", "cmb_gen00001", "hash-gen", &[Scope::PromptsRead]).await.unwrap();
+    let key = s.create_api_key("k", "cmb_gen00001", "hash-gen", &[Scope::PromptsRead], None).await.unwrap();
     assert_eq!(s.api_key_generation().await.unwrap(), start, "a new key invalidates nothing");
     assert!(s.revoke_api_key(&key.prefix).await.unwrap());
     let after = s.api_key_generation().await.unwrap();
@@ -469,7 +471,7 @@ async fn key_generation_grows_with_every_revocation(b: Backend) {
     assert_eq!(other.api_key_generation().await.unwrap(), after);
     // A revocation by that other store is seen here at the next read, however
     // often the unchanged generation was read before.
-    let second = s.create_api_key("k2", "cmb_gen00002", "hash-gen-2", &[Scope::PromptsRead]).await.unwrap();
+    let second = s.create_api_key("k2", "cmb_gen00002", "hash-gen-2", &[Scope::PromptsRead], None).await.unwrap();
     for _ in 0..3 {
         assert_eq!(s.api_key_generation().await.unwrap(), after);
     }
@@ -517,7 +519,7 @@ async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let key =
-        s.create_api_key("agent", "cmb_abcdefgh", "hash1", &[Scope::TracesWrite, Scope::PromptsRead]).await.unwrap();
+        s.create_api_key("agent", "cmb_abcdefgh", "hash1", &[Scope::TracesWrite, Scope::PromptsRead], None).await.unwrap();
     assert_eq!(s.api_key_by_hash("hash1").await.unwrap().unwrap().scopes, vec![Scope::TracesWrite, Scope::PromptsRead]);
     assert_eq!(s.count_active_api_keys().await.unwrap(), 1);
     assert!(s.revoke_api_key("cmb_abcdefgh").await.unwrap());
@@ -529,7 +531,7 @@ async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
 async fn ui_sessions_expire_and_show_their_key(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
-    let key = s.create_api_key("ops", "cmb_opsopsop", "keyhash", &[Scope::PromptsRead]).await.unwrap();
+    let key = s.create_api_key("ops", "cmb_opsopsop", "keyhash", &[Scope::PromptsRead], None).await.unwrap();
     let now = chrono::Utc::now();
     let open = |token_hash: &str, expires_at| NewUiSession {
         token_hash: token_hash.into(),
@@ -589,10 +591,10 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
         make_prompt(&s, n).await;
     }
     s.insert_traces(&[trace("a", None), trace("a", None)]).await.unwrap();
-    let page = s.list_prompts(None, 2).await.unwrap();
+    let page = s.list_prompts(None, None, 2).await.unwrap();
     assert_eq!(page.iter().map(|p| p.prompt.name.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
     assert_eq!((page[0].pending_traces, page[0].production_version, page[0].latest_version), (2, Some(1), 1));
-    let rest = s.list_prompts(Some("b"), 2).await.unwrap();
+    let rest = s.list_prompts(Some("b"), None, 2).await.unwrap();
     assert_eq!(rest.len(), 1);
     // The same pages without the counts, for the periodic jobs.
     let bare = s.prompts_page(None, 2).await.unwrap();
@@ -619,6 +621,7 @@ async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Bac
     write_until_announced(&s, &mut rx).await;
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
+        project: None,
         events: vec![EventType::LabelMoved],
         description: None,
         secret: Secret::new("whsec_c2VjcmV0"),
@@ -667,7 +670,7 @@ async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Bac
         (1, 2, Some(200), "succeeded")
     );
     assert!(s.delete_webhook(sub.id).await.unwrap());
-    assert!(s.list_webhooks().await.unwrap().is_empty());
+    assert!(s.list_webhooks(None).await.unwrap().is_empty());
 }
 
 fn reflection(insight: &str) -> combee::domain::Reflection {
@@ -1056,6 +1059,7 @@ async fn label_history_records_every_move_in_order(b: Backend) {
     let s = ts.store.clone();
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
+        project: None,
         events: vec![EventType::PromptRolledBack],
         description: None,
         secret: Secret::new("whsec_c2VjcmV0"),
@@ -1563,6 +1567,7 @@ async fn a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator(b: Bac
     let s = ts.store.clone();
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
+        project: None,
         events: vec![EventType::RoundFailed],
         description: None,
         secret: Secret::new("whsec_c2VjcmV0"),
@@ -1787,7 +1792,7 @@ async fn a_database_migrated_by_a_newer_release_opens_and_serves(b: Backend) {
         .await
         .expect("a database with a newer migration opens");
     make_prompt(&again, "after").await;
-    assert_eq!(again.list_prompts(None, 10).await.unwrap().len(), 2);
+    assert_eq!(again.list_prompts(None, None, 10).await.unwrap().len(), 2);
     let ids = again.insert_traces(&[trace("before", Some(1)), trace("after", Some(1))]).await.unwrap();
     for id in ids {
         assert!(again.get_trace(id).await.unwrap().is_some(), "trace {id} is read back");
@@ -1906,7 +1911,7 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     drop(again);
     // Opening again changes nothing (the adoption happens once).
     let third = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("reopen");
-    assert_eq!(third.list_prompts(None, 10).await.unwrap().len(), 2);
+    assert_eq!(third.list_prompts(None, None, 10).await.unwrap().len(), 2);
     drop(third);
 
     let edited = test_store(b).await;
