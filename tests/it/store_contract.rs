@@ -604,6 +604,110 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
     assert_eq!(rest.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["c"]);
 }
 
+/// Projects on the store: `default` exists from the migration; a prompt,
+/// trace and round answer which project they belong to; prompt, trace,
+/// webhook and audit lists filter by project; a project's webhook is told
+/// only of its project's events, a server-wide one of all.
+async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
+    use combee::{
+        domain::{
+            audit::{Actor, AuditQuery, NewAuditEntry, RequestOrigin},
+            event::EventType,
+            project::ProjectSettings,
+            webhook::NewWebhook,
+        },
+        secret::Secret,
+    };
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    assert_eq!(s.list_projects().await.unwrap().iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["default"]);
+    s.create_project("team-a", &ProjectSettings::default()).await.unwrap();
+    assert!(matches!(
+        s.create_project("team-a", &ProjectSettings::default()).await,
+        Err(StoreError::AlreadyExists)
+    ));
+    let defaults = ProjectSettings { prompt_defaults: json!({"max_wait_secs": 60}).as_object().unwrap().clone() };
+    let updated = s.update_project_settings("team-a", &defaults).await.unwrap().unwrap();
+    assert_eq!(s.get_project("team-a").await.unwrap().unwrap(), updated);
+    assert!(s.update_project_settings("nope", &defaults).await.unwrap().is_none());
+
+    make_prompt(&s, "in-default").await;
+    let a = NewPrompt {
+        name: name("in-a"),
+        project: "team-a".into(),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Auto,
+        settings: PromptSettings::default(),
+        created_by: "test".into(),
+    };
+    // Server-wide and project webhooks, before the events.
+    let hook = |project: Option<&str>| NewWebhook {
+        url: "http://127.0.0.1:9/h".into(),
+        project: project.map(str::to_owned),
+        events: vec![EventType::VersionCreated],
+        description: None,
+        secret: Secret::new("whsec_x".to_owned()),
+    };
+    let everyone = s.create_webhook(&hook(None)).await.unwrap();
+    let only_a = s.create_webhook(&hook(Some("team-a"))).await.unwrap();
+    let only_default = s.create_webhook(&hook(Some("default"))).await.unwrap();
+    assert_eq!(only_a.project.as_deref(), Some("team-a"));
+    let (created, _) = s.create_prompt(a, version("v1")).await.unwrap();
+    assert_eq!(created.project, "team-a");
+    assert_eq!(s.get_prompt(&name("in-a")).await.unwrap().unwrap().project, "team-a");
+    assert_eq!(s.prompt_project("in-a").await.unwrap().as_deref(), Some("team-a"));
+    assert_eq!(s.prompt_project("in-default").await.unwrap().as_deref(), Some("default"));
+    assert_eq!(s.prompt_project("absent").await.unwrap(), None);
+    assert_eq!(s.project_prompts("team-a").await.unwrap(), ["in-a"]);
+
+    let ids = s.insert_traces(&[trace("in-a", None), trace("in-default", None)]).await.unwrap();
+    assert_eq!(s.trace_project(ids[0]).await.unwrap().as_deref(), Some("team-a"));
+    assert_eq!(s.trace_project(ids[1]).await.unwrap().as_deref(), Some("default"));
+    assert_eq!(s.trace_project(uuid::Uuid::now_v7()).await.unwrap(), None);
+    let filter = TraceFilter { project: Some("team-a".into()), ..Default::default() };
+    let listed = s.list_traces(&filter, 10).await.unwrap();
+    assert_eq!(listed.iter().map(|t| t.id).collect::<Vec<_>>(), [ids[0]]);
+    let page = s.list_prompts(None, Some("team-a"), 10).await.unwrap();
+    assert_eq!(page.iter().map(|p| p.prompt.name.as_str()).collect::<Vec<_>>(), ["in-a"]);
+    assert_eq!(s.list_prompts(None, None, 10).await.unwrap().len(), 2);
+    assert!(s.list_prompts(None, Some("nope"), 10).await.unwrap().is_empty());
+
+    let req = OpenRound {
+        prompt: name("in-a"),
+        trigger: RoundTrigger::Api,
+        method: Method::Combee,
+        batch: 10,
+        min_traces: 1,
+        seed: 1,
+        inbound_webhook_id: None,
+        judge_wait: None,
+    };
+    let round = s.open_round(&req).await.unwrap().expect("a round opens");
+    assert_eq!(s.round_project(round.id).await.unwrap().as_deref(), Some("team-a"));
+
+    // Version 1 of `in-a` announced itself: to the server-wide and team-a subscriptions, not to default's.
+    let claimed = s.claim_deliveries("w", std::time::Duration::from_secs(30), 100).await.unwrap();
+    let to = |id: uuid::Uuid| claimed.iter().filter(|d| d.subscription_id == id && d.body.contains("in-a")).count();
+    assert_eq!((to(everyone.id), to(only_a.id), to(only_default.id)), (1, 1, 0));
+    assert_eq!(s.list_webhooks(Some("team-a")).await.unwrap(), [only_a.clone()]);
+    assert_eq!(s.list_webhooks(None).await.unwrap().len(), 3);
+
+    let entry = |project: Option<&str>| {
+        NewAuditEntry::new(Actor::System, RequestOrigin::default(), "x.y", None, None, None, None)
+            .in_project(project.map(str::to_owned))
+    };
+    s.append_audit(&entry(Some("team-a"))).await.unwrap();
+    s.append_audit(&entry(None)).await.unwrap();
+    let q = AuditQuery { project: Some("team-a".into()), ..Default::default() };
+    let mine = s.audit_entries(&q, 10).await.unwrap();
+    assert_eq!(mine.iter().map(|e| e.project.as_deref()).collect::<Vec<_>>(), [Some("team-a")]);
+    assert_eq!(s.audit_entries(&AuditQuery::default(), 10).await.unwrap().len(), 2);
+
+    let key = s.create_api_key("a", "cmb_projkey1", "hash-proj", &[Scope::PromptsRead], Some("team-a")).await.unwrap();
+    assert_eq!(s.api_key_by_hash("hash-proj").await.unwrap().unwrap().project.as_deref(), Some("team-a"));
+    assert_eq!(key.reach(), combee::domain::access::Reach::Project("team-a".into()));
+}
+
 /// The outbox commits with its change (a failed CAS writes no event), fans out
 /// only to matching subscriptions, and deliveries are leased and fenced.
 async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Backend) {
@@ -1879,6 +1983,17 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     undo.extend(
         ["failure_streak", "last_failed_at", "last_failure"].map(|c| format!("ALTER TABLE prompts DROP COLUMN {c}")),
     );
+    // 0042 too (the audit log's column goes with its table below).
+    undo.extend(
+        [
+            "DROP INDEX prompts_by_project",
+            "ALTER TABLE prompts DROP COLUMN project",
+            "ALTER TABLE api_keys DROP COLUMN project",
+            "ALTER TABLE webhook_subscriptions DROP COLUMN project",
+            "DROP TABLE projects",
+        ]
+        .map(String::from),
+    );
     // 0041 too (its indexes and triggers go with the tables).
     undo.push("DROP TABLE audit_log".to_owned());
     undo.push(match b {
@@ -1958,6 +2073,7 @@ on_both_stores!(
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,
+    projects_scope_lookups_lists_and_event_fan_out,
     otlp_spans_merge_into_one_pending_trace,
     concurrent_otlp_parts_make_one_trace,
     version_outcomes_aggregate_rewards_usage_and_late_feedback,
