@@ -56,14 +56,17 @@ async fn fixture(app: &TestApp, tag: &str) -> Fixture {
     assert_eq!(p["project"], "team-a");
     let v2 = json!({"base": "You help, twice."});
     created(app.post(&format!("/v1/prompts/{prompt}/versions"), v2).send().await.unwrap(), "version").await;
-    let batch = json!({"traces": [trace(&prompt, 0), trace(&prompt, 1), trace(&prompt, 2), trace(&prompt, 3)]});
-    let ids = created(app.post("/v1/traces", batch).send().await.unwrap(), "traces").await;
-    let traces: Vec<String> = ids["ids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
+    // The round reserves the traces pending when it opens; the operations get later ones.
+    let batch = json!({"traces": [trace(&prompt, 0), trace(&prompt, 1)]});
+    created(app.post("/v1/traces", batch).send().await.unwrap(), "traces").await;
     let round = created(app.post(&format!("/v1/prompts/{prompt}/rounds"), json!({})).send().await.unwrap(), "round")
         .await["id"]
         .as_str()
         .unwrap()
         .to_owned();
+    let batch = json!({"traces": [trace(&prompt, 2), trace(&prompt, 3), trace(&prompt, 4)]});
+    let ids = created(app.post("/v1/traces", batch).send().await.unwrap(), "traces").await;
+    let traces: Vec<String> = ids["ids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
     let checks = json!([{"type": "contains", "text": "answer"}]);
     let case = json!({"input": "hi", "checks": checks});
     let case = created(app.post(&format!("/v1/prompts/{prompt}/regression-cases"), case).send().await.unwrap(), "case")
@@ -224,6 +227,8 @@ fn documented(who: &str, method: &str, template: &str) -> Option<u16> {
         // Version 2 was made by hand: it has no gate, so none awaits a harness.
         (_, "GET", "/v1/prompts/{name}/versions/{number}/gate") => Some(404),
         (_, "POST", "/v1/prompts/{name}/versions/{number}/evaluation") => Some(404),
+        // The fixture's own round is still in flight: at most one runs at a time.
+        (_, "POST", "/v1/prompts/{name}/rounds") => Some(409),
         // Only a server-wide key creates projects.
         ("a", "POST", "/v1/projects") => Some(403),
         _ => None,
@@ -335,11 +340,12 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
     let fx = fixture(&app, "b").await;
     let before = state_of_a(&app, &fx).await;
     let mut refused = 0;
+    let unscoped = |m: &str, t: &str| UNSCOPED.iter().any(|(um, ut, _)| (*um, *ut) == (m, t));
     for (method, template) in &ops {
-        let c = call(method, template, &fx, "b").unwrap_or_else(|| panic!("the matrix does not run {method} {template}"));
-        if UNSCOPED.iter().any(|(m, p, _)| (*m, *p) == (method.as_str(), template.as_str())) {
+        if unscoped(method, template) {
             continue;
         }
+        let c = call(method, template, &fx, "b").unwrap_or_else(|| panic!("the matrix does not run {method} {template}"));
         let res = send(&app, &key_b, method, &c).send().await.unwrap();
         let status = res.status().as_u16();
         let text = res.text().await.unwrap();
@@ -386,6 +392,10 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
     for (who, key) in [("a", key_a.clone()), ("server", app.admin_key.clone())] {
         let fx = fixture(&app, who).await;
         for (method, template) in &ops {
+            covered.insert((method.clone(), template.clone()));
+            if template.starts_with("/v1/hooks/") {
+                continue;
+            }
             let c = call(method, template, &fx, who).unwrap();
             let res = send(&app, &key, method, &c).send().await.unwrap();
             let status = res.status().as_u16();
@@ -422,7 +432,7 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
 }
 
 async fn another_projects_ui_pages_are_absent(b: Backend) {
-    let app = spawn_app_with(b, |_| {}).await;
+    let app = spawn_app_with(b, |s| s.webhooks.allow_private_targets = true).await;
     for name in ["team-a", "team-b"] {
         created(app.post("/v1/projects", json!({"name": name})).send().await.unwrap(), "project").await;
     }
