@@ -310,8 +310,7 @@ async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {
                 .iter()
                 .map(|s| Scope::parse(s.trim()).with_context(|| format!("unknown scope {s:?}")))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let (key, secret) =
-                service::keys::create(&st, &Reach::Server, &name, &scopes, project.as_deref()).await?;
+            let (key, secret) = service::keys::create(&st, &Reach::Server, &name, &scopes, project.as_deref()).await?;
             let entry = audit_entry("key.create", key.id, None, Some(&key)).in_project(key.project.clone());
             service::audit::record(&st.store, &entry).await;
             let reach = key.project.as_deref().map_or("server-wide".to_owned(), |p| format!("project {p}"));

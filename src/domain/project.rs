@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
-use super::{NameError, PromptSettings};
+use super::{NameError, PromptSettings, access::Reach};
 
 /// The project every prompt made before projects existed belongs to.
 pub const DEFAULT_PROJECT: &str = "default";
@@ -43,7 +43,7 @@ pub struct ProjectSettings {
     /// prompt's `settings`, retention overrides included); the prompt's own
     /// `settings` replace them field by field.
     #[serde(default, skip_serializing_if = "Map::is_empty")]
-    #[schema(value_type = Object)]
+    #[schema(value_type = PromptSettings)]
     pub prompt_defaults: Map<String, Value>,
 }
 
@@ -70,6 +70,36 @@ impl ProjectSettings {
     }
 }
 
+/// The project a list is filtered to: a project caller's own (a `?project=`
+/// naming another finds nothing, as for a project that does not exist), or
+/// what a server-wide caller asked for.
+pub fn list_filter(reach: &Reach, asked: Option<&str>) -> ListFilter {
+    match (reach, asked) {
+        (Reach::Project(own), Some(a)) if a != own => ListFilter::Nothing,
+        (Reach::Project(own), _) => ListFilter::Project(own.clone()),
+        (Reach::Server, Some(a)) => ListFilter::Project(a.to_owned()),
+        (Reach::Server, None) => ListFilter::All,
+    }
+}
+
+/// What a list shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListFilter {
+    All,
+    Project(String),
+    /// A project out of reach: an empty list.
+    Nothing,
+}
+
+impl ListFilter {
+    pub fn project(&self) -> Option<&str> {
+        match self {
+            ListFilter::Project(p) => Some(p),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,5 +118,14 @@ mod tests {
         let bad = ProjectSettings { prompt_defaults: json!({"nope": 1}).as_object().unwrap().clone() };
         assert!(bad.validated().is_err());
         assert!(check_name("team-a").is_ok() && check_name("Team A").is_err());
+    }
+
+    #[test]
+    fn a_project_callers_lists_show_its_project_only() {
+        let a = Reach::Project("a".into());
+        assert_eq!(list_filter(&a, None), ListFilter::Project("a".into()));
+        assert_eq!(list_filter(&a, Some("b")), ListFilter::Nothing);
+        assert_eq!(list_filter(&Reach::Server, Some("b")), ListFilter::Project("b".into()));
+        assert_eq!(list_filter(&Reach::Server, None), ListFilter::All);
     }
 }

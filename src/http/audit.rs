@@ -24,7 +24,6 @@ use super::{
 use crate::{
     domain::audit::{AuditEntry, AuditQuery, RequestOrigin},
     service::{
-        projects,
         audit::{self, Audit, AuditSlot, Refused},
         pagination::{PageParams, next_token},
     },
@@ -157,7 +156,7 @@ pub async fn audit_log(
         before_id,
         project: None,
     };
-    let projects = projects::list_filter(&caller.reach(), filter.project.as_deref());
+    let projects = crate::domain::project::list_filter(&caller.reach(), filter.project.as_deref());
     let size = page.size(st.settings.limits.max_page_size);
     let entries = audit::list(&st, &projects, query, size).await?;
     let next_page_token = next_token(&entries, size, |e| e.id.to_string());

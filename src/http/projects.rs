@@ -20,6 +20,7 @@ use crate::{
 #[serde(deny_unknown_fields)]
 pub struct CreateProject {
     /// `[a-z0-9][a-z0-9._-]{0,63}`, as a prompt name.
+    #[schema(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$")]
     pub name: String,
     #[serde(default)]
     pub settings: Option<ProjectSettings>,

@@ -142,7 +142,7 @@ pub async fn list_prompts(
     ApiQuery(q): ApiQuery<PromptListQuery>,
 ) -> ApiResult<Json<PromptPage>> {
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
-    let filter = projects::list_filter(&caller.reach(), q.project.as_deref());
+    let filter = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
     let size = page.size(st.settings.limits.max_page_size);
     let after = page.cursor()?;
     if after.as_deref().is_some_and(|a| !crate::domain::names::is_valid_name(a)) {

@@ -27,7 +27,6 @@ use crate::{
     },
     service::{
         pagination::{PageParams, next_token},
-        projects,
         traces::{self, Idempotent, Ingested, limits},
     },
 };
@@ -179,12 +178,12 @@ pub async fn list_traces(
         None => None,
     };
     let prompt = traces::filter_prompt(q.prompt.as_deref())?;
-    let projects = projects::list_filter(&caller.reach(), q.project.as_deref());
+    let projects = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
     let project = projects.project().map(str::to_owned);
     let filter = TraceFilter { prompt, project, status: q.status, since: q.since, until: q.until, before_id };
     let size = page.size(st.settings.limits.max_page_size);
     let traces = match projects {
-        projects::ListFilter::Nothing => Vec::new(),
+        crate::domain::project::ListFilter::Nothing => Vec::new(),
         _ => traces::list_traces(&st, &filter, size).await?,
     };
     let next_page_token = next_token(&traces, size, |t| t.id.simple().to_string());
@@ -356,6 +355,8 @@ pub async fn quarantine_traces(
     caller: Authorized<scope::PromptsWrite>,
     ApiJson(q): ApiJson<BulkQuarantine>,
 ) -> ApiResult<(Audit, Json<Quarantined>)> {
-    let quarantined = traces::quarantine_backlog(&st, &caller.reach(), &q.prompt, q.since, q.until, q.reason, &caller.actor()).await?;
+    let quarantined =
+        traces::quarantine_backlog(&st, &caller.reach(), &q.prompt, q.since, q.until, q.reason, &caller.actor())
+            .await?;
     Ok((Audit::new("traces.quarantine", "prompt", &q.prompt), Json(Quarantined { quarantined })))
 }

@@ -69,8 +69,7 @@ pub async fn create_webhook(
     };
     let (webhook, secret) = webhooks::create_webhook(&st, &req.url, &req.events, req.description, project).await?;
     // The webhook without its signing secret: the answer shows it once, the log never.
-    let audit =
-        Audit::new("webhook.create", "webhook", webhook.id).after(&webhook).in_project(webhook.project.clone());
+    let audit = Audit::new("webhook.create", "webhook", webhook.id).after(&webhook).in_project(webhook.project.clone());
     Ok((StatusCode::CREATED, audit, Json(WebhookCreated { webhook, secret: secret.expose().to_owned() })))
 }
 
@@ -88,7 +87,7 @@ pub async fn list_webhooks(
     caller: Authorized<scope::Admin>,
     ApiQuery(q): ApiQuery<WebhookListQuery>,
 ) -> ApiResult<Json<WebhookList>> {
-    let filter = projects::list_filter(&caller.reach(), q.project.as_deref());
+    let filter = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
     Ok(Json(WebhookList { webhooks: webhooks::list_webhooks(&st, &filter).await? }))
 }
 

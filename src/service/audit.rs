@@ -13,10 +13,11 @@ use axum::response::{IntoResponse, IntoResponseParts, Response, ResponseParts};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{AppState, ServiceResult, projects::ListFilter};
+use super::{AppState, ServiceResult};
 use crate::domain::{
     Trace,
     audit::{Actor, AuditEntry, AuditQuery, NewAuditEntry, RequestOrigin},
+    project::ListFilter,
 };
 use crate::store::DynStore;
 

@@ -3,9 +3,9 @@
 //! [`guard`] before its handler runs (the API's `Authorized` extractor and the
 //! web UI's `Operator` call it), so a caller bound to one project finds
 //! everything of another project absent — the same 404, with the same words,
-//! as for something that does not exist. Lists filter by [`Reach::project`];
-//! what names a prompt in its body (ingest, bulk quarantine) asks
-//! [`prompt_in_reach`].
+//! as for something that does not exist. Lists filter by
+//! [`crate::domain::project::list_filter`]; what names a prompt in its body
+//! (ingest, bulk quarantine) asks [`prompt_in_reach`] or [`out_of_reach`].
 
 use std::collections::HashMap;
 
@@ -164,36 +164,6 @@ pub async fn out_of_reach<'a>(st: &AppState, reach: &Reach, names: &[&'a str]) -
     Ok(out)
 }
 
-/// The project a list is filtered to: a project caller's own (a `?project=`
-/// naming another finds nothing, as for a project that does not exist), or
-/// what a server-wide caller asked for.
-pub fn list_filter(reach: &Reach, asked: Option<&str>) -> ListFilter {
-    match (reach, asked) {
-        (Reach::Project(own), Some(a)) if a != own => ListFilter::Nothing,
-        (Reach::Project(own), _) => ListFilter::Project(own.clone()),
-        (Reach::Server, Some(a)) => ListFilter::Project(a.to_owned()),
-        (Reach::Server, None) => ListFilter::All,
-    }
-}
-
-/// What a list shows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ListFilter {
-    All,
-    Project(String),
-    /// A project out of reach: an empty list.
-    Nothing,
-}
-
-impl ListFilter {
-    pub fn project(&self) -> Option<&str> {
-        match self {
-            ListFilter::Project(p) => Some(p),
-            _ => None,
-        }
-    }
-}
-
 /// The project a new prompt goes to: the one named (within reach; 404 as if
 /// absent otherwise), else the caller's own, else `default`.
 pub async fn for_new_prompt(st: &AppState, reach: &Reach, named: Option<&str>) -> ServiceResult<Project> {
@@ -268,14 +238,5 @@ mod tests {
         assert_eq!(target("/v1/projects/{name}", &name), Some(Target::Project("a".into())));
         assert_eq!(target("/v1/keys/{id}", &id), None);
         assert_eq!(target("/v1/prompts", &[]), None);
-    }
-
-    #[test]
-    fn a_project_callers_lists_show_its_project_only() {
-        let a = Reach::Project("a".into());
-        assert_eq!(list_filter(&a, None), ListFilter::Project("a".into()));
-        assert_eq!(list_filter(&a, Some("b")), ListFilter::Nothing);
-        assert_eq!(list_filter(&Reach::Server, Some("b")), ListFilter::Project("b".into()));
-        assert_eq!(list_filter(&Reach::Server, None), ListFilter::All);
     }
 }

@@ -10,10 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{
-    AppState, ServiceError, ServiceResult, error::plain_serde_error, population, production::Mover,
-    projects::ListFilter,
-};
+use super::{AppState, ServiceError, ServiceResult, error::plain_serde_error, population, production::Mover};
 use crate::{
     cache::ServedArms,
     domain::{
@@ -22,6 +19,7 @@ use crate::{
         diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
         label::{LabelMove, Resolved, Selector},
         population::ArmState,
+        project::ListFilter,
         prompt::{NewPrompt, NewVersion, PromptSummary},
     },
     store::StoreError,

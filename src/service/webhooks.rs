@@ -6,11 +6,12 @@ use base64::{Engine, engine::general_purpose::STANDARD};
 use rand::RngCore;
 use uuid::Uuid;
 
-use super::{AppState, ServiceError, ServiceResult, projects::ListFilter};
+use super::{AppState, ServiceError, ServiceResult};
 use crate::{
     delivery::target,
     domain::{
         event::EventType,
+        project::ListFilter,
         webhook::{DeliveryAttempt, NewWebhook, Webhook},
     },
     secret::Secret,

@@ -82,9 +82,11 @@ impl<D: Backend> KeyStore for SqlStore<D> {
     }
 
     async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
-        sql::<D>("SELECT id, name, prefix, hash, scopes, project, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .map(&mut *self.reader.acquire().await?, key_from_row::<D>)
-            .await
+        sql::<D>(
+            "SELECT id, name, prefix, hash, scopes, project, created_at, revoked_at FROM api_keys ORDER BY created_at",
+        )
+        .map(&mut *self.reader.acquire().await?, key_from_row::<D>)
+        .await
     }
 
     async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {

@@ -244,7 +244,8 @@ impl<D: Backend> WebhookStore for SqlStore<D> {
     }
 }
 
-pub(super) const WEBHOOK_COLUMNS: &str = "id, url, events, description, project, secret, enabled, disabled_reason, created_at";
+pub(super) const WEBHOOK_COLUMNS: &str =
+    "id, url, events, description, project, secret, enabled, disabled_reason, created_at";
 
 pub(super) fn webhook_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Webhook> {
     let r = Cols::<D>(row);
@@ -281,8 +282,8 @@ pub(super) async fn record_event<D: Dialect>(c: &mut D::Connection, e: &OutboxEv
     )
     .bind(events_pattern(e.kind))
     .bind(e.prompt.as_deref())
-        .map(c, |row| Cols::<D>(row).get::<Uuid>("id"))
-        .await?;
+    .map(c, |row| Cols::<D>(row).get::<Uuid>("id"))
+    .await?;
     for sub in &subscribers {
         sql::<D>(
             "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status, next_attempt_at, created_at, updated_at)

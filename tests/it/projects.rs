@@ -124,9 +124,7 @@ fn call(method: &str, template: &str, fx: &Fixture, tag: &str) -> Option<Call> {
             format!("/v1/prompts/{p}/evaluators"),
             json!({"evaluators": [{"name": "mentions", "kind": "checks", "checks": checks}]}),
         ),
-        ("GET", "/v1/prompts/{name}/evaluators/calibration") => {
-            bare(format!("/v1/prompts/{p}/evaluators/calibration"))
-        }
+        ("GET", "/v1/prompts/{name}/evaluators/calibration") => bare(format!("/v1/prompts/{p}/evaluators/calibration")),
         ("POST", "/v1/prompts/{name}/versions") => json(format!("/v1/prompts/{p}/versions"), json!({"base": "Three."})),
         ("GET", "/v1/prompts/{name}/versions") => bare(format!("/v1/prompts/{p}/versions")),
         ("GET", "/v1/prompts/{name}/versions/{number}") => bare(format!("/v1/prompts/{p}/versions/1")),
@@ -201,10 +199,9 @@ fn call(method: &str, template: &str, fx: &Fixture, tag: &str) -> Option<Call> {
         ("GET", "/v1/projects") => bare("/v1/projects".into()),
         ("POST", "/v1/projects") => json("/v1/projects".into(), json!({"name": format!("made-{tag}")})),
         ("GET", "/v1/projects/{name}") => bare("/v1/projects/team-a".into()),
-        ("PATCH", "/v1/projects/{name}") => json(
-            "/v1/projects/team-a".into(),
-            json!({"settings": {"prompt_defaults": {"max_wait_secs": 120}}}),
-        ),
+        ("PATCH", "/v1/projects/{name}") => {
+            json("/v1/projects/team-a".into(), json!({"settings": {"prompt_defaults": {"max_wait_secs": 120}}}))
+        }
         _ => None,
     }
 }
@@ -266,7 +263,9 @@ async fn state_of_a(app: &TestApp, fx: &Fixture) -> Value {
         // A round in flight moves on by itself; what B could change is whether rounds exist.
         if let Some(traces) = v.get_mut("traces").and_then(Value::as_array_mut) {
             for t in traces {
-                t.as_object_mut().unwrap().retain(|k, _| ["id", "status", "quarantined_at", "feedback"].contains(&k.as_str()));
+                t.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| ["id", "status", "quarantined_at", "feedback"].contains(&k.as_str()));
             }
         }
         if let Some(l) = v.get_mut("state") {
@@ -295,9 +294,17 @@ async fn absent_answer(app: &TestApp, method: &str, c: &Call, fx: &Fixture) -> (
     let res = send(app, &app.admin_key, method, &absent).send().await.unwrap();
     let status = res.status().as_u16();
     let body: Value = res.json().await.unwrap_or(Value::Null);
-    let detail = body["detail"].as_str().unwrap_or_default().replace("absent-prompt", &fx.prompt).replace("absent-project", "team-a");
+    let detail = body["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .replace("absent-prompt", &fx.prompt)
+        .replace("absent-project", "team-a");
     let real_id = |i: &str| {
-        fx.traces.iter().chain([&fx.round, &fx.case, &fx.hook, &fx.key]).find(|id| c.path.contains(id.as_str())).map_or(i.to_owned(), |id| id.to_owned())
+        fx.traces
+            .iter()
+            .chain([&fx.round, &fx.case, &fx.hook, &fx.key])
+            .find(|id| c.path.contains(id.as_str()))
+            .map_or(i.to_owned(), |id| id.to_owned())
     };
     (status, detail.replace(ABSENT_ID, &real_id(ABSENT_ID)))
 }
@@ -345,7 +352,8 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
         if unscoped(method, template) {
             continue;
         }
-        let c = call(method, template, &fx, "b").unwrap_or_else(|| panic!("the matrix does not run {method} {template}"));
+        let c =
+            call(method, template, &fx, "b").unwrap_or_else(|| panic!("the matrix does not run {method} {template}"));
         let res = send(&app, &key_b, method, &c).send().await.unwrap();
         let status = res.status().as_u16();
         let text = res.text().await.unwrap();
@@ -370,7 +378,8 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
             ("POST", "/v1/projects") => assert_eq!(status, 403, "only a server-wide key creates projects: {text}"),
             _ => {
                 let (want_status, want_detail) = absent_answer(&app, method, &c, &fx).await;
-                let detail = serde_json::from_str::<Value>(&text).ok().and_then(|v| v["detail"].as_str().map(str::to_owned));
+                let detail =
+                    serde_json::from_str::<Value>(&text).ok().and_then(|v| v["detail"].as_str().map(str::to_owned));
                 assert_eq!(status, 404, "B: {method} {template}: {text}");
                 assert_eq!(
                     (status, detail.unwrap_or_default()),
@@ -384,7 +393,8 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
     assert!(refused > 40, "{refused}");
     assert_eq!(state_of_a(&app, &fx).await, before, "B's key changed something of A");
     // B's audit log names nothing of A, and B's failed writes wrote no entry.
-    let audit: Value = app.http.get(app.url("/v1/audit")).bearer_auth(&key_b).send().await.unwrap().json().await.unwrap();
+    let audit: Value =
+        app.http.get(app.url("/v1/audit")).bearer_auth(&key_b).send().await.unwrap().json().await.unwrap();
     assert!(audit["entries"].as_array().unwrap().iter().all(|e| e["project"] == "team-b"), "{audit}");
 
     // A's key and the server-wide key: the documented answers, each on fresh resources.
@@ -407,7 +417,8 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
             covered.insert((method.clone(), template.clone()));
         }
         // The list routes show A's resources to both.
-        let list: Value = app.http.get(app.url("/v1/prompts")).bearer_auth(&key).send().await.unwrap().json().await.unwrap();
+        let list: Value =
+            app.http.get(app.url("/v1/prompts")).bearer_auth(&key).send().await.unwrap().json().await.unwrap();
         assert!(list["prompts"].as_array().unwrap().iter().any(|p| p["name"] == fx.prompt.as_str()), "{who}: {list}");
     }
     assert_eq!(covered, known, "every operation of the document ran");
@@ -419,7 +430,8 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
     assert!(of_a["prompts"].as_array().unwrap().iter().all(|p| p["project"] == "team-a"), "{of_a}");
     let projects: Value =
         app.http.get(app.url("/v1/projects")).bearer_auth(&key_a).send().await.unwrap().json().await.unwrap();
-    let names: Vec<&str> = projects["projects"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> =
+        projects["projects"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["team-a"]);
     // A project's key mints keys of its own project only; a name another project holds is a neutral 409.
     let res = app.http.post(app.url("/v1/keys")).bearer_auth(&key_a).json(&json!({"name": "x", "scopes": ["admin"]}));
@@ -532,7 +544,9 @@ async fn a_projects_webhook_hears_only_its_projects_events(b: Backend) {
         let mut prompts: Vec<String> = got
             .iter()
             .filter(|(w, _)| w == who)
-            .map(|(_, body)| serde_json::from_str::<Value>(body).unwrap()["data"]["prompt"].as_str().unwrap().to_owned())
+            .map(|(_, body)| {
+                serde_json::from_str::<Value>(body).unwrap()["data"]["prompt"].as_str().unwrap().to_owned()
+            })
             .collect();
         prompts.sort();
         prompts

@@ -518,8 +518,10 @@ async fn failed_traces_can_be_requeued(b: Backend) {
 async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
-    let key =
-        s.create_api_key("agent", "cmb_abcdefgh", "hash1", &[Scope::TracesWrite, Scope::PromptsRead], None).await.unwrap();
+    let key = s
+        .create_api_key("agent", "cmb_abcdefgh", "hash1", &[Scope::TracesWrite, Scope::PromptsRead], None)
+        .await
+        .unwrap();
     assert_eq!(s.api_key_by_hash("hash1").await.unwrap().unwrap().scopes, vec![Scope::TracesWrite, Scope::PromptsRead]);
     assert_eq!(s.count_active_api_keys().await.unwrap(), 1);
     assert!(s.revoke_api_key("cmb_abcdefgh").await.unwrap());
@@ -622,10 +624,7 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
     let s = ts.store.clone();
     assert_eq!(s.list_projects().await.unwrap().iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["default"]);
     s.create_project("team-a", &ProjectSettings::default()).await.unwrap();
-    assert!(matches!(
-        s.create_project("team-a", &ProjectSettings::default()).await,
-        Err(StoreError::AlreadyExists)
-    ));
+    assert!(matches!(s.create_project("team-a", &ProjectSettings::default()).await, Err(StoreError::AlreadyExists)));
     let defaults = ProjectSettings { prompt_defaults: json!({"max_wait_secs": 60}).as_object().unwrap().clone() };
     let updated = s.update_project_settings("team-a", &defaults).await.unwrap().unwrap();
     assert_eq!(s.get_project("team-a").await.unwrap().unwrap(), updated);
@@ -689,7 +688,7 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
     let claimed = s.claim_deliveries("w", std::time::Duration::from_secs(30), 100).await.unwrap();
     let to = |id: uuid::Uuid| claimed.iter().filter(|d| d.subscription_id == id && d.body.contains("in-a")).count();
     assert_eq!((to(everyone.id), to(only_a.id), to(only_default.id)), (1, 1, 0));
-    assert_eq!(s.list_webhooks(Some("team-a")).await.unwrap(), [only_a.clone()]);
+    assert_eq!(s.list_webhooks(Some("team-a")).await.unwrap(), [only_a]);
     assert_eq!(s.list_webhooks(None).await.unwrap().len(), 3);
 
     let entry = |project: Option<&str>| {

@@ -54,7 +54,7 @@ pub async fn audit(State(st): State<AppState>, op: Operator, Query(q): Query<Aud
         before_id,
         ..AuditQuery::default()
     };
-    let projects = service::projects::list_filter(&op.key.reach(), None);
+    let projects = crate::domain::project::list_filter(&op.key.reach(), None);
     let entries = service::audit::list(&st, &projects, query.clone(), PAGE).await?;
     let next = next_token(&entries, PAGE, |e| e.id.to_string());
 

@@ -19,7 +19,7 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
     op.require(Scope::PromptsRead)?;
     let reach = op.key.reach();
     let asked = q.project.as_deref().filter(|p| !p.is_empty());
-    let filter = service::projects::list_filter(&reach, asked);
+    let filter = crate::domain::project::list_filter(&reach, asked);
     let list = service::prompts::list_prompts(&st, &filter, q.after.as_deref(), PAGE).await?;
     let server_wide = reach.project().is_none();
     let mut rows = String::new();
@@ -35,8 +35,11 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
                 )
             },
         );
-        let project =
-            if server_wide { format!(r#"<td class="project">{}</td>"#, escape(&p.prompt.project)) } else { String::new() };
+        let project = if server_wide {
+            format!(r#"<td class="project">{}</td>"#, escape(&p.prompt.project))
+        } else {
+            String::new()
+        };
         let _ = write!(
             rows,
             r#"<tr><td class="name">{}</td>{project}<td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>"#,
@@ -81,7 +84,10 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
             r#"<form method="get" action="/ui/prompts" class="filters"><label for="project">Project</label><select id="project" name="project"><option value="">all</option>{options}</select><button type="submit">Filter</button></form>"#
         )
     } else {
-        format!(r#"<p class="muted" id="project-name">Project <strong>{}</strong></p>"#, escape(reach.project().unwrap_or("")))
+        format!(
+            r#"<p class="muted" id="project-name">Project <strong>{}</strong></p>"#,
+            escape(reach.project().unwrap_or(""))
+        )
     };
     let body = format!(r#"<h1>Prompts</h1>{project_filter}{table}"#);
     Ok(page("Prompts", Some(&op.who()), Section::Prompts, &body))

@@ -40,7 +40,7 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
         }
         None => None,
     };
-    let projects = service::projects::list_filter(&op.key.reach(), None);
+    let projects = crate::domain::project::list_filter(&op.key.reach(), None);
     let project = projects.project().map(str::to_owned);
     let filter = TraceFilter { prompt: prompt.clone(), project, status, since: None, until: None, before_id };
     let list = service::traces::list_traces(&st, &filter, PAGE).await?;
