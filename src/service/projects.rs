@@ -131,6 +131,11 @@ pub async fn guard_request(st: &AppState, reach: &Reach, parts: &mut Parts) -> S
     Ok(())
 }
 
+/// The project of each named prompt that exists (for metric labels).
+pub async fn projects_of(st: &AppState, names: &[String]) -> ServiceResult<HashMap<String, String>> {
+    Ok(st.store.prompts_projects(names).await?.into_iter().collect())
+}
+
 /// Whether the prompt `name` is within reach: false when it is absent or in
 /// another project (both read the same to the caller).
 pub async fn prompt_in_reach(st: &AppState, reach: &Reach, name: &str) -> ServiceResult<bool> {

@@ -22,6 +22,8 @@ pub trait ProjectStore: Send + Sync {
     async fn update_project_settings(&self, name: &str, settings: &ProjectSettings) -> StoreResult<Option<Project>>;
     /// The names of the project's prompts.
     async fn project_prompts(&self, project: &str) -> StoreResult<Vec<String>>;
+    /// `(name, project)` of the prompts among `names` that exist.
+    async fn prompts_projects(&self, names: &[String]) -> StoreResult<Vec<(String, String)>>;
     /// The project of the prompt with this name; `None` when there is no such prompt.
     async fn prompt_project(&self, prompt: &str) -> StoreResult<Option<String>>;
     /// The project of the trace's prompt; `None` when there is no such trace.
@@ -80,6 +82,26 @@ impl<D: Backend> ProjectStore for SqlStore<D> {
             .bind(project)
             .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("name"))
             .await
+    }
+
+    async fn prompts_projects(&self, names: &[String]) -> StoreResult<Vec<(String, String)>> {
+        let mut out = Vec::with_capacity(names.len());
+        for chunk in names.chunks(500) {
+            let slots: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
+            let text = format!("SELECT name, project FROM prompts WHERE name IN ({})", slots.join(", "));
+            let mut q = sql::<D>(&text);
+            for name in chunk {
+                q = q.bind(name.as_str());
+            }
+            let rows = q
+                .map(&mut *self.reader.acquire().await?, |row| {
+                    let r = Cols::<D>(row);
+                    Ok((r.get::<String>("name")?, r.get::<String>("project")?))
+                })
+                .await?;
+            out.extend(rows);
+        }
+        Ok(out)
     }
 
     async fn prompt_project(&self, prompt: &str) -> StoreResult<Option<String>> {

@@ -1335,7 +1335,7 @@ mod backoff {
         assert_eq!(until, at(&state["last_failed_at"]) + chrono::Duration::seconds(DELAY), "{state}");
         let metrics = app.get("/metrics").send().await.unwrap().text().await.unwrap();
         assert!(metrics.contains("combee_prompts_backing_off 1\n"), "{metrics}");
-        assert!(metrics.contains("combee_prompt_failure_streak{prompt=\"b\"} 1\n"), "{metrics}");
+        assert!(metrics.contains("combee_prompt_failure_streak{prompt=\"b\",project=\"default\"} 1\n"), "{metrics}");
 
         // No round before the backoff ends, though the scheduler passes; then the next one, which fails too.
         let passes = schedule_passes(&app).await;
