@@ -211,7 +211,8 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
     let mut res = Redirect::to("/ui/prompts").into_response();
     let opened = serde_json::json!({"key_id": key.id, "key_prefix": key.prefix, "expires_at": session.expires_at});
     let actor = Actor::Ui { key_id: key.id, key_name: key.name.clone() };
-    res.extensions_mut().insert(Audit::new("ui.sign_in", "ui_session", key.id).by(actor).after(opened));
+    let audit = Audit::new("ui.sign_in", "ui_session", key.id).by(actor).after(opened).in_project(key.project.clone());
+    res.extensions_mut().insert(audit);
     let h = res.headers_mut();
     h.append(header::SET_COOKIE, cookie(&headers, SESSION_COOKIE, &token, SESSION_HOURS * 3600));
     h.append(header::SET_COOKIE, cookie(&headers, LOGIN_COOKIE, "", 0));
