@@ -80,7 +80,7 @@ pub async fn ensure_admin_key(store: &DynStore, data_dir: &Path) -> anyhow::Resu
     if store.count_active_api_keys().await? > 0 {
         return Ok(None);
     }
-    let (key, secret) = auth::create_key(store, "bootstrap admin", &[Scope::Admin]).await?;
+    let (key, secret) = auth::create_key(store, "bootstrap admin", &[Scope::Admin], None).await?;
     let created = NewAuditEntry::new(
         Actor::System,
         RequestOrigin::default(),

@@ -41,10 +41,15 @@ pub fn hash_key(secret: &str) -> String {
     hex::encode(Sha256::digest(secret.as_bytes()))
 }
 
-/// Creates a key in the store and returns it with its secret.
-pub async fn create_key(store: &DynStore, name: &str, scopes: &[Scope]) -> Result<(ApiKey, String), StoreError> {
+/// Creates a key in the store (of `project`; `None`: server-wide) and returns it with its secret.
+pub async fn create_key(
+    store: &DynStore,
+    name: &str,
+    scopes: &[Scope],
+    project: Option<&str>,
+) -> Result<(ApiKey, String), StoreError> {
     let minted = mint_key();
-    let key = store.create_api_key(name, &minted.prefix, &minted.hash, scopes).await?;
+    let key = store.create_api_key(name, &minted.prefix, &minted.hash, scopes, project).await?;
     Ok((key, minted.secret))
 }
 

@@ -7,6 +7,7 @@ use clap::Subcommand;
 use crate::{
     app,
     config::Settings,
+    domain::access::Reach,
     domain::{
         access::Role,
         audit::{NewAuditEntry, RequestOrigin},
@@ -51,7 +52,7 @@ pub async fn run(settings: Settings, cmd: MembersCommand) -> anyhow::Result<()> 
     match cmd {
         MembersCommand::List => {
             println!("{:<40} {:<20} {:<9} CHANGED", "SUBJECT", "PROJECT", "ROLE");
-            for m in people::list_members(&st).await? {
+            for m in people::list_members(&st, &Reach::Server).await? {
                 let project = m.project.as_deref().unwrap_or("(every project)");
                 println!("{:<40} {:<20} {:<9} {}", m.subject, project, m.role.as_str(), m.updated_at.to_rfc3339());
             }
@@ -59,10 +60,11 @@ pub async fn run(settings: Settings, cmd: MembersCommand) -> anyhow::Result<()> 
         MembersCommand::Set { subject, project, role } => {
             let role = Role::parse(role.trim())
                 .ok_or_else(|| anyhow::anyhow!("unknown role {role:?}: viewer, operator or admin"))?;
-            let (member, before) = match people::set_member(&st, &subject, project.as_deref(), role).await {
-                Err(ServiceError::Unprocessable(why)) => anyhow::bail!("{why}"),
-                other => other?,
-            };
+            let (member, before) =
+                match people::set_member(&st, &Reach::Server, &subject, project.as_deref(), role).await {
+                    Err(ServiceError::Unprocessable(why) | ServiceError::NotFound(why)) => anyhow::bail!("{why}"),
+                    other => other?,
+                };
             service::audit::record_entry(&st, &entry("member.set", &subject, before.as_ref(), Some(&member))).await;
             println!(
                 "{} is {} {}",
@@ -75,7 +77,7 @@ pub async fn run(settings: Settings, cmd: MembersCommand) -> anyhow::Result<()> 
             );
         }
         MembersCommand::Remove { subject } => {
-            let before = match people::remove_member(&st, &subject).await {
+            let before = match people::remove_member(&st, &Reach::Server, &subject).await {
                 Err(ServiceError::NotFound(_)) => anyhow::bail!("no member {subject:?}"),
                 other => other?,
             };

@@ -8,6 +8,7 @@ pub mod client;
 pub mod evaluators;
 pub mod export;
 pub mod members;
+pub mod projects;
 pub mod prompts;
 pub mod prune;
 pub mod regression;
@@ -23,7 +24,7 @@ use crate::{
     app::{self, Application},
     config::{Role, Settings},
     domain::{
-        access::{ApiKey, Scope},
+        access::{ApiKey, Reach, Scope},
         audit::{NewAuditEntry, RequestOrigin},
     },
     service::{self, ServiceError},
@@ -130,6 +131,14 @@ pub enum Command {
         #[command(subcommand)]
         command: evaluators::EvaluatorsCommand,
     },
+    /// Projects on a running server: list, create, show, set settings.
+    #[command(after_help = EXIT_CODES)]
+    Projects {
+        #[command(flatten)]
+        client: client::ClientArgs,
+        #[command(subcommand)]
+        command: projects::ProjectsCommand,
+    },
     /// Learning rounds on a running server: trigger, list, show.
     #[command(after_help = EXIT_CODES)]
     Rounds {
@@ -160,6 +169,10 @@ pub enum KeysCommand {
         /// Comma-separated scopes: traces:write, prompts:read, prompts:write, prompts:promote, rounds:trigger, admin.
         #[arg(long, value_delimiter = ',', required = true)]
         scopes: Vec<String>,
+        /// The project the key acts in (it sees only that project's prompts);
+        /// without it the key is server-wide.
+        #[arg(long)]
+        project: Option<String>,
     },
     /// List keys (never their secrets).
     List,
@@ -193,6 +206,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Evaluators { client, command } => {
             let api = client::ApiClient::new(&client)?;
             return Ok(evaluators::run(&api, client.json, command).await?);
+        }
+        Command::Projects { client, command } => {
+            let api = client::ApiClient::new(&client)?;
+            return Ok(projects::run(&api, client.json, command).await?);
         }
         Command::SimWorld { client, world } => return sim_world(&client, world).await,
         other => other,
@@ -256,6 +273,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         | Command::Audit { .. }
         | Command::Regression { .. }
         | Command::Evaluators { .. }
+        | Command::Projects { .. }
         | Command::SimWorld { .. } => {
             unreachable!("client commands return above")
         }
@@ -292,29 +310,40 @@ async fn sim_world(client: &client::ClientArgs, cfg: crate::simulation::world::W
 async fn keys(settings: Settings, cmd: KeysCommand) -> anyhow::Result<()> {
     let st = service::AppState::build(app::open_store(&settings).await?, settings);
     match cmd {
-        KeysCommand::Create { name, scopes } => {
+        KeysCommand::Create { name, scopes, project } => {
             let scopes = scopes
                 .iter()
                 .map(|s| Scope::parse(s.trim()).with_context(|| format!("unknown scope {s:?}")))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let (key, secret) = service::keys::create(&st, &name, &scopes).await?;
-            service::audit::record(&st.store, &audit_entry("key.create", key.id, None, Some(&key))).await;
-            eprintln!("created key {} ({}) with scopes {:?}", key.prefix, key.id, scopes_str(&key.scopes));
+            let (key, secret) = service::keys::create(&st, &Reach::Server, &name, &scopes, project.as_deref()).await?;
+            let entry = audit_entry("key.create", key.id, None, Some(&key)).in_project(key.project.clone());
+            service::audit::record(&st.store, &entry).await;
+            let reach = key.project.as_deref().map_or("server-wide".to_owned(), |p| format!("project {p}"));
+            eprintln!("created key {} ({}) with scopes {:?}, {reach}", key.prefix, key.id, scopes_str(&key.scopes));
             println!("{secret}");
         }
         KeysCommand::List => {
-            println!("{:<38} {:<14} {:<8} {:<20} SCOPES", "ID", "PREFIX", "STATE", "NAME");
-            for k in service::keys::list(&st).await? {
+            println!("{:<38} {:<14} {:<8} {:<20} {:<16} SCOPES", "ID", "PREFIX", "STATE", "NAME", "PROJECT");
+            for k in service::keys::list(&st, &Reach::Server).await? {
                 let state = if k.revoked_at.is_some() { "revoked" } else { "active" };
-                println!("{:<38} {:<14} {:<8} {:<20} {}", k.id, k.prefix, state, k.name, scopes_str(&k.scopes));
+                let project = k.project.as_deref().unwrap_or("(server-wide)");
+                println!(
+                    "{:<38} {:<14} {:<8} {:<20} {:<16} {}",
+                    k.id,
+                    k.prefix,
+                    state,
+                    k.name,
+                    project,
+                    scopes_str(&k.scopes)
+                );
             }
         }
         KeysCommand::Revoke { id } => {
-            let key = match service::keys::revoke(&st, &id).await {
+            let key = match service::keys::revoke(&st, &Reach::Server, &id).await {
                 Err(ServiceError::NotFound(_)) => anyhow::bail!("no active key with id or prefix {id:?}"),
                 other => other?,
             };
-            let entry = audit_entry("key.revoke", key.id, Some(&key), None);
+            let entry = audit_entry("key.revoke", key.id, Some(&key), None).in_project(key.project.clone());
             service::audit::record(&st.store, &entry).await;
             println!("revoked {id}");
         }

@@ -55,8 +55,20 @@ pub struct ApiKey {
     #[serde(skip)]
     pub hash: String,
     pub scopes: Vec<Scope>,
+    /// The one project the key acts in; absent: server-wide.
+    pub project: Option<String>,
     pub created_at: DateTime<Utc>,
     pub revoked_at: Option<DateTime<Utc>>,
+}
+
+impl ApiKey {
+    /// Where the key may act.
+    pub fn reach(&self) -> Reach {
+        match &self.project {
+            Some(p) => Reach::Project(p.clone()),
+            None => Reach::Server,
+        }
+    }
 }
 
 /// An operator's web UI session, opened by signing in with an API key.

@@ -88,9 +88,17 @@ pub struct NewAuditEntry {
     pub resource_id: Option<String>,
     pub before: Option<Value>,
     pub after: Option<Value>,
+    /// The project the change concerns, where there is one.
+    pub project: Option<String>,
 }
 
 impl NewAuditEntry {
+    /// The entry, naming the project it concerns.
+    pub fn in_project(mut self, project: Option<String>) -> Self {
+        self.project = project;
+        self
+    }
+
     /// The entry with `before` and `after` redacted (see [`redact`]).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -110,6 +118,7 @@ impl NewAuditEntry {
             resource_id,
             before: before.map(redacted),
             after: after.map(redacted),
+            project: None,
         }
     }
 }
@@ -146,6 +155,8 @@ pub struct AuditEntry {
     /// The value after the change (null for a deletion); secrets redacted.
     #[schema(value_type = Option<Object>)]
     pub after: Option<Value>,
+    /// The project the change concerned, where there is one.
+    pub project: Option<String>,
 }
 
 /// Which entries to read (every condition given must hold).
@@ -162,6 +173,8 @@ pub struct AuditQuery {
     pub until: Option<DateTime<Utc>>,
     /// Entries with ids below this one (the page cursor).
     pub before_id: Option<i64>,
+    /// Only entries concerning this project.
+    pub project: Option<String>,
 }
 
 /// What replaces a secret.

@@ -99,17 +99,20 @@ pub struct OutboxEvent {
     pub kind: EventType,
     pub body: String,
     pub created_at: DateTime<Utc>,
+    /// The prompt it concerns (every event names one): whose project's subscriptions hear of it.
+    pub prompt: Option<String>,
 }
 
 impl OutboxEvent {
     fn new(kind: EventType, data: Value) -> Self {
         let created_at = Utc::now();
+        let prompt = data.get("prompt").and_then(Value::as_str).map(str::to_owned);
         let body = json!({
             "type": kind.as_str(),
             "timestamp": created_at.to_rfc3339_opts(SecondsFormat::Millis, true),
             "data": data,
         });
-        Self { id: format!("msg_{}", Uuid::now_v7().simple()), kind, body: body.to_string(), created_at }
+        Self { id: format!("msg_{}", Uuid::now_v7().simple()), kind, body: body.to_string(), created_at, prompt }
     }
 
     pub fn version_created(v: &Version, labels: &[&str]) -> Self {

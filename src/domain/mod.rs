@@ -17,6 +17,7 @@ pub mod people;
 pub mod playbook;
 pub mod population;
 pub mod population_settings;
+pub mod project;
 pub mod prompt;
 pub mod regression;
 pub mod round;

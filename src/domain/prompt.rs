@@ -315,6 +315,8 @@ pub struct Prompt {
     pub id: Uuid,
     #[schema(value_type = String)]
     pub name: PromptName,
+    /// The project the prompt belongs to.
+    pub project: String,
     pub strategy: Strategy,
     pub promotion: Promotion,
     pub settings: PromptSettings,
@@ -424,6 +426,7 @@ impl NewVersion {
 #[derive(Debug, Clone)]
 pub struct NewPrompt {
     pub name: PromptName,
+    pub project: String,
     pub strategy: Strategy,
     pub promotion: Promotion,
     pub settings: PromptSettings,

@@ -373,6 +373,8 @@ impl Trace {
 #[derive(Debug, Clone, Default)]
 pub struct TraceFilter {
     pub prompt: Option<PromptName>,
+    /// Only traces of this project's prompts.
+    pub project: Option<String>,
     pub status: Option<TraceStatus>,
     pub since: Option<DateTime<Utc>>,
     pub until: Option<DateTime<Utc>>,

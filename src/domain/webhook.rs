@@ -16,6 +16,8 @@ pub struct Webhook {
     pub url: String,
     pub events: Vec<EventType>,
     pub description: Option<String>,
+    /// The project whose events it receives; absent: every project's.
+    pub project: Option<String>,
     /// False once the receiver answered 410 Gone.
     pub enabled: bool,
     pub disabled_reason: Option<String>,
@@ -30,6 +32,7 @@ pub struct NewWebhook {
     pub url: String,
     pub events: Vec<EventType>,
     pub description: Option<String>,
+    pub project: Option<String>,
     pub secret: Secret,
 }
 

@@ -103,6 +103,8 @@ pub struct AuditFilter {
     pub since: Option<DateTime<Utc>>,
     /// RFC 3339; entries before it.
     pub until: Option<DateTime<Utc>>,
+    /// Only entries concerning this project (a project's key sees only its own anyway).
+    pub project: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -131,7 +133,7 @@ fn short(what: &str, v: Option<String>) -> ApiResult<Option<String>> {
 /// who, when, from where, what, and the values before and after (secrets redacted).
 pub async fn audit_log(
     State(st): State<AppState>,
-    _caller: Authorized<scope::Admin>,
+    caller: Authorized<scope::Admin>,
     ApiQuery(filter): ApiQuery<AuditFilter>,
     ApiQuery(page): ApiQuery<PageParams>,
 ) -> ApiResult<Json<AuditPage>> {
@@ -152,9 +154,11 @@ pub async fn audit_log(
         since: filter.since,
         until: filter.until,
         before_id,
+        project: None,
     };
+    let projects = crate::domain::project::list_filter(&caller.reach(), filter.project.as_deref());
     let size = page.size(st.settings.limits.max_page_size);
-    let entries = audit::list(&st, &query, size).await?;
+    let entries = audit::list(&st, &projects, query, size).await?;
     let next_page_token = next_token(&entries, size, |e| e.id.to_string());
     Ok(Json(AuditPage { entries, next_page_token }))
 }

@@ -56,6 +56,7 @@ impl ApiError {
             ApiError::Service(e) => match e {
                 ServiceError::BadRequest(_) => "bad-request",
                 ServiceError::NotFound(_) => "not-found",
+                ServiceError::Forbidden(_) => "forbidden",
                 ServiceError::Conflict(_) => "conflict",
                 ServiceError::PreconditionFailed(_) => "precondition-failed",
                 ServiceError::PayloadTooLarge(_) => "payload-too-large",

@@ -19,10 +19,10 @@ use super::{AppState, error::ApiError};
 use crate::service::plain_serde_error;
 use crate::{
     domain::{
-        access::{ApiKey, Scope},
+        access::{ApiKey, Reach, Scope},
         audit::Actor,
     },
-    service::{audit::AuditSlot, keys},
+    service::{audit::AuditSlot, keys, projects},
 };
 
 /// Shortens an attacker-influenced message before it goes into an answer.
@@ -292,6 +292,8 @@ impl<S: RequiredScope> FromRequestParts<AppState> for Authorized<S> {
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
         let caller = Caller::from_request_parts(parts, state).await?;
         caller.require(S::SCOPE)?;
+        // The one reach check: what the path names must be within the key's project.
+        projects::guard_request(state, &caller.reach(), parts).await?;
         Ok(Authorized(caller, PhantomData))
     }
 }
@@ -314,6 +316,11 @@ impl Caller {
         } else {
             Err(ApiError::Forbidden(scope))
         }
+    }
+
+    /// Where the key may act: server-wide, or its one project.
+    pub fn reach(&self) -> Reach {
+        self.0.reach()
     }
 
     /// Who made a change, for version and label records.

@@ -47,6 +47,7 @@ impl<S: RequiredScope> FromRequestParts<AppState> for LangfuseCaller<S> {
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
         let caller = key_pair(parts, state).await?;
         caller.require(S::SCOPE)?;
+        crate::service::projects::guard_request(state, &caller.reach(), parts).await?;
         Ok(LangfuseCaller(caller, PhantomData))
     }
 }
@@ -133,8 +134,8 @@ pub async fn get_prompt(
     security(("basic" = ["traces:write"]), ("bearer" = ["traces:write"])))]
 pub async fn export_traces(
     State(st): State<AppState>,
-    _caller: LangfuseCaller<scope::TracesWrite>,
+    caller: LangfuseCaller<scope::TracesWrite>,
     req: Request,
 ) -> ApiResult<Response> {
-    handle_export(&st, Signal::Traces, req).await
+    handle_export(&st, &caller.0.reach(), Signal::Traces, req).await
 }

@@ -25,7 +25,8 @@ pub struct MemberList {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SetMember {
-    /// The project the role holds in; absent or null: every project.
+    /// The project the role holds in; absent or null: every project (for a
+    /// project's key: its own project).
     #[serde(default)]
     pub project: Option<String>,
     pub role: Role,
@@ -33,11 +34,8 @@ pub struct SetMember {
 
 #[utoipa::path(get, path = "/v1/members", tag = "members", responses((status = 200, body = MemberList)),
     security(("bearer" = ["admin"])))]
-pub async fn list_members(
-    State(st): State<AppState>,
-    _caller: Authorized<scope::Admin>,
-) -> ApiResult<Json<MemberList>> {
-    Ok(Json(MemberList { members: people::list_members(&st).await? }))
+pub async fn list_members(State(st): State<AppState>, caller: Authorized<scope::Admin>) -> ApiResult<Json<MemberList>> {
+    Ok(Json(MemberList { members: people::list_members(&st, &caller.reach()).await? }))
 }
 
 #[utoipa::path(put, path = "/v1/members/{subject}", tag = "members", request_body = SetMember,
@@ -46,12 +44,13 @@ pub async fn list_members(
     security(("bearer" = ["admin"])))]
 pub async fn set_member(
     State(st): State<AppState>,
-    _caller: Authorized<scope::Admin>,
+    caller: Authorized<scope::Admin>,
     ApiPath(subject): ApiPath<String>,
     ApiJson(req): ApiJson<SetMember>,
 ) -> ApiResult<(Audit, Json<Member>)> {
-    let (member, before) = people::set_member(&st, &subject, req.project.as_deref(), req.role).await?;
-    let audit = Audit::new("member.set", "member", &member.subject).before(before);
+    let (member, before) = people::set_member(&st, &caller.reach(), &subject, req.project.as_deref(), req.role).await?;
+    let project = member.project.clone();
+    let audit = Audit::new("member.set", "member", &member.subject).before(before).in_project(project);
     Ok((audit, Json(member)))
 }
 
@@ -60,9 +59,13 @@ pub async fn set_member(
     responses((status = 204), (status = 404, body = super::error::Problem)), security(("bearer" = ["admin"])))]
 pub async fn remove_member(
     State(st): State<AppState>,
-    _caller: Authorized<scope::Admin>,
+    caller: Authorized<scope::Admin>,
     ApiPath(subject): ApiPath<String>,
 ) -> ApiResult<(StatusCode, Audit)> {
-    let before = people::remove_member(&st, &subject).await?;
-    Ok((StatusCode::NO_CONTENT, Audit::new("member.remove", "member", &before.subject).before(before)))
+    let before = people::remove_member(&st, &caller.reach(), &subject).await?;
+    let project = before.project.clone();
+    Ok((
+        StatusCode::NO_CONTENT,
+        Audit::new("member.remove", "member", &before.subject).before(before).in_project(project),
+    ))
 }

@@ -21,6 +21,7 @@ pub mod openapi;
 pub mod ops;
 pub mod otlp;
 pub mod outcomes;
+pub mod projects;
 pub mod prompts;
 pub mod regression;
 pub mod rounds;
@@ -98,6 +99,8 @@ pub fn routes() -> RouteTable {
         .route("/v1/webhooks/{id}", get(webhooks::get_webhook).delete(webhooks::delete_webhook))
         .route("/v1/webhooks/{id}/deliveries", get(webhooks::list_deliveries))
         .route("/v1/audit", get(audit::audit_log))
+        .route("/v1/projects", post(projects::create_project).get(projects::list_projects))
+        .route("/v1/projects/{name}", get(projects::get_project).patch(projects::update_project))
         .route("/v1/openapi.json", get(openapi::openapi))
         // For Langfuse SDKs pointed at combee (see http/langfuse.rs).
         .route("/api/public/v2/prompts/{name}", get(langfuse::get_prompt))

@@ -424,6 +424,8 @@ impl utoipa::Modify for BearerAuth {
         super::webhooks::delete_webhook, super::webhooks::list_deliveries,
         super::langfuse::get_prompt, super::langfuse::export_traces, super::export::export_traces,
         super::audit::audit_log,
+        super::projects::list_projects, super::projects::create_project, super::projects::get_project,
+        super::projects::update_project,
         super::regression::add_case, super::regression::list_cases, super::regression::delete_case,
         super::regression::import_cases, super::regression::pin_trace, super::regression::get_gate_settings,
         super::regression::put_gate_settings, super::regression::get_version_gate, super::regression::post_evaluation,

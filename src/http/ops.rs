@@ -39,6 +39,12 @@ pub async fn metrics(State(st): State<AppState>) -> Response {
     res
 }
 
+/// A per-prompt series' labels: the prompt and its project.
+fn series(prompt: &str, projects: &std::collections::HashMap<String, String>) -> String {
+    let project = projects.get(prompt).map_or("", String::as_str);
+    format!("{{prompt=\"{}\",project=\"{}\"}}", super::outcomes::escape(prompt), super::outcomes::escape(project))
+}
+
 /// At most this many prompts in a failure streak get series, so a scrape stays cheap.
 const BACKOFF_MAX_PROMPTS: u32 = 1000;
 
@@ -61,10 +67,12 @@ async fn backoff_gauges(st: &AppState) -> String {
             return String::new();
         }
     };
+    let names: Vec<String> = prompts.iter().map(|(n, _)| n.to_string()).collect();
+    let projects = service::projects::projects_of(st, &names).await.unwrap_or_default();
     let now = chrono::Utc::now();
     let (mut seconds, mut streak, mut backing_off) = (String::new(), String::new(), 0);
     for (name, state) in &prompts {
-        let series = format!("{{prompt=\"{}\"}}", super::outcomes::escape(name.as_str()));
+        let series = series(name.as_str(), &projects);
         let left = state.backoff_until.map_or(0.0, |t| (t - now).num_milliseconds().max(0) as f64 / 1000.0);
         backing_off += usize::from(state.state == crate::domain::backoff::LearningStatus::BackingOff);
         let _ = writeln!(seconds, "combee_prompt_backoff_seconds{series} {left}");
@@ -99,6 +107,8 @@ async fn budget_gauges(st: &AppState) -> String {
             return String::new();
         }
     };
+    let names: Vec<String> = held.iter().map(|(n, _)| n.clone()).filter(|n| !n.is_empty()).collect();
+    let projects = service::projects::projects_of(st, &names).await.unwrap_or_default();
     let now = st.clock.now();
     let (mut seconds, mut server) = (String::new(), 0);
     for (name, reached) in &held {
@@ -107,11 +117,7 @@ async fn budget_gauges(st: &AppState) -> String {
             continue;
         }
         let left = (reached.until - now).num_milliseconds().max(0) as f64 / 1000.0;
-        let _ = writeln!(
-            seconds,
-            "combee_prompt_budget_reached_seconds{{prompt=\"{}\"}} {left}",
-            super::outcomes::escape(name)
-        );
+        let _ = writeln!(seconds, "combee_prompt_budget_reached_seconds{} {left}", series(name, &projects));
     }
     format!(
         "# HELP combee_budget_reached Whether the server's daily spending cap holds all learning back (1) or not (0).\n\

@@ -12,6 +12,7 @@ use super::{
     extract::{Authorized, body_bytes, scope},
 };
 use crate::{
+    domain::access::Reach,
     otlp::{self, DecodeError, Encoding, Signal, mapping},
     service::traces,
 };
@@ -62,10 +63,10 @@ fn otlp_response(encoding: Encoding, status: StatusCode, body: Vec<u8>) -> Respo
     security(("bearer" = ["traces:write"])))]
 pub async fn export_traces(
     State(st): State<AppState>,
-    _caller: Authorized<scope::TracesWrite>,
+    caller: Authorized<scope::TracesWrite>,
     req: Request,
 ) -> ApiResult<Response> {
-    handle_export(&st, Signal::Traces, req).await
+    handle_export(&st, &caller.reach(), Signal::Traces, req).await
 }
 
 /// OTLP/HTTP export of log records (`ExportLogsServiceRequest`).
@@ -92,15 +93,15 @@ pub async fn export_traces(
     security(("bearer" = ["traces:write"])))]
 pub async fn export_logs(
     State(st): State<AppState>,
-    _caller: Authorized<scope::TracesWrite>,
+    caller: Authorized<scope::TracesWrite>,
     req: Request,
 ) -> ApiResult<Response> {
-    handle_export(&st, Signal::Logs, req).await
+    handle_export(&st, &caller.reach(), Signal::Logs, req).await
 }
 
 /// Decodes an export of `signal` (the caller's key is checked already) and
-/// ingests it: shared by the OTLP routes and the Langfuse alias.
-pub(super) async fn handle_export(st: &AppState, signal: Signal, req: Request) -> ApiResult<Response> {
+/// ingests it for a caller of `reach`: shared by the OTLP routes and the Langfuse alias.
+pub(super) async fn handle_export(st: &AppState, reach: &Reach, signal: Signal, req: Request) -> ApiResult<Response> {
     let headers = req.headers();
     let encoding = Encoding::from_content_type(headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()))
         .map_err(decode_error)?;
@@ -132,6 +133,6 @@ pub(super) async fn handle_export(st: &AppState, signal: Signal, req: Request) -
     // Exporters retry a failed export with the same bytes, and may re-batch
     // records: every record is stored once per (trace id, record key), so a
     // retry after any failure stores nothing twice and needs no idempotency key.
-    let answer = traces::ingest_otlp(st, signal, groups, rejected).await?;
+    let answer = traces::ingest_otlp(st, reach, signal, groups, rejected).await?;
     Ok(otlp_response(encoding, StatusCode::OK, otlp::encode_answer(signal, encoding, answer.rejected, &answer.message)))
 }

@@ -33,6 +33,7 @@ use crate::{
     service::{
         pagination::{PageParams, next_token},
         population::{self, PopulationArmView},
+        projects,
         prompts::{self, check_content, check_message, existing_prompt, parse_name, served_arms},
     },
 };
@@ -54,10 +55,17 @@ pub struct CreatePrompt {
     /// An initial playbook (playbook strategy only); bullet ids are assigned when absent.
     #[serde(default)]
     pub playbook: Option<Playbook>,
+    /// Merged over the project's `prompt_defaults`, field by field.
     #[serde(default)]
-    pub settings: Option<PromptSettings>,
+    #[schema(value_type = Option<PromptSettings>)]
+    pub settings: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default)]
     pub message: Option<String>,
+    /// The project the prompt belongs to (default: the key's own project, or
+    /// `default` for a server-wide key). A project's key may name only its own
+    /// project: another is answered 404, as if it did not exist.
+    #[serde(default)]
+    pub project: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -70,7 +78,7 @@ pub struct PromptCreated {
 }
 
 #[utoipa::path(post, path = "/v1/prompts", tag = "prompts", request_body = CreatePrompt,
-    responses((status = 201, body = PromptCreated), (status = 409, body = super::error::Problem), (status = 422, body = super::error::Problem)),
+    responses((status = 201, body = PromptCreated), (status = 404, body = super::error::Problem), (status = 409, body = super::error::Problem), (status = 422, body = super::error::Problem)),
     security(("bearer" = ["prompts:write"])))]
 pub async fn create_prompt(
     State(st): State<AppState>,
@@ -79,7 +87,8 @@ pub async fn create_prompt(
 ) -> ApiResult<Response> {
     let name = PromptName::parse(&req.name).map_err(|e| ApiError::unprocessable(e.to_string()))?;
     let strategy = req.strategy.unwrap_or_default();
-    let settings = req.settings.unwrap_or_default().validated().map_err(ApiError::unprocessable)?;
+    let project = projects::for_new_prompt(&st, &caller.reach(), req.project.as_deref()).await?;
+    let settings = project.settings.prompt_settings(req.settings.as_ref()).map_err(ApiError::unprocessable)?;
     let content = check_content(&st, strategy, &req.base, req.playbook)?;
     let first = NewVersion {
         parent: None,
@@ -91,6 +100,7 @@ pub async fn create_prompt(
     };
     let new = NewPrompt {
         name: name.clone(),
+        project: project.name.clone(),
         strategy,
         promotion: req.promotion.unwrap_or_default(),
         settings,
@@ -99,7 +109,7 @@ pub async fn create_prompt(
     let (prompt, version) = prompts::create_prompt(&st, new, first).await?;
     let location = HeaderValue::from_str(&format!("/v1/prompts/{name}")).ok();
     let created = PromptCreated { prompt, version, labels: vec![LabelName::production()] };
-    let audit = Audit::new("prompt.create", "prompt", &name);
+    let audit = Audit::new("prompt.create", "prompt", &name).in_project(Some(project.name));
     let mut res = (StatusCode::CREATED, audit, Json(created)).into_response();
     if let Some(l) = location {
         res.headers_mut().insert(header::LOCATION, l);
@@ -113,19 +123,32 @@ pub struct PromptPage {
     pub next_page_token: Option<String>,
 }
 
-#[utoipa::path(get, path = "/v1/prompts", tag = "prompts", params(PageParams),
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct PromptListQuery {
+    /// How many items to return (default 50, at most `limits.max_page_size`).
+    pub page_size: Option<u32>,
+    /// The `next_page_token` of the previous page.
+    pub page_token: Option<String>,
+    /// Only this project's prompts (a project's key sees only its own anyway).
+    pub project: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/prompts", tag = "prompts", params(PromptListQuery),
     responses((status = 200, body = PromptPage)), security(("bearer" = ["prompts:read"])))]
 pub async fn list_prompts(
     State(st): State<AppState>,
-    _caller: Authorized<scope::PromptsRead>,
-    ApiQuery(page): ApiQuery<PageParams>,
+    caller: Authorized<scope::PromptsRead>,
+    ApiQuery(q): ApiQuery<PromptListQuery>,
 ) -> ApiResult<Json<PromptPage>> {
+    let page = PageParams { page_size: q.page_size, page_token: q.page_token };
+    let filter = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
     let size = page.size(st.settings.limits.max_page_size);
     let after = page.cursor()?;
     if after.as_deref().is_some_and(|a| !crate::domain::names::is_valid_name(a)) {
         return Err(ApiError::bad_request("`page_token` is not a token this API issued".into()));
     }
-    let prompts = prompts::list_prompts(&st, after.as_deref(), size).await?;
+    let prompts = prompts::list_prompts(&st, &filter, after.as_deref(), size).await?;
     let next_page_token = next_token(&prompts, size, |p| p.prompt.name.to_string());
     Ok(Json(PromptPage { prompts, next_page_token }))
 }

@@ -120,7 +120,7 @@ pub async fn post_traces(
     let body = body_bytes(req).await?;
     let traces = parse_traces(&st, &body)?;
     let idempotent = idem_key.as_deref().map(|key| Idempotent { caller: caller.key_id(), key, body: &body });
-    Ok(match traces::ingest(&st, &traces, idempotent).await? {
+    Ok(match traces::ingest(&st, &caller.reach(), &traces, idempotent).await? {
         Ingested::Stored(ids) => json_response(StatusCode::CREATED, accepted_body(&ids)),
         Ingested::Replayed(ids) => {
             let mut res = json_response(StatusCode::CREATED, accepted_body(&ids));
@@ -148,6 +148,8 @@ fn idempotency_key(headers: &HeaderMap) -> ApiResult<Option<String>> {
 #[into_params(parameter_in = Query)]
 pub struct TraceQuery {
     pub prompt: Option<String>,
+    /// Only traces of this project's prompts (a project's key sees only its own anyway).
+    pub project: Option<String>,
     pub status: Option<TraceStatus>,
     /// RFC 3339; traces received at or after it.
     pub since: Option<DateTime<Utc>>,
@@ -167,7 +169,7 @@ pub struct TracePage {
     responses((status = 200, body = TracePage)), security(("bearer" = ["prompts:read"])))]
 pub async fn list_traces(
     State(st): State<AppState>,
-    _caller: Authorized<scope::PromptsRead>,
+    caller: Authorized<scope::PromptsRead>,
     ApiQuery(q): ApiQuery<TraceQuery>,
 ) -> ApiResult<Json<TracePage>> {
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
@@ -176,9 +178,14 @@ pub async fn list_traces(
         None => None,
     };
     let prompt = traces::filter_prompt(q.prompt.as_deref())?;
-    let filter = TraceFilter { prompt, status: q.status, since: q.since, until: q.until, before_id };
+    let projects = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
+    let project = projects.project().map(str::to_owned);
+    let filter = TraceFilter { prompt, project, status: q.status, since: q.since, until: q.until, before_id };
     let size = page.size(st.settings.limits.max_page_size);
-    let traces = traces::list_traces(&st, &filter, size).await?;
+    let traces = match projects {
+        crate::domain::project::ListFilter::Nothing => Vec::new(),
+        _ => traces::list_traces(&st, &filter, size).await?,
+    };
     let next_page_token = next_token(&traces, size, |t| t.id.simple().to_string());
     Ok(Json(TracePage { traces, next_page_token }))
 }
@@ -348,6 +355,8 @@ pub async fn quarantine_traces(
     caller: Authorized<scope::PromptsWrite>,
     ApiJson(q): ApiJson<BulkQuarantine>,
 ) -> ApiResult<(Audit, Json<Quarantined>)> {
-    let quarantined = traces::quarantine_backlog(&st, &q.prompt, q.since, q.until, q.reason, &caller.actor()).await?;
+    let quarantined =
+        traces::quarantine_backlog(&st, &caller.reach(), &q.prompt, q.since, q.until, q.reason, &caller.actor())
+            .await?;
     Ok((Audit::new("traces.quarantine", "prompt", &q.prompt), Json(Quarantined { quarantined })))
 }

@@ -17,7 +17,7 @@ use crate::{
     domain::webhook::{DeliveryAttempt, Webhook},
     service::{
         pagination::{PageParams, next_token},
-        webhooks,
+        projects, webhooks,
     },
 };
 
@@ -31,6 +31,10 @@ pub struct CreateWebhook {
     pub events: Vec<String>,
     #[serde(default)]
     pub description: Option<String>,
+    /// The project whose events it receives. Absent: the calling key's own
+    /// project, or every project's events for a server-wide key.
+    #[serde(default)]
+    pub project: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -51,26 +55,40 @@ fn parse_id(id: &str) -> ApiResult<Uuid> {
 }
 
 #[utoipa::path(post, path = "/v1/webhooks", tag = "webhooks", request_body = CreateWebhook,
-    responses((status = 201, body = WebhookCreated), (status = 422, body = super::error::Problem)),
+    responses((status = 201, body = WebhookCreated), (status = 404, body = super::error::Problem), (status = 422, body = super::error::Problem)),
     security(("bearer" = ["admin"])))]
 pub async fn create_webhook(
     State(st): State<AppState>,
-    _caller: Authorized<scope::Admin>,
+    caller: Authorized<scope::Admin>,
     ApiJson(req): ApiJson<CreateWebhook>,
 ) -> ApiResult<impl IntoResponse> {
-    let (webhook, secret) = webhooks::create_webhook(&st, &req.url, &req.events, req.description).await?;
+    let reach = caller.reach();
+    let project = match req.project.as_deref().or(reach.project()) {
+        Some(p) => Some(projects::existing(&st, &reach, p).await?.name),
+        None => None,
+    };
+    let (webhook, secret) = webhooks::create_webhook(&st, &req.url, &req.events, req.description, project).await?;
     // The webhook without its signing secret: the answer shows it once, the log never.
-    let audit = Audit::new("webhook.create", "webhook", webhook.id).after(&webhook);
+    let audit = Audit::new("webhook.create", "webhook", webhook.id).after(&webhook).in_project(webhook.project.clone());
     Ok((StatusCode::CREATED, audit, Json(WebhookCreated { webhook, secret: secret.expose().to_owned() })))
 }
 
-#[utoipa::path(get, path = "/v1/webhooks", tag = "webhooks", responses((status = 200, body = WebhookList)),
-    security(("bearer" = ["admin"])))]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct WebhookListQuery {
+    /// Only this project's subscriptions (a project's key sees only its own anyway).
+    pub project: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/webhooks", tag = "webhooks", params(WebhookListQuery),
+    responses((status = 200, body = WebhookList)), security(("bearer" = ["admin"])))]
 pub async fn list_webhooks(
     State(st): State<AppState>,
-    _caller: Authorized<scope::Admin>,
+    caller: Authorized<scope::Admin>,
+    ApiQuery(q): ApiQuery<WebhookListQuery>,
 ) -> ApiResult<Json<WebhookList>> {
-    Ok(Json(WebhookList { webhooks: webhooks::list_webhooks(&st).await? }))
+    let filter = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
+    Ok(Json(WebhookList { webhooks: webhooks::list_webhooks(&st, &filter).await? }))
 }
 
 #[utoipa::path(get, path = "/v1/webhooks/{id}", tag = "webhooks", params(("id" = Uuid, Path)),

@@ -17,13 +17,14 @@ use super::{AppState, ServiceResult};
 use crate::domain::{
     Trace,
     audit::{Actor, AuditEntry, AuditQuery, NewAuditEntry, RequestOrigin},
+    project::ListFilter,
 };
 use crate::store::DynStore;
 
 /// A write request's place for its actor: the middleware inserts it into the
 /// request's extensions, the authentication extractors fill it.
 #[derive(Clone, Default)]
-pub struct AuditSlot(Arc<Mutex<Option<Actor>>>);
+pub struct AuditSlot(Arc<Mutex<Option<Actor>>>, Arc<Mutex<Option<String>>>);
 
 impl AuditSlot {
     pub fn set_actor(&self, actor: Actor) {
@@ -34,6 +35,18 @@ impl AuditSlot {
 
     pub fn actor(&self) -> Option<Actor> {
         self.0.lock().ok().and_then(|slot| slot.clone())
+    }
+
+    /// The project the request concerns: the caller's own, or that of the
+    /// resource its path names (filled by the reach check).
+    pub fn set_project(&self, project: String) {
+        if let Ok(mut slot) = self.1.lock() {
+            *slot = Some(project);
+        }
+    }
+
+    pub fn project(&self) -> Option<String> {
+        self.1.lock().ok().and_then(|slot| slot.clone())
     }
 }
 
@@ -52,6 +65,8 @@ pub struct Audit {
     pub after: Option<Value>,
     /// The actor, for a route that authenticates by itself (sign-in, signed webhooks).
     pub by: Option<Actor>,
+    /// The project the change concerns, when the request's path and caller do not say.
+    pub project: Option<String>,
 }
 
 impl Audit {
@@ -78,6 +93,11 @@ impl Audit {
 
     pub fn by(mut self, actor: Actor) -> Self {
         self.by = Some(actor);
+        self
+    }
+
+    pub fn in_project(mut self, project: Option<String>) -> Self {
+        self.project = project;
         self
     }
 }
@@ -115,6 +135,7 @@ pub async fn record_request(
     audit: Option<Audit>,
     answer: Option<Value>,
 ) {
+    let project = audit.as_ref().and_then(|a| a.project.clone()).or_else(|| slot.project());
     let entry = match audit {
         Some(a) => {
             let actor = a.by.or_else(|| slot.actor()).unwrap_or(Actor::Unknown);
@@ -134,6 +155,7 @@ pub async fn record_request(
             NewAuditEntry::new(slot.actor().unwrap_or(Actor::Unknown), origin, action, None, None, None, answer)
         }
     };
+    let entry = entry.in_project(project);
     record(&st.store, &entry).await;
 }
 
@@ -159,9 +181,20 @@ pub async fn record_entry(st: &AppState, entry: &NewAuditEntry) {
     record(&st.store, entry).await;
 }
 
-/// Entries matching `query`, newest first.
-pub async fn list(st: &AppState, query: &AuditQuery, limit: u32) -> ServiceResult<Vec<AuditEntry>> {
-    Ok(st.store.audit_entries(query, limit).await?)
+/// Entries matching `query` of the projects `filter` shows, newest first. A
+/// project's caller sees the entries naming its project only.
+pub async fn list(
+    st: &AppState,
+    filter: &ListFilter,
+    mut query: AuditQuery,
+    limit: u32,
+) -> ServiceResult<Vec<AuditEntry>> {
+    query.project = match filter {
+        ListFilter::Nothing => return Ok(Vec::new()),
+        ListFilter::Project(p) => Some(p.clone()),
+        ListFilter::All => None,
+    };
+    Ok(st.store.audit_entries(&query, limit).await?)
 }
 
 /// The command line's actor: the OS user running it.

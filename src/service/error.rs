@@ -12,6 +12,9 @@ pub enum ServiceError {
     BadRequest(String),
     #[error("{0}")]
     NotFound(String),
+    /// Allowed to the caller's scopes, not to its reach (a project's key asking for a server-wide act).
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     Conflict(String),
     #[error("{0}")]
@@ -36,6 +39,7 @@ impl ServiceError {
         match self {
             ServiceError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ServiceError::NotFound(_) => StatusCode::NOT_FOUND,
+            ServiceError::Forbidden(_) => StatusCode::FORBIDDEN,
             ServiceError::Conflict(_) => StatusCode::CONFLICT,
             ServiceError::PreconditionFailed(_) => StatusCode::PRECONDITION_FAILED,
             ServiceError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,

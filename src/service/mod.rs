@@ -20,6 +20,7 @@ pub mod pagination;
 pub mod people;
 pub mod population;
 pub mod production;
+pub mod projects;
 pub mod prompts;
 pub mod regression;
 pub mod rounds;

@@ -7,7 +7,7 @@ use chrono::{Duration, Utc};
 use super::{AppState, ServiceError, ServiceResult};
 use crate::{
     domain::{
-        access::Role,
+        access::{Reach, Role},
         people::{Grant, MAX_NAME_CHARS, Member, NewPersonSession, PendingLogin, PersonSession, valid_project},
     },
     oidc::{Identity, config::GroupMapping},
@@ -78,8 +78,18 @@ pub async fn take_login(st: &AppState, state_hash: &str) -> ServiceResult<Option
     Ok(st.store.take_login(state_hash).await?)
 }
 
-pub async fn list_members(st: &AppState) -> ServiceResult<Vec<Member>> {
-    Ok(st.store.list_members().await?)
+/// The members within reach: all for a server-wide caller; a project's
+/// caller sees the members holding a role in its project only.
+pub async fn list_members(st: &AppState, reach: &Reach) -> ServiceResult<Vec<Member>> {
+    Ok(st.store.list_members().await?.into_iter().filter(|m| member_in_reach(reach, m)).collect())
+}
+
+fn member_in_reach(reach: &Reach, m: &Member) -> bool {
+    match (&m.project, reach) {
+        (_, Reach::Server) => true,
+        (Some(p), Reach::Project(own)) => p == own,
+        (None, Reach::Project(_)) => false,
+    }
 }
 
 /// A subject or email address as members are named: 1–256 characters, no
@@ -99,8 +109,13 @@ pub fn check_subject(subject: &str) -> ServiceResult<()> {
 }
 
 /// Gives a member a role in a project (or server-wide); the member before, if any.
+/// A project's caller gives roles in its own project only (no project named
+/// means its own; another project is 404, as if absent), and a member who
+/// holds a role elsewhere is not its to change (404, as if absent: a
+/// server-wide admin moves them).
 pub async fn set_member(
     st: &AppState,
+    reach: &Reach,
     subject: &str,
     project: Option<&str>,
     role: Role,
@@ -114,12 +129,32 @@ pub async fn set_member(
             p.chars().take(80).collect::<String>()
         )));
     }
+    let project = match (reach, project) {
+        (Reach::Server, None) => None,
+        (Reach::Project(own), None) => Some(own.as_str()),
+        (_, Some(p)) => {
+            super::projects::existing(st, reach, p).await?;
+            Some(p)
+        }
+    };
+    if let Reach::Project(_) = reach
+        && let Some(current) =
+            st.store.list_members().await?.into_iter().find(|m| m.subject.eq_ignore_ascii_case(subject))
+        && !member_in_reach(reach, &current)
+    {
+        return Err(ServiceError::not_found("member"));
+    }
     let grant = Grant { project: project.map(str::to_owned), role };
     Ok(st.store.put_member(subject, &grant).await?)
 }
 
-/// Removes a member; their open sessions keep their grants until they end.
-pub async fn remove_member(st: &AppState, subject: &str) -> ServiceResult<Member> {
+/// Removes a member within reach (404 otherwise, as if absent); their open
+/// sessions keep their grants until they end.
+pub async fn remove_member(st: &AppState, reach: &Reach, subject: &str) -> ServiceResult<Member> {
+    let current = st.store.list_members().await?.into_iter().find(|m| m.subject.eq_ignore_ascii_case(subject));
+    if !current.as_ref().is_some_and(|m| member_in_reach(reach, m)) {
+        return Err(ServiceError::not_found("member"));
+    }
     st.store.delete_member(subject).await?.ok_or_else(|| ServiceError::not_found("member"))
 }
 

@@ -19,6 +19,7 @@ use crate::{
         diff::{DiffLine, PlaybookDiff, playbook_diff, text_diff},
         label::{LabelMove, Resolved, Selector},
         population::ArmState,
+        project::ListFilter,
         prompt::{NewPrompt, NewVersion, PromptSummary},
     },
     store::StoreError,
@@ -87,6 +88,8 @@ pub fn check_content(
 pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> ServiceResult<(Prompt, Version)> {
     let name = new.name.clone();
     let (prompt, version) = st.store.create_prompt(new, first).await.map_err(|e| match e {
+        // Names are unique across the server in this release; the answer does
+        // not say which project holds the name.
         StoreError::AlreadyExists => ServiceError::Conflict(format!("a prompt named {name:?} already exists")),
         other => other.into(),
     })?;
@@ -100,9 +103,17 @@ pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> 
     Ok((prompt, version))
 }
 
-/// Prompts ordered by name, after `after`.
-pub async fn list_prompts(st: &AppState, after: Option<&str>, limit: u32) -> ServiceResult<Vec<PromptSummary>> {
-    Ok(st.store.list_prompts(after, limit).await?)
+/// Prompts ordered by name, after `after`, of the projects `filter` shows.
+pub async fn list_prompts(
+    st: &AppState,
+    filter: &ListFilter,
+    after: Option<&str>,
+    limit: u32,
+) -> ServiceResult<Vec<PromptSummary>> {
+    if *filter == ListFilter::Nothing {
+        return Ok(Vec::new());
+    }
+    Ok(st.store.list_prompts(after, filter.project(), limit).await?)
 }
 
 /// The version `selector` names, with its labels; `None` when there is none.

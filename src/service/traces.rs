@@ -5,15 +5,19 @@
 //! stream: quarantine (one trace, or a prompt's pending backlog in a time
 //! window), release and delete. Their limits live here, once.
 
+use std::collections::HashSet;
+
 use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-use super::{AppState, ServiceError, ServiceResult, prompts::existing_prompt};
+use super::{AppState, ServiceError, ServiceResult, projects, prompts::existing_prompt};
 use crate::{
     domain::{
         Feedback, PromptName, Trace,
-        span::OtlpMerge,
+        access::Reach,
+        project::unknown_prompt,
+        span::{OtlpMerge, OtlpRemap},
         trace::{
             FeedbackSource, IdempotencyKey, IdempotentIngest, RequeueFailed, TraceFilter, TraceLimits, ValidTrace,
         },
@@ -75,11 +79,19 @@ pub enum Ingested {
 /// Stores validated traces, all or none, durably before it returns. With an
 /// `Idempotency-Key`, a repeat of the same request stores nothing and is told
 /// the first one's ids; the same key with another body is refused (422).
+/// A caller bound to a project sends traces for its project's prompts only:
+/// another project's prompt is refused as an unknown one.
 pub async fn ingest(
     st: &AppState,
+    reach: &Reach,
     traces: &[ValidTrace],
     idempotent: Option<Idempotent<'_>>,
 ) -> ServiceResult<Ingested> {
+    let names: Vec<&str> = traces.iter().map(|t| t.prompt.as_str()).collect();
+    let outside = projects::out_of_reach(st, reach, &names).await?;
+    if let Some(name) = outside.first() {
+        return Err(ServiceError::Unprocessable(unknown_prompt(name)));
+    }
     let ingested = match idempotent {
         None => Ingested::Stored(st.store.insert_traces(traces).await?),
         Some(req) => {
@@ -119,6 +131,7 @@ pub struct OtlpAnswer {
 /// already are ignored.
 pub async fn ingest_otlp(
     st: &AppState,
+    reach: &Reach,
     signal: Signal,
     groups: Vec<SpanGroup>,
     rejected: Vec<Rejection>,
@@ -128,8 +141,19 @@ pub async fn ingest_otlp(
     let mut answer = Mapping { traces: Vec::new(), rejected };
     let mut held = Mapping::default();
     let (mut created, mut accepted, mut duplicate) = (0_u64, 0, 0);
+    // A project's caller maps spans to its project's prompts only; another
+    // project's prompt reads as an unknown one.
+    let in_reach: Option<HashSet<String>> = match reach.project() {
+        Some(p) => Some(st.store.project_prompts(p).await?.into_iter().collect()),
+        None => None,
+    };
     for group in groups {
-        let remap = |bodies: &[&[u8]]| mapping::remap(&group.trace_id, bodies, limits);
+        let remap = |bodies: &[&[u8]]| match mapping::remap(&group.trace_id, bodies, limits) {
+            OtlpRemap::Mapped(t) if in_reach.as_ref().is_some_and(|r| !r.contains(t.prompt.as_str())) => {
+                OtlpRemap::Invalid(unknown_prompt(t.prompt.as_str()))
+            }
+            other => other,
+        };
         let trace_id = Some(group.trace_id.clone());
         // How many of the group's records were new; the rest were stored before.
         let new = match st.store.merge_otlp_spans(&group.trace_id, &group.spans, &remap).await? {
@@ -322,12 +346,16 @@ pub async fn delete_trace(st: &AppState, id: Uuid, actor: &str) -> ServiceResult
 /// `[since, until)`; how many.
 pub async fn quarantine_backlog(
     st: &AppState,
+    reach: &Reach,
     name: &str,
     since: Option<DateTime<Utc>>,
     until: Option<DateTime<Utc>>,
     reason: Option<String>,
     actor: &str,
 ) -> ServiceResult<u64> {
+    if !projects::prompt_in_reach(st, reach, name).await? {
+        return Err(ServiceError::not_found(format_args!("prompt {name:?}")));
+    }
     let prompt = existing_prompt(st, name).await?;
     let reason = quarantine_reason(reason, actor)?;
     let filter = TraceFilter { prompt: Some(prompt.name.clone()), since, until, ..Default::default() };

@@ -11,6 +11,7 @@ use crate::{
     delivery::target,
     domain::{
         event::EventType,
+        project::ListFilter,
         webhook::{DeliveryAttempt, NewWebhook, Webhook},
     },
     secret::Secret,
@@ -52,6 +53,7 @@ pub async fn create_webhook(
     url: &str,
     events: &[String],
     description: Option<String>,
+    project: Option<String>,
 ) -> ServiceResult<(Webhook, Secret)> {
     if url.len() > MAX_URL_BYTES {
         return Err(ServiceError::Unprocessable(format!("`url` is longer than {MAX_URL_BYTES} bytes")));
@@ -66,20 +68,24 @@ pub async fn create_webhook(
     let url = target::check_url(url.trim(), st.settings.webhooks.allow_private_targets)
         .await
         .map_err(|e| ServiceError::Unprocessable(e.to_string()))?;
-    if st.store.list_webhooks().await?.len() >= MAX_SUBSCRIPTIONS {
+    if st.store.list_webhooks(None).await?.len() >= MAX_SUBSCRIPTIONS {
         return Err(ServiceError::Conflict(format!("at most {MAX_SUBSCRIPTIONS} subscriptions; delete one first")));
     }
     let secret = new_secret();
     let webhook = st
         .store
-        .create_webhook(&NewWebhook { url: url.to_string(), events, description, secret: secret.clone() })
+        .create_webhook(&NewWebhook { url: url.to_string(), events, description, project, secret: secret.clone() })
         .await?;
     tracing::info!(webhook = %webhook.id, events = ?webhook.events, "webhook subscription created");
     Ok((webhook, secret))
 }
 
-pub async fn list_webhooks(st: &AppState) -> ServiceResult<Vec<Webhook>> {
-    Ok(st.store.list_webhooks().await?)
+/// The subscriptions `filter` shows: a project's own, or (server-wide) every one.
+pub async fn list_webhooks(st: &AppState, filter: &ListFilter) -> ServiceResult<Vec<Webhook>> {
+    match filter {
+        ListFilter::Nothing => Ok(Vec::new()),
+        _ => Ok(st.store.list_webhooks(filter.project()).await?),
+    }
 }
 
 pub async fn get_webhook(st: &AppState, id: Uuid) -> ServiceResult<Webhook> {

@@ -28,15 +28,15 @@ pub trait AuditStore: Send + Sync {
 }
 
 const COLUMNS: &str = "id, at, actor_type, actor_id, actor_name, request_id, client_addr, method, route, status, \
-                       action, resource_type, resource_id, before, after";
+                       action, resource_type, resource_id, before, after, project";
 
 #[async_trait]
 impl<D: Backend> AuditStore for SqlStore<D> {
     async fn append_audit(&self, e: &NewAuditEntry) -> StoreResult<i64> {
         let id: Option<i64> = sql::<D>(
             "INSERT INTO audit_log (at, actor_type, actor_id, actor_name, request_id, client_addr, method, route,
-                                    status, action, resource_type, resource_id, before, after)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) RETURNING id",
+                                    status, action, resource_type, resource_id, before, after, project)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) RETURNING id",
         )
         .bind(now())
         .bind(e.actor.kind())
@@ -52,6 +52,7 @@ impl<D: Backend> AuditStore for SqlStore<D> {
         .bind(e.resource_id.clone())
         .bind(opt_json(e.before.as_ref()))
         .bind(opt_json(e.after.as_ref()))
+        .bind(e.project.clone())
         .value(&mut *self.writer.acquire().await?, "id")
         .await?;
         id.ok_or_else(|| super::sql::corrupt("audit_log insert returned no id"))
@@ -82,6 +83,9 @@ impl<D: Backend> AuditStore for SqlStore<D> {
         }
         if let Some(until) = q.until {
             add("at < ?", until.into());
+        }
+        if let Some(project) = &q.project {
+            add("project = ?", project.clone().into());
         }
         if let Some(before) = q.before_id {
             add("id < ?", before.into());
@@ -148,5 +152,6 @@ fn entry_from_row<D: Backend>(row: &D::Row) -> StoreResult<AuditEntry> {
         resource_id: r.get("resource_id")?,
         before: r.get("before")?,
         after: r.get("after")?,
+        project: r.get("project")?,
     })
 }

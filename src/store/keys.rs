@@ -24,7 +24,15 @@ pub fn scopes_from_string(s: &str) -> StoreResult<Vec<Scope>> {
 /// The API keys: only their hashes are stored.
 #[async_trait]
 pub trait KeyStore: Send + Sync {
-    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey>;
+    /// A key of `project` (`None`: server-wide).
+    async fn create_api_key(
+        &self,
+        name: &str,
+        prefix: &str,
+        hash: &str,
+        scopes: &[Scope],
+        project: Option<&str>,
+    ) -> StoreResult<ApiKey>;
     async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>>;
     async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>>;
     /// Revokes by id or by visible prefix; false when nothing matched.
@@ -37,17 +45,25 @@ pub trait KeyStore: Send + Sync {
 
 #[async_trait]
 impl<D: Backend> KeyStore for SqlStore<D> {
-    async fn create_api_key(&self, name: &str, prefix: &str, hash: &str, scopes: &[Scope]) -> StoreResult<ApiKey> {
+    async fn create_api_key(
+        &self,
+        name: &str,
+        prefix: &str,
+        hash: &str,
+        scopes: &[Scope],
+        project: Option<&str>,
+    ) -> StoreResult<ApiKey> {
         let mut tx = self.writer.begin().await?;
         let row = sql::<D>(
-            "INSERT INTO api_keys (id, name, prefix, hash, scopes, created_at) VALUES ($1, $2, $3, $4, $5, $6)
-             RETURNING id, name, prefix, hash, scopes, created_at, revoked_at",
+            "INSERT INTO api_keys (id, name, prefix, hash, scopes, project, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)
+             RETURNING id, name, prefix, hash, scopes, project, created_at, revoked_at",
         )
         .bind(Uuid::now_v7())
         .bind(name)
         .bind(prefix)
         .bind(hash)
         .bind(scopes_to_string(scopes))
+        .bind(project)
         .bind(now())
         .fetch_one(&mut *tx)
         .await?;
@@ -56,7 +72,7 @@ impl<D: Backend> KeyStore for SqlStore<D> {
     }
 
     async fn api_key_by_hash(&self, hash: &str) -> StoreResult<Option<ApiKey>> {
-        sql::<D>("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys WHERE hash = $1")
+        sql::<D>("SELECT id, name, prefix, hash, scopes, project, created_at, revoked_at FROM api_keys WHERE hash = $1")
             .bind(hash)
             .fetch_optional(&mut *self.reader.acquire().await?)
             .await?
@@ -66,9 +82,11 @@ impl<D: Backend> KeyStore for SqlStore<D> {
     }
 
     async fn list_api_keys(&self) -> StoreResult<Vec<ApiKey>> {
-        sql::<D>("SELECT id, name, prefix, hash, scopes, created_at, revoked_at FROM api_keys ORDER BY created_at")
-            .map(&mut *self.reader.acquire().await?, key_from_row::<D>)
-            .await
+        sql::<D>(
+            "SELECT id, name, prefix, hash, scopes, project, created_at, revoked_at FROM api_keys ORDER BY created_at",
+        )
+        .map(&mut *self.reader.acquire().await?, key_from_row::<D>)
+        .await
     }
 
     async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
@@ -103,6 +121,7 @@ pub(super) fn key_from_row<D: Dialect>(row: &D::Row) -> StoreResult<ApiKey> {
         prefix: r.get("prefix")?,
         hash: r.get("hash")?,
         scopes: scopes_from_string(&r.get::<String>("scopes")?)?,
+        project: r.get("project")?,
         created_at: r.get("created_at")?,
         revoked_at: r.get("revoked_at")?,
     })

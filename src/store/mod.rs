@@ -20,6 +20,7 @@ mod migrate;
 mod otlp;
 mod people;
 pub mod postgres;
+mod projects;
 mod prompts;
 mod regression;
 mod retention;
@@ -48,6 +49,7 @@ pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
 pub use otlp::OtlpStore;
 pub use people::PeopleStore;
+pub use projects::ProjectStore;
 pub use prompts::PromptStore;
 pub use regression::{GateSettings, OpenGate, RegressionStore};
 pub use retention::{Expiring, Retention, TraceExpiry};
@@ -140,6 +142,7 @@ pub trait Store:
     + SessionStore
     + PeopleStore
     + PromptStore
+    + ProjectStore
     + LabelStore
     + PopulationStore
     + RegressionStore

@@ -37,7 +37,13 @@ pub trait PromptStore: Send + Sync {
     ) -> StoreResult<Option<Prompt>>;
     /// Prompts ordered by name, starting after `after`, each with its
     /// production version and pending traces (what people list them by).
-    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>>;
+    /// Only `project`'s prompts when given.
+    async fn list_prompts(
+        &self,
+        after: Option<&str>,
+        project: Option<&str>,
+        limit: u32,
+    ) -> StoreResult<Vec<PromptSummary>>;
     /// Prompts ordered by name, starting after `after`: the prompts alone,
     /// without counting their traces (what the periodic jobs walk, at a cost
     /// that does not grow with a backlog).
@@ -65,8 +71,8 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         let mut tx = self.writer.begin().await?;
         let settings = serde_json::to_value(&p.settings).map_err(|_| corrupt("settings"))?;
         sql::<D>(
-            "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by)
-             VALUES ($1, $2, $3, $4, $5, 1, $6, $7)",
+            "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by, project)
+             VALUES ($1, $2, $3, $4, $5, 1, $6, $7, $8)",
         )
         .bind(id)
         .bind(p.name.as_str())
@@ -75,6 +81,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         .bind(json(&settings))
         .bind(created_at)
         .bind(&p.created_by)
+        .bind(&p.project)
         .execute(&mut *tx)
         .await?;
         insert_version::<D>(&mut tx, id, 1, &first, created_at).await?;
@@ -88,6 +95,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         let prompt = Prompt {
             id,
             name: p.name.clone(),
+            project: p.project,
             strategy: p.strategy,
             promotion: p.promotion,
             settings: p.settings,
@@ -108,7 +116,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
     }
 
     async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
-        sql::<D>("SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1")
+        sql::<D>("SELECT id, name, project, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1")
             .bind(name.as_str())
             .fetch_optional(&mut *self.reader.acquire().await?)
             .await?
@@ -137,7 +145,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         let new = serde_json::to_value(new).map_err(|_| corrupt("settings"))?;
         let row = sql::<D>(
             "UPDATE prompts SET settings = $1 WHERE name = $2
-             RETURNING id, name, strategy, promotion, settings, created_at, created_by",
+             RETURNING id, name, project, strategy, promotion, settings, created_at, created_by",
         )
         .bind(json(&new))
         .bind(name.as_str())
@@ -147,15 +155,22 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         prompt_from_row::<D>(&row).map(Some)
     }
 
-    async fn list_prompts(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<PromptSummary>> {
+    async fn list_prompts(
+        &self,
+        after: Option<&str>,
+        project: Option<&str>,
+        limit: u32,
+    ) -> StoreResult<Vec<PromptSummary>> {
         sql::<D>(
-            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
+            "SELECT p.id, p.name, p.project, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
                     (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
                     (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
-             FROM prompts p WHERE ($1 IS NULL OR p.name > $1) ORDER BY p.name LIMIT $2",
+             FROM prompts p WHERE ($1 IS NULL OR p.name > $1) AND ($3 IS NULL OR p.project = $3)
+             ORDER BY p.name LIMIT $2",
         )
         .bind(after)
         .bind(i64::from(limit))
+        .bind(project)
         .map(&mut *self.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
             Ok(PromptSummary {
@@ -171,7 +186,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
     async fn prompts_page(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<Prompt>> {
         let (filter, limit_param) = if after.is_some() { ("WHERE name > $1", "$2") } else { ("", "$1") };
         let text = format!(
-            "SELECT id, name, strategy, promotion, settings, created_at, created_by FROM prompts {filter}
+            "SELECT id, name, project, strategy, promotion, settings, created_at, created_by FROM prompts {filter}
              ORDER BY name LIMIT {limit_param}"
         );
         let mut q = sql::<D>(&text);
@@ -273,6 +288,7 @@ pub(super) fn prompt_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Prompt> {
     Ok(Prompt {
         id: r.get("id")?,
         name: prompt_name(&r.get::<String>("name")?)?,
+        project: r.get("project")?,
         strategy: serde_json::from_value(Value::String(r.get("strategy")?)).map_err(|_| corrupt("strategy"))?,
         promotion: serde_json::from_value(Value::String(r.get("promotion")?)).map_err(|_| corrupt("promotion"))?,
         settings: serde_json::from_value(r.get("settings")?).map_err(|_| corrupt("settings"))?,

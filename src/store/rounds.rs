@@ -323,7 +323,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         // it would walk every pending trace, quarantined ones included.
         let hint = if D::KIND == StoreKind::Sqlite { " INDEXED BY traces_backlog" } else { "" };
         let text = format!(
-            "SELECT p.id, p.name, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
+            "SELECT p.id, p.name, p.project, p.strategy, p.promotion, p.settings, p.created_at, p.created_by,
                     p.failure_streak, p.last_failed_at, coalesce(b.pending, 0) AS pending, b.oldest,
                     EXISTS (SELECT 1 FROM rounds r WHERE r.prompt_id = p.id AND r.status IN ('queued', 'running')) AS active
              FROM prompts p

@@ -44,7 +44,7 @@ impl<D: Backend> SessionStore for SqlStore<D> {
     async fn ui_session(&self, token_hash: &str) -> StoreResult<Option<(UiSession, ApiKey)>> {
         let row = sql::<D>(
             "SELECT s.key_id, s.csrf_token, s.created_at AS session_created_at, s.expires_at,
-                    k.id, k.name, k.prefix, k.hash, k.scopes, k.created_at, k.revoked_at
+                    k.id, k.name, k.prefix, k.hash, k.scopes, k.project, k.created_at, k.revoked_at
              FROM ui_sessions s JOIN api_keys k ON k.id = s.key_id
              WHERE s.token_hash = $1 AND s.expires_at > $2",
         )

@@ -65,7 +65,7 @@ pub(crate) fn prompt_reference_problem(
 ) -> Option<String> {
     let prompt = prompt.as_str();
     match (version_count, version) {
-        (None, _) => Some(format!("unknown prompt {prompt:?}; create it first (POST /v1/prompts)")),
+        (None, _) => Some(crate::domain::project::unknown_prompt(prompt)),
         (Some(last), Some(v)) if v > last => {
             Some(format!("prompt {prompt:?} has no version {v} (the latest is {last})"))
         }
@@ -174,6 +174,9 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         if f.prompt.is_some() {
             conditions.push(format!("t.prompt_id = (SELECT id FROM prompts WHERE name = {})", next()));
         }
+        if f.project.is_some() {
+            conditions.push(format!("p.project = {}", next()));
+        }
         match f.status {
             Some(TraceStatus::Quarantined) => conditions.push("t.quarantined_at IS NOT NULL".into()),
             Some(_) => conditions.push(format!("t.status = {} AND t.quarantined_at IS NULL", next())),
@@ -197,6 +200,9 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         let mut q = sql::<D>(&text);
         if let Some(p) = &f.prompt {
             q = q.bind(p.as_str());
+        }
+        if let Some(project) = &f.project {
+            q = q.bind(project.as_str());
         }
         if let Some(status) = f.status.filter(|s| *s != TraceStatus::Quarantined) {
             q = q.bind(status.as_str());

@@ -61,7 +61,8 @@ pub struct AttemptRecord {
 #[async_trait]
 pub trait WebhookStore: Send + Sync {
     async fn create_webhook(&self, hook: &NewWebhook) -> StoreResult<Webhook>;
-    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>>;
+    /// Every subscription, or (given a project) that project's.
+    async fn list_webhooks(&self, project: Option<&str>) -> StoreResult<Vec<Webhook>>;
     async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>>;
     /// Deletes the subscription with its pending deliveries and log; false when unknown.
     async fn delete_webhook(&self, id: Uuid) -> StoreResult<bool>;
@@ -79,8 +80,8 @@ pub trait WebhookStore: Send + Sync {
 impl<D: Backend> WebhookStore for SqlStore<D> {
     async fn create_webhook(&self, h: &NewWebhook) -> StoreResult<Webhook> {
         let row = sql::<D>(&format!(
-            "INSERT INTO webhook_subscriptions (id, url, events, description, secret, created_at, updated_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $6) RETURNING {WEBHOOK_COLUMNS}"
+            "INSERT INTO webhook_subscriptions (id, url, events, description, secret, created_at, updated_at, project)
+             VALUES ($1, $2, $3, $4, $5, $6, $6, $7) RETURNING {WEBHOOK_COLUMNS}"
         ))
         .bind(Uuid::now_v7())
         .bind(&h.url)
@@ -88,15 +89,19 @@ impl<D: Backend> WebhookStore for SqlStore<D> {
         .bind(h.description.as_deref())
         .bind(h.secret.expose())
         .bind(now())
+        .bind(h.project.as_deref())
         .fetch_one(&mut *self.writer.acquire().await?)
         .await?;
         webhook_from_row::<D>(&row)
     }
 
-    async fn list_webhooks(&self) -> StoreResult<Vec<Webhook>> {
-        sql::<D>(&format!("SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions ORDER BY id"))
-            .map(&mut *self.reader.acquire().await?, webhook_from_row::<D>)
-            .await
+    async fn list_webhooks(&self, project: Option<&str>) -> StoreResult<Vec<Webhook>> {
+        sql::<D>(&format!(
+            "SELECT {WEBHOOK_COLUMNS} FROM webhook_subscriptions WHERE ($1 IS NULL OR project = $1) ORDER BY id"
+        ))
+        .bind(project)
+        .map(&mut *self.reader.acquire().await?, webhook_from_row::<D>)
+        .await
     }
 
     async fn get_webhook(&self, id: Uuid) -> StoreResult<Option<Webhook>> {
@@ -239,7 +244,8 @@ impl<D: Backend> WebhookStore for SqlStore<D> {
     }
 }
 
-pub(super) const WEBHOOK_COLUMNS: &str = "id, url, events, description, secret, enabled, disabled_reason, created_at";
+pub(super) const WEBHOOK_COLUMNS: &str =
+    "id, url, events, description, project, secret, enabled, disabled_reason, created_at";
 
 pub(super) fn webhook_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Webhook> {
     let r = Cols::<D>(row);
@@ -248,6 +254,7 @@ pub(super) fn webhook_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Webhook>
         url: r.get("url")?,
         events: events_from_column(&r.get::<String>("events")?).ok_or_else(|| corrupt("webhook events"))?,
         description: r.get("description")?,
+        project: r.get("project")?,
         enabled: r.get("enabled")?,
         disabled_reason: r.get("disabled_reason")?,
         created_at: r.get("created_at")?,
@@ -268,10 +275,15 @@ pub(super) async fn record_event<D: Dialect>(c: &mut D::Connection, e: &OutboxEv
         .bind(e.created_at)
         .execute(c)
         .await?;
-    let subscribers = sql::<D>("SELECT id FROM webhook_subscriptions WHERE enabled = TRUE AND events LIKE $1")
-        .bind(events_pattern(e.kind))
-        .map(c, |row| Cols::<D>(row).get::<Uuid>("id"))
-        .await?;
+    // A project's subscription hears only of its project's prompts; a server-wide one of all.
+    let subscribers = sql::<D>(
+        "SELECT id FROM webhook_subscriptions WHERE enabled = TRUE AND events LIKE $1
+         AND (project IS NULL OR project = (SELECT project FROM prompts WHERE name = $2))",
+    )
+    .bind(events_pattern(e.kind))
+    .bind(e.prompt.as_deref())
+    .map(c, |row| Cols::<D>(row).get::<Uuid>("id"))
+    .await?;
     for sub in &subscribers {
         sql::<D>(
             "INSERT INTO webhook_deliveries (id, event_id, subscription_id, status, next_attempt_at, created_at, updated_at)

@@ -21,7 +21,7 @@ use crate::{
 
 pub async fn page(State(st): State<AppState>, op: Operator) -> Result<Response, UiError> {
     op.require(Scope::Admin)?;
-    let members = people::list_members(&st).await?;
+    let members = people::list_members(&st, &op.reach()).await?;
     let csrf = escape(&op.session.csrf_token);
     let mut rows = String::new();
     for m in &members {
@@ -69,7 +69,7 @@ pub async fn set(State(st): State<AppState>, op: Operator, Form(f): Form<MemberF
     let role = Role::parse(&f.role)
         .ok_or_else(|| UiError::Service(ServiceError::BadRequest("role must be viewer, operator or admin".into())))?;
     let project = Some(f.project.trim()).filter(|p| !p.is_empty());
-    let (member, before) = people::set_member(&st, f.subject.trim(), project, role).await?;
+    let (member, before) = people::set_member(&st, &op.reach(), f.subject.trim(), project, role).await?;
     let audit = Audit::new("member.set", "member", &member.subject).before(before).after(&member);
     Ok((audit, Redirect::to("/ui/members")).into_response())
 }
@@ -85,7 +85,7 @@ pub struct RemoveForm {
 pub async fn remove(State(st): State<AppState>, op: Operator, Form(f): Form<RemoveForm>) -> Result<Response, UiError> {
     op.check_csrf(f.csrf.as_deref())?;
     op.require(Scope::Admin)?;
-    let before = people::remove_member(&st, &f.subject).await?;
+    let before = people::remove_member(&st, &op.reach(), &f.subject).await?;
     let audit = Audit::new("member.remove", "member", &before.subject).before(&before);
     Ok((audit, Redirect::to("/ui/members")).into_response())
 }

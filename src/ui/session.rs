@@ -29,7 +29,7 @@ use crate::{
     service::{
         AppState,
         audit::{Audit, AuditSlot},
-        keys, people, sessions,
+        keys, people, projects, sessions,
     },
 };
 
@@ -123,7 +123,7 @@ impl Operator {
     /// bound to projects), or the project of the person's grant in use.
     pub fn reach(&self) -> Reach {
         match &self.by {
-            SignedIn::Key(_) => Reach::Server,
+            SignedIn::Key(key) => key.reach(),
             SignedIn::Person { grant, .. } => grant.reach(),
         }
     }
@@ -205,6 +205,8 @@ impl FromRequestParts<AppState> for Operator {
         if let Some(slot) = parts.extensions.get::<AuditSlot>() {
             slot.set_actor(op.audit_actor());
         }
+        // Another project's pages answer 404, as the API does.
+        projects::guard_request(st, &op.reach(), parts).await?;
         Ok(op)
     }
 }
@@ -318,7 +320,8 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
     let mut res = Redirect::to("/ui/prompts").into_response();
     let opened = serde_json::json!({"key_id": key.id, "key_prefix": key.prefix, "expires_at": session.expires_at});
     let actor = Actor::Ui { key_id: key.id, key_name: key.name.clone() };
-    res.extensions_mut().insert(Audit::new("ui.sign_in", "ui_session", key.id).by(actor).after(opened));
+    let audit = Audit::new("ui.sign_in", "ui_session", key.id).by(actor).after(opened).in_project(key.project.clone());
+    res.extensions_mut().insert(audit);
     let h = res.headers_mut();
     h.append(header::SET_COOKIE, cookie(&headers, SESSION_COOKIE, &token, SESSION_HOURS * 3600));
     h.append(header::SET_COOKIE, cookie(&headers, LOGIN_COOKIE, "", 0));

@@ -1,7 +1,8 @@
 //! The batch-size controller's choices as the worker keeps them: persists a
 //! prompt's choice when it changes and exports it as metrics. What the
 //! controller reads (samples, meter, the choice for a backlog) is in
-//! `service::controller`, shared with the operators' view.
+//! `service::controller`, shared with the operators' view. Each series names
+//! its prompt and the prompt's project.
 
 use std::{collections::HashMap, sync::Mutex};
 
@@ -19,7 +20,13 @@ pub struct ChoiceLog {
 }
 
 impl ChoiceLog {
-    pub async fn record(&self, store: &DynStore, prompt: &PromptName, choice: &Choice) -> StoreResult<()> {
+    pub async fn record(
+        &self,
+        store: &DynStore,
+        prompt: &PromptName,
+        project: &str,
+        choice: &Choice,
+    ) -> StoreResult<()> {
         let rule = serde_json::to_value(&choice.reason)
             .ok()
             .and_then(|v| v.get("rule").and_then(|r| r.as_str()).map(str::to_owned))
@@ -35,17 +42,17 @@ impl ChoiceLog {
         let value = serde_json::to_value(choice).unwrap_or_default();
         store.save_controller_choice(prompt, &value).await?;
         self.last.lock().unwrap_or_else(|e| e.into_inner()).insert(prompt.to_string(), key);
-        export(prompt, choice);
+        export(prompt, project, choice);
         tracing::info!(prompt = %prompt, cap = choice.cap, reason = %choice.reason, "batch size chosen");
         Ok(())
     }
 }
 
-pub fn export(prompt: &PromptName, choice: &Choice) {
-    let name = prompt.to_string();
-    metrics::gauge!("combee_controller_batch_size", "prompt" => name.clone()).set(f64::from(choice.cap));
+pub fn export(prompt: &PromptName, project: &str, choice: &Choice) {
+    let labels = [("prompt", prompt.to_string()), ("project", project.to_owned())];
+    metrics::gauge!("combee_controller_batch_size", &labels).set(f64::from(choice.cap));
     if let Some(fit) = choice.fit {
-        metrics::gauge!("combee_controller_round_time_a", "prompt" => name.clone()).set(fit.a);
-        metrics::gauge!("combee_controller_round_time_alpha", "prompt" => name.clone()).set(fit.alpha);
+        metrics::gauge!("combee_controller_round_time_a", &labels).set(fit.a);
+        metrics::gauge!("combee_controller_round_time_alpha", &labels).set(fit.alpha);
     }
 }

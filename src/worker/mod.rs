@@ -269,7 +269,7 @@ impl Worker {
                         &self.controller,
                     )
                     .await?;
-                    self.choices.record(&self.store, name, &choice).await?;
+                    self.choices.record(&self.store, name, &backlog.prompt.project, &choice).await?;
                     (choice.target, choice.cap)
                 }
             };
@@ -540,6 +540,7 @@ mod tests {
             prompt: Prompt {
                 id: uuid::Uuid::nil(),
                 name: PromptName::parse("p").unwrap(),
+                project: "default".into(),
                 strategy: Strategy::Playbook,
                 promotion: Promotion::Auto,
                 settings: PromptSettings::default(),

@@ -162,6 +162,7 @@ mod tests {
         Prompt {
             id: uuid::Uuid::nil(),
             name: PromptName::parse("p").unwrap(),
+            project: "default".into(),
             strategy: Strategy::Playbook,
             promotion,
             settings: PromptSettings::default(),

@@ -374,6 +374,7 @@ mod tests {
         Prompt {
             id: uuid::Uuid::nil(),
             name: PromptName::parse("p").unwrap(),
+            project: "default".into(),
             strategy: Default::default(),
             promotion: Default::default(),
             settings: PromptSettings { retention, ..Default::default() },

@@ -236,7 +236,7 @@ async fn every_write_operation_appends_exactly_one_entry(b: Backend) {
     run.op("DELETE", "/v1/webhooks/{id}", req, expect("webhook.delete", "webhook", true, false)).await;
 
     // Members: a person's explicit grant, set (again: then it has a before) and removed.
-    let req = app.put("/v1/members/ann@example.com", json!({"project": "x", "role": "viewer"}));
+    let req = app.put("/v1/members/ann@example.com", json!({"project": "default", "role": "viewer"}));
     run.op("PUT", "/v1/members/{subject}", req, expect("member.set", "member", false, true)).await;
     let req = app.put("/v1/members/ann@example.com", json!({"role": "admin"}));
     run.op("PUT", "/v1/members/{subject}", req, expect("member.set", "member", true, true)).await;
@@ -271,6 +271,12 @@ async fn every_write_operation_appends_exactly_one_entry(b: Backend) {
     run.op("POST", "/v1/traces/{id}/pin", req, expect("regression_case.pin", "regression_case", false, true)).await;
     let req = app.put("/v1/prompts/audited/gate", json!({"mode": "cases"}));
     run.op("PUT", "/v1/prompts/{name}/gate", req, expect("prompt.gate.update", "prompt", true, true)).await;
+    // Projects.
+    let req = app.post("/v1/projects", json!({"name": "audited-team"}));
+    run.op("POST", "/v1/projects", req, expect("project.create", "project", false, true)).await;
+    let req = patch(&app, "/v1/projects/audited-team", json!({"settings": {"prompt_defaults": {"max_wait_secs": 60}}}));
+    run.op("PATCH", "/v1/projects/{name}", req, expect("project.update", "project", true, true)).await;
+
     // A harness's answer needs a learned version awaiting it: its entry is
     // checked where that story is told (regression.rs, the harness test).
     run.covered.insert(("POST".into(), "/v1/prompts/{name}/versions/{number}/evaluation".into()));

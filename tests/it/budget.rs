@@ -170,7 +170,10 @@ async fn a_daily_cap_holds_learning_until_the_next_day(b: Backend) {
     assert!(traces(&app, "capped", "pending").await > 0, "the cap was below the natural spend");
     // The metrics say so, and a webhook event was queued once.
     let metrics = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("combee_prompt_budget_reached_seconds{prompt=\"capped\"}"), "{metrics}");
+    assert!(
+        metrics.contains("combee_prompt_budget_reached_seconds{prompt=\"capped\",project=\"default\"}"),
+        "{metrics}"
+    );
     assert_eq!(budget_events(&app).await, 1);
 
     // Day after day the cap lets some learning through, until every trace is learned from.

@@ -113,9 +113,13 @@ fn members_set_list_remove_on_the_embedded_store_and_the_client_secret_never_pri
         cmd.args(args).env("COMBEE__DATABASE__DATA_DIR", &data);
         cmd.output().unwrap()
     };
-    let out = run(&["members", "set", "ann@example.com", "--project", "x", "--role", "operator"]);
+    // A grant names a project that exists (`default` does from the start).
+    let out = run(&["members", "set", "ann@example.com", "--project", "nowhere", "--role", "operator"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("project \"nowhere\" not found"), "{out:?}");
+    let out = run(&["members", "set", "ann@example.com", "--project", "default", "--role", "operator"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ann@example.com is operator in x");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ann@example.com is operator in default");
     assert!(run(&["members", "set", "sre-lead", "--role", "admin"]).status.success());
     let list = String::from_utf8(run(&["members", "list"]).stdout).unwrap();
     assert!(list.contains("ann@example.com") && list.contains("operator"), "{list}");

@@ -680,7 +680,7 @@ mod controller {
         let kept = insights(prompt["text"].as_str().unwrap()).len();
         assert!(kept >= 147, "retention {kept}/150");
         let metrics = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        assert!(metrics.contains("combee_controller_batch_size{prompt=\"auto\"}"), "{metrics}");
+        assert!(metrics.contains("combee_controller_batch_size{prompt=\"auto\",project=\"default\"}"), "{metrics}");
         // The LLM client's view of the backend: the simulator takes OpenAI's schema shape,
         // and the adaptive limit is shown (how far it grows depends on this machine's load).
         assert!(metrics.contains("combee_llm_output_format{format=\"json_schema\"} 1"), "{metrics}");
@@ -1017,6 +1017,7 @@ mod resume {
         let settings = PromptSettings { duplication: 2, ..PromptSettings::default() };
         let prompt = NewPrompt {
             name: name.clone(),
+            project: "default".into(),
             strategy: Strategy::Playbook,
             promotion: Promotion::Auto,
             settings,
@@ -1334,7 +1335,7 @@ mod backoff {
         assert_eq!(until, at(&state["last_failed_at"]) + chrono::Duration::seconds(DELAY), "{state}");
         let metrics = app.get("/metrics").send().await.unwrap().text().await.unwrap();
         assert!(metrics.contains("combee_prompts_backing_off 1\n"), "{metrics}");
-        assert!(metrics.contains("combee_prompt_failure_streak{prompt=\"b\"} 1\n"), "{metrics}");
+        assert!(metrics.contains("combee_prompt_failure_streak{prompt=\"b\",project=\"default\"} 1\n"), "{metrics}");
 
         // No round before the backoff ends, though the scheduler passes; then the next one, which fails too.
         let passes = schedule_passes(&app).await;

@@ -43,6 +43,7 @@ fn manual(base: &str) -> NewVersion {
 async fn make_prompt(s: &DynStore, n: &str, settings: PromptSettings) {
     let p = NewPrompt {
         name: name(n),
+        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings,

@@ -26,6 +26,7 @@ mod pooler;
 mod population;
 mod postgres_outage;
 mod postgres_processes;
+mod projects;
 mod real_model;
 mod regression;
 mod request_rules;

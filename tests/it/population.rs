@@ -47,6 +47,7 @@ fn version(base: &str, parent: Option<i64>) -> NewVersion {
 pub(crate) async fn evaluated_prompt(store: &DynStore, n: &str, versions: i64) {
     let p = NewPrompt {
         name: name(n),
+        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Evaluated,
         settings: PromptSettings::default(),
@@ -341,6 +342,7 @@ async fn crossover_makes_a_child_from_two_arms_that_won_different_tasks(b: Backe
     let s = ts.store.clone();
     let p = NewPrompt {
         name: name("x"),
+        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Evaluated,
         settings: PromptSettings::default(),
@@ -516,6 +518,7 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
     evaluated_prompt(&s, "never", 1).await;
     let auto = NewPrompt {
         name: name("auto"),
+        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings: PromptSettings::default(),

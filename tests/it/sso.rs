@@ -96,12 +96,13 @@ pub async fn sso_app(b: Backend, provider: &Provider, tweak: impl FnOnce(&mut Se
 
 /// A prompt at v1 (production) with a v2 to promote, and a trace to act on.
 async fn seed(app: &TestApp) -> String {
-    let res = app
-        .post("/v1/prompts", json!({"name": "support", "base": "You answer questions.", "promotion": "manual"}))
-        .send()
-        .await
-        .unwrap();
+    assert_eq!(app.post("/v1/projects", json!({"name": "x"})).send().await.unwrap().status(), 201);
+    let support = json!({"name": "support", "base": "You answer questions.", "promotion": "manual", "project": "x"});
+    let res = app.post("/v1/prompts", support).send().await.unwrap();
     assert_eq!(res.status(), 201);
+    // A prompt of another project, which people of project x never see.
+    let elsewhere = json!({"name": "elsewhere", "base": "You answer other questions."});
+    assert_eq!(app.post("/v1/prompts", elsewhere).send().await.unwrap().status(), 201);
     let res = app.post("/v1/prompts/support/versions", json!({"base": "You answer questions well."})).send().await;
     assert_eq!(res.unwrap().status(), 201);
     let trace = json!({"prompt": "support", "input": {"q": "hi"}, "output": "hello", "feedback": {"success": true}});
@@ -294,6 +295,11 @@ async fn each_role_sees_and_may_post_what_it_allows(b: Backend) {
         let admin = role == "admin";
         let (status, prompt) = page(&app, &s, "/ui/prompts/support").await;
         assert_eq!(status, 200);
+        // Project x's people meet another project's prompt as absent; a server-wide admin sees it.
+        let elsewhere = page(&app, &s, "/ui/prompts/elsewhere").await.0;
+        assert_eq!(elsewhere, if admin { 200 } else { 404 }, "{role}: another project's prompt");
+        let (_, list) = page(&app, &s, "/ui/prompts").await;
+        assert_eq!(list.contains("elsewhere"), admin, "{role}: the prompt list");
         assert_eq!(prompt.contains(r#"id="promote-2""#), operates, "{role}: promote form");
         assert_eq!(prompt.contains(r#"id="rollback-2""#), operates, "{role}: rollback form");
         assert_eq!(prompt.contains(r#"id="nav-members""#), admin, "{role}: members link");
@@ -350,7 +356,11 @@ async fn members_give_grants_and_key_sign_in_can_be_switched_off(b: Backend) {
     let res = sso_sign_in(&app, "lee").await;
     assert_eq!(res.status(), 403);
     assert!(res.text().await.unwrap().contains("not a member of any project"));
-    let put = app.put("/v1/members/lee@example.com", json!({"project": "x", "role": "operator"})).send().await.unwrap();
+    let grant = json!({"project": "x", "role": "operator"});
+    let put = app.put("/v1/members/lee@example.com", grant.clone()).send().await.unwrap();
+    assert_eq!(put.status(), 404, "a grant names a project that exists");
+    assert_eq!(app.post("/v1/projects", json!({"name": "x"})).send().await.unwrap().status(), 201);
+    let put = app.put("/v1/members/lee@example.com", grant).send().await.unwrap();
     assert_eq!(put.status(), 200);
     let member: Value = put.json().await.unwrap();
     assert_eq!(

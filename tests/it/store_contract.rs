@@ -40,6 +40,7 @@ fn version(base: &str) -> NewVersion {
 async fn make_prompt(store: &DynStore, n: &str) {
     let p = NewPrompt {
         name: name(n),
+        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings: PromptSettings::default(),
@@ -64,6 +65,7 @@ async fn prompts_start_at_version_one_labelled_production(b: Backend) {
     assert!(r.version.content_hash.starts_with("sha256:"));
     let again = NewPrompt {
         name: name("p"),
+        project: "default".into(),
         strategy: Strategy::Rewrite,
         promotion: Promotion::Manual,
         settings: PromptSettings::default(),
@@ -459,7 +461,7 @@ async fn key_generation_grows_with_every_revocation(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
     let start = s.api_key_generation().await.unwrap();
-    let key = s.create_api_key("k", "cmb_gen00001", "hash-gen", &[Scope::PromptsRead]).await.unwrap();
+    let key = s.create_api_key("k", "cmb_gen00001", "hash-gen", &[Scope::PromptsRead], None).await.unwrap();
     assert_eq!(s.api_key_generation().await.unwrap(), start, "a new key invalidates nothing");
     assert!(s.revoke_api_key(&key.prefix).await.unwrap());
     let after = s.api_key_generation().await.unwrap();
@@ -469,7 +471,7 @@ async fn key_generation_grows_with_every_revocation(b: Backend) {
     assert_eq!(other.api_key_generation().await.unwrap(), after);
     // A revocation by that other store is seen here at the next read, however
     // often the unchanged generation was read before.
-    let second = s.create_api_key("k2", "cmb_gen00002", "hash-gen-2", &[Scope::PromptsRead]).await.unwrap();
+    let second = s.create_api_key("k2", "cmb_gen00002", "hash-gen-2", &[Scope::PromptsRead], None).await.unwrap();
     for _ in 0..3 {
         assert_eq!(s.api_key_generation().await.unwrap(), after);
     }
@@ -516,8 +518,10 @@ async fn failed_traces_can_be_requeued(b: Backend) {
 async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
-    let key =
-        s.create_api_key("agent", "cmb_abcdefgh", "hash1", &[Scope::TracesWrite, Scope::PromptsRead]).await.unwrap();
+    let key = s
+        .create_api_key("agent", "cmb_abcdefgh", "hash1", &[Scope::TracesWrite, Scope::PromptsRead], None)
+        .await
+        .unwrap();
     assert_eq!(s.api_key_by_hash("hash1").await.unwrap().unwrap().scopes, vec![Scope::TracesWrite, Scope::PromptsRead]);
     assert_eq!(s.count_active_api_keys().await.unwrap(), 1);
     assert!(s.revoke_api_key("cmb_abcdefgh").await.unwrap());
@@ -529,7 +533,7 @@ async fn api_keys_are_stored_hashed_and_revocable(b: Backend) {
 async fn ui_sessions_expire_and_show_their_key(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
-    let key = s.create_api_key("ops", "cmb_opsopsop", "keyhash", &[Scope::PromptsRead]).await.unwrap();
+    let key = s.create_api_key("ops", "cmb_opsopsop", "keyhash", &[Scope::PromptsRead], None).await.unwrap();
     let now = chrono::Utc::now();
     let open = |token_hash: &str, expires_at| NewUiSession {
         token_hash: token_hash.into(),
@@ -589,10 +593,10 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
         make_prompt(&s, n).await;
     }
     s.insert_traces(&[trace("a", None), trace("a", None)]).await.unwrap();
-    let page = s.list_prompts(None, 2).await.unwrap();
+    let page = s.list_prompts(None, None, 2).await.unwrap();
     assert_eq!(page.iter().map(|p| p.prompt.name.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
     assert_eq!((page[0].pending_traces, page[0].production_version, page[0].latest_version), (2, Some(1), 1));
-    let rest = s.list_prompts(Some("b"), 2).await.unwrap();
+    let rest = s.list_prompts(Some("b"), None, 2).await.unwrap();
     assert_eq!(rest.len(), 1);
     // The same pages without the counts, for the periodic jobs.
     let bare = s.prompts_page(None, 2).await.unwrap();
@@ -600,6 +604,107 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
     assert_eq!(bare[0], page[0].prompt);
     let rest = s.prompts_page(Some("b"), 2).await.unwrap();
     assert_eq!(rest.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["c"]);
+}
+
+/// Projects on the store: `default` exists from the migration; a prompt,
+/// trace and round answer which project they belong to; prompt, trace,
+/// webhook and audit lists filter by project; a project's webhook is told
+/// only of its project's events, a server-wide one of all.
+async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
+    use combee::{
+        domain::{
+            audit::{Actor, AuditQuery, NewAuditEntry, RequestOrigin},
+            event::EventType,
+            project::ProjectSettings,
+            webhook::NewWebhook,
+        },
+        secret::Secret,
+    };
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    assert_eq!(s.list_projects().await.unwrap().iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["default"]);
+    s.create_project("team-a", &ProjectSettings::default()).await.unwrap();
+    assert!(matches!(s.create_project("team-a", &ProjectSettings::default()).await, Err(StoreError::AlreadyExists)));
+    let defaults = ProjectSettings { prompt_defaults: json!({"max_wait_secs": 60}).as_object().unwrap().clone() };
+    let updated = s.update_project_settings("team-a", &defaults).await.unwrap().unwrap();
+    assert_eq!(s.get_project("team-a").await.unwrap().unwrap(), updated);
+    assert!(s.update_project_settings("nope", &defaults).await.unwrap().is_none());
+
+    make_prompt(&s, "in-default").await;
+    let a = NewPrompt {
+        name: name("in-a"),
+        project: "team-a".into(),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Auto,
+        settings: PromptSettings::default(),
+        created_by: "test".into(),
+    };
+    // Server-wide and project webhooks, before the events.
+    let hook = |project: Option<&str>| NewWebhook {
+        url: "http://127.0.0.1:9/h".into(),
+        project: project.map(str::to_owned),
+        events: vec![EventType::VersionCreated],
+        description: None,
+        secret: Secret::new("whsec_x".to_owned()),
+    };
+    let everyone = s.create_webhook(&hook(None)).await.unwrap();
+    let only_a = s.create_webhook(&hook(Some("team-a"))).await.unwrap();
+    let only_default = s.create_webhook(&hook(Some("default"))).await.unwrap();
+    assert_eq!(only_a.project.as_deref(), Some("team-a"));
+    let (created, _) = s.create_prompt(a, version("v1")).await.unwrap();
+    assert_eq!(created.project, "team-a");
+    assert_eq!(s.get_prompt(&name("in-a")).await.unwrap().unwrap().project, "team-a");
+    assert_eq!(s.prompt_project("in-a").await.unwrap().as_deref(), Some("team-a"));
+    assert_eq!(s.prompt_project("in-default").await.unwrap().as_deref(), Some("default"));
+    assert_eq!(s.prompt_project("absent").await.unwrap(), None);
+    assert_eq!(s.project_prompts("team-a").await.unwrap(), ["in-a"]);
+
+    let ids = s.insert_traces(&[trace("in-a", None), trace("in-default", None)]).await.unwrap();
+    assert_eq!(s.trace_project(ids[0]).await.unwrap().as_deref(), Some("team-a"));
+    assert_eq!(s.trace_project(ids[1]).await.unwrap().as_deref(), Some("default"));
+    assert_eq!(s.trace_project(uuid::Uuid::now_v7()).await.unwrap(), None);
+    let filter = TraceFilter { project: Some("team-a".into()), ..Default::default() };
+    let listed = s.list_traces(&filter, 10).await.unwrap();
+    assert_eq!(listed.iter().map(|t| t.id).collect::<Vec<_>>(), [ids[0]]);
+    let page = s.list_prompts(None, Some("team-a"), 10).await.unwrap();
+    assert_eq!(page.iter().map(|p| p.prompt.name.as_str()).collect::<Vec<_>>(), ["in-a"]);
+    assert_eq!(s.list_prompts(None, None, 10).await.unwrap().len(), 2);
+    assert!(s.list_prompts(None, Some("nope"), 10).await.unwrap().is_empty());
+
+    let req = OpenRound {
+        prompt: name("in-a"),
+        trigger: RoundTrigger::Api,
+        method: Method::Combee,
+        batch: 10,
+        min_traces: 1,
+        seed: 1,
+        inbound_webhook_id: None,
+        judge_wait: None,
+    };
+    let round = s.open_round(&req).await.unwrap().expect("a round opens");
+    assert_eq!(s.round_project(round.id).await.unwrap().as_deref(), Some("team-a"));
+
+    // Version 1 of `in-a` announced itself: to the server-wide and team-a subscriptions, not to default's.
+    let claimed = s.claim_deliveries("w", std::time::Duration::from_secs(30), 100).await.unwrap();
+    let to = |id: uuid::Uuid| claimed.iter().filter(|d| d.subscription_id == id && d.body.contains("in-a")).count();
+    assert_eq!((to(everyone.id), to(only_a.id), to(only_default.id)), (1, 1, 0));
+    assert_eq!(s.list_webhooks(Some("team-a")).await.unwrap(), [only_a]);
+    assert_eq!(s.list_webhooks(None).await.unwrap().len(), 3);
+
+    let entry = |project: Option<&str>| {
+        NewAuditEntry::new(Actor::System, RequestOrigin::default(), "x.y", None, None, None, None)
+            .in_project(project.map(str::to_owned))
+    };
+    s.append_audit(&entry(Some("team-a"))).await.unwrap();
+    s.append_audit(&entry(None)).await.unwrap();
+    let q = AuditQuery { project: Some("team-a".into()), ..Default::default() };
+    let mine = s.audit_entries(&q, 10).await.unwrap();
+    assert_eq!(mine.iter().map(|e| e.project.as_deref()).collect::<Vec<_>>(), [Some("team-a")]);
+    assert_eq!(s.audit_entries(&AuditQuery::default(), 10).await.unwrap().len(), 2);
+
+    let key = s.create_api_key("a", "cmb_projkey1", "hash-proj", &[Scope::PromptsRead], Some("team-a")).await.unwrap();
+    assert_eq!(s.api_key_by_hash("hash-proj").await.unwrap().unwrap().project.as_deref(), Some("team-a"));
+    assert_eq!(key.reach(), combee::domain::access::Reach::Project("team-a".into()));
 }
 
 /// The outbox commits with its change (a failed CAS writes no event), fans out
@@ -619,6 +724,7 @@ async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Bac
     write_until_announced(&s, &mut rx).await;
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
+        project: None,
         events: vec![EventType::LabelMoved],
         description: None,
         secret: Secret::new("whsec_c2VjcmV0"),
@@ -667,7 +773,7 @@ async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Bac
         (1, 2, Some(200), "succeeded")
     );
     assert!(s.delete_webhook(sub.id).await.unwrap());
-    assert!(s.list_webhooks().await.unwrap().is_empty());
+    assert!(s.list_webhooks(None).await.unwrap().is_empty());
 }
 
 fn reflection(insight: &str) -> combee::domain::Reflection {
@@ -1056,6 +1162,7 @@ async fn label_history_records_every_move_in_order(b: Backend) {
     let s = ts.store.clone();
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
+        project: None,
         events: vec![EventType::PromptRolledBack],
         description: None,
         secret: Secret::new("whsec_c2VjcmV0"),
@@ -1563,6 +1670,7 @@ async fn a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator(b: Bac
     let s = ts.store.clone();
     let hook = NewWebhook {
         url: "https://example.com/hook".into(),
+        project: None,
         events: vec![EventType::RoundFailed],
         description: None,
         secret: Secret::new("whsec_c2VjcmV0"),
@@ -1787,7 +1895,7 @@ async fn a_database_migrated_by_a_newer_release_opens_and_serves(b: Backend) {
         .await
         .expect("a database with a newer migration opens");
     make_prompt(&again, "after").await;
-    assert_eq!(again.list_prompts(None, 10).await.unwrap().len(), 2);
+    assert_eq!(again.list_prompts(None, None, 10).await.unwrap().len(), 2);
     let ids = again.insert_traces(&[trace("before", Some(1)), trace("after", Some(1))]).await.unwrap();
     for id in ids {
         assert!(again.get_trace(id).await.unwrap().is_some(), "trace {id} is read back");
@@ -1876,6 +1984,17 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     );
     // 0044 too.
     undo.push("ALTER TABLE traces DROP COLUMN judge_claimed_until".to_owned());
+    // 0042 too (the audit log's column goes with its table below).
+    undo.extend(
+        [
+            "DROP INDEX prompts_by_project",
+            "ALTER TABLE prompts DROP COLUMN project",
+            "ALTER TABLE api_keys DROP COLUMN project",
+            "ALTER TABLE webhook_subscriptions DROP COLUMN project",
+            "DROP TABLE projects",
+        ]
+        .map(String::from),
+    );
     // 0041 too (its indexes and triggers go with the tables).
     undo.push("DROP TABLE audit_log".to_owned());
     undo.push(match b {
@@ -1910,7 +2029,7 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     drop(again);
     // Opening again changes nothing (the adoption happens once).
     let third = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("reopen");
-    assert_eq!(third.list_prompts(None, 10).await.unwrap().len(), 2);
+    assert_eq!(third.list_prompts(None, None, 10).await.unwrap().len(), 2);
     drop(third);
 
     let edited = test_store(b).await;
@@ -1957,6 +2076,7 @@ on_both_stores!(
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,
+    projects_scope_lookups_lists_and_event_fan_out,
     otlp_spans_merge_into_one_pending_trace,
     concurrent_otlp_parts_make_one_trace,
     version_outcomes_aggregate_rewards_usage_and_late_feedback,

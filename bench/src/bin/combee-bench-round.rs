@@ -87,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
     let name = PromptName::parse(&key)?;
     let prompt = combee::domain::prompt::NewPrompt {
         name: name.clone(),
+        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Default::default(),
         settings: Default::default(),

@@ -54,7 +54,8 @@ pub async fn audit(State(st): State<AppState>, op: Operator, Query(q): Query<Aud
         before_id,
         ..AuditQuery::default()
     };
-    let entries = service::audit::list(&st, &query, PAGE).await?;
+    let projects = crate::domain::project::list_filter(&op.reach(), None);
+    let entries = service::audit::list(&st, &projects, query.clone(), PAGE).await?;
     let next = next_token(&entries, PAGE, |e| e.id.to_string());
 
     let mut rows = String::new();

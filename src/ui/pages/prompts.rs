@@ -1,6 +1,8 @@
 //! The prompt list and one prompt's page: text, labels, label history,
 //! promote / roll back forms, whether failed rounds or a spending cap hold
-//! learning back, and the prompt's LLM spend.
+//! learning back, and the prompt's LLM spend. A server-wide session sees every
+//! project's prompts (with a project column and filter); a project's session
+//! its own only.
 
 use super::*;
 use crate::domain::backoff::{LearningState, LearningStatus};
@@ -9,11 +11,17 @@ use crate::domain::backoff::{LearningState, LearningStatus};
 pub struct AfterQuery {
     #[serde(default)]
     after: Option<String>,
+    #[serde(default)]
+    project: Option<String>,
 }
 
 pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<AfterQuery>) -> PageResult {
     op.require(Scope::PromptsRead)?;
-    let list = service::prompts::list_prompts(&st, q.after.as_deref(), PAGE).await?;
+    let reach = op.reach();
+    let asked = q.project.as_deref().filter(|p| !p.is_empty());
+    let filter = crate::domain::project::list_filter(&reach, asked);
+    let list = service::prompts::list_prompts(&st, &filter, q.after.as_deref(), PAGE).await?;
+    let server_wide = reach.project().is_none();
     let mut rows = String::new();
     for p in &list {
         let last = service::rounds::list_rounds(&st, &p.prompt.name, None, 1).await?;
@@ -27,9 +35,14 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
                 )
             },
         );
+        let project = if server_wide {
+            format!(r#"<td class="project">{}</td>"#, escape(&p.prompt.project))
+        } else {
+            String::new()
+        };
         let _ = write!(
             rows,
-            r#"<tr><td class="name">{}</td><td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>"#,
+            r#"<tr><td class="name">{}</td>{project}<td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>"#,
             prompt_link(p.prompt.name.as_str()),
             escape(strategy_str(p.prompt.strategy)),
             escape(&word(&p.prompt.promotion)),
@@ -42,8 +55,9 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
     let more = match list.last() {
         Some(last) if list.len() as u32 == PAGE => {
             format!(
-                r#"<p class="pager"><a href="/ui/prompts?after={}">Next page →</a></p>"#,
-                escape(&url_encode(last.prompt.name.as_str()))
+                r#"<p class="pager"><a href="/ui/prompts?after={}&amp;project={}">Next page →</a></p>"#,
+                escape(&url_encode(last.prompt.name.as_str())),
+                escape(&url_encode(asked.unwrap_or("")))
             )
         }
         _ => String::new(),
@@ -51,11 +65,31 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
     let table = if list.is_empty() {
         r#"<p class="muted">No prompts yet. Create one with <code>POST /v1/prompts</code>.</p>"#.to_owned()
     } else {
+        let project_head = if server_wide { "<th>Project</th>" } else { "" };
         format!(
-            r#"<table id="prompts"><thead><tr><th>Name</th><th>Strategy</th><th>Promotion</th><th class="num">Production</th><th class="num">Latest</th><th class="num">Pending traces</th><th>Last round</th></tr></thead><tbody>{rows}</tbody></table>{more}"#
+            r#"<table id="prompts"><thead><tr><th>Name</th>{project_head}<th>Strategy</th><th>Promotion</th><th class="num">Production</th><th class="num">Latest</th><th class="num">Pending traces</th><th>Last round</th></tr></thead><tbody>{rows}</tbody></table>{more}"#
         )
     };
-    let body = format!(r#"<h1>Prompts</h1>{table}"#);
+    // A server-wide session filters by project; a project's session has one.
+    let project_filter = if server_wide {
+        let options: String = service::projects::list(&st, &reach)
+            .await?
+            .iter()
+            .map(|p| {
+                let sel = if asked == Some(p.name.as_str()) { " selected" } else { "" };
+                format!(r#"<option value="{0}"{sel}>{0}</option>"#, escape(&p.name))
+            })
+            .collect();
+        format!(
+            r#"<form method="get" action="/ui/prompts" class="filters"><label for="project">Project</label><select id="project" name="project"><option value="">all</option>{options}</select><button type="submit">Filter</button></form>"#
+        )
+    } else {
+        format!(
+            r#"<p class="muted" id="project-name">Project <strong>{}</strong></p>"#,
+            escape(reach.project().unwrap_or(""))
+        )
+    };
+    let body = format!(r#"<h1>Prompts</h1>{project_filter}{table}"#);
     Ok(page("Prompts", Some(&op.who()), Section::Prompts, &body))
 }
 
@@ -272,7 +306,7 @@ pub async fn prompt(
         r#"<p class="muted">Promoting and rolling back need the <code>prompts:promote</code> scope.</p>"#
     };
     let body = format!(
-        r#"<h1>{name} <span class="muted small">{strategy} · promotion {promotion}</span></h1>
+        r#"<h1>{name} <span class="muted small" id="prompt-project">project {project} · {strategy} · promotion {promotion}</span></h1>
 {tabs}{notice}{learning}
 <div class="split"><div class="main-col">{text}</div>
 <aside class="card"><h2>Labels</h2><ul class="labels" id="labels">{label_list}</ul></aside></div>
@@ -285,6 +319,7 @@ pub async fn prompt(
 {evaluators}
 <h2>Label history <span class="muted small">newest {LABEL_MOVES_SHOWN}; all of them: <code>combee prompts label-history</code></span></h2>{label_history}"#,
         name = escape(prompt.name.as_str()),
+        project = escape(&prompt.project),
         strategy = escape(strategy_str(prompt.strategy)),
         promotion = escape(&word(&prompt.promotion)),
         tabs = prompt_tabs(prompt.name.as_str(), "prompt"),

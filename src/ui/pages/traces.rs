@@ -40,11 +40,13 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
         }
         None => None,
     };
-    let filter = TraceFilter { prompt: prompt.clone(), status, since: None, until: None, before_id };
+    let projects = crate::domain::project::list_filter(&op.reach(), None);
+    let project = projects.project().map(str::to_owned);
+    let filter = TraceFilter { prompt: prompt.clone(), project, status, since: None, until: None, before_id };
     let list = service::traces::list_traces(&st, &filter, PAGE).await?;
     let next = next_token(&list, PAGE, |t| t.id.to_string());
 
-    let all_prompts = service::prompts::list_prompts(&st, None, 200).await?;
+    let all_prompts = service::prompts::list_prompts(&st, &projects, None, 200).await?;
     let prompt_options: String = all_prompts
         .iter()
         .map(|p| {
