@@ -773,8 +773,8 @@ mod controller {
     /// other groups learned. When every group degrades, the round learned nothing:
     /// it fails with that reason and publishes no version.
     async fn level_1_answers_that_stay_garbage_degrade_their_groups(b: Backend) {
-        let sim = spawn_sim(SimConfig { fixed_ms: 5.0, rate_unreadable_level1: 0.5, ..sim() }).await;
-        let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+        let partly = spawn_sim(SimConfig { fixed_ms: 5.0, rate_unreadable_level1: 0.5, ..sim() }).await;
+        let app = spawn_app_with(b, |s| learning(s, &partly.url)).await;
         create(&app, "partly", "playbook", json!({"duplication": 2})).await;
         send_traces(&app, "partly", 40).await;
         let round = trigger(&app, "partly", json!({"method": "combee", "batch_size": 40})).await;
