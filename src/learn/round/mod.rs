@@ -61,8 +61,8 @@ use spec::PhaseClock;
 pub use spec::{RoundError, RoundSpec, group_key};
 
 pub use record::{
-    AnswerReport, CallNotes, Coverage, DegradedGroup, GroupingRecord, LearnedRoundDetail, Level2Summary, MAX_CALL_NOTES,
-    MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
+    AnswerReport, CallNotes, Coverage, DegradedGroup, GroupingRecord, LearnedRoundDetail, Level2Summary,
+    MAX_CALL_NOTES, MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
 };
 
 /// Runs one round (`docs/design.md`, The round, step by step) over `traces` against the frozen `base` version.

@@ -72,7 +72,9 @@ pub enum RoundError {
     NothingToLearn(usize),
     /// Every level-1 group degraded (its aggregator answer stayed invalid after
     /// the corrective retry): the round learned nothing, so it publishes nothing.
-    #[error("nothing learned: all {groups} level-1 groups degraded (their aggregator answers stayed invalid after the corrective retry); last: {last}")]
+    #[error(
+        "nothing learned: all {groups} level-1 groups degraded (their aggregator answers stayed invalid after the corrective retry); last: {last}"
+    )]
     NothingLearned { groups: usize, last: String },
 }
 

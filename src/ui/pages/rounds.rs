@@ -354,7 +354,10 @@ fn answers_section(outcome: Option<&OutcomeRecord>) -> String {
     for g in &a.groups_degraded {
         // The refused text is the model's output: untrusted, shown escaped.
         let answer = g.refused_answer.as_deref().map_or_else(String::new, |t| {
-            format!(r#"<details class="refused-answer"><summary>The model's answer</summary><pre>{}</pre></details>"#, clip(t, 2_000))
+            format!(
+                r#"<details class="refused-answer"><summary>The model's answer</summary><pre>{}</pre></details>"#,
+                clip(t, 2_000)
+            )
         });
         let _ = write!(
             rows,
