@@ -382,7 +382,8 @@ class Combee:
         return self.call("GET", f"/v1/prompts/{name}")[1]["text"]
 
     def learn_round(self, name, method, deadline_s):
-        status, res = self.call("POST", f"/v1/prompts/{name}/rounds", {"method": method}, ok=(202, 409))
+        body = {"method": method} if method else {}
+        status, res = self.call("POST", f"/v1/prompts/{name}/rounds", body, ok=(202, 409))
         if status == 409:
             raise RuntimeError(f"the round could not start: {res}")
         rid = res["id"]
@@ -548,6 +549,141 @@ def run(args):
         sys.exit(1)
 
 
+# --- streak: consecutive rounds on one prompt ------------------------------
+
+
+def round_facts(r, context):
+    """What one round of the streak showed: how it ended, its largest call
+    against the context window, context-length refusals, degraded groups, and
+    its calls' own latencies (their sum is the round sent one call at a time)."""
+    calls = r.get("llm_calls") or []
+    largest = max(calls, key=lambda c: c.get("prompt_tokens", 0), default={})
+    outcome = ((r.get("detail") or {}).get("outcome") or {})
+    answers = outcome.get("answers") or {}
+    refusals = [c for c in calls if "context" in (c.get("error") or "").lower()]
+    return {
+        "status": r["status"],
+        "error": r.get("error"),
+        "wall_s": r.get("wall_s", 0.0),
+        "result_version": r.get("result_version"),
+        "n": outcome.get("n"),
+        "k": outcome.get("k"),
+        "calls": len(calls),
+        "calls_latency_s": sum(c.get("latency_ms", 0) for c in calls) / 1000.0,
+        "largest_prompt_tokens": largest.get("prompt_tokens", 0),
+        "largest_prompt_role": largest.get("role"),
+        "largest_total_tokens": max((c.get("prompt_tokens", 0) + c.get("completion_tokens", 0) for c in calls), default=0),
+        "context_tokens": context,
+        "context_refusals": len(refusals),
+        "groups_degraded": len(answers.get("groups_degraded") or answers.get("groups_left_out") or []),
+        "unreflected": len(outcome.get("unreflected") or []),
+        "refused_calls": sum(1 for c in calls if c.get("read") == "refused"),
+        "max_concurrency_limit": max((c.get("concurrency_limit") or 0 for c in calls), default=0),
+    }
+
+
+def streak(args):
+    """`--rounds` rounds in a row on one prompt, product defaults: each round
+    learns from `--per-round` fresh traces of the agent running on the prompt's
+    current text."""
+    started = time.monotonic()
+
+    def log(msg):
+        print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    tasks = make_tasks(args.seed)
+    agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
+    result = {
+        "kind": "streak",
+        "model": args.model,
+        "label": MODEL_LABELS.get(args.model, args.model),
+        "rounds_asked": args.rounds,
+        "per_round": args.per_round,
+        "context_tokens": args.context,
+        "seed": args.seed,
+        "combee_commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "rounds": [],
+    }
+    combee = None
+    try:
+        combee = Combee(args.combee, args.llm_url, args.llm_model, args.repo)
+        combee.create_prompt("streak")
+        for i in range(args.rounds):
+            chunk = [tasks[(i * args.per_round + j) % len(tasks)] for j in range(args.per_round)]
+            system = combee.text("streak")
+            traces = []
+            for task in chunk:
+                reply = agent.reply(system, task)
+                met = check(task, reply)
+                traces.append({"prompt": "streak", "input": {"ticket": task["message"]},
+                               "trajectory": [{"role": "user", "content": task["message"]},
+                                              {"role": "assistant", "content": reply}],
+                               "output": reply, "feedback": feedback(task, met)})
+            combee.call("POST", "/v1/traces", {"traces": traces})
+            r = combee.learn_round("streak", None, args.round_deadline)
+            facts = round_facts(r, args.context)
+            facts["prompt_chars"] = len(combee.text("streak"))
+            result["rounds"].append(facts)
+            log(f"round {i + 1}/{args.rounds}: {facts['status']} in {facts['wall_s']:.0f} s; largest call "
+                f"{facts['largest_prompt_tokens']} prompt tokens of {args.context}; context refusals "
+                f"{facts['context_refusals']}; degraded groups {facts['groups_degraded']}"
+                + (f"; error: {facts['error']}" if facts["error"] else ""))
+        result["text"] = combee.text("streak")
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        log(f"the streak stopped: {result['error']}" + (f"\ncombee's log ends:\n{combee.tail()}" if combee else ""))
+    finally:
+        result["wall_s"] = time.monotonic() - started
+        if combee:
+            combee.stop()
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        log(f"wrote {args.json}")
+    if "error" in result:
+        sys.exit(1)
+
+
+def streak_report(r, w):
+    rounds = r["rounds"]
+    w("")
+    w(f"## {r['label']}: {r['rounds_asked']} rounds in a row on one prompt")
+    w("")
+    w(f"`scripts/bench-real --streak {r['rounds_asked']}`: one prompt on product defaults (only the LLM's URL and "
+      f"model names set; no method given, so each round runs the prompt's default), {r['per_round']} fresh traces "
+      f"per round from the agent running on the prompt's current text, context window {r['context_tokens']:,} "
+      f"tokens (`--n_ctx`), seed {r['seed']}, {r['date']}, commit {r.get('combee_commit') or '?'}; whole run "
+      f"{r['wall_s'] / 60:.1f} min.")
+    if r.get("error"):
+        w("")
+        w(f"**The run stopped early**: {r['error'][:500]}")
+    w("")
+    w("| round | ended | wall (s) | sum of its calls' latencies (s) | wall / sum | LLM calls | largest prompt (tokens, role) | largest prompt + completion vs window | context refusals | degraded groups | unreflected traces | refused answers | prompt after (chars) |")
+    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, f in enumerate(rounds, 1):
+        ended = f["status"] + (f": {str(f['error'])[:160]}" if f.get("error") else "")
+        ratio = f"{f['wall_s'] / f['calls_latency_s']:.2f}" if f["calls_latency_s"] else "—"
+        share = f"{f['largest_total_tokens']:,} / {f['context_tokens']:,} ({f['largest_total_tokens'] / f['context_tokens']:.0%})"
+        w(f"| {i} | {ended} | {f['wall_s']:.0f} | {f['calls_latency_s']:.0f} | {ratio} | {f['calls']} | "
+          f"{f['largest_prompt_tokens']:,} ({f['largest_prompt_role'] or '—'}) | {share} | {f['context_refusals']} | "
+          f"{f['groups_degraded']} | {f['unreflected']} | {f['refused_calls']} | {f['prompt_chars']:,} |")
+    ended = {}
+    for f in rounds:
+        ended[f["status"]] = ended.get(f["status"], 0) + 1
+    w("")
+    w("Rounds: " + ", ".join(f"{v} {k}" for k, v in sorted(ended.items()))
+      + f"; largest prompt of any call {max((f['largest_prompt_tokens'] for f in rounds), default=0):,} tokens "
+      f"of the {r['context_tokens']:,}-token window; context refusals in all: "
+      f"{sum(f['context_refusals'] for f in rounds)}; degraded groups in all: {sum(f['groups_degraded'] for f in rounds)}.")
+    if r.get("text") is not None:
+        w("")
+        w("The prompt after the last round:")
+        w("")
+        w("```text")
+        w(r["text"].strip())
+        w("```")
+
+
 # --- report -----------------------------------------------------------------
 
 
@@ -613,10 +749,11 @@ def token_bill(r, w):
 
 
 def report(args):
-    results = []
+    results, streaks = [], []
     for path in args.inputs:
         with open(path) as f:
-            results.append(json.load(f))
+            got = json.load(f)
+        (streaks if got.get("kind") == "streak" else results).append(got)
     out = []
     w = out.append
     w("# Learning with REAL MODELS")
@@ -691,6 +828,8 @@ def report(args):
             w("```text")
             w(m["text"].strip())
             w("```")
+    for r in streaks:
+        streak_report(r, w)
     with open(args.out, "w") as f:
         f.write("\n".join(out) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
@@ -714,6 +853,20 @@ def main():
     r.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
     r.add_argument("--commit", default="")
     r.add_argument("--json", required=True)
+    st = sub.add_parser("streak", help="consecutive rounds on one prompt against a running llama.cpp server")
+    st.add_argument("--model", required=True, help="smollm2 | gemma3 (names the figures)")
+    st.add_argument("--llm-url", required=True)
+    st.add_argument("--llm-model", required=True)
+    st.add_argument("--combee", required=True)
+    st.add_argument("--repo", default=".")
+    st.add_argument("--rounds", type=int, default=10)
+    st.add_argument("--per-round", type=int, default=4, help="fresh traces per round")
+    st.add_argument("--context", type=int, default=8192, help="the server's context window (--n_ctx)")
+    st.add_argument("--seed", type=int, default=1)
+    st.add_argument("--agent-max-tokens", type=int, default=160)
+    st.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
+    st.add_argument("--commit", default="")
+    st.add_argument("--json", required=True)
     rep = sub.add_parser("report", help="write the Markdown report from run results")
     rep.add_argument("--out", required=True)
     rep.add_argument("inputs", nargs="+")
@@ -723,6 +876,8 @@ def main():
             args.train, args.heldout, args.rounds = 6, 6, 1
             args.round_deadline = min(args.round_deadline, 300)
         run(args)
+    elif args.cmd == "streak":
+        streak(args)
     else:
         report(args)
 

@@ -419,7 +419,11 @@ pub(super) fn answer(cfg: &SimConfig, req: &SimRequest) -> (Option<Task>, String
         Citing::Right
     };
     let unreadable_level2 = draw(b"unreadable-level2") < cfg.rate_unreadable_level2;
+    let unreadable_level1 = draw(b"unreadable-level1") < cfg.rate_unreadable_level1;
     let text = match task {
+        Some(Task::AggregatePlaybook | Task::AggregateRewrite) if unreadable_level1 => {
+            Ok("These reflections point in many directions; the agent should be more careful next time.".into())
+        }
         Some(Task::Reflect) => serde_json::to_string(&reflect(user, current)),
         Some(Task::ConsolidatePlaybook) if unreadable_level2 => {
             // The older operations shape: a list of ops instead of decisions by op id.

@@ -66,7 +66,8 @@
 //!   so a corrective retry draws the same): `rate_no_sources` answers cite no
 //!   `sources`, `rate_wrong_sources` cite the next reflection of the group instead
 //!   of the right one; `rate_unreadable_level2` consolidations answer in the older
-//!   operations shape and passage merges in prose.
+//!   operations shape and passage merges in prose; `rate_unreadable_level1`
+//!   level-1 aggregations (playbook or rewrite) answer in prose.
 //!
 //! `GET /v1/sim/stats` reports calls per task and faults injected.
 
@@ -505,6 +506,8 @@ pub(crate) mod tests {
             "0.11",
             "--rate-unreadable-level2",
             "0.12",
+            "--rate-unreadable-level1",
+            "0.14",
             "--agent-lapse-rate",
             "0.13",
         ])
@@ -531,6 +534,7 @@ pub(crate) mod tests {
             rate_no_sources: 0.1,
             rate_wrong_sources: 0.11,
             rate_unreadable_level2: 0.12,
+            rate_unreadable_level1: 0.14,
             agent_lapse_rate: 0.13,
             judge_accuracy: 0.9,
         };

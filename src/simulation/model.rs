@@ -108,6 +108,12 @@ pub struct SimConfig {
     /// its content, so the corrective retry fails the same way. [simulation]
     #[arg(long, default_value_t = 0.0)]
     pub rate_unreadable_level2: f64,
+    /// Share of level-1 answers (aggregate-playbook, aggregate-rewrite) that cannot
+    /// be read: prose instead of the JSON object, as a small model writes when the
+    /// reflections of a group overwhelm it. Drawn per request from its content, so
+    /// the corrective retry fails the same way. [simulation]
+    #[arg(long, default_value_t = 0.0)]
+    pub rate_unreadable_level1: f64,
     /// The simulated agent (any request that is not one of combee's own calls
     /// but has a system prompt, e.g. a regression gate's case) applies every
     /// `INSIGHT-` lesson of its system prompt and names it in its reply; this
@@ -147,6 +153,7 @@ impl Default for SimConfig {
             rate_no_sources: 0.0,
             rate_wrong_sources: 0.0,
             rate_unreadable_level2: 0.0,
+            rate_unreadable_level1: 0.0,
             agent_lapse_rate: 0.0,
             judge_accuracy: 0.9,
         }

@@ -329,6 +329,14 @@ impl Worker {
         let Some(result) = result else { return };
         let elapsed = started.elapsed().as_secs_f64();
         metrics::histogram!("combee_round_duration_seconds").record(elapsed);
+        let degraded_groups = match &result {
+            Ok(outcome) => outcome.answers.groups_degraded.len(),
+            Err(RoundError::NothingLearned { groups, .. }) => *groups,
+            Err(_) => 0,
+        };
+        if degraded_groups > 0 {
+            metrics::counter!("combee_level1_groups_degraded_total").increment(degraded_groups as u64);
+        }
         let outcome = match result {
             Ok(outcome) => outcome,
             Err(RoundError::Llm(e)) if e.budget_reached().is_some() => {

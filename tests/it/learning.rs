@@ -335,8 +335,8 @@ async fn aggregator_answers_prose(sim_url: String) -> String {
 
 async fn a_group_failure_costs_no_trace_an_attempt_and_a_rerun_reuses_reflections(b: Backend) {
     let sim = spawn_sim(sim()).await;
-    // Every group's answer stays invalid after the corrective retry: more groups
-    // than a round may leave out, so the round fails.
+    // Every group's answer stays invalid after the corrective retry: every group
+    // degrades, nothing is learned, so the round fails.
     let llm = aggregator_answers_prose(sim.url.clone()).await;
     let app = spawn_app_with(b, |s| learning(s, &llm)).await;
     create(&app, "g", "playbook", json!({"duplication": 1})).await;
@@ -345,6 +345,7 @@ async fn a_group_failure_costs_no_trace_an_attempt_and_a_rerun_reuses_reflection
     let round = trigger(&app, "g", json!({})).await;
     let done = round_end(&app, round["id"].as_str().unwrap(), Duration::from_secs(60)).await;
     assert_eq!(done["status"], "failed", "{done}");
+    assert!(done["error"].as_str().unwrap().contains("nothing learned: all"), "{done}");
     assert!(done["error"].as_str().unwrap().contains("invalid"), "{done}");
     let pending = traces_with(&app, "g", "pending").await;
     assert_eq!(pending.len(), 9, "every trace is back in the backlog");
@@ -765,6 +766,63 @@ mod controller {
         assert!(metrics.contains("combee_level2_degraded_total 1"), "{metrics}");
     }
 
+    /// A model that answers some level-1 aggregations in prose (the simulator's
+    /// `rate_unreadable_level1`, drawn per request so the corrective retry fails
+    /// the same way): those groups degrade — on record with why and what the model
+    /// wrote, on the round page and in /metrics — and the round publishes what the
+    /// other groups learned. When every group degrades, the round learned nothing:
+    /// it fails with that reason and publishes no version.
+    async fn level_1_answers_that_stay_garbage_degrade_their_groups(b: Backend) {
+        let partly = spawn_sim(SimConfig { fixed_ms: 5.0, rate_unreadable_level1: 0.5, ..sim() }).await;
+        let app = spawn_app_with(b, |s| learning(s, &partly.url)).await;
+        create(&app, "partly", "playbook", json!({"duplication": 2})).await;
+        send_traces(&app, "partly", 40).await;
+        let round = trigger(&app, "partly", json!({"method": "combee", "batch_size": 40})).await;
+        let id = round["id"].as_str().unwrap();
+        let done = round_end(&app, id, Duration::from_secs(60)).await;
+        assert_eq!(done["status"], "succeeded", "{done}");
+        let outcome = &done["detail"]["outcome"];
+        let k = outcome["k"].as_u64().unwrap() as usize;
+        let degraded = outcome["answers"]["groups_degraded"].as_array().unwrap();
+        assert!(!degraded.is_empty() && degraded.len() < k, "{} of {k}: {outcome}", degraded.len());
+        for g in degraded {
+            assert!(g["error"].as_str().unwrap().contains("invalid after 2 attempts"), "{g}");
+            assert!(g["refused_answer"].as_str().unwrap().contains("point in many directions"), "{g}");
+            assert!(!g["traces"].as_array().unwrap().is_empty(), "{g}");
+        }
+        assert_eq!(done["detail"]["group_outputs"].as_array().unwrap().len(), k - degraded.len());
+        let prompt: Value = app.get("/v1/prompts/partly").send().await.unwrap().json().await.unwrap();
+        assert_eq!(prompt["version"], 2, "{prompt}");
+        let learned = insights(prompt["text"].as_str().unwrap());
+        let lost = outcome["answers"]["reflections_lost"].as_array().unwrap().len();
+        assert_eq!(learned.len(), 40 - lost, "every reflection that reached a group that answered was learned");
+        assert!(!learned.is_empty());
+        let page = round_page(&app, id.parse().unwrap()).await;
+        assert!(page.contains(&format!("{} groups degraded", degraded.len())), "{page}");
+        assert!(page.contains("degraded: contributed nothing"), "{page}");
+        assert!(page.contains("point in many directions"), "the refused text: {page}");
+        let metrics = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        let counted = format!("combee_level1_groups_degraded_total {}", degraded.len());
+        assert!(metrics.contains(&counted), "{metrics}");
+
+        // Every group degrades: nothing learned, the round fails and publishes nothing.
+        let hopeless = spawn_sim(SimConfig { fixed_ms: 5.0, rate_unreadable_level1: 1.0, ..sim() }).await;
+        let app = spawn_app_with(b, |s| learning(s, &hopeless.url)).await;
+        create(&app, "hopeless", "playbook", json!({"duplication": 2})).await;
+        send_traces(&app, "hopeless", 12).await;
+        let round = trigger(&app, "hopeless", json!({"method": "combee", "batch_size": 12})).await;
+        let done = round_end(&app, round["id"].as_str().unwrap(), Duration::from_secs(60)).await;
+        assert_eq!(done["status"], "failed", "{done}");
+        let error = done["error"].as_str().unwrap();
+        assert!(error.contains("nothing learned: all") && error.contains("groups degraded"), "{error}");
+        assert!(done["result_version"].is_null(), "{done}");
+        let prompt: Value = app.get("/v1/prompts/hopeless").send().await.unwrap().json().await.unwrap();
+        assert_eq!(prompt["version"], 1, "no version published: {prompt}");
+        let pending = traces_with(&app, "hopeless", "pending").await;
+        assert_eq!(pending.len(), 12, "every trace is back in the backlog");
+        assert!(hopeless.calls("aggregate-playbook").await >= 2);
+    }
+
     /// A round whose level 2 is an LLM call and has more group outputs than a
     /// group may hold runs a scan tree: here 48 groups, fan-in 4 → 12 → 3 → 1.
     async fn a_consolidating_round_with_many_small_groups_runs_a_three_level_tree(b: Backend) {
@@ -830,6 +888,7 @@ mod controller {
     on_one_store!(a_round_whose_level_2_answer_is_garbage_publishes_the_union_on_postgres: a_round_whose_level_2_answer_is_garbage_publishes_the_union(Postgres));
     on_both_stores!(
         the_first_round_takes_the_backlog_and_measures_itself,
+        level_1_answers_that_stay_garbage_degrade_their_groups,
         a_consolidating_round_with_many_small_groups_runs_a_three_level_tree,
         controller_view_for_a_fixed_prompt
     );

@@ -24,10 +24,12 @@
 //!   A transient failure (backend down, timeouts, 429) fails the whole round as
 //!   retryable, after the reflections already obtained have been saved.
 //! - A level-1 group whose aggregator answer is still invalid after the
-//!   corrective retry is *left out* ([`AnswerReport::groups_left_out`]) rather
-//!   than failing the round, unless more than [`MAX_LEFT_OUT_SHARE`] of the
-//!   groups (or all of them) are: then the round fails as before. With p ≥ 2
-//!   its reflections usually still reach the reduce through their other group.
+//!   corrective retry *degrades* ([`AnswerReport::groups_degraded`]) rather
+//!   than failing the round, as level 2 degrades to the union: it contributes
+//!   nothing, and with p ≥ 2 its reflections usually still reach the reduce
+//!   through their other group. When every group degrades the round learned
+//!   nothing and ends with [`RoundError::NothingLearned`] instead of
+//!   publishing the base again.
 //! - Answers are read tolerantly ([`crate::learn::prompts::answer`]); everything ignored or
 //!   dropped is counted per call in [`RoundOutcome::answers`].
 //! - Provenance: aggregator operations cite the reflections of their group they
@@ -56,11 +58,11 @@ use journal::{Phase, RoundJournal};
 use map::map_phase;
 use reduce::RoundReducer;
 use spec::PhaseClock;
-pub use spec::{MAX_LEFT_OUT_SHARE, RoundError, RoundSpec, group_key};
+pub use spec::{RoundError, RoundSpec, group_key};
 
 pub use record::{
-    AnswerReport, CallNotes, Coverage, GroupLeftOut, GroupingRecord, LearnedRoundDetail, Level2Summary, MAX_CALL_NOTES,
-    MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
+    AnswerReport, CallNotes, Coverage, DegradedGroup, GroupingRecord, LearnedRoundDetail, Level2Summary,
+    MAX_CALL_NOTES, MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
 };
 
 /// Runs one round (`docs/design.md`, The round, step by step) over `traces` against the frozen `base` version.
@@ -128,9 +130,9 @@ pub async fn run_round(
         Execution::Parallel => ctx.parallel(&frozen, &groups, &mut calls, &mut answers).await?,
         Execution::Sequential => ctx.sequential(&frozen, &groups, &mut calls, &mut answers).await?,
     };
-    let left_out: HashSet<usize> = answers.groups_left_out.iter().map(|g| g.group).collect();
+    let degraded: HashSet<usize> = answers.groups_degraded.iter().map(|g| g.group).collect();
     let reached: HashSet<usize> =
-        groups.iter().enumerate().filter(|(g, _)| !left_out.contains(g)).flat_map(|(_, m)| m.iter().copied()).collect();
+        groups.iter().enumerate().filter(|(g, _)| !degraded.contains(g)).flat_map(|(_, m)| m.iter().copied()).collect();
     answers.reflections_lost = (0..n).filter(|i| !reached.contains(i)).map(|i| trace_ids[i]).collect();
     let coverage = (spec.strategy == Strategy::Playbook).then(|| Coverage::of(&trace_ids, &result.applied));
     // The round's own copies are the overload meter's samples (p ≥ 2, playbook).

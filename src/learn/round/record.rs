@@ -146,10 +146,13 @@ pub struct AnswerReport {
     /// Answers with notes past [`MAX_CALL_NOTES`], counted but not listed.
     #[serde(default)]
     pub calls_not_listed: usize,
-    /// Level-1 groups left out because their answer stayed invalid after the corrective retry.
-    pub groups_left_out: Vec<GroupLeftOut>,
+    /// Level-1 groups that degraded: their aggregator answer stayed invalid
+    /// after the corrective retry, so they contributed nothing to the round
+    /// (records written before the name changed call them `groups_left_out`).
+    #[serde(alias = "groups_left_out")]
+    pub groups_degraded: Vec<DegradedGroup>,
     /// Reflections that reached no level-1 answer that was used (every group
-    /// holding them was left out).
+    /// holding them degraded).
     pub reflections_lost: Vec<Uuid>,
 }
 
@@ -181,12 +184,18 @@ pub struct CallNotes {
     pub notes: AnswerNotes,
 }
 
-/// A level-1 group left out of the round.
+/// A level-1 group whose aggregator answer stayed invalid after the corrective
+/// retry: it contributed no operation (or instruction) to the round.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GroupLeftOut {
+pub struct DegradedGroup {
     pub group: usize,
     pub traces: Vec<Uuid>,
+    /// Why the last answer was refused.
     pub error: String,
+    /// The text of the last refused answer (bounded like the call's own
+    /// `refused_answer`); absent when the group got no answer text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused_answer: Option<String>,
 }
 
 /// Provenance of a playbook round: per reflection, whether an applied operation

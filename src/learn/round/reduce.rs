@@ -14,8 +14,8 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::journal::{JournalError, Phase, RoundJournal};
-use super::record::{AnswerReport, GroupLeftOut, Level2Summary, PhaseTimings};
-use super::spec::{MAX_LEFT_OUT_SHARE, PhaseClock, RoundError, RoundSpec, group_key};
+use super::record::{AnswerReport, DegradedGroup, Level2Summary, PhaseTimings};
+use super::spec::{PhaseClock, RoundError, RoundSpec, group_key};
 use crate::domain::GroupOutput;
 use crate::domain::{DeltaOp, ReduceMode, Reflection, Strategy, VersionContent};
 use crate::learn::merge::apply::{self, Applied, Evicted, Skipped};
@@ -133,16 +133,26 @@ impl RoundReducer<'_> {
     }
 
     /// Records a group whose answer failed: a non-retryable failure (an answer
-    /// still invalid after the corrective retry) leaves the group out while few
-    /// enough groups are; anything else fails the round.
-    fn leave_out(&self, g: usize, group: &[usize], e: LlmError, answers: &mut AnswerReport) -> Result<(), LlmError> {
+    /// still invalid after the corrective retry) degrades the group — it
+    /// contributes nothing, and its reason and refused text go on record;
+    /// anything else fails the round.
+    fn degrade(
+        &self,
+        g: usize,
+        group: &[usize],
+        e: LlmError,
+        made: &[LlmCall],
+        answers: &mut AnswerReport,
+    ) -> Result<(), LlmError> {
         if e.is_retryable() || !matches!(e, LlmError::InvalidAnswer { .. }) {
             return Err(e);
         }
-        answers.groups_left_out.push(GroupLeftOut {
+        tracing::warn!(group = g, reflections = group.len(), error = %e, "level-1 group degraded: its answer stayed invalid");
+        answers.groups_degraded.push(DegradedGroup {
             group: g,
             traces: group.iter().map(|&i| self.trace_ids[i]).collect(),
             error: e.to_string(),
+            refused_answer: made.iter().rev().find_map(|c| c.refused_answer.clone()),
         });
         Ok(())
     }
@@ -223,7 +233,6 @@ impl RoundReducer<'_> {
             .collect();
         let mut answers = stream::iter(group_calls).buffered(self.concurrency);
         let mut failure: Option<LlmError> = None;
-        let mut first_left_out: Option<LlmError> = None;
         while let Some((g, r, made)) = answers.next().await {
             match r {
                 Ok((p, notes)) => {
@@ -233,25 +242,21 @@ impl RoundReducer<'_> {
                 }
                 Err(e) => {
                     self.journal.record_calls(&made).await?;
-                    calls.extend(made);
-                    if let Err(e) = self.leave_out(g, &groups[g], e.clone(), report) {
+                    if let Err(e) = self.degrade(g, &groups[g], e, &made, report) {
                         // Prefer reporting a fatal failure: retrying would not help.
                         if failure.as_ref().is_none_or(LlmError::is_retryable) {
                             failure = Some(e);
                         }
-                    } else {
-                        first_left_out.get_or_insert(e);
                     }
+                    calls.extend(made);
                 }
             }
         }
         if let Some(e) = failure {
             return Err(e.into());
         }
-        if let Some(e) = first_left_out
-            && too_many_left_out(report.groups_left_out.len(), groups.len())
-        {
-            return Err(e.into());
+        if proposals.is_empty() {
+            return Err(nothing_learned(report));
         }
         let reduce1_ms = clock.finish().await?;
         // Level 2 sees the groups in their order, resumed or not, as an uninterrupted round would.
@@ -563,11 +568,8 @@ impl RoundReducer<'_> {
                     }
                     Err(e) => {
                         self.journal.record_calls(&made).await?;
+                        self.degrade(g, group, e, &made, report)?;
                         calls.extend(made);
-                        self.leave_out(g, group, e.clone(), report)?;
-                        if too_many_left_out(report.groups_left_out.len(), groups.len()) {
-                            return Err(e.into());
-                        }
                         continue;
                     }
                 };
@@ -587,6 +589,9 @@ impl RoundReducer<'_> {
                 GroupAnswer::Instruction(text) => current.base = text,
             }
         }
+        if report.groups_degraded.len() == groups.len() {
+            return Err(nothing_learned(report));
+        }
         reduced.timings.reduce1_ms = clock.finish().await?;
         let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
         reduced.timings.reduce2_ms = clock.finish().await?;
@@ -595,14 +600,14 @@ impl RoundReducer<'_> {
     }
 }
 
-/// Whether `left_out` of `k` groups is more than a round may lose (all of them,
-/// or more than [`MAX_LEFT_OUT_SHARE`]).
 /// Whether a failed level-2 call is one the round survives by degrading to the
 /// union: the model's answer stayed unreadable after the corrective retry.
 fn unreadable(e: &LlmError) -> bool {
     matches!(e, LlmError::InvalidAnswer { .. })
 }
 
-pub(super) fn too_many_left_out(left_out: usize, k: usize) -> bool {
-    left_out > 0 && (left_out >= k || left_out as f64 > MAX_LEFT_OUT_SHARE * k as f64)
+/// The end of a round whose every level-1 group degraded: nothing to publish.
+fn nothing_learned(report: &AnswerReport) -> RoundError {
+    let last = report.groups_degraded.last().map_or_else(String::new, |d| d.error.clone());
+    RoundError::NothingLearned { groups: report.groups_degraded.len(), last }
 }

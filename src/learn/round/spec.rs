@@ -15,11 +15,6 @@ use crate::learn::capacity::sizing::GroupSize;
 use crate::learn::merge::budget::Budget;
 use crate::llm::LlmError;
 
-/// Most level-1 groups a round may leave out (invalid answers after the
-/// corrective retry), as a share of its groups; above it, or when every group
-/// fails, the round fails.
-pub const MAX_LEFT_OUT_SHARE: f64 = 1.0 / 3.0;
-
 use crate::domain::ReduceMode;
 
 /// What a round is asked to do; fixed when the round is created, so a resumed
@@ -75,6 +70,12 @@ pub enum RoundError {
     Invalid(String),
     #[error("no trace could be reflected ({0} tried)")]
     NothingToLearn(usize),
+    /// Every level-1 group degraded (its aggregator answer stayed invalid after
+    /// the corrective retry): the round learned nothing, so it publishes nothing.
+    #[error(
+        "nothing learned: all {groups} level-1 groups degraded (their aggregator answers stayed invalid after the corrective retry); last: {last}"
+    )]
+    NothingLearned { groups: usize, last: String },
 }
 
 impl RoundError {
@@ -84,7 +85,7 @@ impl RoundError {
         match self {
             Self::Llm(e) => e.is_retryable(),
             Self::Journal(_) => true,
-            Self::Invalid(_) | Self::NothingToLearn(_) => false,
+            Self::Invalid(_) | Self::NothingToLearn(_) | Self::NothingLearned { .. } => false,
         }
     }
 }

@@ -315,7 +315,7 @@ fn call_error(call: &LlmCall) -> String {
 }
 
 /// The round's answer report (`outcome.answers`, `outcome.coverage`): what
-/// tolerant reading ignored or dropped, groups left out, and the covered share.
+/// tolerant reading ignored or dropped, groups degraded, and the covered share.
 fn answers_section(outcome: Option<&OutcomeRecord>) -> String {
     let Some(o) = outcome else { return String::new() };
     let a = &o.answers;
@@ -351,10 +351,17 @@ fn answers_section(outcome: Option<&OutcomeRecord>) -> String {
             clip(&d.error, 300)
         );
     }
-    for g in &a.groups_left_out {
+    for g in &a.groups_degraded {
+        // The refused text is the model's output: untrusted, shown escaped.
+        let answer = g.refused_answer.as_deref().map_or_else(String::new, |t| {
+            format!(
+                r#"<details class="refused-answer"><summary>The model's answer</summary><pre>{}</pre></details>"#,
+                clip(t, 2_000)
+            )
+        });
         let _ = write!(
             rows,
-            r#"<tr><td>group {}</td><td>left out ({} reflections)</td><td class="bad-text">{}</td></tr>"#,
+            r#"<tr class="group-degraded"><td>group {}</td><td>degraded: contributed nothing ({} reflections)</td><td class="bad-text">{}{answer}</td></tr>"#,
             g.group,
             g.traces.len(),
             clip(&g.error, 300)
@@ -384,12 +391,12 @@ fn answers_section(outcome: Option<&OutcomeRecord>) -> String {
         );
     }
     format!(
-        r#"<h2>Answers</h2><details class="card" id="answers-box"{}><summary>{} tolerated answers · {} unknown keys ignored · {} items dropped · {} groups left out · {} reflections lost</summary><dl class="facts">{facts}</dl><table class="compact" id="answer-notes"><thead><tr><th>Call</th><th>Task</th><th>What was ignored or dropped, and why</th></tr></thead><tbody>{rows}</tbody></table></details>"#,
+        r#"<h2>Answers</h2><details class="card" id="answers-box"{}><summary>{} tolerated answers · {} unknown keys ignored · {} items dropped · {} groups degraded · {} reflections lost</summary><dl class="facts">{facts}</dl><table class="compact" id="answer-notes"><thead><tr><th>Call</th><th>Task</th><th>What was ignored or dropped, and why</th></tr></thead><tbody>{rows}</tbody></table></details>"#,
         if rows.is_empty() { "" } else { " open" },
         a.tolerated_answers,
         a.unknown_keys,
         a.dropped_items,
-        a.groups_left_out.len(),
+        a.groups_degraded.len(),
         a.reflections_lost.len(),
     )
 }
