@@ -11,23 +11,12 @@
 //!   part per completion token, in proportions nobody configures; that fastest
 //!   call is the *baseline* (it drifts up slowly so a backend that got slower
 //!   for good is relearnt);
-//! - a call close to the baseline while the limit was in use grows the limit.
-//!   Until the backend first queues a call (slow start) the growth follows
-//!   Little's law: a call sent with f calls in flight that comes back as fast
-//!   as the baseline shows the backend served f calls at once without a queue,
-//!   so the limit grows by 2·f — from L to about L + L² per round trip, which
-//!   reaches a cloud API's or a simulator's hundreds of parallel calls in a few
-//!   round trips instead of doubling from 2 for a whole round. The first call
-//!   that shows a queue ends slow start and sets the limit back to the most
-//!   calls in flight that were proven served at once, so the probe's overshoot
-//!   is taken back at once (a one-slot server, whose second call already
-//!   waits, never leaves 2). After slow start, an unqueued call grows the
-//!   limit by one per limit's worth of calls; a call far above the baseline
-//!   (it waited in the backend's queue) shrinks the limit twice as fast as
-//!   unqueued calls grow it, so the limit settles where about one call in
-//!   three waits; a 429, a 503 or a timeout halves it.
-//! - the limit lives as long as the client: a long-running service learns it
-//!   once per backend and keeps it from round to round.
+//! - a call close to the baseline while the limit was in use grows the limit:
+//!   by one per call at first (doubling per round trip, TCP's slow start), by
+//!   one per limit's worth of calls once the backend has queued a call; a call
+//!   far above the baseline (it waited in the backend's queue) shrinks the
+//!   limit twice as fast as unqueued calls grow it, so the limit settles where
+//!   about one call in three waits; a 429, a 503 or a timeout halves it.
 //!
 //! `llm.max_concurrency` stays the ceiling. Waiting here for a slot is not part
 //! of any attempt's time limit. The same baselines give each attempt a time
@@ -72,11 +61,8 @@ pub struct AdaptiveLimit {
 #[derive(Debug, Clone)]
 struct State {
     limit: f64,
-    /// Until the backend first shows a queue, every unqueued call grows the limit by twice the calls it was sent with.
+    /// Until the backend first shows a queue, every unqueued call grows the limit by one.
     slow_start: bool,
-    /// The most calls in flight at the send of a call that came back unqueued:
-    /// what the backend has been seen to serve at once.
-    proven: usize,
     in_flight: usize,
     /// The fastest latency seen (ms) per role and band of prompt and completion tokens.
     baseline: HashMap<(usize, i32, i32), f64>,
@@ -141,7 +127,6 @@ impl AdaptiveLimit {
             state: Mutex::new(State {
                 limit: INITIAL_LIMIT.min(ceiling as f64),
                 slow_start: true,
-                proven: 0,
                 in_flight: 0,
                 baseline: HashMap::new(),
             }),
@@ -197,25 +182,14 @@ impl AdaptiveLimit {
                 };
                 s.baseline.insert(key, baseline);
                 let Some(ratio) = ratio else { return };
-                // Grow only when the limit was in use when the call was sent: an idle limit proves nothing.
-                let in_use = slot.in_flight_at_send as f64 >= (f64::from(slot.limit_at_send) / 2.0).floor().max(1.0);
-                // A call sent under a limit at least twice today's waited because of it;
-                // the limit already came down for it.
-                let stale = f64::from(slot.limit_at_send) >= 2.0 * s.limit;
-                if ratio > SHRINK_ABOVE && !stale {
-                    if s.slow_start {
-                        // The probe went past what the backend serves at once: back to what it was seen to serve.
-                        s.slow_start = false;
-                        s.limit = s.limit.min(s.proven.max(1) as f64);
-                    } else {
-                        s.limit = (s.limit - 2.0 / s.limit).max(1.0);
-                    }
-                } else if ratio < GROW_BELOW {
-                    s.proven = s.proven.max(slot.in_flight_at_send);
-                    if in_use {
-                        let step = if s.slow_start { 2.0 * slot.in_flight_at_send as f64 } else { 1.0 / s.limit };
-                        s.limit = (s.limit + step).min(self.ceiling as f64);
-                    }
+                // Grow only when the limit was in use: an idle limit proves nothing.
+                let in_use = slot.in_flight_at_send as f64 >= (s.limit / 2.0).floor().max(1.0);
+                if ratio > SHRINK_ABOVE {
+                    s.slow_start = false;
+                    s.limit = (s.limit - 2.0 / s.limit).max(1.0);
+                } else if ratio < GROW_BELOW && in_use {
+                    let step = if s.slow_start { 1.0 } else { 1.0 / s.limit };
+                    s.limit = (s.limit + step).min(self.ceiling as f64);
                 }
             }
         }
@@ -321,24 +295,6 @@ mod tests {
         let seen = settle(&limit, 8, 400, 80).await;
         let tail = &seen[40..];
         assert!(tail.iter().all(|&l| (8..=16).contains(&l)), "{seen:?}");
-    }
-
-    #[tokio::test]
-    async fn slow_start_reaches_hundreds_of_parallel_calls_in_four_round_trips() {
-        // Doubling from 2 would need 8 round trips to pass 300.
-        let limit = AdaptiveLimit::new(1024);
-        let seen = settle(&limit, 100_000, 300, 4).await;
-        assert!(seen[3] >= 300, "{seen:?}");
-    }
-
-    #[tokio::test]
-    async fn the_first_queue_takes_slow_starts_overshoot_back_at_once() {
-        let limit = AdaptiveLimit::new(1024);
-        let seen = settle(&limit, 8, 400, 8).await;
-        // The round trip that first queues ends slow start at what was proven served at once.
-        let peak = (0..seen.len()).max_by_key(|&i| seen[i]).unwrap();
-        assert!(peak <= 2, "{seen:?}");
-        assert!(seen[peak + 1..].iter().all(|&l| (8..=16).contains(&l)), "{seen:?}");
     }
 
     #[tokio::test]
