@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
-use super::{NameError, PromptSettings, access::Reach};
+use super::{NameError, PromptSettings, access::Reach, budget::BudgetCaps};
 
 /// The project every prompt made before projects existed belongs to.
 pub const DEFAULT_PROJECT: &str = "default";
@@ -45,12 +45,17 @@ pub struct ProjectSettings {
     #[serde(default, skip_serializing_if = "Map::is_empty")]
     #[schema(value_type = PromptSettings)]
     pub prompt_defaults: Map<String, Value>,
+    /// Caps on what learning in this project spends, all its prompts together
+    /// (beside each prompt's own caps and the server's).
+    #[serde(default, skip_serializing_if = "BudgetCaps::is_empty")]
+    pub budget: BudgetCaps,
 }
 
 impl ProjectSettings {
     /// The defaults are themselves valid prompt settings.
     pub fn validated(self) -> Result<Self, String> {
         self.prompt_settings(None)?;
+        self.budget.validate().map_err(|e| format!("settings.{e}"))?;
         Ok(self)
     }
 
@@ -108,14 +113,15 @@ mod tests {
     #[test]
     fn a_prompts_own_settings_replace_the_projects_defaults_field_by_field() {
         let defaults = json!({"max_wait_secs": 60, "retention": {"consumed_days": 7}});
-        let project = ProjectSettings { prompt_defaults: defaults.as_object().unwrap().clone() };
+        let project = ProjectSettings { prompt_defaults: defaults.as_object().unwrap().clone(), ..Default::default() };
         let none = project.prompt_settings(None).unwrap();
         assert_eq!(none.retention.consumed_days, Some(7));
         let given = json!({"retention": {"failed_days": 3}});
         let mine = project.prompt_settings(given.as_object()).unwrap();
         assert_eq!((mine.retention.consumed_days, mine.retention.failed_days), (None, Some(3)));
         assert_eq!(mine.max_wait_secs, none.max_wait_secs);
-        let bad = ProjectSettings { prompt_defaults: json!({"nope": 1}).as_object().unwrap().clone() };
+        let bad =
+            ProjectSettings { prompt_defaults: json!({"nope": 1}).as_object().unwrap().clone(), ..Default::default() };
         assert!(bad.validated().is_err());
         assert!(check_name("team-a").is_ok() && check_name("Team A").is_err());
     }

@@ -218,6 +218,10 @@ pub async fn update_settings(
         .update_project_settings(name, &settings)
         .await?
         .ok_or_else(|| absent(&Target::Project(name.to_owned())))?;
+    if before.settings.budget != after.settings.budget {
+        // Raised (or removed) caps let its waiting rounds go at once; lowered ones hold at the next call.
+        st.store.lift_project_budget(name, st.clock.now().date_naive()).await?;
+    }
     Ok((before, after))
 }
 

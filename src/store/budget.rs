@@ -9,12 +9,13 @@
 
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDate, Utc};
+use serde_json::Value;
 use uuid::Uuid;
 
 use super::{
     Change, StoreResult,
     backend::{Backend, SqlStore},
-    sql::{Cols, Dialect, now, sql},
+    sql::{Cols, Dialect, corrupt, now, sql},
     webhooks::record_event,
 };
 use crate::domain::budget::{BudgetCaps, BudgetReached, DaySpend, Spent, day_key, passes};
@@ -85,6 +86,9 @@ pub trait BudgetStore: Send + Sync {
     /// Lifts the server-wide refusals of `day` and makes every round waiting for the
     /// budget due (the server's caps may have been raised: a process started).
     async fn lift_server_budget(&self, day: NaiveDate) -> StoreResult<()>;
+    /// Lifts the refusals of `day` a project's cap made and makes its prompts'
+    /// rounds waiting for the budget due (its caps were changed).
+    async fn lift_project_budget(&self, project: &str, day: NaiveDate) -> StoreResult<()>;
     /// Puts a running round back in the queue without charging the attempt:
     /// it waits for the budget and is due again after `after`.
     async fn wait_round(&self, round: Uuid, attempt: i32, error: &str, after: std::time::Duration)
@@ -112,6 +116,15 @@ const DAY_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS toke
     UNION ALL
     SELECT tokens, usd FROM llm_spend_holds WHERE day = $1 AND ($2 = '*' OR prompt = $2)) s";
 
+/// What the prompts of one project spent (and hold) on a day.
+const PROJECT_DAY_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS tokens,
+        CAST(coalesce(sum(usd), 0) AS DOUBLE PRECISION) AS usd FROM (
+    SELECT tokens, usd FROM llm_spend_days
+     WHERE day = $1 AND prompt IN (SELECT name FROM prompts WHERE project = $2)
+    UNION ALL
+    SELECT tokens, usd FROM llm_spend_holds
+     WHERE day = $1 AND prompt IN (SELECT name FROM prompts WHERE project = $2)) s";
+
 const ROUND_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS tokens,
         CAST(coalesce(sum(usd), 0) AS DOUBLE PRECISION) AS usd FROM (
     SELECT tokens, usd FROM llm_spend_rounds WHERE round_id = $1
@@ -127,12 +140,13 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
         D::serialize_budget(&mut tx).await?;
         sql::<D>("DELETE FROM llm_spend_holds WHERE expires_at < $1").bind(at).execute(&mut tx).await?;
         let own = read_caps::<D>(&mut tx, req.prompt).await?;
+        let (project, project_caps) = project_caps::<D>(&mut tx, req.prompt).await?;
         let mut refusal: Option<(String, bool)> = None;
         if let Some((round, _)) = req.round {
             // Every pass of the round counts: a round cap bounds the round, not one claim of it.
             let row = sql::<D>(ROUND_SPEND).bind(round).fetch_one(&mut tx).await?;
             let so_far = spent::<D>(&row)?;
-            for (whose, caps) in [("prompt", own), ("server", req.server)] {
+            for (whose, caps) in [("prompt", own), ("project", project_caps), ("server", req.server)] {
                 if refusal.is_none()
                     && let Some(which) = passes(caps.tokens_per_round, caps.usd_per_round, so_far, req.estimate)
                 {
@@ -144,6 +158,16 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
             let row = sql::<D>(DAY_SPEND).bind(&day).bind(req.prompt).fetch_one(&mut tx).await?;
             if let Some(which) = passes(own.tokens_per_day, own.usd_per_day, spent::<D>(&row)?, req.estimate) {
                 refusal = Some((format!("prompt {which}_per_day"), true));
+            }
+        }
+        if refusal.is_none()
+            && let Some(project) = &project
+            && (project_caps.tokens_per_day.is_some() || project_caps.usd_per_day.is_some())
+        {
+            let row = sql::<D>(PROJECT_DAY_SPEND).bind(&day).bind(project).fetch_one(&mut tx).await?;
+            let caps = project_caps;
+            if let Some(which) = passes(caps.tokens_per_day, caps.usd_per_day, spent::<D>(&row)?, req.estimate) {
+                refusal = Some((format!("project {which}_per_day"), true));
             }
         }
         if refusal.is_none() {
@@ -356,6 +380,31 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
         self.commit(tx, Change::RoundQueued).await
     }
 
+    async fn lift_project_budget(&self, project: &str, day: NaiveDate) -> StoreResult<()> {
+        let at = now();
+        let mut tx = self.writer.begin().await?;
+        sql::<D>(
+            "UPDATE budget_reached SET lifted_at = $1
+             WHERE day = $2 AND scope LIKE 'project %' AND lifted_at IS NULL
+               AND prompt IN (SELECT name FROM prompts WHERE project = $3)",
+        )
+        .bind(at)
+        .bind(day_key(day))
+        .bind(project)
+        .execute(&mut tx)
+        .await?;
+        sql::<D>(
+            "UPDATE rounds SET not_before = $1, budget_wait = FALSE
+             WHERE status = 'queued' AND budget_wait = TRUE
+               AND prompt_id IN (SELECT id FROM prompts WHERE project = $2)",
+        )
+        .bind(at)
+        .bind(project)
+        .execute(&mut tx)
+        .await?;
+        self.commit(tx, Change::RoundQueued).await
+    }
+
     async fn wait_round(
         &self,
         round: Uuid,
@@ -397,6 +446,28 @@ async fn read_caps<D: Dialect>(c: &mut D::Connection, prompt: &str) -> StoreResu
         tokens_per_round: r.get::<Option<i64>>("tokens_per_round")?.map(|v| v.max(0) as u64),
         usd_per_round: r.get("usd_per_round")?,
     })
+}
+
+/// The project of `prompt` (none for a call of no prompt) and the caps its
+/// settings give (`budget`, none when unset).
+async fn project_caps<D: Dialect>(c: &mut D::Connection, prompt: &str) -> StoreResult<(Option<String>, BudgetCaps)> {
+    if prompt.is_empty() {
+        return Ok((None, BudgetCaps::default()));
+    }
+    let row = sql::<D>(
+        "SELECT pr.name, pr.settings FROM prompts p JOIN projects pr ON pr.name = p.project WHERE p.name = $1",
+    )
+    .bind(prompt)
+    .fetch_optional(c)
+    .await?;
+    let Some(row) = row else { return Ok((None, BudgetCaps::default())) };
+    let r = Cols::<D>(&row);
+    let settings: Value = r.get("settings")?;
+    let caps = match settings.get("budget") {
+        Some(b) => serde_json::from_value(b.clone()).map_err(|_| corrupt("project budget"))?,
+        None => BudgetCaps::default(),
+    };
+    Ok((Some(r.get("name")?), caps))
 }
 
 /// Makes the rounds waiting for the budget (of `prompt`, or of every prompt) due now.

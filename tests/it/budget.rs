@@ -377,6 +377,65 @@ async fn holds_and_settlements_in_the_store(b: Backend) {
 }
 
 /// `budget.reached` events queued in the outbox.
+/// A project's cap holds all its prompts together, leaves other projects'
+/// prompts alone, and a raise lets its waiting rounds go at once.
+async fn a_projects_cap_holds_its_prompts_together(b: Backend) {
+    let sim = spawn_sim(sim_with_errors()).await;
+    let app = spawn_app_with(b, |s| {
+        learning(s, &sim.url);
+        s.budget.recheck_secs = 3600;
+    })
+    .await;
+    let bad = json!({"name": "team", "settings": {"budget": {"tokens_per_day": -1}}});
+    let p = expect_problem(app.post("/v1/projects", bad).send().await.unwrap(), 422).await;
+    assert!(p["detail"].as_str().unwrap().contains("tokens_per_day"), "{p}");
+    let team = json!({"name": "team", "settings": {"budget": {"tokens_per_day": 5_000}}});
+    assert_eq!(app.post("/v1/projects", team).send().await.unwrap().status(), 201);
+    for (name, project) in [("left", "team"), ("right", "team"), ("free", "default")] {
+        let body = json!({"name": name, "base": "You answer support questions.", "promotion": "auto",
+                          "project": project, "settings": {"batch_size": 6}});
+        assert_eq!(app.post("/v1/prompts", body).send().await.unwrap().status(), 201);
+        send(&app, name, 0, TRACES).await;
+    }
+    // The other project's prompt learns everything meanwhile.
+    eventually("the free prompt learns all", Duration::from_secs(90), async || {
+        let consumed = traces(&app, "free", "consumed").await;
+        if consumed == TRACES { Ok(()) } else { Err(format!("{consumed} consumed")) }
+    })
+    .await;
+    let held = eventually("the project's cap to hold", Duration::from_secs(90), async || {
+        let (l, r) = (state(&app, "left").await, state(&app, "right").await);
+        let both_idle = [rounds(&app, "left").await, rounds(&app, "right").await]
+            .iter()
+            .all(|rs| rs.iter().all(|r| r["status"] != "running"));
+        let scope = |s: &Value| s["budget"]["scope"].as_str().unwrap_or_default().to_owned();
+        match (l["state"] == "budget_reached" || r["state"] == "budget_reached") && both_idle {
+            true => Ok(scope(&l).max(scope(&r))),
+            false => Err(format!("{l} {r}")),
+        }
+    })
+    .await;
+    assert_eq!(held, "project tokens_per_day");
+    let tokens = |r: Value| r["days"].as_array().unwrap().iter().map(|d| d["tokens"].as_u64().unwrap()).sum::<u64>();
+    let spent = tokens(spend(&app, "left").await) + tokens(spend(&app, "right").await);
+    let largest = largest_call(&app, "left").await.max(largest_call(&app, "right").await);
+    assert!(spent <= 5_000 + largest, "the project spent {spent} against 5,000 (largest call {largest})");
+    let left_out = traces(&app, "left", "pending").await + traces(&app, "right", "pending").await;
+    assert!(left_out > 0, "the cap held some traces back");
+    nothing_failed(&app, "left").await;
+    nothing_failed(&app, "right").await;
+    // Removing the project's cap lets both learn at once.
+    let res = app.http.patch(app.url("/v1/projects/team")).bearer_auth(&app.admin_key).json(&json!({"settings": {}}));
+    let res = res.send().await.unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    eventually("both prompts learn all after the raise", Duration::from_secs(90), async || {
+        let consumed = traces(&app, "left", "consumed").await + traces(&app, "right", "consumed").await;
+        if consumed == 2 * TRACES { Ok(()) } else { Err(format!("{consumed} consumed")) }
+    })
+    .await;
+    assert_eq!(state(&app, "left").await["state"], "ok");
+}
+
 async fn budget_events(app: &TestApp) -> i64 {
     use sqlx::Connection;
     let q = "SELECT count(*) AS n FROM webhook_events WHERE type = 'budget.reached'";
@@ -397,4 +456,5 @@ on_both_stores!(
 
 on_one_store! {
     raising_the_cap_resumes_learning_at_once_postgres: raising_the_cap_resumes_learning_at_once(Postgres),
+    a_projects_cap_holds_its_prompts_together_on_sqlite: a_projects_cap_holds_its_prompts_together(Sqlite),
 }

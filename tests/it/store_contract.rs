@@ -625,7 +625,10 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
     assert_eq!(s.list_projects().await.unwrap().iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["default"]);
     s.create_project("team-a", &ProjectSettings::default()).await.unwrap();
     assert!(matches!(s.create_project("team-a", &ProjectSettings::default()).await, Err(StoreError::AlreadyExists)));
-    let defaults = ProjectSettings { prompt_defaults: json!({"max_wait_secs": 60}).as_object().unwrap().clone() };
+    let defaults = ProjectSettings {
+        prompt_defaults: json!({"max_wait_secs": 60}).as_object().unwrap().clone(),
+        ..Default::default()
+    };
     let updated = s.update_project_settings("team-a", &defaults).await.unwrap().unwrap();
     assert_eq!(s.get_project("team-a").await.unwrap().unwrap(), updated);
     assert!(s.update_project_settings("nope", &defaults).await.unwrap().is_none());
