@@ -47,7 +47,7 @@ pub struct ProjectSettings {
     pub prompt_defaults: Map<String, Value>,
     /// Caps on what learning in this project spends, all its prompts together
     /// (beside each prompt's own caps and the server's).
-    #[serde(default, skip_serializing_if = "BudgetCaps::is_empty")]
+    #[serde(default, skip_serializing_if = "BudgetCaps::is_empty", deserialize_with = "caps_object")]
     pub budget: BudgetCaps,
 }
 
@@ -72,6 +72,17 @@ impl ProjectSettings {
             if path == "." { format!("settings: {inner}") } else { format!("settings.{path}: {inner}") }
         })?;
         settings.validated()
+    }
+}
+
+/// Caps given as a JSON object (or null for none): serde would also read the
+/// struct from an array, filling caps by position, which no client means.
+fn caps_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BudgetCaps, D::Error> {
+    match Value::deserialize(d)? {
+        Value::Null => Ok(BudgetCaps::default()),
+        v @ Value::Object(_) => serde_path_to_error::deserialize::<_, BudgetCaps>(v)
+            .map_err(|e| serde::de::Error::custom(format!("`{}` {}", e.path(), e.inner()))),
+        _ => Err(serde::de::Error::custom("`budget` must be an object of caps")),
     }
 }
 

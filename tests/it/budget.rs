@@ -389,6 +389,9 @@ async fn a_projects_cap_holds_its_prompts_together(b: Backend) {
     let bad = json!({"name": "team", "settings": {"budget": {"tokens_per_day": -1}}});
     let p = expect_problem(app.post("/v1/projects", bad).send().await.unwrap(), 422).await;
     assert!(p["detail"].as_str().unwrap().contains("tokens_per_day"), "{p}");
+    let listed = json!({"name": "team", "settings": {"budget": [null, null]}});
+    let p = expect_problem(app.post("/v1/projects", listed).send().await.unwrap(), 422).await;
+    assert!(p["detail"].as_str().unwrap().contains("budget"), "{p}");
     let team = json!({"name": "team", "settings": {"budget": {"tokens_per_day": 5_000}}});
     assert_eq!(app.post("/v1/projects", team).send().await.unwrap().status(), 201);
     for (name, project) in [("left", "team"), ("right", "team"), ("free", "default")] {

@@ -275,6 +275,19 @@ async fn migration_0013_keeps_existing_prompts_and_their_references(b: Backend) 
             for sql in undo {
                 sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
             }
+            // 0013 rebuilds `prompts` with the columns of its time: the later
+            // migrations that add columns to it (0036, 0042) run again after it.
+            let later = [
+                "DROP INDEX audit_log_by_project",
+                "ALTER TABLE audit_log DROP COLUMN project",
+                "ALTER TABLE webhook_subscriptions DROP COLUMN project",
+                "ALTER TABLE api_keys DROP COLUMN project",
+                "DROP TABLE projects",
+                "DELETE FROM _sqlx_migrations WHERE version IN (36, 42)",
+            ];
+            for sql in later {
+                sqlx::raw_sql(sql).execute(&mut c).await.unwrap();
+            }
         }
     }
     let again = combee::store::connect(&ts.url, 4, std::time::Duration::from_secs(10)).await.expect("migrate again");
