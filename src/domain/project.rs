@@ -75,11 +75,10 @@ impl ProjectSettings {
     }
 }
 
-/// Caps given as a JSON object (or null for none): serde would also read the
+/// Caps given as a JSON object (left out for none): serde would also read the
 /// struct from an array, filling caps by position, which no client means.
 fn caps_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BudgetCaps, D::Error> {
     match Value::deserialize(d)? {
-        Value::Null => Ok(BudgetCaps::default()),
         v @ Value::Object(_) => serde_path_to_error::deserialize::<_, BudgetCaps>(v)
             .map_err(|e| serde::de::Error::custom(format!("`{}` {}", e.path(), e.inner()))),
         _ => Err(serde::de::Error::custom("`budget` must be an object of caps")),
