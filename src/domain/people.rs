@@ -34,13 +34,10 @@ impl Grant {
 /// The longest subject, project name or display name accepted.
 pub const MAX_NAME_CHARS: usize = 256;
 
-/// A project name as grants and members carry it: 1–64 of `a-z 0-9 - _`,
-/// starting with a letter or digit (the projects work names them so).
+/// A project name as grants and members carry it: the project-name rule
+/// (`[a-z0-9][a-z0-9._-]{0,63}`), so every project can be granted.
 pub fn valid_project(p: &str) -> bool {
-    !p.is_empty()
-        && p.len() <= 64
-        && p.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        && p.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    super::project::check_name(p).is_ok()
 }
 
 /// The person a session belongs to, as the provider named them.
@@ -109,6 +106,7 @@ mod tests {
         assert_eq!(g.describe(), "operator in x");
         assert_eq!(Grant { project: None, role: Role::Admin }.reach(), Reach::Server);
         assert!(valid_project("team-x_1"));
+        assert!(valid_project("team.eu"), "a project name may hold a dot, so a grant may name it");
         assert!(!valid_project("Team"));
         assert!(!valid_project("-x"));
         assert!(!valid_project(""));

@@ -28,7 +28,7 @@ pub struct SetMember {
     /// The project the role holds in; absent or null: every project (for a
     /// project's key: its own project).
     #[serde(default)]
-    #[schema(pattern = "^[a-z0-9][a-z0-9_-]{0,63}$")]
+    #[schema(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$")]
     pub project: Option<String>,
     pub role: Role,
 }

@@ -121,7 +121,7 @@ impl AuthSettings {
                 && !valid_project(p)
             {
                 return Err(format!(
-                    "auth.oidc.groups[{i}].project {p:?} is not a project name (1-64 of a-z, 0-9, `-`, `_`)"
+                    "auth.oidc.groups[{i}].project {p:?} is not a project name (1-64 of a-z, 0-9, `.`, `-`, `_`, starting with a letter or digit)"
                 ));
             }
         }

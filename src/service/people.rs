@@ -125,7 +125,7 @@ pub async fn set_member(
         && !valid_project(p)
     {
         return Err(ServiceError::Unprocessable(format!(
-            "project {:?} is not a project name: 1 to 64 of a-z, 0-9, `-` and `_`, starting with a letter or digit",
+            "project {:?} is not a project name: 1 to 64 of a-z, 0-9, `.`, `-` and `_`, starting with a letter or digit",
             p.chars().take(80).collect::<String>()
         )));
     }

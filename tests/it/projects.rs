@@ -572,8 +572,25 @@ async fn a_projects_webhook_hears_only_its_projects_events(b: Backend) {
     assert_eq!(to("all"), ["in-a", "in-b"], "{got:?}");
 }
 
+/// Any name a project may have, a grant may name: a dot included.
+async fn a_project_named_with_a_dot_takes_members(b: Backend) {
+    let app = spawn_app_with(b, |_| {}).await;
+    created(app.post("/v1/projects", json!({"name": "team.eu"})).send().await.unwrap(), "project").await;
+    let res =
+        app.put("/v1/members/ann@eu.example", json!({"project": "team.eu", "role": "operator"})).send().await.unwrap();
+    assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
+    let listed: Value = app.get("/v1/members").send().await.unwrap().json().await.unwrap();
+    let ann = listed["members"].as_array().unwrap().iter().find(|m| m["subject"] == "ann@eu.example").unwrap().clone();
+    assert_eq!(ann["project"], "team.eu", "{listed}");
+    // A name the project rule refuses is still refused, with the rule.
+    let res = app.put("/v1/members/ann@eu.example", json!({"project": ".eu", "role": "viewer"})).send().await.unwrap();
+    assert_eq!(res.status(), 422);
+    assert!(res.text().await.unwrap().contains("`.`, `-` and `_`"));
+}
+
 crate::on_one_store!(
     matrix_on_postgres: every_operation_keeps_project_b_out_of_project_a(Postgres),
     ui_on_postgres: another_projects_ui_pages_are_absent(Postgres),
     webhooks_on_postgres: a_projects_webhook_hears_only_its_projects_events(Postgres),
+    dotted_name_on_sqlite: a_project_named_with_a_dot_takes_members(Sqlite),
 );
