@@ -478,19 +478,52 @@ def summarize_rounds(records, traces):
     }
 
 
+class Recorded:
+    """One run's clock, log and result. Whatever stops the run, what was
+    measured is written to `--json` with where it stopped (and the end of
+    combee's log), combee is stopped, and the process exits 1 when the run
+    stopped early."""
+
+    def __init__(self, args):
+        self.args = args
+        self.started = time.monotonic()
+        self.result = {}
+        self.combee = None
+        self.extras = dict
+
+    def log(self, msg):
+        print(f"[{time.monotonic() - self.started:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, Exception):
+            self.result["error"] = f"{type(e).__name__}: {e}"
+            tail = f"\ncombee's log ends:\n{self.combee.tail()}" if self.combee else ""
+            self.log(f"the run stopped: {self.result['error']}{tail}")
+        self.result["wall_s"] = time.monotonic() - self.started
+        self.result.update(self.extras())
+        if self.combee:
+            self.combee.stop()
+        with open(self.args.json, "w") as f:
+            json.dump(self.result, f, indent=2)
+        self.log(f"wrote {self.args.json}")
+        if "error" in self.result:
+            sys.exit(1)
+        return isinstance(e, Exception)
+
+
 def run(args):
-    started = time.monotonic()
-
-    def log(msg):
-        print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
-
+    rec = Recorded(args)
+    log = rec.log
     tasks = make_tasks(args.seed)
     if args.train + args.heldout > len(tasks):
         sys.exit(f"--train + --heldout is at most {len(tasks)}")
     train_tasks, heldout = tasks[: args.train], tasks[args.train : args.train + args.heldout]
     agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
-    combee = None
-    result = {
+    rec.extras = lambda: {"agent_calls": agent.calls, "agent_seconds": agent.seconds}
+    result = rec.result = {
         "model": args.model,
         "label": MODEL_LABELS.get(args.model, args.model),
         "train": len(train_tasks),
@@ -503,7 +536,7 @@ def run(args):
         "evaluations": {},
         "methods": {},
     }
-    try:
+    with rec:
         log(f"{args.model}: held-out evaluation of the base prompt ({len(heldout)} tasks)")
         result["evaluations"]["base"] = evaluate(agent, BASE_PROMPT, heldout)
         log(f"  base: {result['evaluations']['base']['success']:.0%} success")
@@ -517,12 +550,12 @@ def run(args):
             # benchmark gave up on must not keep the one-slot model busy.
             # combee reaches the server through a tap that adds up the usage the server reports.
             tap = UsageTap(args.llm_url)
-            combee = Combee(args.combee, tap.url, args.llm_model, args.repo)
+            combee = rec.combee = Combee(args.combee, tap.url, args.llm_model, args.repo)
             records, text, train_success = train(
                 combee, agent, f"bench-{method}", method, train_tasks, args.rounds, args.round_deadline, log
             )
             combee.stop()
-            combee = None
+            rec.combee = None
             tap.stop()
             learn_wall = time.monotonic() - t0
             summary = summarize_rounds(records, len(train_tasks))
@@ -532,21 +565,6 @@ def run(args):
             result["evaluations"][method] = evaluate(agent, text, heldout)
             log(f"  {method}: {result['evaluations'][method]['success']:.0%} success")
             result["methods"][method] = summary
-    except Exception as e:
-        # Keep what was measured, and say where the run stopped.
-        result["error"] = f"{type(e).__name__}: {e}"
-        log(f"the run stopped: {result['error']}" + (f"\ncombee's log ends:\n{combee.tail()}" if combee else ""))
-    finally:
-        result["wall_s"] = time.monotonic() - started
-        result["agent_calls"] = agent.calls
-        result["agent_seconds"] = agent.seconds
-        if combee:
-            combee.stop()
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        log(f"wrote {args.json}")
-    if "error" in result:
-        sys.exit(1)
 
 
 # --- streak: consecutive rounds on one prompt ------------------------------
@@ -586,14 +604,11 @@ def streak(args):
     """`--rounds` rounds in a row on one prompt, product defaults: each round
     learns from `--per-round` fresh traces of the agent running on the prompt's
     current text."""
-    started = time.monotonic()
-
-    def log(msg):
-        print(f"[{time.monotonic() - started:6.0f} s] {msg}", file=sys.stderr, flush=True)
-
+    rec = Recorded(args)
+    log = rec.log
     tasks = make_tasks(args.seed)
     agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
-    result = {
+    result = rec.result = {
         "kind": "streak",
         "model": args.model,
         "label": MODEL_LABELS.get(args.model, args.model),
@@ -605,9 +620,8 @@ def streak(args):
         "date": time.strftime("%Y-%m-%d"),
         "rounds": [],
     }
-    combee = None
-    try:
-        combee = Combee(args.combee, args.llm_url, args.llm_model, args.repo)
+    with rec:
+        combee = rec.combee = Combee(args.combee, args.llm_url, args.llm_model, args.repo)
         combee.create_prompt("streak")
         for i in range(args.rounds):
             chunk = [tasks[(i * args.per_round + j) % len(tasks)] for j in range(args.per_round)]
@@ -630,18 +644,6 @@ def streak(args):
                 f"{facts['context_refusals']}; degraded groups {facts['groups_degraded']}"
                 + (f"; error: {facts['error']}" if facts["error"] else ""))
         result["text"] = combee.text("streak")
-    except Exception as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-        log(f"the streak stopped: {result['error']}" + (f"\ncombee's log ends:\n{combee.tail()}" if combee else ""))
-    finally:
-        result["wall_s"] = time.monotonic() - started
-        if combee:
-            combee.stop()
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        log(f"wrote {args.json}")
-    if "error" in result:
-        sys.exit(1)
 
 
 def streak_report(r, w):

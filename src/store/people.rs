@@ -8,6 +8,7 @@ use serde_json::Value;
 use super::{
     StoreError, StoreResult,
     backend::{Backend, SqlStore},
+    sessions::{delete_session, sweep_expired},
     sql::{Cols, Dialect, json, now, sql},
 };
 use crate::domain::{
@@ -62,7 +63,7 @@ impl<D: Backend> PeopleStore for SqlStore<D> {
     async fn create_person_session(&self, s: &NewPersonSession) -> StoreResult<()> {
         let grants = serde_json::to_value(&s.grants).map_err(|e| StoreError::Corrupt(e.to_string()))?;
         let mut tx = self.writer.begin().await?;
-        sql::<D>("DELETE FROM person_sessions WHERE expires_at <= $1").bind(now()).execute(&mut *tx).await?;
+        sweep_expired::<D>(&mut tx, "person_sessions").await?;
         sql::<D>(
             "INSERT INTO person_sessions (token_hash, subject, name, email, grants, project, role, csrf_token,
                                           created_at, expires_at)
@@ -122,11 +123,7 @@ impl<D: Backend> PeopleStore for SqlStore<D> {
     }
 
     async fn delete_person_session(&self, token_hash: &str) -> StoreResult<bool> {
-        let n = sql::<D>("DELETE FROM person_sessions WHERE token_hash = $1")
-            .bind(token_hash)
-            .execute(&mut *self.writer.acquire().await?)
-            .await?;
-        Ok(n > 0)
+        delete_session(self, "person_sessions", token_hash).await
     }
 
     async fn list_members(&self) -> StoreResult<Vec<Member>> {

@@ -26,7 +26,7 @@ pub trait SessionStore: Send + Sync {
 impl<D: Backend> SessionStore for SqlStore<D> {
     async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
         let mut tx = self.writer.begin().await?;
-        sql::<D>("DELETE FROM ui_sessions WHERE expires_at <= $1").bind(now()).execute(&mut *tx).await?;
+        sweep_expired::<D>(&mut tx, "ui_sessions").await?;
         sql::<D>(
             "INSERT INTO ui_sessions (token_hash, key_id, csrf_token, created_at, expires_at) VALUES ($1, $2, $3, $4, $5)",
         )
@@ -64,10 +64,26 @@ impl<D: Backend> SessionStore for SqlStore<D> {
     }
 
     async fn delete_ui_session(&self, token_hash: &str) -> StoreResult<bool> {
-        let n = sql::<D>("DELETE FROM ui_sessions WHERE token_hash = $1")
-            .bind(token_hash)
-            .execute(&mut *self.writer.acquire().await?)
-            .await?;
-        Ok(n > 0)
+        delete_session(self, "ui_sessions", token_hash).await
     }
+}
+
+/// Deletes the expired rows of a session table (`ui_sessions`,
+/// `person_sessions`): each opening of a session sweeps its table.
+pub(super) async fn sweep_expired<D: Backend>(c: &mut D::Connection, table: &'static str) -> StoreResult<()> {
+    sql::<D>(&format!("DELETE FROM {table} WHERE expires_at <= $1")).bind(now()).execute(c).await?;
+    Ok(())
+}
+
+/// Ends the session of a session table with this token hash; false when there was none.
+pub(super) async fn delete_session<D: Backend>(
+    store: &SqlStore<D>,
+    table: &'static str,
+    token_hash: &str,
+) -> StoreResult<bool> {
+    let n = sql::<D>(&format!("DELETE FROM {table} WHERE token_hash = $1"))
+        .bind(token_hash)
+        .execute(&mut *store.writer.acquire().await?)
+        .await?;
+    Ok(n > 0)
 }

@@ -12,6 +12,16 @@ fn combee(config_dir: &std::path::Path) -> Command {
     cmd
 }
 
+/// Runs `combee ARGS` with its config in `dir` and its embedded store under `dir/data`.
+fn embedded_cli(dir: &std::path::Path) -> impl Fn(&[&str]) -> std::process::Output + '_ {
+    let data = dir.join("data");
+    move |args| {
+        let mut cmd = combee(dir);
+        cmd.args(args).env("COMBEE__DATABASE__DATA_DIR", &data);
+        cmd.output().unwrap()
+    }
+}
+
 fn stdout(cmd: &mut Command) -> String {
     let out = cmd.output().expect("run combee");
     assert!(out.status.success(), "combee failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -83,12 +93,7 @@ fn an_unknown_key_stops_start_up_and_is_named() {
 #[test]
 fn keys_create_list_revoke_on_the_embedded_store() {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let run = |args: &[&str]| {
-        let mut cmd = combee(dir.path());
-        cmd.args(args).env("COMBEE__DATABASE__DATA_DIR", &data);
-        cmd.output().unwrap()
-    };
+    let run = embedded_cli(dir.path());
     let out = run(&["keys", "create", "--name", "agent-1", "--scopes", "traces:write,prompts:read"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let secret = String::from_utf8(out.stdout).unwrap().trim().to_owned();
@@ -107,12 +112,7 @@ fn keys_create_list_revoke_on_the_embedded_store() {
 #[test]
 fn members_set_list_remove_on_the_embedded_store_and_the_client_secret_never_prints() {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let run = |args: &[&str]| {
-        let mut cmd = combee(dir.path());
-        cmd.args(args).env("COMBEE__DATABASE__DATA_DIR", &data);
-        cmd.output().unwrap()
-    };
+    let run = embedded_cli(dir.path());
     // A grant names a project that exists (`default` does from the start).
     let out = run(&["members", "set", "ann@example.com", "--project", "nowhere", "--role", "operator"]);
     assert!(!out.status.success());

@@ -321,16 +321,7 @@ async fn otlp_spans_merge_into_one_pending_trace(b: Backend) {
     );
 
     // Once a round took the trace, new spans are not added; known ones are still duplicates.
-    let round = OpenRound {
-        prompt: name("p"),
-        trigger: RoundTrigger::Api,
-        method: Method::Combee,
-        batch: 10,
-        min_traces: 1,
-        seed: 1,
-        inbound_webhook_id: None,
-        judge_wait: None,
-    };
+    let round = OpenRound { batch: 10, seed: 1, ..open_req("p") };
     let round = s.open_round(&round).await.unwrap().expect("a round opens");
     assert_eq!(s.round_trace_ids(round.id).await.unwrap(), vec![id]);
     let closed = s.merge_otlp_spans("t1", &[otlp_span("late"), otlp_span("chat")], &remap).await.unwrap();
@@ -674,16 +665,7 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
     assert_eq!(s.list_prompts(None, None, 10).await.unwrap().len(), 2);
     assert!(s.list_prompts(None, Some("nope"), 10).await.unwrap().is_empty());
 
-    let req = OpenRound {
-        prompt: name("in-a"),
-        trigger: RoundTrigger::Api,
-        method: Method::Combee,
-        batch: 10,
-        min_traces: 1,
-        seed: 1,
-        inbound_webhook_id: None,
-        judge_wait: None,
-    };
+    let req = OpenRound { batch: 10, seed: 1, ..open_req("in-a") };
     let round = s.open_round(&req).await.unwrap().expect("a round opens");
     assert_eq!(s.round_project(round.id).await.unwrap().as_deref(), Some("team-a"));
 
@@ -786,16 +768,7 @@ fn reflection(insight: &str) -> combee::domain::Reflection {
 }
 
 async fn open_and_claim(s: &DynStore, prompt: &str) -> combee::store::ClaimedRound {
-    let req = OpenRound {
-        prompt: name(prompt),
-        trigger: combee::domain::round::RoundTrigger::Api,
-        method: combee::domain::Method::Combee,
-        batch: 100,
-        min_traces: 1,
-        seed: 1,
-        inbound_webhook_id: None,
-        judge_wait: None,
-    };
+    let req = OpenRound { seed: 1, ..open_req(prompt) };
     s.open_round(&req).await.unwrap().expect("a round opens");
     s.claim_round("w", std::time::Duration::from_secs(60)).await.unwrap().expect("a round to claim")
 }
@@ -904,16 +877,7 @@ async fn quarantined_traces_are_never_reserved_and_delete_keeps_provenance(b: Ba
     let backlog = s.backlogs().await.unwrap();
     assert_eq!(backlog.iter().find(|b| b.prompt.name.as_str() == "p").map(|b| b.pending), Some(0));
     let fresh = s.insert_traces(&[trace("p", Some(1))]).await.unwrap()[0];
-    let open = OpenRound {
-        prompt: name("p"),
-        trigger: RoundTrigger::Api,
-        method: Method::Combee,
-        batch: 100,
-        min_traces: 1,
-        seed: 1,
-        inbound_webhook_id: None,
-        judge_wait: None,
-    };
+    let open = OpenRound { seed: 1, ..open_req("p") };
     let round = s.open_round(&open).await.unwrap().expect("a round over the fresh trace");
     assert_eq!(s.round_trace_ids(round.id).await.unwrap(), vec![fresh]);
     // The reserved trace can be neither quarantined nor deleted while the round is in flight.

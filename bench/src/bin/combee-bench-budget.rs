@@ -13,19 +13,13 @@
 //!
 //!     cargo run -p combee-bench --bin combee-bench-budget      # figures on stdout
 
-use std::{
-    net::SocketAddr,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
 use combee::{
     app::Application,
-    config::{Role, Settings},
-    secret::Secret,
     simulation::llm::{LocalSim, SimConfig},
-    store,
 };
 use serde_json::{Value, json};
 
@@ -178,15 +172,8 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let dir = tempfile::tempdir()?;
     let sim = LocalSim::start(SimConfig { seed: args.seed, rate_5xx: 0.2, ..SimConfig::default() }).await?;
-    let url = format!("sqlite://{}", dir.path().join("combee.db").display());
-    let store = store::connect(&url, 16, Duration::from_secs(30)).await?;
-    let data_dir = dir.path().join("data");
-    let mut s = Settings::default();
-    s.server.bind = SocketAddr::from(([127, 0, 0, 1], 0));
-    s.server.role = Role::All;
-    s.database.url = Secret::new(&url);
-    s.database.data_dir = data_dir.clone();
-    s.llm.base_url = sim.base_url.clone();
+    let (mut s, store) = combee_bench::embedded(dir.path(), &sim.base_url).await?;
+    let data_dir = s.database.data_dir.clone();
     s.llm.max_retries = 6;
     s.llm.backoff_base_ms = 5;
     s.llm.backoff_max_ms = 50;

@@ -24,7 +24,6 @@
 //! in production, and a better version should be promoted no later than before.
 
 use std::{
-    net::SocketAddr,
     path::PathBuf,
     time::{Duration, Instant},
 };
@@ -33,13 +32,10 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use combee::{
     app::Application,
-    config::{Role, Settings},
-    secret::Secret,
     simulation::{
         llm::{LocalSim, SimConfig},
         world::{World, WorldConfig},
     },
-    store,
 };
 use serde_json::{Value, json};
 
@@ -506,15 +502,8 @@ async fn main() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let sim = LocalSim::start(SimConfig::default()).await?;
 
-    let url = format!("sqlite://{}", dir.path().join("combee.db").display());
-    let store = store::connect(&url, 16, Duration::from_secs(30)).await?;
-    let data_dir = dir.path().join("data");
-    let mut s = Settings::default();
-    s.server.bind = SocketAddr::from(([127, 0, 0, 1], 0));
-    s.server.role = Role::All;
-    s.database.url = Secret::new(&url);
-    s.database.data_dir = data_dir.clone();
-    s.llm.base_url = sim.base_url.clone();
+    let (mut s, store) = combee_bench::embedded(dir.path(), &sim.base_url).await?;
+    let data_dir = s.database.data_dir.clone();
     s.worker.poll_interval_ms = 100;
     s.worker.max_parallel_rounds = 6;
     s.population.window_secs = args.rating_window_secs;
