@@ -22,7 +22,7 @@ use super::backend::{Backend, SqlStore};
 use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
 use super::rollups::{self, Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
-use super::traces::{merge_feedback, reference_problem};
+use super::traces::{merge_feedback, prompt_reference_problem};
 use super::{StoreError, StoreKind, StoreResult, migrate};
 use crate::domain::trace::FeedbackSource;
 use crate::domain::{
@@ -227,18 +227,21 @@ impl TraceRow {
     }
 }
 
-/// Inserts a batch of traces inside the caller's transaction, all or none,
-/// with the group insert's statement; `Invalid` names the first trace whose
-/// prompt or version is unknown. Their rollup credit is the caller's to
-/// write (a group writes its jobs' at once).
+/// Inserts a batch of traces inside the caller's transaction, all or none;
+/// `Invalid` names the first trace whose prompt or version is unknown. Their
+/// rollup credit is the caller's to write (a group writes its jobs' at once).
 async fn insert_trace_rows(c: &mut SqliteConnection, traces: &[TraceRow]) -> StoreResult<Vec<Uuid>> {
     if traces.is_empty() {
         return Ok(Vec::new());
     }
+    let prompt_ids = match resolve_prompts(&mut *c, &mut PromptIds::new(), traces).await? {
+        Ok(ids) => ids,
+        Err(problem) => return Err(problem),
+    };
     let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
-    if insert_rows(&mut *c, &[(traces, &ids)]).await?.is_empty() {
-        return Err(unknown_reference(&mut *c, traces).await?);
-    }
+    let rows: Vec<RowToInsert<'_>> =
+        traces.iter().zip(&ids).zip(&prompt_ids).map(|((t, id), prompt_id)| (t, *id, prompt_id.as_str())).collect();
+    insert_resolved(&mut *c, &rows).await?;
     Ok(ids)
 }
 
@@ -366,95 +369,133 @@ impl Write {
     }
 }
 
-/// Bound parameters per trace row of the group insert; SQLite takes at most
-/// 32,766 in one statement.
-const INSERT_PARAMS: usize = 11;
-const INSERT_CHUNK_ROWS: usize = 32_766 / INSERT_PARAMS - 1;
+/// The prompts a group's traces name, looked up once each: the prompt's id
+/// and version count, `None` for an unknown prompt. Inside the writer's
+/// transaction nothing else writes, so what is read here holds until commit.
+type PromptIds = std::collections::HashMap<PromptName, Option<(String, i64)>>;
 
-/// Writes the plain inserts of a group with one statement per chunk of
-/// requests: a request whose traces do not all match a prompt and version
-/// is left out whole. Answers the requests left out (there is nothing of
-/// theirs to undo); returns the others, with the ids to credit.
+/// One trace row to write: the row, its id and its prompt's id.
+type RowToInsert<'a> = (&'a TraceRow, Uuid, &'a str);
+
+/// Columns bound per row of a group insert.
+const INSERT_PARAMS: usize = 12;
+
+/// Rows per insert statement, largest first. A group's rows go in chunks of
+/// these sizes (the binary decomposition of its count), so the writer prepares
+/// each of these few statements once and keeps it: a statement of exactly the
+/// group's size would be a new one, parsed and planned, for nearly every group.
+const CHUNK_ROWS: [usize; 9] = [256, 128, 64, 32, 16, 8, 4, 2, 1];
+
+/// The prompt ids of `traces`, or why the request cannot be stored (the
+/// first trace whose prompt or version is unknown, as `Invalid`).
+async fn resolve_prompts(
+    c: &mut SqliteConnection,
+    known: &mut PromptIds,
+    traces: &[TraceRow],
+) -> StoreResult<Result<Vec<String>, StoreError>> {
+    let mut ids = Vec::with_capacity(traces.len());
+    for (i, t) in traces.iter().enumerate() {
+        if !known.contains_key(&t.prompt) {
+            let row = sqlx::query("SELECT id, version_count FROM prompts WHERE name = ?")
+                .bind(t.prompt.as_str())
+                .fetch_optional(&mut *c)
+                .await?;
+            let found = match row {
+                Some(r) => Some((r.try_get::<String, _>("id")?, r.try_get::<i64, _>("version_count")?)),
+                None => None,
+            };
+            known.insert(t.prompt.clone(), found);
+        }
+        let found = &known[&t.prompt];
+        if let Some(what) = prompt_reference_problem(&t.prompt, t.version, found.as_ref().map(|(_, n)| *n)) {
+            return Ok(Err(StoreError::Invalid(format!("traces[{i}]: {what}"))));
+        }
+        ids.push(found.as_ref().map(|(id, _)| id.clone()).unwrap_or_default());
+    }
+    Ok(Ok(ids))
+}
+
+/// Checks each request's references (each prompt looked up once for the
+/// group) and answers the requests that name an unknown prompt or version
+/// (there is nothing of theirs to undo); writes the traces of the others
+/// and returns them, with the ids to credit.
 async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreResult<(Vec<Insert>, Vec<Uuid>)> {
-    let requests: Vec<(&[TraceRow], &[Uuid])> = inserts.iter().map(|i| (&i.traces[..], &i.ids[..])).collect();
-    let stored = insert_rows(&mut *c, &requests).await?;
-    drop(requests);
-    let (mut kept, mut credit) = (Vec::with_capacity(inserts.len()), Vec::new());
+    let mut known = PromptIds::new();
+    let mut kept = Vec::with_capacity(inserts.len());
+    let mut prompt_ids = Vec::with_capacity(inserts.len());
     for insert in inserts {
-        if insert.ids.first().is_some_and(|id| stored.contains(&id.to_string())) {
-            credit.extend(insert.ids.iter().copied());
-            kept.push(insert);
-        } else {
-            let problem = unknown_reference(&mut *c, &insert.traces).await;
-            let _ = insert.reply.send(problem.and_then(Err));
+        match resolve_prompts(&mut *c, &mut known, &insert.traces).await? {
+            Ok(ids) => {
+                prompt_ids.push(ids);
+                kept.push(insert);
+            }
+            Err(problem) => {
+                let _ = insert.reply.send(Err(problem));
+            }
         }
     }
+    let rows: Vec<RowToInsert<'_>> = kept
+        .iter()
+        .zip(&prompt_ids)
+        .flat_map(|(insert, prompts)| {
+            insert.traces.iter().zip(&insert.ids).zip(prompts).map(|((t, id), p)| (t, *id, p.as_str()))
+        })
+        .collect();
+    insert_resolved(&mut *c, &rows).await?;
+    let credit = rows.iter().map(|(_, id, _)| *id).collect();
+    drop(rows);
     Ok((kept, credit))
 }
 
-/// Inserts the traces of `requests` (each its rows and their ids) with one
-/// statement per chunk, each request all or nothing; the ids stored.
-async fn insert_rows(
-    c: &mut SqliteConnection,
-    requests: &[(&[TraceRow], &[Uuid])],
-) -> StoreResult<std::collections::HashSet<String>> {
+/// Writes rows whose references were checked, in chunks of [`CHUNK_ROWS`].
+async fn insert_resolved(c: &mut SqliteConnection, rows: &[RowToInsert<'_>]) -> StoreResult<()> {
     let now = now_us();
-    let mut stored = std::collections::HashSet::new();
-    let mut start = 0;
-    while start < requests.len() {
-        let mut end = start;
-        let mut rows = 0;
-        while end < requests.len() && (end == start || rows + requests[end].0.len() <= INSERT_CHUNK_ROWS) {
-            rows += requests[end].0.len();
-            end += 1;
+    let statements = insert_statements();
+    let mut rest = rows;
+    while !rest.is_empty() {
+        // The last statement is of one row, so a chunk always fits.
+        let (size, text) =
+            statements.iter().find(|(n, _)| *n <= rest.len()).unwrap_or(&statements[statements.len() - 1]);
+        let (chunk, after) = rest.split_at(*size);
+        let mut q = sqlx::query(text.as_str());
+        for (t, id, prompt_id) in chunk {
+            q = q
+                .bind(id.to_string())
+                .bind(*prompt_id)
+                .bind(t.version)
+                .bind(&t.input)
+                .bind(&t.trajectory)
+                .bind(&t.output)
+                .bind(&t.feedback)
+                .bind(&t.reflection)
+                .bind(&t.external_id)
+                .bind(&t.metadata)
+                .bind(now)
+                .bind(now);
         }
-        let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", ");
-        let text = format!(
-            "WITH input(req, id, prompt, version, input, trajectory, output, feedback, reflection, external_id,
-                        metadata) AS (VALUES {values}),
-             matched AS (SELECT i.*, p.id AS prompt_id FROM input i JOIN prompts p
-                         ON p.name = i.prompt AND (i.version IS NULL OR i.version <= p.version_count)),
-             counts AS (SELECT req, count(*) AS n FROM input GROUP BY req),
-             complete AS (SELECT m.req FROM matched m JOIN counts k ON k.req = m.req
-                          GROUP BY m.req, k.n HAVING count(*) = k.n)
-             INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
-                                 external_id, metadata, created_at, updated_at)
-             SELECT id, prompt_id, version, input, trajectory, output, feedback, reflection, external_id, metadata,
-                    {now}, {now}
-             FROM matched WHERE req IN (SELECT req FROM complete)
-             RETURNING id"
-        );
-        let mut q = sqlx::query_scalar::<_, String>(&text);
-        for (req, (traces, ids)) in requests[start..end].iter().enumerate() {
-            for (t, id) in traces.iter().zip(ids.iter()) {
-                q = q
-                    .bind(req as i64)
-                    .bind(id.to_string())
-                    .bind(t.prompt.as_str())
-                    .bind(t.version)
-                    .bind(&t.input)
-                    .bind(&t.trajectory)
-                    .bind(&t.output)
-                    .bind(&t.feedback)
-                    .bind(&t.reflection)
-                    .bind(&t.external_id)
-                    .bind(&t.metadata);
-            }
-        }
-        stored.extend(q.fetch_all(&mut *c).await?);
-        start = end;
+        q.execute(&mut *c).await?;
+        rest = after;
     }
-    Ok(stored)
+    Ok(())
 }
 
-/// Why a request's traces were not stored: the first unknown prompt or version.
-async fn unknown_reference(c: &mut SqliteConnection, traces: &[TraceRow]) -> StoreResult<StoreError> {
-    for (i, t) in traces.iter().enumerate() {
-        if let Some(what) = reference_problem::<Sqlite>(&mut *c, &t.prompt, t.version).await? {
-            return Ok(StoreError::Invalid(format!("traces[{i}]: {what}")));
-        }
-    }
-    Ok(StoreError::Invalid("a referenced prompt changed during the request; retry".into()))
+/// The insert statement of each of [`CHUNK_ROWS`], largest first, built once.
+fn insert_statements() -> &'static [(usize, String)] {
+    static TEXTS: std::sync::OnceLock<Vec<(usize, String)>> = std::sync::OnceLock::new();
+    TEXTS.get_or_init(|| {
+        let row = format!("({})", ["?"; INSERT_PARAMS].join(", "));
+        CHUNK_ROWS
+            .into_iter()
+            .map(|n| {
+                let values = vec![row.as_str(); n].join(", ");
+                let text = format!(
+                    "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, \
+                     reflection, external_id, metadata, created_at, updated_at) VALUES {values}"
+                );
+                (n, text)
+            })
+            .collect()
+    })
 }
 
 /// Boxes a job's work (a function, so the closure is typed for every lifetime).
