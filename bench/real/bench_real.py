@@ -201,13 +201,16 @@ class Agent:
 class UsageTap:
     """A pass-through between combee and the llama.cpp server that adds up the
     `usage` the server reports in each chat answer, so the token bill can be
-    checked against the server's own counts (not combee's record of them)."""
+    checked against the server's own counts (not combee's record of them),
+    and keeps when each chat call arrived and was answered, so the server's
+    busy time can be told from time its calls spent queued in it."""
 
     def __init__(self, llm_url):
         upstream = llm_url.rstrip("/")
         tap = self
         self.lock = threading.Lock()
         self.answers = self.without_usage = self.prompt_tokens = self.completion_tokens = 0
+        self.spans = []
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -222,11 +225,15 @@ class UsageTap:
                 for k in ("Content-Type", "Authorization", "Accept"):
                     if self.headers.get(k):
                         req.add_header(k, self.headers[k])
+                arrived = time.monotonic()
                 try:
                     with urllib.request.urlopen(req, timeout=3600) as res:
                         status, raw, ctype = res.status, res.read(), res.headers.get("Content-Type", "")
                 except urllib.error.HTTPError as e:
                     status, raw, ctype = e.code, e.read(), e.headers.get("Content-Type", "")
+                if path.endswith("/chat/completions"):
+                    with tap.lock:
+                        tap.spans.append((arrived, time.monotonic()))
                 if status == 200 and path.endswith("/chat/completions"):
                     tap.count(raw)
                 try:
@@ -256,6 +263,22 @@ class UsageTap:
                 self.without_usage += 1
             self.prompt_tokens += usage.get("prompt_tokens", 0)
             self.completion_tokens += usage.get("completion_tokens", 0)
+
+    def busy_seconds(self, start, end):
+        """How long the server had a chat call to work on between `start` and
+        `end` (monotonic): the union of the calls' spans, clipped. A server
+        that works on one call at a time and never idles with one waiting
+        (llama.cpp with one slot) was busy exactly then, so this is the time
+        the same calls take sent one after another; a call's own latency
+        also counts the time it waited behind the others."""
+        with self.lock:
+            spans = sorted((max(a, start), min(b, end)) for a, b in self.spans if b > start and a < end)
+        busy, reach = 0.0, start
+        for a, b in spans:
+            if b > reach:
+                busy += b - max(a, reach)
+                reach = b
+        return busy
 
     def totals(self):
         with self.lock:
@@ -620,8 +643,9 @@ def streak(args):
         "date": time.strftime("%Y-%m-%d"),
         "rounds": [],
     }
+    tap = UsageTap(args.llm_url)
     with rec:
-        combee = rec.combee = Combee(args.combee, args.llm_url, args.llm_model, args.repo)
+        combee = rec.combee = Combee(args.combee, tap.url, args.llm_model, args.repo)
         combee.create_prompt("streak")
         for i in range(args.rounds):
             chunk = [tasks[(i * args.per_round + j) % len(tasks)] for j in range(args.per_round)]
@@ -635,8 +659,10 @@ def streak(args):
                                               {"role": "assistant", "content": reply}],
                                "output": reply, "feedback": feedback(task, met)})
             combee.call("POST", "/v1/traces", {"traces": traces})
+            t0 = time.monotonic()
             r = combee.learn_round("streak", None, args.round_deadline)
             facts = round_facts(r, args.context)
+            facts["server_busy_s"] = tap.busy_seconds(t0, time.monotonic())
             facts["prompt_chars"] = len(combee.text("streak"))
             result["rounds"].append(facts)
             log(f"round {i + 1}/{args.rounds}: {facts['status']} in {facts['wall_s']:.0f} s; largest call "
@@ -660,13 +686,15 @@ def streak_report(r, w):
         w("")
         w(f"**The run stopped early**: {r['error'][:500]}")
     w("")
-    w("| round | ended | wall (s) | sum of its calls' latencies (s) | wall / sum | LLM calls | largest prompt (tokens, role) | largest prompt + completion vs window | context refusals | degraded groups | unreflected traces | refused answers | prompt after (chars) |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    w("| round | ended | wall (s) | sum of its calls' latencies (s) | server busy (s) | wall / busy | LLM calls | largest prompt (tokens, role) | largest prompt + completion vs window | context refusals | degraded groups | unreflected traces | refused answers | prompt after (chars) |")
+    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, f in enumerate(rounds, 1):
         ended = f["status"] + (f": {str(f['error'])[:160]}" if f.get("error") else "")
-        ratio = f"{f['wall_s'] / f['calls_latency_s']:.2f}" if f["calls_latency_s"] else "—"
+        busy = f.get("server_busy_s")
+        ratio = f"{f['wall_s'] / busy:.2f}" if busy else "—"
         share = f"{f['largest_total_tokens']:,} / {f['context_tokens']:,} ({f['largest_total_tokens'] / f['context_tokens']:.0%})"
-        w(f"| {i} | {ended} | {f['wall_s']:.0f} | {f['calls_latency_s']:.0f} | {ratio} | {f['calls']} | "
+        busy_s = f"{busy:.0f}" if busy is not None else "not measured"
+        w(f"| {i} | {ended} | {f['wall_s']:.0f} | {f['calls_latency_s']:.0f} | {busy_s} | {ratio} | {f['calls']} | "
           f"{f['largest_prompt_tokens']:,} ({f['largest_prompt_role'] or '—'}) | {share} | {f['context_refusals']} | "
           f"{f['groups_degraded']} | {f['unreflected']} | {f['refused_calls']} | {f['prompt_chars']:,} |")
     ended = {}
