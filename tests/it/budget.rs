@@ -283,8 +283,11 @@ async fn a_server_cap_is_shared_by_processes_and_survives_a_restart(b: Backend) 
         s.budget.tokens_per_day = Some(10 * CAP);
     })
     .await;
+    // At least what was read before: a hold settles below what it reserved, so
+    // a round held back at the cap may resume and spend the room left until
+    // the processes stop (and, here, under the raised cap at once).
     let kept: u64 = today(&spend(&again, "one").await) + today(&spend(&again, "two").await);
-    assert_eq!(kept, spent, "the spend survives a restart");
+    assert!(kept >= spent, "the spend survives a restart: {kept} after it, {spent} before");
     eventually("learning to resume under the raised cap", Duration::from_secs(90), async || {
         let s = state(&again, "one").await;
         if s["state"] == "ok" && traces(&again, "one", "consumed").await > 0 { Ok(()) } else { Err(s.to_string()) }
