@@ -677,7 +677,8 @@ def streak_report(r, w):
     w("")
     w(f"## {r['label']}: {r['rounds_asked']} rounds in a row on one prompt")
     w("")
-    w(f"`scripts/bench-real --streak {r['rounds_asked']}`: one prompt on product defaults (only the LLM's URL and "
+    per = f" --per-round {r['per_round']}" if r["per_round"] != 4 else ""
+    w(f"`scripts/bench-real --streak {r['rounds_asked']}{per}`: one prompt on product defaults (only the LLM's URL and "
       f"model names set; no method given, so each round runs the prompt's default), {r['per_round']} fresh traces "
       f"per round from the agent running on the prompt's current text, context window {r['context_tokens']:,} "
       f"tokens (`--n_ctx`), seed {r['seed']}, {r['date']}, commit {r.get('combee_commit') or '?'}; whole run "
