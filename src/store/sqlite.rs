@@ -234,10 +234,7 @@ async fn insert_trace_rows(c: &mut SqliteConnection, traces: &[TraceRow]) -> Sto
     if traces.is_empty() {
         return Ok(Vec::new());
     }
-    let prompt_ids = match resolve_prompts(&mut *c, &mut PromptIds::new(), traces).await? {
-        Ok(ids) => ids,
-        Err(problem) => return Err(problem),
-    };
+    let prompt_ids = resolve_prompts(&mut *c, &mut PromptIds::new(), traces).await??;
     let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
     let rows: Vec<RowToInsert<'_>> =
         traces.iter().zip(&ids).zip(&prompt_ids).map(|((t, id), prompt_id)| (t, *id, prompt_id.as_str())).collect();

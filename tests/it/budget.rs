@@ -379,7 +379,6 @@ async fn holds_and_settlements_in_the_store(b: Backend) {
     assert_eq!(store.hold_spend(&other).await.unwrap(), HoldOutcome::Held);
 }
 
-/// `budget.reached` events queued in the outbox.
 /// A project's cap holds all its prompts together, leaves other projects'
 /// prompts alone, and a raise lets its waiting rounds go at once.
 async fn a_projects_cap_holds_its_prompts_together(b: Backend) {
