@@ -5,12 +5,18 @@
 //! others. A fixed limit is wrong for one of them, so the client adapts it per
 //! backend, in the manner of TCP Vegas and Netflix's concurrency-limits:
 //!
-//! - each answered call is compared with the fastest call seen of its role and
-//!   of about its size (prompt and completion tokens each in bands a fifth
-//!   wide), because a backend's latency is part fixed, part per prompt token,
-//!   part per completion token, in proportions nobody configures; that fastest
-//!   call is the *baseline* (it drifts up slowly so a backend that got slower
-//!   for good is relearnt);
+//! - each answered call's latency per unit of work is compared with the best
+//!   seen of its role and of about its size (prompt and completion tokens each
+//!   in bands of a factor of two), because a backend's latency is part fixed,
+//!   part per prompt token, part per completion token, in proportions nobody
+//!   configures, so one rate fits calls of a size only; that best rate is the
+//!   *baseline* (it drifts up slowly so a backend that got slower for good is
+//!   relearnt);
+//! - the first call of a size has no baseline of its own: it is compared with
+//!   the best rate of any size of its role, loosely, because that rate may not
+//!   fit it; a call far beyond that waited in the backend's queue, so it
+//!   shrinks the limit and does not become its size's baseline (a baseline
+//!   taken from a queued call made later queued calls look unqueued);
 //! - a call close to the baseline while the limit was in use grows the limit:
 //!   by one per call at first (doubling per round trip, TCP's slow start), by
 //!   one per limit's worth of calls once the backend has queued a call; a call
@@ -43,7 +49,10 @@ const OVERHEAD_UNITS: f64 = 8.0;
 /// How many times the expected duration an attempt gets before it times out.
 const TIMEOUT_HEADROOM: f64 = 4.0;
 /// Calls whose prompt and completion sizes each differ by less than this factor share a baseline.
-const BAND_WIDTH: f64 = 1.2;
+const BAND_WIDTH: f64 = 2.0;
+/// The first call of a size, beyond this factor of its role's best rate of any
+/// size, waited in the backend's queue (loose: that rate was of other sizes).
+const NEW_SIZE_QUEUED_ABOVE: f64 = 3.0;
 
 /// The work of a call in units comparable across sizes.
 pub fn work_units(prompt_tokens: u64, completion_tokens: u64) -> f64 {
@@ -64,13 +73,8 @@ struct State {
     /// Until the backend first shows a queue, every unqueued call grows the limit by one.
     slow_start: bool,
     in_flight: usize,
-    /// The fastest latency seen (ms) per role and band of prompt and completion tokens.
+    /// The best latency per work unit seen (ms) per role and band of prompt and completion tokens.
     baseline: HashMap<(usize, i32, i32), f64>,
-}
-
-/// The least token count of a band.
-fn band_floor(band: i32) -> f64 {
-    BAND_WIDTH.powi(band).max(1.0)
 }
 
 /// The band a token count falls in.
@@ -173,15 +177,26 @@ impl AdaptiveLimit {
             }
             Sample::Neutral => {}
             Sample::Answered { role, latency, prompt_tokens, completion_tokens } => {
-                let ms = latency.as_secs_f64() * 1000.0;
-                let key = (role_index(role), band(prompt_tokens), band(completion_tokens));
-                let (ratio, baseline) = match s.baseline.get(&key) {
-                    // The first call of its size: nothing to compare it with yet.
-                    None => (None, ms),
-                    Some(&b) => (Some(if b > 0.0 { ms / b } else { 1.0 }), ms.min(b * BASELINE_DRIFT)),
+                let rate = latency.as_secs_f64() * 1000.0 / work_units(prompt_tokens, completion_tokens);
+                let role_index = role_index(role);
+                let key = (role_index, band(prompt_tokens), band(completion_tokens));
+                let ratio = match s.baseline.get(&key) {
+                    Some(&b) => {
+                        s.baseline.insert(key, rate.min(b * BASELINE_DRIFT));
+                        if b > 0.0 { rate / b } else { 1.0 }
+                    }
+                    None => {
+                        let best = s.baseline.iter().filter(|((r, _, _), _)| *r == role_index).map(|(_, b)| *b);
+                        match best.reduce(f64::min) {
+                            Some(best) if best > 0.0 && rate / best > NEW_SIZE_QUEUED_ABOVE => rate / best,
+                            // Unqueued as far as can be told, or the first call of its role: its size's baseline.
+                            _ => {
+                                s.baseline.insert(key, rate);
+                                return;
+                            }
+                        }
+                    }
                 };
-                s.baseline.insert(key, baseline);
-                let Some(ratio) = ratio else { return };
                 // Grow only when the limit was in use: an idle limit proves nothing.
                 let in_use = slot.in_flight_at_send as f64 >= (s.limit / 2.0).floor().max(1.0);
                 if ratio > SHRINK_ABOVE {
@@ -214,14 +229,7 @@ impl AdaptiveLimit {
     ) -> Duration {
         // The slowest rate of any band (ms per work unit): generous, as a time limit should be.
         let rate = self.state.lock().ok().and_then(|s| {
-            let mut rates = s.baseline.iter().filter(|((r, _, _), _)| *r == role_index(role)).map(
-                |((_, prompt, completion), ms)| {
-                    // The band's least work: its calls' latency spread over no more units than that.
-                    ms / work_units(band_floor(*prompt) as u64, band_floor(*completion) as u64)
-                },
-            );
-            let first = rates.next()?;
-            Some(rates.fold(first, f64::max))
+            s.baseline.iter().filter(|((r, _, _), _)| *r == role_index(role)).map(|(_, rate)| *rate).reduce(f64::max)
         });
         let Some(rate) = rate else {
             // Nothing measured yet: the floor for each call that may be served before this one.
@@ -282,6 +290,80 @@ mod tests {
         assert!(tail.iter().all(|&l| l <= 2), "{seen:?}");
     }
 
+    /// Drives the limit with calls of varied sizes, as a real round's are (the
+    /// reflections' answers vary, aggregations read more), on a backend that
+    /// serves `slots` calls at once and whose service time is `cost(prompt,
+    /// completion)` ms, in proportions the limit does not know.
+    async fn settle_varied(
+        limit: &AdaptiveLimit,
+        slots: usize,
+        cost: impl Fn(u64, u64) -> f64,
+        rounds: usize,
+    ) -> Vec<u32> {
+        let mut seen = Vec::new();
+        let mut k: u64 = 7;
+        for _ in 0..rounds {
+            let n = limit.limit() as usize;
+            let mut held = Vec::new();
+            for _ in 0..n {
+                held.push(limit.acquire().await);
+            }
+            // Each of the backend's slots works through its share of the calls in order.
+            let mut slot_busy_ms = vec![0.0; slots.min(n).max(1)];
+            for (i, slot) in held.iter().enumerate() {
+                k = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let prompt = 600 + (k >> 33) % 2400;
+                let completion = 40 + (k >> 17) % 600;
+                let lane = i % slot_busy_ms.len();
+                slot_busy_ms[lane] += cost(prompt, completion);
+                let role = if (k >> 40) % 4 == 0 { LlmRole::Aggregator } else { LlmRole::Reflector };
+                limit.record(
+                    slot,
+                    Sample::Answered {
+                        role,
+                        latency: Duration::from_secs_f64(slot_busy_ms[lane] / 1000.0),
+                        prompt_tokens: prompt,
+                        completion_tokens: completion,
+                    },
+                );
+            }
+            seen.push(limit.limit());
+        }
+        seen
+    }
+
+    /// A CPU server: reading a prompt token costs a sixtieth of writing one.
+    fn cpu_cost(prompt: u64, completion: u64) -> f64 {
+        150.0 + prompt as f64 * 0.4 + completion as f64 * 25.0
+    }
+
+    /// A GPU service: prompt tokens are almost free beside completion tokens.
+    fn gpu_cost(prompt: u64, completion: u64) -> f64 {
+        50.0 + prompt as f64 * 0.02 + completion as f64 * 10.0
+    }
+
+    #[tokio::test]
+    async fn a_one_slot_server_settles_near_one_even_when_call_sizes_vary() {
+        // The first call of each size seen used to become its size's baseline even
+        // when it had waited behind others, so queued calls later looked unqueued.
+        let limit = AdaptiveLimit::new(64);
+        let seen = settle_varied(&limit, 1, cpu_cost, 80).await;
+        let tail = &seen[30..];
+        // A call that waited behind a much smaller one looks unqueued: the limit
+        // touches three now and then, but stays about two.
+        let mean = tail.iter().sum::<u32>() as f64 / tail.len() as f64;
+        assert!(tail.iter().all(|&l| l <= 3) && mean <= 2.5, "mean {mean:.2}: {seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_parallel_backend_grows_to_the_ceiling_when_call_sizes_vary() {
+        for cost in [cpu_cost as fn(u64, u64) -> f64, gpu_cost] {
+            let limit = AdaptiveLimit::new(32);
+            let seen = settle_varied(&limit, 1000, cost, 60).await;
+            assert_eq!(*seen.last().unwrap(), 32, "{seen:?}");
+        }
+    }
+
     #[tokio::test]
     async fn a_parallel_backend_grows_to_the_ceiling() {
         let limit = AdaptiveLimit::new(32);
@@ -334,7 +416,7 @@ mod tests {
         assert_eq!(limit.attempt_timeout(LlmRole::Reflector, 2000, 1024, 2, floor), floor * 2, "one call ahead");
         let slot = limit.acquire().await;
         // 1 s for 108 units (100 of prompt, 8 of overhead): a 1024-token answer to the same
-        // prompt is 1132 units, at least 10.5 s (the band's rate is counted over its least work).
+        // prompt is 1132 units, 10.5 s at that rate, four times that as its limit.
         limit.record(
             &slot,
             Sample::Answered {
@@ -346,9 +428,7 @@ mod tests {
         );
         drop(slot);
         let one = limit.attempt_timeout(LlmRole::Reflector, 1600, 1024, 1, floor);
-        let rate_ms = 1000.0 / work_units(band_floor(band(1600)) as u64, band_floor(band(0)) as u64);
-        assert!((one.as_secs_f64() - 4.0 * 1132.0 * rate_ms / 1000.0).abs() < 0.1, "{one:?}");
-        assert!(one.as_secs_f64() > 4.0 * 1132.0 / 108.0, "never less than the measured rate gives");
+        assert!((one.as_secs_f64() - 4.0 * 1132.0 / 108.0).abs() < 0.1, "{one:?}");
         let queued = limit.attempt_timeout(LlmRole::Reflector, 1600, 1024, 3, floor);
         assert!((queued.as_secs_f64() - 3.0 * one.as_secs_f64()).abs() < 0.5, "{queued:?}");
         // The aggregator has no baseline of its own yet.
