@@ -316,7 +316,7 @@ mod tests {
                 let completion = 40 + (k >> 17) % 600;
                 let lane = i % slot_busy_ms.len();
                 slot_busy_ms[lane] += cost(prompt, completion);
-                let role = if (k >> 40) % 4 == 0 { LlmRole::Aggregator } else { LlmRole::Reflector };
+                let role = if (k >> 40).is_multiple_of(4) { LlmRole::Aggregator } else { LlmRole::Reflector };
                 limit.record(
                     slot,
                     Sample::Answered {
