@@ -687,8 +687,8 @@ def streak_report(r, w):
         w("")
         w(f"**The run stopped early**: {r['error'][:500]}")
     w("")
-    w("| round | ended | wall (s) | sum of its calls' latencies (s) | server busy (s) | wall / busy | LLM calls | largest prompt (tokens, role) | largest prompt + completion vs window | context refusals | degraded groups | unreflected traces | refused answers | prompt after (chars) |")
-    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    w("| round | ended | wall (s) | sum of its calls' latencies (s) | server busy (s) | wall / busy | LLM calls | largest concurrency limit | largest prompt (tokens, role) | largest prompt + completion vs window | context refusals | degraded groups | unreflected traces | refused answers | prompt after (chars) |")
+    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, f in enumerate(rounds, 1):
         ended = f["status"] + (f": {str(f['error'])[:160]}" if f.get("error") else "")
         busy = f.get("server_busy_s")
@@ -696,7 +696,7 @@ def streak_report(r, w):
         share = f"{f['largest_total_tokens']:,} / {f['context_tokens']:,} ({f['largest_total_tokens'] / f['context_tokens']:.0%})"
         busy_s = f"{busy:.0f}" if busy is not None else "not measured"
         w(f"| {i} | {ended} | {f['wall_s']:.0f} | {f['calls_latency_s']:.0f} | {busy_s} | {ratio} | {f['calls']} | "
-          f"{f['largest_prompt_tokens']:,} ({f['largest_prompt_role'] or '—'}) | {share} | {f['context_refusals']} | "
+          f"{f.get('max_concurrency_limit') or '—'} | {f['largest_prompt_tokens']:,} ({f['largest_prompt_role'] or '—'}) | {share} | {f['context_refusals']} | "
           f"{f['groups_degraded']} | {f['unreflected']} | {f['refused_calls']} | {f['prompt_chars']:,} |")
     ended = {}
     for f in rounds:
