@@ -138,13 +138,22 @@ async fn list(api: &ApiClient, json_out: bool, name: &str) -> CliResult<()> {
                 cell(&r["n"]),
                 cell(&r["k"]),
                 format!("v{}", cell(&r["base_version"])),
-                r["result_version"].as_i64().map_or("-".to_owned(), |v| format!("v{v}")),
+                result_of(r),
                 when(&r["created_at"]),
             ]
         })
         .collect();
     print_table(&["ID", "STATUS", "TRIGGER", "METHOD", "N", "K", "BASE", "RESULT", "CREATED"], &rows);
     Ok(())
+}
+
+/// The version a round published, `unchanged` for a round that succeeded without one.
+fn result_of(r: &Value) -> String {
+    match r["result_version"].as_i64() {
+        Some(v) => format!("v{v}"),
+        None if r["status"] == "succeeded" => "unchanged".to_owned(),
+        None => "-".to_owned(),
+    }
 }
 
 fn print_round(r: &Value) {
@@ -158,7 +167,7 @@ fn print_round(r: &Value) {
         "size:",
         format!("n={} k={} p={} seed={}", cell(&r["n"]), cell(&r["k"]), cell(&r["duplication"]), cell(&r["seed"])),
     );
-    let result = r["result_version"].as_i64().map_or("-".to_owned(), |v| format!("v{v}"));
+    let result = result_of(r);
     field("versions:", format!("v{} -> {result}", cell(&r["base_version"])));
     field("attempt:", cell(&r["attempt"]));
     field("created:", when(&r["created_at"]));

@@ -160,10 +160,14 @@ impl OutboxEvent {
         )
     }
 
-    pub fn round_completed(prompt: &PromptName, round: Uuid, version: i64, label: &LabelName) -> Self {
+    /// A round succeeded: with the version it published and the label that
+    /// moved onto it, or with neither (`version` and `label` null, `unchanged`
+    /// true) when what it learned left the prompt's content as it was.
+    pub fn round_completed(prompt: &PromptName, round: Uuid, published: Option<(i64, &LabelName)>) -> Self {
         Self::new(
             EventType::RoundCompleted,
-            json!({"prompt": prompt.as_str(), "round_id": round, "version": version, "label": label.as_str()}),
+            json!({"prompt": prompt.as_str(), "round_id": round, "version": published.map(|(v, _)| v),
+                   "label": published.map(|(_, l)| l.as_str()), "unchanged": published.is_none()}),
         )
     }
 

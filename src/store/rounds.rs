@@ -174,6 +174,20 @@ pub trait RoundStore: Send + Sync {
         sample_secs: Option<f64>,
         charges: &TraceCharges,
     ) -> StoreResult<Version>;
+    /// Ends a round whose learning left the prompt's content as it was: the
+    /// same as [`publish_round`](Self::publish_round) (traces consumed or
+    /// charged, the round succeeded, the controller's sample, the failure
+    /// streak ended, `round.completed`) but no version is written and no label
+    /// moves; the round's `result_version` stays empty. `Conflict` when the
+    /// lease was lost.
+    async fn finish_round_unchanged(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        detail: &serde_json::Value,
+        sample_secs: Option<f64>,
+        charges: &TraceCharges,
+    ) -> StoreResult<()>;
     /// Ends an attempt that could not publish (fenced by the attempt).
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()>;
     async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>>;
@@ -505,17 +519,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         let now = now();
         let mut tx = self.writer.begin().await?;
         let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
-        if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
-            sql::<D>(
-                "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
-                 SELECT prompt_id, id, n, $1, $2 FROM rounds WHERE id = $3",
-            )
-            .bind(secs)
-            .bind(now)
-            .bind(round)
-            .execute(&mut tx)
-            .await?;
-        }
+        record_sample::<D>(&mut tx, round, sample_secs, now).await?;
         let number: i64 =
             // A round that publishes ends the prompt's failure streak.
             sql::<D>(
@@ -531,36 +535,39 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         let mv =
             LabelMove { label: label.clone(), to_version: number, expected_current: None, check_current: false, by };
         let (moved, previous) = apply_move::<D>(&mut tx, prompt_id, &mv).await?;
-        charge_traces::<D>(&mut tx, round, charges).await?;
-        sql::<D>(
-            "UPDATE traces SET status = 'consumed', updated_at = $1 WHERE round_id = $2 AND status = 'pending'
-               AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = $2 AND r.trace_id = traces.id)",
-        )
-        .bind(now)
-        .bind(round)
-        .execute(&mut tx)
-        .await?;
-        release_traces::<D>(&mut tx, round).await?;
-        sql::<D>(
-            "UPDATE rounds SET status = 'succeeded', result_version = $1, detail = $2, error = NULL, finished_at = $3,
-                    lease_owner = NULL, lease_expires_at = NULL, updated_at = $3 WHERE id = $4",
-        )
-        .bind(number)
-        .bind(json(detail))
-        .bind(now)
-        .bind(round)
-        .execute(&mut tx)
-        .await?;
+        settle_succeeded::<D>(&mut tx, round, Some(number), detail, charges, now).await?;
         let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, now);
         let mut queued = record_event::<D>(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
         let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
             .with_evidence(serde_json::json!({ "round_id": round }));
         queued |= record_move::<D>(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
-        let completed = OutboxEvent::round_completed(&version.prompt, round, number, &label);
+        let completed = OutboxEvent::round_completed(&version.prompt, round, Some((number, &label)));
         queued |= record_event::<D>(&mut tx, &completed).await?;
         self.commit(tx, Change::Prompt(name)).await?;
         self.announce_outbox(queued);
         Ok(version)
+    }
+
+    async fn finish_round_unchanged(
+        &self,
+        round: Uuid,
+        attempt: i32,
+        detail: &Value,
+        sample_secs: Option<f64>,
+        charges: &TraceCharges,
+    ) -> StoreResult<()> {
+        let now = now();
+        let mut tx = self.writer.begin().await?;
+        let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
+        record_sample::<D>(&mut tx, round, sample_secs, now).await?;
+        // A round that succeeds ends the prompt's failure streak, version or not.
+        reset_failures::<D>(&mut tx, prompt_id).await?;
+        settle_succeeded::<D>(&mut tx, round, None, detail, charges, now).await?;
+        let prompt = PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?;
+        let queued = record_event::<D>(&mut tx, &OutboxEvent::round_completed(&prompt, round, None)).await?;
+        self.commit(tx, Change::Prompt(name)).await?;
+        self.announce_outbox(queued);
+        Ok(())
     }
 
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
@@ -739,6 +746,60 @@ pub(super) fn round_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Round> {
 /// Checks that `attempt` still holds the round's lease (locking the round row
 /// on Postgres; SQLite's single writer makes check-then-write atomic).
 /// Returns the round's prompt id and name.
+/// Records the batch-size controller's delay sample of a round that ended (none for a zero time).
+async fn record_sample<D: Dialect>(
+    c: &mut D::Connection,
+    round: Uuid,
+    sample_secs: Option<f64>,
+    now: DateTime<Utc>,
+) -> StoreResult<()> {
+    if let Some(secs) = sample_secs.filter(|s| *s > 0.0) {
+        sql::<D>(
+            "INSERT INTO controller_samples (prompt_id, round_id, batch_size, round_secs, created_at)
+             SELECT prompt_id, id, n, $1, $2 FROM rounds WHERE id = $3",
+        )
+        .bind(secs)
+        .bind(now)
+        .bind(round)
+        .execute(c)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Ends a round as succeeded: its faulty traces charged, the traces it
+/// reflected consumed, the others back in the backlog, its record written.
+async fn settle_succeeded<D: Dialect>(
+    c: &mut D::Connection,
+    round: Uuid,
+    version: Option<i64>,
+    detail: &Value,
+    charges: &TraceCharges,
+    now: DateTime<Utc>,
+) -> StoreResult<()> {
+    charge_traces::<D>(c, round, charges).await?;
+    sql::<D>(
+        "UPDATE traces SET status = 'consumed', updated_at = $1 WHERE round_id = $2 AND status = 'pending'
+           AND EXISTS (SELECT 1 FROM reflections r WHERE r.round_id = $2 AND r.trace_id = traces.id)",
+    )
+    .bind(now)
+    .bind(round)
+    .execute(&mut *c)
+    .await?;
+    release_traces::<D>(c, round).await?;
+    sql::<D>(
+        "UPDATE rounds SET status = 'succeeded', result_version = $1, detail = $2, error = NULL, finished_at = $3,
+                lease_owner = NULL, lease_expires_at = NULL, updated_at = $3 WHERE id = $4",
+    )
+    .bind(version)
+    .bind(json(detail))
+    .bind(now)
+    .bind(round)
+    .execute(c)
+    .await?;
+    Ok(())
+}
+
 pub(super) async fn fence<D: Dialect>(c: &mut D::Connection, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
     let row = sql::<D>(&format!(
         "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id

@@ -371,7 +371,15 @@ impl Worker {
                 Some(crate::domain::regression::GateMode::Cases)
             }
         };
-        let publication = publish::Publication::of(&prompt, base.number, id, &outcome, elapsed, &by, gated.is_some());
+        let publication = publish::Publication::of(
+            &prompt,
+            (base.number, &base.content),
+            id,
+            &outcome,
+            elapsed,
+            &by,
+            gated.is_some(),
+        );
         let degraded = outcome.record.level2.is_degraded();
         let max_trace_attempts = self.settings.max_trace_attempts;
         let published = publish::publish(
@@ -392,6 +400,7 @@ impl Worker {
                     self.open_gate(&prompt.name, number, mode).await;
                 }
             }
+            publish::Published::Unchanged => {}
             publish::Published::LeaseLost => {
                 tracing::warn!("lease lost before publishing; another worker owns the round")
             }

@@ -7,7 +7,7 @@
 //! plain data, [`publish`] carries it out against the store.
 
 use crate::{
-    domain::{LabelName, Method, Promotion, Prompt, VersionSource, prompt::NewVersion},
+    domain::{LabelName, Method, Promotion, Prompt, VersionContent, VersionSource, prompt::NewVersion},
     evaluate::population::PopulationPolicy,
     learn::round::RoundOutcome,
     store::{DynStore, MeterCounts, StoreError, TraceCharges, TraceFault},
@@ -27,6 +27,10 @@ pub struct Publication {
     pub faults: Vec<TraceFault>,
     /// Whether the version joins the population as a challenger (`evaluated`).
     pub joins_population: bool,
+    /// What the round learned left the content as the base version had it:
+    /// the round succeeds, but no version is written (a copy of its parent
+    /// would only be another version to review, gate and measure).
+    pub unchanged: bool,
 }
 
 // A gated version (the prompt has a regression set or a harness) is published
@@ -38,6 +42,8 @@ pub struct Publication {
 pub enum Published {
     /// The version's number.
     Version(i64),
+    /// The round succeeded without a version: its content equalled its base's.
+    Unchanged,
     /// Another worker owns the round now (its lease was lost): nothing was written.
     LeaseLost,
     /// The store refused or failed: the round should be retried or failed.
@@ -48,7 +54,7 @@ impl Publication {
     /// The policy: which label, which provenance, what is recorded beside the version.
     pub fn of(
         prompt: &Prompt,
-        parent: i64,
+        parent: (i64, &VersionContent),
         round: uuid::Uuid,
         outcome: &RoundOutcome,
         elapsed_secs: f64,
@@ -61,6 +67,7 @@ impl Publication {
             // A learned child is measured (evaluated) or reviewed (manual) before it may serve production.
             Promotion::Manual | Promotion::Evaluated => LabelName::candidate(),
         };
+        let (parent, base) = parent;
         let record = &outcome.record;
         let version = NewVersion {
             parent: Some(parent),
@@ -95,6 +102,7 @@ impl Publication {
             meter,
             faults,
             joins_population: prompt.promotion == Promotion::Evaluated && !gated,
+            unchanged: outcome.content == *base,
         }
     }
 }
@@ -103,7 +111,8 @@ impl Publication {
 /// scheduler may size the next round from it; what the groups kept is a
 /// measurement of the model whether or not publishing succeeds, and recording a
 /// round twice counts once), then the version, its label, the traces and the
-/// round's record in one fenced transaction, then the population.
+/// round's record in one fenced transaction, then the population. A round
+/// whose content is its base's ends succeeded without a version.
 #[allow(clippy::too_many_arguments)]
 pub async fn publish(
     store: &DynStore,
@@ -122,6 +131,18 @@ pub async fn publish(
         tracing::warn!(error = %e, "the overload meter was not updated for this round");
     }
     let charges = TraceCharges { faults: publication.faults, max_trace_attempts };
+    if publication.unchanged {
+        return match store.finish_round_unchanged(round, attempt, detail, publication.sample_secs, &charges).await {
+            Ok(()) => {
+                metrics::counter!("combee_rounds_total", "outcome" => "succeeded").increment(1);
+                metrics::counter!("combee_rounds_unchanged_total").increment(1);
+                tracing::info!("round succeeded; what it learned left the prompt unchanged, so no version");
+                Published::Unchanged
+            }
+            Err(StoreError::Conflict) => Published::LeaseLost,
+            Err(e) => Published::Failed(e),
+        };
+    }
     let label = publication.label.clone();
     let published = store
         .publish_round(round, attempt, publication.version, label.clone(), detail, publication.sample_secs, &charges)
@@ -195,23 +216,52 @@ mod tests {
     #[test]
     fn the_promotion_policy_picks_the_label_and_evaluated_versions_join_the_population() {
         let round = uuid::Uuid::from_u128(1);
-        let auto =
-            Publication::of(&prompt(Promotion::Auto), 3, round, &outcome(Method::Combee), 2.5, "worker:x", false);
+        let other = VersionContent { base: "a".into(), playbook: None };
+        let auto = Publication::of(
+            &prompt(Promotion::Auto),
+            (3, &other),
+            round,
+            &outcome(Method::Combee),
+            2.5,
+            "worker:x",
+            false,
+        );
         assert_eq!((auto.label, auto.joins_population), (LabelName::production(), false));
         assert_eq!((auto.version.parent, auto.version.round_id), (Some(3), Some(round)));
         assert_eq!(auto.version.message, "learned from 20 traces (combee round, k = 10, p = 2)");
         assert_eq!(auto.sample_secs, Some(2.5));
         assert_eq!(auto.meter, vec![MeterCounts { size_min: 4, marked: 30, recaptured: 27, rounds: 1 }]);
         assert_eq!(auto.faults.len(), 1);
-        let evaluated =
-            Publication::of(&prompt(Promotion::Evaluated), 3, round, &outcome(Method::Combee), 1.0, "w", false);
+        assert!(!auto.unchanged);
+        // Learned content equal to the base's: the round publishes no version.
+        let same = outcome(Method::Combee).content;
+        let unchanged =
+            Publication::of(&prompt(Promotion::Auto), (3, &same), round, &outcome(Method::Combee), 2.5, "w", false);
+        assert!(unchanged.unchanged);
+        let evaluated = Publication::of(
+            &prompt(Promotion::Evaluated),
+            (3, &other),
+            round,
+            &outcome(Method::Combee),
+            1.0,
+            "w",
+            false,
+        );
         assert_eq!((evaluated.label, evaluated.joins_population), (LabelName::candidate(), true));
-        let manual =
-            Publication::of(&prompt(Promotion::Manual), 3, round, &outcome(Method::Sequential), 1.0, "w", false);
+        let manual = Publication::of(
+            &prompt(Promotion::Manual),
+            (3, &other),
+            round,
+            &outcome(Method::Sequential),
+            1.0,
+            "w",
+            false,
+        );
         assert_eq!((manual.label, manual.joins_population, manual.sample_secs), (LabelName::candidate(), false, None));
         // A gated version waits as candidate under every policy and joins no population yet.
         for promotion in [Promotion::Auto, Promotion::Evaluated, Promotion::Manual] {
-            let gated = Publication::of(&prompt(promotion), 3, round, &outcome(Method::Combee), 1.0, "w", true);
+            let gated =
+                Publication::of(&prompt(promotion), (3, &other), round, &outcome(Method::Combee), 1.0, "w", true);
             assert_eq!((gated.label, gated.joins_population), (LabelName::candidate(), false), "{promotion:?}");
         }
     }

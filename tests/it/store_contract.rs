@@ -1625,6 +1625,64 @@ async fn llm_calls_keep_how_their_answer_was_read(b: Backend) {
     assert_eq!(calls[2], llm_call("older"), "a call that says nothing of its answer reads back as such");
 }
 
+/// A round whose learning left the content as its base had it succeeds without
+/// a version: its reflected traces are consumed, the others go back, no label
+/// moves, the failure streak ends, and `round.completed` says `unchanged`.
+async fn a_round_that_changed_nothing_succeeds_without_a_version(b: Backend) {
+    use combee::{
+        domain::{event::EventType, round::RoundStatus, webhook::NewWebhook},
+        secret::Secret,
+    };
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    let hook = NewWebhook {
+        url: "https://example.com/hook".into(),
+        project: None,
+        events: vec![EventType::RoundCompleted],
+        description: None,
+        secret: Secret::new("whsec_c2VjcmV0"),
+    };
+    s.create_webhook(&hook).await.unwrap();
+    make_prompt(&s, "u").await;
+    let ids = s.insert_traces(&[trace("u", None), trace("u", None)]).await.unwrap();
+    let failed = open_and_claim(&s, "u").await;
+    let give_up = RoundFailure::GiveUp { charges: TraceCharges::default() };
+    s.fail_round(failed.round.id, failed.round.attempt, "first", give_up).await.unwrap();
+    assert_eq!(s.failure_streak(&name("u")).await.unwrap().unwrap().failures, 1);
+
+    let c = open_and_claim(&s, "u").await;
+    s.save_reflection(c.round.id, ids[0], &reflection("nothing new"), false).await.unwrap();
+    s.finish_round_unchanged(
+        c.round.id,
+        c.round.attempt,
+        &json!({"outcome": {"n": 2}}),
+        Some(1.5),
+        &Default::default(),
+    )
+    .await
+    .unwrap();
+    let round = s.get_round(c.round.id).await.unwrap().unwrap();
+    assert_eq!((round.status, round.result_version, round.error), (RoundStatus::Succeeded, None, None));
+    assert_eq!(round.detail["outcome"]["n"], 2);
+    let (reflected, other) = (s.get_trace(ids[0]).await.unwrap().unwrap(), s.get_trace(ids[1]).await.unwrap().unwrap());
+    assert_eq!((reflected.status, other.status, other.round_id), (TraceStatus::Consumed, TraceStatus::Pending, None));
+    let versions = s.list_versions(&name("u"), None, 10).await.unwrap();
+    assert_eq!(versions.iter().map(|v| v.number).collect::<Vec<_>>(), vec![1], "no version written");
+    let prod = s.resolve(&name("u"), &Selector::Label(LabelName::production())).await.unwrap().unwrap();
+    assert_eq!(prod.version.number, 1);
+    assert_eq!(s.failure_streak(&name("u")).await.unwrap().unwrap(), Default::default(), "a success ends the streak");
+    let told = s.claim_deliveries("d", std::time::Duration::from_secs(60), 10).await.unwrap();
+    assert_eq!(told.len(), 1, "{told:?}");
+    let body: serde_json::Value = serde_json::from_str(&told[0].body).unwrap();
+    assert_eq!(
+        (&body["data"]["version"], &body["data"]["label"], &body["data"]["unchanged"]),
+        (&json!(null), &json!(null), &json!(true))
+    );
+    // Fenced like a publication: the attempt that lost its lease writes nothing.
+    let again = s.finish_round_unchanged(c.round.id, c.round.attempt + 1, &json!({}), None, &Default::default()).await;
+    assert!(matches!(again, Err(StoreError::Conflict)), "{again:?}");
+}
+
 /// A prompt's failed rounds make a streak: counted in the round's own
 /// transaction, `round.failed` told once per streak, ended by a round that
 /// publishes or by an operator (a clear, or a round an operator triggers).
@@ -2021,6 +2079,7 @@ on_both_stores!(
     a_lost_lease_fences_the_old_attempt,
     llm_calls_keep_how_their_answer_was_read,
     a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator,
+    a_round_that_changed_nothing_succeeds_without_a_version,
     failed_rounds_retry_later_or_give_their_traces_back,
     rounds_charge_traces_only_for_their_own_failures,
     migration_0007_keeps_existing_prompts_on_agent_reflections,

@@ -2,7 +2,11 @@
 //! operations, group outputs and reflections.
 
 use super::*;
+use crate::domain::round::RoundStatus;
 use crate::llm::{AnswerRead, LlmCall};
+
+/// What a round that succeeded without a version shows as its result.
+const UNCHANGED: &str = r#"<span class="muted" title="its content equalled its base version's">unchanged</span>"#;
 
 #[derive(Deserialize)]
 pub struct BeforeIdQuery {
@@ -24,6 +28,7 @@ pub async fn rounds(
         let result = match (r.result_version, &r.error) {
             (Some(v), _) => format!("v{v}"),
             (None, Some(e)) => format!(r#"<span class="bad-text">{}</span>"#, clip(e, 80)),
+            (None, None) if r.status == RoundStatus::Succeeded => UNCHANGED.to_owned(),
             _ => "—".to_owned(),
         };
         let _ = write!(
@@ -108,6 +113,9 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
             r.base_version
         ),
         (None, Some(e)) => format!(r#"<span class="bad-text" id="round-error">{}</span>"#, escape(e)),
+        (None, None) if r.status == RoundStatus::Succeeded => {
+            format!(r#"{UNCHANGED} <span class="muted">(what it learned left v{} as it was)</span>"#, r.base_version)
+        }
         _ => r#"<span class="muted">not yet</span>"#.to_owned(),
     };
     let summary = format!(
