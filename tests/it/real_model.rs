@@ -344,7 +344,12 @@ async fn a_backend_that_refuses_response_format_is_read_the_old_way(b: Backend) 
     // Read by text, a 135M model rarely writes a whole reflection: the round may fail,
     // as documented; then the prompt backs off instead of re-running the same traces.
     match round["status"].as_str() {
-        Some("succeeded") => assert!(round["result_version"].as_i64().is_some(), "{round}"),
+        // A version, or none when what it learned left the prompt as it was.
+        Some("succeeded") if round["result_version"].is_null() => {
+            let prompt: Value = app.get("/v1/prompts/plain-backend").send().await.unwrap().json().await.unwrap();
+            assert_eq!(prompt["version"], 1, "an unchanged round writes no version: {prompt}");
+        }
+        Some("succeeded") => assert!(round["result_version"].as_i64().is_some_and(|v| v >= 2), "{round}"),
         Some("failed") => {
             let learning: Value =
                 app.get("/v1/prompts/plain-backend/learning").send().await.unwrap().json().await.unwrap();
