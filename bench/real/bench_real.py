@@ -479,6 +479,7 @@ def summarize_rounds(records, traces):
     by_role = {}
     retries = 0
     wall = 0.0
+    refusals = []
     for r in records:
         statuses[r["status"]] = statuses.get(r["status"], 0) + 1
         wall += r.get("wall_s", 0.0)
@@ -494,6 +495,10 @@ def summarize_rounds(records, traces):
             # Attempts combee gave up on and sent again: their tokens are in the server's count only.
             retries += c.get("retries", 0)
             read = c.get("read") or ("error" if c.get("error") else "not recorded")
+            if read == "refused" and len(refusals) < 5:
+                # What the model wrote and why it could not be used, for whoever reads the report.
+                refusals.append({"role": c.get("role"), "error": (c.get("error") or "")[:300],
+                                 "answer": (c.get("refused_answer") or "")[:300]})
             reads[read] = reads.get(read, 0) + 1
             fmt = c.get("output_format") or "not recorded"
             formats[fmt] = formats.get(fmt, 0) + 1
@@ -510,6 +515,7 @@ def summarize_rounds(records, traces):
         "completion_tokens_per_trace": completion_tokens / max(1, traces),
         "reads": reads,
         "output_formats": formats,
+        "refusals": refusals,
     }
 
 
@@ -873,6 +879,9 @@ def report(args):
             w(f"- output format asked for: {formats or 'no calls recorded'}")
             for e in m["errors"]:
                 w(f"- a round's error: {str(e)[:300]}")
+            for f in m.get("refusals") or []:
+                answer = f["answer"].replace("`", "'").replace("\n", " ")
+                w(f"- a refused answer ({f['role']}): {f['error'][:160]}; it read `{answer[:160]}`")
             w("")
             w("The learned text:")
             w("")
