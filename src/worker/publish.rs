@@ -217,6 +217,10 @@ mod tests {
     fn the_promotion_policy_picks_the_label_and_evaluated_versions_join_the_population() {
         let round = uuid::Uuid::from_u128(1);
         let other = VersionContent { base: "a".into(), playbook: None };
+        // Published from base v3 whose content is `base`, by a worker called "w" unless said.
+        let of = |promotion, base: &VersionContent, method, secs, gated| {
+            Publication::of(&prompt(promotion), (3, base), round, &outcome(method), secs, "w", gated)
+        };
         let auto = Publication::of(
             &prompt(Promotion::Auto),
             (3, &other),
@@ -235,33 +239,14 @@ mod tests {
         assert!(!auto.unchanged);
         // Learned content equal to the base's: the round publishes no version.
         let same = outcome(Method::Combee).content;
-        let unchanged =
-            Publication::of(&prompt(Promotion::Auto), (3, &same), round, &outcome(Method::Combee), 2.5, "w", false);
-        assert!(unchanged.unchanged);
-        let evaluated = Publication::of(
-            &prompt(Promotion::Evaluated),
-            (3, &other),
-            round,
-            &outcome(Method::Combee),
-            1.0,
-            "w",
-            false,
-        );
+        assert!(of(Promotion::Auto, &same, Method::Combee, 2.5, false).unchanged);
+        let evaluated = of(Promotion::Evaluated, &other, Method::Combee, 1.0, false);
         assert_eq!((evaluated.label, evaluated.joins_population), (LabelName::candidate(), true));
-        let manual = Publication::of(
-            &prompt(Promotion::Manual),
-            (3, &other),
-            round,
-            &outcome(Method::Sequential),
-            1.0,
-            "w",
-            false,
-        );
+        let manual = of(Promotion::Manual, &other, Method::Sequential, 1.0, false);
         assert_eq!((manual.label, manual.joins_population, manual.sample_secs), (LabelName::candidate(), false, None));
         // A gated version waits as candidate under every policy and joins no population yet.
         for promotion in [Promotion::Auto, Promotion::Evaluated, Promotion::Manual] {
-            let gated =
-                Publication::of(&prompt(promotion), (3, &other), round, &outcome(Method::Combee), 1.0, "w", true);
+            let gated = of(promotion, &other, Method::Combee, 1.0, true);
             assert_eq!((gated.label, gated.joins_population), (LabelName::candidate(), false), "{promotion:?}");
         }
     }

@@ -49,6 +49,18 @@ async fn make_prompt(store: &DynStore, n: &str) {
     store.create_prompt(p, version("v1")).await.unwrap();
 }
 
+/// A server-wide subscription to `event` (secret `whsec_c2VjcmV0`).
+async fn subscribe(s: &DynStore, event: combee::domain::event::EventType) -> combee::domain::webhook::Webhook {
+    let hook = combee::domain::webhook::NewWebhook {
+        url: "https://example.com/hook".into(),
+        project: None,
+        events: vec![event],
+        description: None,
+        secret: combee::secret::Secret::new("whsec_c2VjcmV0"),
+    };
+    s.create_webhook(&hook).await.unwrap()
+}
+
 fn trace(prompt: &str, v: Option<i64>) -> ValidTrace {
     let t: NewTrace =
         serde_json::from_value(json!({"prompt": prompt, "prompt_version": v, "input": {"q": "x"}})).unwrap();
@@ -696,8 +708,7 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
 /// only to matching subscriptions, and deliveries are leased and fenced.
 async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Backend) {
     use combee::{
-        domain::{event::EventType, webhook::NewWebhook},
-        secret::Secret,
+        domain::event::EventType,
         store::{AttemptRecord, DeliveryOutcome},
     };
     use std::time::Duration;
@@ -707,14 +718,7 @@ async fn outbox_events_commit_with_their_change_and_deliveries_are_leased(b: Bac
     // A wake-up is only announced once the Postgres listener is LISTENing:
     // wait for that, with writes that make no delivery (no subscription exists yet).
     write_until_announced(&s, &mut rx).await;
-    let hook = NewWebhook {
-        url: "https://example.com/hook".into(),
-        project: None,
-        events: vec![EventType::LabelMoved],
-        description: None,
-        secret: Secret::new("whsec_c2VjcmV0"),
-    };
-    let sub = s.create_webhook(&hook).await.unwrap();
+    let sub = subscribe(&s, EventType::LabelMoved).await;
     assert_eq!(s.get_webhook(sub.id).await.unwrap().unwrap().secret.expose(), "whsec_c2VjcmV0");
     make_prompt(&s, "p").await; // version.created (not subscribed) + label.moved
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -1121,20 +1125,10 @@ async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) 
 /// Every kind of label change lands in the label history in the same
 /// transaction, newest first, with its actor; a refused or empty move records nothing.
 async fn label_history_records_every_move_in_order(b: Backend) {
-    use combee::{
-        domain::{LabelMoveKind, MoveCause, event::EventType, webhook::NewWebhook},
-        secret::Secret,
-    };
+    use combee::domain::{LabelMoveKind, MoveCause, event::EventType};
     let ts = test_store(b).await;
     let s = ts.store.clone();
-    let hook = NewWebhook {
-        url: "https://example.com/hook".into(),
-        project: None,
-        events: vec![EventType::PromptRolledBack],
-        description: None,
-        secret: Secret::new("whsec_c2VjcmV0"),
-    };
-    s.create_webhook(&hook).await.unwrap();
+    subscribe(&s, EventType::PromptRolledBack).await;
     make_prompt(&s, "p").await;
     make_prompt(&s, "other").await;
     let prod = LabelName::production();
@@ -1629,20 +1623,10 @@ async fn llm_calls_keep_how_their_answer_was_read(b: Backend) {
 /// a version: its reflected traces are consumed, the others go back, no label
 /// moves, the failure streak ends, and `round.completed` says `unchanged`.
 async fn a_round_that_changed_nothing_succeeds_without_a_version(b: Backend) {
-    use combee::{
-        domain::{event::EventType, round::RoundStatus, webhook::NewWebhook},
-        secret::Secret,
-    };
+    use combee::domain::{event::EventType, round::RoundStatus};
     let ts = test_store(b).await;
     let s = ts.store.clone();
-    let hook = NewWebhook {
-        url: "https://example.com/hook".into(),
-        project: None,
-        events: vec![EventType::RoundCompleted],
-        description: None,
-        secret: Secret::new("whsec_c2VjcmV0"),
-    };
-    s.create_webhook(&hook).await.unwrap();
+    subscribe(&s, EventType::RoundCompleted).await;
     make_prompt(&s, "u").await;
     let ids = s.insert_traces(&[trace("u", None), trace("u", None)]).await.unwrap();
     let failed = open_and_claim(&s, "u").await;
@@ -1687,20 +1671,10 @@ async fn a_round_that_changed_nothing_succeeds_without_a_version(b: Backend) {
 /// transaction, `round.failed` told once per streak, ended by a round that
 /// publishes or by an operator (a clear, or a round an operator triggers).
 async fn a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator(b: Backend) {
-    use combee::{
-        domain::{event::EventType, webhook::NewWebhook},
-        secret::Secret,
-    };
+    use combee::domain::event::EventType;
     let ts = test_store(b).await;
     let s = ts.store.clone();
-    let hook = NewWebhook {
-        url: "https://example.com/hook".into(),
-        project: None,
-        events: vec![EventType::RoundFailed],
-        description: None,
-        secret: Secret::new("whsec_c2VjcmV0"),
-    };
-    s.create_webhook(&hook).await.unwrap();
+    subscribe(&s, EventType::RoundFailed).await;
     make_prompt(&s, "f").await;
     s.insert_traces(&[trace("f", None), trace("f", None)]).await.unwrap();
     let by_scheduler = OpenRound { trigger: RoundTrigger::Backlog, ..open_req("f") };
