@@ -368,6 +368,12 @@ impl VersionContent {
         playbook::render(&self.base, self.playbook.as_ref())
     }
 
+    /// Whether an agent would be served the same text: a playbook without
+    /// bullets (or with empty sections only) says as much as none.
+    pub fn serves_as(&self, other: &Self) -> bool {
+        self == other || self.render() == other.render()
+    }
+
     /// `sha256:<hex>` over a canonical encoding of base and playbook.
     pub fn hash(&self) -> String {
         let canonical = serde_json::to_vec(self).unwrap_or_default();

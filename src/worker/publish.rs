@@ -102,7 +102,7 @@ impl Publication {
             meter,
             faults,
             joins_population: prompt.promotion == Promotion::Evaluated && !gated,
-            unchanged: outcome.content == *base,
+            unchanged: outcome.content.serves_as(base),
         }
     }
 }
@@ -240,6 +240,13 @@ mod tests {
         // Learned content equal to the base's: the round publishes no version.
         let same = outcome(Method::Combee).content;
         assert!(of(Promotion::Auto, &same, Method::Combee, 2.5, false).unchanged);
+        // So is a learned playbook without bullets on a base that had none: agents see the same text.
+        let bare = VersionContent { base: same.base.clone(), playbook: None };
+        let mut learned_empty = outcome(Method::Combee);
+        learned_empty.content.playbook = Some(crate::domain::playbook::Playbook::default());
+        let learned_empty =
+            Publication::of(&prompt(Promotion::Auto), (3, &bare), round, &learned_empty, 1.0, "w", false);
+        assert!(learned_empty.unchanged);
         let evaluated = of(Promotion::Evaluated, &other, Method::Combee, 1.0, false);
         assert_eq!((evaluated.label, evaluated.joins_population), (LabelName::candidate(), true));
         let manual = of(Promotion::Manual, &other, Method::Sequential, 1.0, false);

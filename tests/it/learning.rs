@@ -278,6 +278,35 @@ fn unreflectable_trace(prompt: &str) -> Value {
            "feedback": {"success": false, "comment": lessons}, "external_id": "poison"})
 }
 
+/// A round whose traces teach nothing (no lesson in any feedback: the
+/// simulator's reflections carry no insight and its aggregator adds no bullet)
+/// succeeds without a version: the prompt stays where it was, its traces are
+/// consumed, and the round says so in the API and the web UI.
+async fn a_round_that_learns_nothing_publishes_no_version(b: Backend) {
+    let sim = spawn_sim(sim()).await;
+    let app = spawn_app_with(b, |s| learning(s, &sim.url)).await;
+    create(&app, "quiet", "playbook", json!({})).await;
+    let traces: Vec<Value> = (0..4)
+        .map(|i| {
+            json!({"prompt": "quiet", "input": {"task": format!("task {i}")}, "output": format!("answer {i}"),
+                   "feedback": {"success": true, "comment": "fine"}})
+        })
+        .collect();
+    assert_eq!(app.post("/v1/traces", json!({"traces": traces})).send().await.unwrap().status(), 201);
+
+    let round = trigger(&app, "quiet", json!({})).await;
+    let id = round["id"].as_str().unwrap();
+    let done = round_end(&app, id, Duration::from_secs(60)).await;
+    assert_eq!((done["status"].as_str(), &done["result_version"]), (Some("succeeded"), &Value::Null), "{done}");
+    let prompt: Value = app.get("/v1/prompts/quiet").send().await.unwrap().json().await.unwrap();
+    assert_eq!(prompt["version"], 1, "{prompt}");
+    let versions: Value = app.get("/v1/prompts/quiet/versions").send().await.unwrap().json().await.unwrap();
+    assert_eq!(versions["versions"].as_array().map(Vec::len), Some(1), "{versions}");
+    assert_eq!(traces_with(&app, "quiet", "consumed").await.len(), 4);
+    let page = round_page(&app, id.parse().unwrap()).await;
+    assert!(page.contains("unchanged") && page.contains("left v1 as it was"), "{page}");
+}
+
 async fn an_unreflected_trace_is_not_consumed(b: Backend) {
     let sim = spawn_sim(sim()).await;
     let app = spawn_app_with(b, |s| {
@@ -474,6 +503,7 @@ on_both_stores!(
     rounds_survive_injected_faults,
     a_dead_backend_fails_cleanly_and_loses_nothing,
     an_unreflected_trace_is_not_consumed,
+    a_round_that_learns_nothing_publishes_no_version,
     a_group_failure_costs_no_trace_an_attempt_and_a_rerun_reuses_reflections,
     round_triggers_are_validated,
 );

@@ -6,7 +6,7 @@ use crate::domain::round::RoundStatus;
 use crate::llm::{AnswerRead, LlmCall};
 
 /// What a round that succeeded without a version shows as its result.
-const UNCHANGED: &str = r#"<span class="muted" title="its content equalled its base version's">unchanged</span>"#;
+const UNCHANGED: &str = r#"<span class="muted" title="it would have served its base version's text">unchanged</span>"#;
 
 #[derive(Deserialize)]
 pub struct BeforeIdQuery {
