@@ -14,6 +14,7 @@ fn style(family: Family) -> (Shape, &'static str, bool) {
         Family::Combee => (Shape::Triangle, "#1f77b4", true),
         Family::CombeeTuned => (Shape::Diamond, "#1f77b4", false),
         Family::CombeeAuto => (Shape::Star, "#2ca02c", true),
+        Family::CombeeAutoWarm => (Shape::Star, "#98df8a", true),
         Family::CombeeAutoTuned => (Shape::Star, "#2ca02c", false),
     }
 }
@@ -53,6 +54,7 @@ impl Report<'_> {
             Family::Combee,
             Family::CombeeTuned,
             Family::CombeeAuto,
+            Family::CombeeAutoWarm,
         ];
         let entries: Vec<(Option<Shape>, &str, bool, String)> = families
             .iter()

@@ -38,6 +38,10 @@ pub(crate) enum Family {
     Combee,
     CombeeTuned,
     CombeeAuto,
+    /// Combee-auto again, right after combee-auto in the same process: the LLM
+    /// client's concurrency limit is where the first large round left it, as in
+    /// a service that has been running (the first pays the limit's ramp).
+    CombeeAutoWarm,
     /// Combee-auto at p = 1: a tuned setting (one copy of each reflection, half the aggregator calls).
     CombeeAutoTuned,
 }
@@ -51,6 +55,7 @@ impl Family {
             Self::Combee => "combee",
             Self::CombeeTuned => "combee p=1 (tuned)",
             Self::CombeeAuto => "combee-auto",
+            Self::CombeeAutoWarm => "combee-auto, warm client",
             Self::CombeeAutoTuned => "combee-auto p=1 (tuned)",
         }
     }

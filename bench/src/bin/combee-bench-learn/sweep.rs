@@ -80,6 +80,7 @@ pub(crate) async fn one_model(
     let mut setups = vec![
         fixed(Family::Sequential, Method::Sequential, 1, grouping::SEQUENTIAL_BATCH),
         Setup { family: Family::CombeeAuto, method: Method::Combee, p, sizing: Sizing::Auto(auto_cfg.clone()) },
+        Setup { family: Family::CombeeAutoWarm, method: Method::Combee, p, sizing: Sizing::Auto(auto_cfg.clone()) },
     ];
     if args.with_one_round_sequential {
         setups.push(fixed(Family::SequentialOneRound, Method::Sequential, 1, args.n));
