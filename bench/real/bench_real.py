@@ -397,24 +397,20 @@ class Combee:
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def create_prompt(self, name):
+    def create_prompt(self, name, promotion="auto"):
         # Learned versions go straight to production (promotion `auto`) so the next
         # training chunk and the held-out run use them; rounds start only on the
         # benchmark's trigger (a fixed batch it never reaches, a long wait), so each
-        # round has the method it measures. Everything else is the prompt's default.
-        self.call(
-            "POST",
-            "/v1/prompts",
-            {
-                "name": name,
-                "base": BASE_PROMPT,
-                "promotion": "auto",
-                "settings": {"batch_size": 10000, "max_wait_secs": 86400},
-            },
-        )
+        # round has the method it measures. Everything else is the prompt's default
+        # (`promotion=None`: the default policy too).
+        body = {"name": name, "base": BASE_PROMPT, "settings": {"batch_size": 10000, "max_wait_secs": 86400}}
+        if promotion:
+            body["promotion"] = promotion
+        self.call("POST", "/v1/prompts", body)
 
     def text(self, name):
-        return self.call("GET", f"/v1/prompts/{name}")[1]["text"]
+        """What production serves (an `evaluated` prompt asked without a label would draw an arm)."""
+        return self.call("GET", f"/v1/prompts/{name}?label=production")[1]["text"]
 
     def learn_round(self, name, method, deadline_s):
         body = {"method": method} if method else {}
@@ -435,11 +431,11 @@ class Combee:
             time.sleep(1)
 
 
-def train(combee, agent, name, method, tasks, rounds, round_deadline_s, log):
+def train(combee, agent, name, method, tasks, rounds, round_deadline_s, log, promotion="auto"):
     """Runs the agent on the training tasks in `rounds` chunks, each on the
-    prompt's current text; after each chunk its traces go to combee and one
-    round of `method` learns from them."""
-    combee.create_prompt(name)
+    prompt's current production text; after each chunk its traces go to combee
+    and one round of `method` (None: the prompt's default) learns from them."""
+    combee.create_prompt(name, promotion)
     chunks = [tasks[i::rounds] for i in range(rounds)]
     records = []
     train_success = []
@@ -607,6 +603,148 @@ def run(args):
             result["evaluations"][method] = evaluate(agent, text, heldout)
             log(f"  {method}: {result['evaluations'][method]['success']:.0%} success")
             result["methods"][method] = summary
+
+
+# --- defaults: what production serves on product defaults -----------------
+
+
+def defaults(args):
+    """The product's defaults end to end: a prompt created with no promotion
+    policy (`evaluated`, the default), one round of its default method from the
+    training tickets, then the held-out tickets as live traffic, each fetched
+    with its own subject, answered by the agent, checked by code and posted with
+    the version it was served and its reward. Reports how the round ended, where
+    the learned version went, each arm's live traffic and score, and what
+    production serves before and after (its held-out success is the agent's)."""
+    rec = Recorded(args)
+    log = rec.log
+    tasks = make_tasks(args.seed)
+    if args.train + args.heldout > len(tasks):
+        sys.exit(f"--train + --heldout is at most {len(tasks)}")
+    train_tasks, heldout = tasks[: args.train], tasks[args.train : args.train + args.heldout]
+    agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
+    rec.extras = lambda: {"agent_calls": agent.calls, "agent_seconds": agent.seconds}
+    result = rec.result = {
+        "kind": "defaults",
+        "model": args.model,
+        "label": MODEL_LABELS.get(args.model, args.model),
+        "world": WORLD,
+        "train": len(train_tasks),
+        "heldout": len(heldout),
+        "seed": args.seed,
+        "combee_commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    name = "bench-defaults"
+    with rec:
+        tap = UsageTap(args.llm_url)
+        combee = rec.combee = Combee(args.combee, tap.url, args.llm_model, args.repo)
+        log(f"{args.model}: one round on product defaults from {len(train_tasks)} training traces")
+        records, _, train_success = train(
+            combee, agent, name, None, train_tasks, 1, args.round_deadline, log, promotion=None
+        )
+        r = records[0]
+        result["round"] = {"status": r["status"], "method": r.get("method"), "result_version": r.get("result_version"),
+                           "error": r.get("error"), "unchanged": r.get("unchanged")}
+        result["rounds"] = summarize_rounds(records, len(train_tasks))
+        result["production_before"] = 1
+        if r.get("result_version"):
+            v = combee.call("GET", f"/v1/prompts/{name}/versions/{r['result_version']}")[1]
+            result["learned"] = {"version": v.get("number", r["result_version"]), "labels": v.get("labels"),
+                                 "text": combee.call("GET", f"/v1/prompts/{name}?version={r['result_version']}")[1]["text"]}
+        log(f"  round {r['status']}; learned version {r.get('result_version')}; "
+            f"live traffic: {len(heldout)} held-out tickets, one subject each")
+        served, arms = [], {}
+        for i, task in enumerate(heldout):
+            _, got = combee.call("GET", f"/v1/prompts/{name}?subject=ticket-{task['ticket']}-{i}")
+            reply = agent.reply(got["text"], task)
+            met = check(task, reply)
+            fb = feedback(task, met)
+            combee.call("POST", "/v1/traces", {
+                "prompt": name,
+                "prompt_version": got["version"],
+                "input": {"ticket": task["message"]},
+                "output": reply,
+                "feedback": fb,
+                "metadata": {"task_key": str(task["ticket"])},
+            })
+            served.append(got["version"])
+            arm = arms.setdefault(str(got["version"]), {"served": 0, "successes": 0, "score": 0.0})
+            arm["served"] += 1
+            arm["successes"] += int(fb["success"])
+            arm["score"] += fb["score"]
+        for arm in arms.values():
+            arm["mean_score"] = arm["score"] / arm["served"]
+            del arm["score"]
+        result["live"] = arms
+        population = combee.call("GET", f"/v1/prompts/{name}/population")[1]
+        result["population"] = [
+            {"version": a["version"], "state": a["state"], "weight": round(a["weight"], 3),
+             "scored_traces": a["scored_traces"], "conservative": round(a["conservative"], 2)}
+            for a in population["arms"]
+        ]
+        history = combee.call("GET", f"/v1/prompts/{name}/labels/history?label=production")[1]
+        result["production_moves"] = [
+            {k: h.get(k) for k in ("from_version", "to_version", "kind", "actor", "reason")}
+            for h in history["moves"]
+        ]
+        production = combee.call("GET", f"/v1/prompts/{name}?label=production")[1]
+        result["production_after"] = production["version"]
+        log(f"  production after the live traffic: version {production['version']}; arms served: {arms}")
+        # What an agent on defaults gets after learning: production's held-out success.
+        if production["version"] == 1 and production["text"] == BASE_PROMPT:
+            log("  production still serves the base text: its held-out evaluation is the base's")
+            result["production_evaluation"] = None
+        else:
+            result["production_evaluation"] = evaluate(agent, production["text"], heldout)
+        result["train_success"] = train_success
+        result["server_reported"] = tap.totals()
+        tap.stop()
+
+
+def defaults_report(r, w):
+    w("")
+    w(f"## On product defaults: {r['label']}")
+    w("")
+    w(f"`scripts/bench-real --defaults --model {r['model']}`, {r['date']}, commit {r.get('combee_commit') or '?'}, "
+      f"seed {r['seed']}, whole run {r['wall_s'] / 60:.1f} min. A prompt created with no promotion policy "
+      f"(`evaluated`, the default); one round of its default method from {r['train']} training tickets; then "
+      f"the {r['heldout']} held-out tickets as live traffic, each fetched with its own subject, answered, "
+      "checked by code and posted with the version it was served and its reward.")
+    if r.get("error"):
+        w("")
+        w(f"**The run stopped early**: {r['error'][:500]}")
+        return
+    w("")
+    rd = r["round"]
+    learned = r.get("learned")
+    w(f"- the round: {rd['status']}" + (f" ({rd['error'][:200]})" if rd.get("error") else "")
+      + (f"; it published version {learned['version']}, labelled {', '.join(learned.get('labels') or []) or 'nothing'}"
+         if learned else "; it published no version (unchanged)" if rd.get("unchanged") else ""))
+    live = r["live"]
+    w("- live traffic per version served: " + "; ".join(
+        f"v{v}: {a['served']} tickets, success {a['successes']}/{a['served']}, mean score {a['mean_score']:.2f}"
+        for v, a in sorted(live.items(), key=lambda kv: int(kv[0]))))
+    if r.get("population"):
+        w("- the population after it: " + "; ".join(
+            f"v{a['version']} {a['state']} (weight {a.get('weight')}, scored traces {a.get('scored_traces')})"
+            for a in r["population"]))
+    moves = [m for m in r.get("production_moves") or [] if m.get("from_version") is not None]
+    w(f"- production: version {r['production_before']} before, version {r['production_after']} after"
+      + (f" ({len(moves)} move(s): " + "; ".join(f"{m['kind']} v{m['from_version']} → v{m['to_version']}" for m in moves) + ")"
+         if moves else ", never moved"))
+    ev = r.get("production_evaluation")
+    if ev is None:
+        w("- held-out success of what production serves after: the base prompt's (the same text)")
+    else:
+        w(f"- held-out success of what production serves after: {pct(ev['success'])}, mean score {ev['score']:.2f}")
+    if learned:
+        w("")
+        w("The learned version's text:")
+        w("")
+        w("```text")
+        w(learned["text"].strip())
+        w("```")
 
 
 # --- streak: consecutive rounds on one prompt ------------------------------
@@ -803,11 +941,11 @@ def token_bill(r, w):
 
 
 def report(args):
-    results, streaks = [], []
+    results, streaks, on_defaults = [], [], []
     for path in args.inputs:
         with open(path) as f:
             got = json.load(f)
-        (streaks if got.get("kind") == "streak" else results).append(got)
+        {"streak": streaks, "defaults": on_defaults}.get(got.get("kind"), results).append(got)
     out = []
     w = out.append
     w("# Learning with REAL MODELS")
@@ -888,6 +1026,8 @@ def report(args):
             w("```text")
             w(m["text"].strip())
             w("```")
+    for r in on_defaults:
+        defaults_report(r, w)
     for r in streaks:
         streak_report(r, w)
     with open(args.out, "w") as f:
@@ -927,6 +1067,19 @@ def main():
     st.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
     st.add_argument("--commit", default="")
     st.add_argument("--json", required=True)
+    d = sub.add_parser("defaults", help="one round on product defaults, then the held-out tickets as live traffic")
+    d.add_argument("--model", required=True, help="smollm2 | gemma3 (names the figures)")
+    d.add_argument("--llm-url", required=True)
+    d.add_argument("--llm-model", required=True)
+    d.add_argument("--combee", required=True)
+    d.add_argument("--repo", default=".")
+    d.add_argument("--train", type=int, default=12)
+    d.add_argument("--heldout", type=int, default=20)
+    d.add_argument("--seed", type=int, default=1)
+    d.add_argument("--agent-max-tokens", type=int, default=160)
+    d.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
+    d.add_argument("--commit", default="")
+    d.add_argument("--json", required=True)
     rep = sub.add_parser("report", help="write the Markdown report from run results")
     rep.add_argument("--out", required=True)
     rep.add_argument("inputs", nargs="+")
@@ -938,6 +1091,8 @@ def main():
         run(args)
     elif args.cmd == "streak":
         streak(args)
+    elif args.cmd == "defaults":
+        defaults(args)
     else:
         report(args)
 
