@@ -47,11 +47,11 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
         let commit = Arc::new(commit);
         for _ in 0..lanes.max(1) {
             let (queue, commit) = (queue.clone(), commit.clone());
-            tokio::spawn(async move {
+            let lane = async move {
                 // A job that did not fit the last group opens the next one.
                 let mut carried: Option<J> = None;
                 loop {
-                    let group = {
+                    let (group, weight) = {
                         let mut queue = queue.lock().await;
                         let first = match carried.take() {
                             Some(job) => job,
@@ -71,11 +71,16 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                             weight += job.weight();
                             group.push(job);
                         }
-                        group
+                        (group, weight)
                     };
+                    let started = std::time::Instant::now();
                     commit(group).await;
+                    // Where the write path's time goes: how full groups are and how long each holds its lane.
+                    metrics::histogram!("combee_store_write_group_rows").record(weight as f64);
+                    metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
                 }
-            });
+            };
+            tokio::spawn(lane);
         }
         Self { jobs }
     }

@@ -503,6 +503,22 @@ where
     Box::new(f)
 }
 
+/// Times the phases of a group's commit into `combee_store_write_phase_seconds`.
+struct PhaseClock(std::time::Instant);
+
+impl PhaseClock {
+    fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    fn lap(&mut self, phase: &'static str) {
+        let now = std::time::Instant::now();
+        metrics::histogram!("combee_store_write_phase_seconds", "phase" => phase)
+            .record(now.duration_since(self.0).as_secs_f64());
+        self.0 = now;
+    }
+}
+
 /// Commits one group: its plain inserts with one statement, every other job
 /// under its own savepoint, the rollup credit of the traces stored written
 /// once for all of them, then one commit (one WAL flush); each job is
@@ -517,14 +533,17 @@ async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
         }
     }
     let mut kept_inserts: Vec<Insert> = Vec::new();
+    let mut clock = PhaseClock::start();
     let outcome: StoreResult<()> = async {
         let mut tx = writer.begin().await?;
+        clock.lap("begin");
         let mut credit: Vec<Uuid> = Vec::new();
         if !inserts.is_empty() {
             let (kept, stored) = insert_group(&mut tx, std::mem::take(&mut inserts)).await?;
             kept_inserts = kept;
             credit = stored;
         }
+        clock.lap("insert");
         for (settles, run) in others.drain(..) {
             if settles && !credit.is_empty() {
                 rollups::account::<Sqlite>(&mut tx, &std::mem::take(&mut credit), Sign::Credit, Counted::All).await?;
@@ -544,8 +563,11 @@ async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
             }
             sqlx::query("RELEASE job").execute(&mut *tx).await?;
         }
+        clock.lap("other");
         rollups::account::<Sqlite>(&mut tx, &credit, Sign::Credit, Counted::All).await?;
+        clock.lap("rollups");
         tx.commit().await?;
+        clock.lap("commit");
         Ok(())
     }
     .await;
@@ -592,6 +614,9 @@ impl SqlStore<Sqlite> {
             .busy_timeout(Duration::from_secs(10));
         let writer = SqlitePoolOptions::new()
             .max_connections(1)
+            // A file the process itself holds open does not go away between uses: checking the
+            // one connection before each use cost every group of trace writes a round trip.
+            .test_before_acquire(false)
             .acquire_timeout(acquire_timeout.max(Duration::from_secs(30)))
             .connect_with(options.clone())
             .await

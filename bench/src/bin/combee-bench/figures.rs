@@ -29,6 +29,55 @@ pub(crate) struct Phase {
     pub(crate) peak_rss_kb: u64,
     /// The bare server's figure, measured in the slices between this one's (GETs).
     pub(crate) bare: Option<Box<Phase>>,
+    /// The trace writes' groups over the measured window (POSTs).
+    pub(crate) groups: Option<WriteGroups>,
+}
+
+/// What the server's `/metrics` says of its trace-write groups, summed since it started.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct WriteGroups {
+    pub(crate) groups: f64,
+    pub(crate) rows: f64,
+    pub(crate) seconds: f64,
+    /// Seconds of each phase of a group's commit, as [`PHASES`] names them (SQLite says).
+    pub(crate) phases: [f64; PHASES.len()],
+}
+
+/// The phases of a group's commit that the embedded store times.
+pub(crate) const PHASES: [&str; 5] = ["begin", "insert", "other", "rollups", "commit"];
+
+impl WriteGroups {
+    async fn read(addr: SocketAddr, key: &str) -> anyhow::Result<Self> {
+        let (status, body) = request_once(addr, &encode_request("GET", "/metrics", addr, key, None)).await?;
+        anyhow::ensure!(status == 200, "GET /metrics answered {status}");
+        let text = String::from_utf8_lossy(&body);
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())
+                })
+                .unwrap_or(0.0)
+        };
+        Ok(Self {
+            groups: value("combee_store_write_group_rows_count"),
+            rows: value("combee_store_write_group_rows_sum"),
+            seconds: value("combee_store_write_group_seconds_sum"),
+            phases: PHASES.map(|p| value(&format!("combee_store_write_phase_seconds_sum{{phase=\"{p}\"}}"))),
+        })
+    }
+
+    fn since(self, before: Self) -> Self {
+        let mut phases = self.phases;
+        for (p, b) in phases.iter_mut().zip(before.phases) {
+            *p -= b;
+        }
+        Self {
+            groups: self.groups - before.groups,
+            rows: self.rows - before.rows,
+            seconds: self.seconds - before.seconds,
+            phases,
+        }
+    }
 }
 
 /// The comparison server ([`serve_bare`]), running while the GET figures are measured.
@@ -106,9 +155,17 @@ async fn get_phases(
             let cpu = CpuUse::of(&bare_used, bare_result.elapsed, tck);
             let peak_rss_kb = memory_kb(b.guard.pid).map_or(0, |m| m.1);
             let name = format!("bare axum GET, alternating with \"{name}\"");
-            Box::new(Phase { name, result: bare_result, cpu, items: 1, peak_rss_kb, bare: None })
+            Box::new(Phase { name, result: bare_result, cpu, items: 1, peak_rss_kb, bare: None, groups: None })
         });
-        out.push(Phase { name, result, cpu, items: 1, peak_rss_kb: memory.take_phase_peak(), bare: bare_phase });
+        out.push(Phase {
+            name,
+            result,
+            cpu,
+            items: 1,
+            peak_rss_kb: memory.take_phase_peak(),
+            bare: bare_phase,
+            groups: None,
+        });
     }
     Ok(out)
 }
@@ -227,9 +284,11 @@ pub(crate) async fn measure(
             load(addr, request.clone(), expect, args.connections, warmup, pace).await?;
         }
         memory.take_phase_peak();
+        let groups_before = WriteGroups::read(addr, &key).await?;
         let cpu = CpuWindow::start(server.pid);
         let result = load(addr, request, expect, args.connections, duration, pace).await?;
         let cpu = cpu.finish(server.pid, result.elapsed, tck);
+        let groups = WriteGroups::read(addr, &key).await?.since(groups_before);
         phases.push(Phase {
             name: name.to_owned(),
             result,
@@ -237,6 +296,7 @@ pub(crate) async fn measure(
             items,
             peak_rss_kb: memory.take_phase_peak(),
             bare: None,
+            groups: Some(groups),
         });
     }
 

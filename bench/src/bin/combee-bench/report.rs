@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use crate::HttpArgs;
 use crate::database::BenchDatabase;
-use crate::figures::{GET_SLICES, Phase};
+use crate::figures::{GET_SLICES, PHASES, Phase};
 
 pub(crate) struct Facts<'a> {
     pub(crate) args: HttpArgs,
@@ -208,6 +208,43 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
             p.cpu.machine_busy_pct,
             p.peak_rss_kb as f64 / 1024.0,
         );
+    }
+    let grouped: Vec<_> = phases.iter().filter_map(|p| p.groups.map(|g| (p, g))).collect();
+    if !grouped.is_empty() {
+        let _ = writeln!(
+            o,
+            "\nWhere the write path's time goes (the server's `combee_store_write_group_*` metrics over the measured \
+             window): trace writes are committed in groups, one transaction and one flush to disk each; *lanes busy* \
+             is the groups' commit time over the window (1.00 = one lane committing all the time).\n"
+        );
+        let _ = writeln!(
+            o,
+            "| figure | groups/s | rows per group | ms per group | µs per row | lanes busy | ms per group by phase ({}) |",
+            PHASES.join(", ")
+        );
+        let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | --- |");
+        for (p, g) in grouped {
+            let secs = p.result.elapsed.as_secs_f64();
+            let _ = writeln!(
+                o,
+                "| {} | {} | {:.1} | {:.2} | {:.0} | {:.2} | {} |",
+                p.name,
+                thousands(g.groups / secs),
+                g.rows / g.groups.max(1.0),
+                1000.0 * g.seconds / g.groups.max(1.0),
+                1e6 * g.seconds / g.rows.max(1.0),
+                g.seconds / secs,
+                if g.phases.iter().all(|&s| s == 0.0) {
+                    "—".to_owned()
+                } else {
+                    g.phases
+                        .iter()
+                        .map(|s| format!("{:.2}", 1000.0 * s / g.groups.max(1.0)))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+            );
+        }
     }
     for p in rows {
         if let Some(e) = &p.result.first_error {
