@@ -551,15 +551,21 @@ class Recorded:
         return isinstance(e, Exception)
 
 
-def run(args):
+def setup(args):
+    """A run's record, its training and held-out tasks, and its agent (whose calls the record counts)."""
     rec = Recorded(args)
-    log = rec.log
     tasks = make_tasks(args.seed)
     if args.train + args.heldout > len(tasks):
         sys.exit(f"--train + --heldout is at most {len(tasks)}")
     train_tasks, heldout = tasks[: args.train], tasks[args.train : args.train + args.heldout]
     agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
     rec.extras = lambda: {"agent_calls": agent.calls, "agent_seconds": agent.seconds}
+    return rec, train_tasks, heldout, agent
+
+
+def run(args):
+    rec, train_tasks, heldout, agent = setup(args)
+    log = rec.log
     result = rec.result = {
         "model": args.model,
         "label": MODEL_LABELS.get(args.model, args.model),
@@ -616,14 +622,8 @@ def defaults(args):
     the version it was served and its reward. Reports how the round ended, where
     the learned version went, each arm's live traffic and score, and what
     production serves before and after (its held-out success is the agent's)."""
-    rec = Recorded(args)
+    rec, train_tasks, heldout, agent = setup(args)
     log = rec.log
-    tasks = make_tasks(args.seed)
-    if args.train + args.heldout > len(tasks):
-        sys.exit(f"--train + --heldout is at most {len(tasks)}")
-    train_tasks, heldout = tasks[: args.train], tasks[args.train : args.train + args.heldout]
-    agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
-    rec.extras = lambda: {"agent_calls": agent.calls, "agent_seconds": agent.seconds}
     result = rec.result = {
         "kind": "defaults",
         "model": args.model,
@@ -645,7 +645,7 @@ def defaults(args):
         )
         r = records[0]
         result["round"] = {"status": r["status"], "method": r.get("method"), "result_version": r.get("result_version"),
-                           "error": r.get("error"), "unchanged": r.get("unchanged")}
+                           "error": r.get("error")}
         result["rounds"] = summarize_rounds(records, len(train_tasks))
         result["production_before"] = 1
         if r.get("result_version"):
@@ -720,7 +720,8 @@ def defaults_report(r, w):
     learned = r.get("learned")
     w(f"- the round: {rd['status']}" + (f" ({rd['error'][:200]})" if rd.get("error") else "")
       + (f"; it published version {learned['version']}, labelled {', '.join(learned.get('labels') or []) or 'nothing'}"
-         if learned else "; it published no version (unchanged)" if rd.get("unchanged") else ""))
+         if learned else "; it published no version (what it learned left the text as it was)"
+         if rd["status"] == "succeeded" else ""))
     live = r["live"]
     w("- live traffic per version served: " + "; ".join(
         f"v{v}: {a['served']} tickets, success {a['successes']}/{a['served']}, mean score {a['mean_score']:.2f}"
@@ -1038,48 +1039,33 @@ def report(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="measure one model against a running llama.cpp server")
-    r.add_argument("--model", required=True, help="smollm2 | gemma3 (names the figures)")
-    r.add_argument("--llm-url", required=True, help="the llama.cpp server's OpenAI-compatible URL (…/v1)")
-    r.add_argument("--llm-model", required=True, help="the model name the server serves")
-    r.add_argument("--combee", required=True, help="the combee binary")
-    r.add_argument("--repo", default=".", help="the repository root (combee reads config/ there)")
+    def against_a_server(name, help):
+        """A subcommand that runs the agent and combee against a running llama.cpp server."""
+        c = sub.add_parser(name, help=help)
+        c.add_argument("--model", required=True, help="smollm2 | gemma3 (names the figures)")
+        c.add_argument("--llm-url", required=True, help="the llama.cpp server's OpenAI-compatible URL (…/v1)")
+        c.add_argument("--llm-model", required=True, help="the model name the server serves")
+        c.add_argument("--combee", required=True, help="the combee binary")
+        c.add_argument("--repo", default=".", help="the repository root (combee reads config/ there)")
+        c.add_argument("--seed", type=int, default=1)
+        c.add_argument("--agent-max-tokens", type=int, default=160)
+        c.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
+        c.add_argument("--commit", default="")
+        c.add_argument("--json", required=True)
+        return c
+
+    r = against_a_server("run", "measure one model against a running llama.cpp server")
     r.add_argument("--train", type=int, default=18)
     r.add_argument("--heldout", type=int, default=20)
     r.add_argument("--rounds", type=int, default=2, help="training rounds per method")
     r.add_argument("--quick", action="store_true", help="a smoke run: 6 training tasks, 6 held-out, 1 round, rounds cut at 300 s")
-    r.add_argument("--seed", type=int, default=1)
-    r.add_argument("--agent-max-tokens", type=int, default=160)
-    r.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
-    r.add_argument("--commit", default="")
-    r.add_argument("--json", required=True)
-    st = sub.add_parser("streak", help="consecutive rounds on one prompt against a running llama.cpp server")
-    st.add_argument("--model", required=True, help="smollm2 | gemma3 (names the figures)")
-    st.add_argument("--llm-url", required=True)
-    st.add_argument("--llm-model", required=True)
-    st.add_argument("--combee", required=True)
-    st.add_argument("--repo", default=".")
+    st = against_a_server("streak", "consecutive rounds on one prompt against a running llama.cpp server")
     st.add_argument("--rounds", type=int, default=10)
     st.add_argument("--per-round", type=int, default=4, help="fresh traces per round")
     st.add_argument("--context", type=int, default=8192, help="the server's context window (--n_ctx)")
-    st.add_argument("--seed", type=int, default=1)
-    st.add_argument("--agent-max-tokens", type=int, default=160)
-    st.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
-    st.add_argument("--commit", default="")
-    st.add_argument("--json", required=True)
-    d = sub.add_parser("defaults", help="one round on product defaults, then the held-out tickets as live traffic")
-    d.add_argument("--model", required=True, help="smollm2 | gemma3 (names the figures)")
-    d.add_argument("--llm-url", required=True)
-    d.add_argument("--llm-model", required=True)
-    d.add_argument("--combee", required=True)
-    d.add_argument("--repo", default=".")
+    d = against_a_server("defaults", "one round on product defaults, then the held-out tickets as live traffic")
     d.add_argument("--train", type=int, default=12)
     d.add_argument("--heldout", type=int, default=20)
-    d.add_argument("--seed", type=int, default=1)
-    d.add_argument("--agent-max-tokens", type=int, default=160)
-    d.add_argument("--round-deadline", type=int, default=1200, help="seconds a round may take")
-    d.add_argument("--commit", default="")
-    d.add_argument("--json", required=True)
     rep = sub.add_parser("report", help="write the Markdown report from run results")
     rep.add_argument("--out", required=True)
     rep.add_argument("inputs", nargs="+")

@@ -47,7 +47,7 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
         let commit = Arc::new(commit);
         for _ in 0..lanes.max(1) {
             let (queue, commit) = (queue.clone(), commit.clone());
-            let lane = async move {
+            tokio::spawn(async move {
                 // A job that did not fit the last group opens the next one.
                 let mut carried: Option<J> = None;
                 loop {
@@ -79,8 +79,7 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                     metrics::histogram!("combee_store_write_group_rows").record(weight as f64);
                     metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
                 }
-            };
-            tokio::spawn(lane);
+            });
         }
         Self { jobs }
     }
