@@ -405,11 +405,12 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
             .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
             .is_some_and(|t| t > switched)
     };
-    let after = eventually("a round published after the switch", Duration::from_secs(90), async || {
+    // A round of this release's worker that succeeded: it published a version, or (once the
+    // playbook holds every lesson the agents send) what it learned left the text as it was.
+    let after = eventually("a round that succeeded after the switch", Duration::from_secs(90), async || {
         let all = rounds().await;
-        let done =
-            all.iter().find(|r| r["status"] == "succeeded" && !r["result_version"].is_null() && finished_after(r));
-        done.cloned().ok_or_else(|| format!("{} rounds, none published after the switch", all.len()))
+        let done = all.iter().find(|r| r["status"] == "succeeded" && finished_after(r));
+        done.cloned().ok_or_else(|| format!("{} rounds, none succeeded after the switch", all.len()))
     })
     .await;
     stop.store(true, Ordering::Relaxed);
@@ -455,10 +456,13 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
         .json()
         .await
         .unwrap();
-    let published = after["result_version"].as_i64().unwrap();
+    let published = after["result_version"].as_i64();
     let finished = chrono::DateTime::parse_from_rfc3339(after["finished_at"].as_str().unwrap()).unwrap();
     let published_after = (finished.with_timezone(&chrono::Utc) - switched).as_seconds_f64();
-    assert!(prompt["version"].as_i64() >= Some(published), "version {published} is served: {prompt}");
+    if let Some(published) = published {
+        assert!(prompt["version"].as_i64() >= Some(published), "version {published} is served: {prompt}");
+    }
+    let result = published.map_or_else(|| "the prompt unchanged".to_owned(), |v| format!("version {v} published"));
 
     let all = rounds().await;
     let succeeded = all.iter().filter(|r| r["status"] == "succeeded").count();
@@ -466,8 +470,8 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
     eprintln!(
         "rolling upgrade {commit} -> this tree: {} requests ({AGENTS} agents, traces and prompt reads), {} failed; {} \
          traces acknowledged, {} lost; schema {old_migrations} migrations (newest {old_newest}) -> {new_migrations} \
-         (newest {new_newest}); {succeeded} rounds succeeded, {after_switch} after the switch (version {published} \
-         published {published_after:.1} s after it); switch at {:.1} s, {:.1} s in all",
+         (newest {new_newest}); {succeeded} rounds succeeded, {after_switch} after the switch (the first: {result}, \
+         {published_after:.1} s after it); switch at {:.1} s, {:.1} s in all",
         tally.requests,
         tally.failures.len(),
         tally.acknowledged.len(),
