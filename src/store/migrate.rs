@@ -177,6 +177,56 @@ mod tests {
         }
     }
 
+    /// 0045 leaves the embedded store one rollup row per key: each key's rows
+    /// folded into one with the same sums, a key whose traces all went
+    /// dropped, and a second row for a key refused (the writes' upsert needs it).
+    #[tokio::test]
+    async fn sqlite_rollups_fold_into_one_row_per_key() {
+        use sqlx::sqlite::SqliteConnectOptions;
+        let options = SqliteConnectOptions::new().in_memory(true).foreign_keys(false);
+        let mut c = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+        let before = SQLITE_FILES.iter().position(|(f, _)| f.starts_with("0045_")).expect("0045 is embedded");
+        embedded(&SQLITE_FILES[..before]).run_direct(&mut c).await.unwrap();
+        for row in [
+            "('p', 1, 60, 0, 1, 1, 0, 0, 1, 0.5, 0.25, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1)",
+            "('p', 1, 60, 0, 2, 2, 0, 0, 2, 1.0, 0.5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)",
+            "('p', 1, 60, 60, 1, 1, 0, 0, 1, 0.5, 0.25, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1)",
+            "('p', 1, 60, 60, -1, -1, 0, 0, -1, -0.5, -0.25, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)",
+        ] {
+            sqlx::query(&format!(
+                "INSERT INTO outcome_rollups (prompt_id, version, width, start_secs, traces, with_feedback,
+                     success_trials, successes, score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq,
+                     cost_n, cost_sum, cost_sq, latency_n, latency_sum, latency_sq, judged, compacted) VALUES {row}"
+            ))
+            .execute(&mut c)
+            .await
+            .unwrap();
+        }
+        for row in ["('p', 1, 'k', 60, 0, 1, 0.5, 1)", "('p', 1, 'k', 60, 0, 3, 2.0, 0)"] {
+            sqlx::query(&format!(
+                "INSERT INTO task_rollups (prompt_id, version, task_key, width, start_secs, traces, reward_sum,
+                     compacted) VALUES {row}"
+            ))
+            .execute(&mut c)
+            .await
+            .unwrap();
+        }
+        SQLITE.run_direct(&mut c).await.unwrap();
+        let outcomes: Vec<(i64, i64, f64, i64)> =
+            sqlx::query_as("SELECT start_secs, traces, score_sum, judged FROM outcome_rollups ORDER BY start_secs")
+                .fetch_all(&mut c)
+                .await
+                .unwrap();
+        assert_eq!(outcomes, [(0, 3, 1.5, 1)]);
+        let tasks: Vec<(i64, f64)> =
+            sqlx::query_as("SELECT traces, reward_sum FROM task_rollups").fetch_all(&mut c).await.unwrap();
+        assert_eq!(tasks, [(4, 2.5)]);
+        let again = sqlx::query("INSERT INTO task_rollups (prompt_id, version, task_key, width, start_secs, traces, reward_sum) VALUES ('p', 1, 'k', 60, 0, 1, 1.0)")
+            .execute(&mut c)
+            .await;
+        assert!(again.is_err(), "a second row for a key is refused");
+    }
+
     #[test]
     fn both_stores_have_the_same_migration_sequence() {
         let pg: Vec<_> = POSTGRES.iter().map(|m| (m.version, m.description.clone())).collect();

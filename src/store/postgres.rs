@@ -311,6 +311,7 @@ fn insert_job(traces: &[ValidTrace]) -> StoreResult<(Insert, oneshot::Receiver<S
 
 /// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).
 impl Dialect for Postgres {
+    const ROLLUP_ROW_PER_KEY: bool = false;
     direct_getters!(PgRow: get_i64 -> i64, get_i32 -> i32, get_f64 -> f64, get_bool -> bool, get_text -> String, get_id -> Uuid, get_at -> DateTime<Utc>, get_json -> Value, get_bytes -> Vec<u8>);
     fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
         match p {

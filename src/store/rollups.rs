@@ -121,7 +121,8 @@ fn task_reward_columns<D: Dialect>() -> (String, String) {
 
 /// An `INSERT … SELECT` appending the outcome deltas of the rows of `source`
 /// (aliased `t`, with `prompt_id`, `prompt_version`, `feedback`, `feedback_source`,
-/// `metadata`, `created_at`) that match `cond`: one row per tier and (version, bucket).
+/// `metadata`, `created_at`) that match `cond`: one row per tier and (version,
+/// bucket), or on a store that keeps one row per key, added to that row.
 pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
     let moments = moment_sums::<D>(s, false);
@@ -136,9 +137,10 @@ pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign
          SELECT prompt_id, version, width, start_secs, {s}count(*), {s}count(CASE WHEN rewarded THEN 1 END),
                 {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}, {s}count(judged)
          FROM (SELECT t.*, w.width, {start} AS start_secs FROM outcome_rows t CROSS JOIN {TIER_WIDTHS}) v
-         GROUP BY prompt_id, version, width, start_secs",
+         GROUP BY prompt_id, version, width, start_secs{fold}",
         start = D::bucket_start("w.width"),
         outcome = outcome_columns::<D>(),
+        fold = fold_into_key_row::<D>(OUTCOME_KEY, OUTCOME_COLUMNS),
     )
 }
 
@@ -149,16 +151,34 @@ pub(crate) fn task_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -
     let (reward, keyed) = task_reward_columns::<D>();
     // Read once per trace, then joined to the tiers (as the outcome deltas).
     format!(
-        "INSERT INTO task_rollups (prompt_id, version, task_key, width, start_secs, traces, reward_sum)
+        "INSERT INTO task_rollups ({TASK_COLUMNS})
          WITH task_rows AS MATERIALIZED (
              SELECT t.prompt_id, t.prompt_version AS version, t.created_at, {reward}
              FROM {source} WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed})
          SELECT prompt_id, version, task_key, width, start_secs, {s}count(*), {s}{total}
          FROM (SELECT t.*, w.width, {start} AS start_secs FROM task_rows t CROSS JOIN {TASK_WIDTHS}) r
-         WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, width, start_secs",
+         WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, width, start_secs{fold}",
         total = D::real("sum(reward)"),
         start = D::bucket_start("w.width"),
+        fold = fold_into_key_row::<D>(TASK_KEY, TASK_COLUMNS),
     )
+}
+
+/// Where each key keeps one row ([`Dialect::ROLLUP_ROW_PER_KEY`]), the
+/// clause that adds a delta row's sums to the key's row instead of
+/// appending it; elsewhere nothing.
+fn fold_into_key_row<D: Dialect>(key: &str, columns: &str) -> String {
+    if !D::ROLLUP_ROW_PER_KEY {
+        return String::new();
+    }
+    let key_columns: Vec<&str> = key.split(", ").collect();
+    let sums = columns
+        .split(", ")
+        .filter(|c| !key_columns.contains(c))
+        .map(|c| format!("{c} = {c} + excluded.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(" ON CONFLICT ({key}) DO UPDATE SET {sums}")
 }
 
 /// Appends the deltas of the stored traces `ids` (inside the caller's transaction).
@@ -171,14 +191,19 @@ pub(crate) async fn account<D: Dialect>(
     if ids.is_empty() {
         return Ok(());
     }
+    for text in account_statements::<D>(sign, counted) {
+        sql::<D>(&text).bind(Param::Ids(Some(ids))).execute(c).await?;
+    }
+    Ok(())
+}
+
+/// The statements [`account`] runs, each taking the traces' ids as `$1`.
+pub(crate) fn account_statements<D: Dialect>(sign: Sign, counted: Counted) -> [String; 2] {
     let mut cond = D::any_of("t.id", "$1");
     if counted == Counted::Unquarantined {
         cond.push_str(" AND t.quarantined_at IS NULL");
     }
-    for text in [outcome_delta_sql::<D>("traces t", &cond, sign), task_delta_sql::<D>("traces t", &cond, sign)] {
-        sql::<D>(&text).bind(Param::Ids(Some(ids))).execute(c).await?;
-    }
-    Ok(())
+    [outcome_delta_sql::<D>("traces t", &cond, sign), task_delta_sql::<D>("traces t", &cond, sign)]
 }
 
 /// `versions` as runs of consecutive numbers, `(first, last)`, ascending.
@@ -332,7 +357,9 @@ pub(crate) async fn read_task_rewards<D: Backend>(
 pub trait Rollups: Send + Sync {
     /// Folds the rows of up to `limit` keys that have uncompacted rows into one
     /// row per key (a key whose traces all went is dropped); how many rows
-    /// were folded. Sums are unchanged, whatever writes run meanwhile.
+    /// were folded. Sums are unchanged, whatever writes run meanwhile. Where
+    /// each key keeps one row ([`Dialect::ROLLUP_ROW_PER_KEY`]), drops up to
+    /// `limit` rows of keys whose traces all went; how many.
     async fn compact_rollups(&self, limit: u32) -> StoreResult<u64>;
     /// Deletes up to `limit` of the prompt's rows of one pruned tier (`width`
     /// 60: minute rows, 1: second rows; outcome and task rollups) that start
@@ -360,6 +387,7 @@ pub fn second_rollup_cutoff(now: DateTime<Utc>) -> DateTime<Utc> {
 
 const OUTCOME_KEY: &str = "prompt_id, version, width, start_secs";
 const TASK_KEY: &str = "prompt_id, version, task_key, width, start_secs";
+const TASK_COLUMNS: &str = "prompt_id, version, task_key, width, start_secs, traces, reward_sum";
 
 fn folded_sums(table: &str) -> &'static str {
     if table == "outcome_rollups" {
@@ -375,17 +403,16 @@ fn folded_sums(table: &str) -> &'static str {
 impl<D: Backend> Rollups for SqlStore<D> {
     async fn compact_rollups(&self, limit: u32) -> StoreResult<u64> {
         let mut folded = 0;
-        for (table, key, columns) in [
-            ("outcome_rollups", OUTCOME_KEY, OUTCOME_COLUMNS),
-            ("task_rollups", TASK_KEY, "prompt_id, version, task_key, width, start_secs, traces, reward_sum"),
-        ] {
-            let sums = folded_sums(table);
-            let matches = key.split(", ").map(|k| format!("r.{k} = k.{k}")).collect::<Vec<_>>().join(" AND ");
+        for (table, key, columns) in
+            [("outcome_rollups", OUTCOME_KEY, OUTCOME_COLUMNS), ("task_rollups", TASK_KEY, TASK_COLUMNS)]
+        {
             folded += match D::KIND {
                 // One statement, one snapshot: exactly the rows it deletes are
                 // summed; rows committed meanwhile stay for the next pass, and a
                 // concurrent compactor's deletes are skipped, not summed twice.
                 StoreKind::Postgres => {
+                    let sums = folded_sums(table);
+                    let matches = key.split(", ").map(|k| format!("r.{k} = k.{k}")).collect::<Vec<_>>().join(" AND ");
                     let text = format!(
                         "WITH k AS (SELECT DISTINCT {key} FROM (SELECT {key} FROM {table} WHERE NOT compacted
                                                           ORDER BY id LIMIT $1) u),
@@ -396,44 +423,15 @@ impl<D: Backend> Rollups for SqlStore<D> {
                     );
                     sql::<D>(&text).bind(i64::from(limit)).value::<i64>(&mut *self.writer.acquire().await?, "n").await?
                 }
-                // The single writer: nothing else writes between these statements.
-                // The keys among the rows up to the `limit`-th uncompacted one, each
-                // folded whole: every row it has (compacted ones of earlier passes
-                // too), so a key whose rows are all gone is dropped, never a part of
-                // one that sums to no traces (late feedback's take-back and re-add)
-                // while its other columns do not.
+                // One row per key, which writes add to (see `Dialect::ROLLUP_ROW_PER_KEY`):
+                // nothing to fold, and a key whose traces all went is dropped.
                 StoreKind::Sqlite => {
-                    let mut tx = self.writer.begin().await?;
-                    let bounds = sql::<D>(&format!(
-                        "SELECT (SELECT max(id) FROM (SELECT id FROM {table} WHERE compacted = 0 ORDER BY id LIMIT $1))
-                                    AS bound,
-                                (SELECT max(id) FROM {table}) AS top"
+                    let n = sql::<D>(&format!(
+                        "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE traces = 0 LIMIT $1)"
                     ))
                     .bind(i64::from(limit))
-                    .map(&mut tx, |row| {
-                        let r = Cols::<D>(row);
-                        Ok((r.get::<Option<i64>>("bound")?, r.get::<Option<i64>>("top")?))
-                    })
+                    .execute(&mut *self.writer.acquire().await?)
                     .await?;
-                    let Some(&(Some(bound), Some(top))) = bounds.first() else { continue };
-                    let keys =
-                        format!("WITH k AS (SELECT DISTINCT {key} FROM {table} WHERE compacted = 0 AND id <= $1)");
-                    let rows = format!("{table} r JOIN k ON {matches} WHERE r.id <= $2");
-                    sql::<D>(&format!(
-                        "{keys} INSERT INTO {table} ({columns}, compacted)
-                         SELECT {r_key}, {sums}, 1 FROM {rows} GROUP BY {r_key} HAVING sum(traces) <> 0",
-                        r_key = key.split(", ").map(|k| format!("r.{k}")).collect::<Vec<_>>().join(", "),
-                    ))
-                    .bind(bound)
-                    .bind(top)
-                    .execute(&mut tx)
-                    .await?;
-                    let n = sql::<D>(&format!("{keys} DELETE FROM {table} WHERE id IN (SELECT r.id FROM {rows})"))
-                        .bind(bound)
-                        .bind(top)
-                        .execute(&mut tx)
-                        .await?;
-                    tx.commit().await?;
                     Some(n as i64)
                 }
             }

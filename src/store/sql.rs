@@ -76,6 +76,11 @@ pub(crate) fn opt_json(v: Option<&Value>) -> Param<'_> {
 /// The dialect-specific half of the shared store code: encodings, execution
 /// and the few clauses only one dialect has.
 pub trait Dialect: Database + Sized {
+    /// Whether each rollup key keeps one row that writes add their deltas
+    /// to (SQLite: one writer, so the row is never contended), rather than
+    /// appending delta rows that compaction folds (Postgres: concurrent
+    /// writers would queue on a shared row).
+    const ROLLUP_ROW_PER_KEY: bool;
     fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self>;
     fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut Self::Connection) -> BoxFuture<'c, sqlx::Result<u64>>;
     fn fetch_all<'c, 'q: 'c>(
