@@ -10,11 +10,10 @@
 //! grow exactly as fast as the store falls behind. The lanes are tasks of
 //! their own, so a request whose client goes away never strands the others
 //! of its group. What a job does inside the group, and how one failing job
-//! is kept from failing its neighbours, is the backend's (see
-//! `sqlite/lane.rs`, whose one lane runs a loop of its own over the
-//! [`Queue`], and `postgres.rs`).
+//! is kept from failing its neighbours, is the backend's (see `sqlite.rs`,
+//! `postgres.rs`).
 
-use std::{future::Future, sync::Arc, time::Instant};
+use std::{future::Future, sync::Arc};
 
 use tokio::sync::{Mutex, mpsc, oneshot};
 
@@ -44,33 +43,44 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
         Fut: Future<Output = ()> + Send + 'static,
     {
         let (jobs, queue) = mpsc::channel::<J>(QUEUE);
-        let queue = Arc::new(Mutex::new(Queue { jobs: queue, carried: None, max_weight }));
+        let queue = Arc::new(Mutex::new(queue));
         let commit = Arc::new(commit);
         for _ in 0..lanes.max(1) {
             let (queue, commit) = (queue.clone(), commit.clone());
             tokio::spawn(async move {
+                // A job that did not fit the last group opens the next one.
+                let mut carried: Option<J> = None;
                 loop {
-                    let Some(group) = queue.lock().await.next().await else { return };
-                    let started = Instant::now();
-                    let weight = group.weight;
-                    commit(group.jobs).await;
-                    record(weight, started);
+                    let (group, weight) = {
+                        let mut queue = queue.lock().await;
+                        let first = match carried.take() {
+                            Some(job) => job,
+                            None => match queue.recv().await {
+                                Some(job) => job,
+                                None => return,
+                            },
+                        };
+                        let mut weight = first.weight();
+                        let mut group = vec![first];
+                        while weight < max_weight {
+                            let Ok(job) = queue.try_recv() else { break };
+                            if weight + job.weight() > max_weight {
+                                carried = Some(job);
+                                break;
+                            }
+                            weight += job.weight();
+                            group.push(job);
+                        }
+                        (group, weight)
+                    };
+                    let started = std::time::Instant::now();
+                    commit(group).await;
+                    // Where the write path's time goes: how full groups are and how long each holds its lane.
+                    metrics::histogram!("combee_store_write_group_rows").record(weight as f64);
+                    metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
                 }
             });
         }
-        Self { jobs }
-    }
-
-    /// Starts one lane that runs its own loop over the queue: `lane` takes
-    /// each group with [`Queue::next`] and may commit the ones already queued
-    /// behind it ([`Queue::queued`]) before letting go of what it holds.
-    pub(super) fn start_lane<F, Fut>(max_weight: usize, lane: F) -> Self
-    where
-        F: FnOnce(Queue<J>) -> Fut,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        let (jobs, queue) = mpsc::channel::<J>(QUEUE);
-        tokio::spawn(lane(Queue { jobs: queue, carried: None, max_weight }));
         Self { jobs }
     }
 
@@ -78,63 +88,6 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
     pub(super) async fn submit(&self, job: J) -> StoreResult<()> {
         self.jobs.send(job).await.map_err(|_| StoreError::Unavailable(sqlx::Error::PoolClosed))
     }
-}
-
-/// The jobs waiting for a lane, taken a group at a time.
-pub(super) struct Queue<J> {
-    jobs: mpsc::Receiver<J>,
-    /// A job that did not fit the last group opens the next one.
-    carried: Option<J>,
-    max_weight: usize,
-}
-
-/// Jobs committed together, and the rows they write.
-pub(super) struct Group<J> {
-    pub jobs: Vec<J>,
-    pub weight: usize,
-}
-
-impl<J: Weighed> Queue<J> {
-    /// Waits for the first job, then takes every job already queued behind
-    /// it, up to the weight bound; `None` once the store is closing.
-    pub async fn next(&mut self) -> Option<Group<J>> {
-        let first = match self.carried.take() {
-            Some(job) => job,
-            None => self.jobs.recv().await?,
-        };
-        Some(self.gather(first))
-    }
-
-    /// The group of the jobs queued now, without waiting; `None` when none is.
-    pub fn queued(&mut self) -> Option<Group<J>> {
-        let first = match self.carried.take() {
-            Some(job) => job,
-            None => self.jobs.try_recv().ok()?,
-        };
-        Some(self.gather(first))
-    }
-
-    fn gather(&mut self, first: J) -> Group<J> {
-        let mut weight = first.weight();
-        let mut jobs = vec![first];
-        while weight < self.max_weight {
-            let Ok(job) = self.jobs.try_recv() else { break };
-            if weight + job.weight() > self.max_weight {
-                self.carried = Some(job);
-                break;
-            }
-            weight += job.weight();
-            jobs.push(job);
-        }
-        Group { jobs, weight }
-    }
-}
-
-/// Where the write path's time goes: how full a group was and how long its
-/// commit held the lane.
-pub(super) fn record(weight: usize, started: Instant) {
-    metrics::histogram!("combee_store_write_group_rows").record(weight as f64);
-    metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
 }
 
 /// Waits for a job's answer; a lane that ended without answering (the store

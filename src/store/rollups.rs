@@ -198,7 +198,7 @@ pub(crate) async fn account<D: Dialect>(
 }
 
 /// The statements [`account`] runs, each taking the traces' ids as `$1`.
-pub(crate) fn account_statements<D: Dialect>(sign: Sign, counted: Counted) -> [String; 2] {
+fn account_statements<D: Dialect>(sign: Sign, counted: Counted) -> [String; 2] {
     let mut cond = D::any_of("t.id", "$1");
     if counted == Counted::Unquarantined {
         cond.push_str(" AND t.quarantined_at IS NULL");

@@ -10,29 +10,25 @@ use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use serde_json::Value;
 use sqlx::{
-    Row, Sqlite, SqliteConnection,
+    Row, Sqlite, SqliteConnection, SqlitePool,
     sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous},
 };
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
-use super::group_commit::{self, GroupCommit};
+use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
+use super::rollups::{self, Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
-use super::traces::merge_feedback;
+use super::traces::{merge_feedback, prompt_reference_problem};
 use super::{StoreError, StoreKind, StoreResult, migrate};
 use crate::domain::trace::FeedbackSource;
 use crate::domain::{
     Feedback, PromptName,
     trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
 };
-
-mod handle;
-mod lane;
-
-pub use lane::Write;
 
 pub type SqliteStore = SqlStore<Sqlite>;
 
@@ -212,14 +208,6 @@ struct TraceRow {
     metadata: String,
 }
 
-/// One request's plain insert: its rows, their ids (made by the request's
-/// task), and where its answer goes.
-struct Insert {
-    traces: Vec<TraceRow>,
-    ids: Vec<Uuid>,
-    reply: tokio::sync::oneshot::Sender<StoreResult<Vec<Uuid>>>,
-}
-
 impl TraceRow {
     fn of(t: &ValidTrace) -> StoreResult<Self> {
         Ok(Self {
@@ -247,7 +235,12 @@ async fn insert_trace_rows(c: &mut SqliteConnection, traces: &[TraceRow]) -> Sto
     if traces.is_empty() {
         return Ok(Vec::new());
     }
-    handle::with_handle(c, |conn| handle::insert_rows(conn, traces)).await?.map_err(handle::store_error)?
+    let prompt_ids = resolve_prompts(&mut *c, &mut PromptIds::new(), traces).await??;
+    let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
+    let rows: Vec<RowToInsert<'_>> =
+        traces.iter().zip(&ids).zip(&prompt_ids).map(|((t, id), prompt_id)| (t, *id, prompt_id.as_str())).collect();
+    insert_resolved(&mut *c, &rows).await?;
+    Ok(ids)
 }
 
 /// Stores traces under an idempotency key inside the caller's transaction
@@ -293,6 +286,314 @@ async fn insert_idempotent(
     Ok((IdempotentIngest::Stored { ids: ids.clone() }, ids))
 }
 
+/// How many rows one group of the writer may write (a larger batch is a
+/// group of its own): bounds how long the group's transaction holds the
+/// writer, and so how long another write waits behind it.
+const GROUP_ROWS: usize = 2048;
+
+/// One trace write in the writer's group: its work, run inside the group's
+/// transaction under a savepoint of its own, so a job that fails (an unknown
+/// prompt) is undone alone and its neighbours commit.
+pub struct Write {
+    rows: usize,
+    job: Job,
+}
+
+/// What a job does in its group.
+enum Job {
+    /// Plain inserts (no idempotency key): all of a group's are written by
+    /// one statement that keeps each request all or nothing.
+    Insert(Insert),
+    /// Anything else, run under a savepoint of its own.
+    Work {
+        /// It reads or retracts rollup credit, so the group's pending credit
+        /// is written before it runs (late feedback on a trace of the group).
+        settles: bool,
+        run: Work,
+    },
+}
+
+/// One request's plain insert: its rows, their ids (made by the request's
+/// task), and where its answer goes.
+struct Insert {
+    traces: Vec<TraceRow>,
+    ids: Vec<Uuid>,
+    reply: oneshot::Sender<StoreResult<Vec<Uuid>>>,
+}
+
+/// A job's work on the group's connection.
+type Work = Box<dyn for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Finish> + Send>;
+
+/// What a job left to do once its work ran.
+enum Finish {
+    /// Its work stands: answer with the group's commit; the traces it
+    /// stored, whose rollup credit the group writes for all its jobs at once.
+    Kept(Box<dyn FnOnce(StoreResult<()>) + Send>, Vec<Uuid>),
+    /// Its work failed and was rolled back: answer with its own error.
+    Undone(Box<dyn FnOnce() + Send>),
+}
+
+impl Weighed for Write {
+    fn weight(&self) -> usize {
+        self.rows
+    }
+}
+
+impl Write {
+    /// A job running `work`, which answers with its value and the traces it
+    /// stored (to credit), and the receiver of its answer.
+    fn new<T, F>(rows: usize, settles: bool, work: F) -> (Self, oneshot::Receiver<StoreResult<T>>)
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, StoreResult<(T, Vec<Uuid>)>> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let run = work_of(move |c| {
+            Box::pin(async move {
+                match work(c).await {
+                    Ok((value, credit)) => Finish::Kept(
+                        Box::new(move |committed: StoreResult<()>| {
+                            let _ = reply.send(committed.map(|()| value));
+                        }),
+                        credit,
+                    ),
+                    Err(e) => Finish::Undone(Box::new(move || {
+                        let _ = reply.send(Err(e));
+                    })),
+                }
+            })
+        });
+        (Self { rows, job: Job::Work { settles, run } }, answer)
+    }
+}
+
+/// The prompts a group's traces name, looked up once each: the prompt's id
+/// and version count, `None` for an unknown prompt. Inside the writer's
+/// transaction nothing else writes, so what is read here holds until commit.
+type PromptIds = std::collections::HashMap<PromptName, Option<(String, i64)>>;
+
+/// One trace row to write: the row, its id and its prompt's id.
+type RowToInsert<'a> = (&'a TraceRow, Uuid, &'a str);
+
+/// Columns bound per row of a group insert.
+const INSERT_PARAMS: usize = 12;
+
+/// Rows per insert statement, largest first. A group's rows go in chunks of
+/// these sizes (the binary decomposition of its count), so the writer prepares
+/// each of these few statements once and keeps it: a statement of exactly the
+/// group's size would be a new one, parsed and planned, for nearly every group.
+const CHUNK_ROWS: [usize; 9] = [256, 128, 64, 32, 16, 8, 4, 2, 1];
+
+/// The prompt ids of `traces`, or why the request cannot be stored (the
+/// first trace whose prompt or version is unknown, as `Invalid`).
+async fn resolve_prompts(
+    c: &mut SqliteConnection,
+    known: &mut PromptIds,
+    traces: &[TraceRow],
+) -> StoreResult<Result<Vec<String>, StoreError>> {
+    let mut ids = Vec::with_capacity(traces.len());
+    for (i, t) in traces.iter().enumerate() {
+        if !known.contains_key(&t.prompt) {
+            let row = sqlx::query("SELECT id, version_count FROM prompts WHERE name = ?")
+                .bind(t.prompt.as_str())
+                .fetch_optional(&mut *c)
+                .await?;
+            let found = match row {
+                Some(r) => Some((r.try_get::<String, _>("id")?, r.try_get::<i64, _>("version_count")?)),
+                None => None,
+            };
+            known.insert(t.prompt.clone(), found);
+        }
+        let found = &known[&t.prompt];
+        if let Some(what) = prompt_reference_problem(&t.prompt, t.version, found.as_ref().map(|(_, n)| *n)) {
+            return Ok(Err(StoreError::Invalid(format!("traces[{i}]: {what}"))));
+        }
+        ids.push(found.as_ref().map(|(id, _)| id.clone()).unwrap_or_default());
+    }
+    Ok(Ok(ids))
+}
+
+/// Checks each request's references (each prompt looked up once for the
+/// group) and answers the requests that name an unknown prompt or version
+/// (there is nothing of theirs to undo); writes the traces of the others
+/// and returns them, with the ids to credit.
+async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreResult<(Vec<Insert>, Vec<Uuid>)> {
+    let mut known = PromptIds::new();
+    let mut kept = Vec::with_capacity(inserts.len());
+    let mut prompt_ids = Vec::with_capacity(inserts.len());
+    for insert in inserts {
+        match resolve_prompts(&mut *c, &mut known, &insert.traces).await? {
+            Ok(ids) => {
+                prompt_ids.push(ids);
+                kept.push(insert);
+            }
+            Err(problem) => {
+                let _ = insert.reply.send(Err(problem));
+            }
+        }
+    }
+    let rows: Vec<RowToInsert<'_>> = kept
+        .iter()
+        .zip(&prompt_ids)
+        .flat_map(|(insert, prompts)| {
+            insert.traces.iter().zip(&insert.ids).zip(prompts).map(|((t, id), p)| (t, *id, p.as_str()))
+        })
+        .collect();
+    insert_resolved(&mut *c, &rows).await?;
+    let credit = rows.iter().map(|(_, id, _)| *id).collect();
+    drop(rows);
+    Ok((kept, credit))
+}
+
+/// Writes rows whose references were checked, in chunks of [`CHUNK_ROWS`].
+async fn insert_resolved(c: &mut SqliteConnection, rows: &[RowToInsert<'_>]) -> StoreResult<()> {
+    let now = now_us();
+    let statements = insert_statements();
+    let mut rest = rows;
+    while !rest.is_empty() {
+        // The last statement is of one row, so a chunk always fits.
+        let (size, text) =
+            statements.iter().find(|(n, _)| *n <= rest.len()).unwrap_or(&statements[statements.len() - 1]);
+        let (chunk, after) = rest.split_at(*size);
+        let mut q = sqlx::query(text.as_str());
+        for (t, id, prompt_id) in chunk {
+            q = q
+                .bind(id.to_string())
+                .bind(*prompt_id)
+                .bind(t.version)
+                .bind(&t.input)
+                .bind(&t.trajectory)
+                .bind(&t.output)
+                .bind(&t.feedback)
+                .bind(&t.reflection)
+                .bind(&t.external_id)
+                .bind(&t.metadata)
+                .bind(now)
+                .bind(now);
+        }
+        q.execute(&mut *c).await?;
+        rest = after;
+    }
+    Ok(())
+}
+
+/// The insert statement of each of [`CHUNK_ROWS`], largest first, built once.
+fn insert_statements() -> &'static [(usize, String)] {
+    static TEXTS: std::sync::OnceLock<Vec<(usize, String)>> = std::sync::OnceLock::new();
+    TEXTS.get_or_init(|| {
+        let row = format!("({})", ["?"; INSERT_PARAMS].join(", "));
+        CHUNK_ROWS
+            .into_iter()
+            .map(|n| {
+                let values = vec![row.as_str(); n].join(", ");
+                let text = format!(
+                    "INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, \
+                     reflection, external_id, metadata, created_at, updated_at) VALUES {values}"
+                );
+                (n, text)
+            })
+            .collect()
+    })
+}
+
+/// Boxes a job's work (a function, so the closure is typed for every lifetime).
+fn work_of<F>(f: F) -> Work
+where
+    F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Finish> + Send + 'static,
+{
+    Box::new(f)
+}
+
+/// Times the phases of a group's commit into `combee_store_write_phase_seconds`.
+struct PhaseClock(std::time::Instant);
+
+impl PhaseClock {
+    fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    fn lap(&mut self, phase: &'static str) {
+        let now = std::time::Instant::now();
+        metrics::histogram!("combee_store_write_phase_seconds", "phase" => phase)
+            .record(now.duration_since(self.0).as_secs_f64());
+        self.0 = now;
+    }
+}
+
+/// Commits one group: its plain inserts with one statement, every other job
+/// under its own savepoint, the rollup credit of the traces stored written
+/// once for all of them, then one commit (one WAL flush); each job is
+/// answered after it.
+async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
+    let mut answers: Vec<Box<dyn FnOnce(StoreResult<()>) + Send>> = Vec::with_capacity(group.len());
+    let (mut inserts, mut others) = (Vec::new(), Vec::new());
+    for write in group {
+        match write.job {
+            Job::Insert(insert) => inserts.push(insert),
+            Job::Work { settles, run } => others.push((settles, run)),
+        }
+    }
+    let mut kept_inserts: Vec<Insert> = Vec::new();
+    let mut clock = PhaseClock::start();
+    let outcome: StoreResult<()> = async {
+        let mut tx = writer.begin().await?;
+        clock.lap("begin");
+        let mut credit: Vec<Uuid> = Vec::new();
+        if !inserts.is_empty() {
+            let (kept, stored) = insert_group(&mut tx, std::mem::take(&mut inserts)).await?;
+            kept_inserts = kept;
+            credit = stored;
+        }
+        clock.lap("insert");
+        for (settles, run) in others.drain(..) {
+            if settles && !credit.is_empty() {
+                rollups::account::<Sqlite>(&mut tx, &std::mem::take(&mut credit), Sign::Credit, Counted::All).await?;
+            }
+            sqlx::query("SAVEPOINT job").execute(&mut *tx).await?;
+            match run(&mut tx).await {
+                Finish::Kept(answer, stored) => {
+                    answers.push(answer);
+                    credit.extend(stored);
+                }
+                Finish::Undone(answer) => {
+                    // Answered even if the rollback fails: the group then fails below.
+                    let undone = sqlx::query("ROLLBACK TO job").execute(&mut *tx).await;
+                    answer();
+                    undone?;
+                }
+            }
+            sqlx::query("RELEASE job").execute(&mut *tx).await?;
+        }
+        clock.lap("other");
+        rollups::account::<Sqlite>(&mut tx, &credit, Sign::Credit, Counted::All).await?;
+        clock.lap("rollups");
+        tx.commit().await?;
+        clock.lap("commit");
+        Ok(())
+    }
+    .await;
+    match outcome {
+        Ok(()) => {
+            for insert in kept_inserts {
+                let _ = insert.reply.send(Ok(insert.ids));
+            }
+            answers.into_iter().for_each(|answer| answer(Ok(())));
+        }
+        Err(e) => {
+            // Jobs not yet run (and inserts not yet written) are dropped
+            // unanswered, which their callers read as the store being
+            // unavailable, as the group's failure is.
+            drop((inserts, others));
+            for insert in kept_inserts {
+                let _ = insert.reply.send(Err(shared_failure(&e)));
+            }
+            for answer in answers {
+                answer(Err(shared_failure(&e)));
+            }
+        }
+    }
+}
+
 /// Each reading connection's own page cache, in KiB (SQLite's default is
 /// 2,000): the readers' pages are also in the operating system's cache, and
 /// sixteen full default caches were a quarter of the server's memory once
@@ -330,9 +631,9 @@ impl SqlStore<Sqlite> {
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
         // One lane: SQLite has one writer, and the lane's groups are its commits.
-        let writes = GroupCommit::start_lane(lane::GROUP_ROWS, {
+        let writes = GroupCommit::start(1, GROUP_ROWS, {
             let writer = writer.clone();
-            move |queue| lane::run(writer, queue)
+            move |group| commit_group(writer.clone(), group)
         });
         Ok(Self { writer, reader, changes, watch: KeyGenerationCache::open(path), writes })
     }
@@ -368,8 +669,10 @@ impl Backend for Sqlite {
         if traces.is_empty() {
             return Ok(Vec::new());
         }
-        let (job, answer) = Write::insert(TraceRow::all(traces)?);
-        s.writes.submit(job).await?;
+        let traces = TraceRow::all(traces)?;
+        let ids = traces.iter().map(|_| Uuid::now_v7()).collect();
+        let (reply, answer) = oneshot::channel();
+        s.writes.submit(Write { rows: traces.len(), job: Job::Insert(Insert { traces, ids, reply }) }).await?;
         group_commit::answer(answer).await
     }
 
