@@ -191,19 +191,14 @@ pub(crate) async fn account<D: Dialect>(
     if ids.is_empty() {
         return Ok(());
     }
-    for text in account_statements::<D>(sign, counted) {
-        sql::<D>(&text).bind(Param::Ids(Some(ids))).execute(c).await?;
-    }
-    Ok(())
-}
-
-/// The statements [`account`] runs, each taking the traces' ids as `$1`.
-fn account_statements<D: Dialect>(sign: Sign, counted: Counted) -> [String; 2] {
     let mut cond = D::any_of("t.id", "$1");
     if counted == Counted::Unquarantined {
         cond.push_str(" AND t.quarantined_at IS NULL");
     }
-    [outcome_delta_sql::<D>("traces t", &cond, sign), task_delta_sql::<D>("traces t", &cond, sign)]
+    for text in [outcome_delta_sql::<D>("traces t", &cond, sign), task_delta_sql::<D>("traces t", &cond, sign)] {
+        sql::<D>(&text).bind(Param::Ids(Some(ids))).execute(c).await?;
+    }
+    Ok(())
 }
 
 /// `versions` as runs of consecutive numbers, `(first, last)`, ascending.
