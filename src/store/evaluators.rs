@@ -70,9 +70,10 @@ pub trait EvaluatorStore: Send + Sync {
     async fn set_evaluators(&self, prompt: &PromptName, evaluators: &[Evaluator]) -> StoreResult<()>;
     /// Claims, for `lease`, up to `limit` pending, unquarantined traces of
     /// prompts with evaluators that no evaluator has looked at yet and no
-    /// other judge holds, oldest first: several worker processes judge
-    /// disjoint batches, and a dead worker's batch is claimed again once its
-    /// lease runs out.
+    /// other judge holds, each prompt's oldest first and every prompt with
+    /// such traces getting a share: several worker processes judge disjoint
+    /// batches, and a dead worker's batch is claimed again once its lease
+    /// runs out. Reads only the traces of prompts that have evaluators.
     async fn claim_unjudged(&self, lease: Duration, limit: u32) -> StoreResult<Vec<Unjudged>>;
     /// Records the evaluators' judgements on each trace of `batch` (once:
     /// traces judged already or gone are skipped) and, when a judged
@@ -118,38 +119,79 @@ impl<D: Backend> EvaluatorStore for SqlStore<D> {
     }
 
     async fn claim_unjudged(&self, lease: Duration, limit: u32) -> StoreResult<Vec<Unjudged>> {
+        // The prompts that have evaluators first, off the writer: the traces of
+        // any other prompt are never read, and with none there is nothing to claim.
+        let judged: Vec<(Uuid, PromptName, Vec<Evaluator>)> = sql::<D>(
+            "SELECT e.prompt_id, p.name, e.evaluators FROM prompt_evaluators e JOIN prompts p ON p.id = e.prompt_id
+             ORDER BY e.prompt_id",
+        )
+        .map(&mut *self.reader.acquire().await?, |row| {
+            let r = Cols::<D>(row);
+            Ok((
+                r.get("prompt_id")?,
+                prompt_name(&r.get::<String>("name")?)?,
+                serde_json::from_value(r.get("evaluators")?).map_err(|_| corrupt("evaluators"))?,
+            ))
+        })
+        .await?;
+        if judged.is_empty() || limit == 0 {
+            return Ok(Vec::new());
+        }
         let mut tx = self.writer.begin().await?;
         let at = now();
+        // Each prompt's oldest unjudged traces, walked in the order of its
+        // `traces_unjudged` index so a claim reads about as many rows as it
+        // takes: an equal share each first, then what is left of the batch to
+        // the prompts that had more, so one prompt's backlog neither starves
+        // the others nor leaves the batch half empty.
         let text = format!(
-            "SELECT t.id, p.name, t.input, t.output, t.metadata, e.evaluators
-             FROM prompt_evaluators e JOIN traces t ON t.prompt_id = e.prompt_id JOIN prompts p ON p.id = e.prompt_id
-             WHERE t.judged_at IS NULL AND t.status = 'pending' AND t.quarantined_at IS NULL
-               AND (t.judge_claimed_until IS NULL OR t.judge_claimed_until < $1)
-             ORDER BY t.id LIMIT $2{}",
-            D::lock(" FOR UPDATE OF t SKIP LOCKED")
+            "SELECT t.id, t.input, t.output, t.metadata FROM traces t
+             WHERE t.prompt_id = $1 AND t.judged_at IS NULL AND t.status = 'pending' AND t.quarantined_at IS NULL
+               AND (t.judge_claimed_until IS NULL OR t.judge_claimed_until < $2)
+             ORDER BY t.id LIMIT $3{}",
+            D::lock(" FOR UPDATE SKIP LOCKED")
         );
-        let claimed = sql::<D>(&text)
-            .bind(at)
-            .bind(i64::from(limit))
-            .map(&mut tx, |row| {
-                let r = Cols::<D>(row);
-                Ok(Unjudged {
-                    id: r.get("id")?,
-                    prompt: prompt_name(&r.get::<String>("name")?)?,
-                    input: r.get("input")?,
-                    output: r.get("output")?,
-                    metadata: r.get("metadata")?,
-                    evaluators: serde_json::from_value(r.get("evaluators")?).map_err(|_| corrupt("evaluators"))?,
-                })
-            })
-            .await?;
-        if !claimed.is_empty() {
-            let ids: Vec<Uuid> = claimed.iter().map(|t| t.id).collect();
-            sql::<D>(&format!("UPDATE traces SET judge_claimed_until = $1 WHERE {}", D::any_of("id", "$2")))
-                .bind(later(at, lease))
-                .bind(Param::Ids(Some(&ids)))
-                .execute(&mut tx)
-                .await?;
+        let claim_update = format!("UPDATE traces SET judge_claimed_until = $1 WHERE {}", D::any_of("id", "$2"));
+        let limit = limit as usize;
+        let share = limit.div_ceil(judged.len());
+        let mut claimed: Vec<Unjudged> = Vec::new();
+        let mut had_more: Vec<usize> = Vec::new();
+        for pass in 0..2 {
+            let prompts: Vec<usize> =
+                if pass == 0 { (0..judged.len()).collect() } else { std::mem::take(&mut had_more) };
+            for i in prompts {
+                let wanted = if pass == 0 { share } else { limit }.min(limit - claimed.len());
+                if wanted == 0 {
+                    break;
+                }
+                let (prompt_id, prompt, evaluators) = &judged[i];
+                let got = sql::<D>(&text)
+                    .bind(*prompt_id)
+                    .bind(at)
+                    .bind(wanted as i64)
+                    .map(&mut tx, |row| {
+                        let r = Cols::<D>(row);
+                        Ok(Unjudged {
+                            id: r.get("id")?,
+                            prompt: prompt.clone(),
+                            input: r.get("input")?,
+                            output: r.get("output")?,
+                            metadata: r.get("metadata")?,
+                            evaluators: evaluators.clone(),
+                        })
+                    })
+                    .await?;
+                if got.is_empty() {
+                    continue;
+                }
+                if got.len() == wanted {
+                    had_more.push(i);
+                }
+                // Marked at once, so the second pass does not read them again.
+                let ids: Vec<Uuid> = got.iter().map(|t| t.id).collect();
+                sql::<D>(&claim_update).bind(later(at, lease)).bind(Param::Ids(Some(&ids))).execute(&mut tx).await?;
+                claimed.extend(got);
+            }
         }
         tx.commit().await?;
         Ok(claimed)

@@ -198,6 +198,31 @@ async fn judges_claim_disjoint_batches_and_a_dead_judges_batch_returns(b: Backen
     assert!(again.iter().all(|t| t.prompt.as_str() == "q"));
 }
 
+/// A claim reads only prompts with evaluators, and one prompt's backlog does
+/// not crowd out another's traces: each gets a share of the batch, its
+/// oldest first, and a share another prompt left unused goes to the backlog.
+async fn a_claim_shares_the_batch_between_prompts(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    for p in ["busy", "quiet", "unjudged"] {
+        evaluated_prompt(&s, p, 1).await;
+    }
+    s.set_evaluators(&name("busy"), &solved_check()).await.unwrap();
+    s.set_evaluators(&name("quiet"), &solved_check()).await.unwrap();
+    let busy = s.insert_traces(&batch("busy", 1, 40, 0.5)).await.unwrap();
+    s.insert_traces(&batch("unjudged", 1, 40, 0.5)).await.unwrap();
+    let quiet = s.insert_traces(&batch("quiet", 1, 2, 0.5)).await.unwrap();
+    let lease = Duration::from_secs(60);
+    let claimed = s.claim_unjudged(lease, 12).await.unwrap();
+    let of = |p: &str| claimed.iter().filter(|t| t.prompt.as_str() == p).map(|t| t.id).collect::<Vec<_>>();
+    assert_eq!(claimed.len(), 12, "the batch is filled");
+    assert_eq!(of("quiet"), quiet, "the quiet prompt's traces are not crowded out");
+    assert_eq!(of("busy"), busy[..10].to_vec(), "the rest of the batch: the busy prompt's oldest");
+    assert!(of("unjudged").is_empty(), "a prompt without evaluators is never claimed");
+    let next = s.claim_unjudged(lease, 12).await.unwrap();
+    assert_eq!(next.iter().map(|t| t.id).collect::<Vec<_>>(), busy[10..22].to_vec());
+}
+
 /// A round of a prompt with evaluators leaves unjudged traces out until they
 /// are judged, or older than the wait.
 async fn rounds_wait_for_judgement_within_a_limit(b: Backend) {
@@ -465,6 +490,7 @@ on_both_stores!(
     judged_feedback_never_overrides_the_agent_and_late_feedback_replaces_it,
     rounds_wait_for_judgement_within_a_limit,
     judges_claim_disjoint_batches_and_a_dead_judges_batch_returns,
+    a_claim_shares_the_batch_between_prompts,
     with_no_feedback_at_all_judged_rewards_rate_and_promote,
     calibration_compares_the_evaluators_with_reported_rewards,
 );
