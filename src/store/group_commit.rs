@@ -7,15 +7,23 @@
 //! behind it (up to a bound), and commits them as one group. Nothing waits on
 //! a timer: an idle store commits a lone request at once, and a busy one
 //! gathers what arrived while the previous group was committing, so groups
-//! grow exactly as fast as the store falls behind. The lanes are tasks of
+//! grow exactly as fast as the store falls behind. Where there are several
+//! lanes, a second one starts a group beside a committing one only once
+//! enough rows wait to be worth a commit of their own. The lanes are tasks of
 //! their own, so a request whose client goes away never strands the others
 //! of its group. What a job does inside the group, and how one failing job
 //! is kept from failing its neighbours, is the backend's (see `sqlite.rs`,
 //! `postgres.rs`).
 
-use std::{future::Future, sync::Arc};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
 
-use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 
 use super::{StoreError, StoreResult};
 
@@ -25,6 +33,13 @@ const QUEUE: usize = 8192;
 /// The sending side of the lanes; the lanes stop when it is dropped.
 pub struct GroupCommit<J> {
     jobs: mpsc::Sender<J>,
+}
+
+/// How many lanes are committing, and a signal each time one finishes.
+#[derive(Default)]
+struct Committing {
+    lanes: AtomicUsize,
+    done: Notify,
 }
 
 /// Something a lane can weigh, so a group stays within its bound.
@@ -37,7 +52,15 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
     /// Starts `lanes` lanes, each committing groups of at most `max_weight`
     /// rows (a single job heavier than that is a group of its own) with
     /// `commit`, which must answer every job of the group it is given.
-    pub(super) fn start<F, Fut>(lanes: usize, max_weight: usize, commit: F) -> Self
+    ///
+    /// A lane commits at once when no other lane is committing; while one is,
+    /// another lane starts a group beside it only once `join_weight` rows
+    /// are waiting, and until then gathers what arrives (the committing lane,
+    /// when done, finds them gathered). Every commit has a cost of its own
+    /// (a statement, a flush), so splitting a short queue between lanes
+    /// makes more, smaller groups and costs the store more for the same rows;
+    /// lanes run side by side when the queue is deep enough to fill them.
+    pub(super) fn start<F, Fut>(lanes: usize, max_weight: usize, join_weight: usize, commit: F) -> Self
     where
         F: Fn(Vec<J>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = ()> + Send + 'static,
@@ -45,8 +68,9 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
         let (jobs, queue) = mpsc::channel::<J>(QUEUE);
         let queue = Arc::new(Mutex::new(queue));
         let commit = Arc::new(commit);
+        let committing = Arc::new(Committing::default());
         for _ in 0..lanes.max(1) {
-            let (queue, commit) = (queue.clone(), commit.clone());
+            let (queue, commit, committing) = (queue.clone(), commit.clone(), committing.clone());
             tokio::spawn(async move {
                 // A job that did not fit the last group opens the next one.
                 let mut carried: Option<J> = None;
@@ -62,7 +86,27 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                         };
                         let mut weight = first.weight();
                         let mut group = vec![first];
-                        while weight < max_weight {
+                        // Beside a committing lane: gather until the group is worth a commit of its own.
+                        while weight < join_weight.min(max_weight) {
+                            let idle = committing.done.notified();
+                            tokio::pin!(idle);
+                            idle.as_mut().enable();
+                            if committing.lanes.load(Ordering::SeqCst) == 0 {
+                                break;
+                            }
+                            let job = tokio::select! {
+                                job = queue.recv() => job,
+                                _ = &mut idle => continue,
+                            };
+                            let Some(job) = job else { break };
+                            if weight + job.weight() > max_weight {
+                                carried = Some(job);
+                                break;
+                            }
+                            weight += job.weight();
+                            group.push(job);
+                        }
+                        while weight < max_weight && carried.is_none() {
                             let Ok(job) = queue.try_recv() else { break };
                             if weight + job.weight() > max_weight {
                                 carried = Some(job);
@@ -74,7 +118,10 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                         (group, weight)
                     };
                     let started = std::time::Instant::now();
+                    committing.lanes.fetch_add(1, Ordering::SeqCst);
                     commit(group).await;
+                    committing.lanes.fetch_sub(1, Ordering::SeqCst);
+                    committing.done.notify_waiters();
                     // Where the write path's time goes: how full groups are and how long each holds its lane.
                     metrics::histogram!("combee_store_write_group_rows").record(weight as f64);
                     metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
@@ -105,5 +152,67 @@ pub(super) fn shared_failure(error: &StoreError) -> StoreError {
         StoreError::Invalid(why) => StoreError::Invalid(why.clone()),
         StoreError::Conflict => StoreError::Conflict,
         other => StoreError::Database(sqlx::Error::Protocol(format!("group commit failed: {other}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{sync::Mutex as StdMutex, time::Duration};
+
+    use super::*;
+
+    struct Row;
+
+    impl Weighed for Row {
+        fn weight(&self) -> usize {
+            1
+        }
+    }
+
+    /// Four lanes whose commits take 200 ms; the sizes of the groups they
+    /// commit, in the order the commits start.
+    fn lanes(join_weight: usize) -> (GroupCommit<Row>, Arc<StdMutex<Vec<usize>>>) {
+        let sizes = Arc::new(StdMutex::new(Vec::new()));
+        let seen = sizes.clone();
+        let lanes = GroupCommit::start(4, 1024, join_weight, move |group: Vec<Row>| {
+            seen.lock().unwrap().push(group.len());
+            tokio::time::sleep(Duration::from_millis(200))
+        });
+        (lanes, sizes)
+    }
+
+    /// A lone write is committed at once; what arrives while it commits (one
+    /// row every 2 ms) is gathered into one group, not split between the
+    /// idle lanes.
+    #[tokio::test]
+    async fn a_short_queue_waits_for_the_committing_lane_instead_of_splitting() {
+        let (lanes, sizes) = lanes(32);
+        lanes.submit(Row).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(*sizes.lock().unwrap(), [1], "an idle store commits a lone write at once");
+        for _ in 0..10 {
+            lanes.submit(Row).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(*sizes.lock().unwrap(), [1, 10]);
+    }
+
+    /// Once a group's worth of rows is waiting, another lane commits it
+    /// beside the busy one (rows arriving 4, 4 and 2 at a time).
+    #[tokio::test]
+    async fn a_deep_queue_runs_lanes_side_by_side() {
+        let (lanes, sizes) = lanes(4);
+        lanes.submit(Row).await.unwrap();
+        for arriving in [4, 4, 2] {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            for _ in 0..arriving {
+                lanes.submit(Row).await.unwrap();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(*sizes.lock().unwrap(), [1, 4, 4], "two full groups started beside the first");
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(*sizes.lock().unwrap(), [1, 4, 4, 2], "the rest once the lanes were done");
     }
 }

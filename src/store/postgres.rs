@@ -156,7 +156,7 @@ impl SqlStore<Postgres> {
         let (changes, _) = broadcast::channel(1024);
         let listener = Listener(tokio::spawn(listen(direct, changes.clone())));
 
-        let writes = GroupCommit::start(lanes(max_connections), GROUP_ROWS, {
+        let writes = GroupCommit::start(lanes(max_connections), GROUP_ROWS, ALONE_ROWS, {
             let pool = pool.clone();
             move |group| commit_group(pool.clone(), group)
         });
@@ -246,7 +246,10 @@ const ALONE_ROWS: usize = 32;
 /// How many groups may commit at once: Postgres flushes concurrent commits
 /// together, so a few lanes per core keep its cores and the disk busy (one
 /// lane's group runs while another's waits on its flush), and each group
-/// still gathers what arrived during the commit before it.
+/// still gathers what arrived during the commit before it. A lane joins a
+/// committing one only with [`ALONE_ROWS`] rows gathered (see
+/// [`GroupCommit::start`]): each statement costs Postgres about as much to
+/// start as a few dozen rows cost to insert.
 fn lanes(max_connections: u32) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, usize::from);
     (2 * cores).clamp(4, 32).min((max_connections as usize / 2).max(1))

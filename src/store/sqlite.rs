@@ -631,7 +631,7 @@ impl SqlStore<Sqlite> {
             .map_err(StoreError::Unavailable)?;
         let (changes, _) = broadcast::channel(1024);
         // One lane: SQLite has one writer, and the lane's groups are its commits.
-        let writes = GroupCommit::start(1, GROUP_ROWS, {
+        let writes = GroupCommit::start(1, GROUP_ROWS, GROUP_ROWS, {
             let writer = writer.clone();
             move |group| commit_group(writer.clone(), group)
         });
