@@ -248,8 +248,8 @@ const ALONE_ROWS: usize = 32;
 /// lane's group runs while another's waits on its flush), and each group
 /// still gathers what arrived during the commit before it. A lane joins a
 /// committing one only with [`ALONE_ROWS`] rows gathered (see
-/// [`GroupCommit::start`]): each statement costs Postgres about as much to
-/// start as a few dozen rows cost to insert.
+/// [`GroupCommit::start`]): a statement has a cost of its own in Postgres
+/// (executor start-up and finish), about what a dozen rows cost to insert.
 fn lanes(max_connections: u32) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, usize::from);
     (2 * cores).clamp(4, 32).min((max_connections as usize / 2).max(1))
