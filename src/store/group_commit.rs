@@ -42,6 +42,24 @@ struct Committing {
     done: Notify,
 }
 
+impl Committing {
+    /// Counts a lane as committing until the guard is dropped (unwinding
+    /// too: a lane that panicked must not keep the others gathering).
+    fn begin(&self) -> CommitGuard<'_> {
+        self.lanes.fetch_add(1, Ordering::SeqCst);
+        CommitGuard(self)
+    }
+}
+
+struct CommitGuard<'a>(&'a Committing);
+
+impl Drop for CommitGuard<'_> {
+    fn drop(&mut self) {
+        self.0.lanes.fetch_sub(1, Ordering::SeqCst);
+        self.0.done.notify_waiters();
+    }
+}
+
 /// Something a lane can weigh, so a group stays within its bound.
 pub trait Weighed {
     /// How many rows this job writes.
@@ -118,10 +136,9 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                         (group, weight)
                     };
                     let started = std::time::Instant::now();
-                    committing.lanes.fetch_add(1, Ordering::SeqCst);
+                    let busy = committing.begin();
                     commit(group).await;
-                    committing.lanes.fetch_sub(1, Ordering::SeqCst);
-                    committing.done.notify_waiters();
+                    drop(busy);
                     // Where the write path's time goes: how full groups are and how long each holds its lane.
                     metrics::histogram!("combee_store_write_group_rows").record(weight as f64);
                     metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
