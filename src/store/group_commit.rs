@@ -60,6 +60,25 @@ impl Drop for CommitGuard<'_> {
     }
 }
 
+/// The jobs a lane is gathering, and their weight.
+struct Group<J> {
+    jobs: Vec<J>,
+    weight: usize,
+    max_weight: usize,
+}
+
+impl<J: Weighed> Group<J> {
+    /// Adds `job` if the group stays within its bound; gives it back if not.
+    fn add(&mut self, job: J) -> Result<(), J> {
+        if self.weight + job.weight() > self.max_weight {
+            return Err(job);
+        }
+        self.weight += job.weight();
+        self.jobs.push(job);
+        Ok(())
+    }
+}
+
 /// Something a lane can weigh, so a group stays within its bound.
 pub trait Weighed {
     /// How many rows this job writes.
@@ -93,7 +112,7 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                 // A job that did not fit the last group opens the next one.
                 let mut carried: Option<J> = None;
                 loop {
-                    let (group, weight) = {
+                    let group = {
                         let mut queue = queue.lock().await;
                         let first = match carried.take() {
                             Some(job) => job,
@@ -102,10 +121,9 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                                 None => return,
                             },
                         };
-                        let mut weight = first.weight();
-                        let mut group = vec![first];
+                        let mut group = Group { weight: first.weight(), jobs: vec![first], max_weight };
                         // Beside a committing lane: gather until the group is worth a commit of its own.
-                        while weight < join_weight.min(max_weight) {
+                        while group.weight < join_weight.min(max_weight) {
                             let idle = committing.done.notified();
                             tokio::pin!(idle);
                             idle.as_mut().enable();
@@ -117,27 +135,23 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                                 _ = &mut idle => continue,
                             };
                             let Some(job) = job else { break };
-                            if weight + job.weight() > max_weight {
+                            if let Err(job) = group.add(job) {
                                 carried = Some(job);
                                 break;
                             }
-                            weight += job.weight();
-                            group.push(job);
                         }
-                        while weight < max_weight && carried.is_none() {
+                        while group.weight < max_weight && carried.is_none() {
                             let Ok(job) = queue.try_recv() else { break };
-                            if weight + job.weight() > max_weight {
+                            if let Err(job) = group.add(job) {
                                 carried = Some(job);
-                                break;
                             }
-                            weight += job.weight();
-                            group.push(job);
                         }
-                        (group, weight)
+                        group
                     };
                     let started = std::time::Instant::now();
                     let busy = committing.begin();
-                    commit(group).await;
+                    let weight = group.weight;
+                    commit(group.jobs).await;
                     drop(busy);
                     // Where the write path's time goes: how full groups are and how long each holds its lane.
                     metrics::histogram!("combee_store_write_group_rows").record(weight as f64);

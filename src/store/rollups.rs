@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::{
-    StoreKind, StoreResult,
+    StoreResult,
     backend::{Backend, SqlStore},
     sql::{Cols, Dialect, Param, sql},
 };
@@ -401,34 +401,31 @@ impl<D: Backend> Rollups for SqlStore<D> {
         for (table, key, columns) in
             [("outcome_rollups", OUTCOME_KEY, OUTCOME_COLUMNS), ("task_rollups", TASK_KEY, TASK_COLUMNS)]
         {
-            folded += match D::KIND {
+            folded += if D::ROLLUP_ROW_PER_KEY {
+                // One row per key, which writes add to: nothing to fold, and a
+                // key whose traces all went is dropped.
+                let n = sql::<D>(&format!(
+                    "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE traces = 0 LIMIT $1)"
+                ))
+                .bind(i64::from(limit))
+                .execute(&mut *self.writer.acquire().await?)
+                .await?;
+                Some(n as i64)
+            } else {
                 // One statement, one snapshot: exactly the rows it deletes are
                 // summed; rows committed meanwhile stay for the next pass, and a
                 // concurrent compactor's deletes are skipped, not summed twice.
-                StoreKind::Postgres => {
-                    let sums = folded_sums(table);
-                    let matches = key.split(", ").map(|k| format!("r.{k} = k.{k}")).collect::<Vec<_>>().join(" AND ");
-                    let text = format!(
-                        "WITH k AS (SELECT DISTINCT {key} FROM (SELECT {key} FROM {table} WHERE NOT compacted
-                                                          ORDER BY id LIMIT $1) u),
-                              gone AS (DELETE FROM {table} r USING k WHERE {matches} RETURNING r.*),
-                              put AS (INSERT INTO {table} ({columns}, compacted)
-                                      SELECT {key}, {sums}, TRUE FROM gone GROUP BY {key} HAVING sum(traces) <> 0)
-                         SELECT count(*) AS n FROM gone"
-                    );
-                    sql::<D>(&text).bind(i64::from(limit)).value::<i64>(&mut *self.writer.acquire().await?, "n").await?
-                }
-                // One row per key, which writes add to (see `Dialect::ROLLUP_ROW_PER_KEY`):
-                // nothing to fold, and a key whose traces all went is dropped.
-                StoreKind::Sqlite => {
-                    let n = sql::<D>(&format!(
-                        "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE traces = 0 LIMIT $1)"
-                    ))
-                    .bind(i64::from(limit))
-                    .execute(&mut *self.writer.acquire().await?)
-                    .await?;
-                    Some(n as i64)
-                }
+                let sums = folded_sums(table);
+                let matches = key.split(", ").map(|k| format!("r.{k} = k.{k}")).collect::<Vec<_>>().join(" AND ");
+                let text = format!(
+                    "WITH k AS (SELECT DISTINCT {key} FROM (SELECT {key} FROM {table} WHERE NOT compacted
+                                                      ORDER BY id LIMIT $1) u),
+                          gone AS (DELETE FROM {table} r USING k WHERE {matches} RETURNING r.*),
+                          put AS (INSERT INTO {table} ({columns}, compacted)
+                                  SELECT {key}, {sums}, TRUE FROM gone GROUP BY {key} HAVING sum(traces) <> 0)
+                     SELECT count(*) AS n FROM gone"
+                );
+                sql::<D>(&text).bind(i64::from(limit)).value::<i64>(&mut *self.writer.acquire().await?, "n").await?
             }
             .unwrap_or(0)
             .max(0) as u64;
