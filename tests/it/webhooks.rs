@@ -6,8 +6,11 @@
 use crate::common;
 
 use std::{
-    io::Write,
-    sync::{Arc, Mutex, OnceLock},
+    fmt::Write,
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -22,6 +25,12 @@ use combee::config::{Role, Settings};
 use common::{Backend, TestApp, eventually, expect_problem, restart_app_with, spawn_app, spawn_app_with};
 use serde_json::{Value, json};
 use tokio::sync::watch;
+use tracing::{
+    Event, Level, Metadata, Subscriber,
+    field::{Field, Visit},
+    level_filters::LevelFilter,
+    span::{Attributes, Id, Record},
+};
 
 /// One request the receiver got.
 #[derive(Debug, Clone)]
@@ -138,7 +147,7 @@ fn python_verifies(secret: &str, r: &Received, body: &str) -> Result<Value, Stri
     let hp = dir.path().join("headers.json");
     let bp = dir.path().join("body");
     std::fs::write(&hp, Value::Object(headers).to_string()).unwrap();
-    std::fs::File::create(&bp).unwrap().write_all(body.as_bytes()).unwrap();
+    std::fs::write(&bp, body.as_bytes()).unwrap();
     let out = std::process::Command::new("python3")
         .args(["-c", VERIFY_PY, secret])
         .arg(&hp)
@@ -304,33 +313,70 @@ async fn gone_disables_the_subscription(b: Backend) {
     assert!(gone.got.lock().unwrap().iter().all(|r| r.json()["data"]["prompt"] == "first"));
 }
 
-/// Every log line of this test process.
+/// Every event and span field of this test process at debug level or above,
+/// as text. A plain subscriber that keeps no span registry: installed while
+/// the test's runtime threads already run, a registry's per-thread span
+/// stacks could disagree with it and panic inside a library's task.
 fn captured_logs() -> Arc<Mutex<Vec<u8>>> {
     static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
     LOGS.get_or_init(|| {
         let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_env_filter("debug")
-            .with_ansi(false)
-            .with_writer(move || LogWriter(sink.clone()))
-            .finish();
-        let _ = tracing::subscriber::set_global_default(subscriber);
+        let capture = Capture { sink: buf.clone(), next_span: AtomicU64::new(1) };
+        let _ = tracing::subscriber::set_global_default(capture);
         buf
     })
     .clone()
 }
 
-struct LogWriter(Arc<Mutex<Vec<u8>>>);
+struct Capture {
+    sink: Arc<Mutex<Vec<u8>>>,
+    next_span: AtomicU64,
+}
 
-impl Write for LogWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(data);
-        Ok(data.len())
+impl Capture {
+    fn write(&self, line: String) {
+        let mut sink = self.sink.lock().unwrap();
+        sink.extend_from_slice(line.as_bytes());
+        sink.push(b'\n');
     }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
+}
+
+/// Writes each field as `name=value`.
+struct Fields(String);
+
+impl Visit for Fields {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        let _ = write!(self.0, " {}={value:?}", field.name());
     }
+}
+
+impl Subscriber for Capture {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        *metadata.level() <= Level::DEBUG
+    }
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        Some(LevelFilter::DEBUG)
+    }
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let mut fields = Fields(format!("span {}", span.metadata().name()));
+        span.record(&mut fields);
+        self.write(fields.0);
+        Id::from_u64(self.next_span.fetch_add(1, Ordering::Relaxed))
+    }
+    fn record(&self, _: &Id, values: &Record<'_>) {
+        let mut fields = Fields("span record".to_owned());
+        values.record(&mut fields);
+        self.write(fields.0);
+    }
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let meta = event.metadata();
+        let mut fields = Fields(format!("{} {}", meta.level(), meta.target()));
+        event.record(&mut fields);
+        self.write(fields.0);
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
 }
 
 async fn secrets_stay_out_of_answers_and_logs(b: Backend) {
