@@ -125,20 +125,26 @@ fn task_reward_columns<D: Dialect>() -> (String, String) {
 /// bucket), or on a store that keeps one row per key, added to that row.
 pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
-    let moments = moment_sums::<D>(s, false);
-    // Each trace's outcome columns are read from its JSON once, then joined
-    // to the tiers: computed after the join, every JSON read ran once per
-    // tier (4×; SQLite parses the text at each read).
+    // Each trace's outcome columns are read from its JSON once and summed
+    // per second; only those sums (one row per second the traces fall in, a
+    // single one for a write's new traces) are joined to the tiers. Joined
+    // per trace, every trace was hashed and bucketed once per tier.
+    let sums = summed(s, OUTCOME_COLUMNS, OUTCOME_KEY);
     format!(
         "INSERT INTO outcome_rollups ({OUTCOME_COLUMNS})
          WITH outcome_rows AS MATERIALIZED (
-             SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, t.created_at, {outcome}
-             FROM {source} WHERE {cond})
-         SELECT prompt_id, version, width, start_secs, {s}count(*), {s}count(CASE WHEN rewarded THEN 1 END),
-                {s}count(success), {s}count(CASE WHEN success = 1 THEN 1 END), {moments}, {s}count(judged)
-         FROM (SELECT t.*, w.width, {start} AS start_secs FROM outcome_rows t CROSS JOIN {TIER_WIDTHS}) v
+             SELECT t.prompt_id, coalesce(t.prompt_version, 0) AS version, {second} AS second, {outcome}
+             FROM {source} WHERE {cond}),
+         seconds AS (
+             SELECT prompt_id, version, second, count(*) AS traces, count(CASE WHEN rewarded THEN 1 END) AS with_feedback,
+                    count(success) AS success_trials, count(CASE WHEN success = 1 THEN 1 END) AS successes,
+                    {moments}, count(judged) AS judged
+             FROM outcome_rows GROUP BY prompt_id, version, second)
+         SELECT prompt_id, version, width, start_secs, {sums}
+         FROM (SELECT t.*, w.width, (t.second / w.width) * w.width AS start_secs FROM seconds t CROSS JOIN {TIER_WIDTHS}) v
          GROUP BY prompt_id, version, width, start_secs{fold}",
-        start = D::bucket_start("w.width"),
+        second = D::bucket_start("1"),
+        moments = moment_sums::<D>("", true),
         outcome = outcome_columns::<D>(),
         fold = fold_into_key_row::<D>(OUTCOME_KEY, OUTCOME_COLUMNS),
     )
@@ -149,17 +155,22 @@ pub(crate) fn outcome_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign
 pub(crate) fn task_delta_sql<D: Dialect>(source: &str, cond: &str, sign: Sign) -> String {
     let s = if sign == Sign::Retract { "-" } else { "" };
     let (reward, keyed) = task_reward_columns::<D>();
-    // Read once per trace, then joined to the tiers (as the outcome deltas).
+    // Read once per trace and summed per second, then joined to the tiers
+    // (as the outcome deltas).
     format!(
         "INSERT INTO task_rollups ({TASK_COLUMNS})
          WITH task_rows AS MATERIALIZED (
-             SELECT t.prompt_id, t.prompt_version AS version, t.created_at, {reward}
-             FROM {source} WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed})
-         SELECT prompt_id, version, task_key, width, start_secs, {s}count(*), {s}{total}
-         FROM (SELECT t.*, w.width, {start} AS start_secs FROM task_rows t CROSS JOIN {TASK_WIDTHS}) r
-         WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, width, start_secs{fold}",
+             SELECT t.prompt_id, t.prompt_version AS version, {second} AS second, {reward}
+             FROM {source} WHERE {cond} AND t.prompt_version IS NOT NULL AND {keyed}),
+         seconds AS (
+             SELECT prompt_id, version, task_key, second, count(*) AS traces, {total} AS reward_sum
+             FROM task_rows WHERE reward IS NOT NULL GROUP BY prompt_id, version, task_key, second)
+         SELECT prompt_id, version, task_key, width, start_secs, {sums}
+         FROM (SELECT t.*, w.width, (t.second / w.width) * w.width AS start_secs FROM seconds t CROSS JOIN {TASK_WIDTHS}) r
+         GROUP BY prompt_id, version, task_key, width, start_secs{fold}",
+        second = D::bucket_start("1"),
         total = D::real("sum(reward)"),
-        start = D::bucket_start("w.width"),
+        sums = summed(s, TASK_COLUMNS, TASK_KEY),
         fold = fold_into_key_row::<D>(TASK_KEY, TASK_COLUMNS),
     )
 }
@@ -384,14 +395,11 @@ const OUTCOME_KEY: &str = "prompt_id, version, width, start_secs";
 const TASK_KEY: &str = "prompt_id, version, task_key, width, start_secs";
 const TASK_COLUMNS: &str = "prompt_id, version, task_key, width, start_secs, traces, reward_sum";
 
-fn folded_sums(table: &str) -> &'static str {
-    if table == "outcome_rollups" {
-        "sum(traces), sum(with_feedback), sum(success_trials), sum(successes), sum(score_n), sum(score_sum), \
-         sum(score_sq), sum(tokens_n), sum(tokens_sum), sum(tokens_sq), sum(cost_n), sum(cost_sum), sum(cost_sq), \
-         sum(latency_n), sum(latency_sum), sum(latency_sq), sum(judged)"
-    } else {
-        "sum(traces), sum(reward_sum)"
-    }
+/// `sum(c)` of each of `columns` outside `key`, each prefixed by `sign`: how
+/// rows of one key add up.
+fn summed(sign: &str, columns: &str, key: &str) -> String {
+    let key: Vec<&str> = key.split(", ").collect();
+    columns.split(", ").filter(|c| !key.contains(c)).map(|c| format!("{sign}sum({c})")).collect::<Vec<_>>().join(", ")
 }
 
 #[async_trait]
@@ -415,7 +423,7 @@ impl<D: Backend> Rollups for SqlStore<D> {
                 // One statement, one snapshot: exactly the rows it deletes are
                 // summed; rows committed meanwhile stay for the next pass, and a
                 // concurrent compactor's deletes are skipped, not summed twice.
-                let sums = folded_sums(table);
+                let sums = summed("", columns, key);
                 let matches = key.split(", ").map(|k| format!("r.{k} = k.{k}")).collect::<Vec<_>>().join(" AND ");
                 let text = format!(
                     "WITH k AS (SELECT DISTINCT {key} FROM (SELECT {key} FROM {table} WHERE NOT compacted
