@@ -2,6 +2,13 @@
 
 use clap::Parser;
 
+/// mimalloc rather than the system allocator: a request allocates and frees
+/// many small values (parsed JSON, rows, answers) across the runtime's threads,
+/// and glibc's malloc spent a third of the server's CPU on batched ingest
+/// (`docs/benchmarks.md`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     // Usage errors exit 1, not clap's 2: 2 means "not found" to scripts.
