@@ -5,7 +5,9 @@ use clap::Parser;
 /// mimalloc rather than the system allocator: a request allocates and frees
 /// many small values (parsed JSON, rows, answers) across the runtime's threads,
 /// and glibc's malloc spent a third of the server's CPU on batched ingest
-/// (`docs/benchmarks.md`).
+/// (`docs/benchmarks.md`). Built without transparent huge pages (`no_thp`):
+/// with them, a server holding 10,000 prompts for 100,000 subjects kept
+/// 139 MB resident against 111 MB with glibc's malloc; without, 112 MB.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
