@@ -182,13 +182,7 @@ fn fold_into_key_row<D: Dialect>(key: &str, columns: &str) -> String {
     if !D::ROLLUP_ROW_PER_KEY {
         return String::new();
     }
-    let key_columns: Vec<&str> = key.split(", ").collect();
-    let sums = columns
-        .split(", ")
-        .filter(|c| !key_columns.contains(c))
-        .map(|c| format!("{c} = {c} + excluded.{c}"))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let sums = each_sum(columns, key, |c| format!("{c} = {c} + excluded.{c}"));
     format!(" ON CONFLICT ({key}) DO UPDATE SET {sums}")
 }
 
@@ -398,8 +392,14 @@ const TASK_COLUMNS: &str = "prompt_id, version, task_key, width, start_secs, tra
 /// `sum(c)` of each of `columns` outside `key`, each prefixed by `sign`: how
 /// rows of one key add up.
 fn summed(sign: &str, columns: &str, key: &str) -> String {
+    each_sum(columns, key, |c| format!("{sign}sum({c})"))
+}
+
+/// `term(c)` for each of `columns` (a rollup table's, comma-separated) that
+/// is not part of `key`: the columns that add up, joined with commas.
+fn each_sum(columns: &str, key: &str, term: impl Fn(&str) -> String) -> String {
     let key: Vec<&str> = key.split(", ").collect();
-    columns.split(", ").filter(|c| !key.contains(c)).map(|c| format!("{sign}sum({c})")).collect::<Vec<_>>().join(", ")
+    columns.split(", ").filter(|c| !key.contains(c)).map(term).collect::<Vec<_>>().join(", ")
 }
 
 #[async_trait]
