@@ -168,33 +168,72 @@ impl SqlStore<Postgres> {
     }
 }
 
-/// The JSON row of one trace for [`insert_trace_rows`], serialised by the
-/// request's own task; `req` names the request (its first trace's id), so a
-/// group's statement keeps each request all or nothing.
-fn trace_row(t: &ValidTrace, id: Uuid, req: Uuid) -> StoreResult<String> {
-    serde_json::to_string(&serde_json::json!({
-        "req": req, "id": id, "prompt": t.prompt.as_str(), "prompt_version": t.prompt_version,
-        "input": t.input, "trajectory": t.trajectory, "output": t.output,
-        "feedback": t.feedback, "reflection": t.reflection, "external_id": t.external_id,
-        "metadata": t.metadata,
-    }))
-    .map_err(|_| corrupt("trace"))
+/// Traces as the typed columns of [`insert_trace_rows`], one entry a trace,
+/// filled by the request's own task. `req` names the request (its first
+/// trace's id), so a group's statement keeps each request all or nothing; the
+/// JSON fields travel as text and Postgres parses each once, into `jsonb`.
+#[derive(Default)]
+struct TraceColumns {
+    req: Vec<Uuid>,
+    id: Vec<Uuid>,
+    prompt: Vec<String>,
+    prompt_version: Vec<Option<i64>>,
+    input: Vec<String>,
+    trajectory: Vec<String>,
+    output: Vec<String>,
+    feedback: Vec<String>,
+    reflection: Vec<Option<String>>,
+    external_id: Vec<Option<String>>,
+    metadata: Vec<String>,
 }
 
-/// Inserts the traces of several requests in one statement, `rows` being a
-/// JSON array of [`trace_row`]s: a request whose traces do not all match a
-/// prompt and version falls out whole (its rows and its rollup deltas), the
-/// others are stored. Returns the ids stored.
-async fn insert_trace_rows(c: &mut PgConnection, rows: String) -> StoreResult<Vec<Uuid>> {
+impl TraceColumns {
+    fn of(traces: &[ValidTrace], ids: &[Uuid]) -> StoreResult<Self> {
+        let json = |v: &Value| serde_json::to_string(v).map_err(|_| corrupt("trace"));
+        let req = ids.first().copied().unwrap_or_else(Uuid::now_v7);
+        let mut c = TraceColumns::default();
+        for (t, id) in traces.iter().zip(ids) {
+            c.req.push(req);
+            c.id.push(*id);
+            c.prompt.push(t.prompt.as_str().to_owned());
+            c.prompt_version.push(t.prompt_version);
+            c.input.push(json(&t.input)?);
+            c.trajectory.push(json(&t.trajectory)?);
+            c.output.push(json(&t.output)?);
+            c.feedback.push(serde_json::to_string(&t.feedback).map_err(|_| corrupt("trace"))?);
+            c.reflection.push(t.reflection.as_ref().map(json).transpose()?);
+            c.external_id.push(t.external_id.clone());
+            c.metadata.push(json(&t.metadata)?);
+        }
+        Ok(c)
+    }
+}
+
+/// Inserts the traces of several requests in one statement, each request's
+/// [`TraceColumns`] one part of its arrays: a request whose traces do not all
+/// match a prompt and version falls out whole (its rows and its rollup
+/// deltas), the others are stored. Returns the ids stored.
+async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> StoreResult<Vec<Uuid>> {
+    /// One column of every part, as one array.
+    fn each<'a, U: 'a, T>(
+        parts: &[&'a TraceColumns],
+        column: impl Fn(&'a TraceColumns) -> &'a Vec<U>,
+        view: impl Fn(&'a U) -> T,
+    ) -> Vec<T> {
+        parts.iter().flat_map(|p| column(p).iter().map(&view)).collect()
+    }
     // The rollups' deltas are written by the same statement: one snapshot, all or nothing.
     let text = format!(
         "WITH input AS (
-             SELECT * FROM jsonb_to_recordset($1::jsonb) AS t(req uuid, id uuid, prompt text, prompt_version bigint,
-                  input jsonb, trajectory jsonb, output jsonb, feedback jsonb, reflection jsonb, external_id text,
-                  metadata jsonb)),
+             SELECT t.req, t.id, t.prompt, t.prompt_version, t.input::jsonb AS input,
+                    t.trajectory::jsonb AS trajectory, t.output::jsonb AS output, t.feedback::jsonb AS feedback,
+                    t.reflection::jsonb AS reflection, t.external_id, t.metadata::jsonb AS metadata
+             FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int8[], $5::text[], $6::text[], $7::text[],
+                         $8::text[], $9::text[], $10::text[], $11::text[])
+                  AS t(req, id, prompt, prompt_version, input, trajectory, output, feedback, reflection,
+                       external_id, metadata)),
          matched AS (
-             SELECT t.req, t.id, p.id AS prompt_id, t.prompt_version, t.input,
-                    COALESCE(t.trajectory, 'null'::jsonb) AS trajectory, COALESCE(t.output, 'null'::jsonb) AS output,
+             SELECT t.req, t.id, p.id AS prompt_id, t.prompt_version, t.input, t.trajectory, t.output,
                     t.feedback, t.reflection, t.external_id, t.metadata, now() AS created_at,
                     NULL::text AS feedback_source
              FROM input t
@@ -214,14 +253,27 @@ async fn insert_trace_rows(c: &mut PgConnection, rows: String) -> StoreResult<Ve
         outcomes = outcome_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
         tasks = task_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
     );
-    let stored = Postgres::fetch_all(sqlx::query(&text).bind(rows), c).await?;
+    let (text_of, maybe_text) = (String::as_str, Option::<String>::as_deref);
+    let q = sqlx::query(&text)
+        .bind(each(parts, |p| &p.req, |u| *u))
+        .bind(each(parts, |p| &p.id, |u| *u))
+        .bind(each(parts, |p| &p.prompt, text_of))
+        .bind(each(parts, |p| &p.prompt_version, |v| *v))
+        .bind(each(parts, |p| &p.input, text_of))
+        .bind(each(parts, |p| &p.trajectory, text_of))
+        .bind(each(parts, |p| &p.output, text_of))
+        .bind(each(parts, |p| &p.feedback, text_of))
+        .bind(each(parts, |p| &p.reflection, maybe_text))
+        .bind(each(parts, |p| &p.external_id, maybe_text))
+        .bind(each(parts, |p| &p.metadata, text_of));
+    let stored = Postgres::fetch_all(q, c).await?;
     Ok(stored.iter().map(|r| r.try_get("id")).collect::<Result<_, _>>()?)
 }
 
 /// One request's traces waiting for a group: their rows, ids, and what to
 /// name if they cannot be stored.
 pub struct Insert {
-    rows: String,
+    rows: TraceColumns,
     ids: Vec<Uuid>,
     references: Vec<(PromptName, Option<i64>)>,
     reply: oneshot::Sender<StoreResult<Vec<Uuid>>>,
@@ -259,9 +311,9 @@ fn lanes(max_connections: u32) -> usize {
 /// statement that fails on its data (not an outage) is retried one request
 /// at a time, so one bad request fails alone.
 async fn commit_group(pool: PgPool, group: Vec<Insert>) {
-    let rows = format!("[{}]", group.iter().map(|job| job.rows.as_str()).collect::<Vec<_>>().join(","));
+    let parts: Vec<&TraceColumns> = group.iter().map(|job| &job.rows).collect();
     let inserted = match pool.acquire().await {
-        Ok(mut c) => insert_trace_rows(&mut c, rows).await,
+        Ok(mut c) => insert_trace_rows(&mut c, &parts).await,
         Err(e) => Err(e.into()),
     };
     match inserted {
@@ -305,11 +357,10 @@ async fn first_unknown_reference(pool: &PgPool, references: &[(PromptName, Optio
 /// A request's traces as a group job: fresh ids, the rows serialised here.
 fn insert_job(traces: &[ValidTrace]) -> StoreResult<(Insert, oneshot::Receiver<StoreResult<Vec<Uuid>>>)> {
     let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
-    let req = ids.first().copied().unwrap_or_else(Uuid::now_v7);
-    let rows = traces.iter().zip(&ids).map(|(t, id)| trace_row(t, *id, req)).collect::<StoreResult<Vec<_>>>()?;
+    let rows = TraceColumns::of(traces, &ids)?;
     let references = traces.iter().map(|t| (t.prompt.clone(), t.prompt_version)).collect();
     let (reply, answer) = oneshot::channel();
-    Ok((Insert { rows: rows.join(","), ids, references, reply }, answer))
+    Ok((Insert { rows, ids, references, reply }, answer))
 }
 
 /// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).
@@ -508,7 +559,6 @@ impl Backend for Postgres {
         // Its own transaction, not a group's: a request with the same key
         // waits on this one's key row until it commits.
         let (Insert { rows, ids, references, .. }, _) = insert_job(traces)?;
-        let rows = format!("[{rows}]");
         let remembered = serde_json::to_value(&ids).map_err(|_| corrupt("trace ids"))?;
         for _ in 0..3 {
             let mut tx = s.writer.begin().await?;
@@ -526,7 +576,7 @@ impl Backend for Postgres {
             let claim = claim.bind(key.owner).bind(key.key).bind(key.request_hash).bind(&remembered);
             let claimed = Postgres::execute(claim, &mut tx).await?;
             if claimed == 1 {
-                if insert_trace_rows(&mut tx, rows.clone()).await?.len() != traces.len() {
+                if insert_trace_rows(&mut tx, &[&rows]).await?.len() != traces.len() {
                     tx.rollback().await?;
                     return Err(first_unknown_reference(&s.writer, &references).await?);
                 }
