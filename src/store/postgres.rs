@@ -222,36 +222,38 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
     ) -> Vec<T> {
         parts.iter().flat_map(|p| column(p).iter().map(&view)).collect()
     }
-    // The rollups' deltas are written by the same statement: one snapshot, all or nothing.
+    // The rollups' deltas are written by the same statement: one snapshot,
+    // all or nothing. Which requests are whole is decided on the narrow
+    // columns; the JSON ones are read from their arrays once, by the insert,
+    // and the deltas read what it returns (a common table read by several
+    // parts of a statement is copied row by row, so a wide one cost three
+    // copies of every trace).
     let text = format!(
-        "WITH input AS (
-             SELECT t.req, t.id, t.prompt, t.prompt_version, t.input::jsonb AS input,
-                    t.trajectory::jsonb AS trajectory, t.output::jsonb AS output, t.feedback::jsonb AS feedback,
-                    t.reflection::jsonb AS reflection, t.external_id, t.metadata::jsonb AS metadata
-             FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int8[], $5::text[], $6::text[], $7::text[],
-                         $8::text[], $9::text[], $10::text[], $11::text[])
-                  AS t(req, id, prompt, prompt_version, input, trajectory, output, feedback, reflection,
-                       external_id, metadata)),
+        "WITH refs AS (
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int8[]) AS t(req, id, prompt, prompt_version)),
          matched AS (
-             SELECT t.req, t.id, p.id AS prompt_id, t.prompt_version, t.input, t.trajectory, t.output,
-                    t.feedback, t.reflection, t.external_id, t.metadata, now() AS created_at,
-                    NULL::text AS feedback_source
-             FROM input t
+             SELECT t.req, t.id, p.id AS prompt_id FROM refs t
              JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)),
-         counts AS (SELECT req, count(*) AS n FROM input GROUP BY req),
+         counts AS (SELECT req, count(*) AS n FROM refs GROUP BY req),
          complete AS (
              SELECT m.req FROM matched m JOIN counts k ON k.req = m.req GROUP BY m.req, k.n
              HAVING count(*) = k.n),
-         kept AS (SELECT * FROM matched WHERE req IN (SELECT req FROM complete)),
+         stored AS (
+             INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection,
+                                 external_id, metadata, created_at)
+             SELECT t.id, m.prompt_id, t.prompt_version, t.input::jsonb, t.trajectory::jsonb, t.output::jsonb,
+                    t.feedback::jsonb, t.reflection::jsonb, t.external_id, t.metadata::jsonb, now()
+             FROM unnest($2::uuid[], $4::int8[], $5::text[], $6::text[], $7::text[], $8::text[], $9::text[],
+                         $10::text[], $11::text[])
+                  AS t(id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata)
+             JOIN matched m ON m.id = t.id
+             WHERE m.req IN (SELECT req FROM complete)
+             RETURNING id, prompt_id, prompt_version, feedback, feedback_source, metadata, created_at),
          outcomes AS ({outcomes}),
          tasks AS ({tasks})
-         INSERT INTO traces (id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id,
-                             metadata, created_at)
-         SELECT id, prompt_id, prompt_version, input, trajectory, output, feedback, reflection, external_id, metadata,
-                created_at
-         FROM kept RETURNING id",
-        outcomes = outcome_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
-        tasks = task_delta_sql::<Postgres>("kept t", "true", Sign::Credit),
+         SELECT id FROM stored",
+        outcomes = outcome_delta_sql::<Postgres>("stored t", "true", Sign::Credit),
+        tasks = task_delta_sql::<Postgres>("stored t", "true", Sign::Credit),
     );
     let (text_of, maybe_text) = (String::as_str, Option::<String>::as_deref);
     let q = sqlx::query(&text)
