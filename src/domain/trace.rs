@@ -1,8 +1,13 @@
 //! Traces: one agent run each, sent by deployed agents and consumed by rounds.
 //! Everything in a trace is untrusted; [`NewTrace::validate`] is the gate.
 
+use std::{fmt, marker::PhantomData};
+
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
+use serde::{
+    Deserialize, Deserializer, Serialize,
+    de::{MapAccess, Visitor, value::MapAccessDeserializer},
+};
 use serde_json::Value;
 use utoipa::ToSchema;
 use uuid::Uuid;
@@ -99,7 +104,7 @@ pub struct NewTrace {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub output: Option<Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "object_or_null")]
     pub feedback: Option<Feedback>,
     /// The agent's own reflection; a round uses it instead of calling the reflector.
     #[serde(default)]
@@ -110,6 +115,32 @@ pub struct NewTrace {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub metadata: Option<Value>,
+}
+
+/// A `T` read only from a JSON object: serde's derived structs also take a
+/// JSON array of their fields in order, which no client of this API means.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ObjectOnly<T>(pub T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for ObjectOnly<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Object<T>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for Object<T> {
+            type Value = ObjectOnly<T>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                T::deserialize(MapAccessDeserializer::new(map)).map(ObjectOnly)
+            }
+        }
+        d.deserialize_map(Object(PhantomData))
+    }
+}
+
+/// A trace's `feedback`: an object, or null for none.
+fn object_or_null<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Feedback>, D::Error> {
+    Ok(Option::<ObjectOnly<Feedback>>::deserialize(d)?.map(|f| f.0))
 }
 
 /// Size limits applied to every trace at the edge.
@@ -247,11 +278,25 @@ impl ValidTrace {
         {
             let mut path = name.to_owned();
             check_strings(v, &mut path, limits.max_field_bytes)?;
-            total += serde_json::to_vec(v).map_or(0, |b| b.len());
+            let mut counted = Counted(0);
+            total += serde_json::to_writer(&mut counted, v).map_or(0, |()| counted.0);
         }
         if total > limits.max_trace_bytes {
             return Err(TraceError::TraceTooLarge { len: total, limit: limits.max_trace_bytes });
         }
+        Ok(())
+    }
+}
+
+/// Counts the bytes written to it: a trace's encoded size without the encoding.
+struct Counted(usize);
+
+impl std::io::Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
 }

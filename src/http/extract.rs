@@ -68,7 +68,7 @@ pub fn body_value(value: &mut serde_json::Value) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn integral_floats_to_integers(v: &mut serde_json::Value) {
+pub fn integral_floats_to_integers(v: &mut serde_json::Value) {
     use serde_json::Value;
     match v {
         Value::Number(n) if n.is_f64() => {

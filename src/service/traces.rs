@@ -45,7 +45,11 @@ pub fn limits(st: &AppState) -> TraceLimits {
 /// Refuses a batch of more than `limits.max_traces_per_batch` traces (413):
 /// "`what` holds `count` `unit`".
 pub fn check_batch(st: &AppState, what: &str, count: usize, unit: &str) -> ServiceResult<()> {
-    let max = st.settings.limits.max_traces_per_batch;
+    check_batch_within(st.settings.limits.max_traces_per_batch, what, count, unit)
+}
+
+/// [`check_batch`] against the limit `max`.
+pub fn check_batch_within(max: usize, what: &str, count: usize, unit: &str) -> ServiceResult<()> {
     if count > max {
         return Err(ServiceError::PayloadTooLarge(format!(
             "{what} holds {count} {unit}; the limit is {max} (`limits.max_traces_per_batch`)"
