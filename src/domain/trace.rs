@@ -168,6 +168,8 @@ pub enum TraceError {
     BadScore,
     #[error("a string field at {path} is {len} bytes; the limit is {limit}")]
     FieldTooLarge { path: String, len: usize, limit: usize },
+    #[error("a string at {path} holds U+0000 (NUL), which a trace may not hold")]
+    Nul { path: String },
     #[error("the trace is {len} bytes; the limit is {limit}")]
     TraceTooLarge { len: usize, limit: usize },
 }
@@ -184,6 +186,7 @@ fn check_strings(v: &Value, path: &mut String, limit: usize) -> Result<(), Trace
         Value::String(s) if s.len() > limit => {
             Err(TraceError::FieldTooLarge { path: path.clone(), len: s.len(), limit })
         }
+        Value::String(s) if s.contains('\0') => Err(TraceError::Nul { path: path.clone() }),
         Value::Array(items) => {
             for (i, item) in items.iter().enumerate() {
                 let len = path.len();
@@ -197,6 +200,9 @@ fn check_strings(v: &Value, path: &mut String, limit: usize) -> Result<(), Trace
             for (k, item) in map {
                 if k.len() > limit {
                     return Err(TraceError::FieldTooLarge { path: path.clone(), len: k.len(), limit });
+                }
+                if k.contains('\0') {
+                    return Err(TraceError::Nul { path: path.clone() });
                 }
                 let len = path.len();
                 path.push('.');
@@ -237,6 +243,9 @@ impl NewTrace {
             && (id.is_empty() || id.chars().count() > 200)
         {
             return Err(TraceError::BadExternalId);
+        }
+        if self.external_id.as_ref().is_some_and(|id| id.contains('\0')) {
+            return Err(TraceError::Nul { path: "external_id".into() });
         }
         let metadata = self.metadata.unwrap_or_else(|| Value::Object(Default::default()));
         if !metadata.is_object() {
@@ -499,6 +508,23 @@ mod tests {
             Err(TraceError::BadMetadata)
         );
         assert!(serde_json::from_value::<NewTrace>(json!({"prompt": "p", "input": 1, "extra": 1})).is_err());
+    }
+
+    #[test]
+    fn no_string_may_hold_nul() {
+        let nul = |v: Value| parse(v).validate(LIMITS).unwrap_err();
+        assert_eq!(
+            nul(json!({"prompt": "p", "input": {"q": ["ok", "a\0"]}})),
+            TraceError::Nul { path: "input.q[1]".into() }
+        );
+        assert_eq!(nul(json!({"prompt": "p", "input": {"a\0": 1}})), TraceError::Nul { path: "input".into() });
+        assert_eq!(
+            nul(json!({"prompt": "p", "input": 1, "external_id": "x\0"})),
+            TraceError::Nul { path: "external_id".into() }
+        );
+        let e = nul(json!({"prompt": "p", "input": 1, "feedback": {"comment": "\0"}}));
+        assert_eq!(e, TraceError::Nul { path: "feedback.comment".into() });
+        assert!(!e.is_size());
     }
 
     #[test]

@@ -79,7 +79,7 @@ fn parse_well_formed(body: &[u8], limits: TraceLimits, max_batch: usize) -> Opti
     items
         .into_iter()
         .map(|mut t| {
-            // What `body_value` does to every number of a trace's tree.
+            // What the careful reading does to every number of a trace's tree.
             let feedback = t.feedback.as_mut().and_then(|f| f.ground_truth.as_mut());
             for v in [Some(&mut t.input), t.trajectory.as_mut(), t.output.as_mut(), t.reflection.as_mut()]
                 .into_iter()
@@ -124,8 +124,12 @@ fn parse_with_paths(body: &[u8], limits: TraceLimits, max_batch: usize) -> ApiRe
         .map(|(i, item)| {
             let at = |msg: String| if batch { format!("traces[{i}]: {msg}") } else { msg };
             let mut item = item;
-            super::extract::body_value(&mut item)
-                .map_err(|_| ApiError::unprocessable(at("a trace must be a JSON object".into())))?;
+            if !item.is_object() {
+                return Err(ApiError::unprocessable(at("a trace must be a JSON object".into())));
+            }
+            // What `body_value` does, but for U+0000, which the trace's own
+            // validation names by its field.
+            super::extract::integral_floats_to_integers(&mut item);
             if item.get("feedback").is_some_and(|f| !(f.is_object() || f.is_null())) {
                 return Err(ApiError::unprocessable(at("`feedback` must be a JSON object".into())));
             }
@@ -445,6 +449,10 @@ mod tests {
                 .to_owned(),
             r#"{"prompt":"p","input":1"#.to_owned(),
             "[]".to_owned(),
+            r#"{"prompt":"p","input":{"q":"a\u0000b"}}"#.to_owned(),
+            r#"{"prompt":"p","input":{"q\u0000":1}}"#.to_owned(),
+            r#"{"prompt":"p","input":1,"external_id":"x\u0000"}"#.to_owned(),
+            r#"{"prompt":"p","input":1,"feedback":{"comment":"\u0000"}}"#.to_owned(),
         ];
         for body in quick.iter().chain(&careful_only) {
             let careful = parse_with_paths(body.as_bytes(), LIMITS, 3).ok();

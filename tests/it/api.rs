@@ -175,6 +175,7 @@ async fn prompt_input_is_validated(b: Backend) {
         ),
         (json!({"name": "q", "base": "x".repeat(17 * 1024)}), 413),
         (json!({"name": "q", "base": "x", "settings": {"duplication": 0}}), 422),
+        (json!({"name": "q", "base": "a\u{0}b"}), 422),
     ];
     for (body, status) in cases {
         let res = app.post("/v1/prompts", body.clone()).send().await.unwrap();
@@ -294,6 +295,9 @@ async fn traces_ingest_list_and_feedback(b: Backend) {
     assert_eq!((t["feedback"]["success"].as_bool(), t["feedback"]["score"].as_f64()), (Some(false), Some(1.0)));
     expect_problem(app.post(&format!("/v1/traces/{id}/feedback"), json!({"stars": 5})).send().await.unwrap(), 422)
         .await;
+    let nul = json!({"comment": "a\u{0}"});
+    let p = expect_problem(app.post(&format!("/v1/traces/{id}/feedback"), nul).send().await.unwrap(), 422).await;
+    assert!(p["detail"].as_str().unwrap().contains("`comment` holds U+0000"), "{p}");
     let ghost = uuid::Uuid::now_v7();
     expect_problem(app.post(&format!("/v1/traces/{ghost}/feedback"), json!({})).send().await.unwrap(), 404).await;
     expect_problem(app.get("/v1/traces/not-a-uuid").send().await.unwrap(), 404).await;
@@ -324,6 +328,9 @@ async fn trace_input_is_validated(b: Backend) {
         (json!({"traces": []}), 422, "no traces"),
         (json!({"traces": [one_trace("p"), {"prompt": "p"}]}), 422, "traces[1]"),
         (json!({"traces": (0..51).map(|_| one_trace("p")).collect::<Vec<_>>()}), 413, "max_traces_per_batch"),
+        // U+0000, which Postgres keeps in neither text nor jsonb: refused on both stores.
+        (json!({"prompt": "p", "input": {"q": "a\u{0}b"}}), 422, "input.q holds U+0000"),
+        (json!({"traces": [one_trace("p"), {"prompt": "p", "input": 1, "external_id": "\u{0}"}]}), 422, "traces[1]"),
     ];
     for (body, status, needle) in cases {
         let res = app.post("/v1/traces", body).send().await.unwrap();
