@@ -102,6 +102,8 @@ fn nul_at(v: &serde_json::Value, path: &mut String) -> Option<String> {
     }
 }
 
+/// Every number of `v` written as an integral float (`3.0`) becomes that
+/// integer, as JSON Schema reads it.
 pub fn integral_floats_to_integers(v: &mut serde_json::Value) {
     use serde_json::Value;
     match v {
