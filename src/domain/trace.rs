@@ -182,37 +182,45 @@ impl TraceError {
 }
 
 fn check_strings(v: &Value, path: &mut String, limit: usize) -> Result<(), TraceError> {
+    let problem = first_in_strings(v, path, &mut |s, at| {
+        if s.len() > limit {
+            Some(TraceError::FieldTooLarge { path: at.to_owned(), len: s.len(), limit })
+        } else if s.contains('\0') {
+            Some(TraceError::Nul { path: at.to_owned() })
+        } else {
+            None
+        }
+    });
+    problem.map_or(Ok(()), Err)
+}
+
+/// The first answer of `found(s, at)` over every string and object key in
+/// `v`, in order: `at` is where the string is (a key: its object), written
+/// `a.b[2]` after `path`, and keys longer than 40 characters cut there.
+pub fn first_in_strings<T>(v: &Value, path: &mut String, found: &mut impl FnMut(&str, &str) -> Option<T>) -> Option<T> {
     match v {
-        Value::String(s) if s.len() > limit => {
-            Err(TraceError::FieldTooLarge { path: path.clone(), len: s.len(), limit })
-        }
-        Value::String(s) if s.contains('\0') => Err(TraceError::Nul { path: path.clone() }),
-        Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                let len = path.len();
-                path.push_str(&format!("[{i}]"));
-                check_strings(item, path, limit)?;
-                path.truncate(len);
+        Value::String(s) => found(s, path),
+        Value::Array(items) => items.iter().enumerate().find_map(|(i, item)| {
+            let len = path.len();
+            path.push_str(&format!("[{i}]"));
+            let answer = first_in_strings(item, path, found);
+            path.truncate(len);
+            answer
+        }),
+        Value::Object(map) => map.iter().find_map(|(k, item)| {
+            if let Some(answer) = found(k, path) {
+                return Some(answer);
             }
-            Ok(())
-        }
-        Value::Object(map) => {
-            for (k, item) in map {
-                if k.len() > limit {
-                    return Err(TraceError::FieldTooLarge { path: path.clone(), len: k.len(), limit });
-                }
-                if k.contains('\0') {
-                    return Err(TraceError::Nul { path: path.clone() });
-                }
-                let len = path.len();
+            let len = path.len();
+            if !path.is_empty() {
                 path.push('.');
-                path.extend(k.chars().take(40));
-                check_strings(item, path, limit)?;
-                path.truncate(len);
             }
-            Ok(())
-        }
-        _ => Ok(()),
+            path.extend(k.chars().take(40));
+            let answer = first_in_strings(item, path, found);
+            path.truncate(len);
+            answer
+        }),
+        _ => None,
     }
 }
 

@@ -64,7 +64,7 @@ pub fn body_value(value: &mut serde_json::Value) -> Result<(), ApiError> {
     if !value.is_object() {
         return Err(ApiError::unprocessable("the body must be a JSON object".into()));
     }
-    if let Some(path) = nul_at(value, &mut String::new()) {
+    if let Some(path) = nul_at(value) {
         return Err(ApiError::unprocessable(clip(format!("`{path}` holds U+0000 (NUL), which no field accepts"))));
     }
     integral_floats_to_integers(value);
@@ -73,33 +73,10 @@ pub fn body_value(value: &mut serde_json::Value) -> Result<(), ApiError> {
 
 /// Where the first string or key holding U+0000 is (Postgres keeps it in
 /// neither text nor `jsonb`), as `a.b[2]`; `.` for the body itself.
-fn nul_at(v: &serde_json::Value, path: &mut String) -> Option<String> {
-    use serde_json::Value;
-    let here = |path: &String| Some(if path.is_empty() { ".".to_owned() } else { path.clone() });
-    match v {
-        Value::String(s) if s.contains('\0') => here(path),
-        Value::Array(items) => items.iter().enumerate().find_map(|(i, item)| {
-            let len = path.len();
-            path.push_str(&format!("[{i}]"));
-            let found = nul_at(item, path);
-            path.truncate(len);
-            found
-        }),
-        Value::Object(map) => map.iter().find_map(|(k, item)| {
-            if k.contains('\0') {
-                return here(path);
-            }
-            let len = path.len();
-            if !path.is_empty() {
-                path.push('.');
-            }
-            path.extend(k.chars().take(40));
-            let found = nul_at(item, path);
-            path.truncate(len);
-            found
-        }),
-        _ => None,
-    }
+fn nul_at(v: &serde_json::Value) -> Option<String> {
+    crate::domain::trace::first_in_strings(v, &mut String::new(), &mut |s, at| {
+        s.contains('\0').then(|| if at.is_empty() { ".".to_owned() } else { at.to_owned() })
+    })
 }
 
 /// Every number of `v` written as an integral float (`3.0`) becomes that

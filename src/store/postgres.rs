@@ -169,14 +169,15 @@ impl SqlStore<Postgres> {
 }
 
 /// Traces as the typed columns of [`insert_trace_rows`], one entry a trace,
-/// filled by the request's own task. `req` names the request (its first
-/// trace's id), so a group's statement keeps each request all or nothing; the
-/// JSON fields travel as text and Postgres parses each once, into `jsonb`.
+/// filled by the request's own task with fresh ids. `req` names the request
+/// (its first trace's id), so a group's statement keeps each request all or
+/// nothing; the JSON fields travel as text and Postgres parses each once,
+/// into `jsonb`.
 #[derive(Default)]
 struct TraceColumns {
     req: Vec<Uuid>,
     id: Vec<Uuid>,
-    prompt: Vec<String>,
+    prompt: Vec<PromptName>,
     prompt_version: Vec<Option<i64>>,
     input: Vec<String>,
     trajectory: Vec<String>,
@@ -188,19 +189,21 @@ struct TraceColumns {
 }
 
 impl TraceColumns {
-    fn of(traces: &[ValidTrace], ids: &[Uuid]) -> StoreResult<Self> {
-        let json = |v: &Value| serde_json::to_string(v).map_err(|_| corrupt("trace"));
-        let req = ids.first().copied().unwrap_or_else(Uuid::now_v7);
+    fn of(traces: &[ValidTrace]) -> StoreResult<Self> {
+        fn json(v: &impl serde::Serialize) -> StoreResult<String> {
+            serde_json::to_string(v).map_err(|_| corrupt("trace"))
+        }
         let mut c = TraceColumns::default();
-        for (t, id) in traces.iter().zip(ids) {
-            c.req.push(req);
-            c.id.push(*id);
-            c.prompt.push(t.prompt.as_str().to_owned());
+        for t in traces {
+            let id = Uuid::now_v7();
+            c.req.push(c.id.first().copied().unwrap_or(id));
+            c.id.push(id);
+            c.prompt.push(t.prompt.clone());
             c.prompt_version.push(t.prompt_version);
             c.input.push(json(&t.input)?);
             c.trajectory.push(json(&t.trajectory)?);
             c.output.push(json(&t.output)?);
-            c.feedback.push(serde_json::to_string(&t.feedback).map_err(|_| corrupt("trace"))?);
+            c.feedback.push(json(&t.feedback)?);
             c.reflection.push(t.reflection.as_ref().map(json).transpose()?);
             c.external_id.push(t.external_id.clone());
             c.metadata.push(json(&t.metadata)?);
@@ -259,7 +262,7 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
     let q = sqlx::query(&text)
         .bind(each(parts, |p| &p.req, |u| *u))
         .bind(each(parts, |p| &p.id, |u| *u))
-        .bind(each(parts, |p| &p.prompt, text_of))
+        .bind(each(parts, |p| &p.prompt, PromptName::as_str))
         .bind(each(parts, |p| &p.prompt_version, |v| *v))
         .bind(each(parts, |p| &p.input, text_of))
         .bind(each(parts, |p| &p.trajectory, text_of))
@@ -272,18 +275,15 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
     Ok(stored.iter().map(|r| r.try_get("id")).collect::<Result<_, _>>()?)
 }
 
-/// One request's traces waiting for a group: their rows, ids, and what to
-/// name if they cannot be stored.
+/// One request's traces waiting for a group, and where its answer goes.
 pub struct Insert {
     rows: TraceColumns,
-    ids: Vec<Uuid>,
-    references: Vec<(PromptName, Option<i64>)>,
     reply: oneshot::Sender<StoreResult<Vec<Uuid>>>,
 }
 
 impl Weighed for Insert {
     fn weight(&self) -> usize {
-        self.ids.len()
+        self.rows.id.len()
     }
 }
 
@@ -321,13 +321,13 @@ async fn commit_group(pool: PgPool, group: Vec<Insert>) {
     match inserted {
         Ok(stored) => {
             let stored: std::collections::HashSet<Uuid> = stored.into_iter().collect();
-            for job in group {
-                let answer = if job.ids.first().is_some_and(|id| stored.contains(id)) {
-                    Ok(job.ids)
+            for Insert { rows, reply } in group {
+                let answer = if rows.id.first().is_some_and(|id| stored.contains(id)) {
+                    Ok(rows.id)
                 } else {
-                    Err(first_unknown_reference(&pool, &job.references).await.unwrap_or_else(|e| e))
+                    Err(first_unknown_reference(&pool, &rows).await.unwrap_or_else(|e| e))
                 };
-                let _ = job.reply.send(answer);
+                let _ = reply.send(answer);
             }
         }
         Err(e) if group.len() > 1 && !matches!(e, StoreError::Unavailable(_)) => {
@@ -346,9 +346,9 @@ async fn commit_group(pool: PgPool, group: Vec<Insert>) {
 }
 
 /// Why a request's traces were not stored: the first unknown prompt or version.
-async fn first_unknown_reference(pool: &PgPool, references: &[(PromptName, Option<i64>)]) -> StoreResult<StoreError> {
+async fn first_unknown_reference(pool: &PgPool, rows: &TraceColumns) -> StoreResult<StoreError> {
     let mut c = pool.acquire().await?;
-    for (i, (prompt, version)) in references.iter().enumerate() {
+    for (i, (prompt, version)) in rows.prompt.iter().zip(&rows.prompt_version).enumerate() {
         if let Some(problem) = reference_problem::<Postgres>(&mut c, prompt, *version).await? {
             return Ok(StoreError::Invalid(format!("traces[{i}]: {problem}")));
         }
@@ -358,11 +358,8 @@ async fn first_unknown_reference(pool: &PgPool, references: &[(PromptName, Optio
 
 /// A request's traces as a group job: fresh ids, the rows serialised here.
 fn insert_job(traces: &[ValidTrace]) -> StoreResult<(Insert, oneshot::Receiver<StoreResult<Vec<Uuid>>>)> {
-    let ids: Vec<Uuid> = traces.iter().map(|_| Uuid::now_v7()).collect();
-    let rows = TraceColumns::of(traces, &ids)?;
-    let references = traces.iter().map(|t| (t.prompt.clone(), t.prompt_version)).collect();
     let (reply, answer) = oneshot::channel();
-    Ok((Insert { rows, ids, references, reply }, answer))
+    Ok((Insert { rows: TraceColumns::of(traces)?, reply }, answer))
 }
 
 /// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).
@@ -560,8 +557,8 @@ impl Backend for Postgres {
     ) -> StoreResult<IdempotentIngest> {
         // Its own transaction, not a group's: a request with the same key
         // waits on this one's key row until it commits.
-        let (Insert { rows, ids, references, .. }, _) = insert_job(traces)?;
-        let remembered = serde_json::to_value(&ids).map_err(|_| corrupt("trace ids"))?;
+        let rows = TraceColumns::of(traces)?;
+        let remembered = serde_json::to_value(&rows.id).map_err(|_| corrupt("trace ids"))?;
         for _ in 0..3 {
             let mut tx = s.writer.begin().await?;
             // Claims the key with the ids it stores. A concurrent request with
@@ -580,10 +577,10 @@ impl Backend for Postgres {
             if claimed == 1 {
                 if insert_trace_rows(&mut tx, &[&rows]).await?.len() != traces.len() {
                     tx.rollback().await?;
-                    return Err(first_unknown_reference(&s.writer, &references).await?);
+                    return Err(first_unknown_reference(&s.writer, &rows).await?);
                 }
                 tx.commit().await?;
-                return Ok(IdempotentIngest::Stored { ids });
+                return Ok(IdempotentIngest::Stored { ids: rows.id });
             }
             let q = sqlx::query("SELECT request_hash, trace_ids FROM idempotency_keys WHERE owner = $1 AND key = $2");
             let row = Postgres::fetch_optional(q.bind(key.owner).bind(key.key), &mut tx).await?;
