@@ -174,7 +174,7 @@ async fn save_arms<D: Backend>(
     arms: &[PopulationArm],
     durability: Durability,
 ) -> StoreResult<()> {
-    let mut tx = s.writer.begin().await?;
+    let mut tx = s.begin_write().await?;
     if durability == Durability::Deferred && D::KIND == StoreKind::Postgres {
         // For this transaction only. (SQLite's single writer commits at
         // the durability its connection was opened with.)

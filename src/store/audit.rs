@@ -100,7 +100,7 @@ impl<D: Backend> AuditStore for SqlStore<D> {
     }
 
     async fn prune_audit(&self, cutoff: DateTime<Utc>, limit: u32) -> StoreResult<u64> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         match D::KIND {
             StoreKind::Postgres => {
                 sql::<D>("SELECT set_config('combee.audit_prune_before', $1, true)")

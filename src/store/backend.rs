@@ -40,6 +40,11 @@ impl<D: Backend> SqlStore<D> {
         }
     }
 
+    /// Opens a write transaction on the writer (see [`Dialect::BEGIN_WRITE`]).
+    pub(super) async fn begin_write(&self) -> sqlx::Result<Transaction<'static, D>> {
+        self.writer.begin_with(D::BEGIN_WRITE).await
+    }
+
     /// Commits, telling every process's cache about `change` (NOTIFY inside
     /// the transaction on Postgres, the in-process broadcast after it on SQLite).
     pub(super) async fn commit(&self, mut tx: Transaction<'_, D>, change: Change) -> StoreResult<()> {

@@ -136,7 +136,7 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
     async fn hold_spend(&self, req: &HoldRequest<'_>) -> StoreResult<HoldOutcome> {
         let day = day_key(req.day);
         let at = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         D::serialize_budget(&mut tx).await?;
         sql::<D>("DELETE FROM llm_spend_holds WHERE expires_at < $1").bind(at).execute(&mut tx).await?;
         let own = read_caps::<D>(&mut tx, req.prompt).await?;
@@ -240,7 +240,7 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
     }
 
     async fn settle_spend(&self, s: &Settlement<'_>) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         sql::<D>("DELETE FROM llm_spend_holds WHERE id = $1").bind(s.hold).execute(&mut tx).await?;
         sql::<D>(
             "INSERT INTO llm_spend_days (day, prompt, kind, tokens, usd, calls) VALUES ($1, $2, $3, $4, $5, 1)
@@ -277,7 +277,7 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
 
     async fn set_prompt_caps(&self, prompt: &str, caps: &BudgetCaps, today: NaiveDate, lift: bool) -> StoreResult<()> {
         let at = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         D::serialize_budget(&mut tx).await?;
         if caps.is_empty() {
             sql::<D>("DELETE FROM prompt_budgets WHERE prompt = $1").bind(prompt).execute(&mut tx).await?;
@@ -368,7 +368,7 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
 
     async fn lift_server_budget(&self, day: NaiveDate) -> StoreResult<()> {
         let at = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         sql::<D>(
             "UPDATE budget_reached SET lifted_at = $1 WHERE day = $2 AND scope LIKE 'server %' AND lifted_at IS NULL",
         )
@@ -382,7 +382,7 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
 
     async fn lift_project_budget(&self, project: &str, day: NaiveDate) -> StoreResult<()> {
         let at = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         sql::<D>(
             "UPDATE budget_reached SET lifted_at = $1
              WHERE day = $2 AND scope LIKE 'project %' AND lifted_at IS NULL
@@ -413,7 +413,7 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
         after: std::time::Duration,
     ) -> StoreResult<bool> {
         let at = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let moved = sql::<D>(
             "UPDATE rounds SET status = 'queued', attempt = attempt - 1, lease_owner = NULL, lease_expires_at = NULL,
                     error = $1, not_before = $2, budget_wait = TRUE, updated_at = $3

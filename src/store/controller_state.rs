@@ -122,7 +122,7 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
         round: Uuid,
         counts: &[super::MeterCounts],
     ) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         for c in counts {
             let (size_min, marked, recaptured) = (
                 i32::try_from(c.size_min).unwrap_or(i32::MAX),

@@ -102,7 +102,7 @@ impl<D: Backend> EvaluatorStore for SqlStore<D> {
     }
 
     async fn set_evaluators(&self, prompt: &PromptName, evaluators: &[Evaluator]) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         sql::<D>("DELETE FROM prompt_evaluators WHERE prompt_id = $1").bind(id).execute(&mut tx).await?;
         if !evaluators.is_empty() {
@@ -137,7 +137,7 @@ impl<D: Backend> EvaluatorStore for SqlStore<D> {
         if judged.is_empty() || limit == 0 {
             return Ok(Vec::new());
         }
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let at = now();
         // Each prompt's oldest unjudged traces, walked in the order of its
         // `traces_unjudged` index so a claim reads about as many rows as it
@@ -202,7 +202,7 @@ impl<D: Backend> EvaluatorStore for SqlStore<D> {
             return Ok(0);
         }
         let ids: Vec<Uuid> = batch.iter().map(|j| j.id).collect();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         // Locked in id order, so concurrent judges never wait on each other in a circle.
         let text = format!(
             "SELECT id, feedback FROM traces WHERE {} AND judged_at IS NULL ORDER BY id{}",

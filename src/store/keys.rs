@@ -53,7 +53,7 @@ impl<D: Backend> KeyStore for SqlStore<D> {
         scopes: &[Scope],
         project: Option<&str>,
     ) -> StoreResult<ApiKey> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let row = sql::<D>(
             "INSERT INTO api_keys (id, name, prefix, hash, scopes, project, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)
              RETURNING id, name, prefix, hash, scopes, project, created_at, revoked_at",
@@ -90,7 +90,7 @@ impl<D: Backend> KeyStore for SqlStore<D> {
     }
 
     async fn revoke_api_key(&self, id_or_prefix: &str) -> StoreResult<bool> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let n = sql::<D>("UPDATE api_keys SET revoked_at = $3 WHERE revoked_at IS NULL AND (id = $1 OR prefix = $2)")
             .bind(Uuid::parse_str(id_or_prefix).ok())
             .bind(id_or_prefix)

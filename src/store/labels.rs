@@ -90,7 +90,7 @@ impl<D: Backend> LabelStore for SqlStore<D> {
     }
 
     async fn move_label_because(&self, prompt: &PromptName, mv: &LabelMove, cause: &MoveCause) -> StoreResult<Label> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         let (label, previous) = apply_move::<D>(&mut tx, id, mv).await?;
         let queued = record_move::<D>(&mut tx, id, prompt, &label, previous, cause).await?;
@@ -100,7 +100,7 @@ impl<D: Backend> LabelStore for SqlStore<D> {
     }
 
     async fn delete_label(&self, prompt: &PromptName, label: &LabelName, by: &str) -> StoreResult<bool> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         let deleted: Option<i64> = sql::<D>("DELETE FROM labels WHERE prompt_id = $1 AND name = $2 RETURNING version")
             .bind(id)

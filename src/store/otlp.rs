@@ -46,7 +46,7 @@ impl<D: Backend> OtlpStore for SqlStore<D> {
         spans: &[OtlpSpan],
         remap: &OtlpRemapFn<'_>,
     ) -> StoreResult<OtlpMerge> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         // Serialises exports of the same trace id, including the first one.
         D::serialize_otlp(&mut tx, otel_trace_id).await?;
         let stored = sql::<D>(

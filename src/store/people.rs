@@ -62,7 +62,7 @@ const MEMBER_COLS: &str = "subject, project, role, created_at, updated_at";
 impl<D: Backend> PeopleStore for SqlStore<D> {
     async fn create_person_session(&self, s: &NewPersonSession) -> StoreResult<()> {
         let grants = serde_json::to_value(&s.grants).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         sweep_expired::<D>(&mut tx, "person_sessions").await?;
         sql::<D>(
             "INSERT INTO person_sessions (token_hash, subject, name, email, grants, project, role, csrf_token,
@@ -134,7 +134,7 @@ impl<D: Backend> PeopleStore for SqlStore<D> {
     }
 
     async fn put_member(&self, subject: &str, grant: &Grant) -> StoreResult<(Member, Option<Member>)> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let before = sql::<D>(&format!("SELECT {MEMBER_COLS} FROM members WHERE subject = $1"))
             .bind(subject)
             .fetch_optional(&mut *tx)
@@ -180,7 +180,7 @@ impl<D: Backend> PeopleStore for SqlStore<D> {
     }
 
     async fn save_login(&self, login: &PendingLogin) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         sql::<D>("DELETE FROM oidc_logins WHERE expires_at <= $1").bind(now()).execute(&mut *tx).await?;
         sql::<D>("INSERT INTO oidc_logins (state_hash, nonce, verifier, expires_at) VALUES ($1, $2, $3, $4)")
             .bind(&login.state_hash)

@@ -365,6 +365,7 @@ fn insert_job(traces: &[ValidTrace]) -> StoreResult<(Insert, oneshot::Receiver<S
 /// Postgres encodes ids, times and JSON natively (uuid, timestamptz, jsonb).
 impl Dialect for Postgres {
     const ROLLUP_ROW_PER_KEY: bool = false;
+    const BEGIN_WRITE: &'static str = "BEGIN";
     direct_getters!(PgRow: get_i64 -> i64, get_i32 -> i32, get_f64 -> f64, get_bool -> bool, get_text -> String, get_id -> Uuid, get_at -> DateTime<Utc>, get_json -> Value, get_bytes -> Vec<u8>);
     fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
         match p {
@@ -544,7 +545,7 @@ impl Backend for Postgres {
         source: FeedbackSource,
     ) -> StoreResult<bool> {
         // Its own transaction: Postgres flushes concurrent commits together.
-        let mut tx = s.writer.begin().await?;
+        let mut tx = s.begin_write().await?;
         let found = merge_feedback::<Postgres>(&mut tx, id, feedback, source).await?;
         tx.commit().await?;
         Ok(found)
@@ -560,7 +561,7 @@ impl Backend for Postgres {
         let rows = TraceColumns::of(traces)?;
         let remembered = serde_json::to_value(&rows.id).map_err(|_| corrupt("trace ids"))?;
         for _ in 0..3 {
-            let mut tx = s.writer.begin().await?;
+            let mut tx = s.begin_write().await?;
             // Claims the key with the ids it stores. A concurrent request with
             // the same key blocks here on the primary key until the first
             // commits (then nothing is inserted: replay) or rolls back (then

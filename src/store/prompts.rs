@@ -68,7 +68,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
     async fn create_prompt(&self, p: NewPrompt, first: NewVersion) -> StoreResult<(Prompt, Version)> {
         let id = Uuid::now_v7();
         let created_at = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let settings = serde_json::to_value(&p.settings).map_err(|_| corrupt("settings"))?;
         sql::<D>(
             "INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, created_at, created_by, project)
@@ -131,7 +131,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         expected: &PromptSettings,
         new: &PromptSettings,
     ) -> StoreResult<Option<Prompt>> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let current: Option<Value> =
             sql::<D>(&format!("SELECT settings FROM prompts WHERE name = $1{}", D::lock(" FOR UPDATE")))
                 .bind(name.as_str())
@@ -198,7 +198,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
 
     async fn create_version(&self, prompt: &PromptName, v: NewVersion, moves: &[LabelMove]) -> StoreResult<Version> {
         let created_at = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let row = sql::<D>(
             "UPDATE prompts SET version_count = version_count + 1 WHERE name = $1 RETURNING id, version_count",
         )

@@ -137,7 +137,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
         by: &str,
         max_cases: usize,
     ) -> StoreResult<Vec<RegressionCase>> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         let held: i64 = sql::<D>("SELECT COUNT(*) AS n FROM regression_cases WHERE prompt_id = $1")
             .bind(id)
@@ -231,7 +231,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
     }
 
     async fn save_case_runs(&self, prompt: &PromptName, version: i64, runs: &[CaseRun]) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         for run in runs {
             let value = serde_json::to_value(run).map_err(|_| corrupt("case run"))?;
@@ -252,7 +252,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
     }
 
     async fn open_gate(&self, prompt: &PromptName, gate: &Gate, event: Option<&OutboxEvent>) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         let inserted = sql::<D>(
             "INSERT INTO version_gates (prompt_id, version, status, mode, detail, deadline, created_at)
@@ -289,7 +289,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
     }
 
     async fn decide_gate(&self, prompt: &PromptName, gate: &Gate, event: &OutboxEvent) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         let n = sql::<D>(
             "UPDATE version_gates SET status = $3, detail = $4, decided_at = $5, lease_until = NULL
@@ -312,7 +312,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
     }
 
     async fn claim_gates(&self, lease: Duration, limit: u32) -> StoreResult<Vec<OpenGate>> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let at = now();
         let due = sql::<D>(&format!(
             "SELECT {GATE_COLUMNS} FROM version_gates g JOIN prompts p ON p.id = g.prompt_id

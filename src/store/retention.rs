@@ -231,7 +231,7 @@ impl<D: Backend> Retention for SqlStore<D> {
         if ids.is_empty() {
             return Ok(DeletedTraces::default());
         }
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         // Locked first, still of their kind: a trace requeued or released
         // meanwhile is left alone (rounds skip locked rows).
         let text = format!(
@@ -265,7 +265,7 @@ impl<D: Backend> Retention for SqlStore<D> {
 
     async fn prune(&self, what: Expiring, cutoff: DateTime<Utc>, limit: u32) -> StoreResult<u64> {
         let batch = format!("{} LIMIT $2", what.candidates());
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let n = match what {
             Expiring::RoundDetails => {
                 let ids: Vec<Uuid> = sql::<D>(&batch)

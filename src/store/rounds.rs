@@ -238,7 +238,7 @@ fn bounded(text: &str, max: usize) -> &str {
 impl<D: Backend> RoundStore for SqlStore<D> {
     async fn open_round(&self, req: &OpenRound) -> StoreResult<Option<Round>> {
         let now = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         // First, so a duplicate delivery is told so (not "a round is in flight":
         // its own round). A concurrent duplicate waits here on the primary key;
         // every refusal below rolls back, forgetting the id.
@@ -517,7 +517,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         charges: &TraceCharges,
     ) -> StoreResult<Version> {
         let now = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
         record_sample::<D>(&mut tx, round, sample_secs, now).await?;
         let number: i64 =
@@ -557,7 +557,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         charges: &TraceCharges,
     ) -> StoreResult<()> {
         let now = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
         record_sample::<D>(&mut tx, round, sample_secs, now).await?;
         // A round that succeeds ends the prompt's failure streak, version or not.
@@ -572,7 +572,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
 
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
         let now = now();
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
         let mut queued = false;
         let requeued = match how {
@@ -689,7 +689,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
     }
 
     async fn clear_failure_streak(&self, prompt: &PromptName) -> StoreResult<bool> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let id: Option<Uuid> =
             sql::<D>("SELECT id FROM prompts WHERE name = $1").bind(prompt.as_str()).value(&mut tx, "id").await?;
         let Some(id) = id else { return Ok(false) };

@@ -25,7 +25,7 @@ pub trait SessionStore: Send + Sync {
 #[async_trait]
 impl<D: Backend> SessionStore for SqlStore<D> {
     async fn create_ui_session(&self, session: &NewUiSession) -> StoreResult<()> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         sweep_expired::<D>(&mut tx, "ui_sessions").await?;
         sql::<D>(
             "INSERT INTO ui_sessions (token_hash, key_id, csrf_token, created_at, expires_at) VALUES ($1, $2, $3, $4, $5)",

@@ -81,6 +81,12 @@ pub trait Dialect: Database + Sized {
     /// appending delta rows that compaction folds (Postgres: concurrent
     /// writers would queue on a shared row).
     const ROLLUP_ROW_PER_KEY: bool;
+    /// The statement that opens a write transaction. SQLite's is `BEGIN
+    /// IMMEDIATE`: it takes the write lock first, waiting out other processes'
+    /// writes under the busy timeout. A deferred `BEGIN` reads a snapshot
+    /// first, and if another process commits before the first write, that
+    /// write fails at once with `SQLITE_BUSY_SNAPSHOT`, which no timeout waits out.
+    const BEGIN_WRITE: &'static str;
     fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self>;
     fn execute<'c, 'q: 'c>(q: Query<'q, Self>, c: &'c mut Self::Connection) -> BoxFuture<'c, sqlx::Result<u64>>;
     fn fetch_all<'c, 'q: 'c>(

@@ -76,6 +76,7 @@ impl KeyGenerationCache {
 /// SQLite keeps ids as text, times as integer microseconds and JSON as text.
 impl Dialect for Sqlite {
     const ROLLUP_ROW_PER_KEY: bool = true;
+    const BEGIN_WRITE: &'static str = "BEGIN IMMEDIATE";
     direct_getters!(SqliteRow: get_i64 -> i64, get_i32 -> i32, get_f64 -> f64, get_bool -> bool, get_text -> String, get_bytes -> Vec<u8>);
     fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
         match p {
@@ -417,22 +418,27 @@ async fn resolve_prompts(
 /// group) and answers the requests that name an unknown prompt or version
 /// (there is nothing of theirs to undo); writes the traces of the others
 /// and returns them, with the ids to credit.
-async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreResult<(Vec<Insert>, Vec<Uuid>)> {
+async fn insert_group(c: &mut SqliteConnection, inserts: &mut Vec<Insert>) -> StoreResult<Vec<Uuid>> {
     let mut known = PromptIds::new();
-    let mut kept = Vec::with_capacity(inserts.len());
     let mut prompt_ids = Vec::with_capacity(inserts.len());
-    for insert in inserts {
-        match resolve_prompts(&mut *c, &mut known, &insert.traces).await? {
-            Ok(ids) => {
+    let mut pending = std::mem::take(inserts).into_iter();
+    while let Some(insert) = pending.next() {
+        match resolve_prompts(&mut *c, &mut known, &insert.traces).await {
+            Ok(Ok(ids)) => {
                 prompt_ids.push(ids);
-                kept.push(insert);
+                inserts.push(insert);
             }
-            Err(problem) => {
+            Ok(Err(problem)) => {
                 let _ = insert.reply.send(Err(problem));
+            }
+            Err(e) => {
+                inserts.push(insert);
+                inserts.extend(pending);
+                return Err(e);
             }
         }
     }
-    let rows: Vec<RowToInsert<'_>> = kept
+    let rows: Vec<RowToInsert<'_>> = inserts
         .iter()
         .zip(&prompt_ids)
         .flat_map(|(insert, prompts)| {
@@ -440,9 +446,7 @@ async fn insert_group(c: &mut SqliteConnection, inserts: Vec<Insert>) -> StoreRe
         })
         .collect();
     insert_resolved(&mut *c, &rows).await?;
-    let credit = rows.iter().map(|(_, id, _)| *id).collect();
-    drop(rows);
-    Ok((kept, credit))
+    Ok(rows.iter().map(|(_, id, _)| *id).collect())
 }
 
 /// Writes rows whose references were checked, in chunks of [`CHUNK_ROWS`].
@@ -533,16 +537,13 @@ async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
             Job::Work { settles, run } => others.push((settles, run)),
         }
     }
-    let mut kept_inserts: Vec<Insert> = Vec::new();
     let mut clock = PhaseClock::start();
     let outcome: StoreResult<()> = async {
-        let mut tx = writer.begin().await?;
+        let mut tx = writer.begin_with(<Sqlite as Dialect>::BEGIN_WRITE).await?;
         clock.lap("begin");
         let mut credit: Vec<Uuid> = Vec::new();
         if !inserts.is_empty() {
-            let (kept, stored) = insert_group(&mut tx, std::mem::take(&mut inserts)).await?;
-            kept_inserts = kept;
-            credit = stored;
+            credit = insert_group(&mut tx, &mut inserts).await?;
         }
         clock.lap("insert");
         for (settles, run) in others.drain(..) {
@@ -574,17 +575,16 @@ async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
     .await;
     match outcome {
         Ok(()) => {
-            for insert in kept_inserts {
+            for insert in inserts {
                 let _ = insert.reply.send(Ok(insert.ids));
             }
             answers.into_iter().for_each(|answer| answer(Ok(())));
         }
         Err(e) => {
-            // Jobs not yet run (and inserts not yet written) are dropped
-            // unanswered, which their callers read as the store being
-            // unavailable, as the group's failure is.
-            drop((inserts, others));
-            for insert in kept_inserts {
+            // Jobs not yet run are dropped unanswered, which their callers
+            // read as the store being unavailable, as the group's failure is.
+            drop(others);
+            for insert in inserts {
                 let _ = insert.reply.send(Err(shared_failure(&e)));
             }
             for answer in answers {

@@ -229,7 +229,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
     }
 
     async fn requeue_failed_traces(&self, req: &RequeueFailed) -> StoreResult<Vec<Uuid>> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let prompt = prompt_id::<D>(&mut tx, &req.prompt).await?;
         let text = format!(
             "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = $4
@@ -254,7 +254,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
     }
 
     async fn quarantine_trace(&self, id: Uuid, reason: &str) -> StoreResult<TraceAction> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         if let Some(refused) = lock_for_action::<D>(&mut tx, id, false).await? {
             return Ok(refused);
         }
@@ -274,7 +274,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
 
     async fn quarantine_traces(&self, f: &TraceFilter, reason: &str) -> StoreResult<u64> {
         let Some(prompt) = &f.prompt else { return Ok(0) };
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let held: Vec<Uuid> = sql::<D>(
             "UPDATE traces SET quarantined_at = $1, quarantine_reason = $2, updated_at = $1
              WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3) AND status = 'pending' AND round_id IS NULL
@@ -296,7 +296,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
     }
 
     async fn release_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let released: Vec<Uuid> = sql::<D>(
             "UPDATE traces SET quarantined_at = NULL, quarantine_reason = NULL, updated_at = $1
              WHERE id = $2 AND quarantined_at IS NOT NULL RETURNING id",
@@ -312,7 +312,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
 
     async fn delete_trace(&self, id: Uuid) -> StoreResult<TraceAction> {
         let Some(trace) = self.get_trace(id).await? else { return Ok(TraceAction::NotFound) };
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         if let Some(refused) = lock_for_action::<D>(&mut tx, id, true).await? {
             return Ok(refused);
         }

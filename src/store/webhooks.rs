@@ -189,7 +189,7 @@ impl<D: Backend> WebhookStore for SqlStore<D> {
             DeliveryOutcome::Retry { at } => ("pending", Some(*at)),
             DeliveryOutcome::GiveUp | DeliveryOutcome::Gone => ("failed", None),
         };
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.begin_write().await?;
         let n = sql::<D>(
             "UPDATE webhook_deliveries SET status = $3, next_attempt_at = COALESCE($4, next_attempt_at),
                     last_error = $5, lease_owner = NULL, updated_at = $6

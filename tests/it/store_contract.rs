@@ -482,6 +482,44 @@ async fn key_generation_grows_with_every_revocation(b: Backend) {
     assert!(s.api_key_generation().await.unwrap() > after, "another connection's revocation is seen at once");
 }
 
+/// Two processes may share one store (the embedded file included): each
+/// write waits its turn for the other's commits, however they interleave, and
+/// none is refused as busy. Here one store writes traces, late feedback and
+/// versions while a second, opened on the same database as another process
+/// would, writes versions and traces of its own.
+async fn two_processes_write_one_store_and_none_is_refused(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    make_prompt(&s, "p").await;
+    let other = combee::store::connect(&ts.url, 2, std::time::Duration::from_secs(10)).await.unwrap();
+    const ROUNDS: usize = 60;
+    let here = tokio::spawn({
+        let s = s.clone();
+        async move {
+            for i in 0..ROUNDS {
+                let ids = s.insert_traces(&[trace("p", None), trace("p", Some(1))]).await.unwrap();
+                let feedback = Feedback { score: Some(0.5), ..Default::default() };
+                assert!(s.add_feedback(ids[0], feedback).await.unwrap().is_some());
+                s.create_version(&name("p"), version(&format!("here {i}")), &[]).await.unwrap();
+            }
+        }
+    });
+    let there = tokio::spawn({
+        let other = other.clone();
+        async move {
+            for i in 0..ROUNDS {
+                other.create_version(&name("p"), version(&format!("there {i}")), &[]).await.unwrap();
+                other.insert_traces(&[trace("p", None)]).await.unwrap();
+            }
+        }
+    });
+    here.await.expect("this process's writes");
+    there.await.expect("the other process's writes");
+    let latest = s.resolve(&name("p"), &Selector::Latest).await.unwrap().unwrap();
+    assert_eq!(latest.version.number, 1 + 2 * ROUNDS as i64);
+    assert_eq!(pending_count(&s).await, 3 * ROUNDS);
+}
+
 async fn failed_traces_can_be_requeued(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
@@ -2073,6 +2111,7 @@ on_both_stores!(
     api_keys_are_stored_hashed_and_revocable,
     key_generation_grows_with_every_revocation,
     failed_traces_can_be_requeued,
+    two_processes_write_one_store_and_none_is_refused,
     ui_sessions_expire_and_show_their_key,
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,
