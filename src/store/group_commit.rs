@@ -168,6 +168,22 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
     }
 }
 
+/// Times the phases of a group's commit into `combee_store_write_phase_seconds`.
+pub(super) struct PhaseClock(std::time::Instant);
+
+impl PhaseClock {
+    pub(super) fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    pub(super) fn lap(&mut self, phase: &'static str) {
+        let now = std::time::Instant::now();
+        metrics::histogram!("combee_store_write_phase_seconds", "phase" => phase)
+            .record(now.duration_since(self.0).as_secs_f64());
+        self.0 = now;
+    }
+}
+
 /// Waits for a job's answer; a lane that ended without answering (the store
 /// closing) reads as the store being unavailable.
 pub(super) async fn answer<T>(reply: oneshot::Receiver<StoreResult<T>>) -> StoreResult<T> {

@@ -32,7 +32,7 @@ use uuid::Uuid;
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
-use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
+use super::group_commit::{self, GroupCommit, PhaseClock, Weighed, shared_failure};
 use super::rollups::{Sign, outcome_delta_sql, task_delta_sql};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters};
 use super::traces::{merge_feedback, reference_problem};
@@ -314,10 +314,16 @@ fn lanes(max_connections: u32) -> usize {
 /// at a time, so one bad request fails alone.
 async fn commit_group(pool: PgPool, group: Vec<Insert>) {
     let parts: Vec<&TraceColumns> = group.iter().map(|job| &job.rows).collect();
+    // The statement commits itself: its phase holds the commit and its flush.
+    let mut clock = PhaseClock::start();
     let inserted = match pool.acquire().await {
-        Ok(mut c) => insert_trace_rows(&mut c, &parts).await,
+        Ok(mut c) => {
+            clock.lap("begin");
+            insert_trace_rows(&mut c, &parts).await
+        }
         Err(e) => Err(e.into()),
     };
+    clock.lap("insert");
     match inserted {
         Ok(stored) => {
             let stored: std::collections::HashSet<Uuid> = stored.into_iter().collect();

@@ -19,7 +19,7 @@ use uuid::Uuid;
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 
 use super::backend::{Backend, SqlStore};
-use super::group_commit::{self, GroupCommit, Weighed, shared_failure};
+use super::group_commit::{self, GroupCommit, PhaseClock, Weighed, shared_failure};
 use super::rollups::{self, Counted, Sign};
 use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
 use super::traces::{merge_feedback, prompt_reference_problem};
@@ -506,22 +506,6 @@ where
     F: for<'c> FnOnce(&'c mut SqliteConnection) -> BoxFuture<'c, Finish> + Send + 'static,
 {
     Box::new(f)
-}
-
-/// Times the phases of a group's commit into `combee_store_write_phase_seconds`.
-struct PhaseClock(std::time::Instant);
-
-impl PhaseClock {
-    fn start() -> Self {
-        Self(std::time::Instant::now())
-    }
-
-    fn lap(&mut self, phase: &'static str) {
-        let now = std::time::Instant::now();
-        metrics::histogram!("combee_store_write_phase_seconds", "phase" => phase)
-            .record(now.duration_since(self.0).as_secs_f64());
-        self.0 = now;
-    }
 }
 
 /// Commits one group: its plain inserts with one statement, every other job

@@ -665,6 +665,11 @@ async fn per_version_metrics_reflect_rewards_usage_and_late_feedback(b: Backend)
     );
     assert!(text.contains("combee_version_mean_score{prompt=\"p\",version=\"1\",labels=\"production\"} 0.75"));
     assert!(!text.contains("version=\"2\""), "unlabelled versions have no series");
+    // Where the trace writes' time went, on either store: the groups, and the phases of their commits.
+    for series in ["combee_store_write_group_rows_count ", "combee_store_write_phase_seconds_count{phase=\"insert\"} "]
+    {
+        assert!(text.contains(series), "{series}: {text}");
+    }
     let res = app.put("/v1/prompts/p/labels/candidate", json!({"version": 2})).send().await.unwrap();
     assert_eq!(res.status(), 200);
     let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();

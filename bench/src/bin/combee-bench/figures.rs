@@ -39,11 +39,11 @@ pub(crate) struct WriteGroups {
     pub(crate) groups: f64,
     pub(crate) rows: f64,
     pub(crate) seconds: f64,
-    /// Seconds of each phase of a group's commit, as [`PHASES`] names them (SQLite says).
+    /// Seconds of each phase of a group's commit, as [`PHASES`] names them.
     pub(crate) phases: [f64; PHASES.len()],
 }
 
-/// The phases of a group's commit that the embedded store times.
+/// The phases of a group's commit that the server times (on Postgres only `begin` and `insert`).
 pub(crate) const PHASES: [&str; 5] = ["begin", "insert", "other", "rollups", "commit"];
 
 impl WriteGroups {
