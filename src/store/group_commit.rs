@@ -153,9 +153,7 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
                     let weight = group.weight;
                     commit(group.jobs).await;
                     drop(busy);
-                    // Where the write path's time goes: how full groups are and how long each holds its lane.
-                    metrics::histogram!("combee_store_write_group_rows").record(weight as f64);
-                    metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
+                    record_group(weight, started);
                 }
             });
         }
@@ -166,6 +164,13 @@ impl<J: Weighed + Send + 'static> GroupCommit<J> {
     pub(super) async fn submit(&self, job: J) -> StoreResult<()> {
         self.jobs.send(job).await.map_err(|_| StoreError::Unavailable(sqlx::Error::PoolClosed))
     }
+}
+
+/// Where the write path's time goes: how full a group was and how long its
+/// commit took (a lane's groups, and a request committed alone beside them).
+pub(super) fn record_group(rows: usize, started: std::time::Instant) {
+    metrics::histogram!("combee_store_write_group_rows").record(rows as f64);
+    metrics::histogram!("combee_store_write_group_seconds").record(started.elapsed().as_secs_f64());
 }
 
 /// Times the phases of a group's commit into `combee_store_write_phase_seconds`.

@@ -537,7 +537,9 @@ impl Backend for Postgres {
         }
         let (job, answer) = insert_job(traces)?;
         if traces.len() >= ALONE_ROWS {
+            let started = std::time::Instant::now();
             commit_group(s.writer.clone(), vec![job]).await;
+            group_commit::record_group(traces.len(), started);
         } else {
             s.writes.submit(job).await?;
         }

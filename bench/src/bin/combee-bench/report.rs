@@ -216,8 +216,9 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
             "\nWhere the write path's time goes (the server's `combee_store_write_group_*` metrics over the measured \
              window): trace writes are committed in groups, one transaction and one flush to disk each; *lanes busy* \
              is the groups' commit time over the window (1.00 = one lane committing all the time). On Postgres a group is \
-             one statement that commits itself: *begin* is taking a connection, *insert* the statement with its \
-             commit and flush.\n"
+             one statement that commits itself (*begin* is taking a connection, *insert* the statement with its \
+             commit and flush), and a request of 32 traces or more commits alone as a group of its own, so *lanes \
+             busy* counts those commits in flight too.\n"
         );
         let _ = writeln!(
             o,
