@@ -319,11 +319,12 @@ async fn commit_group(pool: PgPool, group: Vec<Insert>) {
     let inserted = match pool.acquire().await {
         Ok(mut c) => {
             clock.lap("begin");
-            insert_trace_rows(&mut c, &parts).await
+            let inserted = insert_trace_rows(&mut c, &parts).await;
+            clock.lap("insert");
+            inserted
         }
         Err(e) => Err(e.into()),
     };
-    clock.lap("insert");
     match inserted {
         Ok(stored) => {
             let stored: std::collections::HashSet<Uuid> = stored.into_iter().collect();

@@ -416,8 +416,10 @@ async fn resolve_prompts(
 
 /// Checks each request's references (each prompt looked up once for the
 /// group) and answers the requests that name an unknown prompt or version
-/// (there is nothing of theirs to undo); writes the traces of the others
-/// and returns them, with the ids to credit.
+/// (there is nothing of theirs to undo) and takes them out of `inserts`;
+/// writes the traces of the others and returns the ids to credit. On an
+/// error `inserts` holds every request not yet answered, for the caller to
+/// answer with the group's failure.
 async fn insert_group(c: &mut SqliteConnection, inserts: &mut Vec<Insert>) -> StoreResult<Vec<Uuid>> {
     let mut known = PromptIds::new();
     let mut prompt_ids = Vec::with_capacity(inserts.len());
