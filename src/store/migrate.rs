@@ -100,24 +100,75 @@ fn adopted(migrator: &Migrator, legacy: &[(i64, String)]) -> StoreResult<Vec<(i6
 const ADOPT: &str = "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
                      VALUES ($1, $2, TRUE, $3, 0)";
 
+/// Applies the Postgres migrations, one starting process at a time (the
+/// adoption lock, then sqlx's own). A migration that cannot take a table lock
+/// within [`MIGRATION_LOCK_TIMEOUT`] is rolled back and tried again, so it
+/// never holds one table while it waits for another against live writes.
 pub(super) async fn postgres(pool: &PgPool) -> StoreResult<()> {
-    let mut conn = pool.acquire().await?;
-    sqlx::query("SELECT pg_advisory_lock($1)").bind(ADOPTION_LOCK).execute(&mut *conn).await?;
-    let result = async {
-        let legacy: bool = sqlx::query_scalar(
-            "SELECT to_regclass('schema_migrations') IS NOT NULL AND to_regclass('_sqlx_migrations') IS NULL",
-        )
-        .fetch_one(&mut *conn)
-        .await?;
-        if legacy {
-            adopt::<sqlx::Postgres>(&mut conn, &POSTGRES).await?;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let mut conn = pool.acquire().await?;
+        sqlx::query("SELECT pg_advisory_lock($1)").bind(ADOPTION_LOCK).execute(&mut *conn).await?;
+        let result = async {
+            let legacy: bool = sqlx::query_scalar(
+                "SELECT to_regclass('schema_migrations') IS NOT NULL AND to_regclass('_sqlx_migrations') IS NULL",
+            )
+            .fetch_one(&mut *conn)
+            .await?;
+            if legacy {
+                adopt::<sqlx::Postgres>(&mut conn, &POSTGRES).await?;
+            }
+            sqlx::query(&format!("SET lock_timeout = '{MIGRATION_LOCK_TIMEOUT}'")).execute(&mut *conn).await?;
+            let ran = POSTGRES.run(&mut *conn).await;
+            sqlx::query("RESET lock_timeout").execute(&mut *conn).await?;
+            gave_way(ran)
         }
-        POSTGRES.run(&mut *conn).await.map_err(failed)
+        .await;
+        sqlx::query("SELECT pg_advisory_unlock($1)").bind(ADOPTION_LOCK).execute(&mut *conn).await?;
+        match result? {
+            None => return Ok(()),
+            Some(why) if attempt < GIVE_WAY_ATTEMPTS => {
+                // Closing the connection releases its advisory locks: sqlx's
+                // migrator keeps its own after a failed migration.
+                let _ = conn.detach().close().await;
+                tracing::info!(attempt, %why, "a migration gave way to the writes on a table it locks; trying again");
+                tokio::time::sleep(GIVE_WAY_PAUSE * attempt.min(10)).await;
+            }
+            Some(why) => {
+                return Err(StoreError::Migration(format!(
+                    "a migration could not take its table locks in {GIVE_WAY_ATTEMPTS} attempts: {why}"
+                )));
+            }
+        }
     }
-    .await;
-    sqlx::query("SELECT pg_advisory_unlock($1)").bind(ADOPTION_LOCK).execute(&mut *conn).await?;
-    result
 }
+
+/// Why a pass of the migrations gave way (a lock not taken within the
+/// timeout, 55P03, or chosen to break a deadlock, 40P01); `None` when it
+/// finished. Any other failure is the pass's error.
+fn gave_way(ran: Result<(), MigrateError>) -> StoreResult<Option<String>> {
+    match ran {
+        Ok(()) => Ok(None),
+        Err(
+            MigrateError::Execute(sqlx::Error::Database(e))
+            | MigrateError::ExecuteMigration(sqlx::Error::Database(e), _),
+        ) if matches!(e.code().as_deref(), Some("55P03" | "40P01")) => Ok(Some(e.message().to_owned())),
+        Err(e) => Err(failed(e)),
+    }
+}
+
+/// How long a migration's statement waits for a table lock before the
+/// migration is rolled back and tried again. A schema change that waits for
+/// a lock on one table while holding another (dropping a foreign key locks
+/// both tables) can deadlock with the writes of a release still serving; a
+/// short wait makes the migration give way first, so those writes go on.
+const MIGRATION_LOCK_TIMEOUT: &str = "250ms";
+
+/// How many times a migration gives way before start-up fails, and the
+/// pause after each (growing with the attempt, to ten times this).
+const GIVE_WAY_ATTEMPTS: u32 = 30;
+const GIVE_WAY_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Records the old migrator's unchanged rows in `_sqlx_migrations`, in one transaction.
 async fn adopt<DB>(conn: &mut DB::Connection, migrator: &Migrator) -> StoreResult<()>

@@ -520,6 +520,65 @@ async fn two_processes_write_one_store_and_none_is_refused(b: Backend) {
     assert_eq!(pending_count(&s).await, 3 * ROUNDS);
 }
 
+/// A schema change that locks two tables gives way to the writes of a
+/// release still serving instead of deadlocking with them. Here the database
+/// lacks the change that drops the foreign key from `traces` to `prompts`
+/// (which locks both tables): a transaction of the serving release reads
+/// `prompts`, a new process starts and migrates, another write of the serving
+/// release comes, and the transaction then writes `traces`. All succeed; with
+/// the migration waiting on `prompts` while holding `traces`, the other write
+/// waited for the reading transaction, and the two transactions deadlocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_gives_way_to_the_serving_releases_writes() {
+    use sqlx::Connection;
+    let ts = test_store(Backend::Postgres).await;
+    let mut setup = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+    sqlx::raw_sql(
+        "ALTER TABLE traces ADD CONSTRAINT traces_prompt_id_fkey FOREIGN KEY (prompt_id) REFERENCES prompts (id);
+         DELETE FROM _sqlx_migrations WHERE version = 46;",
+    )
+    .execute(&mut setup)
+    .await
+    .unwrap();
+    let mut serving = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT count(*) FROM prompts;").execute(&mut serving).await.unwrap();
+    let mut writer = sqlx::PgConnection::connect(&ts.url).await.unwrap();
+    let starting = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        combee::store::connect(&ts.url, 2, std::time::Duration::from_secs(10)),
+    );
+    let serve = async {
+        // Until the migration waits for a lock (or gave way already and waits to try again).
+        let waiting =
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%DROP CONSTRAINT%'";
+        for _ in 0..300 {
+            if sqlx::query_scalar::<_, i64>(waiting).fetch_one(&mut setup).await.unwrap() > 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // A write of the serving release beside them waits out the
+        // migration's short lock wait, not the transaction reading `prompts`
+        // (here it would wait for good: that transaction goes on after it).
+        sqlx::raw_sql("SET lock_timeout = '3s'; BEGIN; LOCK TABLE traces IN ROW EXCLUSIVE MODE; COMMIT;")
+            .execute(&mut writer)
+            .await
+            .expect("a write beside the migration");
+        sqlx::raw_sql("LOCK TABLE traces IN ROW EXCLUSIVE MODE")
+            .execute(&mut serving)
+            .await
+            .expect("the serving write");
+        sqlx::raw_sql("COMMIT").execute(&mut serving).await.unwrap();
+    };
+    let (started, ()) = tokio::join!(starting, serve);
+    started.expect("start-up ends").expect("the new process migrates");
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_constraint WHERE conname = 'traces_prompt_id_fkey'")
+        .fetch_one(&mut setup)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the migration ran");
+}
+
 async fn failed_traces_can_be_requeued(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
