@@ -18,7 +18,7 @@ use std::{
 
 use combee::simulation::llm::{CapacityModel, SimConfig};
 use common::{
-    eventually, fresh_pg_database,
+    eventually, eventually_by, fresh_pg_database,
     processes::{Build, Process, free_port, ready},
     spawn_sim,
 };
@@ -233,18 +233,16 @@ async fn three_api_and_two_worker_processes_learn_and_agree_through_pgbouncer_in
         .await
         .unwrap();
     assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
-    let mut seen = vec![None; apis.len()];
-    while seen.iter().any(Option::is_none) {
-        for (base, seen) in apis.iter().zip(seen.iter_mut()) {
-            if seen.is_none() {
+    let deadline = tokio::time::Instant::from_std(moved_at + Duration::from_secs(1));
+    let mut seen = Vec::new();
+    for base in &apis {
+        seen.push(
+            eventually_by(&format!("the API process at {base} serves v1"), deadline, async || {
                 let p: Value = get(base, "/v1/prompts/pooled").await.unwrap().json().await.unwrap();
-                if p["version"] == 1 {
-                    *seen = Some(moved_at.elapsed());
-                }
-            }
-        }
-        assert!(moved_at.elapsed() < Duration::from_secs(1), "after 1 s the API processes serve v1: {seen:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
+                if p["version"] == 1 { Ok(moved_at.elapsed()) } else { Err(format!("it serves {}", p["version"])) }
+            })
+            .await,
+        );
     }
     eprintln!("label move through one process served by the three API processes after {seen:?}");
 

@@ -18,7 +18,7 @@ use combee::{
     evaluate::{assign::sticky_arm, trueskill::Rating},
 };
 use common::{
-    Backend, eventually,
+    Backend, eventually, eventually_by,
     processes::{Build, Process, free_port, ready},
     spawn_app,
 };
@@ -78,17 +78,16 @@ async fn a_label_move_reaches_a_second_process_within_a_second() {
     let moved_at = Instant::now();
     let res = app.put("/v1/prompts/shared/labels/production", json!({"version": 2})).send().await.unwrap();
     assert_eq!(res.status(), 200);
-    loop {
+    let seen_after = eventually("the second process serves version 2", Duration::from_millis(1500), async || {
         let body: Value = get_other().await.unwrap().json().await.unwrap();
         if body["version"] == 2 {
-            break;
+            Ok(moved_at.elapsed())
+        } else {
+            Err(format!("it serves version {}", body["version"]))
         }
-        assert!(moved_at.elapsed() < Duration::from_millis(1500), "second process still served v1 after 1.5 s");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let seen_after = moved_at.elapsed();
+    })
+    .await;
     eprintln!("label move seen by the second process after {seen_after:?}");
-    assert!(seen_after < Duration::from_millis(1500));
 }
 
 /// A `combee serve --role api` process on `db` (no worker, so no rater moves
@@ -178,22 +177,18 @@ async fn two_api_processes_serve_the_same_arms_within_a_second_of_a_weight_chang
 
     let changed_at = Instant::now();
     app.store.save_population(&prompt, &after).await.unwrap();
-    let (mut seen_a, mut seen_b) = (None, None);
-    while seen_a.is_none() || seen_b.is_none() {
-        for (base, seen) in [(&base_a, &mut seen_a), (&base_b, &mut seen_b)] {
-            if seen.is_none() && assignments(&app.http, base, &app.admin_key, &subjects).await == new {
-                *seen = Some(changed_at.elapsed());
-            }
+    // Each process must serve the new weights to every subject within 1.5 s of the change.
+    let deadline = tokio::time::Instant::from_std(changed_at + Duration::from_millis(1500));
+    let follows = |base: String| {
+        let (http, key, subjects, new) = (&app.http, &app.admin_key, &subjects, &new);
+        async move || {
+            let served = assignments(http, &base, key, subjects).await;
+            let stale = served.iter().zip(new).filter(|(s, n)| s != n).count();
+            if stale == 0 { Ok(changed_at.elapsed()) } else { Err(format!("{stale} subjects still get their old arm")) }
         }
-        assert!(
-            changed_at.elapsed() < Duration::from_millis(1500),
-            "after 1.5 s process A follows the new weights: {}, process B: {}",
-            seen_a.is_some(),
-            seen_b.is_some()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let (seen_a, seen_b) = (seen_a.unwrap(), seen_b.unwrap());
+    };
+    let seen_a = eventually_by("process A follows the new weights", deadline, follows(base_a.clone())).await;
+    let seen_b = eventually_by("process B follows the new weights", deadline, follows(base_b.clone())).await;
     eprintln!(
         "weight change served by both API processes for all {} subjects ({moved} moved arm): process A after {seen_a:?}, process B after {seen_b:?}",
         subjects.len()

@@ -327,16 +327,29 @@ pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uu
 }
 
 /// The suite's one deadline loop: calls `probe` every 50 ms until it answers
-/// `Ok`, and returns that value. After `within` the test fails, naming `what`
-/// and the last `Err` (the state it was still waiting on).
-pub async fn eventually<T>(what: &str, within: Duration, mut probe: impl AsyncFnMut() -> Result<T, String>) -> T {
-    let deadline = tokio::time::Instant::now() + within;
+/// `Ok`, and returns that value. The test fails, naming `what` and the last
+/// `Err` (the state it was still waiting on), when a probe that *began* after
+/// `within` still answers `Err`: a probe that began in time and ended late
+/// (a slow machine, a probe of many requests) proves nothing late, so there is
+/// always one more.
+pub async fn eventually<T>(what: &str, within: Duration, probe: impl AsyncFnMut() -> Result<T, String>) -> T {
+    eventually_by(what, tokio::time::Instant::now() + within, probe).await
+}
+
+/// [`eventually`] against a deadline set earlier, for a second thing that must
+/// follow the same change by the same time.
+pub async fn eventually_by<T>(
+    what: &str,
+    deadline: tokio::time::Instant,
+    mut probe: impl AsyncFnMut() -> Result<T, String>,
+) -> T {
     loop {
+        let began = tokio::time::Instant::now();
         let last = match probe().await {
             Ok(value) => return value,
             Err(state) => state,
         };
-        assert!(tokio::time::Instant::now() < deadline, "{what} did not happen within {within:?}: {last}");
+        assert!(began < deadline, "{what} had not happened by its deadline: {last}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
