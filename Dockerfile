@@ -3,6 +3,8 @@
 # Run:    docker run -p 8080:8080 -e DATABASE_URL=postgres://… combee
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
+# jemalloc (the binary's allocator) is built from source with make.
+RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
 # Dependencies first, so source edits don't rebuild them.
 # The benchmarks (bench/) are a workspace member: only their manifest and stub
 # sources are needed for cargo to load the workspace; they are not built.
