@@ -149,3 +149,16 @@ fn members_set_list_remove_on_the_embedded_store_and_the_client_secret_never_pri
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("auth.oidc.redirect_url") && !err.contains("hunter2-oidc"), "{err}");
 }
+
+/// The binary allocates with jemalloc and reads its options from the variable
+/// the operations guide names: asked to, it prints its statistics at exit.
+#[test]
+fn the_allocator_is_jemalloc_and_takes_its_options_from_the_documented_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = combee(dir.path()).arg("--version").env("_RJEM_MALLOC_CONF", "stats_print:true").output().unwrap();
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("Begin jemalloc statistics"), "no jemalloc statistics at exit: {err}");
+    let plain = combee(dir.path()).arg("--version").output().unwrap();
+    assert!(!String::from_utf8_lossy(&plain.stderr).contains("jemalloc"), "statistics only when asked for");
+}
