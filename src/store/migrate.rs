@@ -102,7 +102,7 @@ const ADOPT: &str = "INSERT INTO _sqlx_migrations (version, description, success
 
 /// Applies the Postgres migrations, one starting process at a time (the
 /// adoption lock, then sqlx's own). A migration that cannot take a table lock
-/// within [`MIGRATION_LOCK_TIMEOUT`] is rolled back and tried again, so it
+/// within [`SET_MIGRATION_LOCK_TIMEOUT`] is rolled back and tried again, so it
 /// never holds one table while it waits for another against live writes.
 pub(super) async fn postgres(pool: &PgPool) -> StoreResult<()> {
     let mut attempt = 0;
@@ -119,7 +119,7 @@ pub(super) async fn postgres(pool: &PgPool) -> StoreResult<()> {
             if legacy {
                 adopt::<sqlx::Postgres>(&mut conn, &POSTGRES).await?;
             }
-            sqlx::query(&format!("SET lock_timeout = '{MIGRATION_LOCK_TIMEOUT}'")).execute(&mut *conn).await?;
+            sqlx::query(SET_MIGRATION_LOCK_TIMEOUT).execute(&mut *conn).await?;
             let ran = POSTGRES.run(&mut *conn).await;
             sqlx::query("RESET lock_timeout").execute(&mut *conn).await?;
             gave_way(ran)
@@ -163,7 +163,7 @@ fn gave_way(ran: Result<(), MigrateError>) -> StoreResult<Option<String>> {
 /// a lock on one table while holding another (dropping a foreign key locks
 /// both tables) can deadlock with the writes of a release still serving; a
 /// short wait makes the migration give way first, so those writes go on.
-const MIGRATION_LOCK_TIMEOUT: &str = "250ms";
+const SET_MIGRATION_LOCK_TIMEOUT: &str = "SET lock_timeout = '250ms'";
 
 /// How many times a migration gives way before start-up fails, and the
 /// pause after each (growing with the attempt, to ten times this).

@@ -233,7 +233,7 @@ async fn three_api_and_two_worker_processes_learn_and_agree_through_pgbouncer_in
         .await
         .unwrap();
     assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
-    let deadline = tokio::time::Instant::from_std(moved_at + Duration::from_secs(1));
+    let deadline = moved_at + Duration::from_secs(1);
     let mut seen = Vec::new();
     for base in &apis {
         seen.push(

@@ -178,7 +178,7 @@ async fn two_api_processes_serve_the_same_arms_within_a_second_of_a_weight_chang
     let changed_at = Instant::now();
     app.store.save_population(&prompt, &after).await.unwrap();
     // Each process must serve the new weights to every subject within 1.5 s of the change.
-    let deadline = tokio::time::Instant::from_std(changed_at + Duration::from_millis(1500));
+    let deadline = changed_at + Duration::from_millis(1500);
     let follows = |base: String| {
         let (http, key, subjects, new) = (&app.http, &app.admin_key, &subjects, &new);
         async move || {

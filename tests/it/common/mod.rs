@@ -333,18 +333,18 @@ pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uu
 /// (a slow machine, a probe of many requests) proves nothing late, so there is
 /// always one more.
 pub async fn eventually<T>(what: &str, within: Duration, probe: impl AsyncFnMut() -> Result<T, String>) -> T {
-    eventually_by(what, tokio::time::Instant::now() + within, probe).await
+    eventually_by(what, std::time::Instant::now() + within, probe).await
 }
 
 /// [`eventually`] against a deadline set earlier, for a second thing that must
 /// follow the same change by the same time.
 pub async fn eventually_by<T>(
     what: &str,
-    deadline: tokio::time::Instant,
+    deadline: std::time::Instant,
     mut probe: impl AsyncFnMut() -> Result<T, String>,
 ) -> T {
     loop {
-        let began = tokio::time::Instant::now();
+        let began = std::time::Instant::now();
         let last = match probe().await {
             Ok(value) => return value,
             Err(state) => state,
