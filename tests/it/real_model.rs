@@ -67,7 +67,7 @@ fn real_llm() -> Option<RealLlm> {
     let url = urls[slot % urls.len()].to_owned();
     let model = std::env::var("COMBEE_REAL_LLM_MODEL").unwrap_or_else(|_| "local".to_owned());
     let name: String = url.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-    let path = std::env::temp_dir().join(format!("combee-real-llm-{name}.lock"));
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-llm-{name}.lock"));
     let turn = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     turn.lock().unwrap_or_else(|e| panic!("locking {}: {e}", path.display()));
     eprintln!("REAL MODEL server {url} (slot {slot} of {})", urls.len());
@@ -244,8 +244,8 @@ const FORMATS: [&str; 4] = ["json_schema", "json_object_schema", "json_object", 
 async fn a_round_with_a_real_model_publishes_and_says_how_it_read(b: Backend) {
     let Some(llm) = real_llm() else { return };
     let app = spawn_learning_app(b, &llm.url, &llm.model).await;
-    // Six traces: on product defaults, three groups of reflections and their
-    // aggregations (each aggregation is a minute or two of this model's writing).
+    // Six traces, not more: each group of reflections costs an aggregation, a
+    // minute or two of this model's writing (a ten-trace round made five).
     let traces: Vec<Value> = support_traces("support-agent").into_iter().take(6).collect();
     let round = learn_from(&app, "support-agent", traces).await;
 
