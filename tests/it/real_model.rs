@@ -181,7 +181,7 @@ fn support_traces(prompt: &str) -> Vec<Value> {
 const POLL: Duration = Duration::from_secs(1);
 
 /// How long a test waits for the model's work before it fails: a guard against
-/// a hang, well above the longest a round took in CI (747 s).
+/// a hang, well above what a round took in CI (747–833 s).
 const WAIT: Duration = Duration::from_secs(1800);
 
 /// Creates a prompt on its defaults, sends the traces in one request (so a round
