@@ -23,7 +23,12 @@ fn main() {
         writeln!(out, "pub(super) const {constant}: &[(&str, &str)] = &[").unwrap();
         for path in files {
             let name = path.file_name().and_then(|n| n.to_str()).expect("a UTF-8 migration file name");
-            writeln!(out, "    ({name:?}, include_str!({:?})),", path.display().to_string()).unwrap();
+            // Named from the crate's own manifest directory, not as an absolute path: the
+            // generated file is then the same in every checkout, so two clones building into
+            // one shared target directory cannot include each other's migrations.
+            let relative = format!("/migrations/{folder}/{name}");
+            writeln!(out, "    ({name:?}, include_str!(concat!(env!(\"CARGO_MANIFEST_DIR\"), {relative:?}))),")
+                .unwrap();
         }
         out.push_str("];\n");
     }
