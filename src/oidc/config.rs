@@ -16,18 +16,29 @@ pub struct AuthSettings {
     /// Signing in by pasting an API key; `false` leaves single sign-on only.
     #[serde(default = "yes")]
     pub key_sign_in: bool,
+    /// How long a web UI session lasts from sign-in, in hours (1 to `MAX_SESSION_HOURS`),
+    /// whichever way the person signed in.
+    #[serde(default = "default_session_hours")]
+    pub session_hours: u32,
     /// Single sign-on through an OpenID Connect provider; absent: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oidc: Option<OidcSettings>,
 }
 
+/// The longest a web UI session may be set to last: 30 days.
+pub const MAX_SESSION_HOURS: u32 = 720;
+
 fn yes() -> bool {
     true
 }
 
+fn default_session_hours() -> u32 {
+    12
+}
+
 impl Default for AuthSettings {
     fn default() -> Self {
-        Self { key_sign_in: true, oidc: None }
+        Self { key_sign_in: true, session_hours: default_session_hours(), oidc: None }
     }
 }
 
@@ -79,6 +90,12 @@ fn web_url(url: &str) -> Option<reqwest::Url> {
 
 impl AuthSettings {
     pub fn validate(&self) -> Result<(), String> {
+        if !(1..=MAX_SESSION_HOURS).contains(&self.session_hours) {
+            return Err(format!(
+                "auth.session_hours must be between 1 and {MAX_SESSION_HOURS} (30 days), got {}",
+                self.session_hours
+            ));
+        }
         let Some(o) = &self.oidc else {
             if !self.key_sign_in {
                 return Err(
@@ -146,15 +163,22 @@ mod tests {
     }
 
     fn check(o: OidcSettings) -> Result<(), String> {
-        AuthSettings { key_sign_in: true, oidc: Some(o) }.validate()
+        AuthSettings { oidc: Some(o), ..AuthSettings::default() }.validate()
     }
 
     #[test]
     fn settings_are_checked_with_clear_errors() {
         assert_eq!(check(oidc()), Ok(()));
         assert!(AuthSettings::default().validate().is_ok());
-        let off = AuthSettings { key_sign_in: false, oidc: None }.validate().unwrap_err();
+        let off = AuthSettings { key_sign_in: false, ..AuthSettings::default() }.validate().unwrap_err();
         assert!(off.contains("auth.key_sign_in"), "{off}");
+        for (hours, ok) in [(0, false), (1, true), (MAX_SESSION_HOURS, true), (MAX_SESSION_HOURS + 1, false)] {
+            let checked = AuthSettings { session_hours: hours, ..AuthSettings::default() }.validate();
+            assert_eq!(checked.is_ok(), ok, "{hours} hours: {checked:?}");
+            if let Err(e) = checked {
+                assert!(e.contains("auth.session_hours") && e.contains(&hours.to_string()), "{e}");
+            }
+        }
         type Change = fn(&mut OidcSettings);
         let cases: [(Change, &str); 7] = [
             (|o| o.issuer = "http://id.example.com".into(), "auth.oidc.issuer"),
@@ -172,7 +196,7 @@ mod tests {
             assert!(e.contains(want), "{e} should name {want}");
             assert!(!e.contains("s3cret"), "{e}");
         }
-        let printed = format!("{:?}", AuthSettings { key_sign_in: true, oidc: Some(oidc()) });
+        let printed = format!("{:?}", AuthSettings { oidc: Some(oidc()), ..AuthSettings::default() });
         assert!(printed.contains("client_secret: [redacted]") && !printed.contains("s3cret"), "{printed}");
         let mut local = oidc();
         local.issuer = "http://127.0.0.1:9400".into();

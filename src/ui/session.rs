@@ -36,7 +36,11 @@ use crate::{
 pub const SESSION_COOKIE: &str = "combee_session";
 /// Double-submit token of the sign-in form (there is no session yet to hold one).
 const LOGIN_COOKIE: &str = "combee_login";
-pub const SESSION_HOURS: i64 = 12;
+
+/// How long a session opened now lasts (`auth.session_hours`), for its row and its cookie.
+pub(super) fn session_length(st: &AppState) -> chrono::Duration {
+    chrono::Duration::hours(i64::from(st.settings.auth.session_hours))
+}
 const LOGIN_FORM_SECS: i64 = 600;
 
 pub(super) fn random_token() -> String {
@@ -311,7 +315,7 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
         token_hash: hash_key(&token),
         key_id: key.id,
         csrf_token: random_token(),
-        expires_at: Utc::now() + chrono::Duration::hours(SESSION_HOURS),
+        expires_at: Utc::now() + session_length(&st),
     };
     if let Err(e) = sessions::open(&st, &session).await {
         return UiError::from(e).into_response();
@@ -323,7 +327,7 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
     let audit = Audit::new("ui.sign_in", "ui_session", key.id).by(actor).after(opened).in_project(key.project.clone());
     res.extensions_mut().insert(audit);
     let h = res.headers_mut();
-    h.append(header::SET_COOKIE, cookie(&headers, SESSION_COOKIE, &token, SESSION_HOURS * 3600));
+    h.append(header::SET_COOKIE, cookie(&headers, SESSION_COOKIE, &token, session_length(&st).num_seconds()));
     h.append(header::SET_COOKIE, cookie(&headers, LOGIN_COOKIE, "", 0));
     res
 }

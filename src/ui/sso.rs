@@ -19,7 +19,7 @@ use serde::Deserialize;
 use super::{
     UiError,
     html::{Section, escape, page},
-    session::{SESSION_COOKIE, SESSION_HOURS, cookie, cookie_value, over_https, random_token, tokens_match},
+    session::{SESSION_COOKIE, cookie, cookie_value, over_https, random_token, session_length, tokens_match},
 };
 use crate::{
     auth::hash_key,
@@ -154,7 +154,7 @@ async fn signed_in_or_refused(st: &AppState, headers: &HeaderMap, q: CallbackQue
         grants: grants.clone(),
         current: current.clone(),
         csrf_token: random_token(),
-        expires_at: Utc::now() + chrono::Duration::hours(SESSION_HOURS),
+        expires_at: Utc::now() + session_length(st),
     };
     if let Err(e) = people::open_session(st, &session).await {
         return UiError::from(e).into_response();
@@ -191,7 +191,8 @@ async fn signed_in_or_refused(st: &AppState, headers: &HeaderMap, q: CallbackQue
         1,
     );
     let mut res = (StatusCode::OK, axum::response::Html(html)).into_response();
-    res.headers_mut().append(header::SET_COOKIE, cookie(headers, SESSION_COOKIE, &token, SESSION_HOURS * 3600));
+    res.headers_mut()
+        .append(header::SET_COOKIE, cookie(headers, SESSION_COOKIE, &token, session_length(st).num_seconds()));
     res
 }
 

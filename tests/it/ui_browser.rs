@@ -695,7 +695,25 @@ async fn version_table_fits_a_1280_pixel_window(b: Backend) {
     }
 }
 
+/// `auth.session_hours` sets how long a session lasts: the cookie's `Max-Age` and the
+/// session's end in the audit log say the same.
+async fn a_session_lasts_the_configured_hours(b: Backend) {
+    let app = spawn_app_with(b, |s| s.auth.session_hours = 2).await;
+    let before = chrono::Utc::now();
+    let res = sign_in(&app, &app.admin_key).await;
+    assert_eq!(res.status(), 303);
+    let set = res.headers().get_all("set-cookie").iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
+    assert!(set.iter().any(|c| c.starts_with("combee_session=") && c.contains("; Max-Age=7200")), "{set:?}");
+    let after = chrono::Utc::now();
+    let page: Value = app.get("/v1/audit?action=ui.sign_in").send().await.unwrap().json().await.unwrap();
+    let ends = page["entries"][0]["after"]["expires_at"].as_str().unwrap_or_else(|| panic!("{page}"));
+    let ends: chrono::DateTime<chrono::Utc> = ends.parse().unwrap();
+    let two_hours = chrono::Duration::hours(2);
+    assert!(before + two_hours <= ends && ends <= after + two_hours, "{ends} is not two hours after sign-in");
+}
+
 on_both_stores!(sessions_follow_their_key);
+on_one_store!(a_session_lasts_the_configured_hours_on_sqlite: a_session_lasts_the_configured_hours(Sqlite));
 on_one_store!(
     operator_story_on_postgres: operator_story(Postgres),
     reward_chart_marks_promotions_and_rollbacks_on_sqlite: reward_chart_marks_promotions_and_rollbacks(Sqlite),
