@@ -36,12 +36,12 @@ use crate::{
 pub const SESSION_COOKIE: &str = "combee_session";
 /// Double-submit token of the sign-in form (there is no session yet to hold one).
 const LOGIN_COOKIE: &str = "combee_login";
+const LOGIN_FORM_SECS: i64 = 600;
 
 /// How long a session opened now lasts (`auth.session_hours`), for its row and its cookie.
 pub(super) fn session_length(st: &AppState) -> chrono::Duration {
     chrono::Duration::hours(i64::from(st.settings.auth.session_hours))
 }
-const LOGIN_FORM_SECS: i64 = 600;
 
 pub(super) fn random_token() -> String {
     let mut bytes = [0u8; 32];
