@@ -311,11 +311,12 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
         return login_page(&headers, offer(&st), why, StatusCode::FORBIDDEN);
     }
     let token = random_token();
+    let length = session_length(&st);
     let session = NewUiSession {
         token_hash: hash_key(&token),
         key_id: key.id,
         csrf_token: random_token(),
-        expires_at: Utc::now() + session_length(&st),
+        expires_at: Utc::now() + length,
     };
     if let Err(e) = sessions::open(&st, &session).await {
         return UiError::from(e).into_response();
@@ -327,7 +328,7 @@ pub async fn login(State(st): State<AppState>, headers: HeaderMap, Form(form): F
     let audit = Audit::new("ui.sign_in", "ui_session", key.id).by(actor).after(opened).in_project(key.project.clone());
     res.extensions_mut().insert(audit);
     let h = res.headers_mut();
-    h.append(header::SET_COOKIE, cookie(&headers, SESSION_COOKIE, &token, session_length(&st).num_seconds()));
+    h.append(header::SET_COOKIE, cookie(&headers, SESSION_COOKIE, &token, length.num_seconds()));
     h.append(header::SET_COOKIE, cookie(&headers, LOGIN_COOKIE, "", 0));
     res
 }

@@ -148,13 +148,14 @@ async fn signed_in_or_refused(st: &AppState, headers: &HeaderMap, q: CallbackQue
     }
     let token = random_token();
     let current = (grants.len() == 1).then(|| grants[0].clone());
+    let length = session_length(st);
     let session = NewPersonSession {
         token_hash: hash_key(&token),
         person: person.clone(),
         grants: grants.clone(),
         current: current.clone(),
         csrf_token: random_token(),
-        expires_at: Utc::now() + session_length(st),
+        expires_at: Utc::now() + length,
     };
     if let Err(e) = people::open_session(st, &session).await {
         return UiError::from(e).into_response();
@@ -191,8 +192,7 @@ async fn signed_in_or_refused(st: &AppState, headers: &HeaderMap, q: CallbackQue
         1,
     );
     let mut res = (StatusCode::OK, axum::response::Html(html)).into_response();
-    res.headers_mut()
-        .append(header::SET_COOKIE, cookie(headers, SESSION_COOKIE, &token, session_length(st).num_seconds()));
+    res.headers_mut().append(header::SET_COOKIE, cookie(headers, SESSION_COOKIE, &token, length.num_seconds()));
     res
 }
 

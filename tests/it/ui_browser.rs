@@ -241,11 +241,15 @@ pub(crate) fn plain_client() -> reqwest::Client {
     reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
 }
 
+/// Every `Set-Cookie` header of a response, whole (value and attributes).
+fn set_cookie_lines(res: &reqwest::Response) -> Vec<String> {
+    res.headers().get_all("set-cookie").iter().filter_map(|v| v.to_str().ok()).map(str::to_owned).collect()
+}
+
+/// The value a response sets for cookie `name`.
 pub(crate) fn set_cookie(res: &reqwest::Response, name: &str) -> Option<String> {
-    res.headers()
-        .get_all("set-cookie")
+    set_cookie_lines(res)
         .iter()
-        .filter_map(|v| v.to_str().ok())
         .find_map(|c| c.strip_prefix(&format!("{name}=")).map(|rest| rest.split(';').next().unwrap_or("").to_owned()))
 }
 
@@ -494,7 +498,7 @@ async fn sessions_follow_their_key(b: Backend) {
     let res = sign_in(&app, &reader).await;
     assert_eq!((res.status().as_u16(), res.headers()["location"].to_str().unwrap()), (303, "/ui/prompts"));
     let cookie = set_cookie(&res, "combee_session").unwrap();
-    let set = res.headers().get_all("set-cookie").iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
+    let set = set_cookie_lines(&res);
     assert!(
         set.iter().any(|c| c.starts_with("combee_session=")
             && c.contains("HttpOnly")
@@ -702,7 +706,7 @@ async fn a_session_lasts_the_configured_hours(b: Backend) {
     let before = chrono::Utc::now();
     let res = sign_in(&app, &app.admin_key).await;
     assert_eq!(res.status(), 303);
-    let set = res.headers().get_all("set-cookie").iter().map(|v| v.to_str().unwrap().to_owned()).collect::<Vec<_>>();
+    let set = set_cookie_lines(&res);
     assert!(set.iter().any(|c| c.starts_with("combee_session=") && c.contains("; Max-Age=7200")), "{set:?}");
     let after = chrono::Utc::now();
     let page: Value = app.get("/v1/audit?action=ui.sign_in").send().await.unwrap().json().await.unwrap();
