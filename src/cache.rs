@@ -1,9 +1,12 @@
-//! The in-memory cache of rendered prompts that agents fetch, and of the arms
-//! an `evaluated` prompt is served from. Any change to a prompt drops its
-//! entries at once — in other processes too, via the store's change feed
-//! (`LISTEN/NOTIFY` on Postgres). A generation counter stops a read that
-//! raced with a change from re-inserting the old value. Bounded: at most
-//! `cache.max_prompts` prompts (the least recently used go first) and
+//! The in-memory cache of rendered prompts that agents fetch, of the arms an
+//! `evaluated` prompt is served from, and of which prompts exist (prompts are
+//! never deleted or renamed). Entries are keyed by the prompt's full name —
+//! two projects' `support-agent` are two entries — and a change drops every
+//! project's entries of the changed name at once, in other processes too,
+//! via the store's change feed (`LISTEN/NOTIFY` on Postgres), which names a
+//! prompt by its bare name. A generation counter stops a read that raced
+//! with a change from re-inserting the old value. Bounded: at most
+//! `cache.max_prompts` prompt names (the least recently used go first) and
 //! [`MAX_ANSWERS_PER_PROMPT`] answers per prompt.
 
 use std::{
@@ -20,7 +23,7 @@ use axum::{
     http::{HeaderMap, HeaderValue, header},
 };
 
-use crate::domain::{label::Selector, population::ArmState};
+use crate::domain::{PromptName, label::Selector, population::ArmState};
 
 /// The caches' maps: hashed with foldhash (seeded per map), several times
 /// cheaper than the standard SipHash on the hottest route. Keys are prompt
@@ -145,7 +148,7 @@ impl ServedArms {
     }
 }
 
-/// Everything cached about one prompt.
+/// Everything cached about one prompt; that it exists, by being here.
 #[derive(Default)]
 struct PromptEntry {
     answers: FastMap<Selector, Arc<CachedPrompt>>,
@@ -154,8 +157,21 @@ struct PromptEntry {
     last_used: AtomicU64,
 }
 
+/// The entries of every project's prompt of one name (usually one), dropped
+/// together: a change is announced by the bare name.
+#[derive(Default)]
+struct NameEntry {
+    by_project: Vec<(String, PromptEntry)>,
+}
+
+impl NameEntry {
+    fn get(&self, project: &str) -> Option<&PromptEntry> {
+        self.by_project.iter().find(|(p, _)| p == project).map(|(_, e)| e)
+    }
+}
+
 pub struct PromptCache {
-    prompts: RwLock<FastMap<String, PromptEntry>>,
+    prompts: RwLock<FastMap<String, NameEntry>>,
     generation: AtomicU64,
     max_age_ms: u64,
     max_prompts: usize,
@@ -192,9 +208,9 @@ impl PromptCache {
         self.generation.load(Ordering::Acquire)
     }
 
-    pub fn get(&self, prompt: &str, selector: &Selector) -> Option<Arc<CachedPrompt>> {
+    pub fn get(&self, prompt: &PromptName, selector: &Selector) -> Option<Arc<CachedPrompt>> {
         let prompts = self.prompts.read().unwrap_or_else(|e| e.into_inner());
-        let entry = prompts.get(prompt)?;
+        let entry = prompts.get(prompt.as_str())?.get(prompt.project())?;
         let hit = entry.answers.get(selector)?;
         if !self.fresh(hit.stored_ms) {
             return None;
@@ -204,17 +220,39 @@ impl PromptCache {
     }
 
     /// The entry of `prompt` to write into, making room first when it is new.
-    fn entry<'m>(&self, prompts: &'m mut FastMap<String, PromptEntry>, prompt: &str) -> &'m mut PromptEntry {
-        if !prompts.contains_key(prompt) && prompts.len() >= self.max_prompts {
+    fn entry<'m>(&self, prompts: &'m mut FastMap<String, NameEntry>, prompt: &PromptName) -> &'m mut PromptEntry {
+        if !prompts.contains_key(prompt.as_str()) && prompts.len() >= self.max_prompts {
             evict_least_recent(prompts, self.max_prompts);
         }
-        let entry = prompts.entry(prompt.to_owned()).or_default();
+        let named = &mut prompts.entry(prompt.as_str().to_owned()).or_default().by_project;
+        let at = match named.iter().position(|(p, _)| p == prompt.project()) {
+            Some(at) => at,
+            None => {
+                named.push((prompt.project().to_owned(), PromptEntry::default()));
+                named.len() - 1
+            }
+        };
+        let entry = &mut named[at].1;
         entry.last_used.store(self.now_ms(), Ordering::Relaxed);
         entry
     }
 
+    /// Whether `prompt` is known to exist (it was found since its name last changed).
+    pub fn knows(&self, prompt: &PromptName) -> bool {
+        let prompts = self.prompts.read().unwrap_or_else(|e| e.into_inner());
+        prompts.get(prompt.as_str()).is_some_and(|named| named.get(prompt.project()).is_some())
+    }
+
+    /// Remembers that `prompt` exists, unless something changed since `generation` was read.
+    pub fn found(&self, prompt: &PromptName, generation: u64) {
+        let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
+        if self.generation.load(Ordering::Acquire) == generation {
+            self.entry(&mut prompts, prompt);
+        }
+    }
+
     /// Inserts unless something changed since `generation` was read.
-    pub fn insert(&self, prompt: &str, selector: Selector, generation: u64, value: Arc<CachedPrompt>) {
+    pub fn insert(&self, prompt: &PromptName, selector: Selector, generation: u64, value: Arc<CachedPrompt>) {
         let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
         if self.generation.load(Ordering::Acquire) != generation {
             return;
@@ -227,9 +265,9 @@ impl PromptCache {
     }
 
     /// The served arms of `prompt`, if cached and fresh.
-    pub fn get_arms(&self, prompt: &str) -> Option<Arc<ServedArms>> {
+    pub fn get_arms(&self, prompt: &PromptName) -> Option<Arc<ServedArms>> {
         let prompts = self.prompts.read().unwrap_or_else(|e| e.into_inner());
-        let entry = prompts.get(prompt)?;
+        let entry = prompts.get(prompt.as_str())?.get(prompt.project())?;
         let hit = entry.arms.as_ref()?;
         if !hit.stored_ms.is_some_and(|t| self.fresh(t)) {
             return None;
@@ -239,17 +277,19 @@ impl PromptCache {
     }
 
     /// Inserts unless something changed since `generation` was read.
-    pub fn insert_arms(&self, prompt: &str, generation: u64, value: Arc<ServedArms>) {
+    pub fn insert_arms(&self, prompt: &PromptName, generation: u64, value: Arc<ServedArms>) {
         let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
         if self.generation.load(Ordering::Acquire) == generation {
             self.entry(&mut prompts, prompt).arms = Some(value);
         }
     }
 
-    pub fn invalidate(&self, prompt: &str) {
+    /// Drops what is cached of every project's prompt named `name` (the
+    /// bare name: what the change feed carries).
+    pub fn invalidate(&self, name: &str) {
         let mut prompts = self.prompts.write().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, Ordering::AcqRel);
-        prompts.remove(prompt);
+        prompts.remove(name);
     }
 
     pub fn clear(&self) {
@@ -258,7 +298,7 @@ impl PromptCache {
         prompts.clear();
     }
 
-    /// Prompts cached now.
+    /// Prompt names cached now.
     pub fn len(&self) -> usize {
         self.prompts.read().unwrap_or_else(|e| e.into_inner()).len()
     }
@@ -287,9 +327,9 @@ pub(crate) trait LastUsed {
     fn last_used(&self) -> u64;
 }
 
-impl LastUsed for PromptEntry {
+impl LastUsed for NameEntry {
     fn last_used(&self) -> u64 {
-        self.last_used.load(Ordering::Relaxed)
+        self.by_project.iter().map(|(_, e)| e.last_used.load(Ordering::Relaxed)).max().unwrap_or(0)
     }
 }
 
@@ -297,6 +337,10 @@ impl LastUsed for PromptEntry {
 mod tests {
     use super::*;
     use crate::domain::LabelName;
+
+    fn p(name: &str) -> PromptName {
+        PromptName::new("default", name).unwrap()
+    }
 
     fn entry(v: i64) -> Arc<CachedPrompt> {
         Arc::new(CachedPrompt::new(HeaderValue::from_static("\"x\""), Bytes::from_static(b"{\"a\":1}"), v))
@@ -308,33 +352,47 @@ mod tests {
         let sel = Selector::Label(LabelName::production());
         let g = cache.generation();
         cache.invalidate("p"); // a write lands while the reader was loading
-        cache.insert("p", sel.clone(), g, entry(1));
-        assert!(cache.get("p", &sel).is_none());
+        cache.insert(&p("p"), sel.clone(), g, entry(1));
+        assert!(cache.get(&p("p"), &sel).is_none());
         let g = cache.generation();
-        cache.insert("p", sel.clone(), g, entry(2));
-        assert_eq!(cache.get("p", &sel).unwrap().version, 2);
+        cache.insert(&p("p"), sel.clone(), g, entry(2));
+        assert_eq!(cache.get(&p("p"), &sel).unwrap().version, 2);
         cache.invalidate("other");
-        assert!(cache.get("p", &sel).is_some(), "another prompt's change leaves p cached");
+        assert!(cache.get(&p("p"), &sel).is_some(), "another prompt's change leaves p cached");
+    }
+
+    #[test]
+    fn two_projects_prompts_of_one_name_are_two_entries_dropped_together() {
+        let cache = PromptCache::new(Duration::from_secs(60), 100);
+        let sel = Selector::Label(LabelName::production());
+        let (a, b) = (PromptName::new("team-a", "p").unwrap(), PromptName::new("team-b", "p").unwrap());
+        cache.insert(&a, sel.clone(), cache.generation(), entry(1));
+        assert!(cache.get(&b, &sel).is_none() && !cache.knows(&b), "team-b's p is not team-a's");
+        cache.insert(&b, sel.clone(), cache.generation(), entry(7));
+        assert_eq!((cache.get(&a, &sel).unwrap().version, cache.get(&b, &sel).unwrap().version), (1, 7));
+        assert!(cache.knows(&a) && !cache.knows(&p("p")));
+        cache.invalidate("p");
+        assert!(cache.get(&a, &sel).is_none() && cache.get(&b, &sel).is_none() && !cache.knows(&a));
     }
 
     #[test]
     fn the_cache_stays_within_its_bounds_and_keeps_what_is_used() {
         let cache = PromptCache::new(Duration::from_secs(60), 100);
         let sel = Selector::Label(LabelName::production());
-        cache.insert("hot", sel.clone(), cache.generation(), entry(1));
+        cache.insert(&p("hot"), sel.clone(), cache.generation(), entry(1));
         for i in 0..1_000 {
-            cache.insert(&format!("p{i}"), sel.clone(), cache.generation(), entry(1));
+            cache.insert(&p(&format!("p{i}")), sel.clone(), cache.generation(), entry(1));
             // The hot prompt is read all along (its use is recorded once a second at most).
-            if let Some(e) = cache.prompts.read().unwrap().get("hot") {
+            if let Some(e) = cache.prompts.read().unwrap().get("hot").and_then(|n| n.get("default")) {
                 e.last_used.store(cache.now_ms() + 10_000, Ordering::Relaxed);
             }
             assert!(cache.len() <= 100);
         }
-        assert!(cache.get("hot", &sel).is_some(), "the most recently used prompt stays");
+        assert!(cache.get(&p("hot"), &sel).is_some(), "the most recently used prompt stays");
         for v in 1..=200 {
-            cache.insert("hot", Selector::Version(v), cache.generation(), entry(v));
+            cache.insert(&p("hot"), Selector::Version(v), cache.generation(), entry(v));
         }
-        assert!(cache.prompts.read().unwrap()["hot"].answers.len() <= MAX_ANSWERS_PER_PROMPT);
+        assert!(cache.prompts.read().unwrap()["hot"].get("default").unwrap().answers.len() <= MAX_ANSWERS_PER_PROMPT);
     }
 
     #[test]

@@ -100,13 +100,19 @@ pub struct OutboxEvent {
     pub body: String,
     pub created_at: DateTime<Utc>,
     /// The prompt it concerns (every event names one): whose project's subscriptions hear of it.
-    pub prompt: Option<String>,
+    pub prompt: Option<PromptName>,
 }
 
 impl OutboxEvent {
-    fn new(kind: EventType, data: Value) -> Self {
+    /// `data` names the prompt by its bare name; `project` is added beside
+    /// it, so a server-wide subscriber tells two projects' `support-agent` apart.
+    fn new(kind: EventType, prompt: &PromptName, mut data: Value) -> Self {
         let created_at = Utc::now();
-        let prompt = data.get("prompt").and_then(Value::as_str).map(str::to_owned);
+        if let Value::Object(o) = &mut data {
+            o.insert("prompt".into(), prompt.as_str().into());
+            o.insert("project".into(), prompt.project().into());
+        }
+        let prompt = Some(prompt.clone());
         let body = json!({
             "type": kind.as_str(),
             "timestamp": created_at.to_rfc3339_opts(SecondsFormat::Millis, true),
@@ -118,8 +124,8 @@ impl OutboxEvent {
     pub fn version_created(v: &Version, labels: &[&str]) -> Self {
         Self::new(
             EventType::VersionCreated,
+            &v.prompt,
             json!({
-                "prompt": v.prompt.as_str(),
                 "version": v.number,
                 "parent": v.parent,
                 "source": v.source.as_str(),
@@ -135,8 +141,9 @@ impl OutboxEvent {
     pub fn label_moved(prompt: &PromptName, label: &LabelName, to: i64, from: Option<i64>, by: &str) -> Self {
         Self::new(
             EventType::LabelMoved,
+            prompt,
             json!({
-                "prompt": prompt.as_str(), "label": label.as_str(), "version": to,
+                "label": label.as_str(), "version": to,
                 "previous_version": from, "moved_by": by,
             }),
         )
@@ -153,8 +160,9 @@ impl OutboxEvent {
     ) -> Self {
         Self::new(
             EventType::PromptRolledBack,
+            prompt,
             json!({
-                "prompt": prompt.as_str(), "label": label.as_str(), "version": to, "previous_version": from,
+                "label": label.as_str(), "version": to, "previous_version": from,
                 "kind": cause.kind.as_str(), "moved_by": by, "reason": cause.reason, "evidence": cause.evidence,
             }),
         )
@@ -166,16 +174,18 @@ impl OutboxEvent {
     pub fn round_completed(prompt: &PromptName, round: Uuid, published: Option<(i64, &LabelName)>) -> Self {
         Self::new(
             EventType::RoundCompleted,
-            json!({"prompt": prompt.as_str(), "round_id": round, "version": published.map(|(v, _)| v),
+            prompt,
+            json!({"round_id": round, "version": published.map(|(v, _)| v),
                    "label": published.map(|(_, l)| l.as_str()), "unchanged": published.is_none()}),
         )
     }
 
     /// `prompt`'s learning waits for a daily cap (`scope`) until `until`; `day` is the UTC day it counts.
-    pub fn budget_reached(prompt: &str, scope: &str, day: &str, until: DateTime<Utc>) -> Self {
+    pub fn budget_reached(prompt: &PromptName, scope: &str, day: &str, until: DateTime<Utc>) -> Self {
         Self::new(
             EventType::BudgetReached,
-            json!({"prompt": prompt, "scope": scope, "day": day,
+            prompt,
+            json!({"scope": scope, "day": day,
                    "until": until.to_rfc3339_opts(SecondsFormat::Secs, true)}),
         )
     }
@@ -185,11 +195,12 @@ impl OutboxEvent {
     pub fn evaluation_requested(prompt: &PromptName, version: &Version, text: &str, gate: &Gate) -> Self {
         Self::new(
             EventType::VersionEvaluationRequested,
+            prompt,
             json!({
-                "prompt": prompt.as_str(), "version": version.number, "parent": version.parent,
+                "version": version.number, "parent": version.parent,
                 "text": text, "production_version": gate.production_version,
                 "deadline": gate.deadline.map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true)),
-                "result_path": format!("/v1/prompts/{}/versions/{}/evaluation", prompt.as_str(), version.number),
+                "result_path": format!("/v1/prompts/{}/versions/{}/evaluation", prompt.in_path(), version.number),
             }),
         )
     }
@@ -201,8 +212,9 @@ impl OutboxEvent {
         let failing: Vec<&CaseComparison> = gate.cases.iter().filter(|c| c.regressed || !c.candidate.passed).collect();
         Self::new(
             kind,
+            prompt,
             json!({
-                "prompt": prompt.as_str(), "version": gate.version, "status": gate.status.as_str(),
+                "version": gate.version, "status": gate.status.as_str(),
                 "mode": gate.mode.as_str(), "reason": gate.reason, "production_version": gate.production_version,
                 "candidate_mean": gate.candidate_mean, "production_mean": gate.production_mean,
                 "failing_cases": failing, "harness": gate.harness,
@@ -210,11 +222,8 @@ impl OutboxEvent {
         )
     }
 
-    pub fn round_failed(prompt: &str, round: Uuid, attempt: i32, error: &str) -> Self {
-        Self::new(
-            EventType::RoundFailed,
-            json!({"prompt": prompt, "round_id": round, "attempt": attempt, "error": error}),
-        )
+    pub fn round_failed(prompt: &PromptName, round: Uuid, attempt: i32, error: &str) -> Self {
+        Self::new(EventType::RoundFailed, prompt, json!({"round_id": round, "attempt": attempt, "error": error}))
     }
 }
 
@@ -236,9 +245,11 @@ mod tests {
 
     #[test]
     fn bodies_carry_type_timestamp_and_data() {
-        let e = OutboxEvent::round_failed("support", Uuid::nil(), 3, "the LLM kept timing out");
+        let prompt = PromptName::new("team-a", "support").unwrap();
+        let e = OutboxEvent::round_failed(&prompt, Uuid::nil(), 3, "the LLM kept timing out");
         let body: Value = serde_json::from_str(&e.body).unwrap();
         assert_eq!(body["type"], "round.failed");
+        assert_eq!((&body["data"]["prompt"], &body["data"]["project"]), (&json!("support"), &json!("team-a")));
         assert!(DateTime::parse_from_rfc3339(body["timestamp"].as_str().unwrap()).is_ok());
         assert_eq!(body["data"]["error"], "the LLM kept timing out");
         assert!(e.id.starts_with("msg_"));

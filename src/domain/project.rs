@@ -10,9 +10,6 @@ use utoipa::ToSchema;
 
 use super::{NameError, PromptSettings, access::Reach, budget::BudgetCaps};
 
-/// The project every prompt made before projects existed belongs to.
-pub const DEFAULT_PROJECT: &str = "default";
-
 /// What a trace naming a prompt that is absent — or in another project — is
 /// told: the same words either way.
 pub fn unknown_prompt(name: &str) -> String {

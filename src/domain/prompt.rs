@@ -431,8 +431,8 @@ impl NewVersion {
 /// A prompt to create; its version 1 is given beside it.
 #[derive(Debug, Clone)]
 pub struct NewPrompt {
+    /// With the project it is created in.
     pub name: PromptName,
-    pub project: String,
     pub strategy: Strategy,
     pub promotion: Promotion,
     pub settings: PromptSettings,

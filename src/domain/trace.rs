@@ -88,7 +88,8 @@ impl Feedback {
 #[derive(Debug, Clone, PartialEq, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewTrace {
-    /// The prompt the agent ran with.
+    /// The prompt the agent ran with: its name, or `project/name` (a
+    /// server-wide key names a prompt of another project than `default` so).
     pub prompt: String,
     /// The version of that prompt the agent ran with, when it knows it.
     #[serde(default)]
@@ -239,8 +240,11 @@ pub struct ValidTrace {
 }
 
 impl NewTrace {
-    pub fn validate(self, limits: TraceLimits) -> Result<ValidTrace, TraceError> {
-        let prompt = PromptName::parse(&self.prompt)?;
+    /// The trace checked, its prompt read as written: `project/name`, or a
+    /// bare name of `home` (the caller's project; `default` for a
+    /// server-wide caller).
+    pub fn validate(self, limits: TraceLimits, home: &str) -> Result<ValidTrace, TraceError> {
+        let prompt = PromptName::written(&self.prompt, home)?;
         if self.input.is_null() {
             return Err(TraceError::NullInput);
         }
@@ -488,31 +492,43 @@ mod tests {
 
     #[test]
     fn a_minimal_trace_is_valid() {
-        let t = parse(json!({"prompt": "p", "input": "hi"})).validate(LIMITS).unwrap();
-        assert_eq!(t.prompt.as_str(), "p");
+        let t = parse(json!({"prompt": "p", "input": "hi"})).validate(LIMITS, "default").unwrap();
+        assert_eq!((t.prompt.project(), t.prompt.as_str()), ("default", "p"));
+        let t = parse(json!({"prompt": "p", "input": "hi"})).validate(LIMITS, "team-a").unwrap();
+        assert_eq!(t.prompt.project(), "team-a");
+        let t = parse(json!({"prompt": "team-b/p", "input": "hi"})).validate(LIMITS, "team-a").unwrap();
+        assert_eq!((t.prompt.project(), t.prompt.as_str()), ("team-b", "p"));
         assert_eq!(t.metadata, json!({}));
     }
 
     #[test]
     fn field_and_trace_limits_name_the_offender() {
-        let e = parse(json!({"prompt": "p", "input": {"q": ["ok", "x".repeat(17)]}})).validate(LIMITS).unwrap_err();
+        let e = parse(json!({"prompt": "p", "input": {"q": ["ok", "x".repeat(17)]}}))
+            .validate(LIMITS, "default")
+            .unwrap_err();
         assert_eq!(e, TraceError::FieldTooLarge { path: "input.q[1]".into(), len: 17, limit: 16 });
         assert!(e.is_size());
         let many: Vec<_> = (0..60).map(|i| format!("s{i}")).collect();
-        let e = parse(json!({"prompt": "p", "input": many})).validate(LIMITS).unwrap_err();
+        let e = parse(json!({"prompt": "p", "input": many})).validate(LIMITS, "default").unwrap_err();
         assert!(matches!(e, TraceError::TraceTooLarge { .. }));
     }
 
     #[test]
     fn semantic_errors_are_reported() {
-        assert_eq!(parse(json!({"prompt": "p", "input": null})).validate(LIMITS), Err(TraceError::NullInput));
-        assert!(matches!(parse(json!({"prompt": "P!", "input": 1})).validate(LIMITS), Err(TraceError::BadName(_))));
         assert_eq!(
-            parse(json!({"prompt": "p", "input": 1, "prompt_version": 0})).validate(LIMITS),
+            parse(json!({"prompt": "p", "input": null})).validate(LIMITS, "default"),
+            Err(TraceError::NullInput)
+        );
+        assert!(matches!(
+            parse(json!({"prompt": "P!", "input": 1})).validate(LIMITS, "default"),
+            Err(TraceError::BadName(_))
+        ));
+        assert_eq!(
+            parse(json!({"prompt": "p", "input": 1, "prompt_version": 0})).validate(LIMITS, "default"),
             Err(TraceError::BadVersion)
         );
         assert_eq!(
-            parse(json!({"prompt": "p", "input": 1, "metadata": [1]})).validate(LIMITS),
+            parse(json!({"prompt": "p", "input": 1, "metadata": [1]})).validate(LIMITS, "default"),
             Err(TraceError::BadMetadata)
         );
         assert!(serde_json::from_value::<NewTrace>(json!({"prompt": "p", "input": 1, "extra": 1})).is_err());
@@ -520,7 +536,7 @@ mod tests {
 
     #[test]
     fn no_string_may_hold_nul() {
-        let nul = |v: Value| parse(v).validate(LIMITS).unwrap_err();
+        let nul = |v: Value| parse(v).validate(LIMITS, "default").unwrap_err();
         assert_eq!(
             nul(json!({"prompt": "p", "input": {"q": ["ok", "a\0"]}})),
             TraceError::Nul { path: "input.q[1]".into() }

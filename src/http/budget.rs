@@ -9,8 +9,9 @@ use utoipa::IntoParams;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Authorized, scope},
+    extract::{ApiQuery, Authorized, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::service::{
     budget::{self, MAX_SPEND_DAYS, SpendReport},
     prompts::existing_prompt,
@@ -40,7 +41,7 @@ pub struct SpendQuery {
 pub async fn get_spend(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<SpendQuery>,
 ) -> ApiResult<Json<SpendReport>> {
     let days = q.days.unwrap_or(7);

@@ -6,12 +6,10 @@ use axum::{Json, extract::State};
 use super::{
     AppState,
     error::ApiResult,
-    extract::{ApiPath, Authorized, scope},
+    extract::{Authorized, scope},
 };
-use crate::service::{
-    controller::{ControllerView, controller_view},
-    prompts::parse_name,
-};
+use crate::service::controller::{ControllerView, controller_view};
+use crate::service::projects::PathPrompt;
 
 #[utoipa::path(get, path = "/v1/prompts/{name}/controller", tag = "rounds", params(("name" = String, Path)),
     responses((status = 200, body = ControllerView), (status = 404, body = super::error::Problem)),
@@ -19,7 +17,7 @@ use crate::service::{
 pub async fn get_controller(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<Json<ControllerView>> {
-    Ok(Json(controller_view(&st, &parse_name(&name)?).await?))
+    Ok(Json(controller_view(&st, &name).await?))
 }

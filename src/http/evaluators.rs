@@ -6,8 +6,9 @@ use axum::{Json, extract::State};
 use super::{
     AppState,
     error::ApiResult,
-    extract::{ApiJson, ApiPath, Authorized, scope},
+    extract::{ApiJson, Authorized, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::service::{
     audit::Audit,
     evaluators::{self, Calibration, EvaluatorList},
@@ -20,7 +21,7 @@ use crate::service::{
 pub async fn get_evaluators(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<Json<EvaluatorList>> {
     Ok(Json(evaluators::get(&st, &name).await?))
 }
@@ -36,7 +37,7 @@ pub async fn get_evaluators(
 pub async fn put_evaluators(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsWrite>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiJson(list): ApiJson<EvaluatorList>,
 ) -> ApiResult<(Audit, Json<EvaluatorList>)> {
     let before = evaluators::get(&st, &name).await?;
@@ -53,7 +54,7 @@ pub async fn put_evaluators(
 pub async fn get_calibration(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<Json<Calibration>> {
     Ok(Json(evaluators::calibration(&st, &name).await?))
 }

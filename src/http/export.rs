@@ -12,9 +12,10 @@ use axum::{
 use super::{
     AppState,
     error::ApiResult,
-    extract::{ApiPath, ApiQuery, Authorized, scope},
+    extract::{ApiQuery, Authorized, scope},
 };
 use crate::service::export::{self, ExportRequest};
+use crate::service::projects::PathPrompt;
 
 /// A prompt's traces as JSON Lines, for fine-tuning and RL.
 ///
@@ -39,7 +40,7 @@ use crate::service::export::{self, ExportRequest};
 pub async fn export_traces(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(req): ApiQuery<ExportRequest>,
 ) -> ApiResult<Response> {
     let mut exporter = export::start(&st, &name, req).await?;

@@ -9,8 +9,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Authorized, scope},
+    extract::{ApiQuery, Authorized, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::{
     domain::{LabelHistoryEntry, LabelName},
     service::{
@@ -45,7 +46,7 @@ pub struct LabelHistoryPage {
 pub async fn label_history(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(filter): ApiQuery<HistoryFilter>,
     ApiQuery(page): ApiQuery<PageParams>,
 ) -> ApiResult<Json<LabelHistoryPage>> {

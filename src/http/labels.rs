@@ -18,6 +18,7 @@ use super::{
     prompts::{etag, etag_matches, fresh_view},
     versions::VersionView,
 };
+use crate::service::projects::PathPrompt;
 use crate::{
     domain::{
         LabelMoveKind, LabelName, MoveCause, PromptName,
@@ -40,7 +41,7 @@ pub struct LabelList {
 pub async fn list_labels(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<Json<LabelList>> {
     let prompt = existing_prompt(&st, &name).await?;
     Ok(Json(LabelList { labels: labels::list_labels(&st, &prompt.name).await? }))
@@ -105,7 +106,8 @@ async fn moved(st: &AppState, name: &PromptName, label: Label) -> ApiResult<Resp
 pub async fn move_label(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsPromote>,
-    ApiPath((name, label)): ApiPath<(String, String)>,
+    PathPrompt(name): PathPrompt,
+    ApiPath((_name, label)): ApiPath<(String, String)>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<MoveLabel>,
 ) -> ApiResult<Response> {
@@ -140,7 +142,8 @@ async fn label_now(st: &AppState, prompt: &PromptName, label: &LabelName) -> Api
 pub async fn delete_label(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsPromote>,
-    ApiPath((name, label)): ApiPath<(String, String)>,
+    PathPrompt(name): PathPrompt,
+    ApiPath((_name, label)): ApiPath<(String, String)>,
 ) -> ApiResult<(StatusCode, Audit)> {
     let prompt = existing_prompt(&st, &name).await?;
     let label = LabelName::parse(&label).map_err(|e| ApiError::unprocessable(e.to_string()))?;
@@ -167,7 +170,7 @@ pub struct Rollback {
 pub async fn rollback(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsPromote>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     headers: HeaderMap,
     ApiJson(req): ApiJson<Rollback>,
 ) -> ApiResult<Response> {

@@ -21,14 +21,16 @@ use utoipa::IntoParams;
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Caller, RequiredScope, scope},
+    extract::{ApiQuery, Caller, RequiredScope, scope},
     otlp::handle_export,
 };
 use crate::{
+    domain::names::DEFAULT_PROJECT,
     otlp::Signal,
     service::{
         keys,
         langfuse::{self, LangfusePrompt},
+        projects::PathPrompt,
     },
 };
 
@@ -106,11 +108,13 @@ pub struct LangfusePromptQuery {
     security(("basic" = ["prompts:read"]), ("bearer" = ["prompts:read"])))]
 pub async fn get_prompt(
     State(st): State<AppState>,
-    _caller: LangfuseCaller<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    caller: LangfuseCaller<scope::PromptsRead>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<LangfusePromptQuery>,
 ) -> ApiResult<Json<LangfusePrompt>> {
-    Ok(Json(langfuse::prompt(&st, &name, q.label.as_deref(), q.version).await?))
+    // Named as this caller writes it: the SDK links its traces to the prompt by the answer's name.
+    let written = name.written_from(caller.0.reach().project().unwrap_or(DEFAULT_PROJECT));
+    Ok(Json(langfuse::prompt(&st, &name, written, q.label.as_deref(), q.version).await?))
 }
 
 /// OTLP span export from a Langfuse SDK (an alias of `POST /v1/otlp/v1/traces`).

@@ -11,7 +11,10 @@ use axum::{
 use serde_json::json;
 
 use super::{AppState, error::ApiError};
-use crate::service;
+use crate::{
+    domain::names::{DEFAULT_PROJECT, PromptName},
+    service,
+};
 
 #[utoipa::path(get, path = "/healthz", tag = "ops", responses((status = 200, description = "the process is alive")))]
 pub async fn healthz() -> Json<serde_json::Value> {
@@ -40,9 +43,9 @@ pub async fn metrics(State(st): State<AppState>) -> Response {
 }
 
 /// A per-prompt series' labels: the prompt and its project.
-fn series(prompt: &str, projects: &std::collections::HashMap<String, String>) -> String {
-    let project = projects.get(prompt).map_or("", String::as_str);
-    format!("{{prompt=\"{}\",project=\"{}\"}}", super::outcomes::escape(prompt), super::outcomes::escape(project))
+fn series(prompt: &PromptName) -> String {
+    let (name, project) = (super::outcomes::escape(prompt.as_str()), super::outcomes::escape(prompt.project()));
+    format!("{{prompt=\"{name}\",project=\"{project}\"}}")
 }
 
 /// At most this many prompts in a failure streak get series, so a scrape stays cheap.
@@ -67,12 +70,10 @@ async fn backoff_gauges(st: &AppState) -> String {
             return String::new();
         }
     };
-    let names: Vec<String> = prompts.iter().map(|(n, _)| n.to_string()).collect();
-    let projects = service::projects::projects_of(st, &names).await.unwrap_or_default();
     let now = chrono::Utc::now();
     let (mut seconds, mut streak, mut backing_off) = (String::new(), String::new(), 0);
     for (name, state) in &prompts {
-        let series = series(name.as_str(), &projects);
+        let series = series(name);
         let left = state.backoff_until.map_or(0.0, |t| (t - now).num_milliseconds().max(0) as f64 / 1000.0);
         backing_off += usize::from(state.state == crate::domain::backoff::LearningStatus::BackingOff);
         let _ = writeln!(seconds, "combee_prompt_backoff_seconds{series} {left}");
@@ -107,17 +108,17 @@ async fn budget_gauges(st: &AppState) -> String {
             return String::new();
         }
     };
-    let names: Vec<String> = held.iter().map(|(n, _)| n.clone()).filter(|n| !n.is_empty()).collect();
-    let projects = service::projects::projects_of(st, &names).await.unwrap_or_default();
     let now = st.clock.now();
     let (mut seconds, mut server) = (String::new(), 0);
-    for (name, reached) in &held {
-        if name.is_empty() {
+    for (key, reached) in &held {
+        if key.is_empty() {
             server = 1;
             continue;
         }
+        // The budget names a prompt by its key: `name` in `default`, `project/name` elsewhere.
+        let Ok(name) = PromptName::written(key, DEFAULT_PROJECT) else { continue };
         let left = (reached.until - now).num_milliseconds().max(0) as f64 / 1000.0;
-        let _ = writeln!(seconds, "combee_prompt_budget_reached_seconds{} {left}", series(name, &projects));
+        let _ = writeln!(seconds, "combee_prompt_budget_reached_seconds{} {left}", series(&name));
     }
     format!(
         "# HELP combee_budget_reached Whether the server's daily spending cap holds all learning back (1) or not (0).\n\

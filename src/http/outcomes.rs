@@ -11,8 +11,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiPath, ApiQuery, Authorized, scope},
+    extract::{ApiQuery, Authorized, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::{
     evaluate::outcomes::{VersionOutcomes, rollup_window},
     service::{ServiceResult, outcomes, prompts::existing_prompt},
@@ -130,7 +131,7 @@ fn window(q: &MetricsQuery, now: DateTime<Utc>) -> ApiResult<(DateTime<Utc>, Dat
 pub async fn prompt_metrics(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<MetricsQuery>,
 ) -> ApiResult<Json<PromptMetrics>> {
     let prompt = existing_prompt(&st, &name).await?;
@@ -162,7 +163,7 @@ const GAUGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Prometheus text for per-version outcome gauges of *labelled* versions only
 /// (so the series count is bounded by the labels, not by history), over the
 /// last 24 hours: `combee_version_success_rate`, `combee_version_mean_score`
-/// and `combee_version_rewarded_traces`, labelled `prompt`, `version`, `labels`.
+/// and `combee_version_rewarded_traces`, labelled `prompt`, `project`, `version`, `labels`.
 /// Rendered at scrape time from the store, so a moved label shows at once and
 /// a version that lost its labels disappears.
 pub async fn outcome_gauges(st: &AppState) -> String {
@@ -186,8 +187,9 @@ async fn render_gauges(st: &AppState) -> ServiceResult<String> {
         for v in versions {
             let Some(version) = v.version else { continue };
             let series = format!(
-                "{{prompt=\"{}\",version=\"{version}\",labels=\"{}\"}}",
+                "{{prompt=\"{}\",project=\"{}\",version=\"{version}\",labels=\"{}\"}}",
                 escape(name.as_str()),
+                escape(name.project()),
                 escape(&v.labels.join(","))
             );
             let _ = writeln!(rewarded, "combee_version_rewarded_traces{series} {}", v.with_feedback);

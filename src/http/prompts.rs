@@ -19,7 +19,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::{
     AppState,
     error::{ApiError, ApiResult},
-    extract::{ApiJson, ApiPath, ApiQuery, Authorized, scope},
+    extract::{ApiJson, ApiQuery, Authorized, scope},
 };
 use crate::{
     cache::CachedPrompt,
@@ -33,15 +33,15 @@ use crate::{
     service::{
         pagination::{PageParams, next_token},
         population::{self, PopulationArmView},
-        projects,
-        prompts::{self, check_content, check_message, existing_prompt, parse_name, served_arms},
+        projects::{self, PathPrompt},
+        prompts::{self, check_content, check_message, existing_prompt, served_arms},
     },
 };
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreatePrompt {
-    /// `[a-z0-9][a-z0-9._-]{0,63}`
+    /// `[a-z0-9][a-z0-9._-]{0,63}`, unique within its project.
     pub name: String,
     /// The base text, written by people.
     pub base: String,
@@ -85,9 +85,9 @@ pub async fn create_prompt(
     caller: Authorized<scope::PromptsWrite>,
     ApiJson(req): ApiJson<CreatePrompt>,
 ) -> ApiResult<Response> {
-    let name = PromptName::parse(&req.name).map_err(|e| ApiError::unprocessable(e.to_string()))?;
-    let strategy = req.strategy.unwrap_or_default();
     let project = projects::for_new_prompt(&st, &caller.reach(), req.project.as_deref()).await?;
+    let name = PromptName::new(&project.name, &req.name).map_err(|e| ApiError::unprocessable(e.to_string()))?;
+    let strategy = req.strategy.unwrap_or_default();
     let settings = project.settings.prompt_settings(req.settings.as_ref()).map_err(ApiError::unprocessable)?;
     let content = check_content(&st, strategy, &req.base, req.playbook)?;
     let first = NewVersion {
@@ -100,14 +100,13 @@ pub async fn create_prompt(
     };
     let new = NewPrompt {
         name: name.clone(),
-        project: project.name.clone(),
         strategy,
         promotion: req.promotion.unwrap_or_default(),
         settings,
         created_by: caller.actor(),
     };
     let (prompt, version) = prompts::create_prompt(&st, new, first).await?;
-    let location = HeaderValue::from_str(&format!("/v1/prompts/{name}")).ok();
+    let location = HeaderValue::from_str(&format!("/v1/prompts/{}", name.in_path())).ok();
     let created = PromptCreated { prompt, version, labels: vec![LabelName::production()] };
     let audit = Audit::new("prompt.create", "prompt", &name).in_project(Some(project.name));
     let mut res = (StatusCode::CREATED, audit, Json(created)).into_response();
@@ -144,12 +143,19 @@ pub async fn list_prompts(
     let page = PageParams { page_size: q.page_size, page_token: q.page_token };
     let filter = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
     let size = page.size(st.settings.limits.max_page_size);
-    let after = page.cursor()?;
-    if after.as_deref().is_some_and(|a| !crate::domain::names::is_valid_name(a)) {
-        return Err(ApiError::bad_request("`page_token` is not a token this API issued".into()));
-    }
-    let prompts = prompts::list_prompts(&st, &filter, after.as_deref(), size).await?;
-    let next_page_token = next_token(&prompts, size, |p| p.prompt.name.to_string());
+    // The token is the last prompt written `project/name`: names repeat across projects.
+    let after = match page.cursor()? {
+        Some(a) => Some(
+            PromptName::written(&a, crate::domain::names::DEFAULT_PROJECT)
+                .ok()
+                .filter(|_| a.contains('/'))
+                .ok_or_else(|| ApiError::bad_request("`page_token` is not a token this API issued".into()))?,
+        ),
+        None => None,
+    };
+    let prompts = prompts::list_prompts(&st, &filter, after.as_ref(), size).await?;
+    let next_page_token =
+        next_token(&prompts, size, |p| format!("{}/{}", p.prompt.name.project(), p.prompt.name.as_str()));
     Ok(Json(PromptPage { prompts, next_page_token }))
 }
 
@@ -234,16 +240,13 @@ pub(super) async fn fresh_view(st: &AppState, name: &PromptName, selector: &Sele
     Ok(Arc::new(CachedPrompt::new(etag, Bytes::from(body), v.number)))
 }
 
-async fn cached_view(st: &AppState, name: &str, selector: Selector) -> ApiResult<Arc<CachedPrompt>> {
-    if crate::domain::names::is_valid_name(name)
-        && let Some(hit) = st.cache.get(name, &selector)
-    {
+async fn cached_view(st: &AppState, name: &PromptName, selector: Selector) -> ApiResult<Arc<CachedPrompt>> {
+    if let Some(hit) = st.cache.get(name, &selector) {
         return Ok(hit);
     }
     let generation = st.cache.generation();
-    let name = parse_name(name)?;
-    let view = fresh_view(st, &name, &selector).await?;
-    st.cache.insert(name.as_str(), selector, generation, view.clone());
+    let view = fresh_view(st, name, &selector).await?;
+    st.cache.insert(name, selector, generation, view.clone());
     Ok(view)
 }
 
@@ -261,13 +264,13 @@ pub(super) fn etag_matches(header_value: Option<&HeaderValue>, etag: &HeaderValu
 pub async fn get_prompt(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<SelectorQuery>,
     headers: GetHeaders,
 ) -> ApiResult<Response> {
     if let (Some(l), Some(v)) = (&q.label, q.version) {
         let sel = SelectorQuery { label: Some(l.clone()), version: None, subject: None }.selector()?;
-        let at = prompts::resolve(&st, &parse_name(&name)?, &sel).await?.map(|r| r.version.number);
+        let at = prompts::resolve(&st, &name, &sel).await?.map(|r| r.version.number);
         if at != Some(v) {
             return Err(ApiError::missing(format!("label {l:?} does not point at version {v}")));
         }
@@ -331,9 +334,9 @@ fn subject_of<'a>(q: &'a SelectorQuery, header: Option<&'a HeaderValue>) -> ApiR
 /// The arm (version, state) this request is served: sticky by subject over
 /// the current weights, or drawn per request without one. `None` when the
 /// prompt has no population (it is served `production` as usual).
-async fn served_arm(st: &AppState, name: &str, subject: Option<&str>) -> ApiResult<Option<(i64, ArmState)>> {
+async fn served_arm(st: &AppState, name: &PromptName, subject: Option<&str>) -> ApiResult<Option<(i64, ArmState)>> {
     let served = served_arms(st, name).await?;
-    let picked = assign(subject, name, &served.arms, &mut rand::thread_rng());
+    let picked = assign(subject, &name.qualified(), &served.arms, &mut rand::thread_rng());
     Ok(picked.map(|i| {
         let version = served.arms[i].0;
         let state = if Some(version) == served.champion { ArmState::Champion } else { ArmState::Challenger };
@@ -361,7 +364,7 @@ pub struct PopulationView {
 pub async fn get_population(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(page): ApiQuery<PageParams>,
 ) -> ApiResult<Json<PopulationView>> {
     let prompt = existing_prompt(&st, &name).await?;

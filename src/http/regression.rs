@@ -19,6 +19,7 @@ use super::{
     error::{ApiError, ApiResult},
     extract::{ApiJson, ApiPath, ApiQuery, Authorized, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::{
     domain::regression::{Gate, RegressionCase},
     service::{
@@ -42,7 +43,7 @@ pub struct CaseList {
 pub async fn add_case(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsWrite>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiJson(req): ApiJson<CaseRequest>,
 ) -> ApiResult<Response> {
     let case = regression::add_case(&st, &name, req, &caller.actor()).await?;
@@ -59,7 +60,7 @@ pub async fn add_case(
 pub async fn list_cases(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<Json<CaseList>> {
     Ok(Json(CaseList { cases: regression::list_cases(&st, &name).await? }))
 }
@@ -71,7 +72,8 @@ pub async fn list_cases(
 pub async fn delete_case(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsWrite>,
-    ApiPath((name, id)): ApiPath<(String, String)>,
+    PathPrompt(name): PathPrompt,
+    ApiPath((_name, id)): ApiPath<(String, String)>,
 ) -> ApiResult<Response> {
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::missing("no such case: ids are UUIDs".into()))?;
     // The audit entry's before-value is the one case deleted.
@@ -106,7 +108,7 @@ pub struct ImportQuery {
 pub async fn import_cases(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsWrite>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<ImportQuery>,
     body: Bytes,
 ) -> ApiResult<Response> {
@@ -142,7 +144,7 @@ pub async fn pin_trace(
 pub async fn get_gate_settings(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<Json<GateSettingsView>> {
     Ok(Json(gate::gate_settings(&st, &name).await?))
 }
@@ -157,7 +159,7 @@ pub async fn get_gate_settings(
 pub async fn put_gate_settings(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsPromote>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiJson(req): ApiJson<GateSettingsView>,
 ) -> ApiResult<(Audit, Json<GateSettingsView>)> {
     let before = gate::gate_settings(&st, &name).await?;
@@ -174,7 +176,8 @@ pub async fn put_gate_settings(
 pub async fn get_version_gate(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath((name, number)): ApiPath<(String, i64)>,
+    PathPrompt(name): PathPrompt,
+    ApiPath((_name, number)): ApiPath<(String, i64)>,
 ) -> ApiResult<Json<Gate>> {
     let prompt = existing_prompt(&st, &name).await?;
     match gate::version_gate(&st, &prompt.name, number).await? {
@@ -194,7 +197,8 @@ pub async fn get_version_gate(
 pub async fn post_evaluation(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsPromote>,
-    ApiPath((name, number)): ApiPath<(String, i64)>,
+    PathPrompt(name): PathPrompt,
+    ApiPath((_name, number)): ApiPath<(String, i64)>,
     ApiJson(req): ApiJson<EvaluationResult>,
 ) -> ApiResult<(Audit, Json<Gate>)> {
     let prompt = existing_prompt(&st, &name).await?;

@@ -19,11 +19,13 @@ use super::{
     error::{ApiError, ApiResult},
     extract::{ApiPath, ApiQuery, Authorized, body_bytes, optional_json, optional_json_bytes, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::{
-    domain::{audit::Actor, backoff::LearningState, round::Round},
+    domain::{access::Reach, audit::Actor, backoff::LearningState, round::Round},
     service::{
         pagination::{PageParams, next_token},
-        prompts::{existing_prompt, parse_name},
+        projects,
+        prompts::existing_prompt,
         rounds::{self, RoundView, TriggerRound, WebhookTrigger, open_round, open_round_for_webhook, round_view},
     },
     webhooks,
@@ -35,10 +37,9 @@ use crate::{
 pub async fn trigger_round(
     State(st): State<AppState>,
     _caller: Authorized<scope::RoundsTrigger>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     req: Request,
 ) -> ApiResult<Response> {
-    let name = parse_name(&name)?;
     // An empty body means all defaults.
     let body = optional_json::<TriggerRound>(req).await?.unwrap_or_default();
     let round = open_round(&st, &name, body).await?;
@@ -61,7 +62,7 @@ pub struct WebhookAccepted {
 /// Inbound trigger, authenticated by its Standard Webhooks signature instead of an API key.
 pub async fn webhook_round(
     State(st): State<AppState>,
-    ApiPath(name): ApiPath<String>,
+    ApiPath(written): ApiPath<String>,
     req: Request,
 ) -> ApiResult<Response> {
     let keys: Vec<Vec<u8>> = st.settings.webhooks.inbound_secrets.iter().filter_map(webhooks::decode_secret).collect();
@@ -79,7 +80,9 @@ pub async fn webhook_round(
     };
     webhooks::verify(&keys, &msg, chrono::Utc::now().timestamp(), st.settings.webhooks.tolerance_secs)
         .map_err(|e| ApiError::Unauthorized(webhook_reason(&e)))?;
-    let name = parse_name(&name)?;
+    // The sender holds the deployment's secret: a server-wide caller. Whether
+    // the prompt exists is decided before the body is read.
+    let name = projects::prompt_in_reach(&st, &Reach::Server, &written).await?;
     // Signed bytes, whatever their content type; an empty body means all defaults.
     let trigger = optional_json_bytes::<TriggerRound>(&body)?.unwrap_or_default();
     let id = msg.id.unwrap_or_default();
@@ -142,7 +145,7 @@ pub struct RoundPage {
 pub async fn list_rounds(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<RoundQuery>,
 ) -> ApiResult<Json<RoundPage>> {
     let name = existing_prompt(&st, &name).await?.name;
@@ -165,9 +168,9 @@ pub async fn list_rounds(
 pub async fn get_learning(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<Json<LearningState>> {
-    Ok(Json(rounds::learning_state(&st, &parse_name(&name)?).await?))
+    Ok(Json(rounds::learning_state(&st, &name).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/prompts/{name}/backoff", tag = "rounds", params(("name" = String, Path)),
@@ -178,9 +181,8 @@ pub async fn get_learning(
 pub async fn clear_backoff(
     State(st): State<AppState>,
     caller: Authorized<scope::RoundsTrigger>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
 ) -> ApiResult<(Audit, Json<LearningState>)> {
-    let name = parse_name(&name)?;
     tracing::info!(prompt = %name, by = %caller.actor(), "clearing the failure backoff");
     let before = rounds::learning_state(&st, &name).await?;
     let after = rounds::clear_backoff(&st, &name).await?;

@@ -9,8 +9,9 @@ use utoipa::ToSchema;
 use super::{
     AppState,
     error::ApiResult,
-    extract::{ApiJson, ApiPath, Authorized, scope},
+    extract::{ApiJson, Authorized, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::{domain::Prompt, service::prompts};
 
 /// A JSON merge patch (RFC 7396) of a prompt's settings: the members sent
@@ -96,7 +97,7 @@ impl ToSchema for SettingsPatch {}
 pub async fn update_settings(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsWrite>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiJson(patch): ApiJson<SettingsPatch>,
 ) -> ApiResult<(Audit, Json<Prompt>)> {
     let before = prompts::existing_prompt(&st, &name).await?;

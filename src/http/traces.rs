@@ -20,9 +20,11 @@ use super::{
     error::{ApiError, ApiResult},
     extract::{ApiJson, ApiPath, ApiQuery, Authorized, body_bytes, optional_json, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::{
     domain::{
         Feedback, NewTrace, Trace, TraceStatus,
+        names::DEFAULT_PROJECT,
         trace::{ObjectOnly, TraceFilter, TraceLimits, ValidTrace},
     },
     service::{
@@ -47,13 +49,14 @@ pub struct TraceBatch {
 }
 
 /// Parses and validates the body; errors name the offending trace by index.
-fn parse_traces(st: &AppState, body: &[u8]) -> ApiResult<Vec<ValidTrace>> {
+/// `home` is the project a bare prompt name is of (the caller's).
+fn parse_traces(st: &AppState, body: &[u8], home: &str) -> ApiResult<Vec<ValidTrace>> {
     let (limits, max_batch) = (limits(st), st.settings.limits.max_traces_per_batch);
     // Most bodies are well formed: read them straight into typed traces. Any
     // body that is not is read again the careful way, whose errors say where.
-    match parse_well_formed(body, limits, max_batch) {
+    match parse_well_formed(body, limits, max_batch, home) {
         Some(traces) => Ok(traces),
-        None => parse_with_paths(body, limits, max_batch),
+        None => parse_with_paths(body, limits, max_batch, home),
     }
 }
 
@@ -68,7 +71,7 @@ struct WellFormedBatch {
 /// building a JSON tree of the whole body and rebuilding each trace from it
 /// (with a path kept for every key): the same traces, at about half the
 /// allocations. `None` for anything else, [`parse_with_paths`] answers that.
-fn parse_well_formed(body: &[u8], limits: TraceLimits, max_batch: usize) -> Option<Vec<ValidTrace>> {
+fn parse_well_formed(body: &[u8], limits: TraceLimits, max_batch: usize, home: &str) -> Option<Vec<ValidTrace>> {
     let items: Vec<NewTrace> = match serde_json::from_slice::<ObjectOnly<WellFormedBatch>>(body) {
         Ok(batch) => batch.0.traces.into_iter().map(|t| t.0).collect(),
         Err(_) => vec![serde_json::from_slice::<ObjectOnly<NewTrace>>(body).ok()?.0],
@@ -88,14 +91,14 @@ fn parse_well_formed(body: &[u8], limits: TraceLimits, max_batch: usize) -> Opti
             {
                 super::extract::integral_floats_to_integers(v);
             }
-            t.validate(limits).ok()
+            t.validate(limits, home).ok()
         })
         .collect()
 }
 
 /// Parses and validates any body through a JSON tree; errors name the
 /// offending trace by index and the field by its path.
-fn parse_with_paths(body: &[u8], limits: TraceLimits, max_batch: usize) -> ApiResult<Vec<ValidTrace>> {
+fn parse_with_paths(body: &[u8], limits: TraceLimits, max_batch: usize, home: &str) -> ApiResult<Vec<ValidTrace>> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         if e.is_syntax() || e.is_eof() {
             ApiError::bad_request(format!("the body is not valid JSON: {e}"))
@@ -139,7 +142,7 @@ fn parse_with_paths(body: &[u8], limits: TraceLimits, max_batch: usize) -> ApiRe
                 let msg = if path == "." { inner } else { format!("{path}: {inner}") };
                 ApiError::unprocessable(at(msg))
             })?;
-            t.validate(limits).map_err(|e| {
+            t.validate(limits, home).map_err(|e| {
                 if e.is_size() {
                     ApiError::payload_too_large(at(e.to_string()))
                 } else {
@@ -169,7 +172,8 @@ pub async fn post_traces(
 ) -> ApiResult<Response> {
     let idem_key = idempotency_key(req.headers())?;
     let body = body_bytes(req).await?;
-    let traces = parse_traces(&st, &body)?;
+    let home = caller.reach().project().unwrap_or(DEFAULT_PROJECT).to_owned();
+    let traces = parse_traces(&st, &body, &home)?;
     let idempotent = idem_key.as_deref().map(|key| Idempotent { caller: caller.key_id(), key, body: &body });
     Ok(match traces::ingest(&st, &caller.reach(), &traces, idempotent).await? {
         Ingested::Stored(ids) => json_response(StatusCode::CREATED, accepted_body(&ids)),
@@ -228,7 +232,7 @@ pub async fn list_traces(
         Some(c) => Some(Uuid::parse_str(&c).map_err(|_| ApiError::bad_request("bad `page_token`".into()))?),
         None => None,
     };
-    let prompt = traces::filter_prompt(q.prompt.as_deref())?;
+    let prompt = traces::filter_prompt(&caller.reach(), q.prompt.as_deref())?;
     let projects = crate::domain::project::list_filter(&caller.reach(), q.project.as_deref());
     let project = projects.project().map(str::to_owned);
     let filter = TraceFilter { prompt, project, status: q.status, since: q.since, until: q.until, before_id };
@@ -305,7 +309,7 @@ pub struct Requeued {
 pub async fn requeue_failed(
     State(st): State<AppState>,
     caller: Authorized<scope::TracesWrite>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiJson(req): ApiJson<RequeueRequest>,
 ) -> ApiResult<(Audit, Json<Requeued>)> {
     let ids = traces::requeue_failed(&st, &name, req.ids, req.all, req.since, &caller.actor()).await?;
@@ -455,8 +459,8 @@ mod tests {
             r#"{"prompt":"p","input":1,"feedback":{"comment":"\u0000"}}"#.to_owned(),
         ];
         for body in quick.iter().chain(&careful_only) {
-            let careful = parse_with_paths(body.as_bytes(), LIMITS, 3).ok();
-            match parse_well_formed(body.as_bytes(), LIMITS, 3) {
+            let careful = parse_with_paths(body.as_bytes(), LIMITS, 3, "default").ok();
+            match parse_well_formed(body.as_bytes(), LIMITS, 3, "default") {
                 Some(traces) => {
                     assert!(quick.contains(body), "read quickly, but meant for the careful reading: {body}");
                     assert_eq!(Some(traces), careful, "{body}");
@@ -464,7 +468,7 @@ mod tests {
                 None => assert!(careful_only.contains(body), "left to the careful reading: {body}"),
             }
         }
-        let careful = parse_with_paths(full.as_bytes(), LIMITS, 3).unwrap();
+        let careful = parse_with_paths(full.as_bytes(), LIMITS, 3, "default").unwrap();
         assert_eq!(careful[0].input, serde_json::json!({"n": [1, 2.5, {"m": -4}]}));
         assert_eq!(careful[0].metadata, serde_json::json!({"tokens": 12}));
     }

@@ -16,6 +16,7 @@ use super::{
     error::{ApiError, ApiResult},
     extract::{ApiJson, ApiPath, ApiQuery, Authorized, scope},
 };
+use crate::service::projects::PathPrompt;
 use crate::{
     domain::{
         LabelName, Playbook, Version,
@@ -75,7 +76,7 @@ impl From<Resolved> for VersionView {
 pub async fn create_version(
     State(st): State<AppState>,
     caller: Authorized<scope::PromptsWrite>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiJson(req): ApiJson<CreateVersion>,
 ) -> ApiResult<Response> {
     let prompt = existing_prompt(&st, &name).await?;
@@ -104,7 +105,7 @@ pub struct VersionPage {
 pub async fn list_versions(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(page): ApiQuery<PageParams>,
 ) -> ApiResult<Json<VersionPage>> {
     let prompt = existing_prompt(&st, &name).await?;
@@ -124,7 +125,8 @@ pub async fn list_versions(
 pub async fn get_version(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath((name, number)): ApiPath<(String, i64)>,
+    PathPrompt(name): PathPrompt,
+    ApiPath((_name, number)): ApiPath<(String, i64)>,
 ) -> ApiResult<Json<VersionView>> {
     let prompt = existing_prompt(&st, &name).await?;
     let mut view = VersionView::from(prompts::resolved(&st, &prompt.name, &Selector::Version(number)).await?);
@@ -144,7 +146,7 @@ pub struct DiffQuery {
 pub async fn diff_versions(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
-    ApiPath(name): ApiPath<String>,
+    PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<DiffQuery>,
 ) -> ApiResult<Json<VersionDiff>> {
     let prompt = existing_prompt(&st, &name).await?;

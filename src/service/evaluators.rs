@@ -4,8 +4,9 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
+use super::{AppState, ServiceError, ServiceResult};
 use crate::{
+    domain::PromptName,
     evaluate::evaluators::{self, Agreement, Evaluator, passes},
     store::StoreError,
 };
@@ -16,7 +17,7 @@ pub const CALIBRATION_TRACES: u32 = 5_000;
 /// (the newest): the page is viewed often, the API's full calibration is asked for.
 pub const PAGE_CALIBRATION_TRACES: u32 = 500;
 
-fn not_found(name: &str) -> impl FnOnce(StoreError) -> ServiceError + '_ {
+fn not_found(name: &PromptName) -> impl FnOnce(StoreError) -> ServiceError + '_ {
     move |e| match e {
         StoreError::NotFound => ServiceError::not_found(format_args!("prompt {name:?}")),
         e => e.into(),
@@ -31,17 +32,17 @@ pub struct EvaluatorList {
 }
 
 /// The prompt's evaluators (empty when it has none).
-pub async fn get(st: &AppState, name: &str) -> ServiceResult<EvaluatorList> {
-    let prompt = parse_name(name)?;
-    Ok(EvaluatorList { evaluators: st.store.evaluators(&prompt).await.map_err(not_found(name))? })
+pub async fn get(st: &AppState, name: &PromptName) -> ServiceResult<EvaluatorList> {
+    let prompt = name;
+    Ok(EvaluatorList { evaluators: st.store.evaluators(prompt).await.map_err(not_found(name))? })
 }
 
 /// Replaces the prompt's evaluators after checking the list as a whole (a
 /// bad pattern, schema or rubric, a repeated name, too many: 422 saying which).
-pub async fn set(st: &AppState, name: &str, list: EvaluatorList) -> ServiceResult<EvaluatorList> {
-    let prompt = parse_name(name)?;
+pub async fn set(st: &AppState, name: &PromptName, list: EvaluatorList) -> ServiceResult<EvaluatorList> {
+    let prompt = name;
     evaluators::compile(&list.evaluators).map_err(ServiceError::Unprocessable)?;
-    st.store.set_evaluators(&prompt, &list.evaluators).await.map_err(not_found(name))?;
+    st.store.set_evaluators(prompt, &list.evaluators).await.map_err(not_found(name))?;
     Ok(list)
 }
 
@@ -56,15 +57,15 @@ pub struct Calibration {
 }
 
 /// [`Calibration`] of the prompt's current evaluators.
-pub async fn calibration(st: &AppState, name: &str) -> ServiceResult<Calibration> {
+pub async fn calibration(st: &AppState, name: &PromptName) -> ServiceResult<Calibration> {
     calibration_over(st, name, CALIBRATION_TRACES).await
 }
 
 /// [`Calibration`] over at most `limit` of the newest scored traces.
-pub async fn calibration_over(st: &AppState, name: &str, limit: u32) -> ServiceResult<Calibration> {
-    let prompt = parse_name(name)?;
-    let list = st.store.evaluators(&prompt).await.map_err(not_found(name))?;
-    let data = st.store.calibration_data(&prompt, limit).await.map_err(not_found(name))?;
+pub async fn calibration_over(st: &AppState, name: &PromptName, limit: u32) -> ServiceResult<Calibration> {
+    let prompt = name;
+    let list = st.store.evaluators(prompt).await.map_err(not_found(name))?;
+    let data = st.store.calibration_data(prompt, limit).await.map_err(not_found(name))?;
     let pairs: Vec<_> =
         data.into_iter().filter_map(|t| Some((passes(t.feedback.success, t.feedback.score)?, t.judgements))).collect();
     let names: Vec<&str> = list.iter().map(Evaluator::name).collect();

@@ -21,9 +21,9 @@ use serde_json::{Map, Value, json};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
-use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
+use super::{AppState, ServiceError, ServiceResult};
 use crate::{
-    domain::{Feedback, LabelName, Trace, label::Selector},
+    domain::{Feedback, LabelName, PromptName, Trace, label::Selector},
     store::ExportQuery,
 };
 
@@ -89,8 +89,8 @@ pub struct Exporter {
 
 /// Checks the request and prepares the export: 404 for an unknown prompt or
 /// label (or a label that does not point at the `version` also given).
-pub async fn start(st: &AppState, prompt: &str, req: ExportRequest) -> ServiceResult<Exporter> {
-    let name = parse_name(prompt)?;
+pub async fn start(st: &AppState, name: &PromptName, req: ExportRequest) -> ServiceResult<Exporter> {
+    let name = name.clone();
     if st.store.get_prompt(&name).await?.is_none() {
         return Err(ServiceError::not_found(format_args!("prompt {name:?}")));
     }
@@ -339,10 +339,9 @@ pub fn answer(output: &Value) -> Option<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::PromptName;
 
     fn trace(input: Value, trajectory: Value, output: Value, feedback: Feedback) -> Trace {
-        let mut t = Trace::pending(PromptName::parse("p").unwrap(), input, trajectory, output, feedback);
+        let mut t = Trace::pending(PromptName::new("default", "p").unwrap(), input, trajectory, output, feedback);
         t.prompt_version = Some(2);
         t
     }

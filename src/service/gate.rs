@@ -160,13 +160,17 @@ pub struct GateSettingsView {
     pub harness_timeout_secs: Option<u64>,
 }
 
-pub async fn gate_settings(st: &AppState, name: &str) -> ServiceResult<GateSettingsView> {
+pub async fn gate_settings(st: &AppState, name: &PromptName) -> ServiceResult<GateSettingsView> {
     let prompt = existing_prompt(st, name).await?;
     let s = st.store.gate_settings(&prompt.name).await?;
     Ok(GateSettingsView { mode: s.mode, harness_timeout_secs: s.harness_timeout_secs })
 }
 
-pub async fn set_gate_settings(st: &AppState, name: &str, v: GateSettingsView) -> ServiceResult<GateSettingsView> {
+pub async fn set_gate_settings(
+    st: &AppState,
+    name: &PromptName,
+    v: GateSettingsView,
+) -> ServiceResult<GateSettingsView> {
     let prompt = existing_prompt(st, name).await?;
     if v.harness_timeout_secs.is_some_and(|s| s == 0 || s > 30 * 86_400) {
         return Err(ServiceError::Unprocessable("`harness_timeout_secs` must be 1 to 2592000 (30 days)".into()));
@@ -201,7 +205,7 @@ pub struct EvaluationResult {
 /// the deadline passed: no answer in time means rejected).
 pub async fn post_evaluation(
     st: &AppState,
-    name: &str,
+    name: &PromptName,
     version: i64,
     result: EvaluationResult,
     by: &str,

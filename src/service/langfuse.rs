@@ -13,8 +13,8 @@
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{AppState, ServiceError, ServiceResult, prompts::parse_name};
-use crate::domain::{LabelName, label::Selector, prompt::placeholder_spans};
+use super::{AppState, ServiceError, ServiceResult};
+use crate::domain::{LabelName, PromptName, label::Selector, prompt::placeholder_spans};
 
 /// A prompt as Langfuse's API returns it (`GET /api/public/v2/prompts/{name}`).
 #[derive(Debug, Serialize, ToSchema, PartialEq)]
@@ -41,13 +41,15 @@ pub struct LangfusePrompt {
 
 /// The version of `name` a Langfuse SDK asked for: `version`, `label`, both
 /// (that version only while the label points at it) or neither (`production`).
+/// `written` is the name as the caller writes it, which the answer carries:
+/// the SDK links the traces it sends to the prompt by that name.
 pub async fn prompt(
     st: &AppState,
-    name: &str,
+    name: &PromptName,
+    written: String,
     label: Option<&str>,
     version: Option<i64>,
 ) -> ServiceResult<LangfusePrompt> {
-    let name = parse_name(name)?;
     let by_label = |l: &str| -> ServiceResult<Selector> {
         if l == LabelName::LATEST {
             return Ok(Selector::Latest);
@@ -69,20 +71,20 @@ pub async fn prompt(
         (None, None) => ServiceError::not_found(format_args!("the production version of prompt {name:?}")),
     };
     if let (Some(l), Some(v)) = (label, version) {
-        let at = st.store.resolve(&name, &by_label(l)?).await?.map(|r| r.version.number);
+        let at = st.store.resolve(name, &by_label(l)?).await?.map(|r| r.version.number);
         if at != Some(v) {
             return Err(missing());
         }
     }
-    let Some(resolved) = st.store.resolve(&name, &selector).await? else {
-        if st.store.get_prompt(&name).await?.is_none() {
+    let Some(resolved) = st.store.resolve(name, &selector).await? else {
+        if st.store.get_prompt(name).await?.is_none() {
             return Err(ServiceError::not_found(format_args!("prompt {name:?}")));
         }
         return Err(missing());
     };
     let v = &resolved.version;
     Ok(LangfusePrompt {
-        name: name.to_string(),
+        name: written,
         version: v.number,
         kind: "text",
         prompt: mustache(&v.content.render()),

@@ -1,17 +1,19 @@
 //! Projects, and the one check that keeps them apart: every request that
 //! names a prompt, trace, round, webhook or project in its path goes through
-//! [`guard`] before its handler runs (the API's `Authorized` extractor and the
-//! web UI's `Operator` call it), so a caller bound to one project finds
-//! everything of another project absent — the same 404, with the same words,
-//! as for something that does not exist. Lists filter by
-//! [`crate::domain::project::list_filter`]; what names a prompt in its body
-//! (ingest, bulk quarantine) asks [`prompt_in_reach`] or [`out_of_reach`].
-
-use std::collections::HashMap;
+//! [`guard`] before its handler runs and before anything else of the request
+//! is read (the API's `Authorized` extractor and the web UI's `Operator` call
+//! it), so a caller bound to one project finds everything of another project
+//! absent — the same 404, with the same words, as for something that does not
+//! exist, whatever the body, query or headers. A prompt is named `name` in
+//! the caller's project or `project/name` ([`prompt_in_reach`]); for a
+//! project's caller, another project's prompt is out of reach by its words
+//! alone. Lists filter by [`crate::domain::project::list_filter`]; what names
+//! a prompt in its body (ingest, bulk quarantine) asks [`prompt_in_reach`]
+//! too, or reads the name in the caller's project.
 
 use axum::{
     extract::{FromRequestParts, MatchedPath, RawPathParams},
-    http::request::Parts,
+    http::{StatusCode, request::Parts},
 };
 use uuid::Uuid;
 
@@ -19,7 +21,8 @@ use super::{AppState, ServiceError, ServiceResult, audit::AuditSlot};
 use crate::{
     domain::{
         access::Reach,
-        project::{self, DEFAULT_PROJECT, Project, ProjectSettings},
+        names::{DEFAULT_PROJECT, PromptName},
+        project::{self, Project, ProjectSettings},
     },
     store::StoreError,
 };
@@ -56,32 +59,32 @@ pub fn target(template: &str, params: &[(String, String)]) -> Option<Target> {
     None
 }
 
-/// The project of what `target` names; `None` when it does not exist (its
-/// handler says so in its own words).
+/// The project of the trace, round or webhook `target` names; `None` when
+/// it does not exist (or the id is not one).
 async fn project_of(st: &AppState, target: &Target) -> ServiceResult<Option<String>> {
+    let id = |id: &str| Uuid::parse_str(id).ok();
     Ok(match target {
-        Target::Prompt(name) => st.store.prompt_project(name).await?,
-        Target::Trace(id) => match Uuid::parse_str(id) {
-            Ok(id) => st.store.trace_project(id).await?,
-            Err(_) => None,
+        Target::Prompt(_) | Target::Project(_) => None,
+        Target::Trace(t) => match id(t) {
+            Some(t) => st.store.trace_project(t).await?,
+            None => None,
         },
-        Target::Round(id) => match Uuid::parse_str(id) {
-            Ok(id) => st.store.round_project(id).await?,
-            Err(_) => None,
+        Target::Round(r) => match id(r) {
+            Some(r) => st.store.round_project(r).await?,
+            None => None,
         },
-        Target::Webhook(id) => match Uuid::parse_str(id) {
-            // A server-wide subscription belongs to no project: only a server-wide caller sees it.
-            Ok(id) => st.store.get_webhook(id).await?.map(|w| w.project.unwrap_or_default()),
-            Err(_) => None,
+        // A server-wide subscription belongs to no project: only a server-wide caller sees it.
+        Target::Webhook(w) => match id(w) {
+            Some(w) => st.store.get_webhook(w).await?.map(|w| w.project.unwrap_or_default()),
+            None => None,
         },
-        Target::Project(name) => st.store.get_project(name).await?.map(|p| p.name),
     })
 }
 
 /// The answer for something absent, worded as each resource's own lookup words it.
 fn absent(target: &Target) -> ServiceError {
     match target {
-        Target::Prompt(name) => ServiceError::not_found(format_args!("prompt {name:?}")),
+        Target::Prompt(name) => absent_prompt(name),
         Target::Trace(id) => ServiceError::not_found(format_args!("trace {}", shown_id(id))),
         Target::Round(id) => ServiceError::not_found(format_args!("round {}", shown_id(id))),
         Target::Webhook(id) => ServiceError::not_found(format_args!("webhook {}", shown_id(id))),
@@ -89,28 +92,65 @@ fn absent(target: &Target) -> ServiceError {
     }
 }
 
+/// The answer for a prompt written `written` that is absent — or out of reach.
+pub fn absent_prompt(written: &str) -> ServiceError {
+    match PromptName::written(written, DEFAULT_PROJECT) {
+        Ok(_) => ServiceError::not_found(format_args!("prompt {written:?}")),
+        Err(e) => ServiceError::NotFound(format!("no such prompt: {e}")),
+    }
+}
+
 fn shown_id(id: &str) -> String {
     Uuid::parse_str(id).map(|u| u.to_string()).unwrap_or_default()
 }
 
-/// The one reach check: `Err` (404, as if absent) when `target` exists in a
-/// project out of `reach`. Otherwise the project it belongs to when asked
-/// for (`attribute`: a write, whose audit entry names it) or when the check
-/// needed it; a server-wide caller that does not ask costs no store read.
-pub async fn guard(st: &AppState, reach: &Reach, target: &Target, attribute: bool) -> ServiceResult<Option<String>> {
-    if *reach == Reach::Server && !attribute {
-        return Ok(None);
+/// What a path names, found within reach by [`guard_request`] before anything
+/// else of the request is read; a handler takes the prompt from here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    Prompt(PromptName),
+    /// A trace, round, webhook or project, of this project (`None`: a
+    /// server-wide webhook).
+    In(Option<String>),
+}
+
+/// The prompt a route's path names, as [`guard_request`] found it within the
+/// caller's reach before anything else of the request was read: a handler
+/// takes it after `Authorized` (or the web UI's `Operator`).
+pub struct PathPrompt(pub PromptName);
+
+impl<S: Send + Sync> FromRequestParts<S> for PathPrompt {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        match parts.extensions.get::<Found>() {
+            Some(Found::Prompt(name)) => Ok(PathPrompt(name.clone())),
+            // A handler that takes a prompt on a route no reach check ran for: a bug, not a request's fault.
+            _ => Err((StatusCode::INTERNAL_SERVER_ERROR, "the route's prompt was not looked up")),
+        }
     }
-    let project = project_of(st, target).await?;
-    match &project {
-        Some(p) if !reach.allows(p) => Err(absent(target)),
-        _ => Ok(project.filter(|p| !p.is_empty())),
+}
+
+/// The one reach check: what `target` names, when it exists within `reach`;
+/// otherwise 404, in the words of an absent resource. A trace, round or
+/// webhook id that is not a UUID is left to its handler's 400 (no resource
+/// is named).
+pub async fn guard(st: &AppState, reach: &Reach, target: &Target) -> ServiceResult<Option<Found>> {
+    match target {
+        Target::Prompt(written) => Ok(Some(Found::Prompt(prompt_in_reach(st, reach, written).await?))),
+        Target::Project(name) => Ok(Some(Found::In(Some(existing(st, reach, name).await?.name)))),
+        Target::Trace(id) | Target::Round(id) | Target::Webhook(id) if Uuid::parse_str(id).is_err() => Ok(None),
+        _ => match project_of(st, target).await? {
+            Some(p) if reach.allows(&p) => Ok(Some(Found::In(Some(p).filter(|p| !p.is_empty())))),
+            _ => Err(absent(target)),
+        },
     }
 }
 
 /// [`guard`] for a request of a caller with `reach`, as routed: the resource
-/// its path names (none: nothing to check). A write request's audit entry is
-/// told the project (the caller's own when the path names nothing).
+/// its path names (none: nothing to check), kept in the request's extensions
+/// as [`Found`]. A write request's audit entry is told the project (the
+/// caller's own when the path names nothing).
 pub async fn guard_request(st: &AppState, reach: &Reach, parts: &mut Parts) -> ServiceResult<()> {
     let slot = parts.extensions.get::<AuditSlot>().cloned();
     if let (Some(slot), Some(own)) = (&slot, reach.project()) {
@@ -124,49 +164,52 @@ pub async fn guard_request(st: &AppState, reach: &Reach, parts: &mut Parts) -> S
         Err(_) => Vec::new(),
     };
     let Some(target) = target(&template, &params) else { return Ok(()) };
-    let project = guard(st, reach, &target, slot.is_some()).await?;
+    let Some(found) = guard(st, reach, &target).await? else { return Ok(()) };
+    let project = match &found {
+        Found::Prompt(name) => Some(name.project().to_owned()),
+        Found::In(project) => project.clone(),
+    };
     if let (Some(slot), Some(project)) = (slot, project) {
         slot.set_project(project);
     }
+    parts.extensions.insert(found);
     Ok(())
 }
 
-/// The project of each named prompt that exists (for metric labels).
-pub async fn projects_of(st: &AppState, names: &[String]) -> ServiceResult<HashMap<String, String>> {
-    Ok(st.store.prompts_projects(names).await?.into_iter().collect())
-}
-
-/// Whether the prompt `name` is within reach: false when it is absent or in
-/// another project (both read the same to the caller).
-pub async fn prompt_in_reach(st: &AppState, reach: &Reach, name: &str) -> ServiceResult<bool> {
-    if *reach == Reach::Server {
-        return Ok(true);
+/// The prompt `written` names (`name`, or `project/name`) for a caller with
+/// `reach`: a bare name is of the caller's project (`default` for a
+/// server-wide caller). 404 when it does not exist or is of a project out of
+/// reach — the same words either way, decided by the words alone for a
+/// project's caller (another project is never looked at). A server-wide
+/// caller told that a bare name is absent from `default` learns which
+/// projects hold one.
+pub async fn prompt_in_reach(st: &AppState, reach: &Reach, written: &str) -> ServiceResult<PromptName> {
+    let home = reach.project().unwrap_or(DEFAULT_PROJECT);
+    let name =
+        PromptName::written(written, home).map_err(|e| ServiceError::NotFound(format!("no such prompt: {e}")))?;
+    if !reach.allows(name.project()) {
+        return Err(absent_prompt(written));
     }
-    Ok(st.store.prompt_project(name).await?.is_some_and(|p| reach.allows(&p)))
-}
-
-/// Of `names`, those out of reach (in another project); absent ones are not
-/// named, their own check reports them.
-pub async fn out_of_reach<'a>(st: &AppState, reach: &Reach, names: &[&'a str]) -> ServiceResult<Vec<&'a str>> {
-    if *reach == Reach::Server {
-        return Ok(Vec::new());
+    if st.cache.knows(&name) {
+        return Ok(name);
     }
-    let mut seen: HashMap<&str, bool> = HashMap::new();
-    let mut out = Vec::new();
-    for &name in names {
-        if let Some(outside) = seen.get(name) {
-            if *outside {
-                out.push(name);
-            }
-            continue;
-        }
-        let outside = st.store.prompt_project(name).await?.is_some_and(|p| !reach.allows(&p));
-        seen.insert(name, outside);
-        if outside {
-            out.push(name);
+    let generation = st.cache.generation();
+    if st.store.get_prompt(&name).await?.is_some() {
+        st.cache.found(&name, generation);
+        return Ok(name);
+    }
+    if *reach == Reach::Server && !written.contains('/') {
+        let elsewhere = st.store.projects_holding(name.as_str()).await?;
+        if let Some(first) = elsewhere.first() {
+            return Err(ServiceError::NotFound(format!(
+                "prompt {written:?} not found in project {DEFAULT_PROJECT}; a bare name means `{DEFAULT_PROJECT}`'s \
+                 prompt to a server-wide key, and {} hold{} one: write it `{first}/{written}`",
+                elsewhere.iter().map(|p| format!("project {p}")).collect::<Vec<_>>().join(", "),
+                if elsewhere.len() == 1 { "s" } else { "" },
+            )));
         }
     }
-    Ok(out)
+    Err(absent_prompt(written))
 }
 
 /// The project a new prompt goes to: the one named (within reach; 404 as if

@@ -28,13 +28,10 @@ use crate::{
 /// Longest version message or label-move reason, in characters.
 pub const MAX_MESSAGE_CHARS: usize = 2000;
 
-pub fn parse_name(name: &str) -> ServiceResult<PromptName> {
-    PromptName::parse(name).map_err(|e| ServiceError::NotFound(format!("no such prompt: {e}")))
-}
-
-pub async fn existing_prompt(st: &AppState, name: &str) -> ServiceResult<Prompt> {
-    let name = parse_name(name)?;
-    st.store.get_prompt(&name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))
+/// The prompt `name` (found within the caller's reach before, see
+/// [`super::projects::prompt_in_reach`]).
+pub async fn existing_prompt(st: &AppState, name: &PromptName) -> ServiceResult<Prompt> {
+    st.store.get_prompt(name).await?.ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))
 }
 
 /// A version message: `default` when none is given; longer than
@@ -88,9 +85,10 @@ pub fn check_content(
 pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> ServiceResult<(Prompt, Version)> {
     let name = new.name.clone();
     let (prompt, version) = st.store.create_prompt(new, first).await.map_err(|e| match e {
-        // Names are unique across the server in this release; the answer does
-        // not say which project holds the name.
-        StoreError::AlreadyExists => ServiceError::Conflict(format!("a prompt named {name:?} already exists")),
+        // Names are unique within a project: this one's own prompt holds it.
+        StoreError::AlreadyExists => {
+            ServiceError::Conflict(format!("a prompt named {name:?} already exists in project {}", name.project()))
+        }
         other => other.into(),
     })?;
     if prompt.promotion == Promotion::Evaluated
@@ -103,11 +101,11 @@ pub async fn create_prompt(st: &AppState, new: NewPrompt, first: NewVersion) -> 
     Ok((prompt, version))
 }
 
-/// Prompts ordered by name, after `after`, of the projects `filter` shows.
+/// Prompts ordered by name (then project), after `after`, of the projects `filter` shows.
 pub async fn list_prompts(
     st: &AppState,
     filter: &ListFilter,
-    after: Option<&str>,
+    after: Option<&PromptName>,
     limit: u32,
 ) -> ServiceResult<Vec<PromptSummary>> {
     if *filter == ListFilter::Nothing {
@@ -238,10 +236,8 @@ pub(super) async fn add_version(
 
 /// The live arms of an `evaluated` prompt (empty for other prompts), cached
 /// like the prompt's text and dropped with it on every change.
-pub async fn served_arms(st: &AppState, name: &str) -> ServiceResult<Arc<ServedArms>> {
-    if crate::domain::names::is_valid_name(name)
-        && let Some(hit) = st.cache.get_arms(name)
-    {
+pub async fn served_arms(st: &AppState, name: &PromptName) -> ServiceResult<Arc<ServedArms>> {
+    if let Some(hit) = st.cache.get_arms(name) {
         return Ok(hit);
     }
     let generation = st.cache.generation();
@@ -259,7 +255,7 @@ pub async fn served_arms(st: &AppState, name: &str) -> ServiceResult<Arc<ServedA
         ServedArms::new(Vec::new(), None)
     };
     let served = Arc::new(served);
-    st.cache.insert_arms(prompt.name.as_str(), generation, served.clone());
+    st.cache.insert_arms(&prompt.name, generation, served.clone());
     Ok(served)
 }
 
@@ -312,7 +308,7 @@ fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
 /// whole; retried when another change lands in between.
 pub async fn update_settings(
     st: &AppState,
-    name: &str,
+    name: &PromptName,
     mut patch: serde_json::Map<String, serde_json::Value>,
 ) -> ServiceResult<Prompt> {
     // `null` removes a member before the settings are read back, so an unknown
@@ -342,7 +338,7 @@ pub async fn update_settings(
 }
 
 /// [`update_settings`] of the settings document.
-async fn update_document(st: &AppState, name: &str, patch: serde_json::Value) -> ServiceResult<Prompt> {
+async fn update_document(st: &AppState, name: &PromptName, patch: serde_json::Value) -> ServiceResult<Prompt> {
     // Optimistic: re-read and re-apply when another change landed in between.
     for _ in 0..5 {
         let prompt = existing_prompt(st, name).await?;

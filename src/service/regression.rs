@@ -75,25 +75,25 @@ async fn add(st: &AppState, prompt: &PromptName, cases: Vec<NewCase>, by: &str) 
 }
 
 /// Adds one case written by hand.
-pub async fn add_case(st: &AppState, name: &str, req: CaseRequest, by: &str) -> ServiceResult<RegressionCase> {
+pub async fn add_case(st: &AppState, name: &PromptName, req: CaseRequest, by: &str) -> ServiceResult<RegressionCase> {
     let prompt = existing_prompt(st, name).await?;
     let case = new_case(st, req, CaseSource::Manual, None).map_err(ServiceError::Unprocessable)?;
     let mut added = add(st, &prompt.name, vec![case], by).await?;
     added.pop().ok_or_else(|| ServiceError::Internal(anyhow::anyhow!("the store added no case")))
 }
 
-pub async fn list_cases(st: &AppState, name: &str) -> ServiceResult<Vec<RegressionCase>> {
+pub async fn list_cases(st: &AppState, name: &PromptName) -> ServiceResult<Vec<RegressionCase>> {
     let prompt = existing_prompt(st, name).await?;
     Ok(st.store.regression_cases(&prompt.name).await?)
 }
 
 /// One case of the prompt's set (404 when the prompt has no such case).
-pub async fn get_case(st: &AppState, name: &str, id: Uuid) -> ServiceResult<RegressionCase> {
+pub async fn get_case(st: &AppState, name: &PromptName, id: Uuid) -> ServiceResult<RegressionCase> {
     let prompt = existing_prompt(st, name).await?;
     st.store.get_case(&prompt.name, id).await?.ok_or_else(|| ServiceError::not_found(format!("case {id}")))
 }
 
-pub async fn delete_case(st: &AppState, name: &str, id: Uuid) -> ServiceResult<()> {
+pub async fn delete_case(st: &AppState, name: &PromptName, id: Uuid) -> ServiceResult<()> {
     let prompt = existing_prompt(st, name).await?;
     if st.store.delete_case(&prompt.name, id).await? {
         Ok(())
@@ -212,7 +212,7 @@ fn import_line(st: &AppState, line: &str, style: IdealStyle) -> Result<NewCase, 
 /// bad line is named by its number (422).
 pub async fn import(
     st: &AppState,
-    name: &str,
+    name: &PromptName,
     body: &str,
     style: IdealStyle,
     by: &str,

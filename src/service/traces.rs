@@ -5,8 +5,6 @@
 //! stream: quarantine (one trace, or a prompt's pending backlog in a time
 //! window), release and delete. Their limits live here, once.
 
-use std::collections::HashSet;
-
 use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
@@ -16,6 +14,7 @@ use crate::{
     domain::{
         Feedback, PromptName, Trace,
         access::Reach,
+        names::DEFAULT_PROJECT,
         project::unknown_prompt,
         span::{OtlpMerge, OtlpRemap},
         trace::{
@@ -91,10 +90,10 @@ pub async fn ingest(
     traces: &[ValidTrace],
     idempotent: Option<Idempotent<'_>>,
 ) -> ServiceResult<Ingested> {
-    let names: Vec<&str> = traces.iter().map(|t| t.prompt.as_str()).collect();
-    let outside = projects::out_of_reach(st, reach, &names).await?;
-    if let Some(name) = outside.first() {
-        return Err(ServiceError::Unprocessable(unknown_prompt(name)));
+    // Another project's prompt reads as an unknown one, in the store's words
+    // for an unknown prompt; decided by the names alone.
+    if let Some((i, t)) = traces.iter().enumerate().find(|(_, t)| !reach.allows(t.prompt.project())) {
+        return Err(ServiceError::Unprocessable(format!("traces[{i}]: {}", unknown_prompt(t.prompt.as_str()))));
     }
     let ingested = match idempotent {
         None => Ingested::Stored(st.store.insert_traces(traces).await?),
@@ -145,15 +144,13 @@ pub async fn ingest_otlp(
     let mut answer = Mapping { traces: Vec::new(), rejected };
     let mut held = Mapping::default();
     let (mut created, mut accepted, mut duplicate) = (0_u64, 0, 0);
-    // A project's caller maps spans to its project's prompts only; another
-    // project's prompt reads as an unknown one.
-    let in_reach: Option<HashSet<String>> = match reach.project() {
-        Some(p) => Some(st.store.project_prompts(p).await?.into_iter().collect()),
-        None => None,
-    };
+    // A bare name is of the caller's project (`default` for a server-wide
+    // caller); another project's prompt reads as an unknown one, decided by
+    // the names alone.
+    let home = reach.project().unwrap_or(DEFAULT_PROJECT);
     for group in groups {
-        let remap = |bodies: &[&[u8]]| match mapping::remap(&group.trace_id, bodies, limits) {
-            OtlpRemap::Mapped(t) if in_reach.as_ref().is_some_and(|r| !r.contains(t.prompt.as_str())) => {
+        let remap = |bodies: &[&[u8]]| match mapping::remap(&group.trace_id, bodies, limits, home) {
+            OtlpRemap::Mapped(t) if !reach.allows(t.prompt.project()) => {
                 OtlpRemap::Invalid(unknown_prompt(t.prompt.as_str()))
             }
             other => other,
@@ -271,13 +268,13 @@ pub async fn add_feedback(st: &AppState, id: Uuid, feedback: Feedback) -> Servic
 /// traces now pending again, oldest first.
 pub async fn requeue_failed(
     st: &AppState,
-    name: &str,
+    name: &PromptName,
     ids: Option<Vec<Uuid>>,
     all: bool,
     since: Option<DateTime<Utc>>,
     actor: &str,
 ) -> ServiceResult<Vec<Uuid>> {
-    let prompt = super::prompts::parse_name(name)?;
+    let prompt = name.clone();
     let ids = match (ids, all) {
         (Some(_), true) => return Err(ServiceError::Unprocessable("give `ids` or `all: true`, not both".into())),
         (None, false) => {
@@ -346,8 +343,8 @@ pub async fn delete_trace(st: &AppState, id: Uuid, actor: &str) -> ServiceResult
     Ok(())
 }
 
-/// Quarantines every unreserved pending trace of a prompt received in
-/// `[since, until)`; how many.
+/// Quarantines every unreserved pending trace of a prompt (written `name`
+/// or `project/name`) received in `[since, until)`; how many.
 pub async fn quarantine_backlog(
     st: &AppState,
     reach: &Reach,
@@ -357,10 +354,8 @@ pub async fn quarantine_backlog(
     reason: Option<String>,
     actor: &str,
 ) -> ServiceResult<u64> {
-    if !projects::prompt_in_reach(st, reach, name).await? {
-        return Err(ServiceError::not_found(format_args!("prompt {name:?}")));
-    }
-    let prompt = existing_prompt(st, name).await?;
+    let name = projects::prompt_in_reach(st, reach, name).await?;
+    let prompt = existing_prompt(st, &name).await?;
     let reason = quarantine_reason(reason, actor)?;
     let filter = TraceFilter { prompt: Some(prompt.name.clone()), since, until, ..Default::default() };
     let quarantined = st.store.quarantine_traces(&filter, &reason).await?;
@@ -368,7 +363,11 @@ pub async fn quarantine_backlog(
     Ok(quarantined)
 }
 
-/// The prompt named in a trace filter, checked like a path's.
-pub fn filter_prompt(name: Option<&str>) -> ServiceResult<Option<PromptName>> {
-    name.map(super::prompts::parse_name).transpose()
+/// The prompt a trace filter names (`name` in the caller's project, or
+/// `project/name`); a list of a prompt that is absent or out of reach is
+/// empty, as the list's own project filter leaves it.
+pub fn filter_prompt(reach: &Reach, name: Option<&str>) -> ServiceResult<Option<PromptName>> {
+    let home = reach.project().unwrap_or(DEFAULT_PROJECT);
+    name.map(|n| PromptName::written(n, home).map_err(|e| ServiceError::NotFound(format!("no such prompt: {e}"))))
+        .transpose()
 }

@@ -39,7 +39,7 @@ pub trait PopulationStore: Send + Sync {
     /// One page of the `evaluated` prompts by name, after `after`, each with the
     /// end of its last rated window: what a rating tick needs to tell which
     /// windows are due, in one statement however many prompts there are.
-    async fn rating_schedule(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<RatingSlot>>;
+    async fn rating_schedule(&self, after: Option<&PromptName>, limit: u32) -> StoreResult<Vec<RatingSlot>>;
     /// Per (version, `metadata.task_key`) reward sums of the prompt's rewarded,
     /// unquarantined traces created in `[from, until)` (traces without a string
     /// task key or a version are left out), so arms can be compared on matched work.
@@ -89,18 +89,21 @@ enum Durability {
 
 #[async_trait]
 impl<D: Backend> PopulationStore for SqlStore<D> {
-    async fn rating_schedule(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<RatingSlot>> {
+    async fn rating_schedule(&self, after: Option<&PromptName>, limit: u32) -> StoreResult<Vec<RatingSlot>> {
         // `state <> 'retired'` is the condition of the partial index `population_arms_live`.
         sql::<D>(
-            "SELECT p.name, (SELECT max(a.rated_until) FROM population_arms a
+            "SELECT p.project, p.name, (SELECT max(a.rated_until) FROM population_arms a
                              WHERE a.prompt_id = p.id AND a.state <> 'retired') AS rated_until
-             FROM prompts p WHERE p.promotion = 'evaluated' AND p.name > $1 ORDER BY p.name LIMIT $2",
+             FROM prompts p WHERE p.promotion = 'evaluated' AND (p.name > $1 OR (p.name = $1 AND p.project > $3))
+             ORDER BY p.name, p.project LIMIT $2",
         )
-        .bind(after.unwrap_or(""))
+        .bind(after.map_or("", PromptName::as_str))
         .bind(i64::from(limit))
+        .bind(after.map_or("", PromptName::project))
         .map(&mut *self.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
-            Ok(RatingSlot { prompt: prompt_name(&r.get::<String>("name")?)?, rated_until: r.get("rated_until")? })
+            let prompt = prompt_name(&r.get::<String>("project")?, &r.get::<String>("name")?)?;
+            Ok(RatingSlot { prompt, rated_until: r.get("rated_until")? })
         })
         .await
     }
@@ -119,9 +122,11 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
         // `state <> 'retired'` is the condition of the partial index `population_arms_live`.
         let mut arms = sql::<D>(&format!(
             "SELECT {ARM_COLUMNS} FROM population_arms a
-             WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND a.state <> 'retired' ORDER BY a.version"
+             WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $2) AND a.state <> 'retired'
+             ORDER BY a.version"
         ))
         .bind(prompt.as_str())
+        .bind(prompt.project())
         .map(&mut *c, arm_from_row::<D>)
         .await?;
         for v in also {
@@ -130,10 +135,11 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
             }
             let arm = sql::<D>(&format!(
                 "SELECT {ARM_COLUMNS} FROM population_arms a
-                 WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND a.version = $2"
+                 WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $3) AND a.version = $2"
             ))
             .bind(prompt.as_str())
             .bind(*v)
+            .bind(prompt.project())
             .map(&mut *c, arm_from_row::<D>)
             .await?;
             arms.extend(arm);
@@ -150,11 +156,13 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
     ) -> StoreResult<Vec<PopulationArm>> {
         sql::<D>(&format!(
             "SELECT {ARM_COLUMNS} FROM population_arms a
-             WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND a.version > $2 ORDER BY a.version LIMIT $3"
+             WHERE a.prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $4) AND a.version > $2
+             ORDER BY a.version LIMIT $3"
         ))
         .bind(prompt.as_str())
         .bind(after.unwrap_or(i64::MIN))
         .bind(i64::from(limit))
+        .bind(prompt.project())
         .map(&mut *self.reader.acquire().await?, arm_from_row::<D>)
         .await
     }
@@ -221,7 +229,7 @@ async fn save_arms<D: Backend>(
         }
         q.execute(&mut tx).await?;
     }
-    s.commit(tx, Change::Prompt(prompt.to_string())).await?;
+    s.commit(tx, Change::prompt(prompt)).await?;
     Ok(())
 }
 

@@ -20,13 +20,24 @@ use super::{
 };
 use crate::domain::budget::{BudgetCaps, BudgetReached, DaySpend, Spent, day_key, passes};
 use crate::domain::event::OutboxEvent;
+use crate::domain::names::{DEFAULT_PROJECT, PromptName};
+
+/// A prompt as the budget's rows name it: its [`PromptName::qualified`] key
+/// (`support-agent` in `default`, `team-a/support-agent` elsewhere), the
+/// string the LLM calls are tagged with.
+fn prompt_of_key(key: &str) -> Option<PromptName> {
+    PromptName::written(key, DEFAULT_PROJECT).ok()
+}
+
+/// The budget key of a `prompts` row, in SQL (see [`prompt_of_key`]).
+const PROMPT_KEY: &str = "CASE WHEN project = 'default' THEN name ELSE project || '/' || name END";
 
 /// One attempt's reservation, as the meter asks for it.
 #[derive(Debug, Clone)]
 pub struct HoldRequest<'a> {
     pub id: Uuid,
     pub day: NaiveDate,
-    /// The prompt's name; `""` for a call of no prompt.
+    /// The prompt's key ([`PromptName::qualified`]); `""` for a call of no prompt.
     pub prompt: &'a str,
     pub round: Option<(Uuid, i32)>,
     pub estimate: Spent,
@@ -61,7 +72,8 @@ pub struct Settlement<'a> {
     pub used: Spent,
 }
 
-/// Spend, caps and the budget's state, per prompt and day.
+/// Spend, caps and the budget's state, per prompt and day. A prompt is
+/// named by its key, [`PromptName::qualified`].
 #[async_trait]
 pub trait BudgetStore: Send + Sync {
     /// Checks every cap against spend, live holds and the estimate, and holds
@@ -117,13 +129,17 @@ const DAY_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS toke
     SELECT tokens, usd FROM llm_spend_holds WHERE day = $1 AND ($2 = '*' OR prompt = $2)) s";
 
 /// What the prompts of one project spent (and hold) on a day.
-const PROJECT_DAY_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS tokens,
-        CAST(coalesce(sum(usd), 0) AS DOUBLE PRECISION) AS usd FROM (
-    SELECT tokens, usd FROM llm_spend_days
-     WHERE day = $1 AND prompt IN (SELECT name FROM prompts WHERE project = $2)
-    UNION ALL
-    SELECT tokens, usd FROM llm_spend_holds
-     WHERE day = $1 AND prompt IN (SELECT name FROM prompts WHERE project = $2)) s";
+fn project_day_spend() -> String {
+    format!(
+        "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS tokens,
+                CAST(coalesce(sum(usd), 0) AS DOUBLE PRECISION) AS usd FROM (
+            SELECT tokens, usd FROM llm_spend_days
+             WHERE day = $1 AND prompt IN (SELECT {PROMPT_KEY} FROM prompts WHERE project = $2)
+            UNION ALL
+            SELECT tokens, usd FROM llm_spend_holds
+             WHERE day = $1 AND prompt IN (SELECT {PROMPT_KEY} FROM prompts WHERE project = $2)) s"
+    )
+}
 
 const ROUND_SPEND: &str = "SELECT CAST(coalesce(sum(tokens), 0) AS BIGINT) AS tokens,
         CAST(coalesce(sum(usd), 0) AS DOUBLE PRECISION) AS usd FROM (
@@ -164,7 +180,7 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
             && let Some(project) = &project
             && (project_caps.tokens_per_day.is_some() || project_caps.usd_per_day.is_some())
         {
-            let row = sql::<D>(PROJECT_DAY_SPEND).bind(&day).bind(project).fetch_one(&mut tx).await?;
+            let row = sql::<D>(&project_day_spend()).bind(&day).bind(project).fetch_one(&mut tx).await?;
             let caps = project_caps;
             if let Some(which) = passes(caps.tokens_per_day, caps.usd_per_day, spent::<D>(&row)?, req.estimate) {
                 refusal = Some((format!("project {which}_per_day"), true));
@@ -215,8 +231,8 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
                 .await?
                     == 1;
                 if first {
-                    if !prompt.is_empty() {
-                        let event = OutboxEvent::budget_reached(prompt, &scope, &day, req.until);
+                    if let Some(prompt) = prompt_of_key(prompt) {
+                        let event = OutboxEvent::budget_reached(&prompt, &scope, &day, req.until);
                         queued |= record_event::<D>(&mut tx, &event).await?;
                     }
                 } else {
@@ -383,11 +399,11 @@ impl<D: Backend> BudgetStore for SqlStore<D> {
     async fn lift_project_budget(&self, project: &str, day: NaiveDate) -> StoreResult<()> {
         let at = now();
         let mut tx = self.begin_write().await?;
-        sql::<D>(
+        sql::<D>(&format!(
             "UPDATE budget_reached SET lifted_at = $1
              WHERE day = $2 AND scope LIKE 'project %' AND lifted_at IS NULL
-               AND prompt IN (SELECT name FROM prompts WHERE project = $3)",
-        )
+               AND prompt IN (SELECT {PROMPT_KEY} FROM prompts WHERE project = $3)"
+        ))
         .bind(at)
         .bind(day_key(day))
         .bind(project)
@@ -451,13 +467,13 @@ async fn read_caps<D: Dialect>(c: &mut D::Connection, prompt: &str) -> StoreResu
 /// The project of `prompt` (none for a call of no prompt) and the caps its
 /// settings give (`budget`, none when unset).
 async fn project_caps<D: Dialect>(c: &mut D::Connection, prompt: &str) -> StoreResult<(Option<String>, BudgetCaps)> {
-    if prompt.is_empty() {
-        return Ok((None, BudgetCaps::default()));
-    }
+    let Some(prompt) = prompt_of_key(prompt) else { return Ok((None, BudgetCaps::default())) };
     let row = sql::<D>(
-        "SELECT pr.name, pr.settings FROM prompts p JOIN projects pr ON pr.name = p.project WHERE p.name = $1",
+        "SELECT pr.name, pr.settings FROM prompts p JOIN projects pr ON pr.name = p.project
+         WHERE p.project = $1 AND p.name = $2",
     )
-    .bind(prompt)
+    .bind(prompt.project())
+    .bind(prompt.as_str())
     .fetch_optional(c)
     .await?;
     let Some(row) = row else { return Ok((None, BudgetCaps::default())) };
@@ -472,13 +488,19 @@ async fn project_caps<D: Dialect>(c: &mut D::Connection, prompt: &str) -> StoreR
 
 /// Makes the rounds waiting for the budget (of `prompt`, or of every prompt) due now.
 async fn wake_waiting<D: Dialect>(c: &mut D::Connection, prompt: Option<&str>, at: DateTime<Utc>) -> StoreResult<()> {
+    let prompt = match prompt.map(prompt_of_key) {
+        Some(None) => return Ok(()),
+        Some(prompt) => prompt,
+        None => None,
+    };
     sql::<D>(
         "UPDATE rounds SET not_before = $1, budget_wait = FALSE
          WHERE status = 'queued' AND budget_wait = TRUE
-           AND ($2 = '*' OR prompt_id = (SELECT id FROM prompts WHERE name = $2))",
+           AND ($2 = '*' OR prompt_id = (SELECT id FROM prompts WHERE project = $2 AND name = $3))",
     )
     .bind(at)
-    .bind(prompt.unwrap_or("*"))
+    .bind(prompt.as_ref().map_or("*", PromptName::project))
+    .bind(prompt.as_ref().map_or("*", PromptName::as_str))
     .execute(c)
     .await?;
     Ok(())

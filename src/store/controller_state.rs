@@ -69,12 +69,13 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
         // order (390 blocks for 410 samples, whatever the other prompts hold).
         let mut samples = sql::<D>(
             "SELECT s.batch_size, s.round_secs, s.round_id, s.created_at FROM controller_samples s
-             WHERE s.prompt_id >= (SELECT id FROM prompts WHERE name = $1)
-               AND s.prompt_id <= (SELECT id FROM prompts WHERE name = $1)
+             WHERE s.prompt_id >= (SELECT id FROM prompts WHERE name = $1 AND project = $3)
+               AND s.prompt_id <= (SELECT id FROM prompts WHERE name = $1 AND project = $3)
              ORDER BY s.prompt_id DESC, s.id DESC LIMIT $2",
         )
         .bind(prompt.as_str())
         .bind(i64::from(limit))
+        .bind(prompt.project())
         .map(&mut *self.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
             Ok(super::ControllerSample {
@@ -91,12 +92,14 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
 
     async fn save_controller_choice(&self, prompt: &PromptName, choice: &Value) -> StoreResult<()> {
         sql::<D>(
-            "INSERT INTO controller_choices (prompt_id, choice, updated_at) SELECT id, $1, $2 FROM prompts WHERE name = $3
+            "INSERT INTO controller_choices (prompt_id, choice, updated_at) SELECT id, $1, $2 FROM prompts
+             WHERE name = $3 AND project = $4
              ON CONFLICT (prompt_id) DO UPDATE SET choice = excluded.choice, updated_at = excluded.updated_at",
         )
         .bind(json(choice))
         .bind(now())
         .bind(prompt.as_str())
+        .bind(prompt.project())
         .execute(&mut *self.writer.acquire().await?)
         .await?;
         Ok(())
@@ -104,9 +107,11 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
 
     async fn controller_choice(&self, prompt: &PromptName) -> StoreResult<Option<(Value, DateTime<Utc>)>> {
         let row = sql::<D>(
-            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id WHERE p.name = $1",
+            "SELECT c.choice, c.updated_at FROM controller_choices c JOIN prompts p ON p.id = c.prompt_id
+             WHERE p.name = $1 AND p.project = $2",
         )
         .bind(prompt.as_str())
+        .bind(prompt.project())
         .fetch_optional(&mut *self.reader.acquire().await?)
         .await?;
         row.map(|row| {
@@ -131,7 +136,7 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
             );
             let recorded = sql::<D>(
                 "INSERT INTO meter_counts (round_id, prompt_id, size_min, marked, recaptured, created_at)
-                 SELECT $1, id, $2, $3, $4, $5 FROM prompts WHERE name = $6
+                 SELECT $1, id, $2, $3, $4, $5 FROM prompts WHERE name = $6 AND project = $7
                  ON CONFLICT (round_id, size_min) DO NOTHING",
             )
             .bind(round)
@@ -140,13 +145,14 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
             .bind(recaptured)
             .bind(now())
             .bind(prompt.as_str())
+            .bind(prompt.project())
             .execute(&mut tx)
             .await?;
             // The totals move only with a row recorded now: a round recorded twice counts once.
             if recorded == 1 {
                 sql::<D>(
                     "INSERT INTO meter_totals (prompt_id, size_min, marked, recaptured, rounds)
-                     SELECT id, $1, $2, $3, 1 FROM prompts WHERE name = $4
+                     SELECT id, $1, $2, $3, 1 FROM prompts WHERE name = $4 AND project = $5
                      ON CONFLICT (prompt_id, size_min) DO UPDATE SET marked = meter_totals.marked + excluded.marked,
                         recaptured = meter_totals.recaptured + excluded.recaptured, rounds = meter_totals.rounds + 1",
                 )
@@ -154,6 +160,7 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
                 .bind(marked)
                 .bind(recaptured)
                 .bind(prompt.as_str())
+                .bind(prompt.project())
                 .execute(&mut tx)
                 .await?;
             }
@@ -166,9 +173,10 @@ impl<D: Backend> ControllerStore for SqlStore<D> {
         // The running totals (`meter_totals`), not a sum over every round ever recorded.
         sql::<D>(
             "SELECT size_min, marked, recaptured, rounds FROM meter_totals
-             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) ORDER BY size_min",
+             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $2) ORDER BY size_min",
         )
         .bind(prompt.as_str())
+        .bind(prompt.project())
         .map(&mut *self.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
             Ok(super::MeterCounts {

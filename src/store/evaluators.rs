@@ -122,14 +122,14 @@ impl<D: Backend> EvaluatorStore for SqlStore<D> {
         // The prompts that have evaluators first, off the writer: the traces of
         // any other prompt are never read, and with none there is nothing to claim.
         let judged: Vec<(Uuid, PromptName, Vec<Evaluator>)> = sql::<D>(
-            "SELECT e.prompt_id, p.name, e.evaluators FROM prompt_evaluators e JOIN prompts p ON p.id = e.prompt_id
+            "SELECT e.prompt_id, p.project, p.name, e.evaluators FROM prompt_evaluators e JOIN prompts p ON p.id = e.prompt_id
              ORDER BY e.prompt_id",
         )
         .map(&mut *self.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
             Ok((
                 r.get("prompt_id")?,
-                prompt_name(&r.get::<String>("name")?)?,
+                prompt_name(&r.get::<String>("project")?, &r.get::<String>("name")?)?,
                 serde_json::from_value(r.get("evaluators")?).map_err(|_| corrupt("evaluators"))?,
             ))
         })

@@ -39,7 +39,7 @@ impl<D: Backend> ExportStore for SqlStore<D> {
     async fn export_page(&self, q: &ExportQuery, after: Option<Uuid>, limit: u32) -> StoreResult<Vec<Trace>> {
         sql::<D>(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
-             WHERE p.name = $1 AND ($2 IS NULL OR t.prompt_version = $2)
+             WHERE p.name = $1 AND p.project = $7 AND ($2 IS NULL OR t.prompt_version = $2)
                AND ($3 IS NULL OR t.created_at >= $3) AND ($4 IS NULL OR t.created_at < $4)
                AND ($5 IS NULL OR t.id > $5) AND t.quarantined_at IS NULL
              ORDER BY t.id LIMIT $6"
@@ -50,6 +50,7 @@ impl<D: Backend> ExportStore for SqlStore<D> {
         .bind(q.until)
         .bind(after)
         .bind(i64::from(limit))
+        .bind(q.prompt.project())
         .map(&mut *self.reader.acquire().await?, trace_from_row::<D>)
         .await
     }

@@ -82,8 +82,9 @@ impl<D: Backend> LabelStore for SqlStore<D> {
     async fn list_labels(&self, prompt: &PromptName) -> StoreResult<Vec<Label>> {
         sql::<D>(
             "SELECT l.name, l.version, l.updated_at, l.updated_by FROM labels l JOIN prompts p ON p.id = l.prompt_id
-             WHERE p.name = $1 ORDER BY l.name",
+             WHERE p.project = $1 AND p.name = $2 ORDER BY l.name",
         )
+        .bind(prompt.project())
         .bind(prompt.as_str())
         .map(&mut *self.reader.acquire().await?, label_from_row::<D>)
         .await
@@ -94,7 +95,7 @@ impl<D: Backend> LabelStore for SqlStore<D> {
         let id = prompt_id::<D>(&mut tx, prompt).await?;
         let (label, previous) = apply_move::<D>(&mut tx, id, mv).await?;
         let queued = record_move::<D>(&mut tx, id, prompt, &label, previous, cause).await?;
-        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        self.commit(tx, Change::prompt(prompt)).await?;
         self.announce_outbox(queued);
         Ok(label)
     }
@@ -111,7 +112,7 @@ impl<D: Backend> LabelStore for SqlStore<D> {
             let cause = MoveCause::new(LabelMoveKind::Delete, "label deleted");
             record_history::<D>(&mut tx, id, label, Some(version), None, by, &cause).await?;
         }
-        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        self.commit(tx, Change::prompt(prompt)).await?;
         Ok(deleted.is_some())
     }
 
@@ -123,8 +124,8 @@ impl<D: Backend> LabelStore for SqlStore<D> {
     ) -> StoreResult<Vec<LabelHistoryEntry>> {
         // Only the conditions given are in the text (no `$n IS NULL OR …`), so
         // the planner sees which index serves them, on every execution.
-        let mut conditions = vec!["m.prompt_id = (SELECT id FROM prompts WHERE name = $1)".to_owned()];
-        let mut n = 2;
+        let mut conditions = vec!["m.prompt_id = (SELECT id FROM prompts WHERE project = $1 AND name = $2)".to_owned()];
+        let mut n = 3;
         let mut next = |column: &str| {
             let c = format!("{column} = ${n}");
             n += 1;
@@ -144,7 +145,7 @@ impl<D: Backend> LabelStore for SqlStore<D> {
             conditions.join(" AND "),
             limit.max(1)
         );
-        let mut q = sql::<D>(&text).bind(prompt.as_str());
+        let mut q = sql::<D>(&text).bind(prompt.project()).bind(prompt.as_str());
         for (_, v) in label.iter().chain(kind.iter()) {
             q = q.bind(*v);
         }

@@ -121,7 +121,11 @@ pub enum StoreKind {
 /// Something changed that cached readers must drop.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
-    /// Versions or labels of this prompt changed.
+    /// Versions or labels of a prompt of this name changed, in some project.
+    /// Named by the bare name, as the previous release writes and reads the
+    /// payload (`prompt:NAME`), so processes of either release mid-upgrade
+    /// drop what they hold of it; every project's prompt of the name is
+    /// dropped, which costs only a reload.
     Prompt(String),
     /// An API key was created or revoked.
     Keys,
@@ -131,6 +135,13 @@ pub enum Change {
     OutboxEvent,
     /// Notifications may have been missed (listener reconnected): drop everything.
     Resync,
+}
+
+impl Change {
+    /// `prompt` changed.
+    pub fn prompt(prompt: &crate::domain::PromptName) -> Self {
+        Change::Prompt(prompt.as_str().to_owned())
+    }
 }
 
 /// The whole store: every resource's sub-trait, and what concerns the

@@ -107,7 +107,8 @@ impl<D: Backend> OtlpStore for SqlStore<D> {
             }
             OtlpRemap::Mapped(t) => *t,
         };
-        let prompt = sql::<D>("SELECT id, version_count FROM prompts WHERE name = $1")
+        let prompt = sql::<D>("SELECT id, version_count FROM prompts WHERE project = $1 AND name = $2")
+            .bind(mapped.prompt.project())
             .bind(mapped.prompt.as_str())
             .fetch_optional(&mut tx)
             .await?;

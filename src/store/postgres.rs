@@ -233,10 +233,12 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
     // copies of every trace).
     let text = format!(
         "WITH refs AS (
-             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int8[]) AS t(req, id, prompt, prompt_version)),
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int8[], $12::text[])
+                 AS t(req, id, prompt, prompt_version, project)),
          matched AS (
              SELECT t.req, t.id, p.id AS prompt_id FROM refs t
-             JOIN prompts p ON p.name = t.prompt AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)),
+             JOIN prompts p ON p.project = t.project AND p.name = t.prompt
+                 AND (t.prompt_version IS NULL OR t.prompt_version <= p.version_count)),
          counts AS (SELECT req, count(*) AS n FROM refs GROUP BY req),
          complete AS (
              SELECT m.req FROM matched m JOIN counts k ON k.req = m.req GROUP BY m.req, k.n
@@ -270,7 +272,8 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
         .bind(each(parts, |p| &p.feedback, text_of))
         .bind(each(parts, |p| &p.reflection, maybe_text))
         .bind(each(parts, |p| &p.external_id, maybe_text))
-        .bind(each(parts, |p| &p.metadata, text_of));
+        .bind(each(parts, |p| &p.metadata, text_of))
+        .bind(each(parts, |p| &p.prompt, PromptName::project));
     let stored = Postgres::fetch_all(q, c).await?;
     Ok(stored.iter().map(|r| r.try_get("id")).collect::<Result<_, _>>()?)
 }

@@ -1,5 +1,6 @@
-//! Projects: their rows and settings, and the one question every reach check
-//! asks the store — which project does this prompt, trace or round belong to.
+//! Projects: their rows and settings, and the question every reach check of
+//! a trace or round asks the store — which project does it belong to (a
+//! prompt's project is in its name).
 
 use async_trait::async_trait;
 use uuid::Uuid;
@@ -20,12 +21,8 @@ pub trait ProjectStore: Send + Sync {
     async fn list_projects(&self) -> StoreResult<Vec<Project>>;
     /// `None` when there is no such project.
     async fn update_project_settings(&self, name: &str, settings: &ProjectSettings) -> StoreResult<Option<Project>>;
-    /// The names of the project's prompts.
-    async fn project_prompts(&self, project: &str) -> StoreResult<Vec<String>>;
-    /// `(name, project)` of the prompts among `names` that exist.
-    async fn prompts_projects(&self, names: &[String]) -> StoreResult<Vec<(String, String)>>;
-    /// The project of the prompt with this name; `None` when there is no such prompt.
-    async fn prompt_project(&self, prompt: &str) -> StoreResult<Option<String>>;
+    /// The projects that hold a prompt named `name`, by name.
+    async fn projects_holding(&self, name: &str) -> StoreResult<Vec<String>>;
     /// The project of the trace's prompt; `None` when there is no such trace.
     async fn trace_project(&self, trace: Uuid) -> StoreResult<Option<String>>;
     /// The project of the round's prompt; `None` when there is no such round.
@@ -77,37 +74,10 @@ impl<D: Backend> ProjectStore for SqlStore<D> {
             .transpose()
     }
 
-    async fn project_prompts(&self, project: &str) -> StoreResult<Vec<String>> {
-        sql::<D>("SELECT name FROM prompts WHERE project = $1")
-            .bind(project)
-            .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("name"))
-            .await
-    }
-
-    async fn prompts_projects(&self, names: &[String]) -> StoreResult<Vec<(String, String)>> {
-        let mut out = Vec::with_capacity(names.len());
-        for chunk in names.chunks(500) {
-            let slots: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
-            let text = format!("SELECT name, project FROM prompts WHERE name IN ({})", slots.join(", "));
-            let mut q = sql::<D>(&text);
-            for name in chunk {
-                q = q.bind(name.as_str());
-            }
-            let rows = q
-                .map(&mut *self.reader.acquire().await?, |row| {
-                    let r = Cols::<D>(row);
-                    Ok((r.get::<String>("name")?, r.get::<String>("project")?))
-                })
-                .await?;
-            out.extend(rows);
-        }
-        Ok(out)
-    }
-
-    async fn prompt_project(&self, prompt: &str) -> StoreResult<Option<String>> {
-        sql::<D>("SELECT project FROM prompts WHERE name = $1")
-            .bind(prompt)
-            .value(&mut *self.reader.acquire().await?, "project")
+    async fn projects_holding(&self, name: &str) -> StoreResult<Vec<String>> {
+        sql::<D>("SELECT project FROM prompts WHERE name = $1 ORDER BY project")
+            .bind(name)
+            .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("project"))
             .await
     }
 

@@ -35,19 +35,19 @@ pub trait PromptStore: Send + Sync {
         expected: &PromptSettings,
         new: &PromptSettings,
     ) -> StoreResult<Option<Prompt>>;
-    /// Prompts ordered by name, starting after `after`, each with its
-    /// production version and pending traces (what people list them by).
-    /// Only `project`'s prompts when given.
+    /// Prompts ordered by name, then project, starting after `after`, each
+    /// with its production version and pending traces (what people list
+    /// them by). Only `project`'s prompts when given.
     async fn list_prompts(
         &self,
-        after: Option<&str>,
+        after: Option<&PromptName>,
         project: Option<&str>,
         limit: u32,
     ) -> StoreResult<Vec<PromptSummary>>;
-    /// Prompts ordered by name, starting after `after`: the prompts alone,
-    /// without counting their traces (what the periodic jobs walk, at a cost
-    /// that does not grow with a backlog).
-    async fn prompts_page(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<Prompt>>;
+    /// Prompts ordered by name, then project, starting after `after`: the
+    /// prompts alone, without counting their traces (what the periodic jobs
+    /// walk, at a cost that does not grow with a backlog).
+    async fn prompts_page(&self, after: Option<&PromptName>, limit: u32) -> StoreResult<Vec<Prompt>>;
     /// Appends a version (number = previous + 1, never a gap or a duplicate) and
     /// applies the label moves in the same transaction. A failed CAS rolls all back.
     /// The moves enter the label history as `rollback` when the version's source
@@ -81,7 +81,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         .bind(json(&settings))
         .bind(created_at)
         .bind(&p.created_by)
-        .bind(&p.project)
+        .bind(p.name.project())
         .execute(&mut *tx)
         .await?;
         insert_version::<D>(&mut tx, id, 1, &first, created_at).await?;
@@ -94,8 +94,8 @@ impl<D: Backend> PromptStore for SqlStore<D> {
             .await?;
         let prompt = Prompt {
             id,
+            project: p.name.project().to_owned(),
             name: p.name.clone(),
-            project: p.project,
             strategy: p.strategy,
             promotion: p.promotion,
             settings: p.settings,
@@ -110,19 +110,23 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         queued |= record_event::<D>(&mut tx, &moved).await?;
         let cause = MoveCause::new(LabelMoveKind::Create, "prompt created");
         record_history::<D>(&mut tx, id, &production, None, Some(1), &version.created_by, &cause).await?;
-        self.commit(tx, Change::Prompt(prompt.name.to_string())).await?;
+        self.commit(tx, Change::prompt(&prompt.name)).await?;
         self.announce_outbox(queued);
         Ok((prompt, version))
     }
 
     async fn get_prompt(&self, name: &PromptName) -> StoreResult<Option<Prompt>> {
-        sql::<D>("SELECT id, name, project, strategy, promotion, settings, created_at, created_by FROM prompts WHERE name = $1")
-            .bind(name.as_str())
-            .fetch_optional(&mut *self.reader.acquire().await?)
-            .await?
-            .as_ref()
-            .map(prompt_from_row::<D>)
-            .transpose()
+        sql::<D>(
+            "SELECT id, name, project, strategy, promotion, settings, created_at, created_by FROM prompts
+             WHERE project = $1 AND name = $2",
+        )
+        .bind(name.project())
+        .bind(name.as_str())
+        .fetch_optional(&mut *self.reader.acquire().await?)
+        .await?
+        .as_ref()
+        .map(prompt_from_row::<D>)
+        .transpose()
     }
 
     async fn update_prompt_settings(
@@ -132,11 +136,14 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         new: &PromptSettings,
     ) -> StoreResult<Option<Prompt>> {
         let mut tx = self.begin_write().await?;
-        let current: Option<Value> =
-            sql::<D>(&format!("SELECT settings FROM prompts WHERE name = $1{}", D::lock(" FOR UPDATE")))
-                .bind(name.as_str())
-                .value(&mut tx, "settings")
-                .await?;
+        let current: Option<Value> = sql::<D>(&format!(
+            "SELECT settings FROM prompts WHERE project = $1 AND name = $2{}",
+            D::lock(" FOR UPDATE")
+        ))
+        .bind(name.project())
+        .bind(name.as_str())
+        .value(&mut tx, "settings")
+        .await?;
         let Some(current) = current else { return Ok(None) };
         let current: PromptSettings = serde_json::from_value(current).map_err(|_| corrupt("settings"))?;
         if &current != expected {
@@ -144,11 +151,12 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         }
         let new = serde_json::to_value(new).map_err(|_| corrupt("settings"))?;
         let row = sql::<D>(
-            "UPDATE prompts SET settings = $1 WHERE name = $2
+            "UPDATE prompts SET settings = $1 WHERE project = $3 AND name = $2
              RETURNING id, name, project, strategy, promotion, settings, created_at, created_by",
         )
         .bind(json(&new))
         .bind(name.as_str())
+        .bind(name.project())
         .fetch_one(&mut tx)
         .await?;
         tx.commit().await?;
@@ -157,7 +165,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
 
     async fn list_prompts(
         &self,
-        after: Option<&str>,
+        after: Option<&PromptName>,
         project: Option<&str>,
         limit: u32,
     ) -> StoreResult<Vec<PromptSummary>> {
@@ -165,12 +173,14 @@ impl<D: Backend> PromptStore for SqlStore<D> {
             "SELECT p.id, p.name, p.project, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
                     (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
                     (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
-             FROM prompts p WHERE ($1 IS NULL OR p.name > $1) AND ($3 IS NULL OR p.project = $3)
-             ORDER BY p.name LIMIT $2",
+             FROM prompts p
+             WHERE ($1 IS NULL OR p.name > $1 OR (p.name = $1 AND p.project > $4)) AND ($3 IS NULL OR p.project = $3)
+             ORDER BY p.name, p.project LIMIT $2",
         )
-        .bind(after)
+        .bind(after.map(PromptName::as_str))
         .bind(i64::from(limit))
         .bind(project)
+        .bind(after.map(PromptName::project))
         .map(&mut *self.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
             Ok(PromptSummary {
@@ -183,15 +193,16 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         .await
     }
 
-    async fn prompts_page(&self, after: Option<&str>, limit: u32) -> StoreResult<Vec<Prompt>> {
-        let (filter, limit_param) = if after.is_some() { ("WHERE name > $1", "$2") } else { ("", "$1") };
+    async fn prompts_page(&self, after: Option<&PromptName>, limit: u32) -> StoreResult<Vec<Prompt>> {
+        let (filter, limit_param) =
+            if after.is_some() { ("WHERE name > $1 OR (name = $1 AND project > $2)", "$3") } else { ("", "$1") };
         let text = format!(
             "SELECT id, name, project, strategy, promotion, settings, created_at, created_by FROM prompts {filter}
-             ORDER BY name LIMIT {limit_param}"
+             ORDER BY name, project LIMIT {limit_param}"
         );
         let mut q = sql::<D>(&text);
         if let Some(after) = after {
-            q = q.bind(after);
+            q = q.bind(after.as_str()).bind(after.project());
         }
         q.bind(i64::from(limit)).map(&mut *self.reader.acquire().await?, prompt_from_row::<D>).await
     }
@@ -200,8 +211,10 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         let created_at = now();
         let mut tx = self.begin_write().await?;
         let row = sql::<D>(
-            "UPDATE prompts SET version_count = version_count + 1 WHERE name = $1 RETURNING id, version_count",
+            "UPDATE prompts SET version_count = version_count + 1 WHERE project = $1 AND name = $2
+             RETURNING id, version_count",
         )
+        .bind(prompt.project())
         .bind(prompt.as_str())
         .fetch_one(&mut tx)
         .await?;
@@ -223,7 +236,7 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         for (label, previous) in &moved {
             queued |= record_move::<D>(&mut tx, id, prompt, label, *previous, &cause).await?;
         }
-        self.commit(tx, Change::Prompt(prompt.to_string())).await?;
+        self.commit(tx, Change::prompt(prompt)).await?;
         self.announce_outbox(queued);
         Ok(version)
     }
@@ -236,12 +249,16 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         let from = match selector {
             Selector::Label(_) => {
                 "labels l JOIN prompts p ON p.id = l.prompt_id
-                 JOIN versions v ON v.prompt_id = l.prompt_id AND v.number = l.version WHERE p.name = $1 AND l.name = $2"
+                 JOIN versions v ON v.prompt_id = l.prompt_id AND v.number = l.version
+                 WHERE p.name = $1 AND p.project = $3 AND l.name = $2"
             }
             Selector::Latest => {
-                "prompts p JOIN versions v ON v.prompt_id = p.id AND v.number = p.version_count WHERE p.name = $1"
+                "prompts p JOIN versions v ON v.prompt_id = p.id AND v.number = p.version_count
+                 WHERE p.name = $1 AND p.project = $2"
             }
-            Selector::Version(_) => "prompts p JOIN versions v ON v.prompt_id = p.id AND v.number = $2 WHERE p.name = $1",
+            Selector::Version(_) => {
+                "prompts p JOIN versions v ON v.prompt_id = p.id AND v.number = $2 WHERE p.name = $1 AND p.project = $3"
+            }
         };
         let text = format!("SELECT {VERSION_COLUMNS}, {labels} FROM {from}");
         let query = sql::<D>(&text).bind(prompt.as_str());
@@ -249,7 +266,8 @@ impl<D: Backend> PromptStore for SqlStore<D> {
             Selector::Label(label) => query.bind(label.as_str()),
             Selector::Latest => query,
             Selector::Version(n) => query.bind(*n),
-        };
+        }
+        .bind(prompt.project());
         let Some(row) = query.fetch_optional(&mut *self.reader.acquire().await?).await? else { return Ok(None) };
         let labels: Option<String> = Cols::<D>(&row).get("labels")?;
         let mut labels = labels
@@ -269,13 +287,13 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         // back from the newest and stops at the limit; matched by the joined
         // name, it sorted every version of the prompt for each page (the newest
         // version: 334 blocks with 408 versions, 7 this way).
-        let (cursor, limit_param) = if before.is_some() { ("AND v.number < $2", "$3") } else { ("", "$2") };
+        let (cursor, limit_param) = if before.is_some() { ("AND v.number < $3", "$4") } else { ("", "$3") };
         let text = format!(
             "SELECT {VERSION_COLUMNS} FROM versions v JOIN prompts p ON p.id = v.prompt_id
-             WHERE v.prompt_id = (SELECT id FROM prompts WHERE name = $1) {cursor}
+             WHERE v.prompt_id = (SELECT id FROM prompts WHERE project = $1 AND name = $2) {cursor}
              ORDER BY v.number DESC LIMIT {limit_param}"
         );
-        let mut q = sql::<D>(&text).bind(prompt.as_str());
+        let mut q = sql::<D>(&text).bind(prompt.project()).bind(prompt.as_str());
         if let Some(before) = before {
             q = q.bind(before);
         }
@@ -287,7 +305,7 @@ pub(super) fn prompt_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Prompt> {
     let r = Cols::<D>(row);
     Ok(Prompt {
         id: r.get("id")?,
-        name: prompt_name(&r.get::<String>("name")?)?,
+        name: prompt_name(&r.get::<String>("project")?, &r.get::<String>("name")?)?,
         project: r.get("project")?,
         strategy: serde_json::from_value(Value::String(r.get("strategy")?)).map_err(|_| corrupt("strategy"))?,
         promotion: serde_json::from_value(Value::String(r.get("promotion")?)).map_err(|_| corrupt("promotion"))?,

@@ -15,7 +15,7 @@ use super::{
     StoreError, StoreResult,
     backend::{Backend, SqlStore},
     sql::{Cols, Dialect, corrupt, json, later, now, sql},
-    versions::{prompt_id, prompt_name},
+    versions::{prompt_id, prompt_name_of},
     webhooks::record_event,
 };
 use crate::domain::{
@@ -109,8 +109,8 @@ fn case_from_row<D: Dialect>(row: &D::Row) -> StoreResult<RegressionCase> {
     })
 }
 
-const GATE_COLUMNS: &str =
-    "p.name AS prompt_name, g.version, g.status, g.mode, g.detail, g.deadline, g.created_at, g.decided_at";
+const GATE_COLUMNS: &str = "p.project AS prompt_project, p.name AS prompt_name, g.version, g.status, g.mode, \
+                            g.detail, g.deadline, g.created_at, g.decided_at";
 
 fn gate_from_row<D: Dialect>(row: &D::Row) -> StoreResult<OpenGate> {
     let r = Cols::<D>(row);
@@ -121,7 +121,7 @@ fn gate_from_row<D: Dialect>(row: &D::Row) -> StoreResult<OpenGate> {
     gate.deadline = r.get("deadline")?;
     gate.created_at = r.get("created_at")?;
     gate.decided_at = r.get("decided_at")?;
-    Ok(OpenGate { prompt: prompt_name(&r.get::<String>("prompt_name")?)?, gate })
+    Ok(OpenGate { prompt: prompt_name_of(&r)?, gate })
 }
 
 fn detail(gate: &Gate) -> StoreResult<Value> {
@@ -279,10 +279,11 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
     async fn gate(&self, prompt: &PromptName, version: i64) -> StoreResult<Option<Gate>> {
         let row = sql::<D>(&format!(
             "SELECT {GATE_COLUMNS} FROM version_gates g JOIN prompts p ON p.id = g.prompt_id
-             WHERE p.name = $1 AND g.version = $2"
+             WHERE p.name = $1 AND g.version = $2 AND p.project = $3"
         ))
         .bind(prompt.as_str())
         .bind(version)
+        .bind(prompt.project())
         .fetch_optional(&mut *self.reader.acquire().await?)
         .await?;
         row.map(|r| gate_from_row::<D>(&r).map(|g| g.gate)).transpose()
@@ -306,7 +307,7 @@ impl<D: Backend> RegressionStore for SqlStore<D> {
             return Err(StoreError::Conflict);
         }
         let queued = record_event::<D>(&mut tx, event).await?;
-        self.commit(tx, super::Change::Prompt(prompt.to_string())).await?;
+        self.commit(tx, super::Change::prompt(prompt)).await?;
         self.announce_outbox(queued);
         Ok(())
     }

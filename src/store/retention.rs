@@ -185,7 +185,8 @@ impl<D: Backend> Retention for SqlStore<D> {
         limit: u32,
     ) -> StoreResult<Vec<Uuid>> {
         let text = format!(
-            "SELECT t.id FROM traces t WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND {} AND {}
+            "SELECT t.id FROM traces t WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $5)
+               AND {} AND {}
              ORDER BY t.id LIMIT $4",
             kind.condition(),
             kind.expired("$2", "$3")
@@ -195,6 +196,7 @@ impl<D: Backend> Retention for SqlStore<D> {
             .bind(cutoff)
             .bind(id_bound(cutoff))
             .bind(i64::from(limit))
+            .bind(prompt.project())
             .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("id"))
             .await
     }
@@ -206,7 +208,8 @@ impl<D: Backend> Retention for SqlStore<D> {
         cutoff: DateTime<Utc>,
     ) -> StoreResult<u64> {
         let text = format!(
-            "SELECT count(*) AS n FROM traces t WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1) AND {} AND {}",
+            "SELECT count(*) AS n FROM traces t
+             WHERE t.prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $4) AND {} AND {}",
             kind.condition(),
             kind.expired("$2", "$3")
         );
@@ -214,6 +217,7 @@ impl<D: Backend> Retention for SqlStore<D> {
             .bind(prompt.as_str())
             .bind(cutoff)
             .bind(id_bound(cutoff))
+            .bind(prompt.project())
             .value(&mut *self.reader.acquire().await?, "n")
             .await?;
         Ok(n.unwrap_or(0).max(0) as u64)

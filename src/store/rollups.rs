@@ -249,7 +249,7 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
         return Ok(Vec::new());
     }
     // Parameters are numbered in the order they are bound.
-    let mut n = 2; // $1 the prompt, $2 the bucket width
+    let mut n = 3; // $1 the prompt's name, $2 its project, $3 the bucket width
     let mut param = || {
         n += 1;
         format!("${n}")
@@ -284,11 +284,12 @@ pub(crate) async fn read_version_outcomes<D: Backend>(
         })
         .join(", ");
     let text = format!(
-        "SELECT NULLIF(version, 0) AS version, (start_secs / $2) * $2 AS start, {counts}, {moments}
-         FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
+        "SELECT NULLIF(version, 0) AS version, (start_secs / $3) * $3 AS start, {counts}, {moments}
+         FROM outcome_rollups WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $2)
+           AND ({ranges})
          GROUP BY 1, 2 HAVING sum(traces) > 0"
     );
-    let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(bucket);
+    let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(prompt.project()).bind(bucket);
     for (w, a, b) in reads {
         query = query.bind(w).bind(a).bind(b);
     }
@@ -316,7 +317,7 @@ pub(crate) async fn read_task_rewards<D: Backend>(
     if reads.is_empty() {
         return Ok(Vec::new());
     }
-    let mut n = 1; // $1 the prompt
+    let mut n = 2; // $1 the prompt's name, $2 its project
     let mut param = || {
         n += 1;
         format!("${n}")
@@ -328,11 +329,11 @@ pub(crate) async fn read_task_rewards<D: Backend>(
         .join(" OR ");
     let text = format!(
         "SELECT version, task_key, CAST(sum(traces) AS BIGINT) AS n, {total} AS total FROM task_rollups
-         WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1) AND ({ranges})
+         WHERE prompt_id = (SELECT id FROM prompts WHERE name = $1 AND project = $2) AND ({ranges})
          GROUP BY version, task_key HAVING sum(traces) > 0",
         total = D::real("sum(reward_sum)"),
     );
-    let mut query = sql::<D>(&text).bind(prompt.as_str());
+    let mut query = sql::<D>(&text).bind(prompt.as_str()).bind(prompt.project());
     for (w, a, b) in reads {
         query = query.bind(w).bind(a).bind(b);
     }
@@ -453,13 +454,14 @@ impl<D: Backend> Rollups for SqlStore<D> {
         for table in ["outcome_rollups", "task_rollups"] {
             n += sql::<D>(&format!(
                 "DELETE FROM {table} WHERE id IN (
-                     SELECT id FROM {table} WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3)
+                     SELECT id FROM {table} WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3 AND project = $5)
                        AND width = $4 AND start_secs < $1 LIMIT $2)"
             ))
             .bind(before)
             .bind(i64::from(limit))
             .bind(prompt.as_str())
             .bind(width)
+            .bind(prompt.project())
             .execute(&mut *self.writer.acquire().await?)
             .await?;
         }

@@ -17,7 +17,7 @@ use super::{
     prompts::prompt_from_row,
     sql::{Cols, Dialect, corrupt, enum_str, json, later, now, sql},
     traces::{TRACE_COLUMNS, trace_from_row},
-    versions::{insert_version, prompt_name},
+    versions::{insert_version, prompt_name, prompt_name_of},
     webhooks::record_event,
 };
 use crate::{
@@ -254,10 +254,10 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         }
         // The prompt row lock (Postgres; the single writer on SQLite) serialises round creation per prompt.
         let text = format!(
-            "SELECT id, strategy, settings, version_count FROM prompts WHERE name = $1{}",
+            "SELECT id, strategy, settings, version_count FROM prompts WHERE name = $1 AND project = $2{}",
             D::lock(" FOR UPDATE")
         );
-        let row = sql::<D>(&text).bind(req.prompt.as_str()).fetch_one(&mut tx).await?;
+        let row = sql::<D>(&text).bind(req.prompt.as_str()).bind(req.prompt.project()).fetch_one(&mut tx).await?;
         let r = Cols::<D>(&row);
         let prompt_id: Uuid = r.get("id")?;
         let strategy: String = r.get("strategy")?;
@@ -344,7 +344,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
              LEFT JOIN (SELECT t.prompt_id, count(*) AS pending, min(t.created_at) AS oldest FROM traces t{hint}
                         WHERE t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL
                         GROUP BY t.prompt_id) b ON b.prompt_id = p.id
-             ORDER BY p.name"
+             ORDER BY p.name, p.project"
         );
         sql::<D>(&text)
             .map(&mut *self.reader.acquire().await?, |row| {
@@ -536,14 +536,14 @@ impl<D: Backend> RoundStore for SqlStore<D> {
             LabelMove { label: label.clone(), to_version: number, expected_current: None, check_current: false, by };
         let (moved, previous) = apply_move::<D>(&mut tx, prompt_id, &mv).await?;
         settle_succeeded::<D>(&mut tx, round, Some(number), detail, charges, now).await?;
-        let version = v.into_version(PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?, number, now);
+        let version = v.into_version(name.clone(), number, now);
         let mut queued = record_event::<D>(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
         let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
             .with_evidence(serde_json::json!({ "round_id": round }));
         queued |= record_move::<D>(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
         let completed = OutboxEvent::round_completed(&version.prompt, round, Some((number, &label)));
         queued |= record_event::<D>(&mut tx, &completed).await?;
-        self.commit(tx, Change::Prompt(name)).await?;
+        self.commit(tx, Change::prompt(&name)).await?;
         self.announce_outbox(queued);
         Ok(version)
     }
@@ -563,9 +563,8 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         // A round that succeeds ends the prompt's failure streak, version or not.
         reset_failures::<D>(&mut tx, prompt_id).await?;
         settle_succeeded::<D>(&mut tx, round, None, detail, charges, now).await?;
-        let prompt = PromptName::parse(&name).map_err(|_| corrupt("prompt name"))?;
-        let queued = record_event::<D>(&mut tx, &OutboxEvent::round_completed(&prompt, round, None)).await?;
-        self.commit(tx, Change::Prompt(name)).await?;
+        let queued = record_event::<D>(&mut tx, &OutboxEvent::round_completed(&name, round, None)).await?;
+        self.commit(tx, Change::prompt(&name)).await?;
         self.announce_outbox(queued);
         Ok(())
     }
@@ -650,20 +649,23 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         // costs its rows however many rounds there are.
         let mut conditions = Vec::new();
         if prompt.is_some() {
-            conditions.push(format!("r.prompt_id = (SELECT id FROM prompts WHERE name = ${})", conditions.len() + 1));
+            let n = conditions.len() + 1;
+            conditions
+                .push(format!("r.prompt_id = (SELECT id FROM prompts WHERE project = ${n} AND name = ${})", n + 1));
         }
+        let params = if prompt.is_some() { 2 } else { 0 };
         if before.is_some() {
-            conditions.push(format!("r.id < ${}", conditions.len() + 1));
+            conditions.push(format!("r.id < ${}", params + 1));
         }
         let filter = if conditions.is_empty() { String::new() } else { format!("WHERE {}", conditions.join(" AND ")) };
         let text = format!(
             "SELECT {ROUND_COLUMNS} FROM rounds r JOIN prompts p ON p.id = r.prompt_id {filter}
              ORDER BY r.id DESC LIMIT ${}",
-            conditions.len() + 1
+            params + usize::from(before.is_some()) + 1
         );
         let mut query = sql::<D>(&text);
         if let Some(p) = prompt {
-            query = query.bind(p.as_str());
+            query = query.bind(p.project()).bind(p.as_str());
         }
         if let Some(id) = before {
             query = query.bind(id);
@@ -679,7 +681,8 @@ impl<D: Backend> RoundStore for SqlStore<D> {
     }
 
     async fn failure_streak(&self, prompt: &PromptName) -> StoreResult<Option<FailureStreak>> {
-        sql::<D>("SELECT failure_streak, last_failed_at, last_failure FROM prompts WHERE name = $1")
+        sql::<D>("SELECT failure_streak, last_failed_at, last_failure FROM prompts WHERE project = $1 AND name = $2")
+            .bind(prompt.project())
             .bind(prompt.as_str())
             .fetch_optional(&mut *self.reader.acquire().await?)
             .await?
@@ -690,8 +693,11 @@ impl<D: Backend> RoundStore for SqlStore<D> {
 
     async fn clear_failure_streak(&self, prompt: &PromptName) -> StoreResult<bool> {
         let mut tx = self.begin_write().await?;
-        let id: Option<Uuid> =
-            sql::<D>("SELECT id FROM prompts WHERE name = $1").bind(prompt.as_str()).value(&mut tx, "id").await?;
+        let id: Option<Uuid> = sql::<D>("SELECT id FROM prompts WHERE project = $1 AND name = $2")
+            .bind(prompt.project())
+            .bind(prompt.as_str())
+            .value(&mut tx, "id")
+            .await?;
         let Some(id) = id else { return Ok(false) };
         reset_failures::<D>(&mut tx, id).await?;
         tx.commit().await?;
@@ -700,21 +706,22 @@ impl<D: Backend> RoundStore for SqlStore<D> {
 
     async fn failing_prompts(&self, limit: u32) -> StoreResult<Vec<(PromptName, FailureStreak)>> {
         sql::<D>(
-            "SELECT name, failure_streak, last_failed_at, last_failure FROM prompts WHERE failure_streak > 0
-             ORDER BY name LIMIT $1",
+            "SELECT project, name, failure_streak, last_failed_at, last_failure FROM prompts WHERE failure_streak > 0
+             ORDER BY name, project LIMIT $1",
         )
         .bind(i64::from(limit))
         .map(&mut *self.reader.acquire().await?, |row| {
-            let name = PromptName::parse(&Cols::<D>(row).get::<String>("name")?).map_err(|_| corrupt("prompt name"))?;
+            let r = Cols::<D>(row);
+            let name = prompt_name(&r.get::<String>("project")?, &r.get::<String>("name")?)?;
             Ok((name, failures_from_row::<D>(row, true)?))
         })
         .await
     }
 }
 
-pub(super) const ROUND_COLUMNS: &str = "r.id, p.name AS prompt_name, r.status, r.trigger, r.method, r.strategy, \
-     r.seed, r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, r.error, r.detail, r.created_at, \
-     r.started_at, r.finished_at, r.updated_at";
+pub(super) const ROUND_COLUMNS: &str = "r.id, p.project AS prompt_project, p.name AS prompt_name, r.status, \
+     r.trigger, r.method, r.strategy, r.seed, r.duplication, r.n, r.k, r.base_version, r.result_version, r.attempt, \
+     r.error, r.detail, r.created_at, r.started_at, r.finished_at, r.updated_at";
 
 pub(super) fn round_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Round> {
     let r = Cols::<D>(row);
@@ -722,7 +729,7 @@ pub(super) fn round_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Round> {
     let (method, strategy): (String, String) = (r.get("method")?, r.get("strategy")?);
     Ok(Round {
         id: r.get("id")?,
-        prompt: prompt_name(&r.get::<String>("prompt_name")?)?,
+        prompt: prompt_name_of(&r)?,
         status: RoundStatus::parse(&status).ok_or_else(|| corrupt("round status"))?,
         trigger: RoundTrigger::parse(&trigger).ok_or_else(|| corrupt("round trigger"))?,
         method: round::parse_method(&method).ok_or_else(|| corrupt("round method"))?,
@@ -800,9 +807,13 @@ async fn settle_succeeded<D: Dialect>(
     Ok(())
 }
 
-pub(super) async fn fence<D: Dialect>(c: &mut D::Connection, round: Uuid, attempt: i32) -> StoreResult<(Uuid, String)> {
+pub(super) async fn fence<D: Dialect>(
+    c: &mut D::Connection,
+    round: Uuid,
+    attempt: i32,
+) -> StoreResult<(Uuid, PromptName)> {
     let row = sql::<D>(&format!(
-        "SELECT r.prompt_id, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id
+        "SELECT r.prompt_id, p.project, p.name, r.status, r.attempt FROM rounds r JOIN prompts p ON p.id = r.prompt_id
          WHERE r.id = $1{}",
         D::lock(" FOR UPDATE OF r")
     ))
@@ -814,7 +825,7 @@ pub(super) async fn fence<D: Dialect>(c: &mut D::Connection, round: Uuid, attemp
     if r.get::<String>("status")? != "running" || r.get::<i32>("attempt")? != attempt {
         return Err(StoreError::Conflict);
     }
-    Ok((r.get("prompt_id")?, r.get("name")?))
+    Ok((r.get("prompt_id")?, prompt_name(&r.get::<String>("project")?, &r.get::<String>("name")?)?))
 }
 
 /// Charges each faulted trace of the round one attempt (see [`TraceCharges`]).

@@ -395,7 +395,8 @@ async fn resolve_prompts(
     let mut ids = Vec::with_capacity(traces.len());
     for (i, t) in traces.iter().enumerate() {
         if !known.contains_key(&t.prompt) {
-            let row = sqlx::query("SELECT id, version_count FROM prompts WHERE name = ?")
+            let row = sqlx::query("SELECT id, version_count FROM prompts WHERE project = ? AND name = ?")
+                .bind(t.prompt.project())
                 .bind(t.prompt.as_str())
                 .fetch_optional(&mut *c)
                 .await?;

@@ -11,7 +11,7 @@ use super::{
     backend::{Backend, SqlStore},
     rollups::{self, Counted, Sign},
     sql::{Cols, Dialect, Param, corrupt, json, now, sql},
-    versions::{prompt_id, prompt_name},
+    versions::{prompt_id, prompt_name_of},
 };
 use crate::{
     domain::{
@@ -172,7 +172,9 @@ impl<D: Backend> TraceStore for SqlStore<D> {
             format!("${n}")
         };
         if f.prompt.is_some() {
-            conditions.push(format!("t.prompt_id = (SELECT id FROM prompts WHERE name = {})", next()));
+            let (project, name) = (next(), next());
+            conditions
+                .push(format!("t.prompt_id = (SELECT id FROM prompts WHERE project = {project} AND name = {name})"));
         }
         if f.project.is_some() {
             conditions.push(format!("p.project = {}", next()));
@@ -199,7 +201,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         );
         let mut q = sql::<D>(&text);
         if let Some(p) = &f.prompt {
-            q = q.bind(p.as_str());
+            q = q.bind(p.project()).bind(p.as_str());
         }
         if let Some(project) = &f.project {
             q = q.bind(project.as_str());
@@ -277,8 +279,8 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         let mut tx = self.begin_write().await?;
         let held: Vec<Uuid> = sql::<D>(
             "UPDATE traces SET quarantined_at = $1, quarantine_reason = $2, updated_at = $1
-             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3) AND status = 'pending' AND round_id IS NULL
-               AND quarantined_at IS NULL
+             WHERE prompt_id = (SELECT id FROM prompts WHERE name = $3 AND project = $6) AND status = 'pending'
+               AND round_id IS NULL AND quarantined_at IS NULL
                AND ($4 IS NULL OR created_at >= $4) AND ($5 IS NULL OR created_at < $5)
              RETURNING id",
         )
@@ -287,6 +289,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         .bind(prompt.as_str())
         .bind(f.since)
         .bind(f.until)
+        .bind(prompt.project())
         .map(&mut tx, |row| Cols::<D>(row).get("id"))
         .await?;
         // The rows this statement changed, whatever ran meanwhile: their rewards leave the rollups.
@@ -359,9 +362,9 @@ impl<D: Backend> TraceStore for SqlStore<D> {
     }
 }
 
-pub(super) const TRACE_COLUMNS: &str = "t.id, p.name AS prompt_name, t.prompt_version, t.status, t.input, \
-     t.trajectory, t.output, t.feedback, t.reflection, t.external_id, t.metadata, t.attempts, t.failure_reason, \
-     t.round_id, t.created_at, t.updated_at, t.quarantined_at, t.quarantine_reason, t.feedback_source, \
+pub(super) const TRACE_COLUMNS: &str = "t.id, p.project AS prompt_project, p.name AS prompt_name, \
+     t.prompt_version, t.status, t.input, t.trajectory, t.output, t.feedback, t.reflection, t.external_id, \
+     t.metadata, t.attempts, t.failure_reason, t.round_id, t.created_at, t.updated_at, t.quarantined_at, t.quarantine_reason, t.feedback_source, \
      t.judged_at, t.judged_by, t.judgements";
 
 pub(super) fn trace_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Trace> {
@@ -371,7 +374,7 @@ pub(super) fn trace_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Trace> {
     let quarantined_at: Option<DateTime<Utc>> = r.get("quarantined_at")?;
     Ok(Trace {
         id: r.get("id")?,
-        prompt: prompt_name(&r.get::<String>("prompt_name")?)?,
+        prompt: prompt_name_of(&r)?,
         prompt_version: r.get("prompt_version")?,
         status: match quarantined_at {
             Some(_) => TraceStatus::Quarantined,
@@ -412,7 +415,8 @@ pub(super) async fn reference_problem<D: Dialect>(
     prompt: &PromptName,
     version: Option<i64>,
 ) -> StoreResult<Option<String>> {
-    let count = sql::<D>("SELECT version_count FROM prompts WHERE name = $1")
+    let count = sql::<D>("SELECT version_count FROM prompts WHERE project = $1 AND name = $2")
+        .bind(prompt.project())
         .bind(prompt.as_str())
         .value(c, "version_count")
         .await?;

@@ -13,11 +13,17 @@ use super::{
 };
 use crate::domain::{PromptName, Version, VersionContent, VersionSource, prompt::NewVersion};
 
-pub(super) fn prompt_name(s: &str) -> StoreResult<PromptName> {
-    PromptName::parse(s).map_err(|_| corrupt("prompt name"))
+/// A prompt's name as stored: its project and its name in it.
+pub(super) fn prompt_name(project: &str, name: &str) -> StoreResult<PromptName> {
+    PromptName::new(project, name).map_err(|_| corrupt("prompt name"))
 }
 
-pub(super) const VERSION_COLUMNS: &str = "p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, \
+/// The prompt's name of a row that selected `p.project AS prompt_project, p.name AS prompt_name`.
+pub(super) fn prompt_name_of<D: Dialect>(r: &Cols<'_, D>) -> StoreResult<PromptName> {
+    prompt_name(&r.get::<String>("prompt_project")?, &r.get::<String>("prompt_name")?)
+}
+
+pub(super) const VERSION_COLUMNS: &str = "p.project AS prompt_project, p.name AS prompt_name, v.number, v.parent, v.source, v.round_id, v.base, \
      v.playbook, v.content_hash, v.message, v.created_by, v.created_at";
 
 pub(super) fn version_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Version> {
@@ -25,7 +31,7 @@ pub(super) fn version_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Version>
     let source: String = r.get("source")?;
     let playbook: Option<Value> = r.get("playbook")?;
     Ok(Version {
-        prompt: prompt_name(&r.get::<String>("prompt_name")?)?,
+        prompt: prompt_name_of(&r)?,
         number: r.get("number")?,
         parent: r.get("parent")?,
         source: VersionSource::parse(&source).ok_or_else(|| corrupt("version source"))?,
@@ -111,7 +117,8 @@ pub(super) async fn require_versions<D: Dialect>(
 }
 
 pub(super) async fn prompt_id<D: Dialect>(c: &mut D::Connection, name: &PromptName) -> StoreResult<Uuid> {
-    sql::<D>("SELECT id FROM prompts WHERE name = $1")
+    sql::<D>("SELECT id FROM prompts WHERE project = $1 AND name = $2")
+        .bind(name.project())
         .bind(name.as_str())
         .value(c, "id")
         .await?

@@ -278,10 +278,10 @@ pub(super) async fn record_event<D: Dialect>(c: &mut D::Connection, e: &OutboxEv
     // A project's subscription hears only of its project's prompts; a server-wide one of all.
     let subscribers = sql::<D>(
         "SELECT id FROM webhook_subscriptions WHERE enabled = TRUE AND events LIKE $1
-         AND (project IS NULL OR project = (SELECT project FROM prompts WHERE name = $2))",
+         AND (project IS NULL OR project = $2)",
     )
     .bind(events_pattern(e.kind))
-    .bind(e.prompt.as_deref())
+    .bind(e.prompt.as_ref().map(|p| p.project()))
     .map(c, |row| Cols::<D>(row).get::<Uuid>("id"))
     .await?;
     for sub in &subscribers {

@@ -19,7 +19,9 @@ use crate::{
     service::{
         AppState, ServiceError,
         audit::{Audit, trace_change},
-        labels, prompts, regression, traces,
+        labels,
+        projects::PathPrompt,
+        prompts, regression, traces,
     },
 };
 
@@ -54,11 +56,12 @@ fn back(name: &str, notice: &str, version: i64) -> Response {
 pub async fn promote(
     State(st): State<AppState>,
     op: Operator,
+    PathPrompt(found): PathPrompt,
     Path(name): Path<String>,
     Form(form): Form<VersionForm>,
 ) -> Result<Response, UiError> {
     let (version, expected) = checked(&op, &form)?;
-    let prompt = prompts::existing_prompt(&st, &name).await?;
+    let prompt = prompts::existing_prompt(&st, &found).await?;
     let mv = LabelMove {
         label: LabelName::production(),
         to_version: version,
@@ -72,23 +75,24 @@ pub async fn promote(
     let audit = Audit::new("label.move", "label", format!("{}/production", prompt.name))
         .before(serde_json::json!({"name": "production", "version": expected}))
         .after(moved);
-    Ok((audit, back(prompt.name.as_str(), "promoted", version)).into_response())
+    Ok((audit, back(&name, "promoted", version)).into_response())
 }
 
 pub async fn rollback(
     State(st): State<AppState>,
     op: Operator,
+    PathPrompt(found): PathPrompt,
     Path(name): Path<String>,
     Form(form): Form<VersionForm>,
 ) -> Result<Response, UiError> {
     let (to, expected) = checked(&op, &form)?;
-    let prompt = prompts::existing_prompt(&st, &name).await?;
+    let prompt = prompts::existing_prompt(&st, &found).await?;
     let created = labels::roll_back(&st, &prompt, to, None, Some(expected), &op.actor()).await?;
     tracing::info!(prompt = %prompt.name, to, new_version = created.number, by = %op.actor(), "rolled back from the web UI");
     let audit = Audit::new("prompt.rollback", "prompt", &prompt.name)
         .before(serde_json::json!({"name": "production", "version": expected}))
         .after(serde_json::json!({"name": "production", "version": created.number, "content_of": to}));
-    Ok((audit, back(prompt.name.as_str(), "rolled_back", created.number)).into_response())
+    Ok((audit, back(&name, "rolled_back", created.number)).into_response())
 }
 
 #[derive(Deserialize)]

@@ -250,7 +250,7 @@ mod tests {
 
     #[test]
     fn the_crossover_draw_is_seeded_by_prompt_and_window() {
-        let p = PromptName::parse("p").unwrap();
+        let p = PromptName::new("default", "p").unwrap();
         let t = DateTime::parse_from_rfc3339("2026-11-23T16:00:00Z").unwrap().with_timezone(&Utc);
         assert_eq!(crossover_draw(&p, t), crossover_draw(&p, t));
         // Over many windows about a fifth fall below 0.2, all below 1, none below 0.

@@ -16,7 +16,8 @@ use crate::{
 /// when the rule or its bound changes (not on every new pending trace).
 #[derive(Default)]
 pub struct ChoiceLog {
-    last: Mutex<HashMap<String, (u32, u32, String)>>,
+    /// By the prompt's full name: two projects' prompts of one name are two entries.
+    last: Mutex<HashMap<PromptName, (u32, u32, String)>>,
 }
 
 impl ChoiceLog {
@@ -34,14 +35,14 @@ impl ChoiceLog {
         let key = (choice.target, choice.cap, rule);
         let changed = {
             let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-            last.get(prompt.as_str()) != Some(&key)
+            last.get(prompt) != Some(&key)
         };
         if !changed {
             return Ok(());
         }
         let value = serde_json::to_value(choice).unwrap_or_default();
         store.save_controller_choice(prompt, &value).await?;
-        self.last.lock().unwrap_or_else(|e| e.into_inner()).insert(prompt.to_string(), key);
+        self.last.lock().unwrap_or_else(|e| e.into_inner()).insert(prompt.clone(), key);
         export(prompt, project, choice);
         tracing::info!(prompt = %prompt, cap = choice.cap, reason = %choice.reason, "batch size chosen");
         Ok(())

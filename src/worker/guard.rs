@@ -128,9 +128,9 @@ impl RegressionGuard {
 
     /// Judges every prompt once.
     pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<()> {
-        let mut after: Option<String> = None;
+        let mut after: Option<PromptName> = None;
         loop {
-            let page = self.store.prompts_page(after.as_deref(), PAGE).await?;
+            let page = self.store.prompts_page(after.as_ref(), PAGE).await?;
             for p in &page {
                 if !p.settings.regression_guard {
                     continue;
@@ -142,7 +142,7 @@ impl RegressionGuard {
             if page.len() < PAGE as usize {
                 return Ok(());
             }
-            after = page.last().map(|p| p.name.to_string());
+            after = page.last().map(|p| p.name.clone());
         }
     }
 

@@ -556,7 +556,7 @@ mod tests {
         Backlog {
             prompt: Prompt {
                 id: uuid::Uuid::nil(),
-                name: PromptName::parse("p").unwrap(),
+                name: PromptName::new("default", "p").unwrap(),
                 project: "default".into(),
                 strategy: Strategy::Playbook,
                 promotion: Promotion::Auto,

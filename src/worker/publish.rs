@@ -182,7 +182,7 @@ mod tests {
     fn prompt(promotion: Promotion) -> Prompt {
         Prompt {
             id: uuid::Uuid::nil(),
-            name: PromptName::parse("p").unwrap(),
+            name: PromptName::new("default", "p").unwrap(),
             project: "default".into(),
             strategy: Strategy::Playbook,
             promotion,

@@ -160,10 +160,10 @@ impl PopulationRater {
     pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<TickPhases> {
         let mut phases = TickPhases::default();
         let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
-        let mut after: Option<String> = None;
+        let mut after: Option<PromptName> = None;
         loop {
             let listed = std::time::Instant::now();
-            let page = self.store.rating_schedule(after.as_deref(), PAGE).await?;
+            let page = self.store.rating_schedule(after.as_ref(), PAGE).await?;
             phases.list += listed.elapsed();
             for slot in &page {
                 phases.checked += 1;
@@ -184,7 +184,7 @@ impl PopulationRater {
             if page.len() < PAGE as usize {
                 return Ok(phases);
             }
-            after = page.last().map(|s| s.prompt.to_string());
+            after = page.last().map(|s| s.prompt.clone());
         }
     }
 

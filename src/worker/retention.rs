@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::RetentionSettings,
     domain::{
-        Prompt, Trace,
+        Prompt, PromptName, Trace,
         audit::{Actor, NewAuditEntry, RequestOrigin},
     },
     store::{DynStore, Expiring, StoreError, TraceExpiry, minute_rollup_cutoff, second_rollup_cutoff},
@@ -53,7 +53,7 @@ pub enum PruneError {
 /// What a pass deleted, or (dry run) would delete.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct PruneReport {
-    /// Traces per prompt and kind (`consumed`, `failed`, `quarantined`).
+    /// Traces per prompt (written as from a server-wide key: `name` in `default`, `project/name` elsewhere) and kind (`consumed`, `failed`, `quarantined`).
     pub traces: BTreeMap<String, BTreeMap<&'static str, u64>>,
     /// Rows deleted with the traces (not known on a dry run).
     pub reflections: u64,
@@ -117,11 +117,11 @@ impl Pruner {
 
     async fn prompts(&self) -> Result<Vec<Prompt>, StoreError> {
         let mut all = Vec::new();
-        let mut after: Option<String> = None;
+        let mut after: Option<PromptName> = None;
         loop {
-            let page = self.store.prompts_page(after.as_deref(), PAGE).await?;
+            let page = self.store.prompts_page(after.as_ref(), PAGE).await?;
             let done = page.len() < PAGE as usize;
-            after = page.last().map(|p| p.name.to_string());
+            after = page.last().map(|p| p.name.clone());
             all.extend(page);
             if done {
                 return Ok(all);
@@ -137,7 +137,7 @@ impl Pruner {
             for (kind, cutoff) in trace_cutoffs(&self.settings, &prompt, now) {
                 kinds.insert(kind.as_str(), self.store.count_expired_traces(&prompt.name, kind, cutoff).await?);
             }
-            report.traces.insert(prompt.name.to_string(), kinds);
+            report.traces.insert(prompt.name.qualified(), kinds);
         }
         for (what, cutoff) in self.other_cutoffs(now) {
             report.other.insert(what.as_str(), self.store.count_expiring(what, cutoff).await?);
@@ -174,7 +174,7 @@ impl Pruner {
                     }
                     let deleted = self.store.delete_expired_traces(&ids, kind).await?;
                     batch_done(started);
-                    *report.traces.entry(prompt.name.to_string()).or_default().entry(kind.as_str()).or_default() +=
+                    *report.traces.entry(prompt.name.qualified()).or_default().entry(kind.as_str()).or_default() +=
                         deleted.traces;
                     report.reflections += deleted.reflections;
                     report.otlp_spans += deleted.otlp_spans;
@@ -318,7 +318,9 @@ fn batch_done(started: Instant) {
 }
 
 /// Consumed traces, appended before deletion to
-/// `<dir>/<prompt>/<YYYY-MM-DD>.jsonl.gz` by the UTC day each was created:
+/// `<dir>/<prompt>/<YYYY-MM-DD>.jsonl.gz` by the UTC day each was created
+/// (`<prompt>` as [`crate::domain::PromptName::qualified`] writes it: a
+/// `default` prompt's bare name, `<project>/<name>` for another project's):
 /// one JSON object per line, as `GET /v1/traces/{id}` answers it, each batch
 /// one more gzip member (a multi-member file reads as one stream with `zcat`
 /// or Python's `gzip`). Synced to disk before the traces are deleted; a pass
@@ -345,7 +347,7 @@ impl Archive {
 fn write_archive(dir: &Path, traces: &[Trace]) -> std::io::Result<u64> {
     let mut files: BTreeMap<PathBuf, Vec<&Trace>> = BTreeMap::new();
     for t in traces {
-        let path = dir.join(t.prompt.as_str()).join(format!("{}.jsonl.gz", t.created_at.format("%Y-%m-%d")));
+        let path = dir.join(t.prompt.qualified()).join(format!("{}.jsonl.gz", t.created_at.format("%Y-%m-%d")));
         files.entry(path).or_default().push(t);
     }
     for (path, traces) in &files {
@@ -368,12 +370,12 @@ fn write_archive(dir: &Path, traces: &[Trace]) -> std::io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::{PromptName, PromptSettings, RetentionOverride};
+    use crate::domain::{PromptSettings, RetentionOverride};
 
     fn prompt(retention: RetentionOverride) -> Prompt {
         Prompt {
             id: uuid::Uuid::nil(),
-            name: PromptName::parse("p").unwrap(),
+            name: PromptName::new("default", "p").unwrap(),
             project: "default".into(),
             strategy: Default::default(),
             promotion: Default::default(),

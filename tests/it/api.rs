@@ -685,16 +685,22 @@ async fn per_version_metrics_reflect_rewards_usage_and_late_feedback(b: Backend)
     // Prometheus: gauges for labelled versions only.
     let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
     assert!(
-        text.contains("combee_version_success_rate{prompt=\"p\",version=\"1\",labels=\"production\"} 0.75"),
+        text.contains(
+            "combee_version_success_rate{prompt=\"p\",project=\"default\",version=\"1\",labels=\"production\"} 0.75"
+        ),
         "{text}"
     );
-    assert!(text.contains("combee_version_mean_score{prompt=\"p\",version=\"1\",labels=\"production\"} 0.75"));
+    assert!(text.contains(
+        "combee_version_mean_score{prompt=\"p\",project=\"default\",version=\"1\",labels=\"production\"} 0.75"
+    ));
     assert!(!text.contains("version=\"2\""), "unlabelled versions have no series");
     let res = app.put("/v1/prompts/p/labels/candidate", json!({"version": 2})).send().await.unwrap();
     assert_eq!(res.status(), 200);
     let text = app.get("/metrics").send().await.unwrap().text().await.unwrap();
     assert!(
-        text.contains("combee_version_success_rate{prompt=\"p\",version=\"2\",labels=\"candidate\"} 0.4"),
+        text.contains(
+            "combee_version_success_rate{prompt=\"p\",project=\"default\",version=\"2\",labels=\"candidate\"} 0.4"
+        ),
         "{text}"
     );
 

@@ -44,7 +44,7 @@ fn unscored(prompt: &str, v: i64, solved: bool, task: usize) -> ValidTrace {
         "output": if solved { "solved" } else { "not solved" }, "metadata": {"task_key": format!("t{task}")}
     }))
     .unwrap();
-    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }, "default").unwrap()
 }
 
 /// `n` unscored traces of version `v`, `rate` of them solved.

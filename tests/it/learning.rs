@@ -1102,11 +1102,10 @@ mod resume {
         let sim = spawn_sim(sim()).await;
         let ts = common::test_store(b).await;
         let s = ts.store.clone();
-        let name = PromptName::parse("resumed").unwrap();
+        let name = PromptName::written("resumed", "default").unwrap();
         let settings = PromptSettings { duplication: 2, ..PromptSettings::default() };
         let prompt = NewPrompt {
             name: name.clone(),
-            project: "default".into(),
             strategy: Strategy::Playbook,
             promotion: Promotion::Auto,
             settings,
@@ -1124,7 +1123,7 @@ mod resume {
         let traces: Vec<_> = (0..N)
             .map(|i| {
                 let t: NewTrace = serde_json::from_value(insight_trace("resumed", i)).unwrap();
-                t.validate(TraceLimits { max_field_bytes: 4096, max_trace_bytes: 16384 }).unwrap()
+                t.validate(TraceLimits { max_field_bytes: 4096, max_trace_bytes: 16384 }, "default").unwrap()
             })
             .collect();
         s.insert_traces(&traces).await.unwrap();

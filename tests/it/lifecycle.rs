@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::common::{Backend, test_store};
 
 fn name(s: &str) -> PromptName {
-    PromptName::parse(s).unwrap()
+    PromptName::written(s, "default").unwrap()
 }
 
 fn manual(base: &str) -> NewVersion {
@@ -43,7 +43,6 @@ fn manual(base: &str) -> NewVersion {
 async fn make_prompt(s: &DynStore, n: &str, settings: PromptSettings) {
     let p = NewPrompt {
         name: name(n),
-        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings,
@@ -55,7 +54,7 @@ async fn make_prompt(s: &DynStore, n: &str, settings: PromptSettings) {
 
 fn valid(v: Value) -> ValidTrace {
     let t: NewTrace = serde_json::from_value(v).unwrap();
-    t.validate(TraceLimits { max_field_bytes: 4096, max_trace_bytes: 16384 }).unwrap()
+    t.validate(TraceLimits { max_field_bytes: 4096, max_trace_bytes: 16384 }, "default").unwrap()
 }
 
 /// A random trace: any version, any mix of rewards (absurd scores too) and usage.

@@ -30,7 +30,7 @@ use serde_json::json;
 use std::sync::Arc;
 
 pub(crate) fn name(s: &str) -> PromptName {
-    PromptName::parse(s).unwrap()
+    PromptName::written(s, "default").unwrap()
 }
 
 fn version(base: &str, parent: Option<i64>) -> NewVersion {
@@ -47,7 +47,6 @@ fn version(base: &str, parent: Option<i64>) -> NewVersion {
 pub(crate) async fn evaluated_prompt(store: &DynStore, n: &str, versions: i64) {
     let p = NewPrompt {
         name: name(n),
-        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Evaluated,
         settings: PromptSettings::default(),
@@ -169,7 +168,7 @@ fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
         "feedback": {"success": success}, "metadata": {"task_key": format!("t{task}")}
     }))
     .unwrap();
-    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }, "default").unwrap()
 }
 
 /// `n` traces of version `v` with `rate` of them successful.
@@ -340,7 +339,7 @@ fn on_task(prompt: &str, v: i64, key: &str, n: usize, success: bool) -> Vec<Vali
                 "feedback": {"success": success}, "metadata": {"task_key": key}
             }))
             .unwrap();
-            t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+            t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }, "default").unwrap()
         })
         .collect()
 }
@@ -355,7 +354,6 @@ async fn crossover_makes_a_child_from_two_arms_that_won_different_tasks(b: Backe
     let s = ts.store.clone();
     let p = NewPrompt {
         name: name("x"),
-        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Evaluated,
         settings: PromptSettings::default(),
@@ -531,7 +529,6 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
     evaluated_prompt(&s, "never", 1).await;
     let auto = NewPrompt {
         name: name("auto"),
-        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings: PromptSettings::default(),
@@ -590,7 +587,7 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
     let slots: Vec<(String, Option<chrono::DateTime<chrono::Utc>>)> =
         page.iter().map(|r| (r.prompt.to_string(), r.rated_until)).collect();
     assert_eq!(slots, [("a".to_owned(), None), ("b".to_owned(), Some(t0 + chrono::Duration::seconds(130)))]);
-    let rest = s.rating_schedule(Some("b"), 2).await.unwrap();
+    let rest = s.rating_schedule(Some(&name("b")), 2).await.unwrap();
     assert_eq!(
         rest.iter().map(|r| (r.prompt.to_string(), r.rated_until)).collect::<Vec<_>>(),
         [("never".to_owned(), None)]

@@ -151,7 +151,7 @@ async fn two_api_processes_serve_the_same_arms_within_a_second_of_a_weight_chang
         let res = app.post("/v1/prompts/split/versions", json!({"base": format!("v{v}")})).send().await.unwrap();
         assert_eq!(res.status(), 201);
     }
-    let prompt = PromptName::parse("split").unwrap();
+    let prompt = PromptName::written("split", "default").unwrap();
     let before =
         [arm(1, ArmState::Champion, 0.8), arm(2, ArmState::Challenger, 0.1), arm(3, ArmState::Challenger, 0.1)];
     app.store.save_population(&prompt, &before).await.unwrap();

@@ -23,7 +23,7 @@ use common::{Backend, eventually, test_store};
 use serde_json::json;
 
 fn name(s: &str) -> PromptName {
-    PromptName::parse(s).unwrap()
+    PromptName::written(s, "default").unwrap()
 }
 
 fn version(base: &str) -> NewVersion {
@@ -40,7 +40,6 @@ fn version(base: &str) -> NewVersion {
 async fn make_prompt(store: &DynStore, n: &str) {
     let p = NewPrompt {
         name: name(n),
-        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings: PromptSettings::default(),
@@ -64,7 +63,7 @@ async fn subscribe(s: &DynStore, event: combee::domain::event::EventType) -> com
 fn trace(prompt: &str, v: Option<i64>) -> ValidTrace {
     let t: NewTrace =
         serde_json::from_value(json!({"prompt": prompt, "prompt_version": v, "input": {"q": "x"}})).unwrap();
-    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }, "default").unwrap()
 }
 
 async fn prompts_start_at_version_one_labelled_production(b: Backend) {
@@ -77,7 +76,6 @@ async fn prompts_start_at_version_one_labelled_production(b: Backend) {
     assert!(r.version.content_hash.starts_with("sha256:"));
     let again = NewPrompt {
         name: name("p"),
-        project: "default".into(),
         strategy: Strategy::Rewrite,
         promotion: Promotion::Manual,
         settings: PromptSettings::default(),
@@ -275,7 +273,9 @@ fn fake_remap(prompt: &str, otel_id: &str, bodies: &[&[u8]]) -> OtlpRemap {
         "feedback": {"score": 0.25}, "metadata": {"spans": bodies.len()},
     }))
     .unwrap();
-    OtlpRemap::Mapped(Box::new(t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()))
+    OtlpRemap::Mapped(Box::new(
+        t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }, "default").unwrap(),
+    ))
 }
 
 async fn otlp_spans_merge_into_one_pending_trace(b: Backend) {
@@ -696,13 +696,13 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
     let page = s.list_prompts(None, None, 2).await.unwrap();
     assert_eq!(page.iter().map(|p| p.prompt.name.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
     assert_eq!((page[0].pending_traces, page[0].production_version, page[0].latest_version), (2, Some(1), 1));
-    let rest = s.list_prompts(Some("b"), None, 2).await.unwrap();
+    let rest = s.list_prompts(Some(&name("b")), None, 2).await.unwrap();
     assert_eq!(rest.len(), 1);
     // The same pages without the counts, for the periodic jobs.
     let bare = s.prompts_page(None, 2).await.unwrap();
     assert_eq!(bare.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["a", "b"]);
     assert_eq!(bare[0], page[0].prompt);
-    let rest = s.prompts_page(Some("b"), 2).await.unwrap();
+    let rest = s.prompts_page(Some(&name("b")), 2).await.unwrap();
     assert_eq!(rest.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), vec!["c"]);
 }
 
@@ -710,6 +710,86 @@ async fn list_prompts_pages_by_name_with_summaries(b: Backend) {
 /// trace and round answer which project they belong to; prompt, trace,
 /// webhook and audit lists filter by project; a project's webhook is told
 /// only of its project's events, a server-wide one of all.
+/// Two projects each hold a prompt `support-agent`: every row hangs off its
+/// own (versions, labels, traces, rounds, budget caps, events), and the
+/// lists page through both (by name, then project).
+async fn two_projects_prompts_of_one_name_keep_apart(b: Backend) {
+    use combee::domain::{budget::BudgetCaps, project::ProjectSettings};
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    s.create_project("team-a", &ProjectSettings::default()).await.unwrap();
+    let (mine, theirs) = (name("support-agent"), name("team-a/support-agent"));
+    assert_ne!(mine, theirs);
+    for (n, base) in [(&mine, "Default's."), (&theirs, "Team A's.")] {
+        let p = NewPrompt {
+            name: n.clone(),
+            strategy: Strategy::Playbook,
+            promotion: Promotion::Auto,
+            settings: PromptSettings::default(),
+            created_by: "test".into(),
+        };
+        let (made, _) = s.create_prompt(p, version(base)).await.unwrap();
+        assert_eq!(made.project, n.project());
+    }
+    let again = NewPrompt {
+        name: theirs.clone(),
+        strategy: Strategy::Playbook,
+        promotion: Promotion::Auto,
+        settings: PromptSettings::default(),
+        created_by: "test".into(),
+    };
+    assert!(matches!(s.create_prompt(again, version("x")).await, Err(StoreError::AlreadyExists)), "unique per project");
+    s.create_version(&theirs, version("Team A's, learned."), &[]).await.unwrap();
+    let latest = |n: &PromptName| {
+        let (s, n) = (s.clone(), n.clone());
+        async move { s.resolve(&n, &Selector::Latest).await.unwrap().unwrap().version }
+    };
+    assert_eq!((latest(&mine).await.number, latest(&theirs).await.number), (1, 2));
+    assert_eq!(latest(&mine).await.content.base, "Default's.");
+    assert_eq!(latest(&theirs).await.prompt, theirs);
+    s.move_label(
+        &mine,
+        &LabelMove {
+            label: LabelName::parse("staging").unwrap(),
+            to_version: 1,
+            expected_current: None,
+            check_current: false,
+            by: "t".into(),
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.list_labels(&mine).await.unwrap().len(), 2);
+    assert_eq!(s.list_labels(&theirs).await.unwrap().len(), 1);
+
+    let ids = s.insert_traces(&[trace("team-a/support-agent", Some(2)), trace("support-agent", None)]).await.unwrap();
+    // Version 2 is team-a's only.
+    assert!(matches!(s.insert_traces(&[trace("support-agent", Some(2))]).await, Err(StoreError::Invalid(_))));
+    let of = |n: &PromptName| TraceFilter { prompt: Some(n.clone()), ..Default::default() };
+    assert_eq!(s.list_traces(&of(&theirs), 10).await.unwrap().iter().map(|t| t.id).collect::<Vec<_>>(), [ids[0]]);
+    let listed = s.list_traces(&of(&mine), 10).await.unwrap();
+    assert_eq!((listed.len(), &listed[0].prompt), (1, &mine));
+    let round = s.open_round(&OpenRound { batch: 10, ..open_req("team-a/support-agent") }).await.unwrap().unwrap();
+    assert_eq!(round.prompt, theirs);
+    assert_eq!(s.round_trace_ids(round.id).await.unwrap(), [ids[0]]);
+    assert!(s.list_rounds(Some(&mine), None, 10).await.unwrap().is_empty());
+
+    // Pages of one prompt each walk both, the same name in project order.
+    let first = s.list_prompts(None, None, 1).await.unwrap();
+    let second = s.list_prompts(Some(&first[0].prompt.name), None, 1).await.unwrap();
+    assert_eq!((&first[0].prompt.name, &second[0].prompt.name), (&mine, &theirs));
+    assert_eq!((first[0].pending_traces, second[0].pending_traces), (1, 1), "one trace each");
+    let bare = s.prompts_page(Some(&mine), 10).await.unwrap();
+    assert_eq!(bare.iter().map(|p| &p.name).collect::<Vec<_>>(), [&theirs]);
+    assert_eq!(s.projects_holding("support-agent").await.unwrap(), ["default", "team-a"]);
+
+    // The budget names a prompt by its key: the bare name in `default`, `project/name` elsewhere.
+    let caps = BudgetCaps { tokens_per_day: Some(10), ..Default::default() };
+    s.set_prompt_caps(&theirs.qualified(), &caps, chrono::Utc::now().date_naive(), false).await.unwrap();
+    assert_eq!(s.prompt_caps("team-a/support-agent").await.unwrap(), caps);
+    assert_eq!(s.prompt_caps("support-agent").await.unwrap(), BudgetCaps::default());
+}
+
 async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
     use combee::{
         domain::{
@@ -735,8 +815,7 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
 
     make_prompt(&s, "in-default").await;
     let a = NewPrompt {
-        name: name("in-a"),
-        project: "team-a".into(),
+        name: name("team-a/in-a"),
         strategy: Strategy::Playbook,
         promotion: Promotion::Auto,
         settings: PromptSettings::default(),
@@ -756,13 +835,12 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
     assert_eq!(only_a.project.as_deref(), Some("team-a"));
     let (created, _) = s.create_prompt(a, version("v1")).await.unwrap();
     assert_eq!(created.project, "team-a");
-    assert_eq!(s.get_prompt(&name("in-a")).await.unwrap().unwrap().project, "team-a");
-    assert_eq!(s.prompt_project("in-a").await.unwrap().as_deref(), Some("team-a"));
-    assert_eq!(s.prompt_project("in-default").await.unwrap().as_deref(), Some("default"));
-    assert_eq!(s.prompt_project("absent").await.unwrap(), None);
-    assert_eq!(s.project_prompts("team-a").await.unwrap(), ["in-a"]);
+    assert_eq!(s.get_prompt(&name("team-a/in-a")).await.unwrap().unwrap().project, "team-a");
+    assert!(s.get_prompt(&name("in-a")).await.unwrap().is_none(), "a bare name is `default`'s");
+    assert_eq!(s.projects_holding("in-a").await.unwrap(), ["team-a"]);
+    assert!(s.projects_holding("absent").await.unwrap().is_empty());
 
-    let ids = s.insert_traces(&[trace("in-a", None), trace("in-default", None)]).await.unwrap();
+    let ids = s.insert_traces(&[trace("team-a/in-a", None), trace("in-default", None)]).await.unwrap();
     assert_eq!(s.trace_project(ids[0]).await.unwrap().as_deref(), Some("team-a"));
     assert_eq!(s.trace_project(ids[1]).await.unwrap().as_deref(), Some("default"));
     assert_eq!(s.trace_project(uuid::Uuid::now_v7()).await.unwrap(), None);
@@ -774,7 +852,7 @@ async fn projects_scope_lookups_lists_and_event_fan_out(b: Backend) {
     assert_eq!(s.list_prompts(None, None, 10).await.unwrap().len(), 2);
     assert!(s.list_prompts(None, Some("nope"), 10).await.unwrap().is_empty());
 
-    let req = OpenRound { batch: 10, seed: 1, ..open_req("in-a") };
+    let req = OpenRound { batch: 10, seed: 1, ..open_req("team-a/in-a") };
     let round = s.open_round(&req).await.unwrap().expect("a round opens");
     assert_eq!(s.round_project(round.id).await.unwrap().as_deref(), Some("team-a"));
 
@@ -1138,7 +1216,7 @@ fn rewarded_trace(
         json!({"prompt": prompt, "prompt_version": v, "input": {"q": "x"}, "feedback": feedback, "metadata": metadata}),
     )
     .unwrap();
-    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }).unwrap()
+    t.validate(TraceLimits { max_field_bytes: 1024, max_trace_bytes: 4096 }, "default").unwrap()
 }
 
 async fn version_outcomes_aggregate_rewards_usage_and_late_feedback(b: Backend) {
@@ -2080,10 +2158,14 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     );
     // 0044 too.
     undo.push("ALTER TABLE traces DROP COLUMN judge_claimed_until".to_owned());
+    // 0047 too: names unique across the server again.
+    undo.extend(["DROP INDEX prompts_by_project_name", "DROP INDEX prompts_by_name"].map(String::from));
+    if b == Backend::Postgres {
+        undo.push("ALTER TABLE prompts ADD CONSTRAINT prompts_name_key UNIQUE (name)".to_owned());
+    }
     // 0042 too (the audit log's column goes with its table below).
     undo.extend(
         [
-            "DROP INDEX prompts_by_project",
             "ALTER TABLE prompts DROP COLUMN project",
             "ALTER TABLE api_keys DROP COLUMN project",
             "ALTER TABLE webhook_subscriptions DROP COLUMN project",
@@ -2175,6 +2257,7 @@ on_both_stores!(
     writes_announce_changes,
     list_prompts_pages_by_name_with_summaries,
     projects_scope_lookups_lists_and_event_fan_out,
+    two_projects_prompts_of_one_name_keep_apart,
     otlp_spans_merge_into_one_pending_trace,
     concurrent_otlp_parts_make_one_trace,
     version_outcomes_aggregate_rewards_usage_and_late_feedback,

@@ -102,7 +102,7 @@ fn each_reflection_of_a_group_brings_its_own_related_bullets_and_its_tags() {
 fn a_reflector_sees_the_bullets_its_trace_names() {
     let current = big(400);
     let trace = Trace::pending(
-        PromptName::parse("p").unwrap(),
+        PromptName::new("default", "p").unwrap(),
         serde_json::json!({"task": "t"}),
         serde_json::json!([{"role": "assistant", "content": "I used [b-0042] and b-0300."}]),
         serde_json::json!("done"),

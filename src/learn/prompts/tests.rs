@@ -17,7 +17,7 @@ use std::collections::BTreeSet;
 
 pub(crate) fn trace(trajectory: Value, success: bool) -> Trace {
     let feedback = Feedback { success: Some(success), ..Default::default() };
-    Trace::pending(PromptName::parse("p").unwrap(), json!("What is 2+2?"), trajectory, json!("4"), feedback)
+    Trace::pending(PromptName::new("default", "p").unwrap(), json!("What is 2+2?"), trajectory, json!("4"), feedback)
 }
 
 pub(crate) fn content_with_playbook() -> VersionContent {

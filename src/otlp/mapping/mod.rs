@@ -235,14 +235,15 @@ pub fn split_request(req: &ExportTraceServiceRequest) -> (Vec<SpanGroup>, Vec<Re
 }
 
 /// Maps every span of an export request at once (the store's merge does it
-/// per trace id across exports; this is the same mapping for one export).
-pub fn map_request(req: &ExportTraceServiceRequest, limits: TraceLimits) -> Mapping {
+/// per trace id across exports; this is the same mapping for one export);
+/// a bare prompt name is of the project `home`.
+pub fn map_request(req: &ExportTraceServiceRequest, limits: TraceLimits, home: &str) -> Mapping {
     let (groups, rejected) = split_request(req);
     let mut mapping = Mapping { traces: Vec::new(), rejected };
     for group in groups {
         let bodies: Vec<&[u8]> = group.spans.iter().map(|s| s.body.as_slice()).collect();
         let spans = group.spans.len();
-        match remap(&group.trace_id, &bodies, limits) {
+        match remap(&group.trace_id, &bodies, limits, home) {
             OtlpRemap::Mapped(trace) => {
                 mapping.traces.push(MappedTrace { trace_id: group.trace_id, spans, trace: *trace })
             }
@@ -255,8 +256,10 @@ pub fn map_request(req: &ExportTraceServiceRequest, limits: TraceLimits) -> Mapp
 }
 
 /// Maps every record a trace id has so far (bodies made by [`split_request`]
-/// or the logs' split, the stored ones first): a trace, not yet (hold them), or never.
-pub fn remap(trace_id: &str, bodies: &[&[u8]], limits: TraceLimits) -> OtlpRemap {
+/// or the logs' split, the stored ones first): a trace, not yet (hold them),
+/// or never. The prompt is named as a trace names it (`name` or
+/// `project/name`); a bare name is of the project `home`.
+pub fn remap(trace_id: &str, bodies: &[&[u8]], limits: TraceLimits, home: &str) -> OtlpRemap {
     if bodies.len() > MAX_SPANS_PER_TRACE {
         return OtlpRemap::Invalid(format!(
             "the trace would have more than {MAX_SPANS_PER_TRACE} spans and log records"
@@ -266,7 +269,7 @@ pub fn remap(trace_id: &str, bodies: &[&[u8]], limits: TraceLimits) -> OtlpRemap
         Ok(records) => records,
         Err(reason) => return OtlpRemap::Invalid(reason),
     };
-    match map_trace(trace_id, records, limits) {
+    match map_trace(trace_id, records, limits, home) {
         Ok(trace) => OtlpRemap::Mapped(Box::new(trace)),
         Err(Unmapped::Incomplete(reason)) => OtlpRemap::Incomplete(reason),
         Err(Unmapped::Invalid(reason)) => OtlpRemap::Invalid(reason),
@@ -509,7 +512,12 @@ fn prompt_of(records: &[Record]) -> Result<(String, Option<i64>), Unmapped> {
     Ok((prompt, versions.pop_first()))
 }
 
-fn map_trace(trace_id: &str, mut records: Vec<Record>, limits: TraceLimits) -> Result<ValidTrace, Unmapped> {
+fn map_trace(
+    trace_id: &str,
+    mut records: Vec<Record>,
+    limits: TraceLimits,
+    home: &str,
+) -> Result<ValidTrace, Unmapped> {
     records.sort_by_key(|r| (r.span.start_time_unix_nano, r.order));
     let n = records.len();
     let (prompt, prompt_version) = prompt_of(&records)?;
@@ -630,7 +638,7 @@ fn map_trace(trace_id: &str, mut records: Vec<Record>, limits: TraceLimits) -> R
         external_id: Some(trace_id.to_owned()),
         metadata: Some(Value::Object(metadata)),
     };
-    trace.validate(limits).map_err(|e| Unmapped::Invalid(e.to_string()))
+    trace.validate(limits, home).map_err(|e| Unmapped::Invalid(e.to_string()))
 }
 
 /// Which spans repeat usage their descendants report: an agent's span (or

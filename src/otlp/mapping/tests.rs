@@ -91,7 +91,7 @@ fn spans_of_one_trace_become_one_trace_in_start_order() {
             s(attr::CONVERSATION_ID, "conv-9"),
         ],
     );
-    let t = one(map_request(&request(vec![s("service.name", "shop")], vec![tool, chat, root]), LIMITS));
+    let t = one(map_request(&request(vec![s("service.name", "shop")], vec![tool, chat, root]), LIMITS, "default"));
     assert_eq!(t.trace_id, "01".repeat(16));
     assert_eq!(t.spans, 3);
     let v = &t.trace;
@@ -143,7 +143,7 @@ fn older_conventions_and_message_events_map_too() {
         ],
     );
     let req = request(vec![s(attr::COMBEE_PROMPT, "legacy-bot"), s(attr::COMBEE_PROMPT_VERSION, "2")], vec![legacy]);
-    let t = one(map_request(&req, LIMITS)).trace;
+    let t = one(map_request(&req, LIMITS, "default")).trace;
     assert_eq!((t.prompt.as_str(), t.prompt_version), ("legacy-bot", Some(2)));
     assert_eq!(t.input, json!([{"role": "user", "content": "hello"}]));
     assert_eq!(t.output, json!([{"role": "assistant", "content": "hi"}]));
@@ -165,7 +165,7 @@ fn older_conventions_and_message_events_map_too() {
         },
     ];
     ev.status = Some(Status { code: StatusCode::Error as i32, message: "rate limited".into() });
-    let t = one(map_request(&request(vec![], vec![ev]), LIMITS)).trace;
+    let t = one(map_request(&request(vec![], vec![ev]), LIMITS, "default")).trace;
     assert_eq!(t.prompt_version, None);
     assert_eq!(t.input, json!([{"role": "user", "content": "what time is it"}]));
     assert_eq!(t.output, json!([{"index": 0, "message": {"role": "assistant", "content": "noon"}}]));
@@ -189,7 +189,7 @@ fn explicit_combee_attributes_win() {
         ],
     );
     let chat = span(4, 2, Some(1), 5, vec![s(attr::LEGACY_PROMPT, "what is 2+2"), s(attr::LEGACY_COMPLETION, "5")]);
-    let t = one(map_request(&request(vec![], vec![root, chat]), LIMITS)).trace;
+    let t = one(map_request(&request(vec![], vec![root, chat]), LIMITS, "default")).trace;
     assert_eq!(t.input, json!({"question": "2+2"}));
     assert_eq!(t.output, json!("4"));
     assert_eq!(t.feedback.ground_truth, Some(json!("4")));
@@ -199,7 +199,7 @@ fn explicit_combee_attributes_win() {
 }
 
 fn rejected_reason(spans: Vec<Span>) -> String {
-    let m = map_request(&request(vec![], spans), LIMITS);
+    let m = map_request(&request(vec![], spans), LIMITS, "default");
     assert_eq!(m.traces, vec![]);
     assert_eq!(m.rejected.len(), 1);
     m.rejected[0].reason.clone()
@@ -260,7 +260,7 @@ fn a_batch_mixes_accepted_and_rejected_traces() {
     let orphan_b = span(8, 2, Some(1), 1, vec![]);
     let mut no_id = span(0, 1, None, 0, vec![]);
     no_id.trace_id = vec![1, 2, 3];
-    let m = map_request(&request(vec![], vec![orphan_a, ok, no_id, orphan_b]), LIMITS);
+    let m = map_request(&request(vec![], vec![orphan_a, ok, no_id, orphan_b]), LIMITS, "default");
     assert_eq!(m.traces.len(), 1);
     assert_eq!(m.rejected_spans(), 3);
     let msg = m.error_message();
@@ -288,9 +288,13 @@ fn exports_split_by_trace_id_and_parts_remap_from_their_union() {
     let id = "09".repeat(16);
     let bodies: Vec<&[u8]> = groups[0].spans.iter().map(|s| s.body.as_slice()).collect();
     // Each part alone does not map yet; together they do, in start order, with the resource.
-    assert!(matches!(remap(&id, &bodies[..1], LIMITS), OtlpRemap::Incomplete(r) if r.contains("belongs to no prompt")));
-    assert!(matches!(remap(&id, &bodies[1..], LIMITS), OtlpRemap::Incomplete(r) if r.starts_with("no input")));
-    let OtlpRemap::Mapped(t) = remap(&id, &[bodies[1], bodies[0]], LIMITS) else { panic!("maps") };
+    assert!(
+        matches!(remap(&id, &bodies[..1], LIMITS, "default"), OtlpRemap::Incomplete(r) if r.contains("belongs to no prompt"))
+    );
+    assert!(
+        matches!(remap(&id, &bodies[1..], LIMITS, "default"), OtlpRemap::Incomplete(r) if r.starts_with("no input"))
+    );
+    let OtlpRemap::Mapped(t) = remap(&id, &[bodies[1], bodies[0]], LIMITS, "default") else { panic!("maps") };
     let names: Vec<_> = t.trajectory.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["span-1", "span-2"]);
     assert_eq!((t.input.clone(), t.metadata["otel"]["service_name"].clone()), (json!("q"), json!("shop")));
@@ -299,11 +303,11 @@ fn exports_split_by_trace_id_and_parts_remap_from_their_union() {
     let (http, _) = split_request(&request(vec![], vec![span(11, 1, None, 0, vec![s("http.route", "/")])]));
     let http_body = [http[0].spans[0].body.as_slice()];
     assert!(
-        matches!(remap(&"0b".repeat(16), &http_body, LIMITS), OtlpRemap::Invalid(r) if r.contains("belongs to no prompt"))
+        matches!(remap(&"0b".repeat(16), &http_body, LIMITS, "default"), OtlpRemap::Invalid(r) if r.contains("belongs to no prompt"))
     );
-    assert!(matches!(remap(&id, &[b"not protobuf"], LIMITS), OtlpRemap::Invalid(_)));
+    assert!(matches!(remap(&id, &[b"not protobuf"], LIMITS, "default"), OtlpRemap::Invalid(_)));
     let too_many = vec![bodies[0]; MAX_SPANS_PER_TRACE + 1];
-    assert!(matches!(remap(&id, &too_many, LIMITS), OtlpRemap::Invalid(r) if r.contains("more than")));
+    assert!(matches!(remap(&id, &too_many, LIMITS, "default"), OtlpRemap::Invalid(r) if r.contains("more than")));
 }
 
 fn log_body(trace: u8, span_id: u8, at: u64, event: &str, body: Option<Any>, resource: Vec<KeyValue>) -> Vec<u8> {
@@ -336,7 +340,7 @@ fn span_bodies(resource: Vec<KeyValue>, spans: Vec<Span>) -> Vec<Vec<u8>> {
 
 fn mapped(trace: u8, bodies: &[Vec<u8>]) -> ValidTrace {
     let refs: Vec<&[u8]> = bodies.iter().map(Vec::as_slice).collect();
-    match remap(&format!("{trace:02x}").repeat(16), &refs, LIMITS) {
+    match remap(&format!("{trace:02x}").repeat(16), &refs, LIMITS, "default") {
         OtlpRemap::Mapped(t) => *t,
         other => panic!("not mapped: {other:?}"),
     }
@@ -350,7 +354,9 @@ fn log_events_join_their_span_in_the_order_they_happened() {
     let chat = span(20, 7, None, 1_000, vec![s(attr::OPERATION, "chat"), s(attr::REQUEST_MODEL, "m")]);
     let spans = span_bodies(resource(), vec![chat]);
     let refs: Vec<&[u8]> = spans.iter().map(Vec::as_slice).collect();
-    assert!(matches!(remap(&"14".repeat(16), &refs, LIMITS), OtlpRemap::Incomplete(r) if r.starts_with("no input")));
+    assert!(
+        matches!(remap(&"14".repeat(16), &refs, LIMITS, "default"), OtlpRemap::Incomplete(r) if r.starts_with("no input"))
+    );
 
     let user = log_body(
         20,
@@ -446,7 +452,7 @@ fn evaluation_results_become_feedback_and_combee_attributes_still_win() {
     };
     let mut root = span(22, 1, None, 0, vec![s(attr::PROMPT_NAME, "p"), s(attr::LEGACY_PROMPT, "q")]);
     root.events = vec![eval(0.2, "fail")];
-    let t = one(map_request(&request(vec![], vec![root.clone()]), LIMITS)).trace;
+    let t = one(map_request(&request(vec![], vec![root.clone()]), LIMITS, "default")).trace;
     assert_eq!(
         (t.feedback.score, t.feedback.success, t.feedback.comment.as_deref()),
         (Some(0.2), Some(false), Some("cites the wrong order"))
@@ -458,7 +464,7 @@ fn evaluation_results_become_feedback_and_combee_attributes_still_win() {
     // An ambiguous label leaves success alone; combee's attribute overrides the score.
     root.events = vec![eval(0.9, "relevant")];
     root.attributes.push(kv(attr::FEEDBACK_SCORE, Any::DoubleValue(1.0)));
-    let t = one(map_request(&request(vec![], vec![root]), LIMITS)).trace;
+    let t = one(map_request(&request(vec![], vec![root]), LIMITS, "default")).trace;
     assert_eq!((t.feedback.score, t.feedback.success), (Some(1.0), None));
 }
 
@@ -498,7 +504,8 @@ fn openinference_spans_map_with_their_session_as_the_subject() {
             s("llm.prompt_template.variables", r#"{"question": "where is order 7?"}"#),
         ],
     );
-    let t = one(map_request(&request(vec![s(attr::COMBEE_PROMPT, "oi-bot")], vec![llm, chain]), LIMITS)).trace;
+    let t =
+        one(map_request(&request(vec![s(attr::COMBEE_PROMPT, "oi-bot")], vec![llm, chain]), LIMITS, "default")).trace;
     assert_eq!(t.prompt.as_str(), "oi-bot");
     assert_eq!(t.input, json!("where is order 7?"), "the first span with an input");
     assert_eq!(t.output, json!("it shipped"));
@@ -536,7 +543,7 @@ fn langfuse_and_vercel_spans_name_their_prompt() {
             s("langfuse.observation.usage_details", r#"{"input": 4, "output": 2, "total": 6}"#),
         ],
     );
-    let t = one(map_request(&request(vec![], vec![generation]), LIMITS)).trace;
+    let t = one(map_request(&request(vec![], vec![generation]), LIMITS, "default")).trace;
     assert_eq!((t.prompt.as_str(), t.prompt_version), ("lf-bot", Some(2)));
     assert_eq!(t.input, json!([{"role": "user", "content": "q"}]));
     assert_eq!(t.output, json!({"role": "assistant", "content": "a"}));
@@ -555,7 +562,7 @@ fn langfuse_and_vercel_spans_name_their_prompt() {
         ],
     );
     root.name = "ai.generateText".into();
-    let t = one(map_request(&request(vec![], vec![root]), LIMITS)).trace;
+    let t = one(map_request(&request(vec![], vec![root]), LIMITS, "default")).trace;
     assert_eq!((t.prompt.as_str(), t.prompt_version), ("vercel-bot", Some(3)));
     assert_eq!((t.input, t.output), (json!([{"role": "user", "content": "hello"}]), json!("hi")));
 }
@@ -573,7 +580,7 @@ fn content_reads_the_same_as_json_text_or_structured_values() {
         0,
         vec![s(attr::PROMPT_NAME, "p"), s(attr::INPUT_MESSAGES, r#"[{"role":"user","content":"q"}]"#)],
     );
-    let m = map_request(&request(vec![], vec![as_value, as_text]), LIMITS);
+    let m = map_request(&request(vec![], vec![as_value, as_text]), LIMITS, "default");
     assert_eq!(m.traces.len(), 2);
     assert_eq!(m.traces[0].trace.input, m.traces[1].trace.input);
 }
@@ -587,7 +594,7 @@ fn usage_an_agent_span_repeats_from_its_calls_is_counted_once() {
     let step = span(28, 2, Some(1), 1, vec![]);
     let first = span(28, 3, Some(2), 2, usage(4));
     let second = span(28, 4, Some(1), 3, usage(6));
-    let t = one(map_request(&request(vec![], vec![root, step, first, second]), LIMITS)).trace;
+    let t = one(map_request(&request(vec![], vec![root, step, first, second]), LIMITS, "default")).trace;
     assert_eq!(
         (t.metadata["otel"]["input_tokens"].as_i64(), t.metadata["otel"]["output_tokens"].as_i64()),
         (Some(10), Some(2))

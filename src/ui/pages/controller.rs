@@ -7,9 +7,8 @@ fn f(v: &Value) -> Option<f64> {
     v.as_f64().filter(|x| x.is_finite())
 }
 
-pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Path<String>) -> PageResult {
+pub async fn controller(State(st): State<AppState>, op: Operator, PathPrompt(name): PathPrompt) -> PageResult {
     op.require(Scope::PromptsRead)?;
-    let name = parse_name(&name)?;
     let view = controller_view(&st, &name).await?;
     let c = &view.choice;
     let fit = c.get("fit").filter(|v| !v.is_null());
@@ -107,7 +106,7 @@ pub async fn controller(State(st): State<AppState>, op: Operator, Path(name): Pa
 <p class="muted small">{meter_method}. Target retention {target:.0}%.</p>{meter}
 <h2>Samples <span class="muted small">newest first</span></h2><table class="compact" id="samples"><thead><tr><th>Time</th><th class="num">Batch size</th><th class="num">Round time</th><th>Round</th></tr></thead><tbody>{samples}</tbody></table>"#,
         escape(name.as_str()),
-        prompt_tabs(name.as_str(), "controller"),
+        prompt_tabs(&op, &name, "controller"),
         meter_method = escape(crate::service::controller::METER_METHOD),
         target = 100.0 * view.meter.target_retention,
     );

@@ -28,7 +28,7 @@ fn bullet(b: &SectionBullet) -> String {
 pub async fn diff(
     State(st): State<AppState>,
     op: Operator,
-    Path(name): Path<String>,
+    PathPrompt(name): PathPrompt,
     Query(q): Query<DiffQuery>,
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
@@ -43,7 +43,7 @@ pub async fn diff(
         .as_ref()
         .map_or_else(String::new, super::versions::gate_card);
     let latest = service::prompts::latest_number(&st, &prompt.name).await?;
-    let n = escape(&url_encode(prompt.name.as_str()));
+    let n = escape(&in_path(&op, &prompt.name));
     let options = |selected: i64| {
         (1..=latest)
             .rev()
@@ -152,7 +152,7 @@ pub async fn diff(
         d.to,
         options(d.from),
         options(d.to),
-        tabs = prompt_tabs(prompt.name.as_str(), ""),
+        tabs = prompt_tabs(&op, &prompt.name, ""),
     );
     Ok(page(&format!("{} diff", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
 }

@@ -22,7 +22,7 @@ use super::{
 };
 use crate::{
     domain::{
-        DeltaOp, LabelName, RoundDetail, Strategy, TraceStatus,
+        DeltaOp, LabelName, PromptName, RoundDetail, Strategy, TraceStatus,
         diff::{LineTag, SectionBullet},
         round::{Round, method_str, strategy_str},
     },
@@ -32,7 +32,8 @@ use crate::{
         self, AppState, ServiceError,
         controller::controller_view,
         pagination::{PageParams, next_token},
-        prompts::{existing_prompt, parse_name, version_diff},
+        projects::PathPrompt,
+        prompts::{existing_prompt, version_diff},
         rounds::round_view,
     },
 };
@@ -66,8 +67,15 @@ fn word<T: Serialize>(v: &T) -> String {
     }
 }
 
-fn prompt_link(name: &str) -> String {
-    format!(r#"<a href="/ui/prompts/{}">{}</a>"#, escape(&url_encode(name)), escape(name))
+/// A prompt as this session writes it in a path, percent-encoded: its bare
+/// name in the session's project (`default` for a server-wide session),
+/// `project/name` otherwise.
+fn in_path(op: &Operator, name: &PromptName) -> String {
+    url_encode(&name.written_from(op.reach().project().unwrap_or(crate::domain::names::DEFAULT_PROJECT)))
+}
+
+fn prompt_link(op: &Operator, name: &PromptName) -> String {
+    format!(r#"<a href="/ui/prompts/{}">{}</a>"#, escape(&in_path(op, name)), escape(name.as_str()))
 }
 
 fn round_link(id: Uuid, text: &str) -> String {
@@ -89,8 +97,8 @@ fn round_duration_ms(r: &Round) -> Option<f64> {
     Some((r.finished_at? - r.started_at?).num_milliseconds() as f64)
 }
 
-fn prompt_tabs(name: &str, current: &str) -> String {
-    let n = escape(&url_encode(name));
+fn prompt_tabs(op: &Operator, name: &PromptName, current: &str) -> String {
+    let n = escape(&in_path(op, name));
     let tab = |href: String, label: &str, key: &str| {
         let class = if key == current { r#" class="current""# } else { "" };
         format!(r#"<a href="{href}"{class}>{label}</a>"#)

@@ -20,7 +20,9 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
     let reach = op.reach();
     let asked = q.project.as_deref().filter(|p| !p.is_empty());
     let filter = crate::domain::project::list_filter(&reach, asked);
-    let list = service::prompts::list_prompts(&st, &filter, q.after.as_deref(), PAGE).await?;
+    // The next page starts after `project/name`: names repeat across projects.
+    let after = q.after.as_deref().and_then(|a| PromptName::written(a, crate::domain::names::DEFAULT_PROJECT).ok());
+    let list = service::prompts::list_prompts(&st, &filter, after.as_ref(), PAGE).await?;
     let server_wide = reach.project().is_none();
     let mut rows = String::new();
     for p in &list {
@@ -43,7 +45,7 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
         let _ = write!(
             rows,
             r#"<tr><td class="name">{}</td>{project}<td>{}</td><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>"#,
-            prompt_link(p.prompt.name.as_str()),
+            prompt_link(&op, &p.prompt.name),
             escape(strategy_str(p.prompt.strategy)),
             escape(&word(&p.prompt.promotion)),
             p.production_version.map_or_else(|| "—".to_owned(), |v| format!("v{v}")),
@@ -56,7 +58,7 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
         Some(last) if list.len() as u32 == PAGE => {
             format!(
                 r#"<p class="pager"><a href="/ui/prompts?after={}&amp;project={}">Next page →</a></p>"#,
-                escape(&url_encode(last.prompt.name.as_str())),
+                escape(&url_encode(&format!("{}/{}", last.prompt.name.project(), last.prompt.name.as_str()))),
                 escape(&url_encode(asked.unwrap_or("")))
             )
         }
@@ -124,7 +126,7 @@ fn bucket_words(secs: i64) -> String {
 pub async fn prompt(
     State(st): State<AppState>,
     op: Operator,
-    Path(name): Path<String>,
+    PathPrompt(name): PathPrompt,
     Query(q): Query<PromptQuery>,
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
@@ -135,7 +137,7 @@ pub async fn prompt(
     let latest = service::prompts::latest_number(&st, &prompt.name).await?;
     let prod_number = production.as_ref().map(|r| r.version.number);
     let can_promote = op.can(Scope::PromptsPromote);
-    let n = escape(&url_encode(prompt.name.as_str()));
+    let n = escape(&in_path(&op, &prompt.name));
 
     // Only fixed messages; the number is parsed, never echoed as text.
     let notice = match (q.notice.as_deref(), q.v) {
@@ -297,9 +299,9 @@ pub async fn prompt(
             r#"<table id="label-history" class="compact"><thead><tr><th>Time</th><th>Label</th><th>Move</th><th>Kind</th><th>By</th><th>Why</th></tr></thead><tbody>{move_rows}</tbody></table>"#
         )
     };
-    let cases = service::regression::list_cases(&st, prompt.name.as_str()).await?;
+    let cases = service::regression::list_cases(&st, &prompt.name).await?;
     let (case_count, regression) = (cases.len(), super::versions::cases_table(&cases));
-    let evaluators = evaluators_section(&st, prompt.name.as_str()).await?;
+    let evaluators = evaluators_section(&st, &prompt.name).await?;
     let promote_note = if can_promote {
         ""
     } else {
@@ -322,7 +324,7 @@ pub async fn prompt(
         project = escape(&prompt.project),
         strategy = escape(strategy_str(prompt.strategy)),
         promotion = escape(&word(&prompt.promotion)),
-        tabs = prompt_tabs(prompt.name.as_str(), "prompt"),
+        tabs = prompt_tabs(&op, &prompt.name, "prompt"),
         buckets = bucket_words(bucket),
     );
     Ok(page(prompt.name.as_str(), Some(&op.who()), Section::Prompts, &body))
@@ -332,7 +334,7 @@ pub async fn prompt(
 /// and operators gave (calibration). Cheap on every view: nothing is read
 /// for a prompt without evaluators, and the agreement is over the newest
 /// `PAGE_CALIBRATION_TRACES` scored traces (500; the API's over 5,000).
-async fn evaluators_section(st: &AppState, name: &str) -> Result<String, UiError> {
+async fn evaluators_section(st: &AppState, name: &PromptName) -> Result<String, UiError> {
     let list = service::evaluators::get(st, name).await?.evaluators;
     if list.is_empty() {
         return Ok(r#"<h2>Evaluators</h2><p class="muted" id="evaluators-empty">None: only the rewards agents report count. Set them with <code>combee evaluators set</code> or <code>PUT /v1/prompts/{name}/evaluators</code>.</p>"#.to_owned());

@@ -17,7 +17,7 @@ pub struct BeforeIdQuery {
 pub async fn rounds(
     State(st): State<AppState>,
     op: Operator,
-    Path(name): Path<String>,
+    PathPrompt(name): PathPrompt,
     Query(q): Query<BeforeIdQuery>,
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
@@ -45,7 +45,7 @@ pub async fn rounds(
             result
         );
     }
-    let n = escape(&url_encode(prompt.name.as_str()));
+    let n = escape(&in_path(&op, &prompt.name));
     let more = match list.last() {
         Some(last) if list.len() as u32 == PAGE => {
             format!(r#"<p class="pager"><a href="/ui/prompts/{n}/rounds?before={}">Older rounds →</a></p>"#, last.id)
@@ -62,7 +62,7 @@ pub async fn rounds(
     let body = format!(
         r#"<h1>{} <span class="muted small">rounds</span></h1>{}{table}"#,
         escape(prompt.name.as_str()),
-        prompt_tabs(prompt.name.as_str(), "rounds")
+        prompt_tabs(&op, &prompt.name, "rounds")
     );
     Ok(page(&format!("{} rounds", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
 }
@@ -108,7 +108,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     let result = match (r.result_version, &r.error) {
         (Some(v), _) => format!(
             r#"<a href="/ui/prompts/{}/diff?from={}&amp;to={v}" id="result-version">v{v}</a> <span class="muted">(diff against the base v{})</span>"#,
-            escape(&url_encode(r.prompt.as_str())),
+            escape(&in_path(&op, &r.prompt)),
             r.base_version,
             r.base_version
         ),
@@ -126,7 +126,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
 <dt>Base version</dt><dd>v{}</dd><dt>Seed</dt><dd>{}</dd><dt>Attempt</dt><dd>{}</dd>
 <dt>Created</dt><dd>{}</dd><dt>Started</dt><dd>{}</dd><dt>Finished</dt><dd>{}</dd><dt>Duration</dt><dd>{}</dd>
 </dl>"#,
-        prompt_link(r.prompt.as_str()),
+        prompt_link(&op, &r.prompt),
         badge(r.status.as_str()),
         escape(method_str(r.method)),
         escape(strategy_str(r.strategy)),
@@ -284,7 +284,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
 {answers}{ops}{group_outputs}
 <h2>Reflections</h2>{reflections}"#,
         short_id(r.id),
-        prompt_tabs(r.prompt.as_str(), "rounds"),
+        prompt_tabs(&op, &r.prompt, "rounds"),
     );
     Ok(page(&format!("Round {}", short_id(r.id)), Some(&op.who()), Section::Prompts, &body))
 }

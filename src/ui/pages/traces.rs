@@ -24,7 +24,7 @@ fn preview(v: &Value, max: usize) -> String {
 pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<TracesQuery>) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let prompt = match q.prompt.as_deref().filter(|s| !s.is_empty()) {
-        Some(p) => Some(existing_prompt(&st, p).await?.name),
+        Some(p) => Some(service::projects::prompt_in_reach(&st, &op.reach(), p).await?),
         None => None,
     };
     let status = match q.status.as_deref().filter(|s| !s.is_empty()) {
@@ -81,7 +81,7 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
             t.id,
             t.id,
             short_id(t.id),
-            prompt_link(t.prompt.as_str()),
+            prompt_link(&op, &t.prompt),
             t.prompt_version.map_or_else(|| "—".to_owned(), |v| format!("v{v}")),
             badge(t.status.as_str()),
             outcome,
@@ -94,7 +94,7 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
         Some(token) => {
             let mut href = format!("/ui/traces?page_token={}", url_encode(&token));
             if let Some(p) = &prompt {
-                let _ = write!(href, "&prompt={}", url_encode(p.as_str()));
+                let _ = write!(href, "&prompt={}", in_path(&op, p));
             }
             if let Some(s) = status {
                 let _ = write!(href, "&status={}", s.as_str());
@@ -233,7 +233,7 @@ pub async fn trace(
 <p class="muted">Trace content is shown as the agent sent it (untrusted data).</p>
 {}{}{}{}{}{}"#,
         t.id,
-        prompt_link(t.prompt.as_str()),
+        prompt_link(&op, &t.prompt),
         t.prompt_version.map_or_else(|| "—".to_owned(), |v| format!("v{v}")),
         badge(t.status.as_str()),
         t.round_id.map_or_else(|| "—".to_owned(), |r| round_link(r, &short_id(r))),

@@ -81,7 +81,8 @@ pub(super) fn cases_table(cases: &[RegressionCase]) -> String {
 pub async fn version(
     State(st): State<AppState>,
     op: Operator,
-    Path((name, number)): Path<(String, i64)>,
+    PathPrompt(name): PathPrompt,
+    Path((_name, number)): Path<(String, i64)>,
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
@@ -96,7 +97,7 @@ pub async fn version(
     let diff = v.parent.map_or_else(String::new, |p| {
         format!(
             r#"<p><a href="/ui/prompts/{}/diff?from={p}&amp;to={}">Diff with v{p}</a></p>"#,
-            escape(&url_encode(prompt.name.as_str())),
+            escape(&in_path(&op, &prompt.name)),
             v.number
         )
     });
@@ -113,7 +114,7 @@ pub async fn version(
         escape(&v.created_by),
         time(v.created_at),
         escape(&v.content.render()),
-        tabs = prompt_tabs(prompt.name.as_str(), ""),
+        tabs = prompt_tabs(&op, &prompt.name, ""),
     );
     Ok(page(&format!("{} v{}", prompt.name.as_str(), v.number), Some(&op.who()), Section::Prompts, &body))
 }

@@ -290,7 +290,7 @@ pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uu
         store::{OpenRound, RoundFailure, TraceCharges, TraceFault},
     };
     let open = OpenRound {
-        prompt: PromptName::parse(prompt).unwrap(),
+        prompt: PromptName::written(prompt, "default").unwrap(),
         trigger: RoundTrigger::Api,
         method: Method::Combee,
         batch: 10_000,
