@@ -27,3 +27,13 @@ ALTER TABLE prompts DROP CONSTRAINT IF EXISTS prompts_name_key;
 DROP INDEX IF EXISTS prompts_by_project;
 -- A bare name's lookups (the previous release's, and which projects hold a name).
 CREATE INDEX prompts_by_name ON prompts (name);
+
+-- A person's explicit grants, one per project (and one server-wide): the
+-- key on the subject alone becomes one on (subject, project), so a
+-- project's admin gives a person a role in its project whatever the person
+-- holds elsewhere, and never learns of it. The previous release's upsert of
+-- a grant names the old key, so a member changed through its processes
+-- during a rolling upgrade fails (500); change members through this
+-- release's processes.
+CREATE UNIQUE INDEX members_by_grant ON members (subject, (coalesce(project, '')));
+ALTER TABLE members DROP CONSTRAINT IF EXISTS members_pkey;

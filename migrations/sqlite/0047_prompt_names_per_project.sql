@@ -43,3 +43,20 @@ INSERT INTO prompts (id, name, strategy, promotion, settings, version_count, cre
 DROP TABLE prompts_copy;
 CREATE UNIQUE INDEX prompts_by_project_name ON prompts (project, name);
 CREATE INDEX prompts_by_name ON prompts (name);
+
+-- A person's explicit grants, one per project (and one server-wide): the
+-- key on the subject alone becomes one on (subject, project), so a
+-- project's admin gives a person a role in its project whatever the person
+-- holds elsewhere, and never learns of it. Nothing refers to `members`.
+CREATE TABLE members_new (
+    subject     TEXT NOT NULL,
+    project     TEXT,
+    role        TEXT NOT NULL,
+    created_at  INTEGER NOT NULL,
+    updated_at  INTEGER NOT NULL
+);
+INSERT INTO members_new (subject, project, role, created_at, updated_at)
+    SELECT subject, project, role, created_at, updated_at FROM members;
+DROP TABLE members;
+ALTER TABLE members_new RENAME TO members;
+CREATE UNIQUE INDEX members_by_grant ON members (subject, coalesce(project, ''));

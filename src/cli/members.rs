@@ -11,7 +11,7 @@ use crate::{
     domain::{
         access::Role,
         audit::{NewAuditEntry, RequestOrigin},
-        people::Member,
+        people::{Grant, Member},
     },
     service::{self, ServiceError, people},
 };
@@ -20,7 +20,8 @@ use crate::{
 pub enum MembersCommand {
     /// List the members and their grants.
     List,
-    /// Give a person (the provider's subject, or an email address) a role, replacing their grant.
+    /// Give a person (the provider's subject, or an email address) a role in a project or
+    /// server-wide, replacing their grant there (a person may hold one in each project).
     Set {
         subject: String,
         /// The project the role holds in; left out: every project.
@@ -30,8 +31,13 @@ pub enum MembersCommand {
         #[arg(long)]
         role: String,
     },
-    /// Take a person's explicit grant away.
-    Remove { subject: String },
+    /// Take a person's explicit grants away: the one in `--project`, else every one.
+    Remove {
+        subject: String,
+        /// Only the grant in this project.
+        #[arg(long)]
+        project: Option<String>,
+    },
 }
 
 fn entry(action: &str, subject: &str, before: Option<&Member>, after: Option<&Member>) -> NewAuditEntry {
@@ -76,13 +82,18 @@ pub async fn run(settings: Settings, cmd: MembersCommand) -> anyhow::Result<()> 
                 }
             );
         }
-        MembersCommand::Remove { subject } => {
-            let before = match people::remove_member(&st, &Reach::Server, &subject).await {
+        MembersCommand::Remove { subject, project } => {
+            let removed = match people::remove_member(&st, &Reach::Server, &subject, project.as_deref()).await {
                 Err(ServiceError::NotFound(_)) => anyhow::bail!("no member {subject:?}"),
                 other => other?,
             };
-            service::audit::record_entry(&st, &entry("member.remove", &subject, Some(&before), None)).await;
-            println!("removed {subject}");
+            for before in &removed {
+                service::audit::record_entry(&st, &entry("member.remove", &subject, Some(before), None)).await;
+                println!(
+                    "removed {subject}: {}",
+                    Grant { project: before.project.clone(), role: before.role }.describe()
+                );
+            }
         }
     }
     Ok(())

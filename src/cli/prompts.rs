@@ -171,6 +171,7 @@ async fn list(api: &ApiClient, json_out: bool) -> CliResult<()> {
         .map(|p| {
             vec![
                 cell(&p["name"]),
+                cell(&p["project"]),
                 cell(&p["strategy"]),
                 cell(&p["promotion"]),
                 cell(&p["production_version"]),
@@ -180,7 +181,7 @@ async fn list(api: &ApiClient, json_out: bool) -> CliResult<()> {
             ]
         })
         .collect();
-    print_table(&["NAME", "STRATEGY", "PROMOTION", "PRODUCTION", "LATEST", "PENDING", "CREATED"], &rows);
+    print_table(&["NAME", "PROJECT", "STRATEGY", "PROMOTION", "PRODUCTION", "LATEST", "PENDING", "CREATED"], &rows);
     Ok(())
 }
 

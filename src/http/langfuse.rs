@@ -25,7 +25,6 @@ use super::{
     otlp::handle_export,
 };
 use crate::{
-    domain::names::DEFAULT_PROJECT,
     otlp::Signal,
     service::{
         keys,
@@ -108,13 +107,11 @@ pub struct LangfusePromptQuery {
     security(("basic" = ["prompts:read"]), ("bearer" = ["prompts:read"])))]
 pub async fn get_prompt(
     State(st): State<AppState>,
-    caller: LangfuseCaller<scope::PromptsRead>,
+    _caller: LangfuseCaller<scope::PromptsRead>,
     PathPrompt(name): PathPrompt,
     ApiQuery(q): ApiQuery<LangfusePromptQuery>,
 ) -> ApiResult<Json<LangfusePrompt>> {
-    // Named as this caller writes it: the SDK links its traces to the prompt by the answer's name.
-    let written = name.written_from(caller.0.reach().project().unwrap_or(DEFAULT_PROJECT));
-    Ok(Json(langfuse::prompt(&st, &name, written, q.label.as_deref(), q.version).await?))
+    Ok(Json(langfuse::prompt(&st, &name, q.label.as_deref(), q.version).await?))
 }
 
 /// OTLP span export from a Langfuse SDK (an alias of `POST /v1/otlp/v1/traces`).

@@ -5,12 +5,12 @@
 
 use axum::{Json, extract::State, http::StatusCode};
 use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 
 use super::{
     AppState,
     error::ApiResult,
-    extract::{ApiJson, ApiPath, Authorized, scope},
+    extract::{ApiJson, ApiPath, ApiQuery, Authorized, scope},
 };
 use crate::{
     domain::{access::Role, people::Member},
@@ -55,18 +55,29 @@ pub async fn set_member(
     Ok((audit, Json(member)))
 }
 
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct RemoveMemberQuery {
+    /// Only the grant in this project (a project's key: its own, whether named or not; a
+    /// server-wide key without it removes every grant of the member).
+    #[param(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$")]
+    pub project: Option<String>,
+}
+
 #[utoipa::path(delete, path = "/v1/members/{subject}", tag = "members",
-    params(("subject" = String, Path, description = "the provider's subject (`sub`) or an email address")),
+    params(("subject" = String, Path, description = "the provider's subject (`sub`) or an email address"), RemoveMemberQuery),
     responses((status = 204), (status = 404, body = super::error::Problem)), security(("bearer" = ["admin"])))]
 pub async fn remove_member(
     State(st): State<AppState>,
     caller: Authorized<scope::Admin>,
     ApiPath(subject): ApiPath<String>,
+    ApiQuery(q): ApiQuery<RemoveMemberQuery>,
 ) -> ApiResult<(StatusCode, Audit)> {
-    let before = people::remove_member(&st, &caller.reach(), &subject).await?;
-    let project = before.project.clone();
-    Ok((
-        StatusCode::NO_CONTENT,
-        Audit::new("member.remove", "member", &before.subject).before(before).in_project(project),
-    ))
+    let removed = people::remove_member(&st, &caller.reach(), &subject, q.project.as_deref()).await?;
+    // One grant is the entry's before, with its project; several are the whole server's.
+    let audit = match &removed[..] {
+        [one] => Audit::new("member.remove", "member", &subject).before(one).in_project(one.project.clone()),
+        all => Audit::new("member.remove", "member", &subject).before(all),
+    };
+    Ok((StatusCode::NO_CONTENT, audit))
 }

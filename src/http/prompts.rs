@@ -198,6 +198,8 @@ impl SelectorQuery {
 /// What an agent receives.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct PromptView<'a> {
+    /// The prompt as any caller may write it: its name in `default`,
+    /// `project/name` elsewhere; traces name their prompt so.
     pub name: &'a str,
     pub version: i64,
     #[schema(value_type = Vec<String>)]
@@ -227,7 +229,7 @@ pub(super) async fn fresh_view(st: &AppState, name: &PromptName, selector: &Sele
     let resolved = prompts::resolved(st, name, selector).await?;
     let v = &resolved.version;
     let body = serde_json::to_vec(&PromptView {
-        name: name.as_str(),
+        name: &name.qualified(),
         version: v.number,
         labels: &resolved.labels,
         text: v.content.render(),

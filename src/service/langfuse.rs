@@ -41,12 +41,11 @@ pub struct LangfusePrompt {
 
 /// The version of `name` a Langfuse SDK asked for: `version`, `label`, both
 /// (that version only while the label points at it) or neither (`production`).
-/// `written` is the name as the caller writes it, which the answer carries:
-/// the SDK links the traces it sends to the prompt by that name.
+/// The answer names the prompt as any caller may write it (see
+/// [`PromptName::qualified`]): the SDK links the traces it sends by that name.
 pub async fn prompt(
     st: &AppState,
     name: &PromptName,
-    written: String,
     label: Option<&str>,
     version: Option<i64>,
 ) -> ServiceResult<LangfusePrompt> {
@@ -84,7 +83,7 @@ pub async fn prompt(
     };
     let v = &resolved.version;
     Ok(LangfusePrompt {
-        name: written,
+        name: name.qualified(),
         version: v.number,
         kind: "text",
         prompt: mustache(&v.content.render()),

@@ -108,11 +108,11 @@ pub fn check_subject(subject: &str) -> ServiceResult<()> {
     Ok(())
 }
 
-/// Gives a member a role in a project (or server-wide); the member before, if any.
-/// A project's caller gives roles in its own project only (no project named
-/// means its own; another project is 404, as if absent), and a member who
-/// holds a role elsewhere is not its to change (404, as if absent: a
-/// server-wide admin moves them).
+/// Gives a member a role in a project (or server-wide), beside the roles
+/// they hold elsewhere; the grant before in that place, if any. A project's
+/// caller gives roles in its own project only (no project named means its
+/// own; another project is 404, as if absent) and never learns of a
+/// person's grants elsewhere.
 pub async fn set_member(
     st: &AppState,
     reach: &Reach,
@@ -137,25 +137,40 @@ pub async fn set_member(
             Some(p)
         }
     };
-    if let Reach::Project(_) = reach
-        && let Some(current) =
-            st.store.list_members().await?.into_iter().find(|m| m.subject.eq_ignore_ascii_case(subject))
-        && !member_in_reach(reach, &current)
-    {
-        return Err(ServiceError::not_found("member"));
-    }
     let grant = Grant { project: project.map(str::to_owned), role };
     Ok(st.store.put_member(subject, &grant).await?)
 }
 
-/// Removes a member within reach (404 otherwise, as if absent); their open
-/// sessions keep their grants until they end.
-pub async fn remove_member(st: &AppState, reach: &Reach, subject: &str) -> ServiceResult<Member> {
-    let current = st.store.list_members().await?.into_iter().find(|m| m.subject.eq_ignore_ascii_case(subject));
-    if !current.as_ref().is_some_and(|m| member_in_reach(reach, m)) {
+/// Takes a member's grants away: a project's caller, the one in its project
+/// (naming another project is 404, as for a member who holds none); a
+/// server-wide caller, the one in `project`, else all of them. Those removed;
+/// 404 when there was none. Open sessions keep their grants until they end.
+pub async fn remove_member(
+    st: &AppState,
+    reach: &Reach,
+    subject: &str,
+    project: Option<&str>,
+) -> ServiceResult<Vec<Member>> {
+    let removed = match (reach, project) {
+        (Reach::Project(own), Some(p)) if p != own => Vec::new(),
+        (Reach::Project(own), _) => st.store.delete_member(subject, Some(own)).await?.into_iter().collect(),
+        (Reach::Server, Some(p)) => st.store.delete_member(subject, Some(p)).await?.into_iter().collect(),
+        (Reach::Server, None) => st.store.delete_members(subject).await?,
+    };
+    if removed.is_empty() {
         return Err(ServiceError::not_found("member"));
     }
-    st.store.delete_member(subject).await?.ok_or_else(|| ServiceError::not_found("member"))
+    Ok(removed)
+}
+
+/// Takes a member's server-wide grant away (a server-wide caller's act; 404
+/// for a project's caller, as for a member who holds none).
+pub async fn remove_grant(st: &AppState, reach: &Reach, subject: &str) -> ServiceResult<Vec<Member>> {
+    let removed = match reach {
+        Reach::Server => st.store.delete_member(subject, None).await?,
+        Reach::Project(_) => None,
+    };
+    removed.map(|m| vec![m]).ok_or_else(|| ServiceError::not_found("member"))
 }
 
 #[cfg(test)]

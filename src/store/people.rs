@@ -27,11 +27,17 @@ pub trait PeopleStore: Send + Sync {
     /// False when there was no such session.
     async fn delete_person_session(&self, token_hash: &str) -> StoreResult<bool>;
 
+    /// Every explicit grant, by subject, then project (server-wide first).
     async fn list_members(&self) -> StoreResult<Vec<Member>>;
-    /// Creates or replaces a member's grant; the member before, if any.
+    /// Creates or replaces a member's grant in `grant.project` (absent:
+    /// server-wide); a person may hold one in each project. The grant before
+    /// in that place, if any.
     async fn put_member(&self, subject: &str, grant: &Grant) -> StoreResult<(Member, Option<Member>)>;
-    /// The member removed, if there was one.
-    async fn delete_member(&self, subject: &str) -> StoreResult<Option<Member>>;
+    /// Removes the member's grant in `project` (`None`: the server-wide one),
+    /// if there was one.
+    async fn delete_member(&self, subject: &str, project: Option<&str>) -> StoreResult<Option<Member>>;
+    /// Removes every grant of the member; those removed.
+    async fn delete_members(&self, subject: &str) -> StoreResult<Vec<Member>>;
     /// The members named by this subject or (case-insensitively) this email.
     async fn members_for(&self, subject: &str, email: Option<&str>) -> StoreResult<Vec<Member>>;
 
@@ -57,6 +63,9 @@ fn member_from_row<D: Dialect>(row: &D::Row) -> StoreResult<Member> {
 }
 
 const MEMBER_COLS: &str = "subject, project, role, created_at, updated_at";
+
+/// The grant of `$1` in the place `$2` names (NULL: server-wide).
+const IN_PLACE: &str = "(project = $2 OR (project IS NULL AND $2 IS NULL))";
 
 #[async_trait]
 impl<D: Backend> PeopleStore for SqlStore<D> {
@@ -127,7 +136,7 @@ impl<D: Backend> PeopleStore for SqlStore<D> {
     }
 
     async fn list_members(&self) -> StoreResult<Vec<Member>> {
-        let rows = sql::<D>(&format!("SELECT {MEMBER_COLS} FROM members ORDER BY subject"))
+        let rows = sql::<D>(&format!("SELECT {MEMBER_COLS} FROM members ORDER BY subject, coalesce(project, '')"))
             .fetch_all(&mut *self.reader.acquire().await?)
             .await?;
         rows.iter().map(member_from_row::<D>).collect()
@@ -135,36 +144,56 @@ impl<D: Backend> PeopleStore for SqlStore<D> {
 
     async fn put_member(&self, subject: &str, grant: &Grant) -> StoreResult<(Member, Option<Member>)> {
         let mut tx = self.begin_write().await?;
-        let before = sql::<D>(&format!("SELECT {MEMBER_COLS} FROM members WHERE subject = $1"))
+        let before = sql::<D>(&format!("SELECT {MEMBER_COLS} FROM members WHERE subject = $1 AND {IN_PLACE}"))
             .bind(subject)
+            .bind(grant.project.as_deref())
             .fetch_optional(&mut *tx)
             .await?
             .map(|r| member_from_row::<D>(&r))
             .transpose()?;
         let at = now();
-        let row = sql::<D>(&format!(
-            "INSERT INTO members (subject, project, role, created_at, updated_at) VALUES ($1, $2, $3, $4, $4)
-             ON CONFLICT (subject) DO UPDATE SET project = excluded.project, role = excluded.role,
-                                                 updated_at = excluded.updated_at
-             RETURNING {MEMBER_COLS}"
-        ))
-        .bind(subject)
-        .bind(grant.project.as_deref())
-        .bind(grant.role.as_str())
-        .bind(at)
-        .fetch_one(&mut *tx)
-        .await?;
+        // Replaced in place (the key is the subject and where the role holds,
+        // and a server-wide grant has no project to conflict on).
+        let text = if before.is_some() {
+            format!(
+                "UPDATE members SET role = $3, updated_at = $4 WHERE subject = $1 AND {IN_PLACE}
+                 RETURNING {MEMBER_COLS}"
+            )
+        } else {
+            format!(
+                "INSERT INTO members (subject, project, role, created_at, updated_at) VALUES ($1, $2, $3, $4, $4)
+                 RETURNING {MEMBER_COLS}"
+            )
+        };
+        let row = sql::<D>(&text)
+            .bind(subject)
+            .bind(grant.project.as_deref())
+            .bind(grant.role.as_str())
+            .bind(at)
+            .fetch_one(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok((member_from_row::<D>(&row)?, before))
     }
 
-    async fn delete_member(&self, subject: &str) -> StoreResult<Option<Member>> {
-        sql::<D>(&format!("DELETE FROM members WHERE subject = $1 RETURNING {MEMBER_COLS}"))
+    async fn delete_member(&self, subject: &str, project: Option<&str>) -> StoreResult<Option<Member>> {
+        sql::<D>(&format!("DELETE FROM members WHERE subject = $1 AND {IN_PLACE} RETURNING {MEMBER_COLS}"))
             .bind(subject)
+            .bind(project)
             .fetch_optional(&mut *self.writer.acquire().await?)
             .await?
             .map(|r| member_from_row::<D>(&r))
             .transpose()
+    }
+
+    async fn delete_members(&self, subject: &str) -> StoreResult<Vec<Member>> {
+        let rows = sql::<D>(&format!("DELETE FROM members WHERE subject = $1 RETURNING {MEMBER_COLS}"))
+            .bind(subject)
+            .fetch_all(&mut *self.writer.acquire().await?)
+            .await?;
+        let mut removed = rows.iter().map(member_from_row::<D>).collect::<StoreResult<Vec<_>>>()?;
+        removed.sort_by(|a, b| a.project.cmp(&b.project));
+        Ok(removed)
     }
 
     async fn members_for(&self, subject: &str, email: Option<&str>) -> StoreResult<Vec<Member>> {

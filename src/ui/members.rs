@@ -26,12 +26,13 @@ pub async fn page(State(st): State<AppState>, op: Operator) -> Result<Response, 
     let mut rows = String::new();
     for m in &members {
         rows.push_str(&format!(
-            r#"<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td><form method="post" action="/ui/members/remove" class="inline"><input type="hidden" name="csrf" value="{csrf}"><input type="hidden" name="subject" value="{}"><button type="submit" class="danger">Remove</button></form></td></tr>"#,
+            r#"<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td><td><form method="post" action="/ui/members/remove" class="inline"><input type="hidden" name="csrf" value="{csrf}"><input type="hidden" name="subject" value="{}"><input type="hidden" name="project" value="{}"><button type="submit" class="danger">Remove</button></form></td></tr>"#,
             escape(&m.subject),
             escape(m.project.as_deref().unwrap_or("every project")),
             m.role.as_str(),
             time(m.updated_at),
             escape(&m.subject),
+            escape(m.project.as_deref().unwrap_or("")),
         ));
     }
     let roles: String = Role::ALL.iter().map(|r| format!(r#"<option value="{0}">{0}</option>"#, r.as_str())).collect();
@@ -80,12 +81,20 @@ pub struct RemoveForm {
     csrf: Option<String>,
     #[serde(default)]
     subject: String,
+    /// The project of the grant removed; empty: the server-wide grant.
+    #[serde(default)]
+    project: String,
 }
 
 pub async fn remove(State(st): State<AppState>, op: Operator, Form(f): Form<RemoveForm>) -> Result<Response, UiError> {
     op.check_csrf(f.csrf.as_deref())?;
     op.require(Scope::Admin)?;
-    let before = people::remove_member(&st, &op.reach(), &f.subject).await?;
-    let audit = Audit::new("member.remove", "member", &before.subject).before(&before);
+    let project = Some(f.project.trim()).filter(|p| !p.is_empty());
+    // The row's one grant: a server-wide one is removed by the server-wide session alone.
+    let removed = match project {
+        Some(p) => people::remove_member(&st, &op.reach(), &f.subject, Some(p)).await?,
+        None => people::remove_grant(&st, &op.reach(), &f.subject).await?,
+    };
+    let audit = Audit::new("member.remove", "member", &f.subject).before(&removed);
     Ok((audit, Redirect::to("/ui/members")).into_response())
 }

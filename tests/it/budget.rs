@@ -68,12 +68,17 @@ async fn get(app: &TestApp, path: &str) -> Value {
     res.json().await.unwrap()
 }
 
+/// A prompt as a path names it (`project/name` with its `/` escaped).
+fn in_path(name: &str) -> String {
+    name.replace('/', "%2F")
+}
+
 async fn spend(app: &TestApp, name: &str) -> Value {
-    get(app, &format!("/v1/prompts/{name}/spend?days=30")).await
+    get(app, &format!("/v1/prompts/{}/spend?days=30", in_path(name))).await
 }
 
 async fn state(app: &TestApp, name: &str) -> Value {
-    get(app, &format!("/v1/prompts/{name}/learning")).await
+    get(app, &format!("/v1/prompts/{}/learning", in_path(name))).await
 }
 
 /// Traces of the prompt with `status`.
@@ -84,7 +89,7 @@ async fn traces(app: &TestApp, name: &str, status: &str) -> usize {
 
 /// The prompt's rounds, newest first.
 async fn rounds(app: &TestApp, name: &str) -> Vec<Value> {
-    let page = get(app, &format!("/v1/prompts/{name}/rounds?page_size=100")).await;
+    let page = get(app, &format!("/v1/prompts/{}/rounds?page_size=100", in_path(name))).await;
     page["rounds"].as_array().cloned().unwrap_or_default()
 }
 
@@ -396,12 +401,15 @@ async fn a_projects_cap_holds_its_prompts_together(b: Backend) {
     assert!(p["detail"].as_str().unwrap().contains("budget"), "{p}");
     let team = json!({"name": "team", "settings": {"budget": {"tokens_per_day": 5_000}}});
     assert_eq!(app.post("/v1/projects", team).send().await.unwrap().status(), 201);
+    // The server-wide key writes the team's prompts `team/left`, `team/right`.
     for (name, project) in [("left", "team"), ("right", "team"), ("free", "default")] {
         let body = json!({"name": name, "base": "You answer support questions.", "promotion": "auto",
                           "project": project, "settings": {"batch_size": 6}});
         assert_eq!(app.post("/v1/prompts", body).send().await.unwrap().status(), 201);
-        send(&app, name, 0, TRACES).await;
+        let written = if project == "default" { name.to_owned() } else { format!("{project}/{name}") };
+        send(&app, &written, 0, TRACES).await;
     }
+    let (left, right) = ("team/left", "team/right");
     // The other project's prompt learns everything meanwhile.
     eventually("the free prompt learns all", Duration::from_secs(90), async || {
         let consumed = traces(&app, "free", "consumed").await;
@@ -409,8 +417,8 @@ async fn a_projects_cap_holds_its_prompts_together(b: Backend) {
     })
     .await;
     let held = eventually("the project's cap to hold", Duration::from_secs(90), async || {
-        let (l, r) = (state(&app, "left").await, state(&app, "right").await);
-        let both_idle = [rounds(&app, "left").await, rounds(&app, "right").await]
+        let (l, r) = (state(&app, left).await, state(&app, right).await);
+        let both_idle = [rounds(&app, left).await, rounds(&app, right).await]
             .iter()
             .all(|rs| rs.iter().all(|r| r["status"] != "running"));
         let scope = |s: &Value| s["budget"]["scope"].as_str().unwrap_or_default().to_owned();
@@ -422,23 +430,23 @@ async fn a_projects_cap_holds_its_prompts_together(b: Backend) {
     .await;
     assert_eq!(held, "project tokens_per_day");
     let tokens = |r: Value| r["days"].as_array().unwrap().iter().map(|d| d["tokens"].as_u64().unwrap()).sum::<u64>();
-    let spent = tokens(spend(&app, "left").await) + tokens(spend(&app, "right").await);
-    let largest = largest_call(&app, "left").await.max(largest_call(&app, "right").await);
+    let spent = tokens(spend(&app, left).await) + tokens(spend(&app, right).await);
+    let largest = largest_call(&app, left).await.max(largest_call(&app, right).await);
     assert!(spent <= 5_000 + largest, "the project spent {spent} against 5,000 (largest call {largest})");
-    let left_out = traces(&app, "left", "pending").await + traces(&app, "right", "pending").await;
+    let left_out = traces(&app, left, "pending").await + traces(&app, right, "pending").await;
     assert!(left_out > 0, "the cap held some traces back");
-    nothing_failed(&app, "left").await;
-    nothing_failed(&app, "right").await;
+    nothing_failed(&app, left).await;
+    nothing_failed(&app, right).await;
     // Removing the project's cap lets both learn at once.
     let res = app.http.patch(app.url("/v1/projects/team")).bearer_auth(&app.admin_key).json(&json!({"settings": {}}));
     let res = res.send().await.unwrap();
     assert_eq!(res.status(), 200, "{}", res.text().await.unwrap());
     eventually("both prompts learn all after the raise", Duration::from_secs(90), async || {
-        let consumed = traces(&app, "left", "consumed").await + traces(&app, "right", "consumed").await;
+        let consumed = traces(&app, left, "consumed").await + traces(&app, right, "consumed").await;
         if consumed == 2 * TRACES { Ok(()) } else { Err(format!("{consumed} consumed")) }
     })
     .await;
-    assert_eq!(state(&app, "left").await["state"], "ok");
+    assert_eq!(state(&app, left).await["state"], "ok");
 }
 
 async fn budget_events(app: &TestApp) -> i64 {

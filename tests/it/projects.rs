@@ -1,10 +1,13 @@
 //! Projects keep teams apart. Every operation of the served OpenAPI document
-//! runs with a key of project A, a key of project B and a server-wide key
-//! against project A's resources: B's key finds each of them absent — the
-//! same 404, in the same words, as the server-wide key gets for something
-//! that does not exist — its lists show nothing of A, and A's state is the
-//! same afterwards; A's key and the server-wide key get the documented
-//! answers. Then the web UI (another project's pages are 404) and webhooks (a
+//! runs with a key of project B against project A's resources — named as B
+//! names its own (`pa-b`) and as `team-a/pa-b` — and against absent resources
+//! of the same shape, each request valid and malformed (a broken body, a bad
+//! query, bad headers): B gets the same status and the same words either way,
+//! since whether a resource is within reach is decided before anything else
+//! of the request is read; its lists show nothing of A, and A's state is the
+//! same afterwards. A's key and the server-wide key get the documented
+//! answers, and an absent resource is a 404 for them too, whatever the body.
+//! Then the web UI (another project's pages are 404) and webhooks (a
 //! project's subscription hears only of its project).
 
 use std::collections::BTreeSet;
@@ -18,6 +21,7 @@ use crate::{
 };
 
 const ABSENT_ID: &str = "0190a5b3-0000-7000-8000-000000000000";
+const ABSENT_MEMBER: &str = "nobody@a.example";
 
 /// Operations whose answer does not depend on a key's project, and why.
 const UNSCOPED: [(&str, &str, &str); 5] = [
@@ -30,6 +34,7 @@ const UNSCOPED: [(&str, &str, &str); 5] = [
 
 /// Project A's resources, made fresh for each caller (its deletions use them up).
 struct Fixture {
+    /// The prompt's name in project A.
     prompt: String,
     traces: Vec<String>,
     round: String,
@@ -37,6 +42,33 @@ struct Fixture {
     hook: String,
     key: String,
     member: String,
+}
+
+/// How a request names A's prompt: bare (a name of the caller's own project)
+/// or `team-a/name`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Form {
+    Bare,
+    Qualified,
+}
+
+impl Fixture {
+    /// The prompt as `form` writes it, in a body.
+    fn written(&self, form: Form) -> String {
+        match form {
+            Form::Bare => self.prompt.clone(),
+            Form::Qualified => format!("team-a/{}", self.prompt),
+        }
+    }
+
+    /// The prompt as `form` writes it, as a path segment.
+    fn in_path(&self, form: Form) -> String {
+        self.written(form).replace('/', "%2F")
+    }
+
+    fn ids(&self) -> impl Iterator<Item = &String> {
+        self.traces.iter().chain([&self.round, &self.case, &self.hook, &self.key])
+    }
 }
 
 fn trace(prompt: &str, i: usize) -> Value {
@@ -50,27 +82,29 @@ async fn created(res: reqwest::Response, what: &str) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
+/// A's resources, made with the server-wide key (which writes A's prompt `team-a/…`).
 async fn fixture(app: &TestApp, tag: &str) -> Fixture {
     let prompt = format!("pa-{tag}");
     let body = json!({"name": prompt, "base": "You help.", "project": "team-a"});
     let p = created(app.post("/v1/prompts", body).send().await.unwrap(), "prompt").await;
     assert_eq!(p["project"], "team-a");
+    let (path, written) = (format!("team-a%2F{prompt}"), format!("team-a/{prompt}"));
     let v2 = json!({"base": "You help, twice."});
-    created(app.post(&format!("/v1/prompts/{prompt}/versions"), v2).send().await.unwrap(), "version").await;
+    created(app.post(&format!("/v1/prompts/{path}/versions"), v2).send().await.unwrap(), "version").await;
     // The round reserves the traces pending when it opens; the operations get later ones.
-    let batch = json!({"traces": [trace(&prompt, 0), trace(&prompt, 1)]});
+    let batch = json!({"traces": [trace(&written, 0), trace(&written, 1)]});
     created(app.post("/v1/traces", batch).send().await.unwrap(), "traces").await;
-    let round = created(app.post(&format!("/v1/prompts/{prompt}/rounds"), json!({})).send().await.unwrap(), "round")
+    let round = created(app.post(&format!("/v1/prompts/{path}/rounds"), json!({})).send().await.unwrap(), "round")
         .await["id"]
         .as_str()
         .unwrap()
         .to_owned();
-    let batch = json!({"traces": [trace(&prompt, 2), trace(&prompt, 3), trace(&prompt, 4)]});
+    let batch = json!({"traces": [trace(&written, 2), trace(&written, 3), trace(&written, 4)]});
     let ids = created(app.post("/v1/traces", batch).send().await.unwrap(), "traces").await;
     let traces: Vec<String> = ids["ids"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_owned()).collect();
     let checks = json!([{"type": "contains", "text": "answer"}]);
     let case = json!({"input": "hi", "checks": checks});
-    let case = created(app.post(&format!("/v1/prompts/{prompt}/regression-cases"), case).send().await.unwrap(), "case")
+    let case = created(app.post(&format!("/v1/prompts/{path}/regression-cases"), case).send().await.unwrap(), "case")
         .await["id"]
         .as_str()
         .unwrap()
@@ -96,22 +130,29 @@ async fn fixture(app: &TestApp, tag: &str) -> Fixture {
     }
 }
 
-/// One operation's concrete request: the path with `fx`'s resources, and its body.
+/// One operation's concrete request: the path with the resources, its body
+/// (as sent) and headers.
+#[derive(Clone)]
 struct Call {
     path: String,
-    body: Option<Value>,
+    body: Option<String>,
     /// `Content-Type` when not JSON (`None`: JSON).
     content_type: Option<&'static str>,
+    headers: Vec<(&'static str, String)>,
 }
 
-/// The request of `method path` against `fx`; `None` for an operation this
-/// matrix does not know (the coverage check then fails).
-fn call(method: &str, template: &str, fx: &Fixture, tag: &str) -> Option<Call> {
-    let p = &fx.prompt;
+/// The request of `method path` against `fx`, naming its prompt as `form`
+/// does; `None` for an operation this matrix does not know (the coverage
+/// check then fails).
+fn call(method: &str, template: &str, fx: &Fixture, tag: &str, form: Form) -> Option<Call> {
+    let (p, written) = (fx.in_path(form), fx.written(form));
     let (t0, t1, t2) = (&fx.traces[0], &fx.traces[1], &fx.traces[2]);
     let checks = json!([{"type": "contains", "text": "answer"}]);
-    let json = |path: String, body: Value| Some(Call { path, body: Some(body), content_type: None });
-    let bare = |path: String| Some(Call { path, body: None, content_type: None });
+    let with = |path: String, body: Value, content_type: Option<&'static str>| {
+        Some(Call { path, body: Some(body.to_string()), content_type, headers: Vec::new() })
+    };
+    let json = |path: String, body: Value| with(path, body, None);
+    let bare = |path: String| Some(Call { path, body: None, content_type: None, headers: Vec::new() });
     match (method, template) {
         ("GET", "/healthz" | "/readyz" | "/metrics" | "/v1/openapi.json") => bare(template.to_owned()),
         ("GET", "/v1/prompts") => bare("/v1/prompts".into()),
@@ -120,11 +161,11 @@ fn call(method: &str, template: &str, fx: &Fixture, tag: &str) -> Option<Call> {
         }
         ("GET", "/v1/prompts/{name}") => bare(format!("/v1/prompts/{p}")),
         ("GET", "/v1/prompts/{name}/population") => bare(format!("/v1/prompts/{p}/population")),
-        ("PATCH", "/v1/prompts/{name}/settings") => Some(Call {
-            path: format!("/v1/prompts/{p}/settings"),
-            body: Some(json!({"max_wait_secs": 60})),
-            content_type: Some("application/merge-patch+json"),
-        }),
+        ("PATCH", "/v1/prompts/{name}/settings") => with(
+            format!("/v1/prompts/{p}/settings"),
+            json!({"max_wait_secs": 60}),
+            Some("application/merge-patch+json"),
+        ),
         ("GET", "/v1/prompts/{name}/evaluators") => bare(format!("/v1/prompts/{p}/evaluators")),
         ("PUT", "/v1/prompts/{name}/evaluators") => json(
             format!("/v1/prompts/{p}/evaluators"),
@@ -142,11 +183,11 @@ fn call(method: &str, template: &str, fx: &Fixture, tag: &str) -> Option<Call> {
             json(format!("/v1/prompts/{p}/regression-cases"), json!({"input": "hey", "checks": checks}))
         }
         ("GET", "/v1/prompts/{name}/regression-cases") => bare(format!("/v1/prompts/{p}/regression-cases")),
-        ("POST", "/v1/prompts/{name}/regression-cases/import") => Some(Call {
-            path: format!("/v1/prompts/{p}/regression-cases/import"),
-            body: Some(json!({"input": [{"role": "user", "content": "2+2?"}], "ideal": "4"})),
-            content_type: Some("application/x-ndjson"),
-        }),
+        ("POST", "/v1/prompts/{name}/regression-cases/import") => with(
+            format!("/v1/prompts/{p}/regression-cases/import"),
+            json!({"input": [{"role": "user", "content": "2+2?"}], "ideal": "4"}),
+            Some("application/x-ndjson"),
+        ),
         ("DELETE", "/v1/prompts/{name}/regression-cases/{id}") => {
             bare(format!("/v1/prompts/{p}/regression-cases/{}", fx.case))
         }
@@ -168,9 +209,9 @@ fn call(method: &str, template: &str, fx: &Fixture, tag: &str) -> Option<Call> {
         ("GET", "/v1/prompts/{name}/controller") => bare(format!("/v1/prompts/{p}/controller")),
         ("GET", "/v1/prompts/{name}/metrics") => bare(format!("/v1/prompts/{p}/metrics")),
         ("GET", "/v1/prompts/{name}/spend") => bare(format!("/v1/prompts/{p}/spend")),
-        ("POST", "/v1/traces") => json("/v1/traces".into(), json!({"traces": [trace(p, 9)]})),
+        ("POST", "/v1/traces") => json("/v1/traces".into(), json!({"traces": [trace(&written, 9)]})),
         ("GET", "/v1/traces") => bare("/v1/traces".into()),
-        ("POST", "/v1/traces/quarantine") => json("/v1/traces/quarantine".into(), json!({"prompt": p})),
+        ("POST", "/v1/traces/quarantine") => json("/v1/traces/quarantine".into(), json!({"prompt": written})),
         ("GET", "/v1/traces/{id}") => bare(format!("/v1/traces/{t0}")),
         ("DELETE", "/v1/traces/{id}") => bare(format!("/v1/traces/{t2}")),
         ("POST", "/v1/traces/{id}/quarantine") => json(format!("/v1/traces/{t0}/quarantine"), json!({"reason": "odd"})),
@@ -215,6 +256,50 @@ fn call(method: &str, template: &str, fx: &Fixture, tag: &str) -> Option<Call> {
     }
 }
 
+/// The same request, malformed every way it can be: a body that is not
+/// JSON (where the operation takes one), a query whose every parameter is
+/// wrong, and headers too long to accept.
+fn malformed(c: &Call) -> Call {
+    let sep = if c.path.contains('?') { '&' } else { '?' };
+    let query = "page_size=none&page_token=%00&from=x&to=y&version=zero&label=No%20Label&window=forever\
+                 &bucket=x&format=bogus&newest=-1&days=x&ideal=bogus&subject=&status=sideways&since=never\
+                 &until=never&project=Not%20A%20Project&prompt=Not%20A%20Prompt";
+    Call {
+        path: format!("{}{sep}{query}", c.path),
+        body: c.body.as_ref().map(|_| r#"{"broken": "#.to_owned()),
+        content_type: c.content_type,
+        headers: vec![
+            ("idempotency-key", "k".repeat(300)),
+            ("combee-subject", "s".repeat(300)),
+            ("if-match", "not an etag".into()),
+        ],
+    }
+}
+
+/// The same request against absent resources of the same shape: the
+/// prompt's name (bare, or in project A), the ids, the member and the
+/// project replaced.
+fn absent(c: &Call, fx: &Fixture) -> Call {
+    let mut path = c.path.replace(&fx.prompt, "absent-prompt").replace(&fx.member, ABSENT_MEMBER);
+    for id in fx.ids() {
+        path = path.replace(id.as_str(), ABSENT_ID);
+    }
+    path = path.replace("/v1/projects/team-a", "/v1/projects/absent-project");
+    let body =
+        c.body.as_ref().map(|b| b.replace(&fx.prompt, "absent-prompt").replace("\"team-a\"", "\"absent-project\""));
+    Call { path, body, ..c.clone() }
+}
+
+/// An answer's detail with the absent names put back as A's (`c`: the request of A's resource).
+fn as_of_a(detail: &str, fx: &Fixture, c: &Call) -> String {
+    let real_id = fx.ids().find(|id| c.path.contains(id.as_str())).cloned().unwrap_or_else(|| ABSENT_ID.to_owned());
+    detail
+        .replace("absent-prompt", &fx.prompt)
+        .replace("absent-project", "team-a")
+        .replace(ABSENT_MEMBER, &fx.member)
+        .replace(ABSENT_ID, &real_id)
+}
+
 /// Deletions and what they need last, so every operation finds its resource.
 fn order(method: &str, template: &str) -> u8 {
     match (method, template) {
@@ -225,9 +310,17 @@ fn order(method: &str, template: &str) -> u8 {
     }
 }
 
+/// Whether the path names a resource the reach check looks up (a prompt,
+/// trace, round, webhook or project): absent or out of reach, it is a 404
+/// before anything else of the request is read.
+fn names_a_resource(template: &str) -> bool {
+    ["/prompts/{name}", "/traces/{id}", "/rounds/{id}", "/webhooks/{id}", "/projects/{name}"]
+        .iter()
+        .any(|t| template.contains(t))
+}
+
 /// What the documented answer is for A's key and the server-wide key, where
-/// it is not a success: B's key must get the 404 of an absent resource
-/// instead (checked apart from these).
+/// it is not a success.
 fn documented(who: &str, method: &str, template: &str) -> Option<u16> {
     match (who, method, template) {
         // Version 2 was made by hand: it has no gate, so none awaits a harness.
@@ -245,14 +338,26 @@ fn send(app: &TestApp, key: &str, method: &str, c: &Call) -> reqwest::RequestBui
     let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
     let mut req = app.http.request(m, app.url(&c.path)).bearer_auth(key);
     if let Some(body) = &c.body {
-        req = req.header("content-type", c.content_type.unwrap_or("application/json")).body(body.to_string());
+        req = req.header("content-type", c.content_type.unwrap_or("application/json")).body(body.clone());
+    }
+    for (name, value) in &c.headers {
+        req = req.header(*name, value);
     }
     req
 }
 
+/// The status and the problem's detail (empty for an answer that is none).
+async fn answer(app: &TestApp, key: &str, method: &str, c: &Call) -> (u16, String) {
+    let res = send(app, key, method, c).send().await.unwrap();
+    let status = res.status().as_u16();
+    let text = res.text().await.unwrap();
+    let detail = serde_json::from_str::<Value>(&text).ok().and_then(|v| v["detail"].as_str().map(str::to_owned));
+    (status, detail.unwrap_or_default())
+}
+
 /// A's state as the server-wide key reads it: what any operation could change.
 async fn state_of_a(app: &TestApp, fx: &Fixture) -> Value {
-    let p = &fx.prompt;
+    let p = fx.in_path(Form::Qualified);
     let mut state = serde_json::Map::new();
     for path in [
         format!("/v1/prompts/{p}"),
@@ -262,12 +367,12 @@ async fn state_of_a(app: &TestApp, fx: &Fixture) -> Value {
         format!("/v1/prompts/{p}/evaluators"),
         format!("/v1/prompts/{p}/gate"),
         format!("/v1/prompts/{p}/learning"),
-        format!("/v1/traces?prompt={p}"),
+        format!("/v1/traces?prompt=team-a/{}", fx.prompt),
         format!("/v1/webhooks/{}", fx.hook),
         "/v1/projects".into(),
         "/v1/members".into(),
-        "/v1/keys".into(),
-        "/v1/webhooks".into(),
+        "/v1/keys?project=team-a".into(),
+        "/v1/webhooks?project=team-a".into(),
     ] {
         let mut v: Value = app.get(&path).send().await.unwrap().json().await.unwrap();
         // A round in flight moves on by itself; what B could change is whether rounds exist.
@@ -278,6 +383,13 @@ async fn state_of_a(app: &TestApp, fx: &Fixture) -> Value {
                     .retain(|k, _| ["id", "status", "quarantined_at", "feedback"].contains(&k.as_str()));
             }
         }
+        // B may give people roles in B; A's grants are what must not move.
+        if let Some(members) = v.get_mut("members").and_then(Value::as_array_mut) {
+            members.retain(|m| m["project"] == "team-a");
+        }
+        if let Some(keys) = v.get_mut("keys").and_then(Value::as_array_mut) {
+            keys.retain(|k| k["project"] == "team-a");
+        }
         if let Some(l) = v.get_mut("state") {
             *l = Value::Null;
         }
@@ -286,37 +398,6 @@ async fn state_of_a(app: &TestApp, fx: &Fixture) -> Value {
     let rounds: Value = app.get(&format!("/v1/prompts/{p}/rounds")).send().await.unwrap().json().await.unwrap();
     state.insert("rounds".into(), json!(rounds["rounds"].as_array().map_or(0, Vec::len)));
     Value::Object(state)
-}
-
-/// The 404 the server-wide key gets for an absent resource of the same shape,
-/// with the absent names replaced by A's: what B must get, word for word.
-async fn absent_answer(app: &TestApp, method: &str, c: &Call, fx: &Fixture) -> (u16, String) {
-    let mut path = c.path.replace(&fx.prompt, "absent-prompt");
-    for id in fx.traces.iter().chain([&fx.round, &fx.case, &fx.hook, &fx.key, &fx.member]) {
-        path = path.replace(id.as_str(), ABSENT_ID);
-    }
-    path = path.replace("/v1/projects/team-a", "/v1/projects/absent-project");
-    let body = c.body.as_ref().map(|b| {
-        let text = b.to_string().replace(&fx.prompt, "absent-prompt").replace("\"team-a\"", "\"absent-project\"");
-        serde_json::from_str(&text).unwrap()
-    });
-    let absent = Call { path, body, content_type: c.content_type };
-    let res = send(app, &app.admin_key, method, &absent).send().await.unwrap();
-    let status = res.status().as_u16();
-    let body: Value = res.json().await.unwrap_or(Value::Null);
-    let detail = body["detail"]
-        .as_str()
-        .unwrap_or_default()
-        .replace("absent-prompt", &fx.prompt)
-        .replace("absent-project", "team-a");
-    let real_id = |i: &str| {
-        fx.traces
-            .iter()
-            .chain([&fx.round, &fx.case, &fx.hook, &fx.key, &fx.member])
-            .find(|id| c.path.contains(id.as_str()))
-            .map_or(i.to_owned(), |id| id.to_owned())
-    };
-    (status, detail.replace(ABSENT_ID, &real_id(ABSENT_ID)))
 }
 
 async fn operations(app: &TestApp) -> Vec<(String, String)> {
@@ -353,76 +434,64 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
     let known: BTreeSet<(String, String)> = ops.iter().cloned().collect();
     assert!(known.len() > 60, "{known:?}");
 
-    // B's key, against A's resources: absent, and nothing changes.
+    // B's key, against A's resources and against absent ones: the same answer, and nothing changes.
     let fx = fixture(&app, "b").await;
     let before = state_of_a(&app, &fx).await;
-    let mut refused = 0;
+    let (mut compared, mut refused) = (0, 0);
     let unscoped = |m: &str, t: &str| UNSCOPED.iter().any(|(um, ut, _)| (*um, *ut) == (m, t));
-    for (method, template) in &ops {
-        if unscoped(method, template) {
-            continue;
-        }
-        let c =
-            call(method, template, &fx, "b").unwrap_or_else(|| panic!("the matrix does not run {method} {template}"));
-        let res = send(&app, &key_b, method, &c).send().await.unwrap();
-        let status = res.status().as_u16();
-        let text = res.text().await.unwrap();
-        let lists = method == "GET" && !template.contains('{');
-        if lists {
-            assert_eq!(status, 200, "B: {method} {template}: {text}");
-            for secret_of_a in [&fx.prompt, &fx.hook, &fx.key, &fx.traces[0], &"team-a".to_owned()] {
-                assert!(!text.contains(secret_of_a.as_str()), "B's {template} shows A's {secret_of_a}: {text}");
+    for form in [Form::Bare, Form::Qualified] {
+        for (method, template) in &ops {
+            if unscoped(method, template) {
+                continue;
             }
-            continue;
-        }
-        match (method.as_str(), template.as_str()) {
-            // A's prompt named in a batch of traces reads as an unknown prompt.
-            ("POST", "/v1/traces") => {
-                assert_eq!(status, 422, "B: {text}");
-                assert!(text.contains(&format!("unknown prompt \\\"{}\\\"", fx.prompt)), "{text}");
+            let c = call(method, template, &fx, "b", form)
+                .unwrap_or_else(|| panic!("the matrix does not run {method} {template}"));
+            let lists = method == "GET" && !template.contains('{');
+            if lists {
+                let text = send(&app, &key_b, method, &c).send().await.unwrap().text().await.unwrap();
+                for secret_of_a in [&fx.prompt, &fx.hook, &fx.key, &fx.traces[0], &"team-a".to_owned()] {
+                    assert!(!text.contains(secret_of_a.as_str()), "B's {template} shows A's {secret_of_a}: {text}");
+                }
             }
-            // An empty export touches nothing of anyone.
-            ("POST", "/v1/otlp/v1/traces" | "/v1/otlp/v1/logs" | "/api/public/otel/v1/traces") => {
-                assert_eq!(status, 200, "B: {method} {template}: {text}")
-            }
-            ("POST", "/v1/projects") => assert_eq!(status, 403, "only a server-wide key creates projects: {text}"),
-            // A person holding a role in A is not B's to change; a new one would be made.
-            ("PUT", "/v1/members/{subject}") => {
-                assert_eq!(status, 404, "B: {text}");
-                assert!(text.contains("member not found"), "{text}");
-                refused += 1;
-            }
-            _ => {
-                let (want_status, want_detail) = absent_answer(&app, method, &c, &fx).await;
-                let detail =
-                    serde_json::from_str::<Value>(&text).ok().and_then(|v| v["detail"].as_str().map(str::to_owned));
-                assert_eq!(status, 404, "B: {method} {template}: {text}");
+            for (how, request) in [("valid", c.clone()), ("malformed", malformed(&c))] {
+                let of_a = answer(&app, &key_b, method, &request).await;
+                let missing = absent(&request, &fx);
+                let (status, detail) = answer(&app, &key_b, method, &missing).await;
+                let of_absent = (status, as_of_a(&detail, &fx, &request));
                 assert_eq!(
-                    (status, detail.unwrap_or_default()),
-                    (want_status, want_detail),
-                    "B: {method} {template} reads differently from an absent resource"
+                    of_a, of_absent,
+                    "B, {form:?}, {how}: {method} {template} answers A's resource unlike an absent one"
                 );
-                refused += 1;
+                compared += 1;
+                if names_a_resource(template) {
+                    assert_eq!(of_a.0, 404, "B, {form:?}, {how}: {method} {template}: {}", of_a.1);
+                    refused += 1;
+                }
             }
         }
     }
-    assert!(refused > 40, "{refused}");
+    assert!(compared > 240 && refused > 170, "{compared} compared, {refused} refused");
     assert_eq!(state_of_a(&app, &fx).await, before, "B's key changed something of A");
-    // B's audit log names nothing of A, and B's failed writes wrote no entry.
+    // B's audit log names nothing of A, and B's failed writes wrote no entry of A.
     let audit: Value =
         app.http.get(app.url("/v1/audit")).bearer_auth(&key_b).send().await.unwrap().json().await.unwrap();
     assert!(audit["entries"].as_array().unwrap().iter().all(|e| e["project"] == "team-b"), "{audit}");
 
-    // A's key and the server-wide key: the documented answers, each on fresh resources.
+    // A's key (bare names) and the server-wide key (`team-a/…`): the documented answers, each on
+    // fresh resources; and an absent resource is a 404 before a malformed request is read.
     let mut covered = BTreeSet::new();
-    for (who, key) in [("a", key_a.clone()), ("server", app.admin_key.clone())] {
+    for (who, key, form) in [("a", key_a.clone(), Form::Bare), ("server", app.admin_key.clone(), Form::Qualified)] {
         let fx = fixture(&app, who).await;
         for (method, template) in &ops {
             covered.insert((method.clone(), template.clone()));
             if template.starts_with("/v1/hooks/") {
                 continue;
             }
-            let c = call(method, template, &fx, who).unwrap();
+            let c = call(method, template, &fx, who, form).unwrap();
+            if names_a_resource(template) {
+                let (status, detail) = answer(&app, &key, method, &absent(&malformed(&c), &fx)).await;
+                assert_eq!(status, 404, "{who}: a malformed {method} {template} of an absent resource: {detail}");
+            }
             let res = send(&app, &key, method, &c).send().await.unwrap();
             let status = res.status().as_u16();
             let text = res.text().await.unwrap();
@@ -430,7 +499,6 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
                 Some(want) => assert_eq!(status, want, "{who}: {method} {template}: {text}"),
                 None => assert!((200..300).contains(&status), "{who}: {method} {template}: {status} {text}"),
             }
-            covered.insert((method.clone(), template.clone()));
         }
         // The list routes show A's resources to both.
         let list: Value =
@@ -449,14 +517,16 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
     let names: Vec<&str> =
         projects["projects"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["team-a"]);
-    // A project's key mints keys of its own project only; a name another project holds is a neutral 409.
+    // A project's key mints keys of its own project only.
     let res = app.http.post(app.url("/v1/keys")).bearer_auth(&key_a).json(&json!({"name": "x", "scopes": ["admin"]}));
     assert_eq!(created(res.send().await.unwrap(), "key").await["project"], "team-a");
+    // A name another project holds is B's to take: names are per project.
     let taken = json!({"name": "pa-a", "base": "Mine.", "project": "team-b"});
     let res = app.http.post(app.url("/v1/prompts")).bearer_auth(&key_b).json(&taken).send().await.unwrap();
-    assert_eq!(res.status(), 409);
-    let text = res.text().await.unwrap();
-    assert!(!text.contains("team-a"), "the answer does not say which project holds the name: {text}");
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
+    let again = app.http.post(app.url("/v1/prompts")).bearer_auth(&key_b).json(&taken).send().await.unwrap();
+    let text = crate::common::expect_problem(again, 409).await.to_string();
+    assert!(text.contains("team-b") && !text.contains("team-a"), "taken in B's own project: {text}");
 }
 
 async fn another_projects_ui_pages_are_absent(b: Backend) {
@@ -590,6 +660,7 @@ async fn a_project_named_with_a_dot_takes_members(b: Backend) {
 
 crate::on_one_store!(
     matrix_on_postgres: every_operation_keeps_project_b_out_of_project_a(Postgres),
+    matrix_on_sqlite: every_operation_keeps_project_b_out_of_project_a(Sqlite),
     ui_on_postgres: another_projects_ui_pages_are_absent(Postgres),
     webhooks_on_postgres: a_projects_webhook_hears_only_its_projects_events(Postgres),
     dotted_name_on_sqlite: a_project_named_with_a_dot_takes_members(Sqlite),

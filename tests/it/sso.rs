@@ -103,9 +103,10 @@ async fn seed(app: &TestApp) -> String {
     // A prompt of another project, which people of project x never see.
     let elsewhere = json!({"name": "elsewhere", "base": "You answer other questions."});
     assert_eq!(app.post("/v1/prompts", elsewhere).send().await.unwrap().status(), 201);
-    let res = app.post("/v1/prompts/support/versions", json!({"base": "You answer questions well."})).send().await;
+    // The server-wide admin key names project x's prompt `x/support`.
+    let res = app.post("/v1/prompts/x%2Fsupport/versions", json!({"base": "You answer questions well."})).send().await;
     assert_eq!(res.unwrap().status(), 201);
-    let trace = json!({"prompt": "support", "input": {"q": "hi"}, "output": "hello", "feedback": {"success": true}});
+    let trace = json!({"prompt": "x/support", "input": {"q": "hi"}, "output": "hello", "feedback": {"success": true}});
     let res: Value = app.post("/v1/traces", json!({"traces": [trace]})).send().await.unwrap().json().await.unwrap();
     res["ids"][0].as_str().unwrap().to_owned()
 }
@@ -293,7 +294,9 @@ async fn each_role_sees_and_may_post_what_it_allows(b: Backend) {
         let s = session_of(&app, sub).await;
         let operates = role != "viewer";
         let admin = role == "admin";
-        let (status, prompt) = page(&app, &s, "/ui/prompts/support").await;
+        // People of x write its prompt bare; a server-wide admin writes `x/support` (so may they).
+        let support = if admin { "/ui/prompts/x%2Fsupport" } else { "/ui/prompts/support" };
+        let (status, prompt) = page(&app, &s, support).await;
         assert_eq!(status, 200);
         // Project x's people meet another project's prompt as absent; a server-wide admin sees it.
         let elsewhere = page(&app, &s, "/ui/prompts/elsewhere").await.0;
@@ -319,12 +322,12 @@ async fn each_role_sees_and_may_post_what_it_allows(b: Backend) {
         // The forms' POSTs, with this session's CSRF token.
         let csrf = hidden(&page(&app, &s, "/ui/prompts").await.1, "csrf");
         let promote =
-            post(&app, &s, "/ui/prompts/support/promote", &[("csrf", &csrf), ("version", "2"), ("expected", "1")])
+            post(&app, &s, "/ui/prompts/x%2Fsupport/promote", &[("csrf", &csrf), ("version", "2"), ("expected", "1")])
                 .await;
         if operates {
             assert_eq!(promote.status(), 303, "{role} promotes");
             let back = [("csrf", csrf.as_str()), ("version", "1"), ("expected", "2")];
-            assert_eq!(post(&app, &s, "/ui/prompts/support/promote", &back).await.status(), 303);
+            assert_eq!(post(&app, &s, &format!("{support}/promote"), &back).await.status(), 303);
         } else {
             assert_eq!(promote.status(), 403, "a viewer's POST is refused");
             assert!(promote.text().await.unwrap().contains("Your role (viewer in x) does not allow this"));
@@ -343,7 +346,7 @@ async fn each_role_sees_and_may_post_what_it_allows(b: Backend) {
     let log: Value = app.get("/v1/audit?action=member.set").send().await.unwrap().json().await.unwrap();
     let e = &log["entries"][0];
     assert_eq!((e["actor_type"].as_str(), e["actor_name"].as_str()), (Some("person"), Some("Ada Admin")), "{log}");
-    let api: Value = app.get("/v1/prompts/support/labels/history").send().await.unwrap().json().await.unwrap();
+    let api: Value = app.get("/v1/prompts/x%2Fsupport/labels/history").send().await.unwrap().json().await.unwrap();
     assert!(api.to_string().contains("person:ann (web UI)"), "{api}");
 }
 
@@ -371,6 +374,26 @@ async fn members_give_grants_and_key_sign_in_can_be_switched_off(b: Backend) {
     assert!(page(&app, &s, "/ui/prompts").await.1.contains("operator in x"));
     let list: Value = app.get("/v1/members").send().await.unwrap().json().await.unwrap();
     assert_eq!(list["members"].as_array().unwrap().len(), 1, "{list}");
+    // A grant in each project: y's admin gives Lee a role in y without learning of x's, and
+    // takes back only its own.
+    assert_eq!(app.post("/v1/projects", json!({"name": "y"})).send().await.unwrap().status(), 201);
+    let y_key = json!({"name": "y admin", "scopes": ["admin"], "project": "y"});
+    let y_key: Value = app.post("/v1/keys", y_key).send().await.unwrap().json().await.unwrap();
+    let y_admin = y_key["secret"].as_str().unwrap();
+    let as_y = |req: reqwest::RequestBuilder| req.bearer_auth(y_admin).send();
+    let put = as_y(app.http.put(app.url("/v1/members/lee@example.com")).json(&json!({"role": "viewer"}))).await;
+    let member: Value = put.unwrap().json().await.unwrap();
+    assert_eq!((member["project"].as_str(), member["role"].as_str()), (Some("y"), Some("viewer")), "{member}");
+    let seen_by_y: Value = as_y(app.http.get(app.url("/v1/members"))).await.unwrap().json().await.unwrap();
+    assert_eq!(seen_by_y["members"].as_array().unwrap().len(), 1, "y sees its grant only: {seen_by_y}");
+    let all: Value = app.get("/v1/members").send().await.unwrap().json().await.unwrap();
+    assert_eq!(all["members"].as_array().unwrap().len(), 2, "{all}");
+    let gone = as_y(app.http.delete(app.url("/v1/members/lee@example.com?project=x"))).await.unwrap();
+    expect_problem(gone, 404).await;
+    let gone = as_y(app.http.delete(app.url("/v1/members/lee@example.com"))).await.unwrap();
+    assert_eq!(gone.status(), 204);
+    let all: Value = app.get("/v1/members").send().await.unwrap().json().await.unwrap();
+    assert_eq!(all["members"][0]["project"], "x", "x's grant stays: {all}");
 
     // Untrusted input is refused with a reason, and only admins manage members.
     expect_problem(

@@ -2158,7 +2158,7 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     );
     // 0044 too.
     undo.push("ALTER TABLE traces DROP COLUMN judge_claimed_until".to_owned());
-    // 0047 too: names unique across the server again.
+    // 0047 too: names unique across the server again (its members index goes with the table below).
     undo.extend(["DROP INDEX prompts_by_project_name", "DROP INDEX prompts_by_name"].map(String::from));
     if b == Backend::Postgres {
         undo.push("ALTER TABLE prompts ADD CONSTRAINT prompts_name_key UNIQUE (name)".to_owned());
