@@ -132,17 +132,17 @@ pub async fn spend(st: &AppState, prompt: &Prompt, days: u32) -> ServiceResult<S
     let from = today - chrono::Days::new(u64::from(days - 1));
     Ok(SpendReport {
         prompt: prompt.name.as_str().to_owned(),
-        caps: st.store.prompt_caps(prompt.name.as_str()).await?,
+        caps: st.store.prompt_caps(&prompt.name.qualified()).await?,
         server_caps: st.settings.budget.caps(),
         reached: reached(st, &prompt.name).await?,
-        days: st.store.spend_by_day(prompt.name.as_str(), from).await?,
+        days: st.store.spend_by_day(&prompt.name.qualified(), from).await?,
     })
 }
 
 /// The daily cap holding `name` back today: its own, or the server's.
 pub async fn reached(st: &AppState, name: &PromptName) -> ServiceResult<Option<BudgetReached>> {
     let today = st.clock.now().date_naive();
-    if let Some(r) = st.store.budget_reached(name.as_str(), today).await? {
+    if let Some(r) = st.store.budget_reached(&name.qualified(), today).await? {
         return Ok(Some(r));
     }
     // The server's own refusals are kept under the empty name.
@@ -184,7 +184,7 @@ pub fn patched_caps(current: &BudgetCaps, patch: &serde_json::Value) -> ServiceR
 
 /// The prompt's current caps.
 pub async fn caps(st: &AppState, prompt: &Prompt) -> ServiceResult<BudgetCaps> {
-    Ok(st.store.prompt_caps(prompt.name.as_str()).await?)
+    Ok(st.store.prompt_caps(&prompt.name.qualified()).await?)
 }
 
 /// Sets the prompt's caps. A change lifts today's hold at once: the prompt's
@@ -193,7 +193,7 @@ pub async fn caps(st: &AppState, prompt: &Prompt) -> ServiceResult<BudgetCaps> {
 pub async fn set_caps(st: &AppState, prompt: &Prompt, before: &BudgetCaps, caps: &BudgetCaps) -> ServiceResult<()> {
     let lift = caps != before;
     let today: NaiveDate = st.clock.now().date_naive();
-    st.store.set_prompt_caps(prompt.name.as_str(), caps, today, lift).await?;
+    st.store.set_prompt_caps(&prompt.name.qualified(), caps, today, lift).await?;
     tracing::info!(prompt = %prompt.name, ?caps, lifted = lift, "the prompt's budget changed");
     Ok(())
 }

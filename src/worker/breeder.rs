@@ -165,7 +165,7 @@ impl Breeder {
         let mut calls = Vec::new();
         let asked = std::time::Instant::now();
         // Counted against the prompt's budget like its rounds' calls.
-        let tagged = Tagged::new(self.backend.clone(), CallTag::prompt(p.name.as_str(), "crossover"));
+        let tagged = Tagged::new(self.backend.clone(), CallTag::prompt(&p.name.qualified(), "crossover"));
         let selection =
             crossover::select(&tagged, &self.llm, champion, &champion_version.content, &winners, &mut calls).await;
         *llm += asked.elapsed();

@@ -118,7 +118,7 @@ impl TraceJudge {
         let mut calls: Vec<LlmCall> = Vec::new();
         let reply = reply_text(&t.output);
         // The judge's calls count in the prompt's learning budget.
-        let tagged = Tagged::new(backend.clone(), CallTag::prompt(&t.prompt.to_string(), "judge"));
+        let tagged = Tagged::new(backend.clone(), CallTag::prompt(&t.prompt.qualified(), "judge"));
         let j = judge::judge(&tagged, cfg, name, rubric, &t.input, &reply, &mut calls).await;
         for call in &calls {
             let outcome = if call.error.is_some() { "failed" } else { "ok" };

@@ -228,7 +228,7 @@ impl Worker {
                 let settings = &worker.state.settings.regression;
                 let version = open.gate.version;
                 // The gate's calls count in the prompt's learning budget.
-                let tagged = Tagged::new(worker.backend.clone(), CallTag::prompt(prompt.name.as_str(), "gate"));
+                let tagged = Tagged::new(worker.backend.clone(), CallTag::prompt(&prompt.name.qualified(), "gate"));
                 if let Err(e) = gate::run(&worker.store, &tagged, &worker.llm, settings, &exposer, &prompt, open.gate).await
                 {
                     tracing::warn!(prompt = %prompt.name, version, error = %e, "a regression gate failed; it runs again");
@@ -319,7 +319,7 @@ impl Worker {
         let started = std::time::Instant::now();
         // Every call of this pass counts against the prompt's budget and the round's.
         let pass: i32 = rand::thread_rng().r#gen();
-        let backend = Tagged::new(self.backend.clone(), CallTag::round(prompt.name.as_str(), id, pass));
+        let backend = Tagged::new(self.backend.clone(), CallTag::round(&prompt.name.qualified(), id, pass));
         let result = tokio::select! {
             r = run_round(&backend, &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
             _ = lost.cancelled() => None,

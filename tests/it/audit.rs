@@ -238,7 +238,8 @@ async fn every_write_operation_appends_exactly_one_entry(b: Backend) {
     // Members: a person's explicit grant, set (again: then it has a before) and removed.
     let req = app.put("/v1/members/ann@example.com", json!({"project": "default", "role": "viewer"}));
     run.op("PUT", "/v1/members/{subject}", req, expect("member.set", "member", false, true)).await;
-    let req = app.put("/v1/members/ann@example.com", json!({"role": "admin"}));
+    // The grant in the same project changes (one per project).
+    let req = app.put("/v1/members/ann@example.com", json!({"project": "default", "role": "admin"}));
     run.op("PUT", "/v1/members/{subject}", req, expect("member.set", "member", true, true)).await;
     let req = delete(&app, "/v1/members/ann@example.com");
     run.op("DELETE", "/v1/members/{subject}", req, expect("member.remove", "member", true, false)).await;

@@ -162,8 +162,8 @@ async fn prompts_round_trip_with_exit_codes(b: Backend) {
     assert!(list.stdout.starts_with("NAME"), "{}", list.stdout);
     let row = list.stdout.lines().find(|l| l.starts_with("support-agent")).expect("a row for the prompt");
     assert_eq!(
-        row.split_whitespace().take(6).collect::<Vec<_>>(),
-        ["support-agent", "playbook", "auto", "1", "2", "0"]
+        row.split_whitespace().take(7).collect::<Vec<_>>(),
+        ["support-agent", "default", "playbook", "auto", "1", "2", "0"]
     );
     let listed = ok(&app, &["prompts", "list", "--json"]).await.json();
     assert_eq!(listed["prompts"][0]["name"], "support-agent");

@@ -5,7 +5,11 @@
 //! migrations; then the old processes are stopped one by one, each drained
 //! first as a load balancer does, while the agents keep posting traces and
 //! reading their prompt. No request may fail, every acknowledged trace must be
-//! readable at the end, and learning rounds must go on after the switch.
+//! readable at the end, and learning rounds must go on after the switch. The
+//! agents' prompt and key belong to a project other than `default`, so both
+//! releases find it by name while the schema is keyed by project and name;
+//! once the old processes are gone, `default` takes the same name, which the
+//! agents never notice.
 //!
 //! Skipped, saying so, only where git history is unavailable (a shallow clone
 //! or a source tree without git); CI clones the full history.
@@ -32,6 +36,7 @@ use serde_json::{Value, json};
 use sqlx::Connection;
 
 const PROMPT: &str = "rolling";
+const PROJECT: &str = "fleet";
 const AGENTS: usize = 4;
 
 fn repo() -> &'static Path {
@@ -350,11 +355,13 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
     ready(&http, &old_worker_base).await;
     let (old_migrations, old_newest) = schema(&db).await;
     let admin = std::fs::read_to_string(data.path().join("admin-key")).expect("the admin key").trim().to_owned();
+    let res = http.post(format!("{old_api_base}/v1/projects")).bearer_auth(&admin).json(&json!({"name": PROJECT}));
+    assert_eq!(res.send().await.unwrap().status(), 201);
     let res = http
         .post(format!("{old_api_base}/v1/prompts"))
         .bearer_auth(&admin)
         .json(&json!({"name": PROMPT, "base": "You answer support questions.", "strategy": "playbook",
-                      "promotion": "auto", "settings": {"batch_size": 40}}))
+                      "promotion": "auto", "settings": {"batch_size": 40}, "project": PROJECT}))
         .send()
         .await
         .unwrap();
@@ -362,7 +369,7 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
     let res = http
         .post(format!("{old_api_base}/v1/keys"))
         .bearer_auth(&admin)
-        .json(&json!({"name": "agents", "scopes": ["traces:write", "prompts:read"]}))
+        .json(&json!({"name": "agents", "scopes": ["traces:write", "prompts:read"], "project": PROJECT}))
         .send()
         .await
         .unwrap();
@@ -393,8 +400,18 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
     let worker_exit = old_worker.terminate();
     assert!(worker_exit.success(), "the previous release's worker stopped with {worker_exit}");
     let (switched, switched_at) = (chrono::Utc::now(), started.elapsed());
+    // Names are per project now: `default` takes the agents' prompt's name, and they go on as before.
+    let res = http
+        .post(format!("{new_api_base}/v1/prompts"))
+        .bearer_auth(&admin)
+        .json(&json!({"name": PROMPT, "base": "Another team's prompt."}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
 
-    let rounds_url = format!("{new_api_base}/v1/prompts/{PROMPT}/rounds?page_size=200");
+    // The server-wide key writes the agents' prompt `fleet/rolling`.
+    let rounds_url = format!("{new_api_base}/v1/prompts/{PROJECT}%2F{PROMPT}/rounds?page_size=200");
     let rounds = || async {
         let page: Value = http.get(&rounds_url).bearer_auth(&admin).send().await.unwrap().json().await.unwrap();
         page["rounds"].as_array().unwrap().clone()
@@ -449,7 +466,7 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
     assert!(lost.is_empty(), "{} acknowledged traces are not readable: {:?}", lost.len(), &lost[..lost.len().min(10)]);
     let prompt: Value = http
         .get(format!("{new_api_base}/v1/prompts/{PROMPT}"))
-        .bearer_auth(&admin)
+        .bearer_auth(&key)
         .send()
         .await
         .unwrap()
@@ -459,6 +476,7 @@ async fn the_previous_release_hands_over_to_this_one_under_load_without_a_failed
     let published = after["result_version"].as_i64();
     let finished = chrono::DateTime::parse_from_rfc3339(after["finished_at"].as_str().unwrap()).unwrap();
     let published_after = (finished.with_timezone(&chrono::Utc) - switched).as_seconds_f64();
+    assert_eq!(prompt["name"], format!("{PROJECT}/{PROMPT}"), "the served name works for any key: {prompt}");
     if let Some(published) = published {
         assert!(prompt["version"].as_i64() >= Some(published), "version {published} is served: {prompt}");
     }

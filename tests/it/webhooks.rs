@@ -240,7 +240,7 @@ async fn an_event_written_before_a_restart_is_delivered_after_it(b: Backend) {
     let moved = got.iter().map(Received::json).find(|p| p["type"] == "label.moved").unwrap();
     assert_eq!(
         moved["data"],
-        json!({"prompt": "durable", "label": "production", "version": 1, "previous_version": null, "moved_by": moved["data"]["moved_by"]})
+        json!({"prompt": "durable", "project": "default", "label": "production", "version": 1, "previous_version": null, "moved_by": moved["data"]["moved_by"]})
     );
     assert_eq!(log_with(&second, &id, 2).await.len(), 2);
 }
