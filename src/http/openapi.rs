@@ -17,6 +17,8 @@ use crate::domain::prompt::{MAX_BULLETS, MAX_CHARS, MAX_WAIT_SECS};
 
 /// A prompt or label name.
 pub const NAME_PATTERN: &str = "^[a-z0-9][a-z0-9._-]{0,63}$";
+/// A prompt as a caller writes it: its name within the key's project, or `project/name`.
+pub const PROMPT_PATTERN: &str = "^([a-z0-9][a-z0-9._-]{0,63}/)?[a-z0-9][a-z0-9._-]{0,63}$";
 /// A label name that can be stored (`latest` and `history` are reserved).
 const STORED_LABEL_PATTERN: &str = "^(?!(latest|history)$)[a-z0-9][a-z0-9._-]{0,63}$";
 const PROBLEM_REF: &str = "#/components/schemas/Problem";
@@ -164,7 +166,8 @@ fn finish_operation(path: &str, op: &mut Map<String, Value>) {
 /// grammar is one the server accepts.
 fn page_token_pattern(path: &str) -> &'static str {
     match path {
-        "/v1/prompts" => NAME_PATTERN,
+        // The last prompt of the page, `project/name`.
+        "/v1/prompts" => "^[a-z0-9][a-z0-9._-]{0,63}/[a-z0-9][a-z0-9._-]{0,63}$",
         "/v1/prompts/{name}/versions"
         | "/v1/webhooks/{id}/deliveries"
         | "/v1/prompts/{name}/labels/history"
@@ -195,7 +198,16 @@ fn finish_parameter(path: &str, p: &mut Value) {
         ("path", "label") | ("query", "label") if place == "path" || path.ends_with("/labels/history") => {
             schema["pattern"] = json!(STORED_LABEL_PATTERN)
         }
-        ("query", "prompt") | ("path", "name") | ("query", "label") => schema["pattern"] = json!(NAME_PATTERN),
+        // A prompt's route names the prompt in the key's project, or `project/name`.
+        ("path", "name") if !path.starts_with("/v1/projects/") => {
+            schema["pattern"] = json!(PROMPT_PATTERN);
+            p["description"] = json!(
+                "the prompt's name within the key's project, or `project/name` with the `/` percent-encoded \
+                 (`team-a%2Fsupport-agent`); a server-wide key's bare name is `default`'s prompt"
+            );
+        }
+        ("query", "prompt") => schema["pattern"] = json!(PROMPT_PATTERN),
+        ("path", "name") | ("query", "label") => schema["pattern"] = json!(NAME_PATTERN),
         ("query", "version") | ("path", "number") | ("query", "from") | ("query", "to") => schema["minimum"] = json!(1),
         ("header", "Idempotency-Key") => schema["pattern"] = json!("^[!-~]{1,255}$"),
         ("query", "actor" | "action" | "resource_type" | "resource_id") if path == "/v1/audit" => {
@@ -279,7 +291,7 @@ fn finish_schemas(schemas: &mut Map<String, Value>) {
     set("EvaluationResult", "score", &merge(json!({"minimum": 0, "maximum": 1})));
     set("EvaluationResult", "production_score", &merge(json!({"minimum": 0, "maximum": 1})));
     set("EvaluationResult", "reason", &merge(json!({"maxLength": crate::service::gate::MAX_HARNESS_REASON_CHARS})));
-    set("NewTrace", "prompt", &merge(json!({"pattern": NAME_PATTERN})));
+    set("NewTrace", "prompt", &merge(json!({"pattern": PROMPT_PATTERN})));
     set("NewTrace", "prompt_version", &merge(json!({"minimum": 1})));
     set("NewTrace", "external_id", &merge(json!({"minLength": 1, "maxLength": 200})));
     set("TraceBatch", "traces", &merge(json!({"minItems": 1})));

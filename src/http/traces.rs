@@ -382,7 +382,8 @@ pub async fn delete_trace(
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BulkQuarantine {
-    #[schema(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$")]
+    /// The prompt's name within the key's project, or `project/name`.
+    #[schema(pattern = "^([a-z0-9][a-z0-9._-]{0,63}/)?[a-z0-9][a-z0-9._-]{0,63}$")]
     pub prompt: String,
     /// RFC 3339; traces received at or after it.
     #[serde(default)]

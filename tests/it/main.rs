@@ -27,6 +27,7 @@ mod population;
 mod postgres_outage;
 mod postgres_processes;
 mod projects;
+mod prompt_names;
 mod real_model;
 mod regression;
 mod request_rules;

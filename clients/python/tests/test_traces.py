@@ -15,7 +15,7 @@ from typing import List
 import httpx
 import pytest
 
-from combee import Combee
+from combee import Combee, CombeeAPIError
 
 from conftest import CombeeServer, RequestLog, free_port, wait_until
 
@@ -257,3 +257,31 @@ def test_a_forked_worker_sends_its_own_traces_and_not_its_parents(server: Combee
     assert client.flush(timeout=10)
     client.close()
     assert stored_external_ids(server, "support-agent") == Counter({"parent-1": 1, "child-1": 1})
+
+
+def test_two_projects_prompts_of_one_name_each_get_their_own_traces(server: CombeeServer) -> None:
+    """Names are per project: a project's key names its prompt bare, a
+    server-wide key writes ``team-a/support-agent``; the served ``name`` is
+    the one any key writes back, so traces logged with the Prompt land in
+    the project the prompt came from."""
+    for project in ("team-a", "team-b"):
+        assert server.api("POST", "/v1/projects", json={"name": project}).status_code == 201
+        body = {"name": "support-agent", "base": f"You help {project}.", "project": project}
+        assert server.api("POST", "/v1/prompts", json=body).status_code == 201
+    res = server.api("POST", "/v1/keys", json={"name": "a", "scopes": ["prompts:read", "traces:write"], "project": "team-a"})
+    key_a = res.json()["secret"]
+    with Combee(server.url, key_a, flush_interval=60) as client:
+        mine = client.get_prompt("support-agent")
+        assert (mine.name, mine.text) == ("team-a/support-agent", "You help team-a.")
+        client.log_trace(mine, {"q": "from a"}, "ok")
+        assert client.flush(timeout=10)
+    with Combee(server.url, server.admin_key, flush_interval=60) as client:
+        theirs = client.get_prompt("team-b/support-agent")
+        assert (theirs.name, theirs.text) == ("team-b/support-agent", "You help team-b.")
+        client.log_trace(theirs, {"q": "from the server-wide key"}, "ok")
+        assert client.flush(timeout=10)
+        with pytest.raises(CombeeAPIError) as absent:
+            client.get_prompt("support-agent")  # `default` holds none; the answer says who does
+        assert "team-a" in str(absent.value) and "team-b" in str(absent.value)
+    assert [t["input"] for t in server.traces("team-a/support-agent")] == [{"q": "from a"}]
+    assert [t["input"] for t in server.traces("team-b/support-agent")] == [{"q": "from the server-wide key"}]

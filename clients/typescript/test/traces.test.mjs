@@ -132,3 +132,33 @@ test('queued traces are sent when the process exits (a CommonJS program)', async
   const stored = (await server.traces('agent')).filter((t) => String(t.input).startsWith('at exit'));
   assert.equal(stored.length, 3);
 });
+
+test("two projects' prompts of one name: each key reaches its own, and traces land there", async () => {
+  const s = await CombeeServer.start();
+  try {
+    for (const project of ['team-a', 'team-b']) {
+      assert.equal((await s.api('POST', '/v1/projects', { name: project })).status, 201);
+      const made = await s.api('POST', '/v1/prompts', { name: 'support-agent', base: `You help ${project}.`, project });
+      assert.equal(made.status, 201);
+    }
+    const key = await s.api('POST', '/v1/keys', { name: 'a', scopes: ['prompts:read', 'traces:write'], project: 'team-a' });
+    // A project's key names its prompt bare; the served name is the one any key writes back.
+    const mine = new Combee({ baseUrl: s.url, apiKey: key.body.secret, logger: quiet });
+    const a = await mine.getPrompt('support-agent');
+    assert.deepEqual([a.name, a.text], ['team-a/support-agent', 'You help team-a.']);
+    mine.logTrace(a, { input: { q: 'from a' }, output: 'ok' });
+    assert.equal(await mine.flush(10), true);
+    await mine.close();
+    // A server-wide key writes `team-b/support-agent` (the client encodes the `/`).
+    const all = new Combee({ baseUrl: s.url, apiKey: s.adminKey, logger: quiet });
+    const b = await all.getPrompt('team-b/support-agent');
+    assert.deepEqual([b.name, b.text], ['team-b/support-agent', 'You help team-b.']);
+    all.logTrace(b, { input: { q: 'from the server-wide key' }, output: 'ok' });
+    assert.equal(await all.flush(10), true);
+    await all.close();
+    assert.deepEqual((await s.traces('team-a/support-agent')).map((t) => t.input), [{ q: 'from a' }]);
+    assert.deepEqual((await s.traces('team-b/support-agent')).map((t) => t.input), [{ q: 'from the server-wide key' }]);
+  } finally {
+    await s.dispose();
+  }
+});
