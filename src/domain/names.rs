@@ -86,8 +86,12 @@ impl PromptName {
     /// The prompt as written from anywhere: `project/name`, or the bare name
     /// for `default`'s (how every prompt was named before projects, and how
     /// a server-wide caller still names them).
-    pub fn qualified(&self) -> String {
-        if self.project == DEFAULT_PROJECT { self.name.clone() } else { format!("{}/{}", self.project, self.name) }
+    pub fn qualified(&self) -> std::borrow::Cow<'_, str> {
+        if self.project == DEFAULT_PROJECT {
+            std::borrow::Cow::Borrowed(&self.name)
+        } else {
+            std::borrow::Cow::Owned(format!("{}/{}", self.project, self.name))
+        }
     }
 
     /// The prompt as a caller whose bare names are of `home` writes it: the
@@ -193,7 +197,7 @@ mod tests {
         assert_eq!(mine.qualified(), "team-a/support-agent");
         assert_eq!(
             (mine.written_from("team-a"), mine.written_from("default")),
-            ("support-agent".into(), mine.qualified())
+            ("support-agent".into(), mine.qualified().into_owned())
         );
         assert_eq!(mine.in_path(), "team-a%2Fsupport-agent");
         assert_eq!(PromptName::written("default/x", "team-a").unwrap().qualified(), "x");

@@ -94,7 +94,7 @@ pub async fn webhook_round(
     match open_round_for_webhook(&st, &name, trigger, id.to_owned()).await? {
         WebhookTrigger::Opened(round) => {
             let audit = Audit::new("round.trigger", "round", round.id).by(Actor::Webhook { id: id.to_owned() });
-            Ok((StatusCode::ACCEPTED, audit, Json(WebhookAccepted { status: "queued", round: Some(round) }))
+            Ok((StatusCode::ACCEPTED, audit, Json(WebhookAccepted { status: "queued", round: Some(*round) }))
                 .into_response())
         }
         // A redelivery: nothing changed, but the request is recorded like any other.

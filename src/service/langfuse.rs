@@ -83,7 +83,7 @@ pub async fn prompt(
     };
     let v = &resolved.version;
     Ok(LangfusePrompt {
-        name: name.qualified(),
+        name: name.qualified().into_owned(),
         version: v.number,
         kind: "text",
         prompt: mustache(&v.content.render()),

@@ -123,8 +123,8 @@ impl<S: Send + Sync> FromRequestParts<S> for PathPrompt {
     type Rejection = (StatusCode, &'static str);
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
-        match parts.extensions.get::<Found>() {
-            Some(Found::Prompt(name)) => Ok(PathPrompt(name.clone())),
+        match parts.extensions.remove::<Found>() {
+            Some(Found::Prompt(name)) => Ok(PathPrompt(name)),
             // A handler that takes a prompt on a route no reach check ran for: a bug, not a request's fault.
             _ => Err((StatusCode::INTERNAL_SERVER_ERROR, "the route's prompt was not looked up")),
         }

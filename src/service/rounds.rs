@@ -41,7 +41,7 @@ pub async fn open_round(st: &AppState, name: &PromptName, req: TriggerRound) -> 
 /// What a signed webhook's trigger did.
 #[derive(Debug)]
 pub enum WebhookTrigger {
-    Opened(Round),
+    Opened(Box<Round>),
     /// Its `webhook-id` opened a round already: nothing was started.
     Duplicate,
 }
@@ -57,7 +57,7 @@ pub async fn open_round_for_webhook(
     let open = round_request(st, name, req, RoundTrigger::Webhook, Some(webhook_id)).await?;
     match st.store.open_round(&open).await {
         Err(StoreError::Duplicate) => Ok(WebhookTrigger::Duplicate),
-        result => opened(name, result).map(WebhookTrigger::Opened),
+        result => opened(name, result).map(|r| WebhookTrigger::Opened(Box::new(r))),
     }
 }
 

@@ -113,7 +113,7 @@ impl CrossoverOutcome {
 fn crossover_draw(prompt: &PromptName, window_end: DateTime<Utc>) -> f64 {
     let digest = Sha256::new()
         .chain_update(b"crossover")
-        .chain_update(prompt.as_str().as_bytes())
+        .chain_update(prompt.qualified().as_bytes())
         .chain_update(window_end.timestamp_micros().to_le_bytes())
         .finalize();
     let mut first = [0u8; 8];

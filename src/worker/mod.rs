@@ -248,7 +248,8 @@ impl Worker {
             return Ok(());
         }
         for backlog in self.store.backlogs().await? {
-            if held.contains(backlog.prompt.name.as_str()) {
+            // The budget names a prompt by its key (`project/name` outside `default`).
+            if held.contains(&*backlog.prompt.name.qualified()) {
                 continue;
             }
             // Before the controller's reads: a prompt backing off costs nothing more.

@@ -171,7 +171,7 @@ impl PopulationRater {
                 let due = match slot.rated_until {
                     Some(t) => t <= from,
                     None => {
-                        first_window_due(slot.prompt.as_str(), now, self.settings.tick_secs, self.settings.window_secs)
+                        first_window_due(&slot.prompt.qualified(), now, self.settings.tick_secs, self.settings.window_secs)
                     }
                 };
                 if !due {
@@ -287,7 +287,7 @@ impl PopulationRater {
         if last_rated.is_some_and(|t| t > from)
             || (stagger
                 && last_rated.is_none()
-                && !first_window_due(prompt.as_str(), now, self.settings.tick_secs, self.settings.window_secs))
+                && !first_window_due(&prompt.qualified(), now, self.settings.tick_secs, self.settings.window_secs))
         {
             return Ok((RatingOutcome::WindowOpen, None));
         }

@@ -137,7 +137,7 @@ impl Pruner {
             for (kind, cutoff) in trace_cutoffs(&self.settings, &prompt, now) {
                 kinds.insert(kind.as_str(), self.store.count_expired_traces(&prompt.name, kind, cutoff).await?);
             }
-            report.traces.insert(prompt.name.qualified(), kinds);
+            report.traces.insert(prompt.name.qualified().into_owned(), kinds);
         }
         for (what, cutoff) in self.other_cutoffs(now) {
             report.other.insert(what.as_str(), self.store.count_expiring(what, cutoff).await?);
@@ -174,8 +174,12 @@ impl Pruner {
                     }
                     let deleted = self.store.delete_expired_traces(&ids, kind).await?;
                     batch_done(started);
-                    *report.traces.entry(prompt.name.qualified()).or_default().entry(kind.as_str()).or_default() +=
-                        deleted.traces;
+                    *report
+                        .traces
+                        .entry(prompt.name.qualified().into_owned())
+                        .or_default()
+                        .entry(kind.as_str())
+                        .or_default() += deleted.traces;
                     report.reflections += deleted.reflections;
                     report.otlp_spans += deleted.otlp_spans;
                     report.round_links += deleted.round_links;
@@ -347,7 +351,7 @@ impl Archive {
 fn write_archive(dir: &Path, traces: &[Trace]) -> std::io::Result<u64> {
     let mut files: BTreeMap<PathBuf, Vec<&Trace>> = BTreeMap::new();
     for t in traces {
-        let path = dir.join(t.prompt.qualified()).join(format!("{}.jsonl.gz", t.created_at.format("%Y-%m-%d")));
+        let path = dir.join(&*t.prompt.qualified()).join(format!("{}.jsonl.gz", t.created_at.format("%Y-%m-%d")));
         files.entry(path).or_default().push(t);
     }
     for (path, traces) in &files {

@@ -46,7 +46,7 @@ fn traces(n: usize) -> Vec<Trace> {
                 ..Default::default()
             };
             Trace::pending(
-                PromptName::parse("bench").unwrap_or_else(|_| unreachable!()),
+                PromptName::new("default", "bench").unwrap_or_else(|_| unreachable!()),
                 json!({"task": i}),
                 json!([{"role": "assistant", "content": format!("step for task {i}")}]),
                 json!(format!("answer {i}")),
@@ -84,10 +84,9 @@ async fn main() -> anyhow::Result<()> {
     };
     let store = combee::store::connect(&store_url, 32, std::time::Duration::from_secs(10)).await?;
     let key = format!("bench-{}", Uuid::now_v7().simple());
-    let name = PromptName::parse(&key)?;
+    let name = PromptName::new("default", &key)?;
     let prompt = combee::domain::prompt::NewPrompt {
         name: name.clone(),
-        project: "default".into(),
         strategy: Strategy::Playbook,
         promotion: Default::default(),
         settings: Default::default(),

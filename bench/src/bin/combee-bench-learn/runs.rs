@@ -291,7 +291,7 @@ pub(crate) fn traces(n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)>
 
 /// `n` traces numbered from `start`, each with its own marker (`INSIGHT-t<number>`).
 pub(crate) fn traces_from(start: usize, n: usize) -> anyhow::Result<(Vec<Trace>, BTreeSet<String>)> {
-    let prompt = PromptName::parse("bench-learn")?;
+    let prompt = PromptName::new("default", "bench-learn")?;
     let traces: Vec<Trace> = (start..start + n)
         .map(|i| {
             let feedback = Feedback {
