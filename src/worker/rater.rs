@@ -170,9 +170,12 @@ impl PopulationRater {
                 // A pre-filter: the rating reads the arms and decides again.
                 let due = match slot.rated_until {
                     Some(t) => t <= from,
-                    None => {
-                        first_window_due(&slot.prompt.qualified(), now, self.settings.tick_secs, self.settings.window_secs)
-                    }
+                    None => first_window_due(
+                        &slot.prompt.qualified(),
+                        now,
+                        self.settings.tick_secs,
+                        self.settings.window_secs,
+                    ),
                 };
                 if !due {
                     continue;

@@ -507,6 +507,25 @@ async fn every_operation_keeps_project_b_out_of_project_a(b: Backend) {
     }
     assert_eq!(covered, known, "every operation of the document ran");
 
+    // The inbound trigger (signed, server-wide) finds its prompt before it reads the body too.
+    let hook = |prompt: &str| {
+        let (id, ts, body) = ("msg_matrix", chrono::Utc::now().timestamp(), r#"{"broken": "#);
+        let mut mac =
+            <hmac::Hmac<sha2::Sha256> as hmac::Mac>::new_from_slice(b"a test secret of thirty-two bytes").unwrap();
+        hmac::Mac::update(&mut mac, format!("{id}.{ts}.{body}").as_bytes());
+        let sig = STANDARD.encode(hmac::Mac::finalize(mac).into_bytes());
+        app.http
+            .post(app.url(&format!("/v1/hooks/rounds/{prompt}")))
+            .header("webhook-id", id)
+            .header("webhook-timestamp", ts.to_string())
+            .header("webhook-signature", format!("v1,{sig}"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    assert_eq!(hook("team-a%2Fabsent-prompt").await.unwrap().status(), 404);
+    assert_eq!(hook(&format!("team-a%2F{}", fx.prompt)).await.unwrap().status(), 400, "found; then the body");
+
     // The server-wide key filters lists by project; A's key sees its project only.
     let of_b: Value = app.get("/v1/prompts?project=team-b").send().await.unwrap().json().await.unwrap();
     assert!(of_b["prompts"].as_array().unwrap().is_empty(), "{of_b}");
@@ -579,6 +598,15 @@ async fn another_projects_ui_pages_are_absent(b: Backend) {
     assert!(all.contains("<th>Project</th>") && all.contains(r#"<td class="project">team-a</td>"#), "{all}");
     let (_, only_b) = page(&server, "/ui/prompts?project=team-b").await;
     assert!(!only_b.contains(p.as_str()));
+    // Another project's prompt is written with its project: B's session finds it absent so too; a
+    // server-wide session reaches it so (its links are written so), and its bare name is `default`'s.
+    let qualified = format!("team-a%2F{p}");
+    assert_eq!(page(&b_session, &format!("/ui/prompts/{qualified}")).await.0, 404);
+    assert!(all.contains(&format!(r#"href="/ui/prompts/{qualified}""#)), "{all}");
+    let (status, html) = page(&server, &format!("/ui/prompts/{qualified}")).await;
+    assert_eq!(status, 200);
+    assert!(html.contains(&format!("/ui/prompts/{qualified}/rounds")), "{html}");
+    assert_eq!(page(&server, &format!("/ui/prompts/{p}")).await.0, 404);
 }
 
 async fn a_projects_webhook_hears_only_its_projects_events(b: Backend) {
