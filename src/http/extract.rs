@@ -1,7 +1,7 @@
 //! Request extractors whose every rejection is a problem document: JSON bodies,
 //! query strings and path parameters that explain what was wrong, and the
-//! bearer-key check with the route's scope ([`Authorized`]), which runs before
-//! any of them.
+//! bearer-key check with the route's scope and the reach check of what the
+//! path names ([`Authorized`]), which run before any of them.
 
 use std::{marker::PhantomData, sync::Arc};
 
@@ -289,7 +289,12 @@ pub mod scope {
 }
 
 /// The caller, authenticated (401 otherwise) and holding the scope `S` (or
-/// `admin`; 403 otherwise). Put it before the other extractors of a handler.
+/// `admin`; 403 otherwise), and the resource the path names found within the
+/// caller's reach (404 otherwise, in the words of an absent one). Put it
+/// before the other extractors of a handler: axum runs them in argument
+/// order, so nothing of the query, headers or body is read for a resource
+/// that is absent or out of reach. The prompt it found is the handler's
+/// through [`crate::service::projects::PathPrompt`].
 pub struct Authorized<S: RequiredScope>(pub Caller, PhantomData<S>);
 
 impl<S: RequiredScope> std::ops::Deref for Authorized<S> {
