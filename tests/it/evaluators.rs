@@ -373,6 +373,8 @@ async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Opt
             settle_secs: 0.0,
             seed: chunk,
             no_feedback: true,
+            house_rules: 0,
+            rate: None,
         };
         World::new(&app.base, &app.admin_key, cfg).unwrap().run(|_| {}).await.map_err(|e| e.to_string())?;
         let history: Value =

@@ -338,6 +338,8 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
             // Every window draws new tasks; window w is the same in every configuration.
             seed: args.seed.wrapping_add(u64::from(w) << 40),
             no_feedback: false,
+            house_rules: 0,
+            rate: None,
         };
         let report = World::new(&client.base, &client.key, world_cfg)?.run(|_| {}).await?;
         let wr = report.windows.into_iter().next().context("the world reported no window")?;
