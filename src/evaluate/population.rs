@@ -44,6 +44,12 @@ pub struct PopulationPolicy {
     pub cooldown_windows: u64,
     /// Chance per rated window of a crossover (default 0.2).
     pub crossover_prob: f64,
+    /// Longest rating window, seconds (the server's `window_secs`, default 600):
+    /// also how long a new arm waits at most for its first evidence.
+    pub window_secs: u64,
+    /// Shortest rating window, seconds (the server's `min_window_secs`, default
+    /// 60): a window closes this early once its arms have their evidence.
+    pub min_window_secs: u64,
 }
 
 /// Default gate margin, in TrueSkill points: about half of β (25/6, the spread
@@ -69,6 +75,8 @@ impl Default for PopulationPolicy {
             margin: DEFAULT_MARGIN,
             cooldown_windows: DEFAULT_COOLDOWN_WINDOWS,
             crossover_prob: 0.2,
+            window_secs: 600,
+            min_window_secs: 60,
         }
     }
 }
@@ -223,17 +231,31 @@ pub fn gate(
 
 /// The challenger to retire so a new child can join: when the challengers
 /// already number `max_arms`, the one with the lowest μ−2σ (older first on a
-/// tie). Never the champion, never `newest` (it has not been measured yet).
-pub fn arm_to_retire(arms: &[Arm], champion: i64, newest: Option<i64>, policy: &PopulationPolicy) -> Option<i64> {
+/// tie) — first among those whose lessons another live arm holds (`covered`:
+/// nothing learned is lost with them), then among the rest. Never the
+/// champion, never `newest`, never an arm in `unmeasured` (it has not had its
+/// chance to be rated yet).
+pub fn arm_to_retire(
+    arms: &[Arm],
+    champion: i64,
+    newest: Option<i64>,
+    unmeasured: &[i64],
+    covered: &[i64],
+    policy: &PopulationPolicy,
+) -> Option<i64> {
     let challengers: Vec<&Arm> = arms.iter().filter(|a| a.version != champion).collect();
     if challengers.len() < policy.max_arms {
         return None;
     }
-    challengers
-        .into_iter()
-        .filter(|a| Some(a.version) != newest)
-        .min_by(|a, b| a.rating.conservative().total_cmp(&b.rating.conservative()).then(a.version.cmp(&b.version)))
-        .map(|a| a.version)
+    let weakest = |covered_only: bool| {
+        challengers
+            .iter()
+            .filter(|a| Some(a.version) != newest && !unmeasured.contains(&a.version))
+            .filter(|a| !covered_only || covered.contains(&a.version))
+            .min_by(|a, b| a.rating.conservative().total_cmp(&b.rating.conservative()).then(a.version.cmp(&b.version)))
+            .map(|a| a.version)
+    };
+    weakest(true).or_else(|| weakest(false))
 }
 
 #[cfg(test)]
@@ -394,9 +416,21 @@ mod tests {
     fn retire_the_weakest_challenger_but_never_the_champion_or_the_newest() {
         let policy = PopulationPolicy { max_arms: 2, ..Default::default() };
         let arms = [arm(1, 10.0, 1.0, 100), arm(2, 26.0, 1.0, 100), arm(3, 20.0, 8.0, 0)];
-        assert_eq!(arm_to_retire(&arms, 1, Some(3), &policy), Some(2));
-        assert_eq!(arm_to_retire(&arms, 1, None, &policy), Some(3));
-        assert_eq!(arm_to_retire(&arms[..2], 1, None, &policy), None);
+        assert_eq!(arm_to_retire(&arms, 1, Some(3), &[], &[], &policy), Some(2));
+        assert_eq!(arm_to_retire(&arms, 1, None, &[], &[], &policy), Some(3));
+        assert_eq!(arm_to_retire(&arms[..2], 1, None, &[], &[], &policy), None);
+    }
+
+    #[test]
+    fn an_unmeasured_arm_is_never_retired_and_a_covered_one_goes_first() {
+        let policy = PopulationPolicy { max_arms: 3, ..Default::default() };
+        let arms = [arm(1, 30.0, 1.0, 900), arm(2, 20.0, 1.0, 100), arm(3, 25.0, 1.0, 100), arm(4, 10.0, 8.0, 0)];
+        // v4 is the weakest but has not had its chance: v2 goes.
+        assert_eq!(arm_to_retire(&arms, 1, Some(5), &[4], &[], &policy), Some(2));
+        // v3's lessons live on in another arm: it goes before the weaker v2.
+        assert_eq!(arm_to_retire(&arms, 1, Some(5), &[4], &[3], &policy), Some(3));
+        // Nobody may go: none is retired (the population waits for evidence).
+        assert_eq!(arm_to_retire(&arms, 1, Some(4), &[2, 3], &[], &policy), None);
     }
 
     #[test]

@@ -240,6 +240,7 @@ async fn rounds_wait_for_judgement_within_a_limit(b: Backend) {
         seed: 1,
         inbound_webhook_id: None,
         judge_wait: Some(Duration::from_secs(wait)),
+        base_version: None,
     };
     assert!(s.open_round(&open(3600)).await.unwrap().is_none(), "nothing judged yet");
     tokio::time::sleep(Duration::from_millis(1100)).await;
