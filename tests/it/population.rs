@@ -165,7 +165,7 @@ async fn sticky_shares_follow_the_stored_weights(b: Backend) {
     }
 }
 
-fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
+pub(crate) fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
     let t: NewTrace = serde_json::from_value(json!({
         "prompt": prompt, "prompt_version": v, "input": {"q": "x"},
         "feedback": {"success": success}, "metadata": {"task_key": format!("t{task}")}
@@ -175,7 +175,7 @@ fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
 }
 
 /// `n` traces of version `v` with `rate` of them successful.
-fn batch(prompt: &str, v: i64, n: usize, rate: f64) -> Vec<ValidTrace> {
+pub(crate) fn batch(prompt: &str, v: i64, n: usize, rate: f64) -> Vec<ValidTrace> {
     (0..n).map(|i| rewarded(prompt, v, ((i + 1) as f64 * rate).floor() > (i as f64 * rate).floor(), i)).collect()
 }
 
