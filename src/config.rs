@@ -152,7 +152,8 @@ pub struct PopulationSettings {
     /// Longest rating window (seconds): arms are ranked once per window.
     pub window_secs: u64,
     /// Shortest rating window (seconds): a window closes this early once the
-    /// champion and the leading challenger each have `min_window_traces`.
+    /// champion and the leading challenger each have `min_window_traces`
+    /// (above `window_secs` it means `window_secs`).
     pub min_window_secs: u64,
     /// Share of traffic all challengers together receive.
     pub explore_share: f64,
@@ -665,11 +666,10 @@ impl Settings {
                 "population.tick_secs, window_secs, min_traces and min_window_traces must be greater than 0".into(),
             ));
         }
-        if p.min_window_secs == 0 || p.min_window_secs > p.window_secs {
-            return Err(ConfigError(format!(
-                "population.min_window_secs must be from 1 to window_secs ({}), got {}",
-                p.window_secs, p.min_window_secs
-            )));
+        // Above window_secs it means window_secs (no window closes early): a
+        // deployment that shortened window_secs alone keeps starting.
+        if p.min_window_secs == 0 {
+            return Err(ConfigError("population.min_window_secs must be greater than 0".into()));
         }
         p.policy().validate().map_err(|e| ConfigError(format!("population: {e}")))?;
         if !(0.0..=1.0).contains(&p.crossover_prob) {

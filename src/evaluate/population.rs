@@ -412,6 +412,16 @@ mod tests {
         }
     }
 
+    /// At high traffic windows close after a minute: a day is 1,440 windows.
+    /// Equally good versions still move production only a few times a day
+    /// (the margin and the cool-down count windows, whatever their length).
+    #[test]
+    fn a_day_of_one_minute_windows_moves_production_among_equals_a_few_times_at_most() {
+        let defaults = PopulationPolicy::default();
+        let moves: Vec<usize> = (0..10).map(|s| moves_among_equals(&defaults, s, 1440, None).len()).collect();
+        assert!(moves.iter().all(|&m| m <= 6), "{moves:?}");
+    }
+
     #[test]
     fn retire_the_weakest_challenger_but_never_the_champion_or_the_newest() {
         let policy = PopulationPolicy { max_arms: 2, ..Default::default() };

@@ -304,11 +304,13 @@ pub fn window_may_be_due(
 ) -> bool {
     let min = min_window_secs.clamp(1, window_secs.max(1));
     let compared = live_arms >= 2;
+    let ms = |secs: u64| secs.min(u64::MAX / 2000) as i64 * 1000;
     match rated_until {
         Some(t) => {
-            let age = (now - t).num_seconds();
-            let min = min.min(i64::MAX as u64) as i64;
-            age >= window_secs.min(i64::MAX as u64) as i64 || (compared && age >= min && age % min < tick_secs as i64)
+            // Looked at on the first tick after each whole `min` of the window's age.
+            let age = (now - t).num_milliseconds();
+            let crossed = age.div_euclid(ms(min)) > (age - ms(tick_secs.max(1))).div_euclid(ms(min));
+            age >= ms(window_secs) || (compared && age >= ms(min) && crossed)
         }
         None => {
             first_window_due(prompt, now, tick_secs, window_secs)
@@ -471,6 +473,10 @@ mod tests {
             window_may_be_due("p", Some(t0), live, t0 + chrono::Duration::seconds(secs), 10, (600, 60))
         };
         assert!(!due(30, 2) && due(60, 2) && !due(70, 2) && due(125, 2) && !due(130, 2));
+        // Ticks that straddle the minute see it once, whatever their phase.
+        let ms = |ms: i64| window_may_be_due("p", Some(t0), 2, t0 + chrono::Duration::milliseconds(ms), 10, (600, 60));
+        assert!(!ms(59_990) && ms(69_990) && !ms(79_990));
+        assert!(ms(60_010) && !ms(70_010));
         assert!(!due(60, 1), "one live arm: only a full window");
         assert!(due(600, 1) && due(601, 1));
         // A population never rated: its full-window slot, and with two arms an early slot per minute.

@@ -255,7 +255,7 @@ mod tests {
         let champion =
             PopulationArm { joined_at: Some(now - chrono::Duration::hours(1)), ..arm(1, ArmState::Champion) };
         // Production alone: learn from it.
-        assert_eq!(round_base(&[champion.clone()], 1, now, &policy), RoundBase::From(1));
+        assert_eq!(round_base(std::slice::from_ref(&champion), 1, now, &policy), RoundBase::From(1));
         // v2 just joined, unmeasured: wait for it.
         let v2 = child(2, 1, 10, 30, now);
         assert_eq!(round_base(&[champion.clone(), v2.clone()], 1, now, &policy), RoundBase::Wait(2));
