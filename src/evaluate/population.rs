@@ -184,35 +184,36 @@ pub enum GateDecision {
 }
 
 /// The promotion gate (`docs/evaluated-policy.md`, `docs/learning-controller.md`):
-/// the champion changes only when production has not moved
-/// for `cooldown_windows` rating windows (`windows_since_move`: `None` when it
-/// never moved from one version to another), both sides have at least
-/// `min_traces` scored traces, and a challenger's μ−2σ exceeds the champion's
-/// μ−2σ by more than `margin`. Among several such challengers the highest
-/// μ−2σ wins. A move back to an earlier version — a former champion competing
-/// on as a challenger — passes exactly the same test: no version is favoured
-/// for having served before.
+/// the champion changes only when both sides have at least `min_traces`
+/// scored traces and a challenger's μ−2σ exceeds the champion's μ−2σ by more
+/// than `margin`; among several such challengers the highest μ−2σ wins. For
+/// `cooldown_windows` rating windows after production moved
+/// (`windows_since_move`: `None` when it never moved from one version to
+/// another) only a challenger in `built_on_champion` may pass — a version
+/// learned on top of production, holding what it holds and more: moving
+/// forward to it cannot take production back and forth. A move back to an
+/// earlier version — a former champion competing on as a challenger — or
+/// sideways to a sibling passes exactly the same test, cool-down included: no
+/// version is favoured for having served before.
 pub fn gate(
     champion: &Arm,
     challengers: &[Arm],
     policy: &PopulationPolicy,
     windows_since_move: Option<u64>,
+    built_on_champion: &[i64],
 ) -> GateDecision {
     let champion_lower = champion.rating.conservative();
     if champion.scored_traces < policy.min_traces {
         return GateDecision::ChampionUnderSampled { traces: champion.scored_traces, needed: policy.min_traces };
     }
-    if let Some(since) = windows_since_move
-        && since < policy.cooldown_windows
-    {
-        return GateDecision::CoolingDown { windows_since_move: since, cooldown_windows: policy.cooldown_windows };
-    }
+    let cooling = windows_since_move.filter(|since| *since < policy.cooldown_windows);
     let best = challengers
         .iter()
         .filter(|c| c.version != champion.version && c.scored_traces >= policy.min_traces)
+        .filter(|c| cooling.is_none() || built_on_champion.contains(&c.version))
         .max_by(by_score(|a| a.rating.conservative()));
-    match best {
-        Some(c) if c.rating.conservative() > champion_lower + policy.margin => GateDecision::Promote {
+    match (best, cooling) {
+        (Some(c), _) if c.rating.conservative() > champion_lower + policy.margin => GateDecision::Promote {
             challenger: c.version,
             challenger_lower: c.rating.conservative(),
             champion_lower,
@@ -220,7 +221,10 @@ pub fn gate(
             champion_traces: champion.scored_traces,
             margin: policy.margin,
         },
-        other => GateDecision::Hold {
+        (_, Some(since)) => {
+            GateDecision::CoolingDown { windows_since_move: since, cooldown_windows: policy.cooldown_windows }
+        }
+        (other, None) => GateDecision::Hold {
             champion_lower,
             best_challenger: other.map(|c| c.version),
             best_challenger_lower: other.map(|c| c.rating.conservative()),
@@ -299,7 +303,7 @@ mod tests {
         let policy = PopulationPolicy::default();
         let strong_but_new = arm(2, 40.0, 1.0, 49);
         assert_eq!(
-            gate(&arm(1, 25.0, 1.0, 500), &[strong_but_new], &policy, None),
+            gate(&arm(1, 25.0, 1.0, 500), &[strong_but_new], &policy, None, &[]),
             GateDecision::Hold {
                 champion_lower: 23.0,
                 best_challenger: None,
@@ -308,7 +312,7 @@ mod tests {
             }
         );
         assert_eq!(
-            gate(&arm(1, 25.0, 1.0, 10), &[arm(2, 40.0, 1.0, 500)], &policy, None),
+            gate(&arm(1, 25.0, 1.0, 10), &[arm(2, 40.0, 1.0, 500)], &policy, None, &[]),
             GateDecision::ChampionUnderSampled { traces: 10, needed: 50 }
         );
     }
@@ -318,10 +322,10 @@ mod tests {
         let no_margin = PopulationPolicy { margin: 0.0, ..PopulationPolicy::default() };
         let champion = arm(1, 28.0, 1.0, 200); // μ−2σ = 26
         // Higher μ but too uncertain: μ−2σ = 30 − 6 = 24.
-        assert!(matches!(gate(&champion, &[arm(2, 30.0, 3.0, 60)], &no_margin, None), GateDecision::Hold { .. }));
+        assert!(matches!(gate(&champion, &[arm(2, 30.0, 3.0, 60)], &no_margin, None, &[]), GateDecision::Hold { .. }));
         let challengers = [arm(2, 30.0, 3.0, 60), arm(3, 29.0, 1.0, 80), arm(4, 28.5, 1.0, 90)];
         assert_eq!(
-            gate(&champion, &challengers, &no_margin, None),
+            gate(&champion, &challengers, &no_margin, None, &[]),
             GateDecision::Promote {
                 challenger: 3,
                 challenger_lower: 27.0,
@@ -332,10 +336,13 @@ mod tests {
             }
         );
         // The default margin (2 points) is not exceeded by 27 over 26; 28.5 over 26 is.
-        assert!(matches!(gate(&champion, &challengers, &PopulationPolicy::default(), None), GateDecision::Hold { .. }));
+        assert!(matches!(
+            gate(&champion, &challengers, &PopulationPolicy::default(), None, &[]),
+            GateDecision::Hold { .. }
+        ));
         let ahead = arm(5, 30.5, 1.0, 80);
         assert!(matches!(
-            gate(&champion, &[ahead], &PopulationPolicy::default(), None),
+            gate(&champion, &[ahead], &PopulationPolicy::default(), None, &[]),
             GateDecision::Promote { challenger: 5, .. }
         ));
     }
@@ -347,12 +354,27 @@ mod tests {
         // The former champion (version 3) is far ahead again: it still waits out the cool-down.
         let former = arm(3, 35.0, 1.0, 900);
         assert_eq!(
-            gate(&champion, &[former], &policy, Some(9)),
+            gate(&champion, &[former], &policy, Some(9), &[]),
             GateDecision::CoolingDown { windows_since_move: 9, cooldown_windows: DEFAULT_COOLDOWN_WINDOWS }
         );
-        assert!(matches!(gate(&champion, &[former], &policy, Some(10)), GateDecision::Promote { challenger: 3, .. }));
+        assert!(matches!(
+            gate(&champion, &[former], &policy, Some(10), &[]),
+            GateDecision::Promote { challenger: 3, .. }
+        ));
         // Production that never moved (only created) has no cool-down.
-        assert!(matches!(gate(&champion, &[former], &policy, None), GateDecision::Promote { .. }));
+        assert!(matches!(gate(&champion, &[former], &policy, None, &[]), GateDecision::Promote { .. }));
+        // A version built on production moves it forward within the cool-down, on the same evidence;
+        // the former champion still waits.
+        let forward = arm(8, 35.0, 1.0, 900);
+        assert!(matches!(
+            gate(&champion, &[former, forward], &policy, Some(1), &[8]),
+            GateDecision::Promote { challenger: 8, .. }
+        ));
+        let not_ahead = arm(8, 25.5, 1.0, 900);
+        assert_eq!(
+            gate(&champion, &[former, not_ahead], &policy, Some(1), &[8]),
+            GateDecision::CoolingDown { windows_since_move: 1, cooldown_windows: DEFAULT_COOLDOWN_WINDOWS }
+        );
     }
 
     /// Equally good arms rated window after window on noisy rewards, as the
@@ -385,7 +407,8 @@ mod tests {
             let new = ts.rate_ranking(&ratings, &ranks_from_rewards(&rewards, 0.01)).unwrap();
             arms.iter_mut().zip(new).for_each(|(a, r)| a.rating = r);
             let champ = *arms.iter().find(|a| a.version == champion).unwrap();
-            if let GateDecision::Promote { challenger, .. } = gate(&champ, &arms, policy, last_move.map(|m| w - m)) {
+            if let GateDecision::Promote { challenger, .. } = gate(&champ, &arms, policy, last_move.map(|m| w - m), &[])
+            {
                 champion = challenger;
                 last_move = Some(w);
                 moves.push((w, challenger));

@@ -74,6 +74,8 @@ pub struct Window<'a> {
     /// Rating windows since `production` last moved from one version to
     /// another (`None`: it never did).
     pub windows_since_move: Option<u64>,
+    /// The arms learned on top of the champion (the cool-down does not hold them back).
+    pub built_on_champion: &'a [i64],
     /// The prompt's population policy in effect.
     pub policy: &'a PopulationPolicy,
     pub from: DateTime<Utc>,
@@ -177,7 +179,7 @@ pub fn rate(w: &Window<'_>, trueskill: &TrueSkill) -> Result<Plan, ChampionNotLi
         }
     }
     let champion = arms.iter().find(|a| a.version == w.champion).copied().ok_or(ChampionNotLive)?;
-    let decision = gate(&champion, &arms, w.policy, w.windows_since_move);
+    let decision = gate(&champion, &arms, w.policy, w.windows_since_move, w.built_on_champion);
     let ranked_versions: Vec<i64> = ranked.iter().map(|(i, _, _)| arms[*i].version).collect();
     let sources = RewardSources::of(w.buckets, Some(&ranked_versions));
     let promotion = match decision {
@@ -229,6 +231,7 @@ fn promotion(
         "margin": margin,
         "cooldown_windows": w.policy.cooldown_windows,
         "windows_since_last_move": w.windows_since_move,
+        "built_on_champion": w.built_on_champion.contains(&challenger),
         "window": {"from": w.from, "until": w.until, "basis": basis, "rewards": rewards,
                    "rewards_used": sources.evidence()},
     });
@@ -406,6 +409,7 @@ mod tests {
             tasks: None,
             min_window_traces: 10,
             windows_since_move: None,
+            built_on_champion: &[],
             policy,
             from: at("2026-11-23T16:00:00Z"),
             until: at("2026-11-23T16:10:00Z"),

@@ -112,25 +112,37 @@ pub fn round_base(arms: &[PopulationArm], champion: i64, now: DateTime<Utc>, pol
     if let Some(waiting) = unmeasured(arms, champion, now, policy).into_iter().max() {
         return RoundBase::Wait(waiting);
     }
-    let parent = |v: i64| arms.iter().find(|a| a.version == v).and_then(|a| a.created_from);
-    let built_on_production = |a: &PopulationArm| {
-        let mut at = a.created_from;
-        while let Some(v) = at {
-            if v == champion {
-                return true;
-            }
-            // Parents are older versions: the walk ends below the champion.
-            at = if v > champion { parent(v) } else { None };
-        }
-        false
-    };
     let champion_mu = arms.iter().find(|a| a.version == champion).map(|a| a.rating.mu);
     let measured_below = |a: &PopulationArm| champion_mu.is_some_and(|mu| a.scored_traces > 0 && a.rating.mu < mu);
     arms.iter()
-        .filter(|a| a.state == ArmState::Challenger && built_on_production(a) && !measured_below(a))
+        .filter(|a| a.state == ArmState::Challenger && built_on(arms, a.version, champion) && !measured_below(a))
         .map(|a| a.version)
         .max()
         .map_or(RoundBase::From(champion), RoundBase::From)
+}
+
+/// Whether `version` was learned on top of `ancestor`: a descendant by
+/// `created_from`, through the arms given (retired links too).
+pub fn built_on(arms: &[PopulationArm], version: i64, ancestor: i64) -> bool {
+    let parent = |v: i64| arms.iter().find(|a| a.version == v).and_then(|a| a.created_from);
+    let mut at = parent(version);
+    while let Some(v) = at {
+        if v == ancestor {
+            return true;
+        }
+        // Parents are older versions: the walk ends below the ancestor.
+        at = if v > ancestor { parent(v) } else { None };
+    }
+    false
+}
+
+/// The live arms of `prompt` and every arm from `champion`'s version on,
+/// retired ones too: what following production's line needs.
+pub async fn line_of(store: &DynStore, prompt: &PromptName, champion: i64) -> StoreResult<Vec<PopulationArm>> {
+    let mut arms = store.live_arms(prompt, &[champion]).await?;
+    let since = store.population_page(prompt, Some(champion - 1), LINEAGE_ARMS).await?;
+    arms.extend(since.into_iter().filter(|a| a.state == ArmState::Retired));
+    Ok(arms)
 }
 
 /// [`round_base`] for `prompt` as the store has it now.
@@ -143,11 +155,7 @@ pub async fn next_round_base(
     let production = store.resolve(prompt, &Selector::Label(LabelName::production())).await?;
     let champion = production.ok_or(StoreError::NotFound)?.version.number;
     let (_, policy) = effective_policy(store, prompt, server).await?;
-    let mut arms = store.live_arms(prompt, &[champion]).await?;
-    // The lineage since the champion, retired links included (a retired parent still links its child).
-    let since = store.population_page(prompt, Some(champion - 1), LINEAGE_ARMS).await?;
-    arms.extend(since.into_iter().filter(|a| a.state == ArmState::Retired));
-    Ok(round_base(&arms, champion, now, &policy))
+    Ok(round_base(&line_of(store, prompt, champion).await?, champion, now, &policy))
 }
 
 /// Most arms read to follow the lineage from production to its newest challenger.

@@ -26,7 +26,7 @@ use crate::{
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, config::LlmConfig},
     service::{
-        population::{effective_policy, reconcile},
+        population::{built_on, effective_policy, line_of, reconcile},
         production::{Mover, production_version},
     },
     store::{DynStore, StoreError, StoreResult},
@@ -349,6 +349,13 @@ impl PopulationRater {
             None
         };
         let since_move = self.windows_since_move(prompt, now, width as u64).await?;
+        // Within the cool-down only a version learned on top of production may move it: read its line.
+        let built_on_champion: Vec<i64> = if since_move.is_some_and(|w| w < policy.cooldown_windows) {
+            let line = line_of(&self.store, prompt, champion).await?;
+            in_play.iter().copied().filter(|v| built_on(&line, *v, champion)).collect()
+        } else {
+            Vec::new()
+        };
         phases.read += started.elapsed();
         let window = rater::Window {
             arms: &live,
@@ -357,6 +364,7 @@ impl PopulationRater {
             tasks: tasks.as_deref(),
             min_window_traces: self.settings.min_window_traces,
             windows_since_move: since_move,
+            built_on_champion: &built_on_champion,
             policy: &policy,
             from,
             until: now,
