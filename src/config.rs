@@ -149,8 +149,12 @@ pub struct PopulationSettings {
     pub enabled: bool,
     /// How often the rater looks at every `evaluated` prompt (seconds).
     pub tick_secs: u64,
-    /// Length of a rating window (seconds): arms are ranked once per window.
+    /// Longest rating window (seconds): arms are ranked once per window.
     pub window_secs: u64,
+    /// Shortest rating window (seconds): a window closes this early once the
+    /// champion and the leading challenger each have `min_window_traces`
+    /// (above `window_secs` it means `window_secs`).
+    pub min_window_secs: u64,
     /// Share of traffic all challengers together receive.
     pub explore_share: f64,
     /// Share every challenger receives at least (so the newest child is measured).
@@ -176,8 +180,9 @@ impl Default for PopulationSettings {
     fn default() -> Self {
         Self {
             enabled: true,
-            tick_secs: 60,
+            tick_secs: 10,
             window_secs: 600,
+            min_window_secs: 60,
             explore_share: 0.2,
             min_arm_share: 0.02,
             min_traces: 50,
@@ -200,6 +205,8 @@ impl PopulationSettings {
             margin: self.margin,
             cooldown_windows: self.cooldown_windows,
             crossover_prob: self.crossover_prob,
+            window_secs: self.window_secs,
+            min_window_secs: self.min_window_secs,
         }
     }
 }
@@ -658,6 +665,11 @@ impl Settings {
             return Err(ConfigError(
                 "population.tick_secs, window_secs, min_traces and min_window_traces must be greater than 0".into(),
             ));
+        }
+        // Above window_secs it means window_secs (no window closes early): a
+        // deployment that shortened window_secs alone keeps starting.
+        if p.min_window_secs == 0 {
+            return Err(ConfigError("population.min_window_secs must be greater than 0".into()));
         }
         p.policy().validate().map_err(|e| ConfigError(format!("population: {e}")))?;
         if !(0.0..=1.0).contains(&p.crossover_prob) {

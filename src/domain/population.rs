@@ -51,6 +51,8 @@ pub struct PopulationArm {
     pub parents: Vec<i64>,
     /// End of the last rating window this arm took part in.
     pub rated_until: Option<DateTime<Utc>>,
+    /// When the arm joined the population (`null` until it is stored).
+    pub joined_at: Option<DateTime<Utc>>,
 }
 
 impl From<&PopulationArm> for Arm {

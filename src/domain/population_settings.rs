@@ -75,6 +75,8 @@ impl PopulationOverrides {
             margin: self.margin.unwrap_or(server.margin),
             cooldown_windows: self.cooldown_windows.unwrap_or(server.cooldown_windows),
             crossover_prob: self.crossover_prob.unwrap_or(server.crossover_prob),
+            window_secs: server.window_secs,
+            min_window_secs: server.min_window_secs,
         }
     }
 

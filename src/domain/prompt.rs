@@ -374,6 +374,28 @@ impl VersionContent {
         self == other || self.render() == other.render()
     }
 
+    /// Whether two versions teach the same: the same base text and the same
+    /// bullets (section and text), whatever their ids, order or counters — the
+    /// counters are evidence the agents' runs wrote, not a lesson.
+    pub fn same_lessons(&self, other: &Self) -> bool {
+        self.base.trim() == other.base.trim() && self.lessons() == other.lessons()
+    }
+
+    /// Whether this version teaches everything `other` does (the same base
+    /// text, and every bullet of `other`, by section and text).
+    pub fn holds_lessons_of(&self, other: &Self) -> bool {
+        let mine = self.lessons();
+        self.base.trim() == other.base.trim() && other.lessons().iter().all(|l| mine.binary_search(l).is_ok())
+    }
+
+    /// The bullets as (section, text), sorted: what [`Self::same_lessons`] compares.
+    fn lessons(&self) -> Vec<(&str, &str)> {
+        let mut all: Vec<(&str, &str)> =
+            self.playbook.iter().flat_map(|p| p.bullets()).map(|(s, b)| (s, b.content.trim())).collect();
+        all.sort_unstable();
+        all
+    }
+
     /// `sha256:<hex>` over a canonical encoding of base and playbook.
     pub fn hash(&self) -> String {
         let canonical = serde_json::to_vec(self).unwrap_or_default();
@@ -508,6 +530,26 @@ mod tests {
         assert_eq!(ok.retention.consumed_days, Some(9));
         assert!(serde_json::from_value::<PromptSettings>(serde_json::json!({"retention": [null, null]})).is_err());
         assert!(serde_json::from_value::<PromptSettings>(serde_json::json!({"retention": {"days": 1}})).is_err());
+    }
+
+    #[test]
+    fn the_same_lessons_whatever_their_ids_order_or_counters() {
+        use crate::domain::{Bullet, Playbook, Section};
+        let bullet =
+            |id: &str, content: &str, helpful| Bullet { id: id.into(), content: content.into(), helpful, harmful: 0 };
+        let with = |bullets: Vec<Bullet>| VersionContent {
+            base: "b".into(),
+            playbook: Some(Playbook { sections: vec![Section { name: "s".into(), bullets }], next_id: 9 }),
+        };
+        let a = with(vec![bullet("b-0001", "x", 0), bullet("b-0002", "y", 3)]);
+        assert!(a.same_lessons(&with(vec![bullet("b-0007", "y", 0), bullet("b-0003", " x ", 5)])));
+        assert!(!a.same_lessons(&with(vec![bullet("b-0001", "x", 0)])));
+        assert!(!a.same_lessons(&with(vec![bullet("b-0001", "x", 0), bullet("b-0002", "z", 3)])));
+        let no_playbook = VersionContent { base: "b".into(), playbook: None };
+        assert!(no_playbook.same_lessons(&with(Vec::new())), "no playbook teaches what an empty one does");
+        assert!(!no_playbook.same_lessons(&VersionContent { base: "c".into(), playbook: None }));
+        let more = with(vec![bullet("b-0004", "y", 0), bullet("b-0001", "x", 0), bullet("b-0009", "w", 0)]);
+        assert!(more.holds_lessons_of(&a) && !a.holds_lessons_of(&more) && a.holds_lessons_of(&no_playbook));
     }
 
     #[test]

@@ -32,11 +32,21 @@ pub struct RoundDetail<O = Value> {
     /// Set once the reduce finished (kept if publishing then failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<O>,
+    /// The version whose lessons the round's result repeated (a live arm or a
+    /// recent version): the round succeeded without writing a version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeats: Option<i64>,
 }
 
 impl<O> Default for RoundDetail<O> {
     fn default() -> Self {
-        Self { phases: BTreeMap::new(), unreflected: BTreeMap::new(), group_outputs: Vec::new(), outcome: None }
+        Self {
+            phases: BTreeMap::new(),
+            unreflected: BTreeMap::new(),
+            group_outputs: Vec::new(),
+            outcome: None,
+            repeats: None,
+        }
     }
 }
 
@@ -104,6 +114,7 @@ impl<O> RoundDetail<O> {
             unreflected: self.unreflected,
             group_outputs: self.group_outputs,
             outcome: Some(outcome),
+            repeats: self.repeats,
         }
     }
 

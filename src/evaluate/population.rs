@@ -44,6 +44,12 @@ pub struct PopulationPolicy {
     pub cooldown_windows: u64,
     /// Chance per rated window of a crossover (default 0.2).
     pub crossover_prob: f64,
+    /// Longest rating window, seconds (the server's `window_secs`, default 600):
+    /// also how long a new arm waits at most for its first evidence.
+    pub window_secs: u64,
+    /// Shortest rating window, seconds (the server's `min_window_secs`, default
+    /// 60): a window closes this early once its arms have their evidence.
+    pub min_window_secs: u64,
 }
 
 /// Default gate margin, in TrueSkill points: about half of β (25/6, the spread
@@ -69,6 +75,8 @@ impl Default for PopulationPolicy {
             margin: DEFAULT_MARGIN,
             cooldown_windows: DEFAULT_COOLDOWN_WINDOWS,
             crossover_prob: 0.2,
+            window_secs: 600,
+            min_window_secs: 60,
         }
     }
 }
@@ -176,35 +184,36 @@ pub enum GateDecision {
 }
 
 /// The promotion gate (`docs/evaluated-policy.md`, `docs/learning-controller.md`):
-/// the champion changes only when production has not moved
-/// for `cooldown_windows` rating windows (`windows_since_move`: `None` when it
-/// never moved from one version to another), both sides have at least
-/// `min_traces` scored traces, and a challenger's μ−2σ exceeds the champion's
-/// μ−2σ by more than `margin`. Among several such challengers the highest
-/// μ−2σ wins. A move back to an earlier version — a former champion competing
-/// on as a challenger — passes exactly the same test: no version is favoured
-/// for having served before.
+/// the champion changes only when both sides have at least `min_traces`
+/// scored traces and a challenger's μ−2σ exceeds the champion's μ−2σ by more
+/// than `margin`; among several such challengers the highest μ−2σ wins. For
+/// `cooldown_windows` rating windows after production moved
+/// (`windows_since_move`: `None` when it never moved from one version to
+/// another) only a challenger in `built_on_champion` may pass — a version
+/// learned on top of production, holding what it holds and more: moving
+/// forward to it cannot take production back and forth. A move back to an
+/// earlier version — a former champion competing on as a challenger — or
+/// sideways to a sibling passes exactly the same test, cool-down included: no
+/// version is favoured for having served before.
 pub fn gate(
     champion: &Arm,
     challengers: &[Arm],
     policy: &PopulationPolicy,
     windows_since_move: Option<u64>,
+    built_on_champion: &[i64],
 ) -> GateDecision {
     let champion_lower = champion.rating.conservative();
     if champion.scored_traces < policy.min_traces {
         return GateDecision::ChampionUnderSampled { traces: champion.scored_traces, needed: policy.min_traces };
     }
-    if let Some(since) = windows_since_move
-        && since < policy.cooldown_windows
-    {
-        return GateDecision::CoolingDown { windows_since_move: since, cooldown_windows: policy.cooldown_windows };
-    }
+    let cooling = windows_since_move.filter(|since| *since < policy.cooldown_windows);
     let best = challengers
         .iter()
         .filter(|c| c.version != champion.version && c.scored_traces >= policy.min_traces)
+        .filter(|c| cooling.is_none() || built_on_champion.contains(&c.version))
         .max_by(by_score(|a| a.rating.conservative()));
-    match best {
-        Some(c) if c.rating.conservative() > champion_lower + policy.margin => GateDecision::Promote {
+    match (best, cooling) {
+        (Some(c), _) if c.rating.conservative() > champion_lower + policy.margin => GateDecision::Promote {
             challenger: c.version,
             challenger_lower: c.rating.conservative(),
             champion_lower,
@@ -212,7 +221,10 @@ pub fn gate(
             champion_traces: champion.scored_traces,
             margin: policy.margin,
         },
-        other => GateDecision::Hold {
+        (_, Some(since)) => {
+            GateDecision::CoolingDown { windows_since_move: since, cooldown_windows: policy.cooldown_windows }
+        }
+        (other, None) => GateDecision::Hold {
             champion_lower,
             best_challenger: other.map(|c| c.version),
             best_challenger_lower: other.map(|c| c.rating.conservative()),
@@ -223,17 +235,31 @@ pub fn gate(
 
 /// The challenger to retire so a new child can join: when the challengers
 /// already number `max_arms`, the one with the lowest μ−2σ (older first on a
-/// tie). Never the champion, never `newest` (it has not been measured yet).
-pub fn arm_to_retire(arms: &[Arm], champion: i64, newest: Option<i64>, policy: &PopulationPolicy) -> Option<i64> {
+/// tie) — first among those whose lessons another live arm holds (`covered`:
+/// nothing learned is lost with them), then among the rest. Never the
+/// champion, never `newest`, never an arm in `unmeasured` (it has not had its
+/// chance to be rated yet).
+pub fn arm_to_retire(
+    arms: &[Arm],
+    champion: i64,
+    newest: Option<i64>,
+    unmeasured: &[i64],
+    covered: &[i64],
+    policy: &PopulationPolicy,
+) -> Option<i64> {
     let challengers: Vec<&Arm> = arms.iter().filter(|a| a.version != champion).collect();
     if challengers.len() < policy.max_arms {
         return None;
     }
-    challengers
-        .into_iter()
-        .filter(|a| Some(a.version) != newest)
-        .min_by(|a, b| a.rating.conservative().total_cmp(&b.rating.conservative()).then(a.version.cmp(&b.version)))
-        .map(|a| a.version)
+    let weakest = |covered_only: bool| {
+        challengers
+            .iter()
+            .filter(|a| Some(a.version) != newest && !unmeasured.contains(&a.version))
+            .filter(|a| !covered_only || covered.contains(&a.version))
+            .min_by(|a, b| a.rating.conservative().total_cmp(&b.rating.conservative()).then(a.version.cmp(&b.version)))
+            .map(|a| a.version)
+    };
+    weakest(true).or_else(|| weakest(false))
 }
 
 #[cfg(test)]
@@ -277,7 +303,7 @@ mod tests {
         let policy = PopulationPolicy::default();
         let strong_but_new = arm(2, 40.0, 1.0, 49);
         assert_eq!(
-            gate(&arm(1, 25.0, 1.0, 500), &[strong_but_new], &policy, None),
+            gate(&arm(1, 25.0, 1.0, 500), &[strong_but_new], &policy, None, &[]),
             GateDecision::Hold {
                 champion_lower: 23.0,
                 best_challenger: None,
@@ -286,7 +312,7 @@ mod tests {
             }
         );
         assert_eq!(
-            gate(&arm(1, 25.0, 1.0, 10), &[arm(2, 40.0, 1.0, 500)], &policy, None),
+            gate(&arm(1, 25.0, 1.0, 10), &[arm(2, 40.0, 1.0, 500)], &policy, None, &[]),
             GateDecision::ChampionUnderSampled { traces: 10, needed: 50 }
         );
     }
@@ -296,10 +322,10 @@ mod tests {
         let no_margin = PopulationPolicy { margin: 0.0, ..PopulationPolicy::default() };
         let champion = arm(1, 28.0, 1.0, 200); // μ−2σ = 26
         // Higher μ but too uncertain: μ−2σ = 30 − 6 = 24.
-        assert!(matches!(gate(&champion, &[arm(2, 30.0, 3.0, 60)], &no_margin, None), GateDecision::Hold { .. }));
+        assert!(matches!(gate(&champion, &[arm(2, 30.0, 3.0, 60)], &no_margin, None, &[]), GateDecision::Hold { .. }));
         let challengers = [arm(2, 30.0, 3.0, 60), arm(3, 29.0, 1.0, 80), arm(4, 28.5, 1.0, 90)];
         assert_eq!(
-            gate(&champion, &challengers, &no_margin, None),
+            gate(&champion, &challengers, &no_margin, None, &[]),
             GateDecision::Promote {
                 challenger: 3,
                 challenger_lower: 27.0,
@@ -310,10 +336,13 @@ mod tests {
             }
         );
         // The default margin (2 points) is not exceeded by 27 over 26; 28.5 over 26 is.
-        assert!(matches!(gate(&champion, &challengers, &PopulationPolicy::default(), None), GateDecision::Hold { .. }));
+        assert!(matches!(
+            gate(&champion, &challengers, &PopulationPolicy::default(), None, &[]),
+            GateDecision::Hold { .. }
+        ));
         let ahead = arm(5, 30.5, 1.0, 80);
         assert!(matches!(
-            gate(&champion, &[ahead], &PopulationPolicy::default(), None),
+            gate(&champion, &[ahead], &PopulationPolicy::default(), None, &[]),
             GateDecision::Promote { challenger: 5, .. }
         ));
     }
@@ -325,12 +354,27 @@ mod tests {
         // The former champion (version 3) is far ahead again: it still waits out the cool-down.
         let former = arm(3, 35.0, 1.0, 900);
         assert_eq!(
-            gate(&champion, &[former], &policy, Some(9)),
+            gate(&champion, &[former], &policy, Some(9), &[]),
             GateDecision::CoolingDown { windows_since_move: 9, cooldown_windows: DEFAULT_COOLDOWN_WINDOWS }
         );
-        assert!(matches!(gate(&champion, &[former], &policy, Some(10)), GateDecision::Promote { challenger: 3, .. }));
+        assert!(matches!(
+            gate(&champion, &[former], &policy, Some(10), &[]),
+            GateDecision::Promote { challenger: 3, .. }
+        ));
         // Production that never moved (only created) has no cool-down.
-        assert!(matches!(gate(&champion, &[former], &policy, None), GateDecision::Promote { .. }));
+        assert!(matches!(gate(&champion, &[former], &policy, None, &[]), GateDecision::Promote { .. }));
+        // A version built on production moves it forward within the cool-down, on the same evidence;
+        // the former champion still waits.
+        let forward = arm(8, 35.0, 1.0, 900);
+        assert!(matches!(
+            gate(&champion, &[former, forward], &policy, Some(1), &[8]),
+            GateDecision::Promote { challenger: 8, .. }
+        ));
+        let not_ahead = arm(8, 25.5, 1.0, 900);
+        assert_eq!(
+            gate(&champion, &[former, not_ahead], &policy, Some(1), &[8]),
+            GateDecision::CoolingDown { windows_since_move: 1, cooldown_windows: DEFAULT_COOLDOWN_WINDOWS }
+        );
     }
 
     /// Equally good arms rated window after window on noisy rewards, as the
@@ -363,7 +407,8 @@ mod tests {
             let new = ts.rate_ranking(&ratings, &ranks_from_rewards(&rewards, 0.01)).unwrap();
             arms.iter_mut().zip(new).for_each(|(a, r)| a.rating = r);
             let champ = *arms.iter().find(|a| a.version == champion).unwrap();
-            if let GateDecision::Promote { challenger, .. } = gate(&champ, &arms, policy, last_move.map(|m| w - m)) {
+            if let GateDecision::Promote { challenger, .. } = gate(&champ, &arms, policy, last_move.map(|m| w - m), &[])
+            {
                 champion = challenger;
                 last_move = Some(w);
                 moves.push((w, challenger));
@@ -390,13 +435,35 @@ mod tests {
         }
     }
 
+    /// At high traffic windows close after a minute: a day is 1,440 windows.
+    /// Equally good versions still move production only a few times a day
+    /// (the margin and the cool-down count windows, whatever their length).
+    #[test]
+    fn a_day_of_one_minute_windows_moves_production_among_equals_a_few_times_at_most() {
+        let defaults = PopulationPolicy::default();
+        let moves: Vec<usize> = (0..10).map(|s| moves_among_equals(&defaults, s, 1440, None).len()).collect();
+        assert!(moves.iter().all(|&m| m <= 6), "{moves:?}");
+    }
+
     #[test]
     fn retire_the_weakest_challenger_but_never_the_champion_or_the_newest() {
         let policy = PopulationPolicy { max_arms: 2, ..Default::default() };
         let arms = [arm(1, 10.0, 1.0, 100), arm(2, 26.0, 1.0, 100), arm(3, 20.0, 8.0, 0)];
-        assert_eq!(arm_to_retire(&arms, 1, Some(3), &policy), Some(2));
-        assert_eq!(arm_to_retire(&arms, 1, None, &policy), Some(3));
-        assert_eq!(arm_to_retire(&arms[..2], 1, None, &policy), None);
+        assert_eq!(arm_to_retire(&arms, 1, Some(3), &[], &[], &policy), Some(2));
+        assert_eq!(arm_to_retire(&arms, 1, None, &[], &[], &policy), Some(3));
+        assert_eq!(arm_to_retire(&arms[..2], 1, None, &[], &[], &policy), None);
+    }
+
+    #[test]
+    fn an_unmeasured_arm_is_never_retired_and_a_covered_one_goes_first() {
+        let policy = PopulationPolicy { max_arms: 3, ..Default::default() };
+        let arms = [arm(1, 30.0, 1.0, 900), arm(2, 20.0, 1.0, 100), arm(3, 25.0, 1.0, 100), arm(4, 10.0, 8.0, 0)];
+        // v4 is the weakest but has not had its chance: v2 goes.
+        assert_eq!(arm_to_retire(&arms, 1, Some(5), &[4], &[], &policy), Some(2));
+        // v3's lessons live on in another arm: it goes before the weaker v2.
+        assert_eq!(arm_to_retire(&arms, 1, Some(5), &[4], &[3], &policy), Some(3));
+        // Nobody may go: none is retired (the population waits for evidence).
+        assert_eq!(arm_to_retire(&arms, 1, Some(4), &[2, 3], &[], &policy), None);
     }
 
     #[test]

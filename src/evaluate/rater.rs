@@ -74,6 +74,8 @@ pub struct Window<'a> {
     /// Rating windows since `production` last moved from one version to
     /// another (`None`: it never did).
     pub windows_since_move: Option<u64>,
+    /// The arms learned on top of the champion (the cool-down does not hold them back).
+    pub built_on_champion: &'a [i64],
     /// The prompt's population policy in effect.
     pub policy: &'a PopulationPolicy,
     pub from: DateTime<Utc>,
@@ -177,7 +179,7 @@ pub fn rate(w: &Window<'_>, trueskill: &TrueSkill) -> Result<Plan, ChampionNotLi
         }
     }
     let champion = arms.iter().find(|a| a.version == w.champion).copied().ok_or(ChampionNotLive)?;
-    let decision = gate(&champion, &arms, w.policy, w.windows_since_move);
+    let decision = gate(&champion, &arms, w.policy, w.windows_since_move, w.built_on_champion);
     let ranked_versions: Vec<i64> = ranked.iter().map(|(i, _, _)| arms[*i].version).collect();
     let sources = RewardSources::of(w.buckets, Some(&ranked_versions));
     let promotion = match decision {
@@ -229,6 +231,7 @@ fn promotion(
         "margin": margin,
         "cooldown_windows": w.policy.cooldown_windows,
         "windows_since_last_move": w.windows_since_move,
+        "built_on_champion": w.built_on_champion.contains(&challenger),
         "window": {"from": w.from, "until": w.until, "basis": basis, "rewards": rewards,
                    "rewards_used": sources.evidence()},
     });
@@ -272,6 +275,51 @@ pub fn matched_rewards(tasks: &[TaskRewards], versions: &[i64], min_keys: usize)
         return None;
     }
     Some(versions.iter().map(|v| shared.iter().map(|m| m[v]).sum::<f64>() / shared.len() as f64).collect())
+}
+
+/// Whether the window's evidence lets it close before its full length: the
+/// champion and `leader` (the challenger exploration favours, the one most
+/// likely to overturn it) each carry at least `min_traces` scored traces in it.
+/// Arms with less are not ranked in it, as in any window.
+pub fn evidence_to_close(buckets: &[OutcomeBucket], champion: i64, leader: Option<i64>, min_traces: u64) -> bool {
+    let Some(leader) = leader.filter(|l| *l != champion) else { return false };
+    [champion, leader].into_iter().all(|v| {
+        let (scored, reward) = window_reward(buckets, v);
+        reward.is_some() && scored >= min_traces
+    })
+}
+
+/// Whether a tick at `now` should look at a population's window — a
+/// pre-filter on what the schedule statement says; the rating reads the arms
+/// and decides. Due when the window has its full length (`window_secs` since
+/// the last rated window, or a never-rated population's slot, see
+/// [`first_window_due`]); and, with two live arms or more, once in every
+/// `min_window_secs` of an open window, which may close early
+/// ([`evidence_to_close`]). So a prompt whose window is open costs a tick a
+/// read at most once per `min_window_secs`.
+pub fn window_may_be_due(
+    prompt: &str,
+    rated_until: Option<DateTime<Utc>>,
+    live_arms: i64,
+    now: DateTime<Utc>,
+    tick_secs: u64,
+    (window_secs, min_window_secs): (u64, u64),
+) -> bool {
+    let min = min_window_secs.clamp(1, window_secs.max(1));
+    let compared = live_arms >= 2;
+    let ms = |secs: u64| secs.min(u64::MAX / 2000) as i64 * 1000;
+    match rated_until {
+        Some(t) => {
+            // Looked at on the first tick after each whole `min` of the window's age.
+            let age = (now - t).num_milliseconds();
+            let crossed = age.div_euclid(ms(min)) > (age - ms(tick_secs.max(1))).div_euclid(ms(min));
+            age >= ms(window_secs) || (compared && age >= ms(min) && crossed)
+        }
+        None => {
+            first_window_due(prompt, now, tick_secs, window_secs)
+                || (compared && first_window_due(prompt, now, tick_secs, min))
+        }
+    }
 }
 
 /// Whether a population never rated may have its first window rated in the
@@ -361,6 +409,7 @@ mod tests {
             tasks: None,
             min_window_traces: 10,
             windows_since_move: None,
+            built_on_champion: &[],
             policy,
             from: at("2026-11-23T16:00:00Z"),
             until: at("2026-11-23T16:10:00Z"),
@@ -413,6 +462,35 @@ mod tests {
         assert_eq!(p.evidence["windows_since_last_move"], 50);
         assert_eq!(p.evidence["window"]["basis"], "window_means");
         assert_eq!(p.evidence["window"]["rewards"].as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn a_window_closes_early_once_the_champion_and_the_leader_have_evidence() {
+        let buckets = [bucket(1, 40, 20), bucket(2, 12, 12), bucket(3, 2, 2)];
+        assert!(evidence_to_close(&buckets, 1, Some(2), 10));
+        assert!(!evidence_to_close(&buckets, 1, Some(2), 13), "the leader has 12");
+        assert!(!evidence_to_close(&buckets, 1, Some(3), 10), "another challenger leads and has 2");
+        assert!(!evidence_to_close(&buckets, 1, None, 10), "a lone champion is compared with nobody");
+        // A tick looks at an open window once per min_window_secs, and at a full one always.
+        let t0 = at("2026-11-23T16:00:00Z");
+        let due = |secs: i64, live: i64| {
+            window_may_be_due("p", Some(t0), live, t0 + chrono::Duration::seconds(secs), 10, (600, 60))
+        };
+        assert!(!due(30, 2) && due(60, 2) && !due(70, 2) && due(125, 2) && !due(130, 2));
+        // Ticks that straddle the minute see it once, whatever their phase.
+        let ms = |ms: i64| window_may_be_due("p", Some(t0), 2, t0 + chrono::Duration::milliseconds(ms), 10, (600, 60));
+        assert!(!ms(59_990) && ms(69_990) && !ms(79_990));
+        assert!(ms(60_010) && !ms(70_010));
+        assert!(!due(60, 1), "one live arm: only a full window");
+        assert!(due(600, 1) && due(601, 1));
+        // A population never rated: its full-window slot, and with two arms an early slot per minute.
+        let early = (0..60)
+            .filter(|s| window_may_be_due("p", None, 2, t0 + chrono::Duration::seconds(s * 10), 10, (600, 60)))
+            .count();
+        let full = (0..60)
+            .filter(|s| window_may_be_due("p", None, 1, t0 + chrono::Duration::seconds(s * 10), 10, (600, 60)))
+            .count();
+        assert_eq!((full, early), (1, 10), "one full slot in 600 s; ten early slots (one a minute) with two arms");
     }
 
     #[test]

@@ -1,11 +1,15 @@
 //! How arms join the population of an `evaluated` prompt: a learned version
 //! as a challenger (mutation: the parent's μ, σ = √(σ_parent² + 1)) instead
 //! of moving `production`, a crossover child with the precision-weighted mean
-//! of its parents' ratings; the weakest challenger retires to make room.
+//! of its parents' ratings; the weakest challenger that had its chance to be
+//! rated retires to make room, one whose lessons another arm holds first.
+
+use chrono::Utc;
 
 use crate::{
     domain::{
         PromptName,
+        label::Selector,
         population::{ArmState, PopulationArm},
     },
     evaluate::{
@@ -13,7 +17,7 @@ use crate::{
         trueskill::Rating,
     },
     service::{
-        population::{effective_policy, reconcile},
+        population::{effective_policy, reconcile, unmeasured},
         production::production_version,
     },
     store::{DynStore, StoreError, StoreResult},
@@ -79,20 +83,42 @@ async fn join(
         created_from: parents.first().copied(),
         parents: parents.to_vec(),
         rated_until: None,
+        joined_at: None,
     });
-    // `max_arms` counts challengers; retire until there is room (the newest stays).
+    // `max_arms` counts challengers; retire until there is room (the newest
+    // stays, and so does every arm that has not had its chance to be rated).
     let mut live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(Arm::from).collect();
-    while let Some(weakest) =
-        arm_to_retire(&live, champion, Some(version), &PopulationPolicy { max_arms: policy.max_arms + 1, ..*policy })
-    {
+    let room = PopulationPolicy { max_arms: policy.max_arms + 1, ..*policy };
+    let unmeasured = unmeasured(&arms, champion, Utc::now(), policy);
+    let covered = if live.len() > room.max_arms { covered(store, prompt, &live, champion).await? } else { Vec::new() };
+    while let Some(weakest) = arm_to_retire(&live, champion, Some(version), &unmeasured, &covered, &room) {
         live.retain(|a| a.version != weakest);
         if let Some(a) = arms.iter_mut().find(|a| a.version == weakest) {
             a.state = ArmState::Retired;
         }
     }
+    if live.len() > room.max_arms {
+        tracing::info!(%prompt, version, live = live.len(), "the population holds more arms than max_arms until the unmeasured ones are rated");
+    }
     reconcile(&mut arms, champion, policy);
     store.save_population(prompt, &arms).await?;
     Ok(arms)
+}
+
+/// The live challengers whose every lesson another live arm holds: retiring
+/// one loses nothing learned (a round's lessons live on in the versions built on it).
+async fn covered(store: &DynStore, prompt: &PromptName, live: &[Arm], champion: i64) -> StoreResult<Vec<i64>> {
+    let mut contents = Vec::with_capacity(live.len());
+    for a in live {
+        if let Some(r) = store.resolve(prompt, &Selector::Version(a.version)).await? {
+            contents.push((a.version, r.version.content));
+        }
+    }
+    Ok(contents
+        .iter()
+        .filter(|(v, c)| *v != champion && contents.iter().any(|(w, other)| w != v && other.holds_lessons_of(c)))
+        .map(|(v, _)| *v)
+        .collect())
 }
 
 #[cfg(test)]

@@ -1,9 +1,10 @@
 //! The one door through which `production` moves, whoever moves it — an
-//! operator (API, CLI, web UI), the promotion gate or the regression guard:
-//! the compare-and-set on the label, then what follows every move in the same
-//! order — the population follows the new champion (weights recomputed), and
-//! the served prompts' cache drops the prompt. A rule about "after production
-//! moved" is written here once.
+//! operator (API, CLI, web UI), the promotion gate, the regression guard, or a
+//! learning round of an `auto` prompt publishing its version: the
+//! compare-and-set on the label (or the round's fenced transaction), then what
+//! follows every move in the same order — the population follows the new
+//! champion (weights recomputed), and the served prompts' cache drops the
+//! prompt. A rule about "after production moved" is written here once.
 
 use serde_json::{Map, Value};
 
@@ -11,12 +12,12 @@ use super::{AppState, population};
 use crate::{
     cache::PromptCache,
     domain::{
-        LabelName, MoveCause, PromptName,
+        LabelName, MoveCause, PromptName, Version,
         label::{Label, LabelMove, Selector},
         population::ArmState,
     },
     evaluate::population::PopulationPolicy,
-    store::{DynStore, StoreError, StoreResult},
+    store::{DynStore, RoundEnd, StoreError, StoreResult},
 };
 
 /// What a move of `production` touches beyond the label: the store, the
@@ -52,6 +53,20 @@ impl<'a> Mover<'a> {
         let label = self.store.move_label_because(prompt, mv, &cause).await?;
         self.followed(prompt).await;
         Ok(label)
+    }
+
+    /// Ends a round that succeeded (the store's one fenced transaction, see
+    /// [`crate::store::RoundStore::finish_round`]): its version, if any, with
+    /// its label, the traces, the round's record. A version labelled
+    /// `production` (promotion `auto`) moves production like any other move,
+    /// so [`Self::followed`] follows it. The version written, if one was.
+    pub async fn finish_round(&self, prompt: &PromptName, end: &RoundEnd) -> StoreResult<Option<Version>> {
+        let written = self.store.finish_round(end).await?;
+        let moved = end.version.as_ref().is_some_and(|(_, label)| *label == LabelName::production());
+        if written.is_some() && moved {
+            self.followed(prompt).await;
+        }
+        Ok(written)
     }
 
     /// After `production` of `prompt` moved (through [`Self::move_production`],

@@ -87,6 +87,7 @@ async fn round_request(
         seed: random_seed(),
         inbound_webhook_id,
         judge_wait: None,
+        base_version: None,
     })
 }
 

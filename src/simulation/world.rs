@@ -28,6 +28,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use super::house_rules;
+
 /// Everything that shapes a run of the world.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorldConfig {
@@ -76,9 +78,19 @@ pub struct WorldConfig {
     /// Agents send no feedback at all (no reward, no comment), as most
     /// production agents do: rewards then come only from the prompt's
     /// evaluators, which can check the reply (`solved` when the run
-    /// succeeded, `not solved` otherwise).
+    /// succeeded, `not solved` otherwise; in the house-rules world, the rules
+    /// the reply states).
     #[arg(long)]
     pub no_feedback: bool,
+    /// The house-rules world instead of task types ([`super::house_rules`]):
+    /// this many rules the agent is never told; every reply is scored on all
+    /// of them (0: the task-type world).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub house_rules: u32,
+    /// Start runs at this steady rate (runs per second; `agents` bounds how
+    /// many are in flight) instead of as fast as the agents go.
+    #[arg(long)]
+    pub rate: Option<f64>,
 }
 
 impl WorldConfig {
@@ -96,6 +108,9 @@ impl WorldConfig {
         if !(self.settle_secs.is_finite() && self.settle_secs >= 0.0) {
             bail!("--settle-secs must be a number of seconds ≥ 0");
         }
+        if self.rate.is_some_and(|r| !(r.is_finite() && r > 0.0)) {
+            bail!("--rate must be a number of runs per second > 0");
+        }
         Ok(())
     }
 }
@@ -112,7 +127,7 @@ pub struct WindowReport {
     pub success_rate: f64,
     /// Runs per prompt version served.
     pub versions: BTreeMap<i64, usize>,
-    /// Task types whose lesson the production prompt held at the window's end.
+    /// Task types (house rules, in that world) whose lesson the served prompt held at the window's end.
     pub lessons_in_prompt: usize,
     /// Whether the production prompt held a harmful instruction at the window's end.
     pub harmful_in_prompt: bool,
@@ -170,11 +185,12 @@ impl World {
         let mut windows = Vec::new();
         let mut run_index = 0u32;
         let mut w = 0usize;
+        let paced_from = tokio::time::Instant::now();
         while run_index < cfg.runs {
             let started = Instant::now();
             let n = cfg.window.min(cfg.runs - run_index);
             let outcomes: Vec<anyhow::Result<Outcome>> =
-                stream::iter((run_index..run_index + n).map(|i| self.one_run(i)))
+                stream::iter((run_index..run_index + n).map(|i| self.paced_run(i, paced_from)))
                     .buffer_unordered(cfg.agents as usize)
                     .collect()
                     .await;
@@ -204,7 +220,11 @@ impl World {
                 self.settle(Duration::from_secs_f64(cfg.settle_secs)).await?;
             }
             let (_, text) = self.fetch_prompt("world-observer").await?;
-            report.lessons_in_prompt = (0..cfg.task_types).filter(|&t| text.contains(&lesson_token(t))).count();
+            report.lessons_in_prompt = if cfg.house_rules > 0 {
+                house_rules::rules_in(&text, cfg.house_rules).len()
+            } else {
+                (0..cfg.task_types).filter(|&t| text.contains(&lesson_token(t))).count()
+            };
             report.harmful_in_prompt = text.contains(HARM_TOKEN);
             report.elapsed_secs = started.elapsed().as_secs_f64();
             on_window(&report);
@@ -212,6 +232,14 @@ impl World {
             w += 1;
         }
         Ok(WorldReport { prompt: cfg.prompt.clone(), simulation: "simulated agent world", windows })
+    }
+
+    /// Run `i`, started at its turn when the world has a steady `rate`.
+    async fn paced_run(&self, i: u32, from: tokio::time::Instant) -> anyhow::Result<Outcome> {
+        if let Some(rate) = self.cfg.rate {
+            tokio::time::sleep_until(from + Duration::from_secs_f64(f64::from(i) / rate)).await;
+        }
+        self.one_run(i).await
     }
 
     /// One agent run: a task, the prompt, an outcome, a trace.
@@ -226,6 +254,11 @@ impl World {
             ChaCha8Rng::seed_from_u64(cfg.seed ^ (u64::from(i) << 20) ^ 0x5b1e).gen_range(0..cfg.subjects.max(1))
         );
         let (version, text) = self.fetch_prompt(&subject).await?;
+        if cfg.house_rules > 0 {
+            return self
+                .house_rules_run(version, &text, &subject, task_type * cfg.tasks_per_type + task, &mut rng)
+                .await;
+        }
         let poisoned = rng.gen_bool(cfg.poison_share);
         let mut p = cfg.base_success;
         if text.contains(&lesson_token(task_type)) {
@@ -255,18 +288,53 @@ impl World {
             },
             "metadata": {"task_key": format!("t{task_type}-{task}"), "world": "simulation", "subject": subject},
         });
+        self.post_trace(&trace).await?;
+        Ok(Outcome { version, success, poisoned })
+    }
+
+    /// A run of the house-rules world: the reply states the rules `prompt`
+    /// holds; the agent reports the share met and names missed ones, or
+    /// reports nothing (`no_feedback`: the prompt's evaluators judge it).
+    async fn house_rules_run(
+        &self,
+        version: i64,
+        prompt: &str,
+        subject: &str,
+        task: u32,
+        rng: &mut ChaCha8Rng,
+    ) -> anyhow::Result<Outcome> {
+        let cfg = &self.cfg;
+        let n = cfg.house_rules;
+        let task = format!("ticket {task}");
+        let output = house_rules::reply(prompt, n, &task);
+        let success = house_rules::rules_in(prompt, n).len() == n as usize;
+        let feedback = if cfg.no_feedback { json!({}) } else { house_rules::agent_feedback(&output, n, rng) };
+        self.post_trace(&json!({
+            "prompt": cfg.prompt,
+            "prompt_version": version,
+            "input": {"task": task},
+            "trajectory": [{"step": "answer"}],
+            "output": output,
+            "feedback": feedback,
+            "metadata": {"task_key": task, "world": "simulation", "subject": subject},
+        }))
+        .await?;
+        Ok(Outcome { version, success, poisoned: false })
+    }
+
+    async fn post_trace(&self, trace: &Value) -> anyhow::Result<()> {
         let res = self
             .http
             .post(format!("{}/v1/traces", self.base))
             .bearer_auth(&self.key)
-            .json(&trace)
+            .json(trace)
             .send()
             .await
             .context("posting a trace")?;
         if !res.status().is_success() {
             bail!("POST /v1/traces answered {}: {}", res.status(), res.text().await.unwrap_or_default());
         }
-        Ok(Outcome { version, success, poisoned })
+        Ok(())
     }
 
     async fn fetch_prompt(&self, subject: &str) -> anyhow::Result<(i64, String)> {
@@ -373,6 +441,8 @@ mod tests {
             settle_secs: 0.0,
             seed: 1,
             no_feedback: false,
+            house_rules: 0,
+            rate: None,
         };
         assert!(World::new("http://x", "k", cfg(0.2)).is_ok());
         let err = World::new("http://x", "k", cfg(1.5)).err().unwrap().to_string();

@@ -22,8 +22,8 @@ use crate::{
 /// Arms one upsert writes (ten parameters each, well under either backend's limit).
 const ARMS_PER_STATEMENT: usize = 100;
 
-const ARM_COLUMNS: &str =
-    "a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, a.rated_until";
+const ARM_COLUMNS: &str = "a.version, a.state, a.mu, a.sigma, a.weight, a.scored_traces, a.created_from, a.parents, \
+     a.rated_until, a.created_at AS joined_at";
 
 /// An `evaluated` prompt, and the end of the last window its population was rated in.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +31,9 @@ pub struct RatingSlot {
     pub prompt: PromptName,
     /// The latest `rated_until` of its live arms; `None` when none was ever rated.
     pub rated_until: Option<DateTime<Utc>>,
+    /// How many live arms (champion and challengers) it has: a window may
+    /// close early only when there are two to compare.
+    pub live_arms: i64,
 }
 
 /// The arms of a prompt's population and the rewards they are rated on.
@@ -93,7 +96,9 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
         // `state <> 'retired'` is the condition of the partial index `population_arms_live`.
         sql::<D>(
             "SELECT p.project, p.name, (SELECT max(a.rated_until) FROM population_arms a
-                             WHERE a.prompt_id = p.id AND a.state <> 'retired') AS rated_until
+                             WHERE a.prompt_id = p.id AND a.state <> 'retired') AS rated_until,
+                            (SELECT count(*) FROM population_arms a
+                             WHERE a.prompt_id = p.id AND a.state <> 'retired') AS live
              FROM prompts p WHERE p.promotion = 'evaluated' AND (p.name > $1 OR (p.name = $1 AND p.project > $3))
              ORDER BY p.name, p.project LIMIT $2",
         )
@@ -103,7 +108,7 @@ impl<D: Backend> PopulationStore for SqlStore<D> {
         .map(&mut *self.reader.acquire().await?, |row| {
             let r = Cols::<D>(row);
             let prompt = prompt_name(&r.get::<String>("project")?, &r.get::<String>("name")?)?;
-            Ok(RatingSlot { prompt, rated_until: r.get("rated_until")? })
+            Ok(RatingSlot { prompt, rated_until: r.get("rated_until")?, live_arms: r.get("live")? })
         })
         .await
     }
@@ -249,5 +254,6 @@ pub(super) fn arm_from_row<D: Dialect>(row: &D::Row) -> StoreResult<PopulationAr
         },
         created_from: r.get("created_from")?,
         rated_until: r.get("rated_until")?,
+        joined_at: r.get("joined_at")?,
     })
 }

@@ -54,7 +54,9 @@ pub use prompts::PromptStore;
 pub use regression::{GateSettings, OpenGate, RegressionStore};
 pub use retention::{Expiring, Retention, TraceExpiry};
 pub use rollups::{Rollups, minute_rollup_cutoff, second_rollup_cutoff};
-pub use rounds::{Backlog, ClaimedRound, OpenRound, RoundCall, RoundFailure, RoundStore, TraceCharges, TraceFault};
+pub use rounds::{
+    Backlog, ClaimedRound, OpenRound, RoundCall, RoundEnd, RoundFailure, RoundStore, TraceCharges, TraceFault,
+};
 pub use sessions::SessionStore;
 pub use traces::{TraceAction, TraceStore};
 pub use webhooks::{AttemptRecord, ClaimedDelivery, DeliveryOutcome, WebhookStore};

@@ -53,6 +53,9 @@ pub struct OpenRound {
     /// judged yet unless they arrived longer ago than this (a broken judge
     /// delays learning by this much, never stops it); `None` takes them all.
     pub judge_wait: Option<std::time::Duration>,
+    /// The version the round learns on; `None` (or a version the prompt does
+    /// not have): the one `production` points at.
+    pub base_version: Option<i64>,
 }
 
 /// A prompt's learning backlog, for the scheduler.
@@ -105,6 +108,26 @@ pub struct TraceCharges {
     pub max_trace_attempts: i32,
 }
 
+/// The end of a round that succeeded, as one value: everything the store
+/// writes in the round's last, fenced transaction ([`RoundStore::finish_round`]).
+#[derive(Debug, Clone)]
+pub struct RoundEnd {
+    pub round: Uuid,
+    /// The attempt that holds the lease (the fence).
+    pub attempt: i32,
+    /// The version the round made and the label it gets; `None` when the
+    /// round succeeded without one (what it learned changed nothing, or
+    /// repeated a version the prompt has).
+    pub version: Option<(NewVersion, LabelName)>,
+    /// The round's record (`detail`).
+    pub detail: Value,
+    /// The round's level-1 groups.
+    pub k: Option<i32>,
+    /// The round's wall time, when it is a sample of the delay the batch-size controller models.
+    pub sample_secs: Option<f64>,
+    pub charges: TraceCharges,
+}
+
 /// How a round ends when it cannot publish.
 #[derive(Debug, Clone)]
 pub enum RoundFailure {
@@ -155,39 +178,20 @@ pub trait RoundStore: Send + Sync {
         k: Option<i32>,
         detail: &serde_json::Value,
     ) -> StoreResult<bool>;
-    /// In one transaction, fenced by the attempt: writes the version, moves
-    /// `label` to it (an `auto-publish` entry in the label history), charges the traces in `charges` (see [`TraceCharges`]),
-    /// marks consumed the round's traces that have a stored reflection (the others
-    /// return to pending uncharged: nothing was learned from them), marks the round succeeded,
-    /// and (given `sample_secs`) records the batch-size controller's delay sample
-    /// — atomically, so the scheduler never sees the round done but unsampled.
-    /// `Conflict` when the lease was lost.
-    // One fenced transaction needs all of these; a wrapper struct would only rename them.
-    #[allow(clippy::too_many_arguments)]
-    async fn publish_round(
-        &self,
-        round: Uuid,
-        attempt: i32,
-        version: NewVersion,
-        label: LabelName,
-        detail: &serde_json::Value,
-        sample_secs: Option<f64>,
-        charges: &TraceCharges,
-    ) -> StoreResult<Version>;
-    /// Ends a round whose learning left the prompt's content as it was: the
-    /// same as [`publish_round`](Self::publish_round) (traces consumed or
-    /// charged, the round succeeded, the controller's sample, the failure
-    /// streak ended, `round.completed`) but no version is written and no label
-    /// moves; the round's `result_version` stays empty. `Conflict` when the
-    /// lease was lost.
-    async fn finish_round_unchanged(
-        &self,
-        round: Uuid,
-        attempt: i32,
-        detail: &serde_json::Value,
-        sample_secs: Option<f64>,
-        charges: &TraceCharges,
-    ) -> StoreResult<()>;
+    /// Ends a round that succeeded, in one transaction fenced by the attempt:
+    /// given a version, writes it and moves its label to it (an `auto-publish`
+    /// entry in the label history); charges the traces in `charges` (see
+    /// [`TraceCharges`]); marks consumed the round's traces that have a stored
+    /// reflection (the others return to pending uncharged: nothing was learned
+    /// from them); marks the round succeeded with its record (written here,
+    /// once) and, given `sample_secs`, the batch-size controller's delay sample
+    /// — atomically, so the scheduler never sees the round done but unsampled;
+    /// ends the prompt's failure streak; queues `version.created` and
+    /// `round.completed`. Without a version the round's `result_version`
+    /// stays empty and no label moves. `Conflict` when the lease was lost.
+    /// Moving `production` this way is for `service::production`, the one door
+    /// through which production moves.
+    async fn finish_round(&self, end: &RoundEnd) -> StoreResult<Option<Version>>;
     /// Ends an attempt that could not publish (fenced by the attempt).
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()>;
     async fn get_round(&self, id: Uuid) -> StoreResult<Option<Round>>;
@@ -320,7 +324,7 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         .bind(req.seed)
         .bind(settings.duplication as i32)
         .bind(ids.len() as i32)
-        .bind(production.unwrap_or(latest))
+        .bind(req.base_version.filter(|v| (1..=latest).contains(v)).or(production).unwrap_or(latest))
         .bind(now)
         .execute(&mut tx)
         .await?;
@@ -504,69 +508,46 @@ impl<D: Backend> RoundStore for SqlStore<D> {
         Ok(n == 1)
     }
 
-    // One fenced transaction needs all of these; a wrapper struct would only rename them.
-    #[allow(clippy::too_many_arguments)]
-    async fn publish_round(
-        &self,
-        round: Uuid,
-        attempt: i32,
-        v: NewVersion,
-        label: LabelName,
-        detail: &Value,
-        sample_secs: Option<f64>,
-        charges: &TraceCharges,
-    ) -> StoreResult<Version> {
+    async fn finish_round(&self, end: &RoundEnd) -> StoreResult<Option<Version>> {
         let now = now();
         let mut tx = self.begin_write().await?;
-        let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
-        record_sample::<D>(&mut tx, round, sample_secs, now).await?;
-        let number: i64 =
-            // A round that publishes ends the prompt's failure streak.
-            sql::<D>(
-                "UPDATE prompts SET version_count = version_count + 1, failure_streak = 0, last_failed_at = NULL,
-                        last_failure = NULL WHERE id = $1 RETURNING version_count",
-            )
-                .bind(prompt_id)
-                .value(&mut tx, "version_count")
-                .await?
-                .ok_or(StoreError::NotFound)?;
-        insert_version::<D>(&mut tx, prompt_id, number, &v, now).await?;
-        let by = v.created_by.clone();
-        let mv =
-            LabelMove { label: label.clone(), to_version: number, expected_current: None, check_current: false, by };
-        let (moved, previous) = apply_move::<D>(&mut tx, prompt_id, &mv).await?;
-        settle_succeeded::<D>(&mut tx, round, Some(number), detail, charges, now).await?;
-        let version = v.into_version(name.clone(), number, now);
-        let mut queued = record_event::<D>(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
-        let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {round} published v{number}"))
-            .with_evidence(serde_json::json!({ "round_id": round }));
-        queued |= record_move::<D>(&mut tx, prompt_id, &version.prompt, &moved, previous, &cause).await?;
-        let completed = OutboxEvent::round_completed(&version.prompt, round, Some((number, &label)));
-        queued |= record_event::<D>(&mut tx, &completed).await?;
-        self.commit(tx, Change::prompt(&name)).await?;
-        self.announce_outbox(queued);
-        Ok(version)
-    }
-
-    async fn finish_round_unchanged(
-        &self,
-        round: Uuid,
-        attempt: i32,
-        detail: &Value,
-        sample_secs: Option<f64>,
-        charges: &TraceCharges,
-    ) -> StoreResult<()> {
-        let now = now();
-        let mut tx = self.begin_write().await?;
-        let (prompt_id, name) = fence::<D>(&mut tx, round, attempt).await?;
-        record_sample::<D>(&mut tx, round, sample_secs, now).await?;
+        let (prompt_id, prompt) = fence::<D>(&mut tx, end.round, end.attempt).await?;
+        record_sample::<D>(&mut tx, end.round, end.sample_secs, now).await?;
         // A round that succeeds ends the prompt's failure streak, version or not.
         reset_failures::<D>(&mut tx, prompt_id).await?;
-        settle_succeeded::<D>(&mut tx, round, None, detail, charges, now).await?;
-        let queued = record_event::<D>(&mut tx, &OutboxEvent::round_completed(&name, round, None)).await?;
-        self.commit(tx, Change::prompt(&name)).await?;
+        let mut queued = false;
+        let mut published = None;
+        if let Some((v, label)) = &end.version {
+            let number: i64 =
+                sql::<D>("UPDATE prompts SET version_count = version_count + 1 WHERE id = $1 RETURNING version_count")
+                    .bind(prompt_id)
+                    .value(&mut tx, "version_count")
+                    .await?
+                    .ok_or(StoreError::NotFound)?;
+            insert_version::<D>(&mut tx, prompt_id, number, v, now).await?;
+            let by = v.created_by.clone();
+            let mv = LabelMove {
+                label: label.clone(),
+                to_version: number,
+                expected_current: None,
+                check_current: false,
+                by,
+            };
+            let (moved, previous) = apply_move::<D>(&mut tx, prompt_id, &mv).await?;
+            let version = v.clone().into_version(prompt.clone(), number, now);
+            queued |= record_event::<D>(&mut tx, &OutboxEvent::version_created(&version, &[label.as_str()])).await?;
+            let cause = MoveCause::new(LabelMoveKind::AutoPublish, format!("round {} published v{number}", end.round))
+                .with_evidence(serde_json::json!({ "round_id": end.round }));
+            queued |= record_move::<D>(&mut tx, prompt_id, &prompt, &moved, previous, &cause).await?;
+            published = Some((version, label));
+        }
+        let number = published.as_ref().map(|(v, _)| v.number);
+        settle_succeeded::<D>(&mut tx, end.round, number, end.k, &end.detail, &end.charges, now).await?;
+        let result = published.as_ref().map(|(v, label)| (v.number, *label));
+        queued |= record_event::<D>(&mut tx, &OutboxEvent::round_completed(&prompt, end.round, result)).await?;
+        self.commit(tx, Change::prompt(&prompt)).await?;
         self.announce_outbox(queued);
-        Ok(())
+        Ok(published.map(|(v, _)| v))
     }
 
     async fn fail_round(&self, round: Uuid, attempt: i32, error: &str, how: RoundFailure) -> StoreResult<()> {
@@ -780,6 +761,7 @@ async fn settle_succeeded<D: Dialect>(
     c: &mut D::Connection,
     round: Uuid,
     version: Option<i64>,
+    k: Option<i32>,
     detail: &Value,
     charges: &TraceCharges,
     now: DateTime<Utc>,
@@ -796,12 +778,13 @@ async fn settle_succeeded<D: Dialect>(
     release_traces::<D>(c, round).await?;
     sql::<D>(
         "UPDATE rounds SET status = 'succeeded', result_version = $1, detail = $2, error = NULL, finished_at = $3,
-                lease_owner = NULL, lease_expires_at = NULL, updated_at = $3 WHERE id = $4",
+                lease_owner = NULL, lease_expires_at = NULL, updated_at = $3, k = COALESCE($5, k) WHERE id = $4",
     )
     .bind(version)
     .bind(json(detail))
     .bind(now)
     .bind(round)
+    .bind(k)
     .execute(c)
     .await?;
     Ok(())

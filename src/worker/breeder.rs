@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::service::arms::add_crossover_child;
+use crate::service::{arms::add_crossover_child, population::repeated_version};
 use crate::{
     domain::{
         LabelMoveKind, LabelName, MoveCause, Prompt, PromptName, Strategy, VersionSource,
@@ -62,8 +62,9 @@ pub enum CrossoverOutcome {
     NotPlaybook,
     /// The model imported nothing the champion does not already hold.
     NothingImported,
-    /// The child would have the same content as this live arm (e.g. the same
-    /// winners crossed again in a later window): no new version.
+    /// The child would teach what this live arm or recent version teaches
+    /// (the same bullets, whatever their ids, order or counters; e.g. the
+    /// same winners crossed again in a later window): no new version.
     SameAsArm { version: i64 },
     /// The child `version`, bred from `parents` (the champion first), joined the population.
     Bred { version: i64, parents: Vec<i64>, rating: Rating },
@@ -175,12 +176,10 @@ impl Breeder {
             return Ok(CrossoverOutcome::NothingImported);
         };
         self.denylist.check(&champion_version.content, &child).map_err(CrossoverError::Refused)?;
-        let child_hash = child.hash();
-        for v in &versions {
-            let Some(existing) = self.store.resolve(prompt, &Selector::Version(*v)).await? else { continue };
-            if existing.version.content_hash == child_hash {
-                return Ok(CrossoverOutcome::SameAsArm { version: *v });
-            }
+        // A child that teaches what a live arm or a recent version teaches would only be measured again.
+        let base = (champion, &champion_version.content);
+        if let Some(version) = repeated_version(&self.store, prompt, base, &child).await? {
+            return Ok(CrossoverOutcome::SameAsArm { version });
         }
         // The champion (whose bullets the child kept) first, then the winners.
         let mut parents = vec![champion];

@@ -26,7 +26,7 @@ pub use journal::{StoreJournal, unreflected_faults};
 
 use crate::{
     config::WorkerSettings,
-    domain::{BatchSize, Method, RoundDetail, round::RoundTrigger},
+    domain::{BatchSize, Method, Promotion, RoundDetail, round::RoundTrigger},
     learn::{
         capacity::batch_size::ControllerConfig,
         denylist::ContentDenylist,
@@ -38,7 +38,7 @@ use crate::{
         config::LlmConfig,
         meter::{CallTag, Tagged},
     },
-    service::{self, AppState, ServiceResult},
+    service::{self, AppState, ServiceResult, population::RoundBase},
     store::{Backlog, ClaimedRound, DynStore, OpenRound, RoundFailure, StoreError, TraceCharges, TraceFault},
 };
 
@@ -275,6 +275,19 @@ impl Worker {
                 }
             };
             let Some(d) = decide(&backlog, target, batch, &self.settings, now) else { continue };
+            // An `evaluated` prompt learns on from the challenger under measurement, once it had its chance.
+            let base_version = if backlog.prompt.promotion == Promotion::Evaluated {
+                match service::population::next_round_base(&self.store, name, &self.population, now).await? {
+                    RoundBase::From(v) => Some(v),
+                    RoundBase::Wait(v) => {
+                        tracing::debug!(prompt = %name, waiting_for = v, "learning waits for the challenger's evidence");
+                        metrics::counter!("combee_rounds_waiting_for_evidence_total").increment(1);
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
             let req = OpenRound {
                 prompt: backlog.prompt.name.clone(),
                 trigger: d.trigger,
@@ -284,6 +297,7 @@ impl Worker {
                 seed: random_seed(),
                 inbound_webhook_id: None,
                 judge_wait: Some(Duration::from_secs(self.settings.judge_wait_secs)),
+                base_version,
             };
             match self.store.open_round(&req).await {
                 Ok(Some(r)) => {
@@ -298,7 +312,7 @@ impl Worker {
 
     /// Runs one claimed round to publication or failure.
     pub async fn execute(&self, claimed: ClaimedRound, stop: CancellationToken) {
-        let ClaimedRound { round, prompt, base, traces } = claimed;
+        let ClaimedRound { round, prompt, base, traces } = &claimed;
         let (id, attempt) = (round.id, round.attempt);
         let span = tracing::info_span!("round", round = %id, prompt = %prompt.name, attempt);
         let _enter = span.enter();
@@ -316,13 +330,13 @@ impl Worker {
         let lost = stop.child_token();
         let heartbeat = self.keep_lease(id, attempt, lost.clone());
         let journal = StoreJournal::new(self.store.clone(), id, attempt, recorded);
-        let spec = self.spec_for(&round, &prompt).await;
+        let spec = self.spec_for(round, prompt).await;
         let started = std::time::Instant::now();
         // Every call of this pass counts against the prompt's budget and the round's.
         let pass: i32 = rand::thread_rng().r#gen();
         let backend = Tagged::new(self.backend.clone(), CallTag::round(&prompt.name.qualified(), id, pass));
         let result = tokio::select! {
-            r = run_round(&backend, &self.llm, &spec, &base.content, &traces, &journal) => Some(r),
+            r = run_round(&backend, &self.llm, &spec, &base.content, traces, &journal) => Some(r),
             _ = lost.cancelled() => None,
         };
         lost.cancel();
@@ -353,16 +367,6 @@ impl Worker {
         };
         let mut detail = journal.detail().with_outcome(outcome.record.clone());
         detail.group_outputs = outcome.group_outputs.clone();
-        let detail = detail.to_value();
-        match self.store.update_round(id, attempt, Some(outcome.k as i32), &detail).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!("lease lost before publishing; another worker owns the round");
-                return;
-            }
-            // Publishing writes the same record; a failure here only delays it.
-            Err(e) => tracing::warn!(error = %e, "the round's record could not be written before publishing"),
-        }
         let by = format!("worker:{}", self.owner);
         // A prompt with a regression set (or a harness) holds its learned version back until the gate decides.
         let gated = match service::gate::mode_for(&self.store, &prompt.name).await {
@@ -372,36 +376,10 @@ impl Worker {
                 Some(crate::domain::regression::GateMode::Cases)
             }
         };
-        let publication = publish::Publication::of(
-            &prompt,
-            (base.number, &base.content),
-            id,
-            &outcome,
-            elapsed,
-            &by,
-            gated.is_some(),
-        );
-        let degraded = outcome.record.level2.is_degraded();
-        let max_trace_attempts = self.settings.max_trace_attempts;
-        let published = publish::publish(
-            &self.store,
-            &prompt,
-            id,
-            attempt,
-            publication,
-            &detail,
-            max_trace_attempts,
-            &self.population,
-            degraded,
-        )
-        .await;
-        match published {
-            publish::Published::Version(number) => {
-                if let Some(mode) = gated {
-                    self.open_gate(&prompt.name, number, mode).await;
-                }
-            }
-            publish::Published::Unchanged => {}
+        let publisher = publish::Publisher { by: &by, max_trace_attempts: self.settings.max_trace_attempts };
+        let publication = publish::Publication::of(&claimed, &outcome, detail.to_value(), elapsed, gated, publisher);
+        match publish::publish(&self.state, &claimed, publication).await {
+            publish::Published::Version(_) | publish::Published::Unchanged | publish::Published::Repeats(_) => {}
             publish::Published::LeaseLost => {
                 tracing::warn!("lease lost before publishing; another worker owns the round")
             }
@@ -410,29 +388,6 @@ impl Worker {
                 let faults = unreflected_faults(&journal.detail());
                 self.retry_or_give_up(id, attempt, &format!("publishing failed: {e}"), true, faults).await;
             }
-        }
-    }
-
-    /// Opens the regression gate of a version just published (held back from traffic).
-    async fn open_gate(
-        &self,
-        prompt: &crate::domain::PromptName,
-        number: i64,
-        mode: crate::domain::regression::GateMode,
-    ) {
-        let version = match self.store.resolve(prompt, &crate::domain::label::Selector::Version(number)).await {
-            Ok(Some(r)) => r.version,
-            Ok(None) => return,
-            Err(e) => {
-                tracing::error!(version = number, error = %e, "the version's regression gate could not be opened");
-                return;
-            }
-        };
-        let settings = &self.state.settings.regression;
-        match service::gate::open(&self.store, settings, prompt, &version, mode).await {
-            Ok(()) => tracing::info!(version = number, mode = mode.as_str(), "regression gate opened"),
-            Err(e) => tracing::error!(version = number, error = %e,
-                "the version's regression gate could not be opened; it stays candidate, unexposed"),
         }
     }
 

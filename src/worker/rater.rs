@@ -20,13 +20,13 @@ use crate::{
     evaluate::outcomes::RewardSources,
     evaluate::{
         population::{Arm, GateDecision},
-        rater::{self, Basis, first_window_due},
+        rater::{self, Basis, evidence_to_close, first_window_due, window_may_be_due},
         trueskill::TrueSkill,
     },
     learn::denylist::ContentDenylist,
     llm::{LlmBackend, config::LlmConfig},
     service::{
-        population::{effective_policy, reconcile},
+        population::{built_on, effective_policy, line_of, reconcile},
         production::{Mover, production_version},
     },
     store::{DynStore, StoreError, StoreResult},
@@ -153,13 +153,14 @@ impl PopulationRater {
     /// Rates every `evaluated` prompt whose window is due, once; where the
     /// time went. Which windows are due comes from one statement per page of
     /// prompts ([`crate::store::PopulationStore::rating_schedule`]), so a tick
-    /// costs O(windows due), not O(prompts × reads). A population never rated
-    /// before waits for its slot (see [`first_window_due`]), so prompts created
-    /// together are rated in different ticks and every tick rates about
-    /// `tick_secs / window_secs` of them.
+    /// costs O(windows due or looked at), not O(prompts × reads): an open
+    /// window that may close early is looked at once per `min_window_secs`
+    /// ([`window_may_be_due`]). A population never rated before waits for its
+    /// slot (see [`first_window_due`]), so prompts created together are rated
+    /// in different ticks and every tick rates about `tick_secs / window_secs`
+    /// of them.
     pub async fn tick(&self, now: DateTime<Utc>) -> StoreResult<TickPhases> {
         let mut phases = TickPhases::default();
-        let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
         let mut after: Option<PromptName> = None;
         loop {
             let listed = std::time::Instant::now();
@@ -168,15 +169,15 @@ impl PopulationRater {
             for slot in &page {
                 phases.checked += 1;
                 // A pre-filter: the rating reads the arms and decides again.
-                let due = match slot.rated_until {
-                    Some(t) => t <= from,
-                    None => first_window_due(
-                        &slot.prompt.qualified(),
-                        now,
-                        self.settings.tick_secs,
-                        self.settings.window_secs,
-                    ),
-                };
+                let windows = (self.settings.window_secs, self.settings.min_window_secs);
+                let due = window_may_be_due(
+                    &slot.prompt.qualified(),
+                    slot.rated_until,
+                    slot.live_arms,
+                    now,
+                    self.settings.tick_secs,
+                    windows,
+                );
                 if !due {
                     continue;
                 }
@@ -257,13 +258,50 @@ impl PopulationRater {
     }
 
     /// Rating windows since `production` last moved from one version to another
-    /// (`None`: it never did — only its creation is on record).
-    async fn windows_since_move(&self, prompt: &PromptName, now: DateTime<Utc>) -> StoreResult<Option<u64>> {
+    /// (`None`: it never did — only its creation is on record), counted in
+    /// windows as long as the one being rated (`window_len_secs`): windows
+    /// close early at high traffic, and the cool-down is as many of them.
+    async fn windows_since_move(
+        &self,
+        prompt: &PromptName,
+        now: DateTime<Utc>,
+        window_len_secs: u64,
+    ) -> StoreResult<Option<u64>> {
         let last = self.store.label_history(prompt, Some(&LabelName::production()), None, 1).await?;
         Ok(last
             .first()
             .filter(|m| m.from_version.is_some())
-            .map(|m| (now - m.at).num_seconds().max(0) as u64 / self.settings.window_secs.max(1)))
+            .map(|m| (now - m.at).num_seconds().max(0) as u64 / window_len_secs.max(1)))
+    }
+
+    /// The window to rate at `now`, if one is due, and whether it closes
+    /// early (then only with the evidence [`evidence_to_close`] asks for).
+    /// After a rated window the next starts where it ended and has its full
+    /// length at `window_secs` (if the population was not rated for longer,
+    /// its last `window_secs`), or may close early from `min_window_secs` on; a
+    /// population never rated has its last `window_secs`, full at its slot
+    /// when `stagger` (see [`first_window_due`]), or early at its slot in
+    /// every `min_window_secs` when there are two live arms to compare.
+    fn window_of(
+        &self,
+        prompt: &PromptName,
+        arms: &[crate::domain::population::PopulationArm],
+        now: DateTime<Utc>,
+        stagger: bool,
+    ) -> Option<(DateTime<Utc>, bool)> {
+        let full = self.settings.window_secs.max(1);
+        let shortest = self.settings.min_window_secs.clamp(1, full);
+        let secs = |n: u64| chrono::Duration::seconds(n.min(i64::MAX as u64) as i64);
+        let compared = arms.iter().filter(|a| a.state != ArmState::Retired).count() >= 2;
+        match arms.iter().filter_map(|a| a.rated_until).max() {
+            Some(t) if t > now - secs(full) => (now - t >= secs(shortest) && compared).then_some((t, true)),
+            Some(_) => Some((now - secs(full), false)),
+            None if stagger && !first_window_due(&prompt.qualified(), now, self.settings.tick_secs, full) => {
+                let early = compared && first_window_due(&prompt.qualified(), now, self.settings.tick_secs, shortest);
+                early.then_some((now - secs(full), true))
+            }
+            None => Some((now - secs(full), false)),
+        }
     }
 
     /// Rates the window ending at `now` if it is due; with the outcome, what
@@ -285,28 +323,39 @@ impl PopulationRater {
         let mut arms = self.store.live_arms(prompt, &[champion]).await?;
         phases.check += started.elapsed();
         reconcile(&mut arms, champion, &policy);
-        let from = now - chrono::Duration::seconds(self.settings.window_secs as i64);
-        let last_rated = arms.iter().filter_map(|a| a.rated_until).max();
-        if last_rated.is_some_and(|t| t > from)
-            || (stagger
-                && last_rated.is_none()
-                && !first_window_due(&prompt.qualified(), now, self.settings.tick_secs, self.settings.window_secs))
-        {
+        let Some((from, early)) = self.window_of(prompt, &arms, now, stagger) else {
             return Ok((RatingOutcome::WindowOpen, None));
-        }
+        };
         let started = std::time::Instant::now();
         // Only the live arms' outcomes are read: a busy prompt's window may
         // hold many versions that are no longer in play.
         let live: Vec<Arm> = arms.iter().filter(|a| a.state != ArmState::Retired).map(Arm::from).collect();
         let in_play: Vec<i64> = live.iter().map(|a| a.version).collect();
-        let buckets =
-            self.store.version_outcomes(prompt, from, now, self.settings.window_secs as i64, Some(&in_play)).await?;
+        let width = (now - from).num_seconds().max(1);
+        let buckets = self.store.version_outcomes(prompt, from, now, width, Some(&in_play)).await?;
+        // The challenger exploration favours: the window may close early once it and the champion have evidence.
+        let leader = arms
+            .iter()
+            .filter(|a| a.state == ArmState::Challenger)
+            .max_by(|a, b| a.weight.total_cmp(&b.weight).then(a.version.cmp(&b.version)))
+            .map(|a| a.version);
+        if early && !evidence_to_close(&buckets, champion, leader, self.settings.min_window_traces) {
+            phases.read += started.elapsed();
+            return Ok((RatingOutcome::WindowOpen, None));
+        }
         let tasks = if rater::needs_tasks(&live, &buckets, self.settings.min_window_traces) {
             Some(self.store.task_rewards(prompt, from, now).await?)
         } else {
             None
         };
-        let since_move = self.windows_since_move(prompt, now).await?;
+        let since_move = self.windows_since_move(prompt, now, width as u64).await?;
+        // Within the cool-down only a version learned on top of production may move it: read its line.
+        let built_on_champion: Vec<i64> = if since_move.is_some_and(|w| w < policy.cooldown_windows) {
+            let line = line_of(&self.store, prompt, champion).await?;
+            in_play.iter().copied().filter(|v| built_on(&line, *v, champion)).collect()
+        } else {
+            Vec::new()
+        };
         phases.read += started.elapsed();
         let window = rater::Window {
             arms: &live,
@@ -315,6 +364,7 @@ impl PopulationRater {
             tasks: tasks.as_deref(),
             min_window_traces: self.settings.min_window_traces,
             windows_since_move: since_move,
+            built_on_champion: &built_on_champion,
             policy: &policy,
             from,
             until: now,

@@ -240,6 +240,7 @@ async fn rounds_wait_for_judgement_within_a_limit(b: Backend) {
         seed: 1,
         inbound_webhook_id: None,
         judge_wait: Some(Duration::from_secs(wait)),
+        base_version: None,
     };
     assert!(s.open_round(&open(3600)).await.unwrap().is_none(), "nothing judged yet");
     tokio::time::sleep(Duration::from_millis(1100)).await;
@@ -373,6 +374,8 @@ async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Opt
             settle_secs: 0.0,
             seed: chunk,
             no_feedback: true,
+            house_rules: 0,
+            rate: None,
         };
         World::new(&app.base, &app.admin_key, cfg).unwrap().run(|_| {}).await.map_err(|e| e.to_string())?;
         let history: Value =

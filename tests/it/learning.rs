@@ -1136,6 +1136,7 @@ mod resume {
             seed: 3,
             inbound_webhook_id: None,
             judge_wait: None,
+            base_version: None,
         };
         s.open_round(&open).await.unwrap().expect("a round opens");
         let llm = LlmConfig { base_url: sim.url.clone(), max_concurrency: 1, backoff_base_ms: 1, ..Default::default() };

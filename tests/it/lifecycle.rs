@@ -407,6 +407,7 @@ fn whole_backlog(prompt: &str) -> OpenRound {
         seed: 1,
         inbound_webhook_id: None,
         judge_wait: None,
+        base_version: None,
     }
 }
 
@@ -437,9 +438,12 @@ async fn consume(s: &DynStore, prompt: &str) -> uuid::Uuid {
     let mut v = manual("learned");
     v.source = VersionSource::Learned;
     let detail = json!({"group_outputs": [{"group": 0, "traces": [], "output": {"operations": []}}], "phases": {}});
-    s.publish_round(c.round.id, c.round.attempt, v, LabelName::candidate(), &detail, Some(1.5), &Default::default())
-        .await
-        .unwrap();
+    let end = combee::store::RoundEnd {
+        detail,
+        sample_secs: Some(1.5),
+        ..crate::common::published(&c, v, LabelName::candidate())
+    };
+    s.finish_round(&end).await.unwrap();
     c.round.id
 }
 

@@ -32,6 +32,7 @@ mod real_model;
 mod regression;
 mod request_rules;
 mod sso;
+mod steady_traffic;
 mod store_contract;
 mod ui_browser;
 mod upgrade;

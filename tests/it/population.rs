@@ -103,7 +103,8 @@ async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
 
     // v3 is a child of v2, whose rating is now worse than the prior: it inherits it.
     let mut weaker = arms.clone();
-    weaker.iter_mut().find(|a| a.version == 2).unwrap().rating = Rating { mu: 20.0, sigma: 2.0 };
+    let v2 = weaker.iter_mut().find(|a| a.version == 2).unwrap();
+    (v2.rating, v2.scored_traces) = (Rating { mu: 20.0, sigma: 2.0 }, 60);
     s.save_population(&name("p"), &weaker).await.unwrap();
     add_challenger(&s, &name("p"), 3, Some(2), &policy).await.unwrap();
     let arms = s.population_page(&name("p"), None, 1000).await.unwrap();
@@ -112,7 +113,8 @@ async fn children_join_as_challengers_and_the_weakest_is_retired(b: Backend) {
     // v3 measures well (μ−2σ = 28), v2 badly (16); a third challenger with
     // max_arms = 2 retires the weakest, v2; the newest stays.
     let mut measured = arms.clone();
-    measured.iter_mut().find(|a| a.version == 3).unwrap().rating = Rating { mu: 30.0, sigma: 1.0 };
+    let v3 = measured.iter_mut().find(|a| a.version == 3).unwrap();
+    (v3.rating, v3.scored_traces) = (Rating { mu: 30.0, sigma: 1.0 }, 60);
     s.save_population(&name("p"), &measured).await.unwrap();
     add_challenger(&s, &name("p"), 4, Some(1), &policy).await.unwrap();
     let arms = s.population_page(&name("p"), None, 1000).await.unwrap();
@@ -162,7 +164,7 @@ async fn sticky_shares_follow_the_stored_weights(b: Backend) {
     }
 }
 
-fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
+pub(crate) fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
     let t: NewTrace = serde_json::from_value(json!({
         "prompt": prompt, "prompt_version": v, "input": {"q": "x"},
         "feedback": {"success": success}, "metadata": {"task_key": format!("t{task}")}
@@ -172,7 +174,7 @@ fn rewarded(prompt: &str, v: i64, success: bool, task: usize) -> ValidTrace {
 }
 
 /// `n` traces of version `v` with `rate` of them successful.
-fn batch(prompt: &str, v: i64, n: usize, rate: f64) -> Vec<ValidTrace> {
+pub(crate) fn batch(prompt: &str, v: i64, n: usize, rate: f64) -> Vec<ValidTrace> {
     (0..n).map(|i| rewarded(prompt, v, ((i + 1) as f64 * rate).floor() > (i as f64 * rate).floor(), i)).collect()
 }
 
@@ -485,7 +487,8 @@ async fn retired_arms_stay_as_history_off_the_hot_path(b: Backend) {
     let ts = test_store(b).await;
     let s = ts.store.clone();
     evaluated_prompt(&s, "p", 12).await;
-    let policy = PopulationSettings { max_arms: 2, ..Default::default() }.policy();
+    // Every arm counts as measured (no scored traces needed): this is about where retired arms go.
+    let policy = PopulationSettings { max_arms: 2, min_traces: 0, ..Default::default() }.policy();
     for v in 2..=12 {
         add_challenger(&s, &name("p"), v, Some(1), &policy).await.unwrap();
     }
@@ -552,11 +555,16 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
             parents: if v > 2 { vec![v - 1, v - 2] } else { Vec::new() },
             // A retired arm was rated last: the schedule counts live arms only.
             rated_until: Some(t0 + chrono::Duration::seconds(if v == 1 || v % 2 == 0 { v } else { 1000 + v })),
+            joined_at: None,
         })
         .collect();
     s.save_population(&name("b"), &arms).await.unwrap();
     let back = whole_population(&s, "b", 50).await;
-    assert_eq!(back, arms);
+    // The store says when each arm joined, and keeps it through later saves.
+    let joined: Vec<_> = back.iter().map(|a| a.joined_at.expect("a stored arm says when it joined")).collect();
+    let unjoined =
+        |arms: Vec<PopulationArm>| arms.into_iter().map(|a| PopulationArm { joined_at: None, ..a }).collect::<Vec<_>>();
+    assert_eq!(unjoined(back), arms);
     // All or nothing: one unknown version refuses the whole save, naming it.
     let mut changed = arms[..3].to_vec();
     changed[0].rating.mu = 40.0;
@@ -573,14 +581,16 @@ async fn many_arms_save_at_once_and_the_schedule_names_each_populations_last_win
         a.rated_until = a.rated_until.map(|t| t + chrono::Duration::seconds(600));
     }
     s.save_ratings(&name("b"), &rated).await.unwrap();
-    assert_eq!(whole_population(&s, "b", 50).await, rated);
+    let back = whole_population(&s, "b", 50).await;
+    assert_eq!(back.iter().map(|a| a.joined_at.unwrap()).collect::<Vec<_>>(), joined);
+    assert_eq!(unjoined(back), rated);
     match s.save_ratings(&name("b"), &changed).await {
         Err(StoreError::Invalid(why)) => assert!(why.contains("404"), "{why}"),
         other => panic!("expected Invalid, got {other:?}"),
     }
     assert!(matches!(s.save_ratings(&name("nope"), &rated[..1]).await, Err(StoreError::NotFound)));
     s.save_population(&name("b"), &arms).await.unwrap();
-    assert_eq!(whole_population(&s, "b", 50).await, arms);
+    assert_eq!(unjoined(whole_population(&s, "b", 50).await), arms);
     s.save_population(&name("a"), &[PopulationArm { rated_until: None, ..arms[0].clone() }]).await.unwrap();
     // Evaluated prompts only, by name, paged; each with its live arms' last window.
     let page = s.rating_schedule(None, 2).await.unwrap();

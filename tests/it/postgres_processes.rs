@@ -110,6 +110,7 @@ fn arm(version: i64, state: ArmState, weight: f64) -> PopulationArm {
         created_from: (version > 1).then_some(1),
         parents: if version > 1 { vec![1] } else { vec![] },
         rated_until: None,
+        joined_at: None,
     }
 }
 

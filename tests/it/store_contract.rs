@@ -16,10 +16,11 @@ use combee::{
         trace::{IdempotencyKey, IdempotentIngest, NewTrace, RequeueFailed, TraceFilter, TraceLimits, ValidTrace},
     },
     store::{
-        Change, DynStore, MeterCounts, OpenRound, RoundFailure, StoreError, TraceAction, TraceCharges, TraceFault,
+        Change, DynStore, MeterCounts, OpenRound, RoundEnd, RoundFailure, StoreError, TraceAction, TraceCharges,
+        TraceFault,
     },
 };
-use common::{Backend, eventually, test_store};
+use common::{Backend, eventually, published, test_store};
 use serde_json::json;
 
 fn name(s: &str) -> PromptName {
@@ -996,9 +997,7 @@ async fn rounds_charge_traces_only_for_their_own_failures(b: Backend) {
     let mut v = version("learned");
     v.source = VersionSource::Learned;
     v.parent = Some(1);
-    s.publish_round(b_round.round.id, b_round.round.attempt, v, LabelName::production(), &json!({}), None, &charges)
-        .await
-        .unwrap();
+    s.finish_round(&RoundEnd { charges, ..published(&b_round, v, LabelName::production()) }).await.unwrap();
     for (t, status, attempts) in
         [(t1, TraceStatus::Consumed, 0), (t2, TraceStatus::Consumed, 0), (t3, TraceStatus::Failed, 2)]
     {
@@ -1011,17 +1010,7 @@ async fn rounds_charge_traces_only_for_their_own_failures(b: Backend) {
     let c = open_and_claim(&s, "acct").await;
     assert_ne!(c.round.base_version, a.round.base_version, "production moved to the learned version");
     assert_eq!(s.adopt_reflections(c.round.id).await.unwrap(), 0);
-    s.publish_round(
-        c.round.id,
-        c.round.attempt,
-        version("again"),
-        LabelName::production(),
-        &json!({}),
-        None,
-        &TraceCharges::default(),
-    )
-    .await
-    .unwrap();
+    s.finish_round(&published(&c, version("again"), LabelName::production())).await.unwrap();
     let got = s.get_trace(t4).await.unwrap().unwrap();
     assert_eq!((got.status, got.attempts, got.round_id), (TraceStatus::Pending, 0, None));
 }
@@ -1346,9 +1335,7 @@ async fn label_history_records_every_move_in_order(b: Backend) {
     let mut learned = version("learned");
     learned.source = VersionSource::Learned;
     learned.created_by = "worker:w".into();
-    s.publish_round(round.round.id, round.round.attempt, learned, prod.clone(), &json!({}), None, &Default::default())
-        .await
-        .unwrap();
+    s.finish_round(&published(&round, learned, prod.clone())).await.unwrap();
 
     let all = s.label_history(&name("p"), None, None, 100).await.unwrap();
     let got: Vec<_> =
@@ -1443,6 +1430,7 @@ fn open_req(prompt: &str) -> OpenRound {
         seed: 42,
         inbound_webhook_id: None,
         judge_wait: None,
+        base_version: None,
     }
 }
 
@@ -1590,15 +1578,15 @@ async fn a_lost_lease_fences_the_old_attempt(b: Backend) {
     learned.source = VersionSource::Learned;
     learned.parent = Some(1);
     let stale_publish = s
-        .publish_round(
+        .finish_round(&RoundEnd {
             round,
-            1,
-            learned.clone(),
-            LabelName::production(),
-            &json!({}),
-            Some(1.0),
-            &TraceCharges::default(),
-        )
+            attempt: 1,
+            version: Some((learned.clone(), LabelName::production())),
+            detail: json!({}),
+            k: None,
+            sample_secs: Some(1.0),
+            charges: TraceCharges::default(),
+        })
         .await;
     assert!(matches!(stale_publish, Err(StoreError::Conflict)), "{stale_publish:?}");
     let charge_t0 =
@@ -1638,17 +1626,18 @@ async fn a_lost_lease_fences_the_old_attempt(b: Backend) {
     assert_eq!(stored.len(), 1);
     assert_eq!((stored[0].0, stored[0].1.key_insight.as_str(), stored[0].2), (t0, "b's lesson", false));
     let v = s
-        .publish_round(
+        .finish_round(&RoundEnd {
             round,
-            2,
-            learned,
-            LabelName::production(),
-            &json!({"by": "b"}),
-            Some(2.5),
-            &TraceCharges::default(),
-        )
+            attempt: 2,
+            version: Some((learned, LabelName::production())),
+            detail: json!({"by": "b"}),
+            k: None,
+            sample_secs: Some(2.5),
+            charges: TraceCharges::default(),
+        })
         .await
-        .unwrap();
+        .unwrap()
+        .expect("a version");
     assert_eq!(v.number, 2);
     let r = s.get_round(round).await.unwrap().unwrap();
     assert_eq!((r.status, r.result_version, r.attempt), (RoundStatus::Succeeded, Some(2), 2));
@@ -1811,13 +1800,12 @@ async fn a_round_that_changed_nothing_succeeds_without_a_version(b: Backend) {
 
     let c = open_and_claim(&s, "u").await;
     s.save_reflection(c.round.id, ids[0], &reflection("nothing new"), false).await.unwrap();
-    s.finish_round_unchanged(
-        c.round.id,
-        c.round.attempt,
-        &json!({"outcome": {"n": 2}}),
-        Some(1.5),
-        &Default::default(),
-    )
+    s.finish_round(&RoundEnd {
+        version: None,
+        detail: json!({"outcome": {"n": 2}}),
+        sample_secs: Some(1.5),
+        ..published(&c, version("unused"), LabelName::candidate())
+    })
     .await
     .unwrap();
     let round = s.get_round(c.round.id).await.unwrap().unwrap();
@@ -1838,7 +1826,9 @@ async fn a_round_that_changed_nothing_succeeds_without_a_version(b: Backend) {
         (&json!(null), &json!(null), &json!(true))
     );
     // Fenced like a publication: the attempt that lost its lease writes nothing.
-    let again = s.finish_round_unchanged(c.round.id, c.round.attempt + 1, &json!({}), None, &Default::default()).await;
+    let stale =
+        RoundEnd { version: None, attempt: c.round.attempt + 1, ..published(&c, version("-"), LabelName::candidate()) };
+    let again = s.finish_round(&stale).await;
     assert!(matches!(again, Err(StoreError::Conflict)), "{again:?}");
 }
 
@@ -1901,9 +1891,7 @@ async fn a_failing_prompt_keeps_its_streak_until_a_success_or_an_operator(b: Bac
     let c = s.claim_round("w", MINUTE).await.unwrap().unwrap();
     let mut v = version("learned");
     v.source = VersionSource::Learned;
-    s.publish_round(c.round.id, c.round.attempt, v, LabelName::production(), &json!({}), None, &Default::default())
-        .await
-        .unwrap();
+    s.finish_round(&published(&c, v, LabelName::production())).await.unwrap();
     assert_eq!(streak().await, Default::default(), "a success ends the streak");
     assert!(s.failure_streak(&name("nope")).await.unwrap().is_none());
 }

@@ -24,6 +24,8 @@ fn world(prompt: &str, runs: u32, poison_share: f64) -> WorldConfig {
         settle_secs: 30.0,
         seed: 3,
         no_feedback: false,
+        house_rules: 0,
+        rate: None,
     }
 }
 

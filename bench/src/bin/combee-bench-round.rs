@@ -142,6 +142,7 @@ async fn main() -> anyhow::Result<()> {
                             seed: 42,
                             inbound_webhook_id: None,
                             judge_wait: None,
+                            base_version: None,
                         })
                         .await?
                         .ok_or_else(|| anyhow::anyhow!("no round opened"))?;

@@ -84,7 +84,7 @@ struct Args {
     /// (one per world window by default).
     #[arg(long, default_value_t = 10)]
     rating_window_secs: u64,
-    /// Run setting (product default 60): `population.tick_secs`, how often the rater looks.
+    /// Run setting (product default 10): `population.tick_secs`, how often the rater looks.
     #[arg(long, default_value_t = 1)]
     rater_tick_secs: u64,
     /// Traces per learning round (a prompt setting; `max_wait_secs` is 1).
@@ -338,6 +338,8 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
             // Every window draws new tasks; window w is the same in every configuration.
             seed: args.seed.wrapping_add(u64::from(w) << 40),
             no_feedback: false,
+            house_rules: 0,
+            rate: None,
         };
         let report = World::new(&client.base, &client.key, world_cfg)?.run(|_| {}).await?;
         let wr = report.windows.into_iter().next().context("the world reported no window")?;
@@ -560,7 +562,7 @@ async fn main() -> anyhow::Result<()> {
          drawn at random), one window every {} s; world: {} task \
          types, base success {BASE_SUCCESS}, lesson lift {LESSON_LIFT}, harm drop {HARM_DROP}; prompts: batch_size \
          {}, max_wait_secs 1. Shortened for the run: population.window_secs = {} (default 600), \
-         population.tick_secs = {} (default 60). Product defaults: explore_share {}, min_arm_share {}, \
+         population.tick_secs = {} (default 10). Product defaults: explore_share {}, min_arm_share {}, \
          min_traces {}, max_arms {}, min_window_traces {}, gate margin {} (TrueSkill points), cool-down {} \
          rating windows; regression guard window {} s (it cannot act within \
          this run). `none` = promotion `manual` with nobody promoting: rounds run, production stays v1. \

@@ -170,6 +170,25 @@ pub async fn spawn_app_with(backend: Backend, tweak: impl FnOnce(&mut Settings))
     }
 }
 
+/// The end of a claimed round that publishes `version` as `label` (the
+/// store's `finish_round`), with no record, sample or charges: set those with
+/// struct update syntax.
+pub fn published(
+    round: &combee::store::ClaimedRound,
+    version: combee::domain::prompt::NewVersion,
+    label: combee::domain::LabelName,
+) -> combee::store::RoundEnd {
+    combee::store::RoundEnd {
+        round: round.round.id,
+        attempt: round.round.attempt,
+        version: Some((version, label)),
+        detail: json!({}),
+        k: None,
+        sample_secs: None,
+        charges: Default::default(),
+    }
+}
+
 impl Drop for TestApp {
     fn drop(&mut self) {
         self.shutdown.cancel();
@@ -298,6 +317,7 @@ pub async fn fail_pending_traces(store: &DynStore, prompt: &str) -> Vec<uuid::Uu
         seed: 1,
         inbound_webhook_id: None,
         judge_wait: None,
+        base_version: None,
     };
     let round = store.open_round(&open).await.unwrap().expect("pending traces to fail");
     let claimed = store.claim_round("test", Duration::from_secs(60)).await.unwrap().expect("the round is claimable");
