@@ -222,6 +222,8 @@ class UsageTap:
         tap = self
         self.lock = threading.Lock()
         self.answers = self.without_usage = self.prompt_tokens = self.completion_tokens = 0
+        # Chat calls answered with an error, and those saying the server's context was full.
+        self.errors = self.context_full = 0
         self.spans = []
 
         class Handler(BaseHTTPRequestHandler):
@@ -248,6 +250,10 @@ class UsageTap:
                         tap.spans.append((arrived, time.monotonic()))
                 if status == 200 and path.endswith("/chat/completions"):
                     tap.count(raw)
+                elif path.endswith("/chat/completions"):
+                    with tap.lock:
+                        tap.errors += 1
+                        tap.context_full += b"context size has been exceeded" in raw.lower()
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", ctype or "application/json")
@@ -299,6 +305,8 @@ class UsageTap:
                 "without_usage": self.without_usage,
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
+                "errors": self.errors,
+                "context_full": self.context_full,
             }
 
     def stop(self):
@@ -877,6 +885,100 @@ def streak_report(r, w):
         w("```")
 
 
+# --- servers: the same round on llama-cpp-python's server and llama-server ---
+
+
+def servers(args):
+    """The same round (the same traces, product defaults) on two servers of
+    the same model, back to back: llama-cpp-python's one-slot server and
+    llama.cpp's own llama-server on its defaults (slots sharing one context).
+    Reports each round's wall time, how it ended, its calls and the answers
+    that said the server's context was full; the ratio of the two is the
+    figure (a shared machine's noise hits both alike, one after the other)."""
+    rec = Recorded(args)
+    log = rec.log
+    tasks = make_tasks(args.seed)[: args.per_round]
+    agent = Agent(args.llm_url, args.llm_model, args.agent_max_tokens)
+    rec.extras = lambda: {"agent_calls": agent.calls, "agent_seconds": agent.seconds}
+    result = rec.result = {
+        "kind": "servers",
+        "world": WORLD,
+        "model": args.model,
+        "label": MODEL_LABELS.get(args.model, args.model),
+        "per_round": args.per_round,
+        "repeat": args.repeat,
+        "seed": args.seed,
+        "combee_commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "rounds": [],
+    }
+    servers = {"llama-cpp-python": args.llm_url, "llama-server": args.llama_server_url}
+    with rec:
+        log(f"{args.model}: the agent answers {len(tasks)} tickets (the round's traces, the same on both servers)")
+        traces = []
+        for task in tasks:
+            reply = agent.reply(BASE_PROMPT, task)
+            traces.append({"input": {"ticket": task["message"]},
+                           "trajectory": [{"role": "user", "content": task["message"]},
+                                          {"role": "assistant", "content": reply}],
+                           "output": reply, "feedback": feedback(task, check(task, reply))})
+        for i in range(args.repeat):
+            order = list(servers) if i % 2 == 0 else list(reversed(servers))
+            for server in order:
+                tap = UsageTap(servers[server])
+                combee = rec.combee = Combee(args.combee, tap.url, args.llm_model, args.repo)
+                combee.create_prompt("servers")
+                combee.call("POST", "/v1/traces", {"traces": [dict(t, prompt="servers") for t in traces]})
+                t0 = time.monotonic()
+                r = combee.learn_round("servers", None, args.round_deadline)
+                facts = round_facts(r, 8192)
+                facts["server"] = server
+                facts["server_busy_s"] = tap.busy_seconds(t0, time.monotonic())
+                facts["server_reported"] = tap.totals()
+                refused = ((r.get("detail") or {}).get("outcome") or {}).get("refused") or []
+                facts["refused_changes"] = len(refused)
+                facts["text"] = combee.text("servers")
+                combee.stop()
+                rec.combee = None
+                tap.stop()
+                result["rounds"].append(facts)
+                log(f"  {server}: {facts['status']} in {facts['wall_s']:.0f} s, {facts['calls']} calls, "
+                    f"answers saying the context was full: {facts['server_reported']['context_full']}, "
+                    f"largest concurrency limit {facts['max_concurrency_limit']}")
+
+
+def servers_report(r, w):
+    w("")
+    w(f"## {r['label']}: the same round on llama-cpp-python's server and on llama-server's defaults")
+    w("")
+    w(f"`scripts/bench-real --servers --per-round {r['per_round']}`, {r['date']}, commit "
+      f"{r.get('combee_commit') or '?'}, seed {r['seed']}; whole run {r['wall_s'] / 60:.1f} min. One round of "
+      f"{r['per_round']} traces (the same traces on both), combee on product defaults (only the LLM's URL and model "
+      "names set), one server after the other on the same shared 2-core machine. llama-cpp-python's server: "
+      "`--n_ctx 8192`, one slot. llama.cpp's `llama-server` (built from the llama.cpp sources vendored in the "
+      "same llama-cpp-python sdist): `-m MODEL --host --port` only, so its defaults: 4 slots sharing one "
+      "8,192-token context.")
+    if r.get("error"):
+        w("")
+        w(f"**The run stopped early**: {r['error'][:500]}")
+    w("")
+    w("| server | round ended | wall (s) | server busy (s) | LLM calls | largest concurrency limit | answers: context full | answers: other errors | refused changes |")
+    w("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for f in r["rounds"]:
+        ended = f["status"] + (f" (v{f['result_version']})" if f.get("result_version") else " (unchanged)"
+                               if f["status"] == "succeeded" else "")
+        sr = f["server_reported"]
+        w(f"| {f['server']} | {ended} | {f['wall_s']:.0f} | {f['server_busy_s']:.0f} | {f['calls']} | "
+          f"{f['max_concurrency_limit']} | {sr['context_full']} | {sr['errors'] - sr['context_full']} | "
+          f"{f['refused_changes']} |")
+    one = [f["wall_s"] for f in r["rounds"] if f["server"] == "llama-cpp-python"]
+    many = [f["wall_s"] for f in r["rounds"] if f["server"] == "llama-server"]
+    if one and many:
+        w("")
+        w(f"llama-server's round over the one-slot server's: **{sum(many) / sum(one):.2f}×** "
+          f"(wall time, {len(many)} round(s) each).")
+
+
 # --- report -----------------------------------------------------------------
 
 
@@ -942,11 +1044,11 @@ def token_bill(r, w):
 
 
 def report(args):
-    results, streaks, on_defaults = [], [], []
+    results, streaks, on_defaults, server_runs = [], [], [], []
     for path in args.inputs:
         with open(path) as f:
             got = json.load(f)
-        {"streak": streaks, "defaults": on_defaults}.get(got.get("kind"), results).append(got)
+        {"streak": streaks, "defaults": on_defaults, "servers": server_runs}.get(got.get("kind"), results).append(got)
     out = []
     w = out.append
     w("# Learning with REAL MODELS")
@@ -1031,6 +1133,8 @@ def report(args):
         defaults_report(r, w)
     for r in streaks:
         streak_report(r, w)
+    for r in server_runs:
+        servers_report(r, w)
     with open(args.out, "w") as f:
         f.write("\n".join(out) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
@@ -1066,6 +1170,10 @@ def main():
     d = against_a_server("defaults", "one round on product defaults, then the held-out tickets as live traffic")
     d.add_argument("--train", type=int, default=12)
     d.add_argument("--heldout", type=int, default=20)
+    sv = against_a_server("servers", "the same round on llama-cpp-python's server and on llama-server's defaults")
+    sv.add_argument("--llama-server-url", required=True, help="llama.cpp's llama-server on its defaults (…/v1)")
+    sv.add_argument("--per-round", type=int, default=12, help="traces in the round")
+    sv.add_argument("--repeat", type=int, default=1, help="rounds per server, alternating which goes first")
     rep = sub.add_parser("report", help="write the Markdown report from run results")
     rep.add_argument("--out", required=True)
     rep.add_argument("inputs", nargs="+")
@@ -1079,6 +1187,8 @@ def main():
         streak(args)
     elif args.cmd == "defaults":
         defaults(args)
+    elif args.cmd == "servers":
+        servers(args)
     else:
         report(args)
 

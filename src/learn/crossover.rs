@@ -10,6 +10,9 @@
 //! (tolerant extraction, unknown keys ignored, unknown ids dropped and
 //! counted), then the choice is applied as delta operations under the prompt's
 //! budget (pinned bullets, removal share, size caps), as a round's would be.
+//! An imported bullet passes the same lesson check as a round's
+//! ([`crate::learn::lesson_check`]): a bullet published before the check
+//! existed, or one the champion's base text already says, is not carried on.
 
 use std::collections::HashSet;
 
@@ -18,6 +21,7 @@ use serde_json::Value;
 
 use crate::{
     domain::{DeltaOp, VersionContent},
+    learn::lesson_check::{self, Rule},
     learn::merge::{
         apply::{ApplyOutcome, apply_ops},
         budget::Budget,
@@ -200,18 +204,33 @@ pub fn decode(
     Ok(Selection { drop, import, reason, notes })
 }
 
+/// An imported bullet the lesson check refused, with why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RefusedImport {
+    pub import: Import,
+    pub rule: Rule,
+    pub reason: String,
+}
+
+/// What breeding made of a selection.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Bred {
+    /// The child's content and how it was applied; `None` when no import
+    /// survives: the child would be no cross at all.
+    pub child: Option<(VersionContent, ApplyOutcome)>,
+    /// Imports the lesson check refused.
+    pub refused: Vec<RefusedImport>,
+}
+
 /// The child's content: the champion's, without the dropped bullets and with
-/// the imported ones, applied as delta operations under `budget` (so pinned
-/// bullets stay, at most the allowed share of established bullets goes, an
-/// imported lesson the champion already holds is skipped as a duplicate).
-/// `None` when no import survives: the child would be no cross at all.
-pub fn breed(
-    champion: &VersionContent,
-    selection: &Selection,
-    budget: &Budget,
-) -> Option<(VersionContent, ApplyOutcome)> {
+/// the imported ones that pass the lesson check, applied as delta operations
+/// under `budget` (so pinned bullets stay, at most the allowed share of
+/// established bullets goes, an imported lesson the champion already holds is
+/// skipped as a duplicate).
+pub fn breed(champion: &VersionContent, selection: &Selection, budget: &Budget) -> Bred {
     let playbook = champion.playbook.clone().unwrap_or_default();
     let mut ops: Vec<MergedOp> = Vec::new();
+    let mut refused = Vec::new();
     for id in &selection.drop {
         ops.push(MergedOp::single(0, DeltaOp::Remove { id: id.clone(), reason: "crossover: dropped".into() }));
     }
@@ -221,15 +240,16 @@ pub fn breed(
             content: imp.content.clone(),
             reason: format!("crossover: imported from v{} ({})", imp.from_version, imp.bullet_id),
         };
-        ops.push(MergedOp::single(i + 1, op));
+        match lesson_check::check_op(&op, &champion.base) {
+            Ok(()) => ops.push(MergedOp::single(i + 1, op)),
+            Err(why) => refused.push(RefusedImport { import: imp.clone(), rule: why.rule, reason: why.reason }),
+        }
     }
     let outcome = apply_ops(&playbook, &ops, budget);
     let imported = outcome.applied.iter().any(|a| matches!(a.op, DeltaOp::Add { .. }));
-    if !imported {
-        return None;
-    }
-    let child = VersionContent { base: champion.base.clone(), playbook: Some(outcome.playbook.clone()) };
-    Some((child, outcome))
+    let child = imported
+        .then(|| (VersionContent { base: champion.base.clone(), playbook: Some(outcome.playbook.clone()) }, outcome));
+    Bred { child, refused }
 }
 
 /// The crossover call: build, send, read tolerantly (one corrective retry).
@@ -316,15 +336,34 @@ mod tests {
         let other = content(&[("b-0001", "Convert to SI first"), ("b-0002", "Check units")]);
         let winners = [Winner { version: 3, content: &other, won: won(&["t"]) }];
         let s = decode(r#"{"drop": ["b-0002"], "import": ["v3:b-0001", "v3:b-0002"]}"#, 1, &champ, &winners).unwrap();
-        let (child, outcome) = breed(&champ, &s, &Budget::default()).unwrap();
+        let (child, outcome) = breed(&champ, &s, &Budget::default()).child.unwrap();
         let texts: Vec<&str> = child.playbook.as_ref().unwrap().bullets().map(|(_, b)| b.content.as_str()).collect();
         assert_eq!(texts, ["Check units", "Convert to SI first"]);
         assert_eq!(outcome.skipped.len(), 1, "the duplicate of a champion bullet is skipped");
         // A pinned bullet is never dropped; nothing imported → no child.
         let pinned = Budget { pinned: vec!["b-0002".into()], ..Default::default() };
-        let (child, _) = breed(&champ, &s, &pinned).unwrap();
+        let (child, _) = breed(&champ, &s, &pinned).child.unwrap();
         assert_eq!(child.playbook.unwrap().bullet_count(), 3);
         let only_dup = decode(r#"{"import": ["v3:b-0002"]}"#, 1, &champ, &winners).unwrap();
-        assert!(breed(&champ, &only_dup, &Budget::default()).is_none());
+        assert!(breed(&champ, &only_dup, &Budget::default()).child.is_none());
+    }
+
+    #[test]
+    fn imports_that_fail_the_lesson_check_are_refused_and_said() {
+        let champ = content(&[("b-0001", "Check units")]);
+        let other = content(&[("b-0001", "..."), ("b-0002", "Convert to SI first"), ("b-0003", "You help {user}.")]);
+        let winners = [Winner { version: 3, content: &other, won: won(&["t"]) }];
+        let s = decode(r#"{"import": ["v3:b-0001", "v3:b-0002", "v3:b-0003"]}"#, 1, &champ, &winners).unwrap();
+        let bred = breed(&champ, &s, &Budget::default());
+        let texts: Vec<String> =
+            bred.child.unwrap().0.playbook.unwrap().bullets().map(|(_, b)| b.content.clone()).collect();
+        assert_eq!(texts, ["Check units", "Convert to SI first"]);
+        let rules: Vec<(&str, Rule)> = bred.refused.iter().map(|r| (r.import.bullet_id.as_str(), r.rule)).collect();
+        assert_eq!(rules, [("b-0001", Rule::NoStatement), ("b-0003", Rule::RepeatsBase)]);
+        // Nothing left to import: no child.
+        let junk = decode(r#"{"import": ["v3:b-0001"]}"#, 1, &champ, &winners).unwrap();
+        let bred = breed(&champ, &junk, &Budget::default());
+        assert!(bred.child.is_none());
+        assert_eq!(bred.refused.len(), 1);
     }
 }

@@ -15,7 +15,10 @@
 //! - [`capacity`]: capacity control — the overload meter, the group size it
 //!   gives a round and the batch-size controller.
 //! - [`crossover`] breeds a child of a population's winners (the `evaluated`
-//!   policy, outside the round); [`denylist`] guards what both may add.
+//!   policy, outside the round); [`lesson_check`] holds what both may add to
+//!   the rules every learned lesson must pass (a statement, not the
+//!   protocol's markup, not the base again), and [`denylist`] to the
+//!   operator's denylist.
 //!
 //! Callers import from the wing that holds a name (`learn::round::RoundSpec`,
 //! `learn::merge::budget::Budget`); nothing is re-exported here.
@@ -24,6 +27,7 @@ pub mod capacity;
 pub mod crossover;
 pub mod denylist;
 pub mod judge;
+pub mod lesson_check;
 pub mod merge;
 pub mod prompts;
 pub mod round;

@@ -4,8 +4,9 @@
 //! observed speed, retries with jittered exponential backoff honouring
 //! `Retry-After`, a client-side requests/tokens per minute limiter, a concurrency
 //! limit that adapts to the backend ([`super::limit`]), the structured-output shape
-//! and context window the backend takes ([`super::format`]), and usage/cost
-//! accounting. [`chat_decoded`] adds strict reading with one corrective retry and
+//! and context window the backend takes ([`super::format`]), what a local
+//! server says it holds (its slots and the context they share,
+//! [`super::slots`]), and usage/cost accounting. [`chat_decoded`] adds strict reading with one corrective retry and
 //! records how each answer was read.
 
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,7 @@ use super::config::LlmConfig;
 use super::format::{self, ContextWindow, FormatLadder};
 use super::limit::{AdaptiveLimit, Sample};
 use super::meter::{Spend, SpendMeter};
+use super::slots::{self, SharedContext};
 use super::{
     AnswerRead, ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, OutputFormat,
     REFUSED_ANSWER_CHARS, TimeoutKind, Usage,
@@ -46,6 +48,10 @@ struct Inner {
     limiter: RateLimiter,
     formats: FormatLadder,
     window: ContextWindow,
+    /// Where the server describes itself (`GET /props`), read once (set once read).
+    props_url: Option<String>,
+    props: tokio::sync::OnceCell<()>,
+    shared: SharedContext,
 }
 
 impl std::fmt::Debug for OpenAiClient {
@@ -66,7 +72,19 @@ impl OpenAiClient {
         let limiter = RateLimiter::new(cfg.requests_per_minute, cfg.tokens_per_minute);
         let limit = AdaptiveLimit::new(cfg.max_concurrency);
         let window = ContextWindow::new(cfg.context_tokens);
-        let inner = Inner { http, cfg, url, limit, limiter, formats: FormatLadder::default(), window };
+        let props_url = slots::props_url(&cfg.base_url);
+        let inner = Inner {
+            http,
+            cfg,
+            url,
+            limit,
+            limiter,
+            formats: FormatLadder::default(),
+            window,
+            props_url,
+            props: tokio::sync::OnceCell::new(),
+            shared: SharedContext::default(),
+        };
         Ok(Self { inner: Arc::new(inner), meter: None })
     }
 
@@ -98,6 +116,43 @@ impl OpenAiClient {
     /// The `response_format` shape this backend has not refused.
     pub fn output_format(&self) -> OutputFormat {
         self.inner.formats.current()
+    }
+
+    /// Reads what the server says it holds (`GET /props`), once: its slots cap
+    /// the concurrency limit, its context is the window and the budget of the
+    /// calls in flight. A server without the page (or with another page there)
+    /// teaches nothing; one that cannot be reached is asked again next call.
+    async fn read_props(&self) {
+        let inner = &self.inner;
+        let Some(url) = &inner.props_url else { return };
+        let _ = inner
+            .props
+            .get_or_try_init(|| async {
+                let mut rb = inner.http.get(url).timeout(self.timeout_floor().min(Duration::from_secs(10)));
+                let key = inner.cfg.api_key.expose();
+                if !key.is_empty() {
+                    rb = rb.bearer_auth(key);
+                }
+                let resp = rb.send().await.map_err(|_| ())?;
+                let said = match resp.status().is_success() {
+                    true => resp.bytes().await.ok().and_then(|b| slots::parse_props(&b)),
+                    false => None,
+                };
+                if let Some(p) = said {
+                    if let Some(n) = p.slots {
+                        inner.limit.cap_at(n as usize);
+                        metrics::gauge!("combee_llm_server_slots").set(f64::from(n));
+                    }
+                    if let Some(tokens) = p.context_tokens {
+                        inner.window.learn(tokens);
+                        inner.shared.set_tokens(tokens);
+                    }
+                    tracing::info!(slots = ?p.slots, context_tokens = ?p.context_tokens,
+                        "the LLM server says what it holds (GET /props): calls in flight fit its slots and context");
+                }
+                Ok::<(), ()>(())
+            })
+            .await;
     }
 
     /// Removes the API key from any text that may end up in a log or an error.
@@ -243,8 +298,13 @@ impl LlmBackend for OpenAiClient {
     async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
         let inner = &self.inner;
         let started = Instant::now();
+        self.read_props().await;
         let estimate = estimate_tokens(req.chars());
         let max_tokens = self.fit_max_tokens(&req)?;
+        // The call's share of a context the server's slots share: its prompt
+        // (counted as small models' tokenizers cut it) and its completion limit.
+        let held = u64::try_from(req.chars().div_ceil(3)).unwrap_or(u64::MAX)
+            + u64::from(max_tokens.unwrap_or(inner.cfg.max_tokens));
         let mut retries = 0u32;
         // A timed-out attempt's retry gets twice as long: the backend is slower than it looked.
         let mut timeout_scale = 1u32;
@@ -266,6 +326,7 @@ impl LlmBackend for OpenAiClient {
             };
             let (outcome, limit_at_send, format, shape_refused) = {
                 let slot = inner.limit.acquire().await;
+                let _admitted = inner.shared.admit(held).await;
                 inner.limiter.acquire(estimate).await;
                 // Chosen once the slot is held: a refusal seen while this call waited counts.
                 let format = inner.formats.format_for(req.schema.as_deref(), req.json);
@@ -336,6 +397,17 @@ impl LlmBackend for OpenAiClient {
                 // Not a retry: the same request in the next shape the backend may take.
                 continue;
             }
+            // The server's shared context filled: the limit was capped below the
+            // calls in flight (`sample_of`); the call itself fits and is tried again.
+            let full = matches!(&err, LlmError::Rejected { status, message } | LlmError::Server { status, message }
+                if format::cache_full(*status, message));
+            if full {
+                metrics::counter!("combee_llm_context_full_total").increment(1);
+                tracing::warn!(
+                    limit = inner.limit.limit(),
+                    "the LLM server's shared context is full; fewer calls at once"
+                );
+            }
             if let LlmError::Rejected { status, message } | LlmError::Server { status, message } = &err
                 && let Some(window) = format::context_exceeded(*status, message)
             {
@@ -345,7 +417,7 @@ impl LlmBackend for OpenAiClient {
                 }
                 return Err(LlmError::ContextExceeded { window: inner.window.get(), message: message.clone() });
             }
-            if !err.is_retryable() || retries >= inner.cfg.max_retries {
+            if !(err.is_retryable() || full) || retries >= inner.cfg.max_retries {
                 return Err(if retries == 0 {
                     err
                 } else {
@@ -443,6 +515,11 @@ fn sample_of(
             }
         }
         Err(Failure { err, .. }) => match err {
+            LlmError::Rejected { status, message } | LlmError::Server { status, message }
+                if format::cache_full(*status, message) =>
+            {
+                Sample::CacheFull
+            }
             LlmError::RateLimited { .. }
             | LlmError::Server { status: 503, .. }
             | LlmError::Timeout { which: TimeoutKind::Request, .. } => Sample::Overloaded,
@@ -1198,6 +1275,128 @@ mod tests {
         assert!(state.most_waiting.load(Ordering::SeqCst) <= 6, "{limits:?}");
         assert!(limits[16..].iter().filter(|&&l| l > 2).count() <= 2, "{limits:?}");
         assert!(limits[20..].iter().all(|&l| l <= 2), "{limits:?}");
+    }
+
+    /// llama.cpp's server as its defaults start it: slots sharing one context.
+    /// A call holds its prompt (a token per three characters) and its
+    /// completion limit (the model writes all of it); a call that does not fit
+    /// beside the others is answered as llama.cpp answers then.
+    #[derive(Clone)]
+    struct SharedCache {
+        props: Option<Value>,
+        context: usize,
+        held: Arc<AtomicUsize>,
+        in_flight: Arc<AtomicUsize>,
+        most_in_flight: Arc<AtomicUsize>,
+        full: Arc<AtomicUsize>,
+        answered: Arc<AtomicUsize>,
+    }
+
+    impl SharedCache {
+        async fn spawn(props: Option<Value>, context: usize) -> (String, Self) {
+            async fn chat(State(s): State<SharedCache>, body: axum::body::Bytes) -> Response {
+                let body: Value = serde_json::from_slice(&body).unwrap();
+                let chars: usize =
+                    body["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap().len()).sum();
+                let tokens = chars / 3 + body["max_tokens"].as_u64().unwrap_or(4096) as usize;
+                let held = s.held.fetch_add(tokens, Ordering::SeqCst) + tokens;
+                let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                s.most_in_flight.fetch_max(now, Ordering::SeqCst);
+                let full = held > s.context;
+                if !full {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+                s.held.fetch_sub(tokens, Ordering::SeqCst);
+                s.in_flight.fetch_sub(1, Ordering::SeqCst);
+                if full {
+                    s.full.fetch_add(1, Ordering::SeqCst);
+                    let e = json!({"error": {"code": 500, "message": "Context size has been exceeded.", "type": "server_error"}});
+                    return (StatusCode::INTERNAL_SERVER_ERROR, axum::Json(e)).into_response();
+                }
+                s.answered.fetch_add(1, Ordering::SeqCst);
+                axum::Json(json!({"model": "m", "choices": [{"message": {"content": "{}"}}],
+                                  "usage": {"prompt_tokens": chars / 3, "completion_tokens": 20}}))
+                .into_response()
+            }
+            async fn describe(State(s): State<SharedCache>) -> Response {
+                match s.props {
+                    Some(p) => axum::Json(p).into_response(),
+                    None => StatusCode::NOT_FOUND.into_response(),
+                }
+            }
+            let state = SharedCache {
+                props,
+                context,
+                held: Arc::default(),
+                in_flight: Arc::default(),
+                most_in_flight: Arc::default(),
+                full: Arc::default(),
+                answered: Arc::default(),
+            };
+            let app = Router::new()
+                .route("/v1/chat/completions", post(chat))
+                .route("/props", axum::routing::get(describe))
+                .with_state(state.clone());
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            (format!("http://{addr}/v1"), state)
+        }
+    }
+
+    async fn many_calls(c: &OpenAiClient, n: usize, chars: usize) -> Vec<ChatResponse> {
+        let calls: Vec<_> = (0..n)
+            .map(|_| {
+                let c = c.clone();
+                tokio::spawn(async move {
+                    c.chat(c.request(LlmRole::Reflector, vec![ChatMessage::user("w".repeat(chars))], true)).await
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for call in calls {
+            out.push(call.await.unwrap().unwrap());
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_server_that_says_its_slots_and_context_gets_only_what_fits() {
+        let props = json!({"default_generation_settings": {"params": {}, "n_ctx": 4096}, "total_slots": 4});
+        let (url, server) = SharedCache::spawn(Some(props), 4096).await;
+        let c = client(&url, |_| {});
+        // 500 prompt tokens and a 1024-token completion limit each: two fit in 4096 at once, three do not.
+        let answers = many_calls(&c, 16, 1500).await;
+        assert_eq!(server.full.load(Ordering::SeqCst), 0, "no call was answered that the context is full");
+        assert_eq!(server.most_in_flight.load(Ordering::SeqCst), 2);
+        assert!(answers.iter().all(|a| a.retries == 0));
+        assert_eq!(c.context_window(), Some(4096), "the window is the server's word");
+        assert!(c.concurrency_limit() <= 4, "never more than its four slots: {}", c.concurrency_limit());
+        // Shorter calls fit three at a time (the limit grew to the slots meanwhile).
+        let before = server.most_in_flight.swap(0, Ordering::SeqCst);
+        assert_eq!(before, 2);
+        many_calls(&c, 16, 300).await;
+        assert_eq!(server.full.load(Ordering::SeqCst), 0);
+        assert_eq!(server.most_in_flight.load(Ordering::SeqCst), 3, "100 + 1024 tokens each");
+    }
+
+    #[tokio::test]
+    async fn a_full_shared_context_means_fewer_calls_at_once_not_blind_retries() {
+        // No /props: the server is learned from its answers only.
+        let (url, server) = SharedCache::spawn(None, 4096).await;
+        let c = client(&url, |_| {});
+        let answers = many_calls(&c, 40, 300).await;
+        assert_eq!(answers.len(), 40, "every call answered in the end");
+        let full = server.full.load(Ordering::SeqCst);
+        // Slow start overshoots to about six calls at once; each filling takes
+        // the cap one below the calls in flight, so a few fillings, then none.
+        assert!(full >= 1, "the limit grew into the full context");
+        assert!(full <= 10, "then stayed below it: {full} calls answered that the context is full");
+        assert!(c.concurrency_limit() <= 3, "capped below the calls that filled it: {}", c.concurrency_limit());
+        server.most_in_flight.store(0, Ordering::SeqCst);
+        many_calls(&c, 20, 300).await;
+        assert_eq!(server.full.load(Ordering::SeqCst), full, "no filling again");
+        assert!(server.most_in_flight.load(Ordering::SeqCst) <= 3);
     }
 
     #[test]

@@ -8,9 +8,12 @@
 //! `json_object`, then with nothing. The first shape a backend takes is kept
 //! for the life of the client and shown in `/metrics`.
 //!
-//! The context window is configured (`llm.context_tokens`) or read from the
-//! backend's "context length exceeded" answer, which is never sent again as it
-//! was: the caller fits the next request into the window.
+//! The context window is configured (`llm.context_tokens`), read from the
+//! server's own description of itself (`super::slots`) or from the backend's
+//! "context length exceeded" answer, which is never sent again as it was: the
+//! caller fits the next request into the window. An answer saying the
+//! server's *shared* context is full ([`cache_full`]) is another thing: the
+//! request fits, the calls in flight together did not.
 
 use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 
@@ -154,6 +157,27 @@ pub fn context_exceeded(status: u16, message: &str) -> Option<Option<u32>> {
     Some(None)
 }
 
+/// Whether an error answer says the server's context (its KV cache, which its
+/// slots share) filled up while it served the calls in flight: llama.cpp's
+/// server answers every call it was working on `500 "Context size has been
+/// exceeded."` (older builds: "failed to find free space in the KV cache"),
+/// Hugging Face's TGI "Out of available cache blocks". Not a request too
+/// long for the window (see [`context_exceeded`]): fewer calls at once fit.
+pub fn cache_full(status: u16, message: &str) -> bool {
+    if !(400..=599).contains(&status) || status == 429 {
+        return false;
+    }
+    let m = message.to_ascii_lowercase();
+    [
+        "context size has been exceeded",
+        "free space in the kv cache",
+        "out of available cache blocks",
+        "kv cache is full",
+    ]
+    .iter()
+    .any(|needle| m.contains(needle))
+}
+
 /// The context window of one backend, in tokens; 0 while unknown.
 #[derive(Debug, Default)]
 pub struct ContextWindow(AtomicU32);
@@ -255,6 +279,22 @@ mod tests {
     }
 
     #[test]
+    fn a_full_shared_context_is_told_from_a_request_too_long() {
+        // llama.cpp's llama-server (the vendored sources of llama-cpp-python 0.3.36), to every call in flight.
+        let llama = r#"{"error":{"code":500,"message":"Context size has been exceeded.","type":"server_error"}}"#;
+        assert!(cache_full(500, llama));
+        assert_eq!(context_exceeded(500, llama), None, "the request itself fits");
+        assert!(cache_full(500, "update_slots : failed to find free space in the KV cache"));
+        assert!(cache_full(
+            500,
+            "Request failed during generation: Server error: Out of available cache blocks: asked 107, only 4 free blocks"
+        ));
+        assert!(!cache_full(500, "CUDA out of memory"));
+        assert!(!cache_full(429, "Context size has been exceeded."));
+        assert!(!cache_full(200, "Context size has been exceeded."));
+    }
+
+    #[test]
     fn the_context_window_is_read_from_the_backends_words() {
         assert_eq!(context_exceeded(400, "Requested tokens (9000) exceed context window of 8192"), Some(Some(8192)));
         assert_eq!(
@@ -273,6 +313,10 @@ mod tests {
             Some(Some(4096))
         );
         assert_eq!(context_exceeded(400, "Input should be 'text' or 'json_object'"), None);
+        // llama.cpp's server, a request longer than a slot's context (its words and its shape).
+        let llama = r#"{"error":{"code":400,"message":"request (9000 tokens) exceeds the available context size (8192 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":9000,"n_ctx":8192}}"#;
+        assert_eq!(context_exceeded(400, llama), Some(Some(8192)));
+        assert!(!cache_full(400, llama), "one request too long is not a full shared cache");
         assert_eq!(context_exceeded(429, "context window of 8192"), None);
         let w = ContextWindow::new(0);
         assert_eq!(w.get(), None);

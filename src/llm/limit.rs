@@ -22,7 +22,12 @@
 //!   one per limit's worth of calls once the backend has queued a call; a call
 //!   far above the baseline (it waited in the backend's queue) shrinks the
 //!   limit twice as fast as unqueued calls grow it, so the limit settles where
-//!   about one call in three waits; a 429, a 503 or a timeout halves it.
+//!   about one call in three waits; a 429, a 503 or a timeout halves it;
+//! - an answer saying the server's shared context (KV cache) is full means the
+//!   calls in flight together did not fit it: the limit is capped below them,
+//!   once per filling however many calls it failed, and never grows past that
+//!   cap again; a server that says how many slots it has caps the limit there
+//!   too ([`AdaptiveLimit::cap_at`]).
 //!
 //! `llm.max_concurrency` stays the ceiling. Waiting here for a slot is not part
 //! of any attempt's time limit. The same baselines give each attempt a time
@@ -62,7 +67,6 @@ pub fn work_units(prompt_tokens: u64, completion_tokens: u64) -> f64 {
 /// The adaptive limit of one backend. Shared by every clone of its client.
 #[derive(Debug)]
 pub struct AdaptiveLimit {
-    ceiling: usize,
     state: Mutex<State>,
     freed: Notify,
 }
@@ -70,6 +74,12 @@ pub struct AdaptiveLimit {
 #[derive(Debug, Clone)]
 struct State {
     limit: f64,
+    /// Most calls the backend holds, as it said (its slots) or showed (a full
+    /// cache); the limit never grows past it. Starts at the ceiling.
+    cap: f64,
+    /// Counts the cap's changes: a full cache seen by a call sent before the
+    /// last change was part of the filling already counted.
+    cap_changes: u64,
     /// Until the backend first shows a queue, every unqueued call grows the limit by one.
     slow_start: bool,
     in_flight: usize,
@@ -99,6 +109,8 @@ pub enum Sample {
     Answered { role: LlmRole, latency: Duration, prompt_tokens: u64, completion_tokens: u64 },
     /// 429, 503 or a timeout: the backend is overloaded.
     Overloaded,
+    /// The server's shared context (KV cache) filled with the calls in flight.
+    CacheFull,
     /// A failure that says nothing about load (a rejected request, a broken connection).
     Neutral,
 }
@@ -111,6 +123,8 @@ pub struct Slot<'a> {
     pub limit_at_send: u32,
     /// Calls in flight when this one was sent, itself included.
     pub in_flight_at_send: usize,
+    /// The cap's changes when the slot was granted.
+    cap_changes_at_send: u64,
 }
 
 impl Drop for Slot<'_> {
@@ -127,9 +141,10 @@ impl AdaptiveLimit {
     pub fn new(ceiling: usize) -> Self {
         let ceiling = ceiling.max(1);
         Self {
-            ceiling,
             state: Mutex::new(State {
                 limit: INITIAL_LIMIT.min(ceiling as f64),
+                cap: ceiling as f64,
+                cap_changes: 0,
                 slow_start: true,
                 in_flight: 0,
                 baseline: HashMap::new(),
@@ -153,14 +168,19 @@ impl AdaptiveLimit {
                 let limit = s.limit.floor().max(1.0) as usize;
                 if s.in_flight < limit {
                     s.in_flight += 1;
-                    let slot = Slot { owner: self, limit_at_send: limit as u32, in_flight_at_send: s.in_flight };
+                    let slot = Slot {
+                        owner: self,
+                        limit_at_send: limit as u32,
+                        in_flight_at_send: s.in_flight,
+                        cap_changes_at_send: s.cap_changes,
+                    };
                     drop(s);
                     self.publish();
                     return slot;
                 }
             } else {
                 // A panic elsewhere poisoned the state: fall back to one call at a time.
-                return Slot { owner: self, limit_at_send: 1, in_flight_at_send: 1 };
+                return Slot { owner: self, limit_at_send: 1, in_flight_at_send: 1, cap_changes_at_send: 0 };
             }
             notified.await;
         }
@@ -176,6 +196,16 @@ impl AdaptiveLimit {
                 s.limit = (s.limit / 2.0).max(1.0);
             }
             Sample::Neutral => {}
+            Sample::CacheFull => {
+                s.slow_start = false;
+                if slot.cap_changes_at_send == s.cap_changes {
+                    // The calls in flight now, this one included, did not fit.
+                    let fits = s.in_flight.saturating_sub(1).max(1) as f64;
+                    s.cap = s.cap.min(fits);
+                    s.cap_changes += 1;
+                }
+                s.limit = s.limit.min(s.cap);
+            }
             Sample::Answered { role, latency, prompt_tokens, completion_tokens } => {
                 let rate = latency.as_secs_f64() * 1000.0 / work_units(prompt_tokens, completion_tokens);
                 let role_index = role_index(role);
@@ -204,13 +234,25 @@ impl AdaptiveLimit {
                     s.limit = (s.limit - 2.0 / s.limit).max(1.0);
                 } else if ratio < GROW_BELOW && in_use {
                     let step = if s.slow_start { 1.0 } else { 1.0 / s.limit };
-                    s.limit = (s.limit + step).min(self.ceiling as f64);
+                    s.limit = (s.limit + step).min(s.cap);
                 }
             }
         }
         if s.limit.floor() > before.floor() {
             drop(s);
             self.freed.notify_waiters();
+        }
+    }
+
+    /// The backend serves at most `calls` at once (the slots it says it has):
+    /// more would only wait in its queue.
+    pub fn cap_at(&self, calls: usize) {
+        let Ok(mut s) = self.state.lock() else { return };
+        let cap = calls.max(1) as f64;
+        if cap < s.cap {
+            s.cap = cap;
+            s.cap_changes += 1;
+            s.limit = s.limit.min(cap);
         }
     }
 
@@ -391,6 +433,30 @@ mod tests {
             limit.record(&slot, Sample::Overloaded);
         }
         assert_eq!(limit.limit(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_full_cache_caps_the_limit_below_the_calls_that_filled_it_once() {
+        let limit = AdaptiveLimit::new(64);
+        settle(&limit, 1000, 100, 6).await;
+        assert!(limit.limit() >= 8, "grown first: {}", limit.limit());
+        // Eight calls in flight fill the cache; every one of them is told so.
+        let held: Vec<Slot<'_>> = futures_util::future::join_all((0..8).map(|_| limit.acquire())).await;
+        for slot in held {
+            limit.record(&slot, Sample::CacheFull);
+            drop(slot);
+        }
+        assert_eq!(limit.limit(), 7, "one filling, one cap: below the eight that did not fit");
+        // Fast answers afterwards never grow it past the cap.
+        settle(&limit, 1000, 100, 20).await;
+        assert_eq!(limit.limit(), 7);
+        // A server that says it has four slots caps it there.
+        limit.cap_at(4);
+        assert_eq!(limit.limit(), 4);
+        settle(&limit, 1000, 100, 20).await;
+        assert_eq!(limit.limit(), 4);
+        limit.cap_at(16);
+        assert_eq!(limit.limit(), 4, "a cap only ever lowers");
     }
 
     #[tokio::test]

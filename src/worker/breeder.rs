@@ -172,7 +172,14 @@ impl Breeder {
         *llm += asked.elapsed();
         let selection = selection?;
         let budget = Budget::for_prompt(&p.settings, p.strategy);
-        let Some((child, applied)) = crossover::breed(&champion_version.content, &selection, &budget) else {
+        let bred = crossover::breed(&champion_version.content, &selection, &budget);
+        for r in &bred.refused {
+            metrics::counter!("combee_learned_changes_refused_total", "rule" => r.rule.as_str(), "source" => "crossover")
+                .increment(1);
+            tracing::info!(%prompt, from = r.import.from_version, bullet = %r.import.bullet_id, reason = %r.reason,
+                "crossover did not import a bullet that fails the lesson check");
+        }
+        let Some((child, applied)) = bred.child else {
             return Ok(CrossoverOutcome::NothingImported);
         };
         self.denylist.check(&champion_version.content, &child).map_err(CrossoverError::Refused)?;
@@ -225,6 +232,7 @@ impl Breeder {
             "answer": selection.notes,
             "applied": applied.applied.len(),
             "skipped": applied.skipped.len(),
+            "refused": bred.refused,
             "llm_calls": calls,
         });
         let mv = LabelMove {

@@ -352,6 +352,12 @@ impl Worker {
         if degraded_groups > 0 {
             metrics::counter!("combee_level1_groups_degraded_total").increment(degraded_groups as u64);
         }
+        if let Ok(outcome) = &result {
+            for r in &outcome.refused {
+                metrics::counter!("combee_learned_changes_refused_total", "rule" => r.rule.as_str(), "source" => "round")
+                    .increment(1);
+            }
+        }
         let outcome = match result {
             Ok(outcome) => outcome,
             Err(RoundError::Llm(e)) if e.budget_reached().is_some() => {

@@ -343,23 +343,96 @@ async fn an_unreflected_trace_is_not_consumed(b: Backend) {
 /// playbook aggregator call with prose (no JSON), as a confused model would; every
 /// other call goes to the simulator. Returns its base URL.
 async fn aggregator_answers_prose(sim_url: String) -> String {
+    aggregator_answers(sim_url, "I would rather not change the playbook today.").await
+}
+
+/// An OpenAI-compatible endpoint in front of the simulator that answers every
+/// playbook aggregator call with `recorded`; every other call goes to the
+/// simulator. Returns its base URL.
+async fn aggregator_answers(sim_url: String, recorded: &'static str) -> String {
     async fn relay(
-        axum::extract::State(sim_url): axum::extract::State<String>,
+        axum::extract::State((sim_url, recorded)): axum::extract::State<(String, &'static str)>,
         body: axum::body::Bytes,
     ) -> axum::response::Response {
         use axum::response::IntoResponse;
         let aggregate = String::from_utf8_lossy(&body).contains("combee-task: aggregate-playbook");
         let mut answer = simulated_answer(&sim_url, &body).await;
         if aggregate {
-            answer["choices"][0]["message"]["content"] = json!("I would rather not change the playbook today.");
+            answer["choices"][0]["message"]["content"] = json!(recorded);
         }
         axum::Json(answer).into_response()
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1", listener.local_addr().unwrap());
-    let router = axum::Router::new().route("/v1/chat/completions", axum::routing::post(relay)).with_state(sim_url);
+    let router =
+        axum::Router::new().route("/v1/chat/completions", axum::routing::post(relay)).with_state((sim_url, recorded));
     tokio::spawn(async move { axum::serve(listener, router).await });
     url
+}
+
+/// What SmolLM2-135M, set up as a new user would (only the base URL and model),
+/// wrote as a round's playbook on llama.cpp's server: numbers, an ellipsis, an
+/// echo of the playbook's own line format, a section name that is no word.
+/// Recorded as the operations of an aggregator answer.
+const WEAK_PLAYBOOK: &str = r#"{"operations": [
+  {"op": "ADD", "section": "Section 1", "content": "1", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "Section 1", "content": "...", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "Section 2", "content": "3", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "Section 2", "content": "[b-0001] helpful=N harmful=M", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "bullet-tagminesfurther", "content": "This is a helpful tip that will help you improve your skills on this platform. Here's a short summary of what it means: I'm going to give you a gift today, ...", "reason": "r", "sources": [1]}
+]}"#;
+
+/// That playbook, as every aggregator's answer of a round on a prompt under
+/// `auto`: nothing of it becomes a version; the round ends unchanged, its record
+/// and its page in the web UI list each refused bullet with the rule and the
+/// reason, and `/metrics` counts them.
+async fn a_weak_models_protocol_echo_never_becomes_a_version(b: Backend) {
+    let sim = spawn_sim(sim()).await;
+    let llm = aggregator_answers(sim.url.clone(), WEAK_PLAYBOOK).await;
+    let app = spawn_app_with(b, |s| learning(s, &llm)).await;
+    create(&app, "weak", "playbook", json!({})).await;
+    send_traces(&app, "weak", 6).await;
+    let round = trigger(&app, "weak", json!({})).await;
+    let id = round["id"].as_str().unwrap();
+    let done = round_end(&app, id, Duration::from_secs(60)).await;
+    assert_eq!((done["status"].as_str(), &done["result_version"]), (Some("succeeded"), &Value::Null), "{done}");
+    let prompt: Value = app.get("/v1/prompts/weak").send().await.unwrap().json().await.unwrap();
+    assert_eq!(prompt["version"], 1, "production still serves the base: {prompt}");
+    assert!(!prompt["text"].as_str().unwrap().contains("PLAYBOOK"), "{prompt}");
+
+    let refused = done["detail"]["outcome"]["refused"].as_array().expect("the refused changes").clone();
+    let listed: Vec<(&str, &str, &str)> = refused
+        .iter()
+        .map(|r| {
+            (r["op"]["section"].as_str().unwrap(), r["op"]["content"].as_str().unwrap(), r["rule"].as_str().unwrap())
+        })
+        .collect();
+    assert_eq!(listed.len(), 5, "{refused:?}");
+    assert!(listed.iter().all(|(_, _, rule)| *rule == "section_name"), "{listed:?}");
+    for r in &refused {
+        assert!(r["reason"].as_str().is_some_and(|why| why.contains("section")), "{r}");
+        assert!(!r["groups"].as_array().unwrap().is_empty(), "{r}");
+    }
+
+    let page = round_page(&app, id.parse().unwrap()).await;
+    assert!(page.contains("unchanged"), "{page}");
+    assert!(page.contains("5 learned changes refused"), "{page}");
+    for r in &refused {
+        let content = r["op"]["content"].as_str().unwrap();
+        let shown: String = content.chars().take(60).collect();
+        let escaped = shown.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('\'', "&#39;");
+        assert!(page.contains(&escaped), "{escaped} not on the page");
+        let reason = r["reason"].as_str().unwrap().replace('"', "&quot;").replace('\'', "&#39;");
+        assert!(page.contains(&reason), "{reason} not on the page");
+    }
+    let metrics = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.lines().any(|l| l.starts_with("combee_learned_changes_refused_total{")
+            && l.contains(r#"rule="section_name""#)
+            && l.contains(r#"source="round""#)
+            && l.ends_with(" 5")),
+        "{metrics}"
+    );
 }
 
 async fn a_group_failure_costs_no_trace_an_attempt_and_a_rerun_reuses_reflections(b: Backend) {
@@ -504,6 +577,7 @@ on_both_stores!(
     a_dead_backend_fails_cleanly_and_loses_nothing,
     an_unreflected_trace_is_not_consumed,
     a_round_that_learns_nothing_publishes_no_version,
+    a_weak_models_protocol_echo_never_becomes_a_version,
     a_group_failure_costs_no_trace_an_attempt_and_a_rerun_reuses_reflections,
     round_triggers_are_validated,
 );

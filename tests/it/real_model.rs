@@ -9,6 +9,11 @@
 //! `response_format` is still learned from, and the real model judges traces
 //! as an LLM-judge evaluator whose calibration against the agents' feedback
 //! is reported (the pipeline is checked, not the tiny model's agreement).
+//! Nothing a round publishes fails the lesson check (a small model's echoes of
+//! the protocol are refused, not served). One test learns from llama.cpp's own
+//! `llama-server` on its defaults (four slots sharing one context), which
+//! `scripts/test` builds and names in `COMBEE_LLAMA_SERVER_URL`: its round ends
+//! without a call failed for a full context.
 //! `COMBEE_REAL_LLM=0` skips them.
 
 use crate::common;
@@ -31,6 +36,9 @@ use axum::{
 use common::{Backend, TestApp, eventually_every, spawn_app_with};
 use serde_json::{Value, json};
 
+/// The base text of the prompts the tests learn on.
+const BASE: &str = "You are a support agent for an online shop. Answer the customer's message.";
+
 /// The llama.cpp server a test learns from, held for the test's length.
 struct RealLlm {
     url: String,
@@ -47,8 +55,7 @@ struct RealLlm {
 /// takes the one of its slot (`NEXTEST_TEST_GROUP_SLOT`), so the group's tests
 /// run side by side, each on a server of its own.
 fn real_llm() -> Option<RealLlm> {
-    if std::env::var("COMBEE_REAL_LLM").as_deref() == Ok("0") {
-        eprintln!("skipped: COMBEE_REAL_LLM=0 (the real-model tests need a llama.cpp server)");
+    if skipped() {
         return None;
     }
     let one = std::env::var("COMBEE_REAL_LLM_URL").unwrap_or_else(|_| {
@@ -66,12 +73,43 @@ fn real_llm() -> Option<RealLlm> {
     let slot: usize = std::env::var("NEXTEST_TEST_GROUP_SLOT").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
     let url = urls[slot % urls.len()].to_owned();
     let model = std::env::var("COMBEE_REAL_LLM_MODEL").unwrap_or_else(|_| "local".to_owned());
+    eprintln!("REAL MODEL server {url} (slot {slot} of {})", urls.len());
+    Some(RealLlm { _turn: turn_on(&url), url, model })
+}
+
+fn skipped() -> bool {
+    let skip = std::env::var("COMBEE_REAL_LLM").as_deref() == Ok("0");
+    if skip {
+        eprintln!("skipped: COMBEE_REAL_LLM=0 (the real-model tests need a llama.cpp server)");
+    }
+    skip
+}
+
+/// An exclusive lock on a file named after the server `url`, held while a test uses it.
+fn turn_on(url: &str) -> std::fs::File {
     let name: String = url.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
     let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-llm-{name}.lock"));
     let turn = std::fs::File::create(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     turn.lock().unwrap_or_else(|e| panic!("locking {}: {e}", path.display()));
-    eprintln!("REAL MODEL server {url} (slot {slot} of {})", urls.len());
-    Some(RealLlm { url, model, _turn: turn })
+    turn
+}
+
+/// llama.cpp's own `llama-server` on its defaults (SmolLM2), which
+/// `scripts/test` builds and starts and names in `COMBEE_LLAMA_SERVER_URL`; or
+/// `None` when `COMBEE_REAL_LLM=0` says to skip. Without either, the test fails.
+fn llama_server() -> Option<RealLlm> {
+    if skipped() {
+        return None;
+    }
+    let url = std::env::var("COMBEE_LLAMA_SERVER_URL").unwrap_or_else(|_| {
+        panic!(
+            "this test needs llama.cpp's own llama-server on its defaults: run it through scripts/test \
+             (it builds and starts one), or set COMBEE_LLAMA_SERVER_URL (…/v1) yourself, or \
+             COMBEE_REAL_LLM=0 to skip it"
+        )
+    });
+    eprintln!("REAL MODEL llama-server {url} (its defaults)");
+    Some(RealLlm { _turn: turn_on(&url), url, model: "smollm2".to_owned() })
 }
 
 /// The real server with its worker on product defaults, learning from `url`.
@@ -188,8 +226,7 @@ const WAIT: Duration = Duration::from_secs(1800);
 /// the worker may start by itself sees them all), triggers a round (or takes the
 /// one the worker started) and waits for it to end. Returns the round record.
 async fn learn_from(app: &TestApp, name: &str, traces: Vec<Value>) -> Value {
-    let base = "You are a support agent for an online shop. Answer the customer's message.";
-    let res = app.post("/v1/prompts", json!({"name": name, "base": base})).send().await.unwrap();
+    let res = app.post("/v1/prompts", json!({"name": name, "base": BASE})).send().await.unwrap();
     assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
     let res = app.post("/v1/traces", json!({"traces": traces})).send().await.unwrap();
     assert_eq!(res.status(), 201, "{}", res.text().await.unwrap());
@@ -249,16 +286,34 @@ async fn a_round_with_a_real_model_publishes_and_says_how_it_read(b: Backend) {
     let traces: Vec<Value> = support_traces("support-agent").into_iter().take(6).collect();
     let round = learn_from(&app, "support-agent", traces).await;
 
-    // (a) The round ends and publishes a version learned from every trace.
+    // (a) The round ends: it publishes a version learned from its traces, or
+    // none when every change its model proposed was refused by the lesson
+    // check (what a 135M model writes is often the protocol's own markup);
+    // whatever it publishes passes the check.
     assert_eq!(round["status"], "succeeded", "{round}");
-    let version = round["result_version"].as_i64().expect("a published version");
-    assert!(version >= 2, "{round}");
     assert_eq!(round["trace_ids"].as_array().unwrap().len(), 6);
-    let v: Value =
-        app.get(&format!("/v1/prompts/support-agent/versions/{version}")).send().await.unwrap().json().await.unwrap();
-    assert_eq!(v["source"], "learned", "{v}");
-    assert!(!v["text"].as_str().unwrap().trim().is_empty());
-    eprintln!("REAL MODEL learned version {version}:\n{}", v["text"].as_str().unwrap());
+    eprintln!("REAL MODEL refused changes: {}", round["detail"]["outcome"]["refused"]);
+    match round["result_version"].as_i64() {
+        Some(version) => {
+            assert!(version >= 2, "{round}");
+            let v: Value = app
+                .get(&format!("/v1/prompts/support-agent/versions/{version}"))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            assert_eq!(v["source"], "learned", "{v}");
+            eprintln!("REAL MODEL learned version {version}:\n{}", v["text"].as_str().unwrap());
+            assert_every_bullet_passes_the_lesson_check(&v);
+        }
+        None => {
+            let prompt: Value = app.get("/v1/prompts/support-agent").send().await.unwrap().json().await.unwrap();
+            assert_eq!(prompt["version"], 1, "an unchanged round writes no version: {prompt}");
+            eprintln!("REAL MODEL round ended unchanged: nothing it learned passed the lesson check");
+        }
+    }
     // What the aggregators proposed and what level 2 did with it, for whoever reads the log.
     eprintln!("REAL MODEL group outputs: {}", round["detail"]["group_outputs"]);
     eprintln!("REAL MODEL reduce: {}", round["detail"]["outcome"]);
@@ -282,6 +337,23 @@ async fn a_round_with_a_real_model_publishes_and_says_how_it_read(b: Backend) {
         calls.iter().any(|c| c["read"].as_str().is_some_and(|r| r != "refused")),
         "no answer was read from the answer itself: {calls:?}"
     );
+}
+
+/// Every section name and bullet of a published version passes the lesson
+/// check: no number, punctuation or echo of the protocol's markup is served.
+fn assert_every_bullet_passes_the_lesson_check(version: &Value) {
+    use combee::{domain::DeltaOp, learn::lesson_check};
+    let base = version["base"].as_str().unwrap_or(BASE);
+    for section in version["playbook"]["sections"].as_array().into_iter().flatten() {
+        for bullet in section["bullets"].as_array().into_iter().flatten() {
+            let op = DeltaOp::Add {
+                section: section["name"].as_str().unwrap_or_default().to_owned(),
+                content: bullet["content"].as_str().unwrap_or_default().to_owned(),
+                reason: String::new(),
+            };
+            assert_eq!(lesson_check::check_op(&op, base), Ok(()), "a published bullet fails the check: {op:?}");
+        }
+    }
 }
 
 /// What the proxy saw.
@@ -481,9 +553,43 @@ async fn a_real_model_judges_traces_and_its_calibration_is_reported(b: Backend) 
     );
 }
 
+/// llama.cpp's own server on its defaults: four slots sharing one context of
+/// 8,192 tokens, which long answers at once fill ("Context size has been
+/// exceeded."). combee reads what it holds from `GET /props`, keeps the calls
+/// in flight within its slots and its context, and the round ends with no call
+/// failed for a full context. Three traces (one aggregation) keep it short.
+async fn a_round_on_llama_servers_own_defaults_never_fills_its_context(b: Backend) {
+    let Some(llm) = llama_server() else { return };
+    let app = spawn_learning_app(b, &llm.url, &llm.model).await;
+    let traces = support_traces("slots").into_iter().take(3).collect();
+    let round = learn_from(&app, "slots", traces).await;
+    assert_eq!(round["status"], "succeeded", "{round}");
+    let calls = round["llm_calls"].as_array().expect("the round's LLM calls");
+    assert!(calls.len() >= 4, "three reflections and an aggregation: {calls:?}");
+    for call in calls {
+        let error = call["error"].as_str().unwrap_or_default().to_lowercase();
+        assert!(!error.contains("context"), "a call failed for the context: {call}");
+        assert!(call["concurrency_limit"].as_u64().is_some_and(|l| l <= 4), "more than the four slots: {call}");
+    }
+    if round["result_version"].is_i64() {
+        let version = round["result_version"].as_i64().unwrap();
+        let v: Value =
+            app.get(&format!("/v1/prompts/slots/versions/{version}")).send().await.unwrap().json().await.unwrap();
+        assert_every_bullet_passes_the_lesson_check(&v);
+    }
+    // What the server said it holds, and that it never answered that its context was full.
+    let metrics = app.get("/metrics").send().await.unwrap().text().await.unwrap();
+    let gauge =
+        |name: &str| metrics.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse::<f64>().ok()));
+    assert_eq!(gauge("combee_llm_server_slots "), Some(4.0), "{metrics}");
+    assert_eq!(gauge("combee_llm_context_tokens "), Some(8192.0), "{metrics}");
+    assert!(gauge("combee_llm_context_full_total ").unwrap_or(0.0) == 0.0, "{metrics}");
+}
+
 // Long stories whose subject is the model, not the store: one on each store.
 on_one_store!(
     postgres_a_real_model_judges_traces_and_its_calibration_is_reported: a_real_model_judges_traces_and_its_calibration_is_reported(Postgres),
     postgres_a_round_with_a_real_model_publishes_and_says_how_it_read: a_round_with_a_real_model_publishes_and_says_how_it_read(Postgres),
     sqlite_a_backend_that_refuses_response_format_is_read_the_old_way: a_backend_that_refuses_response_format_is_read_the_old_way(Sqlite),
+    sqlite_a_round_on_llama_servers_own_defaults_never_fills_its_context: a_round_on_llama_servers_own_defaults_never_fills_its_context(Sqlite),
 );

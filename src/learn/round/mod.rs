@@ -32,6 +32,10 @@
 //!   publishing the base again.
 //! - Answers are read tolerantly ([`crate::learn::prompts::answer`]); everything ignored or
 //!   dropped is counted per call in [`RoundOutcome::answers`].
+//! - Every learned change passes the lesson check ([`screen`]) before it
+//!   may enter the version; what it refuses is listed in
+//!   [`OutcomeRecord::refused`], and a round whose every change was refused
+//!   keeps its base's content (and so publishes nothing).
 //! - Provenance: aggregator operations cite the reflections of their group they
 //!   came from; [`RoundOutcome::coverage`] says, per reflection, whether an
 //!   applied operation cites it — the retention figure a real model gives.
@@ -40,6 +44,7 @@ pub mod journal;
 mod map;
 mod record;
 mod reduce;
+mod screen;
 mod spec;
 
 use std::collections::HashSet;
@@ -62,7 +67,8 @@ pub use spec::{RoundError, RoundSpec, group_key};
 
 pub use record::{
     AnswerReport, CallNotes, Coverage, DegradedGroup, GroupingRecord, LearnedRoundDetail, Level2Summary,
-    MAX_CALL_NOTES, MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RoundOutcome, Unreflected,
+    MAX_CALL_NOTES, MapCounts, OutcomeRecord, PhaseTimings, ReflectionCoverage, RefusedChange, RoundOutcome,
+    Unreflected,
 };
 
 /// Runs one round (`docs/design.md`, The round, step by step) over `traces` against the frozen `base` version.
@@ -164,6 +170,7 @@ pub async fn run_round(
             unreflected: mapped.unreflected,
             applied: result.applied,
             skipped: result.skipped,
+            refused: result.refused,
             evicted: result.evicted,
             level2: result.level2,
             timings: result.timings,

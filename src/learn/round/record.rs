@@ -10,8 +10,9 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::domain::Method;
-use crate::domain::{Strategy, VersionContent};
+use crate::domain::{DeltaOp, Strategy, VersionContent};
 use crate::learn::capacity::sizing::GroupSize;
+use crate::learn::lesson_check::Rule;
 use crate::learn::merge::apply::{Applied, Evicted, Skipped};
 use crate::learn::merge::level2;
 use crate::learn::prompts::answer::AnswerNotes;
@@ -112,6 +113,9 @@ pub struct OutcomeRecord {
     /// Playbook mode: ops applied, with the groups that proposed them.
     pub applied: Vec<Applied>,
     pub skipped: Vec<Skipped>,
+    /// Learned changes the lesson check refused (`learn::lesson_check`): they
+    /// entered no version.
+    pub refused: Vec<RefusedChange>,
     pub evicted: Vec<Evicted>,
     /// What level 2 did (consolidation decisions, rewrite conflict regions).
     pub level2: Level2Summary,
@@ -196,6 +200,22 @@ pub struct DegradedGroup {
     /// `refused_answer`); absent when the group got no answer text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refused_answer: Option<String>,
+}
+
+/// A learned change the lesson check refused, with why (see
+/// [`crate::learn::lesson_check`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusedChange {
+    /// The playbook operation refused (absent for a rewritten instruction).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<DeltaOp>,
+    /// The rewritten instruction refused, cut to 2,000 characters (absent for an operation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instruction: Option<String>,
+    /// The level-1 groups that proposed it (every group, for a merged instruction).
+    pub groups: Vec<usize>,
+    pub rule: Rule,
+    pub reason: String,
 }
 
 /// Provenance of a playbook round: per reflection, whether an applied operation

@@ -14,7 +14,8 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::journal::{JournalError, Phase, RoundJournal};
-use super::record::{AnswerReport, DegradedGroup, Level2Summary, PhaseTimings};
+use super::record::{AnswerReport, DegradedGroup, Level2Summary, PhaseTimings, RefusedChange};
+use super::screen;
 use super::spec::{PhaseClock, RoundError, RoundSpec, group_key};
 use crate::domain::GroupOutput;
 use crate::domain::{DeltaOp, ReduceMode, Reflection, Strategy, VersionContent};
@@ -34,6 +35,8 @@ pub(super) struct ReduceOutcome {
     pub(super) content: VersionContent,
     pub(super) applied: Vec<Applied>,
     pub(super) skipped: Vec<Skipped>,
+    /// What the lesson check refused.
+    pub(super) refused: Vec<RefusedChange>,
     pub(super) evicted: Vec<Evicted>,
     pub(super) group_outputs: Vec<GroupOutput>,
     pub(super) level2: Level2Summary,
@@ -266,9 +269,7 @@ impl RoundReducer<'_> {
         let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
         let mut reduced = match self.spec.strategy {
             Strategy::Playbook => self.level2_playbook(frozen, groups, proposals, calls).await?,
-            Strategy::Rewrite => {
-                self.level2_rewrite(frozen, proposals.into_iter().map(|(_, p)| p).collect(), calls).await?
-            }
+            Strategy::Rewrite => self.level2_rewrite(frozen, proposals, calls).await?,
         };
         reduced.timings.reduce1_ms = reduce1_ms;
         reduced.timings.reduce2_ms = clock.finish().await?;
@@ -286,11 +287,19 @@ impl RoundReducer<'_> {
     ) -> Result<ReduceOutcome, RoundError> {
         let mut summary = Level2Summary::default();
         let mut levels = Vec::new();
+        let mut refused = Vec::new();
+        let base = frozen.base.as_str();
         let tree = level2::scan_tree(proposals.len(), self.fan_in);
         let merged = if self.spec.reduce == ReduceMode::Llm && tree.len() > 1 {
             // More group outputs than one call may take: a scan tree of consolidations.
-            let mut nodes: Vec<Vec<MergedOp>> =
-                proposals.into_iter().map(|(g, p)| dedupe::normalize_sourced_ops(p.round_ops(g, &groups[g]))).collect();
+            let mut nodes: Vec<Vec<MergedOp>> = Vec::with_capacity(proposals.len());
+            for (g, p) in proposals {
+                nodes.push(dedupe::normalize_sourced_ops(screen::raw_ops(
+                    p.round_ops(g, &groups[g]),
+                    base,
+                    &mut refused,
+                )));
+            }
             for level in &tree {
                 let mut inputs: Vec<Option<Vec<MergedOp>>> = std::mem::take(&mut nodes).into_iter().map(Some).collect();
                 let node_inputs: Vec<Vec<Vec<MergedOp>>> =
@@ -316,8 +325,8 @@ impl RoundReducer<'_> {
             }
             nodes.pop().unwrap_or_default()
         } else {
-            let union = proposals.into_iter().flat_map(|(g, p)| p.round_ops(g, &groups[g]));
-            let mut merged = dedupe::normalize_sourced_ops(union.collect());
+            let union = proposals.into_iter().flat_map(|(g, p)| p.round_ops(g, &groups[g])).collect();
+            let mut merged = dedupe::normalize_sourced_ops(screen::raw_ops(union, base, &mut refused));
             if self.spec.reduce == ReduceMode::Llm && merged.len() > 1 {
                 let mut made = Vec::new();
                 let consolidated = self.consolidate(frozen, &merged, &mut made).await?;
@@ -331,12 +340,15 @@ impl RoundReducer<'_> {
             }
             merged
         };
+        // A consolidation may have rewritten what it merged or edited: checked again.
+        let merged = screen::merged_ops(merged, base, &mut refused);
         let playbook = frozen.playbook.clone().unwrap_or_default();
         let outcome = apply::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut self.protection.clone());
         Ok(ReduceOutcome {
             content: VersionContent { base: frozen.base.clone(), playbook: Some(outcome.playbook) },
             applied: outcome.applied,
             skipped: outcome.skipped,
+            refused,
             evicted: outcome.evicted,
             group_outputs: Vec::new(),
             level2: summary,
@@ -402,16 +414,21 @@ impl RoundReducer<'_> {
     pub(super) async fn level2_rewrite(
         &self,
         frozen: &VersionContent,
-        proposals: Vec<GroupAnswer>,
+        proposals: Vec<(usize, GroupAnswer)>,
         calls: &mut Vec<LlmCall>,
     ) -> Result<ReduceOutcome, RoundError> {
-        let mut nodes: Vec<String> = proposals
-            .into_iter()
-            .filter_map(|p| match p {
-                GroupAnswer::Instruction(t) => Some(t),
-                GroupAnswer::Ops(_) => None,
-            })
-            .collect();
+        let (base, max_chars) = (frozen.base.as_str(), self.spec.budget.max_chars);
+        let mut refused = Vec::new();
+        let mut nodes: Vec<String> = Vec::with_capacity(proposals.len());
+        let mut admitted = Vec::new();
+        for (g, p) in proposals {
+            if let GroupAnswer::Instruction(t) = p
+                && let Some(t) = screen::instruction(t, vec![g], base, max_chars, &mut refused)
+            {
+                nodes.push(t);
+                admitted.push(g);
+            }
+        }
         let mut summary = Level2Summary::default();
         let mut levels = Vec::new();
         if nodes.len() > 1 {
@@ -432,10 +449,16 @@ impl RoundReducer<'_> {
                 levels.push(level.len());
             }
         }
+        // The merged text is checked as a whole; refused, the base stays as it was.
+        let merged = nodes.pop().and_then(|t| screen::instruction(t, admitted, base, max_chars, &mut refused));
         Ok(ReduceOutcome {
-            content: VersionContent { base: nodes.pop().unwrap_or_default(), playbook: frozen.playbook.clone() },
+            content: VersionContent {
+                base: merged.unwrap_or_else(|| base.to_owned()),
+                playbook: frozen.playbook.clone(),
+            },
             applied: Vec::new(),
             skipped: Vec::new(),
+            refused,
             evicted: Vec::new(),
             group_outputs: Vec::new(),
             level2: summary,
@@ -545,6 +568,7 @@ impl RoundReducer<'_> {
             content: frozen.clone(),
             applied: Vec::new(),
             skipped: Vec::new(),
+            refused: Vec::new(),
             evicted: Vec::new(),
             group_outputs: Vec::new(),
             level2: Level2Summary::default(),
@@ -578,7 +602,8 @@ impl RoundReducer<'_> {
             };
             match proposal {
                 p @ GroupAnswer::Ops(_) => {
-                    let merged = dedupe::normalize_sourced_ops(p.round_ops(g, group));
+                    let admitted = screen::raw_ops(p.round_ops(g, group), &frozen.base, &mut reduced.refused);
+                    let merged = dedupe::normalize_sourced_ops(admitted);
                     let playbook = current.playbook.clone().unwrap_or_default();
                     let outcome = apply::apply_ops_protected(&playbook, &merged, &self.spec.budget, &mut protection);
                     current.playbook = Some(outcome.playbook);
@@ -586,7 +611,14 @@ impl RoundReducer<'_> {
                     reduced.skipped.extend(outcome.skipped);
                     reduced.evicted.extend(outcome.evicted);
                 }
-                GroupAnswer::Instruction(text) => current.base = text,
+                GroupAnswer::Instruction(text) => {
+                    let max_chars = self.spec.budget.max_chars;
+                    if let Some(text) =
+                        screen::instruction(text, vec![g], &frozen.base, max_chars, &mut reduced.refused)
+                    {
+                        current.base = text;
+                    }
+                }
             }
         }
         if report.groups_degraded.len() == groups.len() {

@@ -9,7 +9,8 @@ use serde_json::{Value, json};
 use super::journal::{MemoryJournal, ReflectionSource};
 use super::reduce::{GroupAnswer, RoundReducer};
 use super::*;
-use crate::domain::{AgentReflections, ReduceMode};
+use crate::domain::{AgentReflections, DeltaOp, ReduceMode};
+use crate::learn::lesson_check;
 use crate::learn::merge::budget::{Budget, Protection};
 use crate::learn::prompts::tests::{reflection, trace};
 use crate::llm::LlmError;
@@ -430,7 +431,7 @@ async fn rewrite_level_2_sends_only_conflicting_passages_to_the_model() {
         fan_in: 8,
     };
     let mut calls = Vec::new();
-    let out = reduce.level2_rewrite(&base, proposals, &mut calls).await.unwrap();
+    let out = reduce.level2_rewrite(&base, proposals.into_iter().enumerate().collect(), &mut calls).await.unwrap();
     assert_eq!((out.level2.conflict_regions, out.level2.consolidation_calls), (1, 3), "{:?}", out.level2);
     assert_eq!(sim.stats().await.calls.get("merge-rewrite"), Some(&3));
     let text = out.content.base;
@@ -777,7 +778,7 @@ async fn unreadable_level_2_answers_degrade_to_the_union() {
         protection: Protection::for_round(&Playbook::default(), &s.budget),
         fan_in: 8,
     };
-    let out = reduce.level2_rewrite(&base, proposals, &mut Vec::new()).await.unwrap();
+    let out = reduce.level2_rewrite(&base, proposals.into_iter().enumerate().collect(), &mut Vec::new()).await.unwrap();
     assert_eq!(out.level2.degraded.len(), 3, "two merges of the tree's first level and the root: {:?}", out.level2);
     let text = out.content.base;
     let tokens = insight_tokens(&text);
@@ -785,4 +786,112 @@ async fn unreadable_level_2_answers_degrade_to_the_union() {
         assert!(tokens.contains(t), "{t} lost: {text}");
     }
     assert!(text.starts_with("You solve {task}.\n") && text.ends_with("End."), "{text}");
+}
+
+/// The playbook a 135M model published on product defaults (sections, then
+/// bullets), as the operations of an aggregator answer.
+const WEAK_PLAYBOOK: &str = r#"{"operations": [
+  {"op": "ADD", "section": "Section 1", "content": "1", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "Section 1", "content": "...", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "Section 2", "content": "3", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "Section 2", "content": "[b-0001] helpful=N harmful=M", "reason": "r", "sources": [1]},
+  {"op": "ADD", "section": "bullet-tagminesfurther", "content": "This is a helpful tip that will help you improve your skills on this platform. Here's a short summary of what it means: I'm going to give you a gift today, ...", "reason": "r", "sources": [1]}
+]}"#;
+
+/// Answers every aggregator call with a recorded answer (by task); the rest is the simulator's.
+struct Recorded {
+    inner: OpenAiClient,
+    answers: Vec<(&'static str, String)>,
+}
+
+#[async_trait]
+impl LlmBackend for Recorded {
+    async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
+        let system = req.messages.first().map_or("", |m| m.content.as_str()).to_owned();
+        let mut resp = self.inner.chat(req).await?;
+        if let Some((_, answer)) =
+            self.answers.iter().find(|(task, _)| system.contains(&format!("combee-task: {task}\n")))
+        {
+            resp.content = answer.clone();
+        }
+        Ok(resp)
+    }
+}
+
+#[tokio::test]
+async fn a_round_whose_every_change_is_refused_keeps_its_base_and_says_why() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let backend = Recorded { inner: sim.client.clone(), answers: vec![("aggregate-playbook", WEAK_PLAYBOOK.into())] };
+    let ts = traces(12);
+    let base = base_for(Strategy::Playbook);
+    for (method, reduce) in [
+        (Method::Combee, ReduceMode::Union),
+        (Method::Combee, ReduceMode::Llm),
+        (Method::Sequential, ReduceMode::Union),
+    ] {
+        let spec = RoundSpec { reduce, ..spec(method, Strategy::Playbook, 2, 3) };
+        let out = run_round(&backend, &sim.cfg, &spec, &base, &ts, &MemoryJournal::new()).await.unwrap();
+        assert!(out.content.serves_as(&base), "{method:?} {reduce:?}: {}", out.content.render());
+        assert!(out.applied.is_empty());
+        // Each refused change once, with every group that proposed it and why.
+        let refused: Vec<(String, lesson_check::Rule)> = out
+            .refused
+            .iter()
+            .map(|r| match &r.op {
+                Some(DeltaOp::Add { section, content, .. }) => (format!("{section}: {content}"), r.rule),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(refused.len(), 5, "{refused:?}");
+        assert!(refused.iter().all(|(_, rule)| *rule == lesson_check::Rule::SectionName), "{refused:?}");
+        assert!(out.refused.iter().all(|r| r.groups.len() == out.k), "every group proposed it: {:?}", out.refused);
+        assert!(out.refused[4].reason.contains("bullet-tagminesfurther"), "{}", out.refused[4].reason);
+        assert_eq!(out.coverage.as_ref().map(|c| c.covered), Some(0));
+    }
+    // The same bullets under a fair section name are refused for what they are.
+    let fair = WEAK_PLAYBOOK
+        .replace("Section 1", "tips")
+        .replace("Section 2", "tips")
+        .replace("bullet-tagminesfurther", "tips");
+    let backend = Recorded { inner: sim.client.clone(), answers: vec![("aggregate-playbook", fair)] };
+    let out = run_round(
+        &backend,
+        &sim.cfg,
+        &spec(Method::Combee, Strategy::Playbook, 2, 3),
+        &base,
+        &ts,
+        &MemoryJournal::new(),
+    )
+    .await
+    .unwrap();
+    let rules: Vec<lesson_check::Rule> = out.refused.iter().map(|r| r.rule).collect();
+    use lesson_check::Rule::{NoStatement, ProtocolMarkup};
+    assert_eq!(rules, [NoStatement, NoStatement, NoStatement, ProtocolMarkup]);
+    assert_eq!(out.applied.len(), 1, "the long tip says something: it passes");
+}
+
+#[tokio::test]
+async fn a_rewrite_that_echoes_its_template_or_drops_the_base_is_refused() {
+    let sim = Sim::start(hard(), |_| {}).await;
+    let base = VersionContent {
+        base: "You solve {task} for {user}. Always state the units of every number you give.".into(),
+        playbook: None,
+    };
+    let ts = traces(12);
+    for answer in [
+        r#"{"instruction": "<the complete new instruction> You solve {task} for {user}, always stating the units."}"#,
+        r#"{"instruction": "Solve {task} for {user}."}"#,
+    ] {
+        let backend = Recorded { inner: sim.client.clone(), answers: vec![("aggregate-rewrite", answer.into())] };
+        for method in [Method::Combee, Method::Sequential] {
+            let spec = spec(method, Strategy::Rewrite, 2, 3);
+            let out = run_round(&backend, &sim.cfg, &spec, &base, &ts, &MemoryJournal::new()).await.unwrap();
+            assert_eq!(out.content.base, base.base, "{answer} {method:?}");
+            assert!(
+                !out.refused.is_empty() && out.refused.iter().all(|r| r.instruction.is_some()),
+                "{:?}",
+                out.refused
+            );
+        }
+    }
 }

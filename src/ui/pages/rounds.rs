@@ -247,6 +247,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
     };
 
     let answers = answers_section(outcome);
+    let refused = refused_section(outcome);
 
     // Reflections, with provenance: whether an applied operation cites each.
     let covered: std::collections::HashMap<Uuid, bool> = outcome
@@ -281,12 +282,43 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
 <div class="card">{summary}</div>
 {timeline}
 <h2>Usage</h2>{usage}{calls}
-{answers}{ops}{group_outputs}
+{answers}{ops}{refused}{group_outputs}
 <h2>Reflections</h2>{reflections}"#,
         short_id(r.id),
         prompt_tabs(&op, &r.prompt, "rounds"),
     );
     Ok(page(&format!("Round {}", short_id(r.id)), Some(&op.who()), Section::Prompts, &body))
+}
+
+/// What the lesson check refused (`outcome.refused`): each change with its
+/// rule and reason. The content is the model's output: untrusted, escaped.
+fn refused_section(outcome: Option<&OutcomeRecord>) -> String {
+    let Some(o) = outcome.filter(|o| !o.refused.is_empty()) else { return String::new() };
+    let mut rows = String::new();
+    for r in &o.refused {
+        let (kind, target, content) = match (&r.op, &r.instruction) {
+            (Some(DeltaOp::Add { section, content, .. }), _) => ("add", section.as_str(), content.as_str()),
+            (Some(DeltaOp::Update { id, content, .. }), _) => ("update", id.as_str(), content.as_str()),
+            (Some(DeltaOp::Remove { id, .. }), _) => ("remove", id.as_str(), ""),
+            (None, Some(text)) => ("instruction", "", text.as_str()),
+            (None, None) => ("?", "", ""),
+        };
+        let groups = r.groups.iter().map(usize::to_string).collect::<Vec<_>>().join(", ");
+        let _ = write!(
+            rows,
+            r#"<tr class="refused-change"><td>{}</td><td><code>{}</code></td><td><pre class="refused-text">{}</pre></td><td>{}</td><td><code>{}</code></td><td class="bad-text">{}</td></tr>"#,
+            badge(kind),
+            escape(target),
+            clip(content, 500),
+            escape(&groups),
+            escape(r.rule.as_str()),
+            escape(&r.reason)
+        );
+    }
+    format!(
+        r#"<h2>Refused</h2><details class="card" open id="refused-box"><summary>{} learned changes refused by the lesson check: they entered no version</summary><table class="compact" id="refused"><thead><tr><th>Op</th><th>Section / bullet</th><th>Text (the model's, untrusted)</th><th>Groups</th><th>Rule</th><th>Why</th></tr></thead><tbody>{rows}</tbody></table></details>"#,
+        o.refused.len()
+    )
 }
 
 /// How many of the round's answers were read each way (none when no call says).

@@ -1,0 +1,193 @@
+//! What a local server holds at once, as it says itself, and the admission of
+//! calls into the context its slots share.
+//!
+//! llama.cpp's server describes itself at `GET /props` (beside `/v1`):
+//! `total_slots`, how many calls it works on at once, and
+//! `default_generation_settings.n_ctx`, the context of a slot. Started on its
+//! defaults (`llama-server -m model.gguf`) it has four slots sharing one KV
+//! cache of that size, so four long answers at once fill it and it fails
+//! every call it was working on ("Context size has been exceeded."). The
+//! client reads `/props` once per backend; then it keeps at most
+//! `total_slots` calls in flight, fits each call's completion limit to
+//! n_ctx, and admits a call only while the prompts and completion limits of
+//! the calls in flight fit in n_ctx together ([`SharedContext`]; a call that
+//! alone needs more is sent alone).
+//!
+//! `/props` does not say whether the slots share the cache. They do on
+//! llama.cpp's defaults, which is what is assumed: a server started with an
+//! explicit `-np` splits its context between the slots and reports a slot's
+//! share, so there the budget is conservative (no call fails, fewer run at
+//! once than could). Servers without `/props` (llama-cpp-python, Ollama, vLLM,
+//! hosted APIs) answer it with an error and are left to the adaptive limit
+//! ([`super::limit`]), which also learns from a full cache.
+
+use std::sync::Mutex;
+
+use serde::Deserialize;
+use tokio::sync::Notify;
+
+use super::config::DEFAULT_BASE_URL;
+
+/// What a server says it holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerProps {
+    /// Calls it works on at once.
+    pub slots: Option<u32>,
+    /// Tokens of context a slot has (all slots together, when they share it).
+    pub context_tokens: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct WireProps {
+    #[serde(default)]
+    total_slots: Option<u32>,
+    #[serde(default)]
+    default_generation_settings: Option<WireGeneration>,
+}
+
+#[derive(Deserialize)]
+struct WireGeneration {
+    #[serde(default)]
+    n_ctx: Option<u32>,
+}
+
+/// Where a server at `base_url` (…/v1) describes itself; none for OpenAI's own
+/// API, which has no such page.
+pub fn props_url(base_url: &str) -> Option<String> {
+    let base = base_url.trim_end_matches('/');
+    if base.eq_ignore_ascii_case(DEFAULT_BASE_URL) {
+        return None;
+    }
+    let root = base.strip_suffix("/v1").unwrap_or(base);
+    Some(format!("{root}/props"))
+}
+
+/// Reads a `/props` answer; `None` when it is not llama.cpp's shape (another
+/// server's page, an error) or says nothing usable.
+pub fn parse_props(body: &[u8]) -> Option<ServerProps> {
+    let wire: WireProps = serde_json::from_slice(body).ok()?;
+    let props = ServerProps {
+        slots: wire.total_slots.filter(|n| *n >= 1),
+        context_tokens: wire.default_generation_settings.and_then(|g| g.n_ctx).filter(|n| *n >= 256),
+    };
+    (props != ServerProps::default()).then_some(props)
+}
+
+/// The context a server's slots share, as a budget of tokens for the calls in
+/// flight: each is admitted with its prompt and completion limit while they
+/// fit together. Unknown (0), it admits every call.
+#[derive(Debug, Default)]
+pub struct SharedContext {
+    state: Mutex<Budget>,
+    freed: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Budget {
+    /// The shared context's size; 0 while unknown.
+    tokens: u64,
+    /// Tokens held by the calls admitted and not yet answered.
+    held: u64,
+    calls: usize,
+}
+
+/// A call's share of the shared context; dropping it frees the share.
+#[derive(Debug)]
+pub struct Admission<'a> {
+    owner: &'a SharedContext,
+    tokens: u64,
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut b) = self.owner.state.lock() {
+            b.held = b.held.saturating_sub(self.tokens);
+            b.calls = b.calls.saturating_sub(1);
+        }
+        self.owner.freed.notify_waiters();
+    }
+}
+
+impl SharedContext {
+    /// The server said how large the shared context is.
+    pub fn set_tokens(&self, tokens: u32) {
+        if let Ok(mut b) = self.state.lock() {
+            b.tokens = u64::from(tokens);
+        }
+        self.freed.notify_waiters();
+    }
+
+    pub fn tokens(&self) -> Option<u32> {
+        self.state.lock().ok().and_then(|b| u32::try_from(b.tokens).ok()).filter(|t| *t > 0)
+    }
+
+    /// Waits until a call needing `tokens` (its prompt and completion limit)
+    /// fits beside the calls admitted, or none is.
+    pub async fn admit(&self, tokens: u64) -> Admission<'_> {
+        loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.state.lock() {
+                Ok(mut b) => {
+                    if b.tokens == 0 || b.calls == 0 || b.held + tokens <= b.tokens {
+                        b.held += tokens;
+                        b.calls += 1;
+                        return Admission { owner: self, tokens };
+                    }
+                }
+                // A panic elsewhere poisoned the state: admit, as with no budget.
+                Err(_) => return Admission { owner: self, tokens: 0 },
+            }
+            notified.await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn props_are_read_from_llama_cpps_answer() {
+        assert_eq!(props_url("http://127.0.0.1:8080/v1"), Some("http://127.0.0.1:8080/props".into()));
+        assert_eq!(props_url("http://127.0.0.1:8080/v1/"), Some("http://127.0.0.1:8080/props".into()));
+        assert_eq!(props_url("http://gpu.lan/llm"), Some("http://gpu.lan/llm/props".into()));
+        assert_eq!(props_url("https://api.openai.com/v1"), None);
+        // The shape of llama-server's GET /props (llama-cpp-python 0.3.36's vendored llama.cpp), abridged.
+        let llama = br#"{"default_generation_settings":{"params":{"n_predict":-1,"temperature":0.8},"n_ctx":8192},
+            "total_slots":4,"model_alias":"SmolLM2","model_path":"/m.gguf","modalities":{"vision":false},
+            "build_info":"b1-unknown","is_sleeping":false}"#;
+        assert_eq!(parse_props(llama), Some(ServerProps { slots: Some(4), context_tokens: Some(8192) }));
+        assert_eq!(parse_props(br#"{"detail":"Not Found"}"#), None);
+        assert_eq!(parse_props(b"<html>404</html>"), None);
+        assert_eq!(parse_props(br#"{"total_slots":0}"#), None);
+    }
+
+    #[tokio::test]
+    async fn calls_are_admitted_while_they_fit_together() {
+        let ctx = Arc::new(SharedContext::default());
+        // Unknown size: everything is admitted.
+        let a = ctx.admit(100_000).await;
+        drop(a);
+        ctx.set_tokens(8192);
+        let first = ctx.admit(3000).await;
+        let second = ctx.admit(3000).await;
+        let waiter = {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                let _third = ctx.admit(3000).await;
+            })
+        };
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "9000 tokens do not fit in 8192");
+        drop(first);
+        waiter.await.unwrap();
+        drop(second);
+        // A call larger than the whole context goes alone.
+        let big = ctx.admit(20_000).await;
+        drop(big);
+    }
+}
