@@ -13,6 +13,7 @@ pub mod config;
 pub mod format;
 pub mod limit;
 pub mod meter;
+pub mod remember;
 
 use std::sync::Arc;
 use std::time::Duration;

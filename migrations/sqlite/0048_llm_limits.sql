@@ -1,0 +1,10 @@
+-- The concurrency limit each LLM backend earned (by base URL and model), so
+-- that a new process starts from it instead of from 2 (see docs/local-models.md,
+-- Concurrency). Additive: a new table the previous release ignores.
+CREATE TABLE llm_limits (
+    base_url     TEXT NOT NULL,
+    model        TEXT NOT NULL,
+    concurrency  INTEGER NOT NULL CHECK (concurrency > 0),
+    updated_at   INTEGER NOT NULL,
+    PRIMARY KEY (base_url, model)
+);
