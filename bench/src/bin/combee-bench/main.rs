@@ -25,9 +25,12 @@ mod burst;
 mod client;
 mod database;
 mod figures;
+mod floor;
+mod ingest;
 mod load;
 mod processes;
 mod report;
+mod watch;
 
 use std::{net::SocketAddr, path::PathBuf};
 
@@ -101,16 +104,18 @@ struct HttpArgs {
     /// The server's `database.max_connections` (unset: the server's default).
     #[arg(long)]
     db_connections: Option<u32>,
-    /// Offered load of the paced single-trace figure, in req/s (0 skips it).
-    #[arg(long, default_value_t = 5000.0)]
-    paced_rate: f64,
+    /// Offered load of the paced single-trace figure, in req/s (0 skips it) [default: half the
+    /// single-trace capacity the closed-loop figure measured just before, or 5,000 without it].
+    #[arg(long)]
+    paced_rate: Option<f64>,
     /// Tokio worker threads for the load generator.
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
     /// The `combee` binary [default: next to this one].
     #[arg(long)]
     server_bin: Option<PathBuf>,
-    /// Only these figures (comma-separated: post, paced, batch, get, bare, memory) [default: all].
+    /// Only these figures (comma-separated: post, paced, batch, floor, get, bare, memory) [default: all];
+    /// `floor` (the store alone with the same rows) is measured in slices alternating with `batch`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Distinct subjects the GET-with-a-subject figures rotate through.
