@@ -18,9 +18,11 @@
 //!
 //!     scripts/bench-learn            # builds --release, writes bench/results/learn.* and growth.md
 //!     scripts/bench-learn --growth-only   # only the growing-playbook section (growth.rs)
+//!     scripts/bench-learn --first-rounds-only   # only a process's first large round (first.rs)
 
 mod bill;
 mod figure;
+mod first;
 mod growth;
 mod level2;
 mod overload_meter;
@@ -129,6 +131,10 @@ struct Args {
     /// Only run the growing-playbook section, written to growth.md.
     #[arg(long)]
     growth_only: bool,
+    /// Only time a process's first large round (backend never seen, warm, and a new process on a
+    /// backend seen before) against sequential, for each capacity model; printed, no files written.
+    #[arg(long)]
+    first_rounds_only: bool,
     /// Where learn.md, learn.csv, growth.md and the SVGs go.
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -156,6 +162,10 @@ async fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.level2_n >= 4, "--level2-n must be at least 4");
     if args.growth_only {
         return growth(&args).await;
+    }
+    if args.first_rounds_only {
+        print!("{}", first::first_rounds_section(&args).await?);
+        return Ok(());
     }
     eprintln!("  level 2 under the soft capacity model …");
     let (level2, _) = level2_section(&args).await?;
