@@ -34,6 +34,8 @@ pub(crate) struct Phase {
     pub(crate) groups: Option<WriteGroups>,
     /// Second by second, with what the server and the store did (a paced figure; see `watch.rs`).
     pub(crate) per_second: Option<String>,
+    /// Bytes of WAL Postgres wrote over the measured window (POSTs on Postgres).
+    pub(crate) wal_bytes: Option<u64>,
 }
 
 /// What the server's `/metrics` says of its trace-write groups, summed since it started.
@@ -166,6 +168,7 @@ async fn get_phases(
                 bare: None,
                 groups: None,
                 per_second: None,
+                wal_bytes: None,
             })
         });
         out.push(Phase {
@@ -177,6 +180,7 @@ async fn get_phases(
             bare: bare_phase,
             groups: None,
             per_second: None,
+            wal_bytes: None,
         });
     }
     Ok(out)

@@ -17,7 +17,7 @@ use crate::floor::{Floor, Table, Way, Written, figures};
 use crate::load::{LoadResult, Pace, load};
 use crate::processes::{CpuUse, CpuWindow, MemoryWatch, clock_ticks_per_sec};
 use crate::report::thousands;
-use crate::watch::{Watch, per_second};
+use crate::watch::{Watch, per_second, wal_position};
 use crate::{HttpArgs, StoreKind};
 
 /// Slices the batched figure and each floor figure are measured in, alternately.
@@ -33,6 +33,8 @@ pub(crate) struct FloorFigure {
     pub(crate) table: Table,
     pub(crate) written: Written,
     pub(crate) cpu: CpuUse,
+    /// Bytes of WAL written (Postgres).
+    pub(crate) wal_bytes: Option<u64>,
 }
 
 /// The floor's figures and how they were written.
@@ -133,19 +135,25 @@ pub(crate) async fn ingest_phases(
         memory.take_phase_peak();
         let slice = duration / FLOOR_SLICES;
         let (mut result, mut used) = (LoadResult::default(), CpuWindow::default());
-        let mut written = vec![(Written::default(), CpuWindow::default()); kinds.len()];
+        let mut written = vec![(Written::default(), CpuWindow::default(), 0u64); kinds.len()];
+        let mut wal = 0u64;
+        let url = target.postgres_url;
         let mut group_time = WriteGroups::default();
         for _ in 0..FLOOR_SLICES {
             let window = CpuWindow::start(target.pid);
             let before = WriteGroups::read(addr, key).await?;
+            let wal_before = wal_position(url).await;
             result.absorb(load(addr, request.clone(), 201, args.connections, slice, Pace::Flat).await?);
             used.add(window.ticks(target.pid));
+            wal += wal_since(wal_before, url).await;
             group_time = add(group_time, WriteGroups::read(addr, key).await?.since(before));
             for (i, &(way, table)) in kinds.iter().enumerate() {
                 let window = CpuWindow::start(target.pid);
+                let wal_before = wal_position(url).await;
                 let w = floor.run(way, table, slice).await?;
                 written[i].0.absorb(w);
                 written[i].1.add(window.ticks(target.pid));
+                written[i].2 += wal_since(wal_before, url).await;
             }
         }
         let floor_rows = floor.commit_rows();
@@ -160,15 +168,17 @@ pub(crate) async fn ingest_phases(
             bare: None,
             groups: Some(group_time),
             per_second: None,
+            wal_bytes: url.map(|_| wal),
         });
         let figures = kinds
             .iter()
             .zip(written)
-            .map(|(&(way, table), (written, ticks))| FloorFigure {
+            .map(|(&(way, table), (written, ticks, wal))| FloorFigure {
                 way,
                 table,
                 written,
                 cpu: CpuUse::of(&ticks, written.elapsed, tck),
+                wal_bytes: url.map(|_| wal),
             })
             .collect();
         out.floor = Some(FloorFigures { figures, connections, commit_rows: floor_rows });
@@ -206,9 +216,14 @@ async fn measure(
     memory.take_phase_peak();
     let groups_before = WriteGroups::read(addr, key).await?;
     let watch = if watched { Some(Watch::start(target.postgres_url, addr, key, Instant::now()).await) } else { None };
+    let wal_before = wal_position(target.postgres_url).await;
     let cpu = CpuWindow::start(target.pid);
     let result = load(addr, request, 201, args.connections, Duration::from_secs(args.duration), pace).await?;
     let cpu = cpu.finish(target.pid, result.elapsed, clock_ticks_per_sec());
+    let wal_bytes = match wal_before {
+        Some(_) => Some(wal_since(wal_before, target.postgres_url).await),
+        None => None,
+    };
     let per_second = match watch {
         Some(w) => Some(per_second(&result, &w.stop().await, args.store == StoreKind::Postgres)),
         None => None,
@@ -223,5 +238,14 @@ async fn measure(
         bare: None,
         groups: Some(groups),
         per_second,
+        wal_bytes,
     })
+}
+
+/// WAL written since `before` (0 where there is no Postgres to ask).
+async fn wal_since(before: Option<u64>, postgres: Option<&str>) -> u64 {
+    match (before, wal_position(postgres).await) {
+        (Some(b), Some(a)) => a.saturating_sub(b),
+        _ => 0,
+    }
 }

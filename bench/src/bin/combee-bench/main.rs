@@ -127,6 +127,10 @@ struct HttpArgs {
     memory_prompts: usize,
     #[arg(long, default_value_t = 100_000)]
     memory_subjects: usize,
+    /// Keep the Postgres bench database afterwards (its name is printed), to look into it (e.g. which
+    /// relations the WAL went to, with pg_waldump) [default: dropped].
+    #[arg(long)]
+    keep_database: bool,
     /// Also measure GET on the embedded SQLite store (a second server) when the store is Postgres.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     sqlite_get: bool,
@@ -204,7 +208,11 @@ async fn run_http(args: HttpArgs) -> anyhow::Result<()> {
     };
     let outcome = measure(&args, &server_bin, &scratch.0, &db_url, database.as_ref()).await;
     if let Some(db) = database {
-        db.drop_database().await;
+        if args.keep_database {
+            eprintln!("combee-bench: kept the bench database {}", db.url);
+        } else {
+            db.drop_database().await;
+        }
     }
     let report = outcome?;
     print!("{report}");

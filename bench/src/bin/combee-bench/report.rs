@@ -217,15 +217,15 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
     );
     let _ = writeln!(
         o,
-        "| figure | requests | errors | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU | server CPU µs/req | client CPU | machine busy | server peak RSS |"
+        "| figure | requests | errors | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU | server CPU µs/req | client CPU | Postgres CPU µs/req | WAL bytes/req | machine busy | server peak RSS |"
     );
-    let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let rows = phases.iter().flat_map(|p| std::iter::once(p).chain(p.bare.as_deref()));
     for p in rows.clone() {
         let r = &p.result;
         let _ = writeln!(
             o,
-            "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} % | {:.0} | {:.0} % | {:.0} % | {:.1} MB |",
+            "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} % | {:.0} | {:.0} % | {} | {} | {:.0} % | {:.1} MB |",
             p.name,
             r.ok,
             r.errors,
@@ -237,6 +237,12 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
             p.cpu.server_pct,
             p.cpu.server_pct / 100.0 * 1e6 / r.per_sec(),
             p.cpu.client_pct,
+            if p.cpu.store_pct > 0.0 {
+                format!("{:.0}", p.cpu.store_pct / 100.0 * 1e6 / r.per_sec())
+            } else {
+                "—".to_owned()
+            },
+            p.wal_bytes.map_or("—".to_owned(), |b| format!("{:.0}", b as f64 / r.ok.max(1) as f64)),
             p.cpu.machine_busy_pct,
             p.peak_rss_kb as f64 / 1024.0,
         );
@@ -332,7 +338,7 @@ fn floor_section(store: &str, floor: &FloorFigures, batched: &Phase) -> String {
     } else {
         format!(
             "one connection with combee's pragmas (WAL, `synchronous = FULL`, foreign keys on), multi-row inserts of \
-             {} rows (combee's one writer committed about that many a group in the figure's warm-up)",
+             the batch's size (combee's one writer committed about {} rows a group in the figure's warm-up)",
             floor.commit_rows
         )
     };
@@ -347,25 +353,27 @@ fn floor_section(store: &str, floor: &FloorFigures, batched: &Phase) -> String {
     );
     let _ = writeln!(
         o,
-        "| figure | rows/s | combee's batched rate as a share of it | store CPU µs/row | server CPU µs/row | client CPU µs/row | machine busy |"
+        "| figure | rows/s | combee's batched rate as a share of it | store CPU µs/row | server CPU µs/row | client CPU µs/row | WAL bytes/row | machine busy |"
     );
-    let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let wal = |bytes: Option<u64>, rows: f64| bytes.map_or("—".to_owned(), |b| format!("{:.0}", b as f64 / rows.max(1.0)));
     let per_row = |pct: f64, rate: f64| pct / 100.0 * 1e6 / rate.max(1e-9);
     let c = &batched.cpu;
     let _ = writeln!(
         o,
-        "| combee: batched POST /v1/traces | {} | 1.00 | {:.1} | {:.1} | {:.1} | {:.0} % |",
+        "| combee: batched POST /v1/traces | {} | 1.00 | {:.1} | {:.1} | {:.1} | {} | {:.0} % |",
         thousands(tps),
         per_row(c.store_pct, tps),
         per_row(c.server_pct, tps),
         per_row(c.client_pct, tps),
+        wal(batched.wal_bytes, tps * batched.result.elapsed.as_secs_f64()),
         c.machine_busy_pct
     );
     for g in &floor.figures {
         let rate = g.written.per_sec();
         let _ = writeln!(
             o,
-            "| {}, {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {:.0} % |",
+            "| {}, {} | {} | {:.2} | {:.1} | {:.1} | {:.1} | {} | {:.0} % |",
             g.way.label(),
             g.table.label(),
             thousands(rate),
@@ -373,6 +381,7 @@ fn floor_section(store: &str, floor: &FloorFigures, batched: &Phase) -> String {
             per_row(g.cpu.store_pct, rate),
             per_row(g.cpu.server_pct, rate),
             per_row(g.cpu.client_pct, rate),
+            wal(g.wal_bytes, g.written.rows as f64),
             g.cpu.machine_busy_pct
         );
     }

@@ -88,6 +88,17 @@ impl Watch {
     }
 }
 
+/// Where Postgres's WAL is now, in bytes from its start (`None`: not Postgres, or unreachable).
+pub(crate) async fn wal_position(postgres: Option<&str>) -> Option<u64> {
+    let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(postgres?).await.ok()?;
+    let at: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(&mut conn)
+        .await
+        .ok()?;
+    let _ = sqlx::Connection::close(conn).await;
+    u64::try_from(at).ok()
+}
+
 async fn look(pool: &PgPool) -> Option<Look> {
     let rows = sqlx::query(
         "SELECT backend_type, state, wait_event_type, wait_event, query FROM pg_stat_activity
