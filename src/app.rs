@@ -138,8 +138,14 @@ impl Application {
                 let llm = settings.llm.clone().with_env_fallbacks();
                 // Every attempt of every call this process makes counts against the learning budget.
                 let meter = crate::service::budget::StoreMeter::new(&state);
-                let backend: Arc<dyn LlmBackend> =
-                    Arc::new(OpenAiClient::new(llm.clone()).context("invalid [llm] configuration")?.with_meter(meter));
+                // A backend seen before starts from the concurrency limit it earned then.
+                let limits = crate::service::llm_limits::StoreLimits::new(store.clone());
+                let backend: Arc<dyn LlmBackend> = Arc::new(
+                    OpenAiClient::new(llm.clone())
+                        .context("invalid [llm] configuration")?
+                        .with_meter(meter)
+                        .with_limit_memory(limits),
+                );
                 Some(
                     Worker::new(state.clone(), backend, llm, settings.worker.clone(), settings.controller.clone())
                         .with_population(settings.population.policy()),

@@ -17,6 +17,7 @@ use super::format::{self, ContextWindow, FormatLadder};
 use super::limit::{AdaptiveLimit, Sample};
 use super::meter::{Spend, SpendMeter};
 use super::slots::{self, SharedContext};
+use super::remember::{LimitMemory, Remembered};
 use super::{
     AnswerRead, ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, OutputFormat,
     REFUSED_ANSWER_CHARS, TimeoutKind, Usage,
@@ -38,6 +39,8 @@ pub struct OpenAiClient {
     inner: Arc<Inner>,
     /// Reserves each attempt's estimated cost and settles what it used; none, nothing is capped.
     meter: Option<Arc<dyn SpendMeter>>,
+    /// Where the concurrency limit is recalled from and kept; none, it starts new each time.
+    remembered: Option<Arc<Remembered>>,
 }
 
 struct Inner {
@@ -85,13 +88,29 @@ impl OpenAiClient {
             props: tokio::sync::OnceCell::new(),
             shared: SharedContext::default(),
         };
-        Ok(Self { inner: Arc::new(inner), meter: None })
+        Ok(Self { inner: Arc::new(inner), meter: None, remembered: None })
     }
 
     /// The same client, every attempt of every call counted by `meter` (and refused where it says so).
     pub fn with_meter(mut self, meter: Arc<dyn SpendMeter>) -> Self {
         self.meter = Some(meter);
         self
+    }
+
+    /// The same client, its concurrency limit resumed from what `memory` kept
+    /// for this backend before its first call, and kept there as it learns
+    /// (see [`super::remember`]). Call inside a tokio runtime.
+    pub fn with_limit_memory(mut self, memory: Arc<dyn LimitMemory>) -> Self {
+        self.remembered = Some(Remembered::new(memory, &self.inner.cfg));
+        self
+    }
+
+    /// Keeps what the concurrency limit learned now (it is otherwise kept
+    /// within a second of changing).
+    pub async fn keep_limit_now(&self) {
+        if let Some(r) = &self.remembered {
+            r.keep_now(&self.inner.limit).await;
+        }
     }
 
     pub fn config(&self) -> &LlmConfig {
@@ -297,6 +316,9 @@ impl From<WireUsage> for Usage {
 impl LlmBackend for OpenAiClient {
     async fn chat(&self, req: ChatRequest) -> Result<ChatResponse, LlmError> {
         let inner = &self.inner;
+        if let Some(r) = &self.remembered {
+            r.recall_into(&inner.limit).await;
+        }
         let started = Instant::now();
         self.read_props().await;
         let estimate = estimate_tokens(req.chars());
@@ -347,6 +369,9 @@ impl LlmBackend for OpenAiClient {
                 let sent = Instant::now();
                 let outcome = self.attempt(&wire, timeout).await;
                 inner.limit.record(&slot, sample_of(req.role, &outcome, sent.elapsed(), estimate));
+                if let Some(r) = &self.remembered {
+                    r.note(&inner.limit);
+                }
                 // Settle the estimate with what the call really used; failed attempts refund it.
                 let used = match &outcome {
                     Ok((_, _, usage)) => usage.map_or(estimate, |u| u.total()),

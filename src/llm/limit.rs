@@ -32,6 +32,13 @@
 //! `llm.max_concurrency` stays the ceiling. Waiting here for a slot is not part
 //! of any attempt's time limit. The same baselines give each attempt a time
 //! limit that fits what it asks for ([`AdaptiveLimit::attempt_timeout`]).
+//!
+//! A backend seen before starts from the limit it earned then
+//! ([`AdaptiveLimit::resume`], kept in the store by `super::remember`) instead
+//! of 2, on probation: until a limit's worth of calls came back unqueued, a
+//! call that waited far beyond its baseline shows the backend is smaller than
+//! it was, and the limit falls at once to what the backend was seen to serve
+//! (see [`Resumed`]), not by the slow steps of a settled limit.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -85,6 +92,49 @@ struct State {
     in_flight: usize,
     /// The best latency per work unit seen (ms) per role and band of prompt and completion tokens.
     baseline: HashMap<(usize, i32, i32), f64>,
+    /// A limit resumed from an earlier process, not yet confirmed by this one.
+    resumed: Option<Resumed>,
+}
+
+/// A resumed limit's probation. A call far beyond its baseline (more than
+/// [`NEW_SIZE_QUEUED_ABOVE`] times: it waited behind two or more calls'
+/// worth of work) ends it with the limit cut to the most calls the backend
+/// was seen to serve at once: the calls that came back unqueued, or the
+/// unqueued time of every answer since the first call was sent over the time
+/// since (Little's law: a one-slot server's answers come one service time
+/// apart, so that share is one). A limit's worth of unqueued calls confirms it.
+#[derive(Debug, Clone)]
+struct Resumed {
+    /// When the first call under the resumed limit was sent.
+    since: Option<std::time::Instant>,
+    /// The answers' latencies as their baselines say they would be unqueued, summed (ms).
+    served_ms: f64,
+    /// Answers within [`SHRINK_ABOVE`] of their baseline.
+    unqueued: usize,
+}
+
+/// A resumed limit's probation learns from one answer, `ratio` times its
+/// baseline: true when it settled the limit (see [`Resumed`]).
+fn probation(s: &mut State, latency: Duration, ratio: f64, now: std::time::Instant) -> bool {
+    let Some(r) = s.resumed.as_mut() else { return false };
+    r.served_ms += latency.as_secs_f64() * 1000.0 / ratio.max(1.0);
+    if ratio <= SHRINK_ABOVE {
+        r.unqueued += 1;
+        if r.unqueued as f64 >= s.limit {
+            s.resumed = None;
+        }
+        return false;
+    }
+    if ratio <= NEW_SIZE_QUEUED_ABOVE {
+        return false;
+    }
+    let elapsed_ms = r.since.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64() * 1000.0);
+    let served_at_once = if elapsed_ms > 0.0 { r.served_ms / elapsed_ms } else { 1.0 };
+    let seen = (r.unqueued as f64).max(served_at_once.round()).max(1.0);
+    s.limit = s.limit.min(seen);
+    s.slow_start = false;
+    s.resumed = None;
+    true
 }
 
 /// The band a token count falls in.
@@ -148,8 +198,26 @@ impl AdaptiveLimit {
                 slow_start: true,
                 in_flight: 0,
                 baseline: HashMap::new(),
+                resumed: None,
             }),
             freed: Notify::new(),
+        }
+    }
+
+    /// Starts from `remembered`, the limit this backend earned in an earlier
+    /// process (within the ceiling, never below where a new backend starts),
+    /// on probation; a limit that already learned from calls is left alone.
+    pub fn resume(&self, remembered: u32) {
+        let Ok(mut s) = self.state.lock() else { return };
+        if !s.baseline.is_empty() || s.in_flight > 0 {
+            return;
+        }
+        let start = INITIAL_LIMIT.min(self.ceiling as f64);
+        // Within the ceiling and within what the server said it holds (its slots, a full context).
+        let limit = f64::from(remembered).clamp(start, (self.ceiling as f64).min(s.cap).max(start));
+        if limit > s.limit {
+            s.limit = limit;
+            s.resumed = Some(Resumed { since: None, served_ms: 0.0, unqueued: 0 });
         }
     }
 
@@ -168,6 +236,9 @@ impl AdaptiveLimit {
                 let limit = s.limit.floor().max(1.0) as usize;
                 if s.in_flight < limit {
                     s.in_flight += 1;
+                    if let Some(r) = s.resumed.as_mut() {
+                        r.since.get_or_insert_with(std::time::Instant::now);
+                    }
                     let slot = Slot {
                         owner: self,
                         limit_at_send: limit as u32,
@@ -188,11 +259,17 @@ impl AdaptiveLimit {
 
     /// Learns from one attempt made in `slot`.
     pub fn record(&self, slot: &Slot<'_>, sample: Sample) {
+        self.record_at(slot, sample, std::time::Instant::now());
+    }
+
+    /// [`AdaptiveLimit::record`], the attempt having ended at `now`.
+    fn record_at(&self, slot: &Slot<'_>, sample: Sample, now: std::time::Instant) {
         let Ok(mut s) = self.state.lock() else { return };
         let before = s.limit;
         match sample {
             Sample::Overloaded => {
                 s.slow_start = false;
+                s.resumed = None;
                 s.limit = (s.limit / 2.0).max(1.0);
             }
             Sample::Neutral => {}
@@ -222,11 +299,18 @@ impl AdaptiveLimit {
                             // Unqueued as far as can be told, or the first call of its role: its size's baseline.
                             _ => {
                                 s.baseline.insert(key, rate);
+                                if let Some(r) = s.resumed.as_mut() {
+                                    r.served_ms += latency.as_secs_f64() * 1000.0;
+                                    r.unqueued += 1;
+                                }
                                 return;
                             }
                         }
                     }
                 };
+                if s.resumed.is_some() && probation(&mut s, latency, ratio, now) {
+                    return;
+                }
                 // Grow only when the limit was in use: an idle limit proves nothing.
                 let in_use = slot.in_flight_at_send as f64 >= (s.limit / 2.0).floor().max(1.0);
                 if ratio > SHRINK_ABOVE {
@@ -254,6 +338,14 @@ impl AdaptiveLimit {
             s.cap_changes += 1;
             s.limit = s.limit.min(cap);
         }
+    }
+
+    /// The limit a new process may start from: this one's, once it has
+    /// learned from calls; `None` before (a resumed limit still on probation
+    /// is what was remembered, not what was learned).
+    pub fn earned(&self) -> Option<u32> {
+        let s = self.state.lock().ok()?;
+        (!s.baseline.is_empty() && s.resumed.is_none()).then(|| s.limit.floor().max(1.0) as u32)
     }
 
     /// The time limit of one attempt of `role` with about `prompt_tokens` in and
@@ -433,6 +525,68 @@ mod tests {
             limit.record(&slot, Sample::Overloaded);
         }
         assert_eq!(limit.limit(), 1);
+    }
+
+    /// A limit resumed at `remembered` sends a full wave at once to a backend
+    /// of `slots` slots whose calls take 400 ms each; the answers come back in
+    /// the order sent, each wave of `slots` 400 ms after the one before (time
+    /// is the test's own). The limit after each answer.
+    async fn resumed_wave(remembered: u32, slots: usize) -> Vec<u32> {
+        let limit = AdaptiveLimit::new(64);
+        limit.resume(remembered);
+        let mut held = Vec::new();
+        for _ in 0..limit.limit() {
+            held.push(limit.acquire().await);
+        }
+        let start = std::time::Instant::now();
+        let mut seen = Vec::new();
+        for (i, slot) in held.iter().enumerate() {
+            let ms = 400 * (i / slots + 1) as u64;
+            limit.record_at(slot, answered(ms), start + Duration::from_millis(ms));
+            seen.push(limit.limit());
+        }
+        seen
+    }
+
+    #[tokio::test]
+    async fn a_resumed_limit_falls_at_once_to_a_one_slot_server() {
+        // The backend served 64 at once in an earlier process; now it has one slot.
+        let seen = resumed_wave(64, 1).await;
+        assert_eq!(seen[0], 64, "{seen:?}");
+        assert_eq!(seen[3], 1, "the fourth answer, four service times late, cuts it: {seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_resumed_limit_falls_to_about_what_a_smaller_backend_serves() {
+        // Eight slots: the fourth wave's first answer, four service times late, cuts it.
+        let seen = resumed_wave(64, 8).await;
+        assert!(seen[23] > 32, "{seen:?}");
+        assert_eq!(seen[24], 8, "{seen:?}");
+    }
+
+    #[tokio::test]
+    async fn a_resumed_limit_holds_on_a_backend_as_large_as_it_was() {
+        let limit = AdaptiveLimit::new(64);
+        limit.resume(48);
+        assert_eq!(limit.earned(), None, "nothing learned yet");
+        let seen = settle(&limit, 1000, 400, 3).await;
+        assert!(seen.iter().all(|&l| l >= 48), "{seen:?}");
+        assert!(limit.earned().is_some_and(|l| l >= 48), "a limit's worth of unqueued calls confirms it");
+    }
+
+    #[tokio::test]
+    async fn a_limit_that_learned_is_not_resumed_and_a_remembered_one_stays_within_bounds() {
+        let limit = AdaptiveLimit::new(64);
+        settle(&limit, 1, 400, 5).await;
+        let learned = limit.limit();
+        limit.resume(64);
+        assert_eq!(limit.limit(), learned, "what this process learned wins");
+        let fresh = AdaptiveLimit::new(16);
+        fresh.resume(1000);
+        assert_eq!(fresh.limit(), 16, "within the ceiling");
+        let low = AdaptiveLimit::new(16);
+        low.resume(1);
+        assert_eq!(low.limit(), 2, "never below where a new backend starts");
     }
 
     #[tokio::test]

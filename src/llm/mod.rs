@@ -14,6 +14,7 @@ pub mod format;
 pub mod limit;
 pub mod meter;
 pub mod slots;
+pub mod remember;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -15,6 +15,7 @@ pub mod gate;
 pub mod keys;
 pub mod labels;
 pub mod langfuse;
+pub mod llm_limits;
 pub mod outcomes;
 pub mod pagination;
 pub mod people;

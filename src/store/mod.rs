@@ -16,6 +16,7 @@ mod export;
 mod group_commit;
 mod keys;
 mod labels;
+mod llm_limits;
 mod migrate;
 mod otlp;
 mod people;
@@ -47,6 +48,7 @@ pub use evaluators::{Calibrating, EvaluatorStore, JudgedFeedback, JudgedTrace, U
 pub use export::{ExportQuery, ExportStore};
 pub use keys::{KeyStore, scopes_from_string, scopes_to_string};
 pub use labels::{LabelMoveQuery, LabelStore};
+pub use llm_limits::LlmLimitStore;
 pub use otlp::OtlpStore;
 pub use people::PeopleStore;
 pub use projects::ProjectStore;
@@ -169,6 +171,7 @@ pub trait Store:
     + Rollups
     + Retention
     + BudgetStore
+    + LlmLimitStore
     + Send
     + Sync
     + 'static

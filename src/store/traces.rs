@@ -164,7 +164,10 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         // Only the filters given are in the text, each in the form an index
         // serves (`t.status = …` for `traces_by_prompt_status`, the partial
         // index's own condition for quarantined ones), so a page costs about
-        // its rows, not a walk through every trace kept.
+        // its rows, not a walk through every trace kept. A settled status is
+        // written out with `traces_by_status`'s own condition, so that partial
+        // index (consumed and failed traces only) serves a list across prompts
+        // on both stores; pending traces, the newest, come from the primary key.
         let mut conditions: Vec<String> = Vec::new();
         let mut n = 0;
         let mut next = || {
@@ -181,7 +184,13 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         }
         match f.status {
             Some(TraceStatus::Quarantined) => conditions.push("t.quarantined_at IS NOT NULL".into()),
-            Some(_) => conditions.push(format!("t.status = {} AND t.quarantined_at IS NULL", next())),
+            Some(TraceStatus::Pending) => {
+                conditions.push(format!("t.status = {} AND t.quarantined_at IS NULL", next()))
+            }
+            Some(settled) => conditions.push(format!(
+                "t.status = '{}' AND t.status <> 'pending' AND t.quarantined_at IS NULL",
+                settled.as_str()
+            )),
             None => {}
         }
         if f.since.is_some() {
@@ -206,7 +215,7 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         if let Some(project) = &f.project {
             q = q.bind(project.as_str());
         }
-        if let Some(status) = f.status.filter(|s| *s != TraceStatus::Quarantined) {
+        if let Some(status) = f.status.filter(|s| *s == TraceStatus::Pending) {
             q = q.bind(status.as_str());
         }
         for at in [f.since, f.until].into_iter().flatten() {

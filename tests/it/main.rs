@@ -19,6 +19,7 @@ mod key_revocation;
 mod langfuse;
 mod learning;
 mod lifecycle;
+mod llm_limits;
 mod otlp;
 mod otlp_logs;
 mod poisoning;

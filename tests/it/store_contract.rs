@@ -1927,6 +1927,19 @@ async fn meter_counts_sum_rounds_once_per_prompt(b: Backend) {
     assert!(s.meter_counts(&name("other")).await.unwrap().is_empty(), "meters are per prompt");
 }
 
+/// What an LLM backend earned is kept per base URL and model; the last kept wins.
+async fn llm_limits_are_kept_per_backend_and_model(b: Backend) {
+    let ts = test_store(b).await;
+    let s = ts.store.clone();
+    assert_eq!(s.llm_limit("http://llm:8080/v1", "small").await.unwrap(), None, "never seen");
+    s.keep_llm_limit("http://llm:8080/v1", "small", 48).await.unwrap();
+    s.keep_llm_limit("http://llm:8080/v1", "large", 3).await.unwrap();
+    s.keep_llm_limit("http://llm:8080/v1", "small", 12).await.unwrap();
+    assert_eq!(s.llm_limit("http://llm:8080/v1", "small").await.unwrap(), Some(12));
+    assert_eq!(s.llm_limit("http://llm:8080/v1", "large").await.unwrap(), Some(3));
+    assert_eq!(s.llm_limit("http://other:8080/v1", "small").await.unwrap(), None);
+}
+
 /// Rewards per (version, task key) for comparing arms on matched work.
 async fn task_rewards_group_by_version_and_task_key(b: Backend) {
     let ts = test_store(b).await;
@@ -2213,6 +2226,7 @@ on_both_stores!(
     a_database_from_the_old_migrator_upgrades_in_place,
     a_database_migrated_by_a_newer_release_opens_and_serves,
     meter_counts_sum_rounds_once_per_prompt,
+    llm_limits_are_kept_per_backend_and_model,
     task_rewards_group_by_version_and_task_key,
     label_history_records_every_move_in_order,
     a_live_lease_makes_a_round_claimable_exactly_once,

@@ -15,6 +15,7 @@ fn style(family: Family) -> (Shape, &'static str, bool) {
         Family::CombeeTuned => (Shape::Diamond, "#1f77b4", false),
         Family::CombeeAuto => (Shape::Star, "#2ca02c", true),
         Family::CombeeAutoWarm => (Shape::Star, "#98df8a", true),
+        Family::CombeeAutoResumed => (Shape::Star, "#17becf", true),
         Family::CombeeAutoTuned => (Shape::Star, "#2ca02c", false),
     }
 }
@@ -55,6 +56,7 @@ impl Report<'_> {
             Family::CombeeTuned,
             Family::CombeeAuto,
             Family::CombeeAutoWarm,
+            Family::CombeeAutoResumed,
         ];
         let entries: Vec<(Option<Shape>, &str, bool, String)> = families
             .iter()

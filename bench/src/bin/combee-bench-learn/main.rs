@@ -18,11 +18,14 @@
 //!
 //!     scripts/bench-learn            # builds --release, writes bench/results/learn.* and growth.md
 //!     scripts/bench-learn --growth-only   # only the growing-playbook section (growth.rs)
+//!     scripts/bench-learn --first-rounds-only   # only a process's first large round (first.rs)
 
 mod bill;
 mod figure;
+mod first;
 mod growth;
 mod level2;
+mod llama;
 mod overload_meter;
 mod report;
 mod runs;
@@ -129,6 +132,23 @@ struct Args {
     /// Only run the growing-playbook section, written to growth.md.
     #[arg(long)]
     growth_only: bool,
+    /// Only time a process's first large round (backend never seen, warm, and a new process on a
+    /// backend seen before) against sequential, for each capacity model; printed, no files written.
+    #[arg(long)]
+    first_rounds_only: bool,
+    /// Only run one round on a REAL MODEL's llama.cpp server at this URL (…/v1), by a client whose
+    /// store remembers the backend at `--llama-remembered` calls at once; printed, no files written.
+    #[arg(long)]
+    llama_url: Option<String>,
+    /// The model name the llama.cpp server serves.
+    #[arg(long, default_value = "smollm2")]
+    llama_model: String,
+    /// Traces in the real-model round.
+    #[arg(long, default_value_t = 8)]
+    llama_traces: usize,
+    /// The concurrency limit the store remembers for the llama.cpp server before the round.
+    #[arg(long, default_value_t = 64)]
+    llama_remembered: u32,
     /// Where learn.md, learn.csv, growth.md and the SVGs go.
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -156,6 +176,14 @@ async fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.level2_n >= 4, "--level2-n must be at least 4");
     if args.growth_only {
         return growth(&args).await;
+    }
+    if let Some(url) = &args.llama_url {
+        print!("{}", llama::llama_round_section(&args, url).await?);
+        return Ok(());
+    }
+    if args.first_rounds_only {
+        print!("{}", first::first_rounds_section(&args).await?);
+        return Ok(());
     }
     eprintln!("  level 2 under the soft capacity model …");
     let (level2, _) = level2_section(&args).await?;

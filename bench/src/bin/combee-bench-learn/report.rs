@@ -164,7 +164,7 @@ impl Report<'_> {
         out.push('\n');
 
         // The controller's choices.
-        for family in [Family::CombeeAuto, Family::CombeeAutoWarm] {
+        for family in [Family::CombeeAuto, Family::CombeeAutoWarm, Family::CombeeAutoResumed] {
             let Some(row) = self.row(family) else { continue };
             let r = row.result();
             let _ = writeln!(out, "**{}** took {}; per round:\n", family.name(), sizes_text(r));
@@ -255,6 +255,21 @@ impl Report<'_> {
                 "- Combee-auto speed-up over sequential, the process's first large round (the client's limit still \
                  growing from where sequential's rounds left it): {:.1}× (shown, not judged)",
                 seq.result().total_secs / auto.result().total_secs
+            );
+        }
+        if let Some(resumed) = self.row(Family::CombeeAutoResumed) {
+            // A backend seen before: the first large round of a new process, its limit resumed from the store.
+            let speedup = seq.result().total_secs / resumed.result().total_secs;
+            let judged = !non_citing(self.sim);
+            let _ = writeln!(
+                out,
+                "- Combee-auto speed-up over sequential, a new process's first large round on a backend seen before \
+                 (its concurrency limit resumed from what the first process kept in the store): {speedup:.1}× {}",
+                if judged {
+                    format!("(≥ 50×): {}", pass(speedup >= 50.0))
+                } else {
+                    "(shown, not judged)".to_owned()
+                }
             );
         }
         let _ = writeln!(

@@ -42,6 +42,10 @@ pub(crate) enum Family {
     /// client's concurrency limit is where the first large round left it, as in
     /// a service that has been running (the first pays the limit's ramp).
     CombeeAutoWarm,
+    /// Combee-auto through a new client (a new process's) whose concurrency
+    /// limit resumed from what the first client kept in the store: a backend
+    /// seen before, the new process's first large round.
+    CombeeAutoResumed,
     /// Combee-auto at p = 1: a tuned setting (one copy of each reflection, half the aggregator calls).
     CombeeAutoTuned,
 }
@@ -56,6 +60,7 @@ impl Family {
             Self::CombeeTuned => "combee p=1 (tuned)",
             Self::CombeeAuto => "combee-auto",
             Self::CombeeAutoWarm => "combee-auto, warm client",
+            Self::CombeeAutoResumed => "combee-auto, new process, backend seen before",
             Self::CombeeAutoTuned => "combee-auto p=1 (tuned)",
         }
     }

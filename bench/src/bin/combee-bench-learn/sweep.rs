@@ -10,7 +10,9 @@ use combee::{
     domain::{Method, VersionContent},
     learn::{capacity::batch_size::ControllerConfig, shuffle::grouping},
     llm::{LlmBackend, client::OpenAiClient, config::LlmConfig},
+    service::llm_limits::StoreLimits,
     simulation::llm::{self as sim, CapacityModel, SimConfig},
+    store,
 };
 
 use crate::Args;
@@ -59,20 +61,7 @@ pub(crate) async fn one_model(
         ..args.sim_config(model)
     };
     let local_sim = sim::LocalSim::start(sim_cfg.clone()).await?;
-    let llm = LlmConfig {
-        base_url: local_sim.base_url.clone(),
-        max_concurrency: args.concurrency.max(2 * args.n),
-        ..LlmConfig::default()
-    };
-    let (traces, _) = traces(args.n)?;
-    let env = Env {
-        http: Arc::new(OpenAiClient::new(llm.clone())?),
-        replay: Arc::new(Replay { sim: sim_cfg.clone() }),
-        llm,
-        sim: sim_cfg.clone(),
-        base: VersionContent { base: "You are a benchmark agent. Answer the task.".into(), playbook: None },
-        traces,
-    };
+    let (env, process) = bench_env(args, &sim_cfg, &local_sim.base_url).await?;
     // The product defaults: p = 2 (the prompt default) and `ControllerConfig::default()`.
     let p = 2;
     let auto_cfg = ControllerConfig::default();
@@ -91,6 +80,9 @@ pub(crate) async fn one_model(
     let run = |setup: Setup| run_setup(&env, &local_sim.base_url, args.model_only, &name, setup);
     for setup in setups {
         rows.push(run(setup).await?);
+    }
+    if !args.model_only {
+        rows.push(process.resumed_round(&env, &local_sim.base_url, &name).await?);
     }
     // Naive at the largest batch combee-auto took, too (a citing model's full sweep).
     let auto_largest = citing.then_some(()).and_then(|()| {
@@ -121,6 +113,56 @@ pub(crate) async fn one_model(
     let bench_secs = started.elapsed().as_secs_f64();
     let report = Report { args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, bench_secs, meter, second };
     Ok((report.markdown(), report.csv(), report.quality_delay_svg()))
+}
+
+/// The LLM client of a benchmark process, which keeps the concurrency limit it
+/// earns in a store of its own (SQLite, in a temp dir), as a worker process does.
+pub(crate) struct Process {
+    client: OpenAiClient,
+    limits: Arc<StoreLimits>,
+    _dir: tempfile::TempDir,
+}
+
+/// The simulated backend's benchmark environment for `sim_cfg` at `base_url`, and its process's client.
+pub(crate) async fn bench_env(args: &Args, sim_cfg: &SimConfig, base_url: &str) -> anyhow::Result<(Env, Process)> {
+    let llm = LlmConfig {
+        base_url: base_url.to_owned(),
+        max_concurrency: args.concurrency.max(2 * args.n),
+        ..LlmConfig::default()
+    };
+    let (traces, _) = traces(args.n)?;
+    let dir = tempfile::tempdir()?;
+    let url = format!("sqlite://{}", dir.path().join("limits.db").display());
+    let limits = StoreLimits::new(store::connect(&url, 2, std::time::Duration::from_secs(10)).await?);
+    let client = OpenAiClient::new(llm.clone())?.with_limit_memory(limits.clone());
+    let env = Env {
+        http: Arc::new(client.clone()),
+        replay: Arc::new(Replay { sim: sim_cfg.clone() }),
+        llm,
+        sim: sim_cfg.clone(),
+        base: VersionContent { base: "You are a benchmark agent. Answer the task.".into(), playbook: None },
+        traces,
+    };
+    Ok((env, Process { client, limits, _dir: dir }))
+}
+
+impl Process {
+    /// Combee-auto on the product defaults through a new process's client on
+    /// the same backend: its concurrency limit resumed from what this one kept.
+    pub(crate) async fn resumed_round(&self, env: &Env, base_url: &str, name: &str) -> anyhow::Result<Row> {
+        self.client.keep_limit_now().await;
+        let resumed = Env {
+            http: Arc::new(OpenAiClient::new(env.llm.clone())?.with_limit_memory(self.limits.clone())),
+            replay: env.replay.clone(),
+            llm: env.llm.clone(),
+            sim: env.sim.clone(),
+            base: env.base.clone(),
+            traces: env.traces.clone(),
+        };
+        let sizing = Sizing::Auto(ControllerConfig::default());
+        let setup = Setup { family: Family::CombeeAutoResumed, method: Method::Combee, p: 2, sizing };
+        run_setup(&resumed, base_url, false, name, setup).await
+    }
 }
 
 /// Why `controller.max_batch` is what it is, measured (modelled: the replay of

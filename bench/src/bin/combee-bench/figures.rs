@@ -15,9 +15,10 @@ use tokio::process::Command;
 use crate::bare::BARE_PATH;
 use crate::client::{answer_headers, encode_get_with_subject, encode_request, request_once};
 use crate::database::BenchDatabase;
+use crate::ingest::{Target, ingest_phases};
 use crate::load::{LoadResult, Pace, load, run_each_once};
 use crate::processes::{ChildGuard, CpuUse, CpuWindow, MemoryWatch, clock_ticks_per_sec, free_port, memory_kb};
-use crate::report::{Facts, render, thousands};
+use crate::report::{Facts, render};
 use crate::{HttpArgs, StoreKind};
 
 pub(crate) struct Phase {
@@ -31,6 +32,10 @@ pub(crate) struct Phase {
     pub(crate) bare: Option<Box<Phase>>,
     /// The trace writes' groups over the measured window (POSTs).
     pub(crate) groups: Option<WriteGroups>,
+    /// Second by second, with what the server and the store did (a paced figure; see `watch.rs`).
+    pub(crate) per_second: Option<String>,
+    /// Bytes of WAL Postgres wrote over the measured window (POSTs on Postgres).
+    pub(crate) wal_bytes: Option<u64>,
 }
 
 /// What the server's `/metrics` says of its trace-write groups, summed since it started.
@@ -47,7 +52,7 @@ pub(crate) struct WriteGroups {
 pub(crate) const PHASES: [&str; 5] = ["begin", "insert", "other", "rollups", "commit"];
 
 impl WriteGroups {
-    async fn read(addr: SocketAddr, key: &str) -> anyhow::Result<Self> {
+    pub(crate) async fn read(addr: SocketAddr, key: &str) -> anyhow::Result<Self> {
         let (status, body) = request_once(addr, &encode_request("GET", "/metrics", addr, key, None)).await?;
         anyhow::ensure!(status == 200, "GET /metrics answered {status}");
         let text = String::from_utf8_lossy(&body);
@@ -66,7 +71,7 @@ impl WriteGroups {
         })
     }
 
-    fn since(self, before: Self) -> Self {
+    pub(crate) fn since(self, before: Self) -> Self {
         let mut phases = self.phases;
         for (p, b) in phases.iter_mut().zip(before.phases) {
             *p -= b;
@@ -136,9 +141,8 @@ async fn get_phases(
             }
         }
         memory.take_phase_peak();
-        let (mut result, mut used) = (LoadResult::default(), CpuWindow { server: 0, client: 0, machine: (0, 0) });
-        let (mut bare_result, mut bare_used) =
-            (LoadResult::default(), CpuWindow { server: 0, client: 0, machine: (0, 0) });
+        let (mut result, mut used) = (LoadResult::default(), CpuWindow::default());
+        let (mut bare_result, mut bare_used) = (LoadResult::default(), CpuWindow::default());
         let slices = if theirs.is_some() { GET_SLICES } else { 1 };
         for _ in 0..slices {
             let window = CpuWindow::start(pid);
@@ -155,7 +159,17 @@ async fn get_phases(
             let cpu = CpuUse::of(&bare_used, bare_result.elapsed, tck);
             let peak_rss_kb = memory_kb(b.guard.pid).map_or(0, |m| m.1);
             let name = format!("bare axum GET, alternating with \"{name}\"");
-            Box::new(Phase { name, result: bare_result, cpu, items: 1, peak_rss_kb, bare: None, groups: None })
+            Box::new(Phase {
+                name,
+                result: bare_result,
+                cpu,
+                items: 1,
+                peak_rss_kb,
+                bare: None,
+                groups: None,
+                per_second: None,
+                wal_bytes: None,
+            })
         });
         out.push(Phase {
             name,
@@ -165,6 +179,8 @@ async fn get_phases(
             peak_rss_kb: memory.take_phase_peak(),
             bare: bare_phase,
             groups: None,
+            per_second: None,
+            wal_bytes: None,
         });
     }
     Ok(out)
@@ -212,7 +228,6 @@ pub(crate) async fn measure(
     db_url: &str,
     database: Option<&BenchDatabase>,
 ) -> anyhow::Result<String> {
-    let tck = clock_ticks_per_sec();
     let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let addr = free_port()?;
     let data_dir = scratch.join("data");
@@ -265,40 +280,15 @@ pub(crate) async fn measure(
     let bare_addr = free_port()?;
     // Response headers the bare server sends (combee's, Content-Type included), once known.
     let mut bare_headers = 0;
-    let duration = Duration::from_secs(args.duration);
-    let warmup = Duration::from_secs(args.warmup);
-    let mut phases = Vec::new();
-    let paced_name = format!("single-trace POST /v1/traces, paced at {} req/s", thousands(args.paced_rate));
-    let plan = [
-        ("post", "single-trace POST /v1/traces".to_owned(), single.clone(), 201, 1, Pace::Flat),
-        ("paced", paced_name, single, 201, 1, Pace::Rate(args.paced_rate)),
-        ("batch", "batched POST /v1/traces".to_owned(), batched, 201, args.batch as u64, Pace::Flat),
-    ];
-    for (id, name, request, expect, items, pace) in plan {
-        if !wanted(id) || (id == "paced" && args.paced_rate <= 0.0) {
-            continue;
-        }
-        eprintln!("combee-bench: {name}: {} s warm-up, {} s measured", args.warmup, args.duration);
-        let request = Arc::new(vec![request]);
-        if !warmup.is_zero() {
-            load(addr, request.clone(), expect, args.connections, warmup, pace).await?;
-        }
-        memory.take_phase_peak();
-        let groups_before = WriteGroups::read(addr, &key).await?;
-        let cpu = CpuWindow::start(server.pid);
-        let result = load(addr, request, expect, args.connections, duration, pace).await?;
-        let cpu = cpu.finish(server.pid, result.elapsed, tck);
-        let groups = WriteGroups::read(addr, &key).await?.since(groups_before);
-        phases.push(Phase {
-            name: name.to_owned(),
-            result,
-            cpu,
-            items,
-            peak_rss_kb: memory.take_phase_peak(),
-            bare: None,
-            groups: Some(groups),
-        });
-    }
+    let target = Target {
+        addr,
+        key: &key,
+        pid: server.pid,
+        postgres_url: database.map(|db| db.url.as_str()),
+        data_dir: &data_dir,
+    };
+    let ingest = ingest_phases(args, &target, &memory, single, batched, &wanted).await?;
+    let mut phases = ingest.phases;
 
     if wanted("get") {
         let bare = if wanted("bare") {
@@ -366,6 +356,8 @@ pub(crate) async fn measure(
         prompt_body_bytes: prompt_body.len(),
         bare_headers,
         memory_probe,
+        floor: ingest.floor,
+        paced: ingest.paced,
     };
     drop(memory);
     server.stop().await;

@@ -22,6 +22,10 @@ pub(crate) struct LoadResult {
     pub(crate) elapsed: Duration,
     /// Latencies of successful requests, in microseconds, sorted.
     pub(crate) latencies_us: Vec<u32>,
+    /// Every successful request as (when it was due, in ms from the window's
+    /// start; its latency in µs), in no particular order: where in the window
+    /// the slow ones were.
+    pub(crate) timeline: Vec<(u32, u32)>,
 }
 
 impl LoadResult {
@@ -35,6 +39,7 @@ impl LoadResult {
         self.elapsed += other.elapsed;
         self.latencies_us.extend(other.latencies_us);
         self.latencies_us.sort_unstable();
+        self.timeline.extend(other.timeline);
     }
 
     pub(crate) fn per_sec(&self) -> f64 {
@@ -106,7 +111,9 @@ pub(crate) async fn load(
                 match conn.roundtrip(request).await {
                     Ok(a) if a.status == expect => {
                         r.ok += 1;
-                        r.latencies_us.push(t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+                        let latency = t0.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
+                        r.latencies_us.push(latency);
+                        r.timeline.push((t0.duration_since(start).as_millis() as u32, latency));
                     }
                     Ok(a) => {
                         r.errors += 1;
@@ -136,6 +143,7 @@ pub(crate) async fn load(
             total.first_error = r.first_error;
         }
         total.latencies_us.extend(r.latencies_us);
+        total.timeline.extend(r.timeline);
     }
     // In-flight requests at the deadline are finished and counted, so the
     // window runs until the last of them.

@@ -25,9 +25,12 @@ mod burst;
 mod client;
 mod database;
 mod figures;
+mod floor;
+mod ingest;
 mod load;
 mod processes;
 mod report;
+mod watch;
 
 use std::{net::SocketAddr, path::PathBuf};
 
@@ -101,16 +104,18 @@ struct HttpArgs {
     /// The server's `database.max_connections` (unset: the server's default).
     #[arg(long)]
     db_connections: Option<u32>,
-    /// Offered load of the paced single-trace figure, in req/s (0 skips it).
-    #[arg(long, default_value_t = 5000.0)]
-    paced_rate: f64,
+    /// Offered load of the paced single-trace figure, in req/s (0 skips it) [default: half the
+    /// single-trace capacity the closed-loop figure measured just before, or 5,000 without it].
+    #[arg(long)]
+    paced_rate: Option<f64>,
     /// Tokio worker threads for the load generator.
     #[arg(long, default_value_t = 1)]
     client_threads: usize,
     /// The `combee` binary [default: next to this one].
     #[arg(long)]
     server_bin: Option<PathBuf>,
-    /// Only these figures (comma-separated: post, paced, batch, get, bare, memory) [default: all].
+    /// Only these figures (comma-separated: post, paced, batch, floor, get, bare, memory) [default: all];
+    /// `floor` (the store alone with the same rows) is measured in slices alternating with `batch`.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Distinct subjects the GET-with-a-subject figures rotate through.
@@ -122,6 +127,10 @@ struct HttpArgs {
     memory_prompts: usize,
     #[arg(long, default_value_t = 100_000)]
     memory_subjects: usize,
+    /// Keep the Postgres bench database afterwards (its name is printed), to look into it (e.g. which
+    /// relations the WAL went to, with pg_waldump) [default: dropped].
+    #[arg(long)]
+    keep_database: bool,
     /// Also measure GET on the embedded SQLite store (a second server) when the store is Postgres.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     sqlite_get: bool,
@@ -199,7 +208,11 @@ async fn run_http(args: HttpArgs) -> anyhow::Result<()> {
     };
     let outcome = measure(&args, &server_bin, &scratch.0, &db_url, database.as_ref()).await;
     if let Some(db) = database {
-        db.drop_database().await;
+        if args.keep_database {
+            eprintln!("combee-bench: kept the bench database {}", db.url);
+        } else {
+            db.drop_database().await;
+        }
     }
     let report = outcome?;
     print!("{report}");

@@ -150,6 +150,19 @@ fn process_ticks(pid: &str) -> u64 {
         + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
 }
 
+/// CPU time of every process named `postgres` (the server and its backends,
+/// checkpointer, WAL writer, autovacuum), in clock ticks; 0 where none runs here.
+/// A backend that exits within a window takes its ticks with it, so this
+/// undercounts short-lived ones; the bench's connections live for the run.
+pub(crate) fn postgres_ticks() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())).map(str::to_owned))
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres"))
+        .map(|pid| process_ticks(&pid))
+        .sum()
+}
+
 /// Whole-machine (busy, total) ticks from the first line of /proc/stat.
 fn machine_ticks() -> (u64, u64) {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
@@ -171,9 +184,12 @@ pub(crate) fn clock_ticks_per_sec() -> f64 {
 }
 
 /// CPU used during one measured window, as a share of one core (100 % = one core busy).
+#[derive(Clone, Default)]
 pub(crate) struct CpuWindow {
     pub(crate) server: u64,
     pub(crate) client: u64,
+    /// Every `postgres` process's ([`postgres_ticks`]).
+    pub(crate) store: u64,
     pub(crate) machine: (u64, u64),
 }
 
@@ -182,12 +198,18 @@ impl CpuWindow {
     pub(crate) fn add(&mut self, other: CpuWindow) {
         self.server += other.server;
         self.client += other.client;
+        self.store += other.store;
         self.machine.0 += other.machine.0;
         self.machine.1 += other.machine.1;
     }
 
     pub(crate) fn start(server_pid: u32) -> Self {
-        Self { server: process_ticks(&server_pid.to_string()), client: process_ticks("self"), machine: machine_ticks() }
+        Self {
+            server: process_ticks(&server_pid.to_string()),
+            client: process_ticks("self"),
+            store: postgres_ticks(),
+            machine: machine_ticks(),
+        }
     }
 
     /// The ticks used since [`CpuWindow::start`] (server, client, machine busy, machine total).
@@ -196,6 +218,7 @@ impl CpuWindow {
         CpuWindow {
             server: process_ticks(&server_pid.to_string()) - self.server,
             client: process_ticks("self") - self.client,
+            store: postgres_ticks().saturating_sub(self.store),
             machine: (busy - self.machine.0, total - self.machine.1),
         }
     }
@@ -212,6 +235,7 @@ impl CpuUse {
         CpuUse {
             server_pct: used.server as f64 / secs,
             client_pct: used.client as f64 / secs,
+            store_pct: used.store as f64 / secs,
             machine_busy_pct: 100.0 * used.machine.0 as f64 / used.machine.1.max(1) as f64,
         }
     }
@@ -220,5 +244,7 @@ impl CpuUse {
 pub(crate) struct CpuUse {
     pub(crate) server_pct: f64,
     pub(crate) client_pct: f64,
+    /// Postgres's processes (0 on SQLite, which runs inside the server).
+    pub(crate) store_pct: f64,
     pub(crate) machine_busy_pct: f64,
 }
