@@ -16,8 +16,8 @@ use super::config::LlmConfig;
 use super::format::{self, ContextWindow, FormatLadder};
 use super::limit::{AdaptiveLimit, Sample};
 use super::meter::{Spend, SpendMeter};
-use super::slots::{self, SharedContext};
 use super::remember::{LimitMemory, Remembered};
+use super::slots::{self, SharedContext};
 use super::{
     AnswerRead, ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, OutputFormat,
     REFUSED_ANSWER_CHARS, TimeoutKind, Usage,

@@ -212,9 +212,9 @@ impl AdaptiveLimit {
         if !s.baseline.is_empty() || s.in_flight > 0 {
             return;
         }
-        let start = INITIAL_LIMIT.min(self.ceiling as f64);
-        // Within the ceiling and within what the server said it holds (its slots, a full context).
-        let limit = f64::from(remembered).clamp(start, (self.ceiling as f64).min(s.cap).max(start));
+        // Within the cap: the ceiling, or less where the server said it holds less (its slots, a full context).
+        let start = INITIAL_LIMIT.min(s.cap);
+        let limit = f64::from(remembered).clamp(start, s.cap);
         if limit > s.limit {
             s.limit = limit;
             s.resumed = Some(Resumed { since: None, served_ms: 0.0, unqueued: 0 });

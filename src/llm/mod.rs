@@ -13,8 +13,8 @@ pub mod config;
 pub mod format;
 pub mod limit;
 pub mod meter;
-pub mod slots;
 pub mod remember;
+pub mod slots;
 
 use std::sync::Arc;
 use std::time::Duration;

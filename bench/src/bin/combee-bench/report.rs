@@ -219,7 +219,10 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
         o,
         "| figure | requests | errors | req/s | p50 ms | p90 ms | p99 ms | max ms | server CPU | server CPU µs/req | client CPU | Postgres CPU µs/req | WAL bytes/req | machine busy | server peak RSS |"
     );
-    let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(
+        o,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     let rows = phases.iter().flat_map(|p| std::iter::once(p).chain(p.bare.as_deref()));
     for p in rows.clone() {
         let r = &p.result;
@@ -356,7 +359,8 @@ fn floor_section(store: &str, floor: &FloorFigures, batched: &Phase) -> String {
         "| figure | rows/s | combee's batched rate as a share of it | store CPU µs/row | server CPU µs/row | client CPU µs/row | WAL bytes/row | machine busy |"
     );
     let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
-    let wal = |bytes: Option<u64>, rows: f64| bytes.map_or("—".to_owned(), |b| format!("{:.0}", b as f64 / rows.max(1.0)));
+    let wal =
+        |bytes: Option<u64>, rows: f64| bytes.map_or("—".to_owned(), |b| format!("{:.0}", b as f64 / rows.max(1.0)));
     let per_row = |pct: f64, rate: f64| pct / 100.0 * 1e6 / rate.max(1e-9);
     let c = &batched.cpu;
     let _ = writeln!(

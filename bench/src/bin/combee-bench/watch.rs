@@ -91,10 +91,8 @@ impl Watch {
 /// Where Postgres's WAL is now, in bytes from its start (`None`: not Postgres, or unreachable).
 pub(crate) async fn wal_position(postgres: Option<&str>) -> Option<u64> {
     let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(postgres?).await.ok()?;
-    let at: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
-        .fetch_one(&mut conn)
-        .await
-        .ok()?;
+    let at: i64 =
+        sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint").fetch_one(&mut conn).await.ok()?;
     let _ = sqlx::Connection::close(conn).await;
     u64::try_from(at).ok()
 }
