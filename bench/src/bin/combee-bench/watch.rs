@@ -176,7 +176,7 @@ pub(crate) fn per_second(result: &LoadResult, watched: &Watched, postgres: bool)
                 *waits.entry(w.as_str()).or_default() += 1;
             }
             let mut waits: Vec<(&str, usize)> = waits.into_iter().collect();
-            waits.sort_by(|a, b| b.1.cmp(&a.1));
+            waits.sort_by_key(|w| std::cmp::Reverse(w.1));
             let waits: Vec<String> = waits.iter().take(3).map(|(w, n)| format!("{w} {n}")).collect();
             o.push_str(&format!(
                 " {writing} of {} | {} | {} |",
