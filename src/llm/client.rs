@@ -55,6 +55,8 @@ struct Inner {
     props_url: Option<String>,
     props: tokio::sync::OnceCell<()>,
     shared: SharedContext,
+    /// Asked of a server that said it penalises no repetition (see [`slots::REPEAT_PENALTY`]).
+    repeat_penalty: std::sync::OnceLock<f32>,
 }
 
 impl std::fmt::Debug for OpenAiClient {
@@ -87,6 +89,7 @@ impl OpenAiClient {
             props_url,
             props: tokio::sync::OnceCell::new(),
             shared: SharedContext::default(),
+            repeat_penalty: std::sync::OnceLock::new(),
         };
         Ok(Self { inner: Arc::new(inner), meter: None, remembered: None })
     }
@@ -166,7 +169,11 @@ impl OpenAiClient {
                         inner.window.learn(tokens);
                         inner.shared.set_tokens(tokens);
                     }
+                    if p.no_repetition_penalty {
+                        let _ = inner.repeat_penalty.set(slots::REPEAT_PENALTY);
+                    }
                     tracing::info!(slots = ?p.slots, context_tokens = ?p.context_tokens,
+                        no_repetition_penalty = p.no_repetition_penalty,
                         "the LLM server says what it holds (GET /props): calls in flight fit its slots and context");
                 }
                 Ok::<(), ()>(())
@@ -273,6 +280,9 @@ struct WireRequest<'a> {
     max_tokens: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     response_format: Option<serde_json::Value>,
+    /// llama.cpp's extension, sent only to a llama.cpp server that applies none by itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    repeat_penalty: Option<f32>,
 }
 
 // The envelope is read leniently: providers add fields freely. The *answer*
@@ -358,6 +368,7 @@ impl LlmBackend for OpenAiClient {
                     temperature: req.temperature,
                     max_tokens,
                     response_format: format::response_format(format, req.schema.as_deref()),
+                    repeat_penalty: inner.repeat_penalty.get().copied(),
                 };
                 let timeout = inner.limit.attempt_timeout(
                     req.role,
@@ -1315,12 +1326,15 @@ mod tests {
         most_in_flight: Arc<AtomicUsize>,
         full: Arc<AtomicUsize>,
         answered: Arc<AtomicUsize>,
+        /// Each request's `repeat_penalty`, as sent.
+        penalties: Arc<std::sync::Mutex<Vec<Option<f64>>>>,
     }
 
     impl SharedCache {
         async fn spawn(props: Option<Value>, context: usize) -> (String, Self) {
             async fn chat(State(s): State<SharedCache>, body: axum::body::Bytes) -> Response {
                 let body: Value = serde_json::from_slice(&body).unwrap();
+                s.penalties.lock().unwrap().push(body["repeat_penalty"].as_f64());
                 let chars: usize =
                     body["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap().len()).sum();
                 let tokens = chars / 3 + body["max_tokens"].as_u64().unwrap_or(4096) as usize;
@@ -1357,6 +1371,7 @@ mod tests {
                 most_in_flight: Arc::default(),
                 full: Arc::default(),
                 answered: Arc::default(),
+                penalties: Arc::default(),
             };
             let app = Router::new()
                 .route("/v1/chat/completions", post(chat))
@@ -1403,6 +1418,24 @@ mod tests {
         many_calls(&c, 16, 300).await;
         assert_eq!(server.full.load(Ordering::SeqCst), 0);
         assert_eq!(server.most_in_flight.load(Ordering::SeqCst), 3, "100 + 1024 tokens each");
+    }
+
+    #[tokio::test]
+    async fn a_server_that_penalises_no_repetition_is_asked_for_a_penalty_and_no_other_is() {
+        // llama-server on its defaults: no penalty of any kind, so a small model repeats itself to the limit.
+        let plain = json!({"default_generation_settings": {"params": {"repeat_penalty": 1.0, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0, "dry_multiplier": 0.0}, "n_ctx": 8192}, "total_slots": 4});
+        let own = json!({"default_generation_settings": {"params": {"repeat_penalty": 1.1, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0, "dry_multiplier": 0.0}, "n_ctx": 8192}, "total_slots": 4});
+        for (props, expected) in [(Some(plain), Some(1.1)), (Some(own), None), (None, None)] {
+            let (url, server) = SharedCache::spawn(props.clone(), 8192).await;
+            many_calls(&client(&url, |_| {}), 3, 300).await;
+            let sent = server.penalties.lock().unwrap().clone();
+            assert_eq!(sent.len(), 3);
+            for p in sent {
+                assert_eq!(p.map(|p| (p * 100.0).round() / 100.0), expected, "{props:?}");
+            }
+        }
     }
 
     #[tokio::test]

@@ -13,6 +13,15 @@
 //! the calls in flight fit in n_ctx together ([`SharedContext`]; a call that
 //! alone needs more is sent alone).
 //!
+//! It also says how it samples by default (`default_generation_settings.params`).
+//! Started on its defaults it applies no repetition penalty at all (its
+//! `repeat_penalty` is 1.0, `frequency_penalty`, `presence_penalty` and DRY
+//! off), and a small model then repeats a phrase until the completion limit:
+//! every call takes its longest and its answer is refused. For such a server
+//! the client asks for [`REPEAT_PENALTY`] in each request (llama.cpp's
+//! extension of the chat request), what llama-cpp-python's server applies by
+//! default; a server that sets any penalty itself is left as it is.
+//!
 //! `/props` does not say whether the slots share the cache. They do on
 //! llama.cpp's defaults, which is what is assumed: a server started with an
 //! explicit `-np` splits its context between the slots and reports a slot's
@@ -28,6 +37,10 @@ use tokio::sync::Notify;
 
 use super::config::DEFAULT_BASE_URL;
 
+/// The repetition penalty asked of a llama.cpp server that applies none by
+/// itself (llama-cpp-python's server's default).
+pub const REPEAT_PENALTY: f32 = 1.1;
+
 /// What a server says it holds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ServerProps {
@@ -35,6 +48,8 @@ pub struct ServerProps {
     pub slots: Option<u32>,
     /// Tokens of context a slot has (all slots together, when they share it).
     pub context_tokens: Option<u32>,
+    /// It said how it samples, and it penalises no repetition at all.
+    pub no_repetition_penalty: bool,
 }
 
 #[derive(Deserialize)]
@@ -49,6 +64,35 @@ struct WireProps {
 struct WireGeneration {
     #[serde(default)]
     n_ctx: Option<u32>,
+    #[serde(default)]
+    params: Option<WireSampling>,
+}
+
+/// The default sampling a llama.cpp server reports; a setting it leaves out counts as set.
+#[derive(Deserialize)]
+struct WireSampling {
+    #[serde(default = "set")]
+    repeat_penalty: f64,
+    #[serde(default = "set")]
+    frequency_penalty: f64,
+    #[serde(default = "set")]
+    presence_penalty: f64,
+    #[serde(default = "set")]
+    dry_multiplier: f64,
+}
+
+fn set() -> f64 {
+    f64::NAN
+}
+
+impl WireSampling {
+    fn penalises_nothing(&self) -> bool {
+        // NaN (left out) compares false: unknown counts as a penalty set.
+        self.repeat_penalty <= 1.0
+            && self.frequency_penalty == 0.0
+            && self.presence_penalty == 0.0
+            && self.dry_multiplier == 0.0
+    }
 }
 
 /// Where a server at `base_url` (…/v1) describes itself; none for OpenAI's own
@@ -66,9 +110,14 @@ pub fn props_url(base_url: &str) -> Option<String> {
 /// server's page, an error) or says nothing usable.
 pub fn parse_props(body: &[u8]) -> Option<ServerProps> {
     let wire: WireProps = serde_json::from_slice(body).ok()?;
+    let generation = wire.default_generation_settings;
     let props = ServerProps {
         slots: wire.total_slots.filter(|n| *n >= 1),
-        context_tokens: wire.default_generation_settings.and_then(|g| g.n_ctx).filter(|n| *n >= 256),
+        context_tokens: generation.as_ref().and_then(|g| g.n_ctx).filter(|n| *n >= 256),
+        no_repetition_penalty: generation
+            .as_ref()
+            .and_then(|g| g.params.as_ref())
+            .is_some_and(WireSampling::penalises_nothing),
     };
     (props != ServerProps::default()).then_some(props)
 }
@@ -160,7 +209,19 @@ mod tests {
         let llama = br#"{"default_generation_settings":{"params":{"n_predict":-1,"temperature":0.8},"n_ctx":8192},
             "total_slots":4,"model_alias":"SmolLM2","model_path":"/m.gguf","modalities":{"vision":false},
             "build_info":"b1-unknown","is_sleeping":false}"#;
-        assert_eq!(parse_props(llama), Some(ServerProps { slots: Some(4), context_tokens: Some(8192) }));
+        let said = ServerProps { slots: Some(4), context_tokens: Some(8192), no_repetition_penalty: false };
+        assert_eq!(parse_props(llama), Some(said), "penalties it does not state count as set");
+        // Its defaults as it states them: no penalty of any kind.
+        let plain = br#"{"default_generation_settings":{"params":{"temperature":0.8,"repeat_penalty":1.0,
+            "presence_penalty":0.0,"frequency_penalty":0.0,"dry_multiplier":0.0},"n_ctx":8192},"total_slots":4}"#;
+        assert_eq!(parse_props(plain), Some(ServerProps { no_repetition_penalty: true, ..said }));
+        // Started with a penalty of its own (`--repeat-penalty 1.05`, or DRY): left as it is.
+        let own_penalty = br#"{"default_generation_settings":{"params":{"repeat_penalty":1.05,"presence_penalty":0.0,
+            "frequency_penalty":0.0,"dry_multiplier":0.0},"n_ctx":8192},"total_slots":4}"#;
+        assert_eq!(parse_props(own_penalty), Some(said));
+        let dry = br#"{"default_generation_settings":{"params":{"repeat_penalty":1.0,"presence_penalty":0.0,
+            "frequency_penalty":0.0,"dry_multiplier":0.8},"n_ctx":8192},"total_slots":4}"#;
+        assert_eq!(parse_props(dry), Some(said));
         assert_eq!(parse_props(br#"{"detail":"Not Found"}"#), None);
         assert_eq!(parse_props(b"<html>404</html>"), None);
         assert_eq!(parse_props(br#"{"total_slots":0}"#), None);
