@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::config::LlmConfig;
 use super::format::{self, ContextWindow, FormatLadder};
-use super::limit::{AdaptiveLimit, Sample};
+use super::limit::{AdaptiveLimit, AttemptSignal};
 use super::meter::{Spend, SpendMeter};
 use super::remember::{LimitMemory, Remembered};
 use super::slots::{self, SharedContext};
@@ -525,14 +525,14 @@ fn sample_of(
     outcome: &Result<(String, Option<String>, Option<Usage>), Failure>,
     latency: Duration,
     estimate: u64,
-) -> Sample {
+) -> AttemptSignal {
     match outcome {
         Ok((content, _, usage)) => {
             let usage = usage.unwrap_or(Usage {
                 prompt_tokens: estimate,
                 completion_tokens: estimate_tokens(content.chars().count()),
             });
-            Sample::Answered {
+            AttemptSignal::Answered {
                 role,
                 latency,
                 prompt_tokens: usage.prompt_tokens,
@@ -543,12 +543,12 @@ fn sample_of(
             LlmError::Rejected { status, message } | LlmError::Server { status, message }
                 if format::cache_full(*status, message) =>
             {
-                Sample::CacheFull
+                AttemptSignal::CacheFull
             }
             LlmError::RateLimited { .. }
             | LlmError::Server { status: 503, .. }
-            | LlmError::Timeout { which: TimeoutKind::Request, .. } => Sample::Overloaded,
-            _ => Sample::Neutral,
+            | LlmError::Timeout { which: TimeoutKind::Request, .. } => AttemptSignal::Overloaded,
+            _ => AttemptSignal::Neutral,
         },
     }
 }
