@@ -134,7 +134,7 @@ impl Config {
 
 /// What the observer saw at one moment.
 #[derive(Debug, Clone)]
-struct Sample {
+struct Observation {
     secs: f64,
     production: i64,
     /// Share of the rules production holds.
@@ -244,7 +244,7 @@ async fn observe(
     args: &Args,
     started: Instant,
     stop: Arc<AtomicBool>,
-) -> anyhow::Result<Vec<Vec<Sample>>> {
+) -> anyhow::Result<Vec<Vec<Observation>>> {
     let mut out = vec![Vec::new(); configs.len()];
     let every = Duration::from_secs_f64(args.sample_secs);
     let mut next = tokio::time::Instant::now();
@@ -252,7 +252,7 @@ async fn observe(
         for (cfg, samples) in configs.iter().zip(out.iter_mut()) {
             let prompt = cfg.prompt();
             let (production, text) = client.production(&prompt).await?;
-            samples.push(Sample {
+            samples.push(Observation {
                 secs: started.elapsed().as_secs_f64(),
                 production,
                 quality: house_rules::rules_in(&text, args.rules).len() as f64 / f64::from(args.rules),
@@ -334,11 +334,11 @@ async fn ending(
 }
 
 /// Production's quality at `secs` (the last sample at or before it).
-fn quality_at(samples: &[Sample], secs: f64) -> f64 {
+fn quality_at(samples: &[Observation], secs: f64) -> f64 {
     samples.iter().take_while(|s| s.secs <= secs + 1e-9).last().map_or(0.0, |s| s.quality)
 }
 
-fn svg(configs: &[Config], results: &[Vec<Sample>], args: &Args) -> String {
+fn svg(configs: &[Config], results: &[Vec<Observation>], args: &Args) -> String {
     const W: f64 = 860.0;
     const H: f64 = 460.0;
     let (l, r, t, b) = (70.0, 240.0, 60.0, 60.0);
@@ -521,7 +521,7 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn csv(configs: &[Config], samples: &[Vec<Sample>]) -> String {
+fn csv(configs: &[Config], samples: &[Vec<Observation>]) -> String {
     let mut out = String::from("simulation,configuration,policy,rewards,secs,production_version,quality,published\n");
     for (c, rows) in configs.iter().zip(samples) {
         for s in rows {
@@ -543,7 +543,7 @@ fn csv(configs: &[Config], samples: &[Vec<Sample>]) -> String {
 fn report(
     args: &Args,
     configs: &[Config],
-    samples: &[Vec<Sample>],
+    samples: &[Vec<Observation>],
     endings: &[Ending],
     population: &combee::config::PopulationSettings,
     total_secs: f64,
