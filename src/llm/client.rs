@@ -185,7 +185,7 @@ impl OpenAiClient {
         &self,
         wire: &WireRequest<'_>,
         timeout: Duration,
-    ) -> Result<(String, Option<String>, Option<Usage>), Failure> {
+    ) -> Result<(String, Option<String>, Option<Usage>), FailedAttempt> {
         let mut rb = self.inner.http.post(&self.inner.url).timeout(timeout).json(wire);
         let key = self.inner.cfg.api_key.expose();
         if !key.is_empty() {
@@ -207,23 +207,21 @@ impl OpenAiClient {
             };
             // A failed answer that still reports usage was billed: it counts.
             let usage = serde_json::from_slice::<WireResponse>(&body).ok().and_then(|w| w.usage).map(Usage::from);
-            return Err(Failure { err, retry_after, usage });
+            return Err(FailedAttempt { err, retry_after, usage });
         }
-        let parsed: WireResponse = serde_json::from_slice(&body).map_err(|e| Failure {
+        let parsed: WireResponse = serde_json::from_slice(&body).map_err(|e| FailedAttempt {
             err: LlmError::BadResponse(self.scrub(&format!("not a chat completion: {e}"))),
             retry_after: None,
             usage: None,
         })?;
         let usage = parsed.usage.map(Usage::from);
-        let content = parsed.choices.into_iter().next().and_then(|c| c.message.content).ok_or_else(|| Failure {
-            err: LlmError::BadResponse("no message content".into()),
-            retry_after: None,
-            usage,
+        let content = parsed.choices.into_iter().next().and_then(|c| c.message.content).ok_or_else(|| {
+            FailedAttempt { err: LlmError::BadResponse("no message content".into()), retry_after: None, usage }
         })?;
         Ok((content, parsed.model, usage))
     }
 
-    fn transport_failure(&self, e: &reqwest::Error, timeout: Duration) -> Failure {
+    fn transport_failure(&self, e: &reqwest::Error, timeout: Duration) -> FailedAttempt {
         let err = if e.is_timeout() {
             // reqwest flags a connect timeout as both a connect error and a timeout.
             if e.is_connect() {
@@ -240,7 +238,7 @@ impl OpenAiClient {
             }
             LlmError::Connection(self.scrub(&msg))
         };
-        Failure { err, retry_after: None, usage: None }
+        FailedAttempt { err, retry_after: None, usage: None }
     }
 
     /// Delay before retry number `retry` (0-based): the server's `Retry-After` when it
@@ -256,7 +254,7 @@ impl OpenAiClient {
     }
 }
 
-struct Failure {
+struct FailedAttempt {
     err: LlmError,
     retry_after: Option<Duration>,
     /// What the failed attempt reported it used, if it did.
@@ -381,7 +379,7 @@ impl LlmBackend for OpenAiClient {
                 // Stepped down while the slot is still held: a call that takes the
                 // slot next must not ask in the shape just refused.
                 let shape_refused = match &outcome {
-                    Err(Failure {
+                    Err(FailedAttempt {
                         err: LlmError::Rejected { status, message } | LlmError::Server { status, message },
                         ..
                     }) => {
@@ -401,7 +399,7 @@ impl LlmBackend for OpenAiClient {
             if let (Some(meter), Some(hold)) = (&self.meter, hold) {
                 meter.settle(hold, self.spend(&req.model, spent)).await;
             }
-            let Failure { err, retry_after, .. } = match outcome {
+            let FailedAttempt { err, retry_after, .. } = match outcome {
                 Ok((content, model, _)) => {
                     inner.formats.publish();
                     inner.window.publish();
@@ -466,7 +464,10 @@ impl LlmBackend for OpenAiClient {
 
 /// The usage an attempt reported, or, for an answer without a usage report,
 /// the estimate of its prompt and answer.
-fn reported_usage(outcome: &Result<(String, Option<String>, Option<Usage>), Failure>, estimate: u64) -> Option<Usage> {
+fn reported_usage(
+    outcome: &Result<(String, Option<String>, Option<Usage>), FailedAttempt>,
+    estimate: u64,
+) -> Option<Usage> {
     match outcome {
         Ok((content, _, usage)) => {
             Some(usage.unwrap_or(Usage {
@@ -483,12 +484,12 @@ fn reported_usage(outcome: &Result<(String, Option<String>, Option<Usage>), Fail
 /// unknown but may come, keeps its whole reservation; an attempt the server
 /// refused or never got costs nothing.
 fn attempt_usage(
-    outcome: &Result<(String, Option<String>, Option<Usage>), Failure>,
+    outcome: &Result<(String, Option<String>, Option<Usage>), FailedAttempt>,
     estimate: u64,
     reserved: Usage,
 ) -> Usage {
     match outcome {
-        Err(Failure { err: LlmError::Timeout { which: TimeoutKind::Request, .. }, usage: None, .. }) => reserved,
+        Err(FailedAttempt { err: LlmError::Timeout { which: TimeoutKind::Request, .. }, usage: None, .. }) => reserved,
         _ => reported_usage(outcome, estimate).unwrap_or_default(),
     }
 }
@@ -522,7 +523,7 @@ const MIN_ANSWER_TOKENS: u32 = 128;
 /// What an attempt tells the concurrency limit.
 fn sample_of(
     role: LlmRole,
-    outcome: &Result<(String, Option<String>, Option<Usage>), Failure>,
+    outcome: &Result<(String, Option<String>, Option<Usage>), FailedAttempt>,
     latency: Duration,
     estimate: u64,
 ) -> AttemptSignal {
@@ -539,7 +540,7 @@ fn sample_of(
                 completion_tokens: usage.completion_tokens,
             }
         }
-        Err(Failure { err, .. }) => match err {
+        Err(FailedAttempt { err, .. }) => match err {
             LlmError::Rejected { status, message } | LlmError::Server { status, message }
                 if format::cache_full(*status, message) =>
             {
@@ -781,7 +782,7 @@ mod tests {
     type Script = Arc<dyn Fn(usize, &Value, &AxHeaders) -> Step + Send + Sync>;
 
     #[derive(Clone)]
-    struct Server {
+    struct ScriptedServer {
         script: Script,
         hits: Arc<AtomicUsize>,
         in_flight: Arc<AtomicUsize>,
@@ -789,7 +790,7 @@ mod tests {
         bodies: Arc<Mutex<Vec<Value>>>,
     }
 
-    async fn handle(State(s): State<Server>, headers: AxHeaders, body: axum::body::Bytes) -> Response {
+    async fn handle(State(s): State<ScriptedServer>, headers: AxHeaders, body: axum::body::Bytes) -> Response {
         let n = s.hits.fetch_add(1, Ordering::SeqCst);
         let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         s.max_in_flight.fetch_max(now, Ordering::SeqCst);
@@ -808,8 +809,10 @@ mod tests {
         resp
     }
 
-    async fn spawn(script: impl Fn(usize, &Value, &AxHeaders) -> Step + Send + Sync + 'static) -> (String, Server) {
-        let server = Server {
+    async fn spawn(
+        script: impl Fn(usize, &Value, &AxHeaders) -> Step + Send + Sync + 'static,
+    ) -> (String, ScriptedServer) {
+        let server = ScriptedServer {
             script: Arc::new(script),
             hits: Arc::default(),
             in_flight: Arc::default(),
@@ -1087,7 +1090,7 @@ mod tests {
 
     #[derive(Debug, Deserialize, PartialEq)]
     #[serde(deny_unknown_fields)]
-    struct Answer {
+    struct StrictAnswer {
         instruction: String,
     }
 
@@ -1097,8 +1100,8 @@ mod tests {
             spawn(|n, _, _| if n == 0 { ok(r#"{"instruction": "x""#) } else { ok(r#"{"instruction": "y"}"#) }).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let a: Answer = chat_json(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap();
-        assert_eq!(a, Answer { instruction: "y".into() });
+        let a: StrictAnswer = chat_json(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap();
+        assert_eq!(a, StrictAnswer { instruction: "y".into() });
         assert_eq!(calls.len(), 2);
         assert!(calls[0].error.as_deref().unwrap_or_default().contains("invalid answer"));
         assert!(calls[1].error.is_none());
@@ -1116,7 +1119,7 @@ mod tests {
             spawn(|n, _, _| if n == 0 { ok("not json") } else { ok(r#"{"instruction": "y", "extra": 1}"#) }).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let err = chat_json::<Answer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
+        let err = chat_json::<StrictAnswer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
         assert!(
             matches!(&err, LlmError::InvalidAnswer { attempts: 2, detail } if detail.contains("unknown field")),
             "{err}"
@@ -1131,8 +1134,9 @@ mod tests {
             spawn(|n, _, _| if n == 0 { ok(r#"{"instruction": ""}"#) } else { ok(r#"{"instruction": "z"}"#) }).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let check = |a: &Answer| if a.instruction.is_empty() { Err("empty instruction".to_owned()) } else { Ok(()) };
-        let a: Answer = chat_json_checked(&c, LlmRole::Aggregator, req(&c), &mut calls, check).await.unwrap();
+        let check =
+            |a: &StrictAnswer| if a.instruction.is_empty() { Err("empty instruction".to_owned()) } else { Ok(()) };
+        let a: StrictAnswer = chat_json_checked(&c, LlmRole::Aggregator, req(&c), &mut calls, check).await.unwrap();
         assert_eq!(a.instruction, "z");
     }
 
@@ -1158,7 +1162,7 @@ mod tests {
         let c = client(&url, |_| {});
         assert_eq!(c.output_format(), OutputFormat::JsonSchema);
         let mut calls = vec![];
-        let a: Answer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
+        let a: StrictAnswer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
         assert_eq!(a.instruction, "y");
         assert_eq!(c.output_format(), OutputFormat::JsonObjectSchema);
         assert_eq!(calls.len(), 1);
@@ -1170,7 +1174,7 @@ mod tests {
         assert_eq!(bodies[1]["response_format"]["type"], "json_object");
         assert_eq!(bodies[1]["response_format"]["schema"]["required"], json!(["instruction"]));
         // The next call asks in the remembered shape straight away.
-        let _: Answer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
+        let _: StrictAnswer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
         assert_eq!(server.hits.load(Ordering::SeqCst), 3);
     }
 
@@ -1203,7 +1207,7 @@ mod tests {
         let (url, _) = spawn(move |_, _, _| ok(&long)).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let err = chat_json::<Answer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
+        let err = chat_json::<StrictAnswer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
         assert!(matches!(err, LlmError::InvalidAnswer { .. }));
         assert_eq!(calls.len(), 2);
         for call in &calls {
@@ -1260,12 +1264,12 @@ mod tests {
     async fn a_one_slot_server_is_not_flooded_and_nothing_times_out() {
         // One slot, as llama.cpp's server: a request waits behind the one being served.
         #[derive(Clone, Default)]
-        struct OneSlot {
+        struct OneSlotServer {
             slot: Arc<tokio::sync::Mutex<()>>,
             waiting: Arc<AtomicUsize>,
             most_waiting: Arc<AtomicUsize>,
         }
-        async fn serve(State(s): State<OneSlot>) -> Response {
+        async fn serve(State(s): State<OneSlotServer>) -> Response {
             let now = s.waiting.fetch_add(1, Ordering::SeqCst) + 1;
             s.most_waiting.fetch_max(now, Ordering::SeqCst);
             let _served = s.slot.lock().await;
@@ -1275,7 +1279,7 @@ mod tests {
                               "usage": {"prompt_tokens": 100, "completion_tokens": 20}});
             axum::Json(body).into_response()
         }
-        let state = OneSlot::default();
+        let state = OneSlotServer::default();
         let app = Router::new().route("/v1/chat/completions", post(serve)).with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
