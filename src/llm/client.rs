@@ -908,10 +908,10 @@ mod tests {
             tag: &crate::llm::meter::CallTag,
             kind: &'static str,
             estimate: Spend,
-        ) -> Result<crate::llm::meter::Hold, crate::llm::meter::Refusal> {
+        ) -> Result<crate::llm::meter::Hold, crate::llm::meter::SpendRefusal> {
             let mut held = self.held.lock().unwrap();
             if self.cap.is_some_and(|c| *held + estimate.tokens > c) {
-                return Err(crate::llm::meter::Refusal { scope: "test cap".into(), until: None });
+                return Err(crate::llm::meter::SpendRefusal { scope: "test cap".into(), until: None });
             }
             *held += estimate.tokens;
             self.log.lock().unwrap().push(("reserve", estimate.tokens));
