@@ -317,7 +317,7 @@ pub(crate) fn traces_from(start: usize, n: usize) -> anyhow::Result<(Vec<Trace>,
     Ok((traces, tokens))
 }
 
-pub(crate) struct Row {
+pub(crate) struct RunRow {
     pub(crate) setup: Setup,
     pub(crate) measured: Option<RunResult>,
     pub(crate) modelled: RunResult,
@@ -325,7 +325,7 @@ pub(crate) struct Row {
     pub(crate) served: Option<(u64, u64)>,
 }
 
-impl Row {
+impl RunRow {
     pub(crate) fn result(&self) -> &RunResult {
         self.measured.as_ref().unwrap_or(&self.modelled)
     }
@@ -340,7 +340,7 @@ pub(crate) async fn run_setup(
     model_only: bool,
     name: &str,
     setup: Setup,
-) -> anyhow::Result<Row> {
+) -> anyhow::Result<RunRow> {
     let modelled = learn(env, Mode::Modelled, &setup).await?;
     let (measured, served) = if model_only {
         (None, None)
@@ -351,5 +351,5 @@ pub(crate) async fn run_setup(
         let after = served(base_url).await?;
         (Some(measured), Some((after.0 - before.0, after.1 - before.1)))
     };
-    Ok(Row { setup, measured, modelled, served })
+    Ok(RunRow { setup, measured, modelled, served })
 }
