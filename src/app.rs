@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     auth,
-    config::{Pooler, Role, Settings},
+    config::{Pooler, ProcessRole, Settings},
     delivery::Deliverer,
     domain::{
         access::Scope,
@@ -126,15 +126,15 @@ impl Application {
         let state = AppState::build(store.clone(), settings);
         let settings = state.settings.clone();
         let worker = match settings.server.role {
-            Role::Api => None,
-            Role::All | Role::Worker if !llm_configured(&settings.llm.clone().with_env_fallbacks()) => {
+            ProcessRole::Api => None,
+            ProcessRole::All | ProcessRole::Worker if !llm_configured(&settings.llm.clone().with_env_fallbacks()) => {
                 tracing::warn!(
                     "no LLM is configured (llm.base_url is OpenAI's and no API key is set): learning rounds will \
                      wait until one is; set COMBEE__LLM__API_KEY / OPENAI_API_KEY or COMBEE__LLM__BASE_URL"
                 );
                 None
             }
-            Role::All | Role::Worker => {
+            ProcessRole::All | ProcessRole::Worker => {
                 let llm = settings.llm.clone().with_env_fallbacks();
                 // Every attempt of every call this process makes counts against the learning budget.
                 let meter = crate::service::budget::StoreMeter::new(&state);
@@ -156,8 +156,8 @@ impl Application {
         let breeder = worker.as_ref().map(|w| w.llm_parts());
         // The judge runs its code checks without an LLM; its LLM judges use the worker's.
         let judge = match settings.server.role {
-            Role::Api => None,
-            Role::All | Role::Worker => Some(TraceJudge::new(
+            ProcessRole::Api => None,
+            ProcessRole::All | ProcessRole::Worker => Some(TraceJudge::new(
                 store.clone(),
                 breeder.as_ref().map(|(backend, llm, _)| (backend.clone(), llm.clone())),
                 Duration::from_millis(settings.worker.poll_interval_ms),
@@ -167,15 +167,15 @@ impl Application {
         };
         // Webhook deliveries go out from wherever the learning worker runs.
         let deliverer = match settings.server.role {
-            Role::Api => None,
-            Role::All | Role::Worker => Some(
+            ProcessRole::Api => None,
+            ProcessRole::All | ProcessRole::Worker => Some(
                 Deliverer::new(store.clone(), settings.webhooks.clone())
                     .context("cannot build the webhook delivery client")?,
             ),
         };
         // The regression guard runs wherever the learning worker may run, LLM or not.
         let guard = match settings.server.role {
-            Role::All | Role::Worker if settings.guard.enabled => Some(
+            ProcessRole::All | ProcessRole::Worker if settings.guard.enabled => Some(
                 RegressionGuard::new(store.clone(), settings.guard.clone())
                     .with_population(settings.population.policy()),
             ),
@@ -183,7 +183,7 @@ impl Application {
         };
         // So does the population rater (ratings, weights, promotion gate of `evaluated` prompts).
         let rater = match settings.server.role {
-            Role::All | Role::Worker if settings.population.enabled => {
+            ProcessRole::All | ProcessRole::Worker if settings.population.enabled => {
                 let rater = PopulationRater::new(store.clone(), settings.population.clone());
                 Some(match breeder {
                     Some((backend, llm, denylist)) => rater.with_crossover(backend, llm, denylist),
@@ -193,10 +193,10 @@ impl Application {
             _ => None,
         };
         let pruner = match settings.server.role {
-            Role::All | Role::Worker => {
+            ProcessRole::All | ProcessRole::Worker => {
                 Some(Pruner::new(store.clone(), settings.retention.clone(), settings.limits.idempotency_ttl_hours))
             }
-            Role::Api => None,
+            ProcessRole::Api => None,
         };
         Ok(Self { listener, state, worker, deliverer, guard, rater, pruner, judge, shutdown: CancellationToken::new() })
     }
@@ -241,7 +241,7 @@ impl Application {
             stopped.cancelled().await;
             tracing::info!("shutting down: finishing in-flight requests");
         };
-        let server = if role == Role::Worker {
+        let server = if role == ProcessRole::Worker {
             let server = axum::serve(listener, http::ops_router(state)).with_graceful_shutdown(stopped);
             tokio::spawn(async move { server.await })
         } else {

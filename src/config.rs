@@ -238,7 +238,7 @@ pub struct WebhookSettings {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub enum Role {
+pub enum ProcessRole {
     /// HTTP API and background worker in one process.
     All,
     /// Only the HTTP API.
@@ -253,7 +253,7 @@ pub struct ServerSettings {
     /// Address the HTTP API listens on (`serve --bind` overrides it).
     pub bind: SocketAddr,
     /// Which parts run in this process (`serve --role` overrides it).
-    pub role: Role,
+    pub role: ProcessRole,
     /// Longest time a request may take before it is answered with 503.
     pub request_timeout_secs: u64,
     /// Longest time in-flight requests get to finish after SIGTERM/SIGINT.
@@ -485,7 +485,7 @@ impl Default for Settings {
         Self {
             server: ServerSettings {
                 bind: SocketAddr::from(([127, 0, 0, 1], 8080)),
-                role: Role::All,
+                role: ProcessRole::All,
                 request_timeout_secs: 30,
                 shutdown_grace_secs: 30,
             },

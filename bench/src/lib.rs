@@ -4,7 +4,7 @@
 use std::{net::SocketAddr, path::Path, time::Duration};
 
 use combee::{
-    config::{Role, Settings},
+    config::{ProcessRole, Settings},
     secret::Secret,
     store::{self, DynStore},
 };
@@ -18,7 +18,7 @@ pub async fn embedded(dir: &Path, llm_url: &str) -> anyhow::Result<(Settings, Dy
     let store = store::connect(&url, 16, Duration::from_secs(30)).await?;
     let mut s = Settings::default();
     s.server.bind = SocketAddr::from(([127, 0, 0, 1], 0));
-    s.server.role = Role::All;
+    s.server.role = ProcessRole::All;
     s.database.url = Secret::new(&url);
     s.database.data_dir = dir.join("data");
     s.llm.base_url = llm_url.to_owned();

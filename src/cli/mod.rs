@@ -22,7 +22,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::{
     app::{self, Application},
-    config::{Role, Settings},
+    config::{ProcessRole, Settings},
     domain::{
         access::{ApiKey, Reach, Scope},
         audit::{NewAuditEntry, RequestOrigin},
@@ -156,7 +156,7 @@ pub struct ServeArgs {
     pub bind: Option<SocketAddr>,
     /// Which parts to run in this process [default: server.role, all].
     #[arg(long, value_enum)]
-    pub role: Option<Role>,
+    pub role: Option<ProcessRole>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -127,8 +127,8 @@ impl RetentionOverride {
 
 /// A retention override is a JSON object (serde would also read a struct from an array).
 fn retention_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<RetentionOverride, D::Error> {
-    struct Object;
-    impl<'de> serde::de::Visitor<'de> for Object {
+    struct RetentionVisitor;
+    impl<'de> serde::de::Visitor<'de> for RetentionVisitor {
         type Value = RetentionOverride;
         fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
             f.write_str("an object with consumed_days, failed_days and quarantined_days")
@@ -137,7 +137,7 @@ fn retention_object<'de, D: serde::Deserializer<'de>>(d: D) -> Result<RetentionO
             RetentionOverride::deserialize(serde::de::value::MapAccessDeserializer::new(map))
         }
     }
-    d.deserialize_map(Object)
+    d.deserialize_map(RetentionVisitor)
 }
 
 /// Longest retention a prompt may name, in days (100 years).

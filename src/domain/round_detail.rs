@@ -146,13 +146,13 @@ fn reasons_by_trace<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<Uuid, St
 fn outputs_in_either_shape<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<GroupOutput>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
-    enum Shape {
+    enum OutputsShape {
         List(Vec<GroupOutput>),
         ByGroup(BTreeMap<String, GroupOutput>),
     }
-    let mut outputs = match Shape::deserialize(d)? {
-        Shape::List(list) => list,
-        Shape::ByGroup(by_group) => by_group.into_values().collect(),
+    let mut outputs = match OutputsShape::deserialize(d)? {
+        OutputsShape::List(list) => list,
+        OutputsShape::ByGroup(by_group) => by_group.into_values().collect(),
     };
     outputs.sort_by_key(|o| o.group);
     Ok(outputs)

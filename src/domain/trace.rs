@@ -299,7 +299,7 @@ impl ValidTrace {
         {
             let mut path = name.to_owned();
             check_strings(v, &mut path, limits.max_field_bytes)?;
-            let mut counted = Counted(0);
+            let mut counted = ByteCounter(0);
             total += serde_json::to_writer(&mut counted, v).map_or(0, |()| counted.0);
         }
         if total > limits.max_trace_bytes {
@@ -310,9 +310,9 @@ impl ValidTrace {
 }
 
 /// Counts the bytes written to it: a trace's encoded size without the encoding.
-struct Counted(usize);
+struct ByteCounter(usize);
 
-impl std::io::Write for Counted {
+impl std::io::Write for ByteCounter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.0 += buf.len();
         Ok(buf.len())

@@ -85,7 +85,7 @@ pub struct Window<'a> {
 /// What to do after a window: the arms to save, what was ranked, the gate's
 /// decision, and the move of `production` when it promotes.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Plan {
+pub struct WindowPlan {
     /// The live arms with their new ratings and scored traces, in the order given.
     pub arms: Vec<Arm>,
     /// The ranked arms' versions, in the order given.
@@ -94,12 +94,12 @@ pub struct Plan {
     /// Which rewards the ranked arms' were: reported, judged or both.
     pub rewards: RewardSources,
     pub gate: GateDecision,
-    pub promotion: Option<Promotion>,
+    pub promotion: Option<ProductionMove>,
 }
 
 /// The gate's move of `production`, as the label history records it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Promotion {
+pub struct ProductionMove {
     pub from: i64,
     pub to: i64,
     pub reason: String,
@@ -155,7 +155,7 @@ pub fn needs_tasks(arms: &[Arm], buckets: &[OutcomeBucket], min_traces: u64) -> 
 /// shared task keys when there are [`MIN_SHARED_TASKS`] of them, else on
 /// their window means), updates their ratings with one TrueSkill ranking,
 /// and runs the promotion gate on the result.
-pub fn rate(w: &Window<'_>, trueskill: &TrueSkill) -> Result<Plan, ChampionNotLive> {
+pub fn rate(w: &Window<'_>, trueskill: &TrueSkill) -> Result<WindowPlan, ChampionNotLive> {
     let mut arms = w.arms.to_vec();
     let mut ranked = ranked_arms(&arms, w.buckets, w.min_window_traces);
     for (i, scored, _) in &ranked {
@@ -186,7 +186,7 @@ pub fn rate(w: &Window<'_>, trueskill: &TrueSkill) -> Result<Plan, ChampionNotLi
         GateDecision::Promote { .. } => Some(promotion(w, &arms, &ranked, (basis, sources), &decision)),
         _ => None,
     };
-    Ok(Plan {
+    Ok(WindowPlan {
         ranked: ranked.iter().map(|(i, _, _)| arms[*i].version).collect(),
         arms,
         basis,
@@ -203,7 +203,7 @@ fn promotion(
     ranked: &[(usize, u64, f64)],
     (basis, sources): (Basis, RewardSources),
     decision: &GateDecision,
-) -> Promotion {
+) -> ProductionMove {
     let GateDecision::Promote {
         challenger,
         challenger_lower,
@@ -235,7 +235,7 @@ fn promotion(
         "window": {"from": w.from, "until": w.until, "basis": basis, "rewards": rewards,
                    "rewards_used": sources.evidence()},
     });
-    Promotion { from: champion, to: challenger, reason, evidence }
+    ProductionMove { from: champion, to: challenger, reason, evidence }
 }
 
 /// The task keys each of `versions` *won* in a window: keys that at least two

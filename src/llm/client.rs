@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::config::LlmConfig;
 use super::format::{self, ContextWindow, FormatLadder};
-use super::limit::{AdaptiveLimit, Sample};
+use super::limit::{AdaptiveLimit, AttemptSignal};
 use super::meter::{Spend, SpendMeter};
 use super::remember::{LimitMemory, Remembered};
 use super::slots::{self, SharedContext};
@@ -192,7 +192,7 @@ impl OpenAiClient {
         &self,
         wire: &WireRequest<'_>,
         timeout: Duration,
-    ) -> Result<(String, Option<String>, Option<Usage>), Failure> {
+    ) -> Result<(String, Option<String>, Option<Usage>), FailedAttempt> {
         let mut rb = self.inner.http.post(&self.inner.url).timeout(timeout).json(wire);
         let key = self.inner.cfg.api_key.expose();
         if !key.is_empty() {
@@ -214,23 +214,21 @@ impl OpenAiClient {
             };
             // A failed answer that still reports usage was billed: it counts.
             let usage = serde_json::from_slice::<WireResponse>(&body).ok().and_then(|w| w.usage).map(Usage::from);
-            return Err(Failure { err, retry_after, usage });
+            return Err(FailedAttempt { err, retry_after, usage });
         }
-        let parsed: WireResponse = serde_json::from_slice(&body).map_err(|e| Failure {
+        let parsed: WireResponse = serde_json::from_slice(&body).map_err(|e| FailedAttempt {
             err: LlmError::BadResponse(self.scrub(&format!("not a chat completion: {e}"))),
             retry_after: None,
             usage: None,
         })?;
         let usage = parsed.usage.map(Usage::from);
-        let content = parsed.choices.into_iter().next().and_then(|c| c.message.content).ok_or_else(|| Failure {
-            err: LlmError::BadResponse("no message content".into()),
-            retry_after: None,
-            usage,
+        let content = parsed.choices.into_iter().next().and_then(|c| c.message.content).ok_or_else(|| {
+            FailedAttempt { err: LlmError::BadResponse("no message content".into()), retry_after: None, usage }
         })?;
         Ok((content, parsed.model, usage))
     }
 
-    fn transport_failure(&self, e: &reqwest::Error, timeout: Duration) -> Failure {
+    fn transport_failure(&self, e: &reqwest::Error, timeout: Duration) -> FailedAttempt {
         let err = if e.is_timeout() {
             // reqwest flags a connect timeout as both a connect error and a timeout.
             if e.is_connect() {
@@ -247,7 +245,7 @@ impl OpenAiClient {
             }
             LlmError::Connection(self.scrub(&msg))
         };
-        Failure { err, retry_after: None, usage: None }
+        FailedAttempt { err, retry_after: None, usage: None }
     }
 
     /// Delay before retry number `retry` (0-based): the server's `Retry-After` when it
@@ -263,7 +261,7 @@ impl OpenAiClient {
     }
 }
 
-struct Failure {
+struct FailedAttempt {
     err: LlmError,
     retry_after: Option<Duration>,
     /// What the failed attempt reported it used, if it did.
@@ -392,7 +390,7 @@ impl LlmBackend for OpenAiClient {
                 // Stepped down while the slot is still held: a call that takes the
                 // slot next must not ask in the shape just refused.
                 let shape_refused = match &outcome {
-                    Err(Failure {
+                    Err(FailedAttempt {
                         err: LlmError::Rejected { status, message } | LlmError::Server { status, message },
                         ..
                     }) => {
@@ -412,7 +410,7 @@ impl LlmBackend for OpenAiClient {
             if let (Some(meter), Some(hold)) = (&self.meter, hold) {
                 meter.settle(hold, self.spend(&req.model, spent)).await;
             }
-            let Failure { err, retry_after, .. } = match outcome {
+            let FailedAttempt { err, retry_after, .. } = match outcome {
                 Ok((content, model, _)) => {
                     inner.formats.publish();
                     inner.window.publish();
@@ -477,7 +475,10 @@ impl LlmBackend for OpenAiClient {
 
 /// The usage an attempt reported, or, for an answer without a usage report,
 /// the estimate of its prompt and answer.
-fn reported_usage(outcome: &Result<(String, Option<String>, Option<Usage>), Failure>, estimate: u64) -> Option<Usage> {
+fn reported_usage(
+    outcome: &Result<(String, Option<String>, Option<Usage>), FailedAttempt>,
+    estimate: u64,
+) -> Option<Usage> {
     match outcome {
         Ok((content, _, usage)) => {
             Some(usage.unwrap_or(Usage {
@@ -494,12 +495,12 @@ fn reported_usage(outcome: &Result<(String, Option<String>, Option<Usage>), Fail
 /// unknown but may come, keeps its whole reservation; an attempt the server
 /// refused or never got costs nothing.
 fn attempt_usage(
-    outcome: &Result<(String, Option<String>, Option<Usage>), Failure>,
+    outcome: &Result<(String, Option<String>, Option<Usage>), FailedAttempt>,
     estimate: u64,
     reserved: Usage,
 ) -> Usage {
     match outcome {
-        Err(Failure { err: LlmError::Timeout { which: TimeoutKind::Request, .. }, usage: None, .. }) => reserved,
+        Err(FailedAttempt { err: LlmError::Timeout { which: TimeoutKind::Request, .. }, usage: None, .. }) => reserved,
         _ => reported_usage(outcome, estimate).unwrap_or_default(),
     }
 }
@@ -533,33 +534,33 @@ const MIN_ANSWER_TOKENS: u32 = 128;
 /// What an attempt tells the concurrency limit.
 fn sample_of(
     role: LlmRole,
-    outcome: &Result<(String, Option<String>, Option<Usage>), Failure>,
+    outcome: &Result<(String, Option<String>, Option<Usage>), FailedAttempt>,
     latency: Duration,
     estimate: u64,
-) -> Sample {
+) -> AttemptSignal {
     match outcome {
         Ok((content, _, usage)) => {
             let usage = usage.unwrap_or(Usage {
                 prompt_tokens: estimate,
                 completion_tokens: estimate_tokens(content.chars().count()),
             });
-            Sample::Answered {
+            AttemptSignal::Answered {
                 role,
                 latency,
                 prompt_tokens: usage.prompt_tokens,
                 completion_tokens: usage.completion_tokens,
             }
         }
-        Err(Failure { err, .. }) => match err {
+        Err(FailedAttempt { err, .. }) => match err {
             LlmError::Rejected { status, message } | LlmError::Server { status, message }
                 if format::cache_full(*status, message) =>
             {
-                Sample::CacheFull
+                AttemptSignal::CacheFull
             }
             LlmError::RateLimited { .. }
             | LlmError::Server { status: 503, .. }
-            | LlmError::Timeout { which: TimeoutKind::Request, .. } => Sample::Overloaded,
-            _ => Sample::Neutral,
+            | LlmError::Timeout { which: TimeoutKind::Request, .. } => AttemptSignal::Overloaded,
+            _ => AttemptSignal::Neutral,
         },
     }
 }
@@ -792,7 +793,7 @@ mod tests {
     type Script = Arc<dyn Fn(usize, &Value, &AxHeaders) -> Step + Send + Sync>;
 
     #[derive(Clone)]
-    struct Server {
+    struct ScriptedServer {
         script: Script,
         hits: Arc<AtomicUsize>,
         in_flight: Arc<AtomicUsize>,
@@ -800,7 +801,7 @@ mod tests {
         bodies: Arc<Mutex<Vec<Value>>>,
     }
 
-    async fn handle(State(s): State<Server>, headers: AxHeaders, body: axum::body::Bytes) -> Response {
+    async fn handle(State(s): State<ScriptedServer>, headers: AxHeaders, body: axum::body::Bytes) -> Response {
         let n = s.hits.fetch_add(1, Ordering::SeqCst);
         let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
         s.max_in_flight.fetch_max(now, Ordering::SeqCst);
@@ -819,8 +820,10 @@ mod tests {
         resp
     }
 
-    async fn spawn(script: impl Fn(usize, &Value, &AxHeaders) -> Step + Send + Sync + 'static) -> (String, Server) {
-        let server = Server {
+    async fn spawn(
+        script: impl Fn(usize, &Value, &AxHeaders) -> Step + Send + Sync + 'static,
+    ) -> (String, ScriptedServer) {
+        let server = ScriptedServer {
             script: Arc::new(script),
             hits: Arc::default(),
             in_flight: Arc::default(),
@@ -916,10 +919,10 @@ mod tests {
             tag: &crate::llm::meter::CallTag,
             kind: &'static str,
             estimate: Spend,
-        ) -> Result<crate::llm::meter::Hold, crate::llm::meter::Refusal> {
+        ) -> Result<crate::llm::meter::Hold, crate::llm::meter::SpendRefusal> {
             let mut held = self.held.lock().unwrap();
             if self.cap.is_some_and(|c| *held + estimate.tokens > c) {
-                return Err(crate::llm::meter::Refusal { scope: "test cap".into(), until: None });
+                return Err(crate::llm::meter::SpendRefusal { scope: "test cap".into(), until: None });
             }
             *held += estimate.tokens;
             self.log.lock().unwrap().push(("reserve", estimate.tokens));
@@ -1098,7 +1101,7 @@ mod tests {
 
     #[derive(Debug, Deserialize, PartialEq)]
     #[serde(deny_unknown_fields)]
-    struct Answer {
+    struct StrictAnswer {
         instruction: String,
     }
 
@@ -1108,8 +1111,8 @@ mod tests {
             spawn(|n, _, _| if n == 0 { ok(r#"{"instruction": "x""#) } else { ok(r#"{"instruction": "y"}"#) }).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let a: Answer = chat_json(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap();
-        assert_eq!(a, Answer { instruction: "y".into() });
+        let a: StrictAnswer = chat_json(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap();
+        assert_eq!(a, StrictAnswer { instruction: "y".into() });
         assert_eq!(calls.len(), 2);
         assert!(calls[0].error.as_deref().unwrap_or_default().contains("invalid answer"));
         assert!(calls[1].error.is_none());
@@ -1127,7 +1130,7 @@ mod tests {
             spawn(|n, _, _| if n == 0 { ok("not json") } else { ok(r#"{"instruction": "y", "extra": 1}"#) }).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let err = chat_json::<Answer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
+        let err = chat_json::<StrictAnswer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
         assert!(
             matches!(&err, LlmError::InvalidAnswer { attempts: 2, detail } if detail.contains("unknown field")),
             "{err}"
@@ -1142,8 +1145,9 @@ mod tests {
             spawn(|n, _, _| if n == 0 { ok(r#"{"instruction": ""}"#) } else { ok(r#"{"instruction": "z"}"#) }).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let check = |a: &Answer| if a.instruction.is_empty() { Err("empty instruction".to_owned()) } else { Ok(()) };
-        let a: Answer = chat_json_checked(&c, LlmRole::Aggregator, req(&c), &mut calls, check).await.unwrap();
+        let check =
+            |a: &StrictAnswer| if a.instruction.is_empty() { Err("empty instruction".to_owned()) } else { Ok(()) };
+        let a: StrictAnswer = chat_json_checked(&c, LlmRole::Aggregator, req(&c), &mut calls, check).await.unwrap();
         assert_eq!(a.instruction, "z");
     }
 
@@ -1169,7 +1173,7 @@ mod tests {
         let c = client(&url, |_| {});
         assert_eq!(c.output_format(), OutputFormat::JsonSchema);
         let mut calls = vec![];
-        let a: Answer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
+        let a: StrictAnswer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
         assert_eq!(a.instruction, "y");
         assert_eq!(c.output_format(), OutputFormat::JsonObjectSchema);
         assert_eq!(calls.len(), 1);
@@ -1181,7 +1185,7 @@ mod tests {
         assert_eq!(bodies[1]["response_format"]["type"], "json_object");
         assert_eq!(bodies[1]["response_format"]["schema"]["required"], json!(["instruction"]));
         // The next call asks in the remembered shape straight away.
-        let _: Answer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
+        let _: StrictAnswer = chat_json(&c, LlmRole::Aggregator, schema_req(&c), &mut calls).await.unwrap();
         assert_eq!(server.hits.load(Ordering::SeqCst), 3);
     }
 
@@ -1214,7 +1218,7 @@ mod tests {
         let (url, _) = spawn(move |_, _, _| ok(&long)).await;
         let c = client(&url, |_| {});
         let mut calls = vec![];
-        let err = chat_json::<Answer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
+        let err = chat_json::<StrictAnswer>(&c, LlmRole::Aggregator, req(&c), &mut calls).await.unwrap_err();
         assert!(matches!(err, LlmError::InvalidAnswer { .. }));
         assert_eq!(calls.len(), 2);
         for call in &calls {
@@ -1271,12 +1275,12 @@ mod tests {
     async fn a_one_slot_server_is_not_flooded_and_nothing_times_out() {
         // One slot, as llama.cpp's server: a request waits behind the one being served.
         #[derive(Clone, Default)]
-        struct OneSlot {
+        struct OneSlotServer {
             slot: Arc<tokio::sync::Mutex<()>>,
             waiting: Arc<AtomicUsize>,
             most_waiting: Arc<AtomicUsize>,
         }
-        async fn serve(State(s): State<OneSlot>) -> Response {
+        async fn serve(State(s): State<OneSlotServer>) -> Response {
             let now = s.waiting.fetch_add(1, Ordering::SeqCst) + 1;
             s.most_waiting.fetch_max(now, Ordering::SeqCst);
             let _served = s.slot.lock().await;
@@ -1286,7 +1290,7 @@ mod tests {
                               "usage": {"prompt_tokens": 100, "completion_tokens": 20}});
             axum::Json(body).into_response()
         }
-        let state = OneSlot::default();
+        let state = OneSlotServer::default();
         let app = Router::new().route("/v1/chat/completions", post(serve)).with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

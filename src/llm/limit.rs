@@ -154,7 +154,7 @@ fn role_index(role: LlmRole) -> usize {
 
 /// What one attempt showed about the backend.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Sample {
+pub enum AttemptSignal {
     /// Answered (successfully or with an error that is no sign of overload) in `latency`.
     Answered { role: LlmRole, latency: Duration, prompt_tokens: u64, completion_tokens: u64 },
     /// 429, 503 or a timeout: the backend is overloaded.
@@ -258,22 +258,22 @@ impl AdaptiveLimit {
     }
 
     /// Learns from one attempt made in `slot`.
-    pub fn record(&self, slot: &Slot<'_>, sample: Sample) {
+    pub fn record(&self, slot: &Slot<'_>, sample: AttemptSignal) {
         self.record_at(slot, sample, std::time::Instant::now());
     }
 
     /// [`AdaptiveLimit::record`], the attempt having ended at `now`.
-    fn record_at(&self, slot: &Slot<'_>, sample: Sample, now: std::time::Instant) {
+    fn record_at(&self, slot: &Slot<'_>, sample: AttemptSignal, now: std::time::Instant) {
         let Ok(mut s) = self.state.lock() else { return };
         let before = s.limit;
         match sample {
-            Sample::Overloaded => {
+            AttemptSignal::Overloaded => {
                 s.slow_start = false;
                 s.resumed = None;
                 s.limit = (s.limit / 2.0).max(1.0);
             }
-            Sample::Neutral => {}
-            Sample::CacheFull => {
+            AttemptSignal::Neutral => {}
+            AttemptSignal::CacheFull => {
                 s.slow_start = false;
                 if slot.cap_changes_at_send == s.cap_changes {
                     // The calls in flight now, this one included, did not fit.
@@ -283,7 +283,7 @@ impl AdaptiveLimit {
                 }
                 s.limit = s.limit.min(s.cap);
             }
-            Sample::Answered { role, latency, prompt_tokens, completion_tokens } => {
+            AttemptSignal::Answered { role, latency, prompt_tokens, completion_tokens } => {
                 let rate = latency.as_secs_f64() * 1000.0 / work_units(prompt_tokens, completion_tokens);
                 let role_index = role_index(role);
                 let key = (role_index, band(prompt_tokens), band(completion_tokens));
@@ -387,8 +387,8 @@ impl AdaptiveLimit {
 mod tests {
     use super::*;
 
-    fn answered(ms: u64) -> Sample {
-        Sample::Answered {
+    fn answered(ms: u64) -> AttemptSignal {
+        AttemptSignal::Answered {
             role: LlmRole::Reflector,
             latency: Duration::from_millis(ms),
             prompt_tokens: 1600,
@@ -453,7 +453,7 @@ mod tests {
                 let role = if (k >> 40).is_multiple_of(4) { LlmRole::Aggregator } else { LlmRole::Reflector };
                 limit.record(
                     slot,
-                    Sample::Answered {
+                    AttemptSignal::Answered {
                         role,
                         latency: Duration::from_secs_f64(slot_busy_ms[lane] / 1000.0),
                         prompt_tokens: prompt,
@@ -519,10 +519,10 @@ mod tests {
         settle(&limit, 1000, 100, 10).await;
         let before = limit.limit();
         let slot = limit.acquire().await;
-        limit.record(&slot, Sample::Overloaded);
+        limit.record(&slot, AttemptSignal::Overloaded);
         assert_eq!(limit.limit(), before / 2);
         for _ in 0..10 {
-            limit.record(&slot, Sample::Overloaded);
+            limit.record(&slot, AttemptSignal::Overloaded);
         }
         assert_eq!(limit.limit(), 1);
     }
@@ -597,7 +597,7 @@ mod tests {
         // Eight calls in flight fill the cache; every one of them is told so.
         let held: Vec<Slot<'_>> = futures_util::future::join_all((0..8).map(|_| limit.acquire())).await;
         for slot in held {
-            limit.record(&slot, Sample::CacheFull);
+            limit.record(&slot, AttemptSignal::CacheFull);
             drop(slot);
         }
         assert_eq!(limit.limit(), 7, "one filling, one cap: below the eight that did not fit");
@@ -639,7 +639,7 @@ mod tests {
         // prompt is 1132 units, 10.5 s at that rate, four times that as its limit.
         limit.record(
             &slot,
-            Sample::Answered {
+            AttemptSignal::Answered {
                 role: LlmRole::Reflector,
                 latency: Duration::from_millis(1000),
                 prompt_tokens: 1600,

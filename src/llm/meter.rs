@@ -86,7 +86,7 @@ pub struct Hold {
 /// next UTC day for a daily cap; never for a round cap, which holds the
 /// round until it is raised).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Refusal {
+pub struct SpendRefusal {
     pub scope: String,
     pub until: Option<DateTime<Utc>>,
 }
@@ -96,7 +96,7 @@ pub struct Refusal {
 pub trait SpendMeter: Send + Sync {
     /// Reserves `estimate` for one attempt of a call of `kind` tagged `tag`, or
     /// refuses because a cap would be passed.
-    async fn reserve(&self, tag: &CallTag, kind: &'static str, estimate: Spend) -> Result<Hold, Refusal>;
+    async fn reserve(&self, tag: &CallTag, kind: &'static str, estimate: Spend) -> Result<Hold, SpendRefusal>;
     /// Replaces the reservation with what the attempt used.
     async fn settle(&self, hold: Hold, used: Spend);
 }

@@ -127,12 +127,12 @@ pub fn parse_props(body: &[u8]) -> Option<ServerProps> {
 /// fit together. Unknown (0), it admits every call.
 #[derive(Debug, Default)]
 pub struct SharedContext {
-    state: Mutex<Budget>,
+    state: Mutex<ContextLedger>,
     freed: Notify,
 }
 
 #[derive(Debug, Default)]
-struct Budget {
+struct ContextLedger {
     /// The shared context's size; 0 while unknown.
     tokens: u64,
     /// Tokens held by the calls admitted and not yet answered.

@@ -179,8 +179,8 @@ mod tests {
                 assert!(e.contains("auth.session_hours") && e.contains(&hours.to_string()), "{e}");
             }
         }
-        type Change = fn(&mut OidcSettings);
-        let cases: [(Change, &str); 7] = [
+        type SettingsEdit = fn(&mut OidcSettings);
+        let cases: [(SettingsEdit, &str); 7] = [
             (|o| o.issuer = "http://id.example.com".into(), "auth.oidc.issuer"),
             (|o| o.issuer = "not a url".into(), "auth.oidc.issuer"),
             (|o| o.client_id = " ".into(), "auth.oidc.client_id"),

@@ -18,7 +18,7 @@ use super::{AppState, ServiceError, ServiceResult};
 use crate::domain::budget::{BudgetCaps, BudgetReached, DaySpend, Spent, next_day};
 use crate::domain::clock::Clock;
 use crate::domain::{Prompt, PromptName};
-use crate::llm::meter::{CallTag, Hold, Refusal, Spend, SpendMeter};
+use crate::llm::meter::{CallTag, Hold, Spend, SpendMeter, SpendRefusal};
 use crate::store::{DynStore, HoldOutcome, HoldRequest, Settlement};
 
 /// Most days `GET /v1/prompts/{name}/spend` reads back.
@@ -52,7 +52,7 @@ fn spent(s: Spend) -> Spent {
 // would hold the connection the journal needs.
 #[async_trait]
 impl SpendMeter for StoreMeter {
-    async fn reserve(&self, tag: &CallTag, kind: &'static str, estimate: Spend) -> Result<Hold, Refusal> {
+    async fn reserve(&self, tag: &CallTag, kind: &'static str, estimate: Spend) -> Result<Hold, SpendRefusal> {
         let now = self.clock.now();
         let (day, until) = (now.date_naive(), next_day(now));
         let (id, store, server) = (Uuid::now_v7(), self.store.clone(), self.server);
@@ -69,16 +69,16 @@ impl SpendMeter for StoreMeter {
             Ok(Ok(HoldOutcome::Held)) => Ok(Hold { id, day, tag: tag.clone(), kind, estimate }),
             Ok(Ok(HoldOutcome::Refused { scope, daily })) => {
                 metrics::counter!("combee_llm_budget_refusals_total", "scope" => scope.clone()).increment(1);
-                Err(Refusal { scope, until: daily.then_some(until) })
+                Err(SpendRefusal { scope, until: daily.then_some(until) })
             }
             // Fail closed: an uncounted call could pass a cap. The work waits and looks again.
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "the budget could not be checked; the call waits");
-                Err(Refusal { scope: "the budget could not be checked".into(), until: None })
+                Err(SpendRefusal { scope: "the budget could not be checked".into(), until: None })
             }
             Err(e) => {
                 tracing::warn!(error = %e, "the budget check stopped; the call waits");
-                Err(Refusal { scope: "the budget could not be checked".into(), until: None })
+                Err(SpendRefusal { scope: "the budget could not be checked".into(), until: None })
             }
         }
     }

@@ -16,7 +16,7 @@ use super::{AppState, ServiceError, ServiceResult};
 use crate::{
     domain::{BatchSize, Prompt, PromptName, Strategy},
     learn::{
-        capacity::batch_size::{self, Choice, ControllerConfig, Quality, Sample, choose},
+        capacity::batch_size::{self, Choice, ControllerConfig, Quality, RoundSample, choose},
         capacity::meter::{BucketCounts, MeterBucket},
         capacity::sizing::{GroupSize, choose_group_size},
     },
@@ -27,13 +27,13 @@ use crate::{
 /// all that retention keeps of a prompt's old rounds).
 pub const SAMPLE_LIMIT: u32 = crate::store::CONTROLLER_SAMPLES_KEPT;
 
-pub async fn samples(st: &AppState, prompt: &PromptName) -> ServiceResult<Vec<Sample>> {
+pub async fn samples(st: &AppState, prompt: &PromptName) -> ServiceResult<Vec<RoundSample>> {
     Ok(st
         .store
         .controller_samples(prompt, SAMPLE_LIMIT)
         .await?
         .into_iter()
-        .map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs })
+        .map(|s| RoundSample { batch_size: s.batch_size, round_secs: s.round_secs })
         .collect())
 }
 
@@ -147,8 +147,8 @@ pub async fn controller_view(st: &AppState, name: &PromptName) -> ServiceResult<
         .ok_or_else(|| ServiceError::not_found(format_args!("prompt {name:?}")))?;
     let cfg = &st.settings.controller;
     let samples = st.store.controller_samples(&name, SAMPLE_LIMIT).await?;
-    let plain: Vec<Sample> =
-        samples.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs }).collect();
+    let plain: Vec<RoundSample> =
+        samples.iter().map(|s| RoundSample { batch_size: s.batch_size, round_secs: s.round_secs }).collect();
     let n = backlog.pending.max(0) as u64;
     let quality = quality(st, &backlog.prompt, cfg).await?;
     let choice = batch_size::choose(&plain, n, &quality, cfg);

@@ -454,13 +454,13 @@ pub(crate) mod tests {
     fn sim_args_have_a_flag_for_every_setting() {
         use clap::Parser;
         #[derive(Parser)]
-        struct Cli {
+        struct SimFlags {
             #[command(flatten)]
             args: SimArgs,
         }
-        let cli = Cli::try_parse_from(["sim-llm"]).unwrap();
+        let cli = SimFlags::try_parse_from(["sim-llm"]).unwrap();
         assert_eq!((cli.args.bind.as_str(), &cli.args.sim), ("127.0.0.1:8090", &SimConfig::default()));
-        let cli = Cli::try_parse_from([
+        let cli = SimFlags::try_parse_from([
             "sim-llm",
             "--bind",
             "0.0.0.0:9",

@@ -158,7 +158,7 @@ pub fn harmful(k: u32) -> String {
 
 const HARM_TOKEN: &str = "harm-";
 
-struct Outcome {
+struct TaskOutcome {
     version: i64,
     success: bool,
     poisoned: bool,
@@ -189,7 +189,7 @@ impl World {
         while run_index < cfg.runs {
             let started = Instant::now();
             let n = cfg.window.min(cfg.runs - run_index);
-            let outcomes: Vec<anyhow::Result<Outcome>> =
+            let outcomes: Vec<anyhow::Result<TaskOutcome>> =
                 stream::iter((run_index..run_index + n).map(|i| self.paced_run(i, paced_from)))
                     .buffer_unordered(cfg.agents as usize)
                     .collect()
@@ -235,7 +235,7 @@ impl World {
     }
 
     /// Run `i`, started at its turn when the world has a steady `rate`.
-    async fn paced_run(&self, i: u32, from: tokio::time::Instant) -> anyhow::Result<Outcome> {
+    async fn paced_run(&self, i: u32, from: tokio::time::Instant) -> anyhow::Result<TaskOutcome> {
         if let Some(rate) = self.cfg.rate {
             tokio::time::sleep_until(from + Duration::from_secs_f64(f64::from(i) / rate)).await;
         }
@@ -243,7 +243,7 @@ impl World {
     }
 
     /// One agent run: a task, the prompt, an outcome, a trace.
-    async fn one_run(&self, i: u32) -> anyhow::Result<Outcome> {
+    async fn one_run(&self, i: u32) -> anyhow::Result<TaskOutcome> {
         let cfg = &self.cfg;
         let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ (u64::from(i) << 20) ^ 0x5eed);
         let task_type = rng.gen_range(0..cfg.task_types);
@@ -289,7 +289,7 @@ impl World {
             "metadata": {"task_key": format!("t{task_type}-{task}"), "world": "simulation", "subject": subject},
         });
         self.post_trace(&trace).await?;
-        Ok(Outcome { version, success, poisoned })
+        Ok(TaskOutcome { version, success, poisoned })
     }
 
     /// A run of the house-rules world: the reply states the rules `prompt`
@@ -302,7 +302,7 @@ impl World {
         subject: &str,
         task: u32,
         rng: &mut ChaCha8Rng,
-    ) -> anyhow::Result<Outcome> {
+    ) -> anyhow::Result<TaskOutcome> {
         let cfg = &self.cfg;
         let n = cfg.house_rules;
         let task = format!("ticket {task}");
@@ -319,7 +319,7 @@ impl World {
             "metadata": {"task_key": task, "world": "simulation", "subject": subject},
         }))
         .await?;
-        Ok(Outcome { version, success, poisoned: false })
+        Ok(TaskOutcome { version, success, poisoned: false })
     }
 
     async fn post_trace(&self, trace: &Value) -> anyhow::Result<()> {

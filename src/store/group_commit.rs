@@ -213,9 +213,9 @@ mod tests {
 
     use super::*;
 
-    struct Row;
+    struct UnitRow;
 
-    impl Weighed for Row {
+    impl Weighed for UnitRow {
         fn weight(&self) -> usize {
             1
         }
@@ -223,10 +223,10 @@ mod tests {
 
     /// Four lanes whose commits take 200 ms; the sizes of the groups they
     /// commit, in the order the commits start.
-    fn lanes(join_weight: usize) -> (GroupCommit<Row>, Arc<StdMutex<Vec<usize>>>) {
+    fn lanes(join_weight: usize) -> (GroupCommit<UnitRow>, Arc<StdMutex<Vec<usize>>>) {
         let sizes = Arc::new(StdMutex::new(Vec::new()));
         let seen = sizes.clone();
-        let lanes = GroupCommit::start(4, 1024, join_weight, move |group: Vec<Row>| {
+        let lanes = GroupCommit::start(4, 1024, join_weight, move |group: Vec<UnitRow>| {
             seen.lock().unwrap().push(group.len());
             tokio::time::sleep(Duration::from_millis(200))
         });
@@ -239,11 +239,11 @@ mod tests {
     #[tokio::test]
     async fn a_short_queue_waits_for_the_committing_lane_instead_of_splitting() {
         let (lanes, sizes) = lanes(32);
-        lanes.submit(Row).await.unwrap();
+        lanes.submit(UnitRow).await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(*sizes.lock().unwrap(), [1], "an idle store commits a lone write at once");
         for _ in 0..10 {
-            lanes.submit(Row).await.unwrap();
+            lanes.submit(UnitRow).await.unwrap();
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -255,11 +255,11 @@ mod tests {
     #[tokio::test]
     async fn a_deep_queue_runs_lanes_side_by_side() {
         let (lanes, sizes) = lanes(4);
-        lanes.submit(Row).await.unwrap();
+        lanes.submit(UnitRow).await.unwrap();
         for arriving in [4, 4, 2] {
             tokio::time::sleep(Duration::from_millis(20)).await;
             for _ in 0..arriving {
-                lanes.submit(Row).await.unwrap();
+                lanes.submit(UnitRow).await.unwrap();
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

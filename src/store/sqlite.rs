@@ -304,7 +304,7 @@ pub struct Write {
 enum Job {
     /// Plain inserts (no idempotency key): all of a group's are written by
     /// one statement that keeps each request all or nothing.
-    Insert(Insert),
+    Insert(PlainInsert),
     /// Anything else, run under a savepoint of its own.
     Work {
         /// It reads or retracts rollup credit, so the group's pending credit
@@ -316,7 +316,7 @@ enum Job {
 
 /// One request's plain insert: its rows, their ids (made by the request's
 /// task), and where its answer goes.
-struct Insert {
+struct PlainInsert {
     traces: Vec<TraceRow>,
     ids: Vec<Uuid>,
     reply: oneshot::Sender<StoreResult<Vec<Uuid>>>,
@@ -421,7 +421,7 @@ async fn resolve_prompts(
 /// writes the traces of the others and returns the ids to credit. On an
 /// error `inserts` holds every request not yet answered, for the caller to
 /// answer with the group's failure.
-async fn insert_group(c: &mut SqliteConnection, inserts: &mut Vec<Insert>) -> StoreResult<Vec<Uuid>> {
+async fn insert_group(c: &mut SqliteConnection, inserts: &mut Vec<PlainInsert>) -> StoreResult<Vec<Uuid>> {
     let mut known = PromptIds::new();
     let mut prompt_ids = Vec::with_capacity(inserts.len());
     let mut pending = std::mem::take(inserts).into_iter();
@@ -659,7 +659,7 @@ impl Backend for Sqlite {
         let traces = TraceRow::all(traces)?;
         let ids = traces.iter().map(|_| Uuid::now_v7()).collect();
         let (reply, answer) = oneshot::channel();
-        s.writes.submit(Write { rows: traces.len(), job: Job::Insert(Insert { traces, ids, reply }) }).await?;
+        s.writes.submit(Write { rows: traces.len(), job: Job::Insert(PlainInsert { traces, ids, reply }) }).await?;
         group_commit::answer(answer).await
     }
 

@@ -93,7 +93,7 @@ pub struct Who<'a> {
 
 /// Which top-level section is current.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Section {
+pub enum NavSection {
     Prompts,
     Traces,
     Audit,
@@ -102,22 +102,22 @@ pub enum Section {
 }
 
 /// A whole page: `title` is escaped here, `body` is already-built HTML.
-pub fn page(title: &str, who: Option<&Who<'_>>, section: Section, body: &str) -> Html<String> {
+pub fn page(title: &str, who: Option<&Who<'_>>, section: NavSection, body: &str) -> Html<String> {
     let mut nav = String::new();
     if let Some(w) = who {
-        let cur = |s: Section| if s == section { r#" class="current""# } else { "" };
+        let cur = |s: NavSection| if s == section { r#" class="current""# } else { "" };
         let _ = write!(
             nav,
             r#"<nav><a href="/ui/prompts"{}>Prompts</a><a href="/ui/traces"{}>Traces</a>{}</nav>
 <div class="who"><span title="{}" id="who">{} <code id="who-detail">{}</code></span>{}
 <form method="post" action="/ui/logout" class="inline"><input type="hidden" name="csrf" value="{}"><button type="submit" class="link" id="sign-out">Sign out</button></form></div>"#,
-            cur(Section::Prompts),
-            cur(Section::Traces),
+            cur(NavSection::Prompts),
+            cur(NavSection::Traces),
             if w.admin {
                 format!(
                     r#"<a href="/ui/audit" id="nav-audit"{}>Audit</a><a href="/ui/members" id="nav-members"{}>Members</a>"#,
-                    cur(Section::Audit),
-                    cur(Section::Members)
+                    cur(NavSection::Audit),
+                    cur(NavSection::Members)
                 )
             } else {
                 String::new()

@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use super::{
     UiError,
-    html::{self, Section, escape, time},
+    html::{self, NavSection, escape, time},
     session::Operator,
 };
 use crate::{
@@ -49,7 +49,7 @@ pub async fn page(State(st): State<AppState>, op: Operator) -> Result<Response, 
 <button type="submit" id="member-save">Save</button>
 </form></section>"#
     );
-    Ok(html::page("Members", Some(&op.who()), Section::Members, &body).into_response())
+    Ok(html::page("Members", Some(&op.who()), NavSection::Members, &body).into_response())
 }
 
 #[derive(Deserialize)]

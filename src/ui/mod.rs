@@ -22,7 +22,7 @@ use axum::{
 };
 
 use crate::{http::RouteTable, service::ServiceError};
-use html::{Section, page};
+use html::{NavSection, page};
 
 pub fn router() -> RouteTable {
     RouteTable::new()
@@ -108,7 +108,7 @@ impl IntoResponse for UiError {
             html::escape(title),
             html::escape(&message)
         );
-        (status, page(title, None, Section::None, &body)).into_response()
+        (status, page(title, None, NavSection::None, &body)).into_response()
     }
 }
 

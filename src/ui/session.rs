@@ -17,7 +17,7 @@ use subtle::ConstantTimeEq;
 
 use super::{
     UiError,
-    html::{Section, escape, page},
+    html::{NavSection, escape, page},
 };
 use crate::{
     auth::hash_key,
@@ -263,7 +263,7 @@ fn login_page(headers: &HeaderMap, offer: Offer, message: Option<&str>, status: 
 {form}
 </section>"#
     );
-    let mut res = (status, page("Sign in", None, Section::None, &body)).into_response();
+    let mut res = (status, page("Sign in", None, NavSection::None, &body)).into_response();
     res.headers_mut().insert(header::SET_COOKIE, cookie(headers, LOGIN_COOKIE, &token, LOGIN_FORM_SECS));
     res
 }

@@ -18,7 +18,7 @@ use serde::Deserialize;
 
 use super::{
     UiError,
-    html::{Section, escape, page},
+    html::{NavSection, escape, page},
     session::{SESSION_COOKIE, cookie, cookie_value, over_https, random_token, session_length, tokens_match},
 };
 use crate::{
@@ -49,7 +49,7 @@ fn refusal(status: StatusCode, headline: &str, message: &str, id: &str) -> Respo
         escape(headline),
         escape(message)
     );
-    let mut res = (status, page(headline, None, Section::None, &body)).into_response();
+    let mut res = (status, page(headline, None, NavSection::None, &body)).into_response();
     res.extensions_mut().insert(crate::service::audit::Refused);
     res
 }
@@ -186,7 +186,7 @@ async fn signed_in_or_refused(st: &AppState, headers: &HeaderMap, q: CallbackQue
         r#"<section class="card"><h1>Signed in</h1><p>Welcome, {}. <a href="{next}" id="continue">Continue</a></p></section>"#,
         escape(&person.name)
     );
-    let html = page("Signed in", None, Section::None, &body).0.replacen(
+    let html = page("Signed in", None, NavSection::None, &body).0.replacen(
         "<head>",
         &format!(r#"<head><meta http-equiv="refresh" content="0; url={next}">"#),
         1,
@@ -222,7 +222,7 @@ pub async fn pick_page(State(st): State<AppState>, headers: HeaderMap) -> Result
         r#"<section class="card"><h1>Where to work</h1><p class="muted">{}, you hold several roles here. Pick one; you can switch later.</p><ul id="grants">{items}</ul></section>"#,
         escape(&s.person.name)
     );
-    Ok(page("Pick a project", None, Section::None, &body).into_response())
+    Ok(page("Pick a project", None, NavSection::None, &body).into_response())
 }
 
 #[derive(Deserialize)]

@@ -324,7 +324,7 @@ async fn a_simulated_llm_judge_promotes_the_better_version(b: Backend) {
 async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Option<crate::common::Sim>) {
     let llm = sim.as_ref().map(|s| s.url.clone());
     let app = spawn_app_with(b, |s| {
-        s.server.role = combee::config::Role::All;
+        s.server.role = combee::config::ProcessRole::All;
         if let Some(url) = &llm {
             crate::common::learning(s, url);
         }
@@ -405,7 +405,7 @@ async fn world_without_feedback(b: Backend, evaluators: Vec<Evaluator>, sim: Opt
 /// Calibration: each evaluator against the traces agents or operators
 /// scored, over the API.
 async fn calibration_compares_the_evaluators_with_reported_rewards(b: Backend) {
-    let app = spawn_app_with(b, |s| s.server.role = combee::config::Role::All).await;
+    let app = spawn_app_with(b, |s| s.server.role = combee::config::ProcessRole::All).await;
     app.create_prompt("c").await;
     let list = json!({"evaluators": [
         {"kind": "checks", "name": "solved", "checks": [{"type": "equals", "value": "solved"}]}]});
@@ -439,7 +439,7 @@ async fn calibration_compares_the_evaluators_with_reported_rewards(b: Backend) {
 /// for calibration; the prompt's page shows its evaluators.
 async fn an_operator_labels_a_judged_trace_in_the_web_ui(b: Backend) {
     use crate::ui_browser::{hidden, plain_client, set_cookie, sign_in};
-    let app = spawn_app_with(b, |s| s.server.role = combee::config::Role::All).await;
+    let app = spawn_app_with(b, |s| s.server.role = combee::config::ProcessRole::All).await;
     app.create_prompt("u").await;
     let list = json!({"evaluators": solved_check()});
     assert_eq!(app.put("/v1/prompts/u/evaluators", list).send().await.unwrap().status(), 200);

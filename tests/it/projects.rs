@@ -611,7 +611,7 @@ async fn another_projects_ui_pages_are_absent(b: Backend) {
 
 async fn a_projects_webhook_hears_only_its_projects_events(b: Backend) {
     let app = spawn_app_with(b, |s| {
-        s.server.role = combee::config::Role::All;
+        s.server.role = combee::config::ProcessRole::All;
         s.llm.base_url = "http://127.0.0.1:9/v1".into();
         s.webhooks.allow_private_targets = true;
         s.webhooks.poll_interval_ms = 50;

@@ -115,7 +115,7 @@ fn llama_server() -> Option<RealLlm> {
 /// The real server with its worker on product defaults, learning from `url`.
 async fn spawn_learning_app(b: Backend, url: &str, model: &str) -> TestApp {
     spawn_app_with(b, |s| {
-        s.server.role = combee::config::Role::All;
+        s.server.role = combee::config::ProcessRole::All;
         s.llm.base_url = url.to_owned();
         s.llm.reflector_model = model.to_owned();
         s.llm.aggregator_model = model.to_owned();

@@ -21,7 +21,7 @@ use axum::{
     http::{HeaderMap, StatusCode},
     routing::post,
 };
-use combee::config::{Role, Settings};
+use combee::config::{ProcessRole, Settings};
 use common::{Backend, TestApp, eventually, expect_problem, restart_app_with, spawn_app, spawn_app_with};
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -104,7 +104,7 @@ impl Receiver {
 /// Deliveries on: the worker runs (its LLM is never called: no traces are
 /// sent), private targets allowed (the receiver is on loopback), quick retries.
 fn delivering(s: &mut Settings) {
-    s.server.role = Role::All;
+    s.server.role = ProcessRole::All;
     s.llm.base_url = "http://127.0.0.1:9/v1".into();
     s.worker.poll_interval_ms = 50;
     s.webhooks.allow_private_targets = true;
@@ -219,7 +219,7 @@ async fn an_event_written_before_a_restart_is_delivered_after_it(b: Backend) {
     // First process: API only, so nothing is delivered; the event waits in the outbox.
     let mut first = spawn_app_with(b, |s| {
         delivering(s);
-        s.server.role = Role::Api;
+        s.server.role = ProcessRole::Api;
     })
     .await;
     let sub = subscribe(&first, &rx.url, &["version.created", "label.moved"]).await;
@@ -439,7 +439,7 @@ async fn promote_new_version(app: &TestApp, prompt: &str, base: &str) -> i64 {
 
 /// The regression guard on, ticking every second, with deliveries to loopback; no learning worker.
 fn guarded(s: &mut Settings) {
-    s.server.role = Role::All;
+    s.server.role = ProcessRole::All;
     s.webhooks.allow_private_targets = true;
     s.webhooks.poll_interval_ms = 50;
     s.guard.tick_secs = 1;

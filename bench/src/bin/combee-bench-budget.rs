@@ -24,7 +24,7 @@ use combee::{
 use serde_json::{Value, json};
 
 #[derive(Parser)]
-struct Args {
+struct BudgetArgs {
     /// Traces each run learns from.
     #[arg(long, default_value_t = 24)]
     traces: usize,
@@ -169,7 +169,7 @@ fn overshoot(cap: u64, spent: u64, call: u64) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = BudgetArgs::parse();
     let dir = tempfile::tempdir()?;
     let sim = LocalSim::start(SimConfig { seed: args.seed, rate_5xx: 0.2, ..SimConfig::default() }).await?;
     let (mut s, store) = combee_bench::embedded(dir.path(), &sim.base_url).await?;

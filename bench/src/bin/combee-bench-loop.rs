@@ -42,7 +42,7 @@ use sqlx::Row as _;
 
 #[derive(Debug, Parser)]
 #[command(about = "The default loop under steady traffic (a SIMULATION, not agents or a model)")]
-struct Args {
+struct LoopArgs {
     /// Where loop-<name>.md, .csv and .svg are written.
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -72,7 +72,7 @@ struct Args {
     rewards: Vec<Rewards>,
     /// Promotion policies to run side by side.
     #[arg(long, value_delimiter = ',', default_value = "evaluated,auto")]
-    policies: Vec<Policy>,
+    policies: Vec<LoopPolicy>,
     /// How often the observer reads production (seconds).
     #[arg(long, default_value_t = 5.0)]
     sample_secs: f64,
@@ -88,7 +88,7 @@ enum Rewards {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, clap::ValueEnum)]
-enum Policy {
+enum LoopPolicy {
     Evaluated,
     Auto,
 }
@@ -108,7 +108,7 @@ impl Rewards {
     }
 }
 
-impl Policy {
+impl LoopPolicy {
     fn label(self) -> &'static str {
         match self {
             Self::Evaluated => "evaluated",
@@ -118,12 +118,12 @@ impl Policy {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Config {
-    policy: Policy,
+struct LoopConfig {
+    policy: LoopPolicy,
     rewards: Rewards,
 }
 
-impl Config {
+impl LoopConfig {
     fn prompt(&self) -> String {
         format!("loop-{}-{}", self.policy.label(), self.rewards.short())
     }
@@ -134,7 +134,7 @@ impl Config {
 
 /// What the observer saw at one moment.
 #[derive(Debug, Clone)]
-struct Sample {
+struct Observation {
     secs: f64,
     production: i64,
     /// Share of the rules production holds.
@@ -160,13 +160,13 @@ struct Ending {
     rounds_failed: i64,
 }
 
-struct Client {
+struct LoopClient {
     http: reqwest::Client,
     base: String,
     key: String,
 }
 
-impl Client {
+impl LoopClient {
     async fn get(&self, path: &str) -> anyhow::Result<Value> {
         let res = self.http.get(format!("{}{path}", self.base)).bearer_auth(&self.key).send().await?;
         if !res.status().is_success() {
@@ -219,10 +219,10 @@ impl Client {
 }
 
 /// Creates the configuration's prompt on product defaults (only its policy named) and its evaluators.
-async fn create(client: &Client, cfg: Config, rules: u32) -> anyhow::Result<()> {
+async fn create(client: &LoopClient, cfg: LoopConfig, rules: u32) -> anyhow::Result<()> {
     let prompt = cfg.prompt();
     let mut body = json!({"name": prompt, "base": "You answer the shop's customers."});
-    if cfg.policy == Policy::Auto {
+    if cfg.policy == LoopPolicy::Auto {
         body["promotion"] = json!("auto");
     }
     let req = client.http.post(format!("{}/v1/prompts", client.base)).json(&body);
@@ -239,12 +239,12 @@ async fn create(client: &Client, cfg: Config, rules: u32) -> anyhow::Result<()> 
 
 /// Reads production of every configuration every `sample_secs` until `stop`.
 async fn observe(
-    client: &Client,
-    configs: &[Config],
-    args: &Args,
+    client: &LoopClient,
+    configs: &[LoopConfig],
+    args: &LoopArgs,
     started: Instant,
     stop: Arc<AtomicBool>,
-) -> anyhow::Result<Vec<Vec<Sample>>> {
+) -> anyhow::Result<Vec<Vec<Observation>>> {
     let mut out = vec![Vec::new(); configs.len()];
     let every = Duration::from_secs_f64(args.sample_secs);
     let mut next = tokio::time::Instant::now();
@@ -252,7 +252,7 @@ async fn observe(
         for (cfg, samples) in configs.iter().zip(out.iter_mut()) {
             let prompt = cfg.prompt();
             let (production, text) = client.production(&prompt).await?;
-            samples.push(Sample {
+            samples.push(Observation {
                 secs: started.elapsed().as_secs_f64(),
                 production,
                 quality: house_rules::rules_in(&text, args.rules).len() as f64 / f64::from(args.rules),
@@ -269,15 +269,15 @@ async fn observe(
 
 /// What the API and the store say about a configuration once the run is over.
 async fn ending(
-    client: &Client,
+    client: &LoopClient,
     db: &sqlx::SqlitePool,
-    cfg: Config,
+    cfg: LoopConfig,
     rules: u32,
     first_trace: chrono::DateTime<chrono::Utc>,
 ) -> anyhow::Result<Ending> {
     let prompt = cfg.prompt();
     let mut e = Ending::default();
-    if cfg.policy == Policy::Evaluated {
+    if cfg.policy == LoopPolicy::Evaluated {
         let arms = client.all(&format!("/v1/prompts/{prompt}/population"), "arms").await?;
         e.arms = arms.len();
         e.arms_rated = arms.iter().filter(|a| a["scored_traces"].as_u64().unwrap_or(0) > 0).count();
@@ -334,11 +334,11 @@ async fn ending(
 }
 
 /// Production's quality at `secs` (the last sample at or before it).
-fn quality_at(samples: &[Sample], secs: f64) -> f64 {
+fn quality_at(samples: &[Observation], secs: f64) -> f64 {
     samples.iter().take_while(|s| s.secs <= secs + 1e-9).last().map_or(0.0, |s| s.quality)
 }
 
-fn svg(configs: &[Config], results: &[Vec<Sample>], args: &Args) -> String {
+fn svg(configs: &[LoopConfig], results: &[Vec<Observation>], args: &LoopArgs) -> String {
     const W: f64 = 860.0;
     const H: f64 = 460.0;
     let (l, r, t, b) = (70.0, 240.0, 60.0, 60.0);
@@ -392,8 +392,8 @@ fn svg(configs: &[Config], results: &[Vec<Sample>], args: &Args) -> String {
     ));
     for (i, (cfg, samples)) in configs.iter().zip(results).enumerate() {
         let color = match cfg.policy {
-            Policy::Evaluated => "#1f77b4",
-            Policy::Auto => "#d62728",
+            LoopPolicy::Evaluated => "#1f77b4",
+            LoopPolicy::Auto => "#d62728",
         };
         let dash = if cfg.rewards == Rewards::Judged { " stroke-dasharray=\"6 4\"" } else { "" };
         // A step plot: production holds its quality until the next sample.
@@ -427,7 +427,7 @@ fn svg(configs: &[Config], results: &[Vec<Sample>], args: &Args) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = LoopArgs::parse();
     if !(args.rate > 0.0 && args.minutes > 0.0 && args.sample_secs > 0.0 && args.rules > 0) {
         bail!("--rate, --minutes, --sample-secs and --rules must be > 0");
     }
@@ -444,12 +444,12 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = app.shutdown_token();
     let server = tokio::spawn(app.run_until_stopped());
     let key = std::fs::read_to_string(data_dir.join("admin-key"))?.trim().to_owned();
-    let client = Client { http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?, base, key };
+    let client = LoopClient { http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?, base, key };
 
-    let configs: Vec<Config> = args
+    let configs: Vec<LoopConfig> = args
         .rewards
         .iter()
-        .flat_map(|&rewards| args.policies.iter().map(move |&policy| Config { policy, rewards }))
+        .flat_map(|&rewards| args.policies.iter().map(move |&policy| LoopConfig { policy, rewards }))
         .collect();
     for &cfg in &configs {
         create(&client, cfg, args.rules).await?;
@@ -521,7 +521,7 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn csv(configs: &[Config], samples: &[Vec<Sample>]) -> String {
+fn csv(configs: &[LoopConfig], samples: &[Vec<Observation>]) -> String {
     let mut out = String::from("simulation,configuration,policy,rewards,secs,production_version,quality,published\n");
     for (c, rows) in configs.iter().zip(samples) {
         for s in rows {
@@ -541,9 +541,9 @@ fn csv(configs: &[Config], samples: &[Vec<Sample>]) -> String {
 }
 
 fn report(
-    args: &Args,
-    configs: &[Config],
-    samples: &[Vec<Sample>],
+    args: &LoopArgs,
+    configs: &[LoopConfig],
+    samples: &[Vec<Observation>],
     endings: &[Ending],
     population: &combee::config::PopulationSettings,
     total_secs: f64,
@@ -630,8 +630,8 @@ fn report(
     md.push_str("\n## Targets (SIMULATION)\n\n");
     let pf = |ok: bool| if ok { "PASS" } else { "FAIL" };
     for rewards in &args.rewards {
-        let find = |p: Policy| configs.iter().position(|c| c.policy == p && c.rewards == *rewards);
-        if let (Some(e), Some(a)) = (find(Policy::Evaluated), find(Policy::Auto)) {
+        let find = |p: LoopPolicy| configs.iter().position(|c| c.policy == p && c.rewards == *rewards);
+        if let (Some(e), Some(a)) = (find(LoopPolicy::Evaluated), find(LoopPolicy::Auto)) {
             let (qe, qa) = (quality_at(&samples[e], deadline), quality_at(&samples[a], deadline));
             md.push_str(&format!(
                 "- {}: with {}, `evaluated` production holds ≥ 90 % of what `auto` reaches by minute {:.0}: \
@@ -650,7 +650,7 @@ fn report(
             c.name()
         ));
     }
-    for (c, rows) in configs.iter().zip(samples).filter(|(c, _)| c.policy == Policy::Evaluated) {
+    for (c, rows) in configs.iter().zip(samples).filter(|(c, _)| c.policy == LoopPolicy::Evaluated) {
         // The first hour's versions: counted when the run lasted an hour, else extrapolated (said so).
         let hour = rows.iter().take_while(|s| s.secs <= 3600.0).last().map_or(0, |s| s.published);
         let (n, how) = if total_secs >= 3600.0 {

@@ -22,7 +22,7 @@ use serde_json::json;
 use uuid::Uuid;
 
 #[derive(Parser)]
-struct Args {
+struct RoundArgs {
     /// The simulator's fixed latency per call, L.
     #[arg(long, default_value_t = 500.0)]
     latency_ms: f64,
@@ -56,7 +56,7 @@ fn traces(n: usize) -> Vec<Trace> {
         .collect()
 }
 
-struct Row {
+struct StoreRow {
     store: &'static str,
     strategy: &'static str,
     n: usize,
@@ -68,7 +68,7 @@ struct Row {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = RoundArgs::parse();
     let sim =
         combee::simulation::llm::LocalSim::start(SimConfig { fixed_ms: args.latency_ms, ..Default::default() }).await?;
     let llm = LlmConfig { base_url: sim.base_url.clone(), max_concurrency: args.concurrency, ..LlmConfig::default() };
@@ -186,7 +186,7 @@ async fn main() -> anyhow::Result<()> {
                     (elapsed, o)
                 };
                 let wall_ms = wall.as_secs_f64() * 1000.0;
-                rows.push(Row {
+                rows.push(StoreRow {
                     store: if journal_kind == "memory" { "in-memory journal" } else { store_name },
                     strategy: label,
                     n,

@@ -41,7 +41,7 @@ use serde_json::{Value, json};
 
 #[derive(Debug, Parser)]
 #[command(about = "Closed-loop benchmark over the simulated agent world (a SIMULATION, not agents or a model)")]
-struct Args {
+struct WorldArgs {
     /// Where world.md, world.csv and world-success.svg are written.
     #[arg(long, default_value = "bench/results")]
     out_dir: PathBuf,
@@ -136,7 +136,7 @@ enum Attacker {
     Uniform,
 }
 
-impl Args {
+impl WorldArgs {
     /// The share of window `w`'s traces the attacker poisons, for a
     /// configuration whose traces are `overall` poisoned in all.
     fn poison_in_window(&self, w: u32, overall: f64) -> f64 {
@@ -180,7 +180,7 @@ impl Args {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Policy {
+enum WorldPolicy {
     /// `promotion = "manual"` and nobody promotes: rounds run and publish
     /// candidates, production stays the base version — agents never see learning.
     None,
@@ -188,7 +188,7 @@ enum Policy {
     Evaluated,
 }
 
-impl Policy {
+impl WorldPolicy {
     fn label(self) -> &'static str {
         match self {
             Self::None => "none",
@@ -207,7 +207,7 @@ impl Policy {
 
 /// The promotion gate a configuration's prompt runs with.
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Gate {
+enum GateSetting {
     /// The product defaults (`[population]` margin and cool-down).
     Defaults,
     /// As before the margin and cool-down existed: margin 0, no cool-down (per-prompt settings).
@@ -215,24 +215,24 @@ enum Gate {
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Config {
-    policy: Policy,
+struct WorldSetup {
+    policy: WorldPolicy,
     poison: f64,
     /// The world's lesson lift.
     lift: f64,
-    gate: Gate,
+    gate: GateSetting,
 }
 
-impl Config {
-    fn plain(policy: Policy, poison: f64) -> Self {
-        Self { policy, poison, lift: LESSON_LIFT, gate: Gate::Defaults }
+impl WorldSetup {
+    fn plain(policy: WorldPolicy, poison: f64) -> Self {
+        Self { policy, poison, lift: LESSON_LIFT, gate: GateSetting::Defaults }
     }
     fn name(&self) -> String {
         let mut name = format!("{} poison {:.0}%", self.policy.label(), self.poison * 100.0);
         if self.lift != LESSON_LIFT {
             name.push_str(&format!(", +{:.0} points", self.lift * 100.0));
         }
-        if self.gate == Gate::Before {
+        if self.gate == GateSetting::Before {
             name.push_str(", gate before (margin 0, no cool-down)");
         }
         name
@@ -243,25 +243,25 @@ impl Config {
             self.policy.label(),
             self.poison * 100.0,
             self.lift * 100.0,
-            if self.gate == Gate::Before { "-before" } else { "" }
+            if self.gate == GateSetting::Before { "-before" } else { "" }
         )
     }
-    /// The prompt's settings: the round size, and the gate's knobs for `Gate::Before`.
-    fn settings(&self, args: &Args) -> Value {
+    /// The prompt's settings: the round size, and the gate's knobs for `GateSetting::Before`.
+    fn settings(&self, args: &WorldArgs) -> Value {
         let mut settings = json!({"batch_size": args.batch_size, "max_wait_secs": 1});
-        if self.gate == Gate::Before {
+        if self.gate == GateSetting::Before {
             settings["population"] = json!({"margin": 0.0, "cooldown_windows": 0});
         }
         settings
     }
     /// Whether the plot and the original targets show it (the gate comparisons are in the summary).
     fn plotted(&self) -> bool {
-        self.lift == LESSON_LIFT && self.gate == Gate::Defaults
+        self.lift == LESSON_LIFT && self.gate == GateSetting::Defaults
     }
 }
 
 #[derive(Debug, Clone)]
-struct Row {
+struct WindowRow {
     window: u32,
     elapsed_secs: f64,
     /// Share of this window's traces the attacker poisoned (configured).
@@ -280,13 +280,13 @@ struct Row {
     production_modelled: f64,
 }
 
-struct Client {
+struct WorldClient {
     http: reqwest::Client,
     base: String,
     key: String,
 }
 
-impl Client {
+impl WorldClient {
     async fn production(&self, prompt: &str) -> anyhow::Result<(i64, String)> {
         let res = self
             .http
@@ -302,7 +302,12 @@ impl Client {
     }
 }
 
-async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant) -> anyhow::Result<Vec<Row>> {
+async fn run_config(
+    args: &WorldArgs,
+    client: &WorldClient,
+    cfg: WorldSetup,
+    started: Instant,
+) -> anyhow::Result<Vec<WindowRow>> {
     let prompt = cfg.prompt();
     let res = client
         .http
@@ -345,7 +350,7 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
         let wr = report.windows.into_iter().next().context("the world reported no window")?;
         let (production_version, text) = client.production(&prompt).await?;
         let versions: Vec<String> = wr.versions.iter().map(|(v, n)| format!("v{v}×{n}")).collect();
-        rows.push(Row {
+        rows.push(WindowRow {
             window: w,
             elapsed_secs: started.elapsed().as_secs_f64(),
             poison_share: args.poison_in_window(w, cfg.poison),
@@ -374,7 +379,7 @@ async fn run_config(args: &Args, client: &Client, cfg: Config, started: Instant)
 /// the first.
 /// (Production starts at version 1 with the base's modelled success: a move
 /// during the first window counts too.)
-fn moves_of(rows: &[Row]) -> (usize, usize, Option<u32>) {
+fn moves_of(rows: &[WindowRow]) -> (usize, usize, Option<u32>) {
     let mut moves: Vec<(u32, f64, f64)> = Vec::new();
     if let Some(first) = rows.first().filter(|r| r.production_version != 1) {
         moves.push((first.window, BASE_SUCCESS, first.production_modelled));
@@ -399,13 +404,13 @@ fn worst_dip(xs: &[f64]) -> f64 {
     dip
 }
 
-fn tail_mean(rows: &[Row], n: usize) -> f64 {
+fn tail_mean(rows: &[WindowRow], n: usize) -> f64 {
     let tail = &rows[rows.len().saturating_sub(n)..];
     let (s, h) = tail.iter().fold((0, 0), |(s, h), r| (s + r.successes, h + r.honest_runs));
     s as f64 / h.max(1) as f64
 }
 
-fn svg(configs: &[Config], results: &[Vec<Row>], args: &Args) -> String {
+fn svg(configs: &[WorldSetup], results: &[Vec<WindowRow>], args: &WorldArgs) -> String {
     const W: f64 = 820.0;
     const H: f64 = 480.0;
     let (l, r, t, b) = (70.0, 200.0, 60.0, 60.0);
@@ -473,9 +478,9 @@ fn svg(configs: &[Config], results: &[Vec<Row>], args: &Args) -> String {
     ));
     for (i, (cfg, rows)) in configs.iter().zip(results).enumerate() {
         let color = match cfg.policy {
-            Policy::None => "#7f7f7f",
-            Policy::Auto => "#d62728",
-            Policy::Evaluated => "#1f77b4",
+            WorldPolicy::None => "#7f7f7f",
+            WorldPolicy::Auto => "#d62728",
+            WorldPolicy::Evaluated => "#1f77b4",
         };
         let dash = if cfg.poison > 0.0 { " stroke-dasharray=\"6 4\"" } else { "" };
         let pts: Vec<String> = rows.iter().map(|r| format!("{:.1},{:.1}", x(r.window), y(r.success_rate))).collect();
@@ -500,7 +505,7 @@ fn svg(configs: &[Config], results: &[Vec<Row>], args: &Args) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = WorldArgs::parse();
     let dir = tempfile::tempdir()?;
     let sim = LocalSim::start(SimConfig::default()).await?;
 
@@ -517,15 +522,22 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = app.shutdown_token();
     let server = tokio::spawn(app.run_until_stopped());
     let key = std::fs::read_to_string(data_dir.join("admin-key"))?.trim().to_owned();
-    let client = Client { http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?, base, key };
+    let client = WorldClient { http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?, base, key };
 
-    let mut configs: Vec<Config> = [0.0, POISON]
+    let mut configs: Vec<WorldSetup> = [0.0, POISON]
         .into_iter()
-        .flat_map(|poison| [Policy::None, Policy::Auto, Policy::Evaluated].map(|policy| Config::plain(policy, poison)))
+        .flat_map(|poison| {
+            [WorldPolicy::None, WorldPolicy::Auto, WorldPolicy::Evaluated]
+                .map(|policy| WorldSetup::plain(policy, poison))
+        })
         .collect();
-    configs.push(Config { gate: Gate::Before, ..Config::plain(Policy::Evaluated, 0.0) });
-    configs.push(Config { lift: SMALL_LIFT, ..Config::plain(Policy::Evaluated, 0.0) });
-    configs.push(Config { lift: SMALL_LIFT, gate: Gate::Before, ..Config::plain(Policy::Evaluated, 0.0) });
+    configs.push(WorldSetup { gate: GateSetting::Before, ..WorldSetup::plain(WorldPolicy::Evaluated, 0.0) });
+    configs.push(WorldSetup { lift: SMALL_LIFT, ..WorldSetup::plain(WorldPolicy::Evaluated, 0.0) });
+    configs.push(WorldSetup {
+        lift: SMALL_LIFT,
+        gate: GateSetting::Before,
+        ..WorldSetup::plain(WorldPolicy::Evaluated, 0.0)
+    });
     eprintln!(
         "SIMULATION: {} configurations at once, {} windows × {} runs, {} s per window",
         configs.len(),
@@ -534,21 +546,21 @@ async fn main() -> anyhow::Result<()> {
         args.window_secs
     );
     let started = Instant::now();
-    let results: Vec<Vec<Row>> =
+    let results: Vec<Vec<WindowRow>> =
         futures_util::future::try_join_all(configs.iter().map(|&c| run_config(&args, &client, c, started))).await?;
     let total_secs = started.elapsed().as_secs_f64();
     shutdown.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(10), server).await;
 
     // The report.
-    let find_with = |p: Policy, poison: f64, lift: f64, gate: Gate| {
+    let find_with = |p: WorldPolicy, poison: f64, lift: f64, gate: GateSetting| {
         configs
             .iter()
             .position(|c| c.policy == p && c.poison == poison && c.lift == lift && c.gate == gate)
             .map(|i| &results[i])
             .expect("config")
     };
-    let find = |p: Policy, poison: f64| find_with(p, poison, LESSON_LIFT, Gate::Defaults);
+    let find = |p: WorldPolicy, poison: f64| find_with(p, poison, LESSON_LIFT, GateSetting::Defaults);
     let tail = (args.windows as usize / 4).max(1);
     let mut md = String::new();
     md.push_str("# Closed-loop benchmark over the simulated agent world — a SIMULATION\n\n");
@@ -589,7 +601,7 @@ async fn main() -> anyhow::Result<()> {
         population.cooldown_windows,
         guard.window_secs,
     ));
-    let poisoned_runs: Vec<&Row> =
+    let poisoned_runs: Vec<&WindowRow> =
         configs.iter().zip(&results).filter(|(c, _)| c.poison > 0.0).flat_map(|(_, rows)| rows.iter()).collect();
     let measured_poison = poisoned_runs.iter().map(|r| r.runs - r.honest_runs).sum::<usize>() as f64
         / poisoned_runs.iter().map(|r| r.runs).sum::<usize>().max(1) as f64;
@@ -673,10 +685,10 @@ async fn main() -> anyhow::Result<()> {
             first.map_or("—".to_owned(), |w| format!("window {w}")),
         ));
     }
-    let eval0 = tail_mean(find(Policy::Evaluated, 0.0), tail);
-    let auto0 = tail_mean(find(Policy::Auto, 0.0), tail);
-    let dip = |p: Policy| worst_dip(&find(p, POISON).iter().map(|r| r.production_modelled).collect::<Vec<_>>());
-    let (eval_dip, auto_dip) = (dip(Policy::Evaluated), dip(Policy::Auto));
+    let eval0 = tail_mean(find(WorldPolicy::Evaluated, 0.0), tail);
+    let auto0 = tail_mean(find(WorldPolicy::Auto, 0.0), tail);
+    let dip = |p: WorldPolicy| worst_dip(&find(p, POISON).iter().map(|r| r.production_modelled).collect::<Vec<_>>());
+    let (eval_dip, auto_dip) = (dip(WorldPolicy::Evaluated), dip(WorldPolicy::Auto));
     let pf = |ok: bool| if ok { "PASS" } else { "FAIL" };
     md.push_str("\n## Targets (SIMULATION)\n\n");
     md.push_str(&format!(
@@ -695,16 +707,16 @@ async fn main() -> anyhow::Result<()> {
     ));
 
     // The gate: equally good versions do not take turns; a better one is not held back.
-    let (_, equal_now, _) = moves_of(find(Policy::Evaluated, 0.0));
-    let (_, equal_before, _) = moves_of(find_with(Policy::Evaluated, 0.0, LESSON_LIFT, Gate::Before));
+    let (_, equal_now, _) = moves_of(find(WorldPolicy::Evaluated, 0.0));
+    let (_, equal_before, _) = moves_of(find_with(WorldPolicy::Evaluated, 0.0, LESSON_LIFT, GateSetting::Before));
     md.push_str(&format!(
         "- {}: production moves at most twice in {} windows between equally good versions (`evaluated`, no poison, \
          product defaults) — {equal_now} moves; with the gate as before (margin 0, no cool-down): {equal_before}\n",
         pf(equal_now <= 2),
         args.windows
     ));
-    let (_, _, first_now) = moves_of(find_with(Policy::Evaluated, 0.0, SMALL_LIFT, Gate::Defaults));
-    let (_, _, first_before) = moves_of(find_with(Policy::Evaluated, 0.0, SMALL_LIFT, Gate::Before));
+    let (_, _, first_now) = moves_of(find_with(WorldPolicy::Evaluated, 0.0, SMALL_LIFT, GateSetting::Defaults));
+    let (_, _, first_before) = moves_of(find_with(WorldPolicy::Evaluated, 0.0, SMALL_LIFT, GateSetting::Before));
     let shown = |w: Option<u32>| w.map_or("never".to_owned(), |w| format!("window {w}"));
     md.push_str(&format!(
         "- {}: a version 10 points better is still promoted, no later than before — product defaults {}, \
@@ -716,7 +728,7 @@ async fn main() -> anyhow::Result<()> {
 
     // Not a target: what poisoning cost production, window by window, against
     // the same policy's unpoisoned run (the same world seed, so the same tasks).
-    let shortfall = |p: Policy| {
+    let shortfall = |p: WorldPolicy| {
         find(p, 0.0)
             .iter()
             .zip(find(p, POISON))
@@ -726,8 +738,8 @@ async fn main() -> anyhow::Result<()> {
     md.push_str(&format!(
         "- (not a target) production's worst shortfall under poisoning against the same policy's unpoisoned run \
          in the same window: `auto` {:.1} points, `evaluated` {:.1} points\n",
-        shortfall(Policy::Auto) * 100.0,
-        shortfall(Policy::Evaluated) * 100.0
+        shortfall(WorldPolicy::Auto) * 100.0,
+        shortfall(WorldPolicy::Evaluated) * 100.0
     ));
 
     let mut csv = String::from(
@@ -760,7 +772,7 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out_dir)?;
     std::fs::write(args.out_dir.join("world.md"), &md)?;
     std::fs::write(args.out_dir.join("world.csv"), &csv)?;
-    let (plotted, plotted_results): (Vec<Config>, Vec<Vec<Row>>) =
+    let (plotted, plotted_results): (Vec<WorldSetup>, Vec<Vec<WindowRow>>) =
         configs.iter().zip(&results).filter(|(c, _)| c.plotted()).map(|(c, r)| (*c, r.clone())).unzip();
     std::fs::write(args.out_dir.join("world-success.svg"), svg(&plotted, &plotted_results, &args))?;
     println!("{md}");

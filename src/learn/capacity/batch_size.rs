@@ -28,7 +28,7 @@
 //! no starting size: only on the measured round times and the knobs.
 //!
 //! # Samples and window
-//! A [`Sample`] is one finished round: its batch size and its wall time R. For
+//! A [`RoundSample`] is one finished round: its batch size and its wall time R. For
 //! each batch size only the `window` most recent samples count (oldest first
 //! in the input), and a size is represented by the *median* R of those — robust
 //! to a one-off slow round (a retried 429).
@@ -42,7 +42,7 @@ use super::sizing::{DEFAULT_TARGET_RETENTION, GroupSize};
 
 /// One finished round: its batch size and wall time in seconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Sample {
+pub struct RoundSample {
     pub batch_size: u32,
     pub round_secs: f64,
 }
@@ -50,13 +50,13 @@ pub struct Sample {
 /// y = A·x^(−α), fitted in log–log space; `r2` is the fit's R² in log space.
 /// The controller fits the round time R(bs) with it (α < 0 when R grows).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Fit {
+pub struct PowerLawFit {
     pub a: f64,
     pub alpha: f64,
     pub r2: f64,
 }
 
-impl Fit {
+impl PowerLawFit {
     /// The fitted value at `bs`.
     pub fn delay(&self, bs: f64) -> f64 {
         self.a * bs.powf(-self.alpha)
@@ -213,7 +213,7 @@ pub struct Choice {
     pub cap: u32,
     pub reason: Reason,
     /// The fitted round time R(bs) = A·bs^(−α), when two sizes were measured.
-    pub fit: Option<Fit>,
+    pub fit: Option<PowerLawFit>,
     /// R at `batch_size` by the fit, when there is one.
     pub predicted_round_secs: Option<f64>,
     /// What quality allows, for the page.
@@ -222,7 +222,7 @@ pub struct Choice {
 
 /// Least squares of ln y = ln A − α·ln x. `None` with fewer than two distinct
 /// sizes or any non-positive or non-finite value.
-pub fn fit_power_law(points: &[(f64, f64)]) -> Option<Fit> {
+pub fn fit_power_law(points: &[(f64, f64)]) -> Option<PowerLawFit> {
     if points.iter().any(|&(bs, t)| !(bs.is_finite() && t.is_finite() && bs > 0.0 && t > 0.0)) {
         return None;
     }
@@ -240,12 +240,12 @@ pub fn fit_power_law(points: &[(f64, f64)]) -> Option<Fit> {
     let ss_tot: f64 = ys.iter().map(|y| (y - my).powi(2)).sum();
     let ss_res: f64 = xs.iter().zip(&ys).map(|(x, y)| (y - intercept - slope * x).powi(2)).sum();
     let r2 = if ss_tot <= 1e-12 { 1.0 } else { 1.0 - ss_res / ss_tot };
-    Some(Fit { a: intercept.exp(), alpha: -slope, r2 })
+    Some(PowerLawFit { a: intercept.exp(), alpha: -slope, r2 })
 }
 
 /// One point per batch size: the median wall time of its `window` most recent
 /// valid samples (samples are given oldest first), ascending by size.
-pub fn profile(samples: &[Sample], window: usize) -> Vec<(u32, f64)> {
+pub fn profile(samples: &[RoundSample], window: usize) -> Vec<(u32, f64)> {
     let mut by_size: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
     for s in samples.iter().rev().filter(|s| s.batch_size > 0 && s.round_secs.is_finite() && s.round_secs > 0.0) {
         let kept = by_size.entry(s.batch_size).or_default();
@@ -265,7 +265,7 @@ pub fn profile(samples: &[Sample], window: usize) -> Vec<(u32, f64)> {
 }
 
 /// Fits the round time R(bs) over the profile.
-pub fn fit_round_time(profile: &[(u32, f64)]) -> Option<Fit> {
+pub fn fit_round_time(profile: &[(u32, f64)]) -> Option<PowerLawFit> {
     let points: Vec<(f64, f64)> = profile.iter().map(|&(bs, r)| (f64::from(bs), r)).collect();
     fit_power_law(&points)
 }
@@ -273,7 +273,7 @@ pub fn fit_round_time(profile: &[(u32, f64)]) -> Option<Fit> {
 /// The largest batch whose round should stay within `max_round_secs`: from the
 /// fit when there is one; from a single measured size, proportionally (R ∝ bs,
 /// the pessimistic case) when that size already takes longer; else no bound.
-fn round_time_bound(profile: &[(u32, f64)], fit: Option<Fit>, max_round_secs: f64) -> Option<u32> {
+fn round_time_bound(profile: &[(u32, f64)], fit: Option<PowerLawFit>, max_round_secs: f64) -> Option<u32> {
     let clamp = |x: f64| (x + 1e-9).floor().clamp(1.0, f64::from(u32::MAX)) as u32;
     match (fit, profile) {
         (Some(f), _) => f.largest_within(max_round_secs).filter(|x| x.is_finite()).map(clamp),
@@ -284,7 +284,7 @@ fn round_time_bound(profile: &[(u32, f64)], fit: Option<Fit>, max_round_secs: f6
 
 /// Chooses the next batch from the samples of past rounds (oldest first), the
 /// number pending and what the meter says; the rule is in the module doc.
-pub fn choose(samples: &[Sample], backlog: u64, quality: &Quality, cfg: &ControllerConfig) -> Choice {
+pub fn choose(samples: &[RoundSample], backlog: u64, quality: &Quality, cfg: &ControllerConfig) -> Choice {
     let (min, max) = cfg.bounds();
     let profile = profile(samples, cfg.window);
     let fit = fit_round_time(&profile);
@@ -325,8 +325,8 @@ mod tests {
     }
 
     /// Rounds whose wall time follows R(bs) = c·bs^beta.
-    fn rounds(sizes: &[u32], c: f64, beta: f64) -> Vec<Sample> {
-        sizes.iter().map(|&bs| Sample { batch_size: bs, round_secs: c * f64::from(bs).powf(beta) }).collect()
+    fn rounds(sizes: &[u32], c: f64, beta: f64) -> Vec<RoundSample> {
+        sizes.iter().map(|&bs| RoundSample { batch_size: bs, round_secs: c * f64::from(bs).powf(beta) }).collect()
     }
 
     fn measured(buckets: &[(u32, u64, u64)]) -> Quality {
@@ -389,10 +389,10 @@ mod tests {
         assert_eq!(c.cap, 100);
         assert!(close(c.predicted_round_secs.unwrap(), 20.0, 1e-6));
         // One measured size that is already too slow: proportional.
-        let one = choose(&[Sample { batch_size: 50, round_secs: 40.0 }], 5000, &holds(), &tight);
+        let one = choose(&[RoundSample { batch_size: 50, round_secs: 40.0 }], 5000, &holds(), &tight);
         assert_eq!(one.cap, 25);
         // One size within the limit says nothing about larger ones.
-        let ok = choose(&[Sample { batch_size: 50, round_secs: 4.0 }], 5000, &holds(), &tight);
+        let ok = choose(&[RoundSample { batch_size: 50, round_secs: 4.0 }], 5000, &holds(), &tight);
         assert_eq!(ok.cap, 256);
         // Even the smallest batch too slow: still min_batch, never zero.
         let slow = choose(&rounds(&[4, 8], 100.0, 1.0), 5000, &holds(), &tight);
@@ -420,8 +420,8 @@ mod tests {
         // A one-slot server: R grows about linearly, 1 to 10 minutes per round.
         let minutes = rounds(&[5, 8, 16, 32, 40], 15.0, 0.95);
         assert!(minutes.iter().all(|s| (60.0..=600.0).contains(&s.round_secs)), "{minutes:?}");
-        let seconds: Vec<Sample> =
-            minutes.iter().map(|s| Sample { batch_size: s.batch_size, round_secs: s.round_secs / 60.0 }).collect();
+        let seconds: Vec<RoundSample> =
+            minutes.iter().map(|s| RoundSample { batch_size: s.batch_size, round_secs: s.round_secs / 60.0 }).collect();
         let fit_min = fit_round_time(&profile(&minutes, 5)).unwrap();
         let fit_sec = fit_round_time(&profile(&seconds, 5)).unwrap();
         // Only A carries the unit: the exponent and the fit's quality do not.
@@ -440,13 +440,13 @@ mod tests {
             assert!(c_min.predicted_round_secs.unwrap() <= limit * (1.0 + 1e-9));
         }
         // One ten-minute round alone, over a five-minute bound: proportionally smaller.
-        let one = [Sample { batch_size: 40, round_secs: 600.0 }];
+        let one = [RoundSample { batch_size: 40, round_secs: 600.0 }];
         assert_eq!(choose(&one, 5000, &holds(), &ControllerConfig::default()).cap, 20);
     }
 
     #[test]
     fn profile_keeps_the_recent_window_per_size_by_median() {
-        let s = |bs, r| Sample { batch_size: bs, round_secs: r };
+        let s = |bs, r| RoundSample { batch_size: bs, round_secs: r };
         let samples = [s(4, 100.0), s(4, 1.0), s(4, 2.0), s(4, 3.0), s(8, 5.0), s(8, -1.0), s(0, 1.0)];
         assert_eq!(profile(&samples, 3), vec![(4, 2.0), (8, 5.0)]);
         assert_eq!(profile(&samples, 4), vec![(4, 2.5), (8, 5.0)]);

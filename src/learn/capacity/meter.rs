@@ -91,7 +91,7 @@ pub enum Reading {
 
 /// The text reading against citations, over the copies of answers read by citations.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct Calibration {
+pub struct CitationCalibration {
     /// Cited copies, and of them those the text reading also covers.
     pub cited: u64,
     pub cited_and_text: u64,
@@ -100,7 +100,7 @@ pub struct Calibration {
     pub uncited_but_text: u64,
 }
 
-impl Calibration {
+impl CitationCalibration {
     /// (sensitivity s, false-positive rate f) when both rest on enough copies.
     pub fn rates(&self) -> Option<(f64, f64)> {
         (self.cited >= MIN_CALIBRATION_COPIES && self.uncited >= MIN_CALIBRATION_COPIES).then(|| {
@@ -127,7 +127,7 @@ pub struct MeterReading {
     pub missing_sources: usize,
     pub implausible_sources: usize,
     /// The text reading against citations in this round.
-    pub calibration: Calibration,
+    pub calibration: CitationCalibration,
     /// Whether the text-read counts were corrected by the calibration.
     pub corrected: bool,
 }
@@ -537,11 +537,17 @@ mod tests {
         let r = observe(&outs, &insights);
         assert_eq!((r.by_sources, r.missing_sources), (6, 6));
         // The text reading agrees with every citation here: s = 1, f = 0.
-        assert_eq!(r.calibration, Calibration { cited: 12, cited_and_text: 12, uncited: 12, uncited_but_text: 0 });
+        assert_eq!(
+            r.calibration,
+            CitationCalibration { cited: 12, cited_and_text: 12, uncited: 12, uncited_but_text: 0 }
+        );
         assert_eq!(r.calibration.usable(), Some((1.0, 0.0)));
         assert!(r.corrected);
         assert!(r.marked() > 0);
         // Too few copies on one side: no calibration is used.
-        assert_eq!(Calibration { cited: 50, cited_and_text: 50, uncited: 3, uncited_but_text: 0 }.usable(), None);
+        assert_eq!(
+            CitationCalibration { cited: 50, cited_and_text: 50, uncited: 3, uncited_but_text: 0 }.usable(),
+            None
+        );
     }
 }

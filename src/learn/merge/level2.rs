@@ -349,7 +349,7 @@ pub enum Piece {
 }
 
 /// Hunks of several proposals over one base region `start..end`: `(start, end, [(proposal, hunk)])`.
-type Cluster = (usize, usize, Vec<(usize, Hunk)>);
+type HunkCluster = (usize, usize, Vec<(usize, Hunk)>);
 
 /// `text` as lines, exactly: joining them with `\n` gives `text` back.
 pub fn split_lines(text: &str) -> Vec<&str> {
@@ -370,7 +370,7 @@ pub fn plan_rewrite_merge(base: &str, proposals: &[String]) -> Vec<Piece> {
     // Clusters of hunks whose base ranges overlap; an insertion at a region's
     // edge belongs to it (its place relative to the change is ambiguous), two
     // changes of adjacent lines do not.
-    let mut clusters: Vec<Cluster> = Vec::new();
+    let mut clusters: Vec<HunkCluster> = Vec::new();
     for (g, h) in all {
         let joins = clusters.last().is_some_and(|(_, end, members)| {
             let insertion_at_end = members.iter().any(|(_, m)| m.start == m.end && m.start == *end);

@@ -62,7 +62,7 @@ use crate::llm::{LlmBackend, config::LlmConfig};
 use journal::{Phase, RoundJournal};
 use map::map_phase;
 use reduce::RoundReducer;
-use spec::PhaseClock;
+use spec::PhaseTimer;
 pub use spec::{RoundError, RoundSpec, group_key};
 
 pub use record::{
@@ -84,7 +84,7 @@ pub async fn run_round(
     let concurrency = llm.max_concurrency.max(1);
 
     // 1. Map.
-    let clock = PhaseClock::start(journal, Phase::Map).await?;
+    let clock = PhaseTimer::start(journal, Phase::Map).await?;
     let mapped = map_phase(backend, llm, spec, base, traces, journal, &mut calls).await?;
     let map_ms = clock.finish().await?;
     let (trace_ids, reflections): (Vec<Uuid>, Vec<Reflection>) = mapped.reflections.into_iter().unzip();
@@ -103,7 +103,7 @@ pub async fn run_round(
     };
 
     // 2. Shuffle and group.
-    let clock = PhaseClock::start(journal, Phase::Shuffle).await?;
+    let clock = PhaseTimer::start(journal, Phase::Shuffle).await?;
     let plan = grouping::plan_sized(
         spec.method,
         n,
@@ -149,7 +149,7 @@ pub async fn run_round(
     });
 
     // 5. Validate.
-    let clock = PhaseClock::start(journal, Phase::Validate).await?;
+    let clock = PhaseTimer::start(journal, Phase::Validate).await?;
     validate_result(base, &result.content, spec).map_err(RoundError::Invalid)?;
     clock.finish().await?;
 

@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::journal::{JournalError, Phase, RoundJournal};
 use super::record::{AnswerReport, DegradedGroup, Level2Summary, PhaseTimings, RefusedChange};
 use super::screen;
-use super::spec::{PhaseClock, RoundError, RoundSpec, group_key};
+use super::spec::{PhaseTimer, RoundError, RoundSpec, group_key};
 use crate::domain::GroupOutput;
 use crate::domain::{DeltaOp, ReduceMode, Reflection, Strategy, VersionContent};
 use crate::learn::merge::apply::{self, Applied, Evicted, Skipped};
@@ -212,7 +212,7 @@ impl RoundReducer<'_> {
         calls: &mut Vec<LlmCall>,
         report: &mut AnswerReport,
     ) -> Result<ReduceOutcome, RoundError> {
-        let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
+        let clock = PhaseTimer::start(self.journal, Phase::Reduce1).await?;
         let journaled = self.journaled_outputs().await?;
         let mut proposals = Vec::with_capacity(groups.len());
         let mut group_outputs = Vec::with_capacity(groups.len());
@@ -266,7 +266,7 @@ impl RoundReducer<'_> {
         proposals.sort_by_key(|(g, _)| *g);
         group_outputs.sort_by_key(|o| o.group);
 
-        let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
+        let clock = PhaseTimer::start(self.journal, Phase::Reduce2).await?;
         let mut reduced = match self.spec.strategy {
             Strategy::Playbook => self.level2_playbook(frozen, groups, proposals, calls).await?,
             Strategy::Rewrite => self.level2_rewrite(frozen, proposals, calls).await?,
@@ -561,7 +561,7 @@ impl RoundReducer<'_> {
         calls: &mut Vec<LlmCall>,
         report: &mut AnswerReport,
     ) -> Result<ReduceOutcome, RoundError> {
-        let clock = PhaseClock::start(self.journal, Phase::Reduce1).await?;
+        let clock = PhaseTimer::start(self.journal, Phase::Reduce1).await?;
         let mut current = frozen.clone();
         let mut protection = self.protection.clone();
         let mut reduced = ReduceOutcome {
@@ -625,7 +625,7 @@ impl RoundReducer<'_> {
             return Err(nothing_learned(report));
         }
         reduced.timings.reduce1_ms = clock.finish().await?;
-        let clock = PhaseClock::start(self.journal, Phase::Reduce2).await?;
+        let clock = PhaseTimer::start(self.journal, Phase::Reduce2).await?;
         reduced.timings.reduce2_ms = clock.finish().await?;
         reduced.content = current;
         Ok(reduced)

@@ -95,13 +95,13 @@ fn ms_since(t: Instant) -> u64 {
 }
 
 /// Times a phase and journals its start and end.
-pub(crate) struct PhaseClock<'a> {
+pub(crate) struct PhaseTimer<'a> {
     journal: &'a dyn RoundJournal,
     phase: Phase,
     started: Instant,
 }
 
-impl<'a> PhaseClock<'a> {
+impl<'a> PhaseTimer<'a> {
     pub(crate) async fn start(journal: &'a dyn RoundJournal, phase: Phase) -> Result<Self, JournalError> {
         journal.phase(phase, PhaseEvent::Started).await?;
         Ok(Self { journal, phase, started: Instant::now() })

@@ -131,5 +131,5 @@ pub async fn audit(State(st): State<AppState>, op: Operator, Query(q): Query<Aud
         value(&query.resource_type),
         value(&query.resource_id),
     );
-    Ok(page("Audit log", Some(&op.who()), Section::Audit, &body))
+    Ok(page("Audit log", Some(&op.who()), NavSection::Audit, &body))
 }

@@ -110,5 +110,5 @@ pub async fn controller(State(st): State<AppState>, op: Operator, PathPrompt(nam
         meter_method = escape(crate::service::controller::METER_METHOD),
         target = 100.0 * view.meter.target_retention,
     );
-    Ok(page(&format!("{} controller", name.as_str()), Some(&op.who()), Section::Prompts, &body))
+    Ok(page(&format!("{} controller", name.as_str()), Some(&op.who()), NavSection::Prompts, &body))
 }

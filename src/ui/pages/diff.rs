@@ -3,7 +3,7 @@
 use super::*;
 
 #[derive(Deserialize)]
-pub struct DiffQuery {
+pub struct DiffPageQuery {
     #[serde(default)]
     from: Option<i64>,
     #[serde(default)]
@@ -29,7 +29,7 @@ pub async fn diff(
     State(st): State<AppState>,
     op: Operator,
     PathPrompt(name): PathPrompt,
-    Query(q): Query<DiffQuery>,
+    Query(q): Query<DiffPageQuery>,
 ) -> PageResult {
     op.require(Scope::PromptsRead)?;
     let prompt = existing_prompt(&st, &name).await?;
@@ -154,5 +154,5 @@ pub async fn diff(
         options(d.to),
         tabs = prompt_tabs(&op, &prompt.name, ""),
     );
-    Ok(page(&format!("{} diff", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
+    Ok(page(&format!("{} diff", prompt.name.as_str()), Some(&op.who()), NavSection::Prompts, &body))
 }

@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::{
     UiError,
-    html::{Section, badge, clip, duration_ms, escape, opt_time, page, time, url_encode},
+    html::{NavSection, badge, clip, duration_ms, escape, opt_time, page, time, url_encode},
     plot,
     session::Operator,
 };

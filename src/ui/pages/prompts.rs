@@ -92,7 +92,7 @@ pub async fn prompts(State(st): State<AppState>, op: Operator, Query(q): Query<A
         )
     };
     let body = format!(r#"<h1>Prompts</h1>{project_filter}{table}"#);
-    Ok(page("Prompts", Some(&op.who()), Section::Prompts, &body))
+    Ok(page("Prompts", Some(&op.who()), NavSection::Prompts, &body))
 }
 
 #[derive(Deserialize)]
@@ -327,7 +327,7 @@ pub async fn prompt(
         tabs = prompt_tabs(&op, &prompt.name, "prompt"),
         buckets = bucket_words(bucket),
     );
-    Ok(page(prompt.name.as_str(), Some(&op.who()), Section::Prompts, &body))
+    Ok(page(prompt.name.as_str(), Some(&op.who()), NavSection::Prompts, &body))
 }
 
 /// The prompt's evaluators, each with its agreement with the rewards agents

@@ -64,7 +64,7 @@ pub async fn rounds(
         escape(prompt.name.as_str()),
         prompt_tabs(&op, &prompt.name, "rounds")
     );
-    Ok(page(&format!("{} rounds", prompt.name.as_str()), Some(&op.who()), Section::Prompts, &body))
+    Ok(page(&format!("{} rounds", prompt.name.as_str()), Some(&op.who()), NavSection::Prompts, &body))
 }
 
 fn phase_bars<O>(detail: &RoundDetail<O>, origin: Option<chrono::DateTime<chrono::Utc>>) -> Vec<(String, f64, f64)> {
@@ -287,7 +287,7 @@ pub async fn round(State(st): State<AppState>, op: Operator, Path(id): Path<Stri
         short_id(r.id),
         prompt_tabs(&op, &r.prompt, "rounds"),
     );
-    Ok(page(&format!("Round {}", short_id(r.id)), Some(&op.who()), Section::Prompts, &body))
+    Ok(page(&format!("Round {}", short_id(r.id)), Some(&op.who()), NavSection::Prompts, &body))
 }
 
 /// What the lesson check refused (`outcome.refused`): each change with its

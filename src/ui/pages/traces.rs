@@ -118,7 +118,7 @@ pub async fn traces(State(st): State<AppState>, op: Operator, Query(q): Query<Tr
 <button type="submit" id="filter-submit">Filter</button></form>
 {table}"#
     );
-    Ok(page("Traces", Some(&op.who()), Section::Traces, &body))
+    Ok(page("Traces", Some(&op.who()), NavSection::Traces, &body))
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -266,5 +266,5 @@ pub async fn trace(
         t.reflection.as_ref().map_or_else(String::new, |r| section("Agent's reflection", r)),
         section("Metadata", &t.metadata),
     );
-    Ok(page(&format!("Trace {}", short_id(t.id)), Some(&op.who()), Section::Traces, &body))
+    Ok(page(&format!("Trace {}", short_id(t.id)), Some(&op.who()), NavSection::Traces, &body))
 }

@@ -116,5 +116,5 @@ pub async fn version(
         escape(&v.content.render()),
         tabs = prompt_tabs(&op, &prompt.name, ""),
     );
-    Ok(page(&format!("{} v{}", prompt.name.as_str(), v.number), Some(&op.who()), Section::Prompts, &body))
+    Ok(page(&format!("{} v{}", prompt.name.as_str(), v.number), Some(&op.who()), NavSection::Prompts, &body))
 }

@@ -103,7 +103,7 @@ pub fn settings_for(url: &str, data_dir: &std::path::Path) -> Settings {
     s.limits.max_field_bytes = 8 * 1024;
     s.limits.max_prompt_bytes = 16 * 1024;
     // API tests run no worker; learning tests turn it on with a simulator.
-    s.server.role = combee::config::Role::Api;
+    s.server.role = combee::config::ProcessRole::Api;
     s
 }
 
@@ -130,7 +130,7 @@ impl Sim {
 
 /// Runs the worker against `llm_url` with quick polling and retries.
 pub fn learning(settings: &mut Settings, llm_url: &str) {
-    settings.server.role = combee::config::Role::All;
+    settings.server.role = combee::config::ProcessRole::All;
     settings.llm.base_url = llm_url.to_owned();
     settings.llm.max_retries = 6;
     settings.llm.backoff_base_ms = 5;

@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use combee::llm::{LlmCall, LlmRole};
 
 use crate::report::pass;
-use crate::runs::{Family, Row};
+use crate::runs::{Family, RunRow};
 
 /// Calls and their tokens.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -89,7 +89,7 @@ pub(crate) fn per_trace(total: u64, n: usize) -> String {
 /// A token-bill section: where the tokens of sequential, combee-auto, Combee
 /// at fixed sizes and the tuned rows went, and the target on prompt tokens per
 /// learned trace (with the ratio). `None` when sequential or combee-auto is missing.
-pub(crate) fn bill_section(rows: &[Row], n: usize, title: &str) -> Option<(String, f64)> {
+pub(crate) fn bill_section(rows: &[RunRow], n: usize, title: &str) -> Option<(String, f64)> {
     let seq = rows.iter().find(|r| r.setup.family == Family::Sequential)?;
     let auto = rows.iter().find(|r| r.setup.family == Family::CombeeAuto)?;
     let seq_prompt = seq.result().bill.total().prompt as f64;

@@ -1,26 +1,26 @@
 //! The quality-vs-delay figure of one simulated model: retention against time
 //! to learn, one marker per configuration.
 
-use crate::report::{Report, sizes_text};
-use crate::runs::{Family, Row, Sizing};
-use crate::svg::{Axis, BOTTOM, H, LEFT, RIGHT, Rect, Shape, Svg, TOP, W, legend_size, log_bounds, place_label};
+use crate::report::{LearnReport, sizes_text};
+use crate::runs::{Family, RunRow, Sizing};
+use crate::svg::{Axis, BOTTOM, H, LEFT, MarkerShape, RIGHT, Rect, Svg, TOP, W, legend_size, log_bounds, place_label};
 use crate::sweep::model_name;
 
-fn style(family: Family) -> (Shape, &'static str, bool) {
+fn style(family: Family) -> (MarkerShape, &'static str, bool) {
     match family {
-        Family::Sequential => (Shape::Square, "#222222", true),
-        Family::SequentialOneRound => (Shape::Square, "#777777", false),
-        Family::Naive => (Shape::Circle, "#d62728", true),
-        Family::Combee => (Shape::Triangle, "#1f77b4", true),
-        Family::CombeeTuned => (Shape::Diamond, "#1f77b4", false),
-        Family::CombeeAuto => (Shape::Star, "#2ca02c", true),
-        Family::CombeeAutoWarm => (Shape::Star, "#98df8a", true),
-        Family::CombeeAutoResumed => (Shape::Star, "#17becf", true),
-        Family::CombeeAutoTuned => (Shape::Star, "#2ca02c", false),
+        Family::Sequential => (MarkerShape::Square, "#222222", true),
+        Family::SequentialOneRound => (MarkerShape::Square, "#777777", false),
+        Family::Naive => (MarkerShape::Circle, "#d62728", true),
+        Family::Combee => (MarkerShape::Triangle, "#1f77b4", true),
+        Family::CombeeTuned => (MarkerShape::Diamond, "#1f77b4", false),
+        Family::CombeeAuto => (MarkerShape::Star, "#2ca02c", true),
+        Family::CombeeAutoWarm => (MarkerShape::Star, "#98df8a", true),
+        Family::CombeeAutoResumed => (MarkerShape::Star, "#17becf", true),
+        Family::CombeeAutoTuned => (MarkerShape::Star, "#2ca02c", false),
     }
 }
 
-impl Report<'_> {
+impl LearnReport<'_> {
     pub(crate) fn quality_delay_svg(&self) -> String {
         let mut svg = Svg::new(
             &format!(
@@ -58,7 +58,7 @@ impl Report<'_> {
             Family::CombeeAutoWarm,
             Family::CombeeAutoResumed,
         ];
-        let entries: Vec<(Option<Shape>, &str, bool, String)> = families
+        let entries: Vec<(Option<MarkerShape>, &str, bool, String)> = families
             .iter()
             .filter(|f| self.rows.iter().any(|r| r.setup.family == **f))
             .map(|&f| {
@@ -75,7 +75,7 @@ impl Report<'_> {
         let (lx, ly) = (x.to - lw - 10.0, y.from - lh - 10.0);
         svg.legend(lx, ly, &entries);
         let mut taken = vec![Rect { x0: lx, y0: ly, x1: lx + lw, y1: ly + lh }];
-        let points: Vec<(&Row, f64, f64)> = self
+        let points: Vec<(&RunRow, f64, f64)> = self
             .rows
             .iter()
             .map(|row| {
@@ -84,7 +84,7 @@ impl Report<'_> {
             })
             .collect();
         // Named configurations are drawn last, on top of any fixed-size marker they share a spot with.
-        let mut order: Vec<&(&Row, f64, f64)> = points.iter().collect();
+        let mut order: Vec<&(&RunRow, f64, f64)> = points.iter().collect();
         order.sort_by_key(|(row, _, _)| {
             !matches!(row.setup.sizing, Sizing::Fixed(_)) || row.setup.family == Family::Sequential
         });

@@ -12,11 +12,11 @@ use combee::{
     simulation::llm::{self as sim, SimConfig},
 };
 
-use crate::Args;
+use crate::LearnArgs;
 use crate::runs::{Family, Setup, Sizing, run_setup};
 use crate::sweep::{bench_env, model_label};
 
-pub(crate) async fn first_rounds_section(args: &Args) -> anyhow::Result<String> {
+pub(crate) async fn first_rounds_section(args: &LearnArgs) -> anyhow::Result<String> {
     let mut out = format!(
         "## A process's first large round (simulated LLM)\n\nN = {} traces learned by sequential (batches of 3), then \
          by combee-auto on the product defaults: first in the same process right after sequential (a backend never \

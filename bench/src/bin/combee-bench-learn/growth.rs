@@ -29,7 +29,7 @@ use combee::{
 };
 use uuid::Uuid;
 
-use crate::Args;
+use crate::LearnArgs;
 use crate::runs::traces;
 
 /// One round's figures.
@@ -47,7 +47,7 @@ struct GrowthRound {
 }
 
 /// The section: one table per configuration, and the ratio the target is about.
-pub(crate) async fn growth_section(args: &Args) -> anyhow::Result<String> {
+pub(crate) async fn growth_section(args: &LearnArgs) -> anyhow::Result<String> {
     let sim_cfg = args.sim_config(CapacityModel::Soft);
     let local = sim::LocalSim::start(sim_cfg).await?;
     let mut md = String::new();

@@ -19,7 +19,7 @@ use combee::{
 };
 use uuid::Uuid;
 
-use crate::Args;
+use crate::LearnArgs;
 use crate::report::pass;
 use crate::runs::{Replay, insight_tokens, traces};
 
@@ -37,7 +37,7 @@ struct Level2Row {
 /// groups learned. Union is the reference (no level-2 call); `reduce = "llm"`
 /// consolidates by decisions; rewrite merges the groups' instructions against
 /// the base. Returns the Markdown section and whether the target holds.
-pub(crate) async fn level2_section(args: &Args) -> anyhow::Result<(String, bool)> {
+pub(crate) async fn level2_section(args: &LearnArgs) -> anyhow::Result<(String, bool)> {
     let sim_cfg = args.sim_config(CapacityModel::Soft);
     let local = sim::LocalSim::start(sim_cfg.clone()).await?;
     let llm = LlmConfig {

@@ -27,10 +27,10 @@ use combee::{
 };
 use uuid::Uuid;
 
-use crate::Args;
+use crate::LearnArgs;
 use crate::runs::traces;
 
-pub(crate) async fn llama_round_section(args: &Args, url: &str) -> anyhow::Result<String> {
+pub(crate) async fn llama_round_section(args: &LearnArgs, url: &str) -> anyhow::Result<String> {
     let model = args.llama_model.clone();
     // The product defaults, but for where the backend is and what it serves.
     let llm = LlmConfig {

@@ -44,7 +44,7 @@ use crate::level2::level2_section;
 use crate::sweep::{max_batch_section, model_name, one_model};
 
 #[derive(Parser)]
-struct Args {
+struct LearnArgs {
     /// Traces in the backlog, N.
     #[arg(long, default_value_t = 300)]
     n: usize,
@@ -154,7 +154,7 @@ struct Args {
     out_dir: PathBuf,
 }
 
-impl Args {
+impl LearnArgs {
     /// The simulator as the flags set it, with capacity model `model` (sources always cited).
     fn sim_config(&self, model: CapacityModel) -> SimConfig {
         SimConfig {
@@ -171,7 +171,7 @@ impl Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args = LearnArgs::parse();
     anyhow::ensure!(args.n >= 3, "--n must be at least 3");
     anyhow::ensure!(args.level2_n >= 4, "--level2-n must be at least 4");
     if args.growth_only {
@@ -231,7 +231,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// The growing-playbook section ([`growth`]), printed and written to growth.md.
-async fn growth(args: &Args) -> anyhow::Result<()> {
+async fn growth(args: &LearnArgs) -> anyhow::Result<()> {
     let md = growth::growth_section(args).await?;
     print!("{md}");
     if !args.model_only {

@@ -10,15 +10,15 @@ use combee::{
 };
 
 use crate::bill::{bill_section, per_trace};
-use crate::runs::{Family, Row, RunResult, Sizing};
+use crate::runs::{Family, RunResult, RunRow, Sizing};
 use crate::sweep::{model_label, non_citing};
-use crate::{Args, cores};
+use crate::{LearnArgs, cores};
 
-pub(crate) struct Report<'a> {
-    pub(crate) args: &'a Args,
+pub(crate) struct LearnReport<'a> {
+    pub(crate) args: &'a LearnArgs,
     pub(crate) sim: &'a SimConfig,
     pub(crate) auto_cfg: &'a ControllerConfig,
-    pub(crate) rows: &'a [Row],
+    pub(crate) rows: &'a [RunRow],
     pub(crate) bench_secs: f64,
     /// The overload meter against the markers: the table and whether every judged size is within ±10 points.
     pub(crate) meter: (String, bool),
@@ -51,16 +51,16 @@ pub(crate) fn sizes_text(r: &RunResult) -> String {
     }
 }
 
-impl Report<'_> {
+impl LearnReport<'_> {
     pub(crate) fn n(&self) -> usize {
         self.args.n
     }
 
-    fn row(&self, family: Family) -> Option<&Row> {
+    fn row(&self, family: Family) -> Option<&RunRow> {
         self.rows.iter().find(|r| r.setup.family == family)
     }
 
-    fn fixed(&self, family: Family, bs: usize) -> Option<&Row> {
+    fn fixed(&self, family: Family, bs: usize) -> Option<&RunRow> {
         self.rows.iter().find(|r| r.setup.family == family && matches!(r.setup.sizing, Sizing::Fixed(b) if b == bs))
     }
 

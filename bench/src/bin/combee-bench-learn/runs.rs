@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use combee::{
     domain::{Feedback, Method, PromptName, ReduceMode, Strategy, Trace, VersionContent},
     learn::{
-        capacity::batch_size::{self, ControllerConfig, Quality, Sample},
+        capacity::batch_size::{self, ControllerConfig, Quality, RoundSample},
         capacity::meter::{BucketCounts, MeterBucket},
         capacity::sizing::{GroupSize, choose_group_size},
         merge::budget::Budget,
@@ -217,7 +217,7 @@ pub(crate) async fn learn_from(
     };
     let execution = grouping::plan(setup.method, 4, setup.p, 0).execution;
     let mut content = env.base.clone();
-    let mut samples: Vec<Sample> = Vec::new();
+    let mut samples: Vec<RoundSample> = Vec::new();
     let mut meter: BTreeMap<u32, (BucketCounts, u64)> = BTreeMap::new();
     let mut rounds = Vec::new();
     let (mut calls, mut largest, mut largest_record) = (0, None, 0);
@@ -274,7 +274,7 @@ pub(crate) async fn learn_from(
         let record = serde_json::to_vec(&outcome.record).map_or(0, |v| v.len())
             + serde_json::to_vec(&outcome.group_outputs).map_or(0, |v| v.len());
         largest_record = largest_record.max(record);
-        samples.push(Sample { batch_size: bs as u32, round_secs: secs });
+        samples.push(RoundSample { batch_size: bs as u32, round_secs: secs });
         let groups = format!("k = {}, groups ≤ {}", outcome.k, outcome.grouping.largest_group);
         rounds.push(RoundLog { bs, secs, reason: reason.map(|r| format!("{groups} — {r}")) });
         content = outcome.content;
@@ -317,7 +317,7 @@ pub(crate) fn traces_from(start: usize, n: usize) -> anyhow::Result<(Vec<Trace>,
     Ok((traces, tokens))
 }
 
-pub(crate) struct Row {
+pub(crate) struct RunRow {
     pub(crate) setup: Setup,
     pub(crate) measured: Option<RunResult>,
     pub(crate) modelled: RunResult,
@@ -325,7 +325,7 @@ pub(crate) struct Row {
     pub(crate) served: Option<(u64, u64)>,
 }
 
-impl Row {
+impl RunRow {
     pub(crate) fn result(&self) -> &RunResult {
         self.measured.as_ref().unwrap_or(&self.modelled)
     }
@@ -340,7 +340,7 @@ pub(crate) async fn run_setup(
     model_only: bool,
     name: &str,
     setup: Setup,
-) -> anyhow::Result<Row> {
+) -> anyhow::Result<RunRow> {
     let modelled = learn(env, Mode::Modelled, &setup).await?;
     let (measured, served) = if model_only {
         (None, None)
@@ -351,5 +351,5 @@ pub(crate) async fn run_setup(
         let after = served(base_url).await?;
         (Some(measured), Some((after.0 - before.0, after.1 - before.1)))
     };
-    Ok(Row { setup, measured, modelled, served })
+    Ok(RunRow { setup, measured, modelled, served })
 }

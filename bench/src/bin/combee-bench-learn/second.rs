@@ -9,7 +9,7 @@ use combee::{domain::Method, learn::capacity::batch_size::ControllerConfig, llm:
 
 use crate::bill::{bill_section, per_trace};
 use crate::report::sizes_text;
-use crate::runs::{Env, Family, Row, Setup, Sizing, insight_tokens, run_setup, traces_from};
+use crate::runs::{Env, Family, RunRow, Setup, Sizing, insight_tokens, run_setup, traces_from};
 
 /// Sequential, combee-auto on the defaults and combee-auto at p = 1 (tuned)
 /// learning traces N..2N, each starting from `start` (what combee-auto learned
@@ -19,7 +19,7 @@ pub(crate) async fn second_backlog_section(
     base_url: &str,
     model_only: bool,
     name: &str,
-    start: &Row,
+    start: &RunRow,
 ) -> anyhow::Result<String> {
     let n = env.traces.len();
     let first = start.result();

@@ -152,18 +152,18 @@ impl Svg {
         );
     }
 
-    pub(crate) fn marker(&mut self, shape: Shape, px: f64, py: f64, color: &str, filled: bool) {
+    pub(crate) fn marker(&mut self, shape: MarkerShape, px: f64, py: f64, color: &str, filled: bool) {
         let fill = if filled { color } else { "white" };
         let style = format!("fill=\"{fill}\" stroke=\"{color}\" stroke-width=\"1.8\"");
         let _ = match shape {
-            Shape::Circle => writeln!(self.body, "<circle cx=\"{px:.1}\" cy=\"{py:.1}\" r=\"5.5\" {style}/>"),
-            Shape::Square => writeln!(
+            MarkerShape::Circle => writeln!(self.body, "<circle cx=\"{px:.1}\" cy=\"{py:.1}\" r=\"5.5\" {style}/>"),
+            MarkerShape::Square => writeln!(
                 self.body,
                 "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"11\" height=\"11\" {style}/>",
                 px - 5.5,
                 py - 5.5
             ),
-            Shape::Triangle => writeln!(
+            MarkerShape::Triangle => writeln!(
                 self.body,
                 "<polygon points=\"{:.1},{:.1} {:.1},{:.1} {:.1},{:.1}\" {style}/>",
                 px,
@@ -173,7 +173,7 @@ impl Svg {
                 px + 6.5,
                 py + 5.0
             ),
-            Shape::Diamond => writeln!(
+            MarkerShape::Diamond => writeln!(
                 self.body,
                 "<polygon points=\"{:.1},{:.1} {:.1},{:.1} {:.1},{:.1} {:.1},{:.1}\" {style}/>",
                 px,
@@ -185,7 +185,7 @@ impl Svg {
                 px - 7.0,
                 py
             ),
-            Shape::Star => {
+            MarkerShape::Star => {
                 let pts: Vec<String> = (0..10)
                     .map(|i| {
                         let r = if i % 2 == 0 { 10.0 } else { 4.2 };
@@ -217,7 +217,7 @@ impl Svg {
     }
 
     /// A legend box; entries are (shape or line, color, filled, label).
-    pub(crate) fn legend(&mut self, x: f64, y: f64, entries: &[(Option<Shape>, &str, bool, String)]) {
+    pub(crate) fn legend(&mut self, x: f64, y: f64, entries: &[(Option<MarkerShape>, &str, bool, String)]) {
         let (width, height) = legend_size(entries);
         let _ = writeln!(
             self.body,
@@ -242,7 +242,7 @@ impl Svg {
 }
 
 #[derive(Clone, Copy)]
-pub(crate) enum Shape {
+pub(crate) enum MarkerShape {
     Circle,
     Square,
     Triangle,
@@ -324,7 +324,7 @@ pub(crate) fn place_label(
     best
 }
 
-pub(crate) fn legend_size(entries: &[(Option<Shape>, &str, bool, String)]) -> (f64, f64) {
+pub(crate) fn legend_size(entries: &[(Option<MarkerShape>, &str, bool, String)]) -> (f64, f64) {
     let width = 14.0 + 36.0 + entries.iter().map(|e| e.3.chars().count()).max().unwrap_or(0) as f64 * 6.6;
     (width, 10.0 + 20.0 * entries.len() as f64)
 }

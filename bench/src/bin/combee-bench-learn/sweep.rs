@@ -15,10 +15,10 @@ use combee::{
     store,
 };
 
-use crate::Args;
+use crate::LearnArgs;
 use crate::overload_meter::meter_section;
-use crate::report::Report;
-use crate::runs::{Env, Family, Mode, Replay, Row, Setup, Sizing, learn_from, run_setup, traces};
+use crate::report::LearnReport;
+use crate::runs::{Env, Family, Mode, Replay, RunRow, Setup, Sizing, learn_from, run_setup, traces};
 use crate::second::second_backlog_section;
 
 pub(crate) fn model_name(m: CapacityModel) -> &'static str {
@@ -51,7 +51,7 @@ pub(crate) fn non_citing(sim: &SimConfig) -> bool {
 /// SVG. A model that does not cite (`citing` false: its aggregator answers carry
 /// no `sources`) runs only sequential, combee-auto and the meter's reading.
 pub(crate) async fn one_model(
-    args: &Args,
+    args: &LearnArgs,
     model: CapacityModel,
     citing: bool,
 ) -> anyhow::Result<(String, String, String)> {
@@ -74,7 +74,7 @@ pub(crate) async fn one_model(
     if args.with_one_round_sequential {
         setups.push(fixed(Family::SequentialOneRound, Method::Sequential, 1, args.n));
     }
-    let mut rows: Vec<Row> = Vec::new();
+    let mut rows: Vec<RunRow> = Vec::new();
     let started = Instant::now();
     let name = model_label(&sim_cfg);
     let run = |setup: Setup| run_setup(&env, &local_sim.base_url, args.model_only, &name, setup);
@@ -111,7 +111,7 @@ pub(crate) async fn one_model(
     eprintln!("  [{name}] overload meter vs markers …");
     let meter = meter_section(&env, args.meter_n.min(args.n), args.meter_seeds).await?;
     let bench_secs = started.elapsed().as_secs_f64();
-    let report = Report { args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, bench_secs, meter, second };
+    let report = LearnReport { args, sim: &sim_cfg, auto_cfg: &auto_cfg, rows: &rows, bench_secs, meter, second };
     Ok((report.markdown(), report.csv(), report.quality_delay_svg()))
 }
 
@@ -124,7 +124,7 @@ pub(crate) struct Process {
 }
 
 /// The simulated backend's benchmark environment for `sim_cfg` at `base_url`, and its process's client.
-pub(crate) async fn bench_env(args: &Args, sim_cfg: &SimConfig, base_url: &str) -> anyhow::Result<(Env, Process)> {
+pub(crate) async fn bench_env(args: &LearnArgs, sim_cfg: &SimConfig, base_url: &str) -> anyhow::Result<(Env, Process)> {
     let llm = LlmConfig {
         base_url: base_url.to_owned(),
         max_concurrency: args.concurrency.max(2 * args.n),
@@ -149,7 +149,7 @@ pub(crate) async fn bench_env(args: &Args, sim_cfg: &SimConfig, base_url: &str) 
 impl Process {
     /// Combee-auto on the product defaults through a new process's client on
     /// the same backend: its concurrency limit resumed from what this one kept.
-    pub(crate) async fn resumed_round(&self, env: &Env, base_url: &str, name: &str) -> anyhow::Result<Row> {
+    pub(crate) async fn resumed_round(&self, env: &Env, base_url: &str, name: &str) -> anyhow::Result<RunRow> {
         self.client.keep_limit_now().await;
         let resumed = Env {
             http: Arc::new(OpenAiClient::new(env.llm.clone())?.with_limit_memory(self.limits.clone())),
@@ -171,7 +171,7 @@ impl Process {
 /// ceiling, at the product's client concurrency (`llm.max_concurrency` = 64)
 /// and at a large one, with the largest round's record size (what the store
 /// keeps and `GET /v1/rounds/{id}` returns).
-pub(crate) async fn max_batch_section(args: &Args) -> anyhow::Result<String> {
+pub(crate) async fn max_batch_section(args: &LearnArgs) -> anyhow::Result<String> {
     let sim_cfg = SimConfig {
         capacity_model: CapacityModel::Soft,
         capacity_k: args.capacity_k,

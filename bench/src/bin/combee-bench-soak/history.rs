@@ -7,13 +7,13 @@ use std::collections::BTreeMap;
 use anyhow::Context;
 use sqlx::{Connection, PgConnection};
 
-use crate::{Args, log};
+use crate::{SoakArgs, log};
 
 /// A UUIDv7 of the row's time (SQL), random below the millisecond.
 const V7: &str = "(lpad(to_hex((extract(epoch FROM ts) * 1000)::bigint), 12, '0') || '7' \
      || substr(md5(g::text || ':' || p::text), 1, 3) || '8' || substr(md5(p::text || ':' || g::text), 1, 15))::uuid";
 
-pub(crate) async fn load_history(db: &mut PgConnection, args: &Args) -> anyhow::Result<()> {
+pub(crate) async fn load_history(db: &mut PgConnection, args: &SoakArgs) -> anyhow::Result<()> {
     let per_prompt = args.history_traces / args.prompts as u64;
     let span_us = args.history_days * 86_400 * 1_000_000;
     sqlx::raw_sql("SET synchronous_commit = off").execute(&mut *db).await?;

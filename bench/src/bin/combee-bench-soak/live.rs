@@ -16,9 +16,9 @@ use sqlx::{Connection, PgConnection};
 use crate::history::table_sizes;
 use crate::period::{Live, Period, Recorder, Upkeep, counter, labelled_sum, record, summary};
 use crate::processes::{CpuSecs, Server, rss_kb};
-use crate::{Args, insight, log, prompt_name};
+use crate::{SoakArgs, insight, log, prompt_name};
 
-pub(crate) async fn live(args: &Args, server: &Server, sim_pid: u32, key: &str, url: &str) -> anyhow::Result<Live> {
+pub(crate) async fn live(args: &SoakArgs, server: &Server, sim_pid: u32, key: &str, url: &str) -> anyhow::Result<Live> {
     let base = format!("http://{}", server.addr);
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).timeout(Duration::from_secs(30)).build()?;
     let recorder: Recorder = Arc::default();
@@ -146,7 +146,7 @@ pub(crate) async fn live(args: &Args, server: &Server, sim_pid: u32, key: &str, 
 
 /// One simulated agent run: fetch the prompt for a subject, run (simulated),
 /// report the trace with its reward, sometimes feedback later.
-async fn agent_run(n: u64, http: &reqwest::Client, base: &str, key: &str, recorder: &Recorder, args: &Args) {
+async fn agent_run(n: u64, http: &reqwest::Client, base: &str, key: &str, recorder: &Recorder, args: &SoakArgs) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(n);
     let name = prompt_name(rng.gen_range(0..args.prompts));
     let subject = format!("user-{}", rng.gen_range(0..args.subjects));

@@ -44,7 +44,7 @@ use crate::report::render;
     name = "combee-bench-soak",
     about = "A year in a day: history, then a live period on product defaults (SIMULATION)"
 )]
-struct Args {
+struct SoakArgs {
     /// Prompts.
     #[arg(long, default_value_t = 50)]
     prompts: usize,
@@ -94,7 +94,7 @@ struct Args {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    let args = SoakArgs::parse();
     match run(args).await {
         Ok(report) => {
             print!("{report}");
@@ -122,7 +122,7 @@ fn prompt_name(i: usize) -> String {
     format!("soak-{i:03}")
 }
 
-async fn run(args: Args) -> anyhow::Result<String> {
+async fn run(args: SoakArgs) -> anyhow::Result<String> {
     let bin = match &args.server_bin {
         Some(p) => p.clone(),
         None => std::env::current_exe()?.with_file_name("combee"),
@@ -148,7 +148,7 @@ async fn run(args: Args) -> anyhow::Result<String> {
 }
 
 async fn soak(
-    args: &Args,
+    args: &SoakArgs,
     bin: &Path,
     url: &str,
     scratch: &Path,

@@ -5,14 +5,14 @@
 use std::{collections::BTreeMap, fmt::Write as _};
 
 use crate::period::{KINDS, Live, Period, UPKEEP_TABLES, counter, summary};
-use crate::{Args, insight};
+use crate::{SoakArgs, insight};
 
 fn mb(bytes: i64) -> f64 {
     bytes as f64 / 1_048_576.0
 }
 
 pub(crate) fn render(
-    args: &Args,
+    args: &SoakArgs,
     pg: &[(String, String)],
     load: (&str, &str),
     history: (i64, f64, &BTreeMap<String, i64>),

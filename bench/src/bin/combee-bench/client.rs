@@ -14,7 +14,7 @@ pub(crate) struct HttpConn {
     buf: Vec<u8>,
 }
 
-pub(crate) struct Answer {
+pub(crate) struct HttpAnswer {
     pub(crate) status: u16,
     body_start: usize,
 }
@@ -27,7 +27,7 @@ impl HttpConn {
     }
 
     /// Sends one pre-encoded request and reads its whole answer into `self.buf`.
-    pub(crate) async fn roundtrip(&mut self, request: &[u8]) -> io::Result<Answer> {
+    pub(crate) async fn roundtrip(&mut self, request: &[u8]) -> io::Result<HttpAnswer> {
         self.stream.write_all(request).await?;
         self.buf.clear();
         let mut scanned = 0;
@@ -39,7 +39,7 @@ impl HttpConn {
                 while self.buf.len() < total {
                     self.read_more().await?;
                 }
-                return Ok(Answer { status, body_start: head_end + 4 });
+                return Ok(HttpAnswer { status, body_start: head_end + 4 });
             }
             scanned = self.buf.len().saturating_sub(3);
             self.read_more().await?;
@@ -54,7 +54,7 @@ impl HttpConn {
         Ok(())
     }
 
-    pub(crate) fn body(&self, answer: &Answer) -> &[u8] {
+    pub(crate) fn body(&self, answer: &HttpAnswer) -> &[u8] {
         &self.buf[answer.body_start..]
     }
 }

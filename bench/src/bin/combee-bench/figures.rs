@@ -15,13 +15,13 @@ use tokio::process::Command;
 use crate::bare::BARE_PATH;
 use crate::client::{answer_headers, encode_get_with_subject, encode_request, request_once};
 use crate::database::BenchDatabase;
-use crate::ingest::{Target, ingest_phases};
+use crate::ingest::{ServerTarget, ingest_phases};
 use crate::load::{LoadResult, Pace, load, run_each_once};
 use crate::processes::{ChildGuard, CpuUse, CpuWindow, MemoryWatch, clock_ticks_per_sec, free_port, memory_kb};
 use crate::report::{Facts, render};
-use crate::{HttpArgs, StoreKind};
+use crate::{BenchStore, HttpArgs};
 
-pub(crate) struct Phase {
+pub(crate) struct LoadPhase {
     pub(crate) name: String,
     pub(crate) result: LoadResult,
     pub(crate) cpu: CpuUse,
@@ -29,7 +29,7 @@ pub(crate) struct Phase {
     pub(crate) items: u64,
     pub(crate) peak_rss_kb: u64,
     /// The bare server's figure, measured in the slices between this one's (GETs).
-    pub(crate) bare: Option<Box<Phase>>,
+    pub(crate) bare: Option<Box<LoadPhase>>,
     /// The trace writes' groups over the measured window (POSTs).
     pub(crate) groups: Option<WriteGroups>,
     /// Second by second, with what the server and the store did (a paced figure; see `watch.rs`).
@@ -110,7 +110,7 @@ async fn get_phases(
     pid: u32,
     memory: &MemoryWatch,
     bare: Option<&BareServer>,
-) -> anyhow::Result<Vec<Phase>> {
+) -> anyhow::Result<Vec<LoadPhase>> {
     // The same requests to both servers (but the Host header).
     let plain = |addr| vec![encode_request("GET", BARE_PATH, addr, key, None)];
     let subjects = |addr| -> Vec<Vec<u8>> {
@@ -159,7 +159,7 @@ async fn get_phases(
             let cpu = CpuUse::of(&bare_used, bare_result.elapsed, tck);
             let peak_rss_kb = memory_kb(b.guard.pid).map_or(0, |m| m.1);
             let name = format!("bare axum GET, alternating with \"{name}\"");
-            Box::new(Phase {
+            Box::new(LoadPhase {
                 name,
                 result: bare_result,
                 cpu,
@@ -171,7 +171,7 @@ async fn get_phases(
                 wal_bytes: None,
             })
         });
-        out.push(Phase {
+        out.push(LoadPhase {
             name,
             result,
             cpu,
@@ -280,7 +280,7 @@ pub(crate) async fn measure(
     let bare_addr = free_port()?;
     // Response headers the bare server sends (combee's, Content-Type included), once known.
     let mut bare_headers = 0;
-    let target = Target {
+    let target = ServerTarget {
         addr,
         key: &key,
         pid: server.pid,
@@ -313,7 +313,7 @@ pub(crate) async fn measure(
         };
         let store = args.store.as_str();
         phases.extend(get_phases(args, addr, &key, store, server.pid, &memory, bare.as_ref()).await?);
-        if args.store == StoreKind::Postgres && args.sqlite_get {
+        if args.store == BenchStore::Postgres && args.sqlite_get {
             // The embedded store's GET, from a second server of its own.
             let sqlite_addr = free_port()?;
             let sqlite_data = scratch.join("sqlite-data");

@@ -12,13 +12,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::figures::{Phase, WriteGroups};
+use crate::figures::{LoadPhase, WriteGroups};
 use crate::floor::{Floor, Table, Way, Written, figures};
 use crate::load::{LoadResult, Pace, load};
 use crate::processes::{CpuUse, CpuWindow, MemoryWatch, clock_ticks_per_sec};
 use crate::report::thousands;
 use crate::watch::{Watch, per_second, wal_position};
-use crate::{HttpArgs, StoreKind};
+use crate::{BenchStore, HttpArgs};
 
 /// Slices the batched figure and each floor figure are measured in, alternately.
 pub(crate) const FLOOR_SLICES: u32 = 4;
@@ -48,14 +48,14 @@ pub(crate) struct FloorFigures {
 
 /// What the ingest figures measured.
 pub(crate) struct Ingest {
-    pub(crate) phases: Vec<Phase>,
+    pub(crate) phases: Vec<LoadPhase>,
     pub(crate) floor: Option<FloorFigures>,
     /// The paced figure's rate, and whether it was the measured capacity's share.
     pub(crate) paced: Option<(f64, bool)>,
 }
 
 /// Where the server and its store are.
-pub(crate) struct Target<'a> {
+pub(crate) struct ServerTarget<'a> {
     pub(crate) addr: SocketAddr,
     pub(crate) key: &'a str,
     pub(crate) pid: u32,
@@ -66,7 +66,7 @@ pub(crate) struct Target<'a> {
 
 pub(crate) async fn ingest_phases(
     args: &HttpArgs,
-    target: &Target<'_>,
+    target: &ServerTarget<'_>,
     memory: &MemoryWatch,
     single: Vec<u8>,
     batched: Vec<u8>,
@@ -159,7 +159,7 @@ pub(crate) async fn ingest_phases(
         let floor_rows = floor.commit_rows();
         floor.finish().await;
         let cpu = CpuUse::of(&used, result.elapsed, tck);
-        out.phases.push(Phase {
+        out.phases.push(LoadPhase {
             name,
             result,
             cpu,
@@ -200,14 +200,14 @@ fn add(a: WriteGroups, b: WriteGroups) -> WriteGroups {
 #[allow(clippy::too_many_arguments)]
 async fn measure(
     args: &HttpArgs,
-    target: &Target<'_>,
+    target: &ServerTarget<'_>,
     memory: &MemoryWatch,
     name: String,
     request: Arc<Vec<Vec<u8>>>,
     items: u64,
     pace: Pace,
     watched: bool,
-) -> anyhow::Result<Phase> {
+) -> anyhow::Result<LoadPhase> {
     let (addr, key) = (target.addr, target.key);
     eprintln!("combee-bench: {name}: {} s warm-up, {} s measured", args.warmup, args.duration);
     if args.warmup > 0 {
@@ -225,11 +225,11 @@ async fn measure(
         None => None,
     };
     let per_second = match watch {
-        Some(w) => Some(per_second(&result, &w.stop().await, args.store == StoreKind::Postgres)),
+        Some(w) => Some(per_second(&result, &w.stop().await, args.store == BenchStore::Postgres)),
         None => None,
     };
     let groups = WriteGroups::read(addr, key).await?.since(groups_before);
-    Ok(Phase {
+    Ok(LoadPhase {
         name,
         result,
         cpu,

@@ -44,7 +44,7 @@ use crate::processes::ScratchDir;
 
 #[derive(Debug, Parser)]
 #[command(name = "combee-bench", about = "Prints combee's foundation benchmark figures (run it through scripts/bench)")]
-struct Cli {
+struct BenchCli {
     #[command(subcommand)]
     command: BenchCommand,
 }
@@ -70,16 +70,16 @@ enum BenchCommand {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum StoreKind {
+enum BenchStore {
     Postgres,
     Sqlite,
 }
 
-impl StoreKind {
+impl BenchStore {
     fn as_str(self) -> &'static str {
         match self {
-            StoreKind::Postgres => "postgres",
-            StoreKind::Sqlite => "sqlite",
+            BenchStore::Postgres => "postgres",
+            BenchStore::Sqlite => "sqlite",
         }
     }
 }
@@ -99,8 +99,8 @@ struct HttpArgs {
     #[arg(long, default_value_t = 100)]
     batch: usize,
     /// Which store the server runs on. Postgres needs DATABASE_URL (an admin URL; a fresh database is created next to it).
-    #[arg(long, value_enum, default_value_t = StoreKind::Postgres)]
-    store: StoreKind,
+    #[arg(long, value_enum, default_value_t = BenchStore::Postgres)]
+    store: BenchStore,
     /// The server's `database.max_connections` (unset: the server's default).
     #[arg(long)]
     db_connections: Option<u32>,
@@ -137,7 +137,7 @@ struct HttpArgs {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = BenchCli::parse();
     let result = match cli.command {
         BenchCommand::Bare { bind, body_bytes, headers } => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
@@ -194,8 +194,8 @@ async fn run_http(args: HttpArgs) -> anyhow::Result<()> {
 
     let mut database = None;
     let db_url = match args.store {
-        StoreKind::Sqlite => String::new(),
-        StoreKind::Postgres => {
+        BenchStore::Sqlite => String::new(),
+        BenchStore::Postgres => {
             let admin = std::env::var("DATABASE_URL")
                 .ok()
                 .filter(|u| !u.is_empty())

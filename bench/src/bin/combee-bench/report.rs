@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use crate::HttpArgs;
 use crate::database::BenchDatabase;
-use crate::figures::{GET_SLICES, PHASES, Phase};
+use crate::figures::{GET_SLICES, LoadPhase, PHASES};
 use crate::floor::{Table, Way};
 use crate::ingest::{FLOOR_SLICES, FloorFigures};
 
@@ -57,7 +57,7 @@ pub(crate) fn thousands(v: f64) -> String {
     out
 }
 
-pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
+pub(crate) fn render(f: &Facts, phases: &[LoadPhase]) -> String {
     let a = &f.args;
     let mut o = String::new();
     let find = |prefix: &str| phases.iter().find(|p| p.name.starts_with(prefix));
@@ -328,7 +328,7 @@ pub(crate) fn render(f: &Facts, phases: &[Phase]) -> String {
 
 /// The store alone with the batched figure's rows, beside it: rates, combee's
 /// share of each, and what the schema and the service cost.
-fn floor_section(store: &str, floor: &FloorFigures, batched: &Phase) -> String {
+fn floor_section(store: &str, floor: &FloorFigures, batched: &LoadPhase) -> String {
     let mut o = String::new();
     let tps = batched.result.per_sec() * batched.items as f64;
     let postgres = store == "postgres";
