@@ -1,10 +1,9 @@
 //! The quality-vs-delay figure of one simulated model: retention against time
 //! to learn, one marker per configuration.
 
-use crate::report::{Report, sizes_text};
-use crate::runs::{Family, Row, Sizing};
+use crate::report::{Report, model_name, sizes_text};
+use crate::results::{Family, Row, Sizing};
 use crate::svg::{Axis, BOTTOM, H, LEFT, RIGHT, Rect, Shape, Svg, TOP, W, legend_size, log_bounds, place_label};
-use crate::sweep::model_name;
 
 fn style(family: Family) -> (Shape, &'static str, bool) {
     match family {
