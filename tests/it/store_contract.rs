@@ -2161,8 +2161,12 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     undo.push("ALTER TABLE traces DROP COLUMN judge_claimed_until".to_owned());
     // 0048 too (the rollups' references to prompts went with their tables above).
     undo.extend(
-        ["DROP TABLE llm_limits", "DROP INDEX traces_by_status", "CREATE INDEX traces_by_status ON traces (status, id)"]
-            .map(String::from),
+        [
+            "DROP TABLE llm_limits",
+            "DROP INDEX traces_by_status",
+            "CREATE INDEX traces_by_status ON traces (status, id)",
+        ]
+        .map(String::from),
     );
     // 0047 too: names unique across the server again (its members index goes with the table below).
     undo.extend(["DROP INDEX prompts_by_project_name", "DROP INDEX prompts_by_name"].map(String::from));

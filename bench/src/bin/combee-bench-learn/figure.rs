@@ -1,10 +1,9 @@
 //! The quality-vs-delay figure of one simulated model: retention against time
 //! to learn, one marker per configuration.
 
-use crate::report::{LearnReport, sizes_text};
-use crate::runs::{Family, RunRow, Sizing};
+use crate::report::{LearnReport, model_name, sizes_text};
+use crate::results::{Family, RunRow, Sizing};
 use crate::svg::{Axis, BOTTOM, H, LEFT, MarkerShape, RIGHT, Rect, Svg, TOP, W, legend_size, log_bounds, place_label};
-use crate::sweep::model_name;
 
 fn style(family: Family) -> (MarkerShape, &'static str, bool) {
     match family {

@@ -13,8 +13,10 @@ use combee::{
 };
 
 use crate::LearnArgs;
-use crate::runs::{Family, Setup, Sizing, run_setup};
-use crate::sweep::{bench_env, model_label};
+use crate::report::model_label;
+use crate::results::{Family, Setup, Sizing};
+use crate::runs::run_setup;
+use crate::sweep::bench_env;
 
 pub(crate) async fn first_rounds_section(args: &LearnArgs) -> anyhow::Result<String> {
     let mut out = format!(

@@ -20,8 +20,8 @@ use combee::{
 use uuid::Uuid;
 
 use crate::LearnArgs;
-use crate::report::pass;
 use crate::runs::{Replay, insight_tokens, traces};
+use crate::text::pass;
 
 /// One level-2 configuration of the section.
 struct Level2Row {

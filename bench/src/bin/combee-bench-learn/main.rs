@@ -28,10 +28,12 @@ mod level2;
 mod llama;
 mod overload_meter;
 mod report;
+mod results;
 mod runs;
 mod second;
 mod svg;
 mod sweep;
+mod text;
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -41,7 +43,8 @@ use clap::Parser;
 use combee::simulation::llm::{CapacityModel, SimConfig};
 
 use crate::level2::level2_section;
-use crate::sweep::{max_batch_section, model_name, one_model};
+use crate::report::model_name;
+use crate::sweep::{max_batch_section, one_model};
 
 #[derive(Parser)]
 struct LearnArgs {

@@ -9,9 +9,9 @@ use combee::{
     simulation::llm::{CapacityModel, SimConfig},
 };
 
-use crate::bill::{bill_section, per_trace};
-use crate::runs::{Family, RunResult, RunRow, Sizing};
-use crate::sweep::{model_label, non_citing};
+use crate::bill::bill_section;
+use crate::results::{Family, RunResult, RunRow, Sizing};
+use crate::text::{pass, per_trace};
 use crate::{LearnArgs, cores};
 
 pub(crate) struct LearnReport<'a> {
@@ -24,10 +24,6 @@ pub(crate) struct LearnReport<'a> {
     pub(crate) meter: (String, bool),
     /// The second backlog's section (a citing model with `--second-backlog`).
     pub(crate) second: Option<String>,
-}
-
-pub(crate) fn pass(ok: bool) -> &'static str {
-    if ok { "PASS" } else { "FAIL" }
 }
 
 pub(crate) fn sizes_text(r: &RunResult) -> String {
@@ -49,6 +45,32 @@ pub(crate) fn sizes_text(r: &RunResult) -> String {
         }
         _ => sizes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
     }
+}
+
+pub(crate) fn model_name(m: CapacityModel) -> &'static str {
+    match m {
+        CapacityModel::Hard => "hard",
+        CapacityModel::Soft => "soft",
+    }
+}
+
+/// The model's name in headings: its capacity model, and whether it cites its sources.
+pub(crate) fn model_label(sim: &SimConfig) -> String {
+    if non_citing(sim) {
+        format!(
+            "{}, non-citing ({:.0}% of answers without sources, {:.0}% citing the wrong reflections)",
+            model_name(sim.capacity_model),
+            100.0 * sim.rate_no_sources,
+            100.0 * sim.rate_wrong_sources
+        )
+    } else {
+        model_name(sim.capacity_model).to_owned()
+    }
+}
+
+/// Whether this simulated model never cites its sources right.
+pub(crate) fn non_citing(sim: &SimConfig) -> bool {
+    sim.rate_no_sources + sim.rate_wrong_sources >= 1.0 - 1e-9
 }
 
 impl LearnReport<'_> {

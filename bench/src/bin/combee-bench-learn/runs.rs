@@ -9,9 +9,9 @@ use std::time::Instant;
 use anyhow::Context as _;
 use async_trait::async_trait;
 use combee::{
-    domain::{Feedback, Method, PromptName, ReduceMode, Strategy, Trace, VersionContent},
+    domain::{Feedback, PromptName, ReduceMode, Strategy, Trace, VersionContent},
     learn::{
-        capacity::batch_size::{self, ControllerConfig, Quality, RoundSample},
+        capacity::batch_size::{self, Quality, RoundSample},
         capacity::meter::{BucketCounts, MeterBucket},
         capacity::sizing::{GroupSize, choose_group_size},
         merge::budget::Budget,
@@ -28,92 +28,7 @@ use combee::{
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::bill::{Bill, served};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Family {
-    Sequential,
-    SequentialOneRound,
-    Naive,
-    Combee,
-    CombeeTuned,
-    CombeeAuto,
-    /// Combee-auto again, right after combee-auto in the same process: the LLM
-    /// client's concurrency limit is where the first large round left it, as in
-    /// a service that has been running (the first pays the limit's ramp).
-    CombeeAutoWarm,
-    /// Combee-auto through a new client (a new process's) whose concurrency
-    /// limit resumed from what the first client kept in the store: a backend
-    /// seen before, the new process's first large round.
-    CombeeAutoResumed,
-    /// Combee-auto at p = 1: a tuned setting (one copy of each reflection, half the aggregator calls).
-    CombeeAutoTuned,
-}
-
-impl Family {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Sequential => "sequential",
-            Self::SequentialOneRound => "sequential, one round",
-            Self::Naive => "naive",
-            Self::Combee => "combee",
-            Self::CombeeTuned => "combee p=1 (tuned)",
-            Self::CombeeAuto => "combee-auto",
-            Self::CombeeAutoWarm => "combee-auto, warm client",
-            Self::CombeeAutoResumed => "combee-auto, new process, backend seen before",
-            Self::CombeeAutoTuned => "combee-auto p=1 (tuned)",
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub(crate) enum Sizing {
-    Fixed(usize),
-    Auto(ControllerConfig),
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct Setup {
-    pub(crate) family: Family,
-    pub(crate) method: Method,
-    pub(crate) p: u32,
-    pub(crate) sizing: Sizing,
-}
-
-impl Setup {
-    pub(crate) fn label(&self) -> String {
-        match (&self.sizing, self.family) {
-            (Sizing::Fixed(bs), Family::Sequential) => format!("sequential (rounds of {bs})"),
-            (Sizing::Fixed(bs), Family::Naive | Family::Combee | Family::CombeeTuned) => {
-                format!("{} bs={bs}", self.family.name())
-            }
-            _ => self.family.name().to_owned(),
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct RoundLog {
-    pub(crate) bs: usize,
-    pub(crate) secs: f64,
-    pub(crate) reason: Option<String>,
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct RunResult {
-    pub(crate) rounds: Vec<RoundLog>,
-    pub(crate) total_secs: f64,
-    pub(crate) kept: usize,
-    pub(crate) calls: usize,
-    /// Combee-auto: the largest batch it took.
-    pub(crate) largest: Option<u32>,
-    /// Bytes of the largest round's record (outcome and group outputs, as JSON).
-    pub(crate) largest_record: usize,
-    /// Tokens of every call, as combee recorded them in the rounds' journals.
-    pub(crate) bill: Bill,
-    /// The prompt the last round published.
-    pub(crate) content: VersionContent,
-}
+use crate::results::{Bill, RoundLog, RunResult, RunRow, Setup, Sizing};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -317,18 +232,11 @@ pub(crate) fn traces_from(start: usize, n: usize) -> anyhow::Result<(Vec<Trace>,
     Ok((traces, tokens))
 }
 
-pub(crate) struct RunRow {
-    pub(crate) setup: Setup,
-    pub(crate) measured: Option<RunResult>,
-    pub(crate) modelled: RunResult,
-    /// Prompt and completion tokens the simulator counted as served during the measured run.
-    pub(crate) served: Option<(u64, u64)>,
-}
-
-impl RunRow {
-    pub(crate) fn result(&self) -> &RunResult {
-        self.measured.as_ref().unwrap_or(&self.modelled)
-    }
+/// Prompt and completion tokens the simulator at `base_url` (…/v1) has served so far, by its own count.
+pub(crate) async fn served(base_url: &str) -> anyhow::Result<(u64, u64)> {
+    let stats: combee::simulation::llm::SimStats =
+        reqwest::get(format!("{base_url}/sim/stats")).await?.error_for_status()?.json().await?;
+    Ok((stats.prompt_tokens, stats.completion_tokens))
 }
 
 /// One configuration's row: modelled, then (unless `model_only`) measured
@@ -352,4 +260,45 @@ pub(crate) async fn run_setup(
         (Some(measured), Some((after.0 - before.0, after.1 - before.1)))
     };
     Ok(RunRow { setup, measured, modelled, served })
+}
+
+#[cfg(test)]
+mod tests {
+    use combee::{domain::Method, llm::client::OpenAiClient, simulation::llm::LocalSim};
+
+    use super::*;
+    use crate::results::Family;
+
+    /// The bill is what combee recorded of its calls, and that is what the
+    /// simulator (a real HTTP server on a port) counted as served.
+    #[tokio::test]
+    async fn the_bill_is_what_the_simulator_served() {
+        let sim =
+            SimConfig { fixed_ms: 0.0, per_input_token_ms: 0.0, per_output_token_ms: 0.0, ..SimConfig::default() };
+        let local = LocalSim::start(sim.clone()).await.unwrap();
+        let llm = LlmConfig { base_url: local.base_url.clone(), ..LlmConfig::default() };
+        let (traces, _) = traces(12).unwrap();
+        let env = Env {
+            http: Arc::new(OpenAiClient::new(llm.clone()).unwrap()),
+            replay: Arc::new(Replay { sim: sim.clone() }),
+            llm,
+            sim,
+            base: VersionContent { base: "You are a test agent.".into(), playbook: None },
+            traces,
+        };
+        let setups = [
+            Setup { family: Family::Sequential, method: Method::Sequential, p: 1, sizing: Sizing::Fixed(3) },
+            Setup { family: Family::Combee, method: Method::Combee, p: 2, sizing: Sizing::Fixed(12) },
+        ];
+        for setup in setups {
+            let before = served(&local.base_url).await.unwrap();
+            let r = learn(&env, Mode::Measured, &setup).await.unwrap();
+            let after = served(&local.base_url).await.unwrap();
+            let t = r.bill.total();
+            assert_eq!((t.prompt, t.completion), (after.0 - before.0, after.1 - before.1), "{}", setup.label());
+            assert_eq!(t.calls as usize, r.calls, "{}", setup.label());
+            assert_eq!(r.bill.reflector.calls, 12, "{}: one reflection per trace", setup.label());
+            assert!(r.bill.aggregator.calls > 0 && t.prompt > 0 && t.completion > 0, "{}", setup.label());
+        }
+    }
 }

@@ -7,9 +7,11 @@ use std::fmt::Write as _;
 
 use combee::{domain::Method, learn::capacity::batch_size::ControllerConfig, llm::client::estimate_tokens};
 
-use crate::bill::{bill_section, per_trace};
+use crate::bill::bill_section;
 use crate::report::sizes_text;
-use crate::runs::{Env, Family, RunRow, Setup, Sizing, insight_tokens, run_setup, traces_from};
+use crate::results::{Family, RunRow, Setup, Sizing};
+use crate::runs::{Env, insight_tokens, run_setup, traces_from};
+use crate::text::per_trace;
 
 /// Sequential, combee-auto on the defaults and combee-auto at p = 1 (tuned)
 /// learning traces N..2N, each starting from `start` (what combee-auto learned

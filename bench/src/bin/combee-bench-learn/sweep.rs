@@ -1,6 +1,6 @@
 //! The sweeps: every configuration under one simulated model (the main table,
 //! the controller's choices, the overload meter), and the time to learn by
-//! `controller.max_batch`; and how a simulated model is named in headings.
+//! `controller.max_batch`.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -17,35 +17,10 @@ use combee::{
 
 use crate::LearnArgs;
 use crate::overload_meter::meter_section;
-use crate::report::LearnReport;
-use crate::runs::{Env, Family, Mode, Replay, RunRow, Setup, Sizing, learn_from, run_setup, traces};
+use crate::report::{LearnReport, model_label};
+use crate::results::{Family, RunRow, Setup, Sizing};
+use crate::runs::{Env, Mode, Replay, learn_from, run_setup, traces};
 use crate::second::second_backlog_section;
-
-pub(crate) fn model_name(m: CapacityModel) -> &'static str {
-    match m {
-        CapacityModel::Hard => "hard",
-        CapacityModel::Soft => "soft",
-    }
-}
-
-/// The model's name in headings: its capacity model, and whether it cites its sources.
-pub(crate) fn model_label(sim: &SimConfig) -> String {
-    if non_citing(sim) {
-        format!(
-            "{}, non-citing ({:.0}% of answers without sources, {:.0}% citing the wrong reflections)",
-            model_name(sim.capacity_model),
-            100.0 * sim.rate_no_sources,
-            100.0 * sim.rate_wrong_sources
-        )
-    } else {
-        model_name(sim.capacity_model).to_owned()
-    }
-}
-
-/// Whether this simulated model never cites its sources right.
-pub(crate) fn non_citing(sim: &SimConfig) -> bool {
-    sim.rate_no_sources + sim.rate_wrong_sources >= 1.0 - 1e-9
-}
 
 /// Every configuration under one capacity model: the Markdown section, CSV rows,
 /// SVG. A model that does not cite (`citing` false: its aggregator answers carry

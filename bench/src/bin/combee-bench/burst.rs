@@ -17,8 +17,8 @@ use tokio::process::Command;
 use crate::client::{HttpConn, encode_request, request_once};
 use crate::database::BenchDatabase;
 use crate::load::{LoadResult, run_each_once};
+use crate::model::thousands;
 use crate::processes::{ChildGuard, ScratchDir, free_port};
-use crate::report::thousands;
 
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct BurstArgs {

@@ -17,73 +17,9 @@ use crate::client::{answer_headers, encode_get_with_subject, encode_request, req
 use crate::database::BenchDatabase;
 use crate::ingest::{ServerTarget, ingest_phases};
 use crate::load::{LoadResult, Pace, load, run_each_once};
+use crate::model::{Facts, GET_SLICES, LoadPhase};
 use crate::processes::{ChildGuard, CpuUse, CpuWindow, MemoryWatch, clock_ticks_per_sec, free_port, memory_kb};
-use crate::report::{Facts, render};
 use crate::{BenchStore, HttpArgs};
-
-pub(crate) struct LoadPhase {
-    pub(crate) name: String,
-    pub(crate) result: LoadResult,
-    pub(crate) cpu: CpuUse,
-    /// Traces per request (1 for GETs and single POSTs).
-    pub(crate) items: u64,
-    pub(crate) peak_rss_kb: u64,
-    /// The bare server's figure, measured in the slices between this one's (GETs).
-    pub(crate) bare: Option<Box<LoadPhase>>,
-    /// The trace writes' groups over the measured window (POSTs).
-    pub(crate) groups: Option<WriteGroups>,
-    /// Second by second, with what the server and the store did (a paced figure; see `watch.rs`).
-    pub(crate) per_second: Option<String>,
-    /// Bytes of WAL Postgres wrote over the measured window (POSTs on Postgres).
-    pub(crate) wal_bytes: Option<u64>,
-}
-
-/// What the server's `/metrics` says of its trace-write groups, summed since it started.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct WriteGroups {
-    pub(crate) groups: f64,
-    pub(crate) rows: f64,
-    pub(crate) seconds: f64,
-    /// Seconds of each phase of a group's commit, as [`PHASES`] names them.
-    pub(crate) phases: [f64; PHASES.len()],
-}
-
-/// The phases of a group's commit that the server times (on Postgres only `begin` and `insert`).
-pub(crate) const PHASES: [&str; 5] = ["begin", "insert", "other", "rollups", "commit"];
-
-impl WriteGroups {
-    pub(crate) async fn read(addr: SocketAddr, key: &str) -> anyhow::Result<Self> {
-        let (status, body) = request_once(addr, &encode_request("GET", "/metrics", addr, key, None)).await?;
-        anyhow::ensure!(status == 200, "GET /metrics answered {status}");
-        let text = String::from_utf8_lossy(&body);
-        let value = |name: &str| {
-            text.lines()
-                .find_map(|l| {
-                    l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok())
-                })
-                .unwrap_or(0.0)
-        };
-        Ok(Self {
-            groups: value("combee_store_write_group_rows_count"),
-            rows: value("combee_store_write_group_rows_sum"),
-            seconds: value("combee_store_write_group_seconds_sum"),
-            phases: PHASES.map(|p| value(&format!("combee_store_write_phase_seconds_sum{{phase=\"{p}\"}}"))),
-        })
-    }
-
-    pub(crate) fn since(self, before: Self) -> Self {
-        let mut phases = self.phases;
-        for (p, b) in phases.iter_mut().zip(before.phases) {
-            *p -= b;
-        }
-        Self {
-            groups: self.groups - before.groups,
-            rows: self.rows - before.rows,
-            seconds: self.seconds - before.seconds,
-            phases,
-        }
-    }
-}
 
 /// The comparison server ([`serve_bare`]), running while the GET figures are measured.
 struct BareServer {
@@ -93,9 +29,6 @@ struct BareServer {
 
 /// The requests of one GET figure, made for a server's address (its Host header).
 type Requests<'a> = dyn Fn(SocketAddr) -> Vec<Vec<u8>> + 'a;
-
-/// Slices each GET figure and its bare pair are measured in, alternately.
-pub(crate) const GET_SLICES: u32 = 4;
 
 /// The benchmark's prompt, with the product's defaults (promotion `evaluated`: served through its population).
 const CREATE_BENCH: &str = r#"{"name":"bench","base":"You are a benchmark agent."}"#;
@@ -199,7 +132,8 @@ async fn memory_figure(
     eprintln!("combee-bench: memory: creating {prompts} prompts, then {subjects} GETs with distinct subjects");
     let creates: Vec<Vec<u8>> = (0..prompts)
         .map(|i| {
-            let body = format!(r#"{{"name":"mem-{i:05}","base":"You are agent {i}. Answer precisely and briefly."}}"#);
+            let body =
+                format!(r#"{{"name":"mem-{i:05}","base":"You are agent {i}. HttpAnswer precisely and briefly."}}"#);
             encode_request("POST", "/v1/prompts", addr, key, Some(body.as_bytes()))
         })
         .collect();
@@ -221,13 +155,14 @@ async fn memory_figure(
 
 const TRACE: &str = r#"{"prompt":"bench","input":{"q":"What is the capital of France, and how long is the Seine?"},"output":"Paris; the Seine is about 777 km long.","feedback":{"success":true}}"#;
 
-pub(crate) async fn measure(
+/// Measures every figure `args` asks for; the report renders what it returns.
+pub(crate) async fn measure<'a>(
     args: &HttpArgs,
     server_bin: &Path,
     scratch: &Path,
     db_url: &str,
-    database: Option<&BenchDatabase>,
-) -> anyhow::Result<String> {
+    database: Option<&'a BenchDatabase>,
+) -> anyhow::Result<(Facts<'a>, Vec<LoadPhase>)> {
     let loadavg = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let addr = free_port()?;
     let data_dir = scratch.join("data");
@@ -361,5 +296,5 @@ pub(crate) async fn measure(
     };
     drop(memory);
     server.stop().await;
-    Ok(render(&facts, &phases))
+    Ok((facts, phases))
 }

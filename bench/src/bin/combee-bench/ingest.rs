@@ -12,39 +12,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::figures::{LoadPhase, WriteGroups};
-use crate::floor::{Floor, Table, Way, Written, figures};
+use crate::floor::{Floor, Written, figures};
 use crate::load::{LoadResult, Pace, load};
+use crate::model::{FLOOR_SLICES, FloorFigure, FloorFigures, LoadPhase, WriteGroups, thousands};
 use crate::processes::{CpuUse, CpuWindow, MemoryWatch, clock_ticks_per_sec};
-use crate::report::thousands;
 use crate::watch::{Watch, per_second, wal_position};
 use crate::{BenchStore, HttpArgs};
-
-/// Slices the batched figure and each floor figure are measured in, alternately.
-pub(crate) const FLOOR_SLICES: u32 = 4;
 
 /// The offered rate of the paced figure when `--paced-rate` is not given: this
 /// share of the single-trace capacity measured in the same run.
 pub(crate) const PACED_SHARE: f64 = 0.5;
-
-/// One floor figure, beside the batched one.
-pub(crate) struct FloorFigure {
-    pub(crate) way: Way,
-    pub(crate) table: Table,
-    pub(crate) written: Written,
-    pub(crate) cpu: CpuUse,
-    /// Bytes of WAL written (Postgres).
-    pub(crate) wal_bytes: Option<u64>,
-}
-
-/// The floor's figures and how they were written.
-pub(crate) struct FloorFigures {
-    pub(crate) figures: Vec<FloorFigure>,
-    /// Connections writing (Postgres: the server's pool size; SQLite: one).
-    pub(crate) connections: usize,
-    /// Rows a transaction.
-    pub(crate) commit_rows: usize,
-}
 
 /// What the ingest figures measured.
 pub(crate) struct Ingest {

@@ -28,6 +28,7 @@ mod figures;
 mod floor;
 mod ingest;
 mod load;
+mod model;
 mod processes;
 mod report;
 mod watch;
@@ -41,6 +42,7 @@ use crate::bare::serve_bare;
 use crate::database::BenchDatabase;
 use crate::figures::measure;
 use crate::processes::ScratchDir;
+use crate::report::render;
 
 #[derive(Debug, Parser)]
 #[command(name = "combee-bench", about = "Prints combee's foundation benchmark figures (run it through scripts/bench)")]
@@ -206,7 +208,9 @@ async fn run_http(args: HttpArgs) -> anyhow::Result<()> {
             url
         }
     };
-    let outcome = measure(&args, &server_bin, &scratch.0, &db_url, database.as_ref()).await;
+    let outcome = measure(&args, &server_bin, &scratch.0, &db_url, database.as_ref())
+        .await
+        .map(|(facts, phases)| render(&facts, &phases));
     if let Some(db) = database {
         if args.keep_database {
             eprintln!("combee-bench: kept the bench database {}", db.url);

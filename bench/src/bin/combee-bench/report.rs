@@ -3,30 +3,8 @@
 
 use std::fmt::Write as _;
 
-use crate::HttpArgs;
-use crate::database::BenchDatabase;
-use crate::figures::{GET_SLICES, LoadPhase, PHASES};
 use crate::floor::{Table, Way};
-use crate::ingest::{FLOOR_SLICES, FloorFigures};
-
-pub(crate) struct Facts<'a> {
-    pub(crate) args: HttpArgs,
-    pub(crate) loadavg: String,
-    pub(crate) database: Option<&'a BenchDatabase>,
-    pub(crate) idle_rss_kb: u64,
-    pub(crate) peak_rss_kb: u64,
-    pub(crate) hwm_kb: u64,
-    pub(crate) samples: u64,
-    pub(crate) prompt_body_bytes: usize,
-    /// Response headers the bare server sends besides `content-length` and `date` (0: not run).
-    pub(crate) bare_headers: usize,
-    /// The memory figure: (prompts, subjects, RSS after, in kB, VmHWM in kB).
-    pub(crate) memory_probe: Option<(usize, usize, u64, u64)>,
-    /// The store alone with the same rows, beside the batched figure.
-    pub(crate) floor: Option<FloorFigures>,
-    /// The paced figure's offered rate, and whether it is a share of the capacity measured.
-    pub(crate) paced: Option<(f64, bool)>,
-}
+use crate::model::{FLOOR_SLICES, Facts, FloorFigures, GET_SLICES, LoadPhase, PHASES, thousands};
 
 fn nproc() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -42,19 +20,6 @@ fn cpu_model() -> String {
 
 fn pass(ok: bool) -> &'static str {
     if ok { "PASS" } else { "FAIL" }
-}
-
-pub(crate) fn thousands(v: f64) -> String {
-    let n = v.round() as u64;
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 pub(crate) fn render(f: &Facts, phases: &[LoadPhase]) -> String {

@@ -14,8 +14,8 @@ use std::{
 use sqlx::{PgPool, Row, postgres::PgPoolOptions};
 use tokio::sync::Notify;
 
-use crate::figures::WriteGroups;
 use crate::load::LoadResult;
+use crate::model::WriteGroups;
 
 /// What Postgres was doing at one look.
 #[derive(Debug, Clone, Default)]
