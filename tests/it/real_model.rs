@@ -563,13 +563,25 @@ async fn a_round_on_llama_servers_own_defaults_never_fills_its_context(b: Backen
     let app = spawn_learning_app(b, &llm.url, &llm.model).await;
     let traces = support_traces("slots").into_iter().take(3).collect();
     let round = learn_from(&app, "slots", traces).await;
-    assert_eq!(round["status"], "succeeded", "{round}");
     let calls = round["llm_calls"].as_array().expect("the round's LLM calls");
     assert!(calls.len() >= 4, "three reflections and an aggregation: {calls:?}");
     for call in calls {
         let error = call["error"].as_str().unwrap_or_default().to_lowercase();
         assert!(!error.contains("context"), "a call failed for the context: {call}");
         assert!(call["concurrency_limit"].as_u64().is_some_and(|l| l <= 4), "more than the four slots: {call}");
+    }
+    // The subject is the server's context, not the model's skill: a 135M model
+    // may still write no usable aggregate, and the round then fails saying so.
+    // Every call was answered (no transport error, no time-out) either way.
+    if round["status"] != "succeeded" {
+        assert_eq!(round["status"], "failed", "{round}");
+        let error = round["error"].as_str().unwrap_or_default();
+        let the_models_answers = error.starts_with("nothing learned") || error.starts_with("no trace could be reflected");
+        assert!(the_models_answers, "the round failed for something else than the model's answers: {round}");
+        assert!(!error.to_lowercase().contains("context"), "{round}");
+        for call in calls {
+            assert!(call["read"].is_string(), "a call with no answer to read: {call}");
+        }
     }
     if round["result_version"].is_i64() {
         let version = round["result_version"].as_i64().unwrap();
