@@ -211,6 +211,8 @@ pub(super) fn shared_failure(error: &StoreError) -> StoreError {
 mod tests {
     use std::{sync::Mutex as StdMutex, time::Duration};
 
+    use tokio::sync::Semaphore;
+
     use super::*;
 
     struct UnitRow;
@@ -221,50 +223,97 @@ mod tests {
         }
     }
 
-    /// Four lanes whose commits take 200 ms; the sizes of the groups they
-    /// commit, in the order the commits start.
-    fn lanes(join_weight: usize) -> (GroupCommit<UnitRow>, Arc<StdMutex<Vec<usize>>>) {
-        let sizes = Arc::new(StdMutex::new(Vec::new()));
-        let seen = sizes.clone();
-        let lanes = GroupCommit::start(4, 1024, join_weight, move |group: Vec<UnitRow>| {
-            seen.lock().unwrap().push(group.len());
-            tokio::time::sleep(Duration::from_millis(200))
-        });
-        (lanes, sizes)
+    /// What the lanes' commits saw: the size of each group in the order its
+    /// commit started, a signal at each start, and the permits that let a
+    /// commit end (none until the test gives them): no clock in the test.
+    struct Commits {
+        sizes: StdMutex<Vec<usize>>,
+        started: Notify,
+        finish: Semaphore,
     }
 
-    /// A lone write is committed at once; what arrives while it commits (one
-    /// row every 2 ms) is gathered into one group, not split between the
-    /// idle lanes.
+    impl Commits {
+        fn new() -> Self {
+            Self { sizes: StdMutex::default(), started: Notify::new(), finish: Semaphore::new(0) }
+        }
+
+        /// Waits until the commits started are `expected`.
+        async fn started_are(&self, expected: &[usize]) {
+            let wait = async {
+                loop {
+                    let next = self.started.notified();
+                    if *self.sizes.lock().unwrap() == expected {
+                        return;
+                    }
+                    next.await;
+                }
+            };
+            let seen = self.sizes.lock().unwrap().clone();
+            tokio::time::timeout(Duration::from_secs(10), wait)
+                .await
+                .unwrap_or_else(|_| panic!("commits {expected:?} never started (first seen: {seen:?})"));
+        }
+    }
+
+    /// Four lanes whose commits each wait for a permit from the test.
+    fn lanes(join_weight: usize) -> (GroupCommit<UnitRow>, Arc<Commits>) {
+        let commits = Arc::new(Commits::new());
+        let seen = commits.clone();
+        let lanes = GroupCommit::start(4, 1024, join_weight, move |group: Vec<UnitRow>| {
+            seen.sizes.lock().unwrap().push(group.len());
+            seen.started.notify_waiters();
+            let seen = seen.clone();
+            async move { seen.finish.acquire().await.expect("the semaphore stays open").forget() }
+        });
+        (lanes, commits)
+    }
+
+    /// Lets the lanes run until every queued job was taken by one of them.
+    async fn queue_taken(lanes: &GroupCommit<UnitRow>) {
+        while lanes.jobs.capacity() < lanes.jobs.max_capacity() {
+            tokio::task::yield_now().await;
+        }
+        // One more turn: a lane that took the last job adds it to its group.
+        tokio::task::yield_now().await;
+    }
+
+    /// A lone write is committed at once; what arrives while it commits is
+    /// gathered into one group, not split between the idle lanes.
     #[tokio::test]
     async fn a_short_queue_waits_for_the_committing_lane_instead_of_splitting() {
-        let (lanes, sizes) = lanes(32);
+        let (lanes, commits) = lanes(32);
         lanes.submit(UnitRow).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(*sizes.lock().unwrap(), [1], "an idle store commits a lone write at once");
+        commits.started_are(&[1]).await;
         for _ in 0..10 {
             lanes.submit(UnitRow).await.unwrap();
-            tokio::time::sleep(Duration::from_millis(2)).await;
+            tokio::task::yield_now().await;
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert_eq!(*sizes.lock().unwrap(), [1, 10]);
+        queue_taken(&lanes).await;
+        assert_eq!(*commits.sizes.lock().unwrap(), [1], "nothing committed beside the first");
+        commits.finish.add_permits(1);
+        commits.started_are(&[1, 10]).await;
+        commits.finish.add_permits(1);
     }
 
     /// Once a group's worth of rows is waiting, another lane commits it
     /// beside the busy one (rows arriving 4, 4 and 2 at a time).
     #[tokio::test]
     async fn a_deep_queue_runs_lanes_side_by_side() {
-        let (lanes, sizes) = lanes(4);
+        let (lanes, commits) = lanes(4);
         lanes.submit(UnitRow).await.unwrap();
-        for arriving in [4, 4, 2] {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        commits.started_are(&[1]).await;
+        for (arriving, then) in [(4, &[1, 4][..]), (4, &[1, 4, 4][..])] {
             for _ in 0..arriving {
                 lanes.submit(UnitRow).await.unwrap();
             }
+            commits.started_are(then).await;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(*sizes.lock().unwrap(), [1, 4, 4], "two full groups started beside the first");
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        assert_eq!(*sizes.lock().unwrap(), [1, 4, 4, 2], "the rest once the lanes were done");
+        lanes.submit(UnitRow).await.unwrap();
+        lanes.submit(UnitRow).await.unwrap();
+        queue_taken(&lanes).await;
+        assert_eq!(*commits.sizes.lock().unwrap(), [1, 4, 4], "two rows wait for a lane to be done");
+        commits.finish.add_permits(3);
+        commits.started_are(&[1, 4, 4, 2]).await;
+        commits.finish.add_permits(1);
     }
 }
