@@ -259,9 +259,9 @@ async fn a_server_cap_is_shared_by_processes_and_survives_a_restart(b: Backend) 
         s.budget.tokens_per_day = Some(CAP);
         s.budget.recheck_secs = 1;
     };
-    let first = spawn_app_with(b, capped).await;
+    let mut first = spawn_app_with(b, capped).await;
     // A second worker process on the same store.
-    let second = restart_app_with(&first, capped).await;
+    let mut second = restart_app_with(&first, capped).await;
     for name in ["one", "two"] {
         create(&first, name, Value::Null).await;
         send(&first, name, 0, TRACES).await;
@@ -282,7 +282,10 @@ async fn a_server_cap_is_shared_by_processes_and_survives_a_restart(b: Backend) 
     // Both stop; one starts again with the cap raised: the spend is still there, and learning resumes.
     first.shutdown.cancel();
     second.shutdown.cancel();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    for server in [&mut first.server, &mut second.server] {
+        let stopped = tokio::time::timeout(Duration::from_secs(30), server).await;
+        stopped.expect("a process stops within 30 s").expect("its task").expect("it stops cleanly");
+    }
     let again = restart_app_with(&first, |s| {
         capped(s);
         s.budget.tokens_per_day = Some(10 * CAP);

@@ -9,7 +9,7 @@ use std::{
     process::{Child, Command, Stdio},
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -18,6 +18,10 @@ use serde_json::{Value, json};
 
 /// Concurrent clients, each sending single-trace POSTs back to back.
 const CLIENTS: usize = 24;
+
+/// Acknowledged traces before the kill: enough that groups of many requests
+/// are in flight when it lands.
+const AT_LEAST: usize = 300;
 
 struct Server {
     child: Child,
@@ -60,8 +64,9 @@ async fn serve(database_url: Option<&str>, data: &std::path::Path) -> Server {
     server
 }
 
-/// Sends single-trace POSTs until `stop`; the ids of those answered 201.
-async fn client(base: String, key: String, me: usize, stop: Arc<AtomicBool>) -> Vec<String> {
+/// Sends single-trace POSTs until `stop`; the ids of those answered 201,
+/// each also counted in `acked` as it comes.
+async fn client(base: String, key: String, me: usize, stop: Arc<AtomicBool>, acked: Arc<AtomicUsize>) -> Vec<String> {
     let http = reqwest::Client::builder().timeout(Duration::from_secs(10)).build().unwrap();
     let mut acknowledged = Vec::new();
     for n in 0.. {
@@ -73,6 +78,7 @@ async fn client(base: String, key: String, me: usize, stop: Arc<AtomicBool>) -> 
             Ok(r) if r.status() == 201 => {
                 let body: Value = r.json().await.expect("a 201 has a JSON body");
                 acknowledged.push(body["ids"][0].as_str().expect("the trace's id").to_owned());
+                acked.fetch_add(1, Ordering::Relaxed);
             }
             // Anything else (the kill) ends this client: what it sent after
             // its last 201 was never promised.
@@ -82,7 +88,7 @@ async fn client(base: String, key: String, me: usize, stop: Arc<AtomicBool>) -> 
     acknowledged
 }
 
-/// Runs the clients against `server`, kills it with SIGKILL once `at_least`
+/// Runs the clients against `server`, kills it with SIGKILL once [`AT_LEAST`]
 /// traces were acknowledged, calls `after_kill`, restarts the server, and
 /// checks every acknowledged trace is there.
 async fn acknowledged_traces_survive(database_url: Option<String>, after_kill: impl FnOnce()) {
@@ -100,10 +106,16 @@ async fn acknowledged_traces_survive(database_url: Option<String>, after_kill: i
     assert_eq!(res.status(), 201);
 
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> =
-        (0..CLIENTS).map(|me| tokio::spawn(client(server.base.clone(), key.clone(), me, stop.clone()))).collect();
-    // Let the load build up so groups of many requests are in flight at the kill.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let acked = Arc::new(AtomicUsize::new(0));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|me| tokio::spawn(client(server.base.clone(), key.clone(), me, stop.clone(), acked.clone())))
+        .collect();
+    // The load built up: groups of many requests are in flight at the kill.
+    eventually("traces acknowledged before the kill", Duration::from_secs(60), async || {
+        let n = acked.load(Ordering::Relaxed);
+        if n >= AT_LEAST { Ok(()) } else { Err(format!("{n} acknowledged")) }
+    })
+    .await;
     server.child.kill().expect("kill -9 the server");
     server.child.wait().unwrap();
     stop.store(true, Ordering::Relaxed);
@@ -111,7 +123,7 @@ async fn acknowledged_traces_survive(database_url: Option<String>, after_kill: i
     for c in clients {
         acknowledged.extend(c.await.expect("a client panicked"));
     }
-    assert!(acknowledged.len() >= 100, "only {} traces were acknowledged before the kill", acknowledged.len());
+    assert!(acknowledged.len() >= AT_LEAST, "only {} traces were acknowledged before the kill", acknowledged.len());
     after_kill();
 
     let server = serve(database_url.as_deref(), data.path()).await;

@@ -19,7 +19,7 @@ use combee::{
 };
 use common::{
     Backend, eventually, eventually_by,
-    processes::{Build, Process, free_port, ready},
+    processes::{Build, Process, free_port, ready, sessions_ended, tcp_ports_of},
     spawn_app,
 };
 use futures_util::{StreamExt, stream};
@@ -249,9 +249,11 @@ async fn a_round_killed_mid_map_is_finished_by_another_process_without_paying_tw
     })
     .await;
     assert_eq!(r["status"], "running");
+    let sessions = tcp_ports_of(first.0.id());
     first.0.kill().expect("kill -9 the worker running the round");
     first.0.wait().unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Whatever the dead process had sent the database has landed (or rolled back).
+    sessions_ended(&app.url, &sessions).await;
     let stored_before = round_view().await["reflections"].as_array().unwrap().len();
     let asked_before = sim.calls("reflect").await;
     assert!(stored_before < n, "the crash happened during the map phase");
@@ -409,11 +411,12 @@ async fn a_round_killed_during_level_one_is_finished_by_another_worker_without_p
     let pid = owner_pid(&owner);
     let holder = workers.iter().position(|(w, _)| w.0.id() == pid).expect("the lease owner is one of the workers");
     let (mut killed, _data) = workers.remove(holder);
+    let sessions = tcp_ports_of(killed.0.id());
     killed.0.kill().expect("kill -9 the worker holding the round's lease");
     let (killed_at, killed_utc) = (Instant::now(), chrono::Utc::now());
     killed.0.wait().unwrap();
-    // Whatever the dead process had sent the database has landed by now.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Whatever the dead process had sent the database has landed (or rolled back).
+    sessions_ended(&app.url, &sessions).await;
     let before = round_view(id.clone()).await;
     let journaled_before = journaled_groups(&before) as u64;
     let aggregated_before = sim.calls("aggregate-playbook").await;

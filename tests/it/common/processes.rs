@@ -78,3 +78,49 @@ pub async fn ready(http: &reqwest::Client, base: &str) {
     })
     .await
 }
+
+/// The local TCP ports of the sockets process `pid` holds open (Linux: its
+/// descriptors' socket inodes, looked up in /proc/net/tcp and tcp6): the ports
+/// its database sessions come from, as `pg_stat_activity.client_port` shows.
+pub fn tcp_ports_of(pid: u32) -> Vec<u16> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the process's descriptors")
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_string_lossy().into_owned();
+            Some(target.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let mut ports = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        for line in std::fs::read_to_string(table).unwrap_or_default().lines().skip(1) {
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(inode)) = (fields.get(1), fields.get(9)) else { continue };
+            if inodes.contains(*inode)
+                && let Some(port) = local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok())
+            {
+                ports.push(port);
+            }
+        }
+    }
+    ports
+}
+
+/// Waits until Postgres holds no session that came from `ports` (taken with
+/// [`tcp_ports_of`] before a kill -9): once a dead client's backends have
+/// exited, whatever it had sent has committed or rolled back.
+pub async fn sessions_ended(db: &str, ports: &[u16]) {
+    use sqlx::Connection;
+    let mut c = sqlx::PgConnection::connect(db).await.expect("connect to the database");
+    let ports: Vec<i32> = ports.iter().map(|&p| i32::from(p)).collect();
+    eventually("the killed process's database sessions to end", Duration::from_secs(30), async || {
+        let live: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE client_port = ANY($1)")
+            .bind(&ports)
+            .fetch_one(&mut c)
+            .await
+            .map_err(|e| e.to_string())?;
+        if live == 0 { Ok(()) } else { Err(format!("{live} sessions left")) }
+    })
+    .await;
+}
