@@ -17,7 +17,7 @@ use super::format::{self, ContextWindow, FormatLadder};
 use super::limit::{AdaptiveLimit, AttemptSignal};
 use super::meter::{Spend, SpendMeter};
 use super::remember::{LimitMemory, Remembered};
-use super::slots::{self, SharedContext};
+use super::slots::{self, PromptTokens, SharedContext};
 use super::{
     AnswerRead, ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, OutputFormat,
     REFUSED_ANSWER_CHARS, TimeoutKind, Usage,
@@ -55,6 +55,8 @@ struct Inner {
     props_url: Option<String>,
     props: tokio::sync::OnceCell<()>,
     shared: SharedContext,
+    /// How many tokens the server makes of a prompt's characters.
+    prompt_tokens: PromptTokens,
     /// Asked of a server that said it penalises no repetition (see [`slots::REPEAT_PENALTY`]).
     repeat_penalty: std::sync::OnceLock<f32>,
 }
@@ -89,6 +91,7 @@ impl OpenAiClient {
             props_url,
             props: tokio::sync::OnceCell::new(),
             shared: SharedContext::default(),
+            prompt_tokens: PromptTokens::default(),
             repeat_penalty: std::sync::OnceLock::new(),
         };
         Ok(Self { inner: Arc::new(inner), meter: None, remembered: None })
@@ -332,9 +335,8 @@ impl LlmBackend for OpenAiClient {
         let estimate = estimate_tokens(req.chars());
         let max_tokens = self.fit_max_tokens(&req)?;
         // The call's share of a context the server's slots share: its prompt
-        // (counted as small models' tokenizers cut it) and its completion limit.
-        let held = u64::try_from(req.chars().div_ceil(3)).unwrap_or(u64::MAX)
-            + u64::from(max_tokens.unwrap_or(inner.cfg.max_tokens));
+        // (counted as finely as the server cut one) and its completion limit.
+        let held = inner.prompt_tokens.of(req.chars()) + u64::from(max_tokens.unwrap_or(inner.cfg.max_tokens));
         let mut retries = 0u32;
         // A timed-out attempt's retry gets twice as long: the backend is slower than it looked.
         let mut timeout_scale = 1u32;
@@ -380,6 +382,9 @@ impl LlmBackend for OpenAiClient {
                 inner.limit.record(&slot, sample_of(req.role, &outcome, sent.elapsed(), estimate));
                 if let Some(r) = &self.remembered {
                     r.note(&inner.limit);
+                }
+                if let Ok((_, _, Some(usage))) = &outcome {
+                    inner.prompt_tokens.observe(req.chars(), usage.prompt_tokens);
                 }
                 // Settle the estimate with what the call really used; failed attempts refund it.
                 let used = match &outcome {
@@ -515,8 +520,7 @@ impl OpenAiClient {
     /// leaves after the prompt; a prompt that leaves no room is not sent.
     fn fit_max_tokens(&self, req: &ChatRequest) -> Result<Option<u32>, LlmError> {
         let Some(window) = self.inner.window.get() else { return Ok(req.max_tokens) };
-        // Small models' tokenizers cut finer than four characters a token: count three.
-        let prompt = u32::try_from(req.chars().div_ceil(3)).unwrap_or(u32::MAX);
+        let prompt = u32::try_from(self.inner.prompt_tokens.of(req.chars())).unwrap_or(u32::MAX);
         let room = window.saturating_sub(prompt);
         if room < MIN_ANSWER_TOKENS {
             return Err(LlmError::ContextExceeded {
@@ -1318,13 +1322,14 @@ mod tests {
     }
 
     /// llama.cpp's server as its defaults start it: slots sharing one context.
-    /// A call holds its prompt (a token per three characters) and its
+    /// A call holds its prompt (a token per `cut` characters) and its
     /// completion limit (the model writes all of it); a call that does not fit
     /// beside the others is answered as llama.cpp answers then.
     #[derive(Clone)]
     struct SharedCache {
         props: Option<Value>,
         context: usize,
+        cut: usize,
         held: Arc<AtomicUsize>,
         in_flight: Arc<AtomicUsize>,
         most_in_flight: Arc<AtomicUsize>,
@@ -1336,12 +1341,16 @@ mod tests {
 
     impl SharedCache {
         async fn spawn(props: Option<Value>, context: usize) -> (String, Self) {
+            Self::spawn_cutting(props, context, 3).await
+        }
+
+        async fn spawn_cutting(props: Option<Value>, context: usize, cut: usize) -> (String, Self) {
             async fn chat(State(s): State<SharedCache>, body: axum::body::Bytes) -> Response {
                 let body: Value = serde_json::from_slice(&body).unwrap();
                 s.penalties.lock().unwrap().push(body["repeat_penalty"].as_f64());
                 let chars: usize =
                     body["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap().len()).sum();
-                let tokens = chars / 3 + body["max_tokens"].as_u64().unwrap_or(4096) as usize;
+                let tokens = chars / s.cut + body["max_tokens"].as_u64().unwrap_or(4096) as usize;
                 let held = s.held.fetch_add(tokens, Ordering::SeqCst) + tokens;
                 let now = s.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
                 s.most_in_flight.fetch_max(now, Ordering::SeqCst);
@@ -1358,7 +1367,7 @@ mod tests {
                 }
                 s.answered.fetch_add(1, Ordering::SeqCst);
                 axum::Json(json!({"model": "m", "choices": [{"message": {"content": "{}"}}],
-                                  "usage": {"prompt_tokens": chars / 3, "completion_tokens": 20}}))
+                                  "usage": {"prompt_tokens": chars / s.cut, "completion_tokens": 20}}))
                 .into_response()
             }
             async fn describe(State(s): State<SharedCache>) -> Response {
@@ -1370,6 +1379,7 @@ mod tests {
             let state = SharedCache {
                 props,
                 context,
+                cut,
                 held: Arc::default(),
                 in_flight: Arc::default(),
                 most_in_flight: Arc::default(),
@@ -1422,6 +1432,20 @@ mod tests {
         many_calls(&c, 16, 300).await;
         assert_eq!(server.full.load(Ordering::SeqCst), 0);
         assert_eq!(server.most_in_flight.load(Ordering::SeqCst), 3, "100 + 1024 tokens each");
+    }
+
+    #[tokio::test]
+    async fn a_prompt_is_counted_as_finely_as_the_server_reported_it_cut_one() {
+        // Two characters a token (JSON, numbers): 1,200 prompt tokens and a 1024-token
+        // completion limit each, so two do not fit in 4096 at once; at three characters a
+        // token they would seem to (800 + 1024 twice).
+        let props = json!({"default_generation_settings": {"params": {}, "n_ctx": 4096}, "total_slots": 4});
+        let (url, server) = SharedCache::spawn_cutting(Some(props), 4096, 2).await;
+        let c = client(&url, |_| {});
+        many_calls(&c, 1, 2400).await;
+        many_calls(&c, 8, 2400).await;
+        assert_eq!(server.full.load(Ordering::SeqCst), 0, "no call was answered that the context is full");
+        assert_eq!(server.most_in_flight.load(Ordering::SeqCst), 1, "one at a time, as the server counts them");
     }
 
     #[tokio::test]

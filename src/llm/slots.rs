@@ -30,7 +30,10 @@
 //! hosted APIs) answer it with an error and are left to the adaptive limit
 //! ([`super::limit`]), which also learns from a full cache.
 
-use std::sync::Mutex;
+use std::sync::{
+    Mutex,
+    atomic::{AtomicU64, Ordering},
+};
 
 use serde::Deserialize;
 use tokio::sync::Notify;
@@ -193,6 +196,48 @@ impl SharedContext {
     }
 }
 
+/// How many tokens a server makes of a prompt, learned from what it reports.
+/// Until a server answered, a prompt counts one token per three characters (small
+/// models' tokenizers cut finer than four); then the finest cut it reported
+/// counts (JSON and numbers cut finer still), so the prompt's share of a
+/// shared context and of a context window is not under-counted.
+#[derive(Debug)]
+pub struct PromptTokens {
+    /// Tokens per thousand characters, the largest seen.
+    per_kilochar: AtomicU64,
+}
+
+/// What a chat template adds to a request's messages (roles, turn markers).
+const TEMPLATE_TOKENS: u64 = 16;
+/// Prompts shorter than this tell little of the rate: the template dominates them.
+const MIN_OBSERVED_CHARS: usize = 400;
+/// One token per character is as fine as any tokenizer cuts text.
+const MAX_PER_KILOCHAR: u64 = 1_000;
+
+impl Default for PromptTokens {
+    fn default() -> Self {
+        Self { per_kilochar: AtomicU64::new(334) }
+    }
+}
+
+impl PromptTokens {
+    /// The tokens a prompt of `chars` characters is counted as.
+    pub fn of(&self, chars: usize) -> u64 {
+        let chars = u64::try_from(chars).unwrap_or(u64::MAX);
+        chars.saturating_mul(self.per_kilochar.load(Ordering::Relaxed)).div_ceil(1000) + TEMPLATE_TOKENS
+    }
+
+    /// The server counted `prompt_tokens` for a prompt of `chars` characters.
+    pub fn observe(&self, chars: usize, prompt_tokens: u64) {
+        if chars < MIN_OBSERVED_CHARS {
+            return;
+        }
+        let chars = u64::try_from(chars).unwrap_or(u64::MAX);
+        let rate = (prompt_tokens.saturating_sub(TEMPLATE_TOKENS).saturating_mul(1000)).div_ceil(chars);
+        self.per_kilochar.fetch_max(rate.min(MAX_PER_KILOCHAR), Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -250,5 +295,22 @@ mod tests {
         // A call larger than the whole context goes alone.
         let big = ctx.admit(20_000).await;
         drop(big);
+    }
+
+    #[test]
+    fn a_prompt_counts_as_finely_as_the_server_cut_one() {
+        let tokens = PromptTokens::default();
+        assert_eq!(tokens.of(3000), 1002 + TEMPLATE_TOKENS, "a third of the characters before any answer");
+        // A short prompt is mostly template: it teaches nothing.
+        tokens.observe(100, 90);
+        assert_eq!(tokens.of(3000), 1002 + TEMPLATE_TOKENS);
+        // A coarser cut than assumed changes nothing; a finer one counts from then on.
+        tokens.observe(3000, 700);
+        assert_eq!(tokens.of(3000), 1002 + TEMPLATE_TOKENS);
+        tokens.observe(2000, 1016);
+        assert_eq!(tokens.of(3000), 1500 + TEMPLATE_TOKENS, "JSON at two characters a token");
+        // A report past one token a character is not believed beyond it.
+        tokens.observe(1000, 50_000);
+        assert_eq!(tokens.of(3000), 3000 + TEMPLATE_TOKENS);
     }
 }
