@@ -3,9 +3,7 @@
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use serde_json::Value;
-use utoipa::ToSchema;
 use uuid::Uuid;
 
 use super::bounded;
@@ -20,11 +18,9 @@ use crate::{
 };
 
 /// One stored LLM call of a round.
-#[derive(Debug, Clone, Serialize, ToSchema)]
+#[derive(Debug, Clone)]
 pub struct RoundCall {
     pub attempt: i32,
-    #[serde(flatten)]
-    #[schema(value_type = Object)]
     pub call: LlmCall,
     pub created_at: DateTime<Utc>,
 }
