@@ -10,6 +10,7 @@ use axum::{
     http::{HeaderMap, StatusCode},
     response::{IntoResponse, Response},
 };
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
@@ -22,11 +23,15 @@ use super::{
 use crate::service::projects::PathPrompt;
 use crate::{
     domain::{access::Reach, audit::Actor, backoff::LearningState, round::Round},
+    llm::LlmCall,
     service::{
         pagination::{PageParams, next_token},
         projects,
         prompts::existing_prompt,
-        rounds::{self, RoundView, TriggerRound, WebhookTrigger, open_round, open_round_for_webhook, round_view},
+        rounds::{
+            self, RoundReflection, RoundView, TriggerRound, UsageTotals, WebhookTrigger, open_round,
+            open_round_for_webhook, round_view,
+        },
     },
     webhooks,
 };
@@ -116,15 +121,55 @@ fn webhook_reason(e: &webhooks::VerifyError) -> &'static str {
     }
 }
 
+// A round as `GET /v1/rounds/{id}` answers it, named `RoundView` in the API
+// document. No doc comment: it would become the schema's description.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = RoundView)]
+pub struct RoundViewBody {
+    #[serde(flatten)]
+    pub round: Round,
+    pub trace_ids: Vec<Uuid>,
+    pub reflections: Vec<RoundReflection>,
+    pub llm_calls: Vec<RoundCallBody>,
+    pub usage: UsageTotals,
+    /// When retention compacted the round (`retention.round_detail_days`): its
+    /// group outputs and per-call records are gone, `usage` is what they added up to;
+    /// reflections and trace ids go with their traces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compacted_at: Option<DateTime<Utc>>,
+}
+
+/// One stored LLM call of a round.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = RoundCall)]
+pub struct RoundCallBody {
+    pub attempt: i32,
+    #[serde(flatten)]
+    #[schema(value_type = Object)]
+    pub call: LlmCall,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<RoundView> for RoundViewBody {
+    fn from(view: RoundView) -> Self {
+        let RoundView { round, trace_ids, reflections, llm_calls, usage, compacted_at } = view;
+        let llm_calls = llm_calls
+            .into_iter()
+            .map(|c| RoundCallBody { attempt: c.attempt, call: c.call, created_at: c.created_at })
+            .collect();
+        Self { round, trace_ids, reflections, llm_calls, usage, compacted_at }
+    }
+}
+
 #[utoipa::path(get, path = "/v1/rounds/{id}", tag = "rounds", params(("id" = Uuid, Path)),
-    responses((status = 200, body = RoundView), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
+    responses((status = 200, body = RoundViewBody), (status = 404, body = super::error::Problem)), security(("bearer" = ["prompts:read"])))]
 pub async fn get_round(
     State(st): State<AppState>,
     _caller: Authorized<scope::PromptsRead>,
     ApiPath(id): ApiPath<String>,
-) -> ApiResult<Json<RoundView>> {
+) -> ApiResult<Json<RoundViewBody>> {
     let id = Uuid::parse_str(&id).map_err(|_| ApiError::missing("no such round: ids are UUIDs".into()))?;
-    Ok(Json(round_view(&st, id).await?))
+    Ok(Json(round_view(&st, id).await?.into()))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]

@@ -56,7 +56,7 @@ impl<'a> Mover<'a> {
     }
 
     /// Ends a round that succeeded (the store's one fenced transaction, see
-    /// [`crate::store::RoundStore::finish_round`]): its version, if any, with
+    /// [`crate::store::RoundRecordStore::finish_round`]): its version, if any, with
     /// its label, the traces, the round's record. A version labelled
     /// `production` (promotion `auto`) moves production like any other move,
     /// so [`Self::followed`] follows it. The version written, if one was.

@@ -130,9 +130,10 @@ pub struct UsageTotals {
     pub retries: u64,
 }
 
-#[derive(Debug, Serialize, ToSchema)]
+/// One round with its traces, reflections, LLM calls and usage: plain data the web UI renders
+/// and the API answers with (in a body type of its own).
+#[derive(Debug)]
 pub struct RoundView {
-    #[serde(flatten)]
     pub round: Round,
     pub trace_ids: Vec<Uuid>,
     pub reflections: Vec<RoundReflection>,
@@ -141,7 +142,6 @@ pub struct RoundView {
     /// When retention compacted the round (`retention.round_detail_days`): its
     /// group outputs and per-call records are gone, `usage` is what they added up to;
     /// reflections and trace ids go with their traces.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub compacted_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 

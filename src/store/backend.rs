@@ -96,7 +96,8 @@ pub trait Backend: Dialect {
         feedback: Feedback,
         source: FeedbackSource,
     ) -> StoreResult<bool>;
-    /// Takes the lease of the oldest claimable round (see [`RoundStore::claim_round`](super::RoundStore::claim_round)); its id.
+    /// Takes the lease of the oldest claimable round (see
+    /// [`RoundClaimStore::claim_round`](super::RoundClaimStore::claim_round)); its id.
     async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>>;
     async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool>;
     /// Leases up to `limit` due deliveries to `owner`: the ids claimed.

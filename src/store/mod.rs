@@ -1,10 +1,11 @@
 //! Persistence behind narrow traits, one per resource (`keys.rs`,
-//! `prompts.rs`, `traces.rs`, `rounds.rs`…: each holds its sub-trait and its
-//! [`SqlStore`](backend::SqlStore) implementation), combined into [`Store`], with a
-//! Postgres implementation (production, many processes) and an embedded SQLite
-//! one (the default, no server needed). Dispatch on the URL happens once, in
-//! [`connect`]. Every SQL statement lives next to the store function that runs
-//! it. The store knows nothing of HTTP: it takes and returns plain data.
+//! `prompts.rs`, `traces.rs`…: each holds its sub-trait and its
+//! [`SqlStore`](backend::SqlStore) implementation; `rounds/` one sub-trait per
+//! job of a round), combined into [`Store`], with a Postgres implementation
+//! (production, many processes) and an embedded SQLite one (the default, no
+//! server needed). Dispatch on the URL happens once, in [`connect`]. Every SQL
+//! statement lives next to the store function that runs it. The store knows
+//! nothing of HTTP: it takes and returns plain data.
 
 mod arms;
 mod audit;
@@ -57,7 +58,8 @@ pub use regression::{GateSettings, OpenGate, RegressionStore};
 pub use retention::{Expiring, Retention, TraceExpiry};
 pub use rollups::{Rollups, minute_rollup_cutoff, second_rollup_cutoff};
 pub use rounds::{
-    Backlog, ClaimedRound, OpenRound, RoundCall, RoundEnd, RoundFailure, RoundStore, TraceCharges, TraceFault,
+    Backlog, ClaimedRound, FailureStreakStore, OpenRound, RoundCall, RoundClaimStore, RoundEnd, RoundFailure,
+    RoundJournalStore, RoundRecordStore, RoundStore, TraceCharges, TraceFault,
 };
 pub use sessions::SessionStore;
 pub use traces::{TraceAction, TraceStore};
