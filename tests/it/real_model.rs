@@ -576,7 +576,8 @@ async fn a_round_on_llama_servers_own_defaults_never_fills_its_context(b: Backen
     if round["status"] != "succeeded" {
         assert_eq!(round["status"], "failed", "{round}");
         let error = round["error"].as_str().unwrap_or_default();
-        let the_models_answers = error.starts_with("nothing learned") || error.starts_with("no trace could be reflected");
+        let the_models_answers =
+            error.starts_with("nothing learned") || error.starts_with("no trace could be reflected");
         assert!(the_models_answers, "the round failed for something else than the model's answers: {round}");
         assert!(!error.to_lowercase().contains("context"), "{round}");
         for call in calls {
