@@ -3,8 +3,6 @@
 //! behind a transaction pooler (see [`Route`](super::Route)), and the clauses
 //! only Postgres has (row locks, advisory locks, `NOTIFY`, jsonb functions).
 
-use std::sync::atomic::Ordering;
-
 use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
 use serde_json::Value;
@@ -12,18 +10,19 @@ use sqlx::{PgConnection, Postgres, postgres::PgRow};
 use uuid::Uuid;
 
 use super::listener::CHANNEL;
-use super::route::THROUGH_POOLER;
+use super::route::through_pooler;
 use crate::evaluate::outcomes::MAX_ABS_VALUE;
 use crate::store::StoreResult;
 use crate::store::sql::{Dialect, Param, Query, direct_getters};
 
 /// Runs `$run`, an async block over the query `$q` and the connection `$c`,
-/// as [`Route`] needs: as written, or (through a transaction pooler) unnamed
-/// and inside a transaction of its own unless one is open already.
+/// as [`Route`](super::Route) needs: as written, or (on a connection through
+/// a transaction pooler, see [`through_pooler`]) unnamed and inside a
+/// transaction of its own unless one is open already.
 macro_rules! pooler_safe {
     ($query:expr, $conn:expr, |$q:ident, $c:ident| $run:expr) => {{
         let (query, conn) = ($query, $conn);
-        if !THROUGH_POOLER.load(Ordering::Relaxed) {
+        if !through_pooler(&*conn) {
             let ($q, $c) = (query, conn);
             $run.await
         } else if sqlx::Connection::is_in_transaction(&*conn) {

@@ -21,7 +21,7 @@ mod listener;
 mod route;
 mod trace_writes;
 
-use std::{str::FromStr, sync::atomic::Ordering, time::Duration};
+use std::{str::FromStr, time::Duration};
 
 use async_trait::async_trait;
 use sqlx::{
@@ -39,10 +39,9 @@ use crate::domain::{
     Feedback,
     trace::{FeedbackSource, IdempotencyKey, IdempotentIngest, ValidTrace},
 };
-use route::THROUGH_POOLER;
 
 pub use listener::Listener;
-pub use route::Route;
+pub use route::{Route, through_pooler};
 pub use trace_writes::Insert;
 
 pub type PgStore = SqlStore<Postgres>;
@@ -63,19 +62,20 @@ impl SqlStore<Postgres> {
                         .into(),
                 ));
             }
-            THROUGH_POOLER.store(true, Ordering::Relaxed);
-            // Nothing cached, and no startup parameter PgBouncer does not know by default.
+            // Nothing cached (which is also how its connections tell their route, see
+            // `route::through_pooler`), and no startup parameter PgBouncer does not know by default.
             options = options.statement_cache_capacity(0).extra_float_digits(None);
         }
-        let pool = PgPoolOptions::new()
+        let mut pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(acquire_timeout)
             // No ping before every checkout (it was 12% of server CPU on trace ingest);
             // a dead connection fails its statement instead, and the pool replaces it.
-            .test_before_acquire(false)
-            .connect_with(options)
-            .await
-            .map_err(StoreError::Unavailable)?;
+            .test_before_acquire(false);
+        if !route.transaction_pooler {
+            pool = pool.after_connect(route::mark_direct);
+        }
+        let pool = pool.connect_with(options).await.map_err(StoreError::Unavailable)?;
         let direct = match &route.direct_url {
             // The listener's connection and one for the migrations.
             Some(direct) => PgPoolOptions::new()

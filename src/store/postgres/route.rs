@@ -1,9 +1,12 @@
 //! How a Postgres store reaches its database: directly, or through a pooler
-//! in transaction mode, which changes how every statement must run.
+//! in transaction mode, which changes how every statement must run. The
+//! route is each store's own: two stores of one process, one through a pooler
+//! and one direct, each run their statements their own way.
 
-use std::sync::atomic::AtomicBool;
+use futures_util::future::BoxFuture;
+use sqlx::{Connection, Executor, PgConnection, pool::PoolConnectionMetadata};
 
-/// How this process reaches Postgres.
+/// How a store reaches Postgres.
 ///
 /// Through a transaction pooler a statement may not outlive its transaction
 /// on the server connection: the pooler gives the connection to another
@@ -13,9 +16,10 @@ use std::sync::atomic::AtomicBool;
 /// its statement cache off. So, through a pooler, every statement is unnamed
 /// (`persistent(false)`, nothing cached) and one that is not already in a
 /// transaction runs inside its own `BEGIN`/`COMMIT`, which keeps both round
-/// trips on one server connection. Session-scoped statements never go
-/// through the pooler: the LISTEN of the change listener and the advisory
-/// locks of the migrations use [`Route::direct_url`].
+/// trips on one server connection. Each connection of the store tells which
+/// way its statements run ([`through_pooler`]). Session-scoped statements
+/// never go through the pooler: the LISTEN of the change listener and the
+/// advisory locks of the migrations use [`Route::direct_url`].
 #[derive(Debug, Clone, Default)]
 pub struct Route {
     /// Postgres itself, for what needs a session of its own; `None`: the main URL.
@@ -24,8 +28,23 @@ pub struct Route {
     pub transaction_pooler: bool,
 }
 
-/// Set once a store of this process talks to Postgres through a transaction
-/// pooler: from then on every statement of the process's Postgres stores runs
-/// pooler-safe (see [`Route`]). A process serves one store; a test that opens
-/// a direct store beside a pooled one only pays the pooled way's round trips.
-pub(super) static THROUGH_POOLER: AtomicBool = AtomicBool::new(false);
+/// Whether a statement on `c` must run the pooler's way (see [`Route`]),
+/// as the connection itself tells, since the executors see nothing else of
+/// the store (sqlx keeps no state of ours on a connection): by its statement
+/// cache. A store through a transaction pooler turns the cache off, so its
+/// connections never cache anything; a direct store's connection caches one
+/// statement as it opens ([`mark_direct`]) and is never empty again (the
+/// cache only evicts to make room). An empty cache is the pooler's way,
+/// which is also the safe way on any connection.
+pub fn through_pooler(c: &PgConnection) -> bool {
+    c.cached_statements_size() == 0
+}
+
+/// The statement a direct connection caches as it opens.
+const DIRECT_MARK: &str = "SELECT 'direct' AS route";
+
+/// Marks a direct store's connection as it opens (see [`through_pooler`]):
+/// one statement prepared and cached, a round trip per connection.
+pub(super) fn mark_direct(c: &mut PgConnection, _: PoolConnectionMetadata) -> BoxFuture<'_, sqlx::Result<()>> {
+    Box::pin(async move { c.prepare(DIRECT_MARK).await.map(drop) })
+}
