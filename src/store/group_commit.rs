@@ -12,8 +12,8 @@
 //! enough rows wait to be worth a commit of their own. The lanes are tasks of
 //! their own, so a request whose client goes away never strands the others
 //! of its group. What a job does inside the group, and how one failing job
-//! is kept from failing its neighbours, is the backend's (see `sqlite.rs`,
-//! `postgres.rs`).
+//! is kept from failing its neighbours, is the backend's (see
+//! `sqlite/trace_writes.rs`, `postgres/trace_writes.rs`).
 
 use std::{
     future::Future,

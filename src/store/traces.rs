@@ -1,5 +1,6 @@
-//! Traces: durable ingest (with `Idempotency-Key`), reads, late feedback, requeue of failed ones,
-//! the operator's quarantine and delete, and the outcome aggregates versions are judged by.
+//! Traces (their INSERT and group commit are each backend's: `sqlite/trace_writes.rs`, `postgres/trace_writes.rs`):
+//! durable ingest (with `Idempotency-Key`), reads, late feedback, requeue of failed ones, the operator's quarantine
+//! and delete, and the outcome aggregates versions are judged by.
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};

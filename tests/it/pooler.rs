@@ -266,3 +266,69 @@ async fn three_api_and_two_worker_processes_learn_and_agree_through_pgbouncer_in
     assert_eq!(listeners, 5, "one direct LISTEN session per process");
     drop(processes);
 }
+
+/// Two stores in one process, one through PgBouncer in transaction mode and
+/// one straight to Postgres, each run their statements by their own route:
+/// the pooled one unnamed and inside transactions, safe under many clients on
+/// few server connections; the direct one named and kept, as it would be
+/// alone in its process, though the pooled store opened first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_through_pgbouncer_and_a_direct_one_in_one_process_each_keep_their_own_route() {
+    use combee::store::{
+        Store,
+        postgres::{self, PgStore, through_pooler},
+    };
+    let Some(bouncer) = pgbouncer_url() else { return };
+    let direct_url = fresh_pg_database().await;
+    let db = direct_url.rsplit_once('/').unwrap().1.to_owned();
+    let timeout = Duration::from_secs(10);
+    let via_bouncer = postgres::Route { direct_url: Some(direct_url.clone()), transaction_pooler: true };
+    let pooled = PgStore::connect(&with_database(&bouncer, &db), &via_bouncer, 8, timeout)
+        .await
+        .expect("the store through PgBouncer");
+    // Two connections: one the change listener holds, one for everything else,
+    // so the session inspected below is the one the store's statements ran on.
+    let direct =
+        PgStore::connect(&direct_url, &postgres::Route::default(), 2, timeout).await.expect("the direct store");
+    let mut admin = sqlx::PgConnection::connect(&direct_url).await.unwrap();
+    eventually("the direct store's change listener", Duration::from_secs(10), async || {
+        let listening: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN %'",
+        )
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+        // The pooled store's listener is one too (through its direct URL).
+        if listening == 2 { Ok(()) } else { Err(format!("{listening} sessions listen")) }
+    })
+    .await;
+
+    // Many clients through the pooler at once: named statements or a statement
+    // split over two server connections would fail here.
+    let pings = (0..16).map(|_| {
+        let pooled = &pooled;
+        async move {
+            for _ in 0..25 {
+                pooled.ping().await?;
+            }
+            Ok::<_, combee::store::StoreError>(())
+        }
+    });
+    for done in futures_util::future::join_all(pings).await {
+        done.expect("the pooled store's statements through PgBouncer");
+    }
+    direct.ping().await.expect("the direct store");
+
+    let c = pooled.pool().acquire().await.unwrap();
+    assert!(through_pooler(&c), "a connection of the pooled store runs the pooler's way");
+    assert_eq!(sqlx::Connection::cached_statements_size(&*c), 0, "the pooled store caches nothing");
+    drop(c);
+    let mut c = direct.pool().acquire().await.unwrap();
+    assert!(!through_pooler(&c), "a connection of the direct store runs statements as written");
+    let named: Vec<String> =
+        sqlx::query_scalar("SELECT statement FROM pg_prepared_statements").fetch_all(&mut *c).await.unwrap();
+    assert!(
+        named.iter().any(|s| s == "SELECT 1 AS one"),
+        "the direct store's ping ran as a named, kept statement on its session: {named:?}"
+    );
+}

@@ -1,195 +1,25 @@
-//! The embedded store: SQLite in WAL mode, for a single combee process with no
-//! database server. Writes go through one dedicated connection, so concurrent
-//! writers queue in-process instead of failing with `SQLITE_BUSY`; reads use a
-//! separate pool. Changes are announced on an in-process broadcast after commit.
+//! Where a trace is stored on SQLite: the INSERT of traces (plain, or under
+//! an idempotency key) and the group-commit writer that commits them, with
+//! late feedback, on the one writer connection: a group's plain inserts go
+//! in one statement, every other job under a savepoint of its own, and the
+//! group commits once (one WAL flush) before any of its requests is answered.
 
-use std::{path::Path, str::FromStr, time::Duration};
-
-use async_trait::async_trait;
-use chrono::{DateTime, Utc};
 use futures_util::future::BoxFuture;
-use serde_json::Value;
-use sqlx::{
-    Row, Sqlite, SqliteConnection, SqlitePool,
-    sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous},
-};
-use tokio::sync::{broadcast, oneshot};
+use sqlx::{Row, Sqlite, SqliteConnection, SqlitePool};
+use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use crate::evaluate::outcomes::MAX_ABS_VALUE;
-
-use super::backend::{Backend, SqlStore};
-use super::group_commit::{self, GroupCommit, PhaseClock, Weighed, shared_failure};
-use super::rollups::{self, Counted, Sign};
-use super::sql::{Dialect, Param, Query, corrupt, direct_getters, executors};
-use super::traces::{merge_feedback, prompt_reference_problem};
-use super::{StoreError, StoreKind, StoreResult, migrate};
-use crate::domain::trace::FeedbackSource;
+use super::dialect::now_us;
 use crate::domain::{
     Feedback, PromptName,
-    trace::{IdempotencyKey, IdempotentIngest, ValidTrace},
+    trace::{FeedbackSource, IdempotencyKey, IdempotentIngest, ValidTrace},
 };
-
-pub type SqliteStore = SqlStore<Sqlite>;
-
-/// Makes the per-request "did any process revoke a key?" check cheap. Every
-/// commit, by any process, rewrites the WAL index header at the start of the
-/// `-shm` file (its change counter, frame count and salts; see
-/// <https://sqlite.org/walformat.html>). While those bytes are unchanged no
-/// transaction has committed, so the key generation read under them still
-/// holds and no query is needed; when they changed, or cannot be read, the
-/// generation is read from the table again.
-pub struct KeyGenerationCache {
-    shm: Option<std::fs::File>,
-    seen: std::sync::Mutex<Option<(WalIndexHeader, i64)>>,
-}
-
-/// The first copy of the WAL index header.
-type WalIndexHeader = [u8; 48];
-
-impl KeyGenerationCache {
-    fn open(db: &Path) -> Self {
-        let mut shm = db.as_os_str().to_owned();
-        shm.push("-shm");
-        Self { shm: std::fs::File::open(shm).ok(), seen: std::sync::Mutex::new(None) }
-    }
-
-    fn header(&self) -> Option<WalIndexHeader> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = [0u8; 48];
-        self.shm.as_ref()?.read_exact_at(&mut buf, 0).ok()?;
-        Some(buf)
-    }
-
-    fn lookup(&self, header: &WalIndexHeader) -> Option<i64> {
-        match *self.seen.lock().unwrap_or_else(|e| e.into_inner()) {
-            Some((seen, generation)) if seen == *header => Some(generation),
-            _ => None,
-        }
-    }
-
-    fn remember(&self, header: WalIndexHeader, generation: i64) {
-        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = Some((header, generation));
-    }
-}
-
-/// SQLite keeps ids as text, times as integer microseconds and JSON as text.
-impl Dialect for Sqlite {
-    const ROLLUP_ROW_PER_KEY: bool = true;
-    const BEGIN_WRITE: &'static str = "BEGIN IMMEDIATE";
-    direct_getters!(SqliteRow: get_i64 -> i64, get_i32 -> i32, get_f64 -> f64, get_bool -> bool, get_text -> String, get_bytes -> Vec<u8>);
-    fn bind<'q>(q: Query<'q, Self>, p: Param<'q>) -> Query<'q, Self> {
-        match p {
-            Param::Int(v) => q.bind(v),
-            Param::Int32(v) => q.bind(v),
-            Param::Real(v) => q.bind(v),
-            Param::Bool(v) => q.bind(v),
-            Param::Text(v) => q.bind(v),
-            Param::Id(v) => q.bind(v.map(|u| u.to_string())),
-            Param::At(v) => q.bind(v.map(|t| t.timestamp_micros())),
-            Param::Bytes(v) => q.bind(v),
-            Param::Ids(v) => {
-                q.bind(v.map(|ids| Value::from(ids.iter().map(Uuid::to_string).collect::<Vec<_>>()).to_string()))
-            }
-            Param::Ints(v) => q.bind(v.map(|ns| Value::from(ns.to_vec()).to_string())),
-            Param::Json(v) => q.bind(v.map(|j| j.to_string())),
-        }
-    }
-    executors!(SqliteConnection, SqliteRow);
-    fn get_id(row: &SqliteRow, col: &str) -> StoreResult<Option<Uuid>> {
-        row.try_get::<Option<&str>, _>(col)?.map(uuid).transpose()
-    }
-    fn get_at(row: &SqliteRow, col: &str) -> StoreResult<Option<DateTime<Utc>>> {
-        row.try_get::<Option<i64>, _>(col)?.map(time).transpose()
-    }
-    fn get_json(row: &SqliteRow, col: &str) -> StoreResult<Option<Value>> {
-        row.try_get::<Option<&str>, _>(col)?.map(json).transpose()
-    }
-    fn serialize_budget<'c>(_: &'c mut SqliteConnection) -> BoxFuture<'c, StoreResult<()>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn serialize_otlp<'c>(_: &'c mut SqliteConnection, _: &'c str) -> BoxFuture<'c, StoreResult<()>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn any_of(column: &str, param: &str) -> String {
-        format!("{column} IN (SELECT value FROM json_each({param}))")
-    }
-    fn reserve_traces<'c>(
-        c: &'c mut SqliteConnection,
-        round: Uuid,
-        traces: &'c [Uuid],
-        at: DateTime<Utc>,
-    ) -> BoxFuture<'c, StoreResult<()>> {
-        Box::pin(async move {
-            for (position, trace) in traces.iter().enumerate() {
-                sqlx::query("INSERT INTO round_traces (round_id, trace_id, position) VALUES (?, ?, ?)")
-                    .bind(round.to_string())
-                    .bind(trace.to_string())
-                    .bind(position as i64 + 1)
-                    .execute(&mut *c)
-                    .await?;
-                sqlx::query("UPDATE traces SET round_id = ?, updated_at = ? WHERE id = ?")
-                    .bind(round.to_string())
-                    .bind(at.timestamp_micros())
-                    .bind(trace.to_string())
-                    .execute(&mut *c)
-                    .await?;
-            }
-            Ok(())
-        })
-    }
-    fn json_number(col: &str, key: &str) -> String {
-        format!(
-            "CASE WHEN json_type({col}, '$.{key}') IN ('integer', 'real') AND abs(json_extract({col}, '$.{key}')) \
-             <= {MAX_ABS_VALUE} THEN CAST(json_extract({col}, '$.{key}') AS REAL) END"
-        )
-    }
-    fn json_flag(col: &str, key: &str) -> String {
-        format!("CASE json_type({col}, '$.{key}') WHEN 'true' THEN 1.0 WHEN 'false' THEN 0.0 END")
-    }
-    fn json_is(col: &str, key: &str, kind: &str) -> String {
-        let types = match kind {
-            "number" => "'integer', 'real'",
-            "boolean" => "'true', 'false'",
-            _ => "'text'",
-        };
-        format!("json_type({col}, '$.{key}') IN ({types})")
-    }
-    fn json_text(col: &str, key: &str) -> String {
-        format!("json_extract({col}, '$.{key}')")
-    }
-    fn bucket_start(param: &str) -> String {
-        format!("(t.created_at / ({param} * 1000000)) * {param}")
-    }
-    fn real(expr: &str) -> String {
-        format!("CAST({expr} AS REAL)")
-    }
-    fn string_agg(expr: &str) -> String {
-        format!("group_concat({expr}, ',')")
-    }
-    fn lock(_: &'static str) -> &'static str {
-        ""
-    }
-    fn notify<'c>(_: &'c mut SqliteConnection, _: &'c str) -> BoxFuture<'c, StoreResult<()>> {
-        Box::pin(async { Ok(()) })
-    }
-}
-
-fn now_us() -> i64 {
-    Utc::now().timestamp_micros()
-}
-
-fn time(us: i64) -> StoreResult<DateTime<Utc>> {
-    DateTime::from_timestamp_micros(us).ok_or_else(|| corrupt("timestamp"))
-}
-
-fn uuid(s: &str) -> StoreResult<Uuid> {
-    Uuid::parse_str(s).map_err(|_| corrupt("uuid"))
-}
-
-fn json(s: &str) -> StoreResult<Value> {
-    serde_json::from_str(s).map_err(|_| corrupt("json"))
-}
+use crate::store::backend::SqlStore;
+use crate::store::group_commit::{self, GroupCommit, PhaseClock, Weighed, shared_failure};
+use crate::store::rollups::{self, Counted, Sign};
+use crate::store::sql::{Dialect, corrupt};
+use crate::store::traces::{merge_feedback, prompt_reference_problem};
+use crate::store::{StoreError, StoreResult};
 
 fn to_json<T: serde::Serialize>(v: &T) -> StoreResult<String> {
     serde_json::to_string(v).map_err(|_| corrupt("json"))
@@ -581,173 +411,52 @@ async fn commit_group(writer: SqlitePool, group: Vec<Write>) {
     }
 }
 
-/// Each reading connection's own page cache, in KiB (SQLite's default is
-/// 2,000): the readers' pages are also in the operating system's cache, and
-/// sixteen full default caches were a quarter of the server's memory once
-/// many prompts had been read.
-const READER_PAGE_CACHE_KIB: u32 = 256;
-
-impl SqlStore<Sqlite> {
-    pub async fn open(path: &Path, readers: u32, acquire_timeout: Duration) -> StoreResult<Self> {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| StoreError::Invalid(format!("cannot create data directory {}: {e}", dir.display())))?;
-        }
-        let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
-            .map_err(StoreError::Unavailable)?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .foreign_keys(true)
-            .busy_timeout(Duration::from_secs(10));
-        let writer = SqlitePoolOptions::new()
-            .max_connections(1)
-            // A file the process itself holds open does not go away between uses: checking the
-            // one connection before each use cost every group of trace writes a round trip.
-            .test_before_acquire(false)
-            .acquire_timeout(acquire_timeout.max(Duration::from_secs(30)))
-            .connect_with(options.clone())
-            .await
-            .map_err(StoreError::Unavailable)?;
-        migrate::sqlite(&writer).await?;
-        let reader = SqlitePoolOptions::new()
-            .max_connections(readers.max(1))
-            .acquire_timeout(acquire_timeout)
-            .connect_with(options.read_only(true).pragma("cache_size", format!("-{READER_PAGE_CACHE_KIB}")))
-            .await
-            .map_err(StoreError::Unavailable)?;
-        let (changes, _) = broadcast::channel(1024);
-        // One lane: SQLite has one writer, and the lane's groups are its commits.
-        let writes = GroupCommit::start(1, GROUP_ROWS, GROUP_ROWS, {
-            let writer = writer.clone();
-            move |group| commit_group(writer.clone(), group)
-        });
-        Ok(Self { writer, reader, changes, watch: KeyGenerationCache::open(path), writes })
-    }
+/// Starts the writer: one lane, since SQLite has one writer, and the lane's
+/// groups are its commits.
+pub(super) fn start_writer(writer: &SqlitePool) -> GroupCommit<Write> {
+    GroupCommit::start(1, GROUP_ROWS, GROUP_ROWS, {
+        let writer = writer.clone();
+        move |group| commit_group(writer.clone(), group)
+    })
 }
 
-fn micros(d: Duration) -> i64 {
-    d.as_micros().min(i64::MAX as u128) as i64
+/// Stores plain traces as one job of a group, answered once the group commits.
+pub(super) async fn insert_traces(s: &SqlStore<Sqlite>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
+    if traces.is_empty() {
+        return Ok(Vec::new());
+    }
+    let traces = TraceRow::all(traces)?;
+    let ids = traces.iter().map(|_| Uuid::now_v7()).collect();
+    let (reply, answer) = oneshot::channel();
+    s.writes.submit(Write { rows: traces.len(), job: Job::Insert(PlainInsert { traces, ids, reply }) }).await?;
+    group_commit::answer(answer).await
 }
 
-#[async_trait]
-impl Backend for Sqlite {
-    const KIND: StoreKind = StoreKind::Sqlite;
-    const ANNOUNCE_LOCALLY: bool = true;
-    type Watch = KeyGenerationCache;
-    type Writes = GroupCommit<Write>;
+/// Stores traces under an idempotency key, as a job of a group with a savepoint of its own.
+pub(super) async fn insert_traces_idempotent(
+    s: &SqlStore<Sqlite>,
+    key: IdempotencyKey<'_>,
+    traces: &[ValidTrace],
+) -> StoreResult<IdempotentIngest> {
+    let rows = TraceRow::all(traces)?;
+    let (owner, key, hash) = (key.owner.to_string(), key.key.to_owned(), key.request_hash.to_owned());
+    let (job, answer) = Write::new(rows.len(), false, move |c| {
+        Box::pin(async move { insert_idempotent(c, &owner, &key, &hash, &rows).await })
+    });
+    s.writes.submit(job).await?;
+    group_commit::answer(answer).await
+}
 
-    async fn api_key_generation(s: &SqlStore<Self>) -> StoreResult<i64> {
-        // The header is read before the query: a commit landing in between
-        // changes it, so the next call queries again.
-        let header = s.watch.header();
-        if let Some(generation) = header.as_ref().and_then(|h| s.watch.lookup(h)) {
-            return Ok(generation);
-        }
-        let generation: i64 =
-            sqlx::query_scalar("SELECT generation FROM api_key_generation").fetch_one(&s.reader).await?;
-        if let Some(header) = header {
-            s.watch.remember(header, generation);
-        }
-        Ok(generation)
-    }
-
-    async fn insert_traces(s: &SqlStore<Self>, traces: &[ValidTrace]) -> StoreResult<Vec<Uuid>> {
-        if traces.is_empty() {
-            return Ok(Vec::new());
-        }
-        let traces = TraceRow::all(traces)?;
-        let ids = traces.iter().map(|_| Uuid::now_v7()).collect();
-        let (reply, answer) = oneshot::channel();
-        s.writes.submit(Write { rows: traces.len(), job: Job::Insert(PlainInsert { traces, ids, reply }) }).await?;
-        group_commit::answer(answer).await
-    }
-
-    async fn insert_traces_idempotent(
-        s: &SqlStore<Self>,
-        key: IdempotencyKey<'_>,
-        traces: &[ValidTrace],
-    ) -> StoreResult<IdempotentIngest> {
-        let rows = TraceRow::all(traces)?;
-        let (owner, key, hash) = (key.owner.to_string(), key.key.to_owned(), key.request_hash.to_owned());
-        let (job, answer) = Write::new(rows.len(), false, move |c| {
-            Box::pin(async move { insert_idempotent(c, &owner, &key, &hash, &rows).await })
-        });
-        s.writes.submit(job).await?;
-        group_commit::answer(answer).await
-    }
-
-    async fn add_feedback(
-        s: &SqlStore<Self>,
-        id: Uuid,
-        feedback: Feedback,
-        source: FeedbackSource,
-    ) -> StoreResult<bool> {
-        let (job, answer) = Write::new(1, true, move |c| {
-            Box::pin(async move { Ok((merge_feedback::<Sqlite>(c, id, feedback, source).await?, Vec::new())) })
-        });
-        s.writes.submit(job).await?;
-        group_commit::answer(answer).await
-    }
-
-    async fn claim_round_id(s: &SqlStore<Self>, owner: &str, lease: Duration) -> StoreResult<Option<Uuid>> {
-        let now = now_us();
-        let id: Option<String> = sqlx::query_scalar(
-            "UPDATE rounds SET status = 'running', attempt = attempt + 1, lease_owner = ?1, lease_expires_at = ?2 + ?3,
-                    started_at = COALESCE(started_at, ?2), updated_at = ?2
-             WHERE id = (SELECT id FROM rounds
-                         WHERE (status = 'queued' AND not_before <= ?2) OR (status = 'running' AND lease_expires_at < ?2)
-                         ORDER BY created_at LIMIT 1)
-             RETURNING id",
-        )
-        .bind(owner)
-        .bind(now)
-        .bind(micros(lease))
-        .fetch_optional(&s.writer)
-        .await?;
-        id.as_deref().map(uuid).transpose()
-    }
-
-    async fn heartbeat_round(s: &SqlStore<Self>, round: Uuid, attempt: i32, lease: Duration) -> StoreResult<bool> {
-        let now = now_us();
-        let n = sqlx::query(
-            "UPDATE rounds SET lease_expires_at = ?, updated_at = ? WHERE id = ? AND attempt = ? AND status = 'running'",
-        )
-        .bind(now + micros(lease))
-        .bind(now)
-        .bind(round.to_string())
-        .bind(attempt)
-        .execute(&s.writer)
-        .await?
-        .rows_affected();
-        Ok(n == 1)
-    }
-
-    async fn claim_delivery_ids(
-        s: &SqlStore<Self>,
-        owner: &str,
-        lease: Duration,
-        limit: u32,
-    ) -> StoreResult<Vec<Uuid>> {
-        // One writer connection: the claim cannot race another claim in this
-        // process, and SQLite serves a single process. The lease is the due
-        // time itself, so a crashed attempt becomes due again when it expires.
-        let now = now_us();
-        let ids: Vec<String> = sqlx::query_scalar(
-            "UPDATE webhook_deliveries SET attempts = attempts + 1, lease_owner = ?1, next_attempt_at = ?2 + ?3,
-                    updated_at = ?2
-             WHERE id IN (SELECT d.id FROM webhook_deliveries d
-                          JOIN webhook_subscriptions s ON s.id = d.subscription_id AND s.enabled = 1
-                          WHERE d.status = 'pending' AND d.next_attempt_at <= ?2
-                          ORDER BY d.next_attempt_at LIMIT ?4)
-             RETURNING id",
-        )
-        .bind(owner)
-        .bind(now)
-        .bind(micros(lease))
-        .bind(i64::from(limit))
-        .fetch_all(&s.writer)
-        .await?;
-        ids.iter().map(|id| uuid(id)).collect()
-    }
+/// Merges late feedback into a trace, as a job of a group (see `merge_feedback`).
+pub(super) async fn add_feedback(
+    s: &SqlStore<Sqlite>,
+    id: Uuid,
+    feedback: Feedback,
+    source: FeedbackSource,
+) -> StoreResult<bool> {
+    let (job, answer) = Write::new(1, true, move |c| {
+        Box::pin(async move { Ok((merge_feedback::<Sqlite>(c, id, feedback, source).await?, Vec::new())) })
+    });
+    s.writes.submit(job).await?;
+    group_commit::answer(answer).await
 }
