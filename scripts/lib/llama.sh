@@ -149,17 +149,23 @@ ensure_llama_server() {
 }
 
 # Starts llama.cpp's own server for MODEL on its defaults, as its README starts
-# it: the model file, a loopback host and a free port, nothing else (so the
-# slots, the shared KV cache and the context size are llama.cpp's own
-# defaults), at niceness NICENESS (default 0). Waits until it answers GET
-# /health (at most 120 s). Exports COMBEE_LLAMA_SERVER_URL (…/v1); stopped by
-# stop_llama_server with the others.
+# it: the model file, a loopback host and a free port (so the slots, the shared
+# KV cache and the context size are llama.cpp's own defaults), at niceness
+# NICENESS (default 0), and one setting more: the threads llama-cpp-python's
+# server takes by default (half the CPUs, at least one) instead of llama-server's
+# (every core). llama.cpp's threads spin-wait on each other at every step, so on
+# a machine shared with other work one thread that loses its core stalls the
+# rest: measured on 2 cores, one reflection did not finish in 300 s with 2
+# threads beside one busy process, and took 1.6 s with 1. Waits until it answers
+# GET /health (at most 120 s). Exports COMBEE_LLAMA_SERVER_URL (…/v1); stopped
+# by stop_llama_server with the others.
 start_llama_cpp_server() {
-  local model=$1 niceness=${2:-0} path port deadline pid log
+  local model=$1 niceness=${2:-0} path port deadline pid log threads
   path=$(llama_model_path "$model") || return 1
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   log=$(mktemp /tmp/combee-llama-server.XXXXXX.log)
-  nice -n "$niceness" "$(llama_server_bin)" -m "$path" --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+  threads=$(( $(nproc) / 2 )); [ "$threads" -ge 1 ] || threads=1
+  nice -n "$niceness" "$(llama_server_bin)" -m "$path" --host 127.0.0.1 --port "$port" --threads "$threads" >"$log" 2>&1 &
   pid=$!
   COMBEE_LLAMA_PIDS="${COMBEE_LLAMA_PIDS:-} $pid" COMBEE_LLAMA_LOGS="${COMBEE_LLAMA_LOGS:-} $log"
   export COMBEE_LLAMA_PIDS COMBEE_LLAMA_LOGS
