@@ -1262,7 +1262,7 @@ mod tests {
         // Sent again, it is not what it was: its completion limit is the room its prompt leaves.
         assert!(matches!(c.chat(big).await, Err(LlmError::ContextExceeded { .. })));
         let sent = server.bodies.lock().unwrap().last().cloned().unwrap();
-        assert_eq!(sent["max_tokens"], json!(2048 - 4000 / 3 - 1));
+        assert_eq!(sent["max_tokens"], json!(2048 - 4000 / 3 - 1 - 16), "16 tokens for the chat template");
         // A prompt that leaves no room for an answer is not sent at all.
         let huge = c.request(LlmRole::Reflector, vec![ChatMessage::user("w".repeat(6000))], true);
         assert!(matches!(c.chat(huge).await, Err(LlmError::ContextExceeded { window: Some(2048), .. })));
@@ -1272,7 +1272,7 @@ mod tests {
         assert_eq!(sent["max_tokens"], json!(1024), "1024 fits beside a 500-token prompt");
         c.chat(c.request(LlmRole::Aggregator, vec![ChatMessage::user("w".repeat(2700))], true)).await.unwrap();
         let sent = server.bodies.lock().unwrap().last().cloned().unwrap();
-        assert_eq!(sent["max_tokens"], json!(2048 - 900), "lowered to the room the prompt leaves");
+        assert_eq!(sent["max_tokens"], json!(2048 - 900 - 16), "lowered to the room the prompt leaves");
     }
 
     #[tokio::test]

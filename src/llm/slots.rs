@@ -197,13 +197,14 @@ impl SharedContext {
 }
 
 /// How many tokens a server makes of a prompt, learned from what it reports.
-/// Until a server answered, a prompt counts one token per three characters (small
-/// models' tokenizers cut finer than four); then the finest cut it reported
-/// counts (JSON and numbers cut finer still), so the prompt's share of a
-/// shared context and of a context window is not under-counted.
-#[derive(Debug)]
+/// A prompt counts at least one token per three characters (small models'
+/// tokenizers cut finer than four), and as finely as the finest cut the server
+/// reported (JSON and numbers cut finer still), plus the chat template's, so
+/// the prompt's share of a shared context and of a context window is not
+/// under-counted.
+#[derive(Debug, Default)]
 pub struct PromptTokens {
-    /// Tokens per thousand characters, the largest seen.
+    /// Tokens per thousand characters, the largest seen; 0 until one is.
     per_kilochar: AtomicU64,
 }
 
@@ -214,17 +215,12 @@ const MIN_OBSERVED_CHARS: usize = 400;
 /// One token per character is as fine as any tokenizer cuts text.
 const MAX_PER_KILOCHAR: u64 = 1_000;
 
-impl Default for PromptTokens {
-    fn default() -> Self {
-        Self { per_kilochar: AtomicU64::new(334) }
-    }
-}
-
 impl PromptTokens {
     /// The tokens a prompt of `chars` characters is counted as.
     pub fn of(&self, chars: usize) -> u64 {
         let chars = u64::try_from(chars).unwrap_or(u64::MAX);
-        chars.saturating_mul(self.per_kilochar.load(Ordering::Relaxed)).div_ceil(1000) + TEMPLATE_TOKENS
+        let seen = chars.saturating_mul(self.per_kilochar.load(Ordering::Relaxed)).div_ceil(1000);
+        chars.div_ceil(3).max(seen) + TEMPLATE_TOKENS
     }
 
     /// The server counted `prompt_tokens` for a prompt of `chars` characters.
@@ -300,13 +296,13 @@ mod tests {
     #[test]
     fn a_prompt_counts_as_finely_as_the_server_cut_one() {
         let tokens = PromptTokens::default();
-        assert_eq!(tokens.of(3000), 1002 + TEMPLATE_TOKENS, "a third of the characters before any answer");
+        assert_eq!(tokens.of(3000), 1000 + TEMPLATE_TOKENS, "a third of the characters before any answer");
         // A short prompt is mostly template: it teaches nothing.
         tokens.observe(100, 90);
-        assert_eq!(tokens.of(3000), 1002 + TEMPLATE_TOKENS);
-        // A coarser cut than assumed changes nothing; a finer one counts from then on.
-        tokens.observe(3000, 700);
-        assert_eq!(tokens.of(3000), 1002 + TEMPLATE_TOKENS);
+        assert_eq!(tokens.of(3000), 1000 + TEMPLATE_TOKENS);
+        // A coarser cut than a third changes nothing; a finer one counts from then on.
+        tokens.observe(3000, 766);
+        assert_eq!(tokens.of(3000), 1000 + TEMPLATE_TOKENS, "prose at four characters a token");
         tokens.observe(2000, 1016);
         assert_eq!(tokens.of(3000), 1500 + TEMPLATE_TOKENS, "JSON at two characters a token");
         // A report past one token a character is not believed beyond it.
