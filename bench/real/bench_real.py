@@ -956,8 +956,9 @@ def servers_report(r, w):
       f"{r['per_round']} traces (the same traces on both), combee on product defaults (only the LLM's URL and model "
       "names set), one server after the other on the same shared 2-core machine. llama-cpp-python's server: "
       "`--n_ctx 8192`, one slot. llama.cpp's `llama-server` (built from the llama.cpp sources vendored in the "
-      "same llama-cpp-python sdist): `-m MODEL --host --port` only, so its defaults: 4 slots sharing one "
-      "8,192-token context.")
+      "same llama-cpp-python sdist): `-m MODEL --host --port` and `--threads` at llama-cpp-python's default (half "
+      "the CPUs; llama-server's own, every core, stalls beside other work), so its defaults otherwise: 4 slots "
+      "sharing one 8,192-token context.")
     if r.get("error"):
         w("")
         w(f"**The run stopped early**: {r['error'][:500]}")
