@@ -219,6 +219,8 @@ class UsageTap:
 
     def __init__(self, llm_url):
         upstream = llm_url.rstrip("/")
+        # What the server serves beside /v1 (llama.cpp's GET /props) is at its root.
+        root = upstream[: -len("/v1")] if upstream.endswith("/v1") else upstream
         tap = self
         self.lock = threading.Lock()
         self.answers = self.without_usage = self.prompt_tokens = self.completion_tokens = 0
@@ -233,9 +235,13 @@ class UsageTap:
             def forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                # The path arrives as /v1/…; the upstream URL already ends in /v1.
-                path = self.path[3:] if self.path.startswith("/v1") else self.path
-                req = urllib.request.Request(upstream + path, data=body, method=self.command)
+                # The path arrives as /v1/… (the upstream URL already ends in /v1), or
+                # beside it, as /props (the upstream's root).
+                if self.path.startswith("/v1/"):
+                    path, target = self.path[3:], upstream + self.path[3:]
+                else:
+                    path, target = self.path, root + self.path
+                req = urllib.request.Request(target, data=body, method=self.command)
                 for k in ("Content-Type", "Authorization", "Accept"):
                     if self.headers.get(k):
                         req.add_header(k, self.headers[k])
