@@ -332,11 +332,13 @@ impl LlmBackend for OpenAiClient {
         }
         let started = Instant::now();
         self.read_props().await;
-        let estimate = estimate_tokens(req.chars());
+        // Counted once: the estimate, the context share and the server's cut all read it.
+        let chars = req.chars();
+        let estimate = estimate_tokens(chars);
         let max_tokens = self.fit_max_tokens(&req)?;
         // The call's share of a context the server's slots share: its prompt
         // (counted as finely as the server cut one) and its completion limit.
-        let held = inner.prompt_tokens.of(req.chars()) + u64::from(max_tokens.unwrap_or(inner.cfg.max_tokens));
+        let held = inner.prompt_tokens.of(chars) + u64::from(max_tokens.unwrap_or(inner.cfg.max_tokens));
         let mut retries = 0u32;
         // A timed-out attempt's retry gets twice as long: the backend is slower than it looked.
         let mut timeout_scale = 1u32;
@@ -384,7 +386,7 @@ impl LlmBackend for OpenAiClient {
                     r.note(&inner.limit);
                 }
                 if let Ok((_, _, Some(usage))) = &outcome {
-                    inner.prompt_tokens.observe(req.chars(), usage.prompt_tokens);
+                    inner.prompt_tokens.observe(chars, usage.prompt_tokens);
                 }
                 // Settle the estimate with what the call really used; failed attempts refund it.
                 let used = match &outcome {
