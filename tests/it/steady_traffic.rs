@@ -196,9 +196,11 @@ async fn under_steady_traffic_production_gets_the_better_version_once(b: Backend
         app.post("/v1/prompts", json!({"name": "p", "base": "You answer the shop's customers."})).send().await.unwrap();
     assert_eq!(res.status(), 201);
     let rules = 8;
-    let world = World::new(&app.base, &app.admin_key, house_rules_world("p", rules, 25.0, 25 * 40, 7)).unwrap();
+    // Traffic goes on for longer than the wait below (the agents stop when production holds every
+    // rule): a challenger learned late, on a busy machine, still gets the traces it is rated on.
+    let world = World::new(&app.base, &app.admin_key, house_rules_world("p", rules, 25.0, 25 * 300, 7)).unwrap();
     let agents = tokio::spawn(async move { world.run(|_| {}).await.map(|_| ()).map_err(|e| e.to_string()) });
-    let promoted = eventually("production holding every house rule", Duration::from_secs(40), async || {
+    let promoted = eventually("production holding every house rule", Duration::from_secs(180), async || {
         let v: Value = app.get("/v1/prompts/p?label=production").send().await.unwrap().json().await.unwrap();
         let held = house_rules::rules_in(v["text"].as_str().unwrap_or_default(), rules).len();
         if held == rules as usize { Ok(v["version"].as_i64().unwrap()) } else { Err(format!("{held} rules: {v}")) }
