@@ -20,7 +20,7 @@ use super::remember::{LimitMemory, Remembered};
 use super::slots::{self, PromptTokens, SharedContext};
 use super::{
     AnswerRead, ChatMessage, ChatRequest, ChatResponse, LlmBackend, LlmCall, LlmError, LlmRole, OutputFormat,
-    REFUSED_ANSWER_CHARS, TimeoutKind, Usage,
+    REFUSED_ANSWER_CHARS, SchemaLengths, TimeoutKind, Usage,
 };
 use crate::retry_after::parse_retry_after;
 use async_trait::async_trait;
@@ -59,6 +59,8 @@ struct Inner {
     prompt_tokens: PromptTokens,
     /// Asked of a server that said it penalises no repetition (see [`slots::REPEAT_PENALTY`]).
     repeat_penalty: std::sync::OnceLock<f32>,
+    /// Set once the server said it holds answers to a schema's lengths (see [`SchemaLengths`]).
+    schema_lengths: std::sync::OnceLock<SchemaLengths>,
 }
 
 impl std::fmt::Debug for OpenAiClient {
@@ -93,6 +95,7 @@ impl OpenAiClient {
             shared: SharedContext::default(),
             prompt_tokens: PromptTokens::default(),
             repeat_penalty: std::sync::OnceLock::new(),
+            schema_lengths: std::sync::OnceLock::new(),
         };
         Ok(Self { inner: Arc::new(inner), meter: None, remembered: None })
     }
@@ -175,8 +178,11 @@ impl OpenAiClient {
                     if p.no_repetition_penalty {
                         let _ = inner.repeat_penalty.set(slots::REPEAT_PENALTY);
                     }
+                    if p.holds_schema_lengths {
+                        let _ = inner.schema_lengths.set(SchemaLengths::Kept);
+                    }
                     tracing::info!(slots = ?p.slots, context_tokens = ?p.context_tokens,
-                        no_repetition_penalty = p.no_repetition_penalty,
+                        no_repetition_penalty = p.no_repetition_penalty, holds_schema_lengths = p.holds_schema_lengths,
                         "the LLM server says what it holds (GET /props): calls in flight fit its slots and context");
                 }
                 Ok::<(), ()>(())
@@ -369,7 +375,11 @@ impl LlmBackend for OpenAiClient {
                     messages: &req.messages,
                     temperature: req.temperature,
                     max_tokens,
-                    response_format: format::response_format(format, req.schema.as_deref()),
+                    response_format: format::response_format(
+                        format,
+                        req.schema.as_deref(),
+                        inner.schema_lengths.get().copied().unwrap_or(SchemaLengths::Left),
+                    ),
                     repeat_penalty: inner.repeat_penalty.get().copied(),
                 };
                 let timeout = inner.limit.attempt_timeout(
@@ -1339,6 +1349,8 @@ mod tests {
         answered: Arc<AtomicUsize>,
         /// Each request's `repeat_penalty`, as sent.
         penalties: Arc<std::sync::Mutex<Vec<Option<f64>>>>,
+        /// Each request's `response_format`, as sent.
+        formats: Arc<std::sync::Mutex<Vec<Value>>>,
     }
 
     impl SharedCache {
@@ -1350,6 +1362,7 @@ mod tests {
             async fn chat(State(s): State<SharedCache>, body: axum::body::Bytes) -> Response {
                 let body: Value = serde_json::from_slice(&body).unwrap();
                 s.penalties.lock().unwrap().push(body["repeat_penalty"].as_f64());
+                s.formats.lock().unwrap().push(body["response_format"].clone());
                 let chars: usize =
                     body["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap().len()).sum();
                 let tokens = chars / s.cut + body["max_tokens"].as_u64().unwrap_or(4096) as usize;
@@ -1388,6 +1401,7 @@ mod tests {
                 full: Arc::default(),
                 answered: Arc::default(),
                 penalties: Arc::default(),
+                formats: Arc::default(),
             };
             let app = Router::new()
                 .route("/v1/chat/completions", post(chat))
@@ -1465,6 +1479,28 @@ mod tests {
             for p in sent {
                 assert_eq!(p.map(|p| (p * 100.0).round() / 100.0), expected, "{props:?}");
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_llama_cpp_server_gets_the_schemas_lengths_and_no_other_does() {
+        // A schema's lengths bound what a model writes only where the server turns
+        // them into its grammar (llama.cpp); OpenAI's strict mode refuses them.
+        let llama = json!({"default_generation_settings": {"params": {}, "n_ctx": 8192}, "total_slots": 4});
+        let schema = Arc::new(crate::llm::AnswerSchema::new(
+            "ops",
+            json!({"type": "object", "properties": {"ops": {"type": "array", "maxItems": 12,
+                "items": {"type": "string", "maxLength": 300}}}, "required": ["ops"]}),
+        ));
+        for (props, kept) in [(Some(llama), true), (None, false)] {
+            let (url, server) = SharedCache::spawn(props.clone(), 8192).await;
+            let c = client(&url, |_| {});
+            c.chat(c.request(LlmRole::Aggregator, vec![ChatMessage::user("w")], true).with_schema(schema.clone()))
+                .await
+                .unwrap();
+            let sent = server.formats.lock().unwrap()[0]["json_schema"]["schema"]["properties"]["ops"].clone();
+            assert_eq!(sent["maxItems"].as_u64(), kept.then_some(12), "{props:?}: {sent}");
+            assert_eq!(sent["items"]["maxLength"].as_u64(), kept.then_some(300), "{props:?}: {sent}");
         }
     }
 

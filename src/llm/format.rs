@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
 
 use serde_json::{Value, json};
 
-use super::{AnswerSchema, OutputFormat};
+use super::{AnswerSchema, OutputFormat, SchemaLengths};
 
 /// The output-format ladder of one backend.
 #[derive(Debug)]
@@ -88,13 +88,14 @@ impl FormatLadder {
     }
 }
 
-/// The `response_format` value of a request in shape `format`.
-pub fn response_format(format: OutputFormat, schema: Option<&AnswerSchema>) -> Option<Value> {
+/// The `response_format` value of a request in shape `format`, the schema's
+/// length keywords kept where `lengths` says the server holds answers to them.
+pub fn response_format(format: OutputFormat, schema: Option<&AnswerSchema>, lengths: SchemaLengths) -> Option<Value> {
     match (format, schema) {
         (OutputFormat::Plain, _) => None,
         (OutputFormat::JsonSchema, Some(s)) => Some(json!({
             "type": "json_schema",
-            "json_schema": {"name": s.name, "schema": s.strict_schema(), "strict": true},
+            "json_schema": {"name": s.name, "schema": s.closed_schema(lengths), "strict": true},
         })),
         (OutputFormat::JsonObjectSchema, Some(s)) => Some(json!({"type": "json_object", "schema": s.schema})),
         _ => Some(json!({"type": "json_object"})),
@@ -247,17 +248,24 @@ mod tests {
     #[test]
     fn each_shape_is_what_its_backends_take() {
         let s = schema();
-        let openai = response_format(OutputFormat::JsonSchema, Some(&s)).unwrap();
+        let openai = response_format(OutputFormat::JsonSchema, Some(&s), SchemaLengths::Left).unwrap();
         assert_eq!(openai["type"], "json_schema");
         assert_eq!(openai["json_schema"]["name"], "answer");
         assert_eq!(openai["json_schema"]["strict"], true);
         // Strict mode wants every object closed and no length keywords.
         assert_eq!(openai["json_schema"]["schema"]["additionalProperties"], false);
         assert!(openai["json_schema"]["schema"]["properties"]["a"].get("maxLength").is_none());
-        let llama = response_format(OutputFormat::JsonObjectSchema, Some(&s)).unwrap();
+        // A server known to hold answers to lengths (llama.cpp's) gets them, in the same closed shape.
+        let held = response_format(OutputFormat::JsonSchema, Some(&s), SchemaLengths::Kept).unwrap();
+        assert_eq!(held["json_schema"]["schema"]["properties"]["a"]["maxLength"], 10);
+        assert_eq!(held["json_schema"]["schema"]["additionalProperties"], false);
+        let llama = response_format(OutputFormat::JsonObjectSchema, Some(&s), SchemaLengths::Left).unwrap();
         assert_eq!(llama, json!({"type": "json_object", "schema": s.schema}));
-        assert_eq!(response_format(OutputFormat::JsonObject, Some(&s)).unwrap(), json!({"type": "json_object"}));
-        assert_eq!(response_format(OutputFormat::Plain, Some(&s)), None);
+        assert_eq!(
+            response_format(OutputFormat::JsonObject, Some(&s), SchemaLengths::Left).unwrap(),
+            json!({"type": "json_object"})
+        );
+        assert_eq!(response_format(OutputFormat::Plain, Some(&s), SchemaLengths::Left), None);
     }
 
     #[test]

@@ -84,13 +84,19 @@ impl AnswerSchema {
     /// every property required, and no length keywords (strict mode refuses
     /// them; the answer's reader enforces lengths anyway).
     pub fn strict_schema(&self) -> Value {
-        fn strict(v: &Value) -> Value {
+        self.closed_schema(SchemaLengths::Left)
+    }
+
+    /// The schema with every object closed and every property required, its
+    /// length keywords kept or left out.
+    pub fn closed_schema(&self, lengths: SchemaLengths) -> Value {
+        fn close(v: &Value, keep: bool) -> Value {
             match v {
                 Value::Object(m) => {
                     let mut out = serde_json::Map::new();
                     for (k, v) in m {
-                        if !matches!(k.as_str(), "maxLength" | "minLength" | "maxItems" | "minItems") {
-                            out.insert(k.clone(), strict(v));
+                        if keep || !matches!(k.as_str(), "maxLength" | "minLength" | "maxItems" | "minItems") {
+                            out.insert(k.clone(), close(v, keep));
                         }
                     }
                     if let Some(Value::Object(props)) = out.get("properties") {
@@ -100,12 +106,24 @@ impl AnswerSchema {
                     }
                     Value::Object(out)
                 }
-                Value::Array(items) => Value::Array(items.iter().map(strict).collect()),
+                Value::Array(items) => Value::Array(items.iter().map(|v| close(v, keep)).collect()),
                 other => other.clone(),
             }
         }
-        strict(&self.schema)
+        close(&self.schema, lengths == SchemaLengths::Kept)
     }
+}
+
+/// Whether a schema sent as `response_format` keeps its length keywords
+/// (`maxLength`, `maxItems` and their minimums). OpenAI's strict mode refuses
+/// them, so they are left out unless the server is known to hold an answer to
+/// them: llama.cpp's server turns the schema into a grammar that does, and
+/// without them a small model may write a list or a string until its
+/// completion limit (see [`slots::ServerProps`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SchemaLengths {
+    Left,
+    Kept,
 }
 
 impl ChatRequest {

@@ -53,6 +53,12 @@ pub struct ServerProps {
     pub context_tokens: Option<u32>,
     /// It said how it samples, and it penalises no repetition at all.
     pub no_repetition_penalty: bool,
+    /// It is llama.cpp's server (it describes its default generation): it
+    /// turns an answer's JSON schema into a grammar that holds `maxLength`
+    /// and `maxItems`, so those are sent (OpenAI's strict mode refuses them;
+    /// without them a small model on llama-server repeated one operation
+    /// until its 2,048-token limit, three answers of three in a round).
+    pub holds_schema_lengths: bool,
 }
 
 #[derive(Deserialize)]
@@ -121,6 +127,7 @@ pub fn parse_props(body: &[u8]) -> Option<ServerProps> {
             .as_ref()
             .and_then(|g| g.params.as_ref())
             .is_some_and(WireSampling::penalises_nothing),
+        holds_schema_lengths: generation.is_some(),
     };
     (props != ServerProps::default()).then_some(props)
 }
@@ -250,7 +257,12 @@ mod tests {
         let llama = br#"{"default_generation_settings":{"params":{"n_predict":-1,"temperature":0.8},"n_ctx":8192},
             "total_slots":4,"model_alias":"SmolLM2","model_path":"/m.gguf","modalities":{"vision":false},
             "build_info":"b1-unknown","is_sleeping":false}"#;
-        let said = ServerProps { slots: Some(4), context_tokens: Some(8192), no_repetition_penalty: false };
+        let said = ServerProps {
+            slots: Some(4),
+            context_tokens: Some(8192),
+            no_repetition_penalty: false,
+            holds_schema_lengths: true,
+        };
         assert_eq!(parse_props(llama), Some(said), "penalties it does not state count as set");
         // Its defaults as it states them: no penalty of any kind.
         let plain = br#"{"default_generation_settings":{"params":{"temperature":0.8,"repeat_penalty":1.0,
@@ -266,6 +278,11 @@ mod tests {
         assert_eq!(parse_props(br#"{"detail":"Not Found"}"#), None);
         assert_eq!(parse_props(b"<html>404</html>"), None);
         assert_eq!(parse_props(br#"{"total_slots":0}"#), None);
+        // Slots alone, with no generation settings: not known to be llama.cpp's grammar.
+        assert_eq!(
+            parse_props(br#"{"total_slots":2}"#),
+            Some(ServerProps { slots: Some(2), ..ServerProps::default() })
+        );
     }
 
     #[tokio::test]
