@@ -24,7 +24,7 @@
 //!   near-duplicate rule of level 2).
 //! - **A section name is a few words naming a topic**: at most
 //!   [`MAX_SECTION_WORDS`] words (`-`, `_`, `/` and `&` separate words too),
-//!   one of them with letters, no markup characters, and not beginning with the
+//!   one of them a word (more letters than digits: not `1234567890ABCD`), no markup characters, and not beginning with the
 //!   playbook's own nouns (section, bullet, playbook), which name the container
 //!   rather than what its bullets are about (`Section 1`, `bullet-tag…`).
 //! - **A rewritten instruction** is not empty, echoes none of the templates'
@@ -250,7 +250,12 @@ pub fn check_section(name: &str) -> Result<(), Refusal> {
         .split(|c: char| c.is_whitespace() || matches!(c, '-' | '_' | '/' | '&'))
         .filter(|p| p.chars().any(char::is_alphanumeric))
         .collect();
-    if !parts.iter().any(|p| p.chars().any(char::is_alphabetic)) {
+    // A word has more letters than digits: `B2B` and `Top 10` name topics, `1234567890ABCD` is an id.
+    let is_word = |p: &&str| {
+        let letters = p.chars().filter(|c| c.is_alphabetic()).count();
+        letters > 0 && letters > p.chars().filter(char::is_ascii_digit).count()
+    };
+    if !parts.iter().any(is_word) {
         return refuse("has no word".into());
     }
     if parts.len() > MAX_SECTION_WORDS {
