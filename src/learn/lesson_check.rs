@@ -24,7 +24,7 @@
 //!   near-duplicate rule of level 2).
 //! - **A section name is a few words naming a topic**: at most
 //!   [`MAX_SECTION_WORDS`] words (`-`, `_`, `/` and `&` separate words too),
-//!   one of them a word (more letters than digits: not `1234567890ABCD`), no markup characters, and not beginning with the
+//!   more letters than digits (words, not an id: not `1234567890ABCD`), no markup characters, and not beginning with the
 //!   playbook's own nouns (section, bullet, playbook), which name the container
 //!   rather than what its bullets are about (`Section 1`, `bullet-tag…`).
 //! - **A rewritten instruction** is not empty, echoes none of the templates'
@@ -250,12 +250,10 @@ pub fn check_section(name: &str) -> Result<(), Refusal> {
         .split(|c: char| c.is_whitespace() || matches!(c, '-' | '_' | '/' | '&'))
         .filter(|p| p.chars().any(char::is_alphanumeric))
         .collect();
-    // A word has more letters than digits: `B2B` and `Top 10` name topics, `1234567890ABCD` is an id.
-    let is_word = |p: &&str| {
-        let letters = p.chars().filter(|c| c.is_alphabetic()).count();
-        letters > 0 && letters > p.chars().filter(char::is_ascii_digit).count()
-    };
-    if !parts.iter().any(is_word) {
+    // Words, not an id: more letters than digits (`B2B orders` and `Top 10 mistakes` name topics,
+    // `1234567890ABCD` and `BIGGER_123456789…` do not).
+    let letters = name.chars().filter(|c| c.is_alphabetic()).count();
+    if letters == 0 || letters <= name.chars().filter(char::is_ascii_digit).count() {
         return refuse("has no word".into());
     }
     if parts.len() > MAX_SECTION_WORDS {

@@ -133,6 +133,7 @@ fn a_section_name_is_a_few_words_naming_a_topic() {
         ("1", "no word"),
         // A section SmolLM2-135M wrote on llama-cpp-python's server, on product defaults.
         ("1234567890ABCD", "no word"),
+        ("BIGGER_123456789012345678901234567890123456789012345678901234567", "no word"),
         ("2024-10-31", "no word"),
         ("...", "no word"),
         ("how to answer every single customer that writes in", "words"),
