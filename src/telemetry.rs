@@ -2,6 +2,7 @@
 //! Prometheus recorder (installed once, shared by every app in the process).
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tracing_subscriber::{EnvFilter, fmt, prelude::*};
@@ -21,6 +22,16 @@ pub fn init_logging(settings: &LogSettings) {
     let _ = result;
 }
 
+/// How often the recorder's upkeep runs (the exporter's own default).
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// The process-wide recorder's handle, installed on first use with its upkeep.
+///
+/// A recorder built this way runs no upkeep by itself: every histogram sample
+/// (a request's latency, a group's commit time) waits in the recorder until
+/// `/metrics` is scraped. A server nobody scrapes kept them all — about 36 MB
+/// after 1.6 million GETs in `scripts/bench` — so a thread drains them into the
+/// summaries every [`UPKEEP_EVERY`], scraped or not.
 pub fn metrics_handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
@@ -29,6 +40,16 @@ pub fn metrics_handle() -> PrometheusHandle {
             let handle = recorder.handle();
             // Fails only if another recorder is installed, in which case ours just renders nothing.
             let _ = metrics::set_global_recorder(recorder);
+            let upkept = handle.clone();
+            let started = std::thread::Builder::new().name("metrics-upkeep".into()).spawn(move || {
+                loop {
+                    std::thread::sleep(UPKEEP_EVERY);
+                    upkept.run_upkeep();
+                }
+            });
+            if let Err(e) = started {
+                tracing::warn!(error = %e, "cannot start the metrics upkeep thread: histogram samples wait for a scrape");
+            }
             handle
         })
         .clone()
