@@ -80,15 +80,9 @@ impl AnswerSchema {
         Self { name, schema }
     }
 
-    /// The schema as OpenAI's strict mode takes it: every object closed with
-    /// every property required, and no length keywords (strict mode refuses
-    /// them; the answer's reader enforces lengths anyway).
-    pub fn strict_schema(&self) -> Value {
-        self.closed_schema(SchemaLengths::Left)
-    }
-
-    /// The schema with every object closed and every property required, its
-    /// length keywords kept or left out.
+    /// The schema with every object closed and every property required, as
+    /// OpenAI's strict mode takes it, its length keywords kept or left out
+    /// (strict mode refuses them; the answer's reader enforces lengths anyway).
     pub fn closed_schema(&self, lengths: SchemaLengths) -> Value {
         fn close(v: &Value, keep: bool) -> Value {
             match v {
