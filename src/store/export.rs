@@ -12,7 +12,7 @@ use super::{
     StoreResult,
     backend::{Backend, SqlStore},
     sql::sql,
-    traces::{TRACE_COLUMNS, trace_from_row},
+    traces::{TRACE_COLUMNS, ids_made_before, ids_made_from, trace_from_row},
 };
 use crate::domain::{PromptName, Trace};
 
@@ -40,7 +40,8 @@ impl<D: Backend> ExportStore for SqlStore<D> {
         sql::<D>(&format!(
             "SELECT {TRACE_COLUMNS} FROM traces t JOIN prompts p ON p.id = t.prompt_id
              WHERE p.name = $1 AND p.project = $7 AND ($2 IS NULL OR t.prompt_version = $2)
-               AND ($3 IS NULL OR t.created_at >= $3) AND ($4 IS NULL OR t.created_at < $4)
+               AND ($3 IS NULL OR (t.created_at >= $3 AND t.id >= $8))
+               AND ($4 IS NULL OR (t.created_at < $4 AND t.id < $9))
                AND ($5 IS NULL OR t.id > $5) AND t.quarantined_at IS NULL
              ORDER BY t.id LIMIT $6"
         ))
@@ -51,6 +52,8 @@ impl<D: Backend> ExportStore for SqlStore<D> {
         .bind(after)
         .bind(i64::from(limit))
         .bind(q.prompt.project())
+        .bind(q.since.map(ids_made_from))
+        .bind(q.until.map(ids_made_before))
         .map(&mut *self.reader.acquire().await?, trace_from_row::<D>)
         .await
     }

@@ -6,7 +6,7 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use super::{
-    Change, StoreError, StoreResult,
+    Change, StoreError, StoreKind, StoreResult,
     backend::{Backend, SqlStore},
     labels::{apply_move, record_history, record_move, version_move_kind},
     sql::{Cols, Dialect, corrupt, enum_str, json, now, sql},
@@ -169,28 +169,40 @@ impl<D: Backend> PromptStore for SqlStore<D> {
         project: Option<&str>,
         limit: u32,
     ) -> StoreResult<Vec<PromptSummary>> {
-        sql::<D>(
+        // A prompt's pending traces are its backlog and what its rounds hold,
+        // each counted in the partial index that holds only those (SQLite is
+        // told which: without statistics it would walk the prompt's traces).
+        let (backlog, reserved) = match D::KIND {
+            StoreKind::Sqlite => (" INDEXED BY traces_backlog", " INDEXED BY traces_reserved"),
+            StoreKind::Postgres => ("", ""),
+        };
+        let text = format!(
             "SELECT p.id, p.name, p.project, p.strategy, p.promotion, p.settings, p.created_at, p.created_by, p.version_count,
                     (SELECT version FROM labels l WHERE l.prompt_id = p.id AND l.name = 'production') AS production_version,
-                    (SELECT count(*) FROM traces t WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.quarantined_at IS NULL) AS pending
+                    (SELECT count(*) FROM traces t{backlog}
+                      WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NULL AND t.quarantined_at IS NULL)
+                    + (SELECT count(*) FROM traces t{reserved}
+                      WHERE t.prompt_id = p.id AND t.status = 'pending' AND t.round_id IS NOT NULL
+                        AND t.quarantined_at IS NULL) AS pending
              FROM prompts p
              WHERE ($1 IS NULL OR p.name > $1 OR (p.name = $1 AND p.project > $4)) AND ($3 IS NULL OR p.project = $3)
-             ORDER BY p.name, p.project LIMIT $2",
-        )
-        .bind(after.map(PromptName::as_str))
-        .bind(i64::from(limit))
-        .bind(project)
-        .bind(after.map(PromptName::project))
-        .map(&mut *self.reader.acquire().await?, |row| {
-            let r = Cols::<D>(row);
-            Ok(PromptSummary {
-                prompt: prompt_from_row::<D>(row)?,
-                production_version: r.get("production_version")?,
-                latest_version: r.get("version_count")?,
-                pending_traces: r.get("pending")?,
+             ORDER BY p.name, p.project LIMIT $2"
+        );
+        sql::<D>(&text)
+            .bind(after.map(PromptName::as_str))
+            .bind(i64::from(limit))
+            .bind(project)
+            .bind(after.map(PromptName::project))
+            .map(&mut *self.reader.acquire().await?, |row| {
+                let r = Cols::<D>(row);
+                Ok(PromptSummary {
+                    prompt: prompt_from_row::<D>(row)?,
+                    production_version: r.get("production_version")?,
+                    latest_version: r.get("version_count")?,
+                    pending_traces: r.get("pending")?,
+                })
             })
-        })
-        .await
+            .await
     }
 
     async fn prompts_page(&self, after: Option<&PromptName>, limit: u32) -> StoreResult<Vec<Prompt>> {

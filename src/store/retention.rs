@@ -14,7 +14,7 @@ use super::{
     backend::{Backend, SqlStore},
     controller_state::CONTROLLER_SAMPLES_KEPT,
     sql::{Cols, Param, now, sql},
-    traces::{TRACE_COLUMNS, trace_from_row},
+    traces::{TRACE_COLUMNS, ids_made_before, trace_from_row},
 };
 use crate::domain::{PromptName, Trace};
 
@@ -44,8 +44,12 @@ impl TraceExpiry {
     /// SQL: a trace `t` of this kind.
     fn condition(self) -> &'static str {
         match self {
-            Self::Consumed => "t.status = 'consumed'",
-            Self::Failed => "t.status = 'failed' AND t.quarantined_at IS NULL AND t.round_id IS NULL",
+            // `status <> 'pending'`: the condition of `traces_settled_by_prompt`,
+            // written out so SQLite sees the partial index serves it.
+            Self::Consumed => "t.status = 'consumed' AND t.status <> 'pending'",
+            Self::Failed => {
+                "t.status = 'failed' AND t.status <> 'pending' AND t.quarantined_at IS NULL AND t.round_id IS NULL"
+            }
             Self::Quarantined => "t.quarantined_at IS NOT NULL AND t.round_id IS NULL",
         }
     }
@@ -58,14 +62,6 @@ impl TraceExpiry {
             _ => format!("t.created_at < {cutoff} AND t.id < {id_bound}"),
         }
     }
-}
-
-/// The largest UUIDv7-ordered id bound below which every id was made before
-/// `at` plus an hour (the hour covers clocks of the server and the database
-/// that disagree): `created_at < cutoff` narrows it exactly.
-fn id_bound(at: DateTime<Utc>) -> Uuid {
-    let ms = (at + chrono::Duration::hours(1)).timestamp_millis().max(0) as u128;
-    Uuid::from_u128(ms << 80)
 }
 
 /// What a batch of expired traces took with it.
@@ -194,7 +190,7 @@ impl<D: Backend> Retention for SqlStore<D> {
         sql::<D>(&text)
             .bind(prompt.as_str())
             .bind(cutoff)
-            .bind(id_bound(cutoff))
+            .bind(ids_made_before(cutoff))
             .bind(i64::from(limit))
             .bind(prompt.project())
             .map(&mut *self.reader.acquire().await?, |row| Cols::<D>(row).get("id"))
@@ -216,7 +212,7 @@ impl<D: Backend> Retention for SqlStore<D> {
         let n: Option<i64> = sql::<D>(&text)
             .bind(prompt.as_str())
             .bind(cutoff)
-            .bind(id_bound(cutoff))
+            .bind(ids_made_before(cutoff))
             .bind(prompt.project())
             .value(&mut *self.reader.acquire().await?, "n")
             .await?;

@@ -163,12 +163,13 @@ impl<D: Backend> TraceStore for SqlStore<D> {
 
     async fn list_traces(&self, f: &TraceFilter, limit: u32) -> StoreResult<Vec<Trace>> {
         // Only the filters given are in the text, each in the form an index
-        // serves (`t.status = …` for `traces_by_prompt_status`, the partial
-        // index's own condition for quarantined ones), so a page costs about
-        // its rows, not a walk through every trace kept. A settled status is
-        // written out with `traces_by_status`'s own condition, so that partial
-        // index (consumed and failed traces only) serves a list across prompts
-        // on both stores; pending traces, the newest, come from the primary key.
+        // serves (a prompt's traces newest first from `traces_by_prompt`, the
+        // partial index's own condition for quarantined ones), so a page costs
+        // about its rows, not a walk through every trace kept. A settled
+        // status is written out with the condition of the partial indexes that
+        // hold consumed and failed traces only (`traces_settled_by_prompt`,
+        // `traces_by_status` across prompts) on both stores; pending traces,
+        // the newest, come first in `traces_by_prompt` and the primary key.
         let mut conditions: Vec<String> = Vec::new();
         let mut n = 0;
         let mut next = || {
@@ -194,11 +195,13 @@ impl<D: Backend> TraceStore for SqlStore<D> {
             )),
             None => {}
         }
+        // A time range is also an id range (ids are UUIDv7), which the
+        // indexes that end in `id` serve; `created_at` then narrows it exactly.
         if f.since.is_some() {
-            conditions.push(format!("t.created_at >= {}", next()));
+            conditions.push(format!("t.created_at >= {} AND t.id >= {}", next(), next()));
         }
         if f.until.is_some() {
-            conditions.push(format!("t.created_at < {}", next()));
+            conditions.push(format!("t.created_at < {} AND t.id < {}", next(), next()));
         }
         if f.before_id.is_some() {
             conditions.push(format!("t.id < {}", next()));
@@ -219,8 +222,11 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         if let Some(status) = f.status.filter(|s| *s == TraceStatus::Pending) {
             q = q.bind(status.as_str());
         }
-        for at in [f.since, f.until].into_iter().flatten() {
-            q = q.bind(at);
+        if let Some(since) = f.since {
+            q = q.bind(since).bind(ids_made_from(since));
+        }
+        if let Some(until) = f.until {
+            q = q.bind(until).bind(ids_made_before(until));
         }
         if let Some(id) = f.before_id {
             q = q.bind(id);
@@ -245,7 +251,8 @@ impl<D: Backend> TraceStore for SqlStore<D> {
         let prompt = prompt_id::<D>(&mut tx, &req.prompt).await?;
         let text = format!(
             "UPDATE traces SET status = 'pending', attempts = 0, failure_reason = NULL, round_id = NULL, updated_at = $4
-             WHERE prompt_id = $1 AND status = 'failed' AND ($2 IS NULL OR {}) AND ($3 IS NULL OR created_at >= $3)
+             WHERE prompt_id = $1 AND status = 'failed' AND status <> 'pending' AND ($2 IS NULL OR {})
+               AND ($3 IS NULL OR created_at >= $3)
              RETURNING id",
             D::any_of("id", "$2")
         );
@@ -500,4 +507,19 @@ pub(crate) fn merged_over(
         current
     };
     (current.merged(later), source)
+}
+
+/// The smallest UUIDv7 a trace made at `at` can have, less an hour for
+/// clocks of the server and the database that disagree: `created_at >= at`
+/// narrows it exactly.
+pub(crate) fn ids_made_from(at: DateTime<Utc>) -> Uuid {
+    let ms = (at - chrono::Duration::hours(1)).timestamp_millis().max(0) as u128;
+    Uuid::from_u128(ms << 80)
+}
+
+/// The UUIDv7 below which every trace made before `at` is, plus an hour for
+/// clocks that disagree: `created_at < at` narrows it exactly.
+pub(crate) fn ids_made_before(at: DateTime<Utc>) -> Uuid {
+    let ms = (at + chrono::Duration::hours(1)).timestamp_millis().max(0) as u128;
+    Uuid::from_u128(ms << 80)
 }

@@ -671,15 +671,19 @@ async fn postgres_vacuums_the_churning_rollup_tables_early() {
 /// backlog of 10; the rows Postgres's own statistics say five backlog reads, a
 /// round's opening, claim and give-up read from `traces` and its indexes stay
 /// a few hundred (a walk through the history reads about 2,000 each time).
+/// Each trace carries a 1 KB answer, as an agent's do: Postgres weighs a walk
+/// by the table's pages, and a table of tiny rows is one a walk suits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backlog_reads_cost_the_backlog_not_the_history() {
     use combee::store::{RoundFailure, TraceCharges};
     use sqlx::Connection;
     let crate::common::TestStore { store, url, dir: _dir } = test_store(Backend::Postgres).await;
     make_prompt(&store, "p", PromptSettings::default()).await;
+    let answer = "an answer of an agent ".repeat(48);
     for b in 0..40 {
-        let batch: Vec<ValidTrace> =
-            (0..50).map(|i| valid(json!({"prompt": "p", "input": {"q": b * 50 + i}}))).collect();
+        let batch: Vec<ValidTrace> = (0..50)
+            .map(|i| valid(json!({"prompt": "p", "input": {"q": b * 50 + i}, "output": {"answer": answer}})))
+            .collect();
         store.insert_traces(&batch).await.unwrap();
     }
     drop(store);

@@ -2124,7 +2124,6 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
             "DROP INDEX webhook_deliveries_by_event",
             "DROP INDEX webhook_attempts_by_delivery",
             "DROP INDEX inbound_webhooks_by_age",
-            "DROP INDEX traces_by_prompt_time",
         ]
         .map(String::from),
     );
@@ -2159,6 +2158,15 @@ async fn a_database_from_the_old_migrator_upgrades_in_place(b: Backend) {
     );
     // 0044 too.
     undo.push("ALTER TABLE traces DROP COLUMN judge_claimed_until".to_owned());
+    // 0049 too (0016's `traces_by_prompt_time` is gone already: it dropped it).
+    undo.extend(
+        [
+            "DROP INDEX traces_by_prompt",
+            "DROP INDEX traces_settled_by_prompt",
+            "CREATE INDEX traces_by_prompt_status ON traces (prompt_id, status, id)",
+        ]
+        .map(String::from),
+    );
     // 0048 too (the rollups' references to prompts went with their tables above).
     undo.extend(
         [
