@@ -1290,29 +1290,9 @@ mod tests {
     #[tokio::test]
     async fn a_one_slot_server_is_not_flooded_and_nothing_times_out() {
         // One slot, as llama.cpp's server: a request waits behind the one being served.
-        #[derive(Clone, Default)]
-        struct OneSlotServer {
-            slot: Arc<tokio::sync::Mutex<()>>,
-            waiting: Arc<AtomicUsize>,
-            most_waiting: Arc<AtomicUsize>,
-        }
-        async fn serve(State(s): State<OneSlotServer>) -> Response {
-            let now = s.waiting.fetch_add(1, Ordering::SeqCst) + 1;
-            s.most_waiting.fetch_max(now, Ordering::SeqCst);
-            let _served = s.slot.lock().await;
-            tokio::time::sleep(Duration::from_millis(40)).await;
-            s.waiting.fetch_sub(1, Ordering::SeqCst);
-            let body = json!({"model": "m", "choices": [{"message": {"content": "{}"}}],
-                              "usage": {"prompt_tokens": 100, "completion_tokens": 20}});
-            axum::Json(body).into_response()
-        }
-        let state = OneSlotServer::default();
-        let app = Router::new().route("/v1/chat/completions", post(serve)).with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        let (base_url, server) = crate::llm::one_slot::OneSlotServer::spawn().await;
         // A floor far below a queue's wait: only the fitted limit keeps attempts alive.
-        let c = client(&format!("http://{addr}/v1"), |c| c.request_timeout_secs = 0.15);
+        let c = client(&base_url, |c| c.request_timeout_secs = 0.15);
         let calls: Vec<_> = (0..24)
             .map(|_| {
                 let c = c.clone();
@@ -1328,7 +1308,7 @@ mod tests {
         // Never a flood of the 24 (the limit starts at 2 and feels its way), and once the
         // queue has shown, one or two in flight: a probe above that (latency noise on a
         // loaded machine reads as room to grow) is taken back within a few calls.
-        assert!(state.most_waiting.load(Ordering::SeqCst) <= 6, "{limits:?}");
+        assert!(server.most_waiting() <= 6, "{limits:?}");
         assert!(limits[16..].iter().filter(|&&l| l > 2).count() <= 2, "{limits:?}");
         assert!(limits[20..].iter().all(|&l| l <= 2), "{limits:?}");
     }

@@ -13,6 +13,8 @@ pub mod config;
 pub mod format;
 pub mod limit;
 pub mod meter;
+#[cfg(test)]
+mod one_slot;
 pub mod remember;
 pub mod slots;
 

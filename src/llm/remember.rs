@@ -119,13 +119,9 @@ impl Remembered {
 #[cfg(test)]
 mod tests {
     use std::sync::Mutex;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use axum::{Router, extract::State, response::IntoResponse, routing::post};
-    use serde_json::json;
 
     use super::*;
-    use crate::llm::{ChatMessage, LlmBackend, LlmRole, client::OpenAiClient};
+    use crate::llm::{ChatMessage, LlmBackend, LlmRole, client::OpenAiClient, one_slot::OneSlotServer};
 
     /// Limits kept in memory, as the store keeps them.
     #[derive(Default)]
@@ -139,25 +135,6 @@ mod tests {
         async fn keep(&self, backend: &BackendKey, limit: u32) {
             self.0.lock().unwrap().insert(backend.base_url.clone(), limit);
         }
-    }
-
-    /// One slot, as llama.cpp's server: a request waits behind the one being served (40 ms).
-    #[derive(Clone, Default)]
-    struct OneSlot {
-        slot: Arc<tokio::sync::Mutex<()>>,
-        waiting: Arc<AtomicUsize>,
-        most_waiting: Arc<AtomicUsize>,
-    }
-
-    async fn serve(State(s): State<OneSlot>) -> axum::response::Response {
-        let now = s.waiting.fetch_add(1, Ordering::SeqCst) + 1;
-        s.most_waiting.fetch_max(now, Ordering::SeqCst);
-        let _served = s.slot.lock().await;
-        tokio::time::sleep(Duration::from_millis(40)).await;
-        s.waiting.fetch_sub(1, Ordering::SeqCst);
-        let body = json!({"model": "m", "choices": [{"message": {"content": "{}"}}],
-                          "usage": {"prompt_tokens": 100, "completion_tokens": 20}});
-        axum::Json(body).into_response()
     }
 
     /// `n` calls at once through `c`; every one must be answered at its first attempt.
@@ -181,13 +158,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_one_slot_server_seen_larger_before_is_cut_to_one_slot_and_nothing_times_out() {
-        let state = OneSlot::default();
-        let app = Router::new().route("/v1/chat/completions", post(serve)).with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        let (base_url, server) = OneSlotServer::spawn().await;
         let cfg = LlmConfig {
-            base_url: format!("http://{addr}/v1"),
+            base_url,
             // A floor far below a queue's wait: only the fitted limit keeps attempts alive.
             request_timeout_secs: 0.15,
             max_retries: 0,
@@ -200,7 +173,7 @@ mod tests {
         // The first wave goes out at the remembered limit, and every call is answered.
         let first = wave(&c, 32).await;
         assert_eq!(first[0], 64, "resumed: {first:?}");
-        assert!(state.most_waiting.load(Ordering::SeqCst) > 8, "{first:?}");
+        assert!(server.most_waiting() > 8, "{first:?}");
         // The queue showed within a few answers: the next wave sees one or two in flight (a
         // probe above that, latency noise on a loaded machine, is taken back within a call or two).
         let second = wave(&c, 12).await;
