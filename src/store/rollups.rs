@@ -26,8 +26,8 @@ use super::{
 use crate::{
     domain::PromptName,
     evaluate::outcomes::{
-        COST_KEY, LATENCY_KEY, MINUTE_ROLLUP_DAYS, OutcomeBucket, SECOND_ROLLUP_HOURS, TOKENS_KEY, rollup_reads,
-        rollup_window,
+        COST_KEY, LATENCY_KEY, MAX_ABS_VALUE, MINUTE_ROLLUP_DAYS, OutcomeBucket, SECOND_ROLLUP_HOURS, TOKENS_KEY,
+        rollup_reads, rollup_window,
     },
     evaluate::stats::Moments,
 };
@@ -56,10 +56,11 @@ const OUTCOME_COLUMNS: &str = "prompt_id, version, width, start_secs, traces, wi
      score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq, latency_n, latency_sum, \
      latency_sq, judged";
 
-const TIER_WIDTHS: &str = "(SELECT 1 AS width UNION ALL SELECT 60 UNION ALL SELECT 3600 UNION ALL SELECT 86400) w";
+pub(crate) const TIER_WIDTHS: &str =
+    "(SELECT 1 AS width UNION ALL SELECT 60 UNION ALL SELECT 3600 UNION ALL SELECT 86400) w";
 
 /// The task rollups' tiers: seconds for the edges, minutes for the rest.
-const TASK_WIDTHS: &str = "(SELECT 1 AS width UNION ALL SELECT 60) w";
+pub(crate) const TASK_WIDTHS: &str = "(SELECT 1 AS width UNION ALL SELECT 60) w";
 
 /// Widths the task rollups keep, coarsest first.
 const TASK_TIERS: [i64; 2] = [60, 1];
@@ -80,6 +81,44 @@ fn outcome_columns<D: Dialect>() -> String {
         cost = D::json_number("t.metadata", COST_KEY),
         latency = D::json_number("t.metadata", LATENCY_KEY),
     )
+}
+
+/// One new trace's outcome columns, read by [`outcome_columns`]'s and
+/// [`task_reward_columns`]'s rules from the fields its request already parsed
+/// (a new trace has no judge's feedback yet): what a trace write adds to the
+/// rollups without Postgres reading each trace's JSON again. The rules are the
+/// SQL's (and `tests/it/lifecycle.rs` holds the rollups of traces written this
+/// way and taken back by the SQL to a scan of the rows).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct NewTraceOutcome {
+    /// 1.0 or 0.0 for `feedback.success`.
+    pub success: Option<f64>,
+    /// It carries a success flag or a numeric score.
+    pub rewarded: bool,
+    /// `score`, `tokens`, `cost` and `latency`, as [`MOMENTS`] names them.
+    pub moments: [Option<f64>; 4],
+    /// What the task rollups sum: the success flag, else the score.
+    pub reward: Option<f64>,
+}
+
+impl NewTraceOutcome {
+    pub(crate) fn of(feedback: &crate::domain::Feedback, metadata: &serde_json::Value) -> Self {
+        let bounded = |v: f64| (v.abs() <= MAX_ABS_VALUE).then_some(v);
+        let usage = |key: &str| metadata.get(key).and_then(serde_json::Value::as_f64).and_then(bounded);
+        let success = feedback.success.map(|s| if s { 1.0 } else { 0.0 });
+        let score = feedback.score.and_then(bounded);
+        NewTraceOutcome {
+            success,
+            rewarded: feedback.success.is_some() || feedback.score.is_some(),
+            moments: [score, usage(TOKENS_KEY), usage(COST_KEY), usage(LATENCY_KEY)],
+            reward: success.or(score),
+        }
+    }
+
+    /// The task key the task rollups file it under (`metadata.task_key`, a string).
+    pub(crate) fn task_key(metadata: &serde_json::Value) -> Option<&str> {
+        metadata.get("task_key").and_then(serde_json::Value::as_str)
+    }
 }
 
 /// The moments (count, sum, sum of squares) of each of [`MOMENTS`] over the
