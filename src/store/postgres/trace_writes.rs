@@ -49,7 +49,7 @@ impl TraceColumns {
             serde_json::to_string(v).map_err(|_| corrupt("trace"))
         }
         let mut c = TraceColumns::default();
-        for t in traces {
+        for (i, t) in traces.iter().enumerate() {
             let id = Uuid::now_v7();
             c.req.push(c.id.first().copied().unwrap_or(id));
             c.id.push(id);
@@ -63,11 +63,11 @@ impl TraceColumns {
             c.external_id.push(t.external_id.clone());
             c.metadata.push(json(&t.metadata)?);
             let outcome = NewTraceOutcome::of(&t.feedback, &t.metadata);
-            OutcomeSums::add(&mut c.outcomes, &t.prompt, t.prompt_version, &outcome);
+            OutcomeSums::add(&mut c.outcomes, traces, i, &outcome);
             if let (Some(version), Some(key), Some(reward)) =
                 (t.prompt_version, NewTraceOutcome::task_key(&t.metadata), outcome.reward)
             {
-                TaskSums::add(&mut c.tasks, &t.prompt, version, key, reward);
+                TaskSums::add(&mut c.tasks, traces, i, version, key, reward);
             }
         }
         Ok(c)
@@ -75,9 +75,10 @@ impl TraceColumns {
 }
 
 /// A request's outcome deltas for one (prompt, version), as the columns of
-/// `outcome_rollups` sum them (a new trace is never judged yet).
+/// `outcome_rollups` sum them (a new trace is never judged yet). `first` is
+/// the request's first trace of that prompt and version, which names them.
 struct OutcomeSums {
-    prompt: PromptName,
+    first: usize,
     version: Option<i64>,
     traces: i64,
     with_feedback: i64,
@@ -88,12 +89,13 @@ struct OutcomeSums {
 }
 
 impl OutcomeSums {
-    fn add(all: &mut Vec<OutcomeSums>, prompt: &PromptName, version: Option<i64>, o: &NewTraceOutcome) {
-        let i = match all.iter().position(|s| s.version == version && &s.prompt == prompt) {
+    fn add(all: &mut Vec<OutcomeSums>, traces: &[ValidTrace], at: usize, o: &NewTraceOutcome) {
+        let (prompt, version) = (&traces[at].prompt, traces[at].prompt_version);
+        let i = match all.iter().position(|s| s.version == version && &traces[s.first].prompt == prompt) {
             Some(i) => i,
             None => {
                 all.push(OutcomeSums {
-                    prompt: prompt.clone(),
+                    first: at,
                     version,
                     traces: 0,
                     with_feedback: 0,
@@ -117,9 +119,10 @@ impl OutcomeSums {
     }
 }
 
-/// A request's task-reward deltas for one (prompt, version, task key).
+/// A request's task-reward deltas for one (prompt, version, task key), named
+/// by the request's first trace of that prompt as [`OutcomeSums`].
 struct TaskSums {
-    prompt: PromptName,
+    first: usize,
     version: i64,
     task_key: String,
     traces: i64,
@@ -127,19 +130,14 @@ struct TaskSums {
 }
 
 impl TaskSums {
-    fn add(all: &mut Vec<TaskSums>, prompt: &PromptName, version: i64, key: &str, reward: f64) {
-        match all.iter_mut().find(|s| s.version == version && s.task_key == key && &s.prompt == prompt) {
+    fn add(all: &mut Vec<TaskSums>, traces: &[ValidTrace], at: usize, version: i64, key: &str, reward: f64) {
+        let prompt = &traces[at].prompt;
+        match all.iter_mut().find(|s| s.version == version && s.task_key == key && &traces[s.first].prompt == prompt) {
             Some(s) => {
                 s.traces += 1;
                 s.reward_sum += reward;
             }
-            None => all.push(TaskSums {
-                prompt: prompt.clone(),
-                version,
-                task_key: key.to_owned(),
-                traces: 1,
-                reward_sum: reward,
-            }),
+            None => all.push(TaskSums { first: at, version, task_key: key.to_owned(), traces: 1, reward_sum: reward }),
         }
     }
 }
@@ -156,6 +154,15 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
         view: impl Fn(&'a U) -> T,
     ) -> Vec<T> {
         parts.iter().flat_map(|p| column(p).iter().map(&view)).collect()
+    }
+    /// The prompt of each request's sums (its `first` trace's), as `view` reads it.
+    fn sums_of<'a, S: 'a, T>(
+        parts: &[&'a TraceColumns],
+        sums: impl Fn(&'a TraceColumns) -> &'a Vec<S>,
+        first: impl Fn(&S) -> usize,
+        view: impl Fn(&'a PromptName) -> T,
+    ) -> Vec<T> {
+        parts.iter().flat_map(|p| sums(p).iter().map(|s| view(&p.prompt[first(s)]))).collect()
     }
     // The rollups' deltas are written by the same statement: one snapshot,
     // all or nothing. Which requests are whole is decided on the narrow
@@ -186,14 +193,14 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
              JOIN matched m ON m.id = t.id
              WHERE m.req IN (SELECT req FROM complete)
              RETURNING id),
-         outcomes AS (
-             INSERT INTO outcome_rollups (prompt_id, version, width, start_secs, traces, with_feedback,
-                 success_trials, successes, score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq,
-                 cost_n, cost_sum, cost_sq, latency_n, latency_sum, latency_sq, judged)
-             SELECT p.id, coalesce(o.version, 0), w.width, {start}, sum(o.traces), sum(o.with_feedback),
-                    sum(o.success_trials), sum(o.successes), sum(o.score_n), sum(o.score_sum), sum(o.score_sq),
-                    sum(o.tokens_n), sum(o.tokens_sum), sum(o.tokens_sq), sum(o.cost_n), sum(o.cost_sum),
-                    sum(o.cost_sq), sum(o.latency_n), sum(o.latency_sum), sum(o.latency_sq), 0
+         outcome_sums AS (
+             SELECT p.id AS prompt_id, coalesce(o.version, 0) AS version, sum(o.traces) AS traces,
+                    sum(o.with_feedback) AS with_feedback, sum(o.success_trials) AS success_trials,
+                    sum(o.successes) AS successes, sum(o.score_n) AS score_n, sum(o.score_sum) AS score_sum,
+                    sum(o.score_sq) AS score_sq, sum(o.tokens_n) AS tokens_n, sum(o.tokens_sum) AS tokens_sum,
+                    sum(o.tokens_sq) AS tokens_sq, sum(o.cost_n) AS cost_n, sum(o.cost_sum) AS cost_sum,
+                    sum(o.cost_sq) AS cost_sq, sum(o.latency_n) AS latency_n, sum(o.latency_sum) AS latency_sum,
+                    sum(o.latency_sq) AS latency_sq
              FROM unnest($13::uuid[], $14::text[], $15::text[], $16::int8[], $17::int8[], $18::int8[], $19::int8[],
                          $20::int8[], $21::int8[], $22::float8[], $23::float8[], $24::int8[], $25::float8[],
                          $26::float8[], $27::int8[], $28::float8[], $29::float8[], $30::int8[], $31::float8[],
@@ -202,19 +209,28 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
                        score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq, cost_n, cost_sum, cost_sq,
                        latency_n, latency_sum, latency_sq)
              JOIN prompts p ON p.project = o.project AND p.name = o.prompt
-             CROSS JOIN {TIER_WIDTHS}
              WHERE o.req IN (SELECT req FROM complete)
-             GROUP BY p.id, coalesce(o.version, 0), w.width),
-         tasks AS (
-             INSERT INTO task_rollups (prompt_id, version, task_key, width, start_secs, traces, reward_sum)
-             SELECT p.id, k.version, k.task_key, w.width, {start}, sum(k.traces), sum(k.reward_sum)
+             GROUP BY p.id, coalesce(o.version, 0)),
+         outcomes AS (
+             INSERT INTO outcome_rollups (prompt_id, version, width, start_secs, traces, with_feedback,
+                 success_trials, successes, score_n, score_sum, score_sq, tokens_n, tokens_sum, tokens_sq,
+                 cost_n, cost_sum, cost_sq, latency_n, latency_sum, latency_sq, judged)
+             SELECT o.prompt_id, o.version, w.width, {start}, o.traces, o.with_feedback, o.success_trials,
+                    o.successes, o.score_n, o.score_sum, o.score_sq, o.tokens_n, o.tokens_sum, o.tokens_sq,
+                    o.cost_n, o.cost_sum, o.cost_sq, o.latency_n, o.latency_sum, o.latency_sq, 0
+             FROM outcome_sums o CROSS JOIN {TIER_WIDTHS}),
+         task_sums AS (
+             SELECT p.id AS prompt_id, k.version, k.task_key, sum(k.traces) AS traces, sum(k.reward_sum) AS reward_sum
              FROM unnest($33::uuid[], $34::text[], $35::text[], $36::int8[], $37::text[], $38::int8[],
                          $39::float8[])
                   AS k(req, project, prompt, version, task_key, traces, reward_sum)
              JOIN prompts p ON p.project = k.project AND p.name = k.prompt
-             CROSS JOIN {TASK_WIDTHS}
              WHERE k.req IN (SELECT req FROM complete)
-             GROUP BY p.id, k.version, k.task_key, w.width)
+             GROUP BY p.id, k.version, k.task_key),
+         tasks AS (
+             INSERT INTO task_rollups (prompt_id, version, task_key, width, start_secs, traces, reward_sum)
+             SELECT k.prompt_id, k.version, k.task_key, w.width, {start}, k.traces, k.reward_sum
+             FROM task_sums k CROSS JOIN {TASK_WIDTHS})
          SELECT id FROM stored",
         start = "(floor(extract(epoch FROM now()))::bigint / w.width) * w.width",
     );
@@ -240,8 +256,8 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
         .bind(each(parts, |p| &p.metadata, text_of))
         .bind(each(parts, |p| &p.prompt, PromptName::project))
         .bind(outcome_req)
-        .bind(each(parts, |p| &p.outcomes, |o| o.prompt.project()))
-        .bind(each(parts, |p| &p.outcomes, |o| o.prompt.as_str()))
+        .bind(sums_of(parts, |p| &p.outcomes, |o| o.first, PromptName::project))
+        .bind(sums_of(parts, |p| &p.outcomes, |o| o.first, PromptName::as_str))
         .bind(each(parts, |p| &p.outcomes, |o| o.version))
         .bind(each(parts, |p| &p.outcomes, |o| o.traces))
         .bind(each(parts, |p| &p.outcomes, |o| o.with_feedback))
@@ -253,8 +269,8 @@ async fn insert_trace_rows(c: &mut PgConnection, parts: &[&TraceColumns]) -> Sto
     }
     let q = q
         .bind(task_req)
-        .bind(each(parts, |p| &p.tasks, |t| t.prompt.project()))
-        .bind(each(parts, |p| &p.tasks, |t| t.prompt.as_str()))
+        .bind(sums_of(parts, |p| &p.tasks, |t| t.first, PromptName::project))
+        .bind(sums_of(parts, |p| &p.tasks, |t| t.first, PromptName::as_str))
         .bind(each(parts, |p| &p.tasks, |t| t.version))
         .bind(each(parts, |p| &p.tasks, |t| t.task_key.as_str()))
         .bind(each(parts, |p| &p.tasks, |t| t.traces))
