@@ -100,8 +100,10 @@ pub struct AuditFilter {
     pub resource_type: Option<String>,
     pub resource_id: Option<String>,
     /// RFC 3339; entries at or after it.
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub since: Option<DateTime<Utc>>,
     /// RFC 3339; entries before it.
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub until: Option<DateTime<Utc>>,
     /// Only entries concerning this project (a project's key sees only its own anyway).
     pub project: Option<String>,

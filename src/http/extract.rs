@@ -371,6 +371,20 @@ impl FromRequestParts<AppState> for Caller {
     }
 }
 
+/// `deserialize_with` for an optional RFC 3339 time a request names: years 1
+/// to 9999 (what RFC 3339 writes with its four digits and every store keeps),
+/// so a time further off is a 400 that says so rather than a store's refusal.
+pub fn bounded_time<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<chrono::DateTime<chrono::Utc>>, D::Error> {
+    use chrono::Datelike;
+    use serde::Deserialize;
+    match Option::<chrono::DateTime<chrono::Utc>>::deserialize(d)? {
+        Some(t) if !(1..=9999).contains(&t.year()) => {
+            Err(serde::de::Error::custom(format!("{t} is not a time between the years 1 and 9999")))
+        }
+        t => Ok(t),
+    }
+}
+
 #[cfg(test)]
 mod query_tests {
     use super::query_problem;

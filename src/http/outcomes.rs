@@ -40,6 +40,7 @@ pub struct MetricsQuery {
     #[param(pattern = "^[1-9][0-9]{0,5}[mhd]$")]
     pub window: Option<String>,
     /// Start of the window (RFC 3339). Without `window`, the window runs until now.
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub since: Option<DateTime<Utc>>,
     /// Width of a series bucket, same grammar as `window` (default: chosen for ~200 points at most).
     /// Widened when it would make more than 2000 buckets (the answer's `bucket_seconds`).

@@ -207,8 +207,10 @@ pub struct TraceQuery {
     pub project: Option<String>,
     pub status: Option<TraceStatus>,
     /// RFC 3339; traces received at or after it.
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub since: Option<DateTime<Utc>>,
     /// RFC 3339; traces received before it.
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub until: Option<DateTime<Utc>>,
     pub page_size: Option<u32>,
     pub page_token: Option<String>,
@@ -284,7 +286,7 @@ pub struct RequeueRequest {
     #[serde(default)]
     pub all: bool,
     /// RFC 3339; only traces received at or after it.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub since: Option<DateTime<Utc>>,
 }
 
@@ -386,10 +388,10 @@ pub struct BulkQuarantine {
     #[schema(pattern = "^([a-z0-9][a-z0-9._-]{0,63}/)?[a-z0-9][a-z0-9._-]{0,63}$")]
     pub prompt: String,
     /// RFC 3339; traces received at or after it.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub since: Option<DateTime<Utc>>,
     /// RFC 3339; traces received before it.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::http::extract::bounded_time")]
     pub until: Option<DateTime<Utc>>,
     #[serde(default)]
     #[schema(max_length = 500)]

@@ -513,13 +513,45 @@ pub(crate) fn merged_over(
 /// clocks of the server and the database that disagree: `created_at >= at`
 /// narrows it exactly.
 pub(crate) fn ids_made_from(at: DateTime<Utc>) -> Uuid {
-    let ms = (at - chrono::Duration::hours(1)).timestamp_millis().max(0) as u128;
-    Uuid::from_u128(ms << 80)
+    uuid_v7_floor(at.timestamp_millis().saturating_sub(CLOCKS_APART_MS))
 }
 
 /// The UUIDv7 below which every trace made before `at` is, plus an hour for
 /// clocks that disagree: `created_at < at` narrows it exactly.
 pub(crate) fn ids_made_before(at: DateTime<Utc>) -> Uuid {
-    let ms = (at + chrono::Duration::hours(1)).timestamp_millis().max(0) as u128;
-    Uuid::from_u128(ms << 80)
+    uuid_v7_floor(at.timestamp_millis().saturating_add(CLOCKS_APART_MS))
+}
+
+/// How far apart the server's and the database's clocks may be.
+const CLOCKS_APART_MS: i64 = 3_600_000;
+
+/// The lowest UUIDv7 of millisecond `ms` since the epoch; before the first
+/// millisecond the lowest id, past the last (48 bits of them) the highest.
+fn uuid_v7_floor(ms: i64) -> Uuid {
+    match u128::try_from(ms) {
+        Err(_) => Uuid::nil(),
+        Ok(ms) if ms >= 1 << 48 => Uuid::max(),
+        Ok(ms) => Uuid::from_u128(ms << 80),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_time_range_becomes_an_id_range_even_at_the_ends_of_time() {
+        let at = DateTime::from_timestamp_millis(1_765_000_000_123).unwrap();
+        // An id made at `at`, as `Uuid::now_v7` makes one then.
+        let ts = uuid::Timestamp::from_unix(uuid::NoContext, 1_765_000_000, 123_000_000);
+        let made = Uuid::new_v7(ts);
+        assert!(ids_made_from(at) <= made && made < ids_made_before(at));
+        let hour = chrono::Duration::hours(1);
+        let (early, late) = (at - hour - chrono::Duration::seconds(1), at + hour + chrono::Duration::seconds(1));
+        assert!(made < ids_made_from(late) && ids_made_before(early) <= made, "an hour's margin each way");
+        // A bound a request can name, however far off, is an id, never a panic.
+        assert_eq!(ids_made_from(DateTime::<Utc>::MIN_UTC), Uuid::nil());
+        assert_eq!(ids_made_before(DateTime::<Utc>::MAX_UTC), Uuid::max());
+        assert_eq!(ids_made_before(DateTime::<Utc>::MIN_UTC), Uuid::nil());
+    }
 }

@@ -283,6 +283,21 @@ async fn traces_ingest_list_and_feedback(b: Backend) {
     assert!(none["traces"].as_array().unwrap().is_empty());
     expect_problem(app.get("/v1/traces?status=odd").send().await.unwrap(), 400).await;
     expect_problem(app.get("/v1/traces?since=yesterday").send().await.unwrap(), 400).await;
+    // A range from the year 1 to the year 9999 is a range like any other; a time further off
+    // (which chrono reads, but no store keeps) is refused with the reason.
+    let all: Value = app
+        .get("/v1/traces?prompt=p&since=0001-01-01T00:00:00Z&until=9999-12-31T23:59:59Z")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(all["traces"].as_array().map(Vec::len), Some(6), "{all}");
+    let far = expect_problem(app.get("/v1/traces?since=-262143-01-01T00:00:00Z").send().await.unwrap(), 400).await;
+    assert!(far["detail"].as_str().is_some_and(|d| d.contains("between the years 1 and 9999")), "{far}");
+    let far = app.get("/v1/audit?until=%2B12000-01-01T00:00:00Z").send().await.unwrap();
+    assert_eq!(far.status(), 400);
 
     // Late feedback.
     let res = app
@@ -427,6 +442,9 @@ async fn failed_traces_are_requeued_through_the_api(b: Backend) {
     expect_problem(requeue(json!({"ids": []})).await.unwrap(), 422).await;
     expect_problem(requeue(json!({"ids": ["not-a-uuid"]})).await.unwrap(), 422).await;
     expect_problem(requeue(json!({"all": true, "since": "yesterday"})).await.unwrap(), 422).await;
+    let far =
+        expect_problem(requeue(json!({"all": true, "since": "+12000-01-01T00:00:00Z"})).await.unwrap(), 422).await;
+    assert!(far["detail"].as_str().unwrap().contains("between the years 1 and 9999"), "{far}");
     expect_problem(requeue(json!({"all": true, "extra": 1})).await.unwrap(), 422).await;
     let ghost = app.post("/v1/prompts/ghost/traces/requeue", json!({"all": true})).send().await.unwrap();
     expect_problem(ghost, 404).await;
